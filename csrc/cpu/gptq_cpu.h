@@ -1,0 +1,24 @@
+// CPU kernels of the GPTQ ops (registered in register_cpu.cpp).
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace lowbit {
+namespace cpu {
+
+at::Tensor gptq_gemm(const at::Tensor& a, const at::Tensor& b_q_weight, const at::Tensor& b_gptq_qzeros,
+                     const at::Tensor& b_gptq_scales, const at::Tensor& b_g_idx, bool use_exllama,
+                     bool use_v2_format, int64_t bit);
+void gptq_shuffle(const at::Tensor& q_weight, const at::Tensor& q_perm, int64_t bit);
+at::Tensor gptq_dequantize(const at::Tensor& b_q_weight, const at::Tensor& b_gptq_qzeros,
+                           const at::Tensor& b_gptq_scales, const at::Tensor& b_g_idx, bool use_v2_format,
+                           int64_t bit);
+at::Tensor gptq_pack(const at::Tensor& values, int64_t bit, int64_t dim);
+at::Tensor gptq_unpack(const at::Tensor& packed, int64_t bit, int64_t dim);
+
+// Zero points of every group and column, [groups, N] int32, with the
+// v1/v2 zero-point rule applied (shared by gemm and dequantize).
+at::Tensor zero_points(const at::Tensor& qzeros, int64_t bit, bool use_v2_format);
+
+}  // namespace cpu
+}  // namespace lowbit

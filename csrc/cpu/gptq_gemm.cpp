@@ -1,0 +1,207 @@
+// CPU gptq_gemm and gptq_dequantize.
+//
+// Both are built on one primitive, dequant_row: a run of one weight row k,
+// W[k, n0:n1], in fp32. Small M fuses it with the dot products (every weight
+// is decoded once and used M times from registers/L1); large M decodes tiles
+// of W and hands them to at::mm, whose fp32 GEMM is faster than any loop we
+// would write here. Accumulation is fp32 throughout.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "../core/gptq_format.h"
+#include "../dispatch_bits.h"
+#include "../gptq_checks.h"
+#include "gptq_cpu.h"
+
+namespace lowbit {
+namespace cpu {
+namespace {
+
+// Largest M handled by the fused kernel; beyond it dequantize + at::mm wins.
+// Measured on 4096x4096 g128, 2 threads (AMD EPYC, portable build): the two
+// paths cross between M = 6 and M = 12 for every bit width (README).
+constexpr int64_t kFusedMaxM = 8;
+// Output columns per fused task: acc[kFusedMaxM][kTileN] stays in L1.
+constexpr int64_t kTileN = 64;
+// Bytes of fp32 weight tile decoded per at::mm call on the large-M path.
+constexpr int64_t kTileBytes = 8 << 20;
+
+// Group of weight row k: g_idx[k] when given, else k / group_size.
+struct RowGroups {
+  const int32_t* g_idx;  // null for the trivial grouping
+  int64_t group_size;
+  int64_t operator()(int64_t k) const { return g_idx ? g_idx[k] : k / group_size; }
+};
+
+// A validated GPTQ weight in the form the kernels read it.
+struct GptqWeight {
+  const uint32_t* qweight;  // [K*bit/32, N]
+  int64_t K;
+  int64_t N;
+  const int32_t* zeros;  // [groups, N], zero-point rule applied
+  const float* scales;   // [groups, N]
+  RowGroups group_of;
+};
+
+// out[n - n0] = W[k, n] for n in [n0, n1).
+template <int B>
+inline void dequant_row(const GptqWeight& w, int64_t k, int64_t n0, int64_t n1, float* out) {
+  const gptq::FieldLoc f = gptq::locate<B>(k);
+  const uint32_t* lo = w.qweight + f.lo * w.N;
+  const uint32_t* hi = w.qweight + f.hi * w.N;
+  const int64_t g = w.group_of(k);
+  const int32_t* z = w.zeros + g * w.N;
+  const float* s = w.scales + g * w.N;
+  for (int64_t n = n0; n < n1; ++n) out[n - n0] = gptq::dequant(gptq::extract(lo[n], hi[n], f), z[n], s[n]);
+}
+
+// out[M, N] = a[M, K] @ W for M <= kFusedMaxM; tasks own disjoint column tiles.
+template <int B>
+void gemm_fused(const float* a, int64_t M, const GptqWeight& w, float* out) {
+  const int64_t K = w.K, N = w.N;
+  const int64_t tiles = (N + kTileN - 1) / kTileN;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    float acc[kFusedMaxM][kTileN];
+    float row[kTileN];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kTileN;
+      const int64_t width = std::min(kTileN, N - n0);
+      for (int64_t m = 0; m < M; ++m) std::fill_n(acc[m], width, 0.0f);
+      for (int64_t k = 0; k < K; ++k) {
+        dequant_row<B>(w, k, n0, n0 + width, row);
+        for (int64_t m = 0; m < M; ++m) {
+          const float am = a[m * K + k];
+          for (int64_t n = 0; n < width; ++n) acc[m][n] += am * row[n];
+        }
+      }
+      for (int64_t m = 0; m < M; ++m) std::copy_n(acc[m], width, out + m * N + n0);
+    }
+  });
+}
+
+// out[M, N] = a[M, K] @ W by decoding column tiles of W into fp32 and at::mm.
+template <int B>
+void gemm_dequant_mm(const at::Tensor& a, const GptqWeight& w, at::Tensor& out) {
+  const int64_t K = w.K, N = w.N;
+  const int64_t cols = std::min(N, std::max<int64_t>(kTileN, kTileBytes / (4 * K)));
+  at::Tensor tile_buf = at::empty({K * cols}, a.options());
+  for (int64_t n0 = 0; n0 < N; n0 += cols) {
+    const int64_t width = std::min(cols, N - n0);
+    float* tile = tile_buf.data_ptr<float>();
+    at::parallel_for(0, K, std::max<int64_t>(1, 4096 / width), [&](int64_t k0, int64_t k1) {
+      for (int64_t k = k0; k < k1; ++k) dequant_row<B>(w, k, n0, n0 + width, tile + k * width);
+    });
+    const at::Tensor tile_t = tile_buf.narrow(0, 0, K * width).view({K, width});
+    if (width == N) {
+      at::mm_out(out, a, tile_t);
+    } else {
+      out.narrow(1, n0, width).copy_(at::mm(a, tile_t));
+    }
+  }
+}
+
+// Owns the fp32 scales and zero points a GptqWeight points into.
+struct PreparedWeight {
+  at::Tensor scales;
+  at::Tensor zeros;
+  at::Tensor g_idx;
+  GptqWeight view;
+};
+
+PreparedWeight prepare(const at::Tensor& qweight, const at::Tensor& qzeros, const at::Tensor& scales,
+                       const at::Tensor& g_idx, const GptqDims& d, bool use_v2_format, int64_t bit) {
+  PreparedWeight p;
+  p.scales = scales.to(at::kFloat).contiguous();
+  p.zeros = zero_points(qzeros, bit, use_v2_format);
+  p.g_idx = g_idx;
+  const int32_t* gi = g_idx.numel() ? g_idx.data_ptr<int32_t>() : nullptr;
+  p.view = GptqWeight{reinterpret_cast<const uint32_t*>(qweight.data_ptr<int32_t>()),
+                      d.K,
+                      d.N,
+                      p.zeros.data_ptr<int32_t>(),
+                      p.scales.data_ptr<float>(),
+                      RowGroups{gi, d.K / d.groups}};
+  return p;
+}
+
+// Without a g_idx, row k belongs to group k / (K / groups), which needs K to
+// split evenly; anything else would silently misassign rows.
+void check_even_groups(const char* op, const GptqDims& d, const char* why) {
+  TORCH_CHECK_VALUE(d.K % d.groups == 0, op, ": K=", d.K, " is not a multiple of the ", d.groups,
+                    " groups in b_gptq_scales, ", why);
+}
+
+}  // namespace
+
+at::Tensor gptq_gemm(const at::Tensor& a, const at::Tensor& b_q_weight, const at::Tensor& b_gptq_qzeros,
+                     const at::Tensor& b_gptq_scales, const at::Tensor& b_g_idx, bool use_exllama,
+                     bool use_v2_format, int64_t bit) {
+  const char* op = "gptq_gemm";
+  const GptqDims d = check_gptq_weight(op, b_q_weight, b_gptq_qzeros, b_gptq_scales, bit);
+  check_float_dtype(op, "a", a);
+  check_same_device(op, "a", a, b_q_weight);
+  TORCH_CHECK_VALUE(a.dim() >= 1 && a.size(-1) == d.K, op, ": a must be [..., K=", d.K,
+                    "] to match b_q_weight, got ", a.sizes());
+
+  // Shuffled weights: b_g_idx is the permutation given to gptq_shuffle, and
+  // shuffled row i belongs to group i / (K / groups). Unshuffled: b_g_idx is
+  // the checkpoint's g_idx.
+  const at::Tensor idx =
+      check_index_vector(op, "b_g_idx", b_g_idx, b_q_weight, d.K, use_exllama ? d.K : d.groups);
+  if (use_exllama || idx.numel() == 0) {
+    check_even_groups(op, d, use_exllama ? "as shuffled (use_exllama) weights need" : "so b_g_idx must be given");
+  }
+  at::Tensor a2 = a.reshape({-1, d.K}).to(at::kFloat);
+  if (use_exllama && idx.numel()) a2 = a2.index_select(1, idx.to(at::kLong));
+  a2 = a2.contiguous();
+  const int64_t M = a2.size(0);
+
+  at::Tensor out = at::empty({M, d.N}, a2.options());
+  if (M > 0) {
+    const PreparedWeight w = prepare(b_q_weight, b_gptq_qzeros, b_gptq_scales,
+                                     use_exllama ? at::Tensor() : idx, d, use_v2_format, bit);
+    dispatch_bits(bit, [&](auto bits) {
+      constexpr int B = decltype(bits)::value;
+      if (M <= kFusedMaxM) {
+        gemm_fused<B>(a2.data_ptr<float>(), M, w.view, out.data_ptr<float>());
+      } else {
+        gemm_dequant_mm<B>(a2, w.view, out);
+      }
+    });
+  }
+  std::vector<int64_t> out_sizes = a.sizes().vec();
+  out_sizes.back() = d.N;
+  return out.to(a.scalar_type()).view(out_sizes);
+}
+
+at::Tensor gptq_dequantize(const at::Tensor& b_q_weight, const at::Tensor& b_gptq_qzeros,
+                           const at::Tensor& b_gptq_scales, const at::Tensor& b_g_idx, bool use_v2_format,
+                           int64_t bit) {
+  const char* op = "gptq_dequantize";
+  const GptqDims d = check_gptq_weight(op, b_q_weight, b_gptq_qzeros, b_gptq_scales, bit);
+  const at::Tensor idx = check_index_vector(op, "b_g_idx", b_g_idx, b_q_weight, d.K, d.groups);
+  if (idx.numel() == 0) check_even_groups(op, d, "so b_g_idx must be given");
+  const PreparedWeight w = prepare(b_q_weight, b_gptq_qzeros, b_gptq_scales, idx, d, use_v2_format, bit);
+
+  at::Tensor out = at::empty({d.K, d.N}, b_gptq_scales.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "gptq_dequantize", [&] {
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    dispatch_bits(bit, [&](auto bits) {
+      constexpr int B = decltype(bits)::value;
+      at::parallel_for(0, d.K, std::max<int64_t>(1, 16384 / d.N), [&](int64_t k0, int64_t k1) {
+        std::vector<float> row(d.N);
+        for (int64_t k = k0; k < k1; ++k) {
+          dequant_row<B>(w.view, k, 0, d.N, row.data());
+          std::copy(row.begin(), row.end(), dst + k * d.N);
+        }
+      });
+    });
+  });
+  return out;
+}
+
+}  // namespace cpu
+}  // namespace lowbit

@@ -1,0 +1,170 @@
+// CPU kernels that move GPTQ fields between words: pack, unpack, zero points
+// and gptq_shuffle's row permutation. All field arithmetic comes from
+// core/gptq_format.h.
+#include <ATen/Parallel.h>
+
+#include "../core/gptq_format.h"
+#include "../dispatch_bits.h"
+#include "../gptq_checks.h"
+#include "gptq_cpu.h"
+
+namespace lowbit {
+namespace cpu {
+namespace {
+
+// A 2-D tensor seen as [outer, length, inner] and packed along `length`:
+// dim 0 is [1, rows, cols], dim 1 is [rows, cols, 1].
+struct PackedAxis {
+  int64_t outer;
+  int64_t length;
+  int64_t inner;
+};
+
+PackedAxis packed_axis(at::IntArrayRef sizes, int64_t dim) {
+  return dim == 0 ? PackedAxis{1, sizes[0], sizes[1]} : PackedAxis{sizes[0], sizes[1], 1};
+}
+
+// Work per parallel task: aim for about 16k fields so threads are worth it.
+int64_t grain_for(int64_t fields_per_task) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, fields_per_task)); }
+
+// Runs body(o, p) for every (outer index, pack index) in parallel; packs of
+// one stream never share words, so tasks write disjoint words.
+template <int B, typename Body>
+void for_each_pack(const PackedAxis& ax, Body body) {
+  const int64_t packs = ax.length / gptq::Pack<B>::kFields;
+  at::parallel_for(0, ax.outer * packs, grain_for(gptq::Pack<B>::kFields * ax.inner), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) body(t / packs, t % packs);
+  });
+}
+
+template <int B>
+void pack_impl(const int32_t* values, uint32_t* words, const PackedAxis& ax) {
+  using P = gptq::Pack<B>;
+  const int64_t word_len = ax.length / P::kFields * P::kWords;
+  for_each_pack<B>(ax, [&](int64_t o, int64_t p) {
+    const int32_t* src = values + (o * ax.length + p * P::kFields) * ax.inner;
+    uint32_t* dst = words + (o * word_len + p * P::kWords) * ax.inner;
+    for (int j = 0; j < P::kFields; ++j) {
+      const gptq::FieldLoc f = gptq::locate<B>(j);
+      const int32_t* v = src + j * ax.inner;
+      uint32_t* lo = dst + f.lo * ax.inner;
+      uint32_t* hi = dst + f.hi * ax.inner;
+      for (int64_t c = 0; c < ax.inner; ++c) gptq::insert(lo[c], hi[c], f, static_cast<uint32_t>(v[c]));
+    }
+  });
+}
+
+template <int B>
+void unpack_impl(const uint32_t* words, int32_t* values, const PackedAxis& ax) {
+  using P = gptq::Pack<B>;
+  const int64_t word_len = ax.length / P::kFields * P::kWords;
+  for_each_pack<B>(ax, [&](int64_t o, int64_t p) {
+    const uint32_t* src = words + (o * word_len + p * P::kWords) * ax.inner;
+    int32_t* dst = values + (o * ax.length + p * P::kFields) * ax.inner;
+    for (int j = 0; j < P::kFields; ++j) {
+      const gptq::FieldLoc f = gptq::locate<B>(j);
+      const uint32_t* lo = src + f.lo * ax.inner;
+      const uint32_t* hi = src + f.hi * ax.inner;
+      int32_t* v = dst + j * ax.inner;
+      for (int64_t c = 0; c < ax.inner; ++c) v[c] = static_cast<int32_t>(gptq::extract(lo[c], hi[c], f));
+    }
+  });
+}
+
+// dst row k = src row perm[k], for a weight packed along K (rows) with N columns.
+template <int B>
+void permute_rows_impl(const uint32_t* src, uint32_t* dst, const int32_t* perm, int64_t K, int64_t N) {
+  using P = gptq::Pack<B>;
+  for_each_pack<B>(PackedAxis{1, K, N}, [&](int64_t, int64_t p) {
+    uint32_t* out = dst + p * P::kWords * N;
+    for (int j = 0; j < P::kFields; ++j) {
+      const gptq::FieldLoc s = gptq::locate<B>(perm[p * P::kFields + j]);
+      const gptq::FieldLoc d = gptq::locate<B>(j);
+      const uint32_t* slo = src + s.lo * N;
+      const uint32_t* shi = src + s.hi * N;
+      uint32_t* dlo = out + d.lo * N;
+      uint32_t* dhi = out + d.hi * N;
+      for (int64_t n = 0; n < N; ++n) gptq::insert(dlo[n], dhi[n], d, gptq::extract(slo[n], shi[n], s));
+    }
+  });
+}
+
+void check_pack_args(const char* op, const char* name, const at::Tensor& t, int64_t bit, int64_t dim) {
+  check_bits(op, bit);
+  check_dtype(op, name, t, at::kInt);
+  check_dim(op, name, t, 2);
+  TORCH_CHECK_VALUE(dim == 0 || dim == 1, op, ": dim must be 0 or 1, got ", dim);
+}
+
+const uint32_t* words_of(const at::Tensor& t) { return reinterpret_cast<const uint32_t*>(t.data_ptr<int32_t>()); }
+uint32_t* words_of(at::Tensor& t) { return reinterpret_cast<uint32_t*>(t.data_ptr<int32_t>()); }
+
+}  // namespace
+
+at::Tensor gptq_pack(const at::Tensor& values, int64_t bit, int64_t dim) {
+  const char* op = "gptq_pack";
+  check_pack_args(op, "values", values, bit, dim);
+  const int64_t length = values.size(dim);
+  TORCH_CHECK_VALUE(length % fields_per_pack(bit) == 0, op, ": values.size(", dim, ")=", length,
+                    " must be a multiple of ", fields_per_pack(bit), " for ", bit, "-bit packing");
+  if (values.numel() > 0) {
+    const auto [lo, hi] = at::aminmax(values);
+    TORCH_CHECK_VALUE(lo.item<int32_t>() >= 0 && hi.item<int32_t>() < (1 << bit), op,
+                      ": values must lie in [0, ", 1 << bit, ") for ", bit, "-bit packing, found min ",
+                      lo.item<int32_t>(), " and max ", hi.item<int32_t>());
+  }
+  const at::Tensor v = values.contiguous();
+  std::vector<int64_t> out_sizes = v.sizes().vec();
+  out_sizes[dim] = length / fields_per_pack(bit) * words_per_pack(bit);
+  at::Tensor out = at::zeros(out_sizes, v.options());
+  dispatch_bits(bit, [&](auto bits) { pack_impl<decltype(bits)::value>(v.data_ptr<int32_t>(), words_of(out), packed_axis(v.sizes(), dim)); });
+  return out;
+}
+
+at::Tensor gptq_unpack(const at::Tensor& packed, int64_t bit, int64_t dim) {
+  const char* op = "gptq_unpack";
+  check_pack_args(op, "packed", packed, bit, dim);
+  const int64_t words = packed.size(dim);
+  TORCH_CHECK_VALUE(words % words_per_pack(bit) == 0, op, ": packed.size(", dim, ")=", words,
+                    " must be a multiple of ", words_per_pack(bit), " for ", bit, "-bit packing");
+  const at::Tensor w = packed.contiguous();
+  std::vector<int64_t> out_sizes = w.sizes().vec();
+  out_sizes[dim] = words / words_per_pack(bit) * fields_per_pack(bit);
+  at::Tensor out = at::empty(out_sizes, w.options());
+  dispatch_bits(bit, [&](auto bits) { unpack_impl<decltype(bits)::value>(words_of(w), out.data_ptr<int32_t>(), packed_axis(out.sizes(), dim)); });
+  return out;
+}
+
+at::Tensor zero_points(const at::Tensor& qzeros, int64_t bit, bool use_v2_format) {
+  at::Tensor z = gptq_unpack(qzeros, bit, 1);
+  int32_t* p = z.data_ptr<int32_t>();
+  at::parallel_for(0, z.numel(), 16384, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) p[i] = gptq::zero_point(static_cast<uint32_t>(p[i]), use_v2_format);
+  });
+  return z;
+}
+
+void gptq_shuffle(const at::Tensor& q_weight, const at::Tensor& q_perm, int64_t bit) {
+  const char* op = "gptq_shuffle";
+  check_bits(op, bit);
+  check_dtype(op, "q_weight", q_weight, at::kInt);
+  check_dim(op, "q_weight", q_weight, 2);
+  check_contiguous(op, "q_weight", q_weight);
+  TORCH_CHECK_VALUE(q_weight.size(0) % words_per_pack(bit) == 0, op, ": q_weight has ", q_weight.size(0),
+                    " rows, not a multiple of ", words_per_pack(bit), " as ", bit, "-bit packing needs");
+  const int64_t K = q_weight.size(0) / words_per_pack(bit) * fields_per_pack(bit);
+  const int64_t N = q_weight.size(1);
+  const at::Tensor perm = check_index_vector(op, "q_perm", q_perm, q_weight, K, K);
+  // lowbit's fast layout is the GPTQ packing with rows in q_perm order, so
+  // without a permutation there is nothing to rewrite.
+  if (perm.numel() == 0) return;
+  check_permutation(op, "q_perm", perm);
+  at::Tensor permuted = at::zeros_like(q_weight);
+  dispatch_bits(bit, [&](auto bits) {
+    permute_rows_impl<decltype(bits)::value>(words_of(q_weight), words_of(permuted), perm.data_ptr<int32_t>(), K, N);
+  });
+  q_weight.copy_(permuted);
+}
+
+}  // namespace cpu
+}  // namespace lowbit

@@ -1,0 +1,12 @@
+// Registers every CPU kernel under the CPU dispatch key.
+#include <torch/library.h>
+
+#include "gptq_cpu.h"
+
+TORCH_LIBRARY_IMPL(lowbit, CPU, m) {
+  m.impl("gptq_gemm", &lowbit::cpu::gptq_gemm);
+  m.impl("gptq_shuffle", &lowbit::cpu::gptq_shuffle);
+  m.impl("gptq_dequantize", &lowbit::cpu::gptq_dequantize);
+  m.impl("gptq_pack", &lowbit::cpu::gptq_pack);
+  m.impl("gptq_unpack", &lowbit::cpu::gptq_unpack);
+}

@@ -1,0 +1,14 @@
+"""lowbit: low-bit LLM weights (GPTQ, GGUF) as torch.ops.lowbit.* operators.
+
+Importing lowbit loads the compiled operators into torch.ops.lowbit and
+registers their fake kernels for torch.compile.
+"""
+from . import _library
+
+_library.load()
+
+from . import _fake  # noqa: E402,F401  (needs the ops loaded first)
+from .gptq_quant import GPTQTensors, quantize_rtn  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["GPTQTensors", "quantize_rtn"]

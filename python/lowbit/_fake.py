@@ -1,0 +1,42 @@
+"""Fake (meta) kernels: output shapes and dtypes of every lowbit op, so the ops
+trace under torch.compile and pass torch.library.opcheck. Only shape
+arithmetic lives here; validation and math are in C++."""
+import torch
+
+
+def _fields_per_pack(bit: int) -> int:
+    return 32 if bit == 3 else 32 // bit
+
+
+def _words_per_pack(bit: int) -> int:
+    return 3 if bit == 3 else 1
+
+
+@torch.library.register_fake("lowbit::gptq_gemm")
+def _gptq_gemm(a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_exllama, use_v2_format, bit):
+    return a.new_empty((*a.shape[:-1], b_q_weight.shape[1]))
+
+
+@torch.library.register_fake("lowbit::gptq_shuffle")
+def _gptq_shuffle(q_weight, q_perm, bit):
+    return None
+
+
+@torch.library.register_fake("lowbit::gptq_dequantize")
+def _gptq_dequantize(b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_v2_format, bit):
+    k = b_q_weight.shape[0] // _words_per_pack(bit) * _fields_per_pack(bit)
+    return b_gptq_scales.new_empty((k, b_q_weight.shape[1]))
+
+
+@torch.library.register_fake("lowbit::gptq_pack")
+def _gptq_pack(values, bit, dim):
+    shape = list(values.shape)
+    shape[dim] = shape[dim] // _fields_per_pack(bit) * _words_per_pack(bit)
+    return values.new_empty(shape)
+
+
+@torch.library.register_fake("lowbit::gptq_unpack")
+def _gptq_unpack(packed, bit, dim):
+    shape = list(packed.shape)
+    shape[dim] = shape[dim] // _words_per_pack(bit) * _fields_per_pack(bit)
+    return packed.new_empty(shape)

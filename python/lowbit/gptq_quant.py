@@ -1,0 +1,97 @@
+"""Round-to-nearest GPTQ quantization: turns a float weight into exactly the
+tensors a GPTQ tool writes (qweight, qzeros, scales, g_idx).
+
+It is GPTQ's own per-group quantizer (min/max grid, symmetric zero
+2^(bits-1)) without the Hessian error feedback; bit packing is done by the
+C++ op lowbit::gptq_pack.
+"""
+from typing import NamedTuple, Optional
+
+import torch
+
+CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
+
+
+class GPTQTensors(NamedTuple):
+    qweight: torch.Tensor  # int32 [K*bits/32, N], packed along K
+    qzeros: torch.Tensor  # int32 [groups, N*bits/32], packed along N, stored per checkpoint_format
+    scales: torch.Tensor  # [groups, N]
+    g_idx: torch.Tensor  # int32 [K], group of each input row
+    bits: int
+    group_size: int
+    sym: bool
+    checkpoint_format: str
+
+
+def quantize_rtn(
+    weight: torch.Tensor,
+    bits: int,
+    group_size: int = 128,
+    sym: bool = True,
+    checkpoint_format: str = "gptq_v2",
+    perm: Optional[torch.Tensor] = None,
+    scale_dtype: torch.dtype = torch.float16,
+) -> GPTQTensors:
+    """Quantizes an nn.Linear weight [out=N, in=K] to GPTQ tensors.
+
+    group_size -1 means one group over all of K. `perm` (a permutation of K)
+    gives act-order: rows are grouped in `perm` order, so g_idx[perm[j]] =
+    j // group_size. GPTQ v1 ("gptq") stores zero-1 and cannot represent a
+    zero of 0: asymmetric groups that need one raise ValueError.
+    """
+    if bits not in (2, 3, 4, 8):
+        raise ValueError(f"quantize_rtn: bits must be 2, 3, 4 or 8, got {bits}")
+    if checkpoint_format not in CHECKPOINT_FORMATS:
+        raise ValueError(f"quantize_rtn: checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {checkpoint_format!r}")
+    if weight.dim() != 2:
+        raise ValueError(f"quantize_rtn: weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
+    w = weight.detach().to(torch.float32).t()  # [K, N]
+    K, N = w.shape
+    G = K if group_size == -1 else group_size
+    if G <= 0 or K % G:
+        raise ValueError(f"quantize_rtn: group_size {group_size} must be -1 or a positive divisor of K={K}")
+    groups = K // G
+
+    order = torch.arange(K, device=w.device) if perm is None else perm.to(w.device, torch.long)
+    if order.shape != (K,) or not torch.equal(order.sort().values, torch.arange(K, device=w.device)):
+        raise ValueError(f"quantize_rtn: perm must be a permutation of range({K})")
+    g_idx = torch.empty(K, dtype=torch.int32, device=w.device)
+    g_idx[order] = (torch.arange(K, device=w.device) // G).to(torch.int32)
+
+    maxq = 2**bits - 1
+    wg = w[order].reshape(groups, G, N)
+    xmin = wg.amin(dim=1).clamp(max=0)
+    xmax = wg.amax(dim=1).clamp(min=0)
+    if sym:
+        xmax = torch.maximum(xmin.abs(), xmax)
+        xmin = -xmax
+    scale = (xmax - xmin) / maxq
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale)).to(scale_dtype)
+    if sym:
+        zero = torch.full_like(xmin, (maxq + 1) // 2)
+    else:
+        zero = torch.round(-xmin / scale.float()).clamp(0, maxq)
+    # Quantize against the scale as stored, so dequantization reproduces it.
+    q = torch.clamp(torch.round(wg / scale.float()[:, None, :]) + zero[:, None, :], 0, maxq)
+    q_rows = torch.empty_like(w)
+    q_rows[order] = q.reshape(K, N)
+
+    zero = zero.to(torch.int32)
+    if checkpoint_format == "gptq":
+        if bool((zero == 0).any()):
+            raise ValueError(
+                "quantize_rtn: GPTQ v1 ('gptq') stores zero-1 and cannot represent a zero point of 0, "
+                "which this asymmetric weight needs; use checkpoint_format='gptq_v2'"
+            )
+        zero = zero - 1
+    # Packing is an offline step with a CPU kernel only; results go back to w's device.
+    return GPTQTensors(
+        qweight=torch.ops.lowbit.gptq_pack(q_rows.to(torch.int32).cpu(), bits, 0).to(w.device),
+        qzeros=torch.ops.lowbit.gptq_pack(zero.cpu(), bits, 1).to(w.device),
+        scales=scale,
+        g_idx=g_idx,
+        bits=bits,
+        group_size=group_size,
+        sym=sym,
+        checkpoint_format=checkpoint_format,
+    )

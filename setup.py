@@ -1,0 +1,47 @@
+"""Builds lowbit's C++/CUDA extension (lowbit._C) against the installed torch.
+
+CPU-only when torch has no CUDA or nvcc is missing; CUDA too when both are
+there. LOWBIT_CUDA=0/1 overrides the choice; TORCH_CUDA_ARCH_LIST picks the
+GPU architectures and MAX_JOBS the parallel compile jobs (torch's own
+variables). Install with: pip install --no-build-isolation -e .
+"""
+import glob
+import os
+
+import torch
+from setuptools import setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+
+def want_cuda() -> bool:
+    choice = os.environ.get("LOWBIT_CUDA")
+    if choice is not None:
+        if choice == "1" and CUDA_HOME is None:
+            raise RuntimeError("LOWBIT_CUDA=1 but no CUDA toolkit (nvcc) was found; set CUDA_HOME")
+        return choice == "1"
+    return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+def extension():
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    # at::parallel_for expands OpenMP pragmas inside our own code, so we must
+    # compile with OpenMP like torch itself.
+    cxx = ["-O3", "-fopenmp"]
+    link = ["-fopenmp"]
+    if not want_cuda():
+        return CppExtension("lowbit._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=link)
+    sources += sorted(glob.glob("csrc/cuda/*.cu"))
+    nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
+    return CUDAExtension(
+        "lowbit._C",
+        sources,
+        define_macros=[("LOWBIT_WITH_CUDA", "1")],
+        extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+        extra_link_args=link,
+    )
+
+
+setup(
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)
