@@ -1,0 +1,190 @@
+"""gptq_gemm / gptq_dequantize / gptq_shuffle against the NumPy reference.
+
+Tolerances (checked per element, relative to bound = |a| @ |W| in float64,
+which bounds every partial sum of the dot product):
+- fp32 accumulation of K terms: |out - ref| <= 1e-5 * bound. For K = 384 the
+  worst case is K * 2^-24 = 2.3e-5 and the typical error sqrt(K) * 2^-24 =
+  1.2e-6; an fp16 accumulator (vLLM's 2/3-bit path) errs by ~2^-11 * bound
+  and fails this by two orders of magnitude.
+- the output is then rounded once to a's dtype: + 2^-11 * |ref| for fp16,
+  2^-8 * |ref| for bf16 (half an ulp), + the smallest subnormal for fp16.
+The activations are converted exactly (fp16/bf16 -> fp32), so the reference
+uses the same rounded activations and charges no input error.
+"""
+import numpy as np
+import pytest
+import torch
+
+import gptq_reference as ref
+
+K, N = 384, 96  # N > the fused kernel's 64-column tile, so tiles are partial
+BITS = (2, 3, 4, 8)
+GROUP_SIZES = (16, 32, 64, 128, 96, -1)  # 96: a divisor of K that is no power of two
+MS = (1, 2, 7, 16, 64, 300)  # both sides of the fused / dequantize+mm crossover
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+OUT_ROUNDING = {torch.float32: 0.0, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+SUBNORMAL = {torch.float32: 0.0, torch.float16: 2.0**-24, torch.bfloat16: 0.0}
+
+
+def as_torch(ckpt, device):
+    keys = ("qweight", "qzeros", "scales", "g_idx")
+    return {k: torch.from_numpy(np.ascontiguousarray(ckpt[k])).to(device) for k in keys}
+
+
+def assert_close_to_reference(out, a, W, what):
+    a64 = a.double().cpu().numpy()
+    expect = a64 @ W
+    bound = np.abs(a64) @ np.abs(W)
+    got = out.double().cpu().numpy()
+    tol = 1e-5 * bound + OUT_ROUNDING[out.dtype] * np.abs(expect) + SUBNORMAL[out.dtype]
+    err = np.abs(got - expect)
+    worst = np.unravel_index(np.argmax(err - tol), err.shape)
+    assert np.all(err <= tol), f"{what}: error {err[worst]:.3g} > tol {tol[worst]:.3g} at {worst}"
+
+
+@pytest.mark.parametrize("act_order", [False, True], ids=["plain", "actorder"])
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
+@pytest.mark.parametrize("bits", BITS)
+def test_gemm_matrix(device, bits, sym, fmt, group_size, act_order):
+    """Every M x activation dtype x (shuffled, unshuffled) for one checkpoint."""
+    rng = np.random.default_rng([bits, sym, group_size % 1000, act_order, fmt == "gptq"])
+    ckpt = ref.random_checkpoint(rng, K, N, bits, group_size, sym, fmt, act_order)
+    W = ref.dequantize(ckpt["qweight"], ckpt["qzeros"], ckpt["scales"], ckpt["g_idx"], bits, fmt)
+    t = as_torch(ckpt, device)
+    v2 = fmt == "gptq_v2"
+
+    # gptq_shuffle with q_perm = argsort(g_idx), as vLLM and GPTQLinear do for act-order.
+    perm = torch.argsort(t["g_idx"].cpu(), stable=True).to(torch.int32).to(device)
+    if not act_order:
+        perm = torch.empty(0, dtype=torch.int32, device=device)
+    shuffled = t["qweight"].clone()
+    torch.ops.lowbit.gptq_shuffle(shuffled, perm, bits)
+
+    for M in MS:
+        for dtype in DTYPES:
+            a = torch.randn(M, K, generator=torch.Generator().manual_seed(M), dtype=torch.float32).to(dtype)
+            a = a.to(device)
+            out = torch.ops.lowbit.gptq_gemm(a, t["qweight"], t["qzeros"], t["scales"], t["g_idx"], False, v2, bits)
+            assert out.dtype == dtype and out.shape == (M, N)
+            assert_close_to_reference(out, a, W, f"unshuffled M={M} {dtype}")
+            out = torch.ops.lowbit.gptq_gemm(a, shuffled, t["qzeros"], t["scales"], perm, True, v2, bits)
+            assert out.dtype == dtype and out.shape == (M, N)
+            assert_close_to_reference(out, a, W, f"shuffled M={M} {dtype}")
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("M", [1, 300])
+def test_gemm_empty_g_idx_means_trivial_groups(device, bits, M):
+    rng = np.random.default_rng(bits)
+    ckpt = ref.random_checkpoint(rng, K, N, bits, 32, False, "gptq_v2", False)
+    W = ref.dequantize(ckpt["qweight"], ckpt["qzeros"], ckpt["scales"], None, bits, "gptq_v2")
+    t = as_torch(ckpt, device)
+    a = torch.randn(M, K, device=device)
+    none = torch.empty(0, dtype=torch.int32, device=device)
+    out = torch.ops.lowbit.gptq_gemm(a, t["qweight"], t["qzeros"], t["scales"], none, False, True, bits)
+    assert_close_to_reference(out, a, W, "empty g_idx")
+
+
+@pytest.mark.parametrize("M", [1, 300])
+def test_gemm_arbitrary_g_idx_unshuffled(device, M):
+    """Unshuffled weights take any g_idx, also groups of unequal size."""
+    rng = np.random.default_rng(0)
+    ckpt = ref.random_checkpoint(rng, K, N, 4, 32, False, "gptq_v2", False)
+    g_idx = rng.integers(0, K // 32, size=K).astype(np.int32)
+    W = ref.dequantize(ckpt["qweight"], ckpt["qzeros"], ckpt["scales"], g_idx, 4, "gptq_v2")
+    t = as_torch(ckpt, device)
+    a = torch.randn(M, K, device=device)
+    g = torch.from_numpy(g_idx).to(device)
+    out = torch.ops.lowbit.gptq_gemm(a, t["qweight"], t["qzeros"], t["scales"], g, False, True, 4)
+    assert_close_to_reference(out, a, W, "arbitrary g_idx")
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_gemm_scale_dtypes(device, scale_dtype):
+    rng = np.random.default_rng(1)
+    ckpt = ref.random_checkpoint(rng, K, N, 3, 64, False, "gptq", True)
+    # Scales exactly representable in scale_dtype, given to the reference as float64.
+    scales = torch.from_numpy(ckpt["scales"]).float().mul(1.37).to(scale_dtype)
+    ckpt["scales"] = scales.double().numpy()
+    W = ref.dequantize(ckpt["qweight"], ckpt["qzeros"], ckpt["scales"], ckpt["g_idx"], 3, "gptq")
+    t = as_torch(ckpt, device)
+    for M in (1, 64):
+        a = torch.randn(M, K, device=device, dtype=torch.float16)
+        out = torch.ops.lowbit.gptq_gemm(a, t["qweight"], t["qzeros"], scales.to(device), t["g_idx"], False, False, 3)
+        assert out.dtype == torch.float16
+        assert_close_to_reference(out, a, W, f"{scale_dtype} scales M={M}")
+
+
+def test_gemm_batch_dims_and_strided_input(device):
+    rng = np.random.default_rng(2)
+    ckpt = ref.random_checkpoint(rng, K, N, 4, 128, True, "gptq", False)
+    W = ref.dequantize(ckpt["qweight"], ckpt["qzeros"], ckpt["scales"], ckpt["g_idx"], 4, "gptq")
+    t = as_torch(ckpt, device)
+    a = torch.randn(K, 2, 3, device=device).permute(1, 2, 0)  # [2, 3, K], not contiguous
+    out = torch.ops.lowbit.gptq_gemm(a, t["qweight"], t["qzeros"], t["scales"], t["g_idx"], False, False, 4)
+    assert out.shape == (2, 3, N)
+    assert_close_to_reference(out.reshape(6, N), a.reshape(6, K), W, "batched")
+    empty = torch.ops.lowbit.gptq_gemm(a[:0], t["qweight"], t["qzeros"], t["scales"], t["g_idx"], False, False, 4)
+    assert empty.shape == (0, 3, N)
+
+
+def test_gemm_large_k_uses_several_column_tiles():
+    """Large K makes the dequantize+mm path decode W in more than one column tile."""
+    bigK = 32768
+    rng = np.random.default_rng(3)
+    ckpt = ref.random_checkpoint(rng, bigK, N, 2, 128, False, "gptq_v2", False)
+    W = ref.dequantize(ckpt["qweight"], ckpt["qzeros"], ckpt["scales"], ckpt["g_idx"], 2, "gptq_v2")
+    t = as_torch(ckpt, "cpu")
+    a = torch.randn(16, bigK)
+    out = torch.ops.lowbit.gptq_gemm(a, t["qweight"], t["qzeros"], t["scales"], t["g_idx"], False, True, 2)
+    a64 = a.double().numpy()
+    # K = 32768 terms: the fp32 bound scales with K (see module docstring).
+    err = np.abs(out.double().numpy() - a64 @ W)
+    assert np.all(err <= 1e-4 * (np.abs(a64) @ np.abs(W)))
+
+
+def test_gemm_same_result_on_any_thread_count():
+    rng = np.random.default_rng(4)
+    ckpt = ref.random_checkpoint(rng, K, 512, 4, 128, False, "gptq_v2", True)
+    t = as_torch(ckpt, "cpu")
+    a = torch.randn(4, K)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = torch.ops.lowbit.gptq_gemm(a, t["qweight"], t["qzeros"], t["scales"], t["g_idx"], False, True, 4)
+    finally:
+        torch.set_num_threads(threads)
+    parallel = torch.ops.lowbit.gptq_gemm(a, t["qweight"], t["qzeros"], t["scales"], t["g_idx"], False, True, 4)
+    assert torch.equal(serial, parallel)
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
+@pytest.mark.parametrize("bits", BITS)
+def test_dequantize_is_exact(device, bits, fmt):
+    """s * (q - z) is exact in fp32 (an fp16 scale times a <= 9-bit integer),
+    so the only rounding is the final one to the scales' dtype."""
+    rng = np.random.default_rng(bits)
+    ckpt = ref.random_checkpoint(rng, K, N, bits, 64, False, fmt, True)
+    t = as_torch(ckpt, device)
+    W = torch.ops.lowbit.gptq_dequantize(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], fmt == "gptq_v2", bits)
+    expect = ref.dequantize(ckpt["qweight"], ckpt["qzeros"], ckpt["scales"], ckpt["g_idx"], bits, fmt)
+    assert W.dtype == torch.float16 and W.shape == (K, N)
+    np.testing.assert_array_equal(W.cpu().numpy(), expect.astype(np.float16))
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_shuffle_permutes_rows(device, bits):
+    """lowbit's fast layout: the GPTQ packing with rows in q_perm order."""
+    rng = np.random.default_rng(bits)
+    ckpt = ref.random_checkpoint(rng, K, N, bits, 32, True, "gptq_v2", True)
+    perm = np.argsort(ckpt["g_idx"], kind="stable")
+    qweight = as_torch(ckpt, device)["qweight"]
+    torch.ops.lowbit.gptq_shuffle(qweight, torch.from_numpy(perm).to(device), bits)
+    expect = ref.pack(ref.unpack(ckpt["qweight"], bits, 0)[perm], bits, 0)
+    np.testing.assert_array_equal(qweight.cpu().numpy(), expect)
+    # A shuffle without a permutation leaves the weight as it is.
+    before = qweight.clone()
+    torch.ops.lowbit.gptq_shuffle(qweight, torch.empty(0, dtype=torch.int32, device=device), bits)
+    assert torch.equal(qweight, before)

@@ -1,0 +1,84 @@
+"""gptq_pack / gptq_unpack and lowbit.quantize_rtn against the NumPy reference."""
+import numpy as np
+import pytest
+import torch
+
+import gptq_reference as ref
+import lowbit
+
+BITS = (2, 3, 4, 8)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("bits", BITS)
+def test_pack_and_unpack_match_reference(bits, dim):
+    rng = np.random.default_rng([bits, dim])
+    shape = [64, 96]
+    shape[1 - dim] = 5
+    values = rng.integers(0, 2**bits, size=shape).astype(np.int32)
+    packed = torch.ops.lowbit.gptq_pack(torch.from_numpy(values), bits, dim)
+    np.testing.assert_array_equal(packed.numpy(), ref.pack(values, bits, dim))
+    words = rng.integers(-(2**31), 2**31, size=packed.shape).astype(np.int32)
+    unpacked = torch.ops.lowbit.gptq_unpack(torch.from_numpy(words), bits, dim)
+    np.testing.assert_array_equal(unpacked.numpy(), ref.unpack(words, bits, dim))
+
+
+@pytest.mark.parametrize(
+    "bits, fmt, word",
+    [
+        (4, "gptq", 0x77777777),
+        (4, "gptq_v2", 0x88888888),
+        (8, "gptq", 0x7F7F7F7F),
+        (8, "gptq_v2", 0x80808080),
+        (2, "gptq", 0x55555555),
+        (2, "gptq_v2", 0xAAAAAAAA),
+    ],
+)
+def test_quantize_rtn_symmetric_zero_words(bits, fmt, word):
+    t = lowbit.quantize_rtn(torch.randn(64, 128), bits, 32, sym=True, checkpoint_format=fmt)
+    assert t.qzeros.dtype == torch.int32 and t.qzeros.shape == (4, 64 * bits // 32)
+    assert np.all(t.qzeros.numpy().view(np.uint32) == word)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("bits", BITS)
+def test_quantize_rtn_is_a_valid_close_checkpoint(bits, sym, act_order):
+    torch.manual_seed(bits)
+    w = torch.randn(64, 256)
+    perm = torch.randperm(256) if act_order else None
+    t = lowbit.quantize_rtn(w, bits, 64, sym=sym, checkpoint_format="gptq_v2", perm=perm)
+    assert t.qweight.shape == (256 * bits // 32, 64) and t.scales.shape == (4, 64)
+    expect_g_idx = ref.make_g_idx(256, 64, None if perm is None else perm.numpy())
+    np.testing.assert_array_equal(t.g_idx.numpy(), expect_g_idx)
+    # Dequantized by the independent reference: a value quantized inside the
+    # grid is within half a step (RTN); one clipped at a grid end is within one
+    # step (the rounded zero point can shift the grid by half a step). The
+    # 1e-3 covers fp32 evaluation of w / scale.
+    W = ref.dequantize(t.qweight.numpy(), t.qzeros.numpy(), t.scales.numpy(), t.g_idx.numpy(), bits, "gptq_v2")
+    step = t.scales.double().numpy()[t.g_idx.numpy()]
+    err = np.abs(W - w.t().double().numpy()) / step
+    q = ref.unpack(t.qweight.numpy(), bits, 0)
+    inside = (q > 0) & (q < 2**bits - 1)
+    assert np.all(err[inside] <= 0.5 + 1e-3)
+    assert np.all(err <= 1.0 + 1e-3)
+
+
+def test_quantize_rtn_v1_refuses_zero_point_zero():
+    w = torch.rand(32, 64) + 0.1  # all positive: asymmetric zero points are 0
+    with pytest.raises(ValueError, match="zero point of 0"):
+        lowbit.quantize_rtn(w, 4, 32, sym=False, checkpoint_format="gptq")
+    t = lowbit.quantize_rtn(w, 4, 32, sym=False, checkpoint_format="gptq_v2")
+    assert np.all(ref.unpack(t.qzeros.numpy(), 4, 1) == 0)
+
+
+def test_quantize_rtn_rejects_bad_arguments():
+    w = torch.randn(32, 64)
+    with pytest.raises(ValueError, match="bits"):
+        lowbit.quantize_rtn(w, 5, 32)
+    with pytest.raises(ValueError, match="group_size"):
+        lowbit.quantize_rtn(w, 4, 48)
+    with pytest.raises(ValueError, match="checkpoint_format"):
+        lowbit.quantize_rtn(w, 4, 32, checkpoint_format="awq")
+    with pytest.raises(ValueError, match="perm"):
+        lowbit.quantize_rtn(w, 4, 32, perm=torch.zeros(64, dtype=torch.long))
