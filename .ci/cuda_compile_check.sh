@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Compiles every .cu under csrc/ (and the torch-free core headers, as device
+# code) with nvcc for sm_80 and sm_90a. Compile only: no GPU is needed, and a
+# compile error fails the script.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+NVCC=${NVCC:-nvcc}
+TORCH_INC=$(python3 -c 'from torch.utils.cpp_extension import include_paths; print(" ".join("-I" + p for p in include_paths()))')
+PY_INC=-I$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+ARCHS=(-gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90a,code=sm_90a)
+FLAGS=(-std=c++20 -O1 --expt-relaxed-constexpr -DLOWBIT_WITH_CUDA=1 -DTORCH_EXTENSION_NAME=_C -D_GLIBCXX_USE_CXX11_ABI=1)
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+
+mapfile -t sources < <(find csrc -name '*.cu' | sort)
+sources+=(.ci/core_headers_check.cu)
+for src in "${sources[@]}"; do
+  echo "nvcc: $src (sm_80, sm_90a)"
+  "$NVCC" "${FLAGS[@]}" "${ARCHS[@]}" $TORCH_INC $PY_INC -Icsrc -c "$src" -o "$out/$(basename "$src").o"
+done
+echo "cuda compile check: ${#sources[@]} file(s) compiled"

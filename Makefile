@@ -1,0 +1,39 @@
+# One entry point for set-up, the main job, the tests and the benchmarks.
+# Every target installs what it needs first, so each works on a fresh machine.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+export MAX_JOBS ?= 2
+# torch is pinned to the build this machine kind ships, so pip never fetches another.
+TORCH_SPEC ?= torch==2.13.0
+DEPS := numpy safetensors pytest gguf ninja "setuptools>=64" wheel tqdm
+SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
+STAMP := build/.installed
+
+.PHONY: deps build test demo bench cuda-check clean
+
+deps:
+	$(PIP) install -q $(TORCH_SPEC) $(DEPS)
+
+# Rebuild (pip install -e, ninja) only when a source changed.
+$(STAMP): $(SOURCES)
+	$(MAKE) deps
+	$(PIP) install -q --no-build-isolation --no-deps -e .
+	mkdir -p build && touch $(STAMP)
+
+build: $(STAMP)
+
+test: build
+	$(PYTHON) -m pytest -q -rs tests
+
+demo: build
+	$(PYTHON) -m lowbit.demo
+
+bench: build
+	$(PYTHON) benchmarks/bench_gptq_gemm.py
+
+# Compile (only) every CUDA source for sm_80 and sm_90a; works without a GPU.
+cuda-check: deps
+	bash .ci/cuda_compile_check.sh
+
+clean:
+	rm -rf build python/lowbit/_C*.so python/*.egg-info
