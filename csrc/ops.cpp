@@ -3,6 +3,21 @@
 // fake (meta) kernels for torch.compile live in python/lowbit/_fake.py.
 #include <torch/library.h>
 
+#include <vector>
+
+#include "core/ggml_types.h"
+
+namespace {
+
+// [elements per block, bytes per block] of a ggml type id, from the one table.
+std::vector<int64_t> ggml_type_info(int64_t type) {
+  const lowbit::ggml::RuntimeInfo info = lowbit::ggml::runtime_info(type);
+  TORCH_CHECK_VALUE(info.ok, "ggml_type_info: type ", type, " is not a ggml weight type lowbit supports (unknown or removed id)");
+  return {info.block, info.bytes};
+}
+
+}  // namespace
+
 TORCH_LIBRARY(lowbit, m) {
   // a @ W for a GPTQ weight W[k, n] = scales[g, n] * (q[k, n] - zero[g, n]).
   // Argument names and order follow vLLM's op so callers can switch.
@@ -19,4 +34,15 @@ TORCH_LIBRARY(lowbit, m) {
   m.def("gptq_pack(Tensor values, int bit, int dim) -> Tensor");
   // The inverse of gptq_pack: int32 values of every field along `dim`.
   m.def("gptq_unpack(Tensor packed, int bit, int dim) -> Tensor");
+
+  // GGUF. W is the raw uint8 block data of an [m, n] (or [row, n]) matrix, rows
+  // of n / block * type_size bytes as stored in the file; type is the ggml id.
+  // Names and argument order follow vLLM's GGUF ops.
+  m.def("ggml_dequantize(Tensor W, int type, SymInt m, SymInt n, ScalarType? dtype=None) -> Tensor");
+  // X [M, n] @ dequant(W).T -> [M, row], activations quantized to 8-bit blocks
+  // (Q8_0 / Q8_1 / Q8_K per weight type) and integer dot products, fp32 sums.
+  m.def("ggml_mul_mat_vec_a8(Tensor W, Tensor X, int type, SymInt row) -> Tensor");
+  m.def("ggml_mul_mat_a8(Tensor W, Tensor X, int type, SymInt row) -> Tensor");
+  // [elements per block, bytes per block] of a ggml type; raises for unknown ids.
+  m.def("ggml_type_info(int type) -> int[]", &ggml_type_info);
 }

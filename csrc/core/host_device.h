@@ -8,3 +8,20 @@
 #else
 #define LOWBIT_HD inline
 #endif
+
+// A constant lookup table readable from host and device code. Under nvcc the
+// data is emitted twice, in host memory and in device global memory, and
+// LOWBIT_TABLE(name) picks the copy of the side being compiled.
+#if defined(__CUDACC__)
+#define LOWBIT_DEFINE_TABLE(type, name, size, ...)                 \
+  static constexpr type name##_host[size] = __VA_ARGS__;           \
+  static __device__ const type name##_device[size] = __VA_ARGS__;
+#if defined(__CUDA_ARCH__)
+#define LOWBIT_TABLE(name) name##_device
+#else
+#define LOWBIT_TABLE(name) name##_host
+#endif
+#else
+#define LOWBIT_DEFINE_TABLE(type, name, size, ...) static constexpr type name##_host[size] = __VA_ARGS__;
+#define LOWBIT_TABLE(name) name##_host
+#endif

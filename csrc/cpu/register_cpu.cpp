@@ -1,6 +1,7 @@
 // Registers every CPU kernel under the CPU dispatch key.
 #include <torch/library.h>
 
+#include "ggml_cpu.h"
 #include "gptq_cpu.h"
 
 TORCH_LIBRARY_IMPL(lowbit, CPU, m) {
@@ -9,4 +10,7 @@ TORCH_LIBRARY_IMPL(lowbit, CPU, m) {
   m.impl("gptq_dequantize", &lowbit::cpu::gptq_dequantize);
   m.impl("gptq_pack", &lowbit::cpu::gptq_pack);
   m.impl("gptq_unpack", &lowbit::cpu::gptq_unpack);
+  m.impl("ggml_dequantize", &lowbit::cpu::ggml_dequantize);
+  m.impl("ggml_mul_mat_vec_a8", &lowbit::cpu::ggml_mul_mat_vec_a8);
+  m.impl("ggml_mul_mat_a8", &lowbit::cpu::ggml_mul_mat_a8);
 }

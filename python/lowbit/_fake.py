@@ -40,3 +40,18 @@ def _gptq_unpack(packed, bit, dim):
     shape = list(packed.shape)
     shape[dim] = shape[dim] // _words_per_pack(bit) * _fields_per_pack(bit)
     return packed.new_empty(shape)
+
+
+@torch.library.register_fake("lowbit::ggml_dequantize")
+def _ggml_dequantize(W, type, m, n, dtype=None):
+    return W.new_empty((m, n), dtype=dtype or torch.float16)
+
+
+@torch.library.register_fake("lowbit::ggml_mul_mat_vec_a8")
+def _ggml_mul_mat_vec_a8(W, X, type, row):
+    return X.new_empty((X.shape[0], row))
+
+
+@torch.library.register_fake("lowbit::ggml_mul_mat_a8")
+def _ggml_mul_mat_a8(W, X, type, row):
+    return X.new_empty((X.shape[0], row))

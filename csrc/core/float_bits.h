@@ -1,0 +1,92 @@
+// Bit-level conversions between fp32 and the small float formats found in
+// GGUF blocks (fp16, bf16, E8M0), written out so that host and device code
+// decode every value identically, and the separately rounded multiply/add
+// that keeps nvcc from contracting a*b+c into an fma (which would differ
+// from the CPU in the last bit).
+#pragma once
+
+#include <stdint.h>
+#include <string.h>
+
+#include <math.h>
+
+#include "host_device.h"
+
+namespace lowbit {
+
+LOWBIT_HD float bits_to_float(uint32_t bits) {
+  float f;
+  memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+LOWBIT_HD uint32_t float_to_bits(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, sizeof(bits));
+  return bits;
+}
+
+// IEEE binary16 -> fp32 (exact: every half is a float).
+LOWBIT_HD float fp16_to_fp32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t man = h & 0x3ffu;
+  if (exp == 0x1f) return bits_to_float(sign | 0x7f800000u | (man << 13));  // inf / nan
+  if (exp == 0) {
+    // zero or subnormal: man * 2^-24, exact in fp32
+    const float v = static_cast<float>(man) * 5.9604644775390625e-08f;
+    return sign ? -v : v;
+  }
+  return bits_to_float(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+// fp32 -> IEEE binary16, round to nearest even (as F16C / numpy do).
+LOWBIT_HD uint16_t fp32_to_fp16(float f) {
+  const uint32_t x = float_to_bits(f);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u);  // inf / nan
+  if (ax >= 0x477ff000u) return sign | 0x7c00u;  // >= 65520 rounds to inf
+  if (ax < 0x38800000u) {
+    // below the smallest normal half: count units of 2^-24, rounding to even
+    const float units = bits_to_float(ax) * 16777216.0f;  // exact scaling
+    return sign | static_cast<uint16_t>(nearbyintf(units));
+  }
+  const uint32_t rounded = ax + 0xfffu + ((ax >> 13) & 1u);
+  return sign | static_cast<uint16_t>((rounded - 0x38000000u) >> 13);
+}
+
+// bfloat16 -> fp32 (exact).
+LOWBIT_HD float bf16_to_fp32(uint16_t b) { return bits_to_float(static_cast<uint32_t>(b) << 16); }
+
+// E8M0 scale of MXFP4, halved (2^(e-128)), as ggml applies it to the doubled
+// E2M1 values; e < 2 gives fp32 subnormals.
+LOWBIT_HD float e8m0_to_fp32_half(uint8_t e) {
+  return bits_to_float(e < 2 ? (0x00200000u << e) : (static_cast<uint32_t>(e - 1) << 23));
+}
+
+// a * b and a * b + c with every operation rounded separately.
+LOWBIT_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+LOWBIT_HD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+// Little-endian loads from unaligned block bytes.
+LOWBIT_HD uint16_t load_u16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
+LOWBIT_HD uint32_t load_u32(const uint8_t* p) {
+  return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) | (static_cast<uint32_t>(p[2]) << 16) |
+         (static_cast<uint32_t>(p[3]) << 24);
+}
+
+}  // namespace lowbit

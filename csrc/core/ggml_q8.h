@@ -1,0 +1,119 @@
+// 8-bit activation blocks for the GGUF integer dot products, quantized the
+// way llama.cpp's CPU backend does (quantize_row_q8_0/q8_1/q8_K_ref), and the
+// dot product of one decoded weight block with them.
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+
+#include "float_bits.h"
+#include "ggml_blocks.h"
+#include "ggml_types.h"
+#include "host_device.h"
+
+namespace lowbit {
+namespace ggml {
+
+// Elements per activation scale, and per stored activation sum.
+template <Act A>
+struct ActLayout;
+template <>
+struct ActLayout<Act::Q8_0> {
+  static constexpr int kBlock = 32;
+  static constexpr int kSumBlock = 32;
+};
+template <>
+struct ActLayout<Act::Q8_1> {
+  static constexpr int kBlock = 32;
+  static constexpr int kSumBlock = 32;
+};
+template <>
+struct ActLayout<Act::Q8_K> {
+  static constexpr int kBlock = 256;
+  static constexpr int kSumBlock = 16;
+};
+
+// One row of quantized activations: q[n], d[n / kBlock] and sum[n / kSumBlock].
+// sum is, per kSumBlock elements, d * sum(q) as llama.cpp keeps it: Q8_1's
+// fp16 `s`, or Q8_K's integer bsums (scaled by d when used).
+struct ActRow {
+  const int8_t* q;
+  const float* d;
+  const float* sum;
+};
+
+// Q8_0 / Q8_1: d = amax / 127 stored as fp16, q = round(x / d) (half away
+// from zero, C's roundf), computed with the unrounded d as llama.cpp does.
+template <Act A>
+LOWBIT_HD void quantize_act_block(const float* x, int8_t* q, float* d, float* sum) {
+  if constexpr (A == Act::Q8_K) {
+    // Q8_K: fp32 d from the signed value of largest magnitude, q = nearest
+    // (ties to even) of -127 / max * x, clamped to 127; sums per 16.
+    float amax = 0.0f, max = 0.0f;
+    for (int j = 0; j < 256; ++j) {
+      const float ax = fabsf(x[j]);
+      if (ax > amax) {
+        amax = ax;
+        max = x[j];
+      }
+    }
+    if (amax == 0.0f) {
+      d[0] = 0.0f;
+      for (int j = 0; j < 256; ++j) q[j] = 0;
+      for (int j = 0; j < 16; ++j) sum[j] = 0.0f;
+      return;
+    }
+    const float iscale = -127.0f / max;
+    for (int j = 0; j < 256; ++j) {
+      const int v = static_cast<int>(nearbyintf(iscale * x[j]));
+      q[j] = static_cast<int8_t>(v < 127 ? v : 127);
+    }
+    for (int j = 0; j < 16; ++j) {
+      int s = 0;
+      for (int i = 0; i < 16; ++i) s += q[16 * j + i];
+      sum[j] = static_cast<float>(s);  // bsums: integer, scaled by d at use
+    }
+    d[0] = 1.0f / iscale;
+  } else {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(x[j]));
+    const float dd = amax / 127.0f;
+    const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
+    int s = 0;
+    for (int j = 0; j < 32; ++j) {
+      q[j] = static_cast<int8_t>(roundf(x[j] * id));
+      s += q[j];
+    }
+    d[0] = fp16_to_fp32(fp32_to_fp16(dd));
+    sum[0] = fp16_to_fp32(fp32_to_fp16(static_cast<float>(s) * dd));  // Q8_1's s
+  }
+}
+
+// sum(w[i] * x[i]) over one weight block (block index `bi` of the row) with
+// integer products per sub-block: each sub-block contributes
+// d_w * d_x * sum(q_w * q_x) and, for types with mins, m_w * (d_x * sum(q_x)).
+template <Type T>
+LOWBIT_HD float block_dot(const Decoded<T>& w, const ActRow& a, int64_t bi) {
+  using I = TypeInfo<T>;
+  using L = ActLayout<I::kAct>;
+  const int64_t base = bi * I::kBlock;
+  const int8_t* xq = a.q + base;
+  float acc = 0.0f;
+  for (int s = 0; s < I::kBlock / I::kSub; ++s) {
+    int32_t isum = 0;
+    for (int i = s * I::kSub; i < (s + 1) * I::kSub; ++i) isum += static_cast<int32_t>(w.q[i]) * xq[i];
+    const int64_t first = base + s * I::kSub;
+    const float dx = a.d[first / L::kBlock];
+    acc += w.d[s] * dx * static_cast<float>(isum);
+    if constexpr (I::kHasMin) {
+      float xsum = 0.0f;
+      for (int k = 0; k < I::kSub / L::kSumBlock; ++k) xsum += a.sum[first / L::kSumBlock + k];
+      // Q8_K keeps integer sums; Q8_1's s already includes d.
+      acc += w.m[s] * (I::kAct == Act::Q8_K ? dx * xsum : xsum);
+    }
+  }
+  return acc;
+}
+
+}  // namespace ggml
+}  // namespace lowbit

@@ -1,0 +1,154 @@
+// CPU kernels of the GGUF ops: dequantize, and matmul with 8-bit quantized
+// activations and integer dot products. One template per family, instantiated
+// for every type of the table in core/ggml_types.h.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <vector>
+
+#include "../core/ggml_blocks.h"
+#include "../core/ggml_q8.h"
+#include "../dispatch_ggml.h"
+#include "../ggml_checks.h"
+#include "ggml_cpu.h"
+
+namespace lowbit {
+namespace cpu {
+namespace {
+
+using ggml::Act;
+using ggml::TypeInfo;
+
+// Decodes one row of n weights (whole blocks) into fp32.
+template <ggml::Type T>
+void dequantize_row(const uint8_t* row, int64_t n, float* out) {
+  constexpr int kBlock = TypeInfo<T>::kBlock, kBytes = TypeInfo<T>::kBytes;
+  for (int64_t b = 0; b < n / kBlock; ++b) ggml::dequantize_block<T>(row + b * kBytes, out + b * kBlock);
+}
+
+// Rows per parallel task: about 64k weights each, so small matrices stay serial.
+int64_t row_grain(int64_t n) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, n)); }
+
+// All M activation rows quantized once per call, in the format T pairs with.
+template <Act A>
+struct QuantizedActs {
+  using L = ggml::ActLayout<A>;
+  int64_t n;
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<float> sum;
+
+  QuantizedActs(const float* x, int64_t M, int64_t n_) : n(n_), q(M * n_), d(M * n_ / L::kBlock), sum(M * n_ / L::kSumBlock) {
+    const int64_t blocks = n / L::kBlock;
+    at::parallel_for(0, M * blocks, std::max<int64_t>(1, 2048 / L::kBlock), [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        ggml::quantize_act_block<A>(x + b * L::kBlock, q.data() + b * L::kBlock, d.data() + b,
+                                    sum.data() + b * (L::kBlock / L::kSumBlock));
+      }
+    });
+  }
+
+  ggml::ActRow row(int64_t m) const {
+    return {q.data() + m * n, d.data() + m * (n / L::kBlock), sum.data() + m * (n / L::kSumBlock)};
+  }
+};
+
+// out[M, rows] = X[M, n] @ W.T: each weight block is decoded once and dotted
+// with every activation row; tasks own disjoint weight rows.
+template <ggml::Type T>
+void mul_mat_quantized(const uint8_t* W, int64_t rows, int64_t n, const float* X, int64_t M, float* out) {
+  using I = TypeInfo<T>;
+  const QuantizedActs<I::kAct> acts(X, M, n);
+  const int64_t blocks = n / I::kBlock;
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t r0, int64_t r1) {
+    std::vector<float> acc(M);
+    ggml::Decoded<T> blk;
+    for (int64_t r = r0; r < r1; ++r) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      const uint8_t* row = W + r * blocks * I::kBytes;
+      for (int64_t b = 0; b < blocks; ++b) {
+        ggml::Codec<T>::decode(row + b * I::kBytes, blk);
+        for (int64_t m = 0; m < M; ++m) acc[m] += ggml::block_dot<T>(blk, acts.row(m), b);
+      }
+      for (int64_t m = 0; m < M; ++m) out[m * rows + r] = acc[m];
+    }
+  });
+}
+
+// Float weight types (F32, F16, BF16) multiply fp32 activations directly.
+template <ggml::Type T>
+void mul_mat_float(const uint8_t* W, int64_t rows, int64_t n, const float* X, int64_t M, float* out) {
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t r0, int64_t r1) {
+    std::vector<float> w(n);
+    for (int64_t r = r0; r < r1; ++r) {
+      dequantize_row<T>(W + r * n * TypeInfo<T>::kBytes, n, w.data());
+      for (int64_t m = 0; m < M; ++m) {
+        const float* x = X + m * n;
+        float acc = 0.0f;
+        for (int64_t i = 0; i < n; ++i) acc += w[i] * x[i];
+        out[m * rows + r] = acc;
+      }
+    }
+  });
+}
+
+at::Tensor ggml_mul_mat(const char* op, const at::Tensor& W, const at::Tensor& X, int64_t type, int64_t row) {
+  check_ggml_matmul(op, W, X, type, row);
+  const at::Tensor x = X.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0), n = x.size(1);
+  at::Tensor out = at::empty({M, row}, x.options());
+  if (M > 0 && row > 0) {
+    const uint8_t* w = W.data_ptr<uint8_t>();
+    dispatch_ggml_type(type, [&](auto t) {
+      constexpr ggml::Type T = decltype(t)::value;
+      if constexpr (TypeInfo<T>::kFloat) {
+        mul_mat_float<T>(w, row, n, x.data_ptr<float>(), M, out.data_ptr<float>());
+      } else {
+        mul_mat_quantized<T>(w, row, n, x.data_ptr<float>(), M, out.data_ptr<float>());
+      }
+    });
+  } else {
+    out.zero_();
+  }
+  return out.to(X.scalar_type());
+}
+
+}  // namespace
+
+at::Tensor ggml_dequantize(const at::Tensor& W, int64_t type, int64_t m, int64_t n,
+                           std::optional<at::ScalarType> dtype) {
+  const char* op = "ggml_dequantize";
+  const ggml::RuntimeInfo info = check_ggml_weight(op, W, type, m, n);
+  const at::ScalarType out_type = dtype.value_or(at::kHalf);
+  TORCH_CHECK(out_type == at::kFloat || out_type == at::kHalf || out_type == at::kBFloat16, op,
+              ": dtype must be float32, float16 or bfloat16, got ", out_type);
+  at::Tensor out = at::empty({m, n}, W.options().dtype(out_type));
+  if (out.numel() == 0) return out;
+  const uint8_t* w = W.data_ptr<uint8_t>();
+  const int64_t row_bytes = n / info.block * info.bytes;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_type, "ggml_dequantize", [&] {
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    dispatch_ggml_type(type, [&](auto t) {
+      constexpr ggml::Type T = decltype(t)::value;
+      at::parallel_for(0, m, row_grain(n), [&](int64_t r0, int64_t r1) {
+        std::vector<float> row(n);
+        for (int64_t r = r0; r < r1; ++r) {
+          dequantize_row<T>(w + r * row_bytes, n, row.data());
+          std::copy(row.begin(), row.end(), dst + r * n);
+        }
+      });
+    });
+  });
+  return out;
+}
+
+at::Tensor ggml_mul_mat_vec_a8(const at::Tensor& W, const at::Tensor& X, int64_t type, int64_t row) {
+  return ggml_mul_mat("ggml_mul_mat_vec_a8", W, X, type, row);
+}
+
+at::Tensor ggml_mul_mat_a8(const at::Tensor& W, const at::Tensor& X, int64_t type, int64_t row) {
+  return ggml_mul_mat("ggml_mul_mat_a8", W, X, type, row);
+}
+
+}  // namespace cpu
+}  // namespace lowbit

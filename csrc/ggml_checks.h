@@ -1,0 +1,43 @@
+// Argument validation for the GGUF ops, shared by every backend (same
+// conventions as gptq_checks.h: RuntimeError for dtype/device/layout,
+// ValueError for values and shapes; messages start with "<op>: <argument>").
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/safe_numerics.h>
+
+#include "core/ggml_types.h"
+#include "gptq_checks.h"
+
+namespace lowbit {
+
+// Validates a type id and a matrix of `rows` x `cols` weights stored in W;
+// returns the ggml type info. W must hold exactly rows * row_bytes bytes.
+inline ggml::RuntimeInfo check_ggml_weight(const char* op, const at::Tensor& W, int64_t type, int64_t rows,
+                                           int64_t cols) {
+  const ggml::RuntimeInfo info = ggml::runtime_info(type);
+  TORCH_CHECK_VALUE(info.ok, op, ": type ", type, " is not a ggml weight type lowbit supports (unknown or removed id)");
+  check_dtype(op, "W", W, at::kByte);
+  check_contiguous(op, "W", W);
+  TORCH_CHECK_VALUE(rows >= 0 && cols >= 0, op, ": the weight shape must be non-negative, got ", rows, " x ", cols);
+  TORCH_CHECK_VALUE(cols % info.block == 0, op, ": n=", cols, " is not a multiple of the ", info.name,
+                    " block size ", info.block);
+  const int64_t row_bytes = cols / info.block * info.bytes;
+  int64_t total = 0;
+  TORCH_CHECK_VALUE(!c10::mul_overflows(rows, row_bytes, &total), op, ": ", rows, " rows of ", row_bytes,
+                    " bytes overflow int64");
+  TORCH_CHECK_VALUE(W.numel() == total, op, ": W has ", W.numel(), " bytes but ", rows, " rows of ", cols, " ",
+                    info.name, " weights need ", total, " (", row_bytes, " per row)");
+  return info;
+}
+
+// Validates X [M, n] against a weight with `rows` rows of the given type.
+inline ggml::RuntimeInfo check_ggml_matmul(const char* op, const at::Tensor& W, const at::Tensor& X, int64_t type,
+                                           int64_t rows) {
+  check_float_dtype(op, "X", X);
+  check_same_device(op, "X", X, W);
+  check_dim(op, "X", X, 2);
+  return check_ggml_weight(op, W, type, rows, X.size(1));
+}
+
+}  // namespace lowbit

@@ -1,0 +1,188 @@
+"""GGUF ops against gguf-py for every weight type.
+
+ggml_dequantize must equal gguf.quants.dequantize bit for bit: lowbit evaluates
+each weight in ggml's order of operations (one rounding per multiply/add), and
+so does gguf-py for every type, so no type needs a 1-ulp allowance.
+
+ggml_mul_mat_(vec_)a8 quantize the activations to 8-bit blocks as llama.cpp's
+CPU backend does and compare against the float64 product of gguf-py's
+dequantized weights with the unquantized activations. Tolerance per output,
+with d_b = amax(x over activation block b) / 127:
+  sum_i |W[r, i]| * 0.5625 * d_b(i)      activation rounding (half a step) plus,
+                                        for Q8_0/Q8_1, d stored as fp16
+                                        (127 * 2^-11 = 0.062 step)
++ sum_b |m_rb| * 3.97 * d_b              Q4_1/Q5_1 only: Q8_1's fp16 sum term
+                                        (2^-10 * 32 * 127 steps)
++ 1e-5 * (|x| @ |W|.T)                   fp32 accumulation
+"""
+import numpy as np
+import pytest
+import torch
+
+import gguf_blocks as gb
+
+ops = torch.ops.lowbit
+N = 512  # two 256-element super-blocks, sixteen 32-element blocks
+ROWS = 12
+
+
+@pytest.fixture(params=gb.TYPES)
+def qtype(request):
+    return request.param
+
+
+def blocks(name, rows=ROWS, n=N, seed=0):
+    rng = np.random.default_rng([seed, gb.type_id(name)])
+    return gb.random_blocks(rng, name, rows, n)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_dequantize_is_bit_exact_with_gguf_py(device, qtype, seed):
+    raw = blocks(qtype, seed=seed)
+    expect = gb.dequantize(raw, qtype)
+    W = torch.from_numpy(raw).to(device)
+    got = ops.ggml_dequantize(W, gb.type_id(qtype), ROWS, N, torch.float32)
+    assert got.dtype == torch.float32 and got.shape == (ROWS, N)
+    np.testing.assert_array_equal(got.cpu().numpy(), expect)
+    # Other output dtypes are the fp32 values rounded once; fp16 is the default.
+    assert ops.ggml_dequantize(W, gb.type_id(qtype), ROWS, N).dtype == torch.float16
+    for dtype in (torch.float16, torch.bfloat16):
+        got = ops.ggml_dequantize(W, gb.type_id(qtype), ROWS, N, dtype)
+        assert torch.equal(got.cpu(), torch.from_numpy(expect).to(dtype))
+
+
+def test_type_table_matches_gguf_py(qtype):
+    assert ops.ggml_type_info(gb.type_id(qtype)) == list(gb.block_shape(qtype))
+
+
+@pytest.mark.parametrize("type_id", [4, 5, 9, 15, 24, 28, 31, 36, 38, 99, -1])
+def test_unknown_and_removed_types_raise(type_id):
+    with pytest.raises(ValueError, match=f"type {type_id} is not a ggml weight type"):
+        ops.ggml_type_info(type_id)
+    with pytest.raises(ValueError, match=f"ggml_dequantize: type {type_id} is not a ggml weight type"):
+        ops.ggml_dequantize(torch.zeros(1024, dtype=torch.uint8), type_id, 1, 256, None)
+
+
+def a8_tolerance(x, W, raw, name):
+    """The documented bound (module docstring) for every output [M, rows]."""
+    x64 = x.astype(np.float64)
+    absW = np.abs(W.astype(np.float64))
+    tol = 1e-5 * (np.abs(x64) @ absW.T)
+    if name in gb.FLOAT_TYPES:
+        return tol  # float weights take the activations unquantized
+    ab = gb.act_block(name)
+    d = np.abs(x64).reshape(x.shape[0], -1, ab).max(axis=2) / 127  # [M, act blocks]
+    step = np.repeat(d, ab, axis=1)  # [M, n]
+    tol += 0.5625 * (step @ absW.T)
+    mins = gb.min_terms(raw, name)
+    if mins is not None:
+        tol += 3.97 * (d @ mins.T)
+    return tol
+
+
+@pytest.mark.parametrize("op", ["ggml_mul_mat_vec_a8", "ggml_mul_mat_a8"])
+@pytest.mark.parametrize("M", [1, 3, 17])
+def test_mul_mat_a8_within_documented_tolerance(device, qtype, op, M):
+    raw = blocks(qtype)
+    W = gb.dequantize(raw, qtype)
+    rng = np.random.default_rng(M)
+    x = rng.standard_normal((M, N)).astype(np.float32)
+    x[:, :32] *= 20  # one outlier block: scales must be per block, not per row
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        X = torch.from_numpy(x).to(dtype)
+        xr = X.float().numpy()  # the activations as the op sees them
+        expect = xr.astype(np.float64) @ W.astype(np.float64).T
+        tol = a8_tolerance(xr, W, raw, qtype)
+        got = getattr(ops, op)(torch.from_numpy(raw).to(device), X.to(device), gb.type_id(qtype), ROWS)
+        assert got.dtype == dtype and got.shape == (M, ROWS)
+        out_round = {torch.float32: 0.0, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}[dtype]
+        err = np.abs(got.double().cpu().numpy() - expect)
+        bound = tol + out_round * np.abs(expect) + 1e-30
+        worst = np.unravel_index(np.argmax(err / bound), err.shape)
+        assert np.all(err <= bound), f"{dtype}: error {err[worst]:.3g} > {bound[worst]:.3g} at {worst}"
+
+
+def test_q8_0_activations_are_quantized_like_llama_cpp():
+    """With Q8_0 weights the a8 product is sum_b d_w * d_x * sum(q_w * q_x),
+    where (q_x, d_x) is llama.cpp's Q8_0 quantization of x (gguf-py has the
+    same quantizer), so it matches that sum up to fp32 accumulation."""
+    from gguf import GGMLQuantizationType as QT
+    from gguf import quants as gq
+
+    rng = np.random.default_rng(7)
+    raw = blocks("Q8_0")
+    x = rng.standard_normal((2, N)).astype(np.float32)
+    xq = gq.quantize(x, QT.Q8_0).reshape(2, -1, 34)
+    wq = raw.reshape(ROWS, -1, 34)
+    dx = xq[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)  # [2, blocks]
+    dw = wq[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)  # [rows, blocks]
+    qx = xq[..., 2:].view(np.int8).astype(np.int64)
+    qw = wq[..., 2:].view(np.int8).astype(np.int64)
+    isum = np.einsum("mbi,rbi->mrb", qx, qw)
+    expect = np.einsum("mb,rb,mrb->mr", dx, dw, isum)
+    got = ops.ggml_mul_mat_a8(torch.from_numpy(raw), torch.from_numpy(x), gb.type_id("Q8_0"), ROWS).double().numpy()
+    bound = 1e-5 * np.einsum("mb,rb,mrb->mr", np.abs(dx), np.abs(dw), np.abs(isum)) + 1e-30
+    assert np.all(np.abs(got - expect) <= bound)
+
+
+def test_zero_activations_and_empty_batch(qtype):
+    raw = torch.from_numpy(blocks(qtype))
+    out = ops.ggml_mul_mat_a8(raw, torch.zeros(2, N), gb.type_id(qtype), ROWS)
+    assert torch.equal(out, torch.zeros(2, ROWS))
+    assert ops.ggml_mul_mat_vec_a8(raw, torch.zeros(0, N), gb.type_id(qtype), ROWS).shape == (0, ROWS)
+
+
+def test_opcheck_and_compile():
+    for name in ("Q4_0", "Q4_K", "IQ2_XS", "F16"):
+        raw = torch.from_numpy(blocks(name))
+        t = gb.type_id(name)
+        torch.library.opcheck(ops.ggml_dequantize, (raw, t, ROWS, N, torch.float32))
+        torch.library.opcheck(ops.ggml_dequantize, (raw, t, ROWS, N, None))
+        for M in (1, 5):
+            x = torch.randn(M, N)
+            torch.library.opcheck(ops.ggml_mul_mat_vec_a8, (raw, x, t, ROWS))
+            torch.library.opcheck(ops.ggml_mul_mat_a8, (raw, x.bfloat16(), t, ROWS))
+
+    raw = torch.from_numpy(blocks("Q6_K"))
+
+    @torch.compile(fullgraph=True, dynamic=True)
+    def f(x):
+        return torch.relu(ops.ggml_mul_mat_a8(raw, x, gb.type_id("Q6_K"), ROWS)) + 1
+
+    for M in (1, 6):
+        x = torch.randn(M, N)
+        torch.testing.assert_close(f(x), torch.relu(ops.ggml_mul_mat_a8(raw, x, gb.type_id("Q6_K"), ROWS)) + 1)
+
+
+BAD = {
+    # name: (call, exception, message)
+    "W float": (lambda W, x: ops.ggml_mul_mat_a8(W.float(), x, 2, ROWS), RuntimeError, "ggml_mul_mat_a8: W must be Byte"),
+    "W strided": (lambda W, x: ops.ggml_mul_mat_a8(W.t().contiguous().t(), x, 2, ROWS), RuntimeError,
+                  "ggml_mul_mat_a8: W must be contiguous"),
+    "too few bytes": (lambda W, x: ops.ggml_mul_mat_a8(W[:-1], x, 2, ROWS), ValueError,
+                      r"ggml_mul_mat_a8: W has 3168 bytes but 12 rows of 512 Q4_0 weights need 3456 \(288 per row\)"),
+    "too many rows": (lambda W, x: ops.ggml_mul_mat_vec_a8(W, x, 2, ROWS + 1), ValueError,
+                      "ggml_mul_mat_vec_a8: W has 3456 bytes but 13 rows"),
+    "X int": (lambda W, x: ops.ggml_mul_mat_a8(W, x.int(), 2, ROWS), RuntimeError, "ggml_mul_mat_a8: X must be float32"),
+    "X 3-D": (lambda W, x: ops.ggml_mul_mat_a8(W, x[None], 2, ROWS), ValueError, "ggml_mul_mat_a8: X must be 2-D"),
+    "X not whole blocks": (lambda W, x: ops.ggml_mul_mat_a8(W, x[:, :500], 2, ROWS), ValueError,
+                           "ggml_mul_mat_a8: n=500 is not a multiple of the Q4_0 block size 32"),
+    "bytes of another type": (lambda W, x: ops.ggml_mul_mat_a8(W, x, 8, ROWS), ValueError,
+                              r"ggml_mul_mat_a8: W has 3456 bytes but 12 rows of 512 Q8_0 weights need 6528"),
+    "removed type": (lambda W, x: ops.ggml_mul_mat_a8(W, x, 31, ROWS), ValueError,
+                     "ggml_mul_mat_a8: type 31 is not a ggml weight type"),
+    "negative rows": (lambda W, x: ops.ggml_dequantize(W, 2, -1, N, None), ValueError,
+                      "ggml_dequantize: the weight shape must be non-negative"),
+    "overflowing shape": (lambda W, x: ops.ggml_dequantize(W, 2, 2**62, 2**10, None), ValueError,
+                          "ggml_dequantize: .* overflow int64"),
+    "dequantize bad dtype": (lambda W, x: ops.ggml_dequantize(W, 2, ROWS, N, torch.int32), RuntimeError,
+                             "ggml_dequantize: dtype must be float32, float16 or bfloat16"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
+def test_bad_inputs_raise_naming_the_argument(case):
+    call, exc, pattern = BAD[case]
+    W = torch.from_numpy(blocks("Q4_0"))
+    with pytest.raises(exc, match=pattern):
+        call(W, torch.randn(2, N))
