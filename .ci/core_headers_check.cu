@@ -17,3 +17,29 @@ template __global__ void gptq_core_check<2>(const uint32_t*, uint32_t*, float*, 
 template __global__ void gptq_core_check<3>(const uint32_t*, uint32_t*, float*, int64_t);
 template __global__ void gptq_core_check<4>(const uint32_t*, uint32_t*, float*, int64_t);
 template __global__ void gptq_core_check<8>(const uint32_t*, uint32_t*, float*, int64_t);
+
+#include "core/ggml_blocks.h"
+#include "core/ggml_q8.h"
+
+// Every GGUF type: decode and dequantize a block, and the 8-bit dot product.
+template <lowbit::ggml::Type T>
+__global__ void ggml_core_check(const uint8_t* blocks, const float* x, float* out) {
+  using I = lowbit::ggml::TypeInfo<T>;
+  lowbit::ggml::dequantize_block<T>(blocks + blockIdx.x * I::kBytes, out + blockIdx.x * I::kBlock);
+  if constexpr (!I::kFloat) {
+    using L = lowbit::ggml::ActLayout<I::kAct>;
+    int8_t q[I::kBlock];
+    float d[I::kBlock / L::kBlock], sum[I::kBlock / L::kSumBlock];
+    for (int b = 0; b < I::kBlock / L::kBlock; ++b) {
+      lowbit::ggml::quantize_act_block<I::kAct>(x + b * L::kBlock, q + b * L::kBlock, d + b,
+                                                sum + b * (L::kBlock / L::kSumBlock));
+    }
+    lowbit::ggml::Decoded<T> blk;
+    lowbit::ggml::Codec<T>::decode(blocks, blk);
+    out[0] = lowbit::ggml::block_dot<T>(blk, lowbit::ggml::ActRow{q, d, sum}, 0);
+  }
+}
+
+#define LOWBIT_GGML_INSTANTIATE(name, id, block, bytes, sub, has_min, act) \
+  template __global__ void ggml_core_check<lowbit::ggml::Type::name>(const uint8_t*, const float*, float*);
+LOWBIT_GGML_TYPES(LOWBIT_GGML_INSTANTIATE)
