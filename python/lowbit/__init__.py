@@ -8,7 +8,8 @@ from . import _library
 _library.load()
 
 from . import _fake  # noqa: E402,F401  (needs the ops loaded first)
+from .gguf_linear import GGUFLinear  # noqa: E402
 from .gptq_quant import GPTQTensors, quantize_rtn  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["GPTQTensors", "quantize_rtn"]
+__all__ = ["GGUFLinear", "GPTQTensors", "quantize_rtn"]

@@ -1,0 +1,82 @@
+"""GGUFLinear: an nn.Linear replacement that keeps a GGUF weight's quantized
+blocks (not a dequantized copy) and multiplies through torch.ops.lowbit."""
+from typing import Optional
+
+import torch
+from torch import nn
+
+# Batches of at most this many rows take the matrix-vector op; larger ones
+# the batched op (the split vLLM's GGUF layers make).
+VEC_MAX_M = 8
+
+
+class GGUFLinear(nn.Module):
+    """y = x @ W.T + b with W stored as raw ggml blocks of type `qtype`.
+
+    Buffers: `qweight` (uint8 [out_features, in_features / block * type_size],
+    the rows exactly as a GGUF file stores them) and `bias` (optional).
+    Activations may have any leading batch dims and be fp32, fp16 or bf16;
+    the output has the activations' dtype.
+    """
+
+    def __init__(self, in_features: int, out_features: int, qtype: int, bias: bool = True,
+                 dtype: Optional[torch.dtype] = None, device=None):
+        super().__init__()
+        block, type_size = torch.ops.lowbit.ggml_type_info(qtype)
+        if in_features % block:
+            raise ValueError(f"GGUFLinear: in_features={in_features} is not a multiple of the block size {block} of type {qtype}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.qtype = qtype
+        self.register_buffer(
+            "qweight", torch.zeros(out_features, in_features // block * type_size, dtype=torch.uint8, device=device)
+        )
+        if bias:
+            self.register_buffer("bias", torch.zeros(out_features, dtype=dtype or torch.float32, device=device))
+        else:
+            self.bias = None
+
+    @classmethod
+    def from_raw(cls, qweight: torch.Tensor, qtype: int, in_features: int,
+                 bias: Optional[torch.Tensor] = None) -> "GGUFLinear":
+        """A layer over existing block bytes [out_features, row_bytes] (e.g. a GGUF tensor's data)."""
+        layer = cls(in_features, qweight.shape[0], qtype, bias=bias is not None,
+                    dtype=None if bias is None else bias.dtype, device=qweight.device)
+        if tuple(qweight.shape) != tuple(layer.qweight.shape) or qweight.dtype != torch.uint8:
+            raise ValueError(f"GGUFLinear.from_raw: qweight must be uint8 {tuple(layer.qweight.shape)} for "
+                             f"{in_features} inputs of type {qtype}, got {qweight.dtype} {tuple(qweight.shape)}")
+        layer.qweight = qweight
+        if bias is not None:
+            layer.bias = bias.detach().clone()
+        return layer
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, qtype: int) -> "GGUFLinear":
+        """Quantizes an nn.Linear with gguf-py's quantizer (types gguf-py can quantize)."""
+        from gguf import GGMLQuantizationType
+        from gguf import quants
+
+        weight = linear.weight.detach().to(torch.float32).cpu().numpy()
+        try:
+            raw = quants.quantize(weight, GGMLQuantizationType(qtype))
+        except NotImplementedError as e:
+            raise ValueError(f"GGUFLinear.from_linear: gguf-py cannot quantize type {qtype}: {e}") from e
+        qweight = torch.from_numpy(raw.reshape(weight.shape[0], -1)).to(linear.weight.device)
+        return cls.from_raw(qweight, qtype, linear.in_features, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] <= VEC_MAX_M:
+            y = torch.ops.lowbit.ggml_mul_mat_vec_a8(self.qweight, x2, self.qtype, self.out_features)
+        else:
+            y = torch.ops.lowbit.ggml_mul_mat_a8(self.qweight, x2, self.qtype, self.out_features)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight [out_features, in_features]."""
+        return torch.ops.lowbit.ggml_dequantize(self.qweight, self.qtype, self.out_features, self.in_features, dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}, bias={self.bias is not None}"

@@ -1,0 +1,74 @@
+"""GGUFLinear: a drop-in nn.Linear over quantized GGUF blocks."""
+import numpy as np
+import pytest
+import torch
+
+import gguf_blocks as gb
+import lowbit
+from test_gguf_ops import a8_tolerance
+
+IN, OUT = 512, 48
+
+
+def reference_linear(name, seed=0, bias=True):
+    torch.manual_seed(seed)
+    linear = torch.nn.Linear(IN, OUT, bias=bias)
+    layer = lowbit.GGUFLinear.from_linear(linear, gb.type_id(name))
+    return linear, layer
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_1", "Q8_0", "TQ2_0", "MXFP4", "BF16"])
+@pytest.mark.parametrize("batch", [(1,), (3,), (2, 9)], ids=["M1", "M3", "2x9"])  # 2x9 = 18 rows: batched op
+def test_forward_matches_the_dequantized_weight(name, batch):
+    linear, layer = reference_linear(name)
+    raw = layer.qweight.numpy()
+    W = gb.dequantize(raw, name)
+    np.testing.assert_array_equal(layer.dequantize().numpy(), W)
+    x = torch.randn(*batch, IN)
+    y = layer(x)
+    assert y.shape == (*batch, OUT) and y.dtype == torch.float32
+    x2 = x.reshape(-1, IN).numpy()
+    expect = x2.astype(np.float64) @ W.astype(np.float64).T + linear.bias.detach().double().numpy()
+    tol = a8_tolerance(x2, W, raw, name) + 1e-6 * np.abs(expect)
+    assert np.all(np.abs(y.reshape(-1, OUT).double().numpy() - expect) <= tol)
+
+
+def test_half_precision_activations_and_to_dtype():
+    _, layer = reference_linear("Q8_0")
+    layer = layer.to(torch.bfloat16)
+    assert layer.qweight.dtype == torch.uint8 and layer.bias.dtype == torch.bfloat16
+    x = torch.randn(4, IN)
+    for dtype in (torch.float16, torch.bfloat16):
+        y = layer(x.to(dtype))
+        assert y.dtype == dtype
+        torch.testing.assert_close(y.float(), layer(x).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_state_dict_round_trip():
+    _, layer = reference_linear("Q5_0")
+    fresh = lowbit.GGUFLinear(IN, OUT, gb.type_id("Q5_0"))
+    assert not torch.equal(fresh.qweight, layer.qweight)
+    fresh.load_state_dict(layer.state_dict())
+    x = torch.randn(2, IN)
+    assert torch.equal(fresh(x), layer(x))
+    assert set(layer.state_dict()) == {"qweight", "bias"}
+
+
+def test_no_bias_and_compile():
+    _, layer = reference_linear("Q4_0", bias=False)
+    assert layer.bias is None and "bias" not in layer.state_dict()
+    compiled = torch.compile(layer, fullgraph=True)
+    for M in (1, 12):
+        x = torch.randn(M, IN)
+        torch.testing.assert_close(compiled(x), layer(x))
+
+
+def test_constructor_and_from_raw_validate():
+    with pytest.raises(ValueError, match="in_features=500 is not a multiple of the block size 32"):
+        lowbit.GGUFLinear(500, 8, gb.type_id("Q4_0"))
+    with pytest.raises(ValueError, match="is not a ggml weight type"):
+        lowbit.GGUFLinear(512, 8, 4)
+    with pytest.raises(ValueError, match=r"qweight must be uint8 \(8, 288\)"):
+        lowbit.GGUFLinear.from_raw(torch.zeros(8, 287, dtype=torch.uint8), gb.type_id("Q4_0"), 512)
+    with pytest.raises(ValueError, match="gguf-py cannot quantize"):
+        lowbit.GGUFLinear.from_linear(torch.nn.Linear(512, 8), gb.type_id("Q4_K"))
