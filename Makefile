@@ -35,6 +35,7 @@ demo: build
 
 bench: build
 	$(PYTHON) benchmarks/bench_gptq_gemm.py
+	$(PYTHON) benchmarks/bench_gguf.py
 
 # Compile (only) every CUDA source for sm_80 and sm_90a; works without a GPU.
 cuda-check: deps

