@@ -10,11 +10,11 @@ _library.load()
 from . import _fake  # noqa: E402,F401  (needs the ops loaded first)
 from .gguf_file import GGUFError, GGUFFile, GGUFTensor, load_gguf  # noqa: E402
 from .gguf_linear import GGUFLinear  # noqa: E402
-from .gptq_quant import GPTQTensors, quantize_rtn  # noqa: E402
+from .gptq import GPTQLinear, GPTQTensors, load_gptq, quantize_rtn, save_gptq  # noqa: E402
 from .replace import ReplaceReport, replace_linear  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
-    "GGUFError", "GGUFFile", "GGUFLinear", "GGUFTensor", "GPTQTensors", "ReplaceReport",
-    "load_gguf", "quantize_rtn", "replace_linear",
+    "GGUFError", "GGUFFile", "GGUFLinear", "GGUFTensor", "GPTQLinear", "GPTQTensors", "ReplaceReport",
+    "load_gguf", "load_gptq", "quantize_rtn", "replace_linear", "save_gptq",
 ]

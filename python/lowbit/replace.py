@@ -12,6 +12,7 @@ from torch import nn
 from .gguf_file import GGUFError, GGUFTensor, load_gguf
 from .gguf_linear import GGUFLinear
 from .gguf_llama import hf_name, unpermute_rows
+from .gptq.checkpoint import GPTQCheckpointError, load_gptq
 
 
 @dataclass
@@ -21,20 +22,77 @@ class ReplaceReport:
     unplaced: list[str] = field(default_factory=list)  # checkpoint tensors with no place in the model
 
 
-def replace_linear(model: nn.Module, path: str | os.PathLike) -> ReplaceReport:
-    """Loads the checkpoint at `path` into `model`.
+def replace_linear(model: nn.Module, path: str | os.PathLike, checkpoint_format: str | None = None) -> ReplaceReport:
+    """Loads the checkpoint at `path` into `model`, swapping nn.Linear layers for
+    lowbit layers. A model parameter the checkpoint does not provide raises
+    ValueError; checkpoint tensors the model has no place for are warned about
+    and listed in the report.
 
     A `.gguf` file (llama-family names, as llama.cpp's converter writes them):
     every nn.Linear the file has a quantized weight for becomes a GGUFLinear
     over the file's own blocks; embeddings and norms are loaded as float
     tensors; llama.cpp's Q/K row permutation is undone on the quantized rows.
-    A model parameter the file does not provide raises ValueError; file
-    tensors the model has no place for are warned about and reported.
+
+    A GPTQ checkpoint (a directory, or a .safetensors file beside its config):
+    every module with a qweight becomes a GPTQLinear holding the checkpoint's
+    tensors; everything else is loaded into the model's own parameters and
+    buffers. `checkpoint_format` ("gptq" / "gptq_v2") overrides the config's.
     """
     path = os.fspath(path)
     if path.endswith(".gguf"):
         return _replace_from_gguf(model, path)
-    raise ValueError(f"replace_linear: {path!r} is not a .gguf file; GGUF is the checkpoint format supported so far")
+    return _replace_from_gptq(model, path, checkpoint_format)
+
+
+def _replace_from_gptq(model: nn.Module, path: str, checkpoint_format: str | None) -> ReplaceReport:
+    ckpt = load_gptq(path, checkpoint_format)
+    report = ReplaceReport()
+    wanted = [n for n, _ in model.named_parameters()]  # tied parameters once, as HF saves them
+    wanted += [n for n, _ in _persistent_buffers(model)]
+    placed = set()
+    for name, layer in ckpt.modules.items():
+        module = _get_module(model, name)
+        if not isinstance(module, nn.Linear):
+            raise GPTQCheckpointError(f"{ckpt.directory}: module {name!r} is quantized in the checkpoint but the "
+                                      f"model has {type(module).__name__ if module is not None else 'no such module'}")
+        if (module.in_features, module.out_features) != (layer.in_features, layer.out_features):
+            raise GPTQCheckpointError(f"{ckpt.directory}: module {name!r} is [{layer.out_features} x "
+                                      f"{layer.in_features}] in the checkpoint but Linear({module.in_features}, "
+                                      f"{module.out_features}) in the model")
+        if (module.bias is None) != (layer.bias is None):
+            raise GPTQCheckpointError(f"{ckpt.directory}: module {name!r}: the checkpoint "
+                                      f"{'has no' if layer.bias is None else 'has a'} bias, the model "
+                                      f"{'has one' if module.bias is not None else 'has none'}")
+        model.set_submodule(name, layer.to(module.weight.device))
+        report.replaced.append(name)
+        placed.update(f"{name}.{p}" for p in ("weight", "bias"))
+    targets = dict(model.named_parameters())
+    targets.update(_persistent_buffers(model))
+    for name, tensor in ckpt.tensors.items():
+        target = targets.get(name)
+        if target is None:
+            report.unplaced.append(name)
+            continue
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise GPTQCheckpointError(f"{ckpt.directory}: tensor {name!r} has shape {tuple(tensor.shape)} but the "
+                                      f"model's is {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(tensor)
+        report.loaded.append(name)
+        placed.add(name)
+    if report.unplaced:
+        warnings.warn(f"replace_linear: {ckpt.directory}: tensors with no place in the model: {report.unplaced}")
+    missing = [n for n in wanted if n not in placed]
+    if missing:
+        raise GPTQCheckpointError(f"replace_linear: {ckpt.directory} has no tensor for model parameters {missing}")
+    return report
+
+
+def _persistent_buffers(model: nn.Module):
+    for module_name, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                yield (f"{module_name}.{name}" if module_name else name), buf
 
 
 def _replace_from_gguf(model: nn.Module, path: str) -> ReplaceReport:

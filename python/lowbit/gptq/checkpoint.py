@@ -1,0 +1,251 @@
+"""Reading and writing GPTQ checkpoints in the layout AutoGPTQ, GPTQModel and
+HF transformers use: a directory with a quantization config and one or more
+safetensors files (sharded ones listed in model.safetensors.index.json)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import GPTQConfig, ModuleQuant, read_config
+from .linear import GPTQLinear
+
+INDEX_FILE = "model.safetensors.index.json"
+QUANT_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
+
+
+class GPTQCheckpointError(ValueError):
+    """A GPTQ checkpoint is missing tensors, has wrong shapes or dtypes, or is unreadable."""
+
+
+@dataclass
+class GPTQCheckpoint:
+    config: GPTQConfig
+    directory: str
+    modules: dict[str, GPTQLinear] = field(default_factory=dict)  # quantized Linears by module name
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # every other tensor by name
+
+
+def checkpoint_files(path: str | os.PathLike) -> tuple[str, list[str]]:
+    """(directory, safetensors files) of a checkpoint directory or single file."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        if not path.endswith(".safetensors"):
+            raise GPTQCheckpointError(f"{path}: expected a .safetensors file or a checkpoint directory")
+        return os.path.dirname(os.path.abspath(path)), [path]
+    if not os.path.isdir(path):
+        raise GPTQCheckpointError(f"{path}: no such file or directory")
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise GPTQCheckpointError(f"{index}: unreadable shard index: {e}") from e
+        files = [os.path.join(path, s) for s in shards]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise GPTQCheckpointError(f"{index}: lists shards that do not exist: {missing}")
+        return path, files
+    files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise GPTQCheckpointError(f"{path}: no .safetensors files")
+    return path, files
+
+
+def read_tensors(files: list[str]) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    if name in tensors:
+                        raise GPTQCheckpointError(f"{file}: tensor {name!r} appears in more than one shard")
+                    tensors[name] = f.get_tensor(name)
+        except GPTQCheckpointError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for corrupt headers and data
+            raise GPTQCheckpointError(f"{file}: unreadable safetensors file: {e}") from e
+    return tensors
+
+
+def load_gptq(path: str | os.PathLike, checkpoint_format: str | None = None) -> GPTQCheckpoint:
+    """Reads a GPTQ checkpoint (directory or single .safetensors file next to its
+    config) into GPTQLinear modules, keyed by module name, plus the remaining
+    tensors. `checkpoint_format` overrides the config's "gptq" / "gptq_v2"."""
+    directory, files = checkpoint_files(path)
+    config = read_config(directory)
+    if checkpoint_format is not None:
+        config = replace(config, checkpoint_format=checkpoint_format)
+    tensors = read_tensors(files)
+    ckpt = GPTQCheckpoint(config, directory)
+    prefixes = sorted(n[: -len(".qweight")] for n in tensors if n.endswith(".qweight"))
+    for prefix in prefixes:
+        quant = config.for_module(prefix)
+        if quant is None:
+            raise GPTQCheckpointError(f"{directory}: module {prefix!r} has a qweight but the config's dynamic "
+                                      "rules exclude it from quantization")
+        parts = {k: tensors.pop(f"{prefix}.{k}", None) for k in (*QUANT_TENSORS, "bias")}
+        ckpt.modules[prefix] = _module(prefix, quant, config, parts, directory)
+    _check_labelled_format(ckpt)
+    ckpt.tensors = tensors
+    return ckpt
+
+
+def _module(name: str, q: ModuleQuant, config: GPTQConfig, t: dict[str, torch.Tensor | None],
+            directory: str) -> GPTQLinear:
+    where = f"{directory}: module {name!r}"
+    for key in ("qweight", "qzeros", "scales"):
+        if t[key] is None:
+            raise GPTQCheckpointError(f"{where}: missing tensor {name}.{key}")
+    qweight, qzeros, scales, g_idx, bias = (t[k] for k in (*QUANT_TENSORS, "bias"))
+    for key, tensor, dtypes in (("qweight", qweight, (torch.int32,)), ("qzeros", qzeros, (torch.int32,)),
+                                ("scales", scales, (torch.float16, torch.bfloat16, torch.float32)),
+                                ("g_idx", g_idx, (torch.int32, torch.int64)),
+                                ("bias", bias, (torch.float16, torch.bfloat16, torch.float32))):
+        if tensor is not None and tensor.dtype not in dtypes:
+            raise GPTQCheckpointError(f"{where}: {key} has dtype {tensor.dtype}, expected one of {dtypes}")
+    fields = 32 if q.bits == 3 else 32 // q.bits
+    words = 3 if q.bits == 3 else 1
+    if qweight.dim() != 2 or qweight.shape[0] % words:
+        raise GPTQCheckpointError(f"{where}: qweight shape {tuple(qweight.shape)} does not fit {q.bits}-bit packing")
+    K, N = qweight.shape[0] // words * fields, qweight.shape[1]
+    groups = 1 if q.group_size == -1 else math.ceil(K / q.group_size)
+    expect = {"qzeros": (groups, N // fields * words), "scales": (groups, N), "g_idx": (K,), "bias": (N,)}
+    for key, shape in expect.items():
+        if t[key] is not None and tuple(t[key].shape) != shape:
+            raise GPTQCheckpointError(f"{where}: {key} has shape {tuple(t[key].shape)}, expected {shape} for a "
+                                      f"{q.bits}-bit [{K}, {N}] weight with group_size {q.group_size}")
+    if g_idx is not None and g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+        raise GPTQCheckpointError(f"{where}: g_idx values must lie in [0, {groups}), found "
+                                  f"[{int(g_idx.min())}, {int(g_idx.max())}]")
+    try:
+        layer = GPTQLinear(K, N, q.bits, q.group_size, q.sym, q.desc_act, config.checkpoint_format,
+                           bias=bias is not None, dtype=scales.dtype)
+    except ValueError as e:
+        raise GPTQCheckpointError(f"{where}: {e}") from e
+    with torch.no_grad():
+        layer.qweight.copy_(qweight)
+        layer.qzeros.copy_(qzeros)
+        layer.scales.copy_(scales)
+        if g_idx is not None:
+            layer.g_idx.copy_(g_idx)
+        if bias is not None:
+            layer.bias.copy_(bias)
+    return layer
+
+
+def _check_labelled_format(ckpt: GPTQCheckpoint) -> None:
+    """Symmetric checkpoints show their zero format: every stored zero is
+    2^(bits-1) - 1 in v1 and 2^(bits-1) in v2. A checkpoint whose words say
+    the other format than its label (a known GPTQModel-era mislabelling) is
+    loaded as what its words say, with a loud warning naming the evidence."""
+    label = ckpt.config.checkpoint_format
+    evidence = []
+    for name, layer in ckpt.modules.items():
+        if not layer.sym:
+            continue
+        zeros = torch.ops.lowbit.gptq_unpack(layer.qzeros, layer.bits, 1)
+        other = 2 ** (layer.bits - 1) - (1 if label == "gptq_v2" else 0)
+        if bool((zeros == other).all()):
+            evidence.append((name, layer))
+    if not evidence or len(evidence) != sum(layer.sym for layer in ckpt.modules.values()):
+        return
+    actual = "gptq" if label == "gptq_v2" else "gptq_v2"
+    name, layer = evidence[0]
+    word = int(layer.qzeros.flatten()[0]) & 0xFFFFFFFF
+    warnings.warn(
+        f"{ckpt.directory}: the config says checkpoint_format={label!r} but all {len(evidence)} symmetric modules "
+        f"store {actual} zero points (e.g. {name}.qzeros words 0x{word:08X} for {layer.bits}-bit); loading it as "
+        f"{actual!r}. Pass checkpoint_format={label!r} to force the label.",
+        stacklevel=3,
+    )
+    for layer in ckpt.modules.values():
+        layer.checkpoint_format = actual
+
+
+def write_checkpoint(directory: str | os.PathLike, tensors: dict[str, torch.Tensor], config: dict[str, Any],
+                     copy_from: str | None = None, max_shard_bytes: int | None = None) -> None:
+    """Writes a checkpoint directory atomically: everything goes to a temporary
+    directory beside `directory`, which is renamed into place at the end, so an
+    interrupted write leaves no `directory`. `config` is the full config.json
+    content (with "quantization_config"); quantize_config.json gets that part.
+    Files of `copy_from` other than weights and configs are copied along."""
+    directory = os.path.abspath(os.fspath(directory))
+    if os.path.exists(directory):
+        raise FileExistsError(f"{directory} already exists")
+    parent = os.path.dirname(directory)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.", dir=parent)
+    try:
+        if copy_from is not None:
+            for name in os.listdir(copy_from):
+                src = os.path.join(copy_from, name)
+                if os.path.isfile(src) and not _is_weight_or_config(name):
+                    shutil.copy2(src, os.path.join(tmp, name))
+        _write_shards(tmp, tensors, max_shard_bytes)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        with open(os.path.join(tmp, "quantize_config.json"), "w") as f:
+            json.dump(config["quantization_config"], f, indent=2)
+        os.rename(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _is_weight_or_config(name: str) -> bool:
+    return name.endswith(".safetensors") or name in (INDEX_FILE, "config.json", "quantize_config.json",
+                                                      "quant_config.json")
+
+
+def _write_shards(directory: str, tensors: dict[str, torch.Tensor], max_shard_bytes: int | None) -> None:
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    shards, current, size = [], {}, 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if current and max_shard_bytes is not None and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = t
+        size += nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(directory, file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with open(os.path.join(directory, INDEX_FILE), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def save_gptq(model: torch.nn.Module, directory: str | os.PathLike, config: GPTQConfig,
+              max_shard_bytes: int | None = None) -> None:
+    """Writes `model` (its GPTQLinear layers hold the checkpoint tensors under
+    their checkpoint names) as an HF GPTQ directory: config.json with
+    `quantization_config` (the model's HF config too, if it has one),
+    quantize_config.json, and safetensors, sharded above `max_shard_bytes`."""
+    tensors, seen = {}, set()
+    for name, t in model.state_dict().items():
+        # Tied weights (an LM head sharing the embedding) appear twice; like HF, keep the first.
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        if key not in seen:
+            seen.add(key)
+            tensors[name] = t
+    hf_config = getattr(model, "config", None)
+    content = hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}
+    content["quantization_config"] = config.to_dict()
+    write_checkpoint(directory, tensors, content, max_shard_bytes=max_shard_bytes)

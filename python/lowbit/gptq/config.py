@@ -1,0 +1,132 @@
+"""The quantization config of a GPTQ checkpoint, as AutoGPTQ, GPTQModel and HF
+transformers write it, with GPTQModel's per-module `dynamic` overrides."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+# Where a checkpoint directory keeps its config, in the order readers look.
+CONFIG_SOURCES = ("quantize_config.json", "quant_config.json", "config.json")
+FORMATS = ("gptq", "gptq_v2")
+BITS = (2, 3, 4, 8)
+# Other keys (true_sequential, static_groups, meta, damp_percent, ...) describe
+# how a checkpoint was made, not how to read it, and are ignored.
+
+
+class GPTQConfigError(ValueError):
+    """A GPTQ quantization config is missing, unreadable or unsupported."""
+
+
+@dataclass(frozen=True)
+class ModuleQuant:
+    """How one module is quantized."""
+    bits: int
+    group_size: int  # -1: one group over all of K
+    desc_act: bool
+    sym: bool
+
+
+@dataclass(frozen=True)
+class GPTQConfig:
+    bits: int
+    group_size: int
+    desc_act: bool = False
+    sym: bool = True
+    checkpoint_format: str = "gptq"  # "gptq" (v1 zeros) or "gptq_v2"
+    lm_head: bool = False  # the LM head is quantized too
+    dynamic: dict[str, dict[str, Any]] = field(default_factory=dict)  # GPTQModel per-module overrides
+    source: str = ""  # the file the config came from
+
+    @property
+    def default(self) -> ModuleQuant:
+        return ModuleQuant(self.bits, self.group_size, self.desc_act, self.sym)
+
+    def for_module(self, name: str) -> ModuleQuant | None:
+        """The quantization of module `name`, None if `dynamic` excludes it.
+
+        GPTQModel's rules: a key "-:regex" excludes matching modules, "+:regex"
+        or a bare regex overrides bits / group_size / desc_act / sym; the first
+        matching rule applies (re.match on the full module name).
+        """
+        for key, overrides in self.dynamic.items():
+            negative = key.startswith("-:")
+            pattern = key[2:] if key[:2] in ("-:", "+:") else key
+            if re.match(pattern, name):
+                if negative:
+                    return None
+                return replace(self.default, **{k: overrides[k] for k in ("bits", "group_size", "desc_act", "sym")
+                                                if k in overrides})
+        return self.default
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as an HF `quantization_config` dict."""
+        out = {"quant_method": "gptq", "bits": self.bits, "group_size": self.group_size, "desc_act": self.desc_act,
+               "sym": self.sym, "checkpoint_format": self.checkpoint_format, "lm_head": self.lm_head}
+        if self.dynamic:
+            out["dynamic"] = self.dynamic
+        return out
+
+
+def parse_config(raw: dict[str, Any], source: str = "") -> GPTQConfig:
+    """A GPTQConfig from a quantize_config dict; raises GPTQConfigError naming `source`."""
+    where = source or "quantization config"
+    method = raw.get("quant_method", "gptq")
+    if method != "gptq":
+        raise GPTQConfigError(f"{where}: quant_method is {method!r}, not 'gptq'")
+    fmt = raw.get("checkpoint_format", raw.get("format", "gptq"))
+    if fmt not in FORMATS:
+        raise GPTQConfigError(f"{where}: checkpoint format {fmt!r} is not supported (expected one of {FORMATS})")
+    for key in ("bits", "group_size"):
+        if key not in raw:
+            raise GPTQConfigError(f"{where}: missing {key!r}")
+    config = GPTQConfig(
+        bits=raw["bits"], group_size=raw["group_size"], desc_act=bool(raw.get("desc_act", False)),
+        sym=bool(raw.get("sym", True)), checkpoint_format=fmt, lm_head=bool(raw.get("lm_head", False)),
+        dynamic=dict(raw.get("dynamic") or {}), source=source,
+    )
+    _validate(config.default, where)
+    for key, overrides in config.dynamic.items():
+        if not isinstance(overrides, dict):
+            raise GPTQConfigError(f"{where}: dynamic rule {key!r} must map to a dict, got {overrides!r}")
+        try:
+            re.compile(key[2:] if key[:2] in ("-:", "+:") else key)
+        except re.error as e:
+            raise GPTQConfigError(f"{where}: dynamic rule {key!r} is not a valid regex: {e}") from e
+        if not key.startswith("-:"):
+            _validate(replace(config.default, **{k: overrides[k] for k in ("bits", "group_size") if k in overrides}),
+                      f"{where}: dynamic rule {key!r}")
+    return config
+
+
+def _validate(q: ModuleQuant, where: str) -> None:
+    if q.bits not in BITS:
+        raise GPTQConfigError(f"{where}: bits must be one of {BITS}, got {q.bits!r}")
+    if not isinstance(q.group_size, int) or not (q.group_size == -1 or q.group_size > 0):
+        raise GPTQConfigError(f"{where}: group_size must be -1 or a positive integer, got {q.group_size!r}")
+
+
+def read_config(directory: str | os.PathLike) -> GPTQConfig:
+    """The quantization config of a checkpoint directory, from the first of
+    quantize_config.json, quant_config.json, config.json["quantization_config"]."""
+    directory = os.fspath(directory)
+    for name in CONFIG_SOURCES:
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+        except (OSError, ValueError) as e:
+            raise GPTQConfigError(f"{path}: unreadable JSON: {e}") from e
+        if name == "config.json":
+            raw = raw.get("quantization_config")
+            if raw is None:
+                continue
+        if not isinstance(raw, dict):
+            raise GPTQConfigError(f"{path}: the quantization config must be a JSON object")
+        return parse_config(raw, path)
+    raise GPTQConfigError(f"{directory}: no GPTQ config ({', '.join(CONFIG_SOURCES[:2])} or config.json "
+                          "with quantization_config)")

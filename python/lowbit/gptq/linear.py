@@ -1,0 +1,125 @@
+"""GPTQLinear: an nn.Linear replacement whose buffers are exactly a GPTQ
+checkpoint's tensors, multiplied by torch.ops.lowbit.gptq_gemm."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .config import BITS, FORMATS
+from .rtn import quantize_rtn
+
+
+def _fields_per_pack(bits: int) -> int:
+    return 32 if bits == 3 else 32 // bits
+
+
+def _words_per_pack(bits: int) -> int:
+    return 3 if bits == 3 else 1
+
+
+class GPTQLinear(nn.Module):
+    """y = x @ W.T + b for a GPTQ weight W.
+
+    Buffers (state_dict) are the checkpoint's own: `qweight` int32
+    [K*bits/32, N], `qzeros` int32 [groups, N*bits/32], `scales` [groups, N],
+    `g_idx` int32 [K] and optional `bias` [N], so `load_state_dict` reads a
+    checkpoint and `state_dict()` writes one. For act-order weights whose
+    groups all have `group_size` rows, the layer shuffles a private copy of
+    `qweight` into lowbit's fast layout the first time it runs (again after
+    its buffers change); any other g_idx runs unshuffled.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, sym: bool = True,
+                 desc_act: bool = False, checkpoint_format: str = "gptq", bias: bool = True,
+                 dtype: torch.dtype = torch.float16, device=None):
+        super().__init__()
+        if bits not in BITS:
+            raise ValueError(f"GPTQLinear: bits must be one of {BITS}, got {bits}")
+        if checkpoint_format not in FORMATS:
+            raise ValueError(f"GPTQLinear: checkpoint_format must be one of {FORMATS}, got {checkpoint_format!r}")
+        if group_size != -1 and group_size <= 0:
+            raise ValueError(f"GPTQLinear: group_size must be -1 or positive, got {group_size}")
+        if in_features % _fields_per_pack(bits) or out_features % _fields_per_pack(bits):
+            raise ValueError(f"GPTQLinear: {bits}-bit packing needs in_features and out_features to be multiples "
+                             f"of {_fields_per_pack(bits)}, got {in_features} and {out_features}")
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group_size, self.sym, self.desc_act = bits, group_size, sym, desc_act
+        self.checkpoint_format = checkpoint_format
+        groups = 1 if group_size == -1 else math.ceil(in_features / group_size)
+        words = _words_per_pack(bits)
+        self.register_buffer("qweight", torch.zeros(in_features // _fields_per_pack(bits) * words, out_features,
+                                                    dtype=torch.int32, device=device))
+        self.register_buffer("qzeros", torch.zeros(groups, out_features // _fields_per_pack(bits) * words,
+                                                   dtype=torch.int32, device=device))
+        self.register_buffer("scales", torch.zeros(groups, out_features, dtype=dtype, device=device))
+        g = 1 if group_size == -1 else group_size
+        self.register_buffer("g_idx", (torch.arange(in_features, device=device) // g).to(torch.int32))
+        if bias:
+            self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device))
+        else:
+            self.bias = None
+        self._prepared_for = None  # (qweight, g_idx) versions the fast path was built from
+        self._fast = None  # (qweight to multiply, b_g_idx, use_exllama)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, bits: int, group_size: int, sym: bool = True,
+                    checkpoint_format: str = "gptq", perm: torch.Tensor | None = None,
+                    dtype: torch.dtype = torch.float16) -> GPTQLinear:
+        """Round-to-nearest GPTQ quantization of `linear` (act-order when `perm`
+        gives the order in which GPTQ would process the input rows)."""
+        t = quantize_rtn(linear.weight, bits, group_size, sym, checkpoint_format, perm, scale_dtype=dtype)
+        layer = cls(linear.in_features, linear.out_features, bits, group_size, sym, perm is not None,
+                    checkpoint_format, linear.bias is not None, dtype, linear.weight.device)
+        with torch.no_grad():
+            for name in ("qweight", "qzeros", "scales", "g_idx"):
+                getattr(layer, name).copy_(getattr(t, name))
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer
+
+    @property
+    def use_v2_format(self) -> bool:
+        return self.checkpoint_format == "gptq_v2"
+
+    def _prepare(self):
+        """Picks how to run: shuffled (act-order with equal groups) or plain."""
+        key = (self.qweight.data_ptr(), self.qweight._version, self.g_idx.data_ptr(), self.g_idx._version)
+        if self._prepared_for == key and self._fast[0].device == self.qweight.device:
+            return self._fast
+        K, groups = self.in_features, self.scales.shape[0]
+        g_idx = self.g_idx
+        trivial = torch.arange(K, device=g_idx.device) // max(1, K // groups)
+        if K % groups == 0 and torch.equal(g_idx, trivial.to(g_idx.dtype)):
+            fast = (self.qweight, torch.empty(0, dtype=torch.int32, device=g_idx.device), False)
+        else:
+            perm = torch.argsort(g_idx, stable=True).to(torch.int32)
+            if K % groups == 0 and torch.equal(g_idx[perm], trivial.to(g_idx.dtype)):
+                shuffled = self.qweight.clone()
+                torch.ops.lowbit.gptq_shuffle(shuffled, perm, self.bits)
+                fast = (shuffled, perm, True)
+            else:  # groups of unequal size: the unshuffled kernel takes any g_idx
+                fast = (self.qweight, g_idx, False)
+        self._prepared_for, self._fast = key, fast
+        return fast
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qweight, idx, shuffled = self._prepare()
+        y = torch.ops.lowbit.gptq_gemm(x.reshape(-1, self.in_features), qweight, self.qzeros, self.scales, idx,
+                                       shuffled, self.use_v2_format, self.bits)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The float weight [out_features, in_features] in `dtype` (default: the
+        scales' dtype), computed exactly in fp32 and rounded once."""
+        w = torch.ops.lowbit.gptq_dequantize(self.qweight, self.qzeros, self.scales.float(), self.g_idx,
+                                             self.use_v2_format, self.bits)
+        return w.t().to(dtype or self.scales.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"group_size={self.group_size}, sym={self.sym}, desc_act={self.desc_act}, "
+                f"checkpoint_format={self.checkpoint_format!r}, bias={self.bias is not None}")

@@ -1,0 +1,100 @@
+"""GPTQLinear: checkpoint-exact buffers, the fast act-order layout, dtypes."""
+import numpy as np
+import pytest
+import torch
+
+import gptq_reference as ref
+import lowbit
+
+IN, OUT = 256, 96
+
+
+def layer_and_linear(bits=4, group_size=64, sym=False, fmt="gptq_v2", act_order=False, bias=True, seed=0):
+    torch.manual_seed(seed)
+    linear = torch.nn.Linear(IN, OUT, bias=bias)
+    perm = torch.randperm(IN) if act_order else None
+    return lowbit.GPTQLinear.from_linear(linear, bits, group_size, sym, fmt, perm=perm), linear
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_forward_equals_x_at_the_reference_dequantized_weight(bits, act_order):
+    layer, linear = layer_and_linear(bits, act_order=act_order)
+    W = ref.dequantize(layer.qweight.numpy(), layer.qzeros.numpy(), layer.scales.numpy(), layer.g_idx.numpy(),
+                       bits, "gptq_v2")  # [K, N], independent of the C++ code
+    np.testing.assert_array_equal(layer.dequantize(torch.float32).t().numpy(), W.astype(np.float32))
+    for shape in [(1, IN), (2, 5, IN), (40, IN)]:
+        x = torch.randn(*shape)
+        expect = x.double().reshape(-1, IN).numpy() @ W + layer.bias.double().numpy()
+        got = layer(x)
+        assert got.shape == (*shape[:-1], OUT)
+        np.testing.assert_allclose(got.reshape(-1, OUT).double().numpy(), expect, rtol=1e-5, atol=1e-5)
+    # A quantized layer is close to the float layer it came from (RTN error only).
+    x = torch.randn(8, IN)
+    rel = (layer(x) - linear(x)).norm() / linear(x).norm()
+    assert rel < {2: 0.6, 3: 0.3, 4: 0.15, 8: 0.01}[bits]
+
+
+def test_act_order_runs_shuffled_and_reshuffles_after_load_state_dict():
+    layer, _ = layer_and_linear(act_order=True)
+    x = torch.randn(3, IN)
+    y = layer(x)
+    qweight, idx, shuffled = layer._fast
+    assert shuffled and not torch.equal(qweight, layer.qweight)  # a private shuffled copy
+    assert layer.state_dict()["qweight"].data_ptr() == layer.qweight.data_ptr()
+    other, _ = layer_and_linear(act_order=True, seed=1)
+    layer.load_state_dict(other.state_dict())
+    assert torch.equal(layer(x), other(x)) and not torch.equal(layer(x), y)
+
+
+def test_unequal_groups_run_unshuffled():
+    layer, _ = layer_and_linear(group_size=64)
+    g = torch.randint(0, 4, (IN,), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    layer.g_idx.copy_(g)
+    x = torch.randn(2, IN)
+    W = ref.dequantize(layer.qweight.numpy(), layer.qzeros.numpy(), layer.scales.numpy(), g.numpy(), 4, "gptq_v2")
+    np.testing.assert_allclose(layer(x).double().numpy(), x.double().numpy() @ W + layer.bias.double().numpy(),
+                               rtol=1e-5, atol=1e-5)
+    assert layer._fast[2] is False
+
+
+def test_state_dict_is_the_checkpoint():
+    layer, _ = layer_and_linear(bits=3, act_order=True)
+    sd = layer.state_dict()
+    assert list(sd) == ["qweight", "qzeros", "scales", "g_idx", "bias"]
+    assert sd["qweight"].dtype == torch.int32 and sd["qweight"].shape == (IN * 3 // 32, OUT)
+    assert sd["qzeros"].shape == (4, OUT * 3 // 32) and sd["scales"].dtype == torch.float16
+    assert sd["g_idx"].dtype == torch.int32 and sd["g_idx"].shape == (IN,)
+    nobias, _ = layer_and_linear(bias=False)
+    assert "bias" not in nobias.state_dict()
+
+
+def test_dtypes_and_to():
+    layer, _ = layer_and_linear(act_order=True)
+    x = torch.randn(4, IN)
+    y32 = layer(x)
+    layer = layer.to(torch.bfloat16)
+    assert layer.qweight.dtype == torch.int32 and layer.scales.dtype == torch.bfloat16
+    for dtype in (torch.float16, torch.bfloat16):
+        y = layer(x.to(dtype))
+        assert y.dtype == dtype
+        torch.testing.assert_close(y.float(), y32, rtol=3e-2, atol=3e-2)
+
+
+def test_compile():
+    layer, _ = layer_and_linear(act_order=True)
+    compiled = torch.compile(layer)
+    for M in (1, 7):
+        x = torch.randn(M, IN)
+        torch.testing.assert_close(compiled(x), layer(x))
+
+
+def test_constructor_validates():
+    with pytest.raises(ValueError, match="bits must be one of"):
+        lowbit.GPTQLinear(IN, OUT, 5, 128)
+    with pytest.raises(ValueError, match="checkpoint_format must be one of"):
+        lowbit.GPTQLinear(IN, OUT, 4, 128, checkpoint_format="awq")
+    with pytest.raises(ValueError, match="group_size must be -1 or positive"):
+        lowbit.GPTQLinear(IN, OUT, 4, 0)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        lowbit.GPTQLinear(IN, 48, 3, 128)
