@@ -30,6 +30,11 @@ TORCH_LIBRARY(lowbit, m) {
   m.def(
       "gptq_dequantize(Tensor b_q_weight, Tensor b_gptq_qzeros, Tensor b_gptq_scales, "
       "Tensor b_g_idx, bool use_v2_format, int bit) -> Tensor");
+  // Tensor-parallel reordering (TP-aware dequantization, Hoque et al. 2024):
+  // rows of a weight packed along K, gathered by a permutation of K ...
+  m.def("gptq_permute_rows(Tensor qweight, Tensor perm, int bit) -> Tensor");
+  // ... and output columns of (qweight, qzeros, scales), gathered by a permutation of N.
+  m.def("gptq_permute_cols(Tensor qweight, Tensor qzeros, Tensor scales, Tensor perm, int bit) -> (Tensor, Tensor, Tensor)");
   // Packs unsigned `bit`-bit values (int32 tensor) into int32 words along `dim`.
   m.def("gptq_pack(Tensor values, int bit, int dim) -> Tensor");
   // The inverse of gptq_pack: int32 values of every field along `dim`.

@@ -3,6 +3,9 @@
 // core/gptq_format.h.
 #include <ATen/Parallel.h>
 
+#include <tuple>
+#include <utility>
+
 #include "../core/gptq_format.h"
 #include "../dispatch_bits.h"
 #include "../gptq_checks.h"
@@ -144,26 +147,66 @@ at::Tensor zero_points(const at::Tensor& qzeros, int64_t bit, bool use_v2_format
   return z;
 }
 
-void gptq_shuffle(const at::Tensor& q_weight, const at::Tensor& q_perm, int64_t bit) {
-  const char* op = "gptq_shuffle";
+namespace {
+
+// Validates a packed-along-K weight and a permutation of its K rows (empty
+// allowed when `optional_perm`); returns K and the int32 permutation.
+std::pair<int64_t, at::Tensor> check_row_permutation(const char* op, const char* weight_name,
+                                                     const at::Tensor& qweight, const char* perm_name,
+                                                     const at::Tensor& perm, int64_t bit, bool optional_perm) {
   check_bits(op, bit);
-  check_dtype(op, "q_weight", q_weight, at::kInt);
-  check_dim(op, "q_weight", q_weight, 2);
-  check_contiguous(op, "q_weight", q_weight);
-  TORCH_CHECK_VALUE(q_weight.size(0) % words_per_pack(bit) == 0, op, ": q_weight has ", q_weight.size(0),
+  check_dtype(op, weight_name, qweight, at::kInt);
+  check_dim(op, weight_name, qweight, 2);
+  check_contiguous(op, weight_name, qweight);
+  TORCH_CHECK_VALUE(qweight.size(0) % words_per_pack(bit) == 0, op, ": ", weight_name, " has ", qweight.size(0),
                     " rows, not a multiple of ", words_per_pack(bit), " as ", bit, "-bit packing needs");
-  const int64_t K = q_weight.size(0) / words_per_pack(bit) * fields_per_pack(bit);
-  const int64_t N = q_weight.size(1);
-  const at::Tensor perm = check_index_vector(op, "q_perm", q_perm, q_weight, K, K);
+  const int64_t K = qweight.size(0) / words_per_pack(bit) * fields_per_pack(bit);
+  TORCH_CHECK_VALUE(optional_perm || perm.numel() == K, op, ": ", perm_name, " must be a permutation of the K=", K,
+                    " rows, got ", perm.numel(), " entries");
+  at::Tensor p = check_index_vector(op, perm_name, perm, qweight, K, K);
+  check_permutation(op, perm_name, p);
+  return {K, p};
+}
+
+// A copy of qweight (packed along K) with row k taken from row perm[k].
+at::Tensor permute_rows(const at::Tensor& qweight, const at::Tensor& perm32, int64_t K, int64_t bit) {
+  at::Tensor out = at::zeros_like(qweight);
+  dispatch_bits(bit, [&](auto bits) {
+    permute_rows_impl<decltype(bits)::value>(words_of(qweight), words_of(out), perm32.data_ptr<int32_t>(), K,
+                                             qweight.size(1));
+  });
+  return out;
+}
+
+}  // namespace
+
+void gptq_shuffle(const at::Tensor& q_weight, const at::Tensor& q_perm, int64_t bit) {
+  const auto [K, perm] = check_row_permutation("gptq_shuffle", "q_weight", q_weight, "q_perm", q_perm, bit, true);
   // lowbit's fast layout is the GPTQ packing with rows in q_perm order, so
   // without a permutation there is nothing to rewrite.
   if (perm.numel() == 0) return;
-  check_permutation(op, "q_perm", perm);
-  at::Tensor permuted = at::zeros_like(q_weight);
-  dispatch_bits(bit, [&](auto bits) {
-    permute_rows_impl<decltype(bits)::value>(words_of(q_weight), words_of(permuted), perm.data_ptr<int32_t>(), K, N);
-  });
-  q_weight.copy_(permuted);
+  q_weight.copy_(permute_rows(q_weight, perm, K, bit));
+}
+
+at::Tensor gptq_permute_rows(const at::Tensor& qweight, const at::Tensor& perm, int64_t bit) {
+  const auto [K, p] = check_row_permutation("gptq_permute_rows", "qweight", qweight, "perm", perm, bit, false);
+  return permute_rows(qweight, p, K, bit);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gptq_permute_cols(const at::Tensor& qweight, const at::Tensor& qzeros,
+                                                                 const at::Tensor& scales, const at::Tensor& perm,
+                                                                 int64_t bit) {
+  const char* op = "gptq_permute_cols";
+  const GptqDims d = check_gptq_weight(op, qweight, qzeros, scales, bit);
+  TORCH_CHECK_VALUE(perm.numel() == d.N, op, ": perm must be a permutation of the N=", d.N, " columns, got ",
+                    perm.numel(), " entries");
+  const at::Tensor p = check_index_vector(op, "perm", perm, qweight, d.N, d.N);
+  check_permutation(op, "perm", p);
+  const at::Tensor index = p.to(at::kLong);
+  // qweight and scales hold one column per output feature; zero points are
+  // packed along N, so they move as unpacked fields.
+  at::Tensor zeros = gptq_unpack(qzeros, bit, 1).index_select(1, index);
+  return {qweight.index_select(1, index), gptq_pack(zeros, bit, 1), scales.index_select(1, index)};
 }
 
 }  // namespace cpu

@@ -8,6 +8,8 @@ TORCH_LIBRARY_IMPL(lowbit, CPU, m) {
   m.impl("gptq_gemm", &lowbit::cpu::gptq_gemm);
   m.impl("gptq_shuffle", &lowbit::cpu::gptq_shuffle);
   m.impl("gptq_dequantize", &lowbit::cpu::gptq_dequantize);
+  m.impl("gptq_permute_rows", &lowbit::cpu::gptq_permute_rows);
+  m.impl("gptq_permute_cols", &lowbit::cpu::gptq_permute_cols);
   m.impl("gptq_pack", &lowbit::cpu::gptq_pack);
   m.impl("gptq_unpack", &lowbit::cpu::gptq_unpack);
   m.impl("ggml_dequantize", &lowbit::cpu::ggml_dequantize);

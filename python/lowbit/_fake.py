@@ -28,6 +28,16 @@ def _gptq_dequantize(b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_v2_f
     return b_gptq_scales.new_empty((k, b_q_weight.shape[1]))
 
 
+@torch.library.register_fake("lowbit::gptq_permute_rows")
+def _gptq_permute_rows(qweight, perm, bit):
+    return torch.empty_like(qweight)
+
+
+@torch.library.register_fake("lowbit::gptq_permute_cols")
+def _gptq_permute_cols(qweight, qzeros, scales, perm, bit):
+    return torch.empty_like(qweight), torch.empty_like(qzeros), torch.empty_like(scales)
+
+
 @torch.library.register_fake("lowbit::gptq_pack")
 def _gptq_pack(values, bit, dim):
     shape = list(values.shape)
