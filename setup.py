@@ -3,7 +3,8 @@
 CPU-only when torch has no CUDA or nvcc is missing; CUDA too when both are
 there. LOWBIT_CUDA=0/1 overrides the choice; TORCH_CUDA_ARCH_LIST picks the
 GPU architectures and MAX_JOBS the parallel compile jobs (torch's own
-variables). Install with: pip install --no-build-isolation -e .
+variables); LOWBIT_SANITIZE=1 builds with AddressSanitizer and
+UndefinedBehaviorSanitizer. Install with: pip install --no-build-isolation -e .
 """
 import glob
 import os
@@ -28,6 +29,12 @@ def extension():
     # compile with OpenMP like torch itself.
     cxx = ["-O3", "-fopenmp"]
     link = ["-fopenmp"]
+    if os.environ.get("LOWBIT_SANITIZE") == "1":
+        # AddressSanitizer + UndefinedBehaviorSanitizer build for the sanitizer
+        # test run (make sanitize); every finding aborts.
+        flags = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g"]
+        cxx = ["-O1", "-fopenmp", *flags]
+        link = ["-fopenmp", *flags]
     if not want_cuda():
         return CppExtension("lowbit._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=link)
     sources += sorted(glob.glob("csrc/cuda/*.cu"))

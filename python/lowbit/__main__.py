@@ -1,11 +1,21 @@
 """lowbit command line.
 
-    python -m lowbit inspect FILE.gguf   metadata and tensor table of a GGUF file
+    python -m lowbit inspect FILE.gguf              metadata and tensor table of a GGUF file
+    python -m lowbit inspect PATH                   quantization config and module table of a GPTQ
+                                                    checkpoint (directory or .safetensors file)
+    python -m lowbit convert-gptq SRC DST --to v2   rewrite a GPTQ checkpoint's zeros as v2 (or v1)
 """
 import argparse
 import sys
 
-from .gguf_file import GGUFError, GGUFFile, load_gguf
+import torch
+
+from .gguf_file import GGUFFile, load_gguf
+from .gptq.checkpoint import load_gptq
+from .gptq.convert import convert_checkpoint
+from .gptq.linear import GPTQLinear
+
+GPTQ_FORMATS = {"v1": "gptq", "v2": "gptq_v2"}  # --to choices -> checkpoint_format
 
 MAX_LIST_ITEMS = 8  # longer arrays (token lists, merges) print as "[N items]"
 MAX_VALUE_CHARS = 100  # long strings (chat templates) are cut to keep one line per key
@@ -34,31 +44,83 @@ def print_inspect(f: GGUFFile) -> None:
     header = ("name", "type", "shape", "bytes", "bpw")
     rows = [(t.name, t.type_name, format_shape(t.shape), str(t.nbytes), f"{t.bits_per_weight:.2f}")
             for t in f.tensors.values()]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        # name and type left-aligned, numbers right-aligned
-        print("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    print_table(header, rows, left_columns=2)  # name and type left-aligned, numbers right-aligned
     total_bytes = sum(t.nbytes for t in f.tensors.values())
     total_elements = sum(t.n_elements for t in f.tensors.values())
     average_bpw = 8 * total_bytes / total_elements if total_elements else 0.0
     print(f"total: {len(f.tensors)} tensors, {total_bytes} bytes, {average_bpw:.2f} bits per weight")
 
 
+def print_table(header, rows, left_columns: int) -> None:
+    """Columns padded to their widest cell; the first `left_columns` left-aligned, the rest right-aligned."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(c.ljust(w) if i < left_columns else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+
+
+def has_act_order(layer: GPTQLinear) -> bool:
+    """Whether g_idx scatters rows over groups; an all-zero or trivial (k // G) g_idx is no act-order."""
+    K = layer.in_features
+    G = K if layer.group_size == -1 else layer.group_size
+    trivial = torch.arange(K, dtype=layer.g_idx.dtype) // G
+    return bool(layer.g_idx.any()) and not torch.equal(layer.g_idx, trivial)
+
+
+def quant_bytes(layer: GPTQLinear) -> int:
+    return sum(t.numel() * t.element_size() for t in (layer.qweight, layer.qzeros, layer.scales, layer.g_idx))
+
+
+def print_gptq_inspect(path: str) -> None:
+    ckpt = load_gptq(path)
+    print(f"{path}: GPTQ checkpoint, {len(ckpt.modules)} quantized modules, {len(ckpt.tensors)} other tensors")
+    print(f"quantization config ({ckpt.config.source}):")
+    for key, value in ckpt.config.to_dict().items():
+        print(f"  {key} = {format_value(value)}")
+    print()
+    header = ("name", "bits", "group", "act-order", "sym", "format", "shape", "bytes", "bpw")
+    rows = [(name, str(m.bits), str(m.group_size), "yes" if has_act_order(m) else "no", "yes" if m.sym else "no",
+             m.checkpoint_format, f"{m.out_features}x{m.in_features}", str(quant_bytes(m)),
+             f"{8 * quant_bytes(m) / (m.in_features * m.out_features):.2f}")
+            for name, m in ckpt.modules.items()]
+    print_table(header, rows, left_columns=1)
+    total_bytes = sum(quant_bytes(m) for m in ckpt.modules.values())
+    total_weights = sum(m.in_features * m.out_features for m in ckpt.modules.values())
+    average_bpw = 8 * total_bytes / total_weights if total_weights else 0.0
+    print(f"total: {len(ckpt.modules)} modules, {total_weights} weights, {total_bytes} bytes, "
+          f"{average_bpw:.2f} bits per weight")
+
+
 def cmd_inspect(args) -> None:
-    with load_gguf(args.file) as f:
-        print_inspect(f)
+    if args.path.endswith(".gguf"):
+        with load_gguf(args.path) as f:
+            print_inspect(f)
+    else:
+        print_gptq_inspect(args.path)
+
+
+def cmd_convert_gptq(args) -> None:
+    s = convert_checkpoint(args.src, args.dst, to=GPTQ_FORMATS[args.to])
+    print(f"converted {s['source']} ({s['from']}) -> {s['destination']} ({s['to']}): {s['modules']} modules, "
+          f"{s['tensors']} tensors, {s['shards']} shard{'s' if s['shards'] != 1 else ''}")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lowbit", description="lowbit tools")
     commands = parser.add_subparsers(dest="command", required=True)
-    inspect = commands.add_parser("inspect", help="print a GGUF file's metadata and tensor table")
-    inspect.add_argument("file", help="path to a .gguf file")
+    inspect = commands.add_parser("inspect", help="print a GGUF file's metadata and tensor table, or a GPTQ "
+                                                  "checkpoint's quantization config and module table")
+    inspect.add_argument("path", help="a .gguf file, or a GPTQ checkpoint directory or .safetensors file")
     inspect.set_defaults(run=cmd_inspect)
+    convert = commands.add_parser("convert-gptq", help="write a copy of a GPTQ checkpoint with v1 or v2 zero points")
+    convert.add_argument("src", help="GPTQ checkpoint directory (only read)")
+    convert.add_argument("dst", help="new directory to write (must not exist)")
+    convert.add_argument("--to", required=True, choices=sorted(GPTQ_FORMATS),
+                         help="v1 ('gptq', stores zero-1) or v2 ('gptq_v2', stores the zero)")
+    convert.set_defaults(run=cmd_convert_gptq)
     args = parser.parse_args(argv)
     try:
         args.run(args)
-    except GGUFError as e:
+    except (ValueError, OSError) as e:  # GGUFError, GPTQConfigError, GPTQCheckpointError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -190,17 +190,32 @@ def write_checkpoint(directory: str | os.PathLike, tensors: dict[str, torch.Tens
         if copy_from is not None:
             for name in os.listdir(copy_from):
                 src = os.path.join(copy_from, name)
-                if os.path.isfile(src) and not _is_weight_or_config(name):
+                if os.path.isdir(src):
+                    shutil.copytree(src, os.path.join(tmp, name))
+                elif not _is_weight_or_config(name):
                     shutil.copy2(src, os.path.join(tmp, name))
         _write_shards(tmp, tensors, max_shard_bytes)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
         with open(os.path.join(tmp, "quantize_config.json"), "w") as f:
             json.dump(config["quantization_config"], f, indent=2)
+        _sync_tree(tmp)  # the data is on disk before the name appears
         os.rename(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _sync_tree(directory: str) -> None:
+    for root, _, files in os.walk(directory):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _is_weight_or_config(name: str) -> bool:

@@ -1,0 +1,368 @@
+"""GPTQ post-training quantization (Frantar et al. 2022, "GPTQ: Accurate
+Post-Training Quantization for Generative Pre-trained Transformers").
+
+Each nn.Linear weight W [N, K] is quantized to minimise the layer-wise error
+||W X - Wq X||^2 over calibration inputs X, whose Hessian is H = 2 X X^T
+(paper, eq. 1-2). Columns of W are quantized one at a time; the rounding
+error of each is spread over the columns not yet quantized through the
+inverse Hessian (the OBQ update, eq. 3), computed from the Cholesky factor
+of H^-1 (step 3 of the paper, "Cholesky reformulation") and applied lazily
+block by block (step 2, "lazy batch-updates"). Columns go in the order of
+decreasing diag(H) with act-order (`desc_act`, the paper's appendix on
+LLaMA / GPTQ's "act-order" heuristic).
+
+The quantizer grid is GPTQ's own min/max grid, the one lowbit.quantize_rtn
+uses; scales are rounded to their storage dtype before any column is
+quantized against them, so the error feedback sees exactly the weight the
+checkpoint dequantizes to.
+
+`quantize` runs the whole model block by block ("sequential" in the paper):
+each decoder layer is quantized from the outputs of the already-quantized
+layers before it. Inside a layer the Linears are quantized in the order the
+layer calls them, in groups that read the same input (q/k/v, then o, then
+gate/up, then down for Llama): every group's Hessian comes from inputs that
+already went through the quantized groups before it (the reference code's
+"true sequential" mode).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .config import BITS, FORMATS, GPTQConfig
+from .linear import GPTQLinear
+
+BLOCK_SIZE = 128  # columns per lazy batch-update (the paper's B = 128)
+
+
+class Hessian:
+    """H = 2/n * sum over the n input rows x of x x^T, the Hessian of the
+    layer-wise squared error (paper eq. 2), summed in float64 so that many
+    calibration tokens lose nothing to rounding. (The reference code divides
+    by the number of sequences rather than rows; any positive factor gives
+    the same quantization, as damping is relative to mean(diag(H)).)"""
+
+    def __init__(self, features: int, device=None):
+        self.sum = torch.zeros(features, features, dtype=torch.float64, device=device)
+        self.rows = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, self.sum.shape[0]).to(torch.float64)
+        self.sum.addmm_(x.t(), x)
+        self.rows += x.shape[0]
+
+    def value(self) -> torch.Tensor:
+        if self.rows == 0:
+            raise ValueError("Hessian: no inputs were added")
+        return self.sum * (2.0 / self.rows)
+
+
+class GPTQResult(NamedTuple):
+    codes: torch.Tensor  # int32 [K, N], the integers q in [0, 2^bits - 1], rows in the Linear's input order
+    scales: torch.Tensor  # [groups, N] in the storage dtype
+    zeros: torch.Tensor  # int32 [groups, N], the zero points themselves (not v1's zero-1)
+    g_idx: torch.Tensor  # int32 [K], the group of each input row
+    weight: torch.Tensor  # float32 [N, K], scales * (q - zeros): the weight the error feedback assumed
+
+
+def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int = 128, sym: bool = True,
+                desc_act: bool = False, damp_percent: float = 0.01,
+                scale_dtype: torch.dtype = torch.float16) -> GPTQResult:
+    """GPTQ of one weight [N, K] given the Hessian [K, K] of its inputs
+    (the reference implementation's `fasterquant`, static_groups=False)."""
+    _check_args(bits, group_size, damp_percent)
+    W = weight.detach().to(torch.float32).clone()
+    H = hessian.detach().to(device=W.device, dtype=torch.float64).clone()
+    N, K = W.shape
+    if H.shape != (K, K):
+        raise ValueError(f"gptq_weight: the Hessian must be [{K}, {K}] for a weight [{N}, {K}], "
+                         f"got {tuple(H.shape)}")
+    # Inputs that are always 0 carry no information: their weights do not
+    # matter to the layer's output, so they are set to 0, and H gets a 1 on
+    # the diagonal to stay invertible.
+    dead = H.diagonal() == 0
+    H.diagonal()[dead] = 1
+    W[:, dead] = 0
+    # Act-order: quantize the columns with the largest activations first,
+    # while many columns are still left to absorb their error.
+    perm = torch.argsort(H.diagonal(), descending=True) if desc_act else torch.arange(K, device=W.device)
+    W, H = W[:, perm], H[perm][:, perm]
+    # Dampening (paper, step 3): a fraction of the mean diagonal keeps the
+    # Cholesky decomposition stable on large models.
+    H.diagonal().add_(damp_percent * H.diagonal().mean())
+    U = _upper_cholesky_of_inverse(H).to(torch.float32)
+    grid = _Grid(bits, sym, group_size, K, N, scale_dtype, W.device)
+    Q = _quantize_columns(W, U, grid)
+    codes, weight_q = torch.empty_like(grid.codes), torch.empty_like(Q)
+    codes[perm], weight_q[:, perm] = grid.codes, Q
+    # Groups are formed in processing order: the j-th column processed
+    # belongs to group j // group_size.
+    g_idx = torch.empty(K, dtype=torch.int32, device=W.device)
+    g_idx[perm] = (torch.arange(K, device=W.device) // grid.group_size).to(torch.int32)
+    return GPTQResult(codes, grid.scales, grid.zeros, g_idx, weight_q)
+
+
+def _check_args(bits: int, group_size: int, damp_percent: float) -> None:
+    if bits not in BITS:
+        raise ValueError(f"GPTQ: bits must be one of {BITS}, got {bits}")
+    if group_size != -1 and group_size <= 0:
+        raise ValueError(f"GPTQ: group_size must be -1 or positive, got {group_size}")
+    if not 0 < damp_percent < 1:
+        raise ValueError(f"GPTQ: damp_percent must lie in (0, 1), got {damp_percent}")
+
+
+def _upper_cholesky_of_inverse(H: torch.Tensor) -> torch.Tensor:
+    """U with H^-1 = U^T U (upper): row j of U, divided by U[j, j], holds the
+    OBQ update of the columns after j once column j is quantized, with the
+    columns before j already eliminated (paper, step 3)."""
+    L, info = torch.linalg.cholesky_ex(H)
+    if info == 0:
+        U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+    if info != 0:
+        raise ValueError("GPTQ: the dampened Hessian is not positive definite; raise damp_percent")
+    return U
+
+
+class _Grid:
+    """GPTQ's per-group min/max quantizer and the tensors it produces, filled
+    in processing order (column j of the permuted weight)."""
+
+    def __init__(self, bits, sym, group_size, K, N, scale_dtype, device):
+        self.maxq, self.sym = 2**bits - 1, sym
+        self.group_size = K if group_size == -1 else group_size
+        groups = math.ceil(K / self.group_size)
+        self.scales = torch.empty(groups, N, dtype=scale_dtype, device=device)
+        self.zeros = torch.empty(groups, N, dtype=torch.int32, device=device)
+        self.codes = torch.empty(K, N, dtype=torch.int32, device=device)
+        self.scale = self.zero = None  # the current group's, float32 [N]
+
+    def start_group(self, group: int, w: torch.Tensor) -> None:
+        """Sets the grid of `group` from its columns' current weights w [N, g]."""
+        xmin = w.amin(dim=1).clamp(max=0)
+        xmax = w.amax(dim=1).clamp(min=0)
+        if self.sym:
+            xmax = torch.maximum(xmin.abs(), xmax)
+            xmin = -xmax
+        empty = (xmin == 0) & (xmax == 0)
+        xmin, xmax = torch.where(empty, -1.0, xmin), torch.where(empty, 1.0, xmax)
+        scale = ((xmax - xmin) / self.maxq).to(self.scales.dtype)
+        # A range too small for the storage dtype would round to a scale of 0.
+        scale = torch.where(scale > 0, scale, torch.finfo(scale.dtype).tiny)
+        self.scale = scale.float()
+        if self.sym:
+            self.zero = torch.full_like(self.scale, (self.maxq + 1) // 2)
+        else:
+            self.zero = torch.round(-xmin / self.scale).clamp(0, self.maxq)
+        self.scales[group], self.zeros[group] = scale, self.zero.to(torch.int32)
+
+    def quantize(self, j: int, w: torch.Tensor) -> torch.Tensor:
+        """Records the codes of column j and returns its dequantized value."""
+        q = torch.clamp(torch.round(w / self.scale) + self.zero, 0, self.maxq)
+        self.codes[j] = q.to(torch.int32)
+        return self.scale * (q - self.zero)
+
+
+def _quantize_columns(W: torch.Tensor, U: torch.Tensor, grid: _Grid) -> torch.Tensor:
+    """The column loop of GPTQ (paper, Algorithm 1): returns the dequantized
+    weight Q [N, K]; W is updated in place by the error feedback."""
+    N, K = W.shape
+    Q = torch.empty_like(W)
+    for b0 in range(0, K, BLOCK_SIZE):
+        b1 = min(b0 + BLOCK_SIZE, K)
+        block = W[:, b0:b1].clone()
+        errors = torch.empty(N, b1 - b0, dtype=W.dtype, device=W.device)
+        for i in range(b1 - b0):
+            j = b0 + i
+            if j % grid.group_size == 0:
+                grid.start_group(j // grid.group_size, _current_group(W, block, errors, U, b0, i,
+                                                                     min(j + grid.group_size, K)))
+            Q[:, j] = grid.quantize(j, block[:, i])
+            # Eq. 3: delta_F = -(w_j - q_j) / [H_F^-1]_jj * (H_F^-1)_{j,F}; only the
+            # columns in this block are updated now.
+            errors[:, i] = (block[:, i] - Q[:, j]) / U[j, j]
+            block[:, i + 1:] -= errors[:, i, None] * U[j, j + 1:b1]
+        # Lazy batch-update: the rest of W gets the whole block's feedback at once.
+        W[:, b1:] -= errors @ U[b0:b1, b1:]
+    return Q
+
+
+def _current_group(W, block, errors, U, b0, i, end) -> torch.Tensor:
+    """The current weights of the group of columns b0+i .. end-1: those in the
+    block carry every update so far; those past it still lack the pending
+    feedback of the block's first i columns."""
+    b1 = b0 + block.shape[1]
+    inside = block[:, i:min(end, b1) - b0]
+    if end <= b1:
+        return inside
+    outside = W[:, b1:end] - errors[:, :i] @ U[b0:b0 + i, b1:end]
+    return torch.cat([inside, outside], dim=1)
+
+
+def quantize_linear(linear: nn.Linear, hessian: torch.Tensor, bits: int, group_size: int = 128, sym: bool = True,
+                    desc_act: bool = False, checkpoint_format: str = "gptq_v2", damp_percent: float = 0.01,
+                    dtype: torch.dtype = torch.float16) -> GPTQLinear:
+    """A GPTQLinear holding the GPTQ quantization of `linear` (scales and bias
+    in `dtype`). GPTQ v1 ("gptq") stores zero-1 and cannot hold a zero point
+    of 0: asymmetric groups that need one raise ValueError."""
+    if checkpoint_format not in FORMATS:
+        raise ValueError(f"GPTQ: checkpoint_format must be one of {FORMATS}, got {checkpoint_format!r}")
+    r = gptq_weight(linear.weight, hessian, bits, group_size, sym, desc_act, damp_percent, dtype)
+    zeros = r.zeros
+    if checkpoint_format == "gptq":
+        if bool((zeros == 0).any()):
+            raise ValueError("GPTQ: GPTQ v1 ('gptq') stores zero-1 and cannot represent a zero point of 0, which "
+                             "this asymmetric weight needs; use checkpoint_format='gptq_v2'")
+        zeros = zeros - 1
+    device = linear.weight.device
+    layer = GPTQLinear(linear.in_features, linear.out_features, bits, group_size, sym, desc_act, checkpoint_format,
+                       linear.bias is not None, dtype, device)
+    with torch.no_grad():
+        # Packing is an offline step with a CPU kernel only.
+        layer.qweight.copy_(torch.ops.lowbit.gptq_pack(r.codes.cpu(), bits, 0))
+        layer.qzeros.copy_(torch.ops.lowbit.gptq_pack(zeros.cpu(), bits, 1))
+        layer.scales.copy_(r.scales)
+        layer.g_idx.copy_(r.g_idx)
+        if linear.bias is not None:
+            layer.bias.copy_(linear.bias)
+    return layer
+
+
+def quantize(model: nn.Module, calibration_batches: Iterable[Any], bits: int, group_size: int = 128,
+             sym: bool = True, desc_act: bool = False, checkpoint_format: str = "gptq_v2",
+             damp_percent: float = 0.01, lm_head: bool = False, progress: bool = True) -> GPTQConfig:
+    """GPTQ-quantizes an HF LlamaForCausalLM-style model in place: every
+    nn.Linear of its decoder layers (model.model.layers), and the LM head
+    with `lm_head`, becomes a GPTQLinear. Returns the config that
+    lowbit.save_gptq needs to write it as an HF GPTQ checkpoint.
+
+    `calibration_batches` are token id tensors [batch, seq] or dicts of
+    model(**batch) keyword arguments (input_ids, attention_mask). Work
+    happens on the model's device; the float weights are freed layer by
+    layer. A refusal raised midway (a v1 zero point of 0) leaves the layers
+    before it quantized.
+    """
+    _check_args(bits, group_size, damp_percent)
+    if checkpoint_format not in FORMATS:
+        raise ValueError(f"GPTQ: checkpoint_format must be one of {FORMATS}, got {checkpoint_format!r}")
+    decoder = getattr(model, "model", None)
+    if not isinstance(getattr(decoder, "layers", None), nn.ModuleList):
+        raise ValueError("quantize: expected an HF causal LM with decoder layers at model.model.layers")
+
+    def quantize_one(linear: nn.Linear, hessian: torch.Tensor) -> GPTQLinear:
+        return quantize_linear(linear, hessian, bits, group_size, sym, desc_act, checkpoint_format, damp_percent)
+
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            inputs = _layer_inputs(model, decoder.layers[0], calibration_batches)
+            for index, layer in enumerate(tqdm(decoder.layers, desc="GPTQ layers", disable=not progress)):
+                _quantize_layer(layer, f"model.layers.{index}", inputs, quantize_one)
+                inputs = [_with_hidden(args, kwargs, _run(layer, args, kwargs)) for args, kwargs in inputs]
+            if lm_head:
+                _quantize_lm_head(model, decoder.norm, inputs, quantize_one)
+    finally:
+        model.train(training)
+    return GPTQConfig(bits=bits, group_size=group_size, desc_act=desc_act, sym=sym,
+                      checkpoint_format=checkpoint_format, lm_head=lm_head)
+
+
+class _Captured(Exception):
+    """Stops the model's forward once the first decoder layer's inputs are in."""
+
+
+def _layer_inputs(model: nn.Module, first: nn.Module, batches: Iterable[Any]) -> list[tuple[tuple, dict]]:
+    """The (args, kwargs) the first decoder layer gets for each calibration
+    batch: its hidden states plus whatever the model computes for it
+    (position embeddings, attention mask, position ids, ...)."""
+    captured = []
+
+    def capture(module, args, kwargs):
+        captured.append((args, kwargs))
+        raise _Captured
+
+    hook = first.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        for batch in batches:
+            kwargs = dict(batch) if isinstance(batch, Mapping) else {"input_ids": batch}
+            try:
+                # No KV cache: each layer will run again on the same inputs.
+                model(**kwargs, use_cache=False)
+            except _Captured:
+                pass
+    finally:
+        hook.remove()
+    if not captured:
+        raise ValueError("quantize: calibration_batches is empty")
+    return captured
+
+
+def _run(layer: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
+    out = layer(*args, **kwargs)
+    return out[0] if isinstance(out, tuple) else out  # transformers 4 layers return tuples
+
+
+def _with_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple, dict]:
+    if args:
+        return (hidden, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": hidden}
+
+
+def _quantize_layer(layer: nn.Module, prefix: str, inputs, quantize_one) -> None:
+    """Quantizes the Linears of one decoder layer, group after group (Linears
+    sharing an input share its Hessian), each from inputs that went through
+    the groups quantized before it."""
+    linears = {name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
+    for group in _groups_by_input(layer, linears, inputs[0], prefix):
+        hessian = Hessian(linears[group[0]].in_features, linears[group[0]].weight.device)
+        hook = linears[group[0]].register_forward_hook(lambda module, args, out: hessian.add(args[0]))
+        try:
+            for args, kwargs in inputs:
+                _run(layer, args, kwargs)
+        finally:
+            hook.remove()
+        H = hessian.value()
+        for name in group:
+            layer.set_submodule(name, quantize_one(linears[name], H))
+
+
+def _groups_by_input(layer: nn.Module, linears: dict[str, nn.Linear], sample, prefix: str) -> list[list[str]]:
+    """The layer's Linears in call order, grouped by the input tensor they
+    read (q/k/v all read the normed hidden states), from one forward pass."""
+    calls = []
+    hooks = [m.register_forward_hook(lambda module, args, out, name=name: calls.append((name, args[0])))
+             for name, m in linears.items()]
+    try:
+        _run(layer, *sample)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    groups, seen, previous = [], set(), None
+    for name, x in calls:  # `calls` keeps the inputs alive, so `is` cannot confuse two tensors
+        if name in seen:
+            continue
+        if x is previous:
+            groups[-1].append(name)
+        else:
+            groups.append([name])
+        seen.add(name)
+        previous = x
+    unused = sorted(set(linears) - seen)
+    if unused:
+        raise ValueError(f"quantize: {[f'{prefix}.{n}' for n in unused]} never run in the forward pass, "
+                         "so they have no calibration inputs")
+    return groups
+
+
+def _quantize_lm_head(model: nn.Module, norm: nn.Module, inputs, quantize_one) -> None:
+    """The LM head reads the final norm of the last layer's outputs."""
+    head = model.lm_head
+    hessian = Hessian(head.in_features, head.weight.device)
+    for args, kwargs in inputs:
+        hessian.add(norm(args[0] if args else kwargs["hidden_states"]))
+    model.lm_head = quantize_one(head, hessian.value())

@@ -1,0 +1,153 @@
+"""Converting a GPTQ checkpoint between the v1 ("gptq") and v2 ("gptq_v2")
+zero-point formats.
+
+v1 stores zero-1 per field, v2 the zero itself. The conversion unpacks every
+qzeros field, adds or subtracts 1 and repacks: adding a constant to the packed
+words would be wrong for 3-bit, whose fields straddle word boundaries. Zeros a
+format cannot hold are refused rather than wrapped: a zero of 0 has no v1
+encoding, and a v1 field of 2^bits-1 (zero 2^bits) has no v2 encoding.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from .checkpoint import GPTQCheckpointError, checkpoint_files, read_tensors, write_checkpoint
+from .config import FORMATS, GPTQConfig, read_config
+
+MAX_NAMED_MODULES = 5  # refusals name this many modules, then give the count
+
+
+def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str = "gptq_v2") -> dict[str, Any]:
+    """Writes the checkpoint directory `src` to the new directory `dst` with its
+    zero points in format `to` ("gptq_v2" or "gptq"). Every other tensor, and
+    every other file of `src`, is carried over unchanged; config.json and
+    quantize_config.json get the new checkpoint_format. A sharded source gives
+    a sharded output (shards no larger than the source's largest).
+
+    `src` is only read. `dst` must not exist; it appears only when complete:
+    everything is written to a hidden temporary directory `.<dst name>.*`
+    beside it and renamed at the end. A process killed mid-write (SIGKILL,
+    power loss) can leave that hidden directory behind, never `dst`.
+
+    Raises ValueError (GPTQConfigError / GPTQCheckpointError for unreadable
+    checkpoints) before writing anything if the checkpoint already is in
+    format `to`, if its config's format label contradicts its stored
+    symmetric zeros, or if any zero cannot be expressed in format `to`.
+    Returns a summary: source, destination, from, to, modules, tensors, shards.
+    """
+    if to not in FORMATS:
+        raise ValueError(f"convert_checkpoint: `to` must be one of {FORMATS}, got {to!r}")
+    src, dst = os.fspath(src), os.fspath(dst)
+    if not os.path.isdir(src):
+        raise GPTQCheckpointError(f"{src}: not a checkpoint directory")
+    if os.path.exists(dst):
+        raise FileExistsError(f"{dst} already exists")
+    config = read_config(src)
+    if config.checkpoint_format == to:
+        raise ValueError(f"{src}: the checkpoint is already in {to!r} format; nothing to convert")
+    _, files = checkpoint_files(src)
+    tensors = read_tensors(files)
+    zeros = _unpacked_zeros(src, config, tensors)
+    _check_label(src, config, zeros)
+    _check_representable(src, config.checkpoint_format, to, zeros)
+    shift = 1 if to == "gptq_v2" else -1
+    for prefix, (bits, z) in zeros.items():
+        tensors[f"{prefix}.qzeros"] = torch.ops.lowbit.gptq_pack(z + shift, bits, 1)
+    write_checkpoint(dst, tensors, _converted_config(src, config, to), copy_from=src,
+                     max_shard_bytes=_largest_shard_bytes(files) if len(files) > 1 else None)
+    return {"source": src, "destination": dst, "from": config.checkpoint_format, "to": to,
+            "modules": len(zeros), "tensors": len(tensors), "shards": len(checkpoint_files(dst)[1])}
+
+
+def _unpacked_zeros(src: str, config: GPTQConfig,
+                    tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, torch.Tensor]]:
+    """{module: (bits, stored zero fields [groups, N])} for every `.qzeros` tensor."""
+    zeros = {}
+    for name in sorted(n for n in tensors if n.endswith(".qzeros")):
+        prefix = name[: -len(".qzeros")]
+        quant = config.for_module(prefix)
+        if quant is None:
+            raise GPTQCheckpointError(f"{src}: module {prefix!r} has qzeros but the config's dynamic rules "
+                                      "exclude it from quantization")
+        packed = tensors[name]
+        if packed.dtype != torch.int32 or packed.dim() != 2:
+            raise GPTQCheckpointError(f"{src}: {name} must be a 2-D int32 tensor, got {packed.dtype} "
+                                      f"{tuple(packed.shape)}")
+        try:
+            zeros[prefix] = (quant.bits, torch.ops.lowbit.gptq_unpack(packed, quant.bits, 1))
+        except RuntimeError as e:  # e.g. a 3-bit qzeros whose width is not a multiple of 3 words
+            raise GPTQCheckpointError(f"{src}: {name} does not fit {quant.bits}-bit packing: {e}") from e
+    return zeros
+
+
+def _check_label(src: str, config: GPTQConfig, zeros: dict[str, tuple[int, torch.Tensor]]) -> None:
+    """Refuses a checkpoint whose symmetric modules all store the other format's
+    symmetric zero (published checkpoints labelled "gptq" holding v2 words
+    exist). Converting it by its label would shift correct zeros off by one."""
+    label = config.checkpoint_format
+    sym = {p: (bits, z) for p, (bits, z) in zeros.items() if config.for_module(p).sym}
+    other = "gptq" if label == "gptq_v2" else "gptq_v2"
+
+    def stored_sym_zero(bits: int, fmt: str) -> int:
+        return 2 ** (bits - 1) - (1 if fmt == "gptq" else 0)
+
+    if sym and all(bool((z == stored_sym_zero(bits, other)).all()) for bits, z in sym.values()):
+        prefix, (bits, _) = next(iter(sym.items()))
+        word = int(torch.ops.lowbit.gptq_pack(torch.full((1, 32), stored_sym_zero(bits, other), dtype=torch.int32),
+                                              bits, 1)[0, 0]) & 0xFFFFFFFF
+        raise ValueError(
+            f"{src}: the config says checkpoint_format={label!r} but all {len(sym)} symmetric modules store {other} "
+            f"zero points (e.g. {prefix}.qzeros words 0x{word:08X} for {bits}-bit); the checkpoint is mislabelled. "
+            f"Set checkpoint_format to {other!r} in its config instead of converting it.")
+
+
+def _check_representable(src: str, source: str, to: str, zeros: dict[str, tuple[int, torch.Tensor]]) -> None:
+    """Refuses, naming the modules, zeros that format `to` cannot store."""
+    if to == "gptq":  # v1 stores zero-1 in [0, 2^bits-1]: a zero of 0 has no encoding
+        bad = [p for p, (_, z) in zeros.items() if bool((z == 0).any())]
+        why = "have zero points of 0, which v1 ('gptq') cannot store (it keeps zero-1)"
+    else:  # a v1 field of 2^bits-1 means zero 2^bits, past v2's largest field
+        bad = [p for p, (bits, z) in zeros.items() if bool((z == 2**bits - 1).any())]
+        why = "have v1 zero fields of 2^bits-1 (zero point 2^bits), which v2 ('gptq_v2') cannot store"
+    if bad:
+        named = ", ".join(bad[:MAX_NAMED_MODULES]) + (", ..." if len(bad) > MAX_NAMED_MODULES else "")
+        raise ValueError(f"{src}: cannot convert {source!r} to {to!r}: {len(bad)} of {len(zeros)} modules {why} "
+                         f"({named}); nothing was written")
+
+
+def _converted_config(src: str, config: GPTQConfig, to: str) -> dict[str, Any]:
+    """config.json content for the output: the source's config.json (if any)
+    with quantization_config = the source's quantization config (from the file
+    read_config used, so keys like `meta` survive) relabelled `to`."""
+    content = _read_json(os.path.join(src, "config.json")) if os.path.isfile(os.path.join(src, "config.json")) else {}
+    raw = _read_json(config.source)
+    quant = dict(raw["quantization_config"] if os.path.basename(config.source) == "config.json" else raw)
+    quant["checkpoint_format"] = to
+    if "format" in quant:  # newer GPTQModel writes the format under both keys
+        quant["format"] = to
+    content["quantization_config"] = quant
+    return content
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise GPTQCheckpointError(f"{path}: unreadable JSON: {e}") from e
+
+
+def _largest_shard_bytes(files: list[str]) -> int:
+    """The tensor bytes of the largest source shard: write_checkpoint's shard
+    limit counts tensor bytes, so this keeps output shards that size or less."""
+    largest = 0
+    for file in files:
+        # A safetensors file is an 8-byte header length, the JSON header, then the tensor bytes.
+        with open(file, "rb") as f:
+            header = int.from_bytes(f.read(8), "little")
+        largest = max(largest, os.path.getsize(file) - 8 - header)
+    return largest

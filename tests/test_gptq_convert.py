@@ -1,0 +1,257 @@
+"""GPTQ v1 <-> v2 checkpoint conversion (lowbit.gptq.convert), the
+`convert-gptq` and GPTQ `inspect` commands, and load_gptq's warning for
+checkpoints whose format label contradicts their stored zeros."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from gptq_checkpoints import (EXTRA_CONTENT, EXTRA_FILE, LAYERS, TinyModel, make_checkpoint, quantized_layers,
+                              raw_bytes, read_json, relabel, tensors, tree_hashes)
+from lowbit.gptq.checkpoint import load_gptq, save_gptq, write_checkpoint
+from lowbit.gptq.config import GPTQConfig, read_config
+from lowbit.gptq.convert import convert_checkpoint
+
+X = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).half()
+
+
+def same_outputs(model, loaded) -> bool:
+    """Every quantized layer of `loaded` computes exactly what `model`'s does."""
+    assert sorted(loaded.modules) == sorted(LAYERS)
+    up, down = (loaded.modules[f"mlp.{n}"] for n in ("up_proj", "down_proj"))
+    return torch.equal(up(X), model.mlp.up_proj(X)) and torch.equal(down(up(X)), model.mlp.down_proj(up(X)))
+
+
+def check_converted(dst, fmt: str) -> None:
+    """dst says `fmt` in both configs and carries the extra file unchanged."""
+    assert read_json(os.path.join(dst, "config.json"))["quantization_config"]["checkpoint_format"] == fmt
+    assert read_json(os.path.join(dst, "quantize_config.json"))["checkpoint_format"] == fmt
+    assert read_config(dst).checkpoint_format == fmt
+    with open(os.path.join(dst, EXTRA_FILE)) as f:
+        assert f.read() == EXTRA_CONTENT
+
+
+# --- round trips --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("act_order", [False, True], ids=["plain", "act_order"])
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_round_trip(tmp_path, bits, sym, act_order):
+    src, v2, v1 = tmp_path / "src", tmp_path / "v2", tmp_path / "v1"
+    model = make_checkpoint(src, bits, 32, sym, act_order, "gptq")
+    before = tree_hashes(src)
+
+    summary = convert_checkpoint(src, v2, to="gptq_v2")
+    assert summary["from"] == "gptq" and summary["to"] == "gptq_v2" and summary["modules"] == len(LAYERS)
+    check_converted(v2, "gptq_v2")
+    # The v2 zeros are exactly what quantizing straight to v2 stores (3-bit: fields straddling words too).
+    direct = quantized_layers(bits, 32, sym, act_order, "gptq_v2")
+    original, converted = tensors(src), tensors(v2)
+    for name, layer in direct.items():
+        assert raw_bytes(converted[f"{name}.qzeros"]) == raw_bytes(layer.qzeros)
+    for name in original:  # everything but the zeros is carried over byte for byte
+        if not name.endswith(".qzeros"):
+            assert raw_bytes(converted[name]) == raw_bytes(original[name]), name
+    assert same_outputs(model, load_gptq(v2))
+
+    convert_checkpoint(v2, v1, to="gptq")
+    check_converted(v1, "gptq")
+    back = tensors(v1)
+    assert back.keys() == original.keys()
+    assert all(back[n].dtype == original[n].dtype and raw_bytes(back[n]) == raw_bytes(original[n]) for n in original)
+    assert same_outputs(model, load_gptq(v1))
+    assert tree_hashes(src) == before
+
+
+@pytest.mark.parametrize("max_shard_bytes", [None, 4096], ids=["single", "sharded"])
+def test_shards_kept(tmp_path, max_shard_bytes):
+    model = make_checkpoint(tmp_path / "src", bits=3, sym=False, max_shard_bytes=max_shard_bytes)
+    files = sorted(f for f in os.listdir(tmp_path / "src") if f.endswith(".safetensors"))
+    summary = convert_checkpoint(tmp_path / "src", tmp_path / "dst")
+    out = sorted(f for f in os.listdir(tmp_path / "dst") if f.endswith(".safetensors"))
+    assert summary["shards"] == len(out)
+    if max_shard_bytes is None:
+        assert out == files == ["model.safetensors"]
+    else:
+        assert len(files) > 1 and len(out) > 1 and "model.safetensors.index.json" in os.listdir(tmp_path / "dst")
+    assert same_outputs(model, load_gptq(tmp_path / "dst"))
+
+
+def test_dynamic_bits_per_module(tmp_path):
+    """Bits come from config.for_module: a 4-bit checkpoint whose down_proj is 3-bit by a `dynamic` rule."""
+    layers = quantized_layers(4, 32, False, False, "gptq")
+    layers["mlp.down_proj"] = quantized_layers(3, 32, False, False, "gptq")["mlp.down_proj"]
+    model = TinyModel(layers)
+    save_gptq(model, tmp_path / "src", GPTQConfig(4, 32, False, False, "gptq", dynamic={r"+:.*down_proj": {"bits": 3}}))
+    convert_checkpoint(tmp_path / "src", tmp_path / "v2")
+    loaded = load_gptq(tmp_path / "v2")
+    assert loaded.modules["mlp.down_proj"].bits == 3 and loaded.modules["mlp.up_proj"].bits == 4
+    assert same_outputs(model, loaded)
+
+
+def test_config_keys_kept(tmp_path):
+    """Keys lowbit does not read (model config, `meta`) survive; GPTQModel's `format` key is relabelled too."""
+    src = tmp_path / "src"
+    make_checkpoint(src)
+    content = read_json(src / "config.json")
+    content["model_type"] = "tiny"
+    content["quantization_config"].update(format="gptq", meta={"quantizer": ["gptqmodel:4.0"]})
+    (src / "config.json").write_text(json.dumps(content))
+    (src / "quantize_config.json").write_text(json.dumps(content["quantization_config"]))
+    convert_checkpoint(src, tmp_path / "dst")
+    out = read_json(tmp_path / "dst" / "config.json")
+    expected = dict(content["quantization_config"], checkpoint_format="gptq_v2", format="gptq_v2")
+    assert out == dict(content, quantization_config=expected)
+    assert read_json(tmp_path / "dst" / "quantize_config.json") == expected
+
+
+# --- refusals -----------------------------------------------------------------------------------
+
+
+def test_v2_to_v1_refuses_zero_of_zero(tmp_path):
+    # All-positive weights: every asymmetric group's minimum is clamped to 0, so its zero point is 0.
+    src = tmp_path / "src"
+    make_checkpoint(src, bits=4, sym=False, fmt="gptq_v2", positive=True)
+    before = tree_hashes(src)
+    with pytest.raises(ValueError, match=r"2 of 2 modules have zero points of 0") as e:
+        convert_checkpoint(src, tmp_path / "dst", to="gptq")
+    assert "mlp.down_proj" in str(e.value) and "mlp.up_proj" in str(e.value)
+    assert not (tmp_path / "dst").exists() and os.listdir(tmp_path) == ["src"]
+    assert tree_hashes(src) == before
+
+
+def test_v1_to_v2_refuses_field_past_v2(tmp_path):
+    """A v1 field of 2^bits-1 means zero 2^bits (the v1 reader adds 1), which no v2 field holds."""
+    src = tmp_path / "src"
+    model = make_checkpoint(src, bits=4, sym=False)
+    state = dict(model.state_dict())
+    zeros = torch.ops.lowbit.gptq_unpack(state["mlp.up_proj.qzeros"], 4, 1)
+    zeros[0, 0] = 15
+    state["mlp.up_proj.qzeros"] = torch.ops.lowbit.gptq_pack(zeros, 4, 1)
+    write_checkpoint(tmp_path / "edited", state, read_json(src / "config.json"))
+    with pytest.raises(ValueError, match=r"1 of 2 modules have v1 zero fields of 2\^bits-1 .*\(mlp.up_proj\)"):
+        convert_checkpoint(tmp_path / "edited", tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_same_format_refused(tmp_path):
+    make_checkpoint(tmp_path / "src", fmt="gptq_v2")
+    with pytest.raises(ValueError, match="already in 'gptq_v2' format"):
+        convert_checkpoint(tmp_path / "src", tmp_path / "dst", to="gptq_v2")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_existing_dst_refused(tmp_path):
+    make_checkpoint(tmp_path / "src")
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "dst" / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="already exists"):
+        convert_checkpoint(tmp_path / "src", tmp_path / "dst")
+    assert os.listdir(tmp_path / "dst") == ["keep.txt"]
+
+
+def test_mislabelled_refused(tmp_path):
+    """Converting by a wrong label would shift correct zeros off by one, so it is refused."""
+    make_checkpoint(tmp_path / "src", bits=4, sym=True, fmt="gptq_v2")
+    relabel(tmp_path / "src", "gptq")
+    with pytest.raises(ValueError, match=r"mislabelled.*0x88888888"):
+        convert_checkpoint(tmp_path / "src", tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_interrupted_conversion_leaves_no_dst(tmp_path):
+    """SIGKILL right after the first shard is written: dst never appears (the
+    hidden temporary directory beside it may remain, as convert_checkpoint documents)."""
+    make_checkpoint(tmp_path / "src", bits=3, sym=False, max_shard_bytes=4096)
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        import lowbit.gptq.checkpoint as checkpoint
+        from lowbit.gptq.convert import convert_checkpoint
+        real_save = checkpoint.save_file
+        def save_then_die(*args, **kwargs):
+            real_save(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+        checkpoint.save_file = save_then_die
+        convert_checkpoint({str(tmp_path / "src")!r}, {str(tmp_path / "dst")!r})
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == -9, result.stderr
+    assert not (tmp_path / "dst").exists()
+    leftovers = [n for n in os.listdir(tmp_path) if n != "src"]
+    assert leftovers and all(n.startswith(".dst.") for n in leftovers)  # killed mid-write, as intended
+    assert any(f.endswith(".safetensors") for f in os.listdir(tmp_path / leftovers[0]))
+
+
+# --- the format label check in load_gptq --------------------------------------------------------
+
+
+@pytest.mark.parametrize("label, stored, word", [("gptq", "gptq_v2", "0x88888888"), ("gptq_v2", "gptq", "0x77777777")])
+def test_load_warns_on_mislabelled(tmp_path, label, stored, word):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    model = make_checkpoint(src, bits=4, sym=True, fmt="gptq")
+    if stored == "gptq_v2":
+        convert_checkpoint(src, dst, to="gptq_v2")
+    else:
+        os.rename(src, dst)
+    relabel(dst, label)
+    with pytest.warns(UserWarning, match=rf"checkpoint_format='{label}' but all 2 symmetric modules store {stored} "
+                                         rf".*words {word} for 4-bit"):
+        loaded = load_gptq(dst)
+    assert all(m.checkpoint_format == stored for m in loaded.modules.values())
+    assert same_outputs(model, loaded)
+
+
+# --- command line -------------------------------------------------------------------------------
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "lowbit", *map(str, args)], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_cli_convert_and_inspect(tmp_path):
+    make_checkpoint(tmp_path / "src", bits=3, sym=False, act_order=True)
+    result = run_cli("convert-gptq", tmp_path / "src", tmp_path / "v2", "--to", "v2")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"converted {tmp_path / 'src'} (gptq) -> {tmp_path / 'v2'} (gptq_v2): 2 modules, " \
+                            "11 tensors, 1 shard\n"
+    check_converted(tmp_path / "v2", "gptq_v2")
+
+    result = run_cli("inspect", tmp_path / "v2")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "  checkpoint_format = 'gptq_v2'" in lines and "  bits = 3" in lines
+    rows = {line.split()[0]: line.split() for line in lines if line.startswith("mlp.")}
+    # qweight + qzeros + scales + g_idx: up_proj [64 -> 96] 3-bit, 2 groups of 32.
+    up_bytes = 6 * 96 * 4 + 2 * 9 * 4 + 2 * 96 * 2 + 64 * 4
+    down_bytes = 9 * 64 * 4 + 3 * 6 * 4 + 3 * 64 * 2 + 96 * 4
+    assert rows["mlp.up_proj"] == ["mlp.up_proj", "3", "32", "yes", "no", "gptq_v2", "96x64", str(up_bytes),
+                                   f"{8 * up_bytes / (64 * 96):.2f}"]
+    assert rows["mlp.down_proj"][:8] == ["mlp.down_proj", "3", "32", "yes", "no", "gptq_v2", "64x96",
+                                         str(down_bytes)]
+    total = up_bytes + down_bytes
+    assert lines[-1] == f"total: 2 modules, 12288 weights, {total} bytes, {8 * total / 12288:.2f} bits per weight"
+
+
+def test_cli_inspect_safetensors_file(tmp_path):
+    make_checkpoint(tmp_path / "src", bits=4, sym=True)
+    result = run_cli("inspect", tmp_path / "src" / "model.safetensors")
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if line.startswith("mlp.")]
+    assert [r[:7] for r in rows] == [["mlp.down_proj", "4", "32", "no", "yes", "gptq", "64x96"],
+                                     ["mlp.up_proj", "4", "32", "no", "yes", "gptq", "96x64"]]
+
+
+@pytest.mark.parametrize("args", [("inspect", "{tmp}/missing"), ("convert-gptq", "{tmp}/missing", "{tmp}/dst",
+                                                                  "--to", "v2")], ids=["inspect", "convert"])
+def test_cli_error_exit(tmp_path, args):
+    result = run_cli(*(a.format(tmp=tmp_path) for a in args))
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: ") and f"{tmp_path}/missing" in result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert not (tmp_path / "dst").exists()
