@@ -1,4 +1,5 @@
 """GPTQ checkpoints: the GPTQLinear layer, config parsing, loading and saving."""
+from .algorithm import quantize
 from .checkpoint import GPTQCheckpoint, GPTQCheckpointError, load_gptq, save_gptq
 from .convert import convert_checkpoint
 from .config import GPTQConfig, GPTQConfigError, ModuleQuant, read_config
@@ -7,5 +8,5 @@ from .rtn import GPTQTensors, quantize_rtn
 
 __all__ = [
     "GPTQCheckpoint", "GPTQCheckpointError", "GPTQConfig", "GPTQConfigError", "GPTQLinear", "GPTQTensors",
-    "ModuleQuant", "convert_checkpoint", "load_gptq", "quantize_rtn", "read_config", "save_gptq",
+    "ModuleQuant", "convert_checkpoint", "load_gptq", "quantize", "quantize_rtn", "read_config", "save_gptq",
 ]

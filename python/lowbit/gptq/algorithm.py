@@ -116,6 +116,11 @@ def _check_args(bits: int, group_size: int, damp_percent: float) -> None:
         raise ValueError(f"GPTQ: damp_percent must lie in (0, 1), got {damp_percent}")
 
 
+def _check_format(checkpoint_format: str) -> None:
+    if checkpoint_format not in FORMATS:
+        raise ValueError(f"GPTQ: checkpoint_format must be one of {FORMATS}, got {checkpoint_format!r}")
+
+
 def _upper_cholesky_of_inverse(H: torch.Tensor) -> torch.Tensor:
     """U with H^-1 = U^T U (upper): row j of U, divided by U[j, j], holds the
     OBQ update of the columns after j once column j is quantized, with the
@@ -209,8 +214,7 @@ def quantize_linear(linear: nn.Linear, hessian: torch.Tensor, bits: int, group_s
     """A GPTQLinear holding the GPTQ quantization of `linear` (scales and bias
     in `dtype`). GPTQ v1 ("gptq") stores zero-1 and cannot hold a zero point
     of 0: asymmetric groups that need one raise ValueError."""
-    if checkpoint_format not in FORMATS:
-        raise ValueError(f"GPTQ: checkpoint_format must be one of {FORMATS}, got {checkpoint_format!r}")
+    _check_format(checkpoint_format)
     r = gptq_weight(linear.weight, hessian, bits, group_size, sym, desc_act, damp_percent, dtype)
     zeros = r.zeros
     if checkpoint_format == "gptq":
@@ -241,14 +245,14 @@ def quantize(model: nn.Module, calibration_batches: Iterable[Any], bits: int, gr
     lowbit.save_gptq needs to write it as an HF GPTQ checkpoint.
 
     `calibration_batches` are token id tensors [batch, seq] or dicts of
-    model(**batch) keyword arguments (input_ids, attention_mask). Work
-    happens on the model's device; the float weights are freed layer by
-    layer. A refusal raised midway (a v1 zero point of 0) leaves the layers
-    before it quantized.
+    model(**batch) keyword arguments (input_ids, attention_mask), read once
+    (a generator will do). Work happens on the model's device; besides the
+    model it holds one layer's inputs for all batches and one Hessian.
+    A refusal raised midway (a v1 zero point of 0) leaves the Linears before
+    it quantized.
     """
     _check_args(bits, group_size, damp_percent)
-    if checkpoint_format not in FORMATS:
-        raise ValueError(f"GPTQ: checkpoint_format must be one of {FORMATS}, got {checkpoint_format!r}")
+    _check_format(checkpoint_format)
     decoder = getattr(model, "model", None)
     if not isinstance(getattr(decoder, "layers", None), nn.ModuleList):
         raise ValueError("quantize: expected an HF causal LM with decoder layers at model.model.layers")
@@ -320,7 +324,7 @@ def _quantize_layer(layer: nn.Module, prefix: str, inputs, quantize_one) -> None
     linears = {name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
     for group in _groups_by_input(layer, linears, inputs[0], prefix):
         hessian = Hessian(linears[group[0]].in_features, linears[group[0]].weight.device)
-        hook = linears[group[0]].register_forward_hook(lambda module, args, out: hessian.add(args[0]))
+        hook = linears[group[0]].register_forward_hook(lambda module, args, out, h=hessian: h.add(args[0]))
         try:
             for args, kwargs in inputs:
                 _run(layer, args, kwargs)
