@@ -98,3 +98,8 @@ def test_constructor_validates():
         lowbit.GPTQLinear(IN, OUT, 4, 0)
     with pytest.raises(ValueError, match="multiples of 32"):
         lowbit.GPTQLinear(IN, 48, 3, 128)
+
+
+def test_default_g_idx():
+    assert torch.equal(lowbit.GPTQLinear(IN, OUT, 4, -1).g_idx, torch.zeros(IN, dtype=torch.int32))
+    assert torch.equal(lowbit.GPTQLinear(IN, OUT, 4, 64).g_idx, (torch.arange(IN) // 64).int())

@@ -77,8 +77,24 @@ def test_quantize_rtn_rejects_bad_arguments():
     with pytest.raises(ValueError, match="bits"):
         lowbit.quantize_rtn(w, 5, 32)
     with pytest.raises(ValueError, match="group_size"):
-        lowbit.quantize_rtn(w, 4, 48)
+        lowbit.quantize_rtn(w, 4, 0)
     with pytest.raises(ValueError, match="checkpoint_format"):
         lowbit.quantize_rtn(w, 4, 32, checkpoint_format="awq")
     with pytest.raises(ValueError, match="perm"):
         lowbit.quantize_rtn(w, 4, 32, perm=torch.zeros(64, dtype=torch.long))
+
+
+def test_quantize_rtn_last_group_may_be_shorter():
+    """K = 96 with group_size 64: groups of 64 and 32 rows, as GPTQ writes them."""
+    torch.manual_seed(0)
+    w = torch.randn(32, 96)
+    for perm in (None, torch.randperm(96)):
+        t = lowbit.quantize_rtn(w, 4, 64, sym=False, perm=perm)
+        assert t.scales.shape == (2, 32)
+        order = np.arange(96) if perm is None else perm.numpy()
+        expect = np.empty(96, dtype=np.int32)
+        expect[order] = np.arange(96) // 64
+        np.testing.assert_array_equal(t.g_idx.numpy(), expect)
+        W = ref.dequantize(t.qweight.numpy(), t.qzeros.numpy(), t.scales.numpy(), t.g_idx.numpy(), 4, "gptq_v2")
+        step = t.scales.double().numpy()[t.g_idx.numpy()]
+        assert np.all(np.abs(W - w.t().double().numpy()) <= step * (1.0 + 1e-3))

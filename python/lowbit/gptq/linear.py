@@ -54,7 +54,7 @@ class GPTQLinear(nn.Module):
         self.register_buffer("qzeros", torch.zeros(groups, out_features // _fields_per_pack(bits) * words,
                                                    dtype=torch.int32, device=device))
         self.register_buffer("scales", torch.zeros(groups, out_features, dtype=dtype, device=device))
-        g = 1 if group_size == -1 else group_size
+        g = in_features if group_size == -1 else group_size
         self.register_buffer("g_idx", (torch.arange(in_features, device=device) // g).to(torch.int32))
         if bias:
             self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device))

@@ -48,9 +48,9 @@ def quantize_rtn(
     w = weight.detach().to(torch.float32).t()  # [K, N]
     K, N = w.shape
     G = K if group_size == -1 else group_size
-    if G <= 0 or K % G:
-        raise ValueError(f"quantize_rtn: group_size {group_size} must be -1 or a positive divisor of K={K}")
-    groups = K // G
+    if G <= 0:
+        raise ValueError(f"quantize_rtn: group_size must be -1 or positive, got {group_size}")
+    groups = -(-K // G)  # like GPTQ, a last group may be shorter
 
     order = torch.arange(K, device=w.device) if perm is None else perm.to(w.device, torch.long)
     if order.shape != (K,) or not torch.equal(order.sort().values, torch.arange(K, device=w.device)):
@@ -59,7 +59,10 @@ def quantize_rtn(
     g_idx[order] = (torch.arange(K, device=w.device) // G).to(torch.int32)
 
     maxq = 2**bits - 1
-    wg = w[order].reshape(groups, G, N)
+    # Rows in processing order, padded to whole groups by repeating the last
+    # row (which changes no group's min or max); the padding is dropped below.
+    padded = torch.cat([order, order[-1:].expand(groups * G - K)])
+    wg = w[padded].reshape(groups, G, N)
     xmin = wg.amin(dim=1).clamp(max=0)
     xmax = wg.amax(dim=1).clamp(min=0)
     if sym:
@@ -74,7 +77,7 @@ def quantize_rtn(
     # Quantize against the scale as stored, so dequantization reproduces it.
     q = torch.clamp(torch.round(wg / scale.float()[:, None, :]) + zero[:, None, :], 0, maxq)
     q_rows = torch.empty_like(w)
-    q_rows[order] = q.reshape(K, N)
+    q_rows[order] = q.reshape(groups * G, N)[:K]
 
     zero = zero.to(torch.int32)
     if checkpoint_format == "gptq":
