@@ -8,6 +8,7 @@ from . import _library
 _library.load()
 
 from . import _fake  # noqa: E402,F401  (needs the ops loaded first)
+from . import gptq, tp  # noqa: E402,F401
 from .gguf_file import GGUFError, GGUFFile, GGUFTensor, load_gguf  # noqa: E402
 from .gguf_linear import GGUFLinear  # noqa: E402
 from .gptq import GPTQLinear, GPTQTensors, load_gptq, quantize_rtn, save_gptq  # noqa: E402

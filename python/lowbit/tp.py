@@ -1,0 +1,524 @@
+"""Tensor parallelism for act-order GPTQ layers: TP-aware dequantization
+(Hoque et al., "TP-Aware Dequantization", IBM 2024).
+
+An act-order (desc_act) checkpoint keeps input rows in their original order
+with a scattered g_idx, so a row-parallel shard of rows [k0, k1) would need
+scales and zeros from groups all over the tensor. Sorting the rows by group
+(Algorithm 1, `make_sequential`) gives every shard a contiguous run of groups,
+but the activations must then be permuted the same way; in a column-parallel
+-> row-parallel MLP that costs an AllGather of the intermediate activation
+(Algorithm 2, `NaiveTPMLP`). Algorithm 3 (`tp_aware`, `reorder_checkpoint`,
+`TPAwareMLP`) moves that permutation offline into the output columns of the
+column-parallel layers, so the sharded MLP needs one AllReduce and nothing else.
+
+Row-parallel layers take this rank's slice of the input and all-reduce their
+output over the process group (any backend: gloo on CPU, NCCL on CUDA);
+column-parallel layers return this rank's slice of the output and
+communicate nothing. Loaders build CPU modules; move them with `.to(device)`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from .gptq.checkpoint import GPTQCheckpointError, checkpoint_files, read_tensors, write_checkpoint
+from .gptq.config import GPTQConfig, read_config
+from .gptq.linear import GPTQLinear, _fields_per_pack, _words_per_pack
+
+__all__ = [
+    "ColumnParallelGPTQLinear", "NaiveTPMLP", "RowParallelGPTQLinear", "SequentialGPTQLinear", "TPAwareMLP",
+    "group_order", "make_sequential", "permute_inputs", "permute_outputs", "reorder_checkpoint", "tp_aware",
+]
+
+MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
+_TENSORS = ("qweight", "qzeros", "scales", "g_idx", "bias")
+
+
+# ---------------------------------------------------------------------------
+# Offline reorderings (Algorithms 1 and 3)
+# ---------------------------------------------------------------------------
+
+def group_order(g_idx: torch.Tensor) -> torch.Tensor:
+    """The permutation P (int64) that sorts input rows by group; stable, so
+    rows of one group keep their relative order."""
+    return torch.argsort(g_idx, stable=True)
+
+
+def _is_sorted(g_idx: torch.Tensor) -> bool:
+    return bool((g_idx[1:] >= g_idx[:-1]).all())
+
+
+def _permuted_rows(t: dict[str, torch.Tensor], perm: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
+    """qweight and g_idx with input row k taken from row perm[k]. Scales and
+    zeros are per group, not per row, so they stay as they are."""
+    qweight = t["qweight"]
+    # The permute ops are offline steps with CPU kernels; results go back to the tensors' device.
+    out = torch.ops.lowbit.gptq_permute_rows(qweight.cpu(), perm.cpu(), bits).to(qweight.device)
+    return {"qweight": out, "g_idx": t["g_idx"][perm.to(t["g_idx"].device)]}
+
+
+def _permuted_cols(t: dict[str, torch.Tensor | None], perm: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
+    """qweight, qzeros, scales (and bias) with output column n taken from column perm[n]."""
+    device = t["qweight"].device
+    qweight, qzeros, scales = torch.ops.lowbit.gptq_permute_cols(t["qweight"].cpu(), t["qzeros"].cpu(),
+                                                                 t["scales"].cpu(), perm.cpu(), bits)
+    out = {"qweight": qweight.to(device), "qzeros": qzeros.to(device), "scales": scales.to(device)}
+    if t.get("bias") is not None:
+        out["bias"] = t["bias"][perm.to(t["bias"].device)]
+    return out
+
+
+def _buffers(layer: GPTQLinear) -> dict[str, torch.Tensor | None]:
+    return {name: getattr(layer, name) for name in _TENSORS}
+
+
+def _copy(layer: GPTQLinear, cls: type[GPTQLinear] | None = None, **tensors: torch.Tensor) -> GPTQLinear:
+    """A new layer of `cls` (default: layer's class) like `layer`, with the given buffers replaced."""
+    g_idx = tensors.get("g_idx", layer.g_idx)
+    new = (cls or type(layer))(layer.in_features, layer.out_features, layer.bits, layer.group_size, layer.sym,
+              not _is_sorted(g_idx), layer.checkpoint_format, layer.bias is not None, layer.scales.dtype,
+              layer.qweight.device)
+    with torch.no_grad():
+        for name, buffer in new.named_buffers(recurse=False):
+            source = tensors.get(name, getattr(layer, name, None))
+            if source is not None:
+                buffer.copy_(source)
+    return new
+
+
+def permute_inputs(layer: GPTQLinear, perm: torch.Tensor) -> GPTQLinear:
+    """A copy of `layer` whose input row k is the original's row perm[k], so
+    that `new(x[..., perm]) == layer(x)`."""
+    if isinstance(layer, SequentialGPTQLinear):
+        raise TypeError("permute_inputs: a SequentialGPTQLinear already permutes its input in forward; "
+                        "permute the layer it was made from")
+    return _copy(layer, **_permuted_rows(_buffers(layer), perm.long(), layer.bits))
+
+
+def permute_outputs(layer: GPTQLinear, perm: torch.Tensor) -> GPTQLinear:
+    """A copy of `layer` whose output column n is the original's column
+    perm[n], so that `new(x) == layer(x)[..., perm]`."""
+    return _copy(layer, **_permuted_cols(_buffers(layer), perm.long(), layer.bits))
+
+
+class SequentialGPTQLinear(GPTQLinear):
+    """A GPTQLinear whose input rows are sorted by group (Algorithm 1): its
+    g_idx is non-decreasing, so each group's scales and zeros serve one
+    contiguous run of rows, and forward gathers `x[..., input_perm]` to match."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer("input_perm", torch.arange(self.in_features, device=self.qweight.device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.index_select(-1, self.input_perm))
+
+
+def make_sequential(layer: GPTQLinear) -> SequentialGPTQLinear:
+    """Algorithm 1: a new layer computing the same as `layer`, with its
+    qweight rows sorted by group (P = argsort(g_idx)) and the input permuted
+    by P at run time. A SequentialGPTQLinear keeps its input order: the
+    permutations compose."""
+    perm = group_order(layer.g_idx)
+    input_perm = layer.input_perm[perm] if isinstance(layer, SequentialGPTQLinear) else perm
+    return _copy(layer, SequentialGPTQLinear, input_perm=input_perm,
+                 **_permuted_rows(_buffers(layer), perm, layer.bits))
+
+
+def _mlp_layers(mlp: nn.Module) -> tuple[GPTQLinear, GPTQLinear, GPTQLinear]:
+    layers = tuple(getattr(mlp, part, None) for part in MLP_PARTS)
+    for part, layer in zip(MLP_PARTS, layers):
+        if not isinstance(layer, GPTQLinear):
+            raise TypeError(f"tp_aware: mlp.{part} must be a GPTQLinear, got {type(layer).__name__}")
+    gate, up, down = layers
+    if not gate.out_features == up.out_features == down.in_features:
+        raise ValueError(f"tp_aware: gate_proj and up_proj must have down_proj's {down.in_features} input "
+                         f"features as outputs, got {gate.out_features} and {up.out_features}")
+    return gate, up, down
+
+
+def tp_aware(mlp: nn.Module) -> nn.Module:
+    """Algorithm 3, in place: with P2 = argsort(down_proj.g_idx), permutes the
+    output columns of gate_proj and up_proj by P2 and the input rows of
+    down_proj by P2. The MLP computes the same; down_proj's g_idx is sorted,
+    so it shards row-parallel with no activation permutation. Returns `mlp`."""
+    gate, up, down = _mlp_layers(mlp)
+    perm = group_order(down.g_idx)
+    mlp.gate_proj = permute_outputs(gate, perm)
+    mlp.up_proj = permute_outputs(up, perm)
+    mlp.down_proj = permute_inputs(down, perm)
+    return mlp
+
+
+def _find_mlps(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Prefixes p with quantized p.gate_proj, p.up_proj and p.down_proj."""
+    suffix = ".down_proj.qweight"
+    prefixes = [name[: -len(suffix)] for name in tensors if name.endswith(suffix)]
+    return sorted(p for p in prefixes if all(f"{p}.{part}.qweight" in tensors for part in MLP_PARTS))
+
+
+def _module_tensors(tensors: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor | None]:
+    return {part: tensors.get(f"{name}.{part}") for part in _TENSORS}
+
+
+def _module_bits(config: GPTQConfig, name: str) -> int:
+    quant = config.for_module(name)
+    if quant is None:
+        raise GPTQCheckpointError(f"module {name!r} has a qweight but the config's dynamic rules exclude it")
+    return quant.bits
+
+
+def _reorder_mlp(tensors: dict[str, torch.Tensor], prefix: str, config: GPTQConfig) -> None:
+    """Algorithm 3 on one MLP's checkpoint tensors, in place."""
+    names = {part: f"{prefix}.{part}" for part in MLP_PARTS}
+    missing = [n for n in names.values() if f"{n}.qweight" not in tensors]
+    if missing:
+        raise ValueError(f"reorder_checkpoint: MLP {prefix!r} has no quantized {', '.join(missing)}")
+    down = _module_tensors(tensors, names["down_proj"])
+    if down["g_idx"] is None:  # no g_idx: not act-order, nothing to reorder
+        return
+    perm = group_order(down["g_idx"])
+    for part in ("gate_proj", "up_proj"):
+        name = names[part]
+        permuted = _permuted_cols(_module_tensors(tensors, name), perm, _module_bits(config, name))
+        tensors.update({f"{name}.{k}": v for k, v in permuted.items()})
+    permuted = _permuted_rows(down, perm, _module_bits(config, names["down_proj"]))
+    tensors.update({f"{names['down_proj']}.{k}": v for k, v in permuted.items()})
+
+
+def _config_content(directory: str, config: GPTQConfig) -> dict:
+    """config.json's content with the quantization config, as write_checkpoint
+    takes it, keeping every key of the source files."""
+    content = {}
+    path = os.path.join(directory, "config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            content = json.load(f)
+    if os.path.basename(config.source) != "config.json":
+        with open(config.source) as f:
+            content["quantization_config"] = json.load(f)
+    return content
+
+
+def reorder_checkpoint(src: str | os.PathLike, dst: str | os.PathLike,
+                       mlp_prefixes: Sequence[str] | None = None) -> list[str]:
+    """Writes `dst`: the GPTQ checkpoint `src` with Algorithm 3 (`tp_aware`)
+    applied to every MLP (or those in `mlp_prefixes`), i.e. to the modules
+    `<prefix>.gate_proj`, `.up_proj` and `.down_proj`. The config is kept:
+    the reordered g_idx tensors say which layers are still act-order.
+    Returns the prefixes reordered."""
+    if os.path.exists(dst):  # before the work, not after it
+        raise FileExistsError(f"reorder_checkpoint: {os.fspath(dst)} already exists")
+    directory, files = checkpoint_files(src)
+    config = read_config(directory)
+    tensors = read_tensors(files)
+    prefixes = _find_mlps(tensors) if mlp_prefixes is None else list(mlp_prefixes)
+    if not prefixes:
+        raise ValueError(f"reorder_checkpoint: {directory} has no MLP with quantized "
+                         f"{'/'.join(MLP_PARTS)} modules")
+    for prefix in prefixes:
+        _reorder_mlp(tensors, prefix, config)
+    write_checkpoint(dst, tensors, _config_content(directory, config), copy_from=directory)
+    return prefixes
+
+
+# ---------------------------------------------------------------------------
+# Sharded layers
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Source:
+    """One GPTQ module to shard: its quantization and a reader of slices of
+    its tensors, so a rank loads only what it keeps."""
+    name: str
+    in_features: int
+    out_features: int
+    bits: int
+    group_size: int
+    sym: bool
+    checkpoint_format: str
+    has_bias: bool
+    read: Callable[..., torch.Tensor | None]  # read(tensor, *index): that slice, None if absent
+
+    @property
+    def fields(self) -> int:
+        return _fields_per_pack(self.bits)
+
+    @property
+    def words(self) -> int:
+        return _words_per_pack(self.bits)
+
+    @property
+    def rows_per_group(self) -> int:
+        return self.in_features if self.group_size == -1 else self.group_size
+
+    def g_idx(self) -> torch.Tensor:
+        g_idx = self.read("g_idx", slice(None))
+        if g_idx is None:  # checkpoints without g_idx are not act-order
+            g_idx = torch.arange(self.in_features) // self.rows_per_group
+        return g_idx.to(torch.int32)
+
+
+def _layer_source(layer: GPTQLinear, name: str) -> _Source:
+    def read(tensor, *index):
+        t = getattr(layer, tensor)
+        return None if t is None else t[index]
+
+    return _Source(name, layer.in_features, layer.out_features, layer.bits, layer.group_size, layer.sym,
+                   layer.checkpoint_format, layer.bias is not None, read)
+
+
+def _checkpoint_source(path: str | os.PathLike, name: str) -> _Source:
+    """Reads only headers now; `read` opens the file and takes a slice later."""
+    directory, files = checkpoint_files(path)
+    config = read_config(directory)
+    where = f"{directory}: module {name!r}"
+    file_of, shapes = {}, {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for tensor in _TENSORS:
+                if f"{name}.{tensor}" in f.keys():
+                    file_of[tensor] = file
+                    shapes[tensor] = tuple(f.get_slice(f"{name}.{tensor}").get_shape())
+    for tensor in ("qweight", "qzeros", "scales"):
+        if tensor not in file_of:
+            raise GPTQCheckpointError(f"{where}: missing tensor {name}.{tensor}")
+    quant = config.for_module(name)
+    if quant is None:
+        raise GPTQCheckpointError(f"{where}: has a qweight but the config's dynamic rules exclude it")
+    fields, words = _fields_per_pack(quant.bits), _words_per_pack(quant.bits)
+    rows, N = shapes["qweight"]
+    K = rows // words * fields
+    groups = 1 if quant.group_size == -1 else math.ceil(K / quant.group_size)
+    expect = {"qweight": (K // fields * words, N), "qzeros": (groups, N // fields * words),
+              "scales": (groups, N), "g_idx": (K,), "bias": (N,)}
+    for tensor, shape in shapes.items():
+        if shape != expect[tensor]:
+            raise GPTQCheckpointError(f"{where}: {tensor} has shape {shape}, expected {expect[tensor]} for a "
+                                      f"{quant.bits}-bit weight with group_size {quant.group_size}")
+
+    def read(tensor, *index):
+        if tensor not in file_of:
+            return None
+        with safe_open(file_of[tensor], framework="pt") as f:
+            return f.get_slice(f"{name}.{tensor}")[index]
+
+    return _Source(name, K, N, quant.bits, quant.group_size, quant.sym, config.checkpoint_format,
+                   "bias" in file_of, read)
+
+
+def _check_rank(name: str, rank: int, world_size: int, group) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"{name}: rank {rank} is not in [0, world_size={world_size})")
+    if world_size > 1 and dist.is_initialized():
+        actual = (dist.get_rank(group), dist.get_world_size(group))
+        if actual != (rank, world_size):
+            raise ValueError(f"{name}: asked for rank {rank} of {world_size}, but this process is rank "
+                             f"{actual[0]} of {actual[1]} in its process group")
+
+
+def _split(src: _Source, size: int, what: str, world_size: int) -> int:
+    """size / world_size, with the alignment the packed tensors need."""
+    if size % world_size:
+        raise ValueError(f"{src.name}: {what} {size} is not divisible by world_size {world_size}")
+    local = size // world_size
+    if local % src.fields:
+        raise ValueError(f"{src.name}: each rank would hold {local} of the {size} {what}, but {src.bits}-bit "
+                         f"packing stores {src.fields} per {src.words} int32 word(s), so {size} / {world_size} "
+                         f"must be a multiple of {src.fields}")
+    return local
+
+
+def _local_layer(src: _Source, in_features: int, out_features: int, has_bias: bool,
+                 tensors: dict[str, torch.Tensor]) -> GPTQLinear:
+    layer = GPTQLinear(in_features, out_features, src.bits, src.group_size, src.sym, not _is_sorted(tensors["g_idx"]),
+                       src.checkpoint_format, has_bias, tensors["scales"].dtype)
+    with torch.no_grad():
+        for name, buffer in layer.named_buffers(recurse=False):
+            buffer.copy_(tensors[name])
+    return layer
+
+
+def _column_shard(src: _Source, rank: int, world_size: int) -> GPTQLinear:
+    """Output columns [rank*N/T, (rank+1)*N/T) with every input row and group."""
+    n = _split(src, src.out_features, "output features (columns)", world_size)
+    all_, cols = slice(None), slice(rank * n, (rank + 1) * n)
+    packed = slice(rank * n // src.fields * src.words, (rank + 1) * n // src.fields * src.words)
+    tensors = {"qweight": src.read("qweight", all_, cols), "qzeros": src.read("qzeros", all_, packed),
+               "scales": src.read("scales", all_, cols), "g_idx": src.g_idx(), "bias": src.read("bias", cols)}
+    return _local_layer(src, src.in_features, n, src.has_bias, tensors)
+
+
+def _row_shard(src: _Source, rank: int, world_size: int) -> GPTQLinear:
+    """Input rows [rank*K/T, (rank+1)*K/T) with the groups they use, without the
+    bias (a row-parallel layer adds it once, after the reduction)."""
+    K, G = src.in_features, src.rows_per_group
+    k = _split(src, K, "input features (rows)", world_size)
+    if src.group_size != -1 and k % G:
+        raise ValueError(f"{src.name}: each rank would hold {k} of the {K} input rows, which is not a whole number "
+                         f"of groups of {G}; row-parallel sharding needs (K / world_size) % group_size == 0")
+    g_idx = src.g_idx()
+    if not _is_sorted(g_idx):
+        raise ValueError(f"{src.name}: g_idx is act-order (rows are not sorted by group), so a row-parallel shard "
+                         "would need scales from groups all over the tensor; reorder it first: tp_aware(mlp) or "
+                         "reorder_checkpoint(src, dst) for an MLP's down_proj, make_sequential(layer) otherwise")
+    if not torch.equal(g_idx, (torch.arange(K) // G).to(g_idx.dtype)):
+        raise ValueError(f"{src.name}: g_idx is sorted but its groups are not {G} rows each (g_idx != arange(K) // "
+                         f"{G}), so row shards would not own whole groups")
+    rows = slice(rank * k, (rank + 1) * k)
+    packed = slice(rank * k // src.fields * src.words, (rank + 1) * k // src.fields * src.words)
+    groups = slice(0, 1) if src.group_size == -1 else slice(rank * k // G, (rank + 1) * k // G)
+    tensors = {"qweight": src.read("qweight", packed), "qzeros": src.read("qzeros", groups),
+               "scales": src.read("scales", groups), "g_idx": g_idx[rows] - g_idx[rows][0]}
+    return _local_layer(src, k, src.out_features, False, tensors)
+
+
+class ColumnParallelGPTQLinear(nn.Module):
+    """This rank's output columns [rank*N/T, (rank+1)*N/T) of a GPTQ layer.
+
+    forward(x) takes the full input [..., K] and returns this rank's slice of
+    the output [..., N/T], bias included; it communicates nothing (`group` is
+    kept to say which process group the shards belong to)."""
+
+    def __init__(self, local: GPTQLinear, rank: int, world_size: int, group=None):
+        super().__init__()
+        self.local = local
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.in_features, self.out_features = local.in_features, local.out_features * world_size
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike, module_name: str, rank: int, world_size: int,
+                        group=None) -> ColumnParallelGPTQLinear:
+        """Reads only this rank's columns of `module_name` from a GPTQ checkpoint."""
+        _check_rank(module_name, rank, world_size, group)
+        return cls(_column_shard(_checkpoint_source(path, module_name), rank, world_size), rank, world_size, group)
+
+    @classmethod
+    def from_layer(cls, layer: GPTQLinear, rank: int, world_size: int, group=None,
+                   name: str = "layer") -> ColumnParallelGPTQLinear:
+        """Shards `layer`'s stored columns; a SequentialGPTQLinear's input_perm
+        is not applied here, the caller must permute the input."""
+        _check_rank(name, rank, world_size, group)
+        return cls(_column_shard(_layer_source(layer, name), rank, world_size), rank, world_size, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.local(x)
+
+
+class RowParallelGPTQLinear(nn.Module):
+    """This rank's input rows [rank*K/T, (rank+1)*K/T) of a GPTQ layer whose
+    g_idx is sorted (not act-order, or reordered by tp_aware/make_sequential).
+
+    forward(x) takes this rank's slice of the input [..., K/T], all-reduces
+    (sums) the partial products over `group` and adds the bias once."""
+
+    def __init__(self, local: GPTQLinear, bias: torch.Tensor | None, rank: int, world_size: int, group=None):
+        super().__init__()
+        self.local = local
+        self.register_buffer("bias", bias)
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.in_features, self.out_features = local.in_features * world_size, local.out_features
+
+    @classmethod
+    def _from_source(cls, src: _Source, rank: int, world_size: int, group) -> RowParallelGPTQLinear:
+        _check_rank(src.name, rank, world_size, group)
+        return cls(_row_shard(src, rank, world_size), src.read("bias", slice(None)), rank, world_size, group)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike, module_name: str, rank: int, world_size: int,
+                        group=None) -> RowParallelGPTQLinear:
+        """Reads only this rank's rows (and their groups) of `module_name` from a GPTQ checkpoint."""
+        return cls._from_source(_checkpoint_source(path, module_name), rank, world_size, group)
+
+    @classmethod
+    def from_layer(cls, layer: GPTQLinear, rank: int, world_size: int, group=None,
+                   name: str = "layer") -> RowParallelGPTQLinear:
+        """Shards `layer`'s stored rows; a SequentialGPTQLinear's input_perm is
+        not applied here, the caller must permute the input."""
+        return cls._from_source(_layer_source(layer, name), rank, world_size, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.local(x)
+        if self.world_size > 1:
+            dist.all_reduce(y, op=dist.ReduceOp.SUM, group=self.group)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+
+# ---------------------------------------------------------------------------
+# Tensor-parallel SwiGLU MLPs
+# ---------------------------------------------------------------------------
+
+class TPAwareMLP(nn.Module):
+    """Algorithm 3: down(silu(gate(x)) * up(x)) with gate/up column-parallel
+    and down row-parallel, loaded from a `reorder_checkpoint` checkpoint.
+    Takes the full input, returns the full output; one AllReduce."""
+
+    def __init__(self, gate_proj: ColumnParallelGPTQLinear, up_proj: ColumnParallelGPTQLinear,
+                 down_proj: RowParallelGPTQLinear):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike, prefix: str, rank: int, world_size: int,
+                        group=None) -> TPAwareMLP:
+        column = lambda part: ColumnParallelGPTQLinear.from_checkpoint(path, f"{prefix}.{part}", rank, world_size,
+                                                                       group)
+        down = RowParallelGPTQLinear.from_checkpoint(path, f"{prefix}.down_proj", rank, world_size, group)
+        return cls(column("gate_proj"), column("up_proj"), down)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class NaiveTPMLP(nn.Module):
+    """Algorithm 2, the baseline: gate/up column-parallel from the original
+    act-order checkpoint, down reordered by Algorithm 1 and sharded by rows.
+    forward AllGathers the intermediate activation Y1, takes this rank's chunk
+    of Y1[..., P2], multiplies it by the local down shard and AllReduces."""
+
+    def __init__(self, gate_proj: ColumnParallelGPTQLinear, up_proj: ColumnParallelGPTQLinear,
+                 down_proj: RowParallelGPTQLinear, input_perm: torch.Tensor, group=None):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self.register_buffer("input_perm", input_perm)  # this rank's chunk of P2
+        self.group = group
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike, prefix: str, rank: int, world_size: int,
+                        group=None) -> NaiveTPMLP:
+        column = lambda part: ColumnParallelGPTQLinear.from_checkpoint(path, f"{prefix}.{part}", rank, world_size,
+                                                                       group)
+        name = f"{prefix}.down_proj"
+        _check_rank(name, rank, world_size, group)
+        # Algorithm 1 permutes rows across the whole tensor, so every rank reads
+        # all of down_proj (the one column shard of a world of one).
+        down = make_sequential(_column_shard(_checkpoint_source(path, name), 0, 1))
+        k = down.in_features // world_size
+        return cls(column("gate_proj"), column("up_proj"),
+                   RowParallelGPTQLinear.from_layer(down, rank, world_size, group, name),
+                   down.input_perm[rank * k:(rank + 1) * k].clone(), group)
+
+    def _all_gather(self, y: torch.Tensor) -> torch.Tensor:
+        world_size = self.down_proj.world_size
+        if world_size == 1:
+            return y
+        parts = [torch.empty_like(y) for _ in range(world_size)]
+        dist.all_gather(parts, y.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y1 = self._all_gather(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # Gathering just this rank's chunk of P2 equals permuting all of Y1 and
+        # chunking it, with less copying: the baseline is not made slower than it must be.
+        return self.down_proj(y1.index_select(-1, self.input_perm))

@@ -1,0 +1,345 @@
+"""Tensor parallelism for act-order GPTQ (lowbit.tp): Algorithm 1
+(make_sequential), Algorithm 3 (tp_aware, reorder_checkpoint), the sharded
+layers, and TPAwareMLP / NaiveTPMLP over gloo process groups of 2 and 4 CPU
+processes against the single-process unsharded MLP.
+
+Tolerance: sharding changes only the order of fp32 sums (the row-parallel
+AllReduce adds T partial products), so outputs must match the unsharded
+reference to rtol 1e-4 with atol 1e-4 * max|reference|. The offline
+reorderings move whole quantized fields, so their dequantized weights match
+exactly.
+"""
+import json
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from lowbit.gptq import GPTQConfig, GPTQLinear, load_gptq, save_gptq
+from lowbit.tp import (ColumnParallelGPTQLinear, NaiveTPMLP, RowParallelGPTQLinear, SequentialGPTQLinear,
+                       TPAwareMLP, make_sequential, permute_inputs, permute_outputs, reorder_checkpoint, tp_aware)
+
+HIDDEN, INTER = 256, 512
+# (bits, group_size, sym, checkpoint_format, bias): every bit width, both
+# zero formats, with and without biases.
+CASES = {
+    2: (32, False, "gptq_v2", False),
+    3: (64, True, "gptq", True),
+    4: (64, False, "gptq_v2", True),
+    8: (32, True, "gptq", False),
+}
+BITS = sorted(CASES)
+PREFIXES = ["model.layers.0.mlp", "model.layers.1.mlp"]
+
+
+def assert_matches(out, ref, what):
+    atol = 1e-4 * ref.abs().max().item()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def matches(out, ref):
+    return torch.allclose(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+class SwiGLU(nn.Module):
+    """The HF Llama MLP layout."""
+
+    def __init__(self, gate_proj, up_proj, down_proj):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def act_order(in_features, out_features, bits, seed):
+    """An act-order GPTQLinear (scattered g_idx) quantized from a random Linear."""
+    group_size, sym, fmt, bias = CASES[bits]
+    g = torch.Generator().manual_seed(seed)
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=g) / in_features**0.5)
+        if bias:
+            linear.bias.copy_(torch.randn(out_features, generator=g) / 10)
+    perm = torch.randperm(in_features, generator=g)
+    return GPTQLinear.from_linear(linear, bits, group_size, sym, fmt, perm=perm)
+
+
+def act_order_mlp(bits, seed=0):
+    return SwiGLU(act_order(HIDDEN, INTER, bits, seed), act_order(HIDDEN, INTER, bits, seed + 1),
+                  act_order(INTER, HIDDEN, bits, seed + 2))
+
+
+def inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(m, HIDDEN, generator=g) for m in (1, 5)]
+
+
+def model_of(mlps):
+    """A module tree whose MLPs are named model.layers.<i>.mlp, like HF Llama's."""
+    root, layers = nn.Module(), nn.ModuleList()
+    for mlp in mlps:
+        layer = nn.Module()
+        layer.mlp = mlp
+        layers.append(layer)
+    root.model = nn.Module()
+    root.model.layers = layers
+    root.model.norm = nn.Linear(4, 4)  # a tensor that is not part of any MLP
+    return root
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Per bit width: an act-order checkpoint with two MLPs, its tp_aware
+    reordering, and the unsharded reference outputs of each MLP."""
+    root = tmp_path_factory.mktemp("tp")
+    cases = []
+    for bits in BITS:
+        group_size, sym, fmt, _ = CASES[bits]
+        mlps = [act_order_mlp(bits, seed=10 * bits + i) for i in range(len(PREFIXES))]
+        original, reordered = root / f"{bits}bit", root / f"{bits}bit-tp"
+        save_gptq(model_of(mlps), original, GPTQConfig(bits, group_size, True, sym, fmt))
+        assert reorder_checkpoint(original, reordered) == PREFIXES
+        xs = inputs(bits)
+        with torch.no_grad():
+            refs = {p: [mlp(x) for x in xs] for p, mlp in zip(PREFIXES, mlps)}
+        cases.append({"bits": bits, "original": str(original), "reordered": str(reordered), "xs": xs,
+                      "refs": refs, "mlps": mlps})
+    return cases
+
+
+# ---------------------------------------------------------------------------
+# Single process: the offline reorderings
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bits", BITS)
+def test_make_sequential(bits):
+    layer = act_order(INTER, HIDDEN, bits, seed=bits)
+    seq = make_sequential(layer)
+    perm = torch.argsort(layer.g_idx, stable=True)
+    assert isinstance(seq, SequentialGPTQLinear) and not seq.desc_act
+    assert torch.equal(seq.input_perm, perm)
+    assert torch.equal(seq.g_idx, (torch.arange(INTER) // CASES[bits][0]).int())
+    assert torch.equal(seq.scales, layer.scales) and torch.equal(seq.qzeros, layer.qzeros)
+    assert torch.equal(seq.dequantize(torch.float32), layer.dequantize(torch.float32)[:, perm])
+    g = torch.Generator().manual_seed(bits)
+    for m in (1, 5):
+        x = torch.randn(m, INTER, generator=g)
+        assert_matches(seq(x), layer(x), f"{bits}-bit make_sequential, M={x.shape[0]}")
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_tp_aware(bits):
+    mlp = act_order_mlp(bits)
+    before = {part: getattr(mlp, part) for part in ("gate_proj", "up_proj", "down_proj")}
+    xs = inputs(bits)
+    with torch.no_grad():
+        refs = [mlp(x) for x in xs]
+    assert tp_aware(mlp) is mlp
+    perm = torch.argsort(before["down_proj"].g_idx, stable=True)
+    assert torch.equal(mlp.down_proj.g_idx, (torch.arange(INTER) // CASES[bits][0]).int())
+    assert not mlp.down_proj.desc_act and mlp.gate_proj.desc_act
+    for part in ("gate_proj", "up_proj"):
+        w = before[part].dequantize(torch.float32)
+        assert torch.equal(getattr(mlp, part).dequantize(torch.float32), w[perm])
+        assert torch.equal(getattr(mlp, part).g_idx, before[part].g_idx)
+        if before[part].bias is not None:
+            assert torch.equal(getattr(mlp, part).bias, before[part].bias[perm])
+    w = before["down_proj"].dequantize(torch.float32)
+    assert torch.equal(mlp.down_proj.dequantize(torch.float32), w[:, perm])
+    for x, ref in zip(xs, refs):
+        assert_matches(mlp(x), ref, f"{bits}-bit tp_aware MLP, M={x.shape[0]}")
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_permutation_round_trips(bits):
+    layer = act_order(HIDDEN, INTER, bits, seed=bits)
+    g = torch.Generator().manual_seed(bits)
+    cols, rows = torch.randperm(INTER, generator=g), torch.randperm(HIDDEN, generator=g)
+    x = torch.randn(3, HIDDEN, generator=g)
+    assert_matches(permute_outputs(layer, cols)(x), layer(x)[:, cols], f"{bits}-bit permute_outputs")
+    assert_matches(permute_inputs(layer, rows)(x[:, rows]), layer(x), f"{bits}-bit permute_inputs")
+    back = permute_inputs(permute_outputs(permute_outputs(permute_inputs(layer, rows), cols), torch.argsort(cols)),
+                          torch.argsort(rows))
+    for name, buffer in layer.state_dict().items():
+        assert torch.equal(back.state_dict()[name], buffer), f"{bits}-bit round trip changed {name}"
+    # A sequential layer keeps its input order through further reorderings.
+    seq = make_sequential(permute_inputs(layer, rows))
+    assert_matches(make_sequential(seq)(x[:, rows]), layer(x), f"{bits}-bit make_sequential twice")
+    out = permute_outputs(seq, cols)
+    assert isinstance(out, SequentialGPTQLinear)
+    assert_matches(out(x[:, rows]), layer(x)[:, cols], f"{bits}-bit permute_outputs of a sequential layer")
+    with pytest.raises(TypeError, match="already permutes its input"):
+        permute_inputs(seq, rows)
+
+
+def test_reorder_checkpoint(checkpoints, tmp_path):
+    for case in checkpoints:
+        original, reordered = load_gptq(case["original"]), load_gptq(case["reordered"])
+        assert reordered.config.to_dict() == original.config.to_dict()
+        assert torch.equal(reordered.tensors["model.norm.weight"], original.tensors["model.norm.weight"])
+        for prefix, mlp in zip(PREFIXES, case["mlps"]):
+            loaded = SwiGLU(*(reordered.modules[f"{prefix}.{part}"] for part in ("gate_proj", "up_proj", "down_proj")))
+            ref = tp_aware(SwiGLU(mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+            for name, buffer in ref.state_dict().items():
+                assert torch.equal(loaded.state_dict()[name], buffer), f"{prefix}.{name} differs from tp_aware's"
+            for x, y in zip(case["xs"], case["refs"][prefix]):
+                assert_matches(loaded(x), y, f"{case['bits']}-bit reordered checkpoint {prefix}")
+    # Only the named MLP is reordered.
+    case = checkpoints[0]
+    assert reorder_checkpoint(case["original"], tmp_path / "one", [PREFIXES[1]]) == [PREFIXES[1]]
+    one = load_gptq(tmp_path / "one")
+    assert torch.equal(one.modules[f"{PREFIXES[0]}.down_proj"].g_idx, case["mlps"][0].down_proj.g_idx)
+    with pytest.raises(ValueError, match="MLP 'model.layers.7.mlp' has no quantized"):
+        reorder_checkpoint(case["original"], tmp_path / "bad", ["model.layers.7.mlp"])
+    with pytest.raises(FileExistsError, match="already exists"):
+        reorder_checkpoint(case["original"], tmp_path / "one")
+
+
+# ---------------------------------------------------------------------------
+# Single process: shard arithmetic without communication
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_shards_recombine(bits, world_size):
+    """Column shards concatenate and row shards (sorted g_idx) sum to the full layer."""
+    layer = act_order(INTER, HIDDEN, bits, seed=bits)
+    x = torch.randn(5, INTER)
+    cols = [ColumnParallelGPTQLinear.from_layer(layer, r, world_size) for r in range(world_size)]
+    assert_matches(torch.cat([c(x) for c in cols], dim=-1), layer(x), f"{bits}-bit column shards")
+    seq = make_sequential(layer)
+    rows = [RowParallelGPTQLinear.from_layer(seq, r, world_size) for r in range(world_size)]
+    xs = x[:, seq.input_perm].chunk(world_size, dim=-1)
+    out = sum(r.local(xr) for r, xr in zip(rows, xs))
+    if seq.bias is not None:
+        out = out + rows[0].bias
+    assert_matches(out, layer(x), f"{bits}-bit row shards")
+
+
+def test_row_shards_one_group():
+    """group_size -1: every rank keeps the single group's scales and zeros."""
+    linear = nn.Linear(INTER, HIDDEN)
+    layer = GPTQLinear.from_linear(linear, 4, -1, sym=False, checkpoint_format="gptq_v2")
+    rows = [RowParallelGPTQLinear.from_layer(layer, r, 4) for r in range(4)]
+    x = torch.randn(3, INTER)
+    out = sum(r.local(xr) for r, xr in zip(rows, x.chunk(4, dim=-1))) + rows[0].bias
+    assert_matches(out, layer(x), "group_size -1 row shards")
+
+
+def test_checkpoint_shards_equal_layer_shards(checkpoints):
+    case = checkpoints[1]  # 3-bit: the straddling packing
+    mlp, prefix = case["mlps"][0], PREFIXES[0]
+    for r in range(2):
+        a = ColumnParallelGPTQLinear.from_checkpoint(case["original"], f"{prefix}.up_proj", r, 2)
+        b = ColumnParallelGPTQLinear.from_layer(mlp.up_proj, r, 2)
+        assert a.state_dict().keys() == b.state_dict().keys()
+        for name, t in a.state_dict().items():
+            assert torch.equal(t, b.state_dict()[name]), f"column rank {r}: {name}"
+        down = tp_aware(SwiGLU(mlp.gate_proj, mlp.up_proj, mlp.down_proj)).down_proj
+        a = RowParallelGPTQLinear.from_checkpoint(case["reordered"], f"{prefix}.down_proj", r, 2)
+        b = RowParallelGPTQLinear.from_layer(down, r, 2)
+        for name, t in a.state_dict().items():
+            assert torch.equal(t, b.state_dict()[name]), f"row rank {r}: {name}"
+
+
+# ---------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------
+
+def test_errors(checkpoints):
+    three, four = checkpoints[1], checkpoints[2]  # group_size 64 both
+    gate, down = f"{PREFIXES[0]}.gate_proj", f"{PREFIXES[0]}.down_proj"
+    with pytest.raises(ValueError, match=rf"{gate}: output features \(columns\) 512 is not divisible by world_size 3"):
+        ColumnParallelGPTQLinear.from_checkpoint(four["original"], gate, 0, 3)
+    with pytest.raises(ValueError, match=rf"{down}: input features \(rows\) 512 is not divisible by world_size 3"):
+        RowParallelGPTQLinear.from_checkpoint(four["reordered"], down, 0, 3)
+    with pytest.raises(ValueError, match=rf"{down}: each rank would hold 32 of the 512 input rows, which is not a "
+                                         r"whole number of groups of 64"):
+        RowParallelGPTQLinear.from_checkpoint(four["reordered"], down, 0, 16)
+    with pytest.raises(ValueError, match=rf"{gate}: each rank would hold 16 of the 512 output features \(columns\), "
+                                         r"but 3-bit packing stores 32 per 3 int32 word\(s\)"):
+        ColumnParallelGPTQLinear.from_checkpoint(three["original"], gate, 0, 32)
+    with pytest.raises(ValueError, match=rf"{down}: each rank would hold 16 of the 512 input features \(rows\)"):
+        RowParallelGPTQLinear.from_checkpoint(three["reordered"], down, 0, 32)
+    with pytest.raises(ValueError, match=rf"{down}: g_idx is act-order .* tp_aware\(mlp\) or reorder_checkpoint"):
+        RowParallelGPTQLinear.from_checkpoint(four["original"], down, 1, 2)
+    with pytest.raises(ValueError, match="g_idx is act-order"):
+        TPAwareMLP.from_checkpoint(four["original"], PREFIXES[0], 0, 2)
+    with pytest.raises(ValueError, match=rf"{gate}: rank 2 is not in \[0, world_size=2\)"):
+        ColumnParallelGPTQLinear.from_checkpoint(four["original"], gate, 2, 2)
+    missing = f"{PREFIXES[0]}.nothing"
+    with pytest.raises(ValueError, match=rf"module '{missing}': missing tensor {missing}.qweight"):
+        ColumnParallelGPTQLinear.from_checkpoint(four["original"], missing, 0, 2)
+
+
+def test_layer_errors():
+    layer = act_order(INTER, HIDDEN, 4, seed=0)
+    with torch.no_grad():
+        layer.g_idx.zero_()  # sorted, but one group of 512 rows where the scales say 8 groups of 64
+    with pytest.raises(ValueError, match=r"down: g_idx is sorted but its groups are not 64 rows each"):
+        RowParallelGPTQLinear.from_layer(layer, 0, 2, name="down")
+    mlp = act_order_mlp(4)
+    mlp.up_proj = nn.Linear(HIDDEN, INTER)
+    with pytest.raises(TypeError, match="mlp.up_proj must be a GPTQLinear, got Linear"):
+        tp_aware(mlp)
+    mlp = act_order_mlp(4)
+    mlp.gate_proj = act_order(HIDDEN, HIDDEN, 4, seed=0)
+    with pytest.raises(ValueError, match="gate_proj and up_proj must have down_proj's 512 input features"):
+        tp_aware(mlp)
+
+
+# ---------------------------------------------------------------------------
+# Process groups: one spawn per world size checks every case
+# ---------------------------------------------------------------------------
+
+def _tp_worker(rank, world_size, init_file, cases_file, result_dir):
+    torch.set_num_threads(1)  # the ranks share two cores
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=60))
+    checked, failures = 0, []
+
+    def check(mlp, case, prefix, what):
+        nonlocal checked
+        for x, ref in zip(case["xs"], case["refs"][prefix]):
+            out = mlp(x)
+            checked += 1
+            if not matches(out, ref):
+                failures.append(f"world {world_size} rank {rank}: {case['bits']}-bit {prefix} {what}, "
+                                f"M={x.shape[0]}: max error {(out - ref).abs().max():.3g}, "
+                                f"max |ref| {ref.abs().max():.3g}")
+
+    cases = torch.load(cases_file)
+    for case in cases:
+        for prefix in PREFIXES:
+            check(TPAwareMLP.from_checkpoint(case["reordered"], prefix, rank, world_size), case, prefix, "TPAwareMLP")
+            check(NaiveTPMLP.from_checkpoint(case["original"], prefix, rank, world_size), case, prefix, "NaiveTPMLP")
+    if world_size == 4:  # two independent TP=2 groups inside the world of four
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        case = cases[2]
+        for cls, path in ((TPAwareMLP, case["reordered"]), (NaiveTPMLP, case["original"])):
+            mlp = cls.from_checkpoint(path, PREFIXES[0], rank % 2, 2, group=groups[rank // 2])
+            check(mlp, case, PREFIXES[0], f"{cls.__name__} in a subgroup")
+    with open(f"{result_dir}/rank{rank}.json", "w") as f:
+        json.dump({"checked": checked, "failures": failures}, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tensor_parallel_mlps(checkpoints, tmp_path, world_size):
+    cases_file = tmp_path / "cases.pt"
+    torch.save([{k: v for k, v in c.items() if k != "mlps"} for c in checkpoints], cases_file)
+    mp.spawn(_tp_worker, args=(world_size, str(tmp_path / "init"), str(cases_file), str(tmp_path)),
+             nprocs=world_size, join=True)
+    expected = len(checkpoints) * len(PREFIXES) * 2 * 2 + (4 if world_size == 4 else 0)
+    failures = []
+    for rank in range(world_size):
+        with open(tmp_path / f"rank{rank}.json") as f:
+            result = json.load(f)
+        assert result["checked"] == expected, f"rank {rank} checked {result['checked']} outputs, expected {expected}"
+        failures += result["failures"]
+    assert not failures, f"{len(failures)} sharded outputs differ from the unsharded MLP:\n" + "\n".join(failures)
