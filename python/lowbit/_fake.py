@@ -3,13 +3,7 @@ trace under torch.compile and pass torch.library.opcheck. Only shape
 arithmetic lives here; validation and math are in C++."""
 import torch
 
-
-def _fields_per_pack(bit: int) -> int:
-    return 32 if bit == 3 else 32 // bit
-
-
-def _words_per_pack(bit: int) -> int:
-    return 3 if bit == 3 else 1
+from .packing import fields_per_pack, words_per_pack
 
 
 @torch.library.register_fake("lowbit::gptq_gemm")
@@ -24,7 +18,7 @@ def _gptq_shuffle(q_weight, q_perm, bit):
 
 @torch.library.register_fake("lowbit::gptq_dequantize")
 def _gptq_dequantize(b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_v2_format, bit):
-    k = b_q_weight.shape[0] // _words_per_pack(bit) * _fields_per_pack(bit)
+    k = b_q_weight.shape[0] // words_per_pack(bit) * fields_per_pack(bit)
     return b_gptq_scales.new_empty((k, b_q_weight.shape[1]))
 
 
@@ -41,14 +35,14 @@ def _gptq_permute_cols(qweight, qzeros, scales, perm, bit):
 @torch.library.register_fake("lowbit::gptq_pack")
 def _gptq_pack(values, bit, dim):
     shape = list(values.shape)
-    shape[dim] = shape[dim] // _fields_per_pack(bit) * _words_per_pack(bit)
+    shape[dim] = shape[dim] // fields_per_pack(bit) * words_per_pack(bit)
     return values.new_empty(shape)
 
 
 @torch.library.register_fake("lowbit::gptq_unpack")
 def _gptq_unpack(packed, bit, dim):
     shape = list(packed.shape)
-    shape[dim] = shape[dim] // _words_per_pack(bit) * _fields_per_pack(bit)
+    shape[dim] = shape[dim] // words_per_pack(bit) * fields_per_pack(bit)
     return packed.new_empty(shape)
 
 

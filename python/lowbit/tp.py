@@ -32,7 +32,8 @@ from torch import nn
 
 from .gptq.checkpoint import GPTQCheckpointError, checkpoint_files, read_tensors, write_checkpoint
 from .gptq.config import GPTQConfig, read_config
-from .gptq.linear import GPTQLinear, _fields_per_pack, _words_per_pack
+from .gptq.linear import GPTQLinear
+from .packing import fields_per_pack, words_per_pack
 
 __all__ = [
     "ColumnParallelGPTQLinear", "NaiveTPMLP", "RowParallelGPTQLinear", "SequentialGPTQLinear", "TPAwareMLP",
@@ -251,11 +252,11 @@ class _Source:
 
     @property
     def fields(self) -> int:
-        return _fields_per_pack(self.bits)
+        return fields_per_pack(self.bits)
 
     @property
     def words(self) -> int:
-        return _words_per_pack(self.bits)
+        return words_per_pack(self.bits)
 
     @property
     def rows_per_group(self) -> int:
@@ -295,7 +296,7 @@ def _checkpoint_source(path: str | os.PathLike, name: str) -> _Source:
     quant = config.for_module(name)
     if quant is None:
         raise GPTQCheckpointError(f"{where}: has a qweight but the config's dynamic rules exclude it")
-    fields, words = _fields_per_pack(quant.bits), _words_per_pack(quant.bits)
+    fields, words = fields_per_pack(quant.bits), words_per_pack(quant.bits)
     rows, N = shapes["qweight"]
     K = rows // words * fields
     groups = 1 if quant.group_size == -1 else math.ceil(K / quant.group_size)

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..packing import fields_per_pack, words_per_pack
 from .config import GPTQConfig, ModuleQuant, read_config
 from .linear import GPTQLinear
 
@@ -114,8 +115,7 @@ def _module(name: str, q: ModuleQuant, config: GPTQConfig, t: dict[str, torch.Te
                                 ("bias", bias, (torch.float16, torch.bfloat16, torch.float32))):
         if tensor is not None and tensor.dtype not in dtypes:
             raise GPTQCheckpointError(f"{where}: {key} has dtype {tensor.dtype}, expected one of {dtypes}")
-    fields = 32 if q.bits == 3 else 32 // q.bits
-    words = 3 if q.bits == 3 else 1
+    fields, words = fields_per_pack(q.bits), words_per_pack(q.bits)
     if qweight.dim() != 2 or qweight.shape[0] % words:
         raise GPTQCheckpointError(f"{where}: qweight shape {tuple(qweight.shape)} does not fit {q.bits}-bit packing")
     K, N = qweight.shape[0] // words * fields, qweight.shape[1]

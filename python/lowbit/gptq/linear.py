@@ -7,16 +7,9 @@ import math
 import torch
 from torch import nn
 
+from ..packing import fields_per_pack, words_per_pack
 from .config import BITS, FORMATS
 from .rtn import quantize_rtn
-
-
-def _fields_per_pack(bits: int) -> int:
-    return 32 if bits == 3 else 32 // bits
-
-
-def _words_per_pack(bits: int) -> int:
-    return 3 if bits == 3 else 1
 
 
 class GPTQLinear(nn.Module):
@@ -41,17 +34,17 @@ class GPTQLinear(nn.Module):
             raise ValueError(f"GPTQLinear: checkpoint_format must be one of {FORMATS}, got {checkpoint_format!r}")
         if group_size != -1 and group_size <= 0:
             raise ValueError(f"GPTQLinear: group_size must be -1 or positive, got {group_size}")
-        if in_features % _fields_per_pack(bits) or out_features % _fields_per_pack(bits):
+        if in_features % fields_per_pack(bits) or out_features % fields_per_pack(bits):
             raise ValueError(f"GPTQLinear: {bits}-bit packing needs in_features and out_features to be multiples "
-                             f"of {_fields_per_pack(bits)}, got {in_features} and {out_features}")
+                             f"of {fields_per_pack(bits)}, got {in_features} and {out_features}")
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.group_size, self.sym, self.desc_act = bits, group_size, sym, desc_act
         self.checkpoint_format = checkpoint_format
         groups = 1 if group_size == -1 else math.ceil(in_features / group_size)
-        words = _words_per_pack(bits)
-        self.register_buffer("qweight", torch.zeros(in_features // _fields_per_pack(bits) * words, out_features,
+        words = words_per_pack(bits)
+        self.register_buffer("qweight", torch.zeros(in_features // fields_per_pack(bits) * words, out_features,
                                                     dtype=torch.int32, device=device))
-        self.register_buffer("qzeros", torch.zeros(groups, out_features // _fields_per_pack(bits) * words,
+        self.register_buffer("qzeros", torch.zeros(groups, out_features // fields_per_pack(bits) * words,
                                                    dtype=torch.int32, device=device))
         self.register_buffer("scales", torch.zeros(groups, out_features, dtype=dtype, device=device))
         g = in_features if group_size == -1 else group_size
