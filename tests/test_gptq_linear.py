@@ -39,7 +39,7 @@ def test_act_order_runs_shuffled_and_reshuffles_after_load_state_dict():
     layer, _ = layer_and_linear(act_order=True)
     x = torch.randn(3, IN)
     y = layer(x)
-    qweight, idx, shuffled = layer._fast
+    qweight, idx, shuffled = layer._prepare()
     assert shuffled and not torch.equal(qweight, layer.qweight)  # a private shuffled copy
     assert layer.state_dict()["qweight"].data_ptr() == layer.qweight.data_ptr()
     other, _ = layer_and_linear(act_order=True, seed=1)
@@ -55,7 +55,7 @@ def test_unequal_groups_run_unshuffled():
     W = ref.dequantize(layer.qweight.numpy(), layer.qzeros.numpy(), layer.scales.numpy(), g.numpy(), 4, "gptq_v2")
     np.testing.assert_allclose(layer(x).double().numpy(), x.double().numpy() @ W + layer.bias.double().numpy(),
                                rtol=1e-5, atol=1e-5)
-    assert layer._fast[2] is False
+    assert layer._prepare()[2] is False
 
 
 def test_state_dict_is_the_checkpoint():

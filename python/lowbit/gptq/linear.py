@@ -53,8 +53,9 @@ class GPTQLinear(nn.Module):
             self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device))
         else:
             self.bias = None
-        self._prepared_for = None  # (qweight, g_idx) versions the fast path was built from
-        self._fast = None  # (qweight to multiply, b_g_idx, use_exllama)
+        # (key of the qweight/g_idx versions it was built from, (qweight to multiply, b_g_idx, use_exllama)),
+        # one attribute so that threads sharing the layer never see a key with another key's plan.
+        self._plan = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int, group_size: int, sym: bool = True,
@@ -79,8 +80,9 @@ class GPTQLinear(nn.Module):
     def _prepare(self):
         """Picks how to run: shuffled (act-order with equal groups) or plain."""
         key = (self.qweight.data_ptr(), self.qweight._version, self.g_idx.data_ptr(), self.g_idx._version)
-        if self._prepared_for == key and self._fast[0].device == self.qweight.device:
-            return self._fast
+        plan = self._plan
+        if plan is not None and plan[0] == key and plan[1][0].device == self.qweight.device:
+            return plan[1]
         K, groups = self.in_features, self.scales.shape[0]
         g_idx = self.g_idx
         trivial = torch.arange(K, device=g_idx.device) // max(1, K // groups)
@@ -94,7 +96,7 @@ class GPTQLinear(nn.Module):
                 fast = (shuffled, perm, True)
             else:  # groups of unequal size: the unshuffled kernel takes any g_idx
                 fast = (self.qweight, g_idx, False)
-        self._prepared_for, self._fast = key, fast
+        self._plan = (key, fast)
         return fast
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
