@@ -3,11 +3,12 @@ a description of the machine, and result files under benchmarks/results/."""
 import json
 import os
 import platform
-import re
 import statistics
 import time
 
 import torch
+
+from lowbit.machine import device_name, machine_slug
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -43,21 +44,9 @@ def copy_bandwidth_gbs(device=torch.device("cpu"), nbytes=1 << 29):
 
 def machine(device=torch.device("cpu")):
     """A description of the machine and a short name for result files."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = platform.processor() or "cpu"
-        try:
-            with open("/proc/cpuinfo") as f:
-                found = re.search(r"model name\s*:\s*(.*)", f.read())
-            if found:
-                name = found.group(1).strip()
-        except OSError:
-            pass
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
     return {
-        "name": name,
-        "slug": f"{device.type}-{slug}-{torch.get_num_threads()}t" if device.type == "cpu" else f"cuda-{slug}",
+        "name": device_name(device),
+        "slug": machine_slug(device),
         "device": device.type,
         "threads": torch.get_num_threads(),
         "cores": os.cpu_count(),

@@ -42,9 +42,8 @@ inline void check_dim(const char* op, const char* name, const at::Tensor& t, int
   TORCH_CHECK_VALUE(t.dim() == dim, op, ": ", name, " must be ", dim, "-D, got shape ", t.sizes());
 }
 
-// Number of fields per packed axis length must be a whole number of packs.
-inline int64_t fields_per_pack(int64_t bit) { return bit == 3 ? 32 : 32 / bit; }
-inline int64_t words_per_pack(int64_t bit) { return bit == 3 ? 3 : 1; }
+using gptq::fields_per_pack;
+using gptq::words_per_pack;
 
 // Shape of a GPTQ weight after validation: W is [K, N] with `groups` groups.
 struct GptqDims {

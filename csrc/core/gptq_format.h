@@ -30,9 +30,13 @@ template <int BITS>
 struct Pack {
   static_assert(BITS == 2 || BITS == 3 || BITS == 4 || BITS == 8, "bits");
   static constexpr int kFields = BITS == 3 ? 32 : 32 / BITS;
-  static constexpr int kWords = BITS == 3 ? 3 : 1;
+  static constexpr int kWords = BITS == 3 ? 3 : 1;  // fields_per_pack / words_per_pack below, at compile time
   static constexpr uint32_t kMask = (1u << BITS) - 1u;
 };
+
+// The same, for a run-time bit width (validation and shape arithmetic).
+LOWBIT_HD int64_t fields_per_pack(int64_t bits) { return bits == 3 ? 32 : 32 / bits; }
+LOWBIT_HD int64_t words_per_pack(int64_t bits) { return bits == 3 ? 3 : 1; }
 
 // Where field i lives: its low part in word `lo` at bit `lo_shift` (lo_mask
 // wide), and, for a straddling 3-bit field, its high part in the low bits of

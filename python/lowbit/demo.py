@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import platform
-import re
 import time
 
 import torch
@@ -23,6 +21,7 @@ from tqdm import tqdm
 
 import lowbit
 from lowbit import smollm2
+from lowbit.machine import machine_slug
 
 PROMPT = "The three branches of government are"
 # (label, bits, sym, desc_act, checkpoint_format): the table's GPTQ rows, g128.
@@ -42,17 +41,6 @@ QUICK_ROWS = GPTQ_ROWS[1:2]
 DAMP_PERCENT = 0.1
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                        "benchmarks", "results")
-
-
-def machine_name() -> str:
-    name = platform.processor() or "cpu"
-    try:
-        with open("/proc/cpuinfo") as f:
-            found = re.search(r"model name\s*:\s*(.*)", f.read())
-        name = found.group(1).strip() if found else name
-    except OSError:
-        pass
-    return f"cpu-{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}-{torch.get_num_threads()}t"
 
 
 def calibration_batches(tokenizer, length: int = 256, count: int = 8) -> list[torch.Tensor]:
@@ -93,7 +81,7 @@ def run_real_model(path: str, quick: bool, heldout_tokens: int) -> None:
 
 def format_table(rows, heldout_tokens: int, calibration_tokens: int) -> str:
     lines = [
-        f"SmolLM2-135M-Instruct, {torch.get_num_threads()} CPU threads ({machine_name()}), torch {torch.__version__}",
+        f"SmolLM2-135M-Instruct, {torch.get_num_threads()} CPU threads ({machine_slug()}), torch {torch.__version__}",
         f"perplexity on {heldout_tokens} held-out tokens (windows of 256); GPTQ calibrated on "
         f"{calibration_tokens} tokens, dampening {DAMP_PERCENT:.0%}; bits per weight over the decoder Linears",
         "",
@@ -108,7 +96,7 @@ def format_table(rows, heldout_tokens: int, calibration_tokens: int) -> str:
 
 def write_results(table: str, rows, seconds: float) -> None:
     os.makedirs(RESULTS, exist_ok=True)
-    base = os.path.join(RESULTS, f"smollm2-{machine_name()}")
+    base = os.path.join(RESULTS, f"smollm2-{machine_slug()}")
     with open(base + ".md", "w") as f:
         f.write(table + f"\n\nWhole job: {seconds:.0f} s (`python -m lowbit.demo`).\n")
     try:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["hf_name", "unpermute_rows", "llama_config_from_gguf"]
+__all__ = ["hf_name", "unpermute_rows", "rows_in_hf_order", "llama_config_from_gguf"]
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -65,6 +65,18 @@ def unpermute_rows(data: torch.Tensor, n_head: int) -> torch.Tensor:
     # Source row of each HF row: HF (head, i, j) sits at GGUF (head, j, i).
     perm = torch.arange(rows, device=data.device).reshape(n_head, rows // n_head // 2, 2)
     return data.index_select(0, perm.transpose(1, 2).reshape(-1))
+
+
+def rows_in_hf_order(name: str, rows: torch.Tensor, metadata: Mapping[str, Any]) -> torch.Tensor:
+    """The rows of GGUF tensor `name` in HF order: attn_q and attn_k rows are
+    unpermuted (with the file's head counts), every other tensor is as stored."""
+    arch = metadata.get("general.architecture", "llama")
+    n_head = metadata.get(f"{arch}.attention.head_count")
+    if name.endswith("attn_q.weight"):
+        return unpermute_rows(rows, n_head)
+    if name.endswith("attn_k.weight"):
+        return unpermute_rows(rows, metadata.get(f"{arch}.attention.head_count_kv", n_head))
+    return rows
 
 
 # transformers LlamaConfig kwarg <- GGUF key without the "llama." prefix.

@@ -11,7 +11,7 @@ from torch import nn
 
 from .gguf_file import GGUFError, GGUFTensor, load_gguf
 from .gguf_linear import GGUFLinear
-from .gguf_llama import hf_name, unpermute_rows
+from .gguf_llama import hf_name, rows_in_hf_order
 from .gptq.checkpoint import GPTQCheckpointError, load_gptq
 
 
@@ -97,20 +97,9 @@ def _persistent_buffers(model: nn.Module):
 
 def _replace_from_gguf(model: nn.Module, path: str) -> ReplaceReport:
     f = load_gguf(path)
-    arch = f.metadata.get("general.architecture", "llama")
-    n_head = f.metadata.get(f"{arch}.attention.head_count")
-    n_head_kv = f.metadata.get(f"{arch}.attention.head_count_kv", n_head)
     report = ReplaceReport()
     wanted = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     placed = set()
-
-    def rows_in_hf_order(t: GGUFTensor) -> torch.Tensor:
-        # The converter permutes Q and K rows for llama.cpp's RoPE layout.
-        if t.name.endswith("attn_q.weight"):
-            return unpermute_rows(t.data, n_head)
-        if t.name.endswith("attn_k.weight"):
-            return unpermute_rows(t.data, n_head_kv)
-        return t.data
 
     # Linear weights first, so bias tensors find their (new) layers afterwards.
     tensors = sorted(f.tensors.values(), key=lambda t: not t.name.endswith(".weight"))
@@ -123,13 +112,13 @@ def _replace_from_gguf(model: nn.Module, path: str) -> ReplaceReport:
             continue
         if isinstance(module, nn.Linear) and attr == "weight":
             _check_shape(path, t, module_name, (module.out_features, module.in_features))
-            layer = GGUFLinear.from_raw(rows_in_hf_order(t), t.type, module.in_features, module.bias)
+            layer = GGUFLinear.from_raw(rows_in_hf_order(t.name, t.data, f.metadata), t.type, module.in_features, module.bias)
             model.set_submodule(module_name, layer)
             report.replaced.append(module_name)
         else:
             target = getattr(module, attr)
             _check_shape(path, t, name, tuple(target.shape))
-            rows = rows_in_hf_order(t)
+            rows = rows_in_hf_order(t.name, t.data, f.metadata)
             value = torch.ops.lowbit.ggml_dequantize(rows, t.type, rows.shape[0], t.shape[-1], torch.float32)
             with torch.no_grad():
                 target.copy_(value.reshape(target.shape))

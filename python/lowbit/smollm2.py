@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .gguf_file import load_gguf
-from .gguf_llama import hf_name, llama_config_from_gguf, unpermute_rows
+from .gguf_llama import hf_name, llama_config_from_gguf, rows_in_hf_order
 from .gguf_linear import GGUFLinear
 from .gptq.checkpoint import save_gptq
 from .gptq.config import GPTQConfig
@@ -51,11 +51,7 @@ def load_float_model(path: str):
     model = transformers.LlamaForCausalLM(config).eval()
     params = dict(model.named_parameters())
     for t in f.tensors.values():
-        rows = t.data
-        if t.name.endswith("attn_q.weight"):
-            rows = unpermute_rows(rows, config.num_attention_heads)
-        elif t.name.endswith("attn_k.weight"):
-            rows = unpermute_rows(rows, config.num_key_value_heads)
+        rows = rows_in_hf_order(t.name, t.data, f.metadata)
         w = torch.ops.lowbit.ggml_dequantize(rows, t.type, rows.shape[0], t.shape[-1], torch.float32)
         with torch.no_grad():
             params[hf_name(t.name)].copy_(w.reshape(t.shape))
