@@ -89,19 +89,29 @@ LOWBIT_HD void quantize_act_block(const float* x, int8_t* q, float* d, float* su
   }
 }
 
+// sum(q_w[i] * q_x[i]) over n int8 pairs, as a plain loop. The sum is exact,
+// so a backend may pass block_dot its own packed-instruction version (the
+// CUDA backend uses __dp4a, n being a multiple of 4) without changing results.
+struct ScalarIntDot {
+  LOWBIT_HD int32_t operator()(const int8_t* w, const int8_t* x, int n) const {
+    int32_t isum = 0;
+    for (int i = 0; i < n; ++i) isum += static_cast<int32_t>(w[i]) * x[i];
+    return isum;
+  }
+};
+
 // sum(w[i] * x[i]) over one weight block (block index `bi` of the row) with
 // integer products per sub-block: each sub-block contributes
 // d_w * d_x * sum(q_w * q_x) and, for types with mins, m_w * (d_x * sum(q_x)).
-template <Type T>
-LOWBIT_HD float block_dot(const Decoded<T>& w, const ActRow& a, int64_t bi) {
+template <Type T, typename IntDot = ScalarIntDot>
+LOWBIT_HD float block_dot(const Decoded<T>& w, const ActRow& a, int64_t bi, IntDot int_dot = IntDot{}) {
   using I = TypeInfo<T>;
   using L = ActLayout<I::kAct>;
   const int64_t base = bi * I::kBlock;
   const int8_t* xq = a.q + base;
   float acc = 0.0f;
   for (int s = 0; s < I::kBlock / I::kSub; ++s) {
-    int32_t isum = 0;
-    for (int i = s * I::kSub; i < (s + 1) * I::kSub; ++i) isum += static_cast<int32_t>(w.q[i]) * xq[i];
+    const int32_t isum = int_dot(w.q + s * I::kSub, xq + s * I::kSub, I::kSub);
     const int64_t first = base + s * I::kSub;
     const float dx = a.d[first / L::kBlock];
     acc += w.d[s] * dx * static_cast<float>(isum);
