@@ -5,7 +5,11 @@
 
 #include <vector>
 
+#include <optional>
+#include <string>
+
 #include "core/ggml_types.h"
+#include "cpu/isa.h"
 
 namespace {
 
@@ -14,6 +18,12 @@ std::vector<int64_t> ggml_type_info(int64_t type) {
   const lowbit::ggml::RuntimeInfo info = lowbit::ggml::runtime_info(type);
   TORCH_CHECK_VALUE(info.ok, "ggml_type_info: type ", type, " is not a ggml weight type lowbit supports (unknown or removed id)");
   return {info.block, info.bytes};
+}
+
+// The vector ISA the CPU kernels use now, after forcing it to `force` if given.
+std::string cpu_isa(std::optional<std::string> force) {
+  if (force) lowbit::cpu::force_isa(*force);
+  return lowbit::cpu::isa_name(lowbit::cpu::active_isa());
 }
 
 }  // namespace
@@ -50,4 +60,9 @@ TORCH_LIBRARY(lowbit, m) {
   m.def("ggml_mul_mat_a8(Tensor W, Tensor X, int type, SymInt row) -> Tensor");
   // [elements per block, bytes per block] of a ggml type; raises for unknown ids.
   m.def("ggml_type_info(int type) -> int[]", &ggml_type_info);
+
+  // The x86 vector ISA of the CPU kernels ("portable", "avx2", "avx512"),
+  // chosen from the CPU's features at load (or LOWBIT_CPU_ISA); `force`
+  // lowers it, for tests of every path and for benchmarks.
+  m.def("cpu_isa(str? force=None) -> str", &cpu_isa);
 }

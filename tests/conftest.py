@@ -14,13 +14,29 @@ sys.path.insert(0, os.path.dirname(__file__))
 import lowbit  # noqa: E402,F401  (loads torch.ops.lowbit)
 
 
+ISAS = ("portable", "avx2", "avx512")
+
+
+def _cpu_isas():
+    """Every x86 vector ISA of the CPU kernels: each CPU case runs once per ISA
+    so the SIMD paths and the portable fallback meet the same tests. An ISA
+    this CPU lacks skips with that reason."""
+    best = torch.ops.lowbit.cpu_isa("best")
+    params = []
+    for isa in ISAS:
+        missing = ISAS.index(isa) > ISAS.index(best)
+        marks = pytest.mark.skipif(missing, reason=f"this CPU cannot run the {isa} kernels (best: {best})")
+        params.append(pytest.param(("cpu", isa), id=f"cpu-{isa}", marks=marks))
+    return params
+
+
 def _devices():
-    devices = [pytest.param("cpu", id="cpu")]
+    devices = _cpu_isas()
     reason = "CUDA cases need a GPU and a CUDA build of lowbit"
     cuda_ok = torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(
         "lowbit::gptq_gemm", "CUDA"
     )
-    devices.append(pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not cuda_ok, reason=reason)))
+    devices.append(pytest.param(("cuda", None), id="cuda", marks=pytest.mark.skipif(not cuda_ok, reason=reason)))
     return devices
 
 
@@ -29,4 +45,14 @@ DEVICES = _devices()
 
 @pytest.fixture(params=DEVICES)
 def device(request):
-    return request.param
+    """The device name; CPU cases run with the CPU kernels forced to one ISA."""
+    name, isa = request.param
+    if isa is None:
+        yield name
+        return
+    before = torch.ops.lowbit.cpu_isa()
+    torch.ops.lowbit.cpu_isa(isa)
+    try:
+        yield name
+    finally:
+        torch.ops.lowbit.cpu_isa(before)

@@ -51,9 +51,10 @@ struct FieldLoc {
   uint32_t hi_pos;
 };
 
+// constexpr so that SIMD kernels can unroll a pack with compile-time shifts.
 template <int BITS>
-LOWBIT_HD FieldLoc locate(int64_t i) {
-  FieldLoc f;
+LOWBIT_HD constexpr FieldLoc locate(int64_t i) {
+  FieldLoc f{};
   const int64_t pack = i / Pack<BITS>::kFields;
   const uint32_t bit = BITS * static_cast<uint32_t>(i % Pack<BITS>::kFields);
   f.lo = pack * Pack<BITS>::kWords + bit / 32;

@@ -15,6 +15,8 @@
 #include "../dispatch_bits.h"
 #include "../gptq_checks.h"
 #include "gptq_cpu.h"
+#include "gptq_kernels.h"
+#include "isa.h"
 
 namespace lowbit {
 namespace cpu {
@@ -29,23 +31,6 @@ constexpr int64_t kTileN = 64;
 // Bytes of fp32 weight tile decoded per at::mm call on the large-M path.
 constexpr int64_t kTileBytes = 8 << 20;
 
-// Group of weight row k: g_idx[k] when given, else k / group_size.
-struct RowGroups {
-  const int32_t* g_idx;  // null for the trivial grouping
-  int64_t group_size;
-  int64_t operator()(int64_t k) const { return g_idx ? g_idx[k] : k / group_size; }
-};
-
-// A validated GPTQ weight in the form the kernels read it.
-struct GptqWeight {
-  const uint32_t* qweight;  // [K*bit/32, N]
-  int64_t K;
-  int64_t N;
-  const int32_t* zeros;  // [groups, N], zero-point rule applied
-  const float* scales;   // [groups, N]
-  RowGroups group_of;
-};
-
 // out[n - n0] = W[k, n] for n in [n0, n1).
 template <int B>
 inline void dequant_row(const GptqWeight& w, int64_t k, int64_t n0, int64_t n1, float* out) {
@@ -58,27 +43,48 @@ inline void dequant_row(const GptqWeight& w, int64_t k, int64_t n0, int64_t n1, 
   for (int64_t n = n0; n < n1; ++n) out[n - n0] = gptq::dequant(gptq::extract(lo[n], hi[n], f), z[n], s[n]);
 }
 
-// out[M, N] = a[M, K] @ W for M <= kFusedMaxM; tasks own disjoint column tiles.
+// The portable fused kernel: out[:, n0:n1] = a[M, K] @ W[:, n0:n1], M <= kFusedMaxM.
+template <int B>
+void fused_portable(const float* a, int64_t M, const GptqWeight& w, int64_t n0, int64_t n1, float* out) {
+  float acc[kFusedMaxM][kTileN];
+  float row[kTileN];
+  for (int64_t t0 = n0; t0 < n1; t0 += kTileN) {
+    const int64_t width = std::min(kTileN, n1 - t0);
+    for (int64_t m = 0; m < M; ++m) std::fill_n(acc[m], width, 0.0f);
+    for (int64_t k = 0; k < w.K; ++k) {
+      dequant_row<B>(w, k, t0, t0 + width, row);
+      for (int64_t m = 0; m < M; ++m) {
+        const float am = a[m * w.K + k];
+        for (int64_t n = 0; n < width; ++n) acc[m][n] += am * row[n];
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) std::copy_n(acc[m], width, out + m * w.N + t0);
+  }
+}
+
+// out[M, N] = a[M, K] @ W for M <= kFusedMaxM; tasks own disjoint column
+// tiles. The SIMD kernel of the active ISA takes the columns it can (whole
+// vectors, contiguous groups) and the portable one the rest.
 template <int B>
 void gemm_fused(const float* a, int64_t M, const GptqWeight& w, float* out) {
-  const int64_t K = w.K, N = w.N;
-  const int64_t tiles = (N + kTileN - 1) / kTileN;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    float acc[kFusedMaxM][kTileN];
-    float row[kTileN];
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * kTileN;
-      const int64_t width = std::min(kTileN, N - n0);
-      for (int64_t m = 0; m < M; ++m) std::fill_n(acc[m], width, 0.0f);
-      for (int64_t k = 0; k < K; ++k) {
-        dequant_row<B>(w, k, n0, n0 + width, row);
-        for (int64_t m = 0; m < M; ++m) {
-          const float am = a[m * K + k];
-          for (int64_t n = 0; n < width; ++n) acc[m][n] += am * row[n];
-        }
-      }
-      for (int64_t m = 0; m < M; ++m) std::copy_n(acc[m], width, out + m * N + n0);
+  const Isa isa = simd_fused_supports<B>(w) ? active_isa() : Isa::kPortable;
+  const int64_t step = isa == Isa::kAvx512 ? kAvx512FusedCols : isa == Isa::kAvx2 ? kAvx2FusedCols : kTileN;
+  const int64_t simd_end = isa == Isa::kPortable ? 0 : w.N - w.N % step;
+  // Tasks of 4 to 16 steps: wide for long contiguous reads of each weight row
+  // (16 measured ~10% faster than 4 at M=1), narrow enough for every thread.
+  const int64_t per_thread = w.N / (2 * at::get_num_threads()) / step * step;
+  const int64_t task = std::clamp(per_thread, 4 * step, 16 * step);
+  const int64_t tasks = (w.N + task - 1) / task;
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    const int64_t n0 = t0 * task, n1 = std::min(w.N, t1 * task);
+    const int64_t simd_n1 = std::min(n1, simd_end);
+#if defined(__x86_64__)
+    if (simd_n1 > n0) {
+      if (isa == Isa::kAvx512) gptq_fused_avx512(B, a, M, w, n0, simd_n1, out);
+      if (isa == Isa::kAvx2) gptq_fused_avx2(B, a, M, w, n0, simd_n1, out);
     }
+#endif
+    fused_portable<B>(a, M, w, std::max(n0, simd_n1), n1, out);
   });
 }
 

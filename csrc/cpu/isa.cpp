@@ -1,0 +1,70 @@
+#include "isa.h"
+
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <cstdlib>
+
+namespace lowbit {
+namespace cpu {
+namespace {
+
+Isa detect() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                      __builtin_cpu_supports("avx512vnni");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  if (avx512 && avx2) return Isa::kAvx512;
+  if (avx2) return Isa::kAvx2;
+#endif
+  return Isa::kPortable;
+}
+
+Isa parse(const std::string& name) {
+  if (name.empty() || name == "best") return detected_isa();
+  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512}) {
+    if (name == isa_name(isa)) {
+      TORCH_CHECK_VALUE(static_cast<int>(isa) <= static_cast<int>(detected_isa()), "cpu_isa: this CPU cannot run ",
+                        name, "; the best it supports is ", isa_name(detected_isa()));
+      return isa;
+    }
+  }
+  TORCH_CHECK_VALUE(false, "cpu_isa: unknown ISA '", name, "'; expected portable, avx2, avx512 or best");
+}
+
+// Starts at LOWBIT_CPU_ISA when set (an unusable value raises at first use).
+std::atomic<int>& active() {
+  static std::atomic<int> isa{[] {
+    const char* env = std::getenv("LOWBIT_CPU_ISA");
+    return static_cast<int>(env ? parse(env) : detected_isa());
+  }()};
+  return isa;
+}
+
+}  // namespace
+
+Isa detected_isa() {
+  static const Isa isa = detect();
+  return isa;
+}
+
+Isa active_isa() { return static_cast<Isa>(active().load(std::memory_order_relaxed)); }
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx2:
+      return "avx2";
+    case Isa::kAvx512:
+      return "avx512";
+    default:
+      return "portable";
+  }
+}
+
+void force_isa(const std::string& name) { active().store(static_cast<int>(parse(name))); }
+
+}  // namespace cpu
+}  // namespace lowbit

@@ -1,0 +1,32 @@
+// Which x86 vector instruction set the CPU kernels use, chosen at run time.
+//
+// Each fast kernel is compiled once per ISA in its own translation unit
+// (*_avx2.cpp, *_avx512.cpp, with GCC target pragmas, so the library still
+// loads on CPUs without them); the torch-facing code asks active_isa() which
+// one to call. The portable C++ loops stay as the fallback and as the
+// reference the fast paths are tested against: tests force each ISA in turn
+// through the cpu_isa op (or LOWBIT_CPU_ISA at load time).
+#pragma once
+
+#include <string>
+
+namespace lowbit {
+namespace cpu {
+
+enum class Isa : int {
+  kPortable = 0,
+  kAvx2 = 1,    // AVX2 + FMA + F16C
+  kAvx512 = 2,  // AVX-512 F/BW/VL/DQ + VNNI
+};
+
+// The best ISA this CPU supports (kPortable on non-x86 builds).
+Isa detected_isa();
+// The ISA kernels use now: detected_isa(), or a lower one when forced.
+Isa active_isa();
+const char* isa_name(Isa isa);
+// Forces kernels down to `name` ("portable", "avx2", "avx512", or "" / "best"
+// for the detected one). Raises ValueError for a name this CPU cannot run.
+void force_isa(const std::string& name);
+
+}  // namespace cpu
+}  // namespace lowbit

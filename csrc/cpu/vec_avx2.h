@@ -1,0 +1,36 @@
+// 8 x 32-bit lanes of AVX2, the vector vocabulary the *_simd.h kernels are
+// written in. Include only inside a `#pragma GCC target("avx2,fma,f16c")`
+// region (see gptq_fused_avx2.cpp), after every non-SIMD header.
+#pragma once
+
+#include <immintrin.h>
+#include <stdint.h>
+
+namespace lowbit {
+namespace cpu {
+
+struct VecAvx2 {
+  static constexpr int kLanes = 8;
+  static constexpr int kRegisters = 16;
+  using F = __m256;
+  using I = __m256i;
+
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static I set1_i(int32_t x) { return _mm256_set1_epi32(x); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static I load_i(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  template <int S>
+  static I srl(I v) { return _mm256_srli_epi32(v, S); }
+  template <int S>
+  static I sll(I v) { return _mm256_slli_epi32(v, S); }
+  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+};
+
+}  // namespace cpu
+}  // namespace lowbit

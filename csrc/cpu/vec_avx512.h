@@ -1,0 +1,36 @@
+// 16 x 32-bit lanes of AVX-512, the same vocabulary as VecAvx2. Include only
+// inside a `#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")`
+// region (see gptq_fused_avx512.cpp), after every non-SIMD header.
+#pragma once
+
+#include <immintrin.h>
+#include <stdint.h>
+
+namespace lowbit {
+namespace cpu {
+
+struct VecAvx512 {
+  static constexpr int kLanes = 16;
+  static constexpr int kRegisters = 32;
+  using F = __m512;
+  using I = __m512i;
+
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static I set1_i(int32_t x) { return _mm512_set1_epi32(x); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static I load_i(const void* p) { return _mm512_loadu_si512(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  template <int S>
+  static I srl(I v) { return _mm512_srli_epi32(v, S); }
+  template <int S>
+  static I sll(I v) { return _mm512_slli_epi32(v, S); }
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+};
+
+}  // namespace cpu
+}  // namespace lowbit
