@@ -5,7 +5,10 @@
 // with q an int8 level and d, m fp32 per sub-block. Dequantization evaluates
 // exactly that (each operation rounded once, in ggml's order), and the 8-bit
 // dot products use the same q, d, m with quantized activations, so both paths
-// read a format through one definition. Byte layouts follow ggml's
+// read a format through one definition. The types with SIMD CPU kernels also
+// expose scales() alone: the SIMD code cuts the levels out in vector
+// registers (cpu/ggml_levels_simd.h, tested equal to decode()) and takes the
+// sub-block scales from here. Byte layouts follow ggml's
 // ggml-common.h; element order follows ggml-quants.c's dequantize_row_*.
 #pragma once
 
@@ -70,32 +73,44 @@ LOWBIT_HD uint32_t grid_byte(uint64_t entry, int j) { return static_cast<uint32_
 // legacy 32-element layouts (Q4_0, Q4_1, Q5_x, IQ4_NL, MXFP4) and IQ4_XS's sub-blocks.
 LOWBIT_HD int nibble_of_element(const uint8_t* qs, int e) { return e < 16 ? (qs[e] & 0xf) : (qs[e - 16] >> 4); }
 
-// The 6-bit scale and min of sub-block j of Q4_K / Q5_K (ggml's get_scale_min_k4).
-LOWBIT_HD void k4_scale_min(const uint8_t* s, int j, int* scale, int* min) {
-  if (j < 4) {
-    *scale = s[j] & 63;
-    *min = s[j + 4] & 63;
-  } else {
-    *scale = (s[j + 4] & 0xf) | ((s[j - 4] >> 6) << 4);
-    *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
+// The eight 6-bit scales and mins of Q4_K / Q5_K (ggml's get_scale_min_k4),
+// unpacked from their 12 bytes a word at a time: byte j of scales[h] (mins[h])
+// is the scale (min) of sub-block 4h + j. Sub-blocks 0-3 keep the low 6 bits
+// of bytes 0-3 (4-7); sub-blocks 4-7 take a nibble of bytes 8-11 and the top
+// 2 bits of bytes 0-3 (4-7).
+struct K4ScaleMin {
+  uint32_t scales[2];
+  uint32_t mins[2];
+};
+LOWBIT_HD K4ScaleMin k4_scale_min(const uint8_t* s) {
+  const uint32_t a = load_u32(s), b = load_u32(s + 4), c = load_u32(s + 8);
+  K4ScaleMin r;
+  r.scales[0] = a & 0x3f3f3f3fu;
+  r.mins[0] = b & 0x3f3f3f3fu;
+  r.scales[1] = (c & 0x0f0f0f0fu) | (((a >> 6) & 0x03030303u) << 4);
+  r.mins[1] = ((c >> 4) & 0x0f0f0f0fu) | (((b >> 6) & 0x03030303u) << 4);
+  return r;
 }
 
 // ---- legacy 32-element types -----------------------------------------------
 
 template <>
 struct Codec<Type::Q4_0> {  // d | qs[16]
+  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::Q4_0>& o) { o.d[0] = half_at(b, 0); }
   LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::Q4_0>& o) {
-    o.d[0] = half_at(b, 0);
+    scales(b, o);
     for (int e = 0; e < 32; ++e) o.q[e] = static_cast<int8_t>(nibble_of_element(b + 2, e) - 8);
   }
 };
 
 template <>
 struct Codec<Type::Q4_1> {  // d | m | qs[16]
-  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::Q4_1>& o) {
+  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::Q4_1>& o) {
     o.d[0] = half_at(b, 0);
     o.m[0] = half_at(b, 2);
+  }
+  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::Q4_1>& o) {
+    scales(b, o);
     for (int e = 0; e < 32; ++e) o.q[e] = static_cast<int8_t>(nibble_of_element(b + 4, e));
   }
 };
@@ -107,8 +122,9 @@ LOWBIT_HD int q5_level(const uint8_t* qs, uint32_t qh, int e) {
 
 template <>
 struct Codec<Type::Q5_0> {  // d | qh[4] | qs[16]
+  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::Q5_0>& o) { o.d[0] = half_at(b, 0); }
   LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::Q5_0>& o) {
-    o.d[0] = half_at(b, 0);
+    scales(b, o);
     const uint32_t qh = load_u32(b + 2);
     for (int e = 0; e < 32; ++e) o.q[e] = static_cast<int8_t>(q5_level(b + 6, qh, e) - 16);
   }
@@ -116,9 +132,12 @@ struct Codec<Type::Q5_0> {  // d | qh[4] | qs[16]
 
 template <>
 struct Codec<Type::Q5_1> {  // d | m | qh[4] | qs[16]
-  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::Q5_1>& o) {
+  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::Q5_1>& o) {
     o.d[0] = half_at(b, 0);
     o.m[0] = half_at(b, 2);
+  }
+  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::Q5_1>& o) {
+    scales(b, o);
     const uint32_t qh = load_u32(b + 4);
     for (int e = 0; e < 32; ++e) o.q[e] = static_cast<int8_t>(q5_level(b + 8, qh, e));
   }
@@ -126,16 +145,18 @@ struct Codec<Type::Q5_1> {  // d | m | qh[4] | qs[16]
 
 template <>
 struct Codec<Type::Q8_0> {  // d | int8 qs[32]
+  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::Q8_0>& o) { o.d[0] = half_at(b, 0); }
   LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::Q8_0>& o) {
-    o.d[0] = half_at(b, 0);
+    scales(b, o);
     for (int e = 0; e < 32; ++e) o.q[e] = static_cast<int8_t>(b[2 + e]);
   }
 };
 
 template <>
 struct Codec<Type::IQ4_NL> {  // d | qs[16], levels from the non-linear table
+  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::IQ4_NL>& o) { o.d[0] = half_at(b, 0); }
   LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::IQ4_NL>& o) {
-    o.d[0] = half_at(b, 0);
+    scales(b, o);
     for (int e = 0; e < 32; ++e) o.q[e] = LOWBIT_TABLE(kvalues_iq4nl)[nibble_of_element(b + 2, e)];
   }
 };
@@ -159,19 +180,22 @@ LOWBIT_HD int k2_level(const uint8_t* qs, int e) {
 
 template <>
 struct Codec<Type::Q2_K> {  // scales[16] | qs[64] | d | dmin
-  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::Q2_K>& o) {
+  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::Q2_K>& o) {
     const float d = half_at(b, 80), dmin = half_at(b, 82);
     for (int s = 0; s < 16; ++s) {
       o.d[s] = mul_rn(d, static_cast<float>(b[s] & 0xf));
       o.m[s] = -mul_rn(dmin, static_cast<float>(b[s] >> 4));
     }
+  }
+  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::Q2_K>& o) {
+    scales(b, o);
     for (int e = 0; e < 256; ++e) o.q[e] = static_cast<int8_t>(k2_level(b + 16, e));
   }
 };
 
 template <>
 struct Codec<Type::Q3_K> {  // hmask[32] | qs[64] | scales[12] | d
-  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::Q3_K>& o) {
+  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::Q3_K>& o) {
     const uint8_t* sc = b + 96;
     const float d = half_at(b, 108);
     for (int s = 0; s < 16; ++s) {
@@ -180,6 +204,9 @@ struct Codec<Type::Q3_K> {  // hmask[32] | qs[64] | scales[12] | d
       const int high = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
       o.d[s] = mul_rn(d, static_cast<float>((low | (high << 4)) - 32));
     }
+  }
+  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::Q3_K>& o) {
+    scales(b, o);
     for (int e = 0; e < 256; ++e) {
       // hmask bit (4h + j) of byte l set means "no -4 offset".
       const int h = e / 128, j = (e % 128) / 32, l = e % 32;
@@ -199,26 +226,28 @@ LOWBIT_HD int k4_nibble(const uint8_t* qs, int e) {
 template <Type T>
 LOWBIT_HD void k4_scales(const uint8_t* b, Decoded<T>& o) {
   const float d = half_at(b, 0), dmin = half_at(b, 2);
+  const K4ScaleMin k = k4_scale_min(b + 4);
   for (int s = 0; s < 8; ++s) {
-    int scale, min;
-    k4_scale_min(b + 4, s, &scale, &min);
-    o.d[s] = mul_rn(d, static_cast<float>(scale));
-    o.m[s] = -mul_rn(dmin, static_cast<float>(min));
+    const uint32_t shift = 8 * (s % 4);
+    o.d[s] = mul_rn(d, static_cast<float>((k.scales[s / 4] >> shift) & 0xffu));
+    o.m[s] = -mul_rn(dmin, static_cast<float>((k.mins[s / 4] >> shift) & 0xffu));
   }
 }
 
 template <>
 struct Codec<Type::Q4_K> {  // d | dmin | scales[12] | qs[128]
+  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::Q4_K>& o) { k4_scales(b, o); }
   LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::Q4_K>& o) {
-    k4_scales(b, o);
+    scales(b, o);
     for (int e = 0; e < 256; ++e) o.q[e] = static_cast<int8_t>(k4_nibble(b + 16, e));
   }
 };
 
 template <>
 struct Codec<Type::Q5_K> {  // d | dmin | scales[12] | qh[32] | qs[128]
+  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::Q5_K>& o) { k4_scales(b, o); }
   LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::Q5_K>& o) {
-    k4_scales(b, o);
+    scales(b, o);
     for (int e = 0; e < 256; ++e) {
       const bool fifth = (b[16 + e % 32] >> (e / 32)) & 1;  // bit k of qh[l] is element 32k + l
       o.q[e] = static_cast<int8_t>(k4_nibble(b + 48, e) + (fifth ? 16 : 0));
@@ -228,9 +257,12 @@ struct Codec<Type::Q5_K> {  // d | dmin | scales[12] | qh[32] | qs[128]
 
 template <>
 struct Codec<Type::Q6_K> {  // ql[128] | qh[64] | int8 scales[16] | d
-  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::Q6_K>& o) {
+  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::Q6_K>& o) {
     const float d = half_at(b, 208);
     for (int s = 0; s < 16; ++s) o.d[s] = mul_rn(d, static_cast<float>(static_cast<int8_t>(b[192 + s])));
+  }
+  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::Q6_K>& o) {
+    scales(b, o);
     for (int e = 0; e < 256; ++e) {
       // Per 128-element half h: quarter k of element 128h + 32k + l takes the
       // low (k < 2) or high nibble of ql[64h + 32(k % 2) + l] and bits 2k..2k+1 of qh[32h + l].
@@ -389,14 +421,17 @@ struct Codec<Type::IQ1_M> {  // qs[32] | qh[16] | scales[8] (3-bit sub-scales + 
 
 template <>
 struct Codec<Type::IQ4_XS> {  // d | scales_h (uint16) | scales_l[4] | qs[128]
-  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::IQ4_XS>& o) {
+  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::IQ4_XS>& o) {
     const float d = half_at(b, 0);
     const uint32_t scales_h = load_u16(b + 2);
     for (int ib = 0; ib < 8; ++ib) {
       const int ls = ((b[4 + ib / 2] >> (4 * (ib % 2))) & 0xf) | (((scales_h >> (2 * ib)) & 3) << 4);
       o.d[ib] = mul_rn(d, static_cast<float>(ls - 32));
-      for (int e = 0; e < 32; ++e) o.q[32 * ib + e] = LOWBIT_TABLE(kvalues_iq4nl)[nibble_of_element(b + 8 + 16 * ib, e)];
     }
+  }
+  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::IQ4_XS>& o) {
+    scales(b, o);
+    for (int e = 0; e < 256; ++e) o.q[e] = LOWBIT_TABLE(kvalues_iq4nl)[nibble_of_element(b + 8 + 16 * (e / 32), e % 32)];
   }
 };
 

@@ -11,6 +11,8 @@
 #include "../dispatch_ggml.h"
 #include "../ggml_checks.h"
 #include "ggml_cpu.h"
+#include "ggml_kernels.h"
+#include "isa.h"
 
 namespace lowbit {
 namespace cpu {
@@ -53,25 +55,43 @@ struct QuantizedActs {
   }
 };
 
-// out[M, rows] = X[M, n] @ W.T: each weight block is decoded once and dotted
-// with every activation row; tasks own disjoint weight rows.
+// The portable kernel: out[:, r0:r1] of X @ W.T, each weight block decoded
+// once and dotted with every activation row.
+template <ggml::Type T>
+void mul_mat_rows_portable(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts, int64_t M,
+                           float* out, int64_t rows) {
+  using I = TypeInfo<T>;
+  const int64_t blocks = n / I::kBlock;
+  std::vector<float> acc(M);
+  ggml::Decoded<T> blk;
+  for (int64_t r = r0; r < r1; ++r) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    const uint8_t* row = W + r * blocks * I::kBytes;
+    for (int64_t b = 0; b < blocks; ++b) {
+      ggml::Codec<T>::decode(row + b * I::kBytes, blk);
+      for (int64_t m = 0; m < M; ++m) acc[m] += ggml::block_dot<T>(blk, acts[m], b);
+    }
+    for (int64_t m = 0; m < M; ++m) out[m * rows + r] = acc[m];
+  }
+}
+
+// out[M, rows] = X[M, n] @ W.T with the activations quantized once per call;
+// tasks own disjoint weight rows and run the SIMD kernel of the active ISA
+// where the type has one.
 template <ggml::Type T>
 void mul_mat_quantized(const uint8_t* W, int64_t rows, int64_t n, const float* X, int64_t M, float* out) {
   using I = TypeInfo<T>;
-  const QuantizedActs<I::kAct> acts(X, M, n);
-  const int64_t blocks = n / I::kBlock;
+  const QuantizedActs<I::kAct> quantized(X, M, n);
+  std::vector<ggml::ActRow> acts(M);
+  for (int64_t m = 0; m < M; ++m) acts[m] = quantized.row(m);
+  const Isa isa = active_isa();
   at::parallel_for(0, rows, row_grain(n), [&](int64_t r0, int64_t r1) {
-    std::vector<float> acc(M);
-    ggml::Decoded<T> blk;
-    for (int64_t r = r0; r < r1; ++r) {
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      const uint8_t* row = W + r * blocks * I::kBytes;
-      for (int64_t b = 0; b < blocks; ++b) {
-        ggml::Codec<T>::decode(row + b * I::kBytes, blk);
-        for (int64_t m = 0; m < M; ++m) acc[m] += ggml::block_dot<T>(blk, acts.row(m), b);
-      }
-      for (int64_t m = 0; m < M; ++m) out[m * rows + r] = acc[m];
-    }
+    bool done = false;
+#if defined(__x86_64__)
+    if (isa == Isa::kAvx512) done = ggml_mul_mat_avx512(static_cast<int64_t>(T), W, r0, r1, n, acts.data(), M, out, rows);
+    if (isa == Isa::kAvx2) done = ggml_mul_mat_avx2(static_cast<int64_t>(T), W, r0, r1, n, acts.data(), M, out, rows);
+#endif
+    if (!done) mul_mat_rows_portable<T>(W, r0, r1, n, acts.data(), M, out, rows);
   });
 }
 

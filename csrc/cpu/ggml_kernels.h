@@ -1,0 +1,32 @@
+// Entry points of the SIMD GGUF matmul kernels (ggml_matmul_avx2.cpp,
+// ggml_matmul_avx512.cpp; chosen at run time, see isa.h). Torch-free.
+#pragma once
+
+#include <stdint.h>
+
+#include "../core/ggml_q8.h"
+#include "../core/ggml_types.h"
+
+namespace lowbit {
+namespace cpu {
+
+// The weight types with SIMD levels (ggml_levels_simd.h): llama.cpp's main
+// types. The others run the portable kernel under every ISA.
+constexpr bool has_simd_matmul(ggml::Type t) {
+  using ggml::Type;
+  return t == Type::Q4_0 || t == Type::Q4_1 || t == Type::Q5_0 || t == Type::Q5_1 || t == Type::Q8_0 ||
+         t == Type::Q2_K || t == Type::Q3_K || t == Type::Q4_K || t == Type::Q5_K || t == Type::Q6_K ||
+         t == Type::IQ4_NL || t == Type::IQ4_XS;
+}
+
+// out[m * rows + r] = sum over the row of dequant(W[r]) * x[m] for r in
+// [r0, r1) and m < M, with acts[m] the activation rows quantized as
+// TypeInfo<T>::kAct. Returns false (and computes nothing) for a type without
+// a SIMD kernel.
+bool ggml_mul_mat_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts,
+                       int64_t M, float* out, int64_t rows);
+bool ggml_mul_mat_avx512(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n,
+                         const ggml::ActRow* acts, int64_t M, float* out, int64_t rows);
+
+}  // namespace cpu
+}  // namespace lowbit

@@ -1,0 +1,181 @@
+// The int8 levels of a GGUF block, 32 elements at a time, cut out in AVX2
+// registers for the SIMD matmul kernels (ggml_matmul_simd.h). Element order
+// and values are exactly those of Codec<T>::decode in core/ggml_blocks.h (a
+// test runs every ISA against the portable kernels and the reference). The
+// sub-block scales come from Codec<T>::scales, except for the K-quants whose
+// scalar scale decoding would cost as much as their levels: their scales()
+// here computes the same products (d * scale, -dmin * min, each rounded once)
+// eight at a time.
+// Include only inside an AVX2 (or wider) target pragma region.
+#pragma once
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "../core/ggml_blocks.h"
+#include "../core/ggml_tables.h"
+#include "../core/ggml_types.h"
+
+namespace lowbit {
+namespace cpu {
+namespace simd {
+
+inline __m256i bytes(int8_t v) { return _mm256_set1_epi8(v); }
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// Bits S.. of every byte, masked (a 16-bit shift: the mask drops what the
+// neighbouring byte shifted in).
+template <int S>
+inline __m256i byte_bits(__m256i v, int8_t mask) {
+  if constexpr (S == 0) return _mm256_and_si256(v, bytes(mask));
+  return _mm256_and_si256(_mm256_srli_epi16(v, S), bytes(mask));
+}
+
+// The legacy nibble layout: byte j holds element j (low) and j + 16 (high).
+inline __m256i nibbles16(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i m = _mm_set1_epi8(0xf);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+// 0x10 in byte e where bit e of the 32-bit qh is set (the Q5_0/Q5_1 fifth bit).
+inline __m256i fifth_bits(const uint8_t* qh_bytes) {
+  uint32_t qh;
+  memcpy(&qh, qh_bytes, 4);
+  // Byte e takes byte e / 8 of qh, then tests bit e % 8 of it.
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int32_t>(qh)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), bytes(0x10));
+}
+
+// A 16-entry int8 table in both lanes, for _mm256_shuffle_epi8 lookups.
+inline __m256i table16(const int8_t* t) {
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+}
+
+// Eight bytes (little-endian in two words) as fp32 lanes, unsigned / signed.
+inline __m256 u8x8_to_float(const uint32_t (&w)[2]) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, static_cast<int>(w[1]), static_cast<int>(w[0]))));
+}
+inline __m256 s8x8_to_float(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Q4_K / Q5_K: d * scale and -dmin * min from the shared k4_scale_min unpacking.
+template <ggml::Type T>
+inline void k4_scales_x8(const uint8_t* b, ggml::Decoded<T>& o) {
+  const ggml::K4ScaleMin k = ggml::k4_scale_min(b + 4);
+  _mm256_storeu_ps(o.d, _mm256_mul_ps(_mm256_set1_ps(ggml::half_at(b, 0)), u8x8_to_float(k.scales)));
+  _mm256_storeu_ps(o.m, _mm256_mul_ps(_mm256_set1_ps(-ggml::half_at(b, 2)), u8x8_to_float(k.mins)));
+}
+
+template <ggml::Type T>
+struct Levels;  // chunk<C>(block): elements 32C .. 32C + 31 as int8
+
+using ggml::Type;
+
+template <>
+struct Levels<Type::Q4_0> {
+  template <int C>
+  static __m256i chunk(const uint8_t* b) { return _mm256_sub_epi8(nibbles16(b + 2), bytes(8)); }
+};
+template <>
+struct Levels<Type::Q4_1> {
+  template <int C>
+  static __m256i chunk(const uint8_t* b) { return nibbles16(b + 4); }
+};
+template <>
+struct Levels<Type::Q5_0> {
+  template <int C>
+  static __m256i chunk(const uint8_t* b) {
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles16(b + 6), fifth_bits(b + 2)), bytes(16));
+  }
+};
+template <>
+struct Levels<Type::Q5_1> {
+  template <int C>
+  static __m256i chunk(const uint8_t* b) { return _mm256_or_si256(nibbles16(b + 8), fifth_bits(b + 4)); }
+};
+template <>
+struct Levels<Type::Q8_0> {
+  template <int C>
+  static __m256i chunk(const uint8_t* b) { return load32(b + 2); }
+};
+template <>
+struct Levels<Type::IQ4_NL> {
+  template <int C>
+  static __m256i chunk(const uint8_t* b) {
+    return _mm256_shuffle_epi8(table16(LOWBIT_TABLE(ggml::kvalues_iq4nl)), nibbles16(b + 2));
+  }
+};
+template <>
+struct Levels<Type::IQ4_XS> {  // sub-block C: the legacy nibble layout at qs + 16C
+  template <int C>
+  static __m256i chunk(const uint8_t* b) {
+    return _mm256_shuffle_epi8(table16(LOWBIT_TABLE(ggml::kvalues_iq4nl)), nibbles16(b + 8 + 16 * C));
+  }
+};
+template <>
+struct Levels<Type::Q2_K> {  // chunk 4h + j: bits 2j of qs[32h + l]
+  // scales[16]: low nibble * d, high nibble * -dmin.
+  static void scales(const uint8_t* b, ggml::Decoded<Type::Q2_K>& o) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+    const __m128i m = _mm_set1_epi8(0xf);
+    const __m128i lo = _mm_and_si128(v, m), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m);
+    const __m256 d = _mm256_set1_ps(ggml::half_at(b, 80)), nmin = _mm256_set1_ps(-ggml::half_at(b, 82));
+    const auto as_float = [](__m128i x) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x)); };
+    _mm256_storeu_ps(o.d, _mm256_mul_ps(d, as_float(lo)));
+    _mm256_storeu_ps(o.d + 8, _mm256_mul_ps(d, as_float(_mm_srli_si128(lo, 8))));
+    _mm256_storeu_ps(o.m, _mm256_mul_ps(nmin, as_float(hi)));
+    _mm256_storeu_ps(o.m + 8, _mm256_mul_ps(nmin, as_float(_mm_srli_si128(hi, 8))));
+  }
+  template <int C>
+  static __m256i chunk(const uint8_t* b) { return byte_bits<2 * (C % 4)>(load32(b + 16 + 32 * (C / 4)), 3); }
+};
+template <>
+struct Levels<Type::Q3_K> {  // Q2_K's levels minus 4 where hmask bit C of byte l is clear
+  template <int C>
+  static __m256i chunk(const uint8_t* b) {
+    const __m256i low = byte_bits<2 * (C % 4)>(load32(b + 32 + 32 * (C / 4)), 3);
+    const __m256i high = _mm256_slli_epi16(byte_bits<C>(load32(b), 1), 2);  // 4 or 0, no carry across bytes
+    return _mm256_sub_epi8(_mm256_or_si256(low, high), bytes(4));
+  }
+};
+template <>
+struct Levels<Type::Q4_K> {  // chunk 2j (+1): low (high) nibbles of qs[32j + l]
+  static void scales(const uint8_t* b, ggml::Decoded<Type::Q4_K>& o) { k4_scales_x8(b, o); }
+  template <int C>
+  static __m256i chunk(const uint8_t* b) { return byte_bits<4 * (C % 2)>(load32(b + 16 + 32 * (C / 2)), 0xf); }
+};
+template <>
+struct Levels<Type::Q5_K> {  // Q4_K's nibbles plus 16 for bit C of qh[l]
+  static void scales(const uint8_t* b, ggml::Decoded<Type::Q5_K>& o) { k4_scales_x8(b, o); }
+  template <int C>
+  static __m256i chunk(const uint8_t* b) {
+    const __m256i low = byte_bits<4 * (C % 2)>(load32(b + 48 + 32 * (C / 2)), 0xf);
+    return _mm256_or_si256(low, _mm256_slli_epi16(byte_bits<C>(load32(b + 16), 1), 4));
+  }
+};
+template <>
+struct Levels<Type::Q6_K> {  // chunk 4h + k: nibble of ql[64h + 32(k % 2) + l], bits 2k of qh[32h + l]
+  // int8 scales[16] at byte 192, times d.
+  static void scales(const uint8_t* b, ggml::Decoded<Type::Q6_K>& o) {
+    const __m256 d = _mm256_set1_ps(ggml::half_at(b, 208));
+    _mm256_storeu_ps(o.d, _mm256_mul_ps(d, s8x8_to_float(b + 192)));
+    _mm256_storeu_ps(o.d + 8, _mm256_mul_ps(d, s8x8_to_float(b + 200)));
+  }
+  template <int C>
+  static __m256i chunk(const uint8_t* b) {
+    constexpr int h = C / 4, k = C % 4;
+    const __m256i low = byte_bits<k < 2 ? 0 : 4>(load32(b + 64 * h + 32 * (k % 2)), 0xf);
+    const __m256i high = _mm256_slli_epi16(byte_bits<2 * k>(load32(b + 128 + 32 * h), 3), 4);
+    return _mm256_sub_epi8(_mm256_or_si256(low, high), bytes(32));
+  }
+};
+
+}  // namespace simd
+}  // namespace cpu
+}  // namespace lowbit

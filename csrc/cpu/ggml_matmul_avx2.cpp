@@ -1,0 +1,45 @@
+// The GGUF matmul kernels (ggml_matmul_simd.h) compiled for AVX2, with the
+// int8 dot product as maddubs + madd. Every non-SIMD header comes before the
+// target pragma, so no inline function shared with other units gets AVX2 code.
+#include <stdint.h>
+#include <string.h>
+
+#include <utility>
+
+#include "../core/ggml_blocks.h"
+#include "../core/ggml_q8.h"
+#include "../core/ggml_tables.h"
+#include "../core/ggml_types.h"
+#include "../dispatch_ggml.h"
+#include "ggml_kernels.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#include "ggml_matmul_simd.h"
+
+namespace lowbit {
+namespace cpu {
+namespace {
+
+struct DotAvx2 {
+  // 8 int32 lanes, lane i = sum of u[j] * s[j] over bytes 4i .. 4i+3. No pair
+  // saturates in maddubs: |levels| <= 128 and |activations| <= 127.
+  static __m256i dot(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+  }
+};
+
+}  // namespace
+
+bool ggml_mul_mat_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts,
+                       int64_t M, float* out, int64_t rows) {
+  return run_matmul_simd<DotAvx2>(type, W, r0, r1, n, acts, M, out, rows);
+}
+
+}  // namespace cpu
+}  // namespace lowbit
+#pragma GCC pop_options
+#endif

@@ -1,0 +1,43 @@
+// The GGUF matmul kernels (ggml_matmul_simd.h) compiled for AVX-512 with
+// VNNI: the int8 dot product is one vpdpbusd on 256-bit registers (AVX512VL).
+// Every non-SIMD header comes before the target pragma, so no inline function
+// shared with other units gets AVX-512 code.
+#include <stdint.h>
+#include <string.h>
+
+#include <utility>
+
+#include "../core/ggml_blocks.h"
+#include "../core/ggml_q8.h"
+#include "../core/ggml_tables.h"
+#include "../core/ggml_types.h"
+#include "../dispatch_ggml.h"
+#include "ggml_kernels.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+#include "ggml_matmul_simd.h"
+
+namespace lowbit {
+namespace cpu {
+namespace {
+
+struct DotVnni {
+  // 8 int32 lanes, lane i = sum of u[j] * s[j] over bytes 4i .. 4i+3.
+  static __m256i dot(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
+};
+
+}  // namespace
+
+bool ggml_mul_mat_avx512(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n,
+                         const ggml::ActRow* acts, int64_t M, float* out, int64_t rows) {
+  return run_matmul_simd<DotVnni>(type, W, r0, r1, n, acts, M, out, rows);
+}
+
+}  // namespace cpu
+}  // namespace lowbit
+#pragma GCC pop_options
+#endif
