@@ -1,0 +1,82 @@
+// A validated GPTQ weight as the CUDA kernels read it, the per-element
+// accessors they share (group of a row, zero point and scale of a group and
+// column: all from core/gptq_format.h), and the launchers one op file offers
+// another (dequantization for gptq_gemm's large-M path, raw pack/unpack for
+// gptq_permute_cols).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+#include "../core/gptq_format.h"
+#include "../gptq_checks.h"
+#include "common.cuh"
+
+namespace lowbit {
+namespace cuda {
+
+struct GptqView {
+  const uint32_t* qweight;  // [K*bit/32, N], packed along K
+  const uint32_t* qzeros;   // [groups, zero_cols], packed along N (stored zeros, rule not applied)
+  const void* scales;       // [groups, N] in scale_kind
+  Float scale_kind;
+  int64_t K;
+  int64_t N;
+  int64_t groups;
+  int64_t zero_cols;
+  const int32_t* g_idx;  // group of each row, or null: row k is in group k / group_size
+  int64_t group_size;
+  bool v2;
+};
+
+// `g_idx` must be an int32 contiguous vector on the weight's device, or an
+// undefined / empty tensor for the trivial grouping.
+inline GptqView make_view(const at::Tensor& qweight, const at::Tensor& qzeros, const at::Tensor& scales,
+                          const at::Tensor& g_idx, const GptqDims& d, bool v2) {
+  GptqView v;
+  v.qweight = reinterpret_cast<const uint32_t*>(qweight.data_ptr<int32_t>());
+  v.qzeros = reinterpret_cast<const uint32_t*>(qzeros.data_ptr<int32_t>());
+  v.scales = scales.data_ptr();
+  v.scale_kind = float_kind(scales.scalar_type());
+  v.K = d.K;
+  v.N = d.N;
+  v.groups = d.groups;
+  v.zero_cols = qzeros.size(1);
+  v.g_idx = g_idx.defined() && g_idx.numel() ? g_idx.data_ptr<int32_t>() : nullptr;
+  v.group_size = d.K / d.groups;
+  v.v2 = v2;
+  return v;
+}
+
+// Group of weight row k. g_idx values cannot be range-checked on the host
+// without a sync, so an out-of-range value stops the kernel here instead of
+// reading outside scales / qzeros.
+__device__ __forceinline__ int64_t group_of(const GptqView& w, int64_t k) {
+  if (w.g_idx == nullptr) return k / w.group_size;
+  const int64_t g = w.g_idx[k];
+  CUDA_KERNEL_ASSERT(g >= 0 && g < w.groups && "gptq: b_g_idx value out of range");
+  return g;
+}
+
+// Zero point of group g, column n, with the v1/v2 rule applied per field.
+template <int B>
+__device__ __forceinline__ int32_t zero_at(const GptqView& w, int64_t g, int64_t n) {
+  return gptq::zero_point(gptq::unpack_field<B>(w.qzeros + g * w.zero_cols, 1, n), w.v2);
+}
+
+__device__ __forceinline__ float scale_at(const GptqView& w, int64_t g, int64_t n) {
+  return load_float(w.scales, w.scale_kind, g * w.N + n);
+}
+
+// gptq_dequantize.cu: out[k, j] = W[k, n0 + j] for j < out.size(1), written in
+// out's dtype (float32, float16 or bfloat16; out contiguous [K, width]).
+void launch_gptq_dequantize(const GptqView& w, int64_t bit, int64_t n0, at::Tensor& out);
+
+// gptq_packing.cu: pack / unpack along `dim` without validation (the caller
+// has validated the shapes and values).
+at::Tensor pack_words(const at::Tensor& values, int64_t bit, int64_t dim);
+at::Tensor unpack_words(const at::Tensor& packed, int64_t bit, int64_t dim);
+
+}  // namespace cuda
+}  // namespace lowbit
