@@ -1,0 +1,502 @@
+// CUDA gptq_gemm: out[M, N] = a[M, K] @ W, accumulated in fp32.
+//
+// Two paths, as on the CPU:
+//
+// * M <= fused_max_m(bit): one fused kernel (gptq_gemv_kernel) decodes each
+//   weight once per M-chunk of up to 8 activation rows and accumulates in fp32
+//   registers. It is a GEMV at heart and bound by reading the packed weight,
+//   so the kernel is built around that read:
+//     - a block owns 128 output columns: every lane holds 4 adjacent columns
+//       and reads their words with one 128-bit load; a warp reads 512
+//       contiguous bytes of a packed row (coalesced);
+//     - the block's 8 warps split the block's K range (64 rows each per
+//       512-row chunk), with up to 8 words per lane loaded before first use;
+//     - the chunk's activations (gathered through q_perm for shuffled
+//       weights) and the group of each row are staged in shared memory once
+//       per block; per-group partial sums sum(a * (q - zero)) are scaled once
+//       per group (one multiply per group and column instead of per weight);
+//     - q - zero is formed exactly in fp32 with the 2^23 bit trick (no
+//       int->float conversion on the critical path);
+//     - split-K across blocks when the column tiles alone cannot fill the GPU:
+//       every split writes its own fp32 slice of a [splits, M, N] workspace and
+//       a second kernel sums the slices in a fixed order. No atomics: the
+//       result is deterministic (same bits on every run, as CUDA-graph replay
+//       tests require), there is no output to zero first and so no race on it.
+// * larger M: W is dequantized in fp32 column tiles (gptq_dequantize.cu) and
+//   multiplied by cuBLAS through at::mm in fp32 (TF32 only if the caller
+//   enabled it with torch.backends.cuda.matmul.allow_tf32). fp16/bf16 copies
+//   of W would round the weights and break the op's fp32 contract.
+//
+// Shuffled weights (use_exllama=True): rows are in q_perm order, b_g_idx is
+// that q_perm, so the kernel reads a[m, q_perm[i]] for shuffled row i and row
+// i belongs to group i / (K / groups), as in csrc/cpu/gptq_gemm.cpp.
+//
+// No host synchronisation and no allocation other than the output and
+// caching-allocator temporaries (the split-K workspace, the large-M tiles),
+// all on the current stream: the op can be captured in a CUDA graph. Index
+// values (g_idx, q_perm) are not range-checked on the host (that would need a
+// sync); the kernels assert on them instead.
+#include <algorithm>
+#include <cstdlib>
+#include <vector>
+
+#include "../core/gptq_format.h"
+#include "../dispatch_bits.h"
+#include "../gptq_prepare.h"
+#include "common.cuh"
+#include "gptq_cuda.cuh"
+#include "ops_cuda.h"
+
+namespace lowbit {
+namespace cuda {
+namespace {
+
+// Largest M that takes the fused kernel, per bit width; above it the
+// dequantize + cuBLAS path runs. NOT MEASURED YET -- no GPU was available
+// when these were written; benchmarks/bench_cuda.py's M sweep is the
+// measurement that should set them. The guess: both paths do the same fp32
+// multiply-adds (2*M*K*N), and the fused kernel also re-decodes W once per
+// 8 rows of M (about 4 extra instructions per weight and chunk) while the
+// large-M path first writes and re-reads a K*N fp32 copy of W (~8 bytes per
+// weight, independent of the bit width) but then runs cuBLAS's tuned SGEMM.
+// On an H100 (~3 TB/s, ~60 TFLOP/s fp32) that copy costs about as much as
+// 64-128 rows of fused work, for every bit width alike: start at 64.
+constexpr int64_t kFusedMaxM2 = 64;
+constexpr int64_t kFusedMaxM3 = 64;
+constexpr int64_t kFusedMaxM4 = 64;
+constexpr int64_t kFusedMaxM8 = 64;
+
+// LOWBIT_CUDA_GPTQ_FUSED_MAX_M=<m> overrides all four (read once per
+// process), so that a benchmark can time either path at any M.
+int64_t fused_max_m(int64_t bit) {
+  static const int64_t forced = [] {
+    const char* s = std::getenv("LOWBIT_CUDA_GPTQ_FUSED_MAX_M");
+    return s && *s ? std::atoll(s) : int64_t{-1};
+  }();
+  if (forced >= 0) return forced;
+  switch (bit) {
+    case 2: return kFusedMaxM2;
+    case 3: return kFusedMaxM3;
+    case 4: return kFusedMaxM4;
+    default: return kFusedMaxM8;
+  }
+}
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kColsPerLane = 4;                // one 128-bit load: 4 int32 words of 4 adjacent columns
+constexpr int kTileN = 32 * kColsPerLane;     // columns per block
+constexpr int kChunk = 512;                    // K rows staged in shared memory per block iteration
+constexpr int kRowsPerWarp = kChunk / kWarps;  // 64: whole packs for every bit width (3-bit packs 32 rows)
+// Blocks wanted in flight per multiprocessor before split-K is worth its
+// workspace: about two resident blocks, two waves. A guess to be tuned.
+constexpr int kTargetBlocksPerSM = 4;
+// fp32 bytes of W decoded per cuBLAS call on the large-M path.
+constexpr int64_t kDequantTileBytes = int64_t{256} << 20;
+// 2^23 as float bits: (bits | q) as float is exactly 2^23 + q for q < 2^23.
+constexpr uint32_t kMagicBits = 0x4B000000u;
+constexpr float kMagic = 8388608.0f;
+
+struct GemvArgs {
+  GptqView w;
+  const void* a;  // [M, K] contiguous
+  Float a_kind;
+  const int32_t* perm;  // shuffled weights: a's column of shuffled row i is perm[i]; null otherwise
+  int64_t M;
+  bool per_row_groups;  // a pack's rows may span groups (g_idx given, or group_size % fields != 0)
+  void* out;            // [M, N] in out_kind, when splits == 1
+  Float out_kind;
+  float* partial;  // [splits, M, N] fp32, when splits > 1
+  int m_chunks;
+  int n_tiles;
+  int splits;
+  int chunks_per_split;
+};
+
+__device__ __forceinline__ uint32_t lane_word(const uint4& v, int c) {
+  return c == 0 ? v.x : (c == 1 ? v.y : (c == 2 ? v.z : v.w));
+}
+
+// Scale and 2^23 + zero point of one group for a lane's 4 columns.
+struct GroupParams {
+  float scale[kColsPerLane];
+  float zero_magic[kColsPerLane];
+};
+
+// Inlined at two places only: once per pack on the fast path, and in the
+// row-by-row loop for packs whose rows span several groups.
+template <int B>
+__device__ __forceinline__ GroupParams load_group(const GptqView& w, int32_t g, int64_t n) {
+  GroupParams gp;
+#pragma unroll
+  for (int c = 0; c < kColsPerLane; ++c) {
+    gp.scale[c] = scale_at(w, g, n + c);
+    gp.zero_magic[c] = kMagic + static_cast<float>(zero_at<B>(w, g, n + c));
+  }
+  return gp;
+}
+
+// acc += scale * part per column at the end of a group (kFactorScale); part restarts.
+template <int MT>
+__device__ __forceinline__ void flush_group(float (&acc)[MT][kColsPerLane], float (&part)[MT][kColsPerLane],
+                                            const GroupParams& gp) {
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int c = 0; c < kColsPerLane; ++c) {
+      acc[m][c] = fmaf(gp.scale[c], part[m][c], acc[m][c]);
+      part[m][c] = 0.0f;
+    }
+}
+
+// One weight (field q of column c, shared-memory row r) into the MT sums of
+// the row-by-row path.
+template <int MT, bool kFactorScale, int kPartRows>
+__device__ __forceinline__ void accumulate(float (&acc)[MT][kColsPerLane], float (&part)[kPartRows][kColsPerLane],
+                                           const GroupParams& gp, int c, uint32_t q, const float (&a_s)[MT][kChunk],
+                                           int r) {
+  const float qz = __uint_as_float(kMagicBits | q) - gp.zero_magic[c];
+  if constexpr (kFactorScale) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m) part[m][c] = fmaf(a_s[m][r], qz, part[m][c]);
+  } else {
+    const float wv = qz * gp.scale[c];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) acc[m][c] = fmaf(a_s[m][r], wv, acc[m][c]);
+  }
+}
+
+// One block: columns [tile * 128, +128), activation rows [mc * MT, +MT),
+// K chunks [split * chunks_per_split, +chunks_per_split).
+template <int B, int MT>
+__global__ void __launch_bounds__(kThreads) gptq_gemv_kernel(const GemvArgs p) {
+  using P = gptq::Pack<B>;
+  constexpr int kPacksPerWarp = kRowsPerWarp / P::kFields;
+  // Words loaded before first use (per lane, 16 bytes each): enough bytes in
+  // flight to cover memory latency, fewer for large MT where the
+  // accumulators need the registers.
+  constexpr int kBatchWords = MT <= 2 ? 8 : 4;
+  constexpr int kPacksPerBatch =
+      kBatchWords / P::kWords < 1 ? 1 : (kBatchWords / P::kWords > kPacksPerWarp ? kPacksPerWarp : kBatchWords / P::kWords);
+  // Small MT: accumulate sum(a * (q - zero)) per group and multiply by the
+  // scale once per group (saves a multiply per weight, which matters when
+  // there are only 1-2 multiply-adds per weight). Large MT: scale each weight
+  // (the multiply is shared by MT rows) and save the registers of `part`.
+  constexpr bool kFactorScale = MT <= 2;
+  static_assert(kRowsPerWarp % P::kFields == 0, "a warp's rows must be whole packs");
+  static_assert(P::kFields % 4 == 0, "activations are read 4 rows at a time");
+
+  __shared__ __align__(16) float a_s[MT][kChunk];
+  __shared__ int32_t g_s[kChunk];
+  __shared__ __align__(16) float red_s[kWarps - 1][MT][kTileN];
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int64_t bid = blockIdx.x;
+  const int mc = static_cast<int>(bid % p.m_chunks);
+  bid /= p.m_chunks;
+  const int tile = static_cast<int>(bid % p.n_tiles);
+  const int split = static_cast<int>(bid / p.n_tiles);
+  const int64_t K = p.w.K, N = p.w.N;
+  const int64_t m0 = static_cast<int64_t>(mc) * MT;
+  const int mrows = static_cast<int>(p.M - m0 < MT ? p.M - m0 : MT);
+  const int64_t n = static_cast<int64_t>(tile) * kTileN + lane * kColsPerLane;
+  const bool active = n < N;  // N % 4 == 0, so a lane has all 4 columns or none
+
+  float acc[MT][kColsPerLane];
+  float part[kFactorScale ? MT : 1][kColsPerLane];  // sum of a * (q - zero) over the current group
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int c = 0; c < kColsPerLane; ++c) acc[m][c] = 0.0f;
+#pragma unroll
+  for (int m = 0; m < (kFactorScale ? MT : 1); ++m)
+#pragma unroll
+    for (int c = 0; c < kColsPerLane; ++c) part[m][c] = 0.0f;
+  GroupParams gp = {};
+  int32_t cur_g = -1;
+
+  const int64_t chunks = (K + kChunk - 1) / kChunk;
+  const int64_t c_begin = static_cast<int64_t>(split) * p.chunks_per_split;
+  const int64_t c_end = c_begin + p.chunks_per_split < chunks ? c_begin + p.chunks_per_split : chunks;
+  const uint4* qw = reinterpret_cast<const uint4*>(p.w.qweight);
+  const int64_t row_vecs = N / kColsPerLane;  // uint4s per packed row
+  const int64_t lane_vec = n / kColsPerLane;
+
+  for (int64_t chunk = c_begin; chunk < c_end; ++chunk) {
+    const int64_t k0 = chunk * kChunk;
+    const int rows = static_cast<int>(K - k0 < kChunk ? K - k0 : kChunk);
+    __syncthreads();  // every warp is done with the previous chunk's a_s / g_s
+    for (int i = threadIdx.x; i < rows; i += kThreads) {
+      const int64_t k = k0 + i;
+      int64_t src = k;
+      if (p.perm != nullptr) {
+        src = p.perm[k];
+        CUDA_KERNEL_ASSERT(src >= 0 && src < K && "gptq_gemm: b_g_idx (q_perm) value out of range");
+      }
+#pragma unroll
+      for (int m = 0; m < MT; ++m) a_s[m][i] = m < mrows ? load_float(p.a, p.a_kind, (m0 + m) * K + src) : 0.0f;
+      g_s[i] = static_cast<int32_t>(group_of(p.w, k));
+    }
+    __syncthreads();
+
+    const int r0 = warp * kRowsPerWarp;
+    const int packs = (rows - r0 < kRowsPerWarp ? rows - r0 : kRowsPerWarp) / P::kFields;  // warp-uniform
+    // Bit u: all rows of the warp's pack u are in one group (always so
+    // without g_idx when group_size is a multiple of the pack; with a g_idx,
+    // e.g. a plain checkpoint's k / group_size, checked here per chunk).
+    uint32_t uniform_mask = 0xffffffffu;
+    if (p.per_row_groups) {
+      bool uniform = true;
+      if (lane < packs) {
+        const int rb = r0 + lane * P::kFields;
+        const int32_t g0 = g_s[rb];
+        for (int i = 1; i < P::kFields; ++i) uniform &= g_s[rb + i] == g0;
+      }
+      uniform_mask = __ballot_sync(0xffffffffu, uniform);
+    }
+    if (!active || packs <= 0) continue;
+    const int64_t pack0 = (k0 + r0) / P::kFields;
+#pragma unroll 1
+    for (int pb = 0; pb < packs; pb += kPacksPerBatch) {
+      uint4 words[kPacksPerBatch][P::kWords];
+#pragma unroll
+      for (int u = 0; u < kPacksPerBatch; ++u) {
+        if (pb + u < packs) {
+#pragma unroll
+          for (int v = 0; v < P::kWords; ++v) {
+            words[u][v] = __ldg(qw + ((pack0 + pb + u) * P::kWords + v) * row_vecs + lane_vec);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kPacksPerBatch; ++u) {
+        if (pb + u >= packs) break;
+        const int rbase = r0 + (pb + u) * P::kFields;
+        if (!((uniform_mask >> (pb + u)) & 1u)) {
+          // Rare slow path (unshuffled act-order g_idx): row by row, each
+          // row's fields re-read through the shared unpack helper (L1 hits).
+#pragma unroll 1
+          for (int j = 0; j < P::kFields; ++j) {
+            const int r = rbase + j;
+            const int32_t g = g_s[r];
+            if (g != cur_g) {
+              if constexpr (kFactorScale) {
+                if (cur_g >= 0) flush_group<MT>(acc, part, gp);
+              }
+              gp = load_group<B>(p.w, g, n);
+              cur_g = g;
+            }
+#pragma unroll
+            for (int c = 0; c < kColsPerLane; ++c) {
+              const uint32_t q = gptq::unpack_field<B>(p.w.qweight + n + c, N, k0 + r);
+              accumulate<MT, kFactorScale>(acc, part, gp, c, q, a_s, r);
+            }
+          }
+          continue;
+        }
+        {
+          const int32_t g = g_s[rbase];
+          if (g != cur_g) {
+            if constexpr (kFactorScale) {
+              if (cur_g >= 0) flush_group<MT>(acc, part, gp);
+            }
+            gp = load_group<B>(p.w, g, n);
+            cur_g = g;
+          }
+        }
+        float av[MT][4];
+#pragma unroll
+        for (int j = 0; j < P::kFields; ++j) {
+          const int r = rbase + j;
+          if (j % 4 == 0) {
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+              const float4 v4 = *reinterpret_cast<const float4*>(&a_s[m][r]);
+              av[m][0] = v4.x;
+              av[m][1] = v4.y;
+              av[m][2] = v4.z;
+              av[m][3] = v4.w;
+            }
+          }
+          // j is a compile-time constant here, so the field's words and
+          // shifts are too (words[] stays in registers).
+          const gptq::FieldLoc f = gptq::locate<B>(j);
+#pragma unroll
+          for (int c = 0; c < kColsPerLane; ++c) {
+            const uint32_t q = gptq::extract(lane_word(words[u][f.lo], c), lane_word(words[u][f.hi], c), f);
+            const float qz = __uint_as_float(kMagicBits | q) - gp.zero_magic[c];  // exactly q - zero
+            if constexpr (kFactorScale) {
+#pragma unroll
+              for (int m = 0; m < MT; ++m) part[m][c] = fmaf(av[m][j % 4], qz, part[m][c]);
+            } else {
+              const float wv = qz * gp.scale[c];  // gptq::dequant's value: exact in fp32
+#pragma unroll
+              for (int m = 0; m < MT; ++m) acc[m][c] = fmaf(av[m][j % 4], wv, acc[m][c]);
+            }
+          }
+        }
+      }
+    }
+  }
+  if constexpr (kFactorScale) {
+    if (cur_g >= 0) flush_group<MT>(acc, part, gp);
+  }
+
+// Sum the warps' partial sums in a fixed order.
+  if (warp > 0) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      *reinterpret_cast<float4*>(&red_s[warp - 1][m][lane * kColsPerLane]) =
+          make_float4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
+    }
+  }
+  __syncthreads();
+  if (warp != 0 || !active) return;
+#pragma unroll 1
+  for (int w = 0; w < kWarps - 1; ++w) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      const float4 v4 = *reinterpret_cast<const float4*>(&red_s[w][m][lane * kColsPerLane]);
+      acc[m][0] += v4.x;
+      acc[m][1] += v4.y;
+      acc[m][2] += v4.z;
+      acc[m][3] += v4.w;
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+    if (m >= mrows) break;
+    const int64_t row = m0 + m;
+#pragma unroll
+    for (int c = 0; c < kColsPerLane; ++c) {
+      if (p.splits == 1) {
+        store_float(p.out, p.out_kind, row * N + n + c, acc[m][c]);
+      } else {
+        p.partial[(static_cast<int64_t>(split) * p.M + row) * N + n + c] = acc[m][c];
+      }
+    }
+  }
+}
+
+// out[i] = sum over splits of partial[s, i], in split order (deterministic).
+__global__ void __launch_bounds__(kThreads)
+    splitk_reduce_kernel(const float* partial, int splits, int64_t mn, void* out, Float out_kind) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < mn; i += stride) {
+    float s = 0.0f;
+    for (int sp = 0; sp < splits; ++sp) s += partial[sp * mn + i];
+    store_float(out, out_kind, i, s);
+  }
+}
+
+template <int B, int MT>
+void launch_gemv(const GemvArgs& args, int64_t blocks) {
+  gptq_gemv_kernel<B, MT><<<static_cast<unsigned int>(blocks), kThreads, 0, current_stream()>>>(args);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void gemm_fused(const at::Tensor& a2, const GptqView& w, const at::Tensor& perm, int64_t bit, at::Tensor& out) {
+  const int64_t M = a2.size(0), N = w.N, K = w.K;
+  const int mt = M <= 1 ? 1 : (M <= 2 ? 2 : (M <= 4 ? 4 : 8));
+  const int64_t m_chunks = ceil_div(M, mt);
+  const int64_t n_tiles = ceil_div(N, kTileN);
+  const int64_t chunks = ceil_div(K, kChunk);
+  const int64_t base = m_chunks * n_tiles;
+  const int64_t target = int64_t{kTargetBlocksPerSM} * sm_count(a2.get_device());
+  int64_t splits = std::clamp<int64_t>(ceil_div(target, base), 1, chunks);
+  const int64_t chunks_per_split = ceil_div(chunks, splits);
+  splits = ceil_div(chunks, chunks_per_split);
+  const int64_t blocks = base * splits;
+  TORCH_CHECK(blocks <= 0x7fffffff, "gptq_gemm: ", M, " x ", N, " is too large for one launch");
+
+  at::Tensor partial;
+  if (splits > 1) partial = at::empty({splits, M, N}, a2.options().dtype(at::kFloat));
+
+  GemvArgs args;
+  args.w = w;
+  args.a = a2.data_ptr();
+  args.a_kind = float_kind(a2.scalar_type());
+  args.perm = perm.defined() && perm.numel() ? perm.data_ptr<int32_t>() : nullptr;
+  args.M = M;
+  args.per_row_groups = w.g_idx != nullptr || w.group_size % gptq::fields_per_pack(bit) != 0;
+  args.out = out.data_ptr();
+  args.out_kind = float_kind(out.scalar_type());
+  args.partial = splits > 1 ? partial.data_ptr<float>() : nullptr;
+  args.m_chunks = static_cast<int>(m_chunks);
+  args.n_tiles = static_cast<int>(n_tiles);
+  args.splits = static_cast<int>(splits);
+  args.chunks_per_split = static_cast<int>(chunks_per_split);
+
+  dispatch_bits(bit, [&](auto bits) {
+    constexpr int B = decltype(bits)::value;
+    switch (mt) {
+      case 1: launch_gemv<B, 1>(args, blocks); break;
+      case 2: launch_gemv<B, 2>(args, blocks); break;
+      case 4: launch_gemv<B, 4>(args, blocks); break;
+      default: launch_gemv<B, 8>(args, blocks); break;
+    }
+  });
+  if (splits > 1) {
+    const int64_t mn = M * N;
+    splitk_reduce_kernel<<<grid_for(mn, kThreads), kThreads, 0, current_stream()>>>(
+        partial.data_ptr<float>(), static_cast<int>(splits), mn, out.data_ptr(), args.out_kind);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+// Large M: fp32 tiles of W (at most kDequantTileBytes) times a in fp32 with cuBLAS.
+void gemm_dequant_mm(const at::Tensor& a2, const GptqView& w, const at::Tensor& perm, int64_t bit, at::Tensor& out) {
+  const int64_t K = w.K, N = w.N;
+  at::Tensor a32 = a2.to(at::kFloat);
+  if (perm.defined() && perm.numel()) a32 = a32.index_select(1, perm);  // shuffled: a[:, q_perm]
+  a32 = a32.contiguous();
+  const int64_t fit = std::max<int64_t>(kTileN, kDequantTileBytes / (4 * K) / kTileN * kTileN);
+  const int64_t cols = std::min(N, fit);
+  at::Tensor out32 = out.scalar_type() == at::kFloat ? out : at::empty(out.sizes(), out.options().dtype(at::kFloat));
+  at::Tensor tile_buf = at::empty({K * cols}, a32.options());
+  for (int64_t n0 = 0; n0 < N; n0 += cols) {
+    const int64_t width = std::min(cols, N - n0);
+    at::Tensor tile = tile_buf.narrow(0, 0, K * width).view({K, width});
+    launch_gptq_dequantize(w, bit, n0, tile);
+    if (width == N) {
+      at::mm_out(out32, a32, tile);
+    } else {
+      out32.narrow(1, n0, width).copy_(at::mm(a32, tile));
+    }
+  }
+  if (!out32.is_same(out)) out.copy_(out32);  // rounded once to a's dtype
+}
+
+}  // namespace
+
+at::Tensor gptq_gemm(const at::Tensor& a, const at::Tensor& b_q_weight, const at::Tensor& b_gptq_qzeros,
+                     const at::Tensor& b_gptq_scales, const at::Tensor& b_g_idx, bool use_exllama,
+                     bool use_v2_format, int64_t bit) {
+  const GemmArgs args = check_gemm_args(a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_exllama, bit);
+  const GptqDims& d = args.d;
+  const c10::cuda::CUDAGuard guard(b_q_weight.device());
+
+  const at::Tensor a2 = a.reshape({-1, d.K}).contiguous();
+  const int64_t M = a2.size(0);
+  std::vector<int64_t> out_sizes = a.sizes().vec();
+  out_sizes.back() = d.N;
+  at::Tensor out = at::empty({M, d.N}, a2.options());
+  if (M == 0) return out.view(out_sizes);
+
+  // The fused kernel reads qweight 16 bytes at a time; a view at an odd
+  // offset gets an aligned copy (a caching-allocator temporary).
+  const at::Tensor qweight =
+      reinterpret_cast<uintptr_t>(b_q_weight.data_ptr()) % 16 == 0 ? b_q_weight : b_q_weight.clone();
+  const GptqView w = make_view(qweight, b_gptq_qzeros, b_gptq_scales, use_exllama ? at::Tensor() : args.idx, d,
+                               use_v2_format);
+  const at::Tensor perm = use_exllama ? args.idx : at::Tensor();
+  if (M <= fused_max_m(bit)) {
+    gemm_fused(a2, w, perm, bit, out);
+  } else {
+    gemm_dequant_mm(a2, w, perm, bit, out);
+  }
+  return out.view(out_sizes);
+}
+
+}  // namespace cuda
+}  // namespace lowbit
