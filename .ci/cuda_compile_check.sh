@@ -13,10 +13,22 @@ FLAGS=(-std=c++20 -O1 --expt-relaxed-constexpr -DLOWBIT_WITH_CUDA=1 -DTORCH_EXTE
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
+# A CPU-only torch ships the c10/cuda headers the kernels use but not the one
+# header CMake generates for CUDA builds, c10/cuda/impl/cuda_cmake_macros.h
+# (it only defines C10_CUDA_BUILD_SHARED_LIBS, which matters for Windows DLL
+# exports). Supply that one-line header when it is missing, so every source
+# compiles against the same torch headers a CUDA build uses.
+STUB_INC=()
+if ! python3 -c 'import os, sys; from torch.utils.cpp_extension import include_paths; sys.exit(not any(os.path.exists(os.path.join(p, "c10/cuda/impl/cuda_cmake_macros.h")) for p in include_paths()))'; then
+  mkdir -p "$out/include/c10/cuda/impl"
+  printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' >"$out/include/c10/cuda/impl/cuda_cmake_macros.h"
+  STUB_INC=(-I"$out/include")
+fi
+
 mapfile -t sources < <(find csrc -name '*.cu' | sort)
 sources+=(.ci/core_headers_check.cu)
 for src in "${sources[@]}"; do
   echo "nvcc: $src (sm_80, sm_90a)"
-  "$NVCC" "${FLAGS[@]}" "${ARCHS[@]}" $TORCH_INC $PY_INC -Icsrc -c "$src" -o "$out/$(basename "$src").o"
+  "$NVCC" "${FLAGS[@]}" "${ARCHS[@]}" $TORCH_INC "${STUB_INC[@]}" $PY_INC -Icsrc -c "$src" -o "$out/$(basename "$src").o"
 done
 echo "cuda compile check: ${#sources[@]} file(s) compiled"
