@@ -72,3 +72,42 @@ def write_results(name, payload):
         json.dump(payload, f, indent=2)
     print(f"wrote {path}")
     return path
+
+
+def cuda_time_ms(fn, warmup=3, samples=15, min_sample_ms=1.0):
+    """Median device time of one fn() call in milliseconds, from CUDA events.
+
+    After `warmup` calls, each sample times a run of back-to-back calls on the
+    current stream between two events (enough calls to last about
+    min_sample_ms, so launch gaps and event resolution do not dominate small
+    kernels) and divides by their number.
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    once = max(start.elapsed_time(end), 1e-3)
+    calls = max(1, min(1000, int(min_sample_ms / once)))
+    times = []
+    for _ in range(samples):
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def cuda_copy_bandwidth_gbs(device, nbytes=1 << 30):
+    """Read+write bandwidth of a large device-to-device tensor copy (GB/s, 1e9
+    bytes), timed with CUDA events."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    ms = cuda_time_ms(lambda: dst.copy_(src), warmup=3, samples=10)
+    del src, dst
+    return 2 * nbytes / (ms * 1e-3) / 1e9

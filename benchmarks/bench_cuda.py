@@ -1,0 +1,358 @@
+"""lowbit's CUDA kernels on one GPU, against torch's dense fp16 matmul of the
+same shape in the same run, with achieved GB/s against the device's copy
+bandwidth measured in the same run.
+
+    python benchmarks/bench_cuda.py [--quick] [--no-crossover] [--device cuda:0]
+
+- gptq_gemm, bits 2/3/4/8, group size 128, fp16 activations, on the
+  Llama-70B MLP shapes (K x N) 8192x28672 and 28672x8192 and on 4096x14336:
+  at M = 1 and 16 as plain, act-order shuffled (use_exllama=True, the fast
+  layout) and act-order unshuffled (g_idx) weights; then an M sweep 1..4096
+  (plain) as shipped, and -- unless --no-crossover -- the same sweep with the
+  fused kernel and with the dequantize + cuBLAS path forced
+  (LOWBIT_CUDA_GPTQ_FUSED_MAX_M, in child processes), which is the
+  measurement the per-bit crossover constants in csrc/cuda/gptq_gemm.cu are
+  to be set from.
+- GGUF: ggml_mul_mat_vec_a8 at M = 1 and 8 and ggml_mul_mat_a8 at M = 64 for
+  Q4_0, Q4_K, Q5_K, Q6_K, Q8_0 and IQ4_XS on the same shapes (W is [N, K]).
+
+GB/s counts the weight bytes the op must read (qweight + qzeros + scales
+[+ g_idx or q_perm] for GPTQ, the block bytes for GGUF) over the time; "of bw"
+is that over the measured device-to-device copy bandwidth (bytes read +
+written), the ceiling for a weight-streaming kernel. Times are medians of
+CUDA-event samples after warm-up; weights are rotated among enough copies to
+exceed twice the L2 cache, so repeated calls do not run from L2.
+
+Writes benchmarks/results/<gpu>-cuda.md and .json (<gpu> from
+lowbit.machine.short_device_name, e.g. h100). Without a GPU, or with a lowbit
+built without CUDA kernels, it says so and exits with status 1.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, BENCH_DIR)
+
+SHAPES = [(8192, 28672), (28672, 8192), (4096, 14336)]  # (K = in features, N = out features)
+BITS = [2, 3, 4, 8]
+GROUP = 128
+SWEEP_MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+FUSED_SWEEP_MAX_M = 512  # the forced-fused sweep stops here (it re-decodes W per 8 rows)
+GGUF_TYPES = {"Q4_0": 2, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "Q8_0": 8, "IQ4_XS": 23}
+GGUF_HALF_FIELDS = {"Q4_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q8_0": [0], "IQ4_XS": [0]}
+
+
+def fail(message):
+    sys.exit(f"bench_cuda: {message}")
+
+
+def load_lowbit():
+    try:
+        import lowbit  # noqa: F401  (loads torch.ops.lowbit)
+    except ImportError as e:
+        fail(f"cannot import lowbit ({e}); build it first (pip install --no-build-isolation -e .)")
+    if not torch.cuda.is_available():
+        fail("no CUDA device (torch.cuda.is_available() is False, torch " + torch.__version__ + "); nothing to measure")
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("lowbit::gptq_gemm", "CUDA"):
+        fail("this lowbit build has no CUDA kernels; rebuild with CUDA (LOWBIT_CUDA=1, see README)")
+
+
+# ---------------------------------------------------------------------------
+# inputs
+# ---------------------------------------------------------------------------
+
+
+def copies_for(nbytes, device):
+    """How many copies of an operand of nbytes make a rotation that L2 cannot hold."""
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
+    return max(1, min(8, -(-2 * l2 // max(nbytes, 1))))
+
+
+class Rotation:
+    """Cycles through equivalent operand sets, one per call."""
+
+    def __init__(self, sets):
+        self.sets = sets
+        self.i = 0
+
+    def next(self):
+        s = self.sets[self.i]
+        self.i = (self.i + 1) % len(self.sets)
+        return s
+
+
+def gptq_weight(K, N, bits, variant, device, seed):
+    """(qweight, qzeros, scales, index, use_exllama) with random contents."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    groups = K // GROUP
+    qweight = torch.randint(-(2**31), 2**31, (K * bits // 32, N), dtype=torch.int64, device=device, generator=g)
+    qweight = qweight.to(torch.int32)
+    qzeros = torch.randint(-(2**31), 2**31, (groups, N * bits // 32), dtype=torch.int64, device=device, generator=g)
+    qzeros = qzeros.to(torch.int32)
+    scales = (torch.rand(groups, N, device=device, generator=g) / 2**bits + 1e-3).to(torch.float16)
+    if variant == "plain":
+        return qweight, qzeros, scales, torch.empty(0, dtype=torch.int32, device=device), False
+    perm = torch.randperm(K, device=device, generator=g)
+    g_idx = torch.empty(K, dtype=torch.int32, device=device)
+    g_idx[perm] = (torch.arange(K, device=device) // GROUP).to(torch.int32)  # act-order: scattered, equal groups
+    if variant == "actorder-unshuffled":
+        return qweight, qzeros, scales, g_idx, False
+    q_perm = torch.argsort(g_idx, stable=True).to(torch.int32)
+    torch.ops.lowbit.gptq_shuffle(qweight, q_perm, bits)
+    return qweight, qzeros, scales, q_perm, True
+
+
+def nbytes_of(*tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def gguf_weight(name, rows, n, device, seed):
+    """uint8 [rows, row_bytes] of random blocks with finite fp16 scale fields."""
+    block, nbytes = torch.ops.lowbit.ggml_type_info(GGUF_TYPES[name])
+    g = torch.Generator(device=device).manual_seed(seed)
+    raw = torch.randint(0, 256, (rows, n // block * nbytes), dtype=torch.uint8, device=device, generator=g)
+    blocks = raw.view(rows, n // block, nbytes)
+    for off in GGUF_HALF_FIELDS[name]:
+        halves = (torch.randn(rows, n // block, device=device, generator=g) * 0.05).to(torch.float16)
+        blocks[:, :, off : off + 2] = halves.view(torch.uint8).view(rows, n // block, 2)
+    return raw
+
+
+# ---------------------------------------------------------------------------
+# measurements
+# ---------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, device, quick):
+        from common import cuda_copy_bandwidth_gbs, cuda_time_ms
+
+        self.device = device
+        self.quick = quick
+        self.time = lambda fn: cuda_time_ms(fn, warmup=3, samples=5 if quick else 15)
+        self.bandwidth = cuda_copy_bandwidth_gbs(device)
+        self.dense_cache = {}
+        self.weight_cache = {}
+
+    def dense_ms(self, K, N, M):
+        key = (K, N, M)
+        if key not in self.dense_cache:
+            w = torch.randn(K, N, device=self.device, dtype=torch.float16)
+            a = torch.randn(M, K, device=self.device, dtype=torch.float16)
+            self.dense_cache[key] = self.time(lambda: a @ w)
+            del w
+        return self.dense_cache[key]
+
+    def gptq_sets(self, K, N, bits, variant):
+        key = (K, N, bits, variant)
+        if key not in self.weight_cache:
+            self.weight_cache.clear()  # keep one weight (with its copies) on the device at a time
+            first = gptq_weight(K, N, bits, variant, self.device, 0)
+            sets = [first] + [gptq_weight(K, N, bits, variant, self.device, s)
+                              for s in range(1, copies_for(nbytes_of(*first[:4]), self.device))]
+            self.weight_cache[key] = sets
+        return self.weight_cache[key]
+
+    def gptq(self, K, N, bits, variant, M):
+        sets = self.gptq_sets(K, N, bits, variant)
+        rot = Rotation(sets)
+        a = torch.randn(M, K, device=self.device, dtype=torch.float16)
+
+        def op():
+            qweight, qzeros, scales, idx, exllama = rot.next()
+            return torch.ops.lowbit.gptq_gemm(a, qweight, qzeros, scales, idx, exllama, True, bits)
+
+        ms = self.time(op)
+        gbs = nbytes_of(*sets[0][:4]) / (ms * 1e-3) / 1e9
+        dense = self.dense_ms(K, N, M)
+        return dict(kind="gptq_gemm", K=K, N=N, bits=bits, group_size=GROUP, variant=variant, M=M, ms=ms, gbs=gbs,
+                    bandwidth_fraction=gbs / self.bandwidth, dense_fp16_ms=dense, speedup_vs_fp16=dense / ms)
+
+    def gguf(self, name, K, N, op_name, M):
+        first = gguf_weight(name, N, K, self.device, 0)
+        sets = [first] + [gguf_weight(name, N, K, self.device, s) for s in range(1, copies_for(nbytes_of(first), self.device))]
+        rot = Rotation(sets)
+        x = torch.randn(M, K, device=self.device, dtype=torch.float16)
+        fn = getattr(torch.ops.lowbit, op_name)
+        t = GGUF_TYPES[name]
+        ms = self.time(lambda: fn(rot.next(), x, t, N))
+        gbs = nbytes_of(first) / (ms * 1e-3) / 1e9
+        dense = self.dense_ms(K, N, M)
+        del sets, rot
+        return dict(kind=op_name, type=name, K=K, N=N, M=M, ms=ms, gbs=gbs, bandwidth_fraction=gbs / self.bandwidth,
+                    dense_fp16_ms=dense, speedup_vs_fp16=dense / ms)
+
+
+def sweep(bench, shapes, bits_list, ms_list):
+    out = []
+    for K, N in shapes:
+        for bits in bits_list:
+            for M in ms_list:
+                out.append(bench.gptq(K, N, bits, "plain", M))
+                print(f"  sweep {K}x{N} {bits}-bit M={M}: {out[-1]['ms']:.4f} ms", flush=True)
+    return out
+
+
+def child_sweep(args):
+    """--child-sweep: runs in a process whose LOWBIT_CUDA_GPTQ_FUSED_MAX_M forces one path."""
+    load_lowbit()
+    device = torch.device(args.device)
+    bench = Bench(device, args.quick)
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    ms_list = [m for m in SWEEP_MS if m <= args.child_max_m]
+    records = sweep(bench, shapes, BITS, ms_list)
+    print("CHILD-JSON " + json.dumps(records), flush=True)
+
+
+def run_forced(args, fused_max_m, max_m):
+    env = dict(os.environ, LOWBIT_CUDA_GPTQ_FUSED_MAX_M=str(fused_max_m), PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child-sweep", "--child-max-m", str(max_m),
+           "--device", args.device] + (["--quick"] if args.quick else [])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("CHILD-JSON "):
+            return json.loads(line[len("CHILD-JSON "):])
+    print(proc.stdout[-2000:], proc.stderr[-2000:], sep="\n")
+    fail(f"the forced sweep (LOWBIT_CUDA_GPTQ_FUSED_MAX_M={fused_max_m}) failed with status {proc.returncode}")
+
+
+# ---------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------
+
+
+def md_table(headers, rows):
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" if i else "---" for i in range(len(headers))) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def gptq_rows(records):
+    return [[f"{r['K']}x{r['N']}", r["bits"], r["variant"], r["M"], f"{r['ms'] * 1e3:.1f}", f"{r['gbs']:.0f}",
+             f"{100 * r['bandwidth_fraction']:.0f}%", f"{r['dense_fp16_ms'] * 1e3:.1f}", f"{r['speedup_vs_fp16']:.2f}x"]
+            for r in records]
+
+
+GPTQ_HEADERS = ["K x N", "bits", "weights", "M", "lowbit µs", "GB/s", "of bw", "fp16 dense µs", "vs fp16"]
+
+
+def crossover_rows(shipped, fused, dequant):
+    by_key = lambda recs: {(r["K"], r["N"], r["bits"], r["M"]): r for r in recs}
+    f, d = by_key(fused), by_key(dequant)
+    rows = []
+    for r in shipped:
+        k = (r["K"], r["N"], r["bits"], r["M"])
+        fm = f"{f[k]['ms'] * 1e3:.1f}" if k in f else "-"
+        dm = f"{d[k]['ms'] * 1e3:.1f}" if k in d else "-"
+        best = "-"
+        if k in f and k in d:
+            best = "fused" if f[k]["ms"] <= d[k]["ms"] else "dequant+cuBLAS"
+        rows.append([f"{r['K']}x{r['N']}", r["bits"], r["M"], f"{r['ms'] * 1e3:.1f}", fm, dm, best,
+                     f"{r['dense_fp16_ms'] * 1e3:.1f}"])
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true", help="one shape, fewer samples")
+    parser.add_argument("--no-crossover", action="store_true", help="skip the forced-path sweeps")
+    parser.add_argument("--child-sweep", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child-max-m", type=int, default=max(SWEEP_MS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child_sweep:
+        return child_sweep(args)
+
+    load_lowbit()
+    from common import RESULTS, machine
+
+    from lowbit.machine import short_device_name
+
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        fail(f"--device must be a CUDA device, got {device}")
+    info = machine(device)
+    info["gpu"] = torch.cuda.get_device_name(device)
+    info["cuda"] = torch.version.cuda
+    bench = Bench(device, args.quick)
+    print(f"device: {info['gpu']}, torch {info['torch']} (CUDA {info['cuda']})")
+    print(f"measured copy bandwidth: {bench.bandwidth:.0f} GB/s (read + write)\n", flush=True)
+    shapes = SHAPES[:1] if args.quick else SHAPES
+
+    gptq_main = []
+    for K, N in shapes:
+        for bits in BITS:
+            for variant in ("plain", "actorder-shuffled", "actorder-unshuffled"):
+                for M in (1, 16):
+                    gptq_main.append(bench.gptq(K, N, bits, variant, M))
+                    r = gptq_main[-1]
+                    print(f"  gptq {K}x{N} {bits}-bit {variant} M={M}: {r['ms'] * 1e3:.1f} µs, "
+                          f"{r['gbs']:.0f} GB/s", flush=True)
+    bench.weight_cache.clear()
+    gptq_sweep = sweep(bench, shapes, BITS, SWEEP_MS)
+    bench.weight_cache.clear()
+
+    gguf = []
+    for K, N in shapes:
+        for name in GGUF_TYPES:
+            for op_name, M in (("ggml_mul_mat_vec_a8", 1), ("ggml_mul_mat_vec_a8", 8), ("ggml_mul_mat_a8", 64)):
+                gguf.append(bench.gguf(name, K, N, op_name, M))
+                r = gguf[-1]
+                print(f"  {op_name} {name} {N}x{K} M={M}: {r['ms'] * 1e3:.1f} µs, {r['gbs']:.0f} GB/s", flush=True)
+
+    fused, dequant = [], []
+    if not args.no_crossover:
+        del bench
+        torch.cuda.empty_cache()
+        print("forced-path sweeps (child processes) ...", flush=True)
+        fused = run_forced(args, 1 << 30, FUSED_SWEEP_MAX_M)
+        dequant = run_forced(args, 0, max(SWEEP_MS))
+
+    sections = [
+        f"# lowbit CUDA benchmarks: {info['gpu']}\n",
+        f"torch {info['torch']}, CUDA {info['cuda']}; measured device copy bandwidth "
+        f"{bench_bw(gptq_main):.0f} GB/s (read + write). fp16 activations; GB/s = weight bytes read / time.\n",
+        "## gptq_gemm, group size 128 (M = 1 and 16)\n",
+        md_table(GPTQ_HEADERS, gptq_rows(gptq_main)),
+        "\n## gptq_gemm M sweep (plain weights, as shipped)\n",
+        md_table(GPTQ_HEADERS, gptq_rows(gptq_sweep)),
+    ]
+    if fused or dequant:
+        sections += [
+            "\n## gptq_gemm: fused kernel vs dequantize + cuBLAS (each forced), for the crossover constants\n",
+            md_table(["K x N", "bits", "M", "shipped µs", "fused µs", "dequant+cuBLAS µs", "faster", "fp16 dense µs"],
+                     crossover_rows(gptq_sweep, fused, dequant)),
+        ]
+    sections += [
+        "\n## GGUF (W is N x K blocks)\n",
+        md_table(["op", "type", "N x K", "M", "lowbit µs", "GB/s", "of bw", "fp16 dense µs", "vs fp16"],
+                 [[r["kind"], r["type"], f"{r['N']}x{r['K']}", r["M"], f"{r['ms'] * 1e3:.1f}", f"{r['gbs']:.0f}",
+                   f"{100 * r['bandwidth_fraction']:.0f}%", f"{r['dense_fp16_ms'] * 1e3:.1f}",
+                   f"{r['speedup_vs_fp16']:.2f}x"] for r in gguf]),
+    ]
+    report = "\n".join(sections) + "\n"
+    print("\n" + report)
+    os.makedirs(RESULTS, exist_ok=True)
+    stem = os.path.join(RESULTS, f"{short_device_name(device)}-cuda")
+    with open(stem + ".md", "w") as f:
+        f.write(report)
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(machine=info, copy_bandwidth_gbs=bench_bw(gptq_main), activations="fp16",
+                       gptq=gptq_main, gptq_sweep=gptq_sweep, gptq_sweep_fused=fused,
+                       gptq_sweep_dequant_cublas=dequant, gguf=gguf), f, indent=2)
+    print(f"wrote {stem}.md and {stem}.json")
+
+
+def bench_bw(records):
+    """The copy bandwidth the records were normalised by."""
+    r = records[0]
+    return r["gbs"] / r["bandwidth_fraction"]
+
+
+if __name__ == "__main__":
+    main()
