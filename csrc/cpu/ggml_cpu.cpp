@@ -3,6 +3,7 @@
 // for every type of the table in core/ggml_types.h.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
 
 #include <vector>
 
@@ -146,15 +147,24 @@ at::Tensor ggml_dequantize(const at::Tensor& W, int64_t type, int64_t m, int64_t
   if (out.numel() == 0) return out;
   const uint8_t* w = W.data_ptr<uint8_t>();
   const int64_t row_bytes = n / info.block * info.bytes;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_type, "ggml_dequantize", [&] {
-    scalar_t* dst = out.data_ptr<scalar_t>();
-    dispatch_ggml_type(type, [&](auto t) {
-      constexpr ggml::Type T = decltype(t)::value;
-      at::parallel_for(0, m, row_grain(n), [&](int64_t r0, int64_t r1) {
-        std::vector<float> row(n);
+  const Isa isa = active_isa();
+  const OutDtype simd_dtype = out_type == at::kFloat ? OutDtype::kF32 : out_type == at::kHalf ? OutDtype::kF16 : OutDtype::kBF16;
+  const int64_t elem = out.element_size();
+  uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
+  at::parallel_for(0, m, row_grain(n), [&](int64_t r0, int64_t r1) {
+    // The SIMD kernel of the active ISA where the type has one (bit-exact
+    // with the portable loop), straight into the output dtype.
+#if defined(__x86_64__)
+    if (isa == Isa::kAvx512 && ggml_dequantize_avx512(type, w, r0, r1, n, dst + r0 * n * elem, simd_dtype)) return;
+    if (isa == Isa::kAvx2 && ggml_dequantize_avx2(type, w, r0, r1, n, dst + r0 * n * elem, simd_dtype)) return;
+#endif
+    // Portable: one fp32 row at a time, then rounded once to the output dtype.
+    std::vector<float> row(n);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_type, "ggml_dequantize", [&] {
+      dispatch_ggml_type(type, [&](auto t) {
         for (int64_t r = r0; r < r1; ++r) {
-          dequantize_row<T>(w + r * row_bytes, n, row.data());
-          std::copy(row.begin(), row.end(), dst + r * n);
+          dequantize_row<decltype(t)::value>(w + r * row_bytes, n, row.data());
+          at::vec::convert(row.data(), reinterpret_cast<scalar_t*>(dst) + r * n, n);
         }
       });
     });

@@ -1,5 +1,4 @@
-// Entry points of the SIMD GGUF matmul kernels (ggml_matmul_avx2.cpp,
-// ggml_matmul_avx512.cpp; chosen at run time, see isa.h). Torch-free.
+// Entry points of the SIMD GGUF kernels (ggml_avx2.cpp, ggml_avx512.cpp; chosen at run time, see isa.h). Torch-free.
 #pragma once
 
 #include <stdint.h>
@@ -27,6 +26,16 @@ bool ggml_mul_mat_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, i
                        int64_t M, float* out, int64_t rows);
 bool ggml_mul_mat_avx512(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n,
                          const ggml::ActRow* acts, int64_t M, float* out, int64_t rows);
+
+// Rows [r0, r1) of an [rows, n] weight dequantized into out (row r from
+// element (r - r0) * n) in fp32, or rounded once to fp16 / bf16; bit-exact
+// with the portable path. Returns false (and computes nothing) for a type
+// without a SIMD kernel.
+enum class OutDtype { kF32, kF16, kBF16 };
+bool ggml_dequantize_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, void* out,
+                          OutDtype dtype);
+bool ggml_dequantize_avx512(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, void* out,
+                            OutDtype dtype);
 
 }  // namespace cpu
 }  // namespace lowbit

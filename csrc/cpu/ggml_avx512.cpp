@@ -1,10 +1,11 @@
-// The GGUF matmul kernels (ggml_matmul_simd.h) compiled for AVX-512 with
+// The GGUF SIMD kernels (ggml_matmul_simd.h, ggml_dequant_simd.h) compiled for AVX-512 with
 // VNNI: the int8 dot product is one vpdpbusd on 256-bit registers (AVX512VL).
 // Every non-SIMD header comes before the target pragma, so no inline function
 // shared with other units gets AVX-512 code.
 #include <stdint.h>
 #include <string.h>
 
+#include <type_traits>
 #include <utility>
 
 #include "../core/ggml_blocks.h"
@@ -19,6 +20,7 @@
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+#include "ggml_dequant_simd.h"
 #include "ggml_matmul_simd.h"
 
 namespace lowbit {
@@ -35,6 +37,11 @@ struct DotVnni {
 bool ggml_mul_mat_avx512(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n,
                          const ggml::ActRow* acts, int64_t M, float* out, int64_t rows) {
   return run_matmul_simd<DotVnni>(type, W, r0, r1, n, acts, M, out, rows);
+}
+
+bool ggml_dequantize_avx512(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, void* out,
+                          OutDtype dtype) {
+  return run_dequant_simd(type, W, r0, r1, n, out, dtype);
 }
 
 }  // namespace cpu

@@ -1,9 +1,10 @@
-// The GGUF matmul kernels (ggml_matmul_simd.h) compiled for AVX2, with the
+// The GGUF SIMD kernels (ggml_matmul_simd.h, ggml_dequant_simd.h) compiled for AVX2, with the
 // int8 dot product as maddubs + madd. Every non-SIMD header comes before the
 // target pragma, so no inline function shared with other units gets AVX2 code.
 #include <stdint.h>
 #include <string.h>
 
+#include <type_traits>
 #include <utility>
 
 #include "../core/ggml_blocks.h"
@@ -18,6 +19,7 @@
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
+#include "ggml_dequant_simd.h"
 #include "ggml_matmul_simd.h"
 
 namespace lowbit {
@@ -37,6 +39,11 @@ struct DotAvx2 {
 bool ggml_mul_mat_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts,
                        int64_t M, float* out, int64_t rows) {
   return run_matmul_simd<DotAvx2>(type, W, r0, r1, n, acts, M, out, rows);
+}
+
+bool ggml_dequantize_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, void* out,
+                          OutDtype dtype) {
+  return run_dequant_simd(type, W, r0, r1, n, out, dtype);
 }
 
 }  // namespace cpu
