@@ -1,29 +1,39 @@
-"""GGUF ops: dequantize throughput per type (against gguf-py's NumPy
-dequantize), and matvec / small-batch matmul per main type against torch's
-dense fp32 matmul of the same shape, measured in the same run, with GB/s
-against the machine's copy bandwidth.
+"""GGUF ops on the CPU against their peers, measured in the same run on the
+same threads:
+
+- matvec / small-batch matmul (M = 1, 8) of every main type against
+  llama.cpp's CPU backend on identical blocks (ggml_peer.py, the optional
+  llama-cpp-python extra), torch's dense fp32 and bf16 matmul of the same
+  shape, and the machine's copy bandwidth;
+- dequantize of every type against gguf-py's NumPy dequantize.
 
     python benchmarks/bench_gguf.py [--quick]
 
-Writes benchmarks/results/<machine>-gguf.json.
+Prints the tables and writes benchmarks/results/<machine>-gguf.json, .txt and
+a PNG of matvec throughput per type against the peers.
 """
 import argparse
+import contextlib
+import io
 import os
 import sys
 import time
 
-import numpy as np
-import torch
+from common import RESULTS, copy_bandwidth_gbs, machine, print_table, time_ms, write_results  # first: sets THP
 
-import lowbit  # noqa: F401  (loads torch.ops.lowbit)
-from common import copy_bandwidth_gbs, machine, print_table, time_ms, write_results
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import lowbit  # noqa: E402,F401  (loads torch.ops.lowbit)
+import ggml_peer  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import gguf_blocks as gb  # noqa: E402  (valid random blocks of every type)
 
-MAIN_TYPES = ["Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS"]
+MAIN_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 SHAPES = [(14336, 4096), (4096, 14336)]  # (rows = out features, n = in features)
 MS = [1, 8]
+THREADS = [1, 2]
 
 
 def dequant_table(rng, rows, n, budget):
@@ -44,45 +54,128 @@ def dequant_table(rng, rows, n, budget):
     return records
 
 
-def matmul_table(rng, shapes, bandwidth, budget):
+def matmul_table(rng, shapes, types, threads_list, bandwidth, budget):
+    peer_missing = ggml_peer.available()
+    if peer_missing:
+        print(peer_missing)
     rows_out, records = [], []
     for rows, n in shapes:
         dense = torch.randn(rows, n)
+        dense16 = dense.bfloat16()
         for M in MS:
             x = torch.randn(M, n)
-            fp32_ms = time_ms(lambda: torch.nn.functional.linear(x, dense), budget_s=budget)
-            for name in MAIN_TYPES:
-                raw = torch.from_numpy(gb.random_blocks(rng, name, rows, n))
+            x16 = x.bfloat16()
+            dense_ms = {}
+            for threads in threads_list:
+                torch.set_num_threads(threads)
+                dense_ms[threads] = (time_ms(lambda: torch.nn.functional.linear(x, dense), budget_s=budget),
+                                     time_ms(lambda: torch.nn.functional.linear(x16, dense16), budget_s=budget))
+            for name in types:
+                raw_np = gb.random_blocks(rng, name, rows, n)
+                raw = torch.from_numpy(raw_np)
                 t = gb.type_id(name)
                 op = torch.ops.lowbit.ggml_mul_mat_vec_a8 if M == 1 else torch.ops.lowbit.ggml_mul_mat_a8
-                ms = time_ms(lambda: op(raw, x, t, rows), budget_s=budget)
-                gbs = raw.numel() / (ms * 1e-3) / 1e9
-                records.append(dict(type=name, rows=rows, n=n, M=M, lowbit_ms=ms, weight_gbs=gbs,
-                                    bandwidth_fraction=gbs / bandwidth, torch_fp32_ms=fp32_ms,
-                                    speedup_vs_fp32=fp32_ms / ms))
-                rows_out.append([f"{rows}x{n}", M, name, f"{ms:.2f}", f"{gbs:.2f}", f"{100 * gbs / bandwidth:.0f}%",
-                                 f"{fp32_ms:.2f}", f"{fp32_ms / ms:.2f}x"])
-    print_table(["rows x n", "M", "type", "lowbit ms", "GB/s", "of bw", "fp32 ms", "vs fp32"], rows_out)
+                peer = None if peer_missing else ggml_peer.GgmlMatmul(raw_np, t, rows, n, M, 1)
+                agree = float("nan")
+                if peer:  # the same blocks and activations through both: they must agree
+                    peer.set_input(x.numpy())
+                    peer.compute()
+                    ref = peer.result()
+                    agree = float(np.abs(op(raw, x, t, rows).numpy() - ref).max() / max(np.abs(ref).max(), 1e-30))
+                for threads in threads_list:
+                    torch.set_num_threads(threads)
+                    ms = time_ms(lambda: op(raw, x, t, rows), budget_s=budget)
+                    peer_ms = float("nan")
+                    if peer:
+                        peer.threads = threads
+                        peer_ms = time_ms(peer.compute, budget_s=budget)
+                    fp32_ms, bf16_ms = dense_ms[threads]
+                    gbs = raw.numel() / (ms * 1e-3) / 1e9
+                    records.append(dict(type=name, rows=rows, n=n, M=M, threads=threads, lowbit_ms=ms,
+                                        weight_gbs=gbs, bandwidth_fraction=gbs / bandwidth, llama_cpp_ms=peer_ms,
+                                        speedup_vs_llama_cpp=peer_ms / ms, max_rel_diff_vs_llama_cpp=agree,
+                                        torch_fp32_ms=fp32_ms, torch_bf16_ms=bf16_ms,
+                                        speedup_vs_fp32=fp32_ms / ms, speedup_vs_bf16=bf16_ms / ms))
+                    rows_out.append([f"{rows}x{n}", M, threads, name, f"{ms:.2f}", f"{gbs:.1f}",
+                                     f"{100 * gbs / bandwidth:.0f}%", f"{peer_ms:.2f}", f"{peer_ms / ms:.2f}x",
+                                     f"{agree:.0e}", f"{fp32_ms:.2f}", f"{fp32_ms / ms:.1f}x", f"{bf16_ms / ms:.1f}x"])
+    torch.set_num_threads(max(threads_list))
+    print_table(["rows x n", "M", "thr", "type", "lowbit ms", "GB/s", "of bw", "llama.cpp ms", "vs llama.cpp",
+                 "rel diff", "fp32 ms", "vs fp32", "vs bf16"], rows_out)
     return records
+
+
+def plot(records, bandwidth, info, path):
+    """Weight GB/s per type, M = 1, most threads, first shape: lowbit vs llama.cpp vs dense."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    threads = max(r["threads"] for r in records)
+    sel = [r for r in records if r["M"] == 1 and r["threads"] == threads]
+    shape = (sel[0]["rows"], sel[0]["n"])
+    sel = [r for r in sel if (r["rows"], r["n"]) == shape]
+    names = [r["type"] for r in sel]
+    gb_of = lambda ms, r: r["weight_gbs"] * r["lowbit_ms"] / ms  # same bytes, the peer's time
+    series = {
+        "lowbit": [r["weight_gbs"] for r in sel],
+        "llama.cpp": [gb_of(r["llama_cpp_ms"], r) for r in sel],
+    }
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width = 0.38
+    for i, (label, vals) in enumerate(series.items()):
+        ax.bar(np.arange(len(names)) + (i - 0.5) * width, vals, width, label=label)
+    ax.axhline(bandwidth, color="k", linestyle="--", linewidth=1, label=f"copy bandwidth {bandwidth:.0f} GB/s")
+    fp32_gbs = 4 * shape[0] * shape[1] / (sel[0]["torch_fp32_ms"] * 1e-3) / 1e9
+    ax.axhline(fp32_gbs, color="gray", linestyle=":", linewidth=1, label=f"torch fp32 dense {fp32_gbs:.0f} GB/s")
+    ax.set_xticks(np.arange(len(names)), names)
+    ax.set_ylabel("weight bytes read per second (GB/s)")
+    ax.set_title(f"GGUF matvec {shape[0]}x{shape[1]}, M=1, {threads} threads — {info['name']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="smaller shapes, shorter timing")
+    parser.add_argument("--quick", action="store_true", help="smaller shapes, fewer types, shorter timing")
     args = parser.parse_args()
-    budget = 0.2 if args.quick else 0.5
+    budget = 0.15 if args.quick else 0.4
     rng = np.random.default_rng(0)
 
     info = machine()
-    bandwidth = copy_bandwidth_gbs()
-    print(f"machine: {info['name']} ({info['threads']} threads), torch {info['torch']}")
-    print(f"measured copy bandwidth: {bandwidth:.1f} GB/s\n")
-    print("dequantize to fp32, 4096 x 4096 weights")
-    dq = dequant_table(rng, 1024 if args.quick else 4096, 4096, budget)
-    print("\nmatmul with 8-bit activations")
-    mm = matmul_table(rng, [(4096, 4096)] if args.quick else SHAPES, bandwidth, budget)
-    write_results(f"{info['slug']}-gguf.json", dict(machine=info, copy_bandwidth_gbs=bandwidth,
-                                                     dequantize=dq, matmul=mm))
+    threads = [1] if args.quick else [t for t in THREADS if t <= torch.get_num_threads()]
+    log = io.StringIO()
+    with contextlib.redirect_stdout(Tee(sys.stdout, log)):
+        bandwidth = copy_bandwidth_gbs()
+        print(f"machine: {info['name']} ({info['threads']} threads), torch {info['torch']}, "
+              f"CPU kernels: {torch.ops.lowbit.cpu_isa()}")
+        print(f"measured copy bandwidth: {bandwidth:.1f} GB/s (read + write)\n")
+        print("matmul with 8-bit activations (GB/s = weight bytes / time)")
+        shapes = [(4096, 4096)] if args.quick else SHAPES
+        mm = matmul_table(rng, shapes, MAIN_TYPES[:3] if args.quick else MAIN_TYPES, threads, bandwidth, budget)
+        torch.set_num_threads(max(threads))
+        print(f"\ndequantize to fp32, {1024 if args.quick else 4096} x 4096 weights, {max(threads)} threads")
+        dq = dequant_table(rng, 1024 if args.quick else 4096, 4096, budget)
+    stem = f"{info['slug']}-gguf"
+    write_results(f"{stem}.json", dict(machine=info, cpu_isa=torch.ops.lowbit.cpu_isa(),
+                                       copy_bandwidth_gbs=bandwidth, dequantize=dq, matmul=mm))
+    with open(os.path.join(RESULTS, f"{stem}.txt"), "w") as f:
+        f.write(log.getvalue())
+    if not args.quick and not ggml_peer.available():
+        plot(mm, bandwidth, info, os.path.join(RESULTS, f"{stem}.png"))
+
+
+class Tee(io.TextIOBase):
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, s):
+        for st in self.streams:
+            st.write(s)
+        return len(s)
 
 
 if __name__ == "__main__":

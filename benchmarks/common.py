@@ -6,7 +6,13 @@ import platform
 import statistics
 import time
 
-import torch
+# Large CPU tensors on transparent huge pages (torch's own switch, read at
+# the first large allocation): otherwise every fresh 64 MB output pays ~20 ms
+# of 4 KB page faults, which NumPy (gguf-py) avoids by default. Set before any
+# benchmark allocates, so every side of a comparison gets it.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+import torch  # noqa: E402
 
 from lowbit.machine import device_name, machine_slug
 

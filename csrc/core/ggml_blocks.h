@@ -163,8 +163,9 @@ struct Codec<Type::IQ4_NL> {  // d | qs[16], levels from the non-linear table
 
 template <>
 struct Codec<Type::MXFP4> {  // e (E8M0) | qs[16] of E2M1 values (doubled, scale halved)
+  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::MXFP4>& o) { o.d[0] = e8m0_to_fp32_half(b[0]); }
   LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::MXFP4>& o) {
-    o.d[0] = e8m0_to_fp32_half(b[0]);
+    scales(b, o);
     for (int e = 0; e < 32; ++e) o.q[e] = LOWBIT_TABLE(kvalues_fp4)[nibble_of_element(b + 1, e)];
   }
 };
@@ -460,8 +461,9 @@ struct Codec<Type::TQ1_0> {  // qs[48] (5 trits per byte) | qh[4] (4 trits per b
 
 template <>
 struct Codec<Type::TQ2_0> {  // qs[64] (2 bits per element) | d
+  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::TQ2_0>& o) { o.d[0] = half_at(b, 64); }
   LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::TQ2_0>& o) {
-    o.d[0] = half_at(b, 64);
+    scales(b, o);
     for (int e = 0; e < 256; ++e) {
       const int h = e / 128, l = (e % 128) / 32, m = e % 32;
       o.q[e] = static_cast<int8_t>(((b[32 * h + m] >> (2 * l)) & 3) - 1);

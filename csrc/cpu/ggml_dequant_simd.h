@@ -1,4 +1,4 @@
-// GGUF dequantization for the types with SIMD levels and the float types, written with
+// GGUF dequantization of every type, written with
 // AVX2 intrinsics and included in each GGUF ISA unit (ggml_avx2.cpp,
 // ggml_avx512.cpp) inside its target pragma region. Bit-exact with the
 // portable dequantize_block: w = d * q (+ m), each operation rounded once
@@ -68,7 +68,7 @@ struct DequantSimd {
 
   template <int C>
   static inline void chunk(const uint8_t* blk, const ggml::Decoded<T>& sc, void* out, int64_t at) {
-    const __m256i levels = simd::Levels<T>::template chunk<C>(blk);
+    const __m256i levels = simd::block_levels<T, C>(blk, sc);
     eighth<C, 0>(levels, sc, out, at);
     eighth<C, 1>(levels, sc, out, at);
     eighth<C, 2>(levels, sc, out, at);
@@ -83,14 +83,10 @@ struct DequantSimd {
 
   // n weights (whole blocks) of one row into out, from element `at` on.
   static void row(const uint8_t* W, int64_t n, void* out, int64_t at) {
-    ggml::Decoded<T> sc;  // only d and m are filled
+    ggml::Decoded<T> sc;
     for (int64_t bi = 0; bi < n / I::kBlock; ++bi) {
       const uint8_t* blk = W + bi * I::kBytes;
-      if constexpr (requires { simd::Levels<T>::scales(blk, sc); }) {
-        simd::Levels<T>::scales(blk, sc);
-      } else {
-        ggml::Codec<T>::scales(blk, sc);
-      }
+      simd::block_scales(blk, sc);
       chunks(std::make_integer_sequence<int, kChunks>{}, blk, sc, out, at + bi * I::kBlock);
     }
   }
@@ -124,8 +120,7 @@ void float_row(const uint8_t* W, int64_t n, void* out, int64_t at) {
 }
 
 // Rows [r0, r1) of an [rows, n] weight into out (row r from element
-// (r - r0) * n, in the dtype S stores) if `type` has SIMD levels or is a
-// float type; false otherwise.
+// (r - r0) * n, in the dtype S stores).
 template <class S>
 bool run_dequant_simd(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, void* out) {
   bool ran = false;
@@ -133,13 +128,12 @@ bool run_dequant_simd(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, in
     constexpr ggml::Type T = decltype(t)::value;
     using I = ggml::TypeInfo<T>;
     const int64_t row_bytes = n / I::kBlock * I::kBytes;
-    if constexpr (has_simd_matmul(T)) {
-      for (int64_t r = r0; r < r1; ++r) DequantSimd<T, S>::row(W + r * row_bytes, n, out, (r - r0) * n);
-      ran = true;
-    } else if constexpr (I::kFloat) {
+    if constexpr (I::kFloat) {
       for (int64_t r = r0; r < r1; ++r) float_row<T, S>(W + r * row_bytes, n, out, (r - r0) * n);
-      ran = true;
+    } else {
+      for (int64_t r = r0; r < r1; ++r) DequantSimd<T, S>::row(W + r * row_bytes, n, out, (r - r0) * n);
     }
+    ran = true;
   });
   return ran;
 }

@@ -9,19 +9,20 @@
 namespace lowbit {
 namespace cpu {
 
-// The weight types with SIMD levels (ggml_levels_simd.h): llama.cpp's main
-// types. The others run the portable kernel under every ISA.
-constexpr bool has_simd_matmul(ggml::Type t) {
+// The weight types whose levels are cut out in vector registers
+// (ggml_levels_simd.h): llama.cpp's main types. The SIMD kernels take the
+// other quantized types' levels from the scalar Codec<T>::decode instead.
+constexpr bool has_simd_levels(ggml::Type t) {
   using ggml::Type;
   return t == Type::Q4_0 || t == Type::Q4_1 || t == Type::Q5_0 || t == Type::Q5_1 || t == Type::Q8_0 ||
          t == Type::Q2_K || t == Type::Q3_K || t == Type::Q4_K || t == Type::Q5_K || t == Type::Q6_K ||
-         t == Type::IQ4_NL || t == Type::IQ4_XS;
+         t == Type::IQ4_NL || t == Type::IQ4_XS || t == Type::TQ2_0 || t == Type::MXFP4;
 }
 
 // out[m * rows + r] = sum over the row of dequant(W[r]) * x[m] for r in
 // [r0, r1) and m < M, with acts[m] the activation rows quantized as
-// TypeInfo<T>::kAct. Returns false (and computes nothing) for a type without
-// a SIMD kernel.
+// TypeInfo<T>::kAct, for every quantized type. Returns false (and computes
+// nothing) for the float types.
 bool ggml_mul_mat_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts,
                        int64_t M, float* out, int64_t rows);
 bool ggml_mul_mat_avx512(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n,
@@ -29,8 +30,7 @@ bool ggml_mul_mat_avx512(int64_t type, const uint8_t* W, int64_t r0, int64_t r1,
 
 // Rows [r0, r1) of an [rows, n] weight dequantized into out (row r from
 // element (r - r0) * n) in fp32, or rounded once to fp16 / bf16; bit-exact
-// with the portable path. Returns false (and computes nothing) for a type
-// without a SIMD kernel.
+// with the portable path; every type.
 enum class OutDtype { kF32, kF16, kBF16 };
 bool ggml_dequantize_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, void* out,
                           OutDtype dtype);

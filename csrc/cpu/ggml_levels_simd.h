@@ -1,5 +1,6 @@
 // The int8 levels of a GGUF block, 32 elements at a time, cut out in AVX2
-// registers for the SIMD matmul kernels (ggml_matmul_simd.h). Element order
+// registers for the SIMD kernels (ggml_matmul_simd.h, ggml_dequant_simd.h),
+// for the types has_simd_levels() names. Element order
 // and values are exactly those of Codec<T>::decode in core/ggml_blocks.h (a
 // test runs every ISA against the portable kernels and the reference). The
 // sub-block scales come from Codec<T>::scales, except for the K-quants whose
@@ -16,6 +17,7 @@
 #include "../core/ggml_blocks.h"
 #include "../core/ggml_tables.h"
 #include "../core/ggml_types.h"
+#include "ggml_kernels.h"
 
 namespace lowbit {
 namespace cpu {
@@ -73,7 +75,29 @@ inline void k4_scales_x8(const uint8_t* b, ggml::Decoded<T>& o) {
 }
 
 template <ggml::Type T>
-struct Levels;  // chunk<C>(block): elements 32C .. 32C + 31 as int8
+struct Levels;
+
+// Chunk C of a block's levels and its scales into dec: cut from the bytes
+// where the type has SIMD levels, else from the scalar decode (which fills
+// dec.q too).
+template <ggml::Type T>
+inline void block_scales(const uint8_t* blk, ggml::Decoded<T>& dec) {
+  if constexpr (!has_simd_levels(T)) {
+    ggml::Codec<T>::decode(blk, dec);
+  } else if constexpr (requires { Levels<T>::scales(blk, dec); }) {
+    Levels<T>::scales(blk, dec);
+  } else {
+    ggml::Codec<T>::scales(blk, dec);
+  }
+}
+template <ggml::Type T, int C>
+inline __m256i block_levels(const uint8_t* blk, const ggml::Decoded<T>& dec) {
+  if constexpr (has_simd_levels(T)) {
+    return Levels<T>::template chunk<C>(blk);
+  } else {
+    return load32(reinterpret_cast<const uint8_t*>(dec.q) + 32 * C);
+  }
+}  // chunk<C>(block): elements 32C .. 32C + 31 as int8
 
 using ggml::Type;
 
@@ -116,6 +140,20 @@ struct Levels<Type::IQ4_XS> {  // sub-block C: the legacy nibble layout at qs + 
   template <int C>
   static __m256i chunk(const uint8_t* b) {
     return _mm256_shuffle_epi8(table16(LOWBIT_TABLE(ggml::kvalues_iq4nl)), nibbles16(b + 8 + 16 * C));
+  }
+};
+template <>
+struct Levels<Type::MXFP4> {  // the legacy nibble layout through the E2M1 table
+  template <int C>
+  static __m256i chunk(const uint8_t* b) {
+    return _mm256_shuffle_epi8(table16(LOWBIT_TABLE(ggml::kvalues_fp4)), nibbles16(b + 1));
+  }
+};
+template <>
+struct Levels<Type::TQ2_0> {  // Q2_K's level layout, minus 1
+  template <int C>
+  static __m256i chunk(const uint8_t* b) {
+    return _mm256_sub_epi8(byte_bits<2 * (C % 4)>(load32(b + 32 * (C / 4)), 3), bytes(1));
   }
 };
 template <>

@@ -27,7 +27,7 @@ struct MatmulSimd {
   using I = ggml::TypeInfo<T>;
   using L = ggml::ActLayout<I::kAct>;
   static constexpr int kChunks = I::kBlock / 32;
-  static_assert(I::kSub == 16 || I::kSub == 32, "sub-blocks of 16 or 32 elements");
+  static_assert(I::kSub == 16 || I::kSub % 32 == 0, "sub-blocks of 16 or a multiple of 32 elements");
 
   static float hsum(__m256 v) {
     const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -41,9 +41,9 @@ struct MatmulSimd {
 
   // Chunk C of block `bi` against MT activation rows, with scales ds.
   template <int MT, int C>
-  static inline void chunk(const uint8_t* blk, const __m256 (&ds)[MT][kScaleVecs], const ggml::ActRow* acts,
-                           int64_t bi, __m256 (&acc)[MT]) {
-    const __m256i w = simd::Levels<T>::template chunk<C>(blk);
+  static inline void chunk(const uint8_t* blk, const ggml::Decoded<T>& dec, const __m256 (&ds)[MT][kScaleVecs],
+                           const ggml::ActRow* acts, int64_t bi, __m256 (&acc)[MT]) {
+    const __m256i w = simd::block_levels<T, C>(blk, dec);
     // Types with mins have unsigned levels and go straight into the u8 x s8
     // product; signed levels go in as |w| with the sign moved onto x.
     const __m256i wu = I::kHasMin ? w : _mm256_abs_epi8(w);
@@ -55,8 +55,9 @@ struct MatmulSimd {
       __m256 scale;
       if constexpr (kChunks == 1) {
         scale = ds[m][0];
-      } else if constexpr (I::kSub == 32) {  // sub-block C in every lane
-        scale = _mm256_permutevar8x32_ps(ds[m][C / 8], _mm256_set1_epi32(C % 8));
+      } else if constexpr (I::kSub >= 32) {  // one sub-block in every lane
+        constexpr int s = 32 * C / I::kSub;
+        scale = _mm256_permutevar8x32_ps(ds[m][s / 8], _mm256_set1_epi32(s % 8));
       } else {  // lanes 0-3: sub-block 2C, lanes 4-7: sub-block 2C + 1
         constexpr int j = 2 * C % 8;
         scale = _mm256_permutevar8x32_ps(ds[m][C / 4], _mm256_setr_epi32(j, j, j, j, j + 1, j + 1, j + 1, j + 1));
@@ -66,9 +67,10 @@ struct MatmulSimd {
   }
 
   template <int MT, int... C>
-  static inline void chunks(std::integer_sequence<int, C...>, const uint8_t* blk, const __m256 (&ds)[MT][kScaleVecs],
-                            const ggml::ActRow* acts, int64_t bi, __m256 (&acc)[MT]) {
-    (chunk<MT, C>(blk, ds, acts, bi, acc), ...);
+  static inline void chunks(std::integer_sequence<int, C...>, const uint8_t* blk, const ggml::Decoded<T>& dec,
+                            const __m256 (&ds)[MT][kScaleVecs], const ggml::ActRow* acts, int64_t bi,
+                            __m256 (&acc)[MT]) {
+    (chunk<MT, C>(blk, dec, ds, acts, bi, acc), ...);
   }
 
   // mins += sum over sub-blocks s of m_w[s] * (d_x * sum of the sub-block's
@@ -102,26 +104,23 @@ struct MatmulSimd {
   static void row(const uint8_t* wrow, int64_t blocks, const ggml::ActRow* acts, float* out, int64_t rows) {
     __m256 acc[MT], mins[MT];
     for (int m = 0; m < MT; ++m) acc[m] = mins[m] = _mm256_setzero_ps();
-    ggml::Decoded<T> sc;  // only d and m are filled
+    ggml::Decoded<T> sc;
     for (int64_t bi = 0; bi < blocks; ++bi) {
       const uint8_t* blk = wrow + bi * I::kBytes;
-      if constexpr (requires { simd::Levels<T>::scales(blk, sc); }) {
-        simd::Levels<T>::scales(blk, sc);
-      } else {
-        ggml::Codec<T>::scales(blk, sc);
-      }
+      simd::block_scales(blk, sc);
       __m256 ds[MT][kScaleVecs];
       for (int m = 0; m < MT; ++m) {
         // One activation scale per weight block: Q8_K's 256 or Q8_0/Q8_1's 32.
         static_assert(L::kBlock == I::kBlock, "activation blocks match weight blocks");
         const float dx = acts[m].d[bi];
-        if constexpr (kChunks == 1) {
+        if constexpr (I::kBlock == I::kSub) {
           ds[m][0] = _mm256_set1_ps(sc.d[0] * dx);
         } else {
+          static_assert((I::kBlock / I::kSub) % 8 == 0, "whole vectors of sub-block scales");
           for (int v = 0; v < kScaleVecs; ++v) ds[m][v] = _mm256_mul_ps(_mm256_loadu_ps(sc.d + 8 * v), _mm256_set1_ps(dx));
         }
       }
-      chunks<MT>(std::make_integer_sequence<int, kChunks>{}, blk, ds, acts, bi, acc);
+      chunks<MT>(std::make_integer_sequence<int, kChunks>{}, blk, sc, ds, acts, bi, acc);
       if constexpr (I::kHasMin) add_mins<MT>(sc, acts, bi, mins);
     }
     for (int m = 0; m < MT; ++m) out[m * rows] = hsum(_mm256_add_ps(acc[m], mins[m]));
@@ -150,14 +149,14 @@ struct MatmulSimd {
   }
 };
 
-// Runs the kernel of `type` if it has one (dispatch_ggml_type validated ids).
+// Runs the kernel of a quantized `type` (dispatch_ggml_type validated ids).
 template <class D>
 bool run_matmul_simd(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts,
                      int64_t M, float* out, int64_t rows) {
   bool ran = false;
   dispatch_ggml_type(type, [&](auto t) {
     constexpr ggml::Type T = decltype(t)::value;
-    if constexpr (has_simd_matmul(T)) {
+    if constexpr (!ggml::TypeInfo<T>::kFloat) {
       MatmulSimd<D, T>::run(W, r0, r1, n, acts, M, out, rows);
       ran = true;
     }
