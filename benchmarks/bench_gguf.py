@@ -2,7 +2,7 @@
 same threads:
 
 - matvec / small-batch matmul (M = 1, 8) of every main type against
-  llama.cpp's CPU backend on identical blocks (ggml_peer.py, the optional
+  llama.cpp's CPU backend on identical blocks (tests/ggml_peer.py, the optional
   llama-cpp-python extra), torch's dense fp32 and bf16 matmul of the same
   shape, and the machine's copy bandwidth;
 - dequantize of every type against gguf-py's NumPy dequantize.
@@ -13,22 +13,20 @@ Prints the tables and writes benchmarks/results/<machine>-gguf.json, .txt and
 a PNG of matvec throughput per type against the peers.
 """
 import argparse
-import contextlib
-import io
 import os
 import sys
 import time
 
-from common import RESULTS, copy_bandwidth_gbs, machine, print_table, time_ms, write_results  # first: sets THP
+from common import RESULTS, copy_bandwidth_gbs, machine, print_table, printed_to, time_ms, write_results  # first: sets THP
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import lowbit  # noqa: E402,F401  (loads torch.ops.lowbit)
-import ggml_peer  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import gguf_blocks as gb  # noqa: E402  (valid random blocks of every type)
+import ggml_peer  # noqa: E402  (llama.cpp's ggml_mul_mat through llama-cpp-python's libggml)
 
 MAIN_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 SHAPES = [(14336, 4096), (4096, 14336)]  # (rows = out features, n = in features)
@@ -147,8 +145,8 @@ def main():
 
     info = machine()
     threads = [1] if args.quick else [t for t in THREADS if t <= torch.get_num_threads()]
-    log = io.StringIO()
-    with contextlib.redirect_stdout(Tee(sys.stdout, log)):
+    stem = f"{info['slug']}-gguf"
+    with printed_to(f"{stem}.txt"):
         bandwidth = copy_bandwidth_gbs()
         print(f"machine: {info['name']} ({info['threads']} threads), torch {info['torch']}, "
               f"CPU kernels: {torch.ops.lowbit.cpu_isa()}")
@@ -159,23 +157,11 @@ def main():
         torch.set_num_threads(max(threads))
         print(f"\ndequantize to fp32, {1024 if args.quick else 4096} x 4096 weights, {max(threads)} threads")
         dq = dequant_table(rng, 1024 if args.quick else 4096, 4096, budget)
-    stem = f"{info['slug']}-gguf"
     write_results(f"{stem}.json", dict(machine=info, cpu_isa=torch.ops.lowbit.cpu_isa(),
                                        copy_bandwidth_gbs=bandwidth, dequantize=dq, matmul=mm))
-    with open(os.path.join(RESULTS, f"{stem}.txt"), "w") as f:
-        f.write(log.getvalue())
     if not args.quick and not ggml_peer.available():
         plot(mm, bandwidth, info, os.path.join(RESULTS, f"{stem}.png"))
 
-
-class Tee(io.TextIOBase):
-    def __init__(self, *streams):
-        self.streams = streams
-
-    def write(self, s):
-        for st in self.streams:
-            st.write(s)
-        return len(s)
 
 
 if __name__ == "__main__":

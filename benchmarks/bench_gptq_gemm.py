@@ -1,20 +1,24 @@
-"""gptq_gemm throughput against dense torch matmul of the same shape, measured
-in the same run, with achieved GB/s against the machine's copy bandwidth.
+"""gptq_gemm against its peers, measured in the same run on the same threads:
+torch's dense fp32 and bf16 matmul of the same shape, torch's own int4 CPU
+kernel (aten._weight_int4pack_mm_for_cpu, bf16 activations, for 4-bit), and
+the machine's copy bandwidth (GB/s = bytes of qweight + scales + zeros / time).
 
     python benchmarks/bench_gptq_gemm.py [--device cpu|cuda] [--quick]
 
-Writes benchmarks/results/<machine>-gptq.json.
+Writes benchmarks/results/<machine>-gptq.json and .txt.
 """
 import argparse
 
-import torch
+from common import copy_bandwidth_gbs, machine, print_table, printed_to, time_ms, write_results  # first: sets THP
 
-import lowbit  # noqa: F401  (loads torch.ops.lowbit)
-from common import copy_bandwidth_gbs, machine, print_table, time_ms, write_results
+import torch  # noqa: E402
 
-SHAPES = [(4096, 4096), (4096, 14336)]  # (K = in features, N = out features)
+import lowbit  # noqa: E402,F401  (loads torch.ops.lowbit)
+
+SHAPES = [(4096, 14336), (14336, 4096)]  # (K = in features, N = out features)
 BITS = [2, 3, 4, 8]
-MS = [1, 16, 256]
+MS = [1, 8, 16, 256]
+THREADS = [1, 2]
 GROUP = 128
 
 
@@ -31,44 +35,72 @@ def random_gptq_weight(K, N, bits, device):
     )
 
 
+def torch_int4(K, N, M):
+    """torch's int4 CPU matmul of the same shape and group size, or None."""
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (N, K), dtype=torch.int32), 2)
+        scale_zeros = torch.rand(K // GROUP, N, 2).bfloat16()
+        x = torch.randn(M, K).bfloat16()
+        fn = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scale_zeros)
+        fn()
+        return fn
+    except (RuntimeError, AttributeError):
+        return None
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--quick", action="store_true", help="one shape, shorter timing")
+    parser.add_argument("--quick", action="store_true", help="one shape, M = 1, shorter timing")
     args = parser.parse_args()
     device = torch.device(args.device)
-    budget = 0.3 if args.quick else 1.0
-    shapes = SHAPES[:1] if args.quick else SHAPES
+    budget = 0.2 if args.quick else 0.5
+    shapes = [(4096, 4096)] if args.quick else SHAPES
+    ms_list = [1] if args.quick else MS
+    threads_list = [torch.get_num_threads()] if args.quick or device.type != "cpu" else THREADS
 
     info = machine(device)
-    bandwidth = copy_bandwidth_gbs(device)
-    print(f"machine: {info['name']} ({info['threads']} threads), torch {info['torch']}")
-    print(f"measured copy bandwidth: {bandwidth:.1f} GB/s\n")
-
     rows, records = [], []
-    for K, N in shapes:
-        dense32 = torch.randn(K, N, device=device)
-        dense16 = dense32.to(torch.bfloat16)
-        for M in MS:
-            a32 = torch.randn(M, K, device=device)
-            a16 = a32.to(torch.bfloat16)
-            fp32_ms = time_ms(lambda: a32 @ dense32, device, budget_s=budget)
-            bf16_ms = time_ms(lambda: a16 @ dense16, device, budget_s=budget)
-            for bits in BITS:
-                qweight, qzeros, scales, g_idx = random_gptq_weight(K, N, bits, device)
-                op = lambda: torch.ops.lowbit.gptq_gemm(a32, qweight, qzeros, scales, g_idx, False, True, bits)
-                ms = time_ms(op, device, budget_s=budget)
-                nbytes = sum(t.numel() * t.element_size() for t in (qweight, qzeros, scales, a32)) + M * N * 4
-                gbs = nbytes / (ms * 1e-3) / 1e9
-                rec = dict(K=K, N=N, M=M, bits=bits, group_size=GROUP, lowbit_ms=ms, gbs=gbs,
-                           bandwidth_fraction=gbs / bandwidth, torch_fp32_ms=fp32_ms, torch_bf16_ms=bf16_ms,
-                           speedup_vs_fp32=fp32_ms / ms, speedup_vs_bf16=bf16_ms / ms)
-                records.append(rec)
-                rows.append([f"{K}x{N}", bits, M, f"{ms:.3f}", f"{gbs:.1f}", f"{100 * gbs / bandwidth:.0f}%",
-                             f"{fp32_ms:.3f}", f"{bf16_ms:.3f}", f"{fp32_ms / ms:.2f}x", f"{bf16_ms / ms:.2f}x"])
-    print_table(["KxN", "bits", "M", "lowbit ms", "GB/s", "of bw", "fp32 ms", "bf16 ms", "vs fp32", "vs bf16"], rows)
-    write_results(f"{info['slug']}-gptq.json", dict(machine=info, copy_bandwidth_gbs=bandwidth,
-                                                     activations="fp32", records=records))
+    stem = f"{info['slug']}-gptq"
+    with printed_to(f"{stem}.txt"):
+        bandwidth = copy_bandwidth_gbs(device)
+        isa = torch.ops.lowbit.cpu_isa() if device.type == "cpu" else "-"
+        print(f"machine: {info['name']} ({info['threads']} threads), torch {info['torch']}, CPU kernels: {isa}")
+        print(f"measured copy bandwidth: {bandwidth:.1f} GB/s (read + write)\n")
+        for K, N in shapes:
+            dense32 = torch.randn(K, N, device=device)
+            dense16 = dense32.to(torch.bfloat16)
+            for M in ms_list:
+                a32 = torch.randn(M, K, device=device)
+                a16 = a32.to(torch.bfloat16)
+                int4 = torch_int4(K, N, M) if device.type == "cpu" else None
+                weights = {bits: random_gptq_weight(K, N, bits, device) for bits in BITS}
+                for threads in threads_list:
+                    torch.set_num_threads(threads)
+                    fp32_ms = time_ms(lambda: a32 @ dense32, device, budget_s=budget)
+                    bf16_ms = time_ms(lambda: a16 @ dense16, device, budget_s=budget)
+                    int4_ms = time_ms(int4, budget_s=budget) if int4 else float("nan")
+                    for bits in BITS:
+                        qweight, qzeros, scales, g_idx = weights[bits]
+                        op = lambda: torch.ops.lowbit.gptq_gemm(a32, qweight, qzeros, scales, g_idx, False, True, bits)
+                        ms = time_ms(op, device, budget_s=budget)
+                        nbytes = sum(t.numel() * t.element_size() for t in (qweight, qzeros, scales))
+                        gbs = nbytes / (ms * 1e-3) / 1e9
+                        peer_int4 = int4_ms if bits == 4 else float("nan")
+                        records.append(dict(K=K, N=N, M=M, threads=threads, bits=bits, group_size=GROUP,
+                                            lowbit_ms=ms, weight_gbs=gbs, bandwidth_fraction=gbs / bandwidth,
+                                            torch_fp32_ms=fp32_ms, torch_bf16_ms=bf16_ms, torch_int4_ms=peer_int4,
+                                            speedup_vs_fp32=fp32_ms / ms, speedup_vs_bf16=bf16_ms / ms,
+                                            speedup_vs_torch_int4=peer_int4 / ms))
+                        rows.append([f"{K}x{N}", M, threads, bits, f"{ms:.3f}", f"{gbs:.1f}",
+                                     f"{100 * gbs / bandwidth:.0f}%", f"{fp32_ms:.3f}", f"{fp32_ms / ms:.2f}x",
+                                     f"{bf16_ms / ms:.2f}x", f"{peer_int4:.3f}", f"{peer_int4 / ms:.2f}x"])
+        torch.set_num_threads(max(threads_list))
+        print_table(["KxN", "M", "thr", "bits", "lowbit ms", "GB/s", "of bw", "fp32 ms", "vs fp32", "vs bf16",
+                     "int4 ms", "vs int4"], rows)
+    write_results(f"{stem}.json", dict(machine=info, cpu_isa=isa, copy_bandwidth_gbs=bandwidth,
+                                       activations="fp32 (torch int4: bf16)", records=records))
+
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """Shared benchmark plumbing: timing, the machine's measured memory bandwidth,
 a description of the machine, and result files under benchmarks/results/."""
+import contextlib
+import io
 import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 # Large CPU tensors on transparent huge pages (torch's own switch, read at
@@ -117,3 +120,24 @@ def cuda_copy_bandwidth_gbs(device, nbytes=1 << 30):
     ms = cuda_time_ms(lambda: dst.copy_(src), warmup=3, samples=10)
     del src, dst
     return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+class _Tee(io.TextIOBase):
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, s):
+        for stream in self.streams:
+            stream.write(s)
+        return len(s)
+
+
+@contextlib.contextmanager
+def printed_to(name):
+    """Prints as usual and also saves everything printed as results/<name>."""
+    log = io.StringIO()
+    with contextlib.redirect_stdout(_Tee(sys.stdout, log)):
+        yield
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, name), "w") as f:
+        f.write(log.getvalue())

@@ -145,21 +145,6 @@ def test_gemm_large_k_uses_several_column_tiles():
     assert np.all(err <= 1e-4 * (np.abs(a64) @ np.abs(W)))
 
 
-def test_gemm_same_result_on_any_thread_count():
-    rng = np.random.default_rng(4)
-    ckpt = ref.random_checkpoint(rng, K, 512, 4, 128, False, "gptq_v2", True)
-    t = as_torch(ckpt, "cpu")
-    a = torch.randn(4, K)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        serial = torch.ops.lowbit.gptq_gemm(a, t["qweight"], t["qzeros"], t["scales"], t["g_idx"], False, True, 4)
-    finally:
-        torch.set_num_threads(threads)
-    parallel = torch.ops.lowbit.gptq_gemm(a, t["qweight"], t["qzeros"], t["scales"], t["g_idx"], False, True, 4)
-    assert torch.equal(serial, parallel)
-
-
 @pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
 @pytest.mark.parametrize("bits", BITS)
 def test_dequantize_is_exact(device, bits, fmt):

@@ -1,5 +1,6 @@
-"""llama.cpp's CPU backend as a benchmark peer: one ggml_mul_mat of a given
-quant type, timed on the same blocks and threads as lowbit.
+"""llama.cpp's CPU backend as an independent reference and benchmark peer:
+one ggml_mul_mat of a given quant type, on the same blocks as lowbit
+(tests/test_llama_cpp_ggml.py, benchmarks/bench_gguf.py).
 
 ggml is reached through the shared libraries that PyPI's llama-cpp-python
 builds and ships (llama_cpp/lib/libggml-base.so, libggml-cpu.so), with a few

@@ -1,0 +1,116 @@
+"""The CPU kernels' run-time ISA choice and threading, and lowbit's GGUF
+matmul against llama.cpp's own: ggml_mul_mat of llama-cpp-python's libggml
+(tests/ggml_peer.py) on identical blocks and activations.
+
+Tolerance against llama.cpp: both quantize the activations to the same 8-bit
+blocks and form the same integer sub-block sums, so only the order of the fp32
+additions differs: |lowbit - ggml| <= 1e-5 * (|x| @ |W|.T). (Measured: bit-equal
+for the legacy types, <= 4e-7 relative for the others.)
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import gguf_blocks as gb
+import ggml_peer
+from conftest import ISAS
+
+ops = torch.ops.lowbit
+QUANT_TYPES = [t for t in gb.TYPES if t not in gb.FLOAT_TYPES]
+ROWS, N = 48, 512
+
+
+def usable_isas():
+    best = ops.cpu_isa("best")
+    return ISAS[: ISAS.index(best) + 1]
+
+
+def test_cpu_isa_reports_forces_and_validates():
+    best = ops.cpu_isa("best")
+    assert best in ISAS
+    try:
+        for isa in usable_isas():
+            assert ops.cpu_isa(isa) == isa and ops.cpu_isa() == isa
+        with pytest.raises(ValueError, match="cpu_isa: unknown ISA 'sse9'"):
+            ops.cpu_isa("sse9")
+        if best != "avx512":
+            with pytest.raises(ValueError, match="cpu_isa: this CPU cannot run avx512"):
+                ops.cpu_isa("avx512")
+        assert ops.cpu_isa() == usable_isas()[-1]  # a refused request changes nothing
+    finally:
+        ops.cpu_isa("best")
+
+
+def run_with_env(value, code):
+    env = dict(os.environ, LOWBIT_CPU_ISA=value)
+    return subprocess.run([sys.executable, "-c", "import torch, lowbit; " + code], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_lowbit_cpu_isa_environment_variable():
+    done = run_with_env("portable", "print(torch.ops.lowbit.cpu_isa())")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "portable"
+    bad = run_with_env("bogus", "torch.ops.lowbit.cpu_isa()")
+    assert bad.returncode != 0 and "unknown ISA 'bogus'" in bad.stderr
+
+
+def gptq_case(bits, M):
+    rng = np.random.default_rng(bits)
+    K, N_out = 512, 320
+    g = torch.Generator().manual_seed(bits)
+    words = lambda *shape: torch.randint(-(2**31), 2**31, shape, dtype=torch.int64, generator=g).to(torch.int32)
+    qweight, qzeros = words(K * bits // 32, N_out), words(K // 128, N_out * bits // 32)
+    scales = torch.from_numpy(rng.random((K // 128, N_out), dtype=np.float32) / 2**bits).half()
+    a = torch.randn(M, K, generator=g)
+    empty = torch.empty(0, dtype=torch.int32)
+    return lambda: ops.gptq_gemm(a, qweight, qzeros, scales, empty, False, True, bits)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_results_do_not_depend_on_the_thread_count(isa):
+    """Tasks own disjoint outputs, so 1 and 2 threads give identical bits."""
+    if isa not in usable_isas():
+        pytest.skip(f"this CPU cannot run the {isa} kernels")
+    rng = np.random.default_rng(0)
+    raw = torch.from_numpy(gb.random_blocks(rng, "Q4_K", ROWS * 8, N))
+    x = torch.randn(8, N)
+    cases = [gptq_case(bits, M) for bits in (2, 3, 4, 8) for M in (1, 5, 40)]
+    cases += [lambda: ops.ggml_mul_mat_vec_a8(raw, x[:1], gb.type_id("Q4_K"), ROWS * 8),
+              lambda: ops.ggml_mul_mat_a8(raw, x, gb.type_id("Q4_K"), ROWS * 8),
+              lambda: ops.ggml_dequantize(raw, gb.type_id("Q4_K"), ROWS * 8, N, torch.float32)]
+    threads = torch.get_num_threads()
+    ops.cpu_isa(isa)
+    try:
+        torch.set_num_threads(1)
+        serial = [case() for case in cases]
+        torch.set_num_threads(2)
+        for case, expect in zip(cases, serial):
+            assert torch.equal(case(), expect)
+    finally:
+        torch.set_num_threads(threads)
+        ops.cpu_isa("best")
+
+
+@pytest.mark.skipif(ggml_peer.available() is not None, reason=str(ggml_peer.available()))
+@pytest.mark.parametrize("M", [1, 5])
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_matmul_matches_llama_cpp(device, qtype, M):
+    rng = np.random.default_rng([M, gb.type_id(qtype)])
+    raw = gb.random_blocks(rng, qtype, ROWS, N)
+    x = rng.standard_normal((M, N)).astype(np.float32)
+    peer = ggml_peer.GgmlMatmul(raw, gb.type_id(qtype), ROWS, N, M, threads=1)
+    peer.set_input(x)
+    peer.compute()
+    expect = peer.result()
+    op = ops.ggml_mul_mat_vec_a8 if M == 1 else ops.ggml_mul_mat_a8
+    got = op(torch.from_numpy(raw).to(device), torch.from_numpy(x).to(device), gb.type_id(qtype), ROWS).cpu().numpy()
+    W = gb.dequantize(raw, qtype).astype(np.float64)
+    bound = 1e-5 * (np.abs(x.astype(np.float64)) @ np.abs(W).T) + 1e-30
+    err = np.abs(got.astype(np.float64) - expect)
+    worst = np.unravel_index(np.argmax(err / bound), err.shape)
+    assert np.all(err <= bound), f"{qtype}: |lowbit - llama.cpp| {err[worst]:.3g} > {bound[worst]:.3g} at {worst}"
