@@ -7,8 +7,10 @@ builds and ships (llama_cpp/lib/libggml-base.so, libggml-cpu.so), with a few
 ctypes declarations of ggml's public C API (ggml.h, ggml-cpu.h): a context
 that owns the tensors, W as an [n, rows] tensor of the quant type holding
 lowbit's bytes, x as [n, M] fp32, and ggml_graph_compute_with_ctx with
-n_threads. ggml quantizes x to the type's 8-bit activation blocks inside the
-call, as lowbit does. An optional extra: `pip install llama-cpp-python`.
+n_threads, planned once per thread count (ggml_graph_plan) with a work buffer
+we own: ggml_graph_compute_with_ctx would take a new work buffer from the
+context on every call. ggml quantizes x to the type's 8-bit activation blocks
+inside the call, as lowbit does. An optional extra: `pip install llama-cpp-python`.
 """
 import ctypes
 import os
@@ -18,6 +20,12 @@ import numpy as np
 
 class _InitParams(ctypes.Structure):
     _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+class _CPlan(ctypes.Structure):  # struct ggml_cplan of the ggml that llama-cpp-python 0.3.36 vendors
+    _fields_ = [("work_size", ctypes.c_size_t), ("work_data", ctypes.c_void_p), ("n_threads", ctypes.c_int),
+                ("threadpool", ctypes.c_void_p), ("abort_callback", ctypes.c_void_p),
+                ("abort_callback_data", ctypes.c_void_p), ("use_ref", ctypes.c_bool)]
 
 
 def _load():
@@ -36,8 +44,9 @@ def _load():
     base.ggml_mul_mat.argtypes, base.ggml_mul_mat.restype = [p, p, p], p
     base.ggml_new_graph.argtypes, base.ggml_new_graph.restype = [p], p
     base.ggml_build_forward_expand.argtypes, base.ggml_build_forward_expand.restype = [p, p], None
-    cpu.ggml_graph_compute_with_ctx.argtypes = [p, p, ctypes.c_int]
-    cpu.ggml_graph_compute_with_ctx.restype = ctypes.c_int
+    cpu.ggml_graph_plan.argtypes, cpu.ggml_graph_plan.restype = [p, ctypes.c_int, p], _CPlan
+    cpu.ggml_graph_compute.argtypes = [p, ctypes.POINTER(_CPlan)]
+    cpu.ggml_graph_compute.restype = ctypes.c_int
     cpu.ggml_cpu_init.argtypes, cpu.ggml_cpu_init.restype = [], None
     cpu.ggml_cpu_init()
     return base, cpu
@@ -67,7 +76,9 @@ class GgmlMatmul:
         self._base = base
         raw = np.ascontiguousarray(raw, dtype=np.uint8)
         f32 = 0  # GGML_TYPE_F32
-        self.ctx = base.ggml_init(_InitParams(raw.nbytes + 4 * (n + rows) * M + (16 << 20), None, False))
+        # The context holds W, x, the output and the graph (ggml aborts the
+        # process if it runs out, so leave room).
+        self.ctx = base.ggml_init(_InitParams(raw.nbytes + 8 * (n + rows) * M + (16 << 20), None, False))
         if not self.ctx:
             raise RuntimeError("ggml_init failed")
         self.W = base.ggml_new_tensor_2d(self.ctx, int(qtype), n, rows)
@@ -81,6 +92,7 @@ class GgmlMatmul:
         self.shape = (M, n)
         self.rows = rows
         self.threads = threads
+        self._plans = {}  # threads -> (plan, work buffer)
 
     def set_input(self, x):
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -88,7 +100,13 @@ class GgmlMatmul:
         ctypes.memmove(self._base.ggml_get_data(self.x), x.ctypes.data, x.nbytes)
 
     def compute(self):
-        status = self._cpu.ggml_graph_compute_with_ctx(self.ctx, self.graph, self.threads)
+        if self.threads not in self._plans:
+            plan = self._cpu.ggml_graph_plan(self.graph, self.threads, None)
+            work = np.empty(max(plan.work_size, 1), dtype=np.uint8)
+            plan.work_data = work.ctypes.data
+            self._plans[self.threads] = (plan, work)
+        plan, _ = self._plans[self.threads]
+        status = self._cpu.ggml_graph_compute(self.graph, ctypes.byref(plan))
         if status != 0:
             raise RuntimeError(f"ggml_graph_compute failed with status {status}")
 

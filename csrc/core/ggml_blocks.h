@@ -194,16 +194,36 @@ struct Codec<Type::Q2_K> {  // scales[16] | qs[64] | d | dmin
   }
 };
 
+// The sixteen 6-bit scales of Q3_K, unpacked a word at a time: byte j of
+// words[h] is the scale of sub-block 8h + j plus 32. Scale s keeps its low 4
+// bits in a nibble of byte s % 8 (low nibble for s < 8) and its top 2 bits at
+// bit 2 * (s / 4) of byte 8 + s % 4.
+struct Q3KScales {
+  uint64_t words[2];
+};
+// Two bits per byte of the scales' top-bit word: at `shift` for bytes 0-3,
+// at shift + 2 for bytes 4-7.
+LOWBIT_HD uint64_t q3k_top_bits(uint32_t top, int shift) {
+  return static_cast<uint64_t>((top >> shift) & 0x03030303u) |
+         (static_cast<uint64_t>((top >> (shift + 2)) & 0x03030303u) << 32);
+}
+LOWBIT_HD Q3KScales q3k_scales(const uint8_t* sc) {
+  const uint64_t low = load_u32(sc) | (static_cast<uint64_t>(load_u32(sc + 4)) << 32);
+  const uint32_t top = load_u32(sc + 8);
+  Q3KScales r;
+  r.words[0] = (low & 0x0f0f0f0f0f0f0f0full) | (q3k_top_bits(top, 0) << 4);
+  r.words[1] = ((low >> 4) & 0x0f0f0f0f0f0f0f0full) | (q3k_top_bits(top, 4) << 4);
+  return r;
+}
+
 template <>
 struct Codec<Type::Q3_K> {  // hmask[32] | qs[64] | scales[12] | d
   LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::Q3_K>& o) {
-    const uint8_t* sc = b + 96;
+    const Q3KScales k = q3k_scales(b + 96);
     const float d = half_at(b, 108);
     for (int s = 0; s < 16; ++s) {
-      // 16 6-bit scales: low nibbles in bytes 0..7, top 2 bits in bytes 8..11.
-      const int low = s < 8 ? (sc[s] & 0xf) : (sc[s - 8] >> 4);
-      const int high = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
-      o.d[s] = mul_rn(d, static_cast<float>((low | (high << 4)) - 32));
+      const int biased = static_cast<int>((k.words[s / 8] >> (8 * (s % 8))) & 0xffu);
+      o.d[s] = mul_rn(d, static_cast<float>(biased - 32));
     }
   }
   LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::Q3_K>& o) {

@@ -175,6 +175,16 @@ struct Levels<Type::Q2_K> {  // chunk 4h + j: bits 2j of qs[32h + l]
 };
 template <>
 struct Levels<Type::Q3_K> {  // Q2_K's levels minus 4 where hmask bit C of byte l is clear
+  // d * (scale - 32) from the shared q3k_scales unpacking.
+  static void scales(const uint8_t* b, ggml::Decoded<Type::Q3_K>& o) {
+    const ggml::Q3KScales k = ggml::q3k_scales(b + 96);
+    const __m256 d = _mm256_set1_ps(ggml::half_at(b, 108));
+    const __m256i bias = _mm256_set1_epi32(32);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i biased = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(k.words[h])));
+      _mm256_storeu_ps(o.d + 8 * h, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(biased, bias))));
+    }
+  }
   template <int C>
   static __m256i chunk(const uint8_t* b) {
     const __m256i low = byte_bits<2 * (C % 4)>(load32(b + 32 + 32 * (C / 4)), 3);
