@@ -1,7 +1,5 @@
 // Whole-op argument validation of the GGUF ops that goes beyond
-// ggml_checks.h, shared by every backend (written for the CUDA backend from
-// the CPU kernel's inline check in csrc/cpu/ggml_cpu.cpp, which can switch to
-// it without a change in behaviour).
+// ggml_checks.h, shared by every backend (csrc/cpu/ggml_cpu.cpp, csrc/cuda/*.cu).
 #pragma once
 
 #include <ATen/ATen.h>

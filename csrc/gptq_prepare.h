@@ -4,9 +4,7 @@
 // weight, index vectors); this header composes them into the exact sequence
 // of checks each op performs, so that a backend calls one function and
 // rejects the same inputs, in the same order, with the same messages as every
-// other backend. It was written for the CUDA backend from the CPU kernels'
-// inline checks (csrc/cpu/gptq_gemm.cpp, gptq_packing.cpp), which can switch to
-// it without a change in behaviour.
+// other backend (csrc/cpu/gptq_gemm.cpp, gptq_packing.cpp, csrc/cuda/*.cu).
 //
 // Index values: gptq_checks.h's check_index_vector inspects values only for
 // CPU tensors. The ops that are not on the inference path (dequantize, shuffle,

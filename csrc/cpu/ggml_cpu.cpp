@@ -11,6 +11,7 @@
 #include "../core/ggml_q8.h"
 #include "../dispatch_ggml.h"
 #include "../ggml_checks.h"
+#include "../ggml_prepare.h"
 #include "ggml_cpu.h"
 #include "ggml_kernels.h"
 #include "isa.h"
@@ -138,11 +139,7 @@ at::Tensor ggml_mul_mat(const char* op, const at::Tensor& W, const at::Tensor& X
 
 at::Tensor ggml_dequantize(const at::Tensor& W, int64_t type, int64_t m, int64_t n,
                            std::optional<at::ScalarType> dtype) {
-  const char* op = "ggml_dequantize";
-  const ggml::RuntimeInfo info = check_ggml_weight(op, W, type, m, n);
-  const at::ScalarType out_type = dtype.value_or(at::kHalf);
-  TORCH_CHECK(out_type == at::kFloat || out_type == at::kHalf || out_type == at::kBFloat16, op,
-              ": dtype must be float32, float16 or bfloat16, got ", out_type);
+  const auto [info, out_type] = check_ggml_dequantize(W, type, m, n, dtype);
   at::Tensor out = at::empty({m, n}, W.options().dtype(out_type));
   if (out.numel() == 0) return out;
   const uint8_t* w = W.data_ptr<uint8_t>();

@@ -14,6 +14,7 @@
 #include "../core/gptq_format.h"
 #include "../dispatch_bits.h"
 #include "../gptq_checks.h"
+#include "../gptq_prepare.h"
 #include "gptq_cpu.h"
 #include "gptq_kernels.h"
 #include "isa.h"
@@ -145,33 +146,15 @@ PreparedWeight prepare(const at::Tensor& qweight, const at::Tensor& qzeros, cons
   return p;
 }
 
-// Without a g_idx, row k belongs to group k / (K / groups), which needs K to
-// split evenly; anything else would silently misassign rows.
-void check_even_groups(const char* op, const GptqDims& d, const char* why) {
-  TORCH_CHECK_VALUE(d.K % d.groups == 0, op, ": K=", d.K, " is not a multiple of the ", d.groups,
-                    " groups in b_gptq_scales, ", why);
-}
-
 }  // namespace
 
 at::Tensor gptq_gemm(const at::Tensor& a, const at::Tensor& b_q_weight, const at::Tensor& b_gptq_qzeros,
                      const at::Tensor& b_gptq_scales, const at::Tensor& b_g_idx, bool use_exllama,
                      bool use_v2_format, int64_t bit) {
-  const char* op = "gptq_gemm";
-  const GptqDims d = check_gptq_weight(op, b_q_weight, b_gptq_qzeros, b_gptq_scales, bit);
-  check_float_dtype(op, "a", a);
-  check_same_device(op, "a", a, b_q_weight);
-  TORCH_CHECK_VALUE(a.dim() >= 1 && a.size(-1) == d.K, op, ": a must be [..., K=", d.K,
-                    "] to match b_q_weight, got ", a.sizes());
-
   // Shuffled weights: b_g_idx is the permutation given to gptq_shuffle, and
   // shuffled row i belongs to group i / (K / groups). Unshuffled: b_g_idx is
   // the checkpoint's g_idx.
-  const at::Tensor idx =
-      check_index_vector(op, "b_g_idx", b_g_idx, b_q_weight, d.K, use_exllama ? d.K : d.groups);
-  if (use_exllama || idx.numel() == 0) {
-    check_even_groups(op, d, use_exllama ? "as shuffled (use_exllama) weights need" : "so b_g_idx must be given");
-  }
+  const auto [d, idx] = check_gemm_args(a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_exllama, bit);
   at::Tensor a2 = a.reshape({-1, d.K}).to(at::kFloat);
   if (use_exllama && idx.numel()) a2 = a2.index_select(1, idx.to(at::kLong));
   a2 = a2.contiguous();
@@ -199,10 +182,7 @@ at::Tensor gptq_gemm(const at::Tensor& a, const at::Tensor& b_q_weight, const at
 at::Tensor gptq_dequantize(const at::Tensor& b_q_weight, const at::Tensor& b_gptq_qzeros,
                            const at::Tensor& b_gptq_scales, const at::Tensor& b_g_idx, bool use_v2_format,
                            int64_t bit) {
-  const char* op = "gptq_dequantize";
-  const GptqDims d = check_gptq_weight(op, b_q_weight, b_gptq_qzeros, b_gptq_scales, bit);
-  const at::Tensor idx = check_index_vector(op, "b_g_idx", b_g_idx, b_q_weight, d.K, d.groups);
-  if (idx.numel() == 0) check_even_groups(op, d, "so b_g_idx must be given");
+  const auto [d, idx] = check_dequantize_args(b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, bit);
   const PreparedWeight w = prepare(b_q_weight, b_gptq_qzeros, b_gptq_scales, idx, d, use_v2_format, bit);
 
   at::Tensor out = at::empty({d.K, d.N}, b_gptq_scales.options());

@@ -9,6 +9,7 @@
 #include "../core/gptq_format.h"
 #include "../dispatch_bits.h"
 #include "../gptq_checks.h"
+#include "../gptq_prepare.h"
 #include "gptq_cpu.h"
 
 namespace lowbit {
@@ -92,30 +93,14 @@ void permute_rows_impl(const uint32_t* src, uint32_t* dst, const int32_t* perm, 
   });
 }
 
-void check_pack_args(const char* op, const char* name, const at::Tensor& t, int64_t bit, int64_t dim) {
-  check_bits(op, bit);
-  check_dtype(op, name, t, at::kInt);
-  check_dim(op, name, t, 2);
-  TORCH_CHECK_VALUE(dim == 0 || dim == 1, op, ": dim must be 0 or 1, got ", dim);
-}
-
 const uint32_t* words_of(const at::Tensor& t) { return reinterpret_cast<const uint32_t*>(t.data_ptr<int32_t>()); }
 uint32_t* words_of(at::Tensor& t) { return reinterpret_cast<uint32_t*>(t.data_ptr<int32_t>()); }
 
 }  // namespace
 
 at::Tensor gptq_pack(const at::Tensor& values, int64_t bit, int64_t dim) {
-  const char* op = "gptq_pack";
-  check_pack_args(op, "values", values, bit, dim);
+  check_pack_values(values, bit, dim);
   const int64_t length = values.size(dim);
-  TORCH_CHECK_VALUE(length % fields_per_pack(bit) == 0, op, ": values.size(", dim, ")=", length,
-                    " must be a multiple of ", fields_per_pack(bit), " for ", bit, "-bit packing");
-  if (values.numel() > 0) {
-    const auto [lo, hi] = at::aminmax(values);
-    TORCH_CHECK_VALUE(lo.item<int32_t>() >= 0 && hi.item<int32_t>() < (1 << bit), op,
-                      ": values must lie in [0, ", 1 << bit, ") for ", bit, "-bit packing, found min ",
-                      lo.item<int32_t>(), " and max ", hi.item<int32_t>());
-  }
   const at::Tensor v = values.contiguous();
   std::vector<int64_t> out_sizes = v.sizes().vec();
   out_sizes[dim] = length / fields_per_pack(bit) * words_per_pack(bit);
@@ -125,11 +110,8 @@ at::Tensor gptq_pack(const at::Tensor& values, int64_t bit, int64_t dim) {
 }
 
 at::Tensor gptq_unpack(const at::Tensor& packed, int64_t bit, int64_t dim) {
-  const char* op = "gptq_unpack";
-  check_pack_args(op, "packed", packed, bit, dim);
+  check_unpack_words(packed, bit, dim);
   const int64_t words = packed.size(dim);
-  TORCH_CHECK_VALUE(words % words_per_pack(bit) == 0, op, ": packed.size(", dim, ")=", words,
-                    " must be a multiple of ", words_per_pack(bit), " for ", bit, "-bit packing");
   const at::Tensor w = packed.contiguous();
   std::vector<int64_t> out_sizes = w.sizes().vec();
   out_sizes[dim] = words / words_per_pack(bit) * fields_per_pack(bit);
@@ -148,25 +130,6 @@ at::Tensor zero_points(const at::Tensor& qzeros, int64_t bit, bool use_v2_format
 }
 
 namespace {
-
-// Validates a packed-along-K weight and a permutation of its K rows (empty
-// allowed when `optional_perm`); returns K and the int32 permutation.
-std::pair<int64_t, at::Tensor> check_row_permutation(const char* op, const char* weight_name,
-                                                     const at::Tensor& qweight, const char* perm_name,
-                                                     const at::Tensor& perm, int64_t bit, bool optional_perm) {
-  check_bits(op, bit);
-  check_dtype(op, weight_name, qweight, at::kInt);
-  check_dim(op, weight_name, qweight, 2);
-  check_contiguous(op, weight_name, qweight);
-  TORCH_CHECK_VALUE(qweight.size(0) % words_per_pack(bit) == 0, op, ": ", weight_name, " has ", qweight.size(0),
-                    " rows, not a multiple of ", words_per_pack(bit), " as ", bit, "-bit packing needs");
-  const int64_t K = qweight.size(0) / words_per_pack(bit) * fields_per_pack(bit);
-  TORCH_CHECK_VALUE(optional_perm || perm.numel() == K, op, ": ", perm_name, " must be a permutation of the K=", K,
-                    " rows, got ", perm.numel(), " entries");
-  at::Tensor p = check_index_vector(op, perm_name, perm, qweight, K, K);
-  check_permutation(op, perm_name, p);
-  return {K, p};
-}
 
 // A copy of qweight (packed along K) with row k taken from row perm[k].
 at::Tensor permute_rows(const at::Tensor& qweight, const at::Tensor& perm32, int64_t K, int64_t bit) {
@@ -196,12 +159,7 @@ at::Tensor gptq_permute_rows(const at::Tensor& qweight, const at::Tensor& perm, 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gptq_permute_cols(const at::Tensor& qweight, const at::Tensor& qzeros,
                                                                  const at::Tensor& scales, const at::Tensor& perm,
                                                                  int64_t bit) {
-  const char* op = "gptq_permute_cols";
-  const GptqDims d = check_gptq_weight(op, qweight, qzeros, scales, bit);
-  TORCH_CHECK_VALUE(perm.numel() == d.N, op, ": perm must be a permutation of the N=", d.N, " columns, got ",
-                    perm.numel(), " entries");
-  const at::Tensor p = check_index_vector(op, "perm", perm, qweight, d.N, d.N);
-  check_permutation(op, "perm", p);
+  const auto [d, p] = check_column_permutation("gptq_permute_cols", qweight, qzeros, scales, perm, bit);
   const at::Tensor index = p.to(at::kLong);
   // qweight and scales hold one column per output feature; zero points are
   // packed along N, so they move as unpacked fields.
