@@ -94,9 +94,10 @@ struct FusedSimd {
   template <int MT>
   static void group_rows(const float* a, const GptqWeight& w, int64_t g, int64_t m0, int64_t n0, int64_t n1,
                          float* out) {
-    const int64_t gs = w.group_of.group_size, packs = gs / P::kFields;
+    const int64_t gs = w.group_of.group_size;
+    const int64_t packs = (std::min(gs, w.K - g * gs)) / P::kFields;  // the last group may be short
     const float* ag = a + m0 * w.K + g * gs;
-    const uint32_t* qg = w.qweight + g * packs * P::kWords * w.N;
+    const uint32_t* qg = w.qweight + g * (gs / P::kFields) * P::kWords * w.N;
     for (int64_t n = n0; n < n1; n += kU<MT> * L) {
       group_tile<MT>(ag, w.K, qg + n, w.N, packs, w.zeros + g * w.N + n, w.scales + g * w.N + n,
                      out + m0 * w.N + n);
@@ -105,7 +106,7 @@ struct FusedSimd {
 
   static void run(const float* a, int64_t M, const GptqWeight& w, int64_t n0, int64_t n1, float* out) {
     for (int64_t m = 0; m < M; ++m) std::fill(out + m * w.N + n0, out + m * w.N + n1, 0.0f);
-    const int64_t groups = w.K / w.group_of.group_size;
+    const int64_t groups = (w.K + w.group_of.group_size - 1) / w.group_of.group_size;
     for (int64_t g = 0; g < groups; ++g) {
       // Up to 4 activation rows share each decoded weight; more take another pass.
       for (int64_t m0 = 0; m0 < M;) {

@@ -130,19 +130,40 @@ struct PreparedWeight {
   GptqWeight view;
 };
 
+// A g_idx that is k / gs for some group size gs (contiguous groups, the last
+// one possibly short, as checkpoints with K % group_size != 0 store it) is the
+// trivial grouping RowGroups{nullptr, gs}, which the SIMD kernels take; 0 if
+// g_idx is anything else.
+int64_t contiguous_group_size(const at::Tensor& g_idx, int64_t K) {
+  const int32_t* g = g_idx.data_ptr<int32_t>();
+  int64_t gs = 1;
+  while (gs < K && g[gs] == 0) ++gs;
+  for (int64_t k = 0; k < K; ++k) {
+    if (g[k] != k / gs) return 0;
+  }
+  return gs;
+}
+
 PreparedWeight prepare(const at::Tensor& qweight, const at::Tensor& qzeros, const at::Tensor& scales,
                        const at::Tensor& g_idx, const GptqDims& d, bool use_v2_format, int64_t bit) {
   PreparedWeight p;
   p.scales = scales.to(at::kFloat).contiguous();
   p.zeros = zero_points(qzeros, bit, use_v2_format);
   p.g_idx = g_idx;
+  int64_t group_size = d.K / d.groups;
   const int32_t* gi = g_idx.numel() ? g_idx.data_ptr<int32_t>() : nullptr;
+  if (gi) {
+    if (const int64_t gs = contiguous_group_size(g_idx, d.K)) {
+      gi = nullptr;
+      group_size = gs;
+    }
+  }
   p.view = GptqWeight{reinterpret_cast<const uint32_t*>(qweight.data_ptr<int32_t>()),
                       d.K,
                       d.N,
                       p.zeros.data_ptr<int32_t>(),
                       p.scales.data_ptr<float>(),
-                      RowGroups{gi, d.K / d.groups}};
+                      RowGroups{gi, group_size}};
   return p;
 }
 

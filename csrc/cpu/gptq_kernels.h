@@ -10,7 +10,8 @@
 namespace lowbit {
 namespace cpu {
 
-// Group of weight row k: g_idx[k] when given, else k / group_size.
+// Group of weight row k: g_idx[k] when given, else k / group_size (the last
+// group may be short).
 struct RowGroups {
   const int32_t* g_idx;  // null for the trivial grouping
   int64_t group_size;
@@ -29,8 +30,9 @@ struct GptqWeight {
 
 // The SIMD fused kernels compute out[m, n] = sum_k a[m, k] * W[k, n] (fp32,
 // row-major a [M, K] and out [M, N]) for m < M and n in [n0, n1). They need
-// contiguous groups (no g_idx: the trivial grouping, or act-order weights in
-// the shuffled layout) that hold whole packs, and a column range that is a
+// contiguous groups (no g_idx: the trivial grouping, possibly with a short
+// last group, or act-order weights in the shuffled layout) that hold whole
+// packs, and a column range that is a
 // multiple of simd_fused_cols(); simd_fused_supports() says whether w qualifies.
 template <int B>
 bool simd_fused_supports(const GptqWeight& w) {
