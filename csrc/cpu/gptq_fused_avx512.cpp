@@ -15,8 +15,9 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 // GCC 12 flags the deliberately undefined vectors inside its own AVX-512
-// intrinsics (_mm512_undefined_*) as maybe-uninitialized; a false positive.
+// intrinsics (_mm512_undefined_*) as (maybe-)uninitialized; a false positive.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include "gptq_fused_simd.h"
 #include "vec_avx512.h"
 

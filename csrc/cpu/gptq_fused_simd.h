@@ -5,10 +5,19 @@
 // Lanes are output columns. A pack of GPTQ words (kWords rows of qweight)
 // holds kFields consecutive rows k for every column, so one vector load of
 // each word row gives kFields rows x kLanes columns; every field is cut out
-// with compile-time shifts (gptq::locate is constexpr), its zero point
-// subtracted in integers (exact, so no cancellation), converted to fp32 and
-// multiplied by the broadcast activation a[m, k]. The scale multiplies the
-// group's fp32 partial sum once per group:
+// with compile-time shifts (gptq::locate is constexpr) and multiplied by the
+// broadcast activation a[m, k]. The kernel is bound by the instructions spent
+// per weight, so the decode takes as few as the field width allows:
+//  - a field of at most V::kLookupBits bits is one shift and one table lookup
+//    (the lookup ignores the bits above the field: no mask, no convert);
+//  - two adjacent 2-bit fields form one 4-bit index into a per-row table of
+//    a[k] * q0 + a[k+1] * q1, so the lookup replaces the multiply too;
+//  - wider fields (8-bit, and 4-bit on AVX2) are masked and converted.
+// For lookup fields the zero point leaves the inner loop,
+//     sum_k a[m, k] (q[k, n] - z[n]) = sum_k a[m, k] q[k, n] - z[n] sum_k a[m, k],
+// which costs a few ulps of |a| @ |W| in cancellation (q, z < 16); wider
+// fields subtract it exactly in integers. The scale multiplies the group's
+// fp32 partial sum once per group:
 //     out[m, n] += s[g, n] * sum_{k in g} a[m, k] * (q[k, n] - z[g, n])
 // which is the reference's sum of a * s * (q - z) regrouped, fp32 throughout.
 #pragma once
@@ -17,6 +26,7 @@
 
 #include <algorithm>
 #include <utility>
+#include <vector>
 
 #include "../core/gptq_format.h"
 #include "gptq_kernels.h"
@@ -30,6 +40,14 @@ struct FusedSimd {
   using I = typename V::I;
   using P = gptq::Pack<B>;
   static constexpr int L = V::kLanes;
+  static constexpr bool kLookup = B <= V::kLookupBits;
+  static constexpr bool kPairs = 2 * B <= V::kLookupBits;
+  static constexpr int kMaxRows = 4;  // activation rows sharing each decoded weight
+  // Weight rows are read 256 B per tile from kWords * kFields / 32 rows at
+  // once, too many streams for the hardware prefetcher; asking for each row
+  // 1 KB ahead measured 5-15% faster at M = 1 (AMD Zen 4, noisy 2-vCPU VM).
+  // A prefetch past the end of qweight is harmless: prefetches never fault.
+  static constexpr int64_t kPrefetchAhead = 256;  // words
 
   // Vectors of columns per sub-tile for MT activation rows: enough independent
   // accumulator chains to hide the FMA latency, few enough to stay in
@@ -37,22 +55,36 @@ struct FusedSimd {
   template <int MT>
   static constexpr int kU = V::kRegisters >= 32 ? (MT <= 2 ? 4 : 2) : (MT == 1 ? 4 : MT == 2 ? 2 : 1);
 
+  // What one group of one MT-row tile reads besides the weights.
+  struct GroupInputs {
+    const float* a;       // a[m0, g * group_size]; rows K apart
+    int64_t K;
+    const float* pairs;   // kPairs: [MT][pairs_per_row][L] tables, else null
+    int64_t pairs_per_row;
+    float a_sum[kMaxRows];  // kLookup: sum of the group's activations per row
+  };
+
   // Field FI of the pack in `words`, for U column vectors, into acc.
   template <int MT, int U, int FI>
-  static inline void field(const I (&words)[P::kWords][U], const I (&zero)[U], const float* a, int64_t K,
+  static inline void field(const I (&words)[P::kWords][U], const I (&zero)[U], F levels, const float* a, int64_t K,
                            F (&acc)[MT][U]) {
     constexpr gptq::FieldLoc f = gptq::locate<B>(FI);
     F q[U];
     for (int u = 0; u < U; ++u) {
       I v = words[f.lo][u];
       if constexpr (f.lo_shift != 0) v = V::template srl<f.lo_shift>(v);
+      if constexpr (kLookup && f.hi_mask == 0) {
+        q[u] = V::lookup(levels, v);
+        continue;
+      }
       // The top field of a word needs no mask: the shift already cleared the rest.
       if constexpr (f.lo_shift + f.hi_pos < 32) v = V::and_(v, V::set1_i(static_cast<int32_t>(f.lo_mask)));
       if constexpr (f.hi_mask != 0) {
         const I high = V::and_(words[f.hi][u], V::set1_i(static_cast<int32_t>(f.hi_mask)));
         v = V::or_(v, V::template sll<f.hi_pos>(high));
       }
-      q[u] = V::cvt(V::sub(v, zero[u]));
+      if constexpr (!kLookup) v = V::sub(v, zero[u]);
+      q[u] = V::cvt(v);
     }
     for (int m = 0; m < MT; ++m) {
       const F x = V::set1(a[m * K + FI]);
@@ -60,16 +92,39 @@ struct FusedSimd {
     }
   }
 
-  template <int MT, int U, int... FI>
-  static inline void pack(std::integer_sequence<int, FI...>, const I (&words)[P::kWords][U], const I (&zero)[U],
-                          const float* a, int64_t K, F (&acc)[MT][U]) {
-    (field<MT, U, FI>(words, zero, a, K, acc), ...);
+  // Fields 2 PI and 2 PI + 1 of the pack (kPairs), through the tables of pack p.
+  template <int MT, int U, int PI>
+  static inline void pair(const I (&words)[P::kWords][U], const GroupInputs& in, int64_t p, F (&acc)[MT][U]) {
+    constexpr gptq::FieldLoc f = gptq::locate<B>(2 * PI);
+    I index[U];
+    for (int u = 0; u < U; ++u) {
+      index[u] = words[f.lo][u];
+      if constexpr (f.lo_shift != 0) index[u] = V::template srl<f.lo_shift>(index[u]);
+    }
+    for (int m = 0; m < MT; ++m) {
+      const F table = V::load(in.pairs + (m * in.pairs_per_row + p * (P::kFields / 2) + PI) * L);
+      for (int u = 0; u < U; ++u) acc[m][u] = V::add(acc[m][u], V::lookup(table, index[u]));
+    }
   }
 
-  // One group (packs packs, starting at activation column a / word row q) of
-  // MT rows x U*L columns, added to out as s * partial sum.
+  template <int MT, int U, int... FI>
+  static inline void fields(std::integer_sequence<int, FI...>, const I (&words)[P::kWords][U], const I (&zero)[U],
+                            F levels, const float* a, int64_t K, F (&acc)[MT][U]) {
+    (field<MT, U, FI>(words, zero, levels, a, K, acc), ...);
+  }
+  template <int MT, int U, int... PI>
+  static inline void pairs(std::integer_sequence<int, PI...>, const I (&words)[P::kWords][U], const GroupInputs& in,
+                           int64_t p, F (&acc)[MT][U]) {
+    (pair<MT, U, PI>(words, in, p, acc), ...);
+  }
+
+  // The float value of every index a lookup can see: index & kMask.
+  static F levels() { return V::cvt(V::and_(V::iota(), V::set1_i(static_cast<int32_t>(P::kMask)))); }
+
+  // One group (packs packs from word row q) of MT rows x U*L columns, added
+  // to out as s * partial sum.
   template <int MT>
-  static void group_tile(const float* a, int64_t K, const uint32_t* q, int64_t N, int64_t packs, const int32_t* z,
+  static void group_tile(const GroupInputs& in, const uint32_t* q, int64_t N, int64_t packs, const int32_t* z,
                          const float* s, float* out) {
     constexpr int U = kU<MT>;
     F acc[MT][U];
@@ -77,51 +132,82 @@ struct FusedSimd {
     for (int u = 0; u < U; ++u) zero[u] = V::load_i(z + u * L);
     for (int m = 0; m < MT; ++m)
       for (int u = 0; u < U; ++u) acc[m][u] = V::zero();
+    const F lv = levels();
     for (int64_t p = 0; p < packs; ++p) {
       I words[P::kWords][U];
       for (int w = 0; w < P::kWords; ++w)
-        for (int u = 0; u < U; ++u) words[w][u] = V::load_i(q + (p * P::kWords + w) * N + u * L);
-      pack<MT, U>(std::make_integer_sequence<int, P::kFields>{}, words, zero, a + p * P::kFields, K, acc);
+        for (int u = 0; u < U; ++u) {
+          const uint32_t* row = q + (p * P::kWords + w) * N + u * L;
+          __builtin_prefetch(row + kPrefetchAhead);
+          words[w][u] = V::load_i(row);
+        }
+      if constexpr (kPairs) {
+        pairs<MT, U>(std::make_integer_sequence<int, P::kFields / 2>{}, words, in, p, acc);
+      } else {
+        fields<MT, U>(std::make_integer_sequence<int, P::kFields>{}, words, zero, lv, in.a + p * P::kFields, in.K,
+                      acc);
+      }
     }
     for (int m = 0; m < MT; ++m)
       for (int u = 0; u < U; ++u) {
+        F sum = acc[m][u];
+        if constexpr (kLookup) sum = V::fnma(V::cvt(zero[u]), V::set1(in.a_sum[m]), sum);
         float* o = out + m * N + u * L;
-        V::store(o, V::fma(V::load(s + u * L), acc[m][u], V::load(o)));
+        V::store(o, V::fma(V::load(s + u * L), sum, V::load(o)));
       }
   }
 
-  // Rows m0 .. m0+MT of out[:, n0:n1], one group g.
+  // Rows m0 .. m0+MT of out[:, n0:n1], one group g. `scratch` holds the pair
+  // tables (kPairs), built once here for every column tile.
   template <int MT>
   static void group_rows(const float* a, const GptqWeight& w, int64_t g, int64_t m0, int64_t n0, int64_t n1,
-                         float* out) {
+                         float* scratch, float* out) {
     const int64_t gs = w.group_of.group_size;
-    const int64_t packs = (std::min(gs, w.K - g * gs)) / P::kFields;  // the last group may be short
-    const float* ag = a + m0 * w.K + g * gs;
+    const int64_t rows = std::min(gs, w.K - g * gs);  // the last group may be short
+    const int64_t packs = rows / P::kFields;
+    GroupInputs in{a + m0 * w.K + g * gs, w.K, nullptr, rows / 2, {}};
+    if constexpr (kLookup) {
+      for (int m = 0; m < MT; ++m) {
+        float sum = 0.0f;
+        for (int64_t k = 0; k < rows; ++k) sum += in.a[m * w.K + k];
+        in.a_sum[m] = sum;
+      }
+    }
+    if constexpr (kPairs) {
+      const F lo = levels(), hi = V::cvt(V::and_(V::template srl<B>(V::iota()), V::set1_i(P::kMask)));
+      for (int m = 0; m < MT; ++m)
+        for (int64_t j = 0; j < in.pairs_per_row; ++j) {
+          const float* x = in.a + m * w.K + 2 * j;
+          V::store(scratch + (m * in.pairs_per_row + j) * L, V::fma(V::set1(x[1]), hi, V::mul(V::set1(x[0]), lo)));
+        }
+      in.pairs = scratch;
+    }
     const uint32_t* qg = w.qweight + g * (gs / P::kFields) * P::kWords * w.N;
     for (int64_t n = n0; n < n1; n += kU<MT> * L) {
-      group_tile<MT>(ag, w.K, qg + n, w.N, packs, w.zeros + g * w.N + n, w.scales + g * w.N + n,
-                     out + m0 * w.N + n);
+      group_tile<MT>(in, qg + n, w.N, packs, w.zeros + g * w.N + n, w.scales + g * w.N + n, out + m0 * w.N + n);
     }
   }
 
   static void run(const float* a, int64_t M, const GptqWeight& w, int64_t n0, int64_t n1, float* out) {
     for (int64_t m = 0; m < M; ++m) std::fill(out + m * w.N + n0, out + m * w.N + n1, 0.0f);
-    const int64_t groups = (w.K + w.group_of.group_size - 1) / w.group_of.group_size;
+    const int64_t gs = w.group_of.group_size;
+    const int64_t groups = (w.K + gs - 1) / gs;
+    std::vector<float> scratch(kPairs ? kMaxRows * (std::min(gs, w.K) / 2) * L : 0);
     for (int64_t g = 0; g < groups; ++g) {
-      // Up to 4 activation rows share each decoded weight; more take another pass.
+      // Up to kMaxRows activation rows share each decoded weight; more take another pass.
       for (int64_t m0 = 0; m0 < M;) {
         const int64_t left = M - m0;
         if (left >= 4) {
-          group_rows<4>(a, w, g, m0, n0, n1, out);
+          group_rows<4>(a, w, g, m0, n0, n1, scratch.data(), out);
           m0 += 4;
         } else if (left == 3) {
-          group_rows<3>(a, w, g, m0, n0, n1, out);
+          group_rows<3>(a, w, g, m0, n0, n1, scratch.data(), out);
           m0 += 3;
         } else if (left == 2) {
-          group_rows<2>(a, w, g, m0, n0, n1, out);
+          group_rows<2>(a, w, g, m0, n0, n1, scratch.data(), out);
           m0 += 2;
         } else {
-          group_rows<1>(a, w, g, m0, n0, n1, out);
+          group_rows<1>(a, w, g, m0, n0, n1, scratch.data(), out);
           m0 += 1;
         }
       }

@@ -11,6 +11,8 @@ namespace cpu {
 
 struct VecAvx2 {
   static constexpr int kLanes = 8;
+  // lookup() reads the low kLookupBits bits of each index lane.
+  static constexpr int kLookupBits = 3;
   static constexpr int kRegisters = 16;
   using F = __m256;
   using I = __m256i;
@@ -29,6 +31,13 @@ struct VecAvx2 {
   static I or_(I a, I b) { return _mm256_or_si256(a, b); }
   static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
   static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static I iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  // c - a * b
+  static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  // table[index & (2^kLookupBits - 1)] per lane; the higher index bits are ignored.
+  static F lookup(F table, I index) { return _mm256_permutevar8x32_ps(table, index); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
 };
 

@@ -11,6 +11,8 @@ namespace cpu {
 
 struct VecAvx512 {
   static constexpr int kLanes = 16;
+  // lookup() reads the low kLookupBits bits of each index lane.
+  static constexpr int kLookupBits = 4;
   static constexpr int kRegisters = 32;
   using F = __m512;
   using I = __m512i;
@@ -29,6 +31,13 @@ struct VecAvx512 {
   static I or_(I a, I b) { return _mm512_or_si512(a, b); }
   static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
   static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static I iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  // c - a * b
+  static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  // table[index & (2^kLookupBits - 1)] per lane; the higher index bits are ignored.
+  static F lookup(F table, I index) { return _mm512_permutexvar_ps(index, table); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
 };
 
