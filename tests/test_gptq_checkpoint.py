@@ -6,14 +6,25 @@ the dequantized float weights.
 Tolerance: both sides sum in fp32 over the same exactly dequantized weights,
 only in a different order, so logits agree to ~1e-6 relative; the test
 allows 1e-4 of the largest logit.
+
+Then the corruption matrix: every tensor of a quantized module missing, of a
+wrong dtype or shape, g_idx out of range; bad config values; unreadable
+files. Each load must fail with the loader's own error type, naming the
+module and tensor (or config key, or file), and leave the checkpoint as it was.
 """
+import copy
 import json
 import os
+import re
+import shutil
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 import lowbit
+from gptq_checkpoints import tree_hashes
 from lowbit.gptq import GPTQCheckpointError, GPTQConfig, GPTQConfigError
 
 transformers = pytest.importorskip("transformers")
@@ -21,10 +32,10 @@ transformers = pytest.importorskip("transformers")
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def tiny_llama(seed=0):
+def tiny_llama(seed=0, bias=False):
     config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      tie_word_embeddings=False)
+                                      tie_word_embeddings=False, attention_bias=bias, mlp_bias=bias)
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config).eval()
 
@@ -32,8 +43,7 @@ def tiny_llama(seed=0):
 def quantize(model, config: GPTQConfig, act_order=False):
     """Swaps every Linear the config quantizes for GPTQLinear.from_linear, and
     returns the float model holding the same (dequantized) weights."""
-    reference = tiny_llama()
-    reference.load_state_dict(model.state_dict())
+    reference = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(1)
     for name, module in list(model.named_modules()):
         if not isinstance(module, torch.nn.Linear):
@@ -121,60 +131,67 @@ def test_dynamic_overrides(tmp_path):
     assert_same_logits(logits(fresh, IDS), logits(reference, IDS))
 
 
-@pytest.fixture
-def checkpoint(tmp_path):
+# --- a checkpoint to corrupt -------------------------------------------------------------------
+#
+# Built once and copied for each test: 4-bit, group_size 32, asymmetric, gptq_v2, with biases,
+# so every tensor kind of a quantized module is present. The corrupted module, down_proj of layer 1
+# (256 inputs -> 128 outputs, 8 groups), holds tensors of these shapes:
+MODULE = "model.layers.1.mlp.down_proj"
+SHAPES = {"qweight": (32, 128), "qzeros": (8, 16), "scales": (8, 128), "g_idx": (256,), "bias": (128,)}
+GROUPS = 8
+WRONG_DTYPES = {"qweight": (torch.float32, torch.int64), "qzeros": (torch.float32, torch.int64),
+                "scales": (torch.int32, torch.float64), "g_idx": (torch.float32, torch.int16),
+                "bias": (torch.int32, torch.float64)}
+INDEX = "model.safetensors.index.json"
+DROP = object()  # edit_config: remove the key
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
     config = GPTQConfig(bits=4, group_size=32, sym=False, checkpoint_format="gptq_v2")
-    model = tiny_llama()
+    model = tiny_llama(bias=True)
     quantize(model, config)
-    lowbit.save_gptq(model, tmp_path / "ckpt", config)
-    return tmp_path / "ckpt"
+    directory = tmp_path_factory.mktemp("pristine") / "ckpt"
+    lowbit.save_gptq(model, directory, config)
+    with safe_open(directory / "model.safetensors", framework="pt") as f:
+        assert {kind: tuple(f.get_slice(f"{MODULE}.{kind}").get_shape()) for kind in SHAPES} == SHAPES
+    return directory
+
+
+@pytest.fixture
+def checkpoint(pristine, tmp_path):
+    """A fresh copy of the pristine checkpoint, for one test to corrupt."""
+    return shutil.copytree(pristine, tmp_path / "ckpt")
+
+
+def load(path):
+    model = tiny_llama(seed=7, bias=True)
+    lowbit.replace_linear(model, path)
+    return model
 
 
 def edit_tensors(path, edit):
-    from safetensors.torch import load_file, save_file
-
     tensors = load_file(path / "model.safetensors")
     edit(tensors)
-    save_file(tensors, path / "model.safetensors")
+    save_file({name: t.contiguous() for name, t in tensors.items()}, path / "model.safetensors")
 
 
 def edit_config(path, **changes):
+    """Applies `changes` (a value of DROP removes the key) to config.json's quantization_config and to
+    quantize_config.json."""
     for name in ("config.json", "quantize_config.json"):
         raw = json.loads((path / name).read_text())
-        (raw["quantization_config"] if name == "config.json" else raw).update(changes)
+        quant = raw["quantization_config"] if name == "config.json" else raw
+        for key, value in changes.items():
+            if value is DROP:
+                quant.pop(key, None)
+            else:
+                quant[key] = value
         (path / name).write_text(json.dumps(raw))
 
 
-MODULE = "model.layers.1.mlp.down_proj"
-
-
-@pytest.mark.parametrize("edit, pattern", [
-    (lambda t: t.pop(f"{MODULE}.qzeros"), f"module '{MODULE}': missing tensor {MODULE}.qzeros"),
-    (lambda t: t.update({f"{MODULE}.scales": t[f"{MODULE}.scales"][:-1]}), f"module '{MODULE}': scales has shape"),
-    (lambda t: t.update({f"{MODULE}.qweight": t[f"{MODULE}.qweight"].float()}), f"module '{MODULE}': qweight has dtype"),
-    (lambda t: t.update({f"{MODULE}.g_idx": t[f"{MODULE}.g_idx"] + 100}), f"module '{MODULE}': g_idx values"),
-    (lambda t: t.pop("model.norm.weight"), r"has no tensor for model parameters \['model.norm.weight'\]"),
-])
-def test_corrupt_checkpoints_name_the_module(checkpoint, edit, pattern):
-    edit_tensors(checkpoint, edit)
-    with pytest.raises(ValueError, match=pattern):
-        lowbit.replace_linear(tiny_llama(), checkpoint)
-
-
-@pytest.mark.parametrize("changes, pattern", [
-    ({"bits": 5}, "bits must be one of"),
-    ({"group_size": 0}, "group_size must be -1 or a positive integer"),
-    ({"checkpoint_format": "marlin"}, "checkpoint format 'marlin' is not supported"),
-    ({"quant_method": "awq"}, "quant_method is 'awq'"),
-])
-def test_bad_configs_are_refused(checkpoint, changes, pattern):
-    edit_config(checkpoint, **changes)
-    with pytest.raises(GPTQConfigError, match=pattern):
-        lowbit.replace_linear(tiny_llama(), checkpoint)
-
-
 def test_model_mismatch_is_refused(checkpoint):
-    small = tiny_llama()
+    small = tiny_llama(bias=True)
     small.model.layers[1].mlp.down_proj = torch.nn.Linear(128, 128)
     with pytest.raises(GPTQCheckpointError, match=f"module '{MODULE}' is \\[128 x 256\\] in the checkpoint"):
         lowbit.replace_linear(small, checkpoint)
@@ -188,3 +205,211 @@ def test_config_sources_in_order(checkpoint):
                                                               "true_sequential": True, "meta": {"damp_percent": 0.1}}))
     config = lowbit.gptq.read_config(checkpoint)
     assert config.source.endswith("quant_config.json") and config.bits == 8 and config.checkpoint_format == "gptq_v2"
+
+
+# --- the corruption matrix ---------------------------------------------------------------------
+
+
+def popped(kind):
+    """An edit_tensors edit that removes MODULE's `kind` tensor."""
+    key = f"{MODULE}.{kind}"
+    return lambda tensors: tensors.pop(key)
+
+
+def replaced(kind, change):
+    """An edit_tensors edit that replaces MODULE's `kind` tensor t by change(t)."""
+    key = f"{MODULE}.{kind}"
+    return lambda tensors: tensors.update({key: change(tensors[key])})
+
+
+def resized(t, dim, delta):
+    """`t` with dimension `dim` one longer (its first slice repeated, so values stay valid) or one shorter."""
+    return t.narrow(dim, 0, t.shape[dim] - 1) if delta < 0 else torch.cat([t, t.narrow(dim, 0, 1)], dim)
+
+
+def set_first(value):
+    """A change that sets the first element to `value` (in int64 where int32 cannot hold it)."""
+    def change(t):
+        t = t.long() if abs(value) >= 2**31 else t.clone()
+        t[0] = value
+        return t
+    return change
+
+
+def tensor_cases():
+    """pytest params (edit, config changes, a regex the message matches after "module 'MODULE': ")."""
+    for kind, shape in SHAPES.items():
+        if kind == "g_idx":  # optional, the groups in order, unless the checkpoint is act-order
+            yield pytest.param(popped(kind), {"desc_act": True}, re.escape(f"missing tensor {MODULE}.g_idx, which an "
+                                                                  "act-order (desc_act) checkpoint needs"),
+                               id="g_idx-missing-with-desc_act")
+        else:
+            missing = ("the checkpoint has no bias, the model has one" if kind == "bias"  # only the model can tell
+                       else re.escape(f"missing tensor {MODULE}.{kind}"))
+            yield pytest.param(popped(kind), {}, missing, id=f"{kind}-missing")
+        for dtype in WRONG_DTYPES[kind]:
+            yield pytest.param(replaced(kind, lambda t, d=dtype: t.to(d)), {}, re.escape(f"{kind} has dtype {dtype}"),
+                               id=f"{kind}-{str(dtype).removeprefix('torch.')}")
+        shape_changes = [(f"dim{d}{'+' if s > 0 else '-'}1", lambda t, d=d, s=s: resized(t, d, s))
+                         for d in range(len(shape)) for s in (1, -1)]
+        shape_changes += [("rank-down", lambda t: t.flatten() if t.dim() == 2 else t[0]),
+                          ("rank-up", lambda t: t.unsqueeze(0)), ("empty", lambda t: t[:0])]
+        for name, change in shape_changes:
+            bad = tuple(change(torch.empty(shape)).shape)
+            # Tensors are checked against qweight, so a bad qweight shows as another tensor's mismatch, and
+            # the message names qweight's shape ("qzeros has shape (8, 16), expected (9, 16): qweight (33, 128) ...").
+            yield pytest.param(replaced(kind, change), {}, f"{kind} (has shape )?{re.escape(str(bad))}",
+                               id=f"{kind}-{name}")
+    in_range = re.escape(f"g_idx values must lie in [0, {GROUPS})")
+    for name, value in (("groups", GROUPS), ("negative", -1), ("2^40", 2**40)):
+        yield pytest.param(replaced("g_idx", set_first(value)), {}, in_range, id=f"g_idx-value-{name}")
+
+
+TENSOR_CASES = list(tensor_cases())
+
+
+@pytest.mark.parametrize("edit, config, says", TENSOR_CASES)
+def test_corrupt_tensors_name_the_module_and_tensor(checkpoint, edit, config, says):
+    edit_tensors(checkpoint, edit)
+    edit_config(checkpoint, **config)
+    with pytest.raises(GPTQCheckpointError, match=f"^{re.escape(str(checkpoint))}: module '{MODULE}': .*{says}"):
+        load(checkpoint)
+
+
+def test_missing_plain_tensor_is_named(checkpoint):
+    edit_tensors(checkpoint, lambda t: t.pop("model.norm.weight"))
+    with pytest.raises(GPTQCheckpointError, match=r"has no tensor for model parameters \['model.norm.weight'\]"):
+        load(checkpoint)
+
+
+# Config values that cannot describe a checkpoint, by key, and what the error says about each.
+BAD_CONFIG_VALUES = {
+    "bits": ((0, 1, 5, 16, "4", None, 4.0, True), "bits must be one of"),
+    "group_size": ((0, -2, 3.5, "32", None, True), "group_size must be -1 or a positive integer"),
+    "checkpoint_format": (("marlin", "awq", "", None), "checkpoint_format .* is not supported"),
+    "quant_method": (("awq", "bitsandbytes"), "quant_method is .*, not 'gptq'"),
+    "sym": (("false", 1), "sym must be true or false"),
+    "desc_act": (("true", 0), "desc_act must be true or false"),
+    "lm_head": (("false",), "lm_head must be true or false"),
+}
+CONFIG_CASES = [pytest.param(key, value, says, id=f"{key}={value!r}")
+                for key, (values, says) in BAD_CONFIG_VALUES.items() for value in values]
+CONFIG_CASES += [pytest.param(key, DROP, f"missing '{key}'", id=f"{key}-missing") for key in ("bits", "group_size")]
+CONFIG_CASES += [
+    pytest.param("dynamic", [".*"], "dynamic must be a JSON object", id="dynamic-a-list"),
+    pytest.param("dynamic", {r"+:.*\.mlp\..*": {"bits": 5}}, r"dynamic rule .*: bits must be one of",
+                 id="dynamic-bits=5"),
+    pytest.param("dynamic", {".*": {"sym": "no"}}, r"dynamic rule .*: sym must be true or false",
+                 id="dynamic-sym='no'"),
+    pytest.param("dynamic", {"(": {}}, r"dynamic rule '\(' is not a valid regex", id="dynamic-bad-regex"),
+]
+
+
+@pytest.mark.parametrize("key, value, says", CONFIG_CASES)
+def test_bad_config_values_name_the_key(checkpoint, key, value, says):
+    edit_config(checkpoint, **{key: value})
+    with pytest.raises(GPTQConfigError, match=f"^{re.escape(str(checkpoint / 'quantize_config.json'))}: {says}"):
+        load(checkpoint)
+
+
+# Valid configs that contradict the tensors (group_size 512 > in_features is a legitimate single group, so
+# the config accepts it, but these tensors have 8 groups): the first quantized module is refused.
+CONTRADICTIONS = [{"bits": 8}, {"bits": 3}, {"bits": 2}, {"group_size": 64}, {"group_size": -1}, {"group_size": 512}]
+
+
+@pytest.mark.parametrize("changes", CONTRADICTIONS, ids=lambda c: "{}={}".format(*next(iter(c.items()))))
+def test_config_contradicting_the_tensors(checkpoint, changes):
+    edit_config(checkpoint, **changes)
+    with pytest.raises(GPTQCheckpointError, match=r"module 'model\.layers\.0\.mlp\.down_proj': (qweight|qzeros) "
+                                                  r"has shape"):
+        load(checkpoint)
+
+
+def cut(name, keep):
+    """Truncates file `name` to `keep` bytes (negative: drops that many from the end)."""
+    def op(directory):
+        data = (directory / name).read_bytes()
+        (directory / name).write_bytes(data[:keep])
+    return op
+
+
+def overwrite(name, offset, data):
+    def op(directory):
+        raw = bytearray((directory / name).read_bytes())
+        raw[offset:offset + len(data)] = data
+        (directory / name).write_bytes(bytes(raw))
+    return op
+
+
+def write(name, text):
+    return lambda directory: (directory / name).write_text(text)
+
+
+def remove(*names):
+    def op(directory):
+        for name in names:
+            os.remove(directory / name)
+    return op
+
+
+ST, QC, HF = "model.safetensors", "quantize_config.json", "config.json"
+# (operations, the file the message must name ("" for the directory), error type)
+FILE_CASES = [
+    pytest.param([cut(ST, -1000)], ST, GPTQCheckpointError, id="safetensors-truncated-data"),
+    pytest.param([cut(ST, 4)], ST, GPTQCheckpointError, id="safetensors-truncated-header-length"),
+    pytest.param([cut(ST, 0)], ST, GPTQCheckpointError, id="safetensors-empty"),
+    pytest.param([overwrite(ST, 8, b"\xff" * 32)], ST, GPTQCheckpointError, id="safetensors-garbage-header"),
+    pytest.param([overwrite(ST, 0, b"\xff" * 8)], ST, GPTQCheckpointError, id="safetensors-garbage-header-length"),
+    pytest.param([remove(ST)], "", GPTQCheckpointError, id="no-safetensors"),
+    pytest.param([write(INDEX, '{"weight_map": {"x": "model-00002-of-00002.safetensors"}}')], INDEX,
+                 GPTQCheckpointError, id="index-lists-a-missing-shard"),
+    pytest.param([write(INDEX, "{")], INDEX, GPTQCheckpointError, id="index-not-json"),
+    pytest.param([write(QC, '{"bits": 4,')], QC, GPTQConfigError, id="quantize_config-not-json"),
+    pytest.param([write(QC, "")], QC, GPTQConfigError, id="quantize_config-empty"),
+    pytest.param([write(QC, "[4, 32]")], QC, GPTQConfigError, id="quantize_config-a-list"),
+    pytest.param([remove(QC), write(HF, "{not json")], HF, GPTQConfigError, id="config-not-json"),
+    pytest.param([remove(QC), write(HF, "[]")], HF, GPTQConfigError, id="config-a-list"),
+    pytest.param([remove(QC, HF)], "", GPTQConfigError, id="no-config"),
+]
+
+
+@pytest.mark.parametrize("ops, named, error", FILE_CASES)
+def test_unreadable_files_name_the_path(checkpoint, ops, named, error):
+    for op in ops:
+        op(checkpoint)
+    with pytest.raises(error, match=f"^{re.escape(str(checkpoint / named))}: "):
+        load(checkpoint)
+
+
+def test_failed_loads_leave_the_checkpoint_untouched(pristine, tmp_path):
+    corruptions = {
+        "qweight-missing": lambda d: edit_tensors(d, lambda t: t.pop(f"{MODULE}.qweight")),
+        "scales-dim0+1": lambda d: edit_tensors(d, replaced("scales", lambda t: resized(t, 0, 1))),
+        "g_idx-value-negative": lambda d: edit_tensors(d, replaced("g_idx", set_first(-1))),
+        "bits=5": lambda d: edit_config(d, bits=5),
+        "group_size=64": lambda d: edit_config(d, group_size=64),
+        "safetensors-truncated-data": cut(ST, -1000),
+        "quantize_config-not-json": write(QC, "{"),
+    }
+    for name, corrupt in corruptions.items():
+        directory = shutil.copytree(pristine, tmp_path / name)
+        corrupt(directory)
+        before = tree_hashes(tmp_path)
+        with pytest.raises(ValueError):
+            load(directory)
+        assert tree_hashes(tmp_path) == before, f"{name}: the failed load changed files under {tmp_path}"
+
+
+@pytest.mark.parametrize("edit, config", [
+    pytest.param(lambda t: t.pop(f"{MODULE}.g_idx"), {}, id="g_idx-missing-without-desc_act"),
+    pytest.param(replaced("g_idx", lambda t: t.long()), {}, id="g_idx-int64"),
+    pytest.param(replaced("scales", lambda t: t.float()), {}, id="scales-float32"),
+    pytest.param(None, {"quant_method": DROP}, id="quant_method-missing"),
+    pytest.param(None, {"desc_act": None}, id="desc_act-null"),
+])
+def test_legitimate_variations_load(pristine, checkpoint, edit, config):
+    """What the matrix does not count as corrupt: these load, and compute what the pristine checkpoint does."""
+    if edit is not None:
+        edit_tensors(checkpoint, edit)
+    edit_config(checkpoint, **config)
+    assert_same_logits(logits(load(checkpoint), IDS), logits(load(pristine), IDS))

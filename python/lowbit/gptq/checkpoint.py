@@ -90,6 +90,13 @@ def load_gptq(path: str | os.PathLike, checkpoint_format: str | None = None) -> 
     tensors = read_tensors(files)
     ckpt = GPTQCheckpoint(config, directory)
     prefixes = sorted(n[: -len(".qweight")] for n in tensors if n.endswith(".qweight"))
+    # qzeros and g_idx are GPTQ's own names (unlike "scales"): a module with them but no qweight lost its weight.
+    orphans = sorted({n.rpartition(".")[0] for n in tensors if n.endswith((".qzeros", ".g_idx"))} - set(prefixes))
+    if orphans:
+        name = orphans[0]
+        found = [k for k in QUANT_TENSORS if f"{name}.{k}" in tensors]
+        raise GPTQCheckpointError(f"{directory}: module {name!r}: missing tensor {name}.qweight (the checkpoint has "
+                                  f"its {', '.join(found)})")
     for prefix in prefixes:
         quant = config.for_module(prefix)
         if quant is None:
@@ -108,6 +115,9 @@ def _module(name: str, q: ModuleQuant, config: GPTQConfig, t: dict[str, torch.Te
     for key in ("qweight", "qzeros", "scales"):
         if t[key] is None:
             raise GPTQCheckpointError(f"{where}: missing tensor {name}.{key}")
+    if t["g_idx"] is None and q.desc_act:  # without it the rows would be read in the wrong groups
+        raise GPTQCheckpointError(f"{where}: missing tensor {name}.g_idx, which an act-order (desc_act) "
+                                  "checkpoint needs")
     qweight, qzeros, scales, g_idx, bias = (t[k] for k in (*QUANT_TENSORS, "bias"))
     for key, tensor, dtypes in (("qweight", qweight, (torch.int32,)), ("qzeros", qzeros, (torch.int32,)),
                                 ("scales", scales, (torch.float16, torch.bfloat16, torch.float32)),
@@ -116,15 +126,18 @@ def _module(name: str, q: ModuleQuant, config: GPTQConfig, t: dict[str, torch.Te
         if tensor is not None and tensor.dtype not in dtypes:
             raise GPTQCheckpointError(f"{where}: {key} has dtype {tensor.dtype}, expected one of {dtypes}")
     fields, words = fields_per_pack(q.bits), words_per_pack(q.bits)
-    if qweight.dim() != 2 or qweight.shape[0] % words:
-        raise GPTQCheckpointError(f"{where}: qweight shape {tuple(qweight.shape)} does not fit {q.bits}-bit packing")
+    if qweight.dim() != 2 or qweight.shape[0] % words or 0 in qweight.shape:
+        raise GPTQCheckpointError(f"{where}: qweight has shape {tuple(qweight.shape)}, expected 2-D and non-empty "
+                                  f"with a multiple of {words} rows for {q.bits}-bit packing")
     K, N = qweight.shape[0] // words * fields, qweight.shape[1]
     groups = 1 if q.group_size == -1 else math.ceil(K / q.group_size)
     expect = {"qzeros": (groups, N // fields * words), "scales": (groups, N), "g_idx": (K,), "bias": (N,)}
     for key, shape in expect.items():
         if t[key] is not None and tuple(t[key].shape) != shape:
-            raise GPTQCheckpointError(f"{where}: {key} has shape {tuple(t[key].shape)}, expected {shape} for a "
-                                      f"{q.bits}-bit [{K}, {N}] weight with group_size {q.group_size}")
+            # The other tensors are checked against qweight, so either side may be the corrupt one: name both.
+            raise GPTQCheckpointError(f"{where}: {key} has shape {tuple(t[key].shape)}, expected {shape}: qweight "
+                                      f"{tuple(qweight.shape)} packs {K} inputs x {N} outputs at {q.bits} bits, "
+                                      f"with group_size {q.group_size}")
     if g_idx is not None and g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
         raise GPTQCheckpointError(f"{where}: g_idx values must lie in [0, {groups}), found "
                                   f"[{int(g_idx.min())}, {int(g_idx.max())}]")

@@ -12,6 +12,7 @@ from typing import Any
 CONFIG_SOURCES = ("quantize_config.json", "quant_config.json", "config.json")
 FORMATS = ("gptq", "gptq_v2")
 BITS = (2, 3, 4, 8)
+OVERRIDABLE = ("bits", "group_size", "desc_act", "sym")  # what a `dynamic` rule may change
 # Other keys (true_sequential, static_groups, meta, damp_percent, ...) describe
 # how a checkpoint was made, not how to read it, and are ignored.
 
@@ -57,8 +58,7 @@ class GPTQConfig:
             if re.match(pattern, name):
                 if negative:
                     return None
-                return replace(self.default, **{k: overrides[k] for k in ("bits", "group_size", "desc_act", "sym")
-                                                if k in overrides})
+                return replace(self.default, **{k: overrides[k] for k in OVERRIDABLE if k in overrides})
         return self.default
 
     def to_dict(self) -> dict[str, Any]:
@@ -76,16 +76,20 @@ def parse_config(raw: dict[str, Any], source: str = "") -> GPTQConfig:
     method = raw.get("quant_method", "gptq")
     if method != "gptq":
         raise GPTQConfigError(f"{where}: quant_method is {method!r}, not 'gptq'")
-    fmt = raw.get("checkpoint_format", raw.get("format", "gptq"))
+    key = "checkpoint_format" if "checkpoint_format" in raw else "format"  # GPTQModel's quant_config.json: "format"
+    fmt = raw.get(key, "gptq")
     if fmt not in FORMATS:
-        raise GPTQConfigError(f"{where}: checkpoint format {fmt!r} is not supported (expected one of {FORMATS})")
+        raise GPTQConfigError(f"{where}: {key} {fmt!r} is not supported (expected one of {FORMATS})")
     for key in ("bits", "group_size"):
         if key not in raw:
             raise GPTQConfigError(f"{where}: missing {key!r}")
+    dynamic = raw.get("dynamic") or {}
+    if not isinstance(dynamic, dict):
+        raise GPTQConfigError(f"{where}: dynamic must be a JSON object of rules, got {dynamic!r}")
     config = GPTQConfig(
-        bits=raw["bits"], group_size=raw["group_size"], desc_act=bool(raw.get("desc_act", False)),
-        sym=bool(raw.get("sym", True)), checkpoint_format=fmt, lm_head=bool(raw.get("lm_head", False)),
-        dynamic=dict(raw.get("dynamic") or {}), source=source,
+        bits=raw["bits"], group_size=raw["group_size"], desc_act=_flag(raw, "desc_act", False, where),
+        sym=_flag(raw, "sym", True, where), checkpoint_format=fmt, lm_head=_flag(raw, "lm_head", False, where),
+        dynamic=dict(dynamic), source=source,
     )
     _validate(config.default, where)
     for key, overrides in config.dynamic.items():
@@ -96,16 +100,32 @@ def parse_config(raw: dict[str, Any], source: str = "") -> GPTQConfig:
         except re.error as e:
             raise GPTQConfigError(f"{where}: dynamic rule {key!r} is not a valid regex: {e}") from e
         if not key.startswith("-:"):
-            _validate(replace(config.default, **{k: overrides[k] for k in ("bits", "group_size") if k in overrides}),
+            _validate(replace(config.default, **{k: overrides[k] for k in OVERRIDABLE if k in overrides}),
                       f"{where}: dynamic rule {key!r}")
     return config
 
 
+def _flag(raw: dict[str, Any], key: str, default: bool, where: str) -> bool:
+    """A JSON boolean; null counts as absent. Strings like "false" are refused
+    rather than read by truthiness (bool("false") is True)."""
+    value = raw.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise GPTQConfigError(f"{where}: {key} must be true or false, got {value!r}")
+    return value
+
+
 def _validate(q: ModuleQuant, where: str) -> None:
-    if q.bits not in BITS:
+    # bool is an int subclass, and 4.0 == 4: both are refused, not read as numbers.
+    if isinstance(q.bits, bool) or not isinstance(q.bits, int) or q.bits not in BITS:
         raise GPTQConfigError(f"{where}: bits must be one of {BITS}, got {q.bits!r}")
-    if not isinstance(q.group_size, int) or not (q.group_size == -1 or q.group_size > 0):
+    if (isinstance(q.group_size, bool) or not isinstance(q.group_size, int)
+            or not (q.group_size == -1 or q.group_size > 0)):
         raise GPTQConfigError(f"{where}: group_size must be -1 or a positive integer, got {q.group_size!r}")
+    for key in ("desc_act", "sym"):
+        if not isinstance(getattr(q, key), bool):
+            raise GPTQConfigError(f"{where}: {key} must be true or false, got {getattr(q, key)!r}")
 
 
 def read_config(directory: str | os.PathLike) -> GPTQConfig:
@@ -122,6 +142,8 @@ def read_config(directory: str | os.PathLike) -> GPTQConfig:
         except (OSError, ValueError) as e:
             raise GPTQConfigError(f"{path}: unreadable JSON: {e}") from e
         if name == "config.json":
+            if not isinstance(raw, dict):
+                raise GPTQConfigError(f"{path}: config.json must be a JSON object, got {type(raw).__name__}")
             raw = raw.get("quantization_config")
             if raw is None:
                 continue
