@@ -12,14 +12,17 @@
 namespace lowbit {
 
 // Validates a type id and a matrix of `rows` x `cols` weights stored in W;
-// returns the ggml type info. W must hold exactly rows * row_bytes bytes.
-inline ggml::RuntimeInfo check_ggml_weight(const char* op, const at::Tensor& W, int64_t type, int64_t rows,
-                                           int64_t cols) {
+// returns the ggml type info. W must hold exactly rows * row_bytes bytes (in
+// any shape: only its bytes mean something). `rows_name` is the op's name for
+// the row count ("m" or "row"); the column count is always "n".
+inline ggml::RuntimeInfo check_ggml_weight(const char* op, const at::Tensor& W, int64_t type, const char* rows_name,
+                                           int64_t rows, int64_t cols) {
   const ggml::RuntimeInfo info = ggml::runtime_info(type);
   TORCH_CHECK_VALUE(info.ok, op, ": type ", type, " is not a ggml weight type lowbit supports (unknown or removed id)");
   check_dtype(op, "W", W, at::kByte);
   check_contiguous(op, "W", W);
-  TORCH_CHECK_VALUE(rows >= 0 && cols >= 0, op, ": the weight shape must be non-negative, got ", rows, " x ", cols);
+  TORCH_CHECK_VALUE(rows >= 0, op, ": ", rows_name, " must be non-negative, got ", rows);
+  TORCH_CHECK_VALUE(cols >= 0, op, ": n must be non-negative, got ", cols);
   TORCH_CHECK_VALUE(cols % info.block == 0, op, ": n=", cols, " is not a multiple of the ", info.name,
                     " block size ", info.block);
   const int64_t row_bytes = cols / info.block * info.bytes;
@@ -37,7 +40,7 @@ inline ggml::RuntimeInfo check_ggml_matmul(const char* op, const at::Tensor& W, 
   check_float_dtype(op, "X", X);
   check_same_device(op, "X", X, W);
   check_dim(op, "X", X, 2);
-  return check_ggml_weight(op, W, type, rows, X.size(1));
+  return check_ggml_weight(op, W, type, "row", rows, X.size(1));
 }
 
 }  // namespace lowbit

@@ -17,7 +17,7 @@ inline std::pair<ggml::RuntimeInfo, at::ScalarType> check_ggml_dequantize(const 
                                                                           int64_t m, int64_t n,
                                                                           std::optional<at::ScalarType> dtype) {
   const char* op = "ggml_dequantize";
-  const ggml::RuntimeInfo info = check_ggml_weight(op, W, type, m, n);
+  const ggml::RuntimeInfo info = check_ggml_weight(op, W, type, "m", m, n);
   const at::ScalarType out_type = dtype.value_or(at::kHalf);
   TORCH_CHECK(out_type == at::kFloat || out_type == at::kHalf || out_type == at::kBFloat16, op,
               ": dtype must be float32, float16 or bfloat16, got ", out_type);

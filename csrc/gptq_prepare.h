@@ -115,7 +115,7 @@ inline std::pair<int64_t, at::Tensor> check_row_permutation(const char* op, cons
 inline std::pair<GptqDims, at::Tensor> check_column_permutation(const char* op, const at::Tensor& qweight,
                                                                 const at::Tensor& qzeros, const at::Tensor& scales,
                                                                 const at::Tensor& perm, int64_t bit) {
-  const GptqDims d = check_gptq_weight(op, qweight, qzeros, scales, bit);
+  const GptqDims d = check_gptq_weight(op, qweight, qzeros, scales, bit, {"qweight", "qzeros", "scales"});
   TORCH_CHECK_VALUE(perm.numel() == d.N, op, ": perm must be a permutation of the N=", d.N, " columns, got ",
                     perm.numel(), " entries");
   at::Tensor p = check_index_values(op, "perm", perm, qweight, d.N, d.N);

@@ -172,7 +172,7 @@ BAD = {
     "removed type": (lambda W, x: ops.ggml_mul_mat_a8(W, x, 31, ROWS), ValueError,
                      "ggml_mul_mat_a8: type 31 is not a ggml weight type"),
     "negative rows": (lambda W, x: ops.ggml_dequantize(W, 2, -1, N, None), ValueError,
-                      "ggml_dequantize: the weight shape must be non-negative"),
+                      "ggml_dequantize: m must be non-negative, got -1"),
     "overflowing shape": (lambda W, x: ops.ggml_dequantize(W, 2, 2**62, 2**10, None), ValueError,
                           "ggml_dequantize: .* overflow int64"),
     "dequantize bad dtype": (lambda W, x: ops.ggml_dequantize(W, 2, ROWS, N, torch.int32), RuntimeError,

@@ -1,0 +1,267 @@
+"""The input-validation matrix: every op, every tensor argument, every way of
+getting it wrong, generated from one table of what each op accepts.
+
+For each op the table gives a valid call and, per tensor argument, the
+dtypes it accepts, whether it must be contiguous and which dims may be empty.
+Generated cases per tensor argument: every other dtype (RuntimeError), one
+more and one fewer dimension (ValueError), a non-contiguous copy
+(RuntimeError, or the same result where strides are accepted), and each
+dimension emptied (ValueError, or an empty result where that is valid). Then
+hand-written value cases per op: bit widths, group counts, index ranges,
+non-permutations, byte counts of another type, sizes whose byte counts
+overflow int64. Every rejection must be the documented exception type
+(csrc/gptq_checks.h: dtype / device / layout -> RuntimeError, value / shape /
+bit width -> ValueError) with a message that starts with the op's name and
+names the argument. Device mixes are in tests/test_cuda_backend.py (they need
+a GPU). tests/README.md records the case count.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pytest
+import torch
+
+ops = torch.ops.lowbit
+I32, F16, F32 = torch.int32, torch.float16, torch.float32
+ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.int8, torch.int16,
+              torch.int32, torch.int64, torch.bool)
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+K, N, GS = 256, 64, 32  # GPTQ weight [K, N], 8 groups
+GGML_ROWS, GGML_N, Q4_0, Q8_0 = 12, 512, 2, 8
+
+
+@dataclass
+class Arg:
+    dtypes: tuple  # accepted dtypes
+    contiguous: bool = True  # must be contiguous (else strides are accepted and give the same result)
+    empty_ok: tuple = ()  # dims that may be empty (a valid empty call)
+    rank_free: bool = False  # any rank is valid: activations [..., K], or raw GGUF bytes (only their count matters)
+
+
+@dataclass
+class Op:
+    valid: Callable[[], dict]  # keyword arguments of a valid call
+    args: dict  # tensor argument name -> Arg
+    values: dict = field(default_factory=dict)  # case name -> (overrides(valid kwargs), exception, pattern)
+
+
+def gptq_weight(bits=4):
+    g = torch.Generator().manual_seed(0)
+    rows = K * bits // 32
+    words = lambda *shape: torch.randint(-2**31, 2**31, shape, generator=g, dtype=torch.int64).to(I32)
+    return {"qweight": words(rows, N), "qzeros": words(K // GS, N * bits // 32),
+            "scales": torch.rand(K // GS, N, generator=g).to(F16), "g_idx": (torch.arange(K) // GS).to(I32)}
+
+
+def gemm():
+    w = gptq_weight()
+    return dict(a=torch.randn(3, K), b_q_weight=w["qweight"], b_gptq_qzeros=w["qzeros"], b_gptq_scales=w["scales"],
+                b_g_idx=w["g_idx"], use_exllama=False, use_v2_format=True, bit=4)
+
+
+def dequant():
+    kw = gemm()
+    del kw["a"], kw["use_exllama"]
+    return kw
+
+
+def ggml_blocks(type_id=Q4_0):
+    block, type_bytes = ops.ggml_type_info(type_id)
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randint(0, 256, (GGML_ROWS, GGML_N // block * type_bytes), generator=g, dtype=torch.uint8)
+    raw.view(-1, type_bytes)[:, :2] = torch.tensor([0, 0x3C], dtype=torch.uint8)  # fp16 scale 1.0 per block
+    return raw
+
+
+BITS_CASES = {f"bit {b}": (lambda kw, b=b: {"bit": b}, ValueError, "bit must be 2, 3, 4 or 8") for b in (-1, 0, 1, 5, 16)}
+PERM = lambda: torch.randperm(K, generator=torch.Generator().manual_seed(1)).to(I32)
+NOT_A_PERM = lambda: torch.cat([torch.zeros(2, dtype=I32), torch.arange(2, K, dtype=I32)])
+
+
+OPS = {
+    "gptq_gemm": Op(gemm, {
+        "a": Arg(FLOATS, contiguous=False, empty_ok=(0,), rank_free=True),
+        "b_q_weight": Arg((I32,)), "b_gptq_qzeros": Arg((I32,)), "b_gptq_scales": Arg(FLOATS),
+        "b_g_idx": Arg((I32, torch.int64), contiguous=False, empty_ok=(0,)),
+    }, {
+        **BITS_CASES,
+        "a has the wrong K": (lambda kw: {"a": torch.randn(3, K + 8)}, ValueError, "a must be"),
+        "qweight rows of another bit width": (lambda kw: {"bit": 8}, ValueError, "b_gptq_qzeros|b_q_weight"),
+        "qzeros one group short": (lambda kw: {"b_gptq_qzeros": kw["b_gptq_qzeros"][:-1].contiguous()}, ValueError,
+                                   "b_gptq_qzeros"),
+        "scales more groups than K": (lambda kw: {"b_gptq_scales": torch.ones(K + 1, N, dtype=F16),
+                                                  "b_gptq_qzeros": torch.zeros(K + 1, N // 8, dtype=I32)},
+                                      ValueError, "b_gptq_scales"),
+        "g_idx negative": (lambda kw: {"b_g_idx": kw["b_g_idx"] - 1}, ValueError, r"b_g_idx values must lie in \[0, 8\)"),
+        "g_idx past the groups": (lambda kw: {"b_g_idx": kw["b_g_idx"] + 1}, ValueError, "b_g_idx values must lie"),
+        "g_idx int64 above 2^32": (lambda kw: {"b_g_idx": kw["b_g_idx"].long() + 2**32}, ValueError,
+                                   "b_g_idx values must lie"),
+        "g_idx short": (lambda kw: {"b_g_idx": kw["b_g_idx"][:-1]}, ValueError, "b_g_idx must have K=256"),
+        "perm past K (shuffled layout)": (lambda kw: {"use_exllama": True, "b_g_idx": torch.full((K,), K, dtype=I32)},
+                                          ValueError, "b_g_idx values must lie"),
+        "groups do not divide K": (lambda kw: {"b_g_idx": torch.empty(0, dtype=I32),
+                                               "b_gptq_scales": kw["b_gptq_scales"][:7].contiguous(),
+                                               "b_gptq_qzeros": kw["b_gptq_qzeros"][:7].contiguous()},
+                                   ValueError, "groups"),
+    }),
+    "gptq_dequantize": Op(dequant, {
+        "b_q_weight": Arg((I32,)), "b_gptq_qzeros": Arg((I32,)), "b_gptq_scales": Arg(FLOATS),
+        "b_g_idx": Arg((I32, torch.int64), contiguous=False, empty_ok=(0,)),
+    }, {
+        **BITS_CASES,
+        "g_idx past the groups": (lambda kw: {"b_g_idx": kw["b_g_idx"] + 8}, ValueError, "b_g_idx values must lie"),
+        "g_idx negative": (lambda kw: {"b_g_idx": kw["b_g_idx"] - 1}, ValueError, "b_g_idx values must lie"),
+        "scales one group short": (lambda kw: {"b_gptq_scales": kw["b_gptq_scales"][:-1].contiguous()}, ValueError,
+                                   "b_gptq_qzeros|b_gptq_scales"),
+    }),
+    "gptq_shuffle": Op(lambda: {"q_weight": gptq_weight()["qweight"], "q_perm": PERM(), "bit": 4}, {
+        "q_weight": Arg((I32,), empty_ok=(1,)), "q_perm": Arg((I32, torch.int64), contiguous=False, empty_ok=(0,)),
+    }, {
+        **BITS_CASES,
+        "perm past K": (lambda kw: {"q_perm": kw["q_perm"] + 1}, ValueError, r"q_perm values must lie in \[0, 256\)"),
+        "perm negative": (lambda kw: {"q_perm": kw["q_perm"] - 1}, ValueError, "q_perm values must lie"),
+        "perm not a permutation": (lambda kw: {"q_perm": NOT_A_PERM()}, ValueError, "q_perm is not a permutation"),
+        "perm short": (lambda kw: {"q_perm": kw["q_perm"][:-1]}, ValueError, "q_perm must have K=256"),
+    }),
+    "gptq_permute_rows": Op(lambda: {"qweight": gptq_weight()["qweight"], "perm": PERM(), "bit": 4}, {
+        "qweight": Arg((I32,), empty_ok=(1,)), "perm": Arg((I32, torch.int64), contiguous=False),
+    }, {
+        **BITS_CASES,
+        "perm past K": (lambda kw: {"perm": kw["perm"] + 1}, ValueError, "perm"),
+        "perm negative": (lambda kw: {"perm": kw["perm"] - 1}, ValueError, "perm"),
+        "perm not a permutation": (lambda kw: {"perm": NOT_A_PERM()}, ValueError, "perm"),
+        "perm short": (lambda kw: {"perm": kw["perm"][:-1]}, ValueError, "perm"),
+    }),
+    "gptq_permute_cols": Op(lambda: {**{k: v for k, v in gptq_weight().items() if k != "g_idx"},
+                                     "perm": torch.randperm(N, generator=torch.Generator().manual_seed(2)).to(I32),
+                                     "bit": 4}, {
+        "qweight": Arg((I32,)), "qzeros": Arg((I32,)), "scales": Arg(FLOATS),
+        "perm": Arg((I32, torch.int64), contiguous=False),
+    }, {
+        **BITS_CASES,
+        "perm past N": (lambda kw: {"perm": kw["perm"] + 1}, ValueError, "perm"),
+        "perm not a permutation": (lambda kw: {"perm": torch.zeros(N, dtype=I32)}, ValueError, "perm"),
+        "perm short": (lambda kw: {"perm": kw["perm"][:-1]}, ValueError, "perm"),
+        "qzeros of another N": (lambda kw: {"qzeros": kw["qzeros"][:, :-1].contiguous()}, ValueError, "qzeros"),
+    }),
+    "gptq_pack": Op(lambda: {"values": torch.randint(0, 16, (64, 8), dtype=I32), "bit": 4, "dim": 0}, {
+        "values": Arg((I32,), contiguous=False, empty_ok=(0, 1)),
+    }, {
+        **BITS_CASES,
+        "value above 2^bit - 1": (lambda kw: {"values": torch.full((64, 8), 16, dtype=I32)}, ValueError, "values"),
+        "negative value": (lambda kw: {"values": torch.full((64, 8), -1, dtype=I32)}, ValueError, "values"),
+        "rows not whole words": (lambda kw: {"values": torch.zeros(60, 8, dtype=I32)}, ValueError, "values"),
+        "dim 2": (lambda kw: {"dim": 2}, ValueError, "dim must be 0 or 1"),
+        "dim -1": (lambda kw: {"dim": -1}, ValueError, "dim must be 0 or 1"),
+    }),
+    "gptq_unpack": Op(lambda: {"packed": torch.randint(-2**31, 2**31, (12, 8), dtype=torch.int64).to(I32), "bit": 3,
+                               "dim": 0}, {
+        "packed": Arg((I32,), contiguous=False, empty_ok=(0, 1)),
+    }, {
+        **BITS_CASES,
+        "rows not whole 3-bit packs": (lambda kw: {"packed": kw["packed"][:10].contiguous()}, ValueError, "packed"),
+        "dim 2": (lambda kw: {"dim": 2}, ValueError, "dim must be 0 or 1"),
+    }),
+    "ggml_dequantize": Op(lambda: {"W": ggml_blocks(), "type": Q4_0, "m": GGML_ROWS, "n": GGML_N, "dtype": F32}, {
+        "W": Arg((torch.uint8,), rank_free=True),
+    }, {
+        "unknown type": (lambda kw: {"type": 4}, ValueError, "type 4 is not a ggml weight type"),
+        "negative type": (lambda kw: {"type": -1}, ValueError, "type -1 is not a ggml weight type"),
+        "bytes of another type": (lambda kw: {"type": Q8_0}, ValueError, "W has"),
+        "n not whole blocks": (lambda kw: {"n": GGML_N - 16}, ValueError, "n=496 is not a multiple"),
+        "negative m": (lambda kw: {"m": -1}, ValueError, "m must be non-negative"),
+        "negative n": (lambda kw: {"n": -32}, ValueError, "n must be non-negative"),
+        "m * n overflows": (lambda kw: {"m": 2**62, "n": 2**10}, ValueError, "overflow"),
+        "row bytes overflow": (lambda kw: {"m": 1, "n": 2**63 - 2**5}, ValueError, "overflow|W has"),
+        "integer dtype": (lambda kw: {"dtype": I32}, RuntimeError, "dtype must be float32, float16 or bfloat16"),
+    }),
+}
+
+
+def ggml_mul_mat(op_name):
+    return Op(lambda: {"W": ggml_blocks(), "X": torch.randn(2, GGML_N), "type": Q4_0, "row": GGML_ROWS}, {
+        "W": Arg((torch.uint8,), rank_free=True), "X": Arg(FLOATS, contiguous=False, empty_ok=(0,)),
+    }, {
+        "unknown type": (lambda kw: {"type": 99}, ValueError, "type 99 is not a ggml weight type"),
+        "bytes of another type": (lambda kw: {"type": Q8_0}, ValueError, "W has"),
+        "more rows than W holds": (lambda kw: {"row": GGML_ROWS + 1}, ValueError, "W has"),
+        "negative rows": (lambda kw: {"row": -1}, ValueError, "row must be non-negative"),
+        "rows overflow": (lambda kw: {"row": 2**62}, ValueError, "overflow|W has"),
+        "X not whole blocks": (lambda kw: {"X": kw["X"][:, :500].contiguous()}, ValueError, "n=500 is not a multiple"),
+    })
+
+
+OPS["ggml_mul_mat_vec_a8"] = ggml_mul_mat("ggml_mul_mat_vec_a8")
+OPS["ggml_mul_mat_a8"] = ggml_mul_mat("ggml_mul_mat_a8")
+
+
+def strided_copy(t: torch.Tensor) -> torch.Tensor:
+    """The same values in a non-contiguous tensor (every other element of a wider buffer)."""
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype) if t.dim() else None
+    if wide is None:
+        return t
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
+def generated_cases():
+    """(op, case id, overrides(kw), expectation): expectation is (exception, pattern) or "accepted"."""
+    for op_name, op in OPS.items():
+        valid = op.valid()
+        for arg, spec in op.args.items():
+            t = valid[arg]
+            for dtype in ALL_DTYPES:
+                if dtype not in spec.dtypes:
+                    yield op_name, f"{arg} {str(dtype)[6:]}", (lambda kw, a=arg, d=dtype: {a: kw[a].to(d)}), \
+                        (RuntimeError, f"{arg} must be")
+            if not spec.rank_free:
+                yield op_name, f"{arg} one more dim", (lambda kw, a=arg: {a: kw[a][None]}), (ValueError, arg)
+                yield op_name, f"{arg} one fewer dim", \
+                    (lambda kw, a=arg: {a: kw[a].flatten() if kw[a].dim() > 1 else kw[a][0]}), (ValueError, arg)
+            yield op_name, f"{arg} non-contiguous", (lambda kw, a=arg: {a: strided_copy(kw[a])}), \
+                ("accepted" if not spec.contiguous else (RuntimeError, f"{arg} must be contiguous"))
+            # An emptied tensor may contradict another argument first (an empty
+            # qweight leaves K=0 rows for the permutation); either may be named.
+            for d in range(t.dim()):
+                yield op_name, f"{arg} dim {d} empty", (lambda kw, a=arg, d=d: {a: kw[a].narrow(d, 0, 0)}), \
+                    ("accepted" if d in spec.empty_ok else (ValueError, "|".join(op.args)))
+        for case, (over, exc, pattern) in op.values.items():
+            yield op_name, case, over, (exc, pattern)
+
+
+CASES = list(generated_cases())
+
+
+@pytest.mark.parametrize("op_name, case, over, expect", CASES, ids=[f"{o}: {c}" for o, c, _, _ in CASES])
+def test_validation_matrix(op_name, case, over, expect):
+    kw = OPS[op_name].valid()
+    call = getattr(ops, op_name)
+    bad = {**kw, **over(kw)}
+    if expect == "accepted":  # a valid call after all: the result of its contiguous twin
+        twin = {**kw, **{k: v.contiguous() for k, v in over(kw).items()}}
+        got, want = call(**bad), call(**twin)
+        for g, w in zip(got if isinstance(got, tuple) else [got], want if isinstance(want, tuple) else [want]):
+            assert (g is None and w is None) or torch.equal(g, w)
+        for name in OPS[op_name].args:  # in-place ops (gptq_shuffle): the same tensors afterwards too
+            assert torch.equal(bad[name].contiguous(), twin[name])
+        return
+    exc, pattern = expect
+    with pytest.raises(exc, match=f"^{op_name}: .*({pattern})") as info:
+        call(**bad)
+    assert type(info.value) is exc or (exc is ValueError and isinstance(info.value, ValueError)), info.value
+
+
+def test_the_matrix_covers_every_op():
+    declared = {name for name in dir(ops) if isinstance(getattr(ops, name), torch._ops.OpOverloadPacket)}
+    declared -= {"ggml_type_info", "cpu_isa"}  # no tensor arguments: test_scalar_ops_reject_bad_values
+    assert declared <= set(OPS), declared - set(OPS)
+    assert len(CASES) >= 200, len(CASES)
+
+
+def test_scalar_ops_reject_bad_values():
+    with pytest.raises(ValueError, match="^ggml_type_info: type 4 is not a ggml weight type"):
+        ops.ggml_type_info(4)
+    with pytest.raises(ValueError, match="^cpu_isa: unknown ISA 'sse9'"):
+        ops.cpu_isa("sse9")
