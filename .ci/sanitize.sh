@@ -15,7 +15,8 @@ export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 export LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)"
 cd "$work"
-# The whole-model llama.cpp comparison is left out too: it runs the same ops
-# as the op-level tests, only for half a minute more under ASan.
+# The whole-model tests (the llama.cpp comparison, the main job's GPTQ runs)
+# are left out too: they run the same ops as the op-level tests, only for
+# minutes more under ASan.
 PYTHONPATH="$work/python" python3 -m pytest -q -p no:cacheprovider tests -k "not compile and not cuda" \
-  --ignore=tests/test_llama_cpp_model.py "$@"
+  --ignore=tests/test_llama_cpp_model.py --ignore=tests/test_main_job.py "$@"
