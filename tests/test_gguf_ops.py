@@ -51,6 +51,28 @@ def test_dequantize_is_bit_exact_with_gguf_py(device, qtype, seed):
         assert torch.equal(got.cpu(), torch.from_numpy(expect).to(dtype))
 
 
+# Every class of fp16 bit pattern a scale field can hold: zeros, subnormals,
+# normals, the largest finite, infinities, quiet and signalling NaNs.
+SPECIAL_HALVES = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x8001, 0x0400, 0x3C00, 0xBC00, 0x7BFF,
+                           0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFE01], dtype=np.uint16)
+
+
+@pytest.mark.parametrize("qtype", sorted(gb.HALF_FIELDS))
+def test_dequantize_special_scales_like_gguf_py(device, qtype):
+    # The SIMD kernels convert scales with F16C, the portable ones in software;
+    # every class must come out as gguf-py's does (NaNs compare equal to NaNs,
+    # everything else bit for bit).
+    raw = blocks(qtype).copy()
+    block, nbytes = gb.block_shape(qtype)
+    fields = raw.reshape(ROWS, N // block, nbytes)
+    for i, off in enumerate(gb.HALF_FIELDS[qtype]):
+        halves = np.resize(np.roll(SPECIAL_HALVES, i), fields.shape[:2])
+        fields[:, :, off:off + 2] = halves.view(np.uint8).reshape(*fields.shape[:2], 2)
+    expect = gb.dequantize(raw, qtype)
+    got = ops.ggml_dequantize(torch.from_numpy(raw).to(device), gb.type_id(qtype), ROWS, N, torch.float32)
+    np.testing.assert_array_equal(got.cpu().numpy(), expect)
+
+
 def test_type_table_matches_gguf_py(qtype):
     assert ops.ggml_type_info(gb.type_id(qtype)) == list(gb.block_shape(qtype))
 

@@ -23,6 +23,16 @@ namespace lowbit {
 namespace cpu {
 namespace simd {
 
+// A stored fp16 as fp32 through F16C (the core's portable conversion costs a
+// dozen instructions, once or twice per 32 weights in the legacy types). It
+// equals the portable conversion for every pattern but signalling NaNs, which
+// F16C quiets; a scale only ever enters arithmetic, which quiets them anyway.
+inline float half_at(const uint8_t* b, int offset) {
+  uint16_t h;
+  memcpy(&h, b + offset, 2);
+  return _cvtsh_ss(h);
+}
+
 inline __m256i bytes(int8_t v) { return _mm256_set1_epi8(v); }
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
@@ -70,8 +80,8 @@ inline __m256 s8x8_to_float(const uint8_t* p) {
 template <ggml::Type T>
 inline void k4_scales_x8(const uint8_t* b, ggml::Decoded<T>& o) {
   const ggml::K4ScaleMin k = ggml::k4_scale_min(b + 4);
-  _mm256_storeu_ps(o.d, _mm256_mul_ps(_mm256_set1_ps(ggml::half_at(b, 0)), u8x8_to_float(k.scales)));
-  _mm256_storeu_ps(o.m, _mm256_mul_ps(_mm256_set1_ps(-ggml::half_at(b, 2)), u8x8_to_float(k.mins)));
+  _mm256_storeu_ps(o.d, _mm256_mul_ps(_mm256_set1_ps(half_at(b, 0)), u8x8_to_float(k.scales)));
+  _mm256_storeu_ps(o.m, _mm256_mul_ps(_mm256_set1_ps(-half_at(b, 2)), u8x8_to_float(k.mins)));
 }
 
 template <ggml::Type T>
@@ -101,35 +111,44 @@ inline __m256i block_levels(const uint8_t* blk, const ggml::Decoded<T>& dec) {
 
 using ggml::Type;
 
+// The legacy blocks (and IQ4_NL) start with d, then m for the types with mins, as fp16.
+struct LegacyScales {
+  template <Type T>
+  static void scales(const uint8_t* b, ggml::Decoded<T>& o) {
+    o.d[0] = half_at(b, 0);
+    if constexpr (ggml::TypeInfo<T>::kHasMin) o.m[0] = half_at(b, 2);
+  }
+};
+
 template <>
-struct Levels<Type::Q4_0> {
+struct Levels<Type::Q4_0> : LegacyScales {
   template <int C>
   static __m256i chunk(const uint8_t* b) { return _mm256_sub_epi8(nibbles16(b + 2), bytes(8)); }
 };
 template <>
-struct Levels<Type::Q4_1> {
+struct Levels<Type::Q4_1> : LegacyScales {
   template <int C>
   static __m256i chunk(const uint8_t* b) { return nibbles16(b + 4); }
 };
 template <>
-struct Levels<Type::Q5_0> {
+struct Levels<Type::Q5_0> : LegacyScales {
   template <int C>
   static __m256i chunk(const uint8_t* b) {
     return _mm256_sub_epi8(_mm256_or_si256(nibbles16(b + 6), fifth_bits(b + 2)), bytes(16));
   }
 };
 template <>
-struct Levels<Type::Q5_1> {
+struct Levels<Type::Q5_1> : LegacyScales {
   template <int C>
   static __m256i chunk(const uint8_t* b) { return _mm256_or_si256(nibbles16(b + 8), fifth_bits(b + 4)); }
 };
 template <>
-struct Levels<Type::Q8_0> {
+struct Levels<Type::Q8_0> : LegacyScales {
   template <int C>
   static __m256i chunk(const uint8_t* b) { return load32(b + 2); }
 };
 template <>
-struct Levels<Type::IQ4_NL> {
+struct Levels<Type::IQ4_NL> : LegacyScales {
   template <int C>
   static __m256i chunk(const uint8_t* b) {
     return _mm256_shuffle_epi8(table16(LOWBIT_TABLE(ggml::kvalues_iq4nl)), nibbles16(b + 2));
@@ -163,7 +182,7 @@ struct Levels<Type::Q2_K> {  // chunk 4h + j: bits 2j of qs[32h + l]
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
     const __m128i m = _mm_set1_epi8(0xf);
     const __m128i lo = _mm_and_si128(v, m), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m);
-    const __m256 d = _mm256_set1_ps(ggml::half_at(b, 80)), nmin = _mm256_set1_ps(-ggml::half_at(b, 82));
+    const __m256 d = _mm256_set1_ps(half_at(b, 80)), nmin = _mm256_set1_ps(-half_at(b, 82));
     const auto as_float = [](__m128i x) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x)); };
     _mm256_storeu_ps(o.d, _mm256_mul_ps(d, as_float(lo)));
     _mm256_storeu_ps(o.d + 8, _mm256_mul_ps(d, as_float(_mm_srli_si128(lo, 8))));
@@ -178,7 +197,7 @@ struct Levels<Type::Q3_K> {  // Q2_K's levels minus 4 where hmask bit C of byte 
   // d * (scale - 32) from the shared q3k_scales unpacking.
   static void scales(const uint8_t* b, ggml::Decoded<Type::Q3_K>& o) {
     const ggml::Q3KScales k = ggml::q3k_scales(b + 96);
-    const __m256 d = _mm256_set1_ps(ggml::half_at(b, 108));
+    const __m256 d = _mm256_set1_ps(half_at(b, 108));
     const __m256i bias = _mm256_set1_epi32(32);
     for (int h = 0; h < 2; ++h) {
       const __m256i biased = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(k.words[h])));
@@ -211,7 +230,7 @@ template <>
 struct Levels<Type::Q6_K> {  // chunk 4h + k: nibble of ql[64h + 32(k % 2) + l], bits 2k of qh[32h + l]
   // int8 scales[16] at byte 192, times d.
   static void scales(const uint8_t* b, ggml::Decoded<Type::Q6_K>& o) {
-    const __m256 d = _mm256_set1_ps(ggml::half_at(b, 208));
+    const __m256 d = _mm256_set1_ps(half_at(b, 208));
     _mm256_storeu_ps(o.d, _mm256_mul_ps(d, s8x8_to_float(b + 192)));
     _mm256_storeu_ps(o.d + 8, _mm256_mul_ps(d, s8x8_to_float(b + 200)));
   }
