@@ -37,24 +37,53 @@ template <int B, typename Body>
 void for_each_pack(const PackedAxis& ax, Body body) {
   const int64_t packs = ax.length / gptq::Pack<B>::kFields;
   at::parallel_for(0, ax.outer * packs, grain_for(gptq::Pack<B>::kFields * ax.inner), [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) body(t / packs, t % packs);
+    int64_t o = b / packs, p = b % packs;  // then stepped: no division per pack
+    for (int64_t t = b; t < e; ++t) {
+      body(o, p);
+      if (++p == packs) p = 0, ++o;
+    }
   });
+}
+
+// Calls field(loc) for the located fields 0 .. kFields-1 of a pack, with loc
+// a compile-time constant: every shift and mask below is an immediate.
+template <int B, typename Field, int... J>
+inline void for_each_field(std::integer_sequence<int, J...>, Field field) {
+  (field(std::integral_constant<int, J>{}), ...);
+}
+template <int B, typename Field>
+inline void for_each_field(Field field) {
+  for_each_field<B>(std::make_integer_sequence<int, gptq::Pack<B>::kFields>{}, field);
+}
+
+// Runs body(inner) with the stride between a field's consecutive values: a
+// compile-time 1 for streams packed along dim 1 (qzeros), so that the field
+// loops below collapse into straight-line code, else ax.inner.
+template <typename Body>
+inline void with_inner(const PackedAxis& ax, Body body) {
+  if (ax.inner == 1) {
+    body(std::integral_constant<int64_t, 1>{});
+  } else {
+    body(ax.inner);
+  }
 }
 
 template <int B>
 void pack_impl(const int32_t* values, uint32_t* words, const PackedAxis& ax) {
   using P = gptq::Pack<B>;
   const int64_t word_len = ax.length / P::kFields * P::kWords;
-  for_each_pack<B>(ax, [&](int64_t o, int64_t p) {
-    const int32_t* src = values + (o * ax.length + p * P::kFields) * ax.inner;
-    uint32_t* dst = words + (o * word_len + p * P::kWords) * ax.inner;
-    for (int j = 0; j < P::kFields; ++j) {
-      const gptq::FieldLoc f = gptq::locate<B>(j);
-      const int32_t* v = src + j * ax.inner;
-      uint32_t* lo = dst + f.lo * ax.inner;
-      uint32_t* hi = dst + f.hi * ax.inner;
-      for (int64_t c = 0; c < ax.inner; ++c) gptq::insert(lo[c], hi[c], f, static_cast<uint32_t>(v[c]));
-    }
+  with_inner(ax, [&](auto inner) {
+    for_each_pack<B>(ax, [&](int64_t o, int64_t p) {
+      const int32_t* src = values + (o * ax.length + p * P::kFields) * inner;
+      uint32_t* dst = words + (o * word_len + p * P::kWords) * inner;
+      for_each_field<B>([&](auto j) {
+        constexpr gptq::FieldLoc f = gptq::locate<B>(decltype(j)::value);
+        const int32_t* v = src + j * inner;
+        uint32_t* lo = dst + f.lo * inner;
+        uint32_t* hi = dst + f.hi * inner;
+        for (int64_t c = 0; c < inner; ++c) gptq::insert(lo[c], hi[c], f, static_cast<uint32_t>(v[c]));
+      });
+    });
   });
 }
 
@@ -62,16 +91,18 @@ template <int B>
 void unpack_impl(const uint32_t* words, int32_t* values, const PackedAxis& ax) {
   using P = gptq::Pack<B>;
   const int64_t word_len = ax.length / P::kFields * P::kWords;
-  for_each_pack<B>(ax, [&](int64_t o, int64_t p) {
-    const uint32_t* src = words + (o * word_len + p * P::kWords) * ax.inner;
-    int32_t* dst = values + (o * ax.length + p * P::kFields) * ax.inner;
-    for (int j = 0; j < P::kFields; ++j) {
-      const gptq::FieldLoc f = gptq::locate<B>(j);
-      const uint32_t* lo = src + f.lo * ax.inner;
-      const uint32_t* hi = src + f.hi * ax.inner;
-      int32_t* v = dst + j * ax.inner;
-      for (int64_t c = 0; c < ax.inner; ++c) v[c] = static_cast<int32_t>(gptq::extract(lo[c], hi[c], f));
-    }
+  with_inner(ax, [&](auto inner) {
+    for_each_pack<B>(ax, [&](int64_t o, int64_t p) {
+      const uint32_t* src = words + (o * word_len + p * P::kWords) * inner;
+      int32_t* dst = values + (o * ax.length + p * P::kFields) * inner;
+      for_each_field<B>([&](auto j) {
+        constexpr gptq::FieldLoc f = gptq::locate<B>(decltype(j)::value);
+        const uint32_t* lo = src + f.lo * inner;
+        const uint32_t* hi = src + f.hi * inner;
+        int32_t* v = dst + j * inner;
+        for (int64_t c = 0; c < inner; ++c) v[c] = static_cast<int32_t>(gptq::extract(lo[c], hi[c], f));
+      });
+    });
   });
 }
 
