@@ -51,6 +51,18 @@ Isa detected_isa() {
   return isa;
 }
 
+bool has_avx512_bf16() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") != 0;
+  }();
+  return has && detected_isa() == Isa::kAvx512;
+#else
+  return false;
+#endif
+}
+
 Isa active_isa() { return static_cast<Isa>(active().load(std::memory_order_relaxed)); }
 
 const char* isa_name(Isa isa) {
