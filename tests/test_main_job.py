@@ -81,3 +81,19 @@ def test_gptq_beats_rtn_on_a_slice_of_the_model(float_model, bits):
     assert len(quantized) == 7 * SLICE_LAYERS and all(int(n.split(".")[2]) < SLICE_LAYERS for n in quantized)
     ppl_gptq, ppl_rtn = smollm2.perplexity(gptq, ids), smollm2.perplexity(rtn_slice(fp32, bits), ids)
     assert smollm2.perplexity(fp32, ids) < ppl_gptq < MARGIN[bits] * ppl_rtn, (ppl_gptq, ppl_rtn)
+
+
+def test_speed_on_a_device_and_the_gpu_columns(float_model):
+    # The GPU columns of the main job's table, through the same code on the CPU
+    # (a GPU machine runs speed_on with cuda; this one has none).
+    from lowbit.demo import format_table
+
+    tokenizer, fp32 = float_model
+    ids = tokenizer(smollm2.shipped_text("heldout.txt"), return_tensors="pt").input_ids[0][:160]
+    prefill, decode = smollm2.speed_on(fp32, ids, torch.device("cpu"))
+    assert prefill > 0 and decode > 0 and next(fp32.parameters()).device.type == "cpu"
+    m = smollm2.Measurement(20.0, 100.0, 10.0, prefill, decode)
+    table = format_table([("fp32", 32.0, 651.3, m)], 1024, 2048, gpu_name="Test GPU")
+    assert "| GPU prefill tok/s (Test GPU) | GPU decode tok/s |" in table
+    assert table.splitlines()[-1].endswith(f"| {prefill:.0f} | {decode:.1f} |")
+    assert "GPU" not in format_table([("fp32", 32.0, 651.3, m)], 1024, 2048)

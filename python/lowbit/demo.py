@@ -69,28 +69,35 @@ def run_real_model(path: str, quick: bool, heldout_tokens: int) -> None:
         models.append((label, smollm2.through_checkpoint(quantized, config, fp32)))
     models.append(("RTN 4-bit g128 v2 asym", smollm2.rtn_model(fp32, 4)))
 
+    gpu = smollm2.gpu()
+    gpu_name = torch.cuda.get_device_name(gpu) if gpu else None
+    print(f"GPU: {gpu_name} (speed columns added)" if gpu else "no GPU: CPU figures only")
     rows = []
     for label, model in tqdm(models, desc="evaluation"):
         bpw, size = smollm2.weight_stats(model)
-        m = smollm2.measure(model, heldout)
+        m = smollm2.measure(model, heldout, gpu)
         rows.append((label, bpw, size, m))
-    table = format_table(rows, heldout.numel(), len(calibration) * calibration[0].numel())
+    table = format_table(rows, heldout.numel(), len(calibration) * calibration[0].numel(), gpu_name)
     print("\n" + table)
     write_results(table, rows, time.perf_counter() - t_start)
 
 
-def format_table(rows, heldout_tokens: int, calibration_tokens: int) -> str:
+def format_table(rows, heldout_tokens: int, calibration_tokens: int, gpu_name: str | None = None) -> str:
+    """The results as a markdown table; GPU speed columns when `gpu_name` is given."""
     lines = [
         f"SmolLM2-135M-Instruct, {torch.get_num_threads()} CPU threads ({machine_slug()}), torch {torch.__version__}",
         f"perplexity on {heldout_tokens} held-out tokens (windows of 256); GPTQ calibrated on "
         f"{calibration_tokens} tokens, dampening {DAMP_PERCENT:.0%}; bits per weight over the decoder Linears",
         "",
-        "| format | bits/weight | size (MB) | perplexity | prefill tok/s | decode tok/s |",
-        "|---|---:|---:|---:|---:|---:|",
     ]
+    gpu = gpu_name is not None
+    gpu_head = f" GPU prefill tok/s ({gpu_name}) | GPU decode tok/s |" if gpu else ""
+    lines += ["| format | bits/weight | size (MB) | perplexity | prefill tok/s | decode tok/s |" + gpu_head,
+              "|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if gpu else "")]
     for label, bpw, size, m in rows:
+        gpu_cells = f" {m.gpu_prefill_tps:.0f} | {m.gpu_decode_tps:.1f} |" if gpu else ""
         lines.append(f"| {label} | {bpw:.2f} | {size:.1f} | {m.perplexity:.3f} | {m.prefill_tps:.0f} | "
-                     f"{m.decode_tps:.1f} |")
+                     f"{m.decode_tps:.1f} |" + gpu_cells)
     return "\n".join(lines)
 
 

@@ -94,6 +94,8 @@ class Measurement:
     perplexity: float
     prefill_tps: float
     decode_tps: float
+    gpu_prefill_tps: float | None = None  # when measured on a GPU too
+    gpu_decode_tps: float | None = None
 
 
 def perplexity(model, ids: torch.Tensor, window: int = 256) -> float:
@@ -111,25 +113,52 @@ def perplexity(model, ids: torch.Tensor, window: int = 256) -> float:
 
 
 def speed(model, ids: torch.Tensor, prefill: int = 128, decode: int = 16) -> tuple[float, float]:
-    """(prefill tokens/s for a `prefill`-token prompt, greedy decode tokens/s)."""
-    prompt = ids[None, :prefill]
+    """(prefill tokens/s for a `prefill`-token prompt, greedy decode tokens/s),
+    on the device the model is on."""
+    device = next(model.parameters()).device
+    prompt = ids[None, :prefill].to(device)
+
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
     with torch.no_grad():
         model(prompt[:, :8])  # warm-up
-        t0 = time.perf_counter()
+        t0 = now()
         model(prompt)
-        prefill_tps = prefill / (time.perf_counter() - t0)
+        prefill_tps = prefill / (now() - t0)
         out = model(prompt, use_cache=True)
         cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        t0 = time.perf_counter()
+        t0 = now()
         for _ in range(decode):
             out = model(token, past_key_values=cache, use_cache=True)
             cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        decode_tps = decode / (time.perf_counter() - t0)
+        decode_tps = decode / (now() - t0)
     return prefill_tps, decode_tps
 
 
-def measure(model, heldout_ids: torch.Tensor) -> Measurement:
-    return Measurement(perplexity(model, heldout_ids), *speed(model, heldout_ids))
+def gpu() -> torch.device | None:
+    """The GPU to time the models on: CUDA present and lowbit built with its kernels."""
+    has_kernels = torch._C._dispatch_has_kernel_for_dispatch_key("lowbit::gptq_gemm", "CUDA")
+    return torch.device("cuda") if torch.cuda.is_available() and has_kernels else None
+
+
+def speed_on(model, ids: torch.Tensor, device: torch.device) -> tuple[float, float]:
+    """speed() with the model moved to `device` for the measurement and back after."""
+    model.to(device)
+    try:
+        return speed(model, ids)
+    finally:
+        model.to("cpu")
+
+
+def measure(model, heldout_ids: torch.Tensor, gpu_device: torch.device | None = None) -> Measurement:
+    """Perplexity and CPU speed, plus GPU speed when `gpu_device` is given."""
+    m = Measurement(perplexity(model, heldout_ids), *speed(model, heldout_ids))
+    if gpu_device is not None:
+        m.gpu_prefill_tps, m.gpu_decode_tps = speed_on(model, heldout_ids, gpu_device)
+    return m
 
 
 def weight_stats(model) -> tuple[float, float]:
