@@ -10,6 +10,7 @@ reorderings move whole quantized fields, so their dequantized weights match
 exactly.
 """
 import json
+import shutil
 from datetime import timedelta
 
 import pytest
@@ -19,7 +20,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from lowbit.gptq import GPTQConfig, GPTQLinear, load_gptq, save_gptq
+from lowbit.gptq import GPTQCheckpointError, GPTQConfig, GPTQLinear, load_gptq, save_gptq
 from lowbit.tp import (ColumnParallelGPTQLinear, NaiveTPMLP, RowParallelGPTQLinear, SequentialGPTQLinear,
                        TPAwareMLP, make_sequential, permute_inputs, permute_outputs, reorder_checkpoint, tp_aware)
 
@@ -275,6 +276,27 @@ def test_errors(checkpoints):
     missing = f"{PREFIXES[0]}.nothing"
     with pytest.raises(ValueError, match=rf"module '{missing}': missing tensor {missing}.qweight"):
         ColumnParallelGPTQLinear.from_checkpoint(four["original"], missing, 0, 2)
+
+
+@pytest.mark.parametrize("edit, pattern", [
+    (lambda t, m: t.pop(f"{m}.g_idx"), "missing tensor {m}.g_idx, which an act-order"),
+    (lambda t, m: t.update({f"{m}.qweight": t[f"{m}.qweight"].float()}), "qweight has dtype F32"),
+    (lambda t, m: t.update({f"{m}.scales": t[f"{m}.scales"].to(torch.int32)}), "scales has dtype I32"),
+    (lambda t, m: t.update({f"{m}.g_idx": t[f"{m}.g_idx"].float()}), "g_idx has dtype F32"),
+], ids=["act-order without g_idx", "float qweight", "int scales", "float g_idx"])
+def test_sharded_loading_refuses_corrupt_modules(checkpoints, tmp_path, edit, pattern):
+    # What load_gptq refuses, the sharded loader (which reads headers, then
+    # slices) refuses too, naming the module.
+    from safetensors.torch import load_file, save_file
+
+    src, gate = checkpoints[2]["original"], f"{PREFIXES[0]}.gate_proj"
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(src, corrupt)
+    tensors = load_file(corrupt / "model.safetensors")
+    edit(tensors, gate)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, corrupt / "model.safetensors")
+    with pytest.raises(GPTQCheckpointError, match=f"module '{gate}': " + pattern.format(m=gate)):
+        ColumnParallelGPTQLinear.from_checkpoint(corrupt, gate, 0, 2)
 
 
 def test_layer_errors():

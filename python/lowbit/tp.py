@@ -278,24 +278,36 @@ def _layer_source(layer: GPTQLinear, name: str) -> _Source:
                    layer.checkpoint_format, layer.bias is not None, read)
 
 
+# The dtypes each tensor may have, as safetensors headers name them (load_gptq's rules).
+_HEADER_DTYPES = {"qweight": ("I32",), "qzeros": ("I32",), "scales": ("F16", "BF16", "F32"), "g_idx": ("I32", "I64"),
+                  "bias": ("F16", "BF16", "F32")}
+
+
 def _checkpoint_source(path: str | os.PathLike, name: str) -> _Source:
     """Reads only headers now; `read` opens the file and takes a slice later."""
     directory, files = checkpoint_files(path)
     config = read_config(directory)
     where = f"{directory}: module {name!r}"
-    file_of, shapes = {}, {}
+    file_of, shapes, dtypes = {}, {}, {}
     for file in files:
         with safe_open(file, framework="pt") as f:
             for tensor in _TENSORS:
                 if f"{name}.{tensor}" in f.keys():
+                    header = f.get_slice(f"{name}.{tensor}")
                     file_of[tensor] = file
-                    shapes[tensor] = tuple(f.get_slice(f"{name}.{tensor}").get_shape())
+                    shapes[tensor], dtypes[tensor] = tuple(header.get_shape()), header.get_dtype()
     for tensor in ("qweight", "qzeros", "scales"):
         if tensor not in file_of:
             raise GPTQCheckpointError(f"{where}: missing tensor {name}.{tensor}")
+    for tensor, dtype in dtypes.items():
+        if dtype not in _HEADER_DTYPES[tensor]:
+            raise GPTQCheckpointError(f"{where}: {tensor} has dtype {dtype}, expected one of {_HEADER_DTYPES[tensor]}")
     quant = config.for_module(name)
     if quant is None:
         raise GPTQCheckpointError(f"{where}: has a qweight but the config's dynamic rules exclude it")
+    if quant.desc_act and "g_idx" not in file_of:  # without it the rows would be read in the wrong groups
+        raise GPTQCheckpointError(f"{where}: missing tensor {name}.g_idx, which an act-order (desc_act) "
+                                  "checkpoint needs")
     fields, words = fields_per_pack(quant.bits), words_per_pack(quant.bits)
     rows, N = shapes["qweight"]
     K = rows // words * fields
