@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from .gptq.checkpoint import GPTQCheckpointError, checkpoint_files, read_tensors, write_checkpoint
+from .gptq.checkpoint import (GPTQCheckpointError, check_module_tensors, checkpoint_files, read_tensors,
+                               write_checkpoint)
 from .gptq.config import GPTQConfig, read_config
 from .gptq.linear import GPTQLinear
 from .packing import fields_per_pack, words_per_pack
@@ -278,9 +279,9 @@ def _layer_source(layer: GPTQLinear, name: str) -> _Source:
                    layer.checkpoint_format, layer.bias is not None, read)
 
 
-# The dtypes each tensor may have, as safetensors headers name them (load_gptq's rules).
-_HEADER_DTYPES = {"qweight": ("I32",), "qzeros": ("I32",), "scales": ("F16", "BF16", "F32"), "g_idx": ("I32", "I64"),
-                  "bias": ("F16", "BF16", "F32")}
+# torch's dtypes by the names safetensors headers give them.
+_HEADER_DTYPES = {"I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16,
+                  "F32": torch.float32}
 
 
 def _checkpoint_source(path: str | os.PathLike, name: str) -> _Source:
@@ -296,18 +297,11 @@ def _checkpoint_source(path: str | os.PathLike, name: str) -> _Source:
                     header = f.get_slice(f"{name}.{tensor}")
                     file_of[tensor] = file
                     shapes[tensor], dtypes[tensor] = tuple(header.get_shape()), header.get_dtype()
-    for tensor in ("qweight", "qzeros", "scales"):
-        if tensor not in file_of:
-            raise GPTQCheckpointError(f"{where}: missing tensor {name}.{tensor}")
-    for tensor, dtype in dtypes.items():
-        if dtype not in _HEADER_DTYPES[tensor]:
-            raise GPTQCheckpointError(f"{where}: {tensor} has dtype {dtype}, expected one of {_HEADER_DTYPES[tensor]}")
     quant = config.for_module(name)
+    check_module_tensors(where, name, {t: _HEADER_DTYPES.get(d) for t, d in dtypes.items()},
+                         quant is not None and quant.desc_act, labels=dtypes)
     if quant is None:
         raise GPTQCheckpointError(f"{where}: has a qweight but the config's dynamic rules exclude it")
-    if quant.desc_act and "g_idx" not in file_of:  # without it the rows would be read in the wrong groups
-        raise GPTQCheckpointError(f"{where}: missing tensor {name}.g_idx, which an act-order (desc_act) "
-                                  "checkpoint needs")
     fields, words = fields_per_pack(quant.bits), words_per_pack(quant.bits)
     rows, N = shapes["qweight"]
     K = rows // words * fields

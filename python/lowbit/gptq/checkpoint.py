@@ -109,22 +109,35 @@ def load_gptq(path: str | os.PathLike, checkpoint_format: str | None = None) -> 
     return ckpt
 
 
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+# The dtypes each tensor of a quantized module may have.
+MODULE_DTYPES = {"qweight": (torch.int32,), "qzeros": (torch.int32,), "scales": _FLOATS,
+                 "g_idx": (torch.int32, torch.int64), "bias": _FLOATS}
+
+
+def check_module_tensors(where: str, name: str, dtypes: dict[str, torch.dtype | None], desc_act: bool,
+                         labels: dict[str, str] | None = None) -> None:
+    """What every loader checks of a quantized module before its shapes: the
+    tensors it needs are there (g_idx too when act-order) and have allowed
+    dtypes. `dtypes` has the tensors present (None: a dtype torch does not
+    know); `labels` names their dtypes in messages when not torch's names."""
+    for key in ("qweight", "qzeros", "scales"):
+        if key not in dtypes:
+            raise GPTQCheckpointError(f"{where}: missing tensor {name}.{key}")
+    if "g_idx" not in dtypes and desc_act:  # without it the rows would be read in the wrong groups
+        raise GPTQCheckpointError(f"{where}: missing tensor {name}.g_idx, which an act-order (desc_act) "
+                                  "checkpoint needs")
+    for key, dtype in dtypes.items():
+        if dtype not in MODULE_DTYPES[key]:
+            shown = labels[key] if labels else dtype
+            raise GPTQCheckpointError(f"{where}: {key} has dtype {shown}, expected one of {MODULE_DTYPES[key]}")
+
+
 def _module(name: str, q: ModuleQuant, config: GPTQConfig, t: dict[str, torch.Tensor | None],
             directory: str) -> GPTQLinear:
     where = f"{directory}: module {name!r}"
-    for key in ("qweight", "qzeros", "scales"):
-        if t[key] is None:
-            raise GPTQCheckpointError(f"{where}: missing tensor {name}.{key}")
-    if t["g_idx"] is None and q.desc_act:  # without it the rows would be read in the wrong groups
-        raise GPTQCheckpointError(f"{where}: missing tensor {name}.g_idx, which an act-order (desc_act) "
-                                  "checkpoint needs")
+    check_module_tensors(where, name, {k: v.dtype for k, v in t.items() if v is not None}, q.desc_act)
     qweight, qzeros, scales, g_idx, bias = (t[k] for k in (*QUANT_TENSORS, "bias"))
-    for key, tensor, dtypes in (("qweight", qweight, (torch.int32,)), ("qzeros", qzeros, (torch.int32,)),
-                                ("scales", scales, (torch.float16, torch.bfloat16, torch.float32)),
-                                ("g_idx", g_idx, (torch.int32, torch.int64)),
-                                ("bias", bias, (torch.float16, torch.bfloat16, torch.float32))):
-        if tensor is not None and tensor.dtype not in dtypes:
-            raise GPTQCheckpointError(f"{where}: {key} has dtype {tensor.dtype}, expected one of {dtypes}")
     fields, words = fields_per_pack(q.bits), words_per_pack(q.bits)
     if qweight.dim() != 2 or qweight.shape[0] % words or 0 in qweight.shape:
         raise GPTQCheckpointError(f"{where}: qweight has shape {tuple(qweight.shape)}, expected 2-D and non-empty "
