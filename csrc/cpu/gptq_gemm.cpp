@@ -78,10 +78,10 @@ void fused_portable(const float* a, int64_t M, const GptqWeight& w, int64_t n0, 
 // out[M, N] = a[M, K] @ W for small M; tasks own disjoint column
 // tiles. The SIMD kernel of the active ISA takes the columns it can (whole
 // vectors, contiguous groups) and the portable one the rest.
-// a16: bf16 planes of a for the AVX512-BF16 4-bit kernel, or null.
+// isa: the SIMD kernels to use (kPortable when w does not suit them); a16:
+// bf16 planes of a for the AVX512-BF16 4-bit kernel, or null.
 template <int B>
-void gemm_fused(const float* a, int64_t M, const GptqWeight& w, float* out, const Bf16Acts* a16) {
-  const Isa isa = simd_fused_supports<B>(w) ? active_isa() : Isa::kPortable;
+void gemm_fused(const float* a, int64_t M, const GptqWeight& w, float* out, Isa isa, const Bf16Acts* a16) {
   const int64_t step = isa == Isa::kAvx512 ? kAvx512FusedCols : isa == Isa::kAvx2 ? kAvx2FusedCols : kTileN;
   const int64_t simd_end = isa == Isa::kPortable ? 0 : w.N - w.N % step;
   // Tasks of 4 to 16 steps: wide for long contiguous reads of each weight row
@@ -101,6 +101,15 @@ void gemm_fused(const float* a, int64_t M, const GptqWeight& w, float* out, cons
 #endif
     fused_portable<B>(a, M, w, std::max(n0, simd_n1), n1, out);
   });
+}
+
+// The bf16 planes [planes, M, K] that sum to the activations exactly
+// (gptq_fused_bf16.h): a itself for bf16 input; hi = bf16(a) and lo = a - hi
+// for fp16, whose 3 extra significand bits fit in lo. a2 is a in fp32.
+at::Tensor bf16_planes(const at::Tensor& a2, at::ScalarType input) {
+  const at::Tensor hi = a2.to(at::kBFloat16);
+  if (input == at::kBFloat16) return hi.unsqueeze(0);
+  return at::stack({hi, (a2 - hi.to(at::kFloat)).to(at::kBFloat16)});
 }
 
 // out[M, N] = a[M, K] @ W by decoding column tiles of W into fp32 and at::mm.
@@ -183,27 +192,21 @@ at::Tensor gptq_gemm(const at::Tensor& a, const at::Tensor& b_q_weight, const at
   a2 = a2.contiguous();
   const int64_t M = a2.size(0);
 
-  // bf16 / fp16 activations of a 4-bit weight on AVX512-BF16 go through
-  // vdpbf16ps as bf16 planes summing to a exactly (gptq_fused_bf16.h).
-  at::Tensor planes;
-  const bool half_input = a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf;
-  if (bit == 4 && half_input && M > 0 && M <= kSimdFusedMaxM && active_isa() == Isa::kAvx512 && has_avx512_bf16()) {
-    const at::Tensor hi = a2.to(at::kBFloat16);
-    planes = a.scalar_type() == at::kBFloat16 ? hi.unsqueeze(0)
-                                              : at::stack({hi, (a2 - hi.to(at::kFloat)).to(at::kBFloat16)});
-  }
-  const Bf16Acts a16{planes.defined() ? reinterpret_cast<const uint16_t*>(planes.data_ptr<at::BFloat16>()) : nullptr,
-                     M, planes.defined() ? static_cast<int>(planes.size(0)) : 0};
-
   at::Tensor out = at::empty({M, d.N}, a2.options());
   if (M > 0) {
     const PreparedWeight w = prepare(b_q_weight, b_gptq_qzeros, b_gptq_scales,
                                      use_exllama ? at::Tensor() : idx, d, use_v2_format, bit);
     dispatch_bits(bit, [&](auto bits) {
       constexpr int B = decltype(bits)::value;
-      const bool simd = active_isa() != Isa::kPortable && simd_fused_supports<B>(w.view);
-      if (M <= (simd ? kSimdFusedMaxM : kFusedMaxM)) {
-        gemm_fused<B>(a2.data_ptr<float>(), M, w.view, out.data_ptr<float>(), a16.data ? &a16 : nullptr);
+      const Isa isa = simd_fused_supports<B>(w.view) ? active_isa() : Isa::kPortable;
+      if (M <= (isa != Isa::kPortable ? kSimdFusedMaxM : kFusedMaxM)) {
+        // bf16 / fp16 activations of a 4-bit weight on AVX512-BF16 go through vdpbf16ps.
+        const bool half_input = a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf;
+        at::Tensor planes;
+        if (B == 4 && half_input && isa == Isa::kAvx512 && has_avx512_bf16()) planes = bf16_planes(a2, a.scalar_type());
+        const Bf16Acts a16{planes.defined() ? reinterpret_cast<const uint16_t*>(planes.data_ptr<at::BFloat16>()) : nullptr,
+                           M, planes.defined() ? static_cast<int>(planes.size(0)) : 0};
+        gemm_fused<B>(a2.data_ptr<float>(), M, w.view, out.data_ptr<float>(), isa, a16.data ? &a16 : nullptr);
       } else {
         gemm_dequant_mm<B>(a2, w.view, out);
       }
