@@ -114,3 +114,28 @@ def test_matmul_matches_llama_cpp(device, qtype, M):
     err = np.abs(got.astype(np.float64) - expect)
     worst = np.unravel_index(np.argmax(err / bound), err.shape)
     assert np.all(err <= bound), f"{qtype}: |lowbit - llama.cpp| {err[worst]:.3g} > {bound[worst]:.3g} at {worst}"
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_batched_rows_equal_the_matvec_bit_for_bit(device, qtype):
+    """The batched kernels tile weight rows (4 x 4 activation rows with
+    AVX-512, the signed legacy types) and may feed signed levels through an
+    offset instead of vpsignb; every output lane still sums the same integers
+    in the same order as the untiled matvec. 131 rows and M = 7 leave partial
+    tiles in both directions, and two threads split the rows unevenly."""
+    if device != "cpu":
+        pytest.skip("the CPU kernels' tiling")
+    rows, n, M = 131, 512, 7
+    rng = np.random.default_rng(gb.type_id(qtype))
+    raw = torch.from_numpy(gb.random_blocks(rng, qtype, rows, n))
+    x = torch.from_numpy(rng.standard_normal((M, n)).astype(np.float32))
+    t = gb.type_id(qtype)
+    threads = torch.get_num_threads()
+    try:
+        for k in (1, 2):
+            torch.set_num_threads(k)
+            batched = ops.ggml_mul_mat_a8(raw, x, t, rows)
+            for m in range(M):
+                assert torch.equal(batched[m], ops.ggml_mul_mat_vec_a8(raw, x[m : m + 1], t, rows)[0]), (k, m)
+    finally:
+        torch.set_num_threads(threads)

@@ -28,8 +28,12 @@ namespace cpu {
 namespace {
 
 struct DotVnni {
-  // 8 int32 lanes, lane i = sum of u[j] * s[j] over bytes 4i .. 4i+3.
-  static __m256i dot(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
+  // 32 ymm registers (AVX512VL): tiles of 4 weight rows x 4 activation rows.
+  static constexpr int kRowTile = 4;
+  // vpdpbusd sums its four u8 x s8 products in int32: any levels are safe.
+  static constexpr bool kWideProducts = true;
+  // start + 8 int32 lanes, lane i = sum of u[j] * s[j] over bytes 4i .. 4i+3.
+  static __m256i dot(__m256i start, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(start, u, s); }
 };
 
 }  // namespace
