@@ -29,11 +29,13 @@ struct MatmulSimd {
   using I = ggml::TypeInfo<T>;
   using L = ggml::ActLayout<I::kAct>;
   static constexpr int kChunks = I::kBlock / 32;
+  static constexpr int kScaleVecs = (I::kBlock / I::kSub + 7) / 8;
   // Weight rows per tile. Measured on Zen 4 at M = 8: tiles of D::kRowTile
-  // rows run the signed legacy types (one chunk per block, no mins) 10-35%
-  // faster, but the K-quants and types with mins 0-15% slower (their
-  // per-row scales and mins outgrow the registers), so those keep one row.
-  static constexpr int kRowTile = kChunks == 1 && !I::kHasMin ? D::kRowTile : 1;
+  // rows run the types without mins and with one scale vector per block
+  // (the signed legacy types, IQ4_XS) 5-35% faster, but types with mins or
+  // 16 sub-blocks 0-15% slower (their per-row scales and mins outgrow the
+  // registers), so those keep one row.
+  static constexpr int kRowTile = !I::kHasMin && kScaleVecs == 1 ? D::kRowTile : 1;
   static_assert(I::kSub == 16 || I::kSub % 32 == 0, "sub-blocks of 16 or a multiple of 32 elements");
 
   static float hsum(__m256 v) {
@@ -44,7 +46,6 @@ struct MatmulSimd {
 
   // Sub-block scales d_w * d_x of one block, weight row and activation row,
   // 8 per vector (a legacy block's single scale fills all lanes).
-  static constexpr int kScaleVecs = (I::kBlock / I::kSub + 7) / 8;
   template <int RT, int MT>
   using Scales = __m256[RT][MT][kScaleVecs];
 
