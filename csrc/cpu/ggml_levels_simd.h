@@ -175,6 +175,43 @@ struct Levels<Type::TQ2_0> {  // Q2_K's level layout, minus 1
     return _mm256_sub_epi8(byte_bits<2 * (C % 4)>(load32(b + 32 * (C / 4)), 3), bytes(1));
   }
 };
+// ggml's base-3 digits (core trit(): ((byte * 3^n) mod 256 * 3) >> 8, minus 1)
+// of 32 source bytes, lo = elements 0-15 and hi = 16-31, each element with its
+// power 3^n in pow_lo / pow_hi: 16-bit lanes, as x86 has no byte multiply.
+inline __m256i trits(__m128i lo, __m128i hi, __m256i pow_lo, __m256i pow_hi) {
+  const auto digit = [](__m128i bytes16, __m256i pow) {
+    const __m256i wide = _mm256_cvtepu8_epi16(bytes16);
+    const __m256i shifted = _mm256_and_si256(_mm256_mullo_epi16(wide, pow), _mm256_set1_epi16(0xff));
+    return _mm256_srli_epi16(_mm256_mullo_epi16(shifted, _mm256_set1_epi16(3)), 8);
+  };
+  // packus works per 128-bit lane: put the four 8-byte runs back in order.
+  const __m256i packed = _mm256_packus_epi16(digit(lo, pow_lo), digit(hi, pow_hi));
+  return _mm256_sub_epi8(_mm256_permute4x64_epi64(packed, 0xD8), bytes(1));
+}
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+// Chunks 0-4: trit C of qs[0..31]; 5-6: two trits of qs[32..47]; 7: trit 4
+// of qs[32..47], then trits 0-3 of qh[0..3] (Codec<TQ1_0>'s element order).
+template <>
+struct Levels<Type::TQ1_0> {
+  static void scales(const uint8_t* b, ggml::Decoded<Type::TQ1_0>& o) { o.d[0] = half_at(b, 52); }
+  template <int C>
+  static __m256i chunk(const uint8_t* b) {
+    constexpr short kPow[5] = {1, 3, 9, 27, 81};
+    if constexpr (C < 5) {
+      const __m256i p = _mm256_set1_epi16(kPow[C]);
+      return trits(load16(b), load16(b + 16), p, p);
+    } else if constexpr (C < 7) {
+      const __m128i q = load16(b + 32);
+      return trits(q, q, _mm256_set1_epi16(kPow[2 * (C - 5)]), _mm256_set1_epi16(kPow[2 * (C - 5) + 1]));
+    } else {
+      int32_t qh;
+      memcpy(&qh, b + 48, 4);
+      return trits(load16(b + 32), _mm_set1_epi32(qh), _mm256_set1_epi16(81),
+                   _mm256_setr_epi16(1, 1, 1, 1, 3, 3, 3, 3, 9, 9, 9, 9, 27, 27, 27, 27));
+    }
+  }
+};
 template <>
 struct Levels<Type::Q2_K> {  // chunk 4h + j: bits 2j of qs[32h + l]
   // scales[16]: low nibble * d, high nibble * -dmin.
