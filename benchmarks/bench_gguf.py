@@ -15,7 +15,6 @@ a PNG of matvec throughput per type against the peers.
 import argparse
 import os
 import sys
-import time
 
 from common import RESULTS, copy_bandwidth_gbs, machine, print_table, printed_to, time_ms, write_results  # first: sets THP
 
@@ -41,9 +40,7 @@ def dequant_table(rng, rows, n, budget):
         W = torch.from_numpy(raw)
         t = gb.type_id(name)
         ms = time_ms(lambda: torch.ops.lowbit.ggml_dequantize(W, t, rows, n, torch.float32), budget_s=budget)
-        t0 = time.perf_counter()
-        gb.dequantize(raw, name)
-        numpy_ms = (time.perf_counter() - t0) * 1e3
+        numpy_ms = time_ms(lambda: gb.dequantize(raw, name), min_reps=3, budget_s=budget)
         gbs = raw.nbytes / (ms * 1e-3) / 1e9
         records.append(dict(type=name, rows=rows, n=n, lowbit_ms=ms, input_gbs=gbs, gguf_py_ms=numpy_ms,
                             speedup_vs_gguf_py=numpy_ms / ms))
