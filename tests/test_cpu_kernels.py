@@ -139,3 +139,23 @@ def test_batched_rows_equal_the_matvec_bit_for_bit(device, qtype):
                 assert torch.equal(batched[m], ops.ggml_mul_mat_vec_a8(raw, x[m : m + 1], t, rows)[0]), (k, m)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_isa_units_share_no_symbols():
+    """Each SIMD unit compiles the kernel headers under its own target pragma.
+    A function of those headers with a shared (weak) symbol exists once in the
+    library, in whichever unit the linker kept: the AVX2 path could then run
+    AVX-512 instructions (SIGILL on an AVX2-only CPU) or the AVX-512 path
+    AVX2 code. The headers keep internal linkage; this checks the build."""
+    import glob
+    import shutil
+
+    import lowbit
+
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("needs binutils' nm")
+    (path,) = glob.glob(os.path.join(os.path.dirname(lowbit.__file__), "_C*.so"))
+    out = subprocess.run([nm, "-C", path], capture_output=True, text=True, check=True).stdout
+    shared = [line for line in out.splitlines() if line[17:19] in ("W ", "V ") and "lowbit::cpu::" in line]
+    assert not shared, "kernel functions with shared symbols:\n" + "\n".join(shared[:10])

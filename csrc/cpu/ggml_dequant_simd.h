@@ -17,6 +17,10 @@
 
 namespace lowbit {
 namespace cpu {
+// Internal linkage: each ISA's unit compiles its own copy under its target
+// pragma, and a shared (weak) symbol would let the linker run one unit's
+// instructions on behalf of another.
+namespace {
 
 // Stores eight fp32 results in the output dtype, rounded once as torch rounds
 // (nearest even; bf16 NaN as torch's 0x7FC0).
@@ -147,5 +151,6 @@ inline bool run_dequant_simd(int64_t type, const uint8_t* W, int64_t r0, int64_t
   }
 }
 
+}  // namespace
 }  // namespace cpu
 }  // namespace lowbit

@@ -23,6 +23,10 @@
 
 namespace lowbit {
 namespace cpu {
+// Internal linkage: each ISA's unit compiles its own copy under its target
+// pragma, and a shared (weak) symbol would let the linker run one unit's
+// instructions on behalf of another.
+namespace {
 
 template <class D, ggml::Type T>
 struct MatmulSimd {
@@ -214,5 +218,6 @@ bool run_matmul_simd(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int
   return ran;
 }
 
+}  // namespace
 }  // namespace cpu
 }  // namespace lowbit

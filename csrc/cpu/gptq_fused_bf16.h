@@ -31,6 +31,10 @@
 
 namespace lowbit {
 namespace cpu {
+// Internal linkage: each ISA's unit compiles its own copy under its target
+// pragma, and a shared (weak) symbol would let the linker run one unit's
+// instructions on behalf of another.
+namespace {
 
 struct FusedBf16x4 {
   using P = gptq::Pack<4>;
@@ -149,5 +153,6 @@ struct FusedBf16x4 {
   }
 };
 
+}  // namespace
 }  // namespace cpu
 }  // namespace lowbit

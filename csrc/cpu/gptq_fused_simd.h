@@ -33,6 +33,10 @@
 
 namespace lowbit {
 namespace cpu {
+// Internal linkage: each ISA's unit compiles its own copy under its target
+// pragma, and a shared (weak) symbol would let the linker run one unit's
+// instructions on behalf of another.
+namespace {
 
 template <class V, int B>
 struct FusedSimd {
@@ -226,5 +230,6 @@ void run_fused_simd(int bits, const float* a, int64_t M, const GptqWeight& w, in
   }
 }
 
+}  // namespace
 }  // namespace cpu
 }  // namespace lowbit

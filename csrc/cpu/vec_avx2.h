@@ -8,6 +8,10 @@
 
 namespace lowbit {
 namespace cpu {
+// Internal linkage: each ISA's unit compiles its own copy under its target
+// pragma, and a shared (weak) symbol would let the linker run one unit's
+// instructions on behalf of another.
+namespace {
 
 struct VecAvx2 {
   static constexpr int kLanes = 8;
@@ -41,5 +45,6 @@ struct VecAvx2 {
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
 };
 
+}  // namespace
 }  // namespace cpu
 }  // namespace lowbit
