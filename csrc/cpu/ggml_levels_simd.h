@@ -59,17 +59,12 @@ inline __m256i nibbles16(const uint8_t* p) {
 inline __m256i fifth_bits(const uint8_t* qh_bytes) {
   uint32_t qh;
   memcpy(&qh, qh_bytes, 4);
-#if defined(__AVX512BW__) && defined(__AVX512VL__)  // set by the AVX-512 unit's target pragma
-  // qh is already a byte mask.
-  return _mm256_maskz_mov_epi8(static_cast<__mmask32>(qh), bytes(0x10));
-#else
   // Byte e takes byte e / 8 of qh, then tests bit e % 8 of it.
   const __m256i spread = _mm256_shuffle_epi8(
       _mm256_set1_epi32(static_cast<int32_t>(qh)),
       _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
   const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), bytes(0x10));
-#endif
 }
 
 // A 16-entry int8 table in both lanes, for _mm256_shuffle_epi8 lookups.
