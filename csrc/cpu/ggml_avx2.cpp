@@ -29,10 +29,10 @@ namespace {
 struct DotAvx2 {
   // 16 ymm registers: tiles of 2 weight rows x 4 activation rows.
   static constexpr int kRowTile = 2;
-  // maddubs saturates pairs at int16: only |levels| <= 128 are safe.
+  // maddubs sums pairs in int16, safe only for |levels| <= 128 (with
+  // |activations| <= 127): signed levels go in as |w|, never as w + 128.
   static constexpr bool kWideProducts = false;
   // start + 8 int32 lanes, lane i = sum of u[j] * s[j] over bytes 4i .. 4i+3.
-  // No pair saturates in maddubs: |levels| <= 128 and |activations| <= 127.
   static __m256i dot(__m256i start, __m256i u, __m256i s) {
     return _mm256_add_epi32(start, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
   }

@@ -39,6 +39,7 @@ inline float half_at(const uint8_t* b, int offset) {
 
 inline __m256i bytes(int8_t v) { return _mm256_set1_epi8(v); }
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m128i load16(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
 
 // Bits S.. of every byte, masked (a 16-bit shift: the mask drops what the
 // neighbouring byte shifted in).
@@ -50,7 +51,7 @@ inline __m256i byte_bits(__m256i v, int8_t mask) {
 
 // The legacy nibble layout: byte j holds element j (low) and j + 16 (high).
 inline __m256i nibbles16(const uint8_t* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i v = load16(p);
   const __m128i m = _mm_set1_epi8(0xf);
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
 }
@@ -69,7 +70,7 @@ inline __m256i fifth_bits(const uint8_t* qh_bytes) {
 
 // A 16-entry int8 table in both lanes, for _mm256_shuffle_epi8 lookups.
 inline __m256i table16(const int8_t* t) {
-  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+  return _mm256_broadcastsi128_si256(load16(t));
 }
 
 // Eight bytes (little-endian in two words) as fp32 lanes, unsigned / signed.
@@ -192,7 +193,6 @@ inline __m256i trits(__m128i lo, __m128i hi, __m256i pow_lo, __m256i pow_hi) {
   const __m256i packed = _mm256_packus_epi16(digit(lo, pow_lo), digit(hi, pow_hi));
   return _mm256_sub_epi8(_mm256_permute4x64_epi64(packed, 0xD8), bytes(1));
 }
-inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 
 // Chunks 0-4: trit C of qs[0..31]; 5-6: two trits of qs[32..47]; 7: trit 4
 // of qs[32..47], then trits 0-3 of qh[0..3] (Codec<TQ1_0>'s element order).
@@ -220,7 +220,7 @@ template <>
 struct Levels<Type::Q2_K> {  // chunk 4h + j: bits 2j of qs[32h + l]
   // scales[16]: low nibble * d, high nibble * -dmin.
   static void scales(const uint8_t* b, ggml::Decoded<Type::Q2_K>& o) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+    const __m128i v = load16(b);
     const __m128i m = _mm_set1_epi8(0xf);
     const __m128i lo = _mm_and_si128(v, m), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m);
     const __m256 d = _mm256_set1_ps(half_at(b, 80)), nmin = _mm256_set1_ps(-half_at(b, 82));

@@ -2,8 +2,8 @@
 // product D (DotAvx2: maddubs + madd; DotVnni: AVX-512 VNNI vpdpbusd) and
 // instantiated per ISA in its own translation unit. D also says how many
 // weight rows a tile shares each activation load between (what its register
-// file holds) and whether its u8 x s8 products are safe from saturation. Include only inside that
-// unit's target pragma region.
+// file holds) and whether its u8 x s8 products are safe from saturation.
+// Include only inside that unit's target pragma region.
 //
 // As in llama.cpp, each 32-element chunk of a block becomes 32 int8 levels in
 // a register (ggml_levels_simd.h) and meets the activations' int8 values in
