@@ -34,6 +34,11 @@ struct DotVnni {
   static constexpr bool kWideProducts = true;
   // start + 8 int32 lanes, lane i = sum of u[j] * s[j] over bytes 4i .. 4i+3.
   static __m256i dot(__m256i start, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(start, u, s); }
+  // acc + 8 int32 lanes, lane i = pairs[i] (an int16 scale in both halves)
+  // times the sum of u[j] * s[j] over bytes 4i .. 4i+3, for |u| * 127 * 2 < 2^15.
+  static __m256i scaled_dot(__m256i acc, __m256i u, __m256i s, __m256i pairs) {
+    return _mm256_dpwssd_epi32(acc, _mm256_maddubs_epi16(u, s), pairs);
+  }
 };
 
 }  // namespace

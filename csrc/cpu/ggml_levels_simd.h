@@ -73,9 +73,11 @@ inline __m256i table16(const int8_t* t) {
   return _mm256_broadcastsi128_si256(load16(t));
 }
 
-// Eight bytes (little-endian in two words) as fp32 lanes, unsigned / signed.
+// Eight bytes (the low ones of v; little-endian in two words) as fp32 lanes,
+// unsigned / signed.
+inline __m256 low8_to_float(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
 inline __m256 u8x8_to_float(const uint32_t (&w)[2]) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, static_cast<int>(w[1]), static_cast<int>(w[0]))));
+  return low8_to_float(_mm_set_epi32(0, 0, static_cast<int>(w[1]), static_cast<int>(w[0])));
 }
 inline __m256 s8x8_to_float(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -87,6 +89,50 @@ inline void k4_scales_x8(const uint8_t* b, ggml::Decoded<T>& o) {
   const ggml::K4ScaleMin k = ggml::k4_scale_min(b + 4);
   _mm256_storeu_ps(o.d, _mm256_mul_ps(_mm256_set1_ps(half_at(b, 0)), u8x8_to_float(k.scales)));
   _mm256_storeu_ps(o.m, _mm256_mul_ps(_mm256_set1_ps(-half_at(b, 2)), u8x8_to_float(k.mins)));
+}
+
+// The K-quants and IQ4_XS as llama.cpp's integer kernels take them: a
+// block's dot product with 8-bit activations x is
+//   d * sum_s scale_s * dot(u_s, x_s)  +  k * sum_s coef_s * sum(x_s)
+// over its sub-blocks s, with small integer scale_s and coef_s. The levels u
+// (Levels<T>::int_levels) are unsigned where coef carries the type's mins or
+// level offset (Q6_K's 32, Q3_K's 4), so they meet x without a sign trick,
+// and every dot of a block sums in int32 before one fp32 multiply.
+struct IntScales {
+  // scale_s in both 16-bit halves of int32 lane s % 8 of pairs[s / 8], the
+  // form madd / vpdpwssd multiply int16 pair sums by.
+  __m256i pairs[2];
+  __m256 coef[2];  // coef_s as fp32 (small integers, so sums of their products with x's sums are exact)
+  float d, k;
+};
+
+// int16 scales 0-7 (a 128-bit half) or 0-15 (a whole register) into pairs.
+inline void scale_pairs(__m128i s8, IntScales& o) {
+  o.pairs[0] = _mm256_set_m128i(_mm_unpackhi_epi16(s8, s8), _mm_unpacklo_epi16(s8, s8));
+}
+inline void scale_pairs(__m256i s16, IntScales& o) {
+  // unpack works per 128-bit lane: quarters 0, 2 | 1, 3 put the scales back in order.
+  const __m256i q = _mm256_permute4x64_epi64(s16, 0xD8);
+  o.pairs[0] = _mm256_unpacklo_epi16(q, q);
+  o.pairs[1] = _mm256_unpackhi_epi16(q, q);
+}
+// 16 int8 / 8 uint8 integers (as int16 lanes) to fp32 coefficients.
+inline void coefs(__m256i s16, IntScales& o) {
+  o.coef[0] = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16)));
+  o.coef[1] = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16, 1)));
+}
+inline void coefs(__m128i s8, IntScales& o) { o.coef[0] = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(s8)); }
+inline __m128i u8x8_to_i16(const uint32_t (&w)[2]) {
+  return _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, static_cast<int>(w[1]), static_cast<int>(w[0])));
+}
+
+// Q4_K / Q5_K: integer scales and mins (the coefficients, times -dmin).
+inline void k4_int_scales(const uint8_t* b, IntScales& o) {
+  const ggml::K4ScaleMin k = ggml::k4_scale_min(b + 4);
+  scale_pairs(u8x8_to_i16(k.scales), o);
+  coefs(u8x8_to_i16(k.mins), o);
+  o.d = half_at(b, 0);
+  o.k = -half_at(b, 2);
 }
 
 template <ggml::Type T>
@@ -165,6 +211,24 @@ struct Levels<Type::IQ4_XS> {  // sub-block C: the legacy nibble layout at qs + 
   static __m256i chunk(const uint8_t* b) {
     return _mm256_shuffle_epi8(table16(LOWBIT_TABLE(ggml::kvalues_iq4nl)), nibbles16(b + 8 + 16 * C));
   }
+  // Signed levels (|level| <= 127) and no coefficients.
+  static constexpr bool kSignedIntLevels = true, kIntCoefs = false;
+  template <int C>
+  static __m256i int_levels(const uint8_t* b) { return chunk<C>(b); }
+  // scale_s = (low nibble s of bytes 4-7 | bits 2s, 2s+1 of scales_h << 4) - 32.
+  static void int_scales(const uint8_t* b, IntScales& o) {
+    uint32_t lo;
+    memcpy(&lo, b + 4, 4);
+    const __m128i v = _mm_cvtsi32_si128(static_cast<int>(lo)), m = _mm_set1_epi8(0xf);
+    const __m128i low = _mm_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_and_si128(v, m), _mm_and_si128(_mm_srli_epi16(v, 4), m)));
+    // Lane s: scales_h << (14 - 2s), then its top two bits.
+    const __m128i h = _mm_srli_epi16(_mm_mullo_epi16(_mm_set1_epi16(static_cast<short>(b[2] | b[3] << 8)),
+                                                     _mm_setr_epi16(1 << 14, 1 << 12, 1 << 10, 1 << 8, 1 << 6, 1 << 4,
+                                                                    1 << 2, 1)),
+                                     14);
+    scale_pairs(_mm_sub_epi16(_mm_or_si128(low, _mm_slli_epi16(h, 4)), _mm_set1_epi16(32)), o);
+    o.d = half_at(b, 0);
+  }
 };
 template <>
 struct Levels<Type::MXFP4> {  // the legacy nibble layout through the E2M1 table
@@ -183,14 +247,14 @@ struct Levels<Type::TQ2_0> {  // Q2_K's level layout, minus 1
 // ggml's base-3 digits (core trit(): ((byte * 3^n) mod 256 * 3) >> 8, minus 1)
 // of 32 source bytes, lo = elements 0-15 and hi = 16-31, each element with its
 // power 3^n in pow_lo / pow_hi: 16-bit lanes, as x86 has no byte multiply.
+inline __m256i trit_digits(__m128i bytes16, __m256i pow) {
+  const __m256i wide = _mm256_cvtepu8_epi16(bytes16);
+  const __m256i shifted = _mm256_and_si256(_mm256_mullo_epi16(wide, pow), _mm256_set1_epi16(0xff));
+  return _mm256_srli_epi16(_mm256_mullo_epi16(shifted, _mm256_set1_epi16(3)), 8);
+}
 inline __m256i trits(__m128i lo, __m128i hi, __m256i pow_lo, __m256i pow_hi) {
-  const auto digit = [](__m128i bytes16, __m256i pow) {
-    const __m256i wide = _mm256_cvtepu8_epi16(bytes16);
-    const __m256i shifted = _mm256_and_si256(_mm256_mullo_epi16(wide, pow), _mm256_set1_epi16(0xff));
-    return _mm256_srli_epi16(_mm256_mullo_epi16(shifted, _mm256_set1_epi16(3)), 8);
-  };
   // packus works per 128-bit lane: put the four 8-byte runs back in order.
-  const __m256i packed = _mm256_packus_epi16(digit(lo, pow_lo), digit(hi, pow_hi));
+  const __m256i packed = _mm256_packus_epi16(trit_digits(lo, pow_lo), trit_digits(hi, pow_hi));
   return _mm256_sub_epi8(_mm256_permute4x64_epi64(packed, 0xD8), bytes(1));
 }
 
@@ -224,14 +288,24 @@ struct Levels<Type::Q2_K> {  // chunk 4h + j: bits 2j of qs[32h + l]
     const __m128i m = _mm_set1_epi8(0xf);
     const __m128i lo = _mm_and_si128(v, m), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m);
     const __m256 d = _mm256_set1_ps(half_at(b, 80)), nmin = _mm256_set1_ps(-half_at(b, 82));
-    const auto as_float = [](__m128i x) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x)); };
-    _mm256_storeu_ps(o.d, _mm256_mul_ps(d, as_float(lo)));
-    _mm256_storeu_ps(o.d + 8, _mm256_mul_ps(d, as_float(_mm_srli_si128(lo, 8))));
-    _mm256_storeu_ps(o.m, _mm256_mul_ps(nmin, as_float(hi)));
-    _mm256_storeu_ps(o.m + 8, _mm256_mul_ps(nmin, as_float(_mm_srli_si128(hi, 8))));
+    _mm256_storeu_ps(o.d, _mm256_mul_ps(d, low8_to_float(lo)));
+    _mm256_storeu_ps(o.d + 8, _mm256_mul_ps(d, low8_to_float(_mm_srli_si128(lo, 8))));
+    _mm256_storeu_ps(o.m, _mm256_mul_ps(nmin, low8_to_float(hi)));
+    _mm256_storeu_ps(o.m + 8, _mm256_mul_ps(nmin, low8_to_float(_mm_srli_si128(hi, 8))));
   }
   template <int C>
   static __m256i chunk(const uint8_t* b) { return byte_bits<2 * (C % 4)>(load32(b + 16 + 32 * (C / 4)), 3); }
+  // Integer scales (low nibbles) and mins (high nibbles, times -dmin).
+  static constexpr bool kSignedIntLevels = false, kIntCoefs = true;
+  template <int C>
+  static __m256i int_levels(const uint8_t* b) { return chunk<C>(b); }
+  static void int_scales(const uint8_t* b, IntScales& o) {
+    const __m128i v = load16(b), m = _mm_set1_epi8(0xf);
+    scale_pairs(_mm256_cvtepu8_epi16(_mm_and_si128(v, m)), o);
+    coefs(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), m)), o);
+    o.d = half_at(b, 80);
+    o.k = -half_at(b, 82);
+  }
 };
 template <>
 struct Levels<Type::Q3_K> {  // Q2_K's levels minus 4 where hmask bit C of byte l is clear
@@ -246,10 +320,23 @@ struct Levels<Type::Q3_K> {  // Q2_K's levels minus 4 where hmask bit C of byte 
     }
   }
   template <int C>
-  static __m256i chunk(const uint8_t* b) {
+  static __m256i chunk(const uint8_t* b) { return _mm256_sub_epi8(int_levels<C>(b), bytes(4)); }
+  // Levels + 4 (0..7), the offset through the coefficients: scale_s, times -4d.
+  static constexpr bool kSignedIntLevels = false, kIntCoefs = true;
+  template <int C>
+  static __m256i int_levels(const uint8_t* b) {
     const __m256i low = byte_bits<2 * (C % 4)>(load32(b + 32 + 32 * (C / 4)), 3);
     const __m256i high = _mm256_slli_epi16(byte_bits<C>(load32(b), 1), 2);  // 4 or 0, no carry across bytes
-    return _mm256_sub_epi8(_mm256_or_si256(low, high), bytes(4));
+    return _mm256_or_si256(low, high);
+  }
+  static void int_scales(const uint8_t* b, IntScales& o) {
+    const ggml::Q3KScales k = ggml::q3k_scales(b + 96);
+    const __m128i biased = _mm_set_epi64x(static_cast<long long>(k.words[1]), static_cast<long long>(k.words[0]));
+    const __m256i s = _mm256_sub_epi16(_mm256_cvtepu8_epi16(biased), _mm256_set1_epi16(32));
+    scale_pairs(s, o);
+    coefs(s, o);
+    o.d = half_at(b, 108);
+    o.k = -4.0f * o.d;
   }
 };
 template <>
@@ -257,6 +344,10 @@ struct Levels<Type::Q4_K> {  // chunk 2j (+1): low (high) nibbles of qs[32j + l]
   static void scales(const uint8_t* b, ggml::Decoded<Type::Q4_K>& o) { k4_scales_x8(b, o); }
   template <int C>
   static __m256i chunk(const uint8_t* b) { return byte_bits<4 * (C % 2)>(load32(b + 16 + 32 * (C / 2)), 0xf); }
+  static constexpr bool kSignedIntLevels = false, kIntCoefs = true;
+  template <int C>
+  static __m256i int_levels(const uint8_t* b) { return chunk<C>(b); }
+  static void int_scales(const uint8_t* b, IntScales& o) { k4_int_scales(b, o); }
 };
 template <>
 struct Levels<Type::Q5_K> {  // Q4_K's nibbles plus 16 for bit C of qh[l]
@@ -266,6 +357,10 @@ struct Levels<Type::Q5_K> {  // Q4_K's nibbles plus 16 for bit C of qh[l]
     const __m256i low = byte_bits<4 * (C % 2)>(load32(b + 48 + 32 * (C / 2)), 0xf);
     return _mm256_or_si256(low, _mm256_slli_epi16(byte_bits<C>(load32(b + 16), 1), 4));
   }
+  static constexpr bool kSignedIntLevels = false, kIntCoefs = true;
+  template <int C>
+  static __m256i int_levels(const uint8_t* b) { return chunk<C>(b); }
+  static void int_scales(const uint8_t* b, IntScales& o) { k4_int_scales(b, o); }
 };
 template <>
 struct Levels<Type::Q6_K> {  // chunk 4h + k: nibble of ql[64h + 32(k % 2) + l], bits 2k of qh[32h + l]
@@ -276,13 +371,33 @@ struct Levels<Type::Q6_K> {  // chunk 4h + k: nibble of ql[64h + 32(k % 2) + l],
     _mm256_storeu_ps(o.d + 8, _mm256_mul_ps(d, s8x8_to_float(b + 200)));
   }
   template <int C>
-  static __m256i chunk(const uint8_t* b) {
+  static __m256i chunk(const uint8_t* b) { return _mm256_sub_epi8(int_levels<C>(b), bytes(32)); }
+  // Levels + 32 (0..63), the offset through the coefficients: scale_s, times -32d.
+  static constexpr bool kSignedIntLevels = false, kIntCoefs = true;
+  template <int C>
+  static __m256i int_levels(const uint8_t* b) {
     constexpr int h = C / 4, k = C % 4;
     const __m256i low = byte_bits<k < 2 ? 0 : 4>(load32(b + 64 * h + 32 * (k % 2)), 0xf);
     const __m256i high = _mm256_slli_epi16(byte_bits<2 * k>(load32(b + 128 + 32 * h), 3), 4);
-    return _mm256_sub_epi8(_mm256_or_si256(low, high), bytes(32));
+    return _mm256_or_si256(low, high);
+  }
+  static void int_scales(const uint8_t* b, IntScales& o) {
+    const __m256i s = _mm256_cvtepi8_epi16(load16(b + 192));
+    scale_pairs(s, o);
+    coefs(s, o);
+    o.d = half_at(b, 208);
+    o.k = -32.0f * o.d;
   }
 };
+
+// Whether T has the integer form (Levels<T>::int_scales; see IntScales).
+template <ggml::Type T>
+constexpr bool has_int_scales() {
+  if constexpr (!has_simd_levels(T))
+    return false;
+  else
+    return requires { Levels<T>::kIntCoefs; };
+}
 
 }  // namespace simd
 }  // namespace

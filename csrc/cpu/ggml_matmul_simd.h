@@ -1,5 +1,6 @@
 // The GGUF matmul with 8-bit activations, written once over an int8 dot
-// product D (DotAvx2: maddubs + madd; DotVnni: AVX-512 VNNI vpdpbusd) and
+// product D (DotAvx2: maddubs + madd; DotVnni: AVX-512 VNNI vpdpbusd, and
+// vpdpwssd for the dots scaled by integer sub-block scales) and
 // instantiated per ISA in its own translation unit. D also says how many
 // weight rows a tile shares each activation load between (what its register
 // file holds) and whether its u8 x s8 products are safe from saturation.
@@ -7,9 +8,12 @@
 //
 // As in llama.cpp, each 32-element chunk of a block becomes 32 int8 levels in
 // a register (ggml_levels_simd.h) and meets the activations' int8 values in
-// an integer dot product; the sum of each sub-block is scaled by
-// d_w * d_x in fp32, and the mins of K-quants go through the activations'
-// block sums (block_dot in core/ggml_q8.h is the scalar statement of all of it).
+// an integer dot product. For the legacy and the IQ types the sum of each
+// sub-block is scaled by d_w * d_x in fp32 (block_dot in core/ggml_q8.h is
+// the scalar statement of it); the K-quants and IQ4_XS scale each sub-block's
+// sum by its integer scale in int32 and meet fp32 once per block
+// (simd::IntScales). The mins (and Q6_K's and Q3_K's level offsets) go
+// through the activations' block sums.
 #pragma once
 
 #include <immintrin.h>
@@ -39,7 +43,12 @@ struct MatmulSimd {
   // (the signed legacy types, IQ4_XS) 5-35% faster, but types with mins or
   // 16 sub-blocks 0-15% slower (their per-row scales and mins outgrow the
   // registers), so those keep one row.
-  static constexpr int kRowTile = !I::kHasMin && kScaleVecs == 1 ? D::kRowTile : 1;
+  static constexpr int kRowTile = !I::kHasMin && kScaleVecs == 1 && !simd::has_int_scales<T>() ? D::kRowTile : 1;
+  // The K-quants and IQ4_XS scale each chunk's dot by integer sub-block
+  // scales and meet fp32 once per block, as llama.cpp's kernels do
+  // (simd::IntScales): a chain of one FMA per block instead of one per
+  // chunk, and no sign trick for Q6_K and Q3_K.
+  static constexpr bool kIntScales = simd::has_int_scales<T>();
   static_assert(I::kSub == 16 || I::kSub % 32 == 0, "sub-blocks of 16 or a multiple of 32 elements");
 
   static float hsum(__m256 v) {
@@ -52,6 +61,20 @@ struct MatmulSimd {
   // 8 per vector (a legacy block's single scale fills all lanes).
   template <int RT, int MT>
   using Scales = __m256[RT][MT][kScaleVecs];
+
+  // Per-sub-block values held 8 per vector (vector s / 8, lane s % 8): the
+  // vector and lanes that chunk C's dot lanes take theirs from.
+  template <int C>
+  static constexpr int sub_vec() { return I::kSub >= 32 ? 32 * C / I::kSub / 8 : C / 4; }
+  template <int C>
+  static __m256i sub_lanes() {
+    if constexpr (I::kSub >= 32) {  // one sub-block in every lane
+      return _mm256_set1_epi32(32 * C / I::kSub % 8);
+    } else {  // lanes 0-3: sub-block 2C, lanes 4-7: sub-block 2C + 1
+      constexpr int j = 2 * C % 8;
+      return _mm256_setr_epi32(j, j, j, j, j + 1, j + 1, j + 1, j + 1);
+    }
+  }
 
   // Chunk C of block `bi` of RT weight rows against MT activation rows: each
   // activation load serves RT rows and each decoded chunk MT activation rows.
@@ -78,16 +101,8 @@ struct MatmulSimd {
       for (int r = 0; r < RT; ++r) {
         const __m256i xs = I::kHasMin || kOffset ? x : _mm256_sign_epi8(x, w[r]);
         const __m256 p = _mm256_cvtepi32_ps(D::dot(start, wu[r], xs));  // lane i: elements 4i .. 4i+3
-        __m256 scale;
-        if constexpr (kChunks == 1) {
-          scale = ds[r][m][0];
-        } else if constexpr (I::kSub >= 32) {  // one sub-block in every lane
-          constexpr int s = 32 * C / I::kSub;
-          scale = _mm256_permutevar8x32_ps(ds[r][m][s / 8], _mm256_set1_epi32(s % 8));
-        } else {  // lanes 0-3: sub-block 2C, lanes 4-7: sub-block 2C + 1
-          constexpr int j = 2 * C % 8;
-          scale = _mm256_permutevar8x32_ps(ds[r][m][C / 4], _mm256_setr_epi32(j, j, j, j, j + 1, j + 1, j + 1, j + 1));
-        }
+        const __m256 scale =
+            kChunks == 1 ? ds[r][m][0] : _mm256_permutevar8x32_ps(ds[r][m][sub_vec<C>()], sub_lanes<C>());
         acc[r][m] = _mm256_fmadd_ps(p, scale, acc[r][m]);
       }
     }
@@ -100,30 +115,52 @@ struct MatmulSimd {
     (chunk<RT, MT, C>(blk, dec, ds, acts, bi, acc), ...);
   }
 
-  // mins += sum over sub-blocks s of m_w[s] * (d_x * sum of the sub-block's
-  // activation levels): the K-quants' mins through Q8_K's integer block sums
-  // (one per 16 elements), or Q8_1's s, which already includes d_x.
+  // The integer form's chunk C: iacc += scale_s * (int levels . x) per lane.
+  template <int RT, int MT, int C>
+  static inline void int_chunk(const uint8_t* const (&blk)[RT], const simd::IntScales (&is)[RT],
+                               const ggml::ActRow* acts, int64_t bi, __m256i (&iacc)[RT][MT]) {
+    using Lv = simd::Levels<T>;
+    __m256i w[RT], u[RT], scale[RT];
+    for (int r = 0; r < RT; ++r) {
+      w[r] = Lv::template int_levels<C>(blk[r]);
+      u[r] = Lv::kSignedIntLevels ? _mm256_abs_epi8(w[r]) : w[r];
+      scale[r] = _mm256_permutevar8x32_epi32(is[r].pairs[sub_vec<C>()], sub_lanes<C>());
+    }
+    const int64_t e = bi * I::kBlock + 32 * C;
+    for (int m = 0; m < MT; ++m) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acts[m].q + e));
+      for (int r = 0; r < RT; ++r)
+        iacc[r][m] = D::scaled_dot(iacc[r][m], u[r], Lv::kSignedIntLevels ? _mm256_sign_epi8(x, w[r]) : x, scale[r]);
+    }
+  }
+
+  template <int RT, int MT, int... C>
+  static inline void int_chunks(std::integer_sequence<int, C...>, const uint8_t* const (&blk)[RT],
+                                const simd::IntScales (&is)[RT], const ggml::ActRow* acts, int64_t bi,
+                                __m256i (&iacc)[RT][MT]) {
+    (int_chunk<RT, MT, C>(blk, is, acts, bi, iacc), ...);
+  }
+
+  // Q8_K's integer sums of activation row `a` per sub-block of block bi,
+  // 8 sub-blocks per vector (pairs of its 16-element sums for 32-element
+  // sub-blocks, hadd's order put back).
+  static inline void sub_block_sums(const ggml::ActRow& a, int64_t bi, __m256 (&sums)[kScaleVecs]) {
+    static_assert(L::kSumBlock == 16 && I::kBlock == 256, "Q8_K sums per 16 of 256");
+    const __m256 lo = _mm256_loadu_ps(a.sum + bi * 16), hi = _mm256_loadu_ps(a.sum + bi * 16 + 8);
+    if constexpr (kScaleVecs == 2) {
+      sums[0] = lo, sums[1] = hi;
+    } else {
+      sums[0] = _mm256_permutevar8x32_ps(_mm256_hadd_ps(lo, hi), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+    }
+  }
+
+  // mins += m_w * s for the legacy types with mins, whose Q8_1 activation
+  // blocks keep s = d_x * sum(q_x) (the integer form carries the K-quants').
   template <int MT>
   static inline void add_mins(const ggml::Decoded<T>& sc, const ggml::ActRow* acts, int64_t bi, __m256 (&mins)[MT]) {
-    constexpr int kSubs = I::kBlock / I::kSub;
-    for (int m = 0; m < MT; ++m) {
-      if constexpr (I::kAct == ggml::Act::Q8_K) {
-        static_assert(L::kSumBlock == 16 && kSubs >= 8, "Q8_K sums per 16 for 8 or 16 sub-blocks");
-        const float* sums = acts[m].sum + bi * 16;
-        const __m256 dx = _mm256_set1_ps(acts[m].d[bi]);
-        const __m256 lo = _mm256_loadu_ps(sums), hi = _mm256_loadu_ps(sums + 8);
-        if constexpr (kSubs == 16) {
-          mins[m] = _mm256_fmadd_ps(_mm256_loadu_ps(sc.m), _mm256_mul_ps(dx, lo), mins[m]);
-          mins[m] = _mm256_fmadd_ps(_mm256_loadu_ps(sc.m + 8), _mm256_mul_ps(dx, hi), mins[m]);
-        } else {  // 8 sub-blocks of 32: pairs of sums, hadd's order put back
-          const __m256 pairs = _mm256_permutevar8x32_ps(_mm256_hadd_ps(lo, hi), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
-          mins[m] = _mm256_fmadd_ps(_mm256_loadu_ps(sc.m), _mm256_mul_ps(dx, pairs), mins[m]);
-        }
-      } else {  // Q8_1: one sub-block, one sum per block
-        static_assert(kSubs == 1 && L::kSumBlock == I::kBlock, "Q8_1 pairs with one 32-element sub-block");
-        mins[m] = _mm256_add_ps(mins[m], _mm256_setr_ps(sc.m[0] * acts[m].sum[bi], 0, 0, 0, 0, 0, 0, 0));
-      }
-    }
+    static_assert(I::kAct == ggml::Act::Q8_1 && I::kSub == I::kBlock, "Q8_1 pairs with one 32-element sub-block");
+    for (int m = 0; m < MT; ++m)
+      mins[m] = _mm256_add_ps(mins[m], _mm256_setr_ps(sc.m[0] * acts[m].sum[bi], 0, 0, 0, 0, 0, 0, 0));
   }
 
   // RT weight rows (from wrow, row_bytes apart) against MT activation rows:
@@ -136,7 +173,6 @@ struct MatmulSimd {
     __m256 acc[RT][MT], mins[RT][MT];
     for (int r = 0; r < RT; ++r)
       for (int m = 0; m < MT; ++m) acc[r][m] = mins[r][m] = _mm256_setzero_ps();
-    ggml::Decoded<T> sc[RT];
     for (int64_t bi = 0; bi < blocks; ++bi) {
       const uint8_t* blk[RT];
       for (int r = 0; r < RT; ++r) {
@@ -147,27 +183,64 @@ struct MatmulSimd {
         if constexpr (RT > 1)
           for (int off = 0; off < I::kBytes; off += 64)
             _mm_prefetch(reinterpret_cast<const char*>(blk[r]) + 1024 + off, _MM_HINT_T0);
-        simd::block_scales(blk[r], sc[r]);
       }
-      Scales<RT, MT> ds;
-      for (int m = 0; m < MT; ++m) {
-        const float dx = acts[m].d[bi];
-        for (int r = 0; r < RT; ++r) {
-          if constexpr (I::kBlock == I::kSub) {
-            ds[r][m][0] = _mm256_set1_ps(sc[r].d[0] * dx);
-          } else {
-            static_assert((I::kBlock / I::kSub) % 8 == 0, "whole vectors of sub-block scales");
-            for (int v = 0; v < kScaleVecs; ++v)
-              ds[r][m][v] = _mm256_mul_ps(_mm256_loadu_ps(sc[r].d + 8 * v), _mm256_set1_ps(dx));
-          }
-        }
-      }
-      chunks<RT, MT>(std::make_integer_sequence<int, kChunks>{}, blk, sc, ds, acts, bi, acc);
-      if constexpr (I::kHasMin)
-        for (int r = 0; r < RT; ++r) add_mins<MT>(sc[r], acts, bi, mins[r]);
+      if constexpr (kIntScales)
+        int_block<RT, MT>(blk, acts, bi, acc, mins);
+      else
+        float_block<RT, MT>(blk, acts, bi, acc, mins);
     }
     for (int r = 0; r < RT; ++r)
       for (int m = 0; m < MT; ++m) out[m * rows + r] = hsum(_mm256_add_ps(acc[r][m], mins[r][m]));
+  }
+
+  // Block bi in the integer form: int32 sums over the chunks, then
+  // acc += d_w * d_x * sum and mins += k_w * d_x * sum_s coef_s * x's sum over s.
+  template <int RT, int MT>
+  static inline void int_block(const uint8_t* const (&blk)[RT], const ggml::ActRow* acts, int64_t bi,
+                               __m256 (&acc)[RT][MT], __m256 (&mins)[RT][MT]) {
+    simd::IntScales is[RT];
+    for (int r = 0; r < RT; ++r) simd::Levels<T>::int_scales(blk[r], is[r]);
+    __m256i iacc[RT][MT];
+    for (int r = 0; r < RT; ++r)
+      for (int m = 0; m < MT; ++m) iacc[r][m] = _mm256_setzero_si256();
+    int_chunks<RT, MT>(std::make_integer_sequence<int, kChunks>{}, blk, is, acts, bi, iacc);
+    for (int m = 0; m < MT; ++m) {
+      const float dx = acts[m].d[bi];
+      __m256 sums[kScaleVecs];
+      if constexpr (simd::Levels<T>::kIntCoefs) sub_block_sums(acts[m], bi, sums);
+      for (int r = 0; r < RT; ++r) {
+        acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][m]), _mm256_set1_ps(is[r].d * dx), acc[r][m]);
+        if constexpr (simd::Levels<T>::kIntCoefs) {
+          __m256 t = _mm256_mul_ps(is[r].coef[0], sums[0]);  // exact: small integers
+          if constexpr (kScaleVecs == 2) t = _mm256_fmadd_ps(is[r].coef[1], sums[1], t);
+          mins[r][m] = _mm256_fmadd_ps(t, _mm256_set1_ps(is[r].k * dx), mins[r][m]);
+        }
+      }
+    }
+  }
+
+  // Block bi with fp32 sub-block scales d_w * d_x applied to every chunk.
+  template <int RT, int MT>
+  static inline void float_block(const uint8_t* const (&blk)[RT], const ggml::ActRow* acts, int64_t bi,
+                                 __m256 (&acc)[RT][MT], __m256 (&mins)[RT][MT]) {
+    ggml::Decoded<T> sc[RT];
+    for (int r = 0; r < RT; ++r) simd::block_scales(blk[r], sc[r]);
+    Scales<RT, MT> ds;
+    for (int m = 0; m < MT; ++m) {
+      const float dx = acts[m].d[bi];
+      for (int r = 0; r < RT; ++r) {
+        if constexpr (I::kBlock == I::kSub) {
+          ds[r][m][0] = _mm256_set1_ps(sc[r].d[0] * dx);
+        } else {
+          static_assert((I::kBlock / I::kSub) % 8 == 0, "whole vectors of sub-block scales");
+          for (int v = 0; v < kScaleVecs; ++v)
+            ds[r][m][v] = _mm256_mul_ps(_mm256_loadu_ps(sc[r].d + 8 * v), _mm256_set1_ps(dx));
+        }
+      }
+    }
+    chunks<RT, MT>(std::make_integer_sequence<int, kChunks>{}, blk, sc, ds, acts, bi, acc);
+    if constexpr (I::kHasMin)
+      for (int r = 0; r < RT; ++r) add_mins<MT>(sc[r], acts, bi, mins[r]);
   }
 
   // RT weight rows against all M activation rows, up to 4 at a time.
