@@ -10,13 +10,16 @@ same threads:
     python benchmarks/bench_gguf.py [--quick]
 
 Prints the tables and writes benchmarks/results/<machine>-gguf.json, .txt and
-a PNG of matvec throughput per type against the peers.
+a PNG of matvec throughput per type against the peers. Each comparison is
+timed in alternating rounds, each side's fastest round reported
+(common.time_rounds_ms), so that load from elsewhere on a shared machine
+cannot land on one side only.
 """
 import argparse
 import os
 import sys
 
-from common import RESULTS, copy_bandwidth_gbs, machine, print_table, printed_to, time_ms, write_results  # first: sets THP
+from common import RESULTS, copy_bandwidth_gbs, machine, print_table, printed_to, time_rounds_ms, write_results  # first: sets THP
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -39,8 +42,8 @@ def dequant_table(rng, rows, n, budget):
         raw = gb.random_blocks(rng, name, rows, n)
         W = torch.from_numpy(raw)
         t = gb.type_id(name)
-        ms = time_ms(lambda: torch.ops.lowbit.ggml_dequantize(W, t, rows, n, torch.float32), budget_s=budget)
-        numpy_ms = time_ms(lambda: gb.dequantize(raw, name), min_reps=3, budget_s=budget)
+        ms, numpy_ms = time_rounds_ms([lambda: torch.ops.lowbit.ggml_dequantize(W, t, rows, n, torch.float32),
+                                       lambda: gb.dequantize(raw, name)], min_reps=3, budget_s=budget)
         gbs = raw.nbytes / (ms * 1e-3) / 1e9
         records.append(dict(type=name, rows=rows, n=n, lowbit_ms=ms, input_gbs=gbs, gguf_py_ms=numpy_ms,
                             speedup_vs_gguf_py=numpy_ms / ms))
@@ -63,8 +66,8 @@ def matmul_table(rng, shapes, types, threads_list, bandwidth, budget):
             dense_ms = {}
             for threads in threads_list:
                 torch.set_num_threads(threads)
-                dense_ms[threads] = (time_ms(lambda: torch.nn.functional.linear(x, dense), budget_s=budget),
-                                     time_ms(lambda: torch.nn.functional.linear(x16, dense16), budget_s=budget))
+                dense_ms[threads] = time_rounds_ms([lambda: torch.nn.functional.linear(x, dense),
+                                                    lambda: torch.nn.functional.linear(x16, dense16)], budget_s=budget)
             for name in types:
                 raw_np = gb.random_blocks(rng, name, rows, n)
                 raw = torch.from_numpy(raw_np)
@@ -79,11 +82,10 @@ def matmul_table(rng, shapes, types, threads_list, bandwidth, budget):
                     agree = float(np.abs(op(raw, x, t, rows).numpy() - ref).max() / max(np.abs(ref).max(), 1e-30))
                 for threads in threads_list:
                     torch.set_num_threads(threads)
-                    ms = time_ms(lambda: op(raw, x, t, rows), budget_s=budget)
-                    peer_ms = float("nan")
                     if peer:
                         peer.threads = threads
-                        peer_ms = time_ms(peer.compute, budget_s=budget)
+                    ms, peer_ms = time_rounds_ms([lambda: op(raw, x, t, rows), peer and peer.compute],
+                                                 budget_s=budget)
                     fp32_ms, bf16_ms = dense_ms[threads]
                     gbs = raw.numel() / (ms * 1e-3) / 1e9
                     records.append(dict(type=name, rows=rows, n=n, M=M, threads=threads, lowbit_ms=ms,
@@ -137,7 +139,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="smaller shapes, fewer types, shorter timing")
     args = parser.parse_args()
-    budget = 0.15 if args.quick else 0.4
+    budget = 0.1 if args.quick else 0.2  # per round of time_rounds_ms
     rng = np.random.default_rng(0)
 
     info = machine()

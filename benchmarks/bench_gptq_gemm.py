@@ -6,11 +6,13 @@ the machine's copy bandwidth (GB/s = bytes of qweight + scales + zeros / time).
 
     python benchmarks/bench_gptq_gemm.py [--device cpu|cuda] [--quick]
 
-Writes benchmarks/results/<machine>-gptq.json and .txt.
+Writes benchmarks/results/<machine>-gptq.json and .txt. Every kernel of a
+shape, M and thread count is timed in alternating rounds, each one's fastest
+round reported (common.time_rounds_ms).
 """
 import argparse
 
-from common import copy_bandwidth_gbs, machine, print_table, printed_to, time_ms, write_results  # first: sets THP
+from common import copy_bandwidth_gbs, machine, print_table, printed_to, time_rounds_ms, write_results  # first: sets THP
 
 import torch  # noqa: E402
 
@@ -55,7 +57,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="one shape, M = 1, shorter timing")
     args = parser.parse_args()
     device = torch.device(args.device)
-    budget = 0.2 if args.quick else 0.5
+    budget = 0.1 if args.quick else 0.15  # per round of time_rounds_ms
     shapes = [(4096, 4096)] if args.quick else SHAPES
     ms_list = [1] if args.quick else MS
     threads_list = [torch.get_num_threads()] if args.quick or device.type != "cpu" else THREADS
@@ -78,16 +80,15 @@ def main():
                 weights = {bits: random_gptq_weight(K, N, bits, device) for bits in BITS}
                 for threads in threads_list:
                     torch.set_num_threads(threads)
-                    fp32_ms = time_ms(lambda: a32 @ dense32, device, budget_s=budget)
-                    bf16_ms = time_ms(lambda: a16 @ dense16, device, budget_s=budget)
-                    int4_ms = time_ms(int4, budget_s=budget) if int4 else float("nan")
-                    for bits in BITS:
+                    # fp32 activations against fp32 dense; bf16 activations (what torch's
+                    # int4 kernel and bf16 dense take) against those two. All in turns.
+                    gemm = lambda a, w, bits: lambda: torch.ops.lowbit.gptq_gemm(a, *w, False, True, bits)
+                    fp32_ms, bf16_ms, int4_ms, *lowbit_ms = time_rounds_ms(
+                        [lambda: a32 @ dense32, lambda: a16 @ dense16, int4] +
+                        [gemm(a, weights[bits], bits) for bits in BITS for a in (a32, a16)], device, budget_s=budget)
+                    for i, bits in enumerate(BITS):
                         qweight, qzeros, scales, g_idx = weights[bits]
-                        # fp32 activations against fp32 dense; bf16 activations (what torch's
-                        # int4 kernel and bf16 dense take) against those two.
-                        ms, ms16 = (time_ms(lambda: torch.ops.lowbit.gptq_gemm(a, qweight, qzeros, scales, g_idx,
-                                                                                False, True, bits),
-                                            device, budget_s=budget) for a in (a32, a16))
+                        ms, ms16 = lowbit_ms[2 * i: 2 * i + 2]
                         nbytes = sum(t.numel() * t.element_size() for t in (qweight, qzeros, scales))
                         gbs = nbytes / (min(ms, ms16) * 1e-3) / 1e9
                         peer_int4 = int4_ms if bits == 4 else float("nan")

@@ -43,11 +43,27 @@ def time_ms(fn, device=torch.device("cpu"), min_reps=5, budget_s=1.0):
     return statistics.median(times)
 
 
+def time_rounds_ms(fns, device=torch.device("cpu"), rounds=3, min_reps=5, budget_s=0.2):
+    """The time of each function in fns (None gives nan) on a shared machine:
+    `rounds` rounds in which every function takes its turn (time_ms, the
+    median of its calls), and per function its fastest round. Taking turns
+    puts a burst of load from elsewhere on every side of a comparison alike,
+    instead of on one side's whole measurement; the fastest round is the
+    machine at its quietest, for each side."""
+    best = [float("inf") if fn else float("nan") for fn in fns]
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            if fn:
+                best[i] = min(best[i], time_ms(fn, device, min_reps=min_reps, budget_s=budget_s))
+    return best
+
+
 def copy_bandwidth_gbs(device=torch.device("cpu"), nbytes=1 << 29):
-    """Read+write bandwidth of a large tensor copy, in GB/s (1e9 bytes)."""
+    """Read+write bandwidth of a large tensor copy, in GB/s (1e9 bytes), from
+    its fastest of three rounds (time_rounds_ms), as the kernels are timed."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), device, min_reps=5, budget_s=2.0)
+    (ms,) = time_rounds_ms([lambda: dst.copy_(src)], device, budget_s=0.7)
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
