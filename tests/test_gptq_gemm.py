@@ -101,18 +101,25 @@ def test_gemm_arbitrary_g_idx_unshuffled(device, M):
     assert_close_to_reference(out, a, W, "arbitrary g_idx")
 
 
-@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
-def test_gemm_scale_dtypes(device, scale_dtype):
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gemm_scale_dtypes(device, scale_dtype, bits, act_order):
+    """Every kernel reads each group's scales in their stored dtype (and the
+    v1 zero points) itself: the fused kernels at M = 1 (the SIMD ones for
+    contiguous groups, the portable one for an act-order g_idx), dequantize +
+    matmul at M = 64."""
     rng = np.random.default_rng(1)
-    ckpt = ref.random_checkpoint(rng, K, N, 3, 64, False, "gptq", True)
+    ckpt = ref.random_checkpoint(rng, K, N, bits, 64, False, "gptq", act_order)
     # Scales exactly representable in scale_dtype, given to the reference as float64.
     scales = torch.from_numpy(ckpt["scales"]).float().mul(1.37).to(scale_dtype)
     ckpt["scales"] = scales.double().numpy()
-    W = ref.dequantize(ckpt["qweight"], ckpt["qzeros"], ckpt["scales"], ckpt["g_idx"], 3, "gptq")
+    W = ref.dequantize(ckpt["qweight"], ckpt["qzeros"], ckpt["scales"], ckpt["g_idx"], bits, "gptq")
     t = as_torch(ckpt, device)
     for M in (1, 64):
         a = torch.randn(M, K, device=device, dtype=torch.float16)
-        out = torch.ops.lowbit.gptq_gemm(a, t["qweight"], t["qzeros"], scales.to(device), t["g_idx"], False, False, 3)
+        out = torch.ops.lowbit.gptq_gemm(a, t["qweight"], t["qzeros"], scales.to(device), t["g_idx"], False, False,
+                                         bits)
         assert out.dtype == torch.float16
         assert_close_to_reference(out, a, W, f"{scale_dtype} scales M={M}")
 

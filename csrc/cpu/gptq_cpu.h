@@ -22,9 +22,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gptq_permute_cols(const at::Tenso
 at::Tensor gptq_pack(const at::Tensor& values, int64_t bit, int64_t dim);
 at::Tensor gptq_unpack(const at::Tensor& packed, int64_t bit, int64_t dim);
 
-// Zero points of every group and column, [groups, N] int32, with the
-// v1/v2 zero-point rule applied (shared by gemm and dequantize).
-at::Tensor zero_points(const at::Tensor& qzeros, int64_t bit, bool use_v2_format);
-
 }  // namespace cpu
 }  // namespace lowbit

@@ -28,6 +28,7 @@
 
 #include "../core/gptq_format.h"
 #include "gptq_kernels.h"
+#include "gptq_group_simd.h"
 
 namespace lowbit {
 namespace cpu {
@@ -77,7 +78,7 @@ struct FusedBf16x4 {
       __m512i w[U];
       for (int u = 0; u < U; ++u) {
         const uint32_t* row = q + p * N + u * L;
-        __builtin_prefetch(row + kPrefetchAhead);
+        __builtin_prefetch(row + kPrefetchAhead, 0, 2);
         w[u] = _mm512_loadu_si512(row);
       }
       for (int i = 0; i < 4; ++i) {
@@ -103,10 +104,12 @@ struct FusedBf16x4 {
       }
   }
 
-  // Rows m0 .. m0+MT of out[:, n0:n1], group g.
+  // Rows m0 .. m0+MT of out[:, n0:n1], group g, whose zero points and scales
+  // for those columns are z and s.
   template <int MT>
   static void group_rows(const float* a, const Bf16Acts& a16, const GptqWeight& w, int64_t g, int64_t m0,
-                         int64_t n0, int64_t n1, std::vector<uint32_t>& scratch, float* out, __m512i table) {
+                         int64_t n0, int64_t n1, const int32_t* z, const float* s, std::vector<uint32_t>& scratch,
+                         float* out, __m512i table) {
     const int64_t gs = w.group_of.group_size;
     const int64_t rows = std::min(gs, w.K - g * gs);  // the last group may be short
     Group in{nullptr, rows / P::kFields, a16.planes, {}};
@@ -127,7 +130,7 @@ struct FusedBf16x4 {
     in.pairs = scratch.data();
     const uint32_t* qg = w.qweight + g * (gs / P::kFields) * w.N;
     for (int64_t n = n0; n < n1; n += kU<MT> * L)
-      tile<MT>(in, qg + n, w.N, w.zeros + g * w.N + n, w.scales + g * w.N + n, out + m0 * w.N + n, table);
+      tile<MT>(in, qg + n, w.N, z + (n - n0), s + (n - n0), out + m0 * w.N + n, table);
   }
 
   static void run(const float* a, const Bf16Acts& a16, const GptqWeight& w, int64_t n0, int64_t n1, float* out) {
@@ -136,17 +139,20 @@ struct FusedBf16x4 {
     const int64_t groups = (w.K + w.group_of.group_size - 1) / w.group_of.group_size;
     const __m512i table = levels();
     std::vector<uint32_t> scratch;
+    std::vector<int32_t> z(n1 - n0);
+    std::vector<float> s(n1 - n0);
     for (int64_t g = 0; g < groups; ++g) {
+      read_group_simd<4>(w, g, n0, n1, z.data(), s.data());
       for (int64_t m0 = 0; m0 < M;) {
         const int64_t left = M - m0;
         if (left >= 4) {
-          group_rows<4>(a, a16, w, g, m0, n0, n1, scratch, out, table), m0 += 4;
+          group_rows<4>(a, a16, w, g, m0, n0, n1, z.data(), s.data(), scratch, out, table), m0 += 4;
         } else if (left == 3) {
-          group_rows<3>(a, a16, w, g, m0, n0, n1, scratch, out, table), m0 += 3;
+          group_rows<3>(a, a16, w, g, m0, n0, n1, z.data(), s.data(), scratch, out, table), m0 += 3;
         } else if (left == 2) {
-          group_rows<2>(a, a16, w, g, m0, n0, n1, scratch, out, table), m0 += 2;
+          group_rows<2>(a, a16, w, g, m0, n0, n1, z.data(), s.data(), scratch, out, table), m0 += 2;
         } else {
-          group_rows<1>(a, a16, w, g, m0, n0, n1, scratch, out, table), m0 += 1;
+          group_rows<1>(a, a16, w, g, m0, n0, n1, z.data(), s.data(), scratch, out, table), m0 += 1;
         }
       }
     }

@@ -30,6 +30,7 @@
 
 #include "../core/gptq_format.h"
 #include "gptq_kernels.h"
+#include "gptq_group_simd.h"
 
 namespace lowbit {
 namespace cpu {
@@ -142,7 +143,7 @@ struct FusedSimd {
       for (int w = 0; w < P::kWords; ++w)
         for (int u = 0; u < U; ++u) {
           const uint32_t* row = q + (p * P::kWords + w) * N + u * L;
-          __builtin_prefetch(row + kPrefetchAhead);
+          __builtin_prefetch(row + kPrefetchAhead, 0, 2);
           words[w][u] = V::load_i(row);
         }
       if constexpr (kPairs) {
@@ -161,11 +162,12 @@ struct FusedSimd {
       }
   }
 
-  // Rows m0 .. m0+MT of out[:, n0:n1], one group g. `scratch` holds the pair
-  // tables (kPairs), built once here for every column tile.
+  // Rows m0 .. m0+MT of out[:, n0:n1], one group g, whose zero points and
+  // scales for those columns are z and s. `scratch` holds the pair tables
+  // (kPairs), built once here for every column tile.
   template <int MT>
   static void group_rows(const float* a, const GptqWeight& w, int64_t g, int64_t m0, int64_t n0, int64_t n1,
-                         float* scratch, float* out) {
+                         const int32_t* z, const float* s, float* scratch, float* out) {
     const int64_t gs = w.group_of.group_size;
     const int64_t rows = std::min(gs, w.K - g * gs);  // the last group may be short
     const int64_t packs = rows / P::kFields;
@@ -188,7 +190,7 @@ struct FusedSimd {
     }
     const uint32_t* qg = w.qweight + g * (gs / P::kFields) * P::kWords * w.N;
     for (int64_t n = n0; n < n1; n += kU<MT> * L) {
-      group_tile<MT>(in, qg + n, w.N, packs, w.zeros + g * w.N + n, w.scales + g * w.N + n, out + m0 * w.N + n);
+      group_tile<MT>(in, qg + n, w.N, packs, z + (n - n0), s + (n - n0), out + m0 * w.N + n);
     }
   }
 
@@ -197,21 +199,24 @@ struct FusedSimd {
     const int64_t gs = w.group_of.group_size;
     const int64_t groups = (w.K + gs - 1) / gs;
     std::vector<float> scratch(kPairs ? kMaxRows * (std::min(gs, w.K) / 2) * L : 0);
+    std::vector<int32_t> z(n1 - n0);
+    std::vector<float> s(n1 - n0);
     for (int64_t g = 0; g < groups; ++g) {
+      read_group_simd<B>(w, g, n0, n1, z.data(), s.data());
       // Up to kMaxRows activation rows share each decoded weight; more take another pass.
       for (int64_t m0 = 0; m0 < M;) {
         const int64_t left = M - m0;
         if (left >= 4) {
-          group_rows<4>(a, w, g, m0, n0, n1, scratch.data(), out);
+          group_rows<4>(a, w, g, m0, n0, n1, z.data(), s.data(), scratch.data(), out);
           m0 += 4;
         } else if (left == 3) {
-          group_rows<3>(a, w, g, m0, n0, n1, scratch.data(), out);
+          group_rows<3>(a, w, g, m0, n0, n1, z.data(), s.data(), scratch.data(), out);
           m0 += 3;
         } else if (left == 2) {
-          group_rows<2>(a, w, g, m0, n0, n1, scratch.data(), out);
+          group_rows<2>(a, w, g, m0, n0, n1, z.data(), s.data(), scratch.data(), out);
           m0 += 2;
         } else {
-          group_rows<1>(a, w, g, m0, n0, n1, scratch.data(), out);
+          group_rows<1>(a, w, g, m0, n0, n1, z.data(), s.data(), scratch.data(), out);
           m0 += 1;
         }
       }

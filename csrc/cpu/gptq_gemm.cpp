@@ -37,15 +37,35 @@ constexpr int64_t kTileN = 64;
 // Bytes of fp32 weight tile decoded per at::mm call on the large-M path.
 constexpr int64_t kTileBytes = 8 << 20;
 
-// out[n - n0] = W[k, n] for n in [n0, n1).
+// Group parameters of one run of columns [n0, n1) (read_group), read again
+// only when the group changes: consecutive rows share theirs unless an
+// act-order g_idx scatters them.
 template <int B>
-inline void dequant_row(const GptqWeight& w, int64_t k, int64_t n0, int64_t n1, float* out) {
+class GroupRun {
+ public:
+  GroupRun(const GptqWeight& w, int64_t n0, int64_t n1) : w_(w), n0_(n0), n1_(n1), z_(n1 - n0), s_(n1 - n0) {}
+  void select(int64_t g) {
+    if (g != g_) read_group<B>(w_, g, n0_, n1_, z_.data(), s_.data()), g_ = g;
+  }
+  const int32_t* zeros() const { return z_.data(); }
+  const float* scales() const { return s_.data(); }
+
+ private:
+  const GptqWeight& w_;
+  int64_t n0_, n1_, g_ = -1;
+  std::vector<int32_t> z_;
+  std::vector<float> s_;
+};
+
+// out[n - n0] = W[k, n] for n in [n0, n1), with run holding those columns.
+template <int B>
+inline void dequant_row(const GptqWeight& w, int64_t k, GroupRun<B>& run, int64_t n0, int64_t n1, float* out) {
   const gptq::FieldLoc f = gptq::locate<B>(k);
   const uint32_t* lo = w.qweight + f.lo * w.N;
   const uint32_t* hi = w.qweight + f.hi * w.N;
-  const int64_t g = w.group_of(k);
-  const int32_t* z = w.zeros + g * w.N;
-  const float* s = w.scales + g * w.N;
+  run.select(w.group_of(k));
+  const int32_t* z = run.zeros() - n0;
+  const float* s = run.scales() - n0;
   for (int64_t n = n0; n < n1; ++n) out[n - n0] = gptq::dequant(gptq::extract(lo[n], hi[n], f), z[n], s[n]);
 }
 
@@ -63,9 +83,10 @@ void fused_portable(const float* a, int64_t M, const GptqWeight& w, int64_t n0, 
   float row[kTileN];
   for (int64_t t0 = n0; t0 < n1; t0 += kTileN) {
     const int64_t width = std::min(kTileN, n1 - t0);
+    GroupRun<B> run(w, t0, t0 + width);
     for (int64_t m = 0; m < M; ++m) std::fill_n(acc[m], width, 0.0f);
     for (int64_t k = 0; k < w.K; ++k) {
-      dequant_row<B>(w, k, t0, t0 + width, row);
+      dequant_row<B>(w, k, run, t0, t0 + width, row);
       for (int64_t m = 0; m < M; ++m) {
         const float am = a[m * w.K + k];
         for (int64_t n = 0; n < width; ++n) acc[m][n] += am * row[n];
@@ -122,7 +143,8 @@ void gemm_dequant_mm(const at::Tensor& a, const GptqWeight& w, at::Tensor& out) 
     const int64_t width = std::min(cols, N - n0);
     float* tile = tile_buf.data_ptr<float>();
     at::parallel_for(0, K, std::max<int64_t>(1, 4096 / width), [&](int64_t k0, int64_t k1) {
-      for (int64_t k = k0; k < k1; ++k) dequant_row<B>(w, k, n0, n0 + width, tile + k * width);
+      GroupRun<B> run(w, n0, n0 + width);
+      for (int64_t k = k0; k < k1; ++k) dequant_row<B>(w, k, run, n0, n0 + width, tile + k * width);
     });
     const at::Tensor tile_t = tile_buf.narrow(0, 0, K * width).view({K, width});
     if (width == N) {
@@ -133,10 +155,8 @@ void gemm_dequant_mm(const at::Tensor& a, const GptqWeight& w, at::Tensor& out) 
   }
 }
 
-// Owns the fp32 scales and zero points a GptqWeight points into.
+// Owns what a GptqWeight points into.
 struct PreparedWeight {
-  at::Tensor scales;
-  at::Tensor zeros;
   at::Tensor g_idx;
   GptqWeight view;
 };
@@ -158,9 +178,10 @@ int64_t contiguous_group_size(const at::Tensor& g_idx, int64_t K) {
 PreparedWeight prepare(const at::Tensor& qweight, const at::Tensor& qzeros, const at::Tensor& scales,
                        const at::Tensor& g_idx, const GptqDims& d, bool use_v2_format, int64_t bit) {
   PreparedWeight p;
-  p.scales = scales.to(at::kFloat).contiguous();
-  p.zeros = zero_points(qzeros, bit, use_v2_format);
   p.g_idx = g_idx;
+  const ScaleType scale_type = scales.scalar_type() == at::kFloat  ? ScaleType::kF32
+                               : scales.scalar_type() == at::kHalf ? ScaleType::kF16
+                                                                   : ScaleType::kBF16;
   int64_t group_size = d.K / d.groups;
   const int32_t* gi = g_idx.numel() ? g_idx.data_ptr<int32_t>() : nullptr;
   if (gi) {
@@ -172,8 +193,8 @@ PreparedWeight prepare(const at::Tensor& qweight, const at::Tensor& qzeros, cons
   p.view = GptqWeight{reinterpret_cast<const uint32_t*>(qweight.data_ptr<int32_t>()),
                       d.K,
                       d.N,
-                      p.zeros.data_ptr<int32_t>(),
-                      p.scales.data_ptr<float>(),
+                      GroupParams{reinterpret_cast<const uint32_t*>(qzeros.data_ptr<int32_t>()), scales.data_ptr(),
+                                  scale_type, use_v2_format},
                       RowGroups{gi, group_size}};
   return p;
 }
@@ -230,8 +251,9 @@ at::Tensor gptq_dequantize(const at::Tensor& b_q_weight, const at::Tensor& b_gpt
       constexpr int B = decltype(bits)::value;
       at::parallel_for(0, d.K, std::max<int64_t>(1, 16384 / d.N), [&](int64_t k0, int64_t k1) {
         std::vector<float> row(d.N);
+        GroupRun<B> run(w.view, 0, d.N);
         for (int64_t k = k0; k < k1; ++k) {
-          dequant_row<B>(w.view, k, 0, d.N, row.data());
+          dequant_row<B>(w.view, k, run, 0, d.N, row.data());
           std::copy(row.begin(), row.end(), dst + k * d.N);
         }
       });

@@ -5,6 +5,9 @@
 
 #include <stdint.h>
 
+#include <string.h>
+
+#include "../core/float_bits.h"
 #include "../core/gptq_format.h"
 
 namespace lowbit {
@@ -18,15 +21,56 @@ struct RowGroups {
   int64_t operator()(int64_t k) const { return g_idx ? g_idx[k] : k / group_size; }
 };
 
+// A GPTQ weight's per-group parameters as the checkpoint stores them. The
+// kernels unpack the run of columns they work on, one group at a time, into
+// small buffers (read_group): unpacking all [groups, N] up front, per call,
+// cost a matvec about a third of its time, mostly in page faults on the
+// fresh [groups, N] buffers.
+enum class ScaleType { kF32, kF16, kBF16 };
+struct GroupParams {
+  const uint32_t* qzeros;  // [groups, N * bits / 32], packed along N
+  const void* scales;      // [groups, N] of scale_type
+  ScaleType scale_type;
+  bool v2_format;  // qzeros store the zero itself (else zero - 1, GPTQ v1)
+};
+
 // A validated GPTQ weight in the form the kernels read it.
 struct GptqWeight {
   const uint32_t* qweight;  // [K*bit/32, N]
   int64_t K;
   int64_t N;
-  const int32_t* zeros;  // [groups, N], zero-point rule applied
-  const float* scales;   // [groups, N]
+  GroupParams params;
   RowGroups group_of;
 };
+
+// z[n - n0] for n in [n0, n1): group g's zero points, the format's rule applied.
+template <int B>
+inline void read_zeros(const GptqWeight& w, int64_t g, int64_t n0, int64_t n1, int32_t* z) {
+  using P = gptq::Pack<B>;
+  const uint32_t* zrow = w.params.qzeros + g * (w.N / P::kFields * P::kWords);
+  for (int64_t n = n0; n < n1; ++n) z[n - n0] = gptq::zero_point(gptq::unpack_field<B>(zrow, 1, n), w.params.v2_format);
+}
+
+// s[n - n0] for n in [n0, n1): group g's scales in fp32.
+inline void read_scales(const GptqWeight& w, int64_t g, int64_t n0, int64_t n1, float* s) {
+  const int64_t at = g * w.N + n0, count = n1 - n0;
+  if (w.params.scale_type == ScaleType::kF32) {
+    memcpy(s, static_cast<const float*>(w.params.scales) + at, static_cast<size_t>(count) * sizeof(float));
+    return;
+  }
+  const uint16_t* h = static_cast<const uint16_t*>(w.params.scales) + at;
+  if (w.params.scale_type == ScaleType::kF16) {
+    for (int64_t i = 0; i < count; ++i) s[i] = fp16_to_fp32(h[i]);
+  } else {
+    for (int64_t i = 0; i < count; ++i) s[i] = bf16_to_fp32(h[i]);
+  }
+}
+
+template <int B>
+inline void read_group(const GptqWeight& w, int64_t g, int64_t n0, int64_t n1, int32_t* z, float* s) {
+  read_zeros<B>(w, g, n0, n1, z);
+  read_scales(w, g, n0, n1, s);
+}
 
 // The SIMD fused kernels compute out[m, n] = sum_k a[m, k] * W[k, n] (fp32,
 // row-major a [M, K] and out [M, N]) for m < M and n in [n0, n1). They need

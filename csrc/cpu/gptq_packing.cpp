@@ -151,15 +151,6 @@ at::Tensor gptq_unpack(const at::Tensor& packed, int64_t bit, int64_t dim) {
   return out;
 }
 
-at::Tensor zero_points(const at::Tensor& qzeros, int64_t bit, bool use_v2_format) {
-  at::Tensor z = gptq_unpack(qzeros, bit, 1);
-  int32_t* p = z.data_ptr<int32_t>();
-  at::parallel_for(0, z.numel(), 16384, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) p[i] = gptq::zero_point(static_cast<uint32_t>(p[i]), use_v2_format);
-  });
-  return z;
-}
-
 namespace {
 
 // A copy of qweight (packed along K) with row k taken from row perm[k].
