@@ -78,7 +78,7 @@ struct FusedBf16x4 {
       __m512i w[U];
       for (int u = 0; u < U; ++u) {
         const uint32_t* row = q + p * N + u * L;
-        __builtin_prefetch(row + kPrefetchAhead, 0, 2);
+        __builtin_prefetch(row + kPrefetchAhead, 0, 2);  // read, locality 2: prefetcht1, into L2
         w[u] = _mm512_loadu_si512(row);
       }
       for (int i = 0; i < 4; ++i) {
