@@ -20,25 +20,23 @@ namespace {
 // multiples of 8.
 template <int B>
 inline void read_group_simd(const GptqWeight& w, int64_t g, int64_t n0, int64_t n1, int32_t* z, float* s) {
-  if constexpr (B == 3) {  // fields straddle words: the portable unpacking
-    read_zeros<B>(w, g, n0, n1, z);
-  } else {
-    const uint8_t* zrow = reinterpret_cast<const uint8_t*>(w.params.qzeros + g * (w.N * B / 32));
-    const __m256i offset = _mm256_set1_epi32(w.params.v2_format ? 0 : 1);
-    const __m256i mask = _mm256_set1_epi32((1 << B) - 1);
-    const __m256i shifts = _mm256_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B);
-    for (int64_t n = n0; n < n1; n += 8) {
-      // Columns n .. n+7 are 8B consecutive bits from byte nB / 8 of the row.
-      __m256i fields;
-      if constexpr (B == 8) {
-        fields = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zrow + n)));
-      } else {
-        uint32_t word = 0;
-        memcpy(&word, zrow + n * B / 8, B);  // 8B bits: 2 or 4 bytes
-        fields = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts), mask);
-      }
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(z + (n - n0)), _mm256_add_epi32(fields, offset));
+  // The packed words of a row are one little-endian bit stream (3-bit fields
+  // straddle words within it), so columns n .. n+7, n a multiple of 8, are
+  // the 8B bits from byte nB / 8: B whole bytes.
+  const uint8_t* zrow = reinterpret_cast<const uint8_t*>(w.params.qzeros + g * (w.N * B / 32));
+  const __m256i offset = _mm256_set1_epi32(w.params.v2_format ? 0 : 1);
+  const __m256i mask = _mm256_set1_epi32((1 << B) - 1);
+  const __m256i shifts = _mm256_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B);
+  for (int64_t n = n0; n < n1; n += 8) {
+    __m256i fields;
+    if constexpr (B == 8) {
+      fields = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zrow + n)));
+    } else {
+      uint32_t word = 0;
+      memcpy(&word, zrow + n * B / 8, B);
+      fields = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts), mask);
     }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(z + (n - n0)), _mm256_add_epi32(fields, offset));
   }
   const int64_t at = g * w.N;
   for (int64_t n = n0; n < n1; n += 8) {
@@ -46,7 +44,8 @@ inline void read_group_simd(const GptqWeight& w, int64_t g, int64_t n0, int64_t 
     if (w.params.scale_type == ScaleType::kF32) {
       v = _mm256_loadu_ps(static_cast<const float*>(w.params.scales) + at + n);
     } else {
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w.params.scales) + at + n));
+      const __m128i h =
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w.params.scales) + at + n));
       v = w.params.scale_type == ScaleType::kF16 ? _mm256_cvtph_ps(h)
                                                  : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
