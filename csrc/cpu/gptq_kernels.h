@@ -43,6 +43,11 @@ struct GptqWeight {
   RowGroups group_of;
 };
 
+// Internal linkage for the readers: every ISA unit includes this header, and
+// tests/test_cpu_kernels.py checks that no kernel function is a symbol the
+// units share.
+namespace {
+
 // z[n - n0] for n in [n0, n1): group g's zero points, the format's rule applied.
 template <int B>
 inline void read_zeros(const GptqWeight& w, int64_t g, int64_t n0, int64_t n1, int32_t* z) {
@@ -71,6 +76,8 @@ inline void read_group(const GptqWeight& w, int64_t g, int64_t n0, int64_t n1, i
   read_zeros<B>(w, g, n0, n1, z);
   read_scales(w, g, n0, n1, s);
 }
+
+}  // namespace
 
 // The SIMD fused kernels compute out[m, n] = sum_k a[m, k] * W[k, n] (fp32,
 // row-major a [M, K] and out [M, N]) for m < M and n in [n0, n1). They need
