@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <memory>
 #include <vector>
 
 #include "../core/gptq_format.h"
@@ -37,24 +38,32 @@ constexpr int64_t kTileN = 64;
 // Bytes of fp32 weight tile decoded per at::mm call on the large-M path.
 constexpr int64_t kTileBytes = 8 << 20;
 
-// Group parameters of one run of columns [n0, n1) (read_group), read again
-// only when the group changes: consecutive rows share theirs unless an
-// act-order g_idx scatters them.
+// Group parameters of one run of columns [n0, n1) (read_group), each group
+// read at its first use and kept: consecutive rows share a group, but an
+// act-order g_idx returns to each group many times. The buffers are
+// allocated uninitialised, so groups a run never uses cost no pages.
 template <int B>
 class GroupRun {
  public:
-  GroupRun(const GptqWeight& w, int64_t n0, int64_t n1) : w_(w), n0_(n0), n1_(n1), z_(n1 - n0), s_(n1 - n0) {}
+  GroupRun(const GptqWeight& w, int64_t n0, int64_t n1)
+      : w_(w), n0_(n0), n1_(n1), read_(static_cast<size_t>(w.group_of.count), false),
+        z_(new int32_t[w.group_of.count * (n1 - n0)]), s_(new float[w.group_of.count * (n1 - n0)]) {}
   void select(int64_t g) {
-    if (g != g_) read_group<B>(w_, g, n0_, n1_, z_.data(), s_.data()), g_ = g;
+    const int64_t at = g * (n1_ - n0_);
+    if (!read_[g]) read_group<B>(w_, g, n0_, n1_, z_.get() + at, s_.get() + at), read_[g] = true;
+    zeros_ = z_.get() + at, scales_ = s_.get() + at;
   }
-  const int32_t* zeros() const { return z_.data(); }
-  const float* scales() const { return s_.data(); }
+  const int32_t* zeros() const { return zeros_; }
+  const float* scales() const { return scales_; }
 
  private:
   const GptqWeight& w_;
-  int64_t n0_, n1_, g_ = -1;
-  std::vector<int32_t> z_;
-  std::vector<float> s_;
+  int64_t n0_, n1_;
+  std::vector<bool> read_;
+  std::unique_ptr<int32_t[]> z_;
+  std::unique_ptr<float[]> s_;
+  const int32_t* zeros_ = nullptr;
+  const float* scales_ = nullptr;
 };
 
 // out[n - n0] = W[k, n] for n in [n0, n1), with run holding those columns.
@@ -195,7 +204,7 @@ PreparedWeight prepare(const at::Tensor& qweight, const at::Tensor& qzeros, cons
                       d.N,
                       GroupParams{reinterpret_cast<const uint32_t*>(qzeros.data_ptr<int32_t>()), scales.data_ptr(),
                                   scale_type, use_v2_format},
-                      RowGroups{gi, group_size}};
+                      RowGroups{gi, group_size, d.groups}};
   return p;
 }
 

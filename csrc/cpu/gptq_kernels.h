@@ -18,6 +18,7 @@ namespace cpu {
 struct RowGroups {
   const int32_t* g_idx;  // null for the trivial grouping
   int64_t group_size;
+  int64_t count;  // groups: every group id is below it
   int64_t operator()(int64_t k) const { return g_idx ? g_idx[k] : k / group_size; }
 };
 
