@@ -95,7 +95,7 @@ inline void k4_scales_x8(const uint8_t* b, ggml::Decoded<T>& o) {
 // block's dot product with 8-bit activations x is
 //   d * sum_s scale_s * dot(u_s, x_s)  +  k * sum_s coef_s * sum(x_s)
 // over its sub-blocks s, with small integer scale_s and coef_s. The levels u
-// (Levels<T>::int_levels) are unsigned where coef carries the type's mins or
+// (int_levels below) are unsigned where coef carries the type's mins or
 // level offset (Q6_K's 32, Q3_K's 4), so they meet x without a sign trick,
 // and every dot of a block sums in int32 before one fp32 multiply.
 struct IntScales {
@@ -213,8 +213,6 @@ struct Levels<Type::IQ4_XS> {  // sub-block C: the legacy nibble layout at qs + 
   }
   // Signed levels (|level| <= 127) and no coefficients.
   static constexpr bool kSignedIntLevels = true, kIntCoefs = false;
-  template <int C>
-  static __m256i int_levels(const uint8_t* b) { return chunk<C>(b); }
   // scale_s = (low nibble s of bytes 4-7 | bits 2s, 2s+1 of scales_h << 4) - 32.
   static void int_scales(const uint8_t* b, IntScales& o) {
     uint32_t lo;
@@ -297,8 +295,6 @@ struct Levels<Type::Q2_K> {  // chunk 4h + j: bits 2j of qs[32h + l]
   static __m256i chunk(const uint8_t* b) { return byte_bits<2 * (C % 4)>(load32(b + 16 + 32 * (C / 4)), 3); }
   // Integer scales (low nibbles) and mins (high nibbles, times -dmin).
   static constexpr bool kSignedIntLevels = false, kIntCoefs = true;
-  template <int C>
-  static __m256i int_levels(const uint8_t* b) { return chunk<C>(b); }
   static void int_scales(const uint8_t* b, IntScales& o) {
     const __m128i v = load16(b), m = _mm_set1_epi8(0xf);
     scale_pairs(_mm256_cvtepu8_epi16(_mm_and_si128(v, m)), o);
@@ -345,8 +341,6 @@ struct Levels<Type::Q4_K> {  // chunk 2j (+1): low (high) nibbles of qs[32j + l]
   template <int C>
   static __m256i chunk(const uint8_t* b) { return byte_bits<4 * (C % 2)>(load32(b + 16 + 32 * (C / 2)), 0xf); }
   static constexpr bool kSignedIntLevels = false, kIntCoefs = true;
-  template <int C>
-  static __m256i int_levels(const uint8_t* b) { return chunk<C>(b); }
   static void int_scales(const uint8_t* b, IntScales& o) { k4_int_scales(b, o); }
 };
 template <>
@@ -358,8 +352,6 @@ struct Levels<Type::Q5_K> {  // Q4_K's nibbles plus 16 for bit C of qh[l]
     return _mm256_or_si256(low, _mm256_slli_epi16(byte_bits<C>(load32(b + 16), 1), 4));
   }
   static constexpr bool kSignedIntLevels = false, kIntCoefs = true;
-  template <int C>
-  static __m256i int_levels(const uint8_t* b) { return chunk<C>(b); }
   static void int_scales(const uint8_t* b, IntScales& o) { k4_int_scales(b, o); }
 };
 template <>
@@ -389,6 +381,17 @@ struct Levels<Type::Q6_K> {  // chunk 4h + k: nibble of ql[64h + 32(k % 2) + l],
     o.k = -32.0f * o.d;
   }
 };
+
+// Chunk C of the levels the integer form takes: Levels<T>::int_levels where
+// the type defines its own (Q3_K and Q6_K, unsigned before their offset),
+// else its ordinary levels.
+template <ggml::Type T, int C>
+inline __m256i int_levels(const uint8_t* b) {
+  if constexpr (requires { Levels<T>::template int_levels<C>(b); })
+    return Levels<T>::template int_levels<C>(b);
+  else
+    return Levels<T>::template chunk<C>(b);
+}
 
 // Whether T has the integer form (Levels<T>::int_scales; see IntScales).
 template <ggml::Type T>

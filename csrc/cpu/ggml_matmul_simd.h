@@ -38,17 +38,18 @@ struct MatmulSimd {
   using L = ggml::ActLayout<I::kAct>;
   static constexpr int kChunks = I::kBlock / 32;
   static constexpr int kScaleVecs = (I::kBlock / I::kSub + 7) / 8;
-  // Weight rows per tile. Measured on Zen 4 at M = 8: tiles of D::kRowTile
-  // rows run the types without mins and with one scale vector per block
-  // (the signed legacy types, IQ4_XS) 5-35% faster, but types with mins or
-  // 16 sub-blocks 0-15% slower (their per-row scales and mins outgrow the
-  // registers), so those keep one row.
-  static constexpr int kRowTile = !I::kHasMin && kScaleVecs == 1 && !simd::has_int_scales<T>() ? D::kRowTile : 1;
   // The K-quants and IQ4_XS scale each chunk's dot by integer sub-block
   // scales and meet fp32 once per block, as llama.cpp's kernels do
   // (simd::IntScales): a chain of one FMA per block instead of one per
   // chunk, and no sign trick for Q6_K and Q3_K.
   static constexpr bool kIntScales = simd::has_int_scales<T>();
+  // Weight rows per tile. Measured on Zen 4 at M = 8: tiles of D::kRowTile
+  // rows run the types without mins and with one scale vector per block (the
+  // signed legacy types) 5-35% faster, but types with mins or 16 sub-blocks
+  // 0-15% slower (their per-row scales and mins outgrow the registers), so
+  // those keep one row, as do the integer-form types, whose int32 block sums
+  // take a register per row and activation row besides the fp32 ones.
+  static constexpr int kRowTile = !I::kHasMin && kScaleVecs == 1 && !kIntScales ? D::kRowTile : 1;
   static_assert(I::kSub == 16 || I::kSub % 32 == 0, "sub-blocks of 16 or a multiple of 32 elements");
 
   static float hsum(__m256 v) {
@@ -122,7 +123,7 @@ struct MatmulSimd {
     using Lv = simd::Levels<T>;
     __m256i w[RT], u[RT], scale[RT];
     for (int r = 0; r < RT; ++r) {
-      w[r] = Lv::template int_levels<C>(blk[r]);
+      w[r] = simd::int_levels<T, C>(blk[r]);
       u[r] = Lv::kSignedIntLevels ? _mm256_abs_epi8(w[r]) : w[r];
       scale[r] = _mm256_permutevar8x32_epi32(is[r].pairs[sub_vec<C>()], sub_lanes<C>());
     }
