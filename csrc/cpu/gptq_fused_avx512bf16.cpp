@@ -1,4 +1,4 @@
-// gptq_gemm's fused small-M kernel for 4-bit weights and bf16 / fp16
+// gptq_gemm's fused small-M kernel for 2-, 3- and 4-bit weights and bf16 / fp16
 // activations, compiled for AVX-512 with BF16 (gptq_fused_bf16.h). Every
 // non-SIMD header comes before the target pragma, so that no inline function
 // shared with other translation units is compiled for AVX-512.
@@ -24,9 +24,9 @@
 namespace lowbit {
 namespace cpu {
 
-void gptq_fused_avx512bf16(const float* a, const Bf16Acts& a16, const GptqWeight& w, int64_t n0, int64_t n1,
-                           float* out) {
-  FusedBf16x4::run(a, a16, w, n0, n1, out);
+void gptq_fused_avx512bf16(int bits, const float* a, const Bf16Acts& a16, const GptqWeight& w, int64_t n0,
+                           int64_t n1, float* out) {
+  run_fused_bf16(bits, a, a16, w, n0, n1, out);
 }
 
 }  // namespace cpu

@@ -1,6 +1,6 @@
-// gptq_gemm's fused small-M kernel for 4-bit weights and bf16 / fp16
-// activations on AVX512-BF16 (vdpbf16ps). Include only inside the target
-// pragma region of gptq_fused_avx512bf16.cpp.
+// gptq_gemm's fused small-M kernel for 2-, 3- and 4-bit weights and bf16 /
+// fp16 activations on AVX512-BF16 (vdpbf16ps). Include only inside the
+// target pragma region of gptq_fused_avx512bf16.cpp.
 //
 // vdpbf16ps multiplies bf16 pairs exactly (8-bit x 8-bit significands fit in
 // fp32) and adds both products to an fp32 lane: two weights per lane per
@@ -11,19 +11,27 @@
 // are those of the fp32 kernel, and only the order of the fp32 additions
 // differs.
 //
-// The weights: a 32-bit lane holds the 8 nibbles of rows k .. k+7 of one
-// column; as two 16-bit halves it holds rows k .. k+3 (low) and k+4 .. k+7
-// (high). A 16-bit shift by 4i and vpermw through a 32-entry table of bf16(i
-// & 15) (vpermw reads the low 5 bits; the table repeats, so the fifth bit, the
-// next nibble's, is ignored) turn it into the pair (q[k+i], q[k+4+i]) in bf16,
-// which meets the activation pair (a[k+i], a[k+4+i]) packed the same way. The
-// zero point leaves the inner loop as in the fp32 kernel:
-//     out[m, n] += s[g, n] * (sum_k a[m, k] q[k, n] - z[g, n] sum_k a[m, k]).
+// The weights: a 32-bit lane of a pack's words is one column; its two 16-bit
+// halves each become one bf16 weight, so a lane meets the activation pair
+// (a[k_lo], a[k_hi]) packed the same way. Bf16Pairs<B> shifts the words so
+// that field k_lo sits at bits p .. p+B of the low half and k_hi at the same
+// bits of the high half, p <= 7 - B (inside a bf16's 7-bit significand).
+// One vpternlogd then keeps those bits and sets the exponent of 2^(7-p),
+// which makes the half the bf16 of 2^(7-p) + q exactly: no table lookup, and
+// one shifted vector serves every field it holds in range, each with its own
+// mask. The level offsets and the zero point leave the inner loop:
+//     out[m, n] += s[g, n] * (sum_k a[m, k] (base[k] + q[k, n])
+//                             - z[g, n] sum_k a[m, k] - sum_k a[m, k] base[k]).
+// The offsets (8 to 128, against q < 16) cost cancellation in the fp32 sums,
+// a relative error of about 2^-24 * base / |q - z| per addition: far below
+// the rounding of the output to bf16 or fp16, the activations' dtype. Pairs
+// still take the highest position p that costs no extra shift.
 #pragma once
 
 #include <stdint.h>
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "../core/gptq_format.h"
@@ -37,8 +45,116 @@ namespace cpu {
 // instructions on behalf of another.
 namespace {
 
-struct FusedBf16x4 {
-  using P = gptq::Pack<4>;
+// Every 16-bit half shifted right by D bits, or left by -D.
+template <int D>
+inline __m512i shift16(__m512i v) {
+  if constexpr (D > 0) return _mm512_srli_epi16(v, D);
+  if constexpr (D < 0) return _mm512_slli_epi16(v, -D);
+  return v;
+}
+
+// The low 16-bit half of every lane from lo, the high one from hi.
+inline __m512i halves(__m512i lo, __m512i hi) { return _mm512_mask_blend_epi16(0xAAAAAAAAu, lo, hi); }
+
+// How the words of one pack (one column vector) become kPairs vectors:
+// vector I holds field kLo[I] of the pack at bits kAt[I] .. kAt[I] + B of
+// each lane's low half and field kHi[I] at those of its high half; the other
+// bits are don't-care. Pairs that share a shifted vector are consecutive.
+template <int B>
+struct Bf16Pairs;
+
+// 2-bit: a word holds rows 0-7 in its low half and 8-15 in its high half, at
+// bits 2i of each. Bits 3 and 5 (bases 16 and 4) take two fields per shift.
+template <>
+struct Bf16Pairs<2> {
+  static constexpr int kPairs = 8;
+  static constexpr int kLo[kPairs] = {0, 1, 2, 3, 4, 5, 6, 7};
+  static constexpr int kHi[kPairs] = {8, 9, 10, 11, 12, 13, 14, 15};
+  static constexpr int kAt[kPairs] = {3, 5, 3, 5, 3, 5, 3, 5};
+  struct Words {
+    __m512i w;
+  };
+  static Words prepare(const __m512i* raw) { return {raw[0]}; }
+  template <int I>
+  static __m512i pair(const Words& x) {
+    return shift16<2 * (I - I % 2) - 3>(x.w);
+  }
+};
+
+// 3-bit: 32 fields in 3 words (gptq_format.h), at stream bits 3f. Within
+// each word the fields wholly in one half sit 3 bits apart, but the high
+// half's run starts 2 (word 0), 0 (word 1) or 1 (word 2) bits later than the
+// low half's, which starts at bit 0, 1 or 2: one variable 16-bit shift
+// (`half`) aligns both runs at bit 0, where the first two fields of each run
+// sit at bits 0 and 3 (bases 128 and 16); shifts by 6 bring the next two, by
+// 8 a fifth to bit 4. That pairs (0-3 | 6-9), (11-15 | 16-20), (22-25 |
+// 27-30). The six fields left over, at bit 4: 4 and 31 from word 0's low and
+// word 2's high aligned half; 5 and 26 cross a half boundary (word bits
+// 15-17, 14-16); 10 and 21 cross a word boundary (stream bits 30-32, 63-65).
+template <>
+struct Bf16Pairs<3> {
+  static constexpr int kPairs = 16;
+  static constexpr int kLo[kPairs] = {0, 1, 2, 3, 4, 11, 12, 13, 14, 15, 22, 23, 24, 25, 5, 10};
+  static constexpr int kHi[kPairs] = {6, 7, 8, 9, 31, 16, 17, 18, 19, 20, 27, 28, 29, 30, 26, 21};
+  static constexpr int kAt[kPairs] = {0, 3, 0, 3, 4, 0, 3, 0, 3, 4, 0, 3, 0, 3, 4, 4};
+  struct Words {
+    __m512i raw[3];
+    __m512i half[3];
+  };
+  static Words prepare(const __m512i* raw) {
+    // Right shifts of (low half, high half) per word: (0, 2), (1, 0), (2, 1).
+    const __m512i shift[3] = {_mm512_set1_epi32(2 << 16), _mm512_set1_epi32(1), _mm512_set1_epi32(1 << 16 | 2)};
+    Words x;
+    for (int i = 0; i < 3; ++i) {
+      x.raw[i] = raw[i];
+      x.half[i] = _mm512_srlv_epi16(raw[i], shift[i]);
+    }
+    return x;
+  }
+  // The aligned half of one word, for its pair J (0, 1: as aligned; 2, 3:
+  // shifted by 6; 4: the fifth field, shifted from bit 12 to bit 4).
+  template <int J>
+  static __m512i run(__m512i half) {
+    return shift16<J == 4 ? 8 : J / 2 * 6>(half);
+  }
+  template <int I>
+  static __m512i pair(const Words& x) {
+    if constexpr (I < 4) return run<I>(x.half[0]);
+    if constexpr (I == 4) return run<4>(halves(x.half[0], x.half[2]));
+    if constexpr (I >= 5 && I < 10) return run<I - 5>(x.half[1]);
+    if constexpr (I >= 10 && I < 14) return run<I - 10>(x.half[2]);
+    if constexpr (I == 14) return halves(_mm512_srli_epi32(x.raw[0], 15 - 4), _mm512_slli_epi32(x.raw[2], 16 + 4 - 14));
+    if constexpr (I == 15) {
+      const __m512i f10 = _mm512_or_si512(_mm512_srli_epi32(x.raw[0], 30 - 4), _mm512_slli_epi32(x.raw[1], 2 + 4));
+      const __m512i f21 = _mm512_or_si512(_mm512_srli_epi32(x.raw[1], 31 - 16 - 4), _mm512_slli_epi32(x.raw[2], 16 + 4 + 1));
+      return halves(f10, f21);
+    }
+    return _mm512_setzero_si512();  // unreachable: I < kPairs
+  }
+};
+
+// 4-bit: a word holds rows 0-3 in its low half and 4-7 in its high half, at
+// bits 4i of each: one 16-bit shift per pair (I, 4 + I), to bit 3 (base 16).
+template <>
+struct Bf16Pairs<4> {
+  static constexpr int kPairs = 4;
+  static constexpr int kLo[kPairs] = {0, 1, 2, 3};
+  static constexpr int kHi[kPairs] = {4, 5, 6, 7};
+  static constexpr int kAt[kPairs] = {3, 3, 3, 3};
+  struct Words {
+    __m512i w;
+  };
+  static Words prepare(const __m512i* raw) { return {raw[0]}; }
+  template <int I>
+  static __m512i pair(const Words& x) {
+    return shift16<4 * I - 3>(x.w);
+  }
+};
+
+template <int B>
+struct FusedBf16 {
+  using P = gptq::Pack<B>;
+  using Pairs = Bf16Pairs<B>;
   static constexpr int L = 16;         // fp32 lanes (columns) per vector
   static constexpr int kMaxRows = 4;   // activation rows sharing each decoded weight
   static constexpr int64_t kPrefetchAhead = 256;  // words; as in gptq_fused_simd.h
@@ -46,118 +162,154 @@ struct FusedBf16x4 {
   template <int MT>
   static constexpr int kU = MT <= 2 ? 4 : 2;  // column vectors per tile: accumulators in registers
 
-  // bf16(i & 15) for i < 32, the vpermw table.
-  static __m512i levels() {
-    alignas(64) uint16_t t[32];
-    for (int i = 0; i < 32; ++i) {
-      const float f = static_cast<float>(i & 15);
-      uint32_t bits;
-      __builtin_memcpy(&bits, &f, 4);
-      t[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers have short significands
-    }
-    return _mm512_load_si512(t);
+  // The level offset of a field at bit `at`: its bf16 is base + q.
+  static constexpr float base_at(int at) { return static_cast<float>(1 << (7 - at)); }
+
+  // Pair vector I as bf16 levels base + q in both halves: keep the fields'
+  // bits and set the exponent of base, one vpternlogd ((v & mask) | bits).
+  template <int I>
+  static __m512i decode(__m512i v) {
+    constexpr int at = Pairs::kAt[I];
+    constexpr uint32_t mask = P::kMask << at, bits = (127u + 7 - at) << 7;
+    return _mm512_ternarylogic_epi32(v, _mm512_set1_epi32(static_cast<int32_t>(mask | mask << 16)),
+                                     _mm512_set1_epi32(static_cast<int32_t>(bits | bits << 16)), 0xEA);
   }
 
-  // pairs[((plane * MT + m) * packs + p) * 4 + i] = (a[k+i], a[k+4+i]) as two
-  // bf16 in one word, k = 8p: the activation side of each vdpbf16ps.
+  // pairs[((plane * MT + m) * packs + p) * kPairs + I] = (a[k + kLo[I]],
+  // a[k + kHi[I]]) as two bf16 in one word, k = kFields * p: the activation
+  // side of each vdpbf16ps. offset[m] = sum_k a[m, k] base[k] and a_sum[m] =
+  // sum_k a[m, k] over the group.
   struct Group {
     const uint32_t* pairs;
     int64_t packs;
     int planes;
     float a_sum[kMaxRows];
+    float offset[kMaxRows];
   };
 
+  template <int MT, int U, int I>
+  static inline void pair(const typename Pairs::Words (&x)[U], const Group& in, int64_t p, __m512 (&acc)[MT][U]) {
+    __m512bh qv[U];
+    for (int u = 0; u < U; ++u) qv[u] = (__m512bh)decode<I>(Pairs::template pair<I>(x[u]));
+    for (int plane = 0; plane < in.planes; ++plane)
+      for (int m = 0; m < MT; ++m) {
+        const uint32_t word = in.pairs[((plane * MT + m) * in.packs + p) * Pairs::kPairs + I];
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(word));
+        for (int u = 0; u < U; ++u) acc[m][u] = _mm512_dpbf16_ps(acc[m][u], qv[u], a);
+      }
+  }
+  template <int MT, int U, int... I>
+  static inline void pairs(std::integer_sequence<int, I...>, const typename Pairs::Words (&x)[U], const Group& in,
+                           int64_t p, __m512 (&acc)[MT][U]) {
+    (pair<MT, U, I>(x, in, p, acc), ...);
+  }
+
   template <int MT>
-  static void tile(const Group& in, const uint32_t* q, int64_t N, const int32_t* z, const float* s, float* out,
-                   __m512i table) {
+  static void tile(const Group& in, const uint32_t* q, int64_t N, const int32_t* z, const float* s, float* out) {
     constexpr int U = kU<MT>;
     __m512 acc[MT][U];
     for (int m = 0; m < MT; ++m)
       for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
     for (int64_t p = 0; p < in.packs; ++p) {
-      __m512i w[U];
+      typename Pairs::Words x[U];
       for (int u = 0; u < U; ++u) {
-        const uint32_t* row = q + p * N + u * L;
-        __builtin_prefetch(row + kPrefetchAhead, 0, 2);  // read, locality 2: prefetcht1, into L2
-        w[u] = _mm512_loadu_si512(row);
-      }
-      for (int i = 0; i < 4; ++i) {
-        __m512bh qv[U];
-        for (int u = 0; u < U; ++u) {
-          const __m512i index = i == 0 ? w[u] : _mm512_srli_epi16(w[u], static_cast<unsigned>(4 * i));
-          qv[u] = (__m512bh)_mm512_permutexvar_epi16(index, table);
+        __m512i raw[P::kWords];
+        for (int w = 0; w < P::kWords; ++w) {
+          const uint32_t* row = q + (p * P::kWords + w) * N + u * L;
+          __builtin_prefetch(row + kPrefetchAhead, 0, 2);  // read, locality 2: prefetcht1, into L2
+          raw[w] = _mm512_loadu_si512(row);
         }
-        for (int plane = 0; plane < in.planes; ++plane)
-          for (int m = 0; m < MT; ++m) {
-            const uint32_t pair = in.pairs[((plane * MT + m) * in.packs + p) * 4 + i];
-            const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair));
-            for (int u = 0; u < U; ++u) acc[m][u] = _mm512_dpbf16_ps(acc[m][u], qv[u], x);
-          }
+        x[u] = Pairs::prepare(raw);
       }
+      pairs<MT, U>(std::make_integer_sequence<int, Pairs::kPairs>{}, x, in, p, acc);
     }
     for (int m = 0; m < MT; ++m)
       for (int u = 0; u < U; ++u) {
         const __m512 zero = _mm512_cvtepi32_ps(_mm512_loadu_si512(z + u * L));
-        const __m512 sum = _mm512_fnmadd_ps(zero, _mm512_set1_ps(in.a_sum[m]), acc[m][u]);
+        const __m512 dot = _mm512_sub_ps(acc[m][u], _mm512_set1_ps(in.offset[m]));
+        const __m512 sum = _mm512_fnmadd_ps(zero, _mm512_set1_ps(in.a_sum[m]), dot);
         float* o = out + m * N + u * L;
         _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(s + u * L), sum, _mm512_loadu_ps(o)));
       }
   }
+
+  // base[i]: the level offset of row i of a pack.
+  struct Bases {
+    float of[P::kFields];
+    constexpr Bases() : of{} {
+      for (int i = 0; i < Pairs::kPairs; ++i) of[Pairs::kLo[i]] = of[Pairs::kHi[i]] = base_at(Pairs::kAt[i]);
+    }
+  };
 
   // Rows m0 .. m0+MT of out[:, n0:n1], group g, whose zero points and scales
   // for those columns are z and s.
   template <int MT>
   static void group_rows(const float* a, const Bf16Acts& a16, const GptqWeight& w, int64_t g, int64_t m0,
                          int64_t n0, int64_t n1, const int32_t* z, const float* s, std::vector<uint32_t>& scratch,
-                         float* out, __m512i table) {
+                         float* out) {
+    static constexpr Bases base;
     const int64_t gs = w.group_of.group_size;
     const int64_t rows = std::min(gs, w.K - g * gs);  // the last group may be short
-    Group in{nullptr, rows / P::kFields, a16.planes, {}};
+    Group in{nullptr, rows / P::kFields, a16.planes, {}, {}};
     for (int m = 0; m < MT; ++m) {
       const float* am = a + (m0 + m) * w.K + g * gs;
-      float sum = 0.0f;
-      for (int64_t k = 0; k < rows; ++k) sum += am[k];
+      float sum = 0.0f, offset = 0.0f;
+      for (int64_t k = 0; k < rows; ++k) {
+        sum += am[k];
+        offset += am[k] * base.of[k % P::kFields];
+      }
       in.a_sum[m] = sum;
+      in.offset[m] = offset;
     }
-    scratch.resize(static_cast<size_t>(in.planes * MT * in.packs * 4));
+    scratch.resize(static_cast<size_t>(in.planes * MT * in.packs * Pairs::kPairs));
     for (int plane = 0; plane < in.planes; ++plane)
       for (int m = 0; m < MT; ++m) {
         const uint16_t* x = a16.data + (plane * a16.M + m0 + m) * w.K + g * gs;
-        uint32_t* dst = scratch.data() + (plane * MT + m) * in.packs * 4;
-        for (int64_t p = 0; p < in.packs; ++p)
-          for (int i = 0; i < 4; ++i) dst[p * 4 + i] = x[8 * p + i] | static_cast<uint32_t>(x[8 * p + 4 + i]) << 16;
+        uint32_t* dst = scratch.data() + (plane * MT + m) * in.packs * Pairs::kPairs;
+        for (int64_t p = 0; p < in.packs; ++p, x += P::kFields)
+          for (int i = 0; i < Pairs::kPairs; ++i)
+            dst[p * Pairs::kPairs + i] = x[Pairs::kLo[i]] | static_cast<uint32_t>(x[Pairs::kHi[i]]) << 16;
       }
     in.pairs = scratch.data();
-    const uint32_t* qg = w.qweight + g * (gs / P::kFields) * w.N;
+    const uint32_t* qg = w.qweight + g * (gs / P::kFields) * P::kWords * w.N;
     for (int64_t n = n0; n < n1; n += kU<MT> * L)
-      tile<MT>(in, qg + n, w.N, z + (n - n0), s + (n - n0), out + m0 * w.N + n, table);
+      tile<MT>(in, qg + n, w.N, z + (n - n0), s + (n - n0), out + m0 * w.N + n);
   }
 
   static void run(const float* a, const Bf16Acts& a16, const GptqWeight& w, int64_t n0, int64_t n1, float* out) {
     const int64_t M = a16.M;
     for (int64_t m = 0; m < M; ++m) std::fill(out + m * w.N + n0, out + m * w.N + n1, 0.0f);
     const int64_t groups = (w.K + w.group_of.group_size - 1) / w.group_of.group_size;
-    const __m512i table = levels();
     std::vector<uint32_t> scratch;
     std::vector<int32_t> z(n1 - n0);
     std::vector<float> s(n1 - n0);
     for (int64_t g = 0; g < groups; ++g) {
-      read_group_simd<4>(w, g, n0, n1, z.data(), s.data());
+      read_group_simd<B>(w, g, n0, n1, z.data(), s.data());
       for (int64_t m0 = 0; m0 < M;) {
         const int64_t left = M - m0;
         if (left >= 4) {
-          group_rows<4>(a, a16, w, g, m0, n0, n1, z.data(), s.data(), scratch, out, table), m0 += 4;
+          group_rows<4>(a, a16, w, g, m0, n0, n1, z.data(), s.data(), scratch, out), m0 += 4;
         } else if (left == 3) {
-          group_rows<3>(a, a16, w, g, m0, n0, n1, z.data(), s.data(), scratch, out, table), m0 += 3;
+          group_rows<3>(a, a16, w, g, m0, n0, n1, z.data(), s.data(), scratch, out), m0 += 3;
         } else if (left == 2) {
-          group_rows<2>(a, a16, w, g, m0, n0, n1, z.data(), s.data(), scratch, out, table), m0 += 2;
+          group_rows<2>(a, a16, w, g, m0, n0, n1, z.data(), s.data(), scratch, out), m0 += 2;
         } else {
-          group_rows<1>(a, a16, w, g, m0, n0, n1, z.data(), s.data(), scratch, out, table), m0 += 1;
+          group_rows<1>(a, a16, w, g, m0, n0, n1, z.data(), s.data(), scratch, out), m0 += 1;
         }
       }
     }
   }
 };
+
+// Runs the kernel of bit width `bits` (2, 3 or 4).
+inline void run_fused_bf16(int bits, const float* a, const Bf16Acts& a16, const GptqWeight& w, int64_t n0,
+                           int64_t n1, float* out) {
+  switch (bits) {
+    case 2: return FusedBf16<2>::run(a, a16, w, n0, n1, out);
+    case 3: return FusedBf16<3>::run(a, a16, w, n0, n1, out);
+    case 4: return FusedBf16<4>::run(a, a16, w, n0, n1, out);
+  }
+}
 
 }  // namespace
 }  // namespace cpu

@@ -109,7 +109,7 @@ void fused_portable(const float* a, int64_t M, const GptqWeight& w, int64_t n0, 
 // tiles. The SIMD kernel of the active ISA takes the columns it can (whole
 // vectors, contiguous groups) and the portable one the rest.
 // isa: the SIMD kernels to use (kPortable when w does not suit them); a16:
-// bf16 planes of a for the AVX512-BF16 4-bit kernel, or null.
+// bf16 planes of a for the AVX512-BF16 kernel (2-, 3- and 4-bit), or null.
 template <int B>
 void gemm_fused(const float* a, int64_t M, const GptqWeight& w, float* out, Isa isa, const Bf16Acts* a16) {
   const int64_t step = isa == Isa::kAvx512 ? kAvx512FusedCols : isa == Isa::kAvx2 ? kAvx2FusedCols : kTileN;
@@ -124,7 +124,7 @@ void gemm_fused(const float* a, int64_t M, const GptqWeight& w, float* out, Isa 
     const int64_t simd_n1 = std::min(n1, simd_end);
 #if defined(__x86_64__)
     if (simd_n1 > n0) {
-      if (isa == Isa::kAvx512 && a16) gptq_fused_avx512bf16(a, *a16, w, n0, simd_n1, out);
+      if (isa == Isa::kAvx512 && a16) gptq_fused_avx512bf16(B, a, *a16, w, n0, simd_n1, out);
       if (isa == Isa::kAvx512 && !a16) gptq_fused_avx512(B, a, M, w, n0, simd_n1, out);
       if (isa == Isa::kAvx2) gptq_fused_avx2(B, a, M, w, n0, simd_n1, out);
     }
@@ -230,10 +230,10 @@ at::Tensor gptq_gemm(const at::Tensor& a, const at::Tensor& b_q_weight, const at
       constexpr int B = decltype(bits)::value;
       const Isa isa = simd_fused_supports<B>(w.view) ? active_isa() : Isa::kPortable;
       if (M <= (isa != Isa::kPortable ? kSimdFusedMaxM : kFusedMaxM)) {
-        // bf16 / fp16 activations of a 4-bit weight on AVX512-BF16 go through vdpbf16ps.
+        // bf16 / fp16 activations of a 2-, 3- or 4-bit weight on AVX512-BF16 go through vdpbf16ps.
         const bool half_input = a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf;
         at::Tensor planes;
-        if (B == 4 && half_input && isa == Isa::kAvx512 && has_avx512_bf16()) planes = bf16_planes(a2, a.scalar_type());
+        if (B <= 4 && half_input && isa == Isa::kAvx512 && has_avx512_bf16()) planes = bf16_planes(a2, a.scalar_type());
         const Bf16Acts a16{planes.defined() ? reinterpret_cast<const uint16_t*>(planes.data_ptr<at::BFloat16>()) : nullptr,
                            M, planes.defined() ? static_cast<int>(planes.size(0)) : 0};
         gemm_fused<B>(a2.data_ptr<float>(), M, w.view, out.data_ptr<float>(), isa, a16.data ? &a16 : nullptr);

@@ -93,7 +93,7 @@ bool simd_fused_supports(const GptqWeight& w) {
 constexpr int64_t kAvx2FusedCols = 32;    // 4 vectors of 8 lanes
 constexpr int64_t kAvx512FusedCols = 64;  // 4 vectors of 16 lanes
 
-// Activations for the AVX512-BF16 kernel (4-bit only): `planes` bf16 copies
+// Activations for the AVX512-BF16 kernel (2-, 3- and 4-bit): `planes` bf16 copies
 // of a [M, K] that sum to a exactly, [planes][M][K]: one plane for bf16
 // input, two (hi, lo) for fp16. The kernel also reads a itself in fp32.
 struct Bf16Acts {
@@ -104,8 +104,8 @@ struct Bf16Acts {
 
 void gptq_fused_avx2(int bits, const float* a, int64_t M, const GptqWeight& w, int64_t n0, int64_t n1, float* out);
 void gptq_fused_avx512(int bits, const float* a, int64_t M, const GptqWeight& w, int64_t n0, int64_t n1, float* out);
-void gptq_fused_avx512bf16(const float* a, const Bf16Acts& a16, const GptqWeight& w, int64_t n0, int64_t n1,
-                           float* out);
+void gptq_fused_avx512bf16(int bits, const float* a, const Bf16Acts& a16, const GptqWeight& w, int64_t n0,
+                           int64_t n1, float* out);
 
 }  // namespace cpu
 }  // namespace lowbit
