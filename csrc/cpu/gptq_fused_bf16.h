@@ -14,8 +14,9 @@
 // The weights: a 32-bit lane of a pack's words is one column; its two 16-bit
 // halves each become one bf16 weight, so a lane meets the activation pair
 // (a[k_lo], a[k_hi]) packed the same way. Bf16Pairs<B> shifts the words so
-// that field k_lo sits at bits p .. p+B of the low half and k_hi at the same
-// bits of the high half, p <= 7 - B (inside a bf16's 7-bit significand).
+// that field k_lo sits at bits p .. p+B of the low half and k_hi at bits
+// p' .. p'+B of the high half, p, p' <= 7 - B (inside a bf16's 7-bit
+// significand).
 // One vpternlogd then keeps those bits and sets the exponent of 2^(7-p),
 // which makes the half the bf16 of 2^(7-p) + q exactly: no table lookup, and
 // one shifted vector serves every field it holds in range, each with its own
@@ -57,9 +58,10 @@ inline __m512i shift16(__m512i v) {
 inline __m512i halves(__m512i lo, __m512i hi) { return _mm512_mask_blend_epi16(0xAAAAAAAAu, lo, hi); }
 
 // How the words of one pack (one column vector) become kPairs vectors:
-// vector I holds field kLo[I] of the pack at bits kAt[I] .. kAt[I] + B of
-// each lane's low half and field kHi[I] at those of its high half; the other
-// bits are don't-care. Pairs that share a shifted vector are consecutive.
+// vector I holds field kLo[I] of the pack at bits kAt[I][0] .. kAt[I][0] + B
+// of each lane's low half and field kHi[I] at bits kAt[I][1] .. of its high
+// half; the other bits are don't-care. Pairs that share a shifted vector are
+// consecutive.
 template <int B>
 struct Bf16Pairs;
 
@@ -70,7 +72,7 @@ struct Bf16Pairs<2> {
   static constexpr int kPairs = 8;
   static constexpr int kLo[kPairs] = {0, 1, 2, 3, 4, 5, 6, 7};
   static constexpr int kHi[kPairs] = {8, 9, 10, 11, 12, 13, 14, 15};
-  static constexpr int kAt[kPairs] = {3, 5, 3, 5, 3, 5, 3, 5};
+  static constexpr int kAt[kPairs][2] = {{3, 3}, {5, 5}, {3, 3}, {5, 5}, {3, 3}, {5, 5}, {3, 3}, {5, 5}};
   struct Words {
     __m512i w;
   };
@@ -88,15 +90,18 @@ struct Bf16Pairs<2> {
 // (`half`) aligns both runs at bit 0, where the first two fields of each run
 // sit at bits 0 and 3 (bases 128 and 16); shifts by 6 bring the next two, by
 // 8 a fifth to bit 4. That pairs (0-3 | 6-9), (11-15 | 16-20), (22-25 |
-// 27-30). The six fields left over, at bit 4: 4 and 31 from word 0's low and
-// word 2's high aligned half; 5 and 26 cross a half boundary (word bits
-// 15-17, 14-16); 10 and 21 cross a word boundary (stream bits 30-32, 63-65).
+// 27-30), and 4 and 31 from word 0's low and word 2's high aligned half.
+// Fields 5 and 26 cross a half boundary (word bits 15-17, 14-16), 10 and 21
+// a word boundary (stream bits 30-32, 63-65); 5 lies 15 stream bits below
+// 10, and 21 15 below 26, so two 32-bit shifts and an or put each of these
+// pairs at bits 4 (low half) and 3 (high half).
 template <>
 struct Bf16Pairs<3> {
   static constexpr int kPairs = 16;
-  static constexpr int kLo[kPairs] = {0, 1, 2, 3, 4, 11, 12, 13, 14, 15, 22, 23, 24, 25, 5, 10};
-  static constexpr int kHi[kPairs] = {6, 7, 8, 9, 31, 16, 17, 18, 19, 20, 27, 28, 29, 30, 26, 21};
-  static constexpr int kAt[kPairs] = {0, 3, 0, 3, 4, 0, 3, 0, 3, 4, 0, 3, 0, 3, 4, 4};
+  static constexpr int kLo[kPairs] = {0, 1, 2, 3, 4, 11, 12, 13, 14, 15, 22, 23, 24, 25, 5, 21};
+  static constexpr int kHi[kPairs] = {6, 7, 8, 9, 31, 16, 17, 18, 19, 20, 27, 28, 29, 30, 10, 26};
+  static constexpr int kAt[kPairs][2] = {{0, 0}, {3, 3}, {0, 0}, {3, 3}, {4, 4}, {0, 0}, {3, 3}, {0, 0},
+                                         {3, 3}, {4, 4}, {0, 0}, {3, 3}, {0, 0}, {3, 3}, {4, 3}, {4, 3}};
   struct Words {
     __m512i raw[3];
     __m512i half[3];
@@ -123,12 +128,12 @@ struct Bf16Pairs<3> {
     if constexpr (I == 4) return run<4>(halves(x.half[0], x.half[2]));
     if constexpr (I >= 5 && I < 10) return run<I - 5>(x.half[1]);
     if constexpr (I >= 10 && I < 14) return run<I - 10>(x.half[2]);
-    if constexpr (I == 14) return halves(_mm512_srli_epi32(x.raw[0], 15 - 4), _mm512_slli_epi32(x.raw[2], 16 + 4 - 14));
-    if constexpr (I == 15) {
-      const __m512i f10 = _mm512_or_si512(_mm512_srli_epi32(x.raw[0], 30 - 4), _mm512_slli_epi32(x.raw[1], 2 + 4));
-      const __m512i f21 = _mm512_or_si512(_mm512_srli_epi32(x.raw[1], 31 - 16 - 4), _mm512_slli_epi32(x.raw[2], 16 + 4 + 1));
-      return halves(f10, f21);
-    }
+    // Field 5 (word 0 bit 15) to bit 4, so 10's low bits (word 0 bits 30-31)
+    // land at 19-20 and its high bit (word 1 bit 0) goes to 21.
+    if constexpr (I == 14) return _mm512_or_si512(_mm512_srli_epi32(x.raw[0], 11), _mm512_slli_epi32(x.raw[1], 21));
+    // Field 21's low bit (word 1 bit 31) to bit 4, so its high bits (word 2
+    // bits 0-1) go to 5-6 and 26 (word 2 bit 14) to 19.
+    if constexpr (I == 15) return _mm512_or_si512(_mm512_srli_epi32(x.raw[1], 27), _mm512_slli_epi32(x.raw[2], 5));
     return _mm512_setzero_si512();  // unreachable: I < kPairs
   }
 };
@@ -140,7 +145,7 @@ struct Bf16Pairs<4> {
   static constexpr int kPairs = 4;
   static constexpr int kLo[kPairs] = {0, 1, 2, 3};
   static constexpr int kHi[kPairs] = {4, 5, 6, 7};
-  static constexpr int kAt[kPairs] = {3, 3, 3, 3};
+  static constexpr int kAt[kPairs][2] = {{3, 3}, {3, 3}, {3, 3}, {3, 3}};
   struct Words {
     __m512i w;
   };
@@ -166,13 +171,15 @@ struct FusedBf16 {
   static constexpr float base_at(int at) { return static_cast<float>(1 << (7 - at)); }
 
   // Pair vector I as bf16 levels base + q in both halves: keep the fields'
-  // bits and set the exponent of base, one vpternlogd ((v & mask) | bits).
+  // bits and set the exponent of each half's base, one vpternlogd
+  // ((v & mask) | bits).
   template <int I>
   static __m512i decode(__m512i v) {
-    constexpr int at = Pairs::kAt[I];
-    constexpr uint32_t mask = P::kMask << at, bits = (127u + 7 - at) << 7;
-    return _mm512_ternarylogic_epi32(v, _mm512_set1_epi32(static_cast<int32_t>(mask | mask << 16)),
-                                     _mm512_set1_epi32(static_cast<int32_t>(bits | bits << 16)), 0xEA);
+    constexpr int lo = Pairs::kAt[I][0], hi = Pairs::kAt[I][1];
+    constexpr uint32_t mask = P::kMask << lo | P::kMask << (16 + hi);
+    constexpr uint32_t bits = (127u + 7 - lo) << 7 | (127u + 7 - hi) << (16 + 7);
+    return _mm512_ternarylogic_epi32(v, _mm512_set1_epi32(static_cast<int32_t>(mask)),
+                                     _mm512_set1_epi32(static_cast<int32_t>(bits)), 0xEA);
   }
 
   // pairs[((plane * MT + m) * packs + p) * kPairs + I] = (a[k + kLo[I]],
@@ -237,7 +244,10 @@ struct FusedBf16 {
   struct Bases {
     float of[P::kFields];
     constexpr Bases() : of{} {
-      for (int i = 0; i < Pairs::kPairs; ++i) of[Pairs::kLo[i]] = of[Pairs::kHi[i]] = base_at(Pairs::kAt[i]);
+      for (int i = 0; i < Pairs::kPairs; ++i) {
+        of[Pairs::kLo[i]] = base_at(Pairs::kAt[i][0]);
+        of[Pairs::kHi[i]] = base_at(Pairs::kAt[i][1]);
+      }
     }
   };
 
