@@ -161,8 +161,7 @@ struct FusedBf16 {
   using P = gptq::Pack<B>;
   using Pairs = Bf16Pairs<B>;
   static constexpr int L = 16;         // fp32 lanes (columns) per vector
-  static constexpr int kMaxRows = 4;   // activation rows sharing each decoded weight
-  static constexpr int64_t kPrefetchAhead = 256;  // words; as in gptq_fused_simd.h
+  static constexpr int kMaxRows = kFusedMaxRows;
 
   template <int MT>
   static constexpr int kU = MT <= 2 ? 4 : 2;  // column vectors per tile: accumulators in registers
@@ -223,7 +222,7 @@ struct FusedBf16 {
         __m512i raw[P::kWords];
         for (int w = 0; w < P::kWords; ++w) {
           const uint32_t* row = q + (p * P::kWords + w) * N + u * L;
-          __builtin_prefetch(row + kPrefetchAhead, 0, 2);  // read, locality 2: prefetcht1, into L2
+          __builtin_prefetch(row + kFusedPrefetchWords, 0, 2);  // read, locality 2: prefetcht1, into L2
           raw[w] = _mm512_loadu_si512(row);
         }
         x[u] = Pairs::prepare(raw);
@@ -287,27 +286,10 @@ struct FusedBf16 {
   }
 
   static void run(const float* a, const Bf16Acts& a16, const GptqWeight& w, int64_t n0, int64_t n1, float* out) {
-    const int64_t M = a16.M;
-    for (int64_t m = 0; m < M; ++m) std::fill(out + m * w.N + n0, out + m * w.N + n1, 0.0f);
-    const int64_t groups = (w.K + w.group_of.group_size - 1) / w.group_of.group_size;
     std::vector<uint32_t> scratch;
-    std::vector<int32_t> z(n1 - n0);
-    std::vector<float> s(n1 - n0);
-    for (int64_t g = 0; g < groups; ++g) {
-      read_group_simd<B>(w, g, n0, n1, z.data(), s.data());
-      for (int64_t m0 = 0; m0 < M;) {
-        const int64_t left = M - m0;
-        if (left >= 4) {
-          group_rows<4>(a, a16, w, g, m0, n0, n1, z.data(), s.data(), scratch, out), m0 += 4;
-        } else if (left == 3) {
-          group_rows<3>(a, a16, w, g, m0, n0, n1, z.data(), s.data(), scratch, out), m0 += 3;
-        } else if (left == 2) {
-          group_rows<2>(a, a16, w, g, m0, n0, n1, z.data(), s.data(), scratch, out), m0 += 2;
-        } else {
-          group_rows<1>(a, a16, w, g, m0, n0, n1, z.data(), s.data(), scratch, out), m0 += 1;
-        }
-      }
-    }
+    for_group_row_tiles<B>(w, a16.M, n0, n1, out, [&](auto mt, int64_t g, int64_t m0, const int32_t* z, const float* s) {
+      group_rows<decltype(mt)::value>(a, a16, w, g, m0, n0, n1, z, s, scratch, out);
+    });
   }
 };
 

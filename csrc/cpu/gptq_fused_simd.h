@@ -47,15 +47,7 @@ struct FusedSimd {
   static constexpr int L = V::kLanes;
   static constexpr bool kLookup = B <= V::kLookupBits;
   static constexpr bool kPairs = 2 * B <= V::kLookupBits;
-  static constexpr int kMaxRows = 4;  // activation rows sharing each decoded weight
-  // Weight rows are read 256 B per tile from kWords * kFields / 32 rows at
-  // once, too many streams for the hardware prefetcher; asking for each row
-  // 1 KB ahead measured 5-15% faster at M = 1 (AMD Zen 4, noisy 2-vCPU VM).
-  // The prefetch goes to L2, not L1: rows N * 4 bytes apart (a multiple of
-  // 4 KB for usual N) share L1 sets, and a group's 16 or more rows evict each
-  // other's lines from its 8 ways before use (L2 prefetch: 10-30% faster).
-  // A prefetch past the end of qweight is harmless: prefetches never fault.
-  static constexpr int64_t kPrefetchAhead = 256;  // words
+  static constexpr int kMaxRows = kFusedMaxRows;
 
   // Vectors of columns per sub-tile for MT activation rows: enough independent
   // accumulator chains to hide the FMA latency, few enough to stay in
@@ -146,7 +138,7 @@ struct FusedSimd {
       for (int w = 0; w < P::kWords; ++w)
         for (int u = 0; u < U; ++u) {
           const uint32_t* row = q + (p * P::kWords + w) * N + u * L;
-          __builtin_prefetch(row + kPrefetchAhead, 0, 2);  // read, locality 2: prefetcht1, into L2
+          __builtin_prefetch(row + kFusedPrefetchWords, 0, 2);  // read, locality 2: prefetcht1, into L2
           words[w][u] = V::load_i(row);
         }
       if constexpr (kPairs) {
@@ -198,32 +190,11 @@ struct FusedSimd {
   }
 
   static void run(const float* a, int64_t M, const GptqWeight& w, int64_t n0, int64_t n1, float* out) {
-    for (int64_t m = 0; m < M; ++m) std::fill(out + m * w.N + n0, out + m * w.N + n1, 0.0f);
     const int64_t gs = w.group_of.group_size;
-    const int64_t groups = (w.K + gs - 1) / gs;
     std::vector<float> scratch(kPairs ? kMaxRows * (std::min(gs, w.K) / 2) * L : 0);
-    std::vector<int32_t> z(n1 - n0);
-    std::vector<float> s(n1 - n0);
-    for (int64_t g = 0; g < groups; ++g) {
-      read_group_simd<B>(w, g, n0, n1, z.data(), s.data());
-      // Up to kMaxRows activation rows share each decoded weight; more take another pass.
-      for (int64_t m0 = 0; m0 < M;) {
-        const int64_t left = M - m0;
-        if (left >= 4) {
-          group_rows<4>(a, w, g, m0, n0, n1, z.data(), s.data(), scratch.data(), out);
-          m0 += 4;
-        } else if (left == 3) {
-          group_rows<3>(a, w, g, m0, n0, n1, z.data(), s.data(), scratch.data(), out);
-          m0 += 3;
-        } else if (left == 2) {
-          group_rows<2>(a, w, g, m0, n0, n1, z.data(), s.data(), scratch.data(), out);
-          m0 += 2;
-        } else {
-          group_rows<1>(a, w, g, m0, n0, n1, z.data(), s.data(), scratch.data(), out);
-          m0 += 1;
-        }
-      }
-    }
+    for_group_row_tiles<B>(w, M, n0, n1, out, [&](auto mt, int64_t g, int64_t m0, const int32_t* z, const float* s) {
+      group_rows<decltype(mt)::value>(a, w, g, m0, n0, n1, z, s, scratch.data(), out);
+    });
   }
 };
 

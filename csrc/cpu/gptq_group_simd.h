@@ -1,12 +1,17 @@
 // read_group (gptq_kernels.h) eight columns at a time with AVX2 and F16C, for
 // the fused SIMD kernels, which read every group's parameters once per task:
 // the scalar unpacking and fp16 conversion cost as much as a 4-bit matvec.
-// Same values as read_group (fp16 and bf16 widen exactly). Include only inside
-// an AVX2 + F16C (or wider) target pragma region, after every non-SIMD header.
+// Same values as read_group (fp16 and bf16 widen exactly). Also the group and
+// row-tile loop those kernels share. Include only inside an AVX2 + F16C (or
+// wider) target pragma region, after every non-SIMD header.
 #pragma once
 
 #include <immintrin.h>
 #include <stdint.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
 
 #include "gptq_kernels.h"
 
@@ -54,6 +59,35 @@ inline void read_group_simd(const GptqWeight& w, int64_t g, int64_t n0, int64_t 
                                                  : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
     _mm256_storeu_ps(s + (n - n0), v);
+  }
+}
+
+// The loop of a fused kernel over columns [n0, n1) of out [M, N]: zeroes
+// them, then for every group reads its zero points z and scales s for those
+// columns and calls tile(std::integral_constant<int, MT>, g, m0, z, s) for
+// each tile of MT <= kFusedMaxRows activation rows m0 .. m0+MT, which adds
+// the group's share to out.
+template <int B, class Tile>
+inline void for_group_row_tiles(const GptqWeight& w, int64_t M, int64_t n0, int64_t n1, float* out, Tile&& tile) {
+  static_assert(kFusedMaxRows == 4, "the row tiles below");
+  for (int64_t m = 0; m < M; ++m) std::fill(out + m * w.N + n0, out + m * w.N + n1, 0.0f);
+  const int64_t groups = (w.K + w.group_of.group_size - 1) / w.group_of.group_size;
+  std::vector<int32_t> z(n1 - n0);
+  std::vector<float> s(n1 - n0);
+  for (int64_t g = 0; g < groups; ++g) {
+    read_group_simd<B>(w, g, n0, n1, z.data(), s.data());
+    for (int64_t m0 = 0; m0 < M;) {
+      const int64_t left = M - m0;
+      if (left >= 4) {
+        tile(std::integral_constant<int, 4>{}, g, m0, z.data(), s.data()), m0 += 4;
+      } else if (left == 3) {
+        tile(std::integral_constant<int, 3>{}, g, m0, z.data(), s.data()), m0 += 3;
+      } else if (left == 2) {
+        tile(std::integral_constant<int, 2>{}, g, m0, z.data(), s.data()), m0 += 2;
+      } else {
+        tile(std::integral_constant<int, 1>{}, g, m0, z.data(), s.data()), m0 += 1;
+      }
+    }
   }
 }
 
