@@ -51,6 +51,8 @@ struct MatmulSimd {
   // take a register per row and activation row besides the fp32 ones.
   static constexpr int kRowTile = !I::kHasMin && kScaleVecs == 1 && !kIntScales ? D::kRowTile : 1;
   static_assert(I::kSub == 16 || I::kSub % 32 == 0, "sub-blocks of 16 or a multiple of 32 elements");
+  // Weight bytes a tile has in flight ahead of its loads, across its rows.
+  static constexpr int kPrefetchBytes = 4096;
 
   static float hsum(__m256 v) {
     const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -178,12 +180,14 @@ struct MatmulSimd {
       const uint8_t* blk[RT];
       for (int r = 0; r < RT; ++r) {
         blk[r] = wrow + r * row_bytes + bi * I::kBytes;
-        // Interleaved rows starve the hardware prefetcher (on Zen 4, tiles
-        // without this ran up to 15% slower than single rows at M = 8), so
-        // tiles fetch every line of each row 1 KB ahead themselves.
-        if constexpr (RT > 1)
-          for (int off = 0; off < I::kBytes; off += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(blk[r]) + 1024 + off, _MM_HINT_T0);
+        // The hardware prefetcher alone falls behind on Zen 4 wherever the
+        // weights are not the only stream: interleaved rows (tiles ran up to
+        // 15% slower than single rows at M = 8 without this), and single
+        // rows longer than L1 holds activations for (at n = 14336, M = 1,
+        // weight loads took 57% of the time and this made K-quant rows
+        // 20-35% faster). So every line is fetched kPrefetchBytes / RT ahead.
+        for (int off = 0; off < I::kBytes; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(blk[r]) + kPrefetchBytes / RT + off, _MM_HINT_T0);
       }
       if constexpr (kIntScales)
         int_block<RT, MT>(blk, acts, bi, acc, mins);
