@@ -137,11 +137,13 @@ struct MatmulSimd {
     }
   }
 
+  // Chunk C adds into chain C % 2: two dependency chains of vpdpwssd per
+  // output instead of one, and integer sums, so the same result.
   template <int RT, int MT, int... C>
   static inline void int_chunks(std::integer_sequence<int, C...>, const uint8_t* const (&blk)[RT],
                                 const simd::IntScales (&is)[RT], const ggml::ActRow* acts, int64_t bi,
-                                __m256i (&iacc)[RT][MT]) {
-    (int_chunk<RT, MT, C>(blk, is, acts, bi, iacc), ...);
+                                __m256i (&iacc)[2][RT][MT]) {
+    (int_chunk<RT, MT, C>(blk, is, acts, bi, iacc[C % 2]), ...);
   }
 
   // Q8_K's integer sums of activation row `a` per sub-block of block bi,
@@ -205,16 +207,18 @@ struct MatmulSimd {
                                __m256 (&acc)[RT][MT], __m256 (&mins)[RT][MT]) {
     simd::IntScales is[RT];
     for (int r = 0; r < RT; ++r) simd::Levels<T>::int_scales(blk[r], is[r]);
-    __m256i iacc[RT][MT];
-    for (int r = 0; r < RT; ++r)
-      for (int m = 0; m < MT; ++m) iacc[r][m] = _mm256_setzero_si256();
+    __m256i iacc[2][RT][MT];
+    for (int c = 0; c < 2; ++c)
+      for (int r = 0; r < RT; ++r)
+        for (int m = 0; m < MT; ++m) iacc[c][r][m] = _mm256_setzero_si256();
     int_chunks<RT, MT>(std::make_integer_sequence<int, kChunks>{}, blk, is, acts, bi, iacc);
     for (int m = 0; m < MT; ++m) {
       const float dx = acts[m].d[bi];
       __m256 sums[kScaleVecs];
       if constexpr (simd::Levels<T>::kIntCoefs) sub_block_sums(acts[m], bi, sums);
       for (int r = 0; r < RT; ++r) {
-        acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][m]), _mm256_set1_ps(is[r].d * dx), acc[r][m]);
+        const __m256i sum = _mm256_add_epi32(iacc[0][r][m], iacc[1][r][m]);
+        acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(is[r].d * dx), acc[r][m]);
         if constexpr (simd::Levels<T>::kIntCoefs) {
           __m256 t = _mm256_mul_ps(is[r].coef[0], sums[0]);  // exact: small integers
           if constexpr (kScaleVecs == 2) t = _mm256_fmadd_ps(is[r].coef[1], sums[1], t);
