@@ -24,6 +24,7 @@
 #include "../core/ggml_blocks.h"
 #include "../core/ggml_q8.h"
 #include "ggml_levels_simd.h"
+#include "row_tiles.h"
 
 namespace lowbit {
 namespace cpu {
@@ -256,19 +257,9 @@ struct MatmulSimd {
   template <int RT>
   static void rows_against_all(const uint8_t* wrow, int64_t row_bytes, int64_t blocks, const ggml::ActRow* acts,
                                int64_t M, float* out, int64_t rows) {
-    for (int64_t m = 0; m < M;) {
-      const int64_t left = M - m;
-      float* o = out + m * rows;
-      if (left >= 4) {
-        tile<RT, 4>(wrow, row_bytes, blocks, acts + m, o, rows), m += 4;
-      } else if (left == 3) {
-        tile<RT, 3>(wrow, row_bytes, blocks, acts + m, o, rows), m += 3;
-      } else if (left == 2) {
-        tile<RT, 2>(wrow, row_bytes, blocks, acts + m, o, rows), m += 2;
-      } else {
-        tile<RT, 1>(wrow, row_bytes, blocks, acts + m, o, rows), m += 1;
-      }
-    }
+    for_row_tiles(M, [&](auto mt, int64_t m) {
+      tile<RT, decltype(mt)::value>(wrow, row_bytes, blocks, acts + m, out + m * rows, rows);
+    });
   }
 
   static void run(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts, int64_t M,

@@ -10,10 +10,10 @@
 #include <stdint.h>
 
 #include <algorithm>
-#include <type_traits>
 #include <vector>
 
 #include "gptq_kernels.h"
+#include "row_tiles.h"
 
 namespace lowbit {
 namespace cpu {
@@ -69,25 +69,14 @@ inline void read_group_simd(const GptqWeight& w, int64_t g, int64_t n0, int64_t 
 // the group's share to out.
 template <int B, class Tile>
 inline void for_group_row_tiles(const GptqWeight& w, int64_t M, int64_t n0, int64_t n1, float* out, Tile&& tile) {
-  static_assert(kFusedMaxRows == 4, "the row tiles below");
+  static_assert(kFusedMaxRows == kMaxRowTile, "for_row_tiles' tiles");
   for (int64_t m = 0; m < M; ++m) std::fill(out + m * w.N + n0, out + m * w.N + n1, 0.0f);
   const int64_t groups = (w.K + w.group_of.group_size - 1) / w.group_of.group_size;
   std::vector<int32_t> z(n1 - n0);
   std::vector<float> s(n1 - n0);
   for (int64_t g = 0; g < groups; ++g) {
     read_group_simd<B>(w, g, n0, n1, z.data(), s.data());
-    for (int64_t m0 = 0; m0 < M;) {
-      const int64_t left = M - m0;
-      if (left >= 4) {
-        tile(std::integral_constant<int, 4>{}, g, m0, z.data(), s.data()), m0 += 4;
-      } else if (left == 3) {
-        tile(std::integral_constant<int, 3>{}, g, m0, z.data(), s.data()), m0 += 3;
-      } else if (left == 2) {
-        tile(std::integral_constant<int, 2>{}, g, m0, z.data(), s.data()), m0 += 2;
-      } else {
-        tile(std::integral_constant<int, 1>{}, g, m0, z.data(), s.data()), m0 += 1;
-      }
-    }
+    for_row_tiles(M, [&](auto mt, int64_t m0) { tile(mt, g, m0, z.data(), s.data()); });
   }
 }
 
