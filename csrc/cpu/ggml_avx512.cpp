@@ -20,6 +20,7 @@
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+#define LOWBIT_SIMD_AVX512BW 1
 #include "ggml_dequant_simd.h"
 #include "ggml_matmul_simd.h"
 

@@ -7,7 +7,9 @@
 // scalar scale decoding would cost as much as their levels: their scales()
 // here computes the same products (d * scale, -dmin * min, each rounded once)
 // eight at a time.
-// Include only inside an AVX2 (or wider) target pragma region.
+// Include only inside an AVX2 (or wider) target pragma region; a unit whose
+// region also enables AVX-512 BW and VL defines LOWBIT_SIMD_AVX512BW to 1
+// first (a target pragma does not define __AVX512BW__ in C++).
 #pragma once
 
 #include <immintrin.h>
@@ -60,6 +62,10 @@ inline __m256i nibbles16(const uint8_t* p) {
 inline __m256i fifth_bits(const uint8_t* qh_bytes) {
   uint32_t qh;
   memcpy(&qh, qh_bytes, 4);
+#if LOWBIT_SIMD_AVX512BW
+  // qh is the byte mask itself: one masked move, against five instructions.
+  return _mm256_maskz_mov_epi8(qh, bytes(0x10));
+#endif
   // Byte e takes byte e / 8 of qh, then tests bit e % 8 of it.
   const __m256i spread = _mm256_shuffle_epi8(
       _mm256_set1_epi32(static_cast<int32_t>(qh)),
