@@ -14,7 +14,7 @@
 #include <immintrin.h>
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx512vbmi2,avx2,fma,f16c")
 // GCC 12 flags the deliberately undefined vectors inside its own AVX-512
 // intrinsics (_mm512_undefined_*) as (maybe-)uninitialized; a false positive.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"

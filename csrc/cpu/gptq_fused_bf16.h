@@ -54,8 +54,6 @@ inline __m512i shift16(__m512i v) {
   return v;
 }
 
-// The low 16-bit half of every lane from lo, the high one from hi.
-inline __m512i halves(__m512i lo, __m512i hi) { return _mm512_mask_blend_epi16(0xAAAAAAAAu, lo, hi); }
 
 // How the words of one pack (one column vector) become kPairs vectors:
 // vector I holds field kLo[I] of the pack at bits kAt[I][0] .. kAt[I][0] + B
@@ -83,58 +81,40 @@ struct Bf16Pairs<2> {
   }
 };
 
-// 3-bit: 32 fields in 3 words (gptq_format.h), at stream bits 3f. Within
-// each word the fields wholly in one half sit 3 bits apart, but the high
-// half's run starts 2 (word 0), 0 (word 1) or 1 (word 2) bits later than the
-// low half's, which starts at bit 0, 1 or 2: one variable 16-bit shift
-// (`half`) aligns both runs at bit 0, where the first two fields of each run
-// sit at bits 0 and 3 (bases 128 and 16); shifts by 6 bring the next two, by
-// 8 a fifth to bit 4. That pairs (0-3 | 6-9), (11-15 | 16-20), (22-25 |
-// 27-30), and 4 and 31 from word 0's low and word 2's high aligned half.
-// Fields 5 and 26 cross a half boundary (word bits 15-17, 14-16), 10 and 21
-// a word boundary (stream bits 30-32, 63-65); 5 lies 15 stream bits below
-// 10, and 21 15 below 26, so two 32-bit shifts and an or put each of these
-// pairs at bits 4 (low half) and 3 (high half).
+// 3-bit: 32 fields in 3 words (gptq_format.h), field f at bits 3f of the
+// 96-bit stream the words make. Each pair takes a 32-bit window of that
+// stream from bit s (one vpshrdd across two words, one shift at its ends)
+// holding its low field at bit 3 lo - s and its high one at 3 hi - s - 16.
+// A window from s = 3a - 1 serves two pairs, (a, a + 5) at bits (1, 0) and
+// (a + 1, a + 6) at (4, 3); six such windows (a = 0, 2, 11, 14, 23, 25, s =
+// 32 needing no shift) and four windows of one pair cover all 32 fields: 9
+// shifts per 16 pairs, against 16 when each word was cut apart alone.
 template <>
 struct Bf16Pairs<3> {
   static constexpr int kPairs = 16;
-  static constexpr int kLo[kPairs] = {0, 1, 2, 3, 4, 11, 12, 13, 14, 15, 22, 23, 24, 25, 5, 21};
-  static constexpr int kHi[kPairs] = {6, 7, 8, 9, 31, 16, 17, 18, 19, 20, 27, 28, 29, 30, 10, 26};
-  static constexpr int kAt[kPairs][2] = {{0, 0}, {3, 3}, {0, 0}, {3, 3}, {4, 4}, {0, 0}, {3, 3}, {0, 0},
-                                         {3, 3}, {4, 4}, {0, 0}, {3, 3}, {0, 0}, {3, 3}, {4, 3}, {4, 3}};
+  static constexpr int kLo[kPairs] = {0, 1, 2, 3, 11, 12, 14, 15, 23, 24, 25, 26, 4, 9, 18, 21};
+  static constexpr int kHi[kPairs] = {5, 6, 7, 8, 16, 17, 19, 20, 28, 29, 30, 31, 10, 13, 22, 27};
+  static constexpr int kFrom[kPairs] = {-1, -1, 5, 5, 32, 32, 41, 41, 68, 68, 74, 74, 10, 23, 50, 61};
+  static constexpr int kAt[kPairs][2] = {{1, 0}, {4, 3}, {1, 0}, {4, 3}, {1, 0}, {4, 3}, {1, 0}, {4, 3},
+                                         {1, 0}, {4, 3}, {1, 0}, {4, 3}, {2, 4}, {4, 0}, {4, 0}, {2, 4}};
   struct Words {
     __m512i raw[3];
-    __m512i half[3];
   };
-  static Words prepare(const __m512i* raw) {
-    // Right shifts of (low half, high half) per word: (0, 2), (1, 0), (2, 1).
-    const __m512i shift[3] = {_mm512_set1_epi32(2 << 16), _mm512_set1_epi32(1), _mm512_set1_epi32(1 << 16 | 2)};
-    Words x;
-    for (int i = 0; i < 3; ++i) {
-      x.raw[i] = raw[i];
-      x.half[i] = _mm512_srlv_epi16(raw[i], shift[i]);
-    }
-    return x;
-  }
-  // The aligned half of one word, for its pair J (0, 1: as aligned; 2, 3:
-  // shifted by 6; 4: the fifth field, shifted from bit 12 to bit 4).
-  template <int J>
-  static __m512i run(__m512i half) {
-    return shift16<J == 4 ? 8 : J / 2 * 6>(half);
+  static Words prepare(const __m512i* raw) { return {{raw[0], raw[1], raw[2]}}; }
+  // Bits S .. S + 31 of the stream (zeros past its ends).
+  template <int S>
+  static __m512i window(const Words& x) {
+    if constexpr (S < 0) return _mm512_slli_epi32(x.raw[0], -S);
+    if constexpr (S >= 64) return _mm512_srli_epi32(x.raw[2], S - 64);
+    if constexpr (S >= 0 && S < 64 && S % 32 == 0) return x.raw[S / 32];
+    if constexpr (S >= 0 && S < 64 && S % 32 != 0)
+      return _mm512_shrdi_epi32(x.raw[S / 32], x.raw[S / 32 + 1], S % 32);
+    return _mm512_setzero_si512();  // unreachable
   }
   template <int I>
   static __m512i pair(const Words& x) {
-    if constexpr (I < 4) return run<I>(x.half[0]);
-    if constexpr (I == 4) return run<4>(halves(x.half[0], x.half[2]));
-    if constexpr (I >= 5 && I < 10) return run<I - 5>(x.half[1]);
-    if constexpr (I >= 10 && I < 14) return run<I - 10>(x.half[2]);
-    // Field 5 (word 0 bit 15) to bit 4, so 10's low bits (word 0 bits 30-31)
-    // land at 19-20 and its high bit (word 1 bit 0) goes to 21.
-    if constexpr (I == 14) return _mm512_or_si512(_mm512_srli_epi32(x.raw[0], 11), _mm512_slli_epi32(x.raw[1], 21));
-    // Field 21's low bit (word 1 bit 31) to bit 4, so its high bits (word 2
-    // bits 0-1) go to 5-6 and 26 (word 2 bit 14) to 19.
-    if constexpr (I == 15) return _mm512_or_si512(_mm512_srli_epi32(x.raw[1], 27), _mm512_slli_epi32(x.raw[2], 5));
-    return _mm512_setzero_si512();  // unreachable: I < kPairs
+    static_assert(3 * kLo[I] - kFrom[I] == kAt[I][0] && 3 * kHi[I] - kFrom[I] - 16 == kAt[I][1], "pair table");
+    return window<kFrom[I]>(x);
   }
 };
 

@@ -55,7 +55,9 @@ bool has_avx512_bf16() {
 #if defined(__x86_64__) && defined(__GNUC__)
   static const bool has = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16") != 0;
+    // The 3-bit kernel's windows are VBMI2 funnel shifts; every CPU with
+    // AVX512-BF16 has it but Cooper Lake, which takes the fp32 kernel.
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi2");
   }();
   return has && detected_isa() == Isa::kAvx512;
 #else

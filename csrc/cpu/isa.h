@@ -24,7 +24,7 @@ Isa detected_isa();
 // The ISA kernels use now: detected_isa(), or a lower one when forced.
 Isa active_isa();
 const char* isa_name(Isa isa);
-// Whether the CPU has AVX512-BF16 (vdpbf16ps), which the kAvx512 kernels may
+// Whether the CPU has AVX512-BF16 (vdpbf16ps) and VBMI2, which the kAvx512 kernels may
 // use on top of their ISA for bf16 / fp16 activations.
 bool has_avx512_bf16();
 // Forces kernels down to `name` ("portable", "avx2", "avx512", or "" / "best"
