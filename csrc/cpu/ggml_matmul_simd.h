@@ -80,6 +80,17 @@ struct MatmulSimd {
   struct PackedScales {
     __m256 v[MT];  // lanes r and 4 + r: weight row r
   };
+  // Lanes r and 4 + r of v in every lane. vshufps takes an immediate and r is
+  // a loop index, constant only once the loop is unrolled (not at -O1, the
+  // sanitizer build): the switch folds away where it is.
+  static inline __m256 lane_broadcast(__m256 v, int r) {
+    switch (r) {
+      case 0: return _mm256_shuffle_ps(v, v, 0x00);
+      case 1: return _mm256_shuffle_ps(v, v, 0x55);
+      case 2: return _mm256_shuffle_ps(v, v, 0xAA);
+      default: return _mm256_shuffle_ps(v, v, 0xFF);
+    }
+  }
   template <int RT, int MT>
   using Scales = std::conditional_t<kPackedScales<RT>, PackedScales<MT>, ScaleVecs<RT, MT>>;
 
@@ -126,7 +137,7 @@ struct MatmulSimd {
         const __m256 p = _mm256_cvtepi32_ps(D::dot(start, wu[r], xs));  // lane i: elements 4i .. 4i+3
         __m256 scale;
         if constexpr (kPackedScales<RT>)
-          scale = _mm256_shuffle_ps(ds.v[m], ds.v[m], r * 0x55);
+          scale = lane_broadcast(ds.v[m], r);
         else if constexpr (kChunks == 1)
           scale = ds.v[r][m][0];
         else
