@@ -137,14 +137,16 @@ def test_gemm_batch_dims_and_strided_input(device):
     assert empty.shape == (0, 3, N)
 
 
-def test_gemm_large_k_uses_several_column_tiles():
-    """Large K makes the dequantize+mm path decode W in more than one column tile."""
-    bigK = 32768
+@pytest.mark.parametrize("bigK, bigN", [(32768, N), (512, 16384 + N)], ids=["row_tiles", "column_strips"])
+def test_gemm_large_m_decodes_w_in_tiles(bigK, bigN):
+    """M = 80 is past every fused kernel, so W is decoded in 8 MB tiles for
+    at::mm: a tall W in row tiles (21845 rows, not a multiple of the group)
+    summed by addmm, a wide one in column strips (the last one partial)."""
     rng = np.random.default_rng(3)
-    ckpt = ref.random_checkpoint(rng, bigK, N, 2, 128, False, "gptq_v2", False)
+    ckpt = ref.random_checkpoint(rng, bigK, bigN, 2, 128, False, "gptq_v2", False)
     W = ref.dequantize(ckpt["qweight"], ckpt["qzeros"], ckpt["scales"], ckpt["g_idx"], 2, "gptq_v2")
     t = as_torch(ckpt, "cpu")
-    a = torch.randn(16, bigK)
+    a = torch.randn(80, bigK)
     out = torch.ops.lowbit.gptq_gemm(a, t["qweight"], t["qzeros"], t["scales"], t["g_idx"], False, True, 2)
     a64 = a.double().numpy()
     # K = 32768 terms: the fp32 bound scales with K (see module docstring).

@@ -35,8 +35,10 @@ constexpr int64_t kFusedMaxM = 8;
 constexpr int64_t kSimdFusedMaxM = 64;
 // Output columns per fused task: acc[kFusedMaxM][kTileN] stays in L1.
 constexpr int64_t kTileN = 64;
-// Bytes of fp32 weight tile decoded per at::mm call on the large-M path.
+// Bytes of fp32 weight tile decoded per at::mm call on the large-M path, and
+// the fewest rows k a full-width tile may have before column strips are used.
 constexpr int64_t kTileBytes = 8 << 20;
+constexpr int64_t kMinTileRows = 256;
 
 // Group parameters of one run of columns [n0, n1) (read_group), each group
 // read at its first use and kept: consecutive rows share a group, but an
@@ -142,24 +144,39 @@ at::Tensor bf16_planes(const at::Tensor& a2, at::ScalarType input) {
   return at::stack({hi, (a2 - hi.to(at::kFloat)).to(at::kBFloat16)});
 }
 
-// out[M, N] = a[M, K] @ W by decoding column tiles of W into fp32 and at::mm.
+// out[M, N] = a[M, K] @ W by decoding tiles of W into fp32 for at::mm. A
+// tile spans all N columns and as many rows k as kTileBytes holds, summed
+// into out by addmm: out stays one contiguous operand. Only where that
+// leaves fewer than kMinTileRows rows (very wide N) do tiles become column
+// strips over all of K. Measured at M = 256, 14336x4096, 2 threads: column
+// strips of 146 columns, each mm's result copied into out, had cost 15%
+// over the dense fp32 GEMM.
 template <int B>
 void gemm_dequant_mm(const at::Tensor& a, const GptqWeight& w, at::Tensor& out) {
   const int64_t K = w.K, N = w.N;
-  const int64_t cols = std::min(N, std::max<int64_t>(kTileN, kTileBytes / (4 * K)));
-  at::Tensor tile_buf = at::empty({K * cols}, a.options());
+  int64_t rows = std::min(K, kTileBytes / (4 * N)), cols = N;
+  if (rows < std::min(K, kMinTileRows)) {
+    rows = K;
+    cols = std::min(N, std::max<int64_t>(kTileN, kTileBytes / (4 * K)));
+  }
+  at::Tensor tile_buf = at::empty({rows * cols}, a.options());
+  float* tile = tile_buf.data_ptr<float>();
   for (int64_t n0 = 0; n0 < N; n0 += cols) {
     const int64_t width = std::min(cols, N - n0);
-    float* tile = tile_buf.data_ptr<float>();
-    at::parallel_for(0, K, std::max<int64_t>(1, 4096 / width), [&](int64_t k0, int64_t k1) {
-      GroupRun<B> run(w, n0, n0 + width);
-      for (int64_t k = k0; k < k1; ++k) dequant_row<B>(w, k, run, n0, n0 + width, tile + k * width);
-    });
-    const at::Tensor tile_t = tile_buf.narrow(0, 0, K * width).view({K, width});
-    if (width == N) {
-      at::mm_out(out, a, tile_t);
-    } else {
-      out.narrow(1, n0, width).copy_(at::mm(a, tile_t));
+    at::Tensor out_cols = out.narrow(1, n0, width);
+    for (int64_t k0 = 0; k0 < K; k0 += rows) {
+      const int64_t height = std::min(rows, K - k0);
+      at::parallel_for(k0, k0 + height, std::max<int64_t>(1, 4096 / width), [&](int64_t k1, int64_t k2) {
+        GroupRun<B> run(w, n0, n0 + width);
+        for (int64_t k = k1; k < k2; ++k) dequant_row<B>(w, k, run, n0, n0 + width, tile + (k - k0) * width);
+      });
+      const at::Tensor tile_t = tile_buf.narrow(0, 0, height * width).view({height, width});
+      const at::Tensor a_k = a.narrow(1, k0, height);
+      if (k0 == 0) {
+        at::mm_out(out_cols, a_k, tile_t);
+      } else {
+        out_cols.addmm_(a_k, tile_t);
+      }
     }
   }
 }
