@@ -19,7 +19,7 @@ import argparse
 import os
 import sys
 
-from common import RESULTS, copy_bandwidth_gbs, machine, print_table, printed_to, time_rounds_ms, write_results  # first: sets THP
+from common import RESULTS, CopyBandwidth, machine, print_table, printed_to, time_rounds_ms, write_results  # first: sets THP
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -52,17 +52,15 @@ def dequant_table(rng, rows, n, budget):
     return records
 
 
-def matmul_table(rng, shapes, types, threads_list, budget, copy_gbs):
-    """Times every case; appends a copy-bandwidth measurement per shape to
-    copy_gbs, so that the bandwidth comes from across the run, not from one
-    moment of it (on a shared VM it swings by half)."""
+def matmul_table(rng, shapes, types, threads_list, budget, bandwidth):
+    """Times every case, sampling the copy bandwidth at each shape."""
     peer_missing = ggml_peer.available()
     if peer_missing:
         print(peer_missing)
     records = []
     for rows, n in shapes:
         torch.set_num_threads(max(threads_list))
-        copy_gbs.append(copy_bandwidth_gbs())
+        bandwidth.sample()
         dense = torch.randn(rows, n)
         dense16 = dense.bfloat16()
         for M in MS:
@@ -159,25 +157,23 @@ def main():
     threads = [1] if args.quick else [t for t in THREADS if t <= torch.get_num_threads()]
     stem = f"{info['slug']}-gguf"
     with printed_to(f"{stem}.txt"):
-        copy_gbs = []
+        bandwidth = CopyBandwidth()
         print(f"machine: {info['name']} ({info['threads']} threads), torch {info['torch']}, "
               f"CPU kernels: {torch.ops.lowbit.cpu_isa()}")
         shapes = [(4096, 4096)] if args.quick else SHAPES
-        mm = matmul_table(rng, shapes, MAIN_TYPES[:3] if args.quick else MAIN_TYPES, threads, budget, copy_gbs)
+        mm = matmul_table(rng, shapes, MAIN_TYPES[:3] if args.quick else MAIN_TYPES, threads, budget, bandwidth)
         torch.set_num_threads(max(threads))
-        copy_gbs.append(copy_bandwidth_gbs())
-        bandwidth = max(copy_gbs)
-        print(f"measured copy bandwidth: {bandwidth:.1f} GB/s (read + write), the fastest of "
-              f"{len(copy_gbs)} measurements across the run: {', '.join(f'{g:.1f}' for g in copy_gbs)}\n")
+        bandwidth.sample()
+        print(bandwidth.describe() + "\n")
         print("matmul with 8-bit activations (GB/s = weight bytes / time)")
-        print_matmul(mm, bandwidth)
+        print_matmul(mm, bandwidth.gbs)
         print(f"\ndequantize to fp32, {1024 if args.quick else 4096} x 4096 weights, {max(threads)} threads")
         dq = dequant_table(rng, 1024 if args.quick else 4096, 4096, budget)
     write_results(f"{stem}.json", dict(machine=info, cpu_isa=torch.ops.lowbit.cpu_isa(),
-                                       copy_bandwidth_gbs=bandwidth,
-                                       copy_bandwidth_samples_gbs=copy_gbs, dequantize=dq, matmul=mm))
+                                       copy_bandwidth_gbs=bandwidth.gbs,
+                                       copy_bandwidth_samples_gbs=bandwidth.samples, dequantize=dq, matmul=mm))
     if not args.quick and not ggml_peer.available():
-        plot(mm, bandwidth, info, os.path.join(RESULTS, f"{stem}.png"))
+        plot(mm, bandwidth.gbs, info, os.path.join(RESULTS, f"{stem}.png"))
 
 
 

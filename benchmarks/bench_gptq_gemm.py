@@ -12,7 +12,7 @@ round reported (common.time_rounds_ms).
 """
 import argparse
 
-from common import copy_bandwidth_gbs, machine, print_table, printed_to, time_rounds_ms, write_results  # first: sets THP
+from common import CopyBandwidth, machine, print_table, printed_to, time_rounds_ms, write_results  # first: sets THP
 
 import torch  # noqa: E402
 
@@ -66,14 +66,12 @@ def main():
     records = []
     stem = f"{info['slug']}-gptq"
     with printed_to(f"{stem}.txt"):
-        # The copy bandwidth per shape and at the end, the fastest taken: on a
-        # shared VM it swings by half, and one moment of it is no yardstick.
-        copy_gbs = []
+        bandwidth = CopyBandwidth(device)
         isa = torch.ops.lowbit.cpu_isa() if device.type == "cpu" else "-"
         print(f"machine: {info['name']} ({info['threads']} threads), torch {info['torch']}, CPU kernels: {isa}")
         for K, N in shapes:
             torch.set_num_threads(max(threads_list))
-            copy_gbs.append(copy_bandwidth_gbs(device))
+            bandwidth.sample()
             dense32 = torch.randn(K, N, device=device)
             dense16 = dense32.to(torch.bfloat16)
             for M in ms_list:
@@ -101,13 +99,11 @@ def main():
                                             speedup_vs_fp32=fp32_ms / ms, speedup_vs_bf16=bf16_ms / ms16,
                                             speedup_vs_torch_int4=peer_int4 / ms16))
         torch.set_num_threads(max(threads_list))
-        copy_gbs.append(copy_bandwidth_gbs(device))
-        bandwidth = max(copy_gbs)
-        print(f"measured copy bandwidth: {bandwidth:.1f} GB/s (read + write), the fastest of "
-              f"{len(copy_gbs)} measurements across the run: {', '.join(f'{g:.1f}' for g in copy_gbs)}\n")
+        bandwidth.sample()
+        print(bandwidth.describe() + "\n")
         rows = []
         for r in records:
-            r["bandwidth_fraction"] = r["weight_gbs"] / bandwidth
+            r["bandwidth_fraction"] = r["weight_gbs"] / bandwidth.gbs
             rows.append([f"{r['K']}x{r['N']}", r["M"], r["threads"], r["bits"], f"{r['lowbit_ms']:.3f}",
                          f"{r['lowbit_bf16_ms']:.3f}", f"{r['weight_gbs']:.1f}", f"{100 * r['bandwidth_fraction']:.0f}%",
                          f"{r['torch_fp32_ms']:.3f}", f"{r['speedup_vs_fp32']:.2f}x", f"{r['speedup_vs_bf16']:.2f}x",
@@ -116,7 +112,8 @@ def main():
               "bf16 dense and torch's int4 kernel (both take bf16); GB/s from the faster of the two\n")
         print_table(["KxN", "M", "thr", "bits", "lowbit ms", "bf16 ms", "GB/s", "of bw", "fp32 ms", "vs fp32",
                      "vs bf16", "int4 ms", "vs int4"], rows)
-    write_results(f"{stem}.json", dict(machine=info, cpu_isa=isa, copy_bandwidth_gbs=bandwidth, copy_bandwidth_samples_gbs=copy_gbs,
+    write_results(f"{stem}.json", dict(machine=info, cpu_isa=isa, copy_bandwidth_gbs=bandwidth.gbs,
+                                       copy_bandwidth_samples_gbs=bandwidth.samples,
                                        activations="lowbit_ms: fp32, lowbit_bf16_ms: bf16 (torch int4 and bf16 dense: bf16)",
                                        records=records))
 

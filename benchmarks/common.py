@@ -67,6 +67,26 @@ def copy_bandwidth_gbs(device=torch.device("cpu"), nbytes=1 << 29):
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
+class CopyBandwidth:
+    """The machine's copy bandwidth sampled across a run (sample() at each
+    shape and at the end) and the fastest sample taken: on a shared VM it
+    swings by half, and one moment of it is no yardstick."""
+
+    def __init__(self, device=torch.device("cpu")):
+        self.device, self.samples = device, []
+
+    def sample(self):
+        self.samples.append(copy_bandwidth_gbs(self.device))
+
+    @property
+    def gbs(self):
+        return max(self.samples)
+
+    def describe(self):
+        return (f"measured copy bandwidth: {self.gbs:.1f} GB/s (read + write), the fastest of "
+                f"{len(self.samples)} measurements across the run: {', '.join(f'{g:.1f}' for g in self.samples)}")
+
+
 def machine(device=torch.device("cpu")):
     """A description of the machine and a short name for result files."""
     return {
