@@ -168,6 +168,51 @@ def test_dequantize_is_exact(device, bits, fmt):
     np.testing.assert_array_equal(W.cpu().numpy(), expect.astype(np.float16))
 
 
+@pytest.mark.parametrize("act_order", [False, True], ids=["groups", "actorder"])
+@pytest.mark.parametrize("n", [96, 104], ids=["whole_vectors", "ragged"])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", BITS)
+def test_dequantize_every_path_is_exact(device, bits, scale_dtype, n, act_order):
+    """Contiguous groups take the SIMD tile dequantizer (N = 104 leaves 8
+    columns past its last 16-lane vector for dequant_row), an act-order g_idx
+    the portable rows; fp32 scales are written in place, the others rounded
+    once from fp32. Both must give the reference's bits."""
+    if n * bits % 32:
+        pytest.skip(f"N = {n} does not pack into {bits}-bit qzeros words")
+    rng = np.random.default_rng([bits, n])
+    ckpt = ref.random_checkpoint(rng, K, n, bits, 64, False, "gptq", act_order)
+    scales = torch.from_numpy(ckpt["scales"]).float().mul(1.37).to(scale_dtype)
+    ckpt["scales"] = scales.double().numpy()
+    t = as_torch(ckpt, device)
+    W = torch.ops.lowbit.gptq_dequantize(t["qweight"], t["qzeros"], scales.to(device), t["g_idx"], False, bits)
+    expect = ref.dequantize(ckpt["qweight"], ckpt["qzeros"], ckpt["scales"], ckpt["g_idx"], bits, "gptq")
+    assert W.dtype == scale_dtype and W.shape == (K, n)
+    np.testing.assert_array_equal(W.cpu().float().numpy(), torch.from_numpy(expect).to(scale_dtype).float().numpy())
+
+
+@pytest.mark.parametrize("n", [96, 104], ids=["whole_vectors", "ragged"])
+def test_gemm_bf16_large_m_rounds_once(device, n):
+    """bf16 activations past the fused kernels (on AVX512-BF16 CPUs: W as two
+    bf16 planes in one bf16 GEMM) must round the fp32-accurate product once:
+    nearly every output is the correctly rounded bf16 of the exact result, and
+    none is off by more than one ulp. A single bf16 plane of W would miss
+    about half an ulp on every output and fail the first check."""
+    rng = np.random.default_rng(n)
+    k = 1024
+    ckpt = ref.random_checkpoint(rng, k, n, 4, 128, False, "gptq_v2", False)
+    W = ref.dequantize(ckpt["qweight"], ckpt["qzeros"], ckpt["scales"], ckpt["g_idx"], 4, "gptq_v2")
+    t = as_torch(ckpt, device)
+    a = torch.randn(100, k, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16).to(device)
+    out = torch.ops.lowbit.gptq_gemm(a, t["qweight"], t["qzeros"], t["scales"], t["g_idx"], False, True, 4)
+    exact = torch.from_numpy(a.double().cpu().numpy() @ W)
+    rounded = exact.to(torch.bfloat16)
+    got = out.cpu()
+    assert got.dtype == torch.bfloat16
+    assert (got == rounded).double().mean() >= 0.99
+    ulp = (rounded.float().abs() * 2.0**-7).clamp_min(2.0**-126)
+    assert torch.all((got.float() - exact.float()).abs() <= ulp)
+
+
 @pytest.mark.parametrize("bits", BITS)
 def test_shuffle_permutes_rows(device, bits):
     """lowbit's fast layout: the GPTQ packing with rows in q_perm order."""

@@ -30,6 +30,7 @@
 
 #include "../core/gptq_format.h"
 #include "gptq_kernels.h"
+#include "gptq_fields_simd.h"
 #include "gptq_group_simd.h"
 
 namespace lowbit {
@@ -68,23 +69,17 @@ struct FusedSimd {
   template <int MT, int U, int FI>
   static inline void field(const I (&words)[P::kWords][U], const I (&zero)[U], F levels, const float* a, int64_t K,
                            F (&acc)[MT][U]) {
-    constexpr gptq::FieldLoc f = gptq::locate<B>(FI);
+    constexpr bool kUnmasked = kLookup && gptq::locate<B>(FI).hi_mask == 0;
     F q[U];
     for (int u = 0; u < U; ++u) {
-      I v = words[f.lo][u];
-      if constexpr (f.lo_shift != 0) v = V::template srl<f.lo_shift>(v);
-      if constexpr (kLookup && f.hi_mask == 0) {
-        q[u] = V::lookup(levels, v);
-        continue;
+      const auto word = [&](int64_t i) { return words[i][u]; };
+      if constexpr (kUnmasked) {
+        q[u] = V::lookup(levels, pack_field<V, B, FI, false>(word));
+      } else {
+        I v = pack_field<V, B, FI, true>(word);
+        if constexpr (!kLookup) v = V::sub(v, zero[u]);
+        q[u] = V::cvt(v);
       }
-      // The top field of a word needs no mask: the shift already cleared the rest.
-      if constexpr (f.lo_shift + f.hi_pos < 32) v = V::and_(v, V::set1_i(static_cast<int32_t>(f.lo_mask)));
-      if constexpr (f.hi_mask != 0) {
-        const I high = V::and_(words[f.hi][u], V::set1_i(static_cast<int32_t>(f.hi_mask)));
-        v = V::or_(v, V::template sll<f.hi_pos>(high));
-      }
-      if constexpr (!kLookup) v = V::sub(v, zero[u]);
-      q[u] = V::cvt(v);
     }
     for (int m = 0; m < MT; ++m) {
       const F x = V::set1(a[m * K + FI]);

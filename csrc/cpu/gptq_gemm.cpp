@@ -1,15 +1,19 @@
 // CPU gptq_gemm and gptq_dequantize.
 //
 // Both are built on one primitive, dequant_row: a run of one weight row k,
-// W[k, n0:n1], in fp32. Small M fuses it with the dot products (every weight
-// is decoded once and used M times from registers/L1); large M decodes tiles
-// of W and hands them to at::mm, whose fp32 GEMM is faster than any loop we
-// would write here. Accumulation is fp32 throughout.
+// W[k, n0:n1], in fp32, and on its SIMD form for whole packs of rows and
+// vectors of columns (gptq_dequant_simd.h). Small M fuses the decoding with
+// the dot products (every weight is decoded once and used M times from
+// registers/L1); large M decodes tiles of W and hands them to at::mm, whose
+// GEMM is faster than any loop we would write here: fp32, or for bf16
+// activations on AVX512-BF16 CPUs a bf16 GEMM over two bf16 planes of W.
+// Accumulation is fp32 throughout.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "../core/gptq_format.h"
@@ -33,12 +37,22 @@ constexpr int64_t kFusedMaxM = 8;
 // fused path wins at every M up to 64 for every bit width (52-59 ms against
 // 75-115 ms at M = 64), with the gap closing about M = 100.
 constexpr int64_t kSimdFusedMaxM = 64;
+// bf16 activations on AVX512-BF16 CPUs leave the fused kernels for the bf16
+// GEMM path (gemm_bf16x2_mm) above kSimdFusedMaxM, and above kAmxFusedMaxM
+// where AMX-BF16 runs that GEMM: on a 2-core Xeon (AMX, 2 threads, 4-bit
+// g128, 4096x14336 and 14336x4096) the fused kernel took 11 / 22 / 45 ms at
+// M = 16 / 32 / 64 and the GEMM path 28-31 ms at each of them.
+constexpr int64_t kAmxFusedMaxM = 40;
 // Output columns per fused task: acc[kFusedMaxM][kTileN] stays in L1.
 constexpr int64_t kTileN = 64;
 // Bytes of fp32 weight tile decoded per at::mm call on the large-M path, and
 // the fewest rows k a full-width tile may have before column strips are used.
 constexpr int64_t kTileBytes = 8 << 20;
 constexpr int64_t kMinTileRows = 256;
+// The same for the bf16 GEMM path's column strips, [2K, width] bf16. At
+// M = 256, 2 threads (2-core Xeon with AMX): 16 MB strips 48 / 47 ms for
+// 4096x14336 / 14336x4096, 8 MB 47 / 56 ms, 32 MB 55 / 48 ms.
+constexpr int64_t kBf16TileBytes = 16 << 20;
 
 // Group parameters of one run of columns [n0, n1) (read_group), each group
 // read at its first use and kept: consecutive rows share a group, but an
@@ -144,6 +158,58 @@ at::Tensor bf16_planes(const at::Tensor& a2, at::ScalarType input) {
   return at::stack({hi, (a2 - hi.to(at::kFloat)).to(at::kBFloat16)});
 }
 
+// The ScaleType naming T's storage.
+template <class T>
+constexpr ScaleType storage_type() {
+  if constexpr (std::is_same_v<T, at::Half>) return ScaleType::kF16;
+  if constexpr (std::is_same_v<T, at::BFloat16>) return ScaleType::kBF16;
+  return ScaleType::kF32;
+}
+
+// W[k, n0:n1] for k in [k0, k1) (whole packs) into out (row stride ldo) as T
+// (float, at::Half, at::BFloat16): the ISA's tile dequantizer takes the whole
+// vectors of columns, dequant_row the rest (and every column when isa is
+// kPortable, which it must be when w does not suit the SIMD kernels:
+// simd_fused_supports). n0 is a multiple of 8.
+template <int B, class T>
+void dequant_rows(const GptqWeight& w, Isa isa, int64_t k0, int64_t k1, int64_t n0, int64_t n1, T* out,
+                  int64_t ldo) {
+  int64_t simd_n1 = n0;
+#if defined(__x86_64__)
+  if (isa != Isa::kPortable) {
+    const int64_t step = isa == Isa::kAvx512 ? kAvx512DequantCols : kAvx2DequantCols;
+    simd_n1 = n0 + (n1 - n0) / step * step;
+    if (simd_n1 > n0) {
+      (isa == Isa::kAvx512 ? gptq_dequant_avx512 : gptq_dequant_avx2)(B, w, k0, k1, n0, simd_n1, storage_type<T>(),
+                                                                     out, ldo);
+    }
+  }
+#endif
+  if (simd_n1 == n1) return;
+  GroupRun<B> run(w, simd_n1, n1);
+  std::vector<float> row(std::is_same_v<T, float> ? 0 : n1 - simd_n1);
+  for (int64_t k = k0; k < k1; ++k) {
+    T* dst = out + (k - k0) * ldo + (simd_n1 - n0);
+    if constexpr (std::is_same_v<T, float>) {
+      dequant_row<B>(w, k, run, simd_n1, n1, dst);
+    } else {
+      dequant_row<B>(w, k, run, simd_n1, n1, row.data());
+      std::copy(row.begin(), row.end(), dst);
+    }
+  }
+}
+
+// f(r0, r1) over [k0, k1) in parallel, in runs of whole packs (k0 is a pack's
+// first row) of about `rows_per_task` rows.
+template <int B, class F>
+void for_pack_rows(int64_t k0, int64_t k1, int64_t rows_per_task, F&& f) {
+  constexpr int64_t kFields = gptq::Pack<B>::kFields;
+  const int64_t grain = std::max<int64_t>(1, rows_per_task / kFields);
+  at::parallel_for(0, (k1 - k0 + kFields - 1) / kFields, grain, [&](int64_t p0, int64_t p1) {
+    f(k0 + p0 * kFields, std::min(k1, k0 + p1 * kFields));
+  });
+}
+
 // out[M, N] = a[M, K] @ W by decoding tiles of W into fp32 for at::mm. A
 // tile spans all N columns and as many rows k as kTileBytes holds, summed
 // into out by addmm: out stays one contiguous operand. Only where that
@@ -152,12 +218,13 @@ at::Tensor bf16_planes(const at::Tensor& a2, at::ScalarType input) {
 // strips of 146 columns, each mm's result copied into out, had cost 15%
 // over the dense fp32 GEMM.
 template <int B>
-void gemm_dequant_mm(const at::Tensor& a, const GptqWeight& w, at::Tensor& out) {
+void gemm_dequant_mm(const at::Tensor& a, const GptqWeight& w, Isa isa, const at::Tensor& out) {
+  constexpr int64_t kFields = gptq::Pack<B>::kFields;
   const int64_t K = w.K, N = w.N;
-  int64_t rows = std::min(K, kTileBytes / (4 * N)), cols = N;
+  int64_t rows = std::min(K, kTileBytes / (4 * N) / kFields * kFields), cols = N;
   if (rows < std::min(K, kMinTileRows)) {
     rows = K;
-    cols = std::min(N, std::max<int64_t>(kTileN, kTileBytes / (4 * K)));
+    cols = std::min(N, std::max<int64_t>(kTileN, kTileBytes / (4 * K) / kTileN * kTileN));
   }
   at::Tensor tile_buf = at::empty({rows * cols}, a.options());
   float* tile = tile_buf.data_ptr<float>();
@@ -166,9 +233,8 @@ void gemm_dequant_mm(const at::Tensor& a, const GptqWeight& w, at::Tensor& out) 
     at::Tensor out_cols = out.narrow(1, n0, width);
     for (int64_t k0 = 0; k0 < K; k0 += rows) {
       const int64_t height = std::min(rows, K - k0);
-      at::parallel_for(k0, k0 + height, std::max<int64_t>(1, 4096 / width), [&](int64_t k1, int64_t k2) {
-        GroupRun<B> run(w, n0, n0 + width);
-        for (int64_t k = k1; k < k2; ++k) dequant_row<B>(w, k, run, n0, n0 + width, tile + (k - k0) * width);
+      for_pack_rows<B>(k0, k0 + height, 4096 / width, [&](int64_t k1, int64_t k2) {
+        dequant_rows<B>(w, isa, k1, k2, n0, n0 + width, tile + (k1 - k0) * width, width);
       });
       const at::Tensor tile_t = tile_buf.narrow(0, 0, height * width).view({height, width});
       const at::Tensor a_k = a.narrow(1, k0, height);
@@ -178,6 +244,54 @@ void gemm_dequant_mm(const at::Tensor& a, const GptqWeight& w, at::Tensor& out) 
         out_cols.addmm_(a_k, tile_t);
       }
     }
+  }
+}
+
+// out[M, N] = a[M, K] @ W for bf16 activations a on AVX512-BF16 CPUs, whose
+// bf16 GEMM (AMX or vdpbf16ps, fp32 accumulation) is several times faster
+// than the fp32 one: 5x on a 2-core Xeon with AMX, 3x on AMD Zen 4. W goes
+// in column strips over all of K as two bf16 planes [hi; lo] [2K, width]
+// against [a, a] [M, 2K]: one GEMM adds a @ hi + a @ lo in fp32 and rounds
+// to bf16 once, as the fp32 path's output is rounded once, and hi + lo holds
+// the fp32 weight to 16 significand bits, 2^-17 relative, far below that
+// rounding (2^-9). A single bf16 plane would add an error of about half the
+// output's ulp to every result. Needs the SIMD tile dequantizer (isa is
+// kAvx512); columns past its last whole vector are split in scalar code.
+template <int B>
+void gemm_bf16x2_mm(const at::Tensor& a, const GptqWeight& w, const at::Tensor& out) {
+  const int64_t K = w.K, N = w.N;
+  const int64_t cols = std::min(N, std::max<int64_t>(kTileN, kBf16TileBytes / (4 * K) / kTileN * kTileN));
+  const at::Tensor a2 = at::cat({a, a}, 1);
+  at::Tensor tile_buf = at::empty({2 * K * cols}, a.options());
+  const at::Tensor strip_out = at::empty({a.size(0), cols}, a.options());
+  uint16_t* tile = reinterpret_cast<uint16_t*>(tile_buf.data_ptr<at::BFloat16>());
+  for (int64_t n0 = 0; n0 < N; n0 += cols) {
+    const int64_t width = std::min(cols, N - n0);
+    const int64_t simd_n1 = n0 + width / kAvx512DequantCols * kAvx512DequantCols;
+    uint16_t* hi = tile;
+    uint16_t* lo = tile + K * width;
+    for_pack_rows<B>(0, K, 4096 / width, [&](int64_t k0, int64_t k1) {
+#if defined(__x86_64__)
+      if (simd_n1 > n0) gptq_dequant_bf16x2_avx512bf16(B, w, k0, k1, n0, simd_n1, hi + k0 * width, lo + k0 * width, width);
+#endif
+      if (simd_n1 == n0 + width) return;
+      std::vector<float> row(n0 + width - simd_n1);
+      GroupRun<B> run(w, simd_n1, n0 + width);
+      for (int64_t k = k0; k < k1; ++k) {
+        dequant_row<B>(w, k, run, simd_n1, n0 + width, row.data());
+        for (size_t i = 0; i < row.size(); ++i) {
+          const c10::BFloat16 h(row[i]);
+          const int64_t at = k * width + (simd_n1 - n0) + static_cast<int64_t>(i);
+          hi[at] = h.x;
+          lo[at] = c10::BFloat16(row[i] - static_cast<float>(h)).x;
+        }
+      }
+    });
+    // Into a contiguous strip, then copied: oneDNN writing into out's
+    // strided columns directly measured 2x slower at some widths (Xeon, AMX).
+    at::Tensor o = width == cols ? strip_out : at::empty({a.size(0), width}, a.options());
+    at::mm_out(o, a2, tile_buf.narrow(0, 0, 2 * K * width).view({2 * K, width}));
+    out.narrow(1, n0, width).copy_(o);
   }
 }
 
@@ -239,14 +353,19 @@ at::Tensor gptq_gemm(const at::Tensor& a, const at::Tensor& b_q_weight, const at
   a2 = a2.contiguous();
   const int64_t M = a2.size(0);
 
-  at::Tensor out = at::empty({M, d.N}, a2.options());
+  at::Tensor out = at::empty({M, d.N}, a2.options());  // fp32, unless the bf16 GEMM path writes bf16
   if (M > 0) {
     const PreparedWeight w = prepare(b_q_weight, b_gptq_qzeros, b_gptq_scales,
                                      use_exllama ? at::Tensor() : idx, d, use_v2_format, bit);
     dispatch_bits(bit, [&](auto bits) {
       constexpr int B = decltype(bits)::value;
       const Isa isa = simd_fused_supports<B>(w.view) ? active_isa() : Isa::kPortable;
-      if (M <= (isa != Isa::kPortable ? kSimdFusedMaxM : kFusedMaxM)) {
+      const bool bf16_gemm = a.scalar_type() == at::kBFloat16 && isa == Isa::kAvx512 && has_avx512_bf16() &&
+                             M > (has_amx_bf16() ? kAmxFusedMaxM : kSimdFusedMaxM);
+      if (bf16_gemm) {
+        out = at::empty({M, d.N}, a.options());
+        gemm_bf16x2_mm<B>(a2.to(at::kBFloat16), w.view, out);
+      } else if (M <= (isa != Isa::kPortable ? kSimdFusedMaxM : kFusedMaxM)) {
         // bf16 / fp16 activations of a 2-, 3- or 4-bit weight on AVX512-BF16 go through vdpbf16ps.
         const bool half_input = a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf;
         at::Tensor planes;
@@ -255,7 +374,7 @@ at::Tensor gptq_gemm(const at::Tensor& a, const at::Tensor& b_q_weight, const at
                            M, planes.defined() ? static_cast<int>(planes.size(0)) : 0};
         gemm_fused<B>(a2.data_ptr<float>(), M, w.view, out.data_ptr<float>(), isa, a16.data ? &a16 : nullptr);
       } else {
-        gemm_dequant_mm<B>(a2, w.view, out);
+        gemm_dequant_mm<B>(a2, w.view, isa, out);
       }
     });
   }
@@ -275,13 +394,9 @@ at::Tensor gptq_dequantize(const at::Tensor& b_q_weight, const at::Tensor& b_gpt
     scalar_t* dst = out.data_ptr<scalar_t>();
     dispatch_bits(bit, [&](auto bits) {
       constexpr int B = decltype(bits)::value;
-      at::parallel_for(0, d.K, std::max<int64_t>(1, 16384 / d.N), [&](int64_t k0, int64_t k1) {
-        std::vector<float> row(d.N);
-        GroupRun<B> run(w.view, 0, d.N);
-        for (int64_t k = k0; k < k1; ++k) {
-          dequant_row<B>(w.view, k, run, 0, d.N, row.data());
-          std::copy(row.begin(), row.end(), dst + k * d.N);
-        }
+      const Isa isa = simd_fused_supports<B>(w.view) ? active_isa() : Isa::kPortable;
+      for_pack_rows<B>(0, d.K, std::max<int64_t>(1, 16384 / d.N), [&](int64_t k0, int64_t k1) {
+        dequant_rows<B>(w.view, isa, k0, k1, 0, d.N, dst + k0 * d.N, d.N);
       });
     });
   });

@@ -113,6 +113,23 @@ struct Bf16Acts {
   int planes;
 };
 
+// The SIMD tile dequantizers write W[k, n] for k in [k0, k1) and n in [n0, n1)
+// at out[(k - k0) * ldo + n - n0], exactly as gptq::dequant computes it, in
+// out_type (fp16 and bf16 rounded to nearest even, as torch converts). k0
+// and k1 hold whole packs, n0 is a multiple of 8 and n1 - n0 of the vector
+// width (kAvx2DequantCols, kAvx512DequantCols); groups as simd_fused_supports().
+constexpr int64_t kAvx2DequantCols = 8;
+constexpr int64_t kAvx512DequantCols = 16;
+void gptq_dequant_avx2(int bits, const GptqWeight& w, int64_t k0, int64_t k1, int64_t n0, int64_t n1,
+                       ScaleType out_type, void* out, int64_t ldo);
+void gptq_dequant_avx512(int bits, const GptqWeight& w, int64_t k0, int64_t k1, int64_t n0, int64_t n1,
+                         ScaleType out_type, void* out, int64_t ldo);
+// The same as two bf16 planes, hi = bf16(W) and lo = bf16(W - hi), each
+// rounded to nearest even: hi + lo is W to 16 significand bits, for a bf16
+// GEMM that must not lose the fp32 weight's precision (AVX512-BF16 CPUs).
+void gptq_dequant_bf16x2_avx512bf16(int bits, const GptqWeight& w, int64_t k0, int64_t k1, int64_t n0, int64_t n1,
+                                    uint16_t* hi, uint16_t* lo, int64_t ldo);
+
 void gptq_fused_avx2(int bits, const float* a, int64_t M, const GptqWeight& w, int64_t n0, int64_t n1, float* out);
 void gptq_fused_avx512(int bits, const float* a, int64_t M, const GptqWeight& w, int64_t n0, int64_t n1, float* out);
 void gptq_fused_avx512bf16(int bits, const float* a, const Bf16Acts& a16, const GptqWeight& w, int64_t n0,

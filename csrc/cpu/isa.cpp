@@ -65,6 +65,18 @@ bool has_avx512_bf16() {
 #endif
 }
 
+bool has_amx_bf16() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("amx-bf16") != 0;
+  }();
+  return has && has_avx512_bf16();
+#else
+  return false;
+#endif
+}
+
 Isa active_isa() { return static_cast<Isa>(active().load(std::memory_order_relaxed)); }
 
 const char* isa_name(Isa isa) {

@@ -27,6 +27,9 @@ const char* isa_name(Isa isa);
 // Whether the CPU has AVX512-BF16 (vdpbf16ps) and VBMI2, which the kAvx512 kernels may
 // use on top of their ISA for bf16 / fp16 activations.
 bool has_avx512_bf16();
+// Whether it also has AMX-BF16, whose tile multiply makes torch's bf16 GEMM
+// (oneDNN) fast enough to pay off at smaller M than the fused kernels.
+bool has_amx_bf16();
 // Forces kernels down to `name` ("portable", "avx2", "avx512", or "" / "best"
 // for the detected one). Raises ValueError for a name this CPU cannot run.
 void force_isa(const std::string& name);

@@ -27,6 +27,20 @@ struct VecAvx2 {
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static I load_i(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  // fp16 of every lane, rounded to nearest even (F16C).
+  static void store_f16(uint16_t* p, F v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  // bf16 of every lane as c10::BFloat16 rounds: to nearest even, NaN as 0x7FC0.
+  static void store_bf16(uint16_t* p, F v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    // packus works within 128-bit halves: gather both halves' low 64 bits.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
   template <int S>
   static I srl(I v) { return _mm256_srli_epi32(v, S); }
   template <int S>

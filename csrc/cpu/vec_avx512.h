@@ -27,6 +27,18 @@ struct VecAvx512 {
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static I load_i(const void* p) { return _mm512_loadu_si512(p); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  // fp16 of every lane, rounded to nearest even.
+  static void store_f16(uint16_t* p, F v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  // bf16 of every lane as c10::BFloat16 rounds: to nearest even, NaN as 0x7FC0.
+  static void store_bf16(uint16_t* p, F v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
   template <int S>
   static I srl(I v) { return _mm512_srli_epi32(v, S); }
   template <int S>
