@@ -26,6 +26,13 @@ std::string cpu_isa(std::optional<std::string> force) {
   return lowbit::cpu::isa_name(lowbit::cpu::active_isa());
 }
 
+// Which GPTQ kernel bf16 / fp16 activations take on AVX512-BF16 CPUs
+// (lowbit::cpu::Bf16Kernel), after setting it to `mode` if given.
+std::string cpu_bf16_kernel(std::optional<std::string> mode) {
+  if (mode) lowbit::cpu::set_bf16_kernel(*mode);
+  return lowbit::cpu::bf16_kernel_name(lowbit::cpu::bf16_kernel());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(lowbit, m) {
@@ -65,4 +72,5 @@ TORCH_LIBRARY(lowbit, m) {
   // chosen from the CPU's features at load (or LOWBIT_CPU_ISA); `force`
   // lowers it, for tests of every path and for benchmarks.
   m.def("cpu_isa(str? force=None) -> str", &cpu_isa);
+  m.def("cpu_bf16_kernel(str? mode=None) -> str", &cpu_bf16_kernel);
 }

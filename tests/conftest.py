@@ -52,7 +52,11 @@ def device(request):
         return
     before = torch.ops.lowbit.cpu_isa()
     torch.ops.lowbit.cpu_isa(isa)
+    # The vdpbf16ps GPTQ kernel wherever it applies, on a CPU whose own choice
+    # (auto) would take the fp32 one for some M and bit widths.
+    torch.ops.lowbit.cpu_bf16_kernel("always")
     try:
         yield name
     finally:
         torch.ops.lowbit.cpu_isa(before)
+        torch.ops.lowbit.cpu_bf16_kernel("auto")

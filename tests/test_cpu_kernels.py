@@ -45,6 +45,34 @@ def test_cpu_isa_reports_forces_and_validates():
         ops.cpu_isa("best")
 
 
+def test_cpu_bf16_kernel_modes_agree():
+    """Both GPTQ kernels for bf16 activations (vdpbf16ps where the CPU has
+    it, else the fp32 FMA one in both modes) compute the same exact products
+    in fp32, so their bf16 outputs may differ only by the order of fp32
+    additions: at most one bf16 ulp, and nearly never."""
+    import gptq_reference as ref
+    assert ops.cpu_bf16_kernel() == "auto"
+    rng = np.random.default_rng(5)
+    K, n = 512, 128
+    outs = {}
+    try:
+        for bits in (2, 3, 4):
+            c = ref.random_checkpoint(rng, K, n, bits, 128, False, "gptq_v2", False)
+            t = [torch.from_numpy(np.ascontiguousarray(c[k])) for k in ("qweight", "qzeros", "scales", "g_idx")]
+            for M in (1, 2, 8):
+                a = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).bfloat16()
+                for mode in ("auto", "always"):
+                    assert ops.cpu_bf16_kernel(mode) == mode
+                    outs[bits, M, mode] = ops.gptq_gemm(a, *t, False, True, bits).float()
+                auto, always = outs[bits, M, "auto"], outs[bits, M, "always"]
+                assert torch.all((auto - always).abs() <= auto.abs().clamp_min(1e-30) * 2.0**-7)
+                assert (auto == always).double().mean() >= 0.95
+        with pytest.raises(ValueError, match="cpu_bf16_kernel: unknown mode 'fast'"):
+            ops.cpu_bf16_kernel("fast")
+    finally:
+        ops.cpu_bf16_kernel("auto")
+
+
 def run_with_env(value, code):
     env = dict(os.environ, LOWBIT_CPU_ISA=value)
     return subprocess.run([sys.executable, "-c", "import torch, lowbit; " + code], env=env,

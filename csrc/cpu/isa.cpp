@@ -65,6 +65,36 @@ bool has_avx512_bf16() {
 #endif
 }
 
+bool bf16_dot_at_fma_rate() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool fast = [] {
+    __builtin_cpu_init();
+    return !__builtin_cpu_is("intel");
+  }();
+  return fast;
+#else
+  return false;
+#endif
+}
+
+namespace {
+std::atomic<int> bf16_kernel_choice{static_cast<int>(Bf16Kernel::kAuto)};
+}  // namespace
+
+Bf16Kernel bf16_kernel() { return static_cast<Bf16Kernel>(bf16_kernel_choice.load(std::memory_order_relaxed)); }
+
+void set_bf16_kernel(const std::string& name) {
+  for (Bf16Kernel k : {Bf16Kernel::kAuto, Bf16Kernel::kAlways}) {
+    if (name == bf16_kernel_name(k)) {
+      bf16_kernel_choice.store(static_cast<int>(k), std::memory_order_relaxed);
+      return;
+    }
+  }
+  TORCH_CHECK_VALUE(false, "cpu_bf16_kernel: unknown mode '", name, "'; expected auto or always");
+}
+
+const char* bf16_kernel_name(Bf16Kernel k) { return k == Bf16Kernel::kAlways ? "always" : "auto"; }
+
 bool has_amx_bf16() {
 #if defined(__x86_64__) && defined(__GNUC__)
   static const bool has = [] {

@@ -27,6 +27,19 @@ const char* isa_name(Isa isa);
 // Whether the CPU has AVX512-BF16 (vdpbf16ps) and VBMI2, which the kAvx512 kernels may
 // use on top of their ISA for bf16 / fp16 activations.
 bool has_avx512_bf16();
+// Whether vdpbf16ps (two bf16 products per fp32 lane) issues as often as an
+// fp32 FMA, as on AMD Zen 4; Intel cores issue it at half that rate, so it
+// multiplies no faster than FMA there (gptq_gemm measures both).
+bool bf16_dot_at_fma_rate();
+// Which kernel bf16 / fp16 activations of a GPTQ weight take where both the
+// vdpbf16ps and the fp32 FMA kernels apply: kAuto picks the faster on this
+// CPU; kAlways takes vdpbf16ps wherever it applies, so that the tests run it
+// at every M and bit width on any CPU that has it.
+enum class Bf16Kernel : int { kAuto = 0, kAlways = 1 };
+Bf16Kernel bf16_kernel();
+// Sets it by name ("auto", "always"); raises ValueError for another.
+void set_bf16_kernel(const std::string& name);
+const char* bf16_kernel_name(Bf16Kernel k);
 // Whether it also has AMX-BF16, whose tile multiply makes torch's bf16 GEMM
 // (oneDNN) fast enough to pay off at smaller M than the fused kernels.
 bool has_amx_bf16();
