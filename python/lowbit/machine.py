@@ -22,7 +22,8 @@ def device_name(device: torch.device = torch.device("cpu")) -> str:
 
 def machine_slug(device: torch.device = torch.device("cpu")) -> str:
     """e.g. cpu-amd-epyc-2t (CPU model and thread count) or cuda-nvidia-h100-80gb-hbm3."""
-    slug = re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-")
+    name = re.sub(r"\((r|tm)\)", "", device_name(device).lower())  # "Intel(R) Xeon(R)" -> "intel xeon"
+    slug = re.sub(r"[^a-z0-9]+", "-", name).strip("-")
     return f"cpu-{slug}-{torch.get_num_threads()}t" if device.type == "cpu" else f"cuda-{slug}"
 
 
