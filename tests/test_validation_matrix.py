@@ -255,7 +255,7 @@ def test_validation_matrix(op_name, case, over, expect):
 
 def test_the_matrix_covers_every_op():
     declared = {name for name in dir(ops) if isinstance(getattr(ops, name), torch._ops.OpOverloadPacket)}
-    declared -= {"ggml_type_info", "cpu_isa"}  # no tensor arguments: test_scalar_ops_reject_bad_values
+    declared -= {"ggml_type_info", "cpu_isa", "cpu_bf16_kernel"}  # no tensors: test_scalar_ops_reject_bad_values
     assert declared <= set(OPS), declared - set(OPS)
     assert len(CASES) >= 200, len(CASES)
 
@@ -265,3 +265,5 @@ def test_scalar_ops_reject_bad_values():
         ops.ggml_type_info(4)
     with pytest.raises(ValueError, match="^cpu_isa: unknown ISA 'sse9'"):
         ops.cpu_isa("sse9")
+    with pytest.raises(ValueError, match="^cpu_bf16_kernel: unknown mode 'fast'"):
+        ops.cpu_bf16_kernel("fast")
