@@ -86,10 +86,13 @@ inline void read_group(const GptqWeight& w, int64_t g, int64_t n0, int64_t n1, i
 // last group, or act-order weights in the shuffled layout) that hold whole
 // packs, and a column range that is a
 // multiple of simd_fused_cols(); simd_fused_supports() says whether w qualifies.
+// (Internal linkage, as every function of these headers: see read_zeros.)
+namespace {
 template <int B>
 bool simd_fused_supports(const GptqWeight& w) {
   return w.group_of.g_idx == nullptr && w.group_of.group_size % gptq::Pack<B>::kFields == 0;
 }
+}  // namespace
 constexpr int64_t kAvx2FusedCols = 32;    // 4 vectors of 8 lanes
 constexpr int64_t kAvx512FusedCols = 64;  // 4 vectors of 16 lanes
 // Activation rows that share each decoded weight in the SIMD fused kernels;
