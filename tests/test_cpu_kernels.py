@@ -17,6 +17,7 @@ import torch
 
 import gguf_blocks as gb
 import ggml_peer
+import gptq_reference as ref
 from conftest import ISAS
 
 ops = torch.ops.lowbit
@@ -50,7 +51,6 @@ def test_cpu_bf16_kernel_modes_agree():
     it, else the fp32 FMA one in both modes) compute the same exact products
     in fp32, so their bf16 outputs may differ only by the order of fp32
     additions: at most one bf16 ulp, and nearly never."""
-    import gptq_reference as ref
     assert ops.cpu_bf16_kernel() == "auto"
     rng = np.random.default_rng(5)
     K, n = 512, 128

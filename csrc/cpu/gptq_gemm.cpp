@@ -289,16 +289,17 @@ void gemm_bf16x2_mm(const at::Tensor& a, const GptqWeight& w, const at::Tensor& 
 #if defined(__x86_64__)
       if (simd_n1 > n0) gptq_dequant_bf16x2_avx512bf16(B, w, k0, k1, n0, simd_n1, hi + k0 * width, lo + k0 * width, width);
 #endif
-      if (simd_n1 == n0 + width) return;
-      std::vector<float> row(n0 + width - simd_n1);
-      GroupRun<B> run(w, simd_n1, n0 + width);
+      const int64_t rest = n0 + width - simd_n1;
+      if (rest == 0) return;
+      std::vector<float> rows((k1 - k0) * rest);
+      dequant_rows<B>(w, Isa::kPortable, k0, k1, simd_n1, n0 + width, rows.data(), rest);
       for (int64_t k = k0; k < k1; ++k) {
-        dequant_row<B>(w, k, run, simd_n1, n0 + width, row.data());
-        for (size_t i = 0; i < row.size(); ++i) {
-          const c10::BFloat16 h(row[i]);
-          const int64_t at = k * width + (simd_n1 - n0) + static_cast<int64_t>(i);
+        for (int64_t i = 0; i < rest; ++i) {
+          const float x = rows[(k - k0) * rest + i];
+          const c10::BFloat16 h(x);
+          const int64_t at = k * width + (simd_n1 - n0) + i;
           hi[at] = h.x;
-          lo[at] = c10::BFloat16(row[i] - static_cast<float>(h)).x;
+          lo[at] = c10::BFloat16(x - static_cast<float>(h)).x;
         }
       }
     });
