@@ -52,10 +52,12 @@ inline __m256i byte_bits(__m256i v, int8_t mask) {
 }
 
 // The legacy nibble layout: byte j holds element j (low) and j + 16 (high).
+// The 16 bytes broadcast to both halves by the load itself (vbroadcasti128),
+// the high half shifted by a blend: one load, shift, blend and mask, where
+// masking and shifting each half apart took two loads and a vinserti128.
 inline __m256i nibbles16(const uint8_t* p) {
-  const __m128i v = load16(p);
-  const __m128i m = _mm_set1_epi8(0xf);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+  const __m256i v = _mm256_broadcastsi128_si256(load16(p));
+  return _mm256_and_si256(_mm256_blend_epi32(v, _mm256_srli_epi16(v, 4), 0xf0), bytes(0xf));
 }
 
 // 0x10 in byte e where bit e of the 32-bit qh is set (the Q5_0/Q5_1 fifth bit).
