@@ -52,7 +52,7 @@ def random_blocks(rng, name, rows, n, scale=0.05):
             return x.view(np.uint8)
         if name == "F16":
             return x.astype(np.float16).view(np.uint8)
-        return gq.quantize(x, qt)
+        return quantize(x, name)
     block, nbytes = block_shape(name)
     raw = rng.integers(0, 256, (rows, n // block * nbytes), dtype=np.uint8)
     blocks = raw.reshape(rows, n // block, nbytes)
@@ -64,6 +64,11 @@ def random_blocks(rng, name, rows, n, scale=0.05):
         # fixing the top nibble of byte 55 keeps its exponent finite and moderate.
         blocks[:, :, 55] = (blocks[:, :, 55] & 0x0F) | 0x30
     return raw
+
+
+def quantize(x, name):
+    """gguf-py's quantization of float32 [rows, n] (the QUANTIZABLE types)."""
+    return gq.quantize(x, QT[name])
 
 
 def dequantize(raw, name):

@@ -124,6 +124,66 @@ def test_results_do_not_depend_on_the_thread_count(isa):
         ops.cpu_isa("best")
 
 
+def roundf(t):
+    """C's roundf: halves away from zero."""
+    r = np.trunc(t)
+    return r + np.where(np.abs(t - r) >= 0.5, np.sign(t), 0).astype(t.dtype)
+
+
+def llama_cpp_act_levels(x, act):
+    """d * q per element of llama.cpp's 8-bit activation blocks, in float32:
+    Q8_0 / Q8_1 (blocks of 32: d = amax / 127 kept as fp16, q = roundf(x / d)
+    with the unrounded d) or Q8_K (blocks of 256: the first element of largest
+    magnitude gives iscale = -127 / max, q = min(rint(iscale * x), 127),
+    d = 1 / iscale)."""
+    f = np.float32
+    if act == "Q8_K":
+        blocks = x.reshape(-1, 256)
+        out = np.zeros_like(blocks)
+        for b, blk in enumerate(blocks):
+            j = int(np.argmax(np.abs(blk)))  # the first of equals
+            if blk[j] == 0:
+                continue
+            iscale = f(-127.0) / blk[j]
+            out[b] = (f(1.0) / iscale) * np.minimum(np.rint(iscale * blk), 127)
+        return out.reshape(x.shape)
+    blocks = x.reshape(-1, 32)
+    dd = np.abs(blocks).max(axis=1, keepdims=True) / f(127.0)
+    inv = np.where(dd != 0, f(1.0) / np.where(dd != 0, dd, f(1.0)), f(0.0)).astype(f)
+    return (dd.astype(np.float16).astype(f) * roundf(blocks * inv)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qtype,act", [("Q8_0", "Q8_0"), ("Q4_1", "Q8_1"), ("TQ2_0", "Q8_K")])
+def test_activation_quantization_is_the_same_on_every_isa(qtype, act):
+    """The matmul's activation blocks, read back one element per output through
+    one-hot weight rows (out[r] = w[r, r] * d_x * q_x[r], a single product), on
+    every ISA the CPU runs: the SIMD quantizer must equal the scalar one bit
+    for bit and both llama.cpp's rounding. The activations hit its edges: blocks
+    whose scale is 1 with elements on .5 (roundf goes away from zero, Q8_K's
+    rint to even) and an all-zero block."""
+    n = 768
+    rng = np.random.default_rng(1)
+    x = (rng.integers(-126, 126, n) + rng.choice([0.5, 0.25, 0.0], n)).astype(np.float32)
+    blk = 32 if act != "Q8_K" else 256
+    x[::blk] = 127.0 if act != "Q8_K" else -127.0  # scale 1: the halves stay halves
+    x[blk : 2 * blk] = rng.standard_normal(blk).astype(np.float32)
+    x[2 * blk : 3 * blk] = 0.0
+    raw = gb.quantize(np.eye(n, dtype=np.float32), qtype)
+    W = torch.from_numpy(raw)
+    w = np.diagonal(gb.dequantize(raw, qtype)).astype(np.float32)
+    expect = w * llama_cpp_act_levels(x, act)
+    outs = {}
+    try:
+        for isa in usable_isas():
+            ops.cpu_isa(isa)
+            outs[isa] = ops.ggml_mul_mat_vec_a8(W, torch.from_numpy(x)[None], gb.type_id(qtype), n)[0].numpy()
+    finally:
+        ops.cpu_isa("best")
+    for isa, got in outs.items():
+        assert np.array_equal(got, outs["portable"]), isa
+    np.testing.assert_allclose(outs["portable"], expect, rtol=1e-6, atol=0)
+
+
 @pytest.mark.skipif(ggml_peer.available() is not None, reason=str(ggml_peer.available()))
 @pytest.mark.parametrize("M", [1, 5])
 @pytest.mark.parametrize("qtype", QUANT_TYPES)

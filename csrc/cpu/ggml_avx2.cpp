@@ -19,6 +19,7 @@
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
+#include "ggml_act_quant_simd.h"
 #include "ggml_dequant_simd.h"
 #include "ggml_matmul_simd.h"
 
@@ -48,6 +49,14 @@ struct DotAvx2 {
 bool ggml_mul_mat_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts,
                        int64_t M, float* out, int64_t rows) {
   return run_matmul_simd<DotAvx2>(type, W, r0, r1, n, acts, M, out, rows);
+}
+
+void ggml_quantize_acts_avx2(ggml::Act act, const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, float* sum) {
+  if (act == ggml::Act::Q8_K) {
+    for (int64_t b = b0; b < b1; ++b) quantize_q8_k_block(x + 256 * b, q + 256 * b, d + b, sum + 16 * b);
+  } else {
+    for (int64_t b = b0; b < b1; ++b) quantize_q8_0_block(x + 32 * b, q + 32 * b, d + b, sum + b);
+  }
 }
 
 bool ggml_dequantize_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, void* out,

@@ -57,7 +57,11 @@ struct QuantizedActs {
 
   QuantizedActs(const float* x, int64_t M, int64_t n_) : n(n_), q(M * n_), d(M * n_ / L::kBlock), sum(M * n_ / L::kSumBlock) {
     const int64_t blocks = n / L::kBlock;
+    const Isa isa = active_isa();
     at::parallel_for(0, M * blocks, std::max<int64_t>(1, 2048 / L::kBlock), [&](int64_t b0, int64_t b1) {
+#if defined(__x86_64__)
+      if (isa != Isa::kPortable) return ggml_quantize_acts_avx2(A, x, b0, b1, q.data(), d.data(), sum.data());
+#endif
       for (int64_t b = b0; b < b1; ++b) {
         ggml::quantize_act_block<A>(x + b * L::kBlock, q.data() + b * L::kBlock, d.data() + b,
                                     sum.data() + b * (L::kBlock / L::kSumBlock));

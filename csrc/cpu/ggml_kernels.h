@@ -28,6 +28,11 @@ bool ggml_mul_mat_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, i
 bool ggml_mul_mat_avx512(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n,
                          const ggml::ActRow* acts, int64_t M, float* out, int64_t rows);
 
+// Activation blocks [b0, b1) of x (blocks of ActLayout<act>::kBlock) quantized
+// as quantize_act_block<act> does, bit for bit; act is Q8_0, Q8_1 or Q8_K.
+// AVX2 only: the AVX-512 CPUs run it too.
+void ggml_quantize_acts_avx2(ggml::Act act, const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, float* sum);
+
 // Rows [r0, r1) of an [rows, n] weight dequantized into out (row r from
 // element (r - r0) * n) in fp32, or rounded once to fp16 / bf16; bit-exact
 // with the portable path; every type.
