@@ -56,6 +56,13 @@ struct FusedSimd {
   template <int MT>
   static constexpr int kU = V::kRegisters >= 32 ? (MT <= 2 ? 4 : 2) : (MT == 1 ? 4 : MT == 2 ? 2 : 1);
 
+  // Whether a pack's words stay in registers for all its fields. GCC would
+  // rather reload them as every shift's memory operand (a load per field);
+  // an empty asm that claims to change each loaded word stops that where
+  // the register file holds them beside the accumulators and temporaries.
+  template <int MT>
+  static constexpr bool kPinWords = P::kWords * kU<MT> + (MT + 2) * kU<MT> + 4 <= V::kRegisters;
+
   // What one group of one MT-row tile reads besides the weights.
   struct GroupInputs {
     const float* a;       // a[m0, g * group_size]; rows K apart
@@ -135,6 +142,7 @@ struct FusedSimd {
           const uint32_t* row = q + (p * P::kWords + w) * N + u * L;
           __builtin_prefetch(row + kFusedPrefetchWords, 0, 2);  // read, locality 2: prefetcht1, into L2
           words[w][u] = V::load_i(row);
+          if constexpr (kPinWords<MT>) asm("" : "+v"(words[w][u]));
         }
       if constexpr (kPairs) {
         pairs<MT, U>(std::make_integer_sequence<int, P::kFields / 2>{}, words, in, p, acc);
