@@ -101,15 +101,19 @@ def matmul_table(rng, shapes, types, threads_list, budget, bandwidth):
 
 
 def print_matmul(records, bandwidth):
-    """The matmul table, each case's GB/s also as a fraction of bandwidth (stored in the records)."""
+    """The matmul table, each case's GB/s also as a fraction of the machine's copy
+    bandwidth (of bw) and of the copy on the case's own threads (of thr bw),
+    both stored in the records."""
     rows_out = []
     for r in records:
-        r["bandwidth_fraction"] = r["weight_gbs"] / bandwidth
+        r["bandwidth_fraction"] = r["weight_gbs"] / bandwidth.gbs
+        r["bandwidth_fraction_same_threads"] = r["weight_gbs"] / bandwidth.gbs_at(r["threads"])
         rows_out.append([f"{r['rows']}x{r['n']}", r["M"], r["threads"], r["type"], f"{r['lowbit_ms']:.2f}",
-                         f"{r['weight_gbs']:.1f}", f"{100 * r['bandwidth_fraction']:.0f}%", f"{r['llama_cpp_ms']:.2f}",
+                         f"{r['weight_gbs']:.1f}", f"{100 * r['bandwidth_fraction']:.0f}%",
+                         f"{100 * r['bandwidth_fraction_same_threads']:.0f}%", f"{r['llama_cpp_ms']:.2f}",
                          f"{r['speedup_vs_llama_cpp']:.2f}x", f"{r['max_rel_diff_vs_llama_cpp']:.0e}",
                          f"{r['torch_fp32_ms']:.2f}", f"{r['speedup_vs_fp32']:.1f}x", f"{r['speedup_vs_bf16']:.1f}x"])
-    print_table(["rows x n", "M", "thr", "type", "lowbit ms", "GB/s", "of bw", "llama.cpp ms", "vs llama.cpp",
+    print_table(["rows x n", "M", "thr", "type", "lowbit ms", "GB/s", "of bw", "of thr bw", "llama.cpp ms", "vs llama.cpp",
                  "rel diff", "fp32 ms", "vs fp32", "vs bf16"], rows_out)
 
 
@@ -157,7 +161,7 @@ def main():
     threads = [1] if args.quick else [t for t in THREADS if t <= torch.get_num_threads()]
     stem = f"{info['slug']}-gguf"
     with printed_to(f"{stem}.txt"):
-        bandwidth = CopyBandwidth()
+        bandwidth = CopyBandwidth(threads=threads)
         print(f"machine: {info['name']} ({info['threads']} threads), torch {info['torch']}, "
               f"CPU kernels: {torch.ops.lowbit.cpu_isa()}")
         shapes = [(4096, 4096)] if args.quick else SHAPES
@@ -166,12 +170,11 @@ def main():
         bandwidth.sample()
         print(bandwidth.describe() + "\n")
         print("matmul with 8-bit activations (GB/s = weight bytes / time)")
-        print_matmul(mm, bandwidth.gbs)
+        print_matmul(mm, bandwidth)
         print(f"\ndequantize to fp32, {1024 if args.quick else 4096} x 4096 weights, {max(threads)} threads")
         dq = dequant_table(rng, 1024 if args.quick else 4096, 4096, budget)
     write_results(f"{stem}.json", dict(machine=info, cpu_isa=torch.ops.lowbit.cpu_isa(),
-                                       copy_bandwidth_gbs=bandwidth.gbs,
-                                       copy_bandwidth_samples_gbs=bandwidth.samples, dequantize=dq, matmul=mm))
+                                       **bandwidth.as_record(), dequantize=dq, matmul=mm))
     if not args.quick and not ggml_peer.available():
         plot(mm, bandwidth.gbs, info, os.path.join(RESULTS, f"{stem}.png"))
 

@@ -66,7 +66,7 @@ def main():
     records = []
     stem = f"{info['slug']}-gptq"
     with printed_to(f"{stem}.txt"):
-        bandwidth = CopyBandwidth(device)
+        bandwidth = CopyBandwidth(device, threads_list)
         isa = torch.ops.lowbit.cpu_isa() if device.type == "cpu" else "-"
         print(f"machine: {info['name']} ({info['threads']} threads), torch {info['torch']}, CPU kernels: {isa}")
         for K, N in shapes:
@@ -104,16 +104,17 @@ def main():
         rows = []
         for r in records:
             r["bandwidth_fraction"] = r["weight_gbs"] / bandwidth.gbs
+            r["bandwidth_fraction_same_threads"] = r["weight_gbs"] / bandwidth.gbs_at(r["threads"])
             rows.append([f"{r['K']}x{r['N']}", r["M"], r["threads"], r["bits"], f"{r['lowbit_ms']:.3f}",
                          f"{r['lowbit_bf16_ms']:.3f}", f"{r['weight_gbs']:.1f}", f"{100 * r['bandwidth_fraction']:.0f}%",
+                         f"{100 * r['bandwidth_fraction_same_threads']:.0f}%",
                          f"{r['torch_fp32_ms']:.3f}", f"{r['speedup_vs_fp32']:.2f}x", f"{r['speedup_vs_bf16']:.2f}x",
                          f"{r['torch_int4_ms']:.3f}", f"{r['speedup_vs_torch_int4']:.2f}x"])
         print("lowbit ms: fp32 activations, compared with fp32 dense; bf16 ms: bf16 activations, compared with\n"
               "bf16 dense and torch's int4 kernel (both take bf16); GB/s from the faster of the two\n")
-        print_table(["KxN", "M", "thr", "bits", "lowbit ms", "bf16 ms", "GB/s", "of bw", "fp32 ms", "vs fp32",
+        print_table(["KxN", "M", "thr", "bits", "lowbit ms", "bf16 ms", "GB/s", "of bw", "of thr bw", "fp32 ms", "vs fp32",
                      "vs bf16", "int4 ms", "vs int4"], rows)
-    write_results(f"{stem}.json", dict(machine=info, cpu_isa=isa, copy_bandwidth_gbs=bandwidth.gbs,
-                                       copy_bandwidth_samples_gbs=bandwidth.samples,
+    write_results(f"{stem}.json", dict(machine=info, cpu_isa=isa, **bandwidth.as_record(),
                                        activations="lowbit_ms: fp32, lowbit_bf16_ms: bf16 (torch int4 and bf16 dense: bf16)",
                                        records=records))
 

@@ -70,21 +70,49 @@ def copy_bandwidth_gbs(device=torch.device("cpu"), nbytes=1 << 29):
 class CopyBandwidth:
     """The machine's copy bandwidth sampled across a run (sample() at each
     shape and at the end) and the fastest sample taken: on a shared VM it
-    swings by half, and one moment of it is no yardstick."""
+    swings by half, and one moment of it is no yardstick. With `threads`
+    (CPU), every sample is taken at each of those thread counts: one core
+    cannot draw what two can, and a kernel on one thread is measured against
+    what one thread's copy reaches as well as against the machine's (gbs, the
+    most threads)."""
 
-    def __init__(self, device=torch.device("cpu")):
-        self.device, self.samples = device, []
+    def __init__(self, device=torch.device("cpu"), threads=None):
+        self.device = device
+        self.threads = sorted(threads) if threads and device.type == "cpu" else None
+        self.by_threads = {}
 
     def sample(self):
-        self.samples.append(copy_bandwidth_gbs(self.device))
+        current = torch.get_num_threads()
+        for t in self.threads or [current]:
+            torch.set_num_threads(t)
+            self.by_threads.setdefault(t, []).append(copy_bandwidth_gbs(self.device))
+        torch.set_num_threads(current)
+
+    @property
+    def samples(self):
+        return self.by_threads[max(self.by_threads)]
 
     @property
     def gbs(self):
         return max(self.samples)
 
+    def gbs_at(self, threads):
+        """The fastest copy measured on `threads` threads (the machine's where not sampled)."""
+        return max(self.by_threads.get(threads, self.samples))
+
     def describe(self):
-        return (f"measured copy bandwidth: {self.gbs:.1f} GB/s (read + write), the fastest of "
+        most = max(self.by_threads)
+        text = (f"measured copy bandwidth: {self.gbs:.1f} GB/s (read + write, {most} threads), the fastest of "
                 f"{len(self.samples)} measurements across the run: {', '.join(f'{g:.1f}' for g in self.samples)}")
+        for t in sorted(self.by_threads):
+            if t != most:
+                text += (f"\n  on {t} thread{'s' if t > 1 else ''}: {self.gbs_at(t):.1f} GB/s "
+                         f"(of {', '.join(f'{g:.1f}' for g in self.by_threads[t])})")
+        return text
+
+    def as_record(self):
+        return dict(copy_bandwidth_gbs=self.gbs, copy_bandwidth_samples_gbs=self.samples,
+                    copy_bandwidth_by_threads_gbs={str(t): max(v) for t, v in self.by_threads.items()})
 
 
 def machine(device=torch.device("cpu")):
