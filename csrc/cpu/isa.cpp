@@ -7,6 +7,8 @@
 
 namespace lowbit {
 namespace cpu {
+bool matvec_row_tiles_pay() { return !bf16_dot_at_fma_rate(); }  // Intel, as that test finds
+
 namespace {
 
 Isa detect() {
