@@ -104,13 +104,13 @@ void mul_mat_quantized(const uint8_t* W, int64_t rows, int64_t n, const float* X
   std::vector<ggml::ActRow> acts(M);
   for (int64_t m = 0; m < M; ++m) acts[m] = quantized.row(m);
   const Isa isa = active_isa();
-  const bool matvec_tiles = isa == Isa::kAvx512 && matvec_row_tiles_pay();
+  const bool matvec_tiles = matvec_row_tiles_pay();
   parallel_chunks(rows, row_chunk(n, M, rows), [&](int64_t r0, int64_t r1) {
     bool done = false;
 #if defined(__x86_64__)
     const int64_t t = static_cast<int64_t>(T);
     if (isa == Isa::kAvx512) done = ggml_mul_mat_avx512(t, W, r0, r1, n, acts.data(), M, out, rows, matvec_tiles);
-    if (isa == Isa::kAvx2) done = ggml_mul_mat_avx2(t, W, r0, r1, n, acts.data(), M, out, rows, matvec_tiles);
+    if (isa == Isa::kAvx2) done = ggml_mul_mat_avx2(t, W, r0, r1, n, acts.data(), M, out, rows);
 #endif
     if (!done) mul_mat_rows_portable<T>(W, r0, r1, n, acts.data(), M, out, rows);
   });
