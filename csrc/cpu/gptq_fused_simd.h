@@ -10,8 +10,11 @@
 // per weight, so the decode takes as few as the field width allows:
 //  - a field of at most V::kLookupBits bits is one shift and one table lookup
 //    (the lookup ignores the bits above the field: no mask, no convert);
-//  - two adjacent 2-bit fields form one 4-bit index into a per-row table of
-//    a[k] * q0 + a[k+1] * q1, so the lookup replaces the multiply too;
+//  - narrower fields (2-bit, and 3-bit on AVX-512) are not cut out at all:
+//    each word is read in chunks of V::kLookupBits bits at fixed offsets,
+//    whatever fields they cross, and a chunk indexes a per-row table of what
+//    its bits add to the dot product (bit j of field k adds a[k] * 2^j), so
+//    one shift and one lookup-add serve kLookupBits bits of weights, not B;
 //  - wider fields (8-bit, and 4-bit on AVX2) are masked and converted.
 // For lookup fields the zero point leaves the inner loop,
 //     sum_k a[m, k] (q[k, n] - z[n]) = sum_k a[m, k] q[k, n] - z[n] sum_k a[m, k],
@@ -47,8 +50,44 @@ struct FusedSimd {
   using P = gptq::Pack<B>;
   static constexpr int L = V::kLanes;
   static constexpr bool kLookup = B <= V::kLookupBits;
-  static constexpr bool kPairs = 2 * B <= V::kLookupBits;
   static constexpr int kMaxRows = kFusedMaxRows;
+
+  // The chunks of the chunk tables: C bits at offsets 0, C, 2C, ... of every
+  // word (the last one shorter where C does not divide 32).
+  static constexpr int C = V::kLookupBits;
+  static constexpr int kChunksPerWord = (32 + C - 1) / C;
+  static constexpr int kChunksPerPack = P::kWords * kChunksPerWord;
+  // Whether MT rows take the chunk tables. Counted per word in instructions,
+  // which bound the kernel: a shift, then MT lookups and MT adds per chunk,
+  // against a shift and a lookup per field, then MT FMAs. The tables win for
+  // 2-bit, and for 3-bit on AVX-512 up to 2 rows.
+  template <int MT>
+  static constexpr bool kChunks = kLookup && B < C && kChunksPerWord * (1 + 2 * MT) * B < 32 * (2 + MT);
+
+  // What bits [j0, j0 + len) of a chunk's value hold: bits [pos, pos + len)
+  // of field f of the pack.
+  struct Segment {
+    int f, j0, len, pos;
+  };
+  static constexpr int kMaxSegments = (C - 1) / B + 2;
+  struct ChunkBits {
+    int n;
+    Segment seg[kMaxSegments];
+  };
+  // Chunk t of a pack, which starts at bit 32 w + first of the pack's stream
+  // (the fields' little-endian bit stream, as gptq::locate reads it).
+  static constexpr ChunkBits chunk_bits(int t) {
+    ChunkBits c{};
+    const int w = t / kChunksPerWord, first = t % kChunksPerWord * C;
+    const int last = first + C < 32 ? first + C : 32;
+    for (int b = first; b < last;) {
+      const int bit = 32 * w + b, pos = bit % B;
+      const int len = B - pos < last - b ? B - pos : last - b;
+      c.seg[c.n++] = Segment{bit / B, b - first, len, pos};
+      b += len;
+    }
+    return c;
+  }
 
   // Vectors of columns per sub-tile for MT activation rows: enough independent
   // accumulator chains to hide the FMA latency, few enough to stay in
@@ -67,8 +106,8 @@ struct FusedSimd {
   struct GroupInputs {
     const float* a;       // a[m0, g * group_size]; rows K apart
     int64_t K;
-    const float* pairs;   // kPairs: [MT][pairs_per_row][L] tables, else null
-    int64_t pairs_per_row;
+    const float* tables;  // kChunks<MT>: [MT][tables_per_row][L] chunk tables, else null
+    int64_t tables_per_row;
     float a_sum[kMaxRows];  // kLookup: sum of the group's activations per row
   };
 
@@ -94,18 +133,23 @@ struct FusedSimd {
     }
   }
 
-  // Fields 2 PI and 2 PI + 1 of the pack (kPairs), through the tables of pack p.
-  template <int MT, int U, int PI>
-  static inline void pair(const I (&words)[P::kWords][U], const GroupInputs& in, int64_t p, F (&acc)[MT][U]) {
-    constexpr gptq::FieldLoc f = gptq::locate<B>(2 * PI);
+  // Chunk T of the pack (kChunks<MT>), through the tables of pack p.
+  template <int MT, int U, int T>
+  static inline void chunk(const I (&words)[P::kWords][U], const GroupInputs& in, int64_t p, F (&acc)[MT][U]) {
+    constexpr int kShift = T % kChunksPerWord * C;
     I index[U];
     for (int u = 0; u < U; ++u) {
-      index[u] = words[f.lo][u];
-      if constexpr (f.lo_shift != 0) index[u] = V::template srl<f.lo_shift>(index[u]);
+      index[u] = words[T / kChunksPerWord][u];
+      if constexpr (kShift != 0) index[u] = V::template srl<kShift>(index[u]);
     }
     for (int m = 0; m < MT; ++m) {
-      const F table = V::load(in.pairs + (m * in.pairs_per_row + p * (P::kFields / 2) + PI) * L);
-      for (int u = 0; u < U; ++u) acc[m][u] = V::add(acc[m][u], V::lookup(table, index[u]));
+      const F table = V::load(in.tables + (m * in.tables_per_row + p * kChunksPerPack + T) * L);
+      for (int u = 0; u < U; ++u) {
+        acc[m][u] = V::add(acc[m][u], V::lookup(table, index[u]));
+        // GCC would otherwise hoist a whole pack's lookups ahead of the adds
+        // (up to 96 vectors) and spill them to the stack: 25% slower.
+        asm("" : "+v"(acc[m][u]));
+      }
     }
   }
 
@@ -114,20 +158,21 @@ struct FusedSimd {
                             F levels, const float* a, int64_t K, F (&acc)[MT][U]) {
     (field<MT, U, FI>(words, zero, levels, a, K, acc), ...);
   }
-  template <int MT, int U, int... PI>
-  static inline void pairs(std::integer_sequence<int, PI...>, const I (&words)[P::kWords][U], const GroupInputs& in,
-                           int64_t p, F (&acc)[MT][U]) {
-    (pair<MT, U, PI>(words, in, p, acc), ...);
+  template <int MT, int U, int... T>
+  static inline void chunks(std::integer_sequence<int, T...>, const I (&words)[P::kWords][U], const GroupInputs& in,
+                            int64_t p, F (&acc)[MT][U]) {
+    (chunk<MT, U, T>(words, in, p, acc), ...);
   }
 
   // The float value of every index a lookup can see: index & kMask.
   static F levels() { return V::cvt(V::and_(V::iota(), V::set1_i(static_cast<int32_t>(P::kMask)))); }
 
   // One group (packs packs from word row q) of MT rows x U*L columns, added
-  // to out as s * partial sum.
+  // to out as s * partial sum. Never inlined: where GCC inlined it (3-bit,
+  // 3 rows) its register allocation in the larger caller was 10% slower.
   template <int MT>
-  static void group_tile(const GroupInputs& in, const uint32_t* q, int64_t N, int64_t packs, const int32_t* z,
-                         const float* s, float* out) {
+  __attribute__((noinline)) static void group_tile(const GroupInputs& in, const uint32_t* q, int64_t N,
+                                                   int64_t packs, const int32_t* z, const float* s, float* out) {
     constexpr int U = kU<MT>;
     F acc[MT][U];
     I zero[U];
@@ -144,8 +189,8 @@ struct FusedSimd {
           words[w][u] = V::load_i(row);
           if constexpr (kPinWords<MT>) asm("" : "+v"(words[w][u]));
         }
-      if constexpr (kPairs) {
-        pairs<MT, U>(std::make_integer_sequence<int, P::kFields / 2>{}, words, in, p, acc);
+      if constexpr (kChunks<MT>) {
+        chunks<MT, U>(std::make_integer_sequence<int, kChunksPerPack>{}, words, in, p, acc);
       } else {
         fields<MT, U>(std::make_integer_sequence<int, P::kFields>{}, words, zero, lv, in.a + p * P::kFields, in.K,
                       acc);
@@ -160,16 +205,37 @@ struct FusedSimd {
       }
   }
 
+  // The chunk tables' scratch, per call: levels[(t * kMaxSegments + i) * L + j]
+  // is what segment i of chunk t contributes to entry j of a table, per unit
+  // of its field's activation; tables holds up to kMaxRows rows of one
+  // group's tables.
+  struct Scratch {
+    std::vector<float> levels, tables;
+    explicit Scratch(int64_t packs_per_group) {
+      if (!kChunks<1>) return;
+      levels.assign(kChunksPerPack * kMaxSegments * L, 0.0f);
+      for (int t = 0; t < kChunksPerPack; ++t) {
+        const ChunkBits c = chunk_bits(t);
+        for (int i = 0; i < c.n; ++i)
+          for (int j = 0; j < L; ++j) {
+            const int bits = (j >> c.seg[i].j0) & ((1 << c.seg[i].len) - 1);
+            levels[(t * kMaxSegments + i) * L + j] = static_cast<float>(bits << c.seg[i].pos);
+          }
+      }
+      tables.resize(kMaxRows * packs_per_group * kChunksPerPack * L);
+    }
+  };
+
   // Rows m0 .. m0+MT of out[:, n0:n1], one group g, whose zero points and
-  // scales for those columns are z and s. `scratch` holds the pair tables
-  // (kPairs), built once here for every column tile.
+  // scales for those columns are z and s. The chunk tables (kChunks<MT>) are
+  // built once here for every column tile.
   template <int MT>
   static void group_rows(const float* a, const GptqWeight& w, int64_t g, int64_t m0, int64_t n0, int64_t n1,
-                         const int32_t* z, const float* s, float* scratch, float* out) {
+                         const int32_t* z, const float* s, Scratch& scratch, float* out) {
     const int64_t gs = w.group_of.group_size;
     const int64_t rows = std::min(gs, w.K - g * gs);  // the last group may be short
     const int64_t packs = rows / P::kFields;
-    GroupInputs in{a + m0 * w.K + g * gs, w.K, nullptr, rows / 2, {}};
+    GroupInputs in{a + m0 * w.K + g * gs, w.K, nullptr, packs * kChunksPerPack, {}};
     if constexpr (kLookup) {
       for (int m = 0; m < MT; ++m) {
         float sum = 0.0f;
@@ -177,14 +243,20 @@ struct FusedSimd {
         in.a_sum[m] = sum;
       }
     }
-    if constexpr (kPairs) {
-      const F lo = levels(), hi = V::cvt(V::and_(V::template srl<B>(V::iota()), V::set1_i(P::kMask)));
+    if constexpr (kChunks<MT>) {
+      float* table = scratch.tables.data();
       for (int m = 0; m < MT; ++m)
-        for (int64_t j = 0; j < in.pairs_per_row; ++j) {
-          const float* x = in.a + m * w.K + 2 * j;
-          V::store(scratch + (m * in.pairs_per_row + j) * L, V::fma(V::set1(x[1]), hi, V::mul(V::set1(x[0]), lo)));
+        for (int64_t p = 0; p < packs; ++p) {
+          const float* x = in.a + m * w.K + p * P::kFields;
+          for (int t = 0; t < kChunksPerPack; ++t, table += L) {
+            const ChunkBits c = chunk_bits(t);
+            F sum = V::zero();
+            for (int i = 0; i < c.n; ++i)
+              sum = V::fma(V::set1(x[c.seg[i].f]), V::load(&scratch.levels[(t * kMaxSegments + i) * L]), sum);
+            V::store(table, sum);
+          }
         }
-      in.pairs = scratch;
+      in.tables = scratch.tables.data();
     }
     const uint32_t* qg = w.qweight + g * (gs / P::kFields) * P::kWords * w.N;
     for (int64_t n = n0; n < n1; n += kU<MT> * L) {
@@ -193,10 +265,9 @@ struct FusedSimd {
   }
 
   static void run(const float* a, int64_t M, const GptqWeight& w, int64_t n0, int64_t n1, float* out) {
-    const int64_t gs = w.group_of.group_size;
-    std::vector<float> scratch(kPairs ? kMaxRows * (std::min(gs, w.K) / 2) * L : 0);
+    Scratch scratch(std::min(w.group_of.group_size, w.K) / P::kFields);
     for_group_row_tiles<B>(w, M, n0, n1, out, [&](auto mt, int64_t g, int64_t m0, const int32_t* z, const float* s) {
-      group_rows<decltype(mt)::value>(a, w, g, m0, n0, n1, z, s, scratch.data(), out);
+      group_rows<decltype(mt)::value>(a, w, g, m0, n0, n1, z, s, scratch, out);
     });
   }
 };
