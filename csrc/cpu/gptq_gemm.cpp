@@ -154,14 +154,14 @@ void gemm_fused(const float* a, int64_t M, const GptqWeight& w, float* out, Isa 
 // CPU: both compute the same exact products. Where vdpbf16ps runs at the
 // FMA's rate it wins for 2-, 3- and 4-bit at every M (AMD Zen 4, 4-bit
 // 4096x14336, 1 thread: M = 1 1.48 ms against 2.37, M = 8 5.1 against 11.3).
-// On Intel cores (a Xeon with AMX, the same shape) it wins only for 3- and
-// 4-bit at M = 1 (1.80 / 1.87 ms against 2.06 / 2.20) and loses at 2-bit
-// (1.80 against 1.21) and from M = 2 (4-bit: 3.20 against 2.74 ms, M = 8
-// 11.3 against 7.2).
+// On Intel cores (a Xeon with AMX, the same shape) it loses everywhere since
+// the FMA kernel keeps a pack's words in registers and reads 3-bit in 4-bit
+// chunks: M = 1, 1 thread, 3-bit 1.83 / 1.97 ms against 1.46 / 1.56, 4-bit
+// 2.06 / 2.07 against 1.93 / 1.94; 2-bit and M >= 2 lost before.
 // cpu_bf16_kernel("always") takes it wherever it applies (the tests do).
-bool use_bf16_kernel(int bits, int64_t M) {
+bool use_bf16_kernel(int bits) {
   if (bits > 4 || !has_avx512_bf16()) return false;
-  return bf16_kernel() == Bf16Kernel::kAlways || bf16_dot_at_fma_rate() || (M == 1 && bits >= 3);
+  return bf16_kernel() == Bf16Kernel::kAlways || bf16_dot_at_fma_rate();
 }
 
 // The bf16 planes [planes, M, K] that sum to the activations exactly
@@ -384,7 +384,7 @@ at::Tensor gptq_gemm(const at::Tensor& a, const at::Tensor& b_q_weight, const at
       } else if (M <= (isa != Isa::kPortable ? kSimdFusedMaxM : kFusedMaxM)) {
         const bool half_input = a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf;
         at::Tensor planes;
-        if (half_input && isa == Isa::kAvx512 && use_bf16_kernel(B, M)) planes = bf16_planes(a2, a.scalar_type());
+        if (half_input && isa == Isa::kAvx512 && use_bf16_kernel(B)) planes = bf16_planes(a2, a.scalar_type());
         const Bf16Acts a16{planes.defined() ? reinterpret_cast<const uint16_t*>(planes.data_ptr<at::BFloat16>()) : nullptr,
                            M, planes.defined() ? static_cast<int>(planes.size(0)) : 0};
         gemm_fused<B>(a2.data_ptr<float>(), M, w.view, out.data_ptr<float>(), isa, a16.data ? &a16 : nullptr);
