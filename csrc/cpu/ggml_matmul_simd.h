@@ -275,17 +275,12 @@ struct MatmulSimd {
       // The RT weight scales in one vector times each activation scale: the
       // same fp32 products as one multiply per pair.
       static_assert(RT <= 4, "one 128-bit vector of weight scales");
+      const auto row = [&](int r) { return std::min(r, RT - 1); };  // lanes past RT: unused
       __m128 dw;
-      if constexpr (std::is_base_of_v<simd::LegacyScales, simd::Levels<T>>) {
-        // The fp16 d that starts each block, all RT in one conversion: one
-        // each cost two vpinsrw and two conversion uops per row.
-        uint16_t h[4];
-        for (int r = 0; r < 4; ++r) memcpy(&h[r], blk[std::min(r, RT - 1)], 2);  // lanes past RT: unused
-        dw = _mm_cvtph_ps(_mm_setr_epi16(h[0], h[1], h[2], h[3], 0, 0, 0, 0));
-      } else {
-        const auto d = [&](int r) { return sc[std::min(r, RT - 1)].d[0]; };  // lanes past RT: unused
-        dw = _mm_setr_ps(d(0), d(1), d(2), d(3));
-      }
+      if constexpr (std::is_base_of_v<simd::LegacyScales, simd::Levels<T>>)
+        dw = simd::LegacyScales::d_x4(blk[row(0)], blk[row(1)], blk[row(2)], blk[row(3)]);
+      else
+        dw = _mm_setr_ps(sc[row(0)].d[0], sc[row(1)].d[0], sc[row(2)].d[0], sc[row(3)].d[0]);
       const __m256 dw2 = _mm256_set_m128(dw, dw);
       for (int m = 0; m < MT; ++m) ds.v[m] = _mm256_mul_ps(dw2, _mm256_set1_ps(acts[m].d[bi]));
     } else {

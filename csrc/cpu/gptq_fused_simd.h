@@ -205,17 +205,19 @@ struct FusedSimd {
       }
   }
 
-  // The chunk tables' scratch, per call: levels[(t * kMaxSegments + i) * L + j]
+  // The chunk tables' scratch, per call: map[t] is chunk t's bits (worked
+  // out once here, not for every table); levels[(t * kMaxSegments + i) * L + j]
   // is what segment i of chunk t contributes to entry j of a table, per unit
   // of its field's activation; tables holds up to kMaxRows rows of one
   // group's tables.
   struct Scratch {
+    ChunkBits map[kChunksPerPack];
     std::vector<float> levels, tables;
     explicit Scratch(int64_t packs_per_group) {
       if (!kChunks<1>) return;
       levels.assign(kChunksPerPack * kMaxSegments * L, 0.0f);
       for (int t = 0; t < kChunksPerPack; ++t) {
-        const ChunkBits c = chunk_bits(t);
+        const ChunkBits& c = map[t] = chunk_bits(t);
         for (int i = 0; i < c.n; ++i)
           for (int j = 0; j < L; ++j) {
             const int bits = (j >> c.seg[i].j0) & ((1 << c.seg[i].len) - 1);
@@ -249,7 +251,7 @@ struct FusedSimd {
         for (int64_t p = 0; p < packs; ++p) {
           const float* x = in.a + m * w.K + p * P::kFields;
           for (int t = 0; t < kChunksPerPack; ++t, table += L) {
-            const ChunkBits c = chunk_bits(t);
+            const ChunkBits& c = scratch.map[t];
             F sum = V::zero();
             for (int i = 0; i < c.n; ++i)
               sum = V::fma(V::set1(x[c.seg[i].f]), V::load(&scratch.levels[(t * kMaxSegments + i) * L]), sum);
