@@ -47,6 +47,13 @@ inline void store_levels(const __m256i (&v)[4], int8_t* q) {
                       _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
+// ActRow::offset of 32 quantized activations: -128 * (q[4i] + .. + q[4i+3]).
+inline void act_offsets(const int8_t* q, int32_t* offset) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), v), _mm256_set1_epi16(1));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(offset), _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, 7)));
+}
+
 // One Q8_0 / Q8_1 block of 32.
 inline void quantize_q8_0_block(const float* x, int8_t* q, float* d, float* sum) {
   __m256 v[4], amax = _mm256_setzero_ps();

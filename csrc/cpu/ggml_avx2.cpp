@@ -51,12 +51,16 @@ bool ggml_mul_mat_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, i
   return run_matmul_simd<DotAvx2>(type, W, r0, r1, n, acts, M, out, rows, false);
 }
 
-void ggml_quantize_acts_avx2(ggml::Act act, const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, float* sum) {
+void ggml_quantize_acts_avx2(ggml::Act act, const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, float* sum,
+                             int32_t* offset) {
+  const int block = act == ggml::Act::Q8_K ? 256 : 32;
   if (act == ggml::Act::Q8_K) {
     for (int64_t b = b0; b < b1; ++b) quantize_q8_k_block(x + 256 * b, q + 256 * b, d + b, sum + 16 * b);
   } else {
     for (int64_t b = b0; b < b1; ++b) quantize_q8_0_block(x + 32 * b, q + 32 * b, d + b, sum + b);
   }
+  if (offset)
+    for (int64_t e = b0 * block; e < b1 * block; e += 32) act_offsets(q + e, offset + e / 4);
 }
 
 bool ggml_dequantize_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, void* out,

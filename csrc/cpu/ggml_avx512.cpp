@@ -21,6 +21,11 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 #define LOWBIT_SIMD_AVX512BW 1
+// GCC 12's 512-bit intrinsics pass an "undefined" vector (a self-initialised
+// local) as the unused merge source, which -W(maybe-)uninitialized reports
+// wherever they inline into a long enough function.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include "ggml_dequant_simd.h"
 #include "ggml_matmul_simd.h"
 
@@ -35,6 +40,8 @@ struct DotVnni {
   static constexpr bool kWideProducts = true;
   // start + 8 int32 lanes, lane i = sum of u[j] * s[j] over bytes 4i .. 4i+3.
   static __m256i dot(__m256i start, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(start, u, s); }
+  // The same on 512-bit registers: 16 lanes.
+  static __m512i dot2(__m512i start, __m512i u, __m512i s) { return _mm512_dpbusd_epi32(start, u, s); }
   // acc + 8 int32 lanes, lane i = pairs[i] (an int16 scale in both halves)
   // times the sum of u[j] * s[j] over bytes 4i .. 4i+3, for |u| * 127 * 2 < 2^15.
   static __m256i scaled_dot(__m256i acc, __m256i u, __m256i s, __m256i pairs) {

@@ -46,7 +46,8 @@ int64_t row_chunk(int64_t n, int64_t M, int64_t rows) {
   return (chunk + 7) / 8 * 8;
 }
 
-// All M activation rows quantized once per call, in the format T pairs with.
+// All M activation rows quantized once per call, in the format T pairs with,
+// with ActRow::offset where `offsets` asks for it (the SIMD ISAs only).
 template <Act A>
 struct QuantizedActs {
   using L = ggml::ActLayout<A>;
@@ -54,13 +55,16 @@ struct QuantizedActs {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<float> sum;
+  std::vector<int32_t> offset;
 
-  QuantizedActs(const float* x, int64_t M, int64_t n_) : n(n_), q(M * n_), d(M * n_ / L::kBlock), sum(M * n_ / L::kSumBlock) {
+  QuantizedActs(const float* x, int64_t M, int64_t n_, bool offsets)
+      : n(n_), q(M * n_), d(M * n_ / L::kBlock), sum(M * n_ / L::kSumBlock), offset(offsets ? M * n_ / 4 : 0) {
     const int64_t blocks = n / L::kBlock;
     const Isa isa = active_isa();
     at::parallel_for(0, M * blocks, std::max<int64_t>(1, 2048 / L::kBlock), [&](int64_t b0, int64_t b1) {
 #if defined(__x86_64__)
-      if (isa != Isa::kPortable) return ggml_quantize_acts_avx2(A, x, b0, b1, q.data(), d.data(), sum.data());
+      if (isa != Isa::kPortable)
+        return ggml_quantize_acts_avx2(A, x, b0, b1, q.data(), d.data(), sum.data(), offsets ? offset.data() : nullptr);
 #endif
       for (int64_t b = b0; b < b1; ++b) {
         ggml::quantize_act_block<A>(x + b * L::kBlock, q.data() + b * L::kBlock, d.data() + b,
@@ -70,7 +74,8 @@ struct QuantizedActs {
   }
 
   ggml::ActRow row(int64_t m) const {
-    return {q.data() + m * n, d.data() + m * (n / L::kBlock), sum.data() + m * (n / L::kSumBlock)};
+    return {q.data() + m * n, d.data() + m * (n / L::kBlock), sum.data() + m * (n / L::kSumBlock),
+            offset.empty() ? nullptr : offset.data() + m * (n / 4)};
   }
 };
 
@@ -100,10 +105,10 @@ void mul_mat_rows_portable(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, 
 template <ggml::Type T>
 void mul_mat_quantized(const uint8_t* W, int64_t rows, int64_t n, const float* X, int64_t M, float* out) {
   using I = TypeInfo<T>;
-  const QuantizedActs<I::kAct> quantized(X, M, n);
+  const Isa isa = active_isa();
+  const QuantizedActs<I::kAct> quantized(X, M, n, isa == Isa::kAvx512 && !I::kHasMin);
   std::vector<ggml::ActRow> acts(M);
   for (int64_t m = 0; m < M; ++m) acts[m] = quantized.row(m);
-  const Isa isa = active_isa();
   const bool matvec_tiles = matvec_row_tiles_pay();
   parallel_chunks(rows, row_chunk(n, M, rows), [&](int64_t r0, int64_t r1) {
     bool done = false;

@@ -94,6 +94,22 @@ struct MatmulSimd {
   template <int RT, int MT>
   using Scales = std::conditional_t<kPackedScales<RT>, PackedScales<MT>, ScaleVecs<RT, MT>>;
 
+  // The AVX-512 unit runs those packed-scale tiles two weight rows to a
+  // 512-bit register (lanes 0-7 row 2p, lanes 8-15 row 2p + 1), every lane
+  // computing what its 256-bit counterpart does, so the results stay bit for
+  // bit those of single rows. On the Xeon one 512-bit vpdpbusd, vcvtdq2ps or
+  // FMA costs about what one 256-bit one does: half the issue slots per row.
+  // Not for one or two activation rows: there the 256-bit level decoding
+  // dominates, and 512-bit instructions in flight close one of the three
+  // ports it runs on (Q4_0 ran 15-30% slower at M = 1, 7-9% at M = 2).
+#if LOWBIT_SIMD_AVX512BW
+  template <int RT, int MT>
+  static constexpr bool kPairedRows = kPackedScales<RT> && RT % 2 == 0 && MT > 2;
+#else
+  template <int RT, int MT>
+  static constexpr bool kPairedRows = false;
+#endif
+
   // Per-sub-block values held 8 per vector (vector s / 8, lane s % 8): the
   // vector and lanes that chunk C's dot lanes take theirs from.
   template <int C>
@@ -117,8 +133,9 @@ struct MatmulSimd {
     // Signed levels w go in either as |w| with the sign moved onto x (one
     // vpsignb per weight row and activation row), or, where D's products
     // cannot saturate and RT rows share the cost, as w + 128 with
-    // -128 * (each lane's 4 activations) as the dot's starting value: per
-    // lane the same integer sum, so the same float result.
+    // ActRow::offset, -128 * (each lane's 4 activations) worked out once per
+    // call, as the dot's starting value: per lane the same integer sum, so
+    // the same float result.
     constexpr bool kOffset = !I::kHasMin && D::kWideProducts && RT > 1;
     __m256i w[RT], wu[RT];
     for (int r = 0; r < RT; ++r) {
@@ -131,7 +148,7 @@ struct MatmulSimd {
     for (int m = 0; m < MT; ++m) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acts[m].q + e));
       __m256i start = _mm256_setzero_si256();
-      if constexpr (kOffset) start = _mm256_sub_epi32(start, D::dot(start, simd::bytes(-128), x));
+      if constexpr (kOffset) start = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acts[m].offset + e / 4));
       for (int r = 0; r < RT; ++r) {
         const __m256i xs = I::kHasMin || kOffset ? x : _mm256_sign_epi8(x, w[r]);
         const __m256 p = _mm256_cvtepi32_ps(D::dot(start, wu[r], xs));  // lane i: elements 4i .. 4i+3
@@ -204,16 +221,10 @@ struct MatmulSimd {
       mins[m] = _mm256_add_ps(mins[m], _mm256_setr_ps(sc.m[0] * acts[m].sum[bi], 0, 0, 0, 0, 0, 0, 0));
   }
 
-  // RT weight rows (from wrow, row_bytes apart) against MT activation rows:
-  // out[m * rows + r] for r < RT, m < MT.
-  template <int RT, int MT>
-  static void tile(const uint8_t* wrow, int64_t row_bytes, int64_t blocks, const ggml::ActRow* acts, float* out,
-                   int64_t rows) {
-    // One activation scale per weight block: Q8_K's 256 or Q8_0/Q8_1's 32.
-    static_assert(L::kBlock == I::kBlock, "activation blocks match weight blocks");
-    __m256 acc[RT][MT], mins[RT][MT];
-    for (int r = 0; r < RT; ++r)
-      for (int m = 0; m < MT; ++m) acc[r][m] = mins[r][m] = _mm256_setzero_ps();
+  // block(blk, bi) for every block bi of RT weight rows (from wrow,
+  // row_bytes apart), blk[r] pointing at row r's.
+  template <int RT, class Block>
+  static void for_blocks(const uint8_t* wrow, int64_t row_bytes, int64_t blocks, Block&& block) {
     for (int64_t bi = 0; bi < blocks; ++bi) {
       const uint8_t* blk[RT];
       for (int r = 0; r < RT; ++r) {
@@ -227,11 +238,42 @@ struct MatmulSimd {
         for (int off = 0; off < I::kBytes; off += 64)
           _mm_prefetch(reinterpret_cast<const char*>(blk[r]) + kPrefetchBytes / RT + off, _MM_HINT_T0);
       }
+      block(blk, bi);
+    }
+  }
+
+  // RT weight rows (from wrow, row_bytes apart) against MT activation rows:
+  // out[m * rows + r] for r < RT, m < MT.
+  template <int RT, int MT>
+  static void tile(const uint8_t* wrow, int64_t row_bytes, int64_t blocks, const ggml::ActRow* acts, float* out,
+                   int64_t rows) {
+    // One activation scale per weight block: Q8_K's 256 or Q8_0/Q8_1's 32.
+    static_assert(L::kBlock == I::kBlock, "activation blocks match weight blocks");
+#if LOWBIT_SIMD_AVX512BW
+    if constexpr (kPairedRows<RT, MT>) {
+      __m512 acc[RT / 2][MT];
+      for (int p = 0; p < RT / 2; ++p)
+        for (int m = 0; m < MT; ++m) acc[p][m] = _mm512_setzero_ps();
+      for_blocks<RT>(wrow, row_bytes, blocks, [&](const uint8_t* const (&blk)[RT], int64_t bi) {
+        paired_block<RT, MT>(blk, acts, bi, acc);
+      });
+      for (int p = 0; p < RT / 2; ++p)
+        for (int m = 0; m < MT; ++m) {
+          out[m * rows + 2 * p] = hsum(_mm512_castps512_ps256(acc[p][m]));
+          out[m * rows + 2 * p + 1] = hsum(_mm512_extractf32x8_ps(acc[p][m], 1));
+        }
+      return;
+    }
+#endif
+    __m256 acc[RT][MT], mins[RT][MT];
+    for (int r = 0; r < RT; ++r)
+      for (int m = 0; m < MT; ++m) acc[r][m] = mins[r][m] = _mm256_setzero_ps();
+    for_blocks<RT>(wrow, row_bytes, blocks, [&](const uint8_t* const (&blk)[RT], int64_t bi) {
       if constexpr (kIntScales)
         int_block<RT, MT>(blk, acts, bi, acc, mins);
       else
         float_block<RT, MT>(blk, acts, bi, acc, mins);
-    }
+    });
     for (int r = 0; r < RT; ++r)
       for (int m = 0; m < MT; ++m) out[m * rows + r] = hsum(_mm256_add_ps(acc[r][m], mins[r][m]));
   }
@@ -264,6 +306,72 @@ struct MatmulSimd {
     }
   }
 
+  // The single scale d_w of RT <= 4 rows' block in lanes 0 .. RT-1.
+  template <int RT>
+  static inline __m128 row_scales(const uint8_t* const (&blk)[RT], const ggml::Decoded<T> (&sc)[RT]) {
+    static_assert(RT <= 4 && I::kBlock == I::kSub, "one scale per block, one 128-bit vector");
+    const auto row = [&](int r) { return std::min(r, RT - 1); };  // lanes past RT: unused
+    if constexpr (std::is_base_of_v<simd::LegacyScales, simd::Levels<T>>)
+      return simd::LegacyScales::d_x4(blk[row(0)], blk[row(1)], blk[row(2)], blk[row(3)]);
+    else
+      return _mm_setr_ps(sc[row(0)].d[0], sc[row(1)].d[0], sc[row(2)].d[0], sc[row(3)].d[0]);
+  }
+
+#if LOWBIT_SIMD_AVX512BW
+  static inline __m512i pair(__m256i lo, __m256i hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  }
+  // Lanes 0-7: r, lanes 8-15: r + 1.
+  static inline __m512i pair_lanes(int r) { return pair(_mm256_set1_epi32(r), _mm256_set1_epi32(r + 1)); }
+
+  // chunk() of RT (even) rows held in pairs, two to each 512-bit vector: the
+  // signed levels as w + 128 against ActRow::offset (chunk's kOffset form),
+  // ds[p][m] pair p's scales for activation row m.
+  template <int RT, int MT, int C>
+  static inline void paired_chunk(const uint8_t* const (&blk)[RT], const ggml::Decoded<T> (&dec)[RT],
+                                  const __m512 (&ds)[RT / 2][MT], const ggml::ActRow* acts, int64_t bi,
+                                  __m512 (&acc)[RT / 2][MT]) {
+    static_assert(D::kWideProducts && !I::kHasMin, "levels + 128 against an offset start");
+    const auto levels = [&](int r) {
+      return _mm256_add_epi8(simd::block_levels<T, C>(blk[r], dec[r]), simd::bytes(-128));
+    };
+    __m512i wu[RT / 2];
+    for (int p = 0; p < RT / 2; ++p) wu[p] = pair(levels(2 * p), levels(2 * p + 1));
+    const int64_t e = bi * I::kBlock + 32 * C;
+    for (int m = 0; m < MT; ++m) {
+      const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(acts[m].q + e)));
+      const __m512i start =
+          _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(acts[m].offset + e / 4)));
+      for (int p = 0; p < RT / 2; ++p)
+        acc[p][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(D::dot2(start, wu[p], x)), ds[p][m], acc[p][m]);
+    }
+  }
+
+  template <int RT, int MT, int... C>
+  static inline void paired_chunks(std::integer_sequence<int, C...>, const uint8_t* const (&blk)[RT],
+                                   const ggml::Decoded<T> (&dec)[RT], const __m512 (&ds)[RT / 2][MT],
+                                   const ggml::ActRow* acts, int64_t bi, __m512 (&acc)[RT / 2][MT]) {
+    (paired_chunk<RT, MT, C>(blk, dec, ds, acts, bi, acc), ...);
+  }
+
+  // float_block for RT (even) rows held in pairs.
+  template <int RT, int MT>
+  static inline void paired_block(const uint8_t* const (&blk)[RT], const ggml::ActRow* acts, int64_t bi,
+                                  __m512 (&acc)[RT / 2][MT]) {
+    ggml::Decoded<T> sc[RT];
+    for (int r = 0; r < RT; ++r) simd::block_scales(blk[r], sc[r]);
+    // Pair p's scales d_w(2p) (lanes 0-7) and d_w(2p + 1) (lanes 8-15)
+    // times each activation row's: the products of float_block's.
+    const __m512 dw = _mm512_castps128_ps512(row_scales<RT>(blk, sc));
+    __m512 ds[RT / 2][MT];
+    for (int p = 0; p < RT / 2; ++p) {
+      const __m512 dwp = _mm512_permutexvar_ps(pair_lanes(2 * p), dw);
+      for (int m = 0; m < MT; ++m) ds[p][m] = _mm512_mul_ps(dwp, _mm512_set1_ps(acts[m].d[bi]));
+    }
+    paired_chunks<RT, MT>(std::make_integer_sequence<int, kChunks>{}, blk, sc, ds, acts, bi, acc);
+  }
+#endif
+
   // Block bi with fp32 sub-block scales d_w * d_x applied to every chunk.
   template <int RT, int MT>
   static inline void float_block(const uint8_t* const (&blk)[RT], const ggml::ActRow* acts, int64_t bi,
@@ -274,13 +382,7 @@ struct MatmulSimd {
     if constexpr (kPackedScales<RT>) {
       // The RT weight scales in one vector times each activation scale: the
       // same fp32 products as one multiply per pair.
-      static_assert(RT <= 4, "one 128-bit vector of weight scales");
-      const auto row = [&](int r) { return std::min(r, RT - 1); };  // lanes past RT: unused
-      __m128 dw;
-      if constexpr (std::is_base_of_v<simd::LegacyScales, simd::Levels<T>>)
-        dw = simd::LegacyScales::d_x4(blk[row(0)], blk[row(1)], blk[row(2)], blk[row(3)]);
-      else
-        dw = _mm_setr_ps(sc[row(0)].d[0], sc[row(1)].d[0], sc[row(2)].d[0], sc[row(3)].d[0]);
+      const __m128 dw = row_scales<RT>(blk, sc);
       const __m256 dw2 = _mm256_set_m128(dw, dw);
       for (int m = 0; m < MT; ++m) ds.v[m] = _mm256_mul_ps(dw2, _mm256_set1_ps(acts[m].d[bi]));
     } else {
