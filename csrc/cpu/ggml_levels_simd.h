@@ -39,6 +39,17 @@ inline float half_at(const uint8_t* b, int offset) {
   return _cvtsh_ss(h);
 }
 
+// Two adjacent stored fp16 (a block's d and m or dmin) in one 32-bit load
+// and one conversion, against two of each (GCC loads a lone fp16 with a
+// 2-uop vpinsrw, and these matvecs are bound by uops per block).
+inline void half_pair(const uint8_t* b, int offset, float& first, float& second) {
+  uint32_t h;
+  memcpy(&h, b + offset, 4);
+  const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(h)));
+  first = _mm_cvtss_f32(v);
+  second = _mm_cvtss_f32(_mm_movehdup_ps(v));
+}
+
 inline __m256i bytes(int8_t v) { return _mm256_set1_epi8(v); }
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline __m128i load16(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
@@ -95,8 +106,10 @@ inline __m256 s8x8_to_float(const uint8_t* p) {
 template <ggml::Type T>
 inline void k4_scales_x8(const uint8_t* b, ggml::Decoded<T>& o) {
   const ggml::K4ScaleMin k = ggml::k4_scale_min(b + 4);
-  _mm256_storeu_ps(o.d, _mm256_mul_ps(_mm256_set1_ps(half_at(b, 0)), u8x8_to_float(k.scales)));
-  _mm256_storeu_ps(o.m, _mm256_mul_ps(_mm256_set1_ps(-half_at(b, 2)), u8x8_to_float(k.mins)));
+  float d, dmin;
+  half_pair(b, 0, d, dmin);
+  _mm256_storeu_ps(o.d, _mm256_mul_ps(_mm256_set1_ps(d), u8x8_to_float(k.scales)));
+  _mm256_storeu_ps(o.m, _mm256_mul_ps(_mm256_set1_ps(-dmin), u8x8_to_float(k.mins)));
 }
 
 // The K-quants and IQ4_XS as llama.cpp's integer kernels take them: a
@@ -139,8 +152,9 @@ inline void k4_int_scales(const uint8_t* b, IntScales& o) {
   const ggml::K4ScaleMin k = ggml::k4_scale_min(b + 4);
   scale_pairs(u8x8_to_i16(k.scales), o);
   coefs(u8x8_to_i16(k.mins), o);
-  o.d = half_at(b, 0);
-  o.k = -half_at(b, 2);
+  float dmin;
+  half_pair(b, 0, o.d, dmin);
+  o.k = -dmin;
 }
 
 template <ggml::Type T>
@@ -175,13 +189,7 @@ struct LegacyScales {
   template <Type T>
   static void scales(const uint8_t* b, ggml::Decoded<T>& o) {
     if constexpr (ggml::TypeInfo<T>::kHasMin) {
-      // d and m in one 32-bit load and one conversion, against two of each
-      // (GCC loads a lone fp16 with a 2-uop vpinsrw).
-      uint32_t dm;
-      memcpy(&dm, b, 4);
-      const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm)));
-      o.d[0] = _mm_cvtss_f32(v);
-      o.m[0] = _mm_cvtss_f32(_mm_movehdup_ps(v));
+      half_pair(b, 0, o.d[0], o.m[0]);
     } else {
       o.d[0] = half_at(b, 0);
     }
@@ -309,7 +317,9 @@ struct Levels<Type::Q2_K> {  // chunk 4h + j: bits 2j of qs[32h + l]
     const __m128i v = load16(b);
     const __m128i m = _mm_set1_epi8(0xf);
     const __m128i lo = _mm_and_si128(v, m), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m);
-    const __m256 d = _mm256_set1_ps(half_at(b, 80)), nmin = _mm256_set1_ps(-half_at(b, 82));
+    float dd, dmin;
+    half_pair(b, 80, dd, dmin);
+    const __m256 d = _mm256_set1_ps(dd), nmin = _mm256_set1_ps(-dmin);
     _mm256_storeu_ps(o.d, _mm256_mul_ps(d, low8_to_float(lo)));
     _mm256_storeu_ps(o.d + 8, _mm256_mul_ps(d, low8_to_float(_mm_srli_si128(lo, 8))));
     _mm256_storeu_ps(o.m, _mm256_mul_ps(nmin, low8_to_float(hi)));
@@ -323,8 +333,9 @@ struct Levels<Type::Q2_K> {  // chunk 4h + j: bits 2j of qs[32h + l]
     const __m128i v = load16(b), m = _mm_set1_epi8(0xf);
     scale_pairs(_mm256_cvtepu8_epi16(_mm_and_si128(v, m)), o);
     coefs(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), m)), o);
-    o.d = half_at(b, 80);
-    o.k = -half_at(b, 82);
+    float dmin;
+    half_pair(b, 80, o.d, dmin);
+    o.k = -dmin;
   }
 };
 template <>
