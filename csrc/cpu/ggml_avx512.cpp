@@ -56,6 +56,10 @@ bool ggml_mul_mat_avx512(int64_t type, const uint8_t* W, int64_t r0, int64_t r1,
   return run_matmul_simd<DotVnni>(type, W, r0, r1, n, acts, M, out, rows, matvec_tiles);
 }
 
+bool ggml_mul_mat_avx512_takes_offsets(int64_t type, int64_t M, bool matvec_tiles) {
+  return matmul_simd_takes_offsets<DotVnni>(type, M, matvec_tiles);
+}
+
 bool ggml_dequantize_avx512(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, void* out,
                           OutDtype dtype) {
   return run_dequant_simd(type, W, r0, r1, n, out, dtype);

@@ -106,10 +106,14 @@ template <ggml::Type T>
 void mul_mat_quantized(const uint8_t* W, int64_t rows, int64_t n, const float* X, int64_t M, float* out) {
   using I = TypeInfo<T>;
   const Isa isa = active_isa();
-  const QuantizedActs<I::kAct> quantized(X, M, n, isa == Isa::kAvx512 && !I::kHasMin);
+  const bool matvec_tiles = matvec_row_tiles_pay();
+  bool offsets = false;
+#if defined(__x86_64__)
+  offsets = isa == Isa::kAvx512 && ggml_mul_mat_avx512_takes_offsets(static_cast<int64_t>(T), M, matvec_tiles);
+#endif
+  const QuantizedActs<I::kAct> quantized(X, M, n, offsets);
   std::vector<ggml::ActRow> acts(M);
   for (int64_t m = 0; m < M; ++m) acts[m] = quantized.row(m);
-  const bool matvec_tiles = matvec_row_tiles_pay();
   parallel_chunks(rows, row_chunk(n, M, rows), [&](int64_t r0, int64_t r1) {
     bool done = false;
 #if defined(__x86_64__)

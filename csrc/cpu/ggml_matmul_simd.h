@@ -413,18 +413,27 @@ struct MatmulSimd {
     });
   }
 
+  // Whether run() takes tiles of kRowTile > 1 weight rows for M activation
+  // rows. A matvec streams each weight row once through one activation row
+  // that stays in L1: tiles gain little there, and on Zen 4 a row pair ran at
+  // under half the speed of single rows, software prefetch or not. On an
+  // Intel Xeon Q4_0 and Q5_0 (the cheapest decodes) ran 5-10% faster in
+  // tiles of 4 rows at M = 1 (sharing x loads, 4 FMA chains); IQ4_NL, whose
+  // table lookups fill the registers, 5-10% slower.
+  static bool row_tiles(int64_t M, bool matvec_tiles) {
+    constexpr bool kMatvecTiles = T == ggml::Type::Q4_0 || T == ggml::Type::Q5_0;
+    return kRowTile > 1 && (M > 1 || (kMatvecTiles && matvec_tiles));
+  }
+  // Whether run() reads ActRow::offset: only row tiles take chunk()'s offset form.
+  static bool takes_offsets(int64_t M, bool matvec_tiles) {
+    return !I::kHasMin && D::kWideProducts && row_tiles(M, matvec_tiles);
+  }
+
   static void run(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts, int64_t M,
                   float* out, int64_t rows, bool matvec_tiles) {
     const int64_t blocks = n / I::kBlock, row_bytes = blocks * I::kBytes;
     int64_t r = r0;
-    // A matvec streams each weight row once through one activation row that
-    // stays in L1: tiles gain little there, and on Zen 4 a row pair ran at
-    // under half the speed of single rows, software prefetch or not. On an
-    // Intel Xeon Q4_0 and Q5_0 (the cheapest decodes) ran 5-10% faster in
-    // tiles of 4 rows at M = 1 (sharing x loads, 4 FMA chains); IQ4_NL, whose
-    // table lookups fill the registers, 5-10% slower.
-    constexpr bool kMatvecTiles = T == ggml::Type::Q4_0 || T == ggml::Type::Q5_0;
-    if (M > 1 || (kMatvecTiles && matvec_tiles))
+    if (row_tiles(M, matvec_tiles))
       for (; r + kRowTile <= r1; r += kRowTile)
         rows_against_all<kRowTile>(W + r * row_bytes, row_bytes, blocks, acts, M, out + r, rows);
     for (; r < r1; ++r) rows_against_all<1>(W + r * row_bytes, row_bytes, blocks, acts, M, out + r, rows);
@@ -444,6 +453,17 @@ bool run_matmul_simd(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int
     }
   });
   return ran;
+}
+
+// MatmulSimd<D, T>::takes_offsets for a quantized `type`.
+template <class D>
+bool matmul_simd_takes_offsets(int64_t type, int64_t M, bool matvec_tiles) {
+  bool takes = false;
+  dispatch_ggml_type(type, [&](auto t) {
+    constexpr ggml::Type T = decltype(t)::value;
+    if constexpr (!ggml::TypeInfo<T>::kFloat) takes = MatmulSimd<D, T>::takes_offsets(M, matvec_tiles);
+  });
+  return takes;
 }
 
 }  // namespace
