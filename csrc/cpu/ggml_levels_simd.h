@@ -54,12 +54,30 @@ inline __m256i bytes(int8_t v) { return _mm256_set1_epi8(v); }
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline __m128i load16(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
 
-// Bits S.. of every byte, masked (a 16-bit shift: the mask drops what the
-// neighbouring byte shifted in).
-template <int S>
+// Bits S.. of every byte moved to bit B by one 16-bit shift, which also
+// shifts in bits of the neighbouring byte: a bit p that the caller's mask
+// keeps is the byte's own bit p + S - B wherever both lie within the byte.
+template <int S, int B = 0>
+inline __m256i moved_bits(__m256i v) {
+  if constexpr (S > B) return _mm256_srli_epi16(v, S - B);
+  if constexpr (S < B) return _mm256_slli_epi16(v, B - S);
+  return v;
+}
+// The same, masked.
+template <int S, int B = 0>
 inline __m256i byte_bits(__m256i v, int8_t mask) {
-  if constexpr (S == 0) return _mm256_and_si256(v, bytes(mask));
-  return _mm256_and_si256(_mm256_srli_epi16(v, S), bytes(mask));
+  return _mm256_and_si256(moved_bits<S, B>(v), bytes(mask));
+}
+// (a & mask) | b: a level from two fields, b's masked already and a's
+// masked here. AVX-512 VL does it in one vpternlogd (0xEC: the truth table
+// of (a & c) | b); measured at M = 1 on the Xeon with byte_bits' moves, Q3_K,
+// Q5_K and Q6_K ran 3-10% faster than with a mask, a shift and an or more.
+inline __m256i or_masked(__m256i a, __m256i b, int8_t mask) {
+#if LOWBIT_SIMD_AVX512BW
+  return _mm256_ternarylogic_epi32(a, b, bytes(mask), 0xEC);
+#else
+  return _mm256_or_si256(_mm256_and_si256(a, bytes(mask)), b);
+#endif
 }
 
 // The legacy nibble layout: byte j holds element j (low) and j + 16 (high).
@@ -356,9 +374,9 @@ struct Levels<Type::Q3_K> {  // Q2_K's levels minus 4 where hmask bit C of byte 
   static constexpr bool kSignedIntLevels = false, kIntCoefs = true;
   template <int C>
   static __m256i int_levels(const uint8_t* b) {
-    const __m256i low = byte_bits<2 * (C % 4)>(load32(b + 32 + 32 * (C / 4)), 3);
-    const __m256i high = _mm256_slli_epi16(byte_bits<C>(load32(b), 1), 2);  // 4 or 0, no carry across bytes
-    return _mm256_or_si256(low, high);
+    const __m256i low = moved_bits<2 * (C % 4)>(load32(b + 32 + 32 * (C / 4)));
+    const __m256i high = byte_bits<C, 2>(load32(b), 4);  // hmask bit C as 4
+    return or_masked(low, high, 3);
   }
   static void int_scales(const uint8_t* b, IntScales& o) {
     const ggml::Q3KScales k = ggml::q3k_scales(b + 96);
@@ -383,8 +401,8 @@ struct Levels<Type::Q5_K> {  // Q4_K's nibbles plus 16 for bit C of qh[l]
   static void scales(const uint8_t* b, ggml::Decoded<Type::Q5_K>& o) { k4_scales_x8(b, o); }
   template <int C>
   static __m256i chunk(const uint8_t* b) {
-    const __m256i low = byte_bits<4 * (C % 2)>(load32(b + 48 + 32 * (C / 2)), 0xf);
-    return _mm256_or_si256(low, _mm256_slli_epi16(byte_bits<C>(load32(b + 16), 1), 4));
+    const __m256i low = moved_bits<4 * (C % 2)>(load32(b + 48 + 32 * (C / 2)));
+    return or_masked(low, byte_bits<C, 4>(load32(b + 16), 0x10), 0xf);  // qh bit C as 16
   }
   static constexpr bool kSignedIntLevels = false, kIntCoefs = true;
   static void int_scales(const uint8_t* b, IntScales& o) { k4_int_scales(b, o); }
@@ -404,9 +422,9 @@ struct Levels<Type::Q6_K> {  // chunk 4h + k: nibble of ql[64h + 32(k % 2) + l],
   template <int C>
   static __m256i int_levels(const uint8_t* b) {
     constexpr int h = C / 4, k = C % 4;
-    const __m256i low = byte_bits<k < 2 ? 0 : 4>(load32(b + 64 * h + 32 * (k % 2)), 0xf);
-    const __m256i high = _mm256_slli_epi16(byte_bits<2 * k>(load32(b + 128 + 32 * h), 3), 4);
-    return _mm256_or_si256(low, high);
+    const __m256i low = moved_bits<k < 2 ? 0 : 4>(load32(b + 64 * h + 32 * (k % 2)));
+    const __m256i high = byte_bits<2 * k, 4>(load32(b + 128 + 32 * h), 0x30);  // qh bits 2k, 2k + 1 as 16, 32
+    return or_masked(low, high, 0xf);
   }
   static void int_scales(const uint8_t* b, IntScales& o) {
     const __m256i s = _mm256_cvtepi8_epi16(load16(b + 192));
