@@ -113,21 +113,33 @@ inline __m256i table16(const int8_t* t) {
 // Eight bytes (the low ones of v; little-endian in two words) as fp32 lanes,
 // unsigned / signed.
 inline __m256 low8_to_float(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
-inline __m256 u8x8_to_float(const uint32_t (&w)[2]) {
-  return low8_to_float(_mm_set_epi32(0, 0, static_cast<int>(w[1]), static_cast<int>(w[0])));
-}
 inline __m256 s8x8_to_float(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// Q4_K / Q5_K: d * scale and -dmin * min from the shared k4_scale_min unpacking.
+// Q4_K / Q5_K's eight 6-bit scales (bytes 0-7) and mins (bytes 8-15), core's
+// k4_scale_min in a vector register (the scalar unpacking and the moves into
+// vector registers cost more than these shuffles). Of the 12 bytes at b + 4,
+// scale and min j < 4 are the low 6 bits of bytes j and 4 + j; scale and min
+// 4 + j the low and high nibble of byte 8 + j, with bits 6-7 of bytes j and
+// 4 + j above them.
+inline __m128i k4_scale_min_bytes(const uint8_t* b) {
+  const __m128i v = load16(b + 4);  // the 12 bytes and 4 level bytes after them
+  const __m128i low = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i top = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  const __m128i fields = _mm_and_si128(_mm_srlv_epi32(low, _mm_setr_epi32(0, 0, 0, 4)),
+                                       _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+  return _mm_or_si128(fields, _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));  // bits 6-7 to 4-5
+}
+
+// Q4_K / Q5_K: d * scale and -dmin * min.
 template <ggml::Type T>
 inline void k4_scales_x8(const uint8_t* b, ggml::Decoded<T>& o) {
-  const ggml::K4ScaleMin k = ggml::k4_scale_min(b + 4);
+  const __m128i k = k4_scale_min_bytes(b);
   float d, dmin;
   half_pair(b, 0, d, dmin);
-  _mm256_storeu_ps(o.d, _mm256_mul_ps(_mm256_set1_ps(d), u8x8_to_float(k.scales)));
-  _mm256_storeu_ps(o.m, _mm256_mul_ps(_mm256_set1_ps(-dmin), u8x8_to_float(k.mins)));
+  _mm256_storeu_ps(o.d, _mm256_mul_ps(_mm256_set1_ps(d), low8_to_float(k)));
+  _mm256_storeu_ps(o.m, _mm256_mul_ps(_mm256_set1_ps(-dmin), low8_to_float(_mm_srli_si128(k, 8))));
 }
 
 // The K-quants and IQ4_XS as llama.cpp's integer kernels take them: a
@@ -161,15 +173,12 @@ inline void coefs(__m256i s16, IntScales& o) {
   o.coef[1] = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16, 1)));
 }
 inline void coefs(__m128i s8, IntScales& o) { o.coef[0] = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(s8)); }
-inline __m128i u8x8_to_i16(const uint32_t (&w)[2]) {
-  return _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, static_cast<int>(w[1]), static_cast<int>(w[0])));
-}
 
 // Q4_K / Q5_K: integer scales and mins (the coefficients, times -dmin).
 inline void k4_int_scales(const uint8_t* b, IntScales& o) {
-  const ggml::K4ScaleMin k = ggml::k4_scale_min(b + 4);
-  scale_pairs(u8x8_to_i16(k.scales), o);
-  coefs(u8x8_to_i16(k.mins), o);
+  const __m128i k = k4_scale_min_bytes(b);
+  scale_pairs(_mm_cvtepu8_epi16(k), o);
+  coefs(_mm_cvtepu8_epi16(_mm_srli_si128(k, 8)), o);
   float dmin;
   half_pair(b, 0, o.d, dmin);
   o.k = -dmin;
