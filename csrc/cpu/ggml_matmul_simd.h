@@ -110,6 +110,15 @@ struct MatmulSimd {
   static constexpr bool kPairedRows = false;
 #endif
 
+  // Whether chunk() takes signed levels as w + 128 against ActRow::offset
+  // (see there): where D's products cannot saturate and RT > 1 rows share
+  // the offset loads.
+  template <int RT>
+  static constexpr bool kOffsetDots = !I::kHasMin && D::kWideProducts && RT > 1;
+  // w + 128 as a byte add (not the equal xor): it folds into the level
+  // offset of Q4_0 and Q5_0 (q - 8 + 128 is one add).
+  static inline __m256i plus128(__m256i w) { return _mm256_add_epi8(w, simd::bytes(-128)); }
+
   // Per-sub-block values held 8 per vector (vector s / 8, lane s % 8): the
   // vector and lanes that chunk C's dot lanes take theirs from.
   template <int C>
@@ -136,13 +145,11 @@ struct MatmulSimd {
     // ActRow::offset, -128 * (each lane's 4 activations) worked out once per
     // call, as the dot's starting value: per lane the same integer sum, so
     // the same float result.
-    constexpr bool kOffset = !I::kHasMin && D::kWideProducts && RT > 1;
+    constexpr bool kOffset = kOffsetDots<RT>;
     __m256i w[RT], wu[RT];
     for (int r = 0; r < RT; ++r) {
       w[r] = simd::block_levels<T, C>(blk[r], dec[r]);
-      // w + 128 as a byte add (not the equal xor): it folds into the level
-      // offset of Q4_0 and Q5_0 (q - 8 + 128 is one add).
-      wu[r] = I::kHasMin ? w[r] : kOffset ? _mm256_add_epi8(w[r], simd::bytes(-128)) : _mm256_abs_epi8(w[r]);
+      wu[r] = I::kHasMin ? w[r] : kOffset ? plus128(w[r]) : _mm256_abs_epi8(w[r]);
     }
     const int64_t e = bi * I::kBlock + 32 * C;
     for (int m = 0; m < MT; ++m) {
@@ -331,10 +338,8 @@ struct MatmulSimd {
   static inline void paired_chunk(const uint8_t* const (&blk)[RT], const ggml::Decoded<T> (&dec)[RT],
                                   const __m512 (&ds)[RT / 2][MT], const ggml::ActRow* acts, int64_t bi,
                                   __m512 (&acc)[RT / 2][MT]) {
-    static_assert(D::kWideProducts && !I::kHasMin, "levels + 128 against an offset start");
-    const auto levels = [&](int r) {
-      return _mm256_add_epi8(simd::block_levels<T, C>(blk[r], dec[r]), simd::bytes(-128));
-    };
+    static_assert(kOffsetDots<RT>, "levels + 128 against an offset start");
+    const auto levels = [&](int r) { return plus128(simd::block_levels<T, C>(blk[r], dec[r])); };
     __m512i wu[RT / 2];
     for (int p = 0; p < RT / 2; ++p) wu[p] = pair(levels(2 * p), levels(2 * p + 1));
     const int64_t e = bi * I::kBlock + 32 * C;
@@ -425,9 +430,7 @@ struct MatmulSimd {
     return kRowTile > 1 && (M > 1 || (kMatvecTiles && matvec_tiles));
   }
   // Whether run() reads ActRow::offset: only row tiles take chunk()'s offset form.
-  static bool takes_offsets(int64_t M, bool matvec_tiles) {
-    return !I::kHasMin && D::kWideProducts && row_tiles(M, matvec_tiles);
-  }
+  static bool takes_offsets(int64_t M, bool matvec_tiles) { return kOffsetDots<kRowTile> && row_tiles(M, matvec_tiles); }
 
   static void run(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts, int64_t M,
                   float* out, int64_t rows, bool matvec_tiles) {
