@@ -209,11 +209,12 @@ def test_batched_rows_equal_the_matvec_bit_for_bit(device, qtype):
     """The batched kernels tile weight rows (4 x 4 activation rows with
     AVX-512, the signed legacy types) and may feed signed levels through an
     offset instead of vpsignb; every output lane still sums the same integers
-    in the same order as the untiled matvec. 131 rows and M = 7 leave partial
-    tiles in both directions, and two threads split the rows unevenly."""
+    in the same order as the untiled matvec. 131 rows and M = 69 leave partial
+    tiles in both directions, M = 69 at n = 512 spans two activation panels
+    (64 rows each), and two threads split the rows unevenly."""
     if device != "cpu":
         pytest.skip("the CPU kernels' tiling")
-    rows, n, M = 131, 512, 7
+    rows, n, M = 131, 512, 69
     rng = np.random.default_rng(gb.type_id(qtype))
     raw = torch.from_numpy(gb.random_blocks(rng, qtype, rows, n))
     x = torch.from_numpy(rng.standard_normal((M, n)).astype(np.float32))
