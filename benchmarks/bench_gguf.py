@@ -1,7 +1,8 @@
 """GGUF ops on the CPU against their peers, measured in the same run on the
 same threads:
 
-- matvec / small-batch matmul (M = 1, 8) of every main type against
+- matvec / small-batch matmul (M = 1, 8), and a prompt-sized batch
+  (M = 128, prefill), of every main type against
   llama.cpp's CPU backend on identical blocks (tests/ggml_peer.py, the optional
   llama-cpp-python extra), torch's dense fp32 and bf16 matmul of the same
   shape, and the machine's copy bandwidth;
@@ -33,6 +34,7 @@ import ggml_peer  # noqa: E402  (llama.cpp's ggml_mul_mat through llama-cpp-pyth
 MAIN_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 SHAPES = [(14336, 4096), (4096, 14336)]  # (rows = out features, n = in features)
 MS = [1, 8]
+PREFILL_M = 128  # a prompt's worth of rows: compute-bound, so GFLOP/s rather than GB/s
 THREADS = [1, 2]
 
 
@@ -52,7 +54,7 @@ def dequant_table(rng, rows, n, budget):
     return records
 
 
-def matmul_table(rng, shapes, types, threads_list, budget, bandwidth):
+def matmul_table(rng, shapes, types, threads_list, budget, bandwidth, batch_sizes=MS):
     """Times every case, sampling the copy bandwidth at each shape."""
     peer_missing = ggml_peer.available()
     if peer_missing:
@@ -63,7 +65,7 @@ def matmul_table(rng, shapes, types, threads_list, budget, bandwidth):
         bandwidth.sample()
         dense = torch.randn(rows, n)
         dense16 = dense.bfloat16()
-        for M in MS:
+        for M in batch_sizes:
             x = torch.randn(M, n)
             x16 = x.bfloat16()
             dense_ms = {}
@@ -117,6 +119,19 @@ def print_matmul(records, bandwidth):
                  "rel diff", "fp32 ms", "vs fp32", "vs bf16"], rows_out)
 
 
+def print_prefill(records):
+    """The prefill table: multiply-adds per second (2 M rows n / time)."""
+    rows_out = []
+    for r in records:
+        r["gflops"] = 2 * r["M"] * r["rows"] * r["n"] / (r["lowbit_ms"] * 1e-3) / 1e9
+        rows_out.append([f"{r['rows']}x{r['n']}", r["M"], r["threads"], r["type"], f"{r['lowbit_ms']:.2f}",
+                         f"{r['gflops']:.0f}", f"{r['llama_cpp_ms']:.2f}", f"{r['speedup_vs_llama_cpp']:.2f}x",
+                         f"{r['max_rel_diff_vs_llama_cpp']:.0e}", f"{r['torch_fp32_ms']:.2f}",
+                         f"{r['speedup_vs_fp32']:.2f}x", f"{r['speedup_vs_bf16']:.2f}x"])
+    print_table(["rows x n", "M", "thr", "type", "lowbit ms", "GFLOP/s", "llama.cpp ms", "vs llama.cpp", "rel diff",
+                 "fp32 ms", "vs fp32", "vs bf16"], rows_out)
+
+
 def plot(records, bandwidth, info, path):
     """Weight GB/s per type, M = 1, most threads, first shape: lowbit vs llama.cpp vs dense."""
     import matplotlib
@@ -163,7 +178,7 @@ def main():
     with printed_to(f"{stem}.txt"):
         bandwidth = CopyBandwidth(threads=threads)
         print(f"machine: {info['name']} ({info['threads']} threads), torch {info['torch']}, "
-              f"CPU kernels: {torch.ops.lowbit.cpu_isa()}")
+              f"CPU kernels: {torch.ops.lowbit.cpu_isa()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
         shapes = [(4096, 4096)] if args.quick else SHAPES
         mm = matmul_table(rng, shapes, MAIN_TYPES[:3] if args.quick else MAIN_TYPES, threads, budget, bandwidth)
         torch.set_num_threads(max(threads))
@@ -171,10 +186,15 @@ def main():
         print(bandwidth.describe() + "\n")
         print("matmul with 8-bit activations (GB/s = weight bytes / time)")
         print_matmul(mm, bandwidth)
+        pf = [] if args.quick else matmul_table(rng, shapes[:1], MAIN_TYPES, threads, budget, bandwidth,
+                                                batch_sizes=[PREFILL_M])
+        if pf:
+            print(f"\nprefill: a batch of M = {PREFILL_M} activation rows")
+            print_prefill(pf)
         print(f"\ndequantize to fp32, {1024 if args.quick else 4096} x 4096 weights, {max(threads)} threads")
         dq = dequant_table(rng, 1024 if args.quick else 4096, 4096, budget)
     write_results(f"{stem}.json", dict(machine=info, cpu_isa=torch.ops.lowbit.cpu_isa(),
-                                       **bandwidth.as_record(), dequantize=dq, matmul=mm))
+                                       **bandwidth.as_record(), dequantize=dq, matmul=mm, prefill=pf))
     if not args.quick and not ggml_peer.available():
         plot(mm, bandwidth.gbs, info, os.path.join(RESULTS, f"{stem}.png"))
 
