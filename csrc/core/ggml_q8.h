@@ -38,12 +38,15 @@ struct ActLayout<Act::Q8_K> {
 // fp16 `s`, or Q8_K's integer bsums (scaled by d when used). offset[n / 4],
 // where a backend's kernels ask for it, is -128 * (the sum of each 4
 // consecutive q): the integer dot of levels + 128 (as unsigned bytes) with q
-// that starts from it comes to the dot of the levels themselves.
+// that starts from it comes to the dot of the levels themselves. isum, where
+// a backend's kernels ask for it, is Q8_K's sums as int16 (llama.cpp's own
+// bsums), the form integer dot products take them in.
 struct ActRow {
   const int8_t* q;
   const float* d;
   const float* sum;
   const int32_t* offset = nullptr;
+  const int16_t* isum = nullptr;
 };
 
 // Q8_0 / Q8_1: d = amax / 127 stored as fp16, q = round(x / d) (half away

@@ -47,35 +47,44 @@ int64_t row_chunk(int64_t n, int64_t M, int64_t rows) {
 }
 
 // All M activation rows quantized once per call, in the format T pairs with,
-// with ActRow::offset where `offsets` asks for it (the SIMD ISAs only).
+// with ActRow::offset where `offsets` asks for it and ActRow::isum for Q8_K
+// (the SIMD ISAs only).
 template <Act A>
 struct QuantizedActs {
   using L = ggml::ActLayout<A>;
+  static constexpr int kSums = L::kBlock / L::kSumBlock;  // per block
   int64_t n;
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<float> sum;
   std::vector<int32_t> offset;
+  std::vector<int16_t> isum;
 
   QuantizedActs(const float* x, int64_t M, int64_t n_, bool offsets)
       : n(n_), q(M * n_), d(M * n_ / L::kBlock), sum(M * n_ / L::kSumBlock), offset(offsets ? M * n_ / 4 : 0) {
     const int64_t blocks = n / L::kBlock;
     const Isa isa = active_isa();
+    if (A == Act::Q8_K && isa != Isa::kPortable) isum.resize(sum.size());
     at::parallel_for(0, M * blocks, std::max<int64_t>(1, 2048 / L::kBlock), [&](int64_t b0, int64_t b1) {
 #if defined(__x86_64__)
       if (isa != Isa::kPortable)
-        return ggml_quantize_acts_avx2(A, x, b0, b1, q.data(), d.data(), sum.data(), offsets ? offset.data() : nullptr);
+        ggml_quantize_acts_avx2(A, x, b0, b1, q.data(), d.data(), sum.data(), offsets ? offset.data() : nullptr);
+      else
 #endif
-      for (int64_t b = b0; b < b1; ++b) {
-        ggml::quantize_act_block<A>(x + b * L::kBlock, q.data() + b * L::kBlock, d.data() + b,
-                                    sum.data() + b * (L::kBlock / L::kSumBlock));
-      }
+        for (int64_t b = b0; b < b1; ++b) {
+          ggml::quantize_act_block<A>(x + b * L::kBlock, q.data() + b * L::kBlock, d.data() + b,
+                                      sum.data() + b * kSums);
+        }
+      // |sum of 16 int8| <= 2032: exact in int16.
+      if (!isum.empty())
+        for (int64_t i = b0 * kSums; i < b1 * kSums; ++i) isum[i] = static_cast<int16_t>(sum[i]);
     });
   }
 
   ggml::ActRow row(int64_t m) const {
     return {q.data() + m * n, d.data() + m * (n / L::kBlock), sum.data() + m * (n / L::kSumBlock),
-            offset.empty() ? nullptr : offset.data() + m * (n / 4)};
+            offset.empty() ? nullptr : offset.data() + m * (n / 4),
+            isum.empty() ? nullptr : isum.data() + m * (n / L::kSumBlock)};
   }
 };
 

@@ -153,7 +153,9 @@ struct IntScales {
   // scale_s in both 16-bit halves of int32 lane s % 8 of pairs[s / 8], the
   // form madd / vpdpwssd multiply int16 pair sums by.
   __m256i pairs[2];
-  __m256 coef[2];  // coef_s as fp32 (small integers, so sums of their products with x's sums are exact)
+  // coef_s as int16, one per 16 elements (twice for a sub-block of 32): the
+  // form madd takes Q8_K's int16 sums per 16 (ActRow::isum) in.
+  __m256i coef16;
   float d, k;
 };
 
@@ -167,12 +169,11 @@ inline void scale_pairs(__m256i s16, IntScales& o) {
   o.pairs[0] = _mm256_unpacklo_epi16(q, q);
   o.pairs[1] = _mm256_unpackhi_epi16(q, q);
 }
-// 16 int8 / 8 uint8 integers (as int16 lanes) to fp32 coefficients.
-inline void coefs(__m256i s16, IntScales& o) {
-  o.coef[0] = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16)));
-  o.coef[1] = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16, 1)));
+// 16 coefficients of 16-element sub-blocks, or 8 of 32-element ones, as int16.
+inline void coefs(__m256i s16, IntScales& o) { o.coef16 = s16; }
+inline void coefs(__m128i s8, IntScales& o) {
+  o.coef16 = _mm256_set_m128i(_mm_unpackhi_epi16(s8, s8), _mm_unpacklo_epi16(s8, s8));
 }
-inline void coefs(__m128i s8, IntScales& o) { o.coef[0] = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(s8)); }
 
 // Q4_K / Q5_K: integer scales and mins (the coefficients, times -dmin).
 inline void k4_int_scales(const uint8_t* b, IntScales& o) {
