@@ -209,12 +209,17 @@ def test_batched_rows_equal_the_matvec_bit_for_bit(device, qtype):
     """The batched kernels tile weight rows (4 x 4 activation rows with
     AVX-512, the signed legacy types) and may feed signed levels through an
     offset instead of vpsignb; every output lane still sums the same integers
-    in the same order as the untiled matvec. 131 rows and M = 69 leave partial
-    tiles in both directions, M = 69 at n = 512 spans two activation panels
-    (64 rows each), and two threads split the rows unevenly."""
+    in the same order as the untiled matvec. With AVX-512 the K-quants and
+    IQ4_XS take a GEMM with 16 weight rows across the lanes from M = 8: it
+    forms each block's exact integer sums its own way and must meet fp32 in
+    the matvec's order. 131 rows and M = 69 leave partial tiles in both
+    directions (16-row GEMM tiles, the last 3 rows in the matvec form), 9
+    blocks of 256 fill all 8 fp32 lanes of the integer form and one more,
+    M = 69 at n = 2304 spans six activation panels (12 rows each), and two
+    threads split the rows unevenly."""
     if device != "cpu":
         pytest.skip("the CPU kernels' tiling")
-    rows, n, M = 131, 512, 69
+    rows, n, M = 131, 2304, 69
     rng = np.random.default_rng(gb.type_id(qtype))
     raw = torch.from_numpy(gb.random_blocks(rng, qtype, rows, n))
     x = torch.from_numpy(rng.standard_normal((M, n)).astype(np.float32))

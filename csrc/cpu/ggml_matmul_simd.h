@@ -27,6 +27,9 @@
 #include "../core/ggml_q8.h"
 #include "ggml_levels_simd.h"
 #include "row_tiles.h"
+#if LOWBIT_SIMD_AVX512BW
+#include "ggml_gemm_vnni.h"
+#endif
 
 namespace lowbit {
 namespace cpu {
@@ -473,8 +476,16 @@ struct MatmulSimd {
   // did not move (one panel at n = 4096).
   static int64_t panel_rows(int64_t n) { return std::max<int64_t>(kMaxRowTile, (32 << 10) / n / 4 * 4); }
 
+  // Activation rows from which the integer-form types take the GEMM with
+  // weight rows across the lanes (ggml_gemm_vnni.h), where the unit has it.
+  static constexpr int64_t kGemmRows = 8;
+
   static void run(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts, int64_t M,
                   float* out, int64_t rows, bool matvec_tiles) {
+#if LOWBIT_SIMD_AVX512BW
+    if constexpr (kIntScales)
+      if (M >= kGemmRows) r0 = GemmVnni<T>::run(W, r0, r1, n, acts, M, out, rows);
+#endif
     const int64_t blocks = n / I::kBlock, row_bytes = blocks * I::kBytes;
     const bool tiles = row_tiles(M, matvec_tiles);
     const int64_t panel = panel_rows(n);
