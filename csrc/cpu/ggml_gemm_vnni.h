@@ -67,6 +67,19 @@ struct GemmVnni {
   static constexpr int kRows = 16;                // weight rows per tile, one per int32 lane
   static constexpr int kSubs = I::kBlock / I::kSub;  // sub-blocks per block
   static constexpr int kGroups = I::kSub / 4;        // 4-element groups per sub-block
+  // The largest unsigned level the kernel takes (IQ4_XS's signed ones + 128).
+  static constexpr int kMaxLevel = T == ggml::Type::Q2_K   ? 3
+                                   : T == ggml::Type::Q3_K ? 7
+                                   : T == ggml::Type::Q4_K ? 15
+                                   : T == ggml::Type::Q5_K ? 31
+                                   : T == ggml::Type::Q6_K ? 63
+                                                           : 255;
+  // Where a dot over 16 elements (of one sub-block) fits int16, its int32
+  // lanes are their own low halves: one vpdpwssd against the scale (high
+  // half 0) scales and adds it, against vpmulld's two uops and an add.
+  // Q2_K, Q3_K and Q4_K (in halves of its 32-element sub-blocks) take it.
+  static constexpr bool kDotScales = kMaxLevel * 127 * 16 < (1 << 15);
+  static constexpr int kSpanGroups = kDotScales ? 4 : kGroups;  // groups per scaled dot
   static_assert(I::kBlock == 256 && simd::has_int_scales<T>(), "the integer-form types");
 
   // One block of a tile, decoded: levels as unsigned bytes (signed ones
@@ -90,7 +103,10 @@ struct GemmVnni {
       Lv::int_scales(b, is);
       // pairs hold scale_s in both int16 halves of lane s: sign-extend one.
       for (int v = 0; v < 2; ++v) {
-        const __m256i s = v < kSubs / 8 ? _mm256_srai_epi32(_mm256_slli_epi32(is.pairs[v], 16), 16) : _mm256_setzero_si256();
+        // The scale as int32, or for vpdpwssd as int16 with a zero high half.
+        const __m256i s = v >= kSubs / 8 ? _mm256_setzero_si256()
+                          : kDotScales   ? _mm256_and_si256(is.pairs[v], _mm256_set1_epi32(0xffff))
+                                         : _mm256_srai_epi32(_mm256_slli_epi32(is.pairs[v], 16), 16);
         _mm256_store_si256(reinterpret_cast<__m256i*>(sc[r] + 8 * v), s);
       }
       __m256i c = _mm256_setzero_si256();
@@ -133,12 +149,14 @@ struct GemmVnni {
     const int64_t e = bi * I::kBlock;
     __m512i s[MT], c[MT];
     for (int m = 0; m < MT; ++m) s[m] = c[m] = _mm512_setzero_si512();
-    for (int sb = 0; sb < kSubs; ++sb) {
+    for (int g0 = 0; g0 < 64; g0 += kSpanGroups) {
       __m512i t[MT];
       for (int m = 0; m < MT; ++m) t[m] = _mm512_setzero_si512();
-      for (int g = sb * kGroups; g < (sb + 1) * kGroups; ++g)
+      for (int g = g0; g < g0 + kSpanGroups; ++g)
         for (int m = 0; m < MT; ++m) t[m] = _mm512_dpbusd_epi32(t[m], w.levels[g], bcast(a[m].q + e + 4 * g));
-      for (int m = 0; m < MT; ++m) s[m] = _mm512_add_epi32(s[m], _mm512_mullo_epi32(t[m], w.scale[sb]));
+      const __m512i scale = w.scale[g0 / kGroups];
+      for (int m = 0; m < MT; ++m)
+        s[m] = kDotScales ? _mm512_dpwssd_epi32(s[m], t[m], scale) : _mm512_add_epi32(s[m], _mm512_mullo_epi32(t[m], scale));
     }
     for (int j = 0; j < 8; ++j)
       for (int m = 0; m < MT; ++m) c[m] = _mm512_dpwssd_epi32(c[m], w.coef[j], bcast(a[m].isum + bi * 16 + 2 * j));
