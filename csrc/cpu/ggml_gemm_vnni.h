@@ -67,13 +67,8 @@ struct GemmVnni {
   static constexpr int kRows = 16;                // weight rows per tile, one per int32 lane
   static constexpr int kSubs = I::kBlock / I::kSub;  // sub-blocks per block
   static constexpr int kGroups = I::kSub / 4;        // 4-element groups per sub-block
-  // The largest unsigned level the kernel takes (IQ4_XS's signed ones + 128).
-  static constexpr int kMaxLevel = T == ggml::Type::Q2_K   ? 3
-                                   : T == ggml::Type::Q3_K ? 7
-                                   : T == ggml::Type::Q4_K ? 15
-                                   : T == ggml::Type::Q5_K ? 31
-                                   : T == ggml::Type::Q6_K ? 63
-                                                           : 255;
+  // The largest unsigned level the kernel takes (signed ones go in + 128).
+  static constexpr int kMaxLevel = Lv::kIntLevelMax + (Lv::kSignedIntLevels ? 128 : 0);
   // Where a dot over 16 elements (of one sub-block) fits int16, its int32
   // lanes are their own low halves: one vpdpwssd against the scale (high
   // half 0) scales and adds it, against vpmulld's two uops and an add.

@@ -148,7 +148,9 @@ inline void k4_scales_x8(const uint8_t* b, ggml::Decoded<T>& o) {
 // over its sub-blocks s, with small integer scale_s and coef_s. The levels u
 // (int_levels below) are unsigned where coef carries the type's mins or
 // level offset (Q6_K's 32, Q3_K's 4), so they meet x without a sign trick,
-// and every dot of a block sums in int32 before one fp32 multiply.
+// and every dot of a block sums in int32 before one fp32 multiply. Each
+// Levels<T> of the form says how large its int levels get (kIntLevelMax), for
+// kernels whose int16 sums must not overflow.
 struct IntScales {
   // scale_s in both 16-bit halves of int32 lane s % 8 of pairs[s / 8], the
   // form madd / vpdpwssd multiply int16 pair sums by.
@@ -273,6 +275,7 @@ struct Levels<Type::IQ4_XS> {  // sub-block C: the legacy nibble layout at qs + 
   }
   // Signed levels (|level| <= 127) and no coefficients.
   static constexpr bool kSignedIntLevels = true, kIntCoefs = false;
+  static constexpr int kIntLevelMax = 127;  // largest |int level|
   // scale_s = (low nibble s of bytes 4-7 | bits 2s, 2s+1 of scales_h << 4) - 32.
   static void int_scales(const uint8_t* b, IntScales& o) {
     uint32_t lo;
@@ -357,6 +360,7 @@ struct Levels<Type::Q2_K> {  // chunk 4h + j: bits 2j of qs[32h + l]
   static __m256i chunk(const uint8_t* b) { return byte_bits<2 * (C % 4)>(load32(b + 16 + 32 * (C / 4)), 3); }
   // Integer scales (low nibbles) and mins (high nibbles, times -dmin).
   static constexpr bool kSignedIntLevels = false, kIntCoefs = true;
+  static constexpr int kIntLevelMax = 3;  // largest |int level|
   static void int_scales(const uint8_t* b, IntScales& o) {
     const __m128i v = load16(b), m = _mm_set1_epi8(0xf);
     scale_pairs(_mm256_cvtepu8_epi16(_mm_and_si128(v, m)), o);
@@ -395,6 +399,7 @@ struct Levels<Type::Q3_K> {  // Q2_K's levels minus 4 where hmask bit C of byte 
   static __m256i chunk(const uint8_t* b) { return _mm256_sub_epi8(int_levels<C>(b), bytes(4)); }
   // Levels + 4 (0..7), the offset through the coefficients: scale_s, times -4d.
   static constexpr bool kSignedIntLevels = false, kIntCoefs = true;
+  static constexpr int kIntLevelMax = 7;  // largest |int level|
   template <int C>
   static __m256i int_levels(const uint8_t* b) {
     const __m256i low = moved_bits<2 * (C % 4)>(load32(b + 32 + 32 * (C / 4)));
@@ -415,6 +420,7 @@ struct Levels<Type::Q4_K> {  // chunk 2j (+1): low (high) nibbles of qs[32j + l]
   template <int C>
   static __m256i chunk(const uint8_t* b) { return byte_bits<4 * (C % 2)>(load32(b + 16 + 32 * (C / 2)), 0xf); }
   static constexpr bool kSignedIntLevels = false, kIntCoefs = true;
+  static constexpr int kIntLevelMax = 15;  // largest |int level|
   static void int_scales(const uint8_t* b, IntScales& o) { k4_int_scales(b, o); }
 };
 template <>
@@ -426,6 +432,7 @@ struct Levels<Type::Q5_K> {  // Q4_K's nibbles plus 16 for bit C of qh[l]
     return or_masked(low, byte_bits<C, 4>(load32(b + 16), 0x10), 0xf);  // qh bit C as 16
   }
   static constexpr bool kSignedIntLevels = false, kIntCoefs = true;
+  static constexpr int kIntLevelMax = 31;  // largest |int level|
   static void int_scales(const uint8_t* b, IntScales& o) { k4_int_scales(b, o); }
 };
 template <>
@@ -440,6 +447,7 @@ struct Levels<Type::Q6_K> {  // chunk 4h + k: nibble of ql[64h + 32(k % 2) + l],
   static __m256i chunk(const uint8_t* b) { return _mm256_sub_epi8(int_levels<C>(b), bytes(32)); }
   // Levels + 32 (0..63), the offset through the coefficients: scale_s, times -32d.
   static constexpr bool kSignedIntLevels = false, kIntCoefs = true;
+  static constexpr int kIntLevelMax = 63;  // largest |int level|
   template <int C>
   static __m256i int_levels(const uint8_t* b) {
     constexpr int h = C / 4, k = C % 4;

@@ -186,6 +186,7 @@ struct MatmulSimd {
   static inline void int_chunk(const uint8_t* const (&blk)[RT], const simd::IntScales (&is)[RT],
                                const ggml::ActRow* acts, int64_t bi, __m256i (&iacc)[RT][MT]) {
     using Lv = simd::Levels<T>;
+    static_assert(Lv::kIntLevelMax * 127 * 2 < (1 << 15), "maddubs pair sums fit int16");
     __m256i w[RT], u[RT], scale[RT];
     for (int r = 0; r < RT; ++r) {
       w[r] = simd::int_levels<T, C>(blk[r]);
@@ -299,16 +300,19 @@ struct MatmulSimd {
   // at M = 1 with per-block reductions).
   template <int RT, int MT>
   struct IntSums {
-    alignas(32) int32_t s[RT][MT][8][8], c[RT][MT][8][8];  // [..][block % 8][lane]
-    alignas(32) float dd[RT][MT][8], kd[RT][MT][8];        // d_w * d_x, k_w * d_x
+    alignas(32) int32_t s[RT][MT][8][8], c[RT][MT][8][8];  // [..][block % 8][lane]; c: kIntCoefs only
+    alignas(32) float dd[RT][MT][8], kd[RT][MT][8];        // d_w * d_x, k_w * d_x (kIntCoefs only)
     // Entries j .. 7 to zero: a row's last blocks fill fewer than 8.
     void clear_from(int j) {
       for (int r = 0; r < RT; ++r)
         for (int m = 0; m < MT; ++m)
           for (int b = j; b < 8; ++b) {
             _mm256_store_si256(reinterpret_cast<__m256i*>(s[r][m][b]), _mm256_setzero_si256());
-            _mm256_store_si256(reinterpret_cast<__m256i*>(c[r][m][b]), _mm256_setzero_si256());
-            dd[r][m][b] = kd[r][m][b] = 0.0f;
+            dd[r][m][b] = 0.0f;
+            if constexpr (simd::Levels<T>::kIntCoefs) {
+              _mm256_store_si256(reinterpret_cast<__m256i*>(c[r][m][b]), _mm256_setzero_si256());
+              kd[r][m][b] = 0.0f;
+            }
           }
     }
     void add_to(__m256 (&acc)[RT][MT]) const {
