@@ -9,7 +9,11 @@ NVCC=${NVCC:-nvcc}
 TORCH_INC=$(python3 -c 'from torch.utils.cpp_extension import include_paths; print(" ".join("-I" + p for p in include_paths()))')
 PY_INC=-I$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 ARCHS=(-gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90a,code=sm_90a)
-FLAGS=(-std=c++20 -O1 --expt-relaxed-constexpr -DLOWBIT_WITH_CUDA=1 -DTORCH_EXTENSION_NAME=_C -D_GLIBCXX_USE_CXX11_ABI=1)
+# torch's own extension flags (COMMON_NVCC_FLAGS: no implicit half/bf16
+# operators or conversions), as setup.py's build gets them; -O1 keeps the
+# check quick.
+TORCH_NVCC=$(python3 -c 'from torch.utils.cpp_extension import COMMON_NVCC_FLAGS; print(" ".join(COMMON_NVCC_FLAGS))')
+FLAGS=(-std=c++20 -O1 $TORCH_NVCC -DLOWBIT_WITH_CUDA=1 -DTORCH_EXTENSION_NAME=_C -D_GLIBCXX_USE_CXX11_ABI=1)
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 

@@ -8,6 +8,8 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "core/gptq_format.h"
@@ -120,6 +122,12 @@ inline at::Tensor check_index_vector(const char* op, const char* name, const at:
     const int64_t lo_v = lo.item<int64_t>(), hi_v = hi.item<int64_t>();
     TORCH_CHECK_VALUE(lo_v >= 0 && hi_v < upper, op, ": ", name, " values must lie in [0, ", upper,
                       "), found min ", lo_v, " and max ", hi_v);
+  } else if (idx.scalar_type() == at::kLong) {
+    // The device kernels' own range checks see int32 values: an int64 value
+    // outside int32 (which narrowing would wrap, 2^32 + 1 to 1) becomes -1,
+    // which they reject, without a sync with the host.
+    const at::Tensor wraps = idx.lt(0).logical_or_(idx.gt(std::numeric_limits<int32_t>::max()));
+    return at::where(wraps, at::scalar_tensor(-1, idx.options()), idx).to(at::kInt).contiguous();
   }
   return idx.to(at::kInt).contiguous();
 }
