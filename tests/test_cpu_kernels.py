@@ -210,16 +210,19 @@ def test_batched_rows_equal_the_matvec_bit_for_bit(device, qtype):
     AVX-512, the signed legacy types) and may feed signed levels through an
     offset instead of vpsignb; every output lane still sums the same integers
     in the same order as the untiled matvec. With AVX-512 the K-quants and
-    IQ4_XS take a GEMM with 16 weight rows across the lanes from M = 8: it
+    IQ4_XS take a GEMM with 16 weight rows across the lanes from M = 8, the
+    one-scale 32-element types from M = 8 (with mins) or 32 (signed): it
     forms each block's exact integer sums its own way and must meet fp32 in
     the matvec's order. 131 rows and M = 69 leave partial tiles in both
     directions (16-row GEMM tiles, the last 3 rows in the matvec form), 9
     blocks of 256 fill all 8 fp32 lanes of the integer form and one more,
-    M = 69 at n = 2304 spans six activation panels (12 rows each), and two
-    threads split the rows unevenly."""
+    73 blocks of 32 leave the 32-element GEMM one block past its last
+    4-block decode, M = 69 at n = 2304 spans six activation panels (12 rows
+    each), and two threads split the rows unevenly."""
     if device != "cpu":
         pytest.skip("the CPU kernels' tiling")
-    rows, n, M = 131, 2304, 69
+    rows, M = 131, 69
+    n = 2336 if gb.act_block(qtype) == 32 else 2304
     rng = np.random.default_rng(gb.type_id(qtype))
     raw = torch.from_numpy(gb.random_blocks(rng, qtype, rows, n))
     x = torch.from_numpy(rng.standard_normal((M, n)).astype(np.float32))

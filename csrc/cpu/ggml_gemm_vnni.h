@@ -1,15 +1,20 @@
-// The batched GGUF matmul of the integer-form types (the K-quants and
-// IQ4_XS) on AVX-512 VNNI, with 16 weight rows across the lanes of a
-// register, as llama.cpp's tiled CPU GEMM does: each block of a 16-row tile
-// is decoded once into int8 levels laid out [4 elements][16 rows], and every
-// activation row meets it in one vpdpbusd per 4 elements (64 products), its
-// 4 activation bytes broadcast. The matvec form (ggml_matmul_simd.h) decodes
-// a chunk per activation row tile and spends two instructions per 32
-// products.
+// The batched GGUF matmul on AVX-512 VNNI, with 16 weight rows across the
+// lanes of a register, as llama.cpp's tiled CPU GEMM does: each block of a
+// 16-row tile is decoded once into int8 levels laid out [4 elements][16
+// rows], and every activation row meets it in one vpdpbusd per 4 elements
+// (64 products), its 4 activation bytes broadcast. The matvec form
+// (ggml_matmul_simd.h) decodes a chunk per activation row tile.
 //
-// Results equal the matvec's bit for bit: both form the same exact int32
-// block sums S and C (see MatmulSimd::IntSums) and meet fp32 in the same
-// FMAs, lane bi % 8 per block, the 8 lanes summed in hsum's order.
+// Two forms, one driver (GemmVnni):
+// - IntGemm, the integer-form types (the K-quants and IQ4_XS): each block's
+//   exact int32 sums S and C (see MatmulSimd::IntSums) meet fp32 in the
+//   matvec's FMAs, lane bi % 8 per block.
+// - FloatGemm, the types of one scale per 32-element block (the legacy
+//   types, IQ4_NL, MXFP4): each 4-element dot, exact in int32, is scaled by
+//   d_w * d_x into fp32 lane (its place in the block), as the matvec's
+//   vector lanes are, and the mins (Q4_1, Q5_1) sum apart as there.
+// Either way every fp32 operation is the matvec's, in its order, and the 8
+// lanes sum in hsum's order, so results equal the matvec's bit for bit.
 // Include only inside the AVX-512 unit's target pragma region, after
 // ggml_levels_simd.h.
 #pragma once
@@ -18,6 +23,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
+#include <type_traits>
 #include <utility>
 
 #include "../core/ggml_q8.h"
@@ -60,13 +67,30 @@ inline void transpose16_lines(const uint8_t* src, int64_t stride, __m512i* dst) 
   for (int c = 0; c < 16; ++c) _mm512_store_si512(dst + c, out[c]);
 }
 
+// The 4 bytes at p in every int32 lane.
+inline __m512i bcast4(const void* p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// The 8 fp32 lanes of a row summed in hsum's order: ((0 + 4) + (2 + 6)) +
+// ((1 + 5) + (3 + 7)).
+inline __m512 lane_order_sum(__m512 a0, const __m512* a) {
+  const __m512 even = _mm512_add_ps(_mm512_add_ps(a0, a[4]), _mm512_add_ps(a[2], a[6]));
+  const __m512 odd = _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7]));
+  return _mm512_add_ps(even, odd);
+}
+
 template <ggml::Type T>
-struct GemmVnni {
+struct IntGemm {
   using I = ggml::TypeInfo<T>;
   using Lv = simd::Levels<T>;
-  static constexpr int kRows = 16;                // weight rows per tile, one per int32 lane
+  static constexpr int kRows = 16;                   // weight rows per tile, one per int32 lane
   static constexpr int kSubs = I::kBlock / I::kSub;  // sub-blocks per block
   static constexpr int kGroups = I::kSub / 4;        // 4-element groups per sub-block
+  static constexpr int kAccs = 8;                    // fp32 sums per activation row: block % 8
+  static constexpr int kDecodeBlocks = 1;            // blocks per decode
   // The largest unsigned level the kernel takes (signed ones go in + 128).
   static constexpr int kMaxLevel = Lv::kIntLevelMax + (Lv::kSignedIntLevels ? 128 : 0);
   // Where a dot over 16 elements (of one sub-block) fits int16, its int32
@@ -87,7 +111,7 @@ struct GemmVnni {
   };
 
   // Decodes block bi of the tile's 16 rows (from wrow, row_bytes apart).
-  static void decode(const uint8_t* wrow, int64_t row_bytes, int64_t bi, Block& out) {
+  static void decode(const uint8_t* wrow, int64_t row_bytes, int64_t bi, int /*count*/, Block& out) {
     alignas(64) uint8_t lv[kRows][256];
     alignas(64) int32_t sc[kRows][16], cf[kRows][16];
     alignas(64) float d[kRows], k[kRows];
@@ -129,18 +153,11 @@ struct GemmVnni {
     (_mm256_store_si256(reinterpret_cast<__m256i*>(dst + 32 * C), unsigned_levels(simd::int_levels<T, C>(b))), ...);
   }
 
-  // The 4 bytes at p in every int32 lane.
-  static inline __m512i bcast(const void* p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
-  }
-
   // Block bi of MT activation rows against the decoded block, each level
-  // load serving MT rows: lane r of acc[m] += S * (d_r * d_x), then
+  // load serving MT rows: lane r of acc[m][bi % 8] += S * (d_r * d_x), then
   // += C * (k_r * d_x), MatmulSimd::IntSums' step.
   template <int MT>
-  static inline void block_step(const Block& w, const ggml::ActRow* a, int64_t bi, __m512* const (&acc)[MT]) {
+  static inline void step(const Block& w, int /*count*/, const ggml::ActRow* a, int64_t bi, __m512* const (&acc)[MT]) {
     const int64_t e = bi * I::kBlock;
     __m512i s[MT], c[MT];
     for (int m = 0; m < MT; ++m) s[m] = c[m] = _mm512_setzero_si512();
@@ -148,29 +165,135 @@ struct GemmVnni {
       __m512i t[MT];
       for (int m = 0; m < MT; ++m) t[m] = _mm512_setzero_si512();
       for (int g = g0; g < g0 + kSpanGroups; ++g)
-        for (int m = 0; m < MT; ++m) t[m] = _mm512_dpbusd_epi32(t[m], w.levels[g], bcast(a[m].q + e + 4 * g));
+        for (int m = 0; m < MT; ++m) t[m] = _mm512_dpbusd_epi32(t[m], w.levels[g], bcast4(a[m].q + e + 4 * g));
       const __m512i scale = w.scale[g0 / kGroups];
       for (int m = 0; m < MT; ++m)
         s[m] = kDotScales ? _mm512_dpwssd_epi32(s[m], t[m], scale) : _mm512_add_epi32(s[m], _mm512_mullo_epi32(t[m], scale));
     }
     for (int j = 0; j < 8; ++j)
-      for (int m = 0; m < MT; ++m) c[m] = _mm512_dpwssd_epi32(c[m], w.coef[j], bcast(a[m].isum + bi * 16 + 2 * j));
+      for (int m = 0; m < MT; ++m) c[m] = _mm512_dpwssd_epi32(c[m], w.coef[j], bcast4(a[m].isum + bi * 16 + 2 * j));
     for (int m = 0; m < MT; ++m) {
       const __m512 dx = _mm512_set1_ps(a[m].d[bi]);
+      __m512& sum = acc[m][bi % 8];
       if constexpr (Lv::kIntCoefs) {
-        *acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[m]), _mm512_mul_ps(w.d, dx), *acc[m]);
-        *acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[m]), _mm512_mul_ps(w.k, dx), *acc[m]);
+        sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[m]), _mm512_mul_ps(w.d, dx), sum);
+        sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[m]), _mm512_mul_ps(w.k, dx), sum);
       } else {
-        *acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s[m], c[m])), _mm512_mul_ps(w.d, dx), *acc[m]);
+        sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s[m], c[m])), _mm512_mul_ps(w.d, dx), sum);
       }
     }
   }
+
+  static __m512 total(const __m512* a) { return lane_order_sum(a[0], a); }
+};
+
+template <ggml::Type T>
+struct FloatGemm {
+  using I = ggml::TypeInfo<T>;
+  static constexpr int kRows = 16;
+  static constexpr int kAccs = 8 + I::kHasMin;  // fp32 sums per activation row: 4-element group, mins
+  // Blocks per decode: their 4 x 32 bytes of levels per row are two 16 x 16
+  // transposes, and each activation row's sums stay in registers across
+  // them (loaded and stored once per 4 blocks).
+  static constexpr int kDecodeBlocks = 4;
+  static_assert(I::kBlock == 32 && I::kSub == 32 && !simd::has_int_scales<T>(), "one scale per 32 elements");
+
+  struct Block {
+    __m512i levels[8 * kDecodeBlocks];  // [block j][group of 4 elements]: row r's 4 bytes in lane r
+    __m512 d[kDecodeBlocks], m[kDecodeBlocks];  // [block j]: d_w (m_w) of row r in lane r
+  };
+
+  // Decodes blocks bi .. bi + count - 1 of the tile's 16 rows: levels
+  // unsigned (signed ones + 128, against ActRow::offset as the matvec's
+  // offset form takes them).
+  static void decode(const uint8_t* wrow, int64_t row_bytes, int64_t bi, int count, Block& out) {
+    alignas(64) uint8_t lv[kRows][32 * kDecodeBlocks];
+    alignas(64) float d[kDecodeBlocks][kRows], m[kDecodeBlocks][kRows];
+    for (int r = 0; r < kRows; ++r) {
+      for (int j = 0; j < kDecodeBlocks; ++j) {
+        __m256i w = _mm256_setzero_si256();  // past the row's end: unused
+        if (j < count) {
+          const uint8_t* b = wrow + r * row_bytes + (bi + j) * I::kBytes;
+          ggml::Decoded<T> dec;
+          simd::block_scales(b, dec);
+          w = simd::block_levels<T, 0>(b, dec);
+          if constexpr (!I::kHasMin) w = _mm256_add_epi8(w, _mm256_set1_epi8(-128));
+          d[j][r] = dec.d[0];
+          if constexpr (I::kHasMin) m[j][r] = dec.m[0];
+        }
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lv[r] + 32 * j), w);
+      }
+    }
+    for (int h = 0; h < kDecodeBlocks / 2; ++h) transpose16_lines(&lv[0][64 * h], sizeof(lv[0]), out.levels + 16 * h);
+    for (int j = 0; j < count; ++j) {
+      out.d[j] = _mm512_load_ps(d[j]);
+      if constexpr (I::kHasMin) out.m[j] = _mm512_load_ps(m[j]);
+    }
+  }
+
+  // Blocks bi .. bi + count - 1 of MT activation rows: lane r of acc[m][g]
+  // += (4-element dot g) * (d_r * d_x) per block, as the matvec's lane g,
+  // and acc[m][8] += m_r * s_x, its mins.
+  template <int MT>
+  static inline void step(const Block& w, int count, const ggml::ActRow* a, int64_t bi, __m512* const (&acc)[MT]) {
+    const int64_t e = bi * I::kBlock;
+    const int8_t* q[MT];
+    const int32_t* offset[MT];
+    __m512 ds[MT][kDecodeBlocks];
+    for (int m = 0; m < MT; ++m) {
+      q[m] = a[m].q + e;
+      offset[m] = a[m].offset + e / 4;
+      for (int j = 0; j < count; ++j) ds[m][j] = _mm512_mul_ps(w.d[j], _mm512_set1_ps(a[m].d[bi + j]));
+    }
+    for (int g = 0; g < 8; ++g)
+      for (int m = 0; m < MT; ++m) {
+        __m512 sum = acc[m][g];
+        for (int j = 0; j < count; ++j) {
+          const __m512i start = I::kHasMin ? _mm512_setzero_si512() : bcast4(offset[m] + 8 * j + g);
+          const __m512i p = _mm512_dpbusd_epi32(start, w.levels[8 * j + g], bcast4(q[m] + 32 * j + 4 * g));
+          sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), ds[m][j], sum);
+        }
+        acc[m][g] = sum;
+      }
+    // The matvec rounds m_w * s_x, then adds: an explicitly rounded multiply
+    // cannot be contracted into an FMA with the add.
+    if constexpr (I::kHasMin)
+      for (int m = 0; m < MT; ++m) {
+        __m512 mins = acc[m][8];
+        for (int j = 0; j < count; ++j)
+          mins = _mm512_add_ps(mins, _mm512_mul_round_ps(w.m[j], _mm512_set1_ps(a[m].sum[bi + j]),
+                                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        acc[m][8] = mins;
+      }
+  }
+
+  // The matvec's hsum(acc + mins): the mins sit in lane 0 there, the other
+  // lanes add +0, which changes nothing (a sum from +0 is never -0).
+  static __m512 total(const __m512* a) { return lane_order_sum(I::kHasMin ? _mm512_add_ps(a[0], a[8]) : a[0], a); }
+};
+
+// Whether type T has a GEMM form, and which.
+template <ggml::Type T>
+constexpr bool has_gemm_vnni() {
+  using I = ggml::TypeInfo<T>;
+  return !I::kFloat && (simd::has_int_scales<T>() || (I::kBlock == 32 && I::kSub == 32));
+}
+template <ggml::Type T>
+using GemmForm = std::conditional_t<simd::has_int_scales<T>(), IntGemm<T>, FloatGemm<T>>;
+
+// The driver: tiles of 16 weight rows against all M activation rows, each
+// decoded block (Form::kDecodeBlocks of them) meeting every activation row
+// before the next; the fp32 sums ([m][Form::kAccs] per tile) in scratch.
+template <class Form>
+struct GemmVnni {
+  static constexpr int kRows = Form::kRows;
+  using Block = typename Form::Block;
 
   struct Scratch {
     __m512* acc;
     Block* block;
     explicit Scratch(int64_t M)
-        : acc(static_cast<__m512*>(_mm_malloc(M * 8 * sizeof(__m512), 64))),
+        : acc(static_cast<__m512*>(_mm_malloc(M * Form::kAccs * sizeof(__m512), 64))),
           block(static_cast<Block*>(_mm_malloc(sizeof(Block), 64))) {}
     ~Scratch() { _mm_free(acc), _mm_free(block); }
     Scratch(const Scratch&) = delete;
@@ -181,29 +304,25 @@ struct GemmVnni {
   // first row it did not take (the matvec form takes the rest).
   static int64_t run(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts, int64_t M,
                      float* out, int64_t rows) {
+    using I = typename Form::I;
     const int64_t blocks = n / I::kBlock, row_bytes = blocks * I::kBytes;
     if (r1 - r0 < kRows) return r0;
-    // The tile's fp32 sums, [m][block % 8][row], and its decoded block.
     Scratch scratch(M);
     int64_t r = r0;
     for (; r + kRows <= r1; r += kRows) {
       __m512* acc = scratch.acc;
-      for (int64_t i = 0; i < M * 8; ++i) acc[i] = _mm512_setzero_ps();
-      for (int64_t bi = 0; bi < blocks; ++bi) {
-        decode(W + r * row_bytes, row_bytes, bi, *scratch.block);
+      for (int64_t i = 0; i < M * Form::kAccs; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t bi = 0; bi < blocks; bi += Form::kDecodeBlocks) {
+        const int count = static_cast<int>(std::min<int64_t>(Form::kDecodeBlocks, blocks - bi));
+        Form::decode(W + r * row_bytes, row_bytes, bi, count, *scratch.block);
         for_row_tiles(M, [&](auto mt, int64_t m0) {
           constexpr int MT = decltype(mt)::value;
           __m512* a[MT];
-          for (int m = 0; m < MT; ++m) a[m] = acc + (m0 + m) * 8 + bi % 8;
-          block_step<MT>(*scratch.block, acts + m0, bi, a);
+          for (int m = 0; m < MT; ++m) a[m] = acc + (m0 + m) * Form::kAccs;
+          Form::template step<MT>(*scratch.block, count, acts + m0, bi, a);
         });
       }
-      for (int64_t m = 0; m < M; ++m) {  // hsum's order: ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))
-        const __m512* a = acc + m * 8;
-        const __m512 even = _mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6]));
-        const __m512 odd = _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7]));
-        _mm512_storeu_ps(out + m * rows + r, _mm512_add_ps(even, odd));
-      }
+      for (int64_t m = 0; m < M; ++m) _mm512_storeu_ps(out + m * rows + r, Form::total(acc + m * Form::kAccs));
     }
     return r;
   }

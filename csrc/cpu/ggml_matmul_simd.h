@@ -467,8 +467,11 @@ struct MatmulSimd {
     constexpr bool kMatvecTiles = T == ggml::Type::Q4_0 || T == ggml::Type::Q5_0;
     return kRowTile > 1 && (M > 1 || (kMatvecTiles && matvec_tiles));
   }
-  // Whether run() reads ActRow::offset: only row tiles take chunk()'s offset form.
-  static bool takes_offsets(int64_t M, bool matvec_tiles) { return kOffsetDots<kRowTile> && row_tiles(M, matvec_tiles); }
+  // Whether run() reads ActRow::offset: row tiles in chunk()'s offset form,
+  // and the GEMM of the signed one-scale types.
+  static bool takes_offsets(int64_t M, bool matvec_tiles) {
+    return (kOffsetDots<kRowTile> && row_tiles(M, matvec_tiles)) || (gemm(M) && !I::kHasMin && !kIntScales);
+  }
 
   // Activation rows per panel: each weight row tile runs against a panel of
   // about 32 KB of int8 values (L1) before the next tile, and the thread's
@@ -480,15 +483,28 @@ struct MatmulSimd {
   // did not move (one panel at n = 4096).
   static int64_t panel_rows(int64_t n) { return std::max<int64_t>(kMaxRowTile, (32 << 10) / n / 4 * 4); }
 
-  // Activation rows from which the integer-form types take the GEMM with
-  // weight rows across the lanes (ggml_gemm_vnni.h), where the unit has it.
-  static constexpr int64_t kGemmRows = 8;
+  // Whether M activation rows take the GEMM with weight rows across the
+  // lanes (ggml_gemm_vnni.h), where the unit has it and the type a GEMM
+  // form. Measured on the Xeon VM (14336x4096, 2 threads, A/B): the
+  // integer-form types 15-35% faster from M = 8 (M = 4 0-20% slower); Q4_1
+  // and Q5_1, whose matvec form takes single rows, 1.3-1.45x at M = 8 and 2x
+  // at M = 128 (M = 4 within 10%); the signed one-scale types, whose 4-row
+  // 512-bit tiles already do a GEMM's work per decoded chunk, 10-25% slower
+  // up to M = 16, level at M = 32 (Q5_0 10% faster), 10-25% faster from
+  // M = 64 (Q8_0 level throughout).
+#if LOWBIT_SIMD_AVX512BW
+  static constexpr bool kGemm = has_gemm_vnni<T>();
+#else
+  static constexpr bool kGemm = false;
+#endif
+  static constexpr int64_t kGemmRows = kIntScales || I::kHasMin ? 8 : 32;
+  static bool gemm(int64_t M) { return kGemm && M >= kGemmRows; }
 
   static void run(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts, int64_t M,
                   float* out, int64_t rows, bool matvec_tiles) {
 #if LOWBIT_SIMD_AVX512BW
-    if constexpr (kIntScales)
-      if (M >= kGemmRows) r0 = GemmVnni<T>::run(W, r0, r1, n, acts, M, out, rows);
+    if constexpr (kGemm)
+      if (gemm(M)) r0 = GemmVnni<GemmForm<T>>::run(W, r0, r1, n, acts, M, out, rows);
 #endif
     const int64_t blocks = n / I::kBlock, row_bytes = blocks * I::kBytes;
     const bool tiles = row_tiles(M, matvec_tiles);
