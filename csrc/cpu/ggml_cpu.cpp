@@ -37,9 +37,9 @@ int64_t row_grain(int64_t n) { return std::max<int64_t>(1, 65536 / std::max<int6
 // Rows per matmul chunk, in whole tiles of the SIMD kernels (up to 4 rows,
 // ggml_matmul_simd.h; 16 for the AVX-512 GEMM, ggml_gemm_vnni.h). Batches
 // (compute-bound) take small chunks of 64k weights, handed out as threads
-// free up: 20-25% faster on 2 threads of a shared Zen 4. A matvec streams memory: one contiguous share per thread, as
-// interleaved chunks broke the hardware prefetcher's streams (up to 1.5x
-// slower measured).
+// free up: 20-25% faster on 2 threads of a shared Zen 4. A matvec streams
+// memory: one contiguous share per thread, as interleaved chunks broke the
+// hardware prefetcher's streams (up to 1.5x slower measured).
 int64_t row_chunk(int64_t n, int64_t M, int64_t rows) {
   int64_t chunk = row_grain(n);
   if (M == 1) chunk = std::max<int64_t>(chunk, (rows + at::get_num_threads() - 1) / at::get_num_threads());

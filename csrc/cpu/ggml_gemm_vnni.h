@@ -82,11 +82,13 @@ inline __m512 lane_order_sum(__m512 a0, const __m512* a) {
   return _mm512_add_ps(even, odd);
 }
 
+// Weight rows per GEMM tile, one per int32 lane of a 512-bit register.
+constexpr int kGemmTileRows = 16;
+
 template <ggml::Type T>
 struct IntGemm {
   using I = ggml::TypeInfo<T>;
   using Lv = simd::Levels<T>;
-  static constexpr int kRows = 16;                   // weight rows per tile, one per int32 lane
   static constexpr int kSubs = I::kBlock / I::kSub;  // sub-blocks per block
   static constexpr int kGroups = I::kSub / 4;        // 4-element groups per sub-block
   static constexpr int kAccs = 8;                    // fp32 sums per activation row: block % 8
@@ -112,10 +114,10 @@ struct IntGemm {
 
   // Decodes block bi of the tile's 16 rows (from wrow, row_bytes apart).
   static void decode(const uint8_t* wrow, int64_t row_bytes, int64_t bi, int /*count*/, Block& out) {
-    alignas(64) uint8_t lv[kRows][256];
-    alignas(64) int32_t sc[kRows][16], cf[kRows][16];
-    alignas(64) float d[kRows], k[kRows];
-    for (int r = 0; r < kRows; ++r) {
+    alignas(64) uint8_t lv[kGemmTileRows][256];
+    alignas(64) int32_t sc[kGemmTileRows][16], cf[kGemmTileRows][16];
+    alignas(64) float d[kGemmTileRows], k[kGemmTileRows];
+    for (int r = 0; r < kGemmTileRows; ++r) {
       const uint8_t* b = wrow + r * row_bytes + bi * I::kBytes;
       store_levels(b, lv[r], std::make_integer_sequence<int, 8>{});
       simd::IntScales is;
@@ -145,12 +147,13 @@ struct IntGemm {
     out.k = _mm512_load_ps(k);
   }
 
-  static inline __m256i unsigned_levels(__m256i w) {
-    return Lv::kSignedIntLevels ? _mm256_add_epi8(w, _mm256_set1_epi8(-128)) : w;
-  }
   template <int... C>
   static void store_levels(const uint8_t* b, uint8_t* dst, std::integer_sequence<int, C...>) {
-    (_mm256_store_si256(reinterpret_cast<__m256i*>(dst + 32 * C), unsigned_levels(simd::int_levels<T, C>(b))), ...);
+    (store_chunk(dst + 32 * C, simd::int_levels<T, C>(b)), ...);
+  }
+  // Signed levels go in + 128.
+  static void store_chunk(uint8_t* dst, __m256i w) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(dst), Lv::kSignedIntLevels ? simd::plus128(w) : w);
   }
 
   // Block bi of MT activation rows against the decoded block, each level
@@ -190,7 +193,6 @@ struct IntGemm {
 template <ggml::Type T>
 struct FloatGemm {
   using I = ggml::TypeInfo<T>;
-  static constexpr int kRows = 16;
   static constexpr int kAccs = 8 + I::kHasMin;  // fp32 sums per activation row: 4-element group, mins
   // Blocks per decode: their 4 x 32 bytes of levels per row are two 16 x 16
   // transposes, and each activation row's sums stay in registers across
@@ -207,9 +209,9 @@ struct FloatGemm {
   // unsigned (signed ones + 128, against ActRow::offset as the matvec's
   // offset form takes them).
   static void decode(const uint8_t* wrow, int64_t row_bytes, int64_t bi, int count, Block& out) {
-    alignas(64) uint8_t lv[kRows][32 * kDecodeBlocks];
-    alignas(64) float d[kDecodeBlocks][kRows], m[kDecodeBlocks][kRows];
-    for (int r = 0; r < kRows; ++r) {
+    alignas(64) uint8_t lv[kGemmTileRows][32 * kDecodeBlocks];
+    alignas(64) float d[kDecodeBlocks][kGemmTileRows], m[kDecodeBlocks][kGemmTileRows];
+    for (int r = 0; r < kGemmTileRows; ++r) {
       for (int j = 0; j < kDecodeBlocks; ++j) {
         __m256i w = _mm256_setzero_si256();  // past the row's end: unused
         if (j < count) {
@@ -217,7 +219,7 @@ struct FloatGemm {
           ggml::Decoded<T> dec;
           simd::block_scales(b, dec);
           w = simd::block_levels<T, 0>(b, dec);
-          if constexpr (!I::kHasMin) w = _mm256_add_epi8(w, _mm256_set1_epi8(-128));
+          if constexpr (!I::kHasMin) w = simd::plus128(w);
           d[j][r] = dec.d[0];
           if constexpr (I::kHasMin) m[j][r] = dec.m[0];
         }
@@ -286,7 +288,6 @@ using GemmForm = std::conditional_t<simd::has_int_scales<T>(), IntGemm<T>, Float
 // before the next; the fp32 sums ([m][Form::kAccs] per tile) in scratch.
 template <class Form>
 struct GemmVnni {
-  static constexpr int kRows = Form::kRows;
   using Block = typename Form::Block;
 
   struct Scratch {
@@ -306,10 +307,10 @@ struct GemmVnni {
                      float* out, int64_t rows) {
     using I = typename Form::I;
     const int64_t blocks = n / I::kBlock, row_bytes = blocks * I::kBytes;
-    if (r1 - r0 < kRows) return r0;
+    if (r1 - r0 < kGemmTileRows) return r0;
     Scratch scratch(M);
     int64_t r = r0;
-    for (; r + kRows <= r1; r += kRows) {
+    for (; r + kGemmTileRows <= r1; r += kGemmTileRows) {
       __m512* acc = scratch.acc;
       for (int64_t i = 0; i < M * Form::kAccs; ++i) acc[i] = _mm512_setzero_ps();
       for (int64_t bi = 0; bi < blocks; bi += Form::kDecodeBlocks) {

@@ -51,6 +51,10 @@ inline void half_pair(const uint8_t* b, int offset, float& first, float& second)
 }
 
 inline __m256i bytes(int8_t v) { return _mm256_set1_epi8(v); }
+// Signed int8 levels w as the unsigned w + 128 that u8 x s8 dot products
+// take, as a byte add (not the equal xor): it folds into the level offset of
+// Q4_0 and Q5_0 (q - 8 + 128 is one add).
+inline __m256i plus128(__m256i w) { return _mm256_add_epi8(w, bytes(-128)); }
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline __m128i load16(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
 

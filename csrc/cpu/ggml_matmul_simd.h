@@ -118,9 +118,6 @@ struct MatmulSimd {
   // the offset loads.
   template <int RT>
   static constexpr bool kOffsetDots = !I::kHasMin && D::kWideProducts && RT > 1;
-  // w + 128 as a byte add (not the equal xor): it folds into the level
-  // offset of Q4_0 and Q5_0 (q - 8 + 128 is one add).
-  static inline __m256i plus128(__m256i w) { return _mm256_add_epi8(w, simd::bytes(-128)); }
 
   // Per-sub-block values held 8 per vector (vector s / 8, lane s % 8): the
   // vector and lanes that chunk C's dot lanes take theirs from.
@@ -152,7 +149,7 @@ struct MatmulSimd {
     __m256i w[RT], wu[RT];
     for (int r = 0; r < RT; ++r) {
       w[r] = simd::block_levels<T, C>(blk[r], dec[r]);
-      wu[r] = I::kHasMin ? w[r] : kOffset ? plus128(w[r]) : _mm256_abs_epi8(w[r]);
+      wu[r] = I::kHasMin ? w[r] : kOffset ? simd::plus128(w[r]) : _mm256_abs_epi8(w[r]);
     }
     const int64_t e = bi * I::kBlock + 32 * C;
     for (int m = 0; m < MT; ++m) {
@@ -386,7 +383,7 @@ struct MatmulSimd {
                                   const __m512 (&ds)[RT / 2][MT], const ggml::ActRow* acts, int64_t bi,
                                   __m512 (&acc)[RT / 2][MT]) {
     static_assert(kOffsetDots<RT>, "levels + 128 against an offset start");
-    const auto levels = [&](int r) { return plus128(simd::block_levels<T, C>(blk[r], dec[r])); };
+    const auto levels = [&](int r) { return simd::plus128(simd::block_levels<T, C>(blk[r], dec[r])); };
     __m512i wu[RT / 2];
     for (int p = 0; p < RT / 2; ++p) wu[p] = pair(levels(2 * p), levels(2 * p + 1));
     const int64_t e = bi * I::kBlock + 32 * C;
