@@ -4,7 +4,10 @@ same threads:
 - matvec / small-batch matmul (M = 1, 8), and a prompt-sized batch
   (M = 128, prefill), of every main type against
   llama.cpp's CPU backend on identical blocks (tests/ggml_peer.py, the optional
-  llama-cpp-python extra), torch's dense fp32 and bf16 matmul of the same
+  llama-cpp-python extra) twice: on the plain blocks, and in the layout
+  llama.cpp's model loader gives the weight (the first of the CPU backend's
+  extra buffer types, AMX or CPU_REPACK, that takes the type and runs here,
+  else the plain blocks); torch's dense fp32 and bf16 matmul of the same
   shape, and the machine's copy bandwidth;
 - dequantize of every type against gguf-py's NumPy dequantize.
 
@@ -63,11 +66,28 @@ def dequant_table(rng, rows, n, budget):
     return records
 
 
+def loader_layout_peers(raw_np, t, rows, n, M, threads):
+    """llama.cpp's matmul in each extra buffer type that takes this weight and
+    runs here ({name: GgmlMatmul}, in loader order), and why the others were
+    left out ({name: reason}); a configuration is first tried in a child
+    process, since one that crashes would take the benchmark with it."""
+    peers, left_out = {}, {}
+    for buffer in ggml_peer.extra_buffers():
+        why = ggml_peer.runs_in_subprocess(raw_np.nbytes, t, rows, n, M, threads, buffer)
+        if why is None:
+            peers[buffer] = ggml_peer.GgmlMatmul(raw_np, t, rows, n, M, 1, buffer=buffer)
+        else:
+            left_out[buffer] = why
+    return peers, left_out
+
+
 def matmul_table(rng, shapes, types, threads_list, budget, bandwidth, batch_sizes=MS):
     """Times every case, sampling the copy bandwidth at each shape."""
     peer_missing = ggml_peer.available()
     if peer_missing:
         print(peer_missing)
+    else:
+        print(f"llama.cpp's extra buffer types here: {', '.join(ggml_peer.extra_buffers()) or 'none'}")
     records = []
     for rows, n in shapes:
         torch.set_num_threads(max(threads_list))
@@ -88,23 +108,33 @@ def matmul_table(rng, shapes, types, threads_list, budget, bandwidth, batch_size
                 t = gb.type_id(name)
                 op = torch.ops.lowbit.ggml_mul_mat_vec_a8 if M == 1 else torch.ops.lowbit.ggml_mul_mat_a8
                 peer = None if peer_missing else ggml_peer.GgmlMatmul(raw_np, t, rows, n, M, 1)
+                extra, left_out = ({}, {}) if peer_missing else loader_layout_peers(raw_np, t, rows, n, M,
+                                                                                    max(threads_list))
                 agree = float("nan")
                 if peer:  # the same blocks and activations through both: they must agree
-                    peer.set_input(x.numpy())
+                    for p in [peer, *extra.values()]:
+                        p.set_input(x.numpy())
                     peer.compute()
                     ref = peer.result()
                     agree = float(np.abs(op(raw, x, t, rows).numpy() - ref).max() / max(np.abs(ref).max(), 1e-30))
                 for threads in threads_list:
                     torch.set_num_threads(threads)
-                    if peer:
-                        peer.threads = threads
-                    ms, peer_ms = time_rounds_ms([lambda: op(raw, x, t, rows), peer and peer.compute],
-                                                 budget_s=budget)
+                    for p in [peer, *extra.values()] if peer else []:
+                        p.threads = threads
+                    ms, peer_ms, *extra_ms = time_rounds_ms(
+                        [lambda: op(raw, x, t, rows), peer and peer.compute, *(p.compute for p in extra.values())],
+                        budget_s=budget)
+                    extra_ms = dict(zip(extra, extra_ms))
+                    # What llama.cpp's loader would run: the first extra buffer that takes W, else plain blocks.
+                    layout, layout_ms = next(iter(extra_ms.items()), ("plain", peer_ms))
                     fp32_ms, bf16_ms = dense_ms[threads]
                     gbs = raw.numel() / (ms * 1e-3) / 1e9
                     records.append(dict(type=name, rows=rows, n=n, M=M, threads=threads, lowbit_ms=ms,
                                         weight_gbs=gbs, llama_cpp_ms=peer_ms,
                                         speedup_vs_llama_cpp=peer_ms / ms, max_rel_diff_vs_llama_cpp=agree,
+                                        llama_cpp_extra_buffer_ms=extra_ms, llama_cpp_extra_buffer_left_out=left_out,
+                                        llama_cpp_loader_layout=layout, llama_cpp_loader_layout_ms=layout_ms,
+                                        speedup_vs_llama_cpp_loader_layout=layout_ms / ms,
                                         torch_fp32_ms=fp32_ms, torch_bf16_ms=bf16_ms,
                                         speedup_vs_fp32=fp32_ms / ms, speedup_vs_bf16=bf16_ms / ms))
     torch.set_num_threads(max(threads_list))
@@ -123,9 +153,34 @@ def print_matmul(records, bandwidth):
                          f"{r['weight_gbs']:.1f}", f"{100 * r['bandwidth_fraction']:.0f}%",
                          f"{100 * r['bandwidth_fraction_same_threads']:.0f}%", f"{r['llama_cpp_ms']:.2f}",
                          f"{r['speedup_vs_llama_cpp']:.2f}x", f"{r['max_rel_diff_vs_llama_cpp']:.0e}",
+                         *loader_layout_cells(r),
                          f"{r['torch_fp32_ms']:.2f}", f"{r['speedup_vs_fp32']:.1f}x", f"{r['speedup_vs_bf16']:.1f}x"])
     print_table(["rows x n", "M", "thr", "type", "lowbit ms", "GB/s", "of bw", "of thr bw", "llama.cpp ms", "vs llama.cpp",
-                 "rel diff", "fp32 ms", "vs fp32", "vs bf16"], rows_out)
+                 "rel diff", *LOADER_LAYOUT_HEADER, "fp32 ms", "vs fp32", "vs bf16"], rows_out)
+    print(LOADER_LAYOUT_NOTE)
+    print_left_out(records)
+
+
+LOADER_LAYOUT_HEADER = ["loader layout", "its ms", "vs it"]
+LOADER_LAYOUT_NOTE = ("llama.cpp ms: ggml_mul_mat on the plain blocks; loader layout: the layout llama.cpp's model "
+                      "loader gives the weight (the first extra buffer type that takes it and runs here, else plain), "
+                      "its time and lowbit's speedup over it")
+
+
+def loader_layout_cells(r):
+    return [r["llama_cpp_loader_layout"], f"{r['llama_cpp_loader_layout_ms']:.2f}",
+            f"{r['speedup_vs_llama_cpp_loader_layout']:.2f}x"]
+
+
+def print_left_out(records):
+    """Each extra buffer type left out of a case and why, once per distinct reason."""
+    seen = {}
+    for r in records:
+        for buffer, why in r.get("llama_cpp_extra_buffer_left_out", {}).items():
+            if "does not take" not in why:  # a type the buffer has no kernel for is no news
+                seen.setdefault((buffer, why), []).append(f"{r['type']} M={r['M']}")
+    for (buffer, why), cases in seen.items():
+        print(f"left out {buffer} ({why}): {', '.join(sorted(set(cases)))}")
 
 
 def print_prefill(records):
@@ -135,14 +190,17 @@ def print_prefill(records):
         r["gflops"] = 2 * r["M"] * r["rows"] * r["n"] / (r["lowbit_ms"] * 1e-3) / 1e9
         rows_out.append([f"{r['rows']}x{r['n']}", r["M"], r["threads"], r["type"], f"{r['lowbit_ms']:.2f}",
                          f"{r['gflops']:.0f}", f"{r['llama_cpp_ms']:.2f}", f"{r['speedup_vs_llama_cpp']:.2f}x",
-                         f"{r['max_rel_diff_vs_llama_cpp']:.0e}", f"{r['torch_fp32_ms']:.2f}",
+                         f"{r['max_rel_diff_vs_llama_cpp']:.0e}", *loader_layout_cells(r), f"{r['torch_fp32_ms']:.2f}",
                          f"{r['speedup_vs_fp32']:.2f}x", f"{r['speedup_vs_bf16']:.2f}x"])
     print_table(["rows x n", "M", "thr", "type", "lowbit ms", "GFLOP/s", "llama.cpp ms", "vs llama.cpp", "rel diff",
-                 "fp32 ms", "vs fp32", "vs bf16"], rows_out)
+                 *LOADER_LAYOUT_HEADER, "fp32 ms", "vs fp32", "vs bf16"], rows_out)
+    print(LOADER_LAYOUT_NOTE)
+    print_left_out(records)
 
 
 def plot(records, bandwidth, info, path):
-    """Weight GB/s per type, M = 1, most threads, first shape: lowbit vs llama.cpp vs dense."""
+    """Weight GB/s per type, M = 1, most threads, first shape: lowbit vs llama.cpp (plain blocks and
+    its loader's layout) vs dense."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -156,12 +214,13 @@ def plot(records, bandwidth, info, path):
     gb_of = lambda ms, r: r["weight_gbs"] * r["lowbit_ms"] / ms  # same bytes, the peer's time
     series = {
         "lowbit": [r["weight_gbs"] for r in sel],
-        "llama.cpp": [gb_of(r["llama_cpp_ms"], r) for r in sel],
+        "llama.cpp, plain blocks": [gb_of(r["llama_cpp_ms"], r) for r in sel],
+        "llama.cpp, loader layout": [gb_of(r["llama_cpp_loader_layout_ms"], r) for r in sel],
     }
     fig, ax = plt.subplots(figsize=(11, 4.5))
-    width = 0.38
+    width = 0.27
     for i, (label, vals) in enumerate(series.items()):
-        ax.bar(np.arange(len(names)) + (i - 0.5) * width, vals, width, label=label)
+        ax.bar(np.arange(len(names)) + (i - 1) * width, vals, width, label=label)
     ax.axhline(bandwidth, color="k", linestyle="--", linewidth=1, label=f"copy bandwidth {bandwidth:.0f} GB/s")
     fp32_gbs = 4 * shape[0] * shape[1] / (sel[0]["torch_fp32_ms"] * 1e-3) / 1e9
     ax.axhline(fp32_gbs, color="gray", linestyle=":", linewidth=1, label=f"torch fp32 dense {fp32_gbs:.0f} GB/s")

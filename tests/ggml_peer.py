@@ -11,9 +11,20 @@ n_threads, planned once per thread count (ggml_graph_plan) with a work buffer
 we own: ggml_graph_compute_with_ctx would take a new work buffer from the
 context on every call. ggml quantizes x to the type's 8-bit activation blocks
 inside the call, as lowbit does. An optional extra: `pip install llama-cpp-python`.
+
+llama.cpp's own model loader does not leave every weight in that plain layout:
+where the CPU backend has an "extra" buffer type for a weight's type (CPU_REPACK:
+rows interleaved for its x86/ARM GEMM kernels; AMX: Intel AMX tiles), the weight
+is repacked into it when the model loads. `GgmlMatmul(..., buffer=name)` places W
+in such a buffer the same way (ggml_backend_tensor_set does the repacking), and
+`extra_buffers()` lists the ones this build and CPU have. A buffer type can crash
+the process on some machines (the AMX one segfaults for M > 1 on the Xeon VM of
+the README), so `runs_in_subprocess` tries a configuration in a child first.
 """
 import ctypes
 import os
+import subprocess
+import sys
 
 import numpy as np
 
@@ -49,6 +60,18 @@ def _load():
     cpu.ggml_graph_compute.restype = ctypes.c_int
     cpu.ggml_cpu_init.argtypes, cpu.ggml_cpu_init.restype = [], None
     cpu.ggml_cpu_init()
+    # ggml-backend: the CPU device's extra buffer types and allocation in them.
+    cpu.ggml_backend_cpu_reg.argtypes, cpu.ggml_backend_cpu_reg.restype = [], p
+    base.ggml_backend_reg_dev_get.argtypes, base.ggml_backend_reg_dev_get.restype = [p, ctypes.c_size_t], p
+    base.ggml_backend_reg_get_proc_address.argtypes = [p, ctypes.c_char_p]
+    base.ggml_backend_reg_get_proc_address.restype = p
+    base.ggml_backend_buft_name.argtypes, base.ggml_backend_buft_name.restype = [p], ctypes.c_char_p
+    base.ggml_backend_alloc_ctx_tensors_from_buft.argtypes = [p, p]
+    base.ggml_backend_alloc_ctx_tensors_from_buft.restype = p
+    base.ggml_backend_tensor_set.argtypes = [p, p, ctypes.c_size_t, ctypes.c_size_t]
+    base.ggml_backend_tensor_set.restype = None
+    base.ggml_backend_dev_supports_op.argtypes, base.ggml_backend_dev_supports_op.restype = [p, p], ctypes.c_bool
+    base.ggml_backend_buffer_free.argtypes, base.ggml_backend_buffer_free.restype = [p], None
     return base, cpu
 
 
@@ -66,33 +89,93 @@ def available():
     return None
 
 
-class GgmlMatmul:
-    """out[M, rows] = x[M, n] @ dequant(W).T by ggml's CPU backend."""
+def _cpu_device_and_extra_buffers():
+    base, cpu = _LIBS
+    reg = cpu.ggml_backend_cpu_reg()
+    get = base.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+    device = base.ggml_backend_reg_dev_get(reg, 0)
+    bufts = {}
+    if get:
+        listed = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(get)(device)
+        i = 0
+        while listed and listed[i]:  # NULL-terminated
+            bufts[base.ggml_backend_buft_name(listed[i]).decode()] = listed[i]
+            i += 1
+    return device, bufts
 
-    def __init__(self, raw, qtype, rows, n, M, threads):
+
+def extra_buffers():
+    """Names of the CPU backend's extra buffer types in this build on this CPU,
+    in the order llama.cpp's loader tries them (it takes the first that accepts
+    a weight's matmul), e.g. ["AMX", "CPU_REPACK"]."""
+    if available() is not None:
+        return []
+    return list(_cpu_device_and_extra_buffers()[1])
+
+
+class BufferRefused(ValueError):
+    """The extra buffer type does not take this weight type or shape."""
+
+
+class GgmlMatmul:
+    """out[M, rows] = x[M, n] @ dequant(W).T by ggml's CPU backend.
+
+    buffer: None keeps W as the plain blocks (ggml_mul_mat's vec_dot path);
+    the name of an extra buffer type (extra_buffers()) repacks W into it as
+    llama.cpp's loader would, or raises BufferRefused if it does not take W.
+    """
+
+    def __init__(self, raw, qtype, rows, n, M, threads, buffer=None):
         if available() is not None:
             raise RuntimeError(available())
         base, self._cpu = _LIBS
         self._base = base
+        self.buffer = buffer
+        self._weight_buffer = self.wctx = None
         raw = np.ascontiguousarray(raw, dtype=np.uint8)
         f32 = 0  # GGML_TYPE_F32
-        # The context holds W, x, the output and the graph (ggml aborts the
-        # process if it runs out, so leave room).
-        self.ctx = base.ggml_init(_InitParams(raw.nbytes + 8 * (n + rows) * M + (16 << 20), None, False))
+        # The context holds x, the output, the graph and a plain W (ggml aborts
+        # the process if it runs out, so leave room); a W in an extra buffer
+        # gets its own context with no data of its own.
+        plain_bytes = 0 if buffer else raw.nbytes
+        self.ctx = base.ggml_init(_InitParams(plain_bytes + 8 * (n + rows) * M + (16 << 20), None, False))
         if not self.ctx:
             raise RuntimeError("ggml_init failed")
-        self.W = base.ggml_new_tensor_2d(self.ctx, int(qtype), n, rows)
+        if buffer:
+            self.wctx = base.ggml_init(_InitParams(1 << 16, None, True))
+            self.W = base.ggml_new_tensor_2d(self.wctx, int(qtype), n, rows)
+        else:
+            self.W = base.ggml_new_tensor_2d(self.ctx, int(qtype), n, rows)
         if base.ggml_nbytes(self.W) != raw.nbytes:
             raise ValueError(f"ggml expects {base.ggml_nbytes(self.W)} bytes for type {qtype}, got {raw.nbytes}")
-        ctypes.memmove(base.ggml_get_data(self.W), raw.ctypes.data, raw.nbytes)
         self.x = base.ggml_new_tensor_2d(self.ctx, f32, n, M)
         self.out = base.ggml_mul_mat(self.ctx, self.W, self.x)
+        if buffer:
+            self._place_weight(buffer, raw)
+        else:
+            ctypes.memmove(base.ggml_get_data(self.W), raw.ctypes.data, raw.nbytes)
         self.graph = base.ggml_new_graph(self.ctx)
         base.ggml_build_forward_expand(self.graph, self.out)
         self.shape = (M, n)
         self.rows = rows
         self.threads = threads
         self._plans = {}  # threads -> (plan, work buffer)
+
+    def _place_weight(self, buffer, raw):
+        """Allocates W in extra buffer type `buffer` and hands it the blocks,
+        which that buffer type repacks (as llama.cpp's loader does), after the
+        CPU device confirmed that this matmul runs from such a buffer."""
+        base = self._base
+        device, bufts = _cpu_device_and_extra_buffers()
+        if buffer not in bufts:
+            raise BufferRefused(f"no extra buffer type {buffer!r} here (have: {', '.join(bufts) or 'none'})")
+        self._weight_buffer = base.ggml_backend_alloc_ctx_tensors_from_buft(self.wctx, bufts[buffer])
+        if not self._weight_buffer:
+            raise RuntimeError(f"allocating W in {buffer} failed")
+        if not base.ggml_backend_dev_supports_op(device, self.out):
+            self._release()
+            raise BufferRefused(f"{buffer} does not take this matmul")
+        base.ggml_backend_tensor_set(self.W, raw.ctypes.data, 0, raw.nbytes)
 
     def set_input(self, x):
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -115,7 +198,41 @@ class GgmlMatmul:
         buf = (ctypes.c_float * (M * self.rows)).from_address(self._base.ggml_get_data(self.out))
         return np.frombuffer(buf, dtype=np.float32).reshape(M, self.rows).copy()
 
+    def _release(self):
+        if getattr(self, "_weight_buffer", None):
+            self._base.ggml_backend_buffer_free(self._weight_buffer)
+            self._weight_buffer = None
+        for name in ("wctx", "ctx"):
+            if getattr(self, name, None):
+                self._base.ggml_free(getattr(self, name))
+                setattr(self, name, None)
+
     def __del__(self):
-        if getattr(self, "ctx", None):
-            self._base.ggml_free(self.ctx)
-            self.ctx = None
+        self._release()
+
+
+_CHILD = """
+import sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+import ggml_peer
+m = ggml_peer.GgmlMatmul(np.zeros({nbytes}, np.uint8), {qtype}, {rows}, {n}, {M}, {threads}, buffer={buffer!r})
+m.set_input(np.ones(({M}, {n}), np.float32))
+m.compute()
+"""
+
+
+def runs_in_subprocess(nbytes, qtype, rows, n, M, threads, buffer):
+    """None if a GgmlMatmul of this configuration (zero blocks) computes in a
+    child process, else why not (BufferRefused's message, or the signal the
+    child died of), so a caller can leave out a configuration that would kill
+    its own process."""
+    code = _CHILD.format(tests=os.path.dirname(os.path.abspath(__file__)), nbytes=nbytes, qtype=int(qtype),
+                         rows=rows, n=n, M=M, threads=threads, buffer=buffer)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if done.returncode == 0:
+        return None
+    if done.returncode < 0:
+        return f"llama.cpp crashed (signal {-done.returncode})"
+    last = done.stderr.strip().splitlines()
+    return last[-1] if last else f"exit status {done.returncode}"

@@ -204,6 +204,58 @@ def test_matmul_matches_llama_cpp(device, qtype, M):
     assert np.all(err <= bound), f"{qtype}: |lowbit - llama.cpp| {err[worst]:.3g} > {bound[worst]:.3g} at {worst}"
 
 
+def activations_on_the_int8_grid(rng, M, n):
+    """[M, n] fp32 values q·d, q in [-127, 127], d a power of two per 32
+    elements with the block's first element at ±127·d, so that any 8-bit
+    quantizer (blocks of 32 or 256) finds step d and the integers q exactly."""
+    q = rng.integers(-127, 128, (M, n // 32, 32))
+    q[:, :, 0] = rng.choice([-127, 127], (M, n // 32))
+    d = np.exp2(rng.integers(-4, 2, (M, n // 32, 1)))
+    return (q * d).reshape(M, n).astype(np.float32)
+
+
+@pytest.mark.parametrize("M", [1, 5])
+@pytest.mark.parametrize("buffer", ggml_peer.extra_buffers())
+def test_matmul_matches_llama_cpp_repacked(buffer, M):
+    """The same against llama.cpp with the weight repacked into a layout its
+    model loader uses (CPU_REPACK, AMX), which run their own kernels: every
+    type the buffer type takes (at 64 rows: AMX takes none at 48) must agree
+    with lowbit as closely as the plain blocks do. A configuration is tried
+    in a child process first, since one that crashes llama.cpp (AMX at M > 1
+    does on one VM) would end the test run.
+
+    The activations lie on the 8-bit grid (per 32 elements a power-of-two
+    step d, one element at 127·d), so that every way of rounding them to 8
+    bits gives the same integers: llama.cpp's x86 quantizers multiply by
+    127/amax where its reference divides by amax/127, and so round the odd
+    activation to the neighbouring integer (lowbit rounds as the reference)."""
+    rows, taken, crashed = 64, [], {}
+    for qtype in QUANT_TYPES:
+        rng = np.random.default_rng([M, gb.type_id(qtype), 1])
+        raw = gb.random_blocks(rng, qtype, rows, N)
+        try:
+            peer = ggml_peer.GgmlMatmul(raw, gb.type_id(qtype), rows, N, M, threads=1, buffer=buffer)
+        except ggml_peer.BufferRefused:
+            continue
+        taken.append(qtype)
+        why = ggml_peer.runs_in_subprocess(raw.nbytes, gb.type_id(qtype), rows, N, M, 1, buffer)
+        if why is not None:
+            crashed[qtype] = why
+            continue
+        x = activations_on_the_int8_grid(rng, M, N)
+        got = ops.ggml_mul_mat_a8(torch.from_numpy(raw), torch.from_numpy(x), gb.type_id(qtype), rows).numpy()
+        peer.set_input(x)
+        peer.compute()
+        W = gb.dequantize(raw, qtype).astype(np.float64)
+        bound = 1e-5 * (np.abs(x.astype(np.float64)) @ np.abs(W).T) + 1e-30
+        err = np.abs(got.astype(np.float64) - peer.result())
+        worst = np.unravel_index(np.argmax(err / bound), err.shape)
+        assert np.all(err <= bound), f"{qtype} {buffer}: |lowbit - llama.cpp| {err[worst]:.3g} > {bound[worst]:.3g}"
+    assert taken, f"{buffer} took none of the quant types: placing weights in it is broken"
+    if len(crashed) == len(taken):
+        pytest.skip(f"{buffer} at M = {M}: " + "; ".join(f"{q}: {why}" for q, why in crashed.items()))
+
+
 @pytest.mark.parametrize("qtype", QUANT_TYPES)
 def test_batched_rows_equal_the_matvec_bit_for_bit(device, qtype):
     """The batched kernels tile weight rows (4 x 4 activation rows with
