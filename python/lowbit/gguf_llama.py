@@ -1,7 +1,9 @@
 """Llama-family GGUF plumbing: tensor names, Q/K row order and config, no kernels.
 
-Maps a llama.cpp GGUF (as written by convert_hf_to_gguf.py) onto the names and
-config of transformers' LlamaForCausalLM.
+Maps a llama.cpp GGUF (as written by convert_hf_to_gguf.py) of the llama, qwen2
+or qwen3 architecture onto the parameter names of transformers'
+LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM (which share them), and
+a llama file's metadata onto a LlamaConfig.
 """
 from __future__ import annotations
 
@@ -11,7 +13,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["hf_name", "unpermute_rows", "rows_in_hf_order", "llama_config_from_gguf"]
+__all__ = ["QK_ROWS_PERMUTED", "hf_name", "unpermute_rows", "rows_in_hf_order", "check_architecture",
+           "llama_config_from_gguf"]
+
+# Whether llama.cpp's converter stored an architecture's Q and K projections
+# (weights and biases) permuted: LlamaModel turns HF's rotate-half order into
+# interleaved RoPE pairs, Qwen2Model and Qwen3Model write them as HF has them.
+# Other architectures may do either (or fuse QKV), so they are refused rather
+# than guessed: a wrong guess loads without error and computes garbage.
+QK_ROWS_PERMUTED = {"llama": True, "qwen2": False, "qwen3": False}
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -29,6 +39,8 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3's per-head RMSNorms
+    "attn_k_norm": "self_attn.k_norm",
 }
 
 _NAME_RE = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<base>\w+)\.(?P<suffix>weight|bias)")
@@ -67,14 +79,27 @@ def unpermute_rows(data: torch.Tensor, n_head: int) -> torch.Tensor:
     return data.index_select(0, perm.transpose(1, 2).reshape(-1))
 
 
+def check_architecture(metadata: Mapping[str, Any], where: str) -> str:
+    """The file's general.architecture, or ValueError if its Q/K row order is
+    not known (QK_ROWS_PERMUTED)."""
+    arch = metadata.get("general.architecture")
+    if arch not in QK_ROWS_PERMUTED:
+        raise ValueError(f"{where}: GGUF architecture {arch!r} is not supported "
+                         f"(supported: {', '.join(QK_ROWS_PERMUTED)})")
+    return arch
+
+
 def rows_in_hf_order(name: str, rows: torch.Tensor, metadata: Mapping[str, Any]) -> torch.Tensor:
-    """The rows of GGUF tensor `name` in HF order: attn_q and attn_k rows are
-    unpermuted (with the file's head counts), every other tensor is as stored."""
-    arch = metadata.get("general.architecture", "llama")
+    """The rows of GGUF tensor `name` in HF order (a weight's rows, or a bias's
+    elements): in a llama file the attn_q and attn_k weights and biases are
+    unpermuted with the file's head counts; everything else is as stored."""
+    arch = check_architecture(metadata, "rows_in_hf_order")
+    if not QK_ROWS_PERMUTED[arch]:
+        return rows
     n_head = metadata.get(f"{arch}.attention.head_count")
-    if name.endswith("attn_q.weight"):
+    if name.endswith(("attn_q.weight", "attn_q.bias")):
         return unpermute_rows(rows, n_head)
-    if name.endswith("attn_k.weight"):
+    if name.endswith(("attn_k.weight", "attn_k.bias")):
         return unpermute_rows(rows, metadata.get(f"{arch}.attention.head_count_kv", n_head))
     return rows
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from .gguf_file import GGUFError, GGUFTensor, load_gguf
 from .gguf_linear import GGUFLinear
-from .gguf_llama import hf_name, rows_in_hf_order
+from .gguf_llama import check_architecture, hf_name, rows_in_hf_order
 from .gptq.checkpoint import GPTQCheckpointError, load_gptq
 
 
@@ -28,10 +28,12 @@ def replace_linear(model: nn.Module, path: str | os.PathLike, checkpoint_format:
     ValueError; checkpoint tensors the model has no place for are warned about
     and listed in the report.
 
-    A `.gguf` file (llama-family names, as llama.cpp's converter writes them):
-    every nn.Linear the file has a quantized weight for becomes a GGUFLinear
-    over the file's own blocks; embeddings and norms are loaded as float
-    tensors; llama.cpp's Q/K row permutation is undone on the quantized rows.
+    A `.gguf` file of the llama, qwen2 or qwen3 architecture (names as
+    llama.cpp's converter writes them; others raise ValueError): every
+    nn.Linear the file has a quantized weight for becomes a GGUFLinear over
+    the file's own blocks; embeddings, norms and biases are loaded as float
+    tensors; a llama file's Q/K row permutation is undone on the quantized
+    rows (and biases).
 
     A GPTQ checkpoint (a directory, or a .safetensors file beside its config):
     every module with a qweight becomes a GPTQLinear holding the checkpoint's
@@ -97,6 +99,7 @@ def _persistent_buffers(model: nn.Module):
 
 def _replace_from_gguf(model: nn.Module, path: str) -> ReplaceReport:
     f = load_gguf(path)
+    check_architecture(f.metadata, f"replace_linear: {path}")
     report = ReplaceReport()
     wanted = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     placed = set()
@@ -118,10 +121,9 @@ def _replace_from_gguf(model: nn.Module, path: str) -> ReplaceReport:
         else:
             target = getattr(module, attr)
             _check_shape(path, t, name, tuple(target.shape))
-            rows = rows_in_hf_order(t.name, t.data, f.metadata)
-            value = torch.ops.lowbit.ggml_dequantize(rows, t.type, rows.shape[0], t.shape[-1], torch.float32)
-            with torch.no_grad():
-                target.copy_(value.reshape(target.shape))
+            value = torch.ops.lowbit.ggml_dequantize(t.data, t.type, t.data.shape[0], t.shape[-1], torch.float32)
+            with torch.no_grad():  # a bias's elements are its rows
+                target.copy_(rows_in_hf_order(t.name, value.reshape(target.shape), f.metadata))
             report.loaded.append(name)
         placed.add(name)
 

@@ -51,10 +51,9 @@ def load_float_model(path: str):
     model = transformers.LlamaForCausalLM(config).eval()
     params = dict(model.named_parameters())
     for t in f.tensors.values():
-        rows = rows_in_hf_order(t.name, t.data, f.metadata)
-        w = torch.ops.lowbit.ggml_dequantize(rows, t.type, rows.shape[0], t.shape[-1], torch.float32)
+        w = torch.ops.lowbit.ggml_dequantize(t.data, t.type, t.data.shape[0], t.shape[-1], torch.float32)
         with torch.no_grad():
-            params[hf_name(t.name)].copy_(w.reshape(t.shape))
+            params[hf_name(t.name)].copy_(rows_in_hf_order(t.name, w.reshape(t.shape), f.metadata))
     tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     return tokenizer, model
 
