@@ -48,7 +48,7 @@ struct DotAvx2 {
 
 bool ggml_mul_mat_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts,
                        int64_t M, float* out, int64_t rows) {
-  return run_matmul_simd<DotAvx2>(type, W, r0, r1, n, acts, M, out, rows, false);
+  return run_matmul_simd<DotAvx2>(type, W, r0, r1, n, acts, M, out, rows);
 }
 
 void ggml_quantize_acts_avx2(ggml::Act act, const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, float* sum,

@@ -52,12 +52,12 @@ struct DotVnni {
 }  // namespace
 
 bool ggml_mul_mat_avx512(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n,
-                         const ggml::ActRow* acts, int64_t M, float* out, int64_t rows, bool matvec_tiles) {
-  return run_matmul_simd<DotVnni>(type, W, r0, r1, n, acts, M, out, rows, matvec_tiles);
+                         const ggml::ActRow* acts, int64_t M, float* out, int64_t rows) {
+  return run_matmul_simd<DotVnni>(type, W, r0, r1, n, acts, M, out, rows);
 }
 
-bool ggml_mul_mat_avx512_takes_offsets(int64_t type, int64_t M, bool matvec_tiles) {
-  return matmul_simd_takes_offsets<DotVnni>(type, M, matvec_tiles);
+bool ggml_mul_mat_avx512_takes_offsets(int64_t type, int64_t M) {
+  return matmul_simd_takes_offsets<DotVnni>(type, M);
 }
 
 bool ggml_dequantize_avx512(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, void* out,

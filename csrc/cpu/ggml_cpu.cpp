@@ -115,10 +115,9 @@ template <ggml::Type T>
 void mul_mat_quantized(const uint8_t* W, int64_t rows, int64_t n, const float* X, int64_t M, float* out) {
   using I = TypeInfo<T>;
   const Isa isa = active_isa();
-  const bool matvec_tiles = matvec_row_tiles_pay();
   bool offsets = false;
 #if defined(__x86_64__)
-  offsets = isa == Isa::kAvx512 && ggml_mul_mat_avx512_takes_offsets(static_cast<int64_t>(T), M, matvec_tiles);
+  offsets = isa == Isa::kAvx512 && ggml_mul_mat_avx512_takes_offsets(static_cast<int64_t>(T), M);
 #endif
   const QuantizedActs<I::kAct> quantized(X, M, n, offsets);
   std::vector<ggml::ActRow> acts(M);
@@ -127,7 +126,7 @@ void mul_mat_quantized(const uint8_t* W, int64_t rows, int64_t n, const float* X
     bool done = false;
 #if defined(__x86_64__)
     const int64_t t = static_cast<int64_t>(T);
-    if (isa == Isa::kAvx512) done = ggml_mul_mat_avx512(t, W, r0, r1, n, acts.data(), M, out, rows, matvec_tiles);
+    if (isa == Isa::kAvx512) done = ggml_mul_mat_avx512(t, W, r0, r1, n, acts.data(), M, out, rows);
     if (isa == Isa::kAvx2) done = ggml_mul_mat_avx2(t, W, r0, r1, n, acts.data(), M, out, rows);
 #endif
     if (!done) mul_mat_rows_portable<T>(W, r0, r1, n, acts.data(), M, out, rows);

@@ -23,14 +23,12 @@ constexpr bool has_simd_levels(ggml::Type t) {
 // [r0, r1) and m < M, with acts[m] the activation rows quantized as
 // TypeInfo<T>::kAct, for every quantized type. Returns false (and computes
 // nothing) for the float types. The AVX-512 kernel reads acts[m].offset
-// where ggml_mul_mat_avx512_takes_offsets says so. matvec_tiles (AVX-512): M = 1 runs the row
-// tiles of the types that take them at M > 1 where that pays (isa.h,
-// matvec_row_tiles_pay); AVX2's 2-row tiles were not measured at M = 1.
+// where ggml_mul_mat_avx512_takes_offsets says so.
 bool ggml_mul_mat_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts,
                        int64_t M, float* out, int64_t rows);
 bool ggml_mul_mat_avx512(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n,
-                         const ggml::ActRow* acts, int64_t M, float* out, int64_t rows, bool matvec_tiles);
-bool ggml_mul_mat_avx512_takes_offsets(int64_t type, int64_t M, bool matvec_tiles);
+                         const ggml::ActRow* acts, int64_t M, float* out, int64_t rows);
+bool ggml_mul_mat_avx512_takes_offsets(int64_t type, int64_t M);
 
 // Activation blocks [b0, b1) of x (blocks of ActLayout<act>::kBlock) quantized
 // as quantize_act_block<act> does, bit for bit; act is Q8_0, Q8_1 or Q8_K.

@@ -454,20 +454,20 @@ struct MatmulSimd {
   }
 
   // Whether run() takes tiles of kRowTile > 1 weight rows for M activation
-  // rows. A matvec streams each weight row once through one activation row
-  // that stays in L1: tiles gain little there, and on Zen 4 a row pair ran at
-  // under half the speed of single rows, software prefetch or not. On an
-  // Intel Xeon Q4_0 and Q5_0 (the cheapest decodes) ran 5-10% faster in
-  // tiles of 4 rows at M = 1 (sharing x loads, 4 FMA chains); IQ4_NL, whose
-  // table lookups fill the registers, 5-10% slower.
-  static bool row_tiles(int64_t M, bool matvec_tiles) {
-    constexpr bool kMatvecTiles = T == ggml::Type::Q4_0 || T == ggml::Type::Q5_0;
-    return kRowTile > 1 && (M > 1 || (kMatvecTiles && matvec_tiles));
-  }
+  // rows: not for a matvec. Single rows read a thread's weights as one
+  // sequential stream; a tile reads its 4 rows' blocks in turn. With the
+  // weights in cache tiles were 0-14% faster at M = 1 on the Xeon VM, but
+  // streamed from memory (as a model's decode streams them) 29-40% slower
+  // (14336x4096, 1.5 GB of weights in turn, 2 threads: Q4_0 2.10 against
+  // 1.56 ms, Q8_0 2.68 / 2.08, IQ4_NL 2.21 / 1.57); and on Zen 4 a row pair
+  // had run a matvec at under half speed. From M = 2 they share each
+  // decoded chunk: from memory 8-18% slower at M = 2, level at M = 4, 7-13%
+  // faster at M = 8; in cache 7-24% faster from M = 2.
+  static bool row_tiles(int64_t M) { return kRowTile > 1 && M > 1; }
   // Whether run() reads ActRow::offset: row tiles in chunk()'s offset form,
   // and the GEMM of the signed one-scale types.
-  static bool takes_offsets(int64_t M, bool matvec_tiles) {
-    return (kOffsetDots<kRowTile> && row_tiles(M, matvec_tiles)) || (gemm(M) && !I::kHasMin && !kIntScales);
+  static bool takes_offsets(int64_t M) {
+    return (kOffsetDots<kRowTile> && row_tiles(M)) || (gemm(M) && !I::kHasMin && !kIntScales);
   }
 
   // Activation rows per panel: each weight row tile runs against a panel of
@@ -498,13 +498,13 @@ struct MatmulSimd {
   static bool gemm(int64_t M) { return kGemm && M >= kGemmRows; }
 
   static void run(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts, int64_t M,
-                  float* out, int64_t rows, bool matvec_tiles) {
+                  float* out, int64_t rows) {
 #if LOWBIT_SIMD_AVX512BW
     if constexpr (kGemm)
       if (gemm(M)) r0 = GemmVnni<GemmForm<T>>::run(W, r0, r1, n, acts, M, out, rows);
 #endif
     const int64_t blocks = n / I::kBlock, row_bytes = blocks * I::kBytes;
-    const bool tiles = row_tiles(M, matvec_tiles);
+    const bool tiles = row_tiles(M);
     const int64_t panel = panel_rows(n);
     for (int64_t m0 = 0; m0 < M; m0 += panel) {
       const int64_t mp = std::min(panel, M - m0);
@@ -526,12 +526,12 @@ struct MatmulSimd {
 // Runs the kernel of a quantized `type` (dispatch_ggml_type validated ids).
 template <class D>
 bool run_matmul_simd(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts,
-                     int64_t M, float* out, int64_t rows, bool matvec_tiles) {
+                     int64_t M, float* out, int64_t rows) {
   bool ran = false;
   dispatch_ggml_type(type, [&](auto t) {
     constexpr ggml::Type T = decltype(t)::value;
     if constexpr (!ggml::TypeInfo<T>::kFloat) {
-      MatmulSimd<D, T>::run(W, r0, r1, n, acts, M, out, rows, matvec_tiles);
+      MatmulSimd<D, T>::run(W, r0, r1, n, acts, M, out, rows);
       ran = true;
     }
   });
@@ -540,11 +540,11 @@ bool run_matmul_simd(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int
 
 // MatmulSimd<D, T>::takes_offsets for a quantized `type`.
 template <class D>
-bool matmul_simd_takes_offsets(int64_t type, int64_t M, bool matvec_tiles) {
+bool matmul_simd_takes_offsets(int64_t type, int64_t M) {
   bool takes = false;
   dispatch_ggml_type(type, [&](auto t) {
     constexpr ggml::Type T = decltype(t)::value;
-    if constexpr (!ggml::TypeInfo<T>::kFloat) takes = MatmulSimd<D, T>::takes_offsets(M, matvec_tiles);
+    if constexpr (!ggml::TypeInfo<T>::kFloat) takes = MatmulSimd<D, T>::takes_offsets(M);
   });
   return takes;
 }

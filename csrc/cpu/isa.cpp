@@ -65,8 +65,8 @@ bool has_avx512_bf16() {
 #endif
 }
 
-// The two vendor-dependent kernel choices below were measured on one Intel
-// and one AMD machine; other x86 vendors follow AMD's.
+// The vendor-dependent kernel choice below was measured on one Intel and one
+// AMD machine; other x86 vendors follow AMD's.
 static bool is_intel() {
 #if defined(__x86_64__) && defined(__GNUC__)
   static const bool intel = [] {
@@ -86,8 +86,6 @@ bool bf16_dot_at_fma_rate() {
   return false;
 #endif
 }
-
-bool matvec_row_tiles_pay() { return is_intel(); }
 
 namespace {
 std::atomic<int> bf16_kernel_choice{static_cast<int>(Bf16Kernel::kAuto)};

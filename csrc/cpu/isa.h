@@ -31,10 +31,6 @@ bool has_avx512_bf16();
 // fp32 FMA, as on AMD Zen 4; Intel cores issue it at half that rate, so it
 // multiplies no faster than FMA there (gptq_gemm measures both).
 bool bf16_dot_at_fma_rate();
-// Whether a matvec of Q4_0 / Q5_0 blocks runs faster in tiles of 4 weight
-// rows sharing each activation load (AVX-512): measured so on an Intel Xeon
-// (5-10%), while on AMD Zen 4 row tiles had run a matvec at under half speed.
-bool matvec_row_tiles_pay();
 // Which kernel bf16 / fp16 activations of a GPTQ weight take where both the
 // vdpbf16ps and the fp32 FMA kernels apply: kAuto picks the faster on this
 // CPU; kAlways takes vdpbf16ps wherever it applies, so that the tests run it
