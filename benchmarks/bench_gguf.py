@@ -9,6 +9,9 @@ same threads:
   extra buffer types, AMX or CPU_REPACK, that takes the type and runs here,
   else the plain blocks); torch's dense fp32 and bf16 matmul of the same
   shape, and the machine's copy bandwidth;
+- the matvec again with its weights streamed from memory, as a model's decode
+  reads them: distinct copies of the weight, STREAMED_BYTES in all (more than
+  the machines' last-level caches), multiplied in turn, on every side;
 - dequantize of every type against gguf-py's NumPy dequantize.
 
     python benchmarks/bench_gguf.py [--quick]
@@ -39,6 +42,9 @@ SHAPES = [(14336, 4096), (4096, 14336)]  # (rows = out features, n = in features
 MS = [1, 8]
 PREFILL_M = 128  # a prompt's worth of rows: compute-bound, so GFLOP/s rather than GB/s
 THREADS = [1, 2]
+# Weights the streamed matvec goes through in turn: 3x the Xeon VM's 480 MB L3,
+# so no copy is still cached when its turn comes again.
+STREAMED_BYTES = 1.5e9
 
 
 def dequant_table(rng, rows, n, budget):
@@ -66,19 +72,27 @@ def dequant_table(rng, rows, n, budget):
     return records
 
 
+def runnable_extra_buffers(nbytes, t, rows, n, M, threads):
+    """The extra buffer types that take this matmul and run here, in loader
+    order, and why the others were left out ({name: reason}); each is first
+    tried in a child process, since one that crashes would take the benchmark
+    with it."""
+    runs, left_out = [], {}
+    for buffer in ggml_peer.extra_buffers():
+        why = ggml_peer.runs_in_subprocess(nbytes, t, rows, n, M, threads, buffer)
+        if why is None:
+            runs.append(buffer)
+        else:
+            left_out[buffer] = why
+    return runs, left_out
+
+
 def loader_layout_peers(raw_np, t, rows, n, M, threads):
     """llama.cpp's matmul in each extra buffer type that takes this weight and
     runs here ({name: GgmlMatmul}, in loader order), and why the others were
-    left out ({name: reason}); a configuration is first tried in a child
-    process, since one that crashes would take the benchmark with it."""
-    peers, left_out = {}, {}
-    for buffer in ggml_peer.extra_buffers():
-        why = ggml_peer.runs_in_subprocess(raw_np.nbytes, t, rows, n, M, threads, buffer)
-        if why is None:
-            peers[buffer] = ggml_peer.GgmlMatmul(raw_np, t, rows, n, M, 1, buffer=buffer)
-        else:
-            left_out[buffer] = why
-    return peers, left_out
+    left out ({name: reason})."""
+    runs, left_out = runnable_extra_buffers(raw_np.nbytes, t, rows, n, M, threads)
+    return {b: ggml_peer.GgmlMatmul(raw_np, t, rows, n, M, 1, buffer=b) for b in runs}, left_out
 
 
 def matmul_table(rng, shapes, types, threads_list, budget, bandwidth, batch_sizes=MS):
@@ -139,6 +153,65 @@ def matmul_table(rng, shapes, types, threads_list, budget, bandwidth, batch_size
                                         speedup_vs_fp32=fp32_ms / ms, speedup_vs_bf16=bf16_ms / ms))
     torch.set_num_threads(max(threads_list))
     return records
+
+
+def streamed_matvec_table(rng, shape, types, threads_list, budget):
+    """M = 1 with the weights streamed from memory: per type, copies of one
+    weight (STREAMED_BYTES in all) multiplied in turn by lowbit, by llama.cpp
+    on the plain blocks and in its loader's layout; each side's time per
+    matvec is its time for all copies over their number."""
+    if ggml_peer.available():
+        return []
+    rows, n = shape
+    records = []
+    for name in types:
+        one = gb.random_blocks(rng, name, rows, n)
+        t = gb.type_id(name)
+        copies = max(2, int(STREAMED_BYTES // one.nbytes))
+        x = torch.randn(1, n)
+        raws = [torch.from_numpy(one.copy()) for _ in range(copies)]
+        runs, _ = runnable_extra_buffers(one.nbytes, t, rows, n, 1, max(threads_list))
+        layout = runs[0] if runs else "plain"
+        plain = [ggml_peer.GgmlMatmul(r.numpy(), t, rows, n, 1, 1) for r in raws]
+        extra = [ggml_peer.GgmlMatmul(r.numpy(), t, rows, n, 1, 1, buffer=layout) for r in raws] if runs else plain
+        for p in plain + extra:
+            p.set_input(x.numpy())
+
+        def lowbit_all():
+            for r in raws:
+                torch.ops.lowbit.ggml_mul_mat_vec_a8(r, x, t, rows)
+
+        def peers_all(peers):
+            return lambda: [p.compute() for p in peers]
+
+        for threads in threads_list:
+            torch.set_num_threads(threads)
+            for p in plain + extra:
+                p.threads = threads
+            ms, plain_ms, layout_ms = (v / copies for v in time_rounds_ms(
+                [lowbit_all, peers_all(plain), peers_all(extra)], min_reps=2, budget_s=2 * budget))
+            records.append(dict(type=name, rows=rows, n=n, M=1, threads=threads, copies=copies, lowbit_ms=ms,
+                                weight_gbs=one.nbytes / (ms * 1e-3) / 1e9, llama_cpp_ms=plain_ms,
+                                speedup_vs_llama_cpp=plain_ms / ms, llama_cpp_loader_layout=layout,
+                                llama_cpp_loader_layout_ms=layout_ms,
+                                speedup_vs_llama_cpp_loader_layout=layout_ms / ms))
+        del raws, plain, extra
+    torch.set_num_threads(max(threads_list))
+    return records
+
+
+def print_streamed(records, bandwidth):
+    rows_out = []
+    for r in records:
+        r["bandwidth_fraction_same_threads"] = r["weight_gbs"] / bandwidth.gbs_at(r["threads"])
+        peer_gbs = r["weight_gbs"] * r["lowbit_ms"] / r["llama_cpp_loader_layout_ms"]
+        rows_out.append([f"{r['rows']}x{r['n']}", r["threads"], r["type"], r["copies"], f"{r['lowbit_ms']:.2f}",
+                         f"{r['weight_gbs']:.1f}", f"{100 * r['bandwidth_fraction_same_threads']:.0f}%",
+                         f"{r['llama_cpp_ms']:.2f}", f"{r['speedup_vs_llama_cpp']:.2f}x", *loader_layout_cells(r),
+                         f"{peer_gbs:.1f}"])
+    print_table(["rows x n", "thr", "type", "copies", "lowbit ms", "GB/s", "of thr bw", "llama.cpp ms", "vs llama.cpp",
+                 *LOADER_LAYOUT_HEADER, "its GB/s"], rows_out)
+    print(LOADER_LAYOUT_NOTE)
 
 
 def print_matmul(records, bandwidth):
@@ -259,10 +332,16 @@ def main():
         if pf:
             print(f"\nprefill: a batch of M = {PREFILL_M} activation rows")
             print_prefill(pf)
+        st = [] if args.quick else streamed_matvec_table(rng, shapes[0], MAIN_TYPES, threads, budget)
+        if st:
+            print(f"\nmatvec (M = 1) with the weights streamed from memory: copies of the weight, "
+                  f"{STREAMED_BYTES / 1e9:.1f} GB in all, multiplied in turn (ms per matvec)")
+            print_streamed(st, bandwidth)
         print(f"\ndequantize to fp32, {1024 if args.quick else 4096} x 4096 weights, {max(threads)} threads")
         dq = dequant_table(rng, 1024 if args.quick else 4096, 4096, budget)
     write_results(f"{stem}.json", dict(machine=info, cpu_isa=torch.ops.lowbit.cpu_isa(),
-                                       **bandwidth.as_record(), dequantize=dq, matmul=mm, prefill=pf))
+                                       **bandwidth.as_record(), dequantize=dq, matmul=mm, prefill=pf,
+                                       streamed_matvec=st))
     if not args.quick and not ggml_peer.available():
         plot(mm, bandwidth.gbs, info, os.path.join(RESULTS, f"{stem}.png"))
 
