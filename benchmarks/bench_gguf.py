@@ -74,11 +74,14 @@ def dequant_table(rng, rows, n, budget):
 
 def runnable_extra_buffers(nbytes, t, rows, n, M, threads):
     """The extra buffer types that take this matmul and run here, in loader
-    order, and why the others were left out ({name: reason}); each is first
-    tried in a child process, since one that crashes would take the benchmark
-    with it."""
+    order, and why the others were left out ({name: reason}); each one that
+    takes it is first tried in a child process, since one that crashes would
+    take the benchmark with it."""
     runs, left_out = [], {}
     for buffer in ggml_peer.extra_buffers():
+        if not ggml_peer.buffer_takes(t, rows, n, M, buffer):
+            left_out[buffer] = "does not take the type or shape"
+            continue
         why = ggml_peer.runs_in_subprocess(nbytes, t, rows, n, M, threads, buffer)
         if why is None:
             runs.append(buffer)
@@ -173,7 +176,7 @@ def streamed_matvec_table(rng, shape, types, threads_list, budget):
         runs, _ = runnable_extra_buffers(one.nbytes, t, rows, n, 1, max(threads_list))
         layout = runs[0] if runs else "plain"
         plain = [ggml_peer.GgmlMatmul(r.numpy(), t, rows, n, 1, 1) for r in raws]
-        extra = [ggml_peer.GgmlMatmul(r.numpy(), t, rows, n, 1, 1, buffer=layout) for r in raws] if runs else plain
+        extra = [ggml_peer.GgmlMatmul(r.numpy(), t, rows, n, 1, 1, buffer=layout) for r in raws] if runs else []
         for p in plain + extra:
             p.set_input(x.numpy())
 
@@ -189,7 +192,9 @@ def streamed_matvec_table(rng, shape, types, threads_list, budget):
             for p in plain + extra:
                 p.threads = threads
             ms, plain_ms, layout_ms = (v / copies for v in time_rounds_ms(
-                [lowbit_all, peers_all(plain), peers_all(extra)], min_reps=2, budget_s=2 * budget))
+                [lowbit_all, peers_all(plain), extra and peers_all(extra)], min_reps=2, budget_s=2 * budget))
+            if not extra:  # the loader leaves the plain blocks
+                layout_ms = plain_ms
             records.append(dict(type=name, rows=rows, n=n, M=1, threads=threads, copies=copies, lowbit_ms=ms,
                                 weight_gbs=one.nbytes / (ms * 1e-3) / 1e9, llama_cpp_ms=plain_ms,
                                 speedup_vs_llama_cpp=plain_ms / ms, llama_cpp_loader_layout=layout,

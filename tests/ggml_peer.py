@@ -17,9 +17,10 @@ where the CPU backend has an "extra" buffer type for a weight's type (CPU_REPACK
 rows interleaved for its x86/ARM GEMM kernels; AMX: Intel AMX tiles), the weight
 is repacked into it when the model loads. `GgmlMatmul(..., buffer=name)` places W
 in such a buffer the same way (ggml_backend_tensor_set does the repacking), and
-`extra_buffers()` lists the ones this build and CPU have. A buffer type can crash
-the process on some machines (the AMX one segfaults for M > 1 on the Xeon VM of
-the README), so `runs_in_subprocess` tries a configuration in a child first.
+`extra_buffers()` lists the ones this build and CPU have, and `buffer_takes()`
+asks whether one takes a given matmul. A buffer type can crash the process on
+some machines (the AMX one segfaults for M > 1 on the Xeon VM of the README), so
+`runs_in_subprocess` tries a configuration in a child first.
 """
 import ctypes
 import os
@@ -117,12 +118,24 @@ class BufferRefused(ValueError):
     """The extra buffer type does not take this weight type or shape."""
 
 
+def buffer_takes(qtype, rows, n, M, buffer):
+    """Whether extra buffer type `buffer` takes this matmul, as the CPU device
+    answers it in this process: W is allocated there, but no blocks are copied
+    and nothing runs."""
+    try:
+        GgmlMatmul(None, qtype, rows, n, M, 1, buffer=buffer)
+    except BufferRefused:
+        return False
+    return True
+
+
 class GgmlMatmul:
     """out[M, rows] = x[M, n] @ dequant(W).T by ggml's CPU backend.
 
     buffer: None keeps W as the plain blocks (ggml_mul_mat's vec_dot path);
     the name of an extra buffer type (extra_buffers()) repacks W into it as
     llama.cpp's loader would, or raises BufferRefused if it does not take W.
+    raw None leaves W without blocks (buffer_takes' question only).
     """
 
     def __init__(self, raw, qtype, rows, n, M, threads, buffer=None):
@@ -132,12 +145,12 @@ class GgmlMatmul:
         self._base = base
         self.buffer = buffer
         self._weight_buffer = self.wctx = None
-        raw = np.ascontiguousarray(raw, dtype=np.uint8)
+        raw = None if raw is None else np.ascontiguousarray(raw, dtype=np.uint8)
         f32 = 0  # GGML_TYPE_F32
         # The context holds x, the output, the graph and a plain W (ggml aborts
         # the process if it runs out, so leave room); a W in an extra buffer
         # gets its own context with no data of its own.
-        plain_bytes = 0 if buffer else raw.nbytes
+        plain_bytes = 0 if buffer or raw is None else raw.nbytes
         self.ctx = base.ggml_init(_InitParams(plain_bytes + 8 * (n + rows) * M + (16 << 20), None, False))
         if not self.ctx:
             raise RuntimeError("ggml_init failed")
@@ -146,13 +159,13 @@ class GgmlMatmul:
             self.W = base.ggml_new_tensor_2d(self.wctx, int(qtype), n, rows)
         else:
             self.W = base.ggml_new_tensor_2d(self.ctx, int(qtype), n, rows)
-        if base.ggml_nbytes(self.W) != raw.nbytes:
+        if raw is not None and base.ggml_nbytes(self.W) != raw.nbytes:
             raise ValueError(f"ggml expects {base.ggml_nbytes(self.W)} bytes for type {qtype}, got {raw.nbytes}")
         self.x = base.ggml_new_tensor_2d(self.ctx, f32, n, M)
         self.out = base.ggml_mul_mat(self.ctx, self.W, self.x)
         if buffer:
             self._place_weight(buffer, raw)
-        else:
+        elif raw is not None:
             ctypes.memmove(base.ggml_get_data(self.W), raw.ctypes.data, raw.nbytes)
         self.graph = base.ggml_new_graph(self.ctx)
         base.ggml_build_forward_expand(self.graph, self.out)
@@ -175,7 +188,8 @@ class GgmlMatmul:
         if not base.ggml_backend_dev_supports_op(device, self.out):
             self._release()
             raise BufferRefused(f"{buffer} does not take this matmul")
-        base.ggml_backend_tensor_set(self.W, raw.ctypes.data, 0, raw.nbytes)
+        if raw is not None:
+            base.ggml_backend_tensor_set(self.W, raw.ctypes.data, 0, raw.nbytes)
 
     def set_input(self, x):
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -224,9 +238,9 @@ m.compute()
 
 def runs_in_subprocess(nbytes, qtype, rows, n, M, threads, buffer):
     """None if a GgmlMatmul of this configuration (zero blocks) computes in a
-    child process, else why not (BufferRefused's message, or the signal the
-    child died of), so a caller can leave out a configuration that would kill
-    its own process."""
+    child process, else why not (the signal the child died of, or its last
+    line of errors), so a caller can leave out a configuration that would
+    kill its own process. Ask buffer_takes first: it costs no process."""
     code = _CHILD.format(tests=os.path.dirname(os.path.abspath(__file__)), nbytes=nbytes, qtype=int(qtype),
                          rows=rows, n=n, M=M, threads=threads, buffer=buffer)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
