@@ -169,9 +169,11 @@ def converter_permute(w, n_head: int):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_model_gguf(path: str, model, arch: str, qtype: T = T.Q8_0) -> str:
+def write_model_gguf(path: str, model, arch: str, qtype: T = T.Q8_0, extra_metadata=None, extra_tensors=None) -> str:
     """A transformers llama / qwen2 / qwen3 model as llama.cpp's converter
-    writes it for `arch`: tensor names from gguf-py's own HF -> GGUF name map,
+    writes it for `arch`: its hyperparameters (and `extra_metadata`, full
+    key -> value), tensor names from gguf-py's own
+    HF -> GGUF name map (and `extra_tensors`, NumPy arrays by GGUF name),
     the Q and K projections' rows and biases permuted for llama only (as
     LlamaModel.modify_tensors does), 2-D weights quantized to `qtype` by gguf-py,
     norms and biases F32, a tied LM head left out."""
@@ -181,10 +183,27 @@ def write_model_gguf(path: str, model, arch: str, qtype: T = T.Q8_0) -> str:
     n_head, n_head_kv = config.num_attention_heads, config.num_key_value_heads
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     writer = gguf.GGUFWriter(path, arch)
+    # The hyperparameters TextModel.set_gguf_parameters writes (and LlamaModel's
+    # vocab size and rotary dimension count).
     writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(n_head)
     writer.add_head_count_kv(n_head_kv)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    if arch == "llama":
+        writer.add_vocab_size(config.vocab_size)
+        writer.add_rope_dimension_count(config.head_dim)
+    else:
+        writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    for key, value in (extra_metadata or {}).items():
+        writer.add_key_value(key, value, _gguf_value_type(value))
+    for name, value in (extra_tensors or {}).items():
+        writer.add_tensor(name, value)
     for hf, param in model.named_parameters():  # a tied LM head is not listed
         name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
         if name is None:
@@ -203,6 +222,12 @@ def write_model_gguf(path: str, model, arch: str, qtype: T = T.Q8_0) -> str:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _gguf_value_type(value):
+    if isinstance(value, str):
+        return gguf.GGUFValueType.STRING
+    return gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32
 
 
 def smollm2_gguf_path() -> str | None:

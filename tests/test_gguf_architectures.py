@@ -1,15 +1,16 @@
-"""replace_linear on each GGUF architecture it loads (llama, qwen2, qwen3),
-through files written the way llama.cpp's converter writes them
-(gguf_files.write_model_gguf: gguf-py's name map, llama's Q/K permutation of
-weights and biases, gguf-py's quantizer), against the transformers model whose
-weights went through gguf-py's quantize/dequantize round trip, which needs no
-file and no lowbit loader code.
+"""replace_linear and load_gguf_model on each GGUF architecture they load
+(llama, qwen2, qwen3), through files written the way llama.cpp's converter
+writes them (gguf_files.write_model_gguf: gguf-py's name map, llama's Q/K
+permutation of weights and biases, gguf-py's quantizer), against the
+transformers model whose weights went through gguf-py's quantize/dequantize
+round trip, which needs no file and no lowbit loader code.
 
 Each parameter must arrive exactly (the quantized blocks dequantize to the
 reference's weights bit for bit, biases and norms are F32), and the logits
 agree within the 8-bit activation rounding of lowbit's matmul (relative L2
 under 2%; measured 0.3-0.6%)."""
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -86,3 +87,91 @@ def test_an_architecture_of_unknown_row_order_is_refused(tmp_path):
     path = write_model_gguf(str(tmp_path / "gemma.gguf"), tiny_model("qwen2", seed=0), "gemma")
     with pytest.raises(ValueError, match=r"architecture 'gemma' is not supported \(supported: llama, qwen2, qwen3\)"):
         lowbit.replace_linear(tiny_model("qwen2", seed=1), path)
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_load_gguf_model_builds_the_architecture(tmp_path, arch):
+    """load_gguf_model builds the model from the file alone: the transformers
+    class and config of the source, every linear a GGUFLinear, every other
+    parameter exactly the file's, no tensor left on the meta device."""
+    source = tiny_model(arch, seed=0)
+    path = write_model_gguf(str(tmp_path / f"{arch}.gguf"), source, arch)
+    reference = through_q8_0(source)
+    model = lowbit.load_gguf_model(path)
+
+    assert type(model) is type(source) and not model.training
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings", "rope_parameters"):
+        assert getattr(model.config, key) == pytest.approx(getattr(source.config, key)), key
+    assert getattr(model.config, "attention_bias", None) == getattr(source.config, "attention_bias", None)
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    expect = dict(reference.named_parameters(remove_duplicate=False))
+    for name, module in model.named_modules():
+        if isinstance(module, lowbit.GGUFLinear):
+            torch.testing.assert_close(module.dequantize(), expect[f"{name}.weight"], rtol=0, atol=0, msg=name)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, expect[name], rtol=0, atol=0, msg=name)
+    for name, b in model.named_buffers():
+        assert not b.is_meta, name
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq, rtol=0, atol=0)
+
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = model(ids).logits, reference(ids).logits
+    assert ((got - want).norm() / want.norm()).item() < 0.02
+
+
+def test_load_gguf_model_applies_rope_freqs(tmp_path):
+    """Llama 3.1+ files carry their rope scaling as rope_freqs (llama.cpp
+    divides each frequency by its factor); the model must rotate the same:
+    exactly what replace_linear gives a model whose frequencies were divided
+    by hand, and not what it gives one whose were not."""
+    source = tiny_model("llama", seed=0)
+    with torch.no_grad():  # sharper attention, so that positions move the logits
+        for name, p in source.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(4)
+    factors = np.linspace(1.0, 8.0, source.config.head_dim // 2, dtype=np.float32)
+    path = write_model_gguf(str(tmp_path / "llama31.gguf"), source, "llama", extra_tensors={"rope_freqs.weight": factors})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # rope_freqs has a place: no "unplaced" warning
+        model = lowbit.load_gguf_model(path)
+    expect = source.model.rotary_emb.inv_freq / torch.from_numpy(factors)
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, expect, rtol=0, atol=0)
+
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for divided in (True, False):
+        by_hand = tiny_model("llama", seed=1)
+        if divided:
+            by_hand.model.rotary_emb.inv_freq = expect.clone()
+        with pytest.warns(UserWarning, match=r"no place in the model: \['rope_freqs.weight'\]"):
+            lowbit.replace_linear(by_hand, path)
+        with torch.no_grad():
+            logits[divided] = by_hand(ids).logits
+    with torch.no_grad():
+        got = model(ids).logits
+    torch.testing.assert_close(got, logits[True], rtol=0, atol=0)
+    assert ((got - logits[False]).norm() / got.norm()).item() > 1e-3  # measured 6e-3
+
+
+def test_load_gguf_model_in_bf16(tmp_path):
+    source = tiny_model("qwen2", seed=0)
+    model = lowbit.load_gguf_model(write_model_gguf(str(tmp_path / "qwen2.gguf"), source, "qwen2"), dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32  # positions stay exact
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = model(ids).logits.float(), through_q8_0(source)(ids).logits
+    assert ((got - want).norm() / want.norm()).item() < 0.05  # bf16 activations and norms
+
+
+def test_load_gguf_model_refuses_bad_files(tmp_path):
+    path = write_model_gguf(str(tmp_path / "gemma.gguf"), tiny_model("qwen2", seed=0), "gemma")
+    with pytest.raises(ValueError, match=r"load_gguf_model: .*gemma.gguf: GGUF architecture 'gemma' is not supported"):
+        lowbit.load_gguf_model(path)
+    wrong = np.ones(5, dtype=np.float32)
+    path = write_model_gguf(str(tmp_path / "llama.gguf"), tiny_model("llama", seed=0), "llama",
+                            extra_tensors={"rope_freqs.weight": wrong})
+    with pytest.raises(ValueError, match=r"llama.gguf: rope_freqs.weight has shape \(5,\), the model's rotary embedding \(8,\)"):
+        lowbit.load_gguf_model(path)

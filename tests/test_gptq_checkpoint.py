@@ -113,6 +113,61 @@ def test_lm_head_quantized_sharded_and_single_file(tmp_path):
     assert_same_logits(logits(fresh, IDS), logits(reference, IDS))
 
 
+@pytest.mark.parametrize("tied, lm_head, bias", [(False, False, True), (True, False, False), (False, True, False)])
+def test_load_gptq_model_builds_the_model_from_the_directory(tmp_path, tied, lm_head, bias):
+    """load_gptq_model builds the model from config.json on the meta device:
+    exactly the model replace_linear fills (same tensors, same logits), with
+    a tied LM head tied to the loaded embedding, and nothing left on meta."""
+    config = GPTQConfig(bits=4, group_size=32, sym=False, checkpoint_format="gptq_v2", lm_head=lm_head)
+    model = tiny_llama(bias=bias)
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+    quantize(model, config)
+    lowbit.save_gptq(model, tmp_path / "ckpt", config)
+
+    built = lowbit.load_gptq_model(tmp_path / "ckpt")
+    assert type(built) is transformers.LlamaForCausalLM and not built.training
+    assert isinstance(built.lm_head, lowbit.GPTQLinear) == lm_head
+    if tied:
+        assert built.lm_head.weight is built.model.embed_tokens.weight
+    assert not [n for n, t in [*built.named_parameters(), *built.named_buffers()] if t.is_meta]
+    assert {p.dtype for p in built.parameters()} == {torch.float32}
+    fresh = tiny_llama(seed=7, bias=bias)
+    if tied:
+        fresh.config.tie_word_embeddings = True
+        fresh.lm_head.weight = fresh.model.embed_tokens.weight
+    lowbit.replace_linear(fresh, tmp_path / "ckpt")
+    torch.testing.assert_close(logits(built, IDS), logits(fresh, IDS), rtol=0, atol=0)
+    torch.testing.assert_close(built.model.rotary_emb.inv_freq, fresh.model.rotary_emb.inv_freq, rtol=0, atol=0)
+
+
+def test_load_gptq_model_in_half_precision(tmp_path):
+    config = GPTQConfig(bits=8, group_size=128, sym=True, checkpoint_format="gptq")
+    model = tiny_llama()
+    reference = quantize(model, config)
+    lowbit.save_gptq(model, tmp_path / "ckpt", config)
+    built = lowbit.load_gptq_model(tmp_path / "ckpt", dtype=torch.bfloat16)
+    assert {p.dtype for p in built.parameters()} == {torch.bfloat16}
+    got, expect = logits(built, IDS).float(), logits(reference, IDS)
+    assert ((got - expect).norm() / expect.norm()).item() < 0.02  # bf16 activations and norms
+
+
+def test_load_gptq_model_names_what_is_wrong(tmp_path):
+    with pytest.raises(GPTQCheckpointError, match="nowhere: no such file or directory"):
+        lowbit.load_gptq_model(tmp_path / "nowhere")
+    config = GPTQConfig(bits=4, group_size=32, checkpoint_format="gptq")
+    model = tiny_llama()
+    quantize(model, config)
+    lowbit.save_gptq(model, tmp_path / "ckpt", config)
+    files = [f for f in os.listdir(tmp_path / "ckpt") if f.endswith(".safetensors")]
+    tensors = load_file(tmp_path / "ckpt" / files[0])
+    del tensors["model.norm.weight"]
+    save_file(tensors, tmp_path / "ckpt" / files[0], metadata={"format": "pt"})
+    with pytest.raises(GPTQCheckpointError, match=r"has no tensor for model parameters \['model.norm.weight'\]"):
+        lowbit.load_gptq_model(tmp_path / "ckpt")
+
+
 def test_dynamic_overrides(tmp_path):
     dynamic = {r"-:.*\.o_proj": {}, r"+:.*\.mlp\..*": {"bits": 8, "group_size": 64}}
     config = GPTQConfig(bits=3, group_size=32, sym=True, checkpoint_format="gptq", dynamic=dynamic)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+import lowbit
 from lowbit import smollm2
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make deps builds it)")
@@ -49,8 +50,7 @@ def llama_without_extra_buffers(**kwargs):
 
 @pytest.fixture(scope="module")
 def setup():
-    tokenizer, float_model = smollm2.load_float_model(PATH)
-    model = smollm2.gguf_model(float_model, PATH)
+    tokenizer, model = lowbit.load_gguf_tokenizer(PATH), lowbit.load_gguf_model(PATH)
     ids = tokenizer(smollm2.shipped_text("heldout.txt"), return_tensors="pt").input_ids[0][: 4 * WINDOW + 1]
     llm = llama_without_extra_buffers(model_path=PATH, n_ctx=WINDOW, n_batch=WINDOW, logits_all=True,
                                       verbose=False, n_threads=torch.get_num_threads())

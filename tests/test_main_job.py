@@ -26,7 +26,7 @@ def test_gptq_checkpoint_perplexity_equals_the_dequantized_float_model(float_mod
     tokenizer, fp32 = float_model
     quantized = smollm2.rtn_model(fp32, 4)
     config = lowbit.gptq.GPTQConfig(bits=4, group_size=128, sym=False, checkpoint_format="gptq_v2")
-    loaded = smollm2.through_checkpoint(quantized, config, fp32)
+    loaded = smollm2.through_checkpoint(quantized, config)
     dequantized = copy.deepcopy(fp32)
     for name in smollm2.decoder_linears(fp32):
         layer = loaded.get_submodule(name)

@@ -4,9 +4,12 @@
     python -m lowbit inspect PATH                   quantization config and module table of a GPTQ
                                                     checkpoint (directory or .safetensors file)
     python -m lowbit convert-gptq SRC DST --to v2   rewrite a GPTQ checkpoint's zeros as v2 (or v1)
+    python -m lowbit generate FILE.gguf PROMPT      greedy continuation by a llama / qwen2 / qwen3 GGUF
+                                                    model running its own quantized blocks
 """
 import argparse
 import sys
+import time
 
 import torch
 
@@ -104,6 +107,52 @@ def cmd_convert_gptq(args) -> None:
           f"{s['tensors']} tensors, {s['shards']} shard{'s' if s['shards'] != 1 else ''}")
 
 
+class _TimedStreamer:
+    """A transformers generation streamer that prints new text as it comes and
+    notes when each step's tokens arrived (the first put is the prompt)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.arrivals = []
+        self.tokens = []
+        self.printed = ""
+
+    def put(self, ids) -> None:
+        self.arrivals.append(time.perf_counter())
+        if len(self.arrivals) == 1:
+            return
+        self.tokens.extend(ids.reshape(-1).tolist())
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        print(text[len(self.printed):], end="", flush=True)
+        self.printed = text
+
+    def end(self) -> None:
+        print(flush=True)
+
+
+def cmd_generate(args) -> None:
+    from .models import load_gguf_model, load_gguf_tokenizer
+
+    start = time.perf_counter()
+    model, tokenizer = load_gguf_model(args.path), load_gguf_tokenizer(args.path)
+    loaded = time.perf_counter() - start
+    if args.chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+    else:
+        ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    print(f"{args.path}: {type(model).__name__}, loaded in {loaded:.1f} s; prompt {ids.shape[1]} tokens", file=sys.stderr)
+    streamer = _TimedStreamer(tokenizer)
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.tokens, do_sample=False,
+                       streamer=streamer, pad_token_id=tokenizer.eos_token_id)
+    prompt_s = streamer.arrivals[1] - streamer.arrivals[0]
+    steps = len(streamer.arrivals) - 2
+    decode = f", decode {steps / (streamer.arrivals[-1] - streamer.arrivals[1]):.1f} tokens/s" if steps else ""
+    print(f"prefill {ids.shape[1] / prompt_s:.1f} tokens/s{decode} "
+          f"({len(streamer.tokens)} new tokens, {torch.get_num_threads()} threads)", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lowbit", description="lowbit tools")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -117,6 +166,13 @@ def main(argv=None) -> int:
     convert.add_argument("--to", required=True, choices=sorted(GPTQ_FORMATS),
                          help="v1 ('gptq', stores zero-1) or v2 ('gptq_v2', stores the zero)")
     convert.set_defaults(run=cmd_convert_gptq)
+    generate = commands.add_parser("generate", help="greedy continuation of PROMPT by a llama / qwen2 / qwen3 "
+                                                    "GGUF model (lowbit.load_gguf_model), with its speed")
+    generate.add_argument("path", help="a .gguf file")
+    generate.add_argument("prompt")
+    generate.add_argument("--tokens", type=int, default=32, help="new tokens at most (default 32)")
+    generate.add_argument("--chat", action="store_true", help="wrap the prompt in the file's chat template")
+    generate.set_defaults(run=cmd_generate)
     args = parser.parse_args(argv)
     try:
         args.run(args)

@@ -54,7 +54,7 @@ def run_real_model(path: str, quick: bool, heldout_tokens: int) -> None:
     t_start = time.perf_counter()
     print(f"model: {path}")
     tokenizer, fp32 = smollm2.load_float_model(path)
-    gguf = smollm2.gguf_model(fp32, path)
+    gguf = lowbit.load_gguf_model(path)  # the file's own blocks, config from its metadata
     text, tps = smollm2.generate(gguf, tokenizer, PROMPT)
     print(f"\nGGUF Q4_1 through lowbit (GGUFLinear), greedy: {PROMPT!r} ->{text!r}  ({tps:.1f} tokens/s)\n")
 
@@ -66,7 +66,7 @@ def run_real_model(path: str, quick: bool, heldout_tokens: int) -> None:
         quantized = copy.deepcopy(fp32)
         config = lowbit.gptq.quantize(quantized, calibration, bits, group_size=128, sym=sym, desc_act=desc_act,
                                       checkpoint_format=fmt, damp_percent=DAMP_PERCENT, progress=False)
-        models.append((label, smollm2.through_checkpoint(quantized, config, fp32)))
+        models.append((label, smollm2.through_checkpoint(quantized, config)))
     models.append(("RTN 4-bit g128 v2 asym", smollm2.rtn_model(fp32, 4)))
 
     gpu = smollm2.gpu()

@@ -3,7 +3,7 @@
 Maps a llama.cpp GGUF (as written by convert_hf_to_gguf.py) of the llama, qwen2
 or qwen3 architecture onto the parameter names of transformers'
 LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM (which share them), and
-a llama file's metadata onto a LlamaConfig.
+a file's metadata onto the matching transformers config.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 __all__ = ["QK_ROWS_PERMUTED", "hf_name", "unpermute_rows", "rows_in_hf_order", "check_architecture",
-           "llama_config_from_gguf"]
+           "HF_MODEL_CLASSES", "config_from_gguf"]
 
 # Whether llama.cpp's converter stored an architecture's Q and K projections
 # (weights and biases) permuted: LlamaModel turns HF's rotate-half order into
@@ -104,7 +104,11 @@ def rows_in_hf_order(name: str, rows: torch.Tensor, metadata: Mapping[str, Any])
     return rows
 
 
-# transformers LlamaConfig kwarg <- GGUF key without the "llama." prefix.
+# transformers model class of each architecture (they share LlamaForCausalLM's
+# parameter names, see _BLOCK_NAMES).
+HF_MODEL_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+# transformers config kwarg <- GGUF key without the "<arch>." prefix.
 _REQUIRED_KEYS = {
     "hidden_size": "embedding_length",
     "intermediate_size": "feed_forward_length",
@@ -121,39 +125,73 @@ _TOKEN_ID_KEYS = {
 }
 
 
-def llama_config_from_gguf(metadata: Mapping[str, Any], tensor_names: Iterable[str]) -> dict[str, Any]:
-    """transformers LlamaConfig kwargs from a GGUF file's metadata.
+def config_from_gguf(metadata: Mapping[str, Any], tensor_names: Iterable[str]) -> dict[str, Any]:
+    """Kwargs for the transformers config class of the file's architecture
+    (LlamaConfig, Qwen2Config or Qwen3Config) from a GGUF file's metadata,
+    read the way llama.cpp reads it.
 
     `tensor_names` are the file's tensor names: a file without output.weight
-    ties the LM head to the token embedding.
+    ties the LM head to the token embedding, and llama / qwen3 files with Q or
+    FFN biases need configs that give the model those biases (qwen2 always has
+    Q/K/V biases).
     """
-    arch = metadata.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"llama_config_from_gguf: general.architecture is {arch!r}, expected 'llama'")
-    missing = [f"llama.{k}" for k in _REQUIRED_KEYS.values() if f"llama.{k}" not in metadata]
+    arch = check_architecture(metadata, "config_from_gguf")
+    missing = [f"{arch}.{k}" for k in _REQUIRED_KEYS.values() if f"{arch}.{k}" not in metadata]
     if missing:
-        raise ValueError(f"llama_config_from_gguf: metadata lacks {', '.join(missing)}")
+        raise ValueError(f"config_from_gguf: metadata lacks {', '.join(missing)}")
+    names = set(tensor_names)
 
-    config = {kwarg: metadata[f"llama.{key}"] for kwarg, key in _REQUIRED_KEYS.items()}
-    config["vocab_size"] = _vocab_size(metadata)
+    config = {kwarg: metadata[f"{arch}.{key}"] for kwarg, key in _REQUIRED_KEYS.items()}
+    config["vocab_size"] = _vocab_size(metadata, arch)
     # Absent head_count_kv means plain multi-head attention (llama.cpp's default too).
-    config["num_key_value_heads"] = metadata.get("llama.attention.head_count_kv", config["num_attention_heads"])
-    config["rope_theta"] = float(metadata.get("llama.rope.freq_base", 10000.0))
-    # llama.cpp: head size is attention.key_length, else rope.dimension_count
-    # (the rotated size, which is the whole head for llama).
-    head_dim = metadata.get("llama.attention.key_length", metadata.get("llama.rope.dimension_count"))
-    if head_dim is not None:
-        config["head_dim"] = head_dim
-    config["tie_word_embeddings"] = "output.weight" not in set(tensor_names)
+    config["num_key_value_heads"] = metadata.get(f"{arch}.attention.head_count_kv", config["num_attention_heads"])
+    config["head_dim"] = _head_dim(metadata, arch, config["hidden_size"], config["num_attention_heads"])
+    config["rope_theta"] = float(metadata.get(f"{arch}.rope.freq_base", 10000.0))
+    scaling = _rope_scaling(metadata, arch)
+    if scaling is not None:
+        config["rope_scaling"] = {**scaling, "rope_theta": config["rope_theta"]}
+    config["tie_word_embeddings"] = "output.weight" not in names
+    if arch in ("llama", "qwen3"):
+        config["attention_bias"] = "blk.0.attn_q.bias" in names
+    if arch == "llama":
+        config["mlp_bias"] = "blk.0.ffn_up.bias" in names
     for kwarg, key in _TOKEN_ID_KEYS.items():
         if key in metadata:
             config[kwarg] = metadata[key]
     return config
 
 
-def _vocab_size(metadata: Mapping[str, Any]) -> int:
-    if "llama.vocab_size" in metadata:
-        return metadata["llama.vocab_size"]
+def _vocab_size(metadata: Mapping[str, Any], arch: str) -> int:
+    if f"{arch}.vocab_size" in metadata:
+        return metadata[f"{arch}.vocab_size"]
     if "tokenizer.ggml.tokens" in metadata:
         return len(metadata["tokenizer.ggml.tokens"])
-    raise ValueError("llama_config_from_gguf: metadata has neither llama.vocab_size nor tokenizer.ggml.tokens")
+    raise ValueError(f"config_from_gguf: metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
+
+
+def _head_dim(metadata: Mapping[str, Any], arch: str, hidden: int, n_head: int) -> int:
+    """llama.cpp's head size: attention.key_length, else embedding / heads. The
+    rotated part (rope.dimension_count) must be the whole head: these
+    transformers classes rotate every dimension."""
+    head_dim = metadata.get(f"{arch}.attention.key_length", hidden // n_head)
+    rotated = metadata.get(f"{arch}.rope.dimension_count", head_dim)
+    if rotated != head_dim:
+        raise ValueError(f"config_from_gguf: {arch}.rope.dimension_count is {rotated} but heads have {head_dim} "
+                         f"dimensions; partial rotary embeddings are not supported")
+    return head_dim
+
+
+def _rope_scaling(metadata: Mapping[str, Any], arch: str) -> dict[str, Any] | None:
+    """transformers rope parameters for the file's rope.scaling.* keys (types
+    none, linear and yarn, the ones llama.cpp's converter writes for these
+    architectures), or None without scaling."""
+    kind = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    factor = float(metadata[f"{arch}.rope.scaling.factor"])
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        return {"rope_type": "yarn", "factor": factor,
+                "original_max_position_embeddings": metadata[f"{arch}.rope.scaling.original_context_length"]}
+    raise ValueError(f"config_from_gguf: {arch}.rope.scaling.type {kind!r} is not supported (none, linear, yarn)")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .gguf_file import GGUFError, GGUFTensor, load_gguf
+from .gguf_file import GGUFError, GGUFFile, GGUFTensor, load_gguf
 from .gguf_linear import GGUFLinear
 from .gguf_llama import check_architecture, hf_name, rows_in_hf_order
 from .gptq.checkpoint import GPTQCheckpointError, load_gptq
@@ -39,6 +39,10 @@ def replace_linear(model: nn.Module, path: str | os.PathLike, checkpoint_format:
     every module with a qweight becomes a GPTQLinear holding the checkpoint's
     tensors; everything else is loaded into the model's own parameters and
     buffers. `checkpoint_format` ("gptq" / "gptq_v2") overrides the config's.
+
+    A model built on the meta device (no memory) takes the checkpoint's
+    tensors on the CPU in its place (lowbit.load_gguf_model and
+    load_gptq_model build models that way).
     """
     path = os.fspath(path)
     if path.endswith(".gguf"):
@@ -65,7 +69,8 @@ def _replace_from_gptq(model: nn.Module, path: str, checkpoint_format: str | Non
             raise GPTQCheckpointError(f"{ckpt.directory}: module {name!r}: the checkpoint "
                                       f"{'has no' if layer.bias is None else 'has a'} bias, the model "
                                       f"{'has one' if module.bias is not None else 'has none'}")
-        model.set_submodule(name, layer.to(module.weight.device))
+        # On the model's device; a model built on the meta device takes the checkpoint's (CPU) tensors.
+        model.set_submodule(name, layer if module.weight.is_meta else layer.to(module.weight.device))
         report.replaced.append(name)
         placed.update(f"{name}.{p}" for p in ("weight", "bias"))
     targets = dict(model.named_parameters())
@@ -78,8 +83,8 @@ def _replace_from_gptq(model: nn.Module, path: str, checkpoint_format: str | Non
         if tuple(target.shape) != tuple(tensor.shape):
             raise GPTQCheckpointError(f"{ckpt.directory}: tensor {name!r} has shape {tuple(tensor.shape)} but the "
                                       f"model's is {tuple(target.shape)}")
-        with torch.no_grad():
-            target.copy_(tensor)
+        module_name, _, attr = name.rpartition(".")
+        _load_tensor(model.get_submodule(module_name), attr, target, tensor)
         report.loaded.append(name)
         placed.add(name)
     if report.unplaced:
@@ -98,8 +103,16 @@ def _persistent_buffers(model: nn.Module):
 
 
 def _replace_from_gguf(model: nn.Module, path: str) -> ReplaceReport:
-    f = load_gguf(path)
-    check_architecture(f.metadata, f"replace_linear: {path}")
+    return place_gguf_tensors(model, load_gguf(path), "replace_linear")
+
+
+def place_gguf_tensors(model: nn.Module, f: GGUFFile, caller: str, consumed: tuple[str, ...] = ()) -> ReplaceReport:
+    """replace_linear's GGUF work on an open file. File tensors with no place
+    in the model are warned about (as `caller`), except those the caller
+    uses itself (`consumed`). A model built on the meta device gets the
+    file's float tensors as new parameters."""
+    path = f.path
+    check_architecture(f.metadata, f"{caller}: {path}")
     report = ReplaceReport()
     wanted = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     placed = set()
@@ -122,18 +135,32 @@ def _replace_from_gguf(model: nn.Module, path: str) -> ReplaceReport:
             target = getattr(module, attr)
             _check_shape(path, t, name, tuple(target.shape))
             value = torch.ops.lowbit.ggml_dequantize(t.data, t.type, t.data.shape[0], t.shape[-1], torch.float32)
-            with torch.no_grad():  # a bias's elements are its rows
-                target.copy_(rows_in_hf_order(t.name, value.reshape(target.shape), f.metadata))
+            value = rows_in_hf_order(t.name, value.reshape(target.shape), f.metadata)  # a bias's elements are its rows
+            _load_tensor(module, attr, target, value)
             report.loaded.append(name)
         placed.add(name)
 
-    if report.unplaced:
-        warnings.warn(f"replace_linear: {path}: tensors with no place in the model: {report.unplaced}")
+    unexpected = [name for name in report.unplaced if name not in consumed]
+    if unexpected:
+        warnings.warn(f"{caller}: {path}: tensors with no place in the model: {unexpected}")
     _tie_lm_head(model, f, report, placed)
     missing = [n for n in wanted if n not in placed]
     if missing:
-        raise ValueError(f"replace_linear: {path} has no tensor for model parameters {missing}")
+        raise ValueError(f"{caller}: {path} has no tensor for model parameters {missing}")
     return report
+
+
+def _load_tensor(module: nn.Module, attr: str, target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copies `value` into the model's tensor, or, where that tensor is on the
+    meta device (a model built without memory), puts it in its place on the
+    CPU, with the target's dtype and kind (parameter or buffer)."""
+    if not target.is_meta:
+        with torch.no_grad():
+            target.copy_(value)
+    elif isinstance(target, nn.Parameter):
+        setattr(module, attr, nn.Parameter(value.to(target.dtype), requires_grad=target.requires_grad))
+    else:
+        setattr(module, attr, value.to(target.dtype))
 
 
 def _tie_lm_head(model: nn.Module, f, report: ReplaceReport, placed: set) -> None:

@@ -16,12 +16,12 @@ import torch
 from torch import nn
 
 from .gguf_file import load_gguf
-from .gguf_llama import hf_name, llama_config_from_gguf, rows_in_hf_order
+from .gguf_llama import config_from_gguf, hf_name, rows_in_hf_order
 from .gguf_linear import GGUFLinear
 from .gptq.checkpoint import save_gptq
 from .gptq.config import GPTQConfig
 from .gptq.linear import GPTQLinear
-from .replace import replace_linear
+from .models import load_gptq_model
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -47,7 +47,7 @@ def load_float_model(path: str):
     import transformers
 
     f = load_gguf(path)
-    config = transformers.LlamaConfig(**llama_config_from_gguf(f.metadata, f.tensors))
+    config = transformers.LlamaConfig(**config_from_gguf(f.metadata, f.tensors))
     model = transformers.LlamaForCausalLM(config).eval()
     params = dict(model.named_parameters())
     for t in f.tensors.values():
@@ -56,13 +56,6 @@ def load_float_model(path: str):
             params[hf_name(t.name)].copy_(rows_in_hf_order(t.name, w.reshape(t.shape), f.metadata))
     tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     return tokenizer, model
-
-
-def gguf_model(float_model, path: str):
-    """The model running the file's own quantized blocks (GGUFLinear)."""
-    model = copy.deepcopy(float_model)
-    replace_linear(model, path)
-    return model
 
 
 def decoder_linears(model) -> list[str]:
@@ -78,14 +71,12 @@ def rtn_model(float_model, bits: int, group_size: int = 128):
     return model
 
 
-def through_checkpoint(quantized, config: GPTQConfig, float_model):
-    """Writes `quantized` as an HF GPTQ directory and loads it back into a fresh
-    copy of the float model with replace_linear: what a user of the checkpoint gets."""
+def through_checkpoint(quantized, config: GPTQConfig):
+    """Writes `quantized` as an HF GPTQ directory and loads it back with
+    lowbit.load_gptq_model: what a user of the checkpoint gets."""
     with tempfile.TemporaryDirectory() as tmp:
         save_gptq(quantized, os.path.join(tmp, "ckpt"), config)
-        model = copy.deepcopy(float_model)
-        replace_linear(model, os.path.join(tmp, "ckpt"))
-    return model
+        return load_gptq_model(os.path.join(tmp, "ckpt"))
 
 
 @dataclass

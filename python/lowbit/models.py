@@ -1,0 +1,126 @@
+"""Whole transformers models straight from quantized checkpoints: a GGUF file
+(config from its metadata) or a GPTQ directory (config.json). The model is
+built on the meta device and replace_linear fills it, so no float copy of a
+quantized weight is made at any point: a model needs about its checkpoint's
+size in memory, not its float size."""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from .gguf_file import GGUFFile, load_gguf
+from .gguf_llama import HF_MODEL_CLASSES, check_architecture, config_from_gguf
+from .gptq.checkpoint import checkpoint_files
+from .replace import place_gguf_tensors, replace_linear
+
+__all__ = ["load_gguf_model", "load_gguf_tokenizer", "load_gptq_model"]
+
+# llama.cpp's converter stores Llama 3.1+'s rope scaling as per-frequency
+# divisors in this tensor instead of metadata.
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The transformers LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM
+    that a llama, qwen2 or qwen3 GGUF file describes, in eval mode on the CPU.
+
+    Every linear layer the file has a quantized weight for is a GGUFLinear
+    over the file's blocks (memory-mapped, so loading reads no weight bytes);
+    embeddings, norms and biases are dequantized to `dtype`. Move it with
+    `.to(device)`. Unlike transformers' own GGUF loading, no float weight
+    matrix is ever made.
+    """
+    import transformers
+
+    path = os.fspath(path)
+    f = load_gguf(path)
+    arch = check_architecture(f.metadata, f"load_gguf_model: {path}")
+    model_class = getattr(transformers, HF_MODEL_CLASSES[arch])
+    config = model_class.config_class(**config_from_gguf(f.metadata, f.tensors))
+    model = _on_meta(lambda: model_class(config), config, dtype)
+    place_gguf_tensors(model, f, "load_gguf_model", consumed=(ROPE_FREQS,))
+    _rebuild_computed_buffers(model)
+    _apply_rope_freqs(model, f)
+    return _checked(model, f"load_gguf_model: {path}")
+
+
+def load_gguf_tokenizer(path: str | os.PathLike):
+    """The transformers tokenizer that transformers builds from the file's
+    tokenizer.ggml.* metadata."""
+    import transformers
+
+    path = os.fspath(path)
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                     gguf_file=os.path.basename(path))
+
+
+def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                    checkpoint_format: str | None = None) -> nn.Module:
+    """The transformers model (AutoModelForCausalLM) of an HF GPTQ checkpoint
+    directory, in eval mode on the CPU: its config.json builds the model, every
+    quantized module becomes a GPTQLinear holding the checkpoint's tensors,
+    every other tensor is loaded as `dtype`. `checkpoint_format` overrides the
+    config's, as in replace_linear.
+    """
+    import transformers
+
+    directory, _ = checkpoint_files(os.fspath(path))
+    config = transformers.AutoConfig.from_pretrained(directory)
+    # The quantization_config is lowbit's to read (replace_linear does); left
+    # on the config, transformers would look for a GPTQ backend of its own.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = _on_meta(lambda: transformers.AutoModelForCausalLM.from_config(config), config, dtype)
+    replace_linear(model, directory, checkpoint_format)
+    _tie_lm_head(model)
+    _rebuild_computed_buffers(model)
+    return _checked(model, f"load_gptq_model: {directory}")
+
+
+def _on_meta(build, config, dtype: torch.dtype) -> nn.Module:
+    """build() with every tensor on the meta device: no memory, no init."""
+    config.dtype = dtype
+    with torch.device("meta"):
+        return build().to(dtype)
+
+
+def _tie_lm_head(model: nn.Module) -> None:
+    """A tied LM head still holds the meta embedding that the checkpoint's
+    embedding replaced: tie it to the loaded one (a quantized head is left as it is)."""
+    head = model.get_output_embeddings()
+    if isinstance(head, nn.Linear) and head.weight.is_meta and model.config.tie_word_embeddings:
+        head.weight = model.get_input_embeddings().weight
+
+
+def _rebuild_computed_buffers(model: nn.Module) -> None:
+    """Rotary embeddings hold computed (non-persistent) inverse frequencies,
+    which no checkpoint stores and the meta build left empty: build each such
+    module again on the CPU from its config."""
+    for name, module in list(model.named_modules()):
+        if name and hasattr(module, "config") and any(b.is_meta for b in module.buffers(recurse=False)):
+            model.set_submodule(name, type(module)(config=module.config))
+
+
+def _apply_rope_freqs(model: nn.Module, f: GGUFFile) -> None:
+    """The file's rope_freqs divisors, applied as llama.cpp does (theta / freq_factor)."""
+    freqs = f.tensors.get(ROPE_FREQS)
+    if freqs is None:
+        return
+    rotary = model.model.rotary_emb
+    if freqs.shape != tuple(rotary.inv_freq.shape):  # one divisor per frequency
+        raise ValueError(f"load_gguf_model: {f.path}: {ROPE_FREQS} has shape {freqs.shape}, "
+                         f"the model's rotary embedding {tuple(rotary.inv_freq.shape)}")
+    divisors = torch.ops.lowbit.ggml_dequantize(freqs.data, freqs.type, freqs.data.shape[0], freqs.shape[-1],
+                                                torch.float32).reshape(freqs.shape)
+    rotary.inv_freq = rotary.inv_freq / divisors
+    rotary.original_inv_freq = rotary.inv_freq.clone()
+
+
+def _checked(model: nn.Module, where: str) -> nn.Module:
+    still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if still_meta:
+        raise RuntimeError(f"{where}: no value for {still_meta} (this {type(model).__name__} has tensors "
+                           f"that neither the checkpoint nor lowbit fills)")
+    return model.eval()
