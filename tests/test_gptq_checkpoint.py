@@ -168,6 +168,38 @@ def test_load_gptq_model_names_what_is_wrong(tmp_path):
         lowbit.load_gptq_model(tmp_path / "ckpt")
 
 
+def word_tokenizer(vocab_size):
+    """A whitespace word-level tokenizer over the words w0 .. w{vocab_size - 2} and [UNK]."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {f"w{i}": i for i in range(vocab_size - 1)}
+    tok = Tokenizer(models.WordLevel({**words, "[UNK]": vocab_size - 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="[UNK]")
+
+
+def test_generate_command_runs_a_gptq_directory(tmp_path, capsys):
+    from lowbit.__main__ import main
+
+    config = GPTQConfig(bits=4, group_size=32, sym=False, checkpoint_format="gptq_v2")
+    model = tiny_llama()
+    quantize(model, config)
+    lowbit.save_gptq(model, tmp_path / "ckpt", config)
+    assert main(["generate", str(tmp_path / "ckpt"), "w1 w2 w3", "--tokens", "5"]) == 1
+    assert "no tokenizer beside the checkpoint" in capsys.readouterr().err
+
+    tokenizer = word_tokenizer(512)
+    tokenizer.save_pretrained(tmp_path / "ckpt")
+    assert main(["generate", str(tmp_path / "ckpt"), "w1 w2 w3", "--tokens", "5"]) == 0
+    out, err = capsys.readouterr()
+    ids = tokenizer("w1 w2 w3", return_tensors="pt").input_ids
+    with torch.no_grad():
+        expect = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+                                pad_token_id=tokenizer.eos_token_id)
+    assert out.strip() == tokenizer.decode(expect[0, 3:], skip_special_tokens=True).strip()
+    assert "LlamaForCausalLM" in err and "prompt 3 tokens" in err
+
+
 def test_dynamic_overrides(tmp_path):
     dynamic = {r"-:.*\.o_proj": {}, r"+:.*\.mlp\..*": {"bits": 8, "group_size": 64}}
     config = GPTQConfig(bits=3, group_size=32, sym=True, checkpoint_format="gptq", dynamic=dynamic)

@@ -4,8 +4,9 @@
     python -m lowbit inspect PATH                   quantization config and module table of a GPTQ
                                                     checkpoint (directory or .safetensors file)
     python -m lowbit convert-gptq SRC DST --to v2   rewrite a GPTQ checkpoint's zeros as v2 (or v1)
-    python -m lowbit generate FILE.gguf PROMPT      greedy continuation by a llama / qwen2 / qwen3 GGUF
-                                                    model running its own quantized blocks
+    python -m lowbit generate PATH PROMPT           greedy continuation by a llama / qwen2 / qwen3 GGUF
+                                                    file's model or a GPTQ directory's, running their
+                                                    own quantized weights
 """
 import argparse
 import sys
@@ -130,11 +131,25 @@ class _TimedStreamer:
         print(flush=True)
 
 
-def cmd_generate(args) -> None:
-    from .models import load_gguf_model, load_gguf_tokenizer
+def load_model_and_tokenizer(path: str):
+    """A .gguf file's model and tokenizer (both from the file), or a GPTQ
+    checkpoint directory's (the tokenizer saved beside the weights)."""
+    from .models import load_gguf_model, load_gguf_tokenizer, load_gptq_model
 
+    if path.endswith(".gguf"):
+        return load_gguf_model(path), load_gguf_tokenizer(path)
+    import transformers
+
+    model = load_gptq_model(path)
+    try:
+        return model, transformers.AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: no tokenizer beside the checkpoint ({e})") from e
+
+
+def cmd_generate(args) -> None:
     start = time.perf_counter()
-    model, tokenizer = load_gguf_model(args.path), load_gguf_tokenizer(args.path)
+    model, tokenizer = load_model_and_tokenizer(args.path)
     loaded = time.perf_counter() - start
     if args.chat:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
@@ -167,8 +182,8 @@ def main(argv=None) -> int:
                          help="v1 ('gptq', stores zero-1) or v2 ('gptq_v2', stores the zero)")
     convert.set_defaults(run=cmd_convert_gptq)
     generate = commands.add_parser("generate", help="greedy continuation of PROMPT by a llama / qwen2 / qwen3 "
-                                                    "GGUF model (lowbit.load_gguf_model), with its speed")
-    generate.add_argument("path", help="a .gguf file")
+                                                    "GGUF model or a GPTQ checkpoint's model, with its speed")
+    generate.add_argument("path", help="a .gguf file, or a GPTQ checkpoint directory with its tokenizer")
     generate.add_argument("prompt")
     generate.add_argument("--tokens", type=int, default=32, help="new tokens at most (default 32)")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the file's chat template")
