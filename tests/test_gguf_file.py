@@ -51,6 +51,39 @@ def test_round_trip(toy):
             assert t.bits_per_weight == 8 * type_bytes / block
 
 
+def test_metadata_of_every_value_type_matches_gguf_py(tmp_path):
+    """lowbit parses the header itself; gguf-py's GGUFReader, the reference,
+    must read the same values, of the same Python types, from every value type
+    GGUF has, arrays of each and nested arrays."""
+    path = str(tmp_path / "kv.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    V = gguf.GGUFValueType
+    scalars = {V.UINT8: 255, V.INT8: -128, V.UINT16: 65535, V.INT16: -32768, V.UINT32: 2**32 - 1,
+               V.INT32: -2**31, V.FLOAT32: 1.5, V.BOOL: True, V.UINT64: 2**64 - 1, V.INT64: -2**63,
+               V.FLOAT64: 0.1, V.STRING: "héllo ✓"}
+    for vtype, value in scalars.items():
+        writer.add_key_value(f"t.{vtype.name}", value, vtype)
+        writer.add_key_value(f"t.{vtype.name}.array", [value, value], V.ARRAY, sub_type=vtype)
+    writer.add_key_value("t.nested", [[1, 2], [3]], V.ARRAY)
+    writer.add_tensor("w", np.ones(32, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    reader = gguf.GGUFReader(path)
+    expect = {k: field.contents() for k, field in reader.fields.items() if not k.startswith("GGUF.")}
+    got = load_gguf(path).metadata
+    assert list(got) == list(expect)
+    # gguf-py's contents() flattens an array of arrays; the file holds two arrays.
+    assert expect.pop("t.nested") == [1, 2, 3] and got.pop("t.nested") == [[1, 2], [3]]
+    for key, value in expect.items():
+        assert got[key] == value and type(got[key]) is type(value), key
+        if isinstance(value, list) and value:
+            assert type(got[key][0]) is type(value[0]), key
+    assert got["t.STRING"] == "héllo ✓"
+
+
 def test_layout_of_data(toy):
     f = load_gguf(toy.path)
     # rows = product of all but the contiguous GGUF dim; 1-D tensors are one row.
@@ -464,6 +497,8 @@ def test_smollm2_bytes_and_types(smollm2):
         assert t.nbytes == rt.n_bytes
         assert np.array_equal(t.data.numpy().reshape(-1), rt.data.view(np.uint8).reshape(-1)), rt.name
     assert f.metadata["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q4_1
+    assert f.metadata == {k: field.contents() for k, field in reader.fields.items() if not k.startswith("GGUF.")}
+    assert len(f.metadata["tokenizer.ggml.tokens"]) == 49152
     types = Counter(t.type_name for t in f.tensors.values())
     assert set(types) <= {"Q4_1", "F32", "Q8_0"} and types["Q4_1"] > types["F32"] > 0
 

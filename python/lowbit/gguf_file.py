@@ -1,8 +1,11 @@
 """GGUF files as validated, zero-copy torch views.
 
-gguf-py's GGUFReader parses the header, metadata and tensor infos; this module
-checks every tensor against lowbit's type table (torch.ops.lowbit.ggml_type_info)
-and the file size, and exposes each tensor's raw block bytes as a torch.uint8
+The header, metadata and tensor infos are parsed here from the GGUF
+specification, every read bounds-checked against the file size (gguf-py's
+GGUFReader, the tests' independent reference, builds NumPy objects per array
+item: seconds for a 150k-token vocabulary, against milliseconds here). Every
+tensor is checked against lowbit's type table (torch.ops.lowbit.ggml_type_info)
+and the file size, and its raw block bytes exposed as a torch.uint8
 [rows, row_bytes] view over a copy-on-write memory map.
 
     with load_gguf("model.gguf") as f:
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -20,7 +24,6 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-from gguf import GGUFEndian, GGUFReader, GGUFValueType
 
 __all__ = ["GGUFError", "GGUFFile", "GGUFTensor", "load_gguf"]
 
@@ -79,47 +82,117 @@ class GGUFFile:
         return f"GGUFFile({self.path!r}, {len(self.tensors)} tensors, {len(self.metadata)} keys)"
 
 
-class _Reader(GGUFReader):
-    """GGUFReader with three hooks into its internals:
+# GGUF metadata value types (gguf.GGUFValueType's numbering) by the struct
+# format of their payload; 8 and 9 are strings and arrays.
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+SUPPORTED_VERSIONS = (2, 3)  # v1 had 32-bit counts and lengths; llama.cpp reads 2 and 3
+DEFAULT_ALIGNMENT = 32  # GGUF_DEFAULT_ALIGNMENT, when general.alignment is absent
 
-    - `_get` refuses reads past the end of the file. Upstream slices the memory
-      map, so such a read quietly comes back short and a truncated file surfaces
-      later as an unrelated numpy error or IndexError, or not at all.
-    - `_get_field_parts` refuses arrays longer than the rest of the file could
-      hold. Upstream reads arrays item by item, a few numpy objects per item, so
-      a corrupt length in a large file would otherwise cost gigabytes first.
-    - `_build_tensors` only records the tensor infos. Upstream builds numpy views
-      itself and fails on unknown type ids without naming the tensor; we validate
-      each tensor and build the views in `_tensor`.
-    """
 
-    def _get(self, offset, dtype, count=1, override_order=None):
-        need = int(count) * np.dtype(dtype).itemsize
-        if int(offset) + need > self.data.size:
-            raise ValueError(f"truncated: needs {need} bytes at offset {offset}, "
-                             f"file has {self.data.size} bytes")
-        return super()._get(offset, dtype, count, override_order)
+class _Cursor:
+    """Reads the header's little-endian fields in order, refusing any read
+    past the end of the file: a truncated or corrupt file fails here, with
+    where and how much, never as a short read that surfaces later."""
 
-    def _get_field_parts(self, orig_offs, raw_type):
-        if raw_type == GGUFValueType.ARRAY:
-            item_type = int(self._get(orig_offs, np.uint32)[0])
-            length = int(self._get(orig_offs + 4, np.uint64)[0])
-            if orig_offs + 12 + length * _min_item_bytes(item_type) > self.data.size:
-                raise ValueError(f"truncated: array at offset {orig_offs} claims {length} items, "
-                                 f"more than the {self.data.size}-byte file can hold")
-        return super()._get_field_parts(orig_offs, raw_type)
+    def __init__(self, data: np.ndarray):
+        self.data = data
+        self.view = memoryview(data)
+        self.size = data.size
+        self.pos = 0
 
-    def _build_tensors(self, start_offs, fields):
-        self.tensor_infos = fields
+    def take(self, n: int) -> int:
+        """Claims the next n bytes; returns where they start."""
+        if self.pos + n > self.size:
+            raise ValueError(f"truncated: needs {n} bytes at offset {self.pos}, file has {self.size} bytes")
+        start, self.pos = self.pos, self.pos + n
+        return start
+
+    def scalar(self, fmt: str):
+        return struct.unpack_from("<" + fmt, self.view, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        n = self.scalar("Q")
+        start = self.take(n)
+        return str(self.view[start:start + n], "utf-8")
+
+    def value(self, value_type: int):
+        """A metadata value: Python scalars, str, and lists of them."""
+        if value_type in _SCALAR_FORMATS:
+            return self.scalar(_SCALAR_FORMATS[value_type])
+        if value_type == _STRING:
+            return self.string()
+        if value_type != _ARRAY:
+            raise ValueError(f"unknown metadata value type {value_type} at offset {self.pos - 4}")
+        at = self.pos
+        item_type, length = self.scalar("I"), self.scalar("Q")
+        # Checked before any item is read: a corrupt length fails at once,
+        # instead of after a loop that builds an object per claimed item.
+        if self.pos + length * _min_item_bytes(item_type) > self.size:
+            raise ValueError(f"truncated: array at offset {at} claims {length} items, "
+                             f"more than the {self.size}-byte file can hold")
+        if item_type in _SCALAR_FORMATS:  # one NumPy read for the whole array
+            dtype = np.dtype("<" + _SCALAR_FORMATS[item_type])
+            start = self.take(length * dtype.itemsize)
+            return np.frombuffer(self.data, dtype, count=length, offset=start).tolist()
+        return [self.value(item_type) for _ in range(length)]
 
 
 def _min_item_bytes(value_type: int) -> int:
-    if value_type == GGUFValueType.STRING:
+    if value_type == _STRING:
         return 8  # u64 length
-    if value_type == GGUFValueType.ARRAY:
+    if value_type == _ARRAY:
         return 12  # u32 item type + u64 length
-    scalar = GGUFReader.gguf_scalar_to_np.get(value_type)
-    return 1 if scalar is None else np.dtype(scalar).itemsize  # unknown: upstream rejects it
+    if value_type in _SCALAR_FORMATS:
+        return struct.calcsize(_SCALAR_FORMATS[value_type])
+    raise ValueError(f"unknown metadata value type {value_type} in an array")
+
+
+@dataclass(frozen=True)
+class _TensorInfo:
+    name: str
+    dims: list[int]  # GGUF order: dims[0] is the contiguous row
+    type_id: int
+    rel_offset: int
+
+
+def _parse(data: np.ndarray, path: str) -> tuple[int, dict[str, Any], list[_TensorInfo], int]:
+    """(version, metadata, tensor infos, offset of the tensor data) of the file's
+    header, laid out as the GGUF specification (ggml/docs/gguf.md) says."""
+    c = _Cursor(data)
+    start = c.take(4)
+    magic = bytes(c.view[start:start + 4])
+    if magic != b"GGUF":
+        raise ValueError(f"bad magic {magic!r} (a GGUF file starts with b'GGUF')")
+    version = c.scalar("I")
+    if version & 0xFFFF == 0 and version >> 16:  # 2 or 3 read the wrong way round
+        raise GGUFError(f"{path}: big-endian GGUF files are not supported")
+    if version not in SUPPORTED_VERSIONS:
+        raise ValueError(f"GGUF version {version} is not supported (versions 2 and 3 are)")
+    n_tensors, n_kv = c.scalar("Q"), c.scalar("Q")
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = c.string()
+        value_type = c.scalar("I")
+        try:
+            value = c.value(value_type)
+        except UnicodeDecodeError as e:
+            raise GGUFError(f"{path}: metadata key {key!r}: {e}") from e
+        if key in metadata:
+            raise ValueError(f"duplicate metadata key {key!r}")
+        metadata[key] = value
+    infos = []
+    for _ in range(n_tensors):
+        name = c.string()
+        n_dims = c.scalar("I")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise GGUFError(f"{path}: tensor {name!r}: {n_dims} dimensions, expected 1 to {MAX_DIMS}")
+        dims = [c.scalar("Q") for _ in range(n_dims)]
+        infos.append(_TensorInfo(name, dims, c.scalar("I"), c.scalar("Q")))
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if type(alignment) is not int or alignment < 1 or alignment & (alignment - 1):
+        raise ValueError(f"general.alignment {alignment!r} is not a power of two")
+    return version, metadata, infos, c.pos + (-c.pos % alignment)
 
 
 def load_gguf(path: str | os.PathLike) -> GGUFFile:
@@ -128,35 +201,23 @@ def load_gguf(path: str | os.PathLike) -> GGUFFile:
     try:
         # "c": copy-on-write map, so views are writable (torch.from_numpy wants
         # that) and nothing is ever written back to the file.
-        reader = _Reader(path, "c")
+        data = np.memmap(path, dtype=np.uint8, mode="c")
+        version, metadata, infos, data_offset = _parse(data, path)
+    except GGUFError:
+        raise
     except Exception as e:  # anything the parser trips over means a bad file
         raise GGUFError(f"{path}: not a readable GGUF file: {_describe(e)}") from e
-    if reader.endianess != GGUFEndian.LITTLE:
-        raise GGUFError(f"{path}: big-endian GGUF files are not supported")
-    alignment = int(reader.alignment)
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     tensors = {}
-    for field in reader.tensor_infos:
-        if field.name in tensors:
-            raise GGUFError(f"{path}: duplicate tensor {field.name!r}")
-        tensors[field.name] = _tensor(reader, field, path, alignment)
-    return GGUFFile(path, int(reader.fields["GGUF.version"].contents()), alignment,
-                    _metadata(reader, path), tensors)
+    for info in infos:
+        if info.name in tensors:
+            raise GGUFError(f"{path}: duplicate tensor {info.name!r}")
+        tensors[info.name] = _tensor(data, data_offset, info, path, alignment)
+    return GGUFFile(path, version, alignment, metadata, tensors)
 
 
 def _describe(e: Exception) -> str:
     return str(e) if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: {e}"
-
-
-def _metadata(reader: GGUFReader, path: str) -> dict[str, Any]:
-    metadata = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):  # GGUFReader's pseudo-keys for the header's version and counts
-            continue
-        try:
-            metadata[key] = field.contents()
-        except Exception as e:  # e.g. a string that is not UTF-8
-            raise GGUFError(f"{path}: metadata key {key!r}: {_describe(e)}") from e
-    return metadata
 
 
 @lru_cache(maxsize=None)
@@ -176,20 +237,14 @@ def _type_name(type_id: int) -> str:
         return "unknown"
 
 
-def _tensor(reader: _Reader, field, path: str, alignment: int) -> GGUFTensor:
-    # Tensor info parts, as laid out by GGUFReader._get_tensor_info_field.
-    _, _, n_dims, dims, raw_type, rel_offset = field.parts
-    where = f"{path}: tensor {field.name!r}"
-    n_dims, type_id, rel_offset = int(n_dims[0]), int(raw_type[0]), int(rel_offset[0])
-    dims = [int(d) for d in dims]  # GGUF order: dims[0] is the contiguous row
-
-    info = _type_info(type_id)
-    if info is None:
+def _tensor(data: np.ndarray, data_offset: int, info: _TensorInfo, path: str, alignment: int) -> GGUFTensor:
+    where = f"{path}: tensor {info.name!r}"
+    type_id, dims, rel_offset = info.type_id, info.dims, info.rel_offset
+    type_info = _type_info(type_id)
+    if type_info is None:
         raise GGUFError(f"{where}: ggml type {type_id} ({_type_name(type_id)}) "
                         "is not a weight type lowbit supports")
-    block, type_bytes = info
-    if not 1 <= n_dims <= MAX_DIMS:
-        raise GGUFError(f"{where}: {n_dims} dimensions, expected 1 to {MAX_DIMS}")
+    block, type_bytes = type_info
     if min(dims) < 1:
         raise GGUFError(f"{where}: empty dimension in {dims}")
     row_len = dims[0]
@@ -202,12 +257,11 @@ def _tensor(reader: _Reader, field, path: str, alignment: int) -> GGUFTensor:
     rows = math.prod(dims[1:])
     row_bytes = row_len // block * type_bytes
     nbytes = rows * row_bytes
-    start = int(reader.data_offset) + rel_offset
-    file_size = reader.data.size
+    start = data_offset + rel_offset
     # Python ints: a corrupt dim cannot overflow here, and nothing is allocated.
-    if start + nbytes > file_size:
+    if start + nbytes > data.size:
         raise GGUFError(f"{where}: data [{start}, {start + nbytes}) runs past the end "
-                        f"of the file ({file_size} bytes)")
+                        f"of the file ({data.size} bytes)")
 
-    data = torch.from_numpy(reader.data[start:start + nbytes].reshape(rows, row_bytes))
-    return GGUFTensor(field.name, type_id, _type_name(type_id), tuple(reversed(dims)), data)
+    view = torch.from_numpy(data[start:start + nbytes].reshape(rows, row_bytes))
+    return GGUFTensor(info.name, type_id, _type_name(type_id), tuple(reversed(dims)), view)
