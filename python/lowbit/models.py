@@ -1,8 +1,8 @@
 """Whole transformers models straight from quantized checkpoints: a GGUF file
 (config from its metadata) or a GPTQ directory (config.json). The model is
 built on the meta device and replace_linear fills it, so no float copy of a
-quantized weight is made at any point: a model needs about its checkpoint's
-size in memory, not its float size."""
+linear layer's weight is made at any point: a model needs about its
+checkpoint's size in memory, not its float size."""
 from __future__ import annotations
 
 import os
@@ -29,8 +29,8 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32)
     Every linear layer the file has a quantized weight for is a GGUFLinear
     over the file's blocks (memory-mapped, so loading reads no weight bytes);
     embeddings, norms and biases are dequantized to `dtype`. Move it with
-    `.to(device)`. Unlike transformers' own GGUF loading, no float weight
-    matrix is ever made.
+    `.to(device)`. Unlike transformers' own GGUF loading, no float copy of a
+    linear layer's weight is ever made.
     """
     import transformers
 
