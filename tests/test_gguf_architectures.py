@@ -104,11 +104,13 @@ def test_load_gguf_model_builds_the_architecture(tmp_path, arch):
                 "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings", "rope_parameters"):
         assert getattr(model.config, key) == pytest.approx(getattr(source.config, key)), key
     assert getattr(model.config, "attention_bias", None) == getattr(source.config, "attention_bias", None)
-    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert not any(type(m) in (torch.nn.Linear, torch.nn.Embedding) for m in model.modules())
     expect = dict(reference.named_parameters(remove_duplicate=False))
     for name, module in model.named_modules():
-        if isinstance(module, lowbit.GGUFLinear):
+        if isinstance(module, (lowbit.GGUFLinear, lowbit.GGUFEmbedding)):
             torch.testing.assert_close(module.dequantize(), expect[f"{name}.weight"], rtol=0, atol=0, msg=name)
+    # Nothing float bigger than a norm or bias: every matrix stays in its blocks.
+    assert max(t.numel() for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()) <= 64
     for name, p in model.named_parameters():
         torch.testing.assert_close(p, expect[name], rtol=0, atol=0, msg=name)
     for name, b in model.named_buffers():
@@ -161,6 +163,7 @@ def test_load_gguf_model_in_bf16(tmp_path):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32  # positions stay exact
     ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    assert model.get_input_embeddings()(ids).dtype == torch.bfloat16
     with torch.no_grad():
         got, want = model(ids).logits.float(), through_q8_0(source)(ids).logits
     assert ((got - want).norm() / want.norm()).item() < 0.05  # bf16 activations and norms

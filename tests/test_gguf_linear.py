@@ -72,3 +72,39 @@ def test_constructor_and_from_raw_validate():
         lowbit.GGUFLinear.from_raw(torch.zeros(8, 287, dtype=torch.uint8), gb.type_id("Q4_0"), 512)
     with pytest.raises(ValueError, match="gguf-py cannot quantize"):
         lowbit.GGUFLinear.from_linear(torch.nn.Linear(512, 8), gb.type_id("Q4_K"))
+
+
+# --- GGUFEmbedding ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "IQ4_NL", "F16"])
+def test_embedding_rows_are_the_dequantized_rows(name):
+    rng = np.random.default_rng(gb.type_id(name))
+    raw = torch.from_numpy(gb.random_blocks(rng, name, 40, 256))
+    table = lowbit.GGUFEmbedding(raw, gb.type_id(name), 256)
+    W = torch.from_numpy(gb.dequantize(raw.numpy(), name))
+    assert torch.equal(table.dequantize(), W)
+    ids = torch.tensor([[3, 0, 39], [7, 7, 12]])
+    got = table(ids)
+    assert got.shape == (2, 3, 256) and got.dtype == torch.float32
+    assert torch.equal(got, W[ids])  # each row dequantizes on its own, exactly
+    assert torch.equal(torch.compile(table)(ids), got)
+
+
+def test_embedding_dtype_follows_to_and_validates():
+    rng = np.random.default_rng(0)
+    raw = torch.from_numpy(gb.random_blocks(rng, "Q8_0", 10, 64))
+    table = lowbit.GGUFEmbedding(raw, gb.type_id("Q8_0"), 64, dtype=torch.bfloat16)
+    assert table(torch.tensor([1])).dtype == torch.bfloat16
+    table = table.to(torch.float16)  # as a float weight would; the blocks stay uint8
+    assert table(torch.tensor([1])).dtype == torch.float16 and table.qweight.dtype == torch.uint8
+    assert set(table.state_dict()) == {"qweight"}
+    assert table(torch.zeros(0, dtype=torch.long)).shape == (0, 64)
+    with pytest.raises(IndexError, match=r"token ids must lie in \[0, 10\), got 2 .. 10"):
+        table(torch.tensor([2, 10]))
+    with pytest.raises(IndexError, match=r"got -1 .. 3"):
+        table(torch.tensor([-1, 3]))
+    with pytest.raises(ValueError, match=r"qweight must be uint8 \[rows, 68\] for dimension 64"):
+        lowbit.GGUFEmbedding(raw[:, :60], gb.type_id("Q8_0"), 64)
+    with pytest.raises(ValueError, match=r"qweight must be uint8"):
+        lowbit.GGUFEmbedding(raw.float(), gb.type_id("Q8_0"), 64)

@@ -122,6 +122,12 @@ def test_load_gguf_model_is_the_replaced_model(models):
     for name in ("mlp.up_proj", "mlp.down_proj", "self_attn.v_proj", "self_attn.o_proj"):
         ptr = built.model.layers[7].get_submodule(name).qweight.data_ptr()
         assert any(ptr in r for r in mapped), name
+    # The token embedding stays in its Q8_0 blocks too, shared with the tied head: no float
+    # tensor is bigger than a norm's 576 weights (a float table would be 49152 x 576).
+    assert isinstance(built.model.embed_tokens, lowbit.GGUFEmbedding)
+    assert built.lm_head.qweight.data_ptr() == built.model.embed_tokens.qweight.data_ptr()
+    assert any(built.lm_head.qweight.data_ptr() in r for r in mapped)
+    assert max(t.numel() for t in [*built.parameters(), *built.buffers()] if t.is_floating_point()) == 576
 
 
 def test_generate_command_prints_the_continuation(capsys):

@@ -4,6 +4,7 @@ lowbit gives the same perplexity, to 3 significant digits, as the float model
 holding the checkpoint's exactly dequantized weights; and GPTQ beats
 round-to-nearest on perplexity at 3 and 4 bits."""
 import copy
+import os
 
 import pytest
 import torch
@@ -37,6 +38,16 @@ def test_gptq_checkpoint_perplexity_equals_the_dequantized_float_model(float_mod
     got, expect = smollm2.perplexity(loaded, ids), smollm2.perplexity(dequantized, ids)
     assert f"{got:.3g}" == f"{expect:.3g}", (got, expect)
     assert smollm2.perplexity(fp32, ids) < got  # quantization costs something, so the check is not vacuous
+
+
+def test_sizes_count_a_tied_tensor_once(float_model):
+    _, fp32 = float_model
+    assert smollm2.weight_stats(fp32) == (32.0, 4 * sum(p.numel() for p in fp32.parameters()) / 1e6)
+    path = smollm2.gguf_path()
+    bpw, size = smollm2.weight_stats(lowbit.load_gguf_model(path))
+    assert bpw == 5.0  # Q4_1: 20 bytes per 32 weights
+    # The tensors as stored: the file less its metadata (tokenizer) and padding.
+    assert 0.95 * os.path.getsize(path) / 1e6 < size < os.path.getsize(path) / 1e6
 
 
 def test_shipped_texts():

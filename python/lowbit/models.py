@@ -1,8 +1,9 @@
 """Whole transformers models straight from quantized checkpoints: a GGUF file
 (config from its metadata) or a GPTQ directory (config.json). The model is
 built on the meta device and replace_linear fills it, so no float copy of a
-linear layer's weight is made at any point: a model needs about its
-checkpoint's size in memory, not its float size."""
+linear layer's weight (nor, from GGUF, of the token embedding) is made at
+any point: a model needs about its checkpoint's size in memory, not its
+float size."""
 from __future__ import annotations
 
 import os
@@ -10,7 +11,8 @@ import os
 import torch
 from torch import nn
 
-from .gguf_file import GGUFFile, load_gguf
+from .gguf_embedding import GGUFEmbedding
+from .gguf_file import GGUFError, GGUFFile, load_gguf
 from .gguf_llama import HF_MODEL_CLASSES, check_architecture, config_from_gguf
 from .gptq.checkpoint import checkpoint_files
 from .replace import place_gguf_tensors, replace_linear
@@ -20,6 +22,7 @@ __all__ = ["load_gguf_model", "load_gguf_tokenizer", "load_gptq_model"]
 # llama.cpp's converter stores Llama 3.1+'s rope scaling as per-frequency
 # divisors in this tensor instead of metadata.
 ROPE_FREQS = "rope_freqs.weight"
+TOKEN_EMBD = "token_embd.weight"
 
 
 def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -27,10 +30,11 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32)
     that a llama, qwen2 or qwen3 GGUF file describes, in eval mode on the CPU.
 
     Every linear layer the file has a quantized weight for is a GGUFLinear
-    over the file's blocks (memory-mapped, so loading reads no weight bytes);
-    embeddings, norms and biases are dequantized to `dtype`. Move it with
-    `.to(device)`. Unlike transformers' own GGUF loading, no float copy of a
-    linear layer's weight is ever made.
+    over the file's blocks (memory-mapped, so loading reads no weight bytes),
+    the token embedding a GGUFEmbedding over its blocks (rows dequantized as
+    they are looked up); norms and biases are dequantized to `dtype`. Move it
+    with `.to(device)`. Unlike transformers' own GGUF loading, no float copy
+    of a weight matrix is ever made: the model takes about its file's size.
     """
     import transformers
 
@@ -40,10 +44,25 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32)
     model_class = getattr(transformers, HF_MODEL_CLASSES[arch])
     config = model_class.config_class(**config_from_gguf(f.metadata, f.tensors))
     model = _on_meta(lambda: model_class(config), config, dtype)
-    place_gguf_tensors(model, f, "load_gguf_model", consumed=(ROPE_FREQS,))
+    _embed_tokens_from_blocks(model, f, dtype)
+    place_gguf_tensors(model, f, "load_gguf_model", consumed=(ROPE_FREQS, TOKEN_EMBD))
     _rebuild_computed_buffers(model)
     _apply_rope_freqs(model, f)
     return _checked(model, f"load_gguf_model: {path}")
+
+
+def _embed_tokens_from_blocks(model: nn.Module, f: GGUFFile, dtype: torch.dtype) -> None:
+    """The token embedding as a GGUFEmbedding over the file's blocks (rows
+    dequantized as they are looked up; a tied LM head multiplies by the same
+    blocks), where a float table would be the model's largest tensor."""
+    embd = f.tensors.get(TOKEN_EMBD)
+    if embd is None:
+        return  # replace_linear reports the missing parameter
+    table = model.get_input_embeddings()
+    if embd.shape != tuple(table.weight.shape):
+        raise GGUFError(f"{f.path}: tensor {TOKEN_EMBD!r} has shape {embd.shape} but the config's embedding "
+                        f"is {tuple(table.weight.shape)}")
+    model.set_input_embeddings(GGUFEmbedding(embd.data, embd.type, embd.shape[1], dtype))
 
 
 def load_gguf_tokenizer(path: str | os.PathLike):

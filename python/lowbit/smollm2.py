@@ -164,8 +164,10 @@ def weight_stats(model) -> tuple[float, float]:
             bits, weights = bits + 8 * m.qweight.numel(), weights + m.in_features * m.out_features
         elif isinstance(m, nn.Linear):
             bits, weights = bits + 8 * m.weight.numel() * m.weight.element_size(), weights + m.weight.numel()
-    size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    return bits / weights, size / 1e6
+    # Each tensor once: a tied LM head shares the embedding's tensor (or, from
+    # GGUF, its blocks), which state_dict lists under both names.
+    tensors = {(t.data_ptr(), t.numel() * t.element_size()) for t in model.state_dict().values()}
+    return bits / weights, sum(nbytes for _, nbytes in tensors) / 1e6
 
 
 def generate(model, tokenizer, prompt: str, new_tokens: int = 24) -> tuple[str, float]:

@@ -1,0 +1,46 @@
+"""GGUFEmbedding: an nn.Embedding replacement that keeps a GGUF token
+embedding's blocks and dequantizes only the rows it looks up, as llama.cpp's
+get_rows does (a float copy of a 128k-token table costs GBs)."""
+import torch
+from torch import nn
+
+
+class GGUFEmbedding(nn.Module):
+    """out[..., :] = dequantized row `ids[...]` of the blocks, in `dtype`.
+
+    Buffer `qweight`: uint8 [num_embeddings, embedding_dim / block * type_size],
+    the rows exactly as a GGUF file stores them (one row per token, whole
+    blocks, so a row dequantizes on its own, exactly).
+    """
+
+    def __init__(self, qweight: torch.Tensor, qtype: int, embedding_dim: int, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        block, type_size = torch.ops.lowbit.ggml_type_info(qtype)
+        if embedding_dim % block or qweight.dtype != torch.uint8 or qweight.dim() != 2 \
+                or qweight.shape[1] != embedding_dim // block * type_size:
+            raise ValueError(f"GGUFEmbedding: qweight must be uint8 [rows, {embedding_dim // block * type_size}] "
+                             f"for dimension {embedding_dim} of type {qtype}, got {qweight.dtype} "
+                             f"{tuple(qweight.shape)}")
+        self.num_embeddings, self.embedding_dim, self.qtype = qweight.shape[0], embedding_dim, qtype
+        self.register_buffer("qweight", qweight)
+        # The output dtype, held by an empty float buffer so that it follows
+        # model.to(dtype) as a float weight would (the blocks stay uint8).
+        self.register_buffer("out_dtype", torch.empty(0, dtype=dtype), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"GGUFEmbedding: token ids must lie in [0, {self.num_embeddings}), "
+                             f"got {int(flat.min())} .. {int(flat.max())}")
+        rows = self.qweight.index_select(0, flat)
+        out = torch.ops.lowbit.ggml_dequantize(rows, self.qtype, rows.shape[0], self.embedding_dim,
+                                               self.out_dtype.dtype)
+        return out.reshape(*ids.shape, self.embedding_dim)
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole float table [num_embeddings, embedding_dim]."""
+        return torch.ops.lowbit.ggml_dequantize(self.qweight, self.qtype, self.num_embeddings, self.embedding_dim,
+                                                self.out_dtype.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype}, dtype={self.out_dtype.dtype}"
