@@ -29,9 +29,11 @@ class GGUFEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
-            raise IndexError(f"GGUFEmbedding: token ids must lie in [0, {self.num_embeddings}), "
-                             f"got {int(flat.min())} .. {int(flat.max())}")
+        if flat.numel():
+            low, high = torch.stack(torch.aminmax(flat)).tolist()  # one pass, one device sync
+            if low < 0 or high >= self.num_embeddings:
+                raise IndexError(f"GGUFEmbedding: token ids must lie in [0, {self.num_embeddings}), "
+                                 f"got {low} .. {high}")
         rows = self.qweight.index_select(0, flat)
         out = torch.ops.lowbit.ggml_dequantize(rows, self.qtype, rows.shape[0], self.embedding_dim,
                                                self.out_dtype.dtype)

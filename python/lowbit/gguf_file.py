@@ -54,6 +54,11 @@ class GGUFTensor:
     def bits_per_weight(self) -> float:
         return 8 * self.nbytes / self.n_elements
 
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float values, in `shape` (lowbit's bit-exact ggml_dequantize)."""
+        rows, row_len = self.data.shape[0], self.shape[-1]
+        return torch.ops.lowbit.ggml_dequantize(self.data, self.type, rows, row_len, dtype).reshape(self.shape)
+
 
 class GGUFFile:
     """A loaded GGUF file. Tensor views keep the memory map alive on their own,
@@ -156,9 +161,9 @@ class _TensorInfo:
     rel_offset: int
 
 
-def _parse(data: np.ndarray, path: str) -> tuple[int, dict[str, Any], list[_TensorInfo], int]:
-    """(version, metadata, tensor infos, offset of the tensor data) of the file's
-    header, laid out as the GGUF specification (ggml/docs/gguf.md) says."""
+def _parse(data: np.ndarray, path: str) -> tuple[int, dict[str, Any], list[_TensorInfo], int, int]:
+    """(version, metadata, tensor infos, alignment, offset of the tensor data)
+    of the file's header, laid out as the GGUF specification (ggml/docs/gguf.md) says."""
     c = _Cursor(data)
     start = c.take(4)
     magic = bytes(c.view[start:start + 4])
@@ -192,7 +197,7 @@ def _parse(data: np.ndarray, path: str) -> tuple[int, dict[str, Any], list[_Tens
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     if type(alignment) is not int or alignment < 1 or alignment & (alignment - 1):
         raise ValueError(f"general.alignment {alignment!r} is not a power of two")
-    return version, metadata, infos, c.pos + (-c.pos % alignment)
+    return version, metadata, infos, alignment, c.pos + (-c.pos % alignment)
 
 
 def load_gguf(path: str | os.PathLike) -> GGUFFile:
@@ -202,12 +207,11 @@ def load_gguf(path: str | os.PathLike) -> GGUFFile:
         # "c": copy-on-write map, so views are writable (torch.from_numpy wants
         # that) and nothing is ever written back to the file.
         data = np.memmap(path, dtype=np.uint8, mode="c")
-        version, metadata, infos, data_offset = _parse(data, path)
+        version, metadata, infos, alignment, data_offset = _parse(data, path)
     except GGUFError:
         raise
     except Exception as e:  # anything the parser trips over means a bad file
         raise GGUFError(f"{path}: not a readable GGUF file: {_describe(e)}") from e
-    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     tensors = {}
     for info in infos:
         if info.name in tensors:

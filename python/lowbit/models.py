@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from .gguf_embedding import GGUFEmbedding
-from .gguf_file import GGUFError, GGUFFile, load_gguf
+from .gguf_file import GGUFFile, load_gguf
 from .gguf_llama import HF_MODEL_CLASSES, check_architecture, config_from_gguf
 from .gptq.checkpoint import checkpoint_files
-from .replace import place_gguf_tensors, replace_linear
+from .replace import check_shape, place_gguf_tensors, replace_linear
 
 __all__ = ["load_gguf_model", "load_gguf_tokenizer", "load_gptq_model"]
 
@@ -58,10 +58,7 @@ def _embed_tokens_from_blocks(model: nn.Module, f: GGUFFile, dtype: torch.dtype)
     embd = f.tensors.get(TOKEN_EMBD)
     if embd is None:
         return  # replace_linear reports the missing parameter
-    table = model.get_input_embeddings()
-    if embd.shape != tuple(table.weight.shape):
-        raise GGUFError(f"{f.path}: tensor {TOKEN_EMBD!r} has shape {embd.shape} but the config's embedding "
-                        f"is {tuple(table.weight.shape)}")
+    check_shape(f.path, embd, "the config's token embedding", tuple(model.get_input_embeddings().weight.shape))
     model.set_input_embeddings(GGUFEmbedding(embd.data, embd.type, embd.shape[1], dtype))
 
 
@@ -80,8 +77,8 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     """The transformers model (AutoModelForCausalLM) of an HF GPTQ checkpoint
     directory, in eval mode on the CPU: its config.json builds the model, every
     quantized module becomes a GPTQLinear holding the checkpoint's tensors,
-    every other tensor is loaded as `dtype`. `checkpoint_format` overrides the
-    config's, as in replace_linear.
+    every other tensor is loaded as `dtype` (a tied LM head stays tied to the
+    embedding). `checkpoint_format` overrides the config's, as in replace_linear.
     """
     import transformers
 
@@ -93,7 +90,6 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         del config.quantization_config
     model = _on_meta(lambda: transformers.AutoModelForCausalLM.from_config(config), config, dtype)
     replace_linear(model, directory, checkpoint_format)
-    _tie_lm_head(model)
     _rebuild_computed_buffers(model)
     return _checked(model, f"load_gptq_model: {directory}")
 
@@ -103,14 +99,6 @@ def _on_meta(build, config, dtype: torch.dtype) -> nn.Module:
     config.dtype = dtype
     with torch.device("meta"):
         return build().to(dtype)
-
-
-def _tie_lm_head(model: nn.Module) -> None:
-    """A tied LM head still holds the meta embedding that the checkpoint's
-    embedding replaced: tie it to the loaded one (a quantized head is left as it is)."""
-    head = model.get_output_embeddings()
-    if isinstance(head, nn.Linear) and head.weight.is_meta and model.config.tie_word_embeddings:
-        head.weight = model.get_input_embeddings().weight
 
 
 def _rebuild_computed_buffers(model: nn.Module) -> None:
@@ -131,9 +119,7 @@ def _apply_rope_freqs(model: nn.Module, f: GGUFFile) -> None:
     if freqs.shape != tuple(rotary.inv_freq.shape):  # one divisor per frequency
         raise ValueError(f"load_gguf_model: {f.path}: {ROPE_FREQS} has shape {freqs.shape}, "
                          f"the model's rotary embedding {tuple(rotary.inv_freq.shape)}")
-    divisors = torch.ops.lowbit.ggml_dequantize(freqs.data, freqs.type, freqs.data.shape[0], freqs.shape[-1],
-                                                torch.float32).reshape(freqs.shape)
-    rotary.inv_freq = rotary.inv_freq / divisors
+    rotary.inv_freq = rotary.inv_freq / freqs.dequantize()
     rotary.original_inv_freq = rotary.inv_freq.clone()
 
 

@@ -83,8 +83,7 @@ def _replace_from_gptq(model: nn.Module, path: str, checkpoint_format: str | Non
         if tuple(target.shape) != tuple(tensor.shape):
             raise GPTQCheckpointError(f"{ckpt.directory}: tensor {name!r} has shape {tuple(tensor.shape)} but the "
                                       f"model's is {tuple(target.shape)}")
-        module_name, _, attr = name.rpartition(".")
-        _load_tensor(model.get_submodule(module_name), attr, target, tensor)
+        _load_tensor(model, target, tensor)
         report.loaded.append(name)
         placed.add(name)
     if report.unplaced:
@@ -127,16 +126,15 @@ def place_gguf_tensors(model: nn.Module, f: GGUFFile, caller: str, consumed: tup
             report.unplaced.append(t.name)
             continue
         if isinstance(module, nn.Linear) and attr == "weight":
-            _check_shape(path, t, module_name, (module.out_features, module.in_features))
+            check_shape(path, t, module_name, (module.out_features, module.in_features))
             layer = GGUFLinear.from_raw(rows_in_hf_order(t.name, t.data, f.metadata), t.type, module.in_features, module.bias)
             model.set_submodule(module_name, layer)
             report.replaced.append(module_name)
         else:
             target = getattr(module, attr)
-            _check_shape(path, t, name, tuple(target.shape))
-            value = torch.ops.lowbit.ggml_dequantize(t.data, t.type, t.data.shape[0], t.shape[-1], torch.float32)
-            value = rows_in_hf_order(t.name, value.reshape(target.shape), f.metadata)  # a bias's elements are its rows
-            _load_tensor(module, attr, target, value)
+            check_shape(path, t, name, tuple(target.shape))
+            value = rows_in_hf_order(t.name, t.dequantize(), f.metadata)  # a bias's elements are its rows
+            _load_tensor(model, target, value)
             report.loaded.append(name)
         placed.add(name)
 
@@ -150,17 +148,23 @@ def place_gguf_tensors(model: nn.Module, f: GGUFFile, caller: str, consumed: tup
     return report
 
 
-def _load_tensor(module: nn.Module, attr: str, target: torch.Tensor, value: torch.Tensor) -> None:
-    """Copies `value` into the model's tensor, or, where that tensor is on the
-    meta device (a model built without memory), puts it in its place on the
-    CPU, with the target's dtype and kind (parameter or buffer)."""
+def _load_tensor(model: nn.Module, target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copies `value` into the model's tensor `target`, or, where that tensor
+    is on the meta device (a model built without memory), puts a CPU tensor
+    of the target's dtype and kind (parameter or buffer) in its place wherever
+    the model holds it, so tied parameters (an LM head tied to the embedding)
+    stay tied, as they do under copy_."""
     if not target.is_meta:
         with torch.no_grad():
             target.copy_(value)
-    elif isinstance(target, nn.Parameter):
-        setattr(module, attr, nn.Parameter(value.to(target.dtype), requires_grad=target.requires_grad))
-    else:
-        setattr(module, attr, value.to(target.dtype))
+        return
+    new = value.to(target.dtype)
+    if isinstance(target, nn.Parameter):
+        new = nn.Parameter(new, requires_grad=target.requires_grad)
+    holders = [(m, name) for m in model.modules()
+               for name, t in [*m._parameters.items(), *m._buffers.items()] if t is target]
+    for module, name in holders:
+        setattr(module, name, new)
 
 
 def _tie_lm_head(model: nn.Module, f, report: ReplaceReport, placed: set) -> None:
@@ -170,7 +174,7 @@ def _tie_lm_head(model: nn.Module, f, report: ReplaceReport, placed: set) -> Non
     embd = f.tensors.get("token_embd.weight")
     if "output.weight" in f.tensors or not isinstance(head, nn.Linear) or embd is None:
         return
-    _check_shape(f.path, embd, "lm_head", (head.out_features, head.in_features))
+    check_shape(f.path, embd, "lm_head", (head.out_features, head.in_features))
     model.set_submodule("lm_head", GGUFLinear.from_raw(embd.data, embd.type, head.in_features, head.bias))
     report.replaced.append("lm_head")
     placed.add("lm_head.weight")
@@ -183,6 +187,6 @@ def _get_module(model: nn.Module, name: str) -> nn.Module | None:
         return None
 
 
-def _check_shape(path: str, t: GGUFTensor, target: str, shape: tuple) -> None:
+def check_shape(path: str, t: GGUFTensor, target: str, shape: tuple) -> None:
     if tuple(t.shape) != tuple(shape):
         raise GGUFError(f"{path}: tensor {t.name!r} has shape {tuple(t.shape)} but {target} needs {tuple(shape)}")

@@ -21,7 +21,7 @@ from .gguf_linear import GGUFLinear
 from .gptq.checkpoint import save_gptq
 from .gptq.config import GPTQConfig
 from .gptq.linear import GPTQLinear
-from .models import load_gptq_model
+from .models import load_gguf_tokenizer, load_gptq_model
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -51,11 +51,9 @@ def load_float_model(path: str):
     model = transformers.LlamaForCausalLM(config).eval()
     params = dict(model.named_parameters())
     for t in f.tensors.values():
-        w = torch.ops.lowbit.ggml_dequantize(t.data, t.type, t.data.shape[0], t.shape[-1], torch.float32)
         with torch.no_grad():
-            params[hf_name(t.name)].copy_(rows_in_hf_order(t.name, w.reshape(t.shape), f.metadata))
-    tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    return tokenizer, model
+            params[hf_name(t.name)].copy_(rows_in_hf_order(t.name, t.dequantize(), f.metadata))
+    return load_gguf_tokenizer(path), model
 
 
 def decoder_linears(model) -> list[str]:
