@@ -178,3 +178,61 @@ def test_load_gguf_model_refuses_bad_files(tmp_path):
                             extra_tensors={"rope_freqs.weight": wrong})
     with pytest.raises(ValueError, match=r"llama.gguf: rope_freqs.weight has shape \(5,\), the model's rotary embedding \(8,\)"):
         lowbit.load_gguf_model(path)
+
+
+def _byte_level_alphabet() -> list[str]:
+    """GPT-2's byte-level alphabet: the character standing for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return [chr(c) for c in printable] + [chr(256 + i) for i in range(len(others))]
+
+
+def write_tokenizer_gguf(path: str, arch: str) -> str:
+    """A GGUF file with a byte-level BPE tokenizer as llama.cpp's converter
+    writes one (tokens, types, merges, special ids, chat template)."""
+    import gguf
+
+    tokens = _byte_level_alphabet() + ["Ġt", "he", "Ġthe", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(1)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - 3) + [3] * 3)  # the last three are control tokens
+    writer.add_token_merges(["Ġ t", "h e", "Ġt he"])
+    writer.add_bos_token_id(len(tokens) - 2)
+    writer.add_eos_token_id(len(tokens) - 1)
+    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("arch", [*MODELS, "phi3"])
+def test_load_gguf_tokenizer_matches_autotokenizer(tmp_path, monkeypatch, arch):
+    """load_gguf_tokenizer gives what AutoTokenizer gives for the file (its
+    class, ids, text back, chat prompt, special tokens), and for the
+    architectures it names a class for, without AutoTokenizer's detour
+    through gguf-py's whole-file reader (3-4 s for a real vocabulary); phi3,
+    which it names none for, goes through AutoTokenizer."""
+    path = write_tokenizer_gguf(str(tmp_path / f"{arch}.gguf"), arch)
+    expect = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=f"{arch}.gguf")
+    if arch in MODELS:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("went through load_gguf_checkpoint")
+        monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", refuse)
+    got = lowbit.load_gguf_tokenizer(path)
+
+    assert type(got) is type(expect)
+    text = "the  theme<|im_start|> then\n\n tthe<|im_end|>é ✓"
+    ids = got(text).input_ids
+    assert ids == expect(text).input_ids and len(ids) < len(text.encode())  # the merges and specials were applied
+    assert got.decode(ids) == expect.decode(ids) == text
+    chat = [{"role": "user", "content": "the question"}]
+    assert got.apply_chat_template(chat, tokenize=False) == expect.apply_chat_template(chat, tokenize=False)
+    assert (got.bos_token, got.eos_token) == (expect.bos_token, expect.eos_token) == ("<|im_start|>", "<|im_end|>")

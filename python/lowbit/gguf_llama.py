@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 __all__ = ["QK_ROWS_PERMUTED", "hf_name", "unpermute_rows", "rows_in_hf_order", "check_architecture",
-           "HF_MODEL_CLASSES", "config_from_gguf"]
+           "HF_MODEL_CLASSES", "HF_TOKENIZER_CLASSES", "config_from_gguf"]
 
 # Whether llama.cpp's converter stored an architecture's Q and K projections
 # (weights and biases) permuted: LlamaModel turns HF's rotate-half order into
@@ -107,6 +107,12 @@ def rows_in_hf_order(name: str, rows: torch.Tensor, metadata: Mapping[str, Any])
 # transformers model class of each architecture (they share LlamaForCausalLM's
 # parameter names, see _BLOCK_NAMES).
 HF_MODEL_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+# The tokenizer class transformers' AutoTokenizer picks for each
+# architecture's GGUF file. Named here because AutoTokenizer finds it by
+# first building the model config from the file with gguf-py (3-4 s for a
+# 49k-token vocabulary), where the class alone reads only the tokenizer keys.
+HF_TOKENIZER_CLASSES = {"llama": "TokenizersBackend", "qwen2": "Qwen2Tokenizer", "qwen3": "Qwen2Tokenizer"}
 
 # transformers config kwarg <- GGUF key without the "<arch>." prefix.
 _REQUIRED_KEYS = {
