@@ -9,6 +9,9 @@ same threads:
   extra buffer types, AMX or CPU_REPACK, that takes the type and runs here,
   else the plain blocks); torch's dense fp32 and bf16 matmul of the same
   shape, and the machine's copy bandwidth;
+- for the types with one, lowbit's repacked layout (ggml_repack, 16 rows
+  interleaved; the same results bit for bit) beside the file's, in every
+  table but dequantize;
 - the matvec again with its weights streamed from memory, as a model's decode
   reads them: distinct copies of the weight, STREAMED_BYTES in all (more than
   the machines' last-level caches), multiplied in turn, on every side;
@@ -98,6 +101,17 @@ def loader_layout_peers(raw_np, t, rows, n, M, threads):
     return {b: ggml_peer.GgmlMatmul(raw_np, t, rows, n, M, 1, buffer=b) for b in runs}, left_out
 
 
+def repacked(raw, t, rows, n):
+    """The weight in lowbit's repacked layout, or None for a type without one."""
+    return torch.ops.lowbit.ggml_repack(raw, t, rows, n) if lowbit.gguf_linear.has_repacked_layout(t) else None
+
+
+def repacked_fields(packed_ms, ms, layout_ms):
+    """A record's repacked-layout entries (NaN for a type without the layout)."""
+    return dict(repacked_ms=packed_ms, repacked_speedup_vs_file_layout=ms / packed_ms,
+                repacked_speedup_vs_llama_cpp_loader_layout=layout_ms / packed_ms)
+
+
 def matmul_table(rng, shapes, types, threads_list, budget, bandwidth, batch_sizes=MS):
     """Times every case, sampling the copy bandwidth at each shape."""
     peer_missing = ggml_peer.available()
@@ -124,6 +138,9 @@ def matmul_table(rng, shapes, types, threads_list, budget, bandwidth, batch_size
                 raw = torch.from_numpy(raw_np)
                 t = gb.type_id(name)
                 op = torch.ops.lowbit.ggml_mul_mat_vec_a8 if M == 1 else torch.ops.lowbit.ggml_mul_mat_a8
+                packed = repacked(raw, t, rows, n)
+                if packed is not None:  # the same results bit for bit, or the timing means nothing
+                    assert torch.equal(torch.ops.lowbit.ggml_mul_mat_repacked(packed, x, t, rows), op(raw, x, t, rows))
                 peer = None if peer_missing else ggml_peer.GgmlMatmul(raw_np, t, rows, n, M, 1)
                 extra, left_out = ({}, {}) if peer_missing else loader_layout_peers(raw_np, t, rows, n, M,
                                                                                     max(threads_list))
@@ -138,8 +155,10 @@ def matmul_table(rng, shapes, types, threads_list, budget, bandwidth, batch_size
                     torch.set_num_threads(threads)
                     for p in [peer, *extra.values()] if peer else []:
                         p.threads = threads
-                    ms, peer_ms, *extra_ms = time_rounds_ms(
-                        [lambda: op(raw, x, t, rows), peer and peer.compute, *(p.compute for p in extra.values())],
+                    ms, packed_ms, peer_ms, *extra_ms = time_rounds_ms(
+                        [lambda: op(raw, x, t, rows),
+                         packed is not None and (lambda: torch.ops.lowbit.ggml_mul_mat_repacked(packed, x, t, rows)),
+                         peer and peer.compute, *(p.compute for p in extra.values())],
                         budget_s=budget)
                     extra_ms = dict(zip(extra, extra_ms))
                     # What llama.cpp's loader would run: the first extra buffer that takes W, else plain blocks.
@@ -152,6 +171,7 @@ def matmul_table(rng, shapes, types, threads_list, budget, bandwidth, batch_size
                                         llama_cpp_extra_buffer_ms=extra_ms, llama_cpp_extra_buffer_left_out=left_out,
                                         llama_cpp_loader_layout=layout, llama_cpp_loader_layout_ms=layout_ms,
                                         speedup_vs_llama_cpp_loader_layout=layout_ms / ms,
+                                        **repacked_fields(packed_ms, ms, layout_ms),
                                         torch_fp32_ms=fp32_ms, torch_bf16_ms=bf16_ms,
                                         speedup_vs_fp32=fp32_ms / ms, speedup_vs_bf16=bf16_ms / ms))
     torch.set_num_threads(max(threads_list))
@@ -180,9 +200,15 @@ def streamed_matvec_table(rng, shape, types, threads_list, budget):
         for p in plain + extra:
             p.set_input(x.numpy())
 
+        packs = [repacked(r, t, rows, n) for r in raws] if lowbit.gguf_linear.has_repacked_layout(t) else []
+
         def lowbit_all():
             for r in raws:
                 torch.ops.lowbit.ggml_mul_mat_vec_a8(r, x, t, rows)
+
+        def lowbit_repacked_all():
+            for p in packs:
+                torch.ops.lowbit.ggml_mul_mat_repacked(p, x, t, rows)
 
         def peers_all(peers):
             return lambda: [p.compute() for p in peers]
@@ -191,16 +217,18 @@ def streamed_matvec_table(rng, shape, types, threads_list, budget):
             torch.set_num_threads(threads)
             for p in plain + extra:
                 p.threads = threads
-            ms, plain_ms, layout_ms = (v / copies for v in time_rounds_ms(
-                [lowbit_all, peers_all(plain), extra and peers_all(extra)], min_reps=2, budget_s=2 * budget))
+            ms, packed_ms, plain_ms, layout_ms = (v / copies for v in time_rounds_ms(
+                [lowbit_all, packs and lowbit_repacked_all, peers_all(plain), extra and peers_all(extra)], min_reps=2,
+                budget_s=2 * budget))
             if not extra:  # the loader leaves the plain blocks
                 layout_ms = plain_ms
             records.append(dict(type=name, rows=rows, n=n, M=1, threads=threads, copies=copies, lowbit_ms=ms,
                                 weight_gbs=one.nbytes / (ms * 1e-3) / 1e9, llama_cpp_ms=plain_ms,
                                 speedup_vs_llama_cpp=plain_ms / ms, llama_cpp_loader_layout=layout,
                                 llama_cpp_loader_layout_ms=layout_ms,
-                                speedup_vs_llama_cpp_loader_layout=layout_ms / ms))
-        del raws, plain, extra
+                                speedup_vs_llama_cpp_loader_layout=layout_ms / ms,
+                                **repacked_fields(packed_ms, ms, layout_ms)))
+        del raws, packs, plain, extra
     torch.set_num_threads(max(threads_list))
     return records
 
@@ -213,10 +241,11 @@ def print_streamed(records, bandwidth):
         rows_out.append([f"{r['rows']}x{r['n']}", r["threads"], r["type"], r["copies"], f"{r['lowbit_ms']:.2f}",
                          f"{r['weight_gbs']:.1f}", f"{100 * r['bandwidth_fraction_same_threads']:.0f}%",
                          f"{r['llama_cpp_ms']:.2f}", f"{r['speedup_vs_llama_cpp']:.2f}x", *loader_layout_cells(r),
-                         f"{peer_gbs:.1f}"])
+                         f"{peer_gbs:.1f}", *repacked_cells(r)])
     print_table(["rows x n", "thr", "type", "copies", "lowbit ms", "GB/s", "of thr bw", "llama.cpp ms", "vs llama.cpp",
-                 *LOADER_LAYOUT_HEADER, "its GB/s"], rows_out)
+                 *LOADER_LAYOUT_HEADER, "its GB/s", *REPACKED_HEADER], rows_out)
     print(LOADER_LAYOUT_NOTE)
+    print(REPACKED_NOTE)
 
 
 def print_matmul(records, bandwidth):
@@ -231,15 +260,26 @@ def print_matmul(records, bandwidth):
                          f"{r['weight_gbs']:.1f}", f"{100 * r['bandwidth_fraction']:.0f}%",
                          f"{100 * r['bandwidth_fraction_same_threads']:.0f}%", f"{r['llama_cpp_ms']:.2f}",
                          f"{r['speedup_vs_llama_cpp']:.2f}x", f"{r['max_rel_diff_vs_llama_cpp']:.0e}",
-                         *loader_layout_cells(r),
+                         *loader_layout_cells(r), *repacked_cells(r),
                          f"{r['torch_fp32_ms']:.2f}", f"{r['speedup_vs_fp32']:.1f}x", f"{r['speedup_vs_bf16']:.1f}x"])
     print_table(["rows x n", "M", "thr", "type", "lowbit ms", "GB/s", "of bw", "of thr bw", "llama.cpp ms", "vs llama.cpp",
-                 "rel diff", *LOADER_LAYOUT_HEADER, "fp32 ms", "vs fp32", "vs bf16"], rows_out)
+                 "rel diff", *LOADER_LAYOUT_HEADER, *REPACKED_HEADER, "fp32 ms", "vs fp32", "vs bf16"], rows_out)
     print(LOADER_LAYOUT_NOTE)
+    print(REPACKED_NOTE)
     print_left_out(records)
 
 
 LOADER_LAYOUT_HEADER = ["loader layout", "its ms", "vs it"]
+REPACKED_HEADER = ["repacked ms", "vs file", "vs loader"]
+REPACKED_NOTE = ("repacked: lowbit's repacked layout (Q4_0, Q4_1, Q8_0, IQ4_NL; the same results bit for bit), its "
+                 "time and its speedup over lowbit's file layout and over llama.cpp's loader layout")
+
+
+def repacked_cells(r):
+    if r["repacked_ms"] != r["repacked_ms"]:  # NaN: no repacked layout
+        return ["-", "-", "-"]
+    return [f"{r['repacked_ms']:.2f}", f"{r['repacked_speedup_vs_file_layout']:.2f}x",
+            f"{r['repacked_speedup_vs_llama_cpp_loader_layout']:.2f}x"]
 LOADER_LAYOUT_NOTE = ("llama.cpp ms: ggml_mul_mat on the plain blocks; loader layout: the layout llama.cpp's model "
                       "loader gives the weight (the first extra buffer type that takes it and runs here, else plain), "
                       "its time and lowbit's speedup over it")
@@ -268,17 +308,18 @@ def print_prefill(records):
         r["gflops"] = 2 * r["M"] * r["rows"] * r["n"] / (r["lowbit_ms"] * 1e-3) / 1e9
         rows_out.append([f"{r['rows']}x{r['n']}", r["M"], r["threads"], r["type"], f"{r['lowbit_ms']:.2f}",
                          f"{r['gflops']:.0f}", f"{r['llama_cpp_ms']:.2f}", f"{r['speedup_vs_llama_cpp']:.2f}x",
-                         f"{r['max_rel_diff_vs_llama_cpp']:.0e}", *loader_layout_cells(r), f"{r['torch_fp32_ms']:.2f}",
-                         f"{r['speedup_vs_fp32']:.2f}x", f"{r['speedup_vs_bf16']:.2f}x"])
+                         f"{r['max_rel_diff_vs_llama_cpp']:.0e}", *loader_layout_cells(r), *repacked_cells(r),
+                         f"{r['torch_fp32_ms']:.2f}", f"{r['speedup_vs_fp32']:.2f}x", f"{r['speedup_vs_bf16']:.2f}x"])
     print_table(["rows x n", "M", "thr", "type", "lowbit ms", "GFLOP/s", "llama.cpp ms", "vs llama.cpp", "rel diff",
-                 *LOADER_LAYOUT_HEADER, "fp32 ms", "vs fp32", "vs bf16"], rows_out)
+                 *LOADER_LAYOUT_HEADER, *REPACKED_HEADER, "fp32 ms", "vs fp32", "vs bf16"], rows_out)
     print(LOADER_LAYOUT_NOTE)
+    print(REPACKED_NOTE)
     print_left_out(records)
 
 
 def plot(records, bandwidth, info, path):
-    """Weight GB/s per type, M = 1, most threads, first shape: lowbit vs llama.cpp (plain blocks and
-    its loader's layout) vs dense."""
+    """Weight GB/s per type, M = 1, most threads, first shape: lowbit (file and repacked layouts) vs
+    llama.cpp (plain blocks and its loader's layout) vs dense."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -292,13 +333,14 @@ def plot(records, bandwidth, info, path):
     gb_of = lambda ms, r: r["weight_gbs"] * r["lowbit_ms"] / ms  # same bytes, the peer's time
     series = {
         "lowbit": [r["weight_gbs"] for r in sel],
+        "lowbit, repacked": [gb_of(r["repacked_ms"], r) for r in sel],
         "llama.cpp, plain blocks": [gb_of(r["llama_cpp_ms"], r) for r in sel],
         "llama.cpp, loader layout": [gb_of(r["llama_cpp_loader_layout_ms"], r) for r in sel],
     }
     fig, ax = plt.subplots(figsize=(11, 4.5))
-    width = 0.27
+    width = 0.2
     for i, (label, vals) in enumerate(series.items()):
-        ax.bar(np.arange(len(names)) + (i - 1) * width, vals, width, label=label)
+        ax.bar(np.arange(len(names)) + (i - 1.5) * width, vals, width, label=label)
     ax.axhline(bandwidth, color="k", linestyle="--", linewidth=1, label=f"copy bandwidth {bandwidth:.0f} GB/s")
     fp32_gbs = 4 * shape[0] * shape[1] / (sel[0]["torch_fp32_ms"] * 1e-3) / 1e9
     ax.axhline(fp32_gbs, color="gray", linestyle=":", linewidth=1, label=f"torch fp32 dense {fp32_gbs:.0f} GB/s")

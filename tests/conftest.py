@@ -1,3 +1,4 @@
+import contextlib
 import os
 import sys
 
@@ -43,6 +44,21 @@ def _devices():
 DEVICES = _devices()
 
 
+@contextlib.contextmanager
+def _forced_isa(isa):
+    """The CPU kernels forced to `isa` for the block."""
+    before = torch.ops.lowbit.cpu_isa()
+    torch.ops.lowbit.cpu_isa(isa)
+    # The vdpbf16ps GPTQ kernel wherever it applies, on a CPU whose own choice
+    # (auto) would take the fp32 one for some M and bit widths.
+    torch.ops.lowbit.cpu_bf16_kernel("always")
+    try:
+        yield
+    finally:
+        torch.ops.lowbit.cpu_isa(before)
+        torch.ops.lowbit.cpu_bf16_kernel("auto")
+
+
 @pytest.fixture(params=DEVICES)
 def device(request):
     """The device name; CPU cases run with the CPU kernels forced to one ISA."""
@@ -50,13 +66,14 @@ def device(request):
     if isa is None:
         yield name
         return
-    before = torch.ops.lowbit.cpu_isa()
-    torch.ops.lowbit.cpu_isa(isa)
-    # The vdpbf16ps GPTQ kernel wherever it applies, on a CPU whose own choice
-    # (auto) would take the fp32 one for some M and bit widths.
-    torch.ops.lowbit.cpu_bf16_kernel("always")
-    try:
+    with _forced_isa(isa):
         yield name
-    finally:
-        torch.ops.lowbit.cpu_isa(before)
-        torch.ops.lowbit.cpu_bf16_kernel("auto")
+
+
+@pytest.fixture(params=_cpu_isas())
+def cpu_isa(request):
+    """For what only the CPU has (the repacked layout): the CPU cases of
+    `device`, the kernels forced to each ISA in turn."""
+    _, isa = request.param
+    with _forced_isa(isa):
+        yield isa

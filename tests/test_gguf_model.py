@@ -130,6 +130,20 @@ def test_load_gguf_model_is_the_replaced_model(models):
     assert max(t.numel() for t in [*built.parameters(), *built.buffers()] if t.is_floating_point()) == 576
 
 
+@pytest.mark.skipif(torch.ops.lowbit.cpu_isa("best") != "avx512", reason="repack=True repacks where AVX-512 VNNI kernels run")
+def test_load_gguf_model_repacked_is_the_same_model(models):
+    """repack=True puts every layer (the file's Q4_1 and Q8_0 ones) in the
+    repacked layout and computes exactly the same logits, prompt and batch."""
+    model, _, _, tokenizer = models
+    packed = lowbit.load_gguf_model(PATH, repack=True)
+    layers = [m for m in packed.modules() if isinstance(m, lowbit.GGUFLinear)]
+    assert len(layers) == 211 and all(m.repacked for m in layers)
+    for prompt in (PROMPT, "Once upon a time, in a land far away, there lived a"):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            torch.testing.assert_close(packed(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
 def test_generate_command_prints_the_continuation(capsys):
     from lowbit.__main__ import main
 
@@ -137,6 +151,8 @@ def test_generate_command_prints_the_continuation(capsys):
     out, err = capsys.readouterr()
     assert out.startswith(" Berlin")
     assert "LlamaForCausalLM" in err and "prefill" in err and "decode" in err
+    assert main(["generate", PATH, PROMPT, "--tokens", "4", "--repack"]) == 0
+    assert capsys.readouterr().out == out
     question = "What is the capital of France?"
     assert main(["generate", PATH, question, "--tokens", "8", "--chat"]) == 0
     out, err = capsys.readouterr()

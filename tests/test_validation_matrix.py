@@ -29,7 +29,7 @@ ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch
               torch.int32, torch.int64, torch.bool)
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 K, N, GS = 256, 64, 32  # GPTQ weight [K, N], 8 groups
-GGML_ROWS, GGML_N, Q4_0, Q8_0 = 12, 512, 2, 8
+GGML_ROWS, GGML_N, Q4_0, Q5_0, Q8_0 = 12, 512, 2, 6, 8
 
 
 @dataclass
@@ -195,6 +195,20 @@ def ggml_mul_mat(op_name):
 
 OPS["ggml_mul_mat_vec_a8"] = ggml_mul_mat("ggml_mul_mat_vec_a8")
 OPS["ggml_mul_mat_a8"] = ggml_mul_mat("ggml_mul_mat_a8")
+OPS["ggml_mul_mat_repacked"] = ggml_mul_mat("ggml_mul_mat_repacked")
+NO_LAYOUT = (lambda kw: {"type": Q5_0, "W": ggml_blocks(Q5_0)}, ValueError, r"type 6 \(Q5_0\) has no repacked layout")
+OPS["ggml_mul_mat_repacked"].values["type without a repacked layout"] = NO_LAYOUT
+OPS["ggml_repack"] = Op(lambda: {"W": ggml_blocks(), "type": Q4_0, "row": GGML_ROWS, "n": GGML_N, "inverse": False}, {
+    "W": Arg((torch.uint8,), rank_free=True),
+}, {
+    "unknown type": (lambda kw: {"type": 99}, ValueError, "type 99 is not a ggml weight type"),
+    "bytes of another type": (lambda kw: {"type": Q8_0}, ValueError, "W has"),
+    "more rows than W holds": (lambda kw: {"row": GGML_ROWS + 1}, ValueError, "W has"),
+    "negative rows": (lambda kw: {"row": -1}, ValueError, "row must be non-negative"),
+    "n not whole blocks": (lambda kw: {"n": GGML_N - 16}, ValueError, "n=496 is not a multiple"),
+    "rows overflow": (lambda kw: {"row": 2**62}, ValueError, "overflow|W has"),
+    "type without a repacked layout": NO_LAYOUT,
+})
 
 
 def strided_copy(t: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@
 
 #include "../core/ggml_blocks.h"
 #include "../core/ggml_q8.h"
+#include "../core/ggml_repack.h"
 #include "../core/ggml_tables.h"
 #include "../core/ggml_types.h"
 #include "../dispatch_ggml.h"
@@ -54,6 +55,21 @@ struct DotVnni {
 bool ggml_mul_mat_avx512(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n,
                          const ggml::ActRow* acts, int64_t M, float* out, int64_t rows) {
   return run_matmul_simd<DotVnni>(type, W, r0, r1, n, acts, M, out, rows);
+}
+
+bool ggml_mul_mat_repacked_avx512(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n,
+                                  const ggml::ActRow* acts, int64_t M, float* out, int64_t rows) {
+  bool ran = false;
+  dispatch_ggml_type(type, [&](auto t) {
+    constexpr ggml::Type T = decltype(t)::value;
+    if constexpr (ggml::has_repacked_layout(T)) {
+      // Whole tiles repacked; the rows past the last one as the file has them.
+      const int64_t r = RepackedFloatGemm<T>::run(W, r0, r1, n, acts, M, out, rows);
+      MatmulSimd<DotVnni, T>::run(W, r, r1, n, acts, M, out, rows);
+      ran = true;
+    }
+  });
+  return ran;
 }
 
 bool ggml_mul_mat_avx512_takes_offsets(int64_t type, int64_t M) {

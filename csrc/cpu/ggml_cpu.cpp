@@ -9,6 +9,7 @@
 
 #include "../core/ggml_blocks.h"
 #include "../core/ggml_q8.h"
+#include "../core/ggml_repack.h"
 #include "../dispatch_ggml.h"
 #include "../ggml_checks.h"
 #include "../ggml_prepare.h"
@@ -108,28 +109,64 @@ void mul_mat_rows_portable(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, 
   }
 }
 
-// out[M, rows] = X[M, n] @ W.T with the activations quantized once per call;
-// tasks own disjoint weight rows and run the SIMD kernel of the active ISA
-// where the type has one.
+// out[:, r0:r1] of X @ W.T by the kernel of the active ISA, where the type has one.
 template <ggml::Type T>
-void mul_mat_quantized(const uint8_t* W, int64_t rows, int64_t n, const float* X, int64_t M, float* out) {
+void mul_mat_rows(Isa isa, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts, int64_t M,
+                  float* out, int64_t rows) {
+  bool done = false;
+#if defined(__x86_64__)
+  const int64_t t = static_cast<int64_t>(T);
+  if (isa == Isa::kAvx512) done = ggml_mul_mat_avx512(t, W, r0, r1, n, acts, M, out, rows);
+  if (isa == Isa::kAvx2) done = ggml_mul_mat_avx2(t, W, r0, r1, n, acts, M, out, rows);
+#endif
+  if (!done) mul_mat_rows_portable<T>(W, r0, r1, n, acts, M, out, rows);
+}
+
+// The rows [r0, r1) of a repacked weight (core/ggml_repack.h; r0 a multiple
+// of its tile rows): the AVX-512 kernel reads the layout as it is; the other
+// ISAs put a few tiles at a time back in the file's layout (in a buffer that
+// stays in cache) and run their own kernel, so that every ISA computes what
+// it computes for the file's layout.
+template <ggml::Type T>
+void mul_mat_repacked_rows(Isa isa, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts,
+                           int64_t M, float* out, int64_t rows) {
+  if constexpr (ggml::has_repacked_layout(T)) {
+#if defined(__x86_64__)
+    if (isa == Isa::kAvx512 && ggml_mul_mat_repacked_avx512(static_cast<int64_t>(T), W, r0, r1, n, acts, M, out, rows))
+      return;
+#endif
+    constexpr int64_t kStep = 4 * ggml::kRepackRows;
+    const int64_t row_bytes = n / TypeInfo<T>::kBlock * TypeInfo<T>::kBytes;
+    std::vector<uint8_t> plain(std::min(kStep, r1 - r0) * row_bytes);
+    for (int64_t s0 = r0; s0 < r1; s0 += kStep) {
+      const int64_t s1 = std::min(r1, s0 + kStep);
+      ggml::repack_rows<T>(W + s0 * row_bytes, plain.data(), s1 - s0, row_bytes, /*inverse=*/true);
+      mul_mat_rows<T>(isa, plain.data(), 0, s1 - s0, n, acts, M, out + s0, rows);
+    }
+  }
+}
+
+// out[M, rows] = X[M, n] @ W.T with the activations quantized once per call;
+// tasks own disjoint weight rows (whole tiles of the SIMD kernels, and of a
+// repacked weight's layout).
+template <ggml::Type T>
+void mul_mat_quantized(const uint8_t* W, int64_t rows, int64_t n, const float* X, int64_t M, float* out,
+                       bool repacked) {
   using I = TypeInfo<T>;
   const Isa isa = active_isa();
   bool offsets = false;
 #if defined(__x86_64__)
-  offsets = isa == Isa::kAvx512 && ggml_mul_mat_avx512_takes_offsets(static_cast<int64_t>(T), M);
+  if (isa == Isa::kAvx512)
+    offsets = repacked ? !I::kHasMin : ggml_mul_mat_avx512_takes_offsets(static_cast<int64_t>(T), M);
 #endif
   const QuantizedActs<I::kAct> quantized(X, M, n, offsets);
   std::vector<ggml::ActRow> acts(M);
   for (int64_t m = 0; m < M; ++m) acts[m] = quantized.row(m);
   parallel_chunks(rows, row_chunk(n, M, rows), [&](int64_t r0, int64_t r1) {
-    bool done = false;
-#if defined(__x86_64__)
-    const int64_t t = static_cast<int64_t>(T);
-    if (isa == Isa::kAvx512) done = ggml_mul_mat_avx512(t, W, r0, r1, n, acts.data(), M, out, rows);
-    if (isa == Isa::kAvx2) done = ggml_mul_mat_avx2(t, W, r0, r1, n, acts.data(), M, out, rows);
-#endif
-    if (!done) mul_mat_rows_portable<T>(W, r0, r1, n, acts.data(), M, out, rows);
+    if (repacked)
+      mul_mat_repacked_rows<T>(isa, W, r0, r1, n, acts.data(), M, out, rows);
+    else
+      mul_mat_rows<T>(isa, W, r0, r1, n, acts.data(), M, out, rows);
   });
 }
 
@@ -150,8 +187,10 @@ void mul_mat_float(const uint8_t* W, int64_t rows, int64_t n, const float* X, in
   });
 }
 
-at::Tensor ggml_mul_mat(const char* op, const at::Tensor& W, const at::Tensor& X, int64_t type, int64_t row) {
+at::Tensor ggml_mul_mat(const char* op, const at::Tensor& W, const at::Tensor& X, int64_t type, int64_t row,
+                        bool repacked = false) {
   check_ggml_matmul(op, W, X, type, row);
+  if (repacked) check_ggml_repacked_type(op, type);
   const at::Tensor x = X.to(at::kFloat).contiguous();
   const int64_t M = x.size(0), n = x.size(1);
   at::Tensor out = at::empty({M, row}, x.options());
@@ -162,7 +201,7 @@ at::Tensor ggml_mul_mat(const char* op, const at::Tensor& W, const at::Tensor& X
       if constexpr (TypeInfo<T>::kFloat) {
         mul_mat_float<T>(w, row, n, x.data_ptr<float>(), M, out.data_ptr<float>());
       } else {
-        mul_mat_quantized<T>(w, row, n, x.data_ptr<float>(), M, out.data_ptr<float>());
+        mul_mat_quantized<T>(w, row, n, x.data_ptr<float>(), M, out.data_ptr<float>(), repacked);
       }
     });
   } else {
@@ -211,6 +250,32 @@ at::Tensor ggml_mul_mat_vec_a8(const at::Tensor& W, const at::Tensor& X, int64_t
 
 at::Tensor ggml_mul_mat_a8(const at::Tensor& W, const at::Tensor& X, int64_t type, int64_t row) {
   return ggml_mul_mat("ggml_mul_mat_a8", W, X, type, row);
+}
+
+at::Tensor ggml_mul_mat_repacked(const at::Tensor& W, const at::Tensor& X, int64_t type, int64_t row) {
+  return ggml_mul_mat("ggml_mul_mat_repacked", W, X, type, row, /*repacked=*/true);
+}
+
+at::Tensor ggml_repack(const at::Tensor& W, int64_t type, int64_t row, int64_t n, bool inverse) {
+  const auto info = check_ggml_weight("ggml_repack", W, type, "row", row, n);
+  check_ggml_repacked_type("ggml_repack", type);
+  at::Tensor out = at::empty_like(W);
+  if (out.numel() == 0) return out;
+  const int64_t row_bytes = n / info.block * info.bytes;
+  const uint8_t* src = W.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  dispatch_ggml_type(type, [&](auto t) {
+    constexpr ggml::Type T = decltype(t)::value;
+    if constexpr (ggml::has_repacked_layout(T)) {
+      // Tasks of whole tiles, each a weight of its own (see repack_rows).
+      const int64_t tiles = (row + ggml::kRepackRows - 1) / ggml::kRepackRows;
+      at::parallel_for(0, tiles, std::max<int64_t>(1, row_grain(n) / ggml::kRepackRows), [&](int64_t t0, int64_t t1) {
+        const int64_t r0 = t0 * ggml::kRepackRows, r1 = std::min(row, t1 * ggml::kRepackRows);
+        ggml::repack_rows<T>(src + r0 * row_bytes, dst + r0 * row_bytes, r1 - r0, row_bytes, inverse);
+      });
+    }
+  });
+  return out;
 }
 
 }  // namespace cpu

@@ -29,6 +29,11 @@ bool ggml_mul_mat_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, i
 bool ggml_mul_mat_avx512(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n,
                          const ggml::ActRow* acts, int64_t M, float* out, int64_t rows);
 bool ggml_mul_mat_avx512_takes_offsets(int64_t type, int64_t M);
+// The same over a repacked weight (core/ggml_repack.h; r0 a multiple of its
+// tile rows), for the types with a repacked layout; the signed ones read
+// acts[m].offset. Returns false for the others.
+bool ggml_mul_mat_repacked_avx512(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n,
+                                  const ggml::ActRow* acts, int64_t M, float* out, int64_t rows);
 
 // Activation blocks [b0, b1) of x (blocks of ActLayout<act>::kBlock) quantized
 // as quantize_act_block<act> does, bit for bit; act is Q8_0, Q8_1 or Q8_K.

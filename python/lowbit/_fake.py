@@ -59,3 +59,13 @@ def _ggml_mul_mat_vec_a8(W, X, type, row):
 @torch.library.register_fake("lowbit::ggml_mul_mat_a8")
 def _ggml_mul_mat_a8(W, X, type, row):
     return X.new_empty((X.shape[0], row))
+
+
+@torch.library.register_fake("lowbit::ggml_mul_mat_repacked")
+def _ggml_mul_mat_repacked(W, X, type, row):
+    return X.new_empty((X.shape[0], row))
+
+
+@torch.library.register_fake("lowbit::ggml_repack")
+def _ggml_repack(W, type, row, n, inverse=False):
+    return torch.empty_like(W)

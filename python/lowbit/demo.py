@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 import lowbit
 from lowbit import smollm2
+from lowbit.gguf_linear import REPACKED_LAYOUT_ISAS
 from lowbit.machine import machine_slug
 
 PROMPT = "The three branches of government are"
@@ -61,6 +62,10 @@ def run_real_model(path: str, quick: bool, heldout_tokens: int) -> None:
     heldout = tokenizer(smollm2.shipped_text("heldout.txt"), return_tensors="pt").input_ids[0][:heldout_tokens]
     calibration = calibration_batches(tokenizer)
     models = [("fp32 reference", fp32), ("GGUF Q4_1 (as shipped)", gguf)]
+    if torch.ops.lowbit.cpu_isa() in REPACKED_LAYOUT_ISAS:
+        # The same file's layers in the CPU kernels' repacked layout: the same outputs bit for bit,
+        # so the same perplexity; the speed columns show what the layout is worth on this CPU.
+        models.append(("GGUF Q4_1, repacked layout", lowbit.load_gguf_model(path, repack=True)))
     rows_spec = QUICK_ROWS if quick else GPTQ_ROWS
     for label, bits, sym, desc_act, fmt in tqdm(rows_spec, desc="GPTQ quantization"):
         quantized = copy.deepcopy(fp32)
@@ -115,7 +120,11 @@ def write_results(table: str, rows, seconds: float) -> None:
         print(f"wrote {base}.md (matplotlib not installed: no plot)")
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    plotted = set()
     for label, bpw, _, m in rows:
+        if (bpw, m.perplexity) in plotted:  # the repacked layout: the same point again
+            continue
+        plotted.add((bpw, m.perplexity))
         ax.scatter(bpw, m.perplexity)
         ax.annotate(label, (bpw, m.perplexity), fontsize=7, xytext=(4, 2), textcoords="offset points")
     ax.set_xlabel("bits per weight (decoder Linears)")

@@ -1,5 +1,7 @@
 """GGUFLinear: an nn.Linear replacement that keeps a GGUF weight's quantized
 blocks (not a dequantized copy) and multiplies through torch.ops.lowbit."""
+import functools
+import warnings
 from typing import Optional
 
 import torch
@@ -10,6 +12,42 @@ from torch import nn
 VEC_MAX_M = 8
 
 
+@functools.lru_cache(maxsize=None)
+def has_repacked_layout(qtype: int) -> bool:
+    """Whether ggml type `qtype` has the CPU kernels' repacked layout (the
+    table lives with the kernels: this asks torch.ops.lowbit.ggml_repack)."""
+    block, _ = torch.ops.lowbit.ggml_type_info(qtype)
+    try:
+        torch.ops.lowbit.ggml_repack(torch.empty(0, dtype=torch.uint8), qtype, 0, block)
+    except ValueError:
+        return False
+    return True
+
+
+# The CPU kernels that read the repacked layout as it is; the others put the
+# rows back into the file's layout on every call (correct, but several times
+# slower than the file's layout).
+REPACKED_LAYOUT_ISAS = ("avx512",)
+
+
+def repack_model(model: nn.Module) -> list[str]:
+    """GGUFLinear.repack() on every GGUFLinear of `model` on the CPU whose
+    type has the layout; returns their names. Where the active CPU kernels do
+    not read the layout (torch.ops.lowbit.cpu_isa() not AVX-512 VNNI), it
+    warns and leaves every layer as it is."""
+    isa = torch.ops.lowbit.cpu_isa()
+    if isa not in REPACKED_LAYOUT_ISAS:
+        warnings.warn(f"lowbit.repack_model: this CPU's {isa} kernels would put the repacked rows back on every "
+                      f"call; the layers stay in the file's layout (the layout pays with AVX-512 VNNI)")
+        return []
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, GGUFLinear) and module.qweight.device.type == "cpu" and has_repacked_layout(module.qtype):
+            module.repack()
+            names.append(name)
+    return names
+
+
 class GGUFLinear(nn.Module):
     """y = x @ W.T + b with W stored as raw ggml blocks of type `qtype`.
 
@@ -17,6 +55,13 @@ class GGUFLinear(nn.Module):
     the rows exactly as a GGUF file stores them) and `bias` (optional).
     Activations may have any leading batch dims and be fp32, fp16 or bf16;
     the output has the activations' dtype.
+
+    `repack()` reorders qweight (on the CPU, for Q4_0, Q4_1, Q8_0 and IQ4_NL)
+    into the interleaved layout the AVX-512 VNNI kernels read 16 rows at a
+    time (torch.ops.lowbit.ggml_repack): the same results bit for bit, faster
+    on those CPUs (elsewhere each call puts the rows back first). The layer
+    keeps the file's layout everywhere else: its state_dict, dequantize(),
+    and a move to another device.
     """
 
     def __init__(self, in_features: int, out_features: int, qtype: int, bias: bool = True,
@@ -35,6 +80,7 @@ class GGUFLinear(nn.Module):
             self.register_buffer("bias", torch.zeros(out_features, dtype=dtype or torch.float32, device=device))
         else:
             self.bias = None
+        self.repacked = False
 
     @classmethod
     def from_raw(cls, qweight: torch.Tensor, qtype: int, in_features: int,
@@ -66,7 +112,9 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] <= VEC_MAX_M:
+        if self.repacked:
+            y = torch.ops.lowbit.ggml_mul_mat_repacked(self.qweight, x2, self.qtype, self.out_features)
+        elif x2.shape[0] <= VEC_MAX_M:
             y = torch.ops.lowbit.ggml_mul_mat_vec_a8(self.qweight, x2, self.qtype, self.out_features)
         else:
             y = torch.ops.lowbit.ggml_mul_mat_a8(self.qweight, x2, self.qtype, self.out_features)
@@ -76,7 +124,51 @@ class GGUFLinear(nn.Module):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight [out_features, in_features]."""
-        return torch.ops.lowbit.ggml_dequantize(self.qweight, self.qtype, self.out_features, self.in_features, dtype)
+        return torch.ops.lowbit.ggml_dequantize(self.file_layout_qweight(), self.qtype, self.out_features,
+                                                self.in_features, dtype)
+
+    def repack(self) -> "GGUFLinear":
+        """qweight in the CPU kernels' interleaved layout, in place; returns self."""
+        if self.qweight.device.type != "cpu":
+            raise ValueError(f"GGUFLinear.repack: the repacked layout is the CPU kernels'; qweight is on "
+                             f"{self.qweight.device}")
+        if not self.repacked:
+            self.qweight = self._reorder(inverse=False)
+            self.repacked = True
+        return self
+
+    def unrepack(self) -> "GGUFLinear":
+        """qweight back in the file's layout, in place; returns self."""
+        if self.repacked:
+            self.qweight = self._reorder(inverse=True)
+            self.repacked = False
+        return self
+
+    def file_layout_qweight(self) -> torch.Tensor:
+        """qweight as the file stores it (a reordered copy when repacked)."""
+        return self._reorder(inverse=True) if self.repacked else self.qweight
+
+    def _reorder(self, inverse: bool) -> torch.Tensor:
+        return torch.ops.lowbit.ggml_repack(self.qweight, self.qtype, self.out_features, self.in_features, inverse)
+
+    def _apply(self, fn, recurse=True):
+        # Only the CPU kernels read the repacked layout: going anywhere else,
+        # the bytes go back to the file's layout first.
+        if self.repacked and fn(torch.empty(0, dtype=torch.uint8)).device.type != "cpu":
+            self.unrepack()
+        return super()._apply(fn, recurse)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.repacked:  # a state dict holds the file's layout, whatever loads it
+            destination[prefix + "qweight"] = self.file_layout_qweight()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.repacked:  # the file's layout was copied in
+            self.repacked = False
+            self.repack()
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}, "
+                f"bias={self.bias is not None}" + (", repacked=True" if self.repacked else ""))

@@ -1,0 +1,189 @@
+"""The repacked layout (torch.ops.lowbit.ggml_repack, csrc/core/ggml_repack.h)
+and the matmul over it (ggml_mul_mat_repacked), and GGUFLinear.repack().
+
+The layout is checked byte by byte against a NumPy statement of it written
+from its description here; the matmul must give exactly (bit for bit) what
+ggml_mul_mat_a8 / ggml_mul_mat_vec_a8 give for the file's layout, under
+every CPU ISA, for every batch size, with and without rows past the last
+whole 16-row tile. The file-layout ops are themselves checked against
+gguf-py (test_gguf_ops.py)."""
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import gguf_blocks as gb
+import lowbit
+
+ops = torch.ops.lowbit
+REPACKED = ["Q4_0", "Q4_1", "Q8_0", "IQ4_NL"]
+N = 512
+TILE = 16
+
+
+def blocks(name, rows, seed=0):
+    return gb.random_blocks(np.random.default_rng([seed, gb.type_id(name), rows]), name, rows, N)
+
+
+def numpy_repack(raw: np.ndarray, name: str) -> np.ndarray:
+    """The layout as documented: per tile of 16 rows and per block, each
+    fp16 field (d, then m where the type has mins) of the 16 rows, then each
+    4-byte word of the quants of the 16 rows; rows past the last whole tile
+    as they were."""
+    rows = raw.shape[0]
+    _, block_bytes = ops.ggml_type_info(gb.type_id(name))
+    halves = 2 if name == "Q4_1" else 1
+    blk = raw.reshape(rows, -1, block_bytes)
+    out = raw.copy()
+    for t in range(rows // TILE):
+        tile = blk[t * TILE:(t + 1) * TILE]  # [16, blocks, bytes]
+        parts = []
+        for b in range(tile.shape[1]):
+            fields = [tile[:, b, 2 * h:2 * h + 2] for h in range(halves)]
+            words = [tile[:, b, 2 * halves + 4 * w:2 * halves + 4 * w + 4]
+                     for w in range((block_bytes - 2 * halves) // 4)]
+            parts += [f.reshape(-1) for f in fields + words]
+        out[t * TILE:(t + 1) * TILE] = np.concatenate(parts).reshape(TILE, -1)
+    return out
+
+
+@pytest.mark.parametrize("name", REPACKED)
+@pytest.mark.parametrize("rows", [5, 16, 40])  # no whole tile; one; two and 8 rows past them
+def test_layout_is_the_documented_one_and_inverts(name, rows):
+    raw = blocks(name, rows)
+    W = torch.from_numpy(raw)
+    packed = ops.ggml_repack(W, gb.type_id(name), rows, N)
+    assert packed.shape == W.shape and packed.dtype == torch.uint8
+    np.testing.assert_array_equal(packed.numpy(), numpy_repack(raw, name))
+    assert rows < TILE or not torch.equal(packed, W)
+    assert torch.equal(ops.ggml_repack(packed, gb.type_id(name), rows, N, True), W)
+
+
+@pytest.mark.parametrize("name", REPACKED)
+@pytest.mark.parametrize("rows", [40, 64])
+def test_matmul_equals_the_file_layout_bit_for_bit(cpu_isa, name, rows):
+    """Every batch size (the fused passes take activation rows in pairs, so
+    odd M too) against both file-layout ops, on every ISA (AVX-512 reads the
+    layout; the others put the rows back and run their own kernel)."""
+    t = gb.type_id(name)
+    W = torch.from_numpy(blocks(name, rows))
+    packed = ops.ggml_repack(W, t, rows, N)
+    g = torch.Generator().manual_seed(rows)
+    for M in (1, 2, 3, 5, 8, 9, 33):
+        x = torch.randn(M, N, generator=g) * torch.logspace(-2, 2, N)  # activation blocks of every scale
+        got = ops.ggml_mul_mat_repacked(packed, x, t, rows)
+        assert torch.equal(got, ops.ggml_mul_mat_a8(W, x, t, rows)), M
+        assert torch.equal(got, ops.ggml_mul_mat_vec_a8(W, x, t, rows)), M
+        for dtype in (torch.float16, torch.bfloat16):
+            assert torch.equal(ops.ggml_mul_mat_repacked(packed, x.to(dtype), t, rows),
+                               ops.ggml_mul_mat_a8(W, x.to(dtype), t, rows))
+    assert ops.ggml_mul_mat_repacked(packed, torch.zeros(0, N), t, rows).shape == (0, rows)
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    t = gb.type_id("Q4_0")
+    W = torch.from_numpy(blocks("Q4_0", 16 * 40))
+    packed = ops.ggml_repack(W, t, W.shape[0], N)
+    x = torch.randn(3, N)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append(ops.ggml_mul_mat_repacked(packed, x, t, W.shape[0]))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1])
+
+
+def test_types_without_the_layout_are_refused():
+    raw = torch.from_numpy(blocks("Q4_K", 16))
+    with pytest.raises(ValueError, match=r"^ggml_repack: type 12 \(Q4_K\) has no repacked layout; the types with one"):
+        ops.ggml_repack(raw, 12, 16, N)
+    with pytest.raises(ValueError, match=r"^ggml_mul_mat_repacked: type 12 \(Q4_K\) has no repacked layout"):
+        ops.ggml_mul_mat_repacked(raw, torch.randn(1, N), 12, 16)
+    assert [lowbit.gguf_linear.has_repacked_layout(gb.type_id(n)) for n in ("Q4_0", "Q4_K", "Q8_0", "F16")] == \
+        [True, False, True, False]
+
+
+def test_opcheck_and_compile():
+    for name in REPACKED:
+        t = gb.type_id(name)
+        W = torch.from_numpy(blocks(name, 40))
+        torch.library.opcheck(ops.ggml_repack, (W, t, 40, N))
+        torch.library.opcheck(ops.ggml_repack, (W, t, 40, N, True))
+        packed = ops.ggml_repack(W, t, 40, N)
+        for M in (1, 5):
+            torch.library.opcheck(ops.ggml_mul_mat_repacked, (packed, torch.randn(M, N), t, 40))
+
+    t = gb.type_id("Q4_1")
+    packed = ops.ggml_repack(torch.from_numpy(blocks("Q4_1", 40)), t, 40, N)
+
+    @torch.compile(fullgraph=True, dynamic=True)
+    def f(x):
+        return torch.relu(ops.ggml_mul_mat_repacked(packed, x, t, 40)) + 1
+
+    for M in (1, 6):
+        x = torch.randn(M, N)
+        assert torch.equal(f(x), torch.relu(ops.ggml_mul_mat_repacked(packed, x, t, 40)) + 1)
+
+
+def layer(name="Q4_0", out=40):
+    return lowbit.GGUFLinear.from_raw(torch.from_numpy(blocks(name, out)), gb.type_id(name), N, torch.randn(out))
+
+
+@pytest.mark.parametrize("name", REPACKED)
+def test_gguf_linear_repack_computes_the_same(name):
+    plain = layer(name)
+    packed = copy.deepcopy(plain).repack()
+    assert packed.repacked and "repacked=True" in repr(packed)
+    assert not torch.equal(packed.qweight, plain.qweight) and packed.qweight.shape == plain.qweight.shape
+    for shape in ((1, N), (3, N), (2, 9, N)):
+        x = torch.randn(shape)
+        assert torch.equal(packed(x), plain(x))
+    assert torch.equal(packed.dequantize(), plain.dequantize())
+    assert torch.equal(packed.file_layout_qweight(), plain.qweight)
+    assert torch.equal(torch.compile(packed, fullgraph=True)(x), plain(x))
+    assert torch.equal(packed.unrepack().qweight, plain.qweight) and not packed.repacked
+
+
+def test_gguf_linear_state_dict_and_moves_keep_the_file_layout():
+    plain = layer()
+    packed = copy.deepcopy(plain).repack()
+    x = torch.randn(2, N)
+    # A state dict holds the file's layout, loaded into a plain layer or a repacked one.
+    assert torch.equal(packed.state_dict()["qweight"], plain.qweight)
+    fresh = lowbit.GGUFLinear(N, 40, gb.type_id("Q4_0"))
+    fresh.load_state_dict(packed.state_dict())
+    assert torch.equal(fresh.qweight, plain.qweight) and torch.equal(fresh(x), plain(x))
+    other = lowbit.GGUFLinear(N, 40, gb.type_id("Q4_0")).repack()
+    other.load_state_dict(plain.state_dict())
+    assert other.repacked and torch.equal(other.qweight, packed.qweight) and torch.equal(other(x), plain(x))
+    # Off the CPU (meta stands in for a GPU here) the bytes go back to the file's layout.
+    moved = copy.deepcopy(packed).to("meta")
+    assert not moved.repacked and moved.qweight.device.type == "meta"
+    assert copy.deepcopy(packed).to(torch.bfloat16).repacked  # a dtype change stays on the CPU
+    with pytest.raises(ValueError, match="GGUFLinear.repack: the repacked layout is the CPU kernels'; qweight is on meta"):
+        moved.repack()
+
+
+@pytest.mark.skipif(torch.ops.lowbit.cpu_isa("best") != "avx512", reason="repack_model repacks where AVX-512 VNNI kernels run")
+def test_repack_model_takes_the_layers_with_a_layout():
+    model = torch.nn.ModuleDict({"a": layer("Q4_0"), "k": lowbit.GGUFLinear(N, 16, gb.type_id("Q4_K")),
+                                 "c": layer("Q8_0", out=24)})
+    x = torch.randn(3, N)
+    before = {name: m(x) for name, m in model.items()}
+    assert lowbit.repack_model(model) == ["a", "c"]
+    assert [m.repacked for m in model.values()] == [True, False, True]
+    assert all(torch.equal(m(x), before[name]) for name, m in model.items())
+    # Where the kernels would put the rows back on every call, nothing is repacked.
+    model = torch.nn.ModuleDict({"a": layer("Q4_0")})
+    before = torch.ops.lowbit.cpu_isa()
+    try:
+        torch.ops.lowbit.cpu_isa("portable")
+        with pytest.warns(UserWarning, match="this CPU's portable kernels would put the repacked rows back"):
+            assert lowbit.repack_model(model) == []
+    finally:
+        torch.ops.lowbit.cpu_isa(before)
+    assert not model["a"].repacked
