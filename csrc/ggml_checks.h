@@ -56,7 +56,7 @@ inline void check_ggml_repacked_type(const char* op, int64_t type) {
 #undef LOWBIT_GGML_REPACKED
   }
   TORCH_CHECK_VALUE(has, op, ": type ", type, " (", ggml::runtime_info(type).name,
-                    ") has no repacked layout; the types with one are Q4_0 (2), Q4_1 (3), Q8_0 (8) and IQ4_NL (20)");
+                    ") has no repacked layout; the types with one are Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12) and IQ4_NL (20)");
 }
 
 }  // namespace lowbit

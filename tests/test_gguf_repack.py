@@ -17,7 +17,7 @@ import gguf_blocks as gb
 import lowbit
 
 ops = torch.ops.lowbit
-REPACKED = ["Q4_0", "Q4_1", "Q8_0", "IQ4_NL"]
+REPACKED = ["Q4_0", "Q4_1", "Q8_0", "IQ4_NL", "Q4_K"]
 N = 512
 TILE = 16
 
@@ -33,7 +33,7 @@ def numpy_repack(raw: np.ndarray, name: str) -> np.ndarray:
     as they were."""
     rows = raw.shape[0]
     _, block_bytes = ops.ggml_type_info(gb.type_id(name))
-    halves = 2 if name == "Q4_1" else 1
+    halves = 2 if name in ("Q4_1", "Q4_K") else 1
     blk = raw.reshape(rows, -1, block_bytes)
     out = raw.copy()
     for t in range(rows // TILE):
@@ -63,14 +63,15 @@ def test_layout_is_the_documented_one_and_inverts(name, rows):
 @pytest.mark.parametrize("name", REPACKED)
 @pytest.mark.parametrize("rows", [40, 64])
 def test_matmul_equals_the_file_layout_bit_for_bit(cpu_isa, name, rows):
-    """Every batch size (the fused passes take activation rows in pairs, so
-    odd M too) against both file-layout ops, on every ISA (AVX-512 reads the
-    layout; the others put the rows back and run their own kernel)."""
+    """Every batch size (the passes take activation rows in pairs, so odd M
+    too; Q4_K goes through the GEMM driver from M = 64) against both
+    file-layout ops, on every ISA (AVX-512 reads the layout; the others put
+    the rows back and run their own kernel)."""
     t = gb.type_id(name)
     W = torch.from_numpy(blocks(name, rows))
     packed = ops.ggml_repack(W, t, rows, N)
     g = torch.Generator().manual_seed(rows)
-    for M in (1, 2, 3, 5, 8, 9, 33):
+    for M in (1, 2, 3, 5, 8, 9, 33, 64, 65):
         x = torch.randn(M, N, generator=g) * torch.logspace(-2, 2, N)  # activation blocks of every scale
         got = ops.ggml_mul_mat_repacked(packed, x, t, rows)
         assert torch.equal(got, ops.ggml_mul_mat_a8(W, x, t, rows)), M
@@ -98,13 +99,13 @@ def test_results_do_not_depend_on_the_thread_count():
 
 
 def test_types_without_the_layout_are_refused():
-    raw = torch.from_numpy(blocks("Q4_K", 16))
-    with pytest.raises(ValueError, match=r"^ggml_repack: type 12 \(Q4_K\) has no repacked layout; the types with one"):
-        ops.ggml_repack(raw, 12, 16, N)
-    with pytest.raises(ValueError, match=r"^ggml_mul_mat_repacked: type 12 \(Q4_K\) has no repacked layout"):
-        ops.ggml_mul_mat_repacked(raw, torch.randn(1, N), 12, 16)
-    assert [lowbit.gguf_linear.has_repacked_layout(gb.type_id(n)) for n in ("Q4_0", "Q4_K", "Q8_0", "F16")] == \
-        [True, False, True, False]
+    raw = torch.from_numpy(blocks("Q6_K", 16))
+    with pytest.raises(ValueError, match=r"^ggml_repack: type 14 \(Q6_K\) has no repacked layout; the types with one"):
+        ops.ggml_repack(raw, 14, 16, N)
+    with pytest.raises(ValueError, match=r"^ggml_mul_mat_repacked: type 14 \(Q6_K\) has no repacked layout"):
+        ops.ggml_mul_mat_repacked(raw, torch.randn(1, N), 14, 16)
+    assert [lowbit.gguf_linear.has_repacked_layout(gb.type_id(n)) for n in ("Q4_0", "Q4_K", "Q6_K", "F16")] == \
+        [True, True, False, False]
 
 
 def test_opcheck_and_compile():
@@ -170,7 +171,7 @@ def test_gguf_linear_state_dict_and_moves_keep_the_file_layout():
 
 @pytest.mark.skipif(torch.ops.lowbit.cpu_isa("best") != "avx512", reason="repack_model repacks where AVX-512 VNNI kernels run")
 def test_repack_model_takes_the_layers_with_a_layout():
-    model = torch.nn.ModuleDict({"a": layer("Q4_0"), "k": lowbit.GGUFLinear(N, 16, gb.type_id("Q4_K")),
+    model = torch.nn.ModuleDict({"a": layer("Q4_0"), "k": lowbit.GGUFLinear(N, 16, gb.type_id("Q6_K")),
                                  "c": layer("Q8_0", out=24)})
     x = torch.randn(3, N)
     before = {name: m(x) for name, m in model.items()}

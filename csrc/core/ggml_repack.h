@@ -25,10 +25,11 @@ namespace ggml {
 
 constexpr int kRepackRows = 16;
 
-// The types with a repacked layout and kernels for it: the one-scale
-// 32-element types whose quants are whole 4-byte words after 2-byte scales.
+// The types with a repacked layout and kernels for it: fp16 scale fields
+// (1 + has_min of them) first, then whole 4-byte words (Q4_K's 12 bytes of
+// 6-bit scales and mins, then its quants).
 constexpr bool has_repacked_layout(Type t) {
-  return t == Type::Q4_0 || t == Type::Q4_1 || t == Type::Q8_0 || t == Type::IQ4_NL;
+  return t == Type::Q4_0 || t == Type::Q4_1 || t == Type::Q8_0 || t == Type::IQ4_NL || t == Type::Q4_K;
 }
 
 // Where byte j of a row's block goes within the repacked block of its tile,

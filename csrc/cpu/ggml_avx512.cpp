@@ -64,7 +64,8 @@ bool ggml_mul_mat_repacked_avx512(int64_t type, const uint8_t* W, int64_t r0, in
     constexpr ggml::Type T = decltype(t)::value;
     if constexpr (ggml::has_repacked_layout(T)) {
       // Whole tiles repacked; the rows past the last one as the file has them.
-      const int64_t r = RepackedFloatGemm<T>::run(W, r0, r1, n, acts, M, out, rows);
+      using Form = std::conditional_t<(ggml::TypeInfo<T>::kBlock == 32), RepackedFloatGemm<T>, RepackedIntGemm<T>>;
+      const int64_t r = Form::run(W, r0, r1, n, acts, M, out, rows);
       MatmulSimd<DotVnni, T>::run(W, r, r1, n, acts, M, out, rows);
       ran = true;
     }
