@@ -281,6 +281,47 @@ struct FloatGemm {
   static __m512 total(const __m512* a) { return lane_order_sum(I::kHasMin ? _mm512_add_ps(a[0], a[8]) : a[0], a); }
 };
 
+// Activation rows per pass of the repacked kernels over a tile: their fp32
+// sums and the decoded levels fill the registers.
+constexpr int kRepackedPassRows = 2;
+// Tile bytes in flight ahead of a pass's loads: each pass reads its tile as
+// one sequential stream, which Zen 4's hardware prefetcher alone does not
+// keep up with (as for the file layout's rows, ggml_matmul_simd.h).
+constexpr int kRepackedPrefetchBytes = 4096;
+
+// Prefetches the `bytes` bytes kRepackedPrefetchBytes past p.
+inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + kRepackedPrefetchBytes + off, _MM_HINT_T0);
+}
+
+// The repacked kernels' driver: rows r0 .. r0 + 16 * tiles (r0 a tile's first
+// row) against M activation rows, Repacked::pass<MT> over each tile per pair
+// of them (the one left over alone), Repacked::total into out; returns the
+// first row it did not take (past the last whole tile, in the file's layout).
+template <class Repacked>
+int64_t run_passes(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts, int64_t M,
+                   float* out, int64_t rows) {
+  using I = typename Repacked::I;
+  static_assert(kRepackedPassRows == 2, "the one row left over passes alone");
+  const int64_t blocks = n / I::kBlock, row_bytes = blocks * I::kBytes;
+  int64_t r = r0;
+  for (; r + ggml::kRepackRows <= r1; r += ggml::kRepackRows)
+    for (int64_t m0 = 0; m0 < M; m0 += kRepackedPassRows) {
+      const auto rows_pass = [&](auto mt) {
+        constexpr int MT = decltype(mt)::value;
+        __m512 acc[MT][Repacked::kAccs];
+        Repacked::template pass<MT>(W + r * row_bytes, blocks, acts + m0, acc);
+        for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + (m0 + m) * rows + r, Repacked::total(acc[m]));
+      };
+      if (M - m0 >= kRepackedPassRows)
+        rows_pass(std::integral_constant<int, kRepackedPassRows>{});
+      else
+        rows_pass(std::integral_constant<int, 1>{});
+    }
+  return r;
+}
+
 // FloatGemm's arithmetic over a repacked weight (core/ggml_repack.h): a
 // block's 16 rows already lie one to a lane, so decoding is cutting nibbles
 // (or flipping Q8_0's sign bits) in 512-bit registers, with no per-row decode
@@ -301,14 +342,8 @@ struct RepackedFloatGemm {
   static constexpr int kHalves = 1 + I::kHasMin;                             // fp16 fields per block
   static constexpr int kWords = (I::kBytes - 2 * kHalves) / 4;               // 4-byte words of quants
   static constexpr int64_t kTileBlockBytes = ggml::kRepackRows * I::kBytes;  // one block of the tile's rows
-  // Activation rows per pass over a tile: their fp32 sums (Float::kAccs
-  // each) and the levels fill the registers.
-  static constexpr int kPassRows = 2;
-  static_assert(kPassRows == 2, "run() passes the one row left over alone");
-  // Tile bytes in flight ahead of the loads: each pass reads its tile as one
-  // sequential stream, which Zen 4's hardware prefetcher alone does not keep
-  // up with (as for the file layout's rows, ggml_matmul_simd.h).
-  static constexpr int kPrefetchBytes = 4096;
+  static constexpr int kAccs = Float::kAccs;
+  static __m512 total(const __m512* a) { return Float::total(a); }
 
   // A nibble as FloatGemm's unsigned level: Q4_1's as it is, Q4_0's
   // (nibble - 8) + 128, IQ4_NL's table value + 128.
@@ -328,13 +363,12 @@ struct RepackedFloatGemm {
   // The tile (its first byte at `tile`, `blocks` blocks) against MT
   // activation rows: acc[m] as FloatGemm::step leaves it after every block.
   template <int MT>
-  static void pass(const uint8_t* tile, int64_t blocks, const ggml::ActRow* a, __m512 (&acc)[MT][Float::kAccs]) {
+  static void pass(const uint8_t* tile, int64_t blocks, const ggml::ActRow* a, __m512 (&acc)[MT][kAccs]) {
     for (int m = 0; m < MT; ++m)
-      for (int g = 0; g < Float::kAccs; ++g) acc[m][g] = _mm512_setzero_ps();
+      for (int g = 0; g < kAccs; ++g) acc[m][g] = _mm512_setzero_ps();
     for (int64_t bi = 0; bi < blocks; ++bi) {
       const uint8_t* b = tile + bi * kTileBlockBytes;
-      for (int off = 0; off < kTileBlockBytes; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(b) + kPrefetchBytes + off, _MM_HINT_T0);
+      prefetch_ahead(b, kTileBlockBytes);
       __m512 ds[MT];  // d_w * d_x
       for (int m = 0; m < MT; ++m) ds[m] = _mm512_mul_ps(half16(b), _mm512_set1_ps(a[m].d[bi]));
       const int64_t e = bi * I::kBlock;
@@ -365,27 +399,9 @@ struct RepackedFloatGemm {
     }
   }
 
-  // Rows r0 .. r0 + 16 * tiles (r0 a tile's first row) against all M
-  // activation rows; returns the first row it did not take (past the last
-  // whole tile, in the file's layout).
   static int64_t run(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts, int64_t M,
                      float* out, int64_t rows) {
-    const int64_t blocks = n / I::kBlock, row_bytes = blocks * I::kBytes;
-    int64_t r = r0;
-    for (; r + ggml::kRepackRows <= r1; r += ggml::kRepackRows)
-      for (int64_t m0 = 0; m0 < M; m0 += kPassRows) {
-        const auto rows_pass = [&](auto mt) {
-          constexpr int MT = decltype(mt)::value;
-          __m512 acc[MT][Float::kAccs];
-          pass<MT>(W + r * row_bytes, blocks, acts + m0, acc);
-          for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + (m0 + m) * rows + r, Float::total(acc[m]));
-        };
-        if (M - m0 >= kPassRows)
-          rows_pass(std::integral_constant<int, kPassRows>{});
-        else
-          rows_pass(std::integral_constant<int, 1>{});
-      }
-    return r;
+    return run_passes<RepackedFloatGemm>(W, r0, r1, n, acts, M, out, rows);
   }
 };
 
@@ -409,9 +425,7 @@ struct RepackedIntGemm {
   static_assert(T == ggml::Type::Q4_K, "the integer-form type with a repacked layout");
   static constexpr int64_t kTileBlockBytes = ggml::kRepackRows * I::kBytes;
   static constexpr int kAccs = 8;  // fp32 lanes per activation row: block % 8
-  static constexpr int kPassRows = 2;
-  static_assert(kPassRows == 2, "run() passes the one row left over alone");
-  static constexpr int kPrefetchBytes = 4096;  // see RepackedFloatGemm
+  static __m512 total(const __m512* a) { return Int::total(a); }
 
   // Byte `Byte` of every dword lane of v as an int32, or with `Both` in
   // both int16 halves (the form vpdpwssd multiplies a pair of int16 sums by).
@@ -451,8 +465,7 @@ struct RepackedIntGemm {
     using Block = typename IntGemm<T>::Block;
     static void decode(const uint8_t* tile, int64_t /*row_bytes*/, int64_t bi, int /*count*/, Block& out) {
       const uint8_t* b = tile + bi * kTileBlockBytes;
-      for (int off = 0; off < kTileBlockBytes; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(b) + kPrefetchBytes + off, _MM_HINT_T0);
+      prefetch_ahead(b, kTileBlockBytes);
       __m512i sc[8], mn[8];
       scales(b, sc, mn);
       for (int s = 0; s < 8; ++s) out.scale[s] = sc[s], out.coef[s] = mn[s];
@@ -476,8 +489,7 @@ struct RepackedIntGemm {
       for (int j = 0; j < kAccs; ++j) acc[m][j] = _mm512_setzero_ps();
     for (int64_t bi = 0; bi < blocks; ++bi) {
       const uint8_t* b = tile + bi * kTileBlockBytes;
-      for (int off = 0; off < kTileBlockBytes; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(b) + kPrefetchBytes + off, _MM_HINT_T0);
+      prefetch_ahead(b, kTileBlockBytes);
       __m512i sc[8], mn[8];
       scales(b, sc, mn);
       const __m512i low4 = _mm512_set1_epi8(0x0f);
@@ -521,22 +533,7 @@ struct RepackedIntGemm {
   static int64_t run(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts, int64_t M,
                      float* out, int64_t rows) {
     if (M >= kGemmRows) return GemmVnni<Form>::run(W, r0, r1, n, acts, M, out, rows);
-    const int64_t blocks = n / I::kBlock, row_bytes = blocks * I::kBytes;
-    int64_t r = r0;
-    for (; r + ggml::kRepackRows <= r1; r += ggml::kRepackRows)
-      for (int64_t m0 = 0; m0 < M; m0 += kPassRows) {
-        const auto rows_pass = [&](auto mt) {
-          constexpr int MT = decltype(mt)::value;
-          __m512 acc[MT][kAccs];
-          pass<MT>(W + r * row_bytes, blocks, acts + m0, acc);
-          for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + (m0 + m) * rows + r, Int::total(acc[m]));
-        };
-        if (M - m0 >= kPassRows)
-          rows_pass(std::integral_constant<int, kPassRows>{});
-        else
-          rows_pass(std::integral_constant<int, 1>{});
-      }
-    return r;
+    return run_passes<RepackedIntGemm>(W, r0, r1, n, acts, M, out, rows);
   }
 };
 
