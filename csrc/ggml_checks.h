@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 #include <c10/util/safe_numerics.h>
 
+#include <string>
+
 #include "core/ggml_repack.h"
 #include "core/ggml_types.h"
 #include "gptq_checks.h"
@@ -44,19 +46,19 @@ inline ggml::RuntimeInfo check_ggml_matmul(const char* op, const at::Tensor& W, 
   return check_ggml_weight(op, W, type, "row", rows, X.size(1));
 }
 
-// Refuses a type without a repacked layout (core/ggml_repack.h).
+// Refuses a type without a repacked layout (core/ggml_repack.h), naming those with one.
 inline void check_ggml_repacked_type(const char* op, int64_t type) {
   bool has = false;
-  switch (type) {
+  std::string with;
 #define LOWBIT_GGML_REPACKED(name, id, block, bytes, sub, has_min, act) \
-  case id:                                                            \
-    has = ggml::has_repacked_layout(ggml::Type::name);                \
-    break;
-    LOWBIT_GGML_TYPES(LOWBIT_GGML_REPACKED)
-#undef LOWBIT_GGML_REPACKED
+  if (ggml::has_repacked_layout(ggml::Type::name)) {                  \
+    has = has || type == id;                                          \
+    with += std::string(with.empty() ? "" : ", ") + #name " (" #id ")"; \
   }
+  LOWBIT_GGML_TYPES(LOWBIT_GGML_REPACKED)
+#undef LOWBIT_GGML_REPACKED
   TORCH_CHECK_VALUE(has, op, ": type ", type, " (", ggml::runtime_info(type).name,
-                    ") has no repacked layout; the types with one are Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12) and IQ4_NL (20)");
+                    ") has no repacked layout; the types with one are ", with);
 }
 
 }  // namespace lowbit

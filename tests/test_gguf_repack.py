@@ -17,7 +17,12 @@ import gguf_blocks as gb
 import lowbit
 
 ops = torch.ops.lowbit
-REPACKED = ["Q4_0", "Q4_1", "Q8_0", "IQ4_NL", "Q4_K"]
+REPACKED = ["Q4_0", "Q4_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]
+# Each type's 2-byte fields as (first byte in the file's block, count): the
+# fp16 d, then m / dmin, and IQ4_XS's 16-bit scales_h; 2-, 3- and 6-bit
+# K-quants keep theirs at the block's end. Any other type: d at byte 0.
+FIELDS = {"Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "IQ4_XS": (0, 2), "Q2_K": (80, 2), "Q3_K": (108, 1),
+          "Q6_K": (208, 1)}
 N = 512
 TILE = 16
 
@@ -28,21 +33,21 @@ def blocks(name, rows, seed=0):
 
 def numpy_repack(raw: np.ndarray, name: str) -> np.ndarray:
     """The layout as documented: per tile of 16 rows and per block, each
-    fp16 field (d, then m where the type has mins) of the 16 rows, then each
-    4-byte word of the quants of the 16 rows; rows past the last whole tile
-    as they were."""
+    2-byte field (FIELDS) of the 16 rows, then each 4-byte word of the rest
+    of the block, in the file's order, of the 16 rows; rows past the last
+    whole tile as they were."""
     rows = raw.shape[0]
     _, block_bytes = ops.ggml_type_info(gb.type_id(name))
-    halves = 2 if name in ("Q4_1", "Q4_K") else 1
+    at, count = FIELDS.get(name, (0, 1))
     blk = raw.reshape(rows, -1, block_bytes)
     out = raw.copy()
     for t in range(rows // TILE):
         tile = blk[t * TILE:(t + 1) * TILE]  # [16, blocks, bytes]
         parts = []
         for b in range(tile.shape[1]):
-            fields = [tile[:, b, 2 * h:2 * h + 2] for h in range(halves)]
-            words = [tile[:, b, 2 * halves + 4 * w:2 * halves + 4 * w + 4]
-                     for w in range((block_bytes - 2 * halves) // 4)]
+            fields = [tile[:, b, at + 2 * h:at + 2 * h + 2] for h in range(count)]
+            rest = np.delete(tile[:, b], np.arange(at, at + 2 * count), axis=1)
+            words = [rest[:, 4 * w:4 * w + 4] for w in range(rest.shape[1] // 4)]
             parts += [f.reshape(-1) for f in fields + words]
         out[t * TILE:(t + 1) * TILE] = np.concatenate(parts).reshape(TILE, -1)
     return out
@@ -64,9 +69,9 @@ def test_layout_is_the_documented_one_and_inverts(name, rows):
 @pytest.mark.parametrize("rows", [40, 64])
 def test_matmul_equals_the_file_layout_bit_for_bit(cpu_isa, name, rows):
     """Every batch size (the passes take activation rows in pairs, so odd M
-    too; Q4_K goes through the GEMM driver from M = 64) against both
-    file-layout ops, on every ISA (AVX-512 reads the layout; the others put
-    the rows back and run their own kernel)."""
+    too; the integer-form types go through the GEMM driver from M = 16 or
+    64) against both file-layout ops, on every ISA (AVX-512 reads the
+    layout; the others put the rows back and run their own kernel)."""
     t = gb.type_id(name)
     W = torch.from_numpy(blocks(name, rows))
     packed = ops.ggml_repack(W, t, rows, N)
@@ -99,13 +104,14 @@ def test_results_do_not_depend_on_the_thread_count():
 
 
 def test_types_without_the_layout_are_refused():
-    raw = torch.from_numpy(blocks("Q6_K", 16))
-    with pytest.raises(ValueError, match=r"^ggml_repack: type 14 \(Q6_K\) has no repacked layout; the types with one"):
-        ops.ggml_repack(raw, 14, 16, N)
-    with pytest.raises(ValueError, match=r"^ggml_mul_mat_repacked: type 14 \(Q6_K\) has no repacked layout"):
-        ops.ggml_mul_mat_repacked(raw, torch.randn(1, N), 14, 16)
-    assert [lowbit.gguf_linear.has_repacked_layout(gb.type_id(n)) for n in ("Q4_0", "Q4_K", "Q6_K", "F16")] == \
-        [True, True, False, False]
+    raw = torch.from_numpy(blocks("Q5_0", 16))
+    with pytest.raises(ValueError, match=r"^ggml_repack: type 6 \(Q5_0\) has no repacked layout; the types with one "
+                                         r"are Q4_0 \(2\), Q4_1 \(3\), Q8_0 \(8\), Q2_K \(10\), .*, IQ4_XS \(23\)$"):
+        ops.ggml_repack(raw, 6, 16, N)
+    with pytest.raises(ValueError, match=r"^ggml_mul_mat_repacked: type 6 \(Q5_0\) has no repacked layout"):
+        ops.ggml_mul_mat_repacked(raw, torch.randn(1, N), 6, 16)
+    assert [lowbit.gguf_linear.has_repacked_layout(gb.type_id(n)) for n in ("Q4_0", "Q6_K", "IQ4_XS", "Q5_0", "F16")] \
+        == [True, True, True, False, False]
 
 
 def test_opcheck_and_compile():
@@ -145,6 +151,7 @@ def test_gguf_linear_repack_computes_the_same(name):
         assert torch.equal(packed(x), plain(x))
     assert torch.equal(packed.dequantize(), plain.dequantize())
     assert torch.equal(packed.file_layout_qweight(), plain.qweight)
+    torch._dynamo.reset()  # each type's layer compiles anew: more types than the recompile limit
     assert torch.equal(torch.compile(packed, fullgraph=True)(x), plain(x))
     assert torch.equal(packed.unrepack().qweight, plain.qweight) and not packed.repacked
 
@@ -171,7 +178,7 @@ def test_gguf_linear_state_dict_and_moves_keep_the_file_layout():
 
 @pytest.mark.skipif(torch.ops.lowbit.cpu_isa("best") != "avx512", reason="repack_model repacks where AVX-512 VNNI kernels run")
 def test_repack_model_takes_the_layers_with_a_layout():
-    model = torch.nn.ModuleDict({"a": layer("Q4_0"), "k": lowbit.GGUFLinear(N, 16, gb.type_id("Q6_K")),
+    model = torch.nn.ModuleDict({"a": layer("Q4_0"), "k": lowbit.GGUFLinear(N, 16, gb.type_id("Q5_0")),
                                  "c": layer("Q8_0", out=24)})
     x = torch.randn(3, N)
     before = {name: m(x) for name, m in model.items()}

@@ -8,11 +8,12 @@
 // The layout, per tile of kRepackRows consecutive rows (rows past the last
 // whole tile stay as the file has them, as does any type without one):
 // block b of the tile's rows takes the byte range the tile's rows have in
-// the file at b * kRepackRows * bytes, holding first each fp16 field (d, then
-// m for the types with mins) of rows 0..15 (32 bytes per field), then each
-// 4-byte word of the quants, word w of rows 0..15 (64 bytes per word). A tile
-// spans the same bytes as its rows did, so a weight keeps its size and
-// shape, and unrepacking is the same permutation read the other way.
+// the file at b * kRepackRows * bytes, holding first each 2-byte field of
+// the block (repacked_fields: the fp16 d, then m or dmin, and IQ4_XS's
+// scales_h) of rows 0..15 (32 bytes per field), then each 4-byte word of the
+// rest of the block, in the file's order (64 bytes per word: word w of rows
+// 0..15). A tile spans the same bytes as its rows did, so a weight keeps its
+// size and shape, and unrepacking is the same permutation read the other way.
 #pragma once
 
 #include <stdint.h>
@@ -25,19 +26,43 @@ namespace ggml {
 
 constexpr int kRepackRows = 16;
 
-// The types with a repacked layout and kernels for it: fp16 scale fields
-// (1 + has_min of them) first, then whole 4-byte words (Q4_K's 12 bytes of
-// 6-bit scales and mins, then its quants).
+// The types with a repacked layout and kernels for it: the rest of a block
+// past its 2-byte fields is whole 4-byte words. The one-scale types of
+// 4 and 8 bits and every integer-form type (the K-quants and IQ4_XS).
 constexpr bool has_repacked_layout(Type t) {
-  return t == Type::Q4_0 || t == Type::Q4_1 || t == Type::Q8_0 || t == Type::IQ4_NL || t == Type::Q4_K;
+  switch (t) {
+    case Type::Q4_0: case Type::Q4_1: case Type::Q8_0: case Type::IQ4_NL:
+    case Type::Q2_K: case Type::Q3_K: case Type::Q4_K: case Type::Q5_K: case Type::Q6_K: case Type::IQ4_XS:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// A block's 2-byte fields, which the repacked layout puts first: `count` of
+// them, starting at byte `at` of the file's block (the K-quants of 2, 3 and
+// 6 bits keep theirs at the block's end).
+struct RepackedFields {
+  int at, count;
+};
+constexpr RepackedFields repacked_fields(Type t) {
+  switch (t) {
+    case Type::Q2_K: return {80, 2};   // d, dmin after scales[16] and qs[64]
+    case Type::Q3_K: return {108, 1};  // d after hmask, qs and scales
+    case Type::Q6_K: return {208, 1};  // d after ql, qh and scales
+    case Type::Q4_1: case Type::Q4_K: case Type::Q5_K: return {0, 2};  // d, then m or dmin
+    case Type::IQ4_XS: return {0, 2};  // d, then the 16-bit scales_h
+    default: return {0, 1};            // d
+  }
 }
 
 // Where byte j of a row's block goes within the repacked block of its tile,
-// for row r of the tile; `halves` is the number of fp16 fields (1 + has_min).
-LOWBIT_HD int repacked_offset(int halves, int r, int j) {
-  if (j < 2 * halves) return (j / 2) * 2 * kRepackRows + r * 2 + j % 2;
-  const int q = j - 2 * halves;
-  return halves * 2 * kRepackRows + (q / 4) * 4 * kRepackRows + r * 4 + q % 4;
+// for row r of the tile.
+LOWBIT_HD int repacked_offset(RepackedFields f, int r, int j) {
+  const int field_bytes = 2 * f.count;
+  if (j >= f.at && j < f.at + field_bytes) return (j - f.at) / 2 * 2 * kRepackRows + r * 2 + (j - f.at) % 2;
+  const int q = j < f.at ? j : j - field_bytes;  // its place among the words
+  return field_bytes * kRepackRows + (q / 4) * 4 * kRepackRows + r * 4 + q % 4;
 }
 
 // A weight of `rows` rows of row_bytes each, from src into dst (distinct
@@ -49,8 +74,8 @@ LOWBIT_HD int repacked_offset(int halves, int r, int j) {
 template <Type T>
 LOWBIT_HD void repack_rows(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t row_bytes, bool inverse) {
   using I = TypeInfo<T>;
-  constexpr int halves = 1 + I::kHasMin;
-  constexpr int words = (I::kBytes - 2 * halves) / 4;
+  constexpr RepackedFields f = repacked_fields(T);
+  static_assert((I::kBytes - 2 * f.count) % 4 == 0 && f.at % 4 == 0, "whole words around the fields");
   const int64_t tiled = rows / kRepackRows * kRepackRows;
   const int64_t blocks = row_bytes / I::kBytes;
   for (int64_t r = 0; r < tiled; ++r) {
@@ -60,12 +85,12 @@ LOWBIT_HD void repack_rows(const uint8_t* src, uint8_t* dst, int64_t rows, int64
       const int64_t plain = r * row_bytes + b * I::kBytes;
       const int64_t packed = tile + b * kRepackRows * I::kBytes;
       const auto unit = [&](int j, int size) {  // `size` bytes from byte j of the row's block
-        const int64_t p = packed + repacked_offset(halves, in_tile, j);
+        const int64_t p = packed + repacked_offset(f, in_tile, j);
         const int64_t from = inverse ? p : plain + j, to = inverse ? plain + j : p;
         for (int i = 0; i < size; ++i) dst[to + i] = src[from + i];
       };
-      for (int h = 0; h < halves; ++h) unit(2 * h, 2);
-      for (int w = 0; w < words; ++w) unit(2 * halves + 4 * w, 4);
+      for (int h = 0; h < f.count; ++h) unit(f.at + 2 * h, 2);
+      for (int q = 0; q < I::kBytes - 2 * f.count; q += 4) unit(q < f.at ? q : q + 2 * f.count, 4);
     }
   }
   for (int64_t j = tiled * row_bytes; j < rows * row_bytes; ++j) dst[j] = src[j];

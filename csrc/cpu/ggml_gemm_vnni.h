@@ -33,6 +33,7 @@
 #include "../core/ggml_q8.h"
 #include "../core/ggml_repack.h"
 #include "ggml_levels_simd.h"
+#include "ggml_repacked_tiles.h"
 #include "row_tiles.h"
 
 namespace lowbit {
@@ -78,8 +79,6 @@ inline __m512i bcast4(const void* p) {
   return _mm512_set1_epi32(v);
 }
 
-// 16 fp16 values at p as fp32.
-inline __m512 half16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
 // The 8 fp32 lanes of a row summed in hsum's order: ((0 + 4) + (2 + 6)) +
 // ((1 + 5) + (3 + 7)).
@@ -177,20 +176,27 @@ struct IntGemm {
       for (int g = g0; g < g0 + kSpanGroups; ++g)
         for (int m = 0; m < MT; ++m) t[m] = _mm512_dpbusd_epi32(t[m], w.levels[g], bcast4(a[m].q + e + 4 * g));
       const __m512i scale = w.scale[g0 / kGroups];
-      for (int m = 0; m < MT; ++m)
-        s[m] = kDotScales ? _mm512_dpwssd_epi32(s[m], t[m], scale) : _mm512_add_epi32(s[m], _mm512_mullo_epi32(t[m], scale));
+      for (int m = 0; m < MT; ++m) s[m] = add_scaled(s[m], t[m], scale);
     }
     for (int j = 0; j < 8; ++j)
       for (int m = 0; m < MT; ++m) c[m] = _mm512_dpwssd_epi32(c[m], w.coef[j], bcast4(a[m].isum + bi * 16 + 2 * j));
-    for (int m = 0; m < MT; ++m) {
-      const __m512 dx = _mm512_set1_ps(a[m].d[bi]);
-      __m512& sum = acc[m][bi % 8];
-      if constexpr (Lv::kIntCoefs) {
-        sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[m]), _mm512_mul_ps(w.d, dx), sum);
-        sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[m]), _mm512_mul_ps(w.k, dx), sum);
-      } else {
-        sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s[m], c[m])), _mm512_mul_ps(w.d, dx), sum);
-      }
+    for (int m = 0; m < MT; ++m) add_block(s[m], c[m], w.d, w.k, a[m].d[bi], acc[m][bi % 8]);
+  }
+
+  // S + t * scale (the scale in Block::scale's form).
+  static __m512i add_scaled(__m512i S, __m512i t, __m512i scale) {
+    return kDotScales ? _mm512_dpwssd_epi32(S, t, scale) : _mm512_add_epi32(S, _mm512_mullo_epi32(t, scale));
+  }
+  // A block's sums S and C, rows' d and k, into fp32 (the matvec's step):
+  // sum += S * (d * d_x), then += C * (k * d_x), or (S + C) * (d * d_x)
+  // where the coefficients are the level offset's.
+  static void add_block(__m512i S, __m512i C, __m512 d, __m512 k, float d_x, __m512& sum) {
+    const __m512 dx = _mm512_set1_ps(d_x);
+    if constexpr (Lv::kIntCoefs) {
+      sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), _mm512_mul_ps(d, dx), sum);
+      sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(C), _mm512_mul_ps(k, dx), sum);
+    } else {
+      sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(S, C)), _mm512_mul_ps(d, dx), sum);
     }
   }
 
@@ -339,7 +345,7 @@ struct RepackedFloatGemm {
   using I = ggml::TypeInfo<T>;
   using Float = FloatGemm<T>;
   static_assert(ggml::has_repacked_layout(T) && I::kBlock == 32, "a one-scale type with a repacked layout");
-  static constexpr int kHalves = 1 + I::kHasMin;                             // fp16 fields per block
+  static constexpr int kHalves = ggml::repacked_fields(T).count;             // fp16 fields per block
   static constexpr int kWords = (I::kBytes - 2 * kHalves) / 4;               // 4-byte words of quants
   static constexpr int64_t kTileBlockBytes = ggml::kRepackRows * I::kBytes;  // one block of the tile's rows
   static constexpr int kAccs = Float::kAccs;
@@ -408,125 +414,100 @@ struct RepackedFloatGemm {
 template <class Form>
 struct GemmVnni;  // below: the driver of the forms that decode a Block per tile and block
 
-// IntGemm's arithmetic over a repacked Q4_K weight (core/ggml_repack.h),
-// as RepackedFloatGemm is FloatGemm's: the same int32 sums S (levels times
-// scales) and C (mins times the activations' sums) per block and row, then
-// the same two FMAs into fp32 lane block % 8, so the same results bit for
-// bit. The 16 rows' 6-bit scales and mins come out of three 512-bit loads
-// (bytes 0-11 of each row's scales field) with a few masks and shifts for
-// the whole tile, each later picked into int16 form by one vpshufb.
-// Measured on Zen 4 against the file layout's kernels (14336 x 4096, 2
-// threads, streamed weights, A/B in one run): M = 1 1.13x, M = 2 1.15x,
-// M = 8 1.52x, M = 32 1.07x, M = 128 1.08x (through Form, below).
+// Calls f(std::integral_constant<int, I>{}) for I = 0 .. N - 1 in turn.
+template <int N, class F>
+inline void static_for(F&& f) {
+  [&]<int... I>(std::integer_sequence<int, I...>) { (f(std::integral_constant<int, I>{}), ...); }(
+      std::make_integer_sequence<int, N>{});
+}
+
+// IntGemm's arithmetic over a repacked weight of an integer-form type (the
+// K-quants, IQ4_XS), as RepackedFloatGemm is FloatGemm's: the same int32
+// sums S (levels times scales) and C (coefficients times the activations'
+// sums) per block and row, then IntGemm::add_block's fp32 step into lane
+// block % 8, so the same results bit for bit. RepackedTile<T>
+// (ggml_repacked_tiles.h) cuts the scales, coefficients and levels of the
+// tile's 16 rows out of the layout's words with a few whole-register
+// operations per block. Measured on Zen 4 for Q4_K against the file
+// layout's kernels (14336 x 4096, 2 threads, streamed weights, A/B in one
+// run): M = 1 1.13x, M = 2 1.15x, M = 8 1.52x, M = 32 1.07x, M = 128 1.08x
+// (through Form, below).
 template <ggml::Type T>
 struct RepackedIntGemm {
   using I = ggml::TypeInfo<T>;
   using Int = IntGemm<T>;
-  static_assert(T == ggml::Type::Q4_K, "the integer-form type with a repacked layout");
+  using Tile = RepackedTile<T>;
+  static_assert(ggml::has_repacked_layout(T) && simd::has_int_scales<T>(), "an integer-form type with a repacked layout");
   static constexpr int64_t kTileBlockBytes = ggml::kRepackRows * I::kBytes;
-  static constexpr int kAccs = 8;  // fp32 lanes per activation row: block % 8
+  static constexpr int kWordsAt = 2 * ggml::kRepackRows * ggml::repacked_fields(T).count;  // past the 2-byte fields
+  static constexpr int kAccs = Int::kAccs;
   static __m512 total(const __m512* a) { return Int::total(a); }
 
-  // Byte `Byte` of every dword lane of v as an int32, or with `Both` in
-  // both int16 halves (the form vpdpwssd multiplies a pair of int16 sums by).
-  template <int Byte, bool Both>
-  static __m512i pick(__m512i v) {
-    constexpr char z = static_cast<char>(0x80);  // a zero byte
-    constexpr char b0 = Byte, b1 = Byte + 4, b2 = Byte + 8, b3 = Byte + 12;
-    const __m128i ctrl = Both ? _mm_setr_epi8(b0, z, b0, z, b1, z, b1, z, b2, z, b2, z, b3, z, b3, z)
-                              : _mm_setr_epi8(b0, z, z, z, b1, z, z, z, b2, z, z, z, b3, z, z, z);
-    return _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(ctrl));
-  }
-
-  // get_scale_min_k4 on the 16 rows of block b at once: scale (min) s of
-  // row r in lane r of sc[s] (of mn[s], in both int16 halves).
-  static void scales(const uint8_t* b, __m512i (&sc)[8], __m512i (&mn)[8]) {
-    const __m512i w0 = _mm512_loadu_si512(b + 64), w1 = _mm512_loadu_si512(b + 128), w2 = _mm512_loadu_si512(b + 192);
-    const __m512i six = _mm512_set1_epi8(0x3f), low4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30);
-    // Each dword: four of a row's scales (mins), 0-3 and 4-7.
-    const __m512i sc_lo = _mm512_and_si512(w0, six), mn_lo = _mm512_and_si512(w1, six);
-    const __m512i sc_hi = _mm512_or_si512(_mm512_and_si512(w2, low4), _mm512_and_si512(_mm512_srli_epi32(w0, 2), top2));
-    const __m512i mn_hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, 4), low4),
-                                          _mm512_and_si512(_mm512_srli_epi32(w1, 2), top2));
-    sc[0] = pick<0, false>(sc_lo), sc[1] = pick<1, false>(sc_lo), sc[2] = pick<2, false>(sc_lo);
-    sc[3] = pick<3, false>(sc_lo), sc[4] = pick<0, false>(sc_hi), sc[5] = pick<1, false>(sc_hi);
-    sc[6] = pick<2, false>(sc_hi), sc[7] = pick<3, false>(sc_hi);
-    mn[0] = pick<0, true>(mn_lo), mn[1] = pick<1, true>(mn_lo), mn[2] = pick<2, true>(mn_lo);
-    mn[3] = pick<3, true>(mn_lo), mn[4] = pick<0, true>(mn_hi), mn[5] = pick<1, true>(mn_hi);
-    mn[6] = pick<2, true>(mn_hi), mn[7] = pick<3, true>(mn_hi);
-  }
-
   // From kGemmRows activation rows: IntGemm's Block cut from the repacked
-  // tile (no per-row decode, no transpose) once per block for GemmVnni to
-  // meet every row with, 4 rows per level load. Redoing that cut per pair
-  // of rows, as the passes do, cost M = 128 6% against the file layout's
-  // GEMM (14336 x 4096, 2 threads).
+  // tile once per block for GemmVnni to meet every row with, 4 rows per
+  // level load. Redoing that cut per pair of rows, as the passes do, cost
+  // Q4_K's M = 128 6% against the file layout's GEMM (14336 x 4096, 2
+  // threads); the passes stay ahead of this form up to M = 32 where a
+  // span's scaling is one vpdpwssd (Q2_K, Q4_K), but not past M = 16 where
+  // it is a vpmulld per activation row (Q5_K, Q6_K, IQ4_XS: 0.92-0.98x the
+  // file layout at M = 32 through the passes, 1.10-1.28x through the form).
   struct Form : IntGemm<T> {
     using Block = typename IntGemm<T>::Block;
     static void decode(const uint8_t* tile, int64_t /*row_bytes*/, int64_t bi, int /*count*/, Block& out) {
       const uint8_t* b = tile + bi * kTileBlockBytes;
       prefetch_ahead(b, kTileBlockBytes);
-      __m512i sc[8], mn[8];
-      scales(b, sc, mn);
-      for (int s = 0; s < 8; ++s) out.scale[s] = sc[s], out.coef[s] = mn[s];
-      const __m512i low4 = _mm512_set1_epi8(0x0f);
-      const uint8_t* q = b + 256;
-      for (int j = 0; j < 4; ++j)
-        for (int g = 0; g < 8; ++g) {  // word 8j + g: group g of sub-blocks 2j (low nibbles) and 2j + 1
-          const __m512i v = _mm512_loadu_si512(q + 64 * (8 * j + g));
-          out.levels[16 * j + g] = _mm512_and_si512(v, low4);
-          out.levels[16 * j + 8 + g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-        }
-      out.d = half16(b);
-      out.k = _mm512_sub_ps(_mm512_setzero_ps(), half16(b + 32));  // -dmin
+      const auto f = Tile::fields(b);
+      static_for<Int::kSubs>([&](auto s) { out.scale[s] = Tile::template scale<decltype(s)::value>(f); });
+      static_for<8>([&](auto j) { out.coef[j] = Tile::template coef<decltype(j)::value>(f); });
+      static_for<64>([&](auto g) { out.levels[g] = Tile::template levels<decltype(g)::value>(b + kWordsAt); });
+      out.d = f.d;
+      out.k = f.k;
     }
   };
-  static constexpr int64_t kGemmRows = 64;
+  static constexpr int64_t kGemmRows = Int::kDotScales ? 64 : 16;
+  // The pass prefetches the block kPrefetchAhead bytes on into L2, a line
+  // per group (a few twice): these blocks are 1.3-3.3 KB, and their lines
+  // prefetched into L1 at once, 4 KB ahead, as RepackedFloatGemm's small
+  // blocks are, left a streamed Q6_K matvec at 10 GB/s a thread, a third
+  // of the file layout's (Zen 4, 14336 x 4096, 1.5 GB of copies); spread
+  // into L1 no better. Into L2, 8 KB on: Q6_K level with the file layout
+  // (both at the memory's speed), Q4_K 25 GB/s on one thread, as before.
+  static constexpr int64_t kPrefetchAhead = 8192;
 
+  // The tile (its first byte at `tile`, `blocks` blocks) against MT
+  // activation rows: acc[m] as IntGemm::step leaves it after every block.
+  // Integer sums are exact, so their order is free; the fp32 step is
+  // IntGemm's.
   template <int MT>
   static void pass(const uint8_t* tile, int64_t blocks, const ggml::ActRow* a, __m512 (&acc)[MT][kAccs]) {
     for (int m = 0; m < MT; ++m)
       for (int j = 0; j < kAccs; ++j) acc[m][j] = _mm512_setzero_ps();
     for (int64_t bi = 0; bi < blocks; ++bi) {
       const uint8_t* b = tile + bi * kTileBlockBytes;
-      prefetch_ahead(b, kTileBlockBytes);
-      __m512i sc[8], mn[8];
-      scales(b, sc, mn);
-      const __m512i low4 = _mm512_set1_epi8(0x0f);
+      const auto f = Tile::fields(b);
       const int64_t e = bi * I::kBlock;
       __m512i S[MT], C[MT];
-      for (int m = 0; m < MT; ++m) {
-        S[m] = C[m] = _mm512_setzero_si512();
-        for (int s = 0; s < 8; ++s) C[m] = _mm512_dpwssd_epi32(C[m], mn[s], bcast4(a[m].isum + bi * 16 + 2 * s));
-      }
-      // qs word k = 8j + g: low nibbles are group g of sub-block 2j, high ones of 2j + 1. Halves of
-      // sub-blocks (4 groups, 16 elements: |dot| <= 15 * 127 * 16 fits int16) meet their scale in vpdpwssd.
-      const uint8_t* q = b + 256;
-      for (int j = 0; j < 4; ++j)
-        for (int h = 0; h < 2; ++h) {
-          __m512i tl[MT], th[MT];
-          for (int m = 0; m < MT; ++m) tl[m] = th[m] = _mm512_setzero_si512();
-          for (int g = 4 * h; g < 4 * h + 4; ++g) {
-            const __m512i v = _mm512_loadu_si512(q + 64 * (8 * j + g));
-            const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-            for (int m = 0; m < MT; ++m) {
-              tl[m] = _mm512_dpbusd_epi32(tl[m], lo, bcast4(a[m].q + e + 64 * j + 4 * g));
-              th[m] = _mm512_dpbusd_epi32(th[m], hi, bcast4(a[m].q + e + 64 * j + 32 + 4 * g));
-            }
-          }
-          for (int m = 0; m < MT; ++m) {
-            S[m] = _mm512_dpwssd_epi32(S[m], tl[m], sc[2 * j]);
-            S[m] = _mm512_dpwssd_epi32(S[m], th[m], sc[2 * j + 1]);
-          }
-        }
-      const __m512 d = half16(b);
-      const __m512 k = _mm512_sub_ps(_mm512_setzero_ps(), half16(b + 32));  // -dmin
-      for (int m = 0; m < MT; ++m) {  // IntGemm::step's fp32 step
-        const __m512 dx = _mm512_set1_ps(a[m].d[bi]);
-        __m512& sum = acc[m][bi % 8];
-        sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[m]), _mm512_mul_ps(d, dx), sum);
-        sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(C[m]), _mm512_mul_ps(k, dx), sum);
-      }
+      for (int m = 0; m < MT; ++m) S[m] = C[m] = _mm512_setzero_si512();
+      static_for<8>([&](auto j) {
+        const __m512i coef = Tile::template coef<decltype(j)::value>(f);
+        for (int m = 0; m < MT; ++m) C[m] = _mm512_dpwssd_epi32(C[m], coef, bcast4(a[m].isum + bi * 16 + 2 * j));
+      });
+      // Spans of Int::kSpanGroups groups (a sub-block, or a 16-element half
+      // of one where Int scales with vpdpwssd) meet their sub-block's scale.
+      static_for<64 / Int::kSpanGroups>([&](auto span) {
+        constexpr int g0 = decltype(span)::value * Int::kSpanGroups;
+        __m512i t[MT];
+        for (int m = 0; m < MT; ++m) t[m] = _mm512_setzero_si512();
+        static_for<Int::kSpanGroups>([&](auto i) {
+          constexpr int g = g0 + decltype(i)::value;
+          _mm_prefetch(reinterpret_cast<const char*>(b) + kPrefetchAhead + g * kTileBlockBytes / 64, _MM_HINT_T1);
+          const __m512i levels = Tile::template levels<g>(b + kWordsAt);
+          for (int m = 0; m < MT; ++m) t[m] = _mm512_dpbusd_epi32(t[m], levels, bcast4(a[m].q + e + 4 * g));
+        });
+        const __m512i scale = Tile::template scale<g0 / Int::kGroups>(f);
+        for (int m = 0; m < MT; ++m) S[m] = Int::add_scaled(S[m], t[m], scale);
+      });
+      for (int m = 0; m < MT; ++m) Int::add_block(S[m], C[m], f.d, f.k, a[m].d[bi], acc[m][bi % 8]);
     }
   }
 
