@@ -179,11 +179,13 @@ def test_gguf_linear_state_dict_and_moves_keep_the_file_layout():
 @pytest.mark.skipif(torch.ops.lowbit.cpu_isa("best") != "avx512", reason="repack_model repacks where AVX-512 VNNI kernels run")
 def test_repack_model_takes_the_layers_with_a_layout():
     model = torch.nn.ModuleDict({"a": layer("Q4_0"), "k": lowbit.GGUFLinear(N, 16, gb.type_id("Q5_0")),
-                                 "c": layer("Q8_0", out=24)})
+                                 "c": layer("Q8_0", out=24), "six": layer("Q6_K", out=32)})
     x = torch.randn(3, N)
     before = {name: m(x) for name, m in model.items()}
-    assert lowbit.repack_model(model) == ["a", "c"]
-    assert [m.repacked for m in model.values()] == [True, False, True]
+    assert lowbit.repack_model(model) == ["a", "c"]  # Q6_K: REPACK_MODEL_SKIPS
+    assert [m.repacked for m in model.values()] == [True, False, True, False]
+    assert lowbit.repack_model(model, skip_types=()) == ["a", "c", "six"]
+    assert [m.repacked for m in model.values()] == [True, False, True, True]
     assert all(torch.equal(m(x), before[name]) for name, m in model.items())
     # Where the kernels would put the rows back on every call, nothing is repacked.
     model = torch.nn.ModuleDict({"a": layer("Q4_0")})

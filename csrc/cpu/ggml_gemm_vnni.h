@@ -428,10 +428,12 @@ inline void static_for(F&& f) {
 // block % 8, so the same results bit for bit. RepackedTile<T>
 // (ggml_repacked_tiles.h) cuts the scales, coefficients and levels of the
 // tile's 16 rows out of the layout's words with a few whole-register
-// operations per block. Measured on Zen 4 for Q4_K against the file
-// layout's kernels (14336 x 4096, 2 threads, streamed weights, A/B in one
-// run): M = 1 1.13x, M = 2 1.15x, M = 8 1.52x, M = 32 1.07x, M = 128 1.08x
-// (through Form, below).
+// operations per block. Measured on Zen 4 against the file layout's
+// kernels (benchmarks/results/cpu-amd-epyc-2t-gguf.txt, 1 and 2 threads):
+// a streamed matvec (14336 x 4096) 1.76-2.01x for Q2_K, Q3_K and IQ4_XS,
+// 1.09-1.20x for Q4_K and Q5_K, 0.79-0.84x for Q6_K (whose file layout
+// already reads at the memory's speed); M = 8 1.29-2.47x; M = 128
+// 1.02-1.21x (through Form, below).
 template <ggml::Type T>
 struct RepackedIntGemm {
   using I = ggml::TypeInfo<T>;

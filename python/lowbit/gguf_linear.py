@@ -30,11 +30,20 @@ def has_repacked_layout(qtype: int) -> bool:
 REPACKED_LAYOUT_ISAS = ("avx512",)
 
 
-def repack_model(model: nn.Module) -> list[str]:
+# The types repack_model leaves in the file's layout by default although
+# they have a repacked one: Q6_K (14), whose file-layout matvec already reads
+# at the memory's speed, while its repacked one ran 0.79-0.93x that for a
+# 14336 x 4096 weight on Zen 4 (1.2-1.6x at 4096 x 14336, 1.4-1.6x at
+# M = 8; benchmarks/results/cpu-amd-epyc-2t-gguf.txt).
+REPACK_MODEL_SKIPS = (14,)
+
+
+def repack_model(model: nn.Module, skip_types=REPACK_MODEL_SKIPS) -> list[str]:
     """GGUFLinear.repack() on every GGUFLinear of `model` on the CPU whose
-    type has the layout; returns their names. Where the active CPU kernels do
-    not read the layout (torch.ops.lowbit.cpu_isa() not AVX-512 VNNI), it
-    warns and leaves every layer as it is."""
+    type has the layout and is not in `skip_types`; returns their names.
+    Where the active CPU kernels do not read the layout
+    (torch.ops.lowbit.cpu_isa() not AVX-512 VNNI), it warns and leaves every
+    layer as it is."""
     isa = torch.ops.lowbit.cpu_isa()
     if isa not in REPACKED_LAYOUT_ISAS:
         warnings.warn(f"lowbit.repack_model: this CPU's {isa} kernels would put the repacked rows back on every "
@@ -42,7 +51,8 @@ def repack_model(model: nn.Module) -> list[str]:
         return []
     names = []
     for name, module in model.named_modules():
-        if isinstance(module, GGUFLinear) and module.qweight.device.type == "cpu" and has_repacked_layout(module.qtype):
+        if (isinstance(module, GGUFLinear) and module.qweight.device.type == "cpu"
+                and has_repacked_layout(module.qtype) and module.qtype not in skip_types):
             module.repack()
             names.append(name)
     return names
