@@ -17,11 +17,11 @@ import gguf_blocks as gb
 import lowbit
 
 ops = torch.ops.lowbit
-REPACKED = ["Q4_0", "Q4_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]
+REPACKED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]
 # Each type's 2-byte fields as (first byte in the file's block, count): the
 # fp16 d, then m / dmin, and IQ4_XS's 16-bit scales_h; 2-, 3- and 6-bit
 # K-quants keep theirs at the block's end. Any other type: d at byte 0.
-FIELDS = {"Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "IQ4_XS": (0, 2), "Q2_K": (80, 2), "Q3_K": (108, 1),
+FIELDS = {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "IQ4_XS": (0, 2), "Q2_K": (80, 2), "Q3_K": (108, 1),
           "Q6_K": (208, 1)}
 N = 512
 TILE = 16
@@ -104,14 +104,14 @@ def test_results_do_not_depend_on_the_thread_count():
 
 
 def test_types_without_the_layout_are_refused():
-    raw = torch.from_numpy(blocks("Q5_0", 16))
-    with pytest.raises(ValueError, match=r"^ggml_repack: type 6 \(Q5_0\) has no repacked layout; the types with one "
-                                         r"are Q4_0 \(2\), Q4_1 \(3\), Q8_0 \(8\), Q2_K \(10\), .*, IQ4_XS \(23\)$"):
-        ops.ggml_repack(raw, 6, 16, N)
-    with pytest.raises(ValueError, match=r"^ggml_mul_mat_repacked: type 6 \(Q5_0\) has no repacked layout"):
-        ops.ggml_mul_mat_repacked(raw, torch.randn(1, N), 6, 16)
-    assert [lowbit.gguf_linear.has_repacked_layout(gb.type_id(n)) for n in ("Q4_0", "Q6_K", "IQ4_XS", "Q5_0", "F16")] \
-        == [True, True, True, False, False]
+    raw = torch.from_numpy(blocks("TQ2_0", 16))
+    with pytest.raises(ValueError, match=r"^ggml_repack: type 35 \(TQ2_0\) has no repacked layout; the types with one "
+                                         r"are Q4_0 \(2\), Q4_1 \(3\), Q5_0 \(6\), .*, IQ4_XS \(23\)$"):
+        ops.ggml_repack(raw, 35, 16, N)
+    with pytest.raises(ValueError, match=r"^ggml_mul_mat_repacked: type 35 \(TQ2_0\) has no repacked layout"):
+        ops.ggml_mul_mat_repacked(raw, torch.randn(1, N), 35, 16)
+    names = ("Q4_0", "Q5_1", "Q6_K", "IQ4_XS", "TQ2_0", "F16")
+    assert [lowbit.gguf_linear.has_repacked_layout(gb.type_id(n)) for n in names] == [True] * 4 + [False] * 2
 
 
 def test_opcheck_and_compile():
@@ -178,7 +178,7 @@ def test_gguf_linear_state_dict_and_moves_keep_the_file_layout():
 
 @pytest.mark.skipif(torch.ops.lowbit.cpu_isa("best") != "avx512", reason="repack_model repacks where AVX-512 VNNI kernels run")
 def test_repack_model_takes_the_layers_with_a_layout():
-    model = torch.nn.ModuleDict({"a": layer("Q4_0"), "k": lowbit.GGUFLinear(N, 16, gb.type_id("Q5_0")),
+    model = torch.nn.ModuleDict({"a": layer("Q4_0"), "k": lowbit.GGUFLinear(N, 16, gb.type_id("TQ2_0")),
                                  "c": layer("Q8_0", out=24), "six": layer("Q6_K", out=32)})
     x = torch.randn(3, N)
     before = {name: m(x) for name, m in model.items()}

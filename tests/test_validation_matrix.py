@@ -29,7 +29,7 @@ ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch
               torch.int32, torch.int64, torch.bool)
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 K, N, GS = 256, 64, 32  # GPTQ weight [K, N], 8 groups
-GGML_ROWS, GGML_N, Q4_0, Q5_0, Q8_0 = 12, 512, 2, 6, 8
+GGML_ROWS, GGML_N, Q4_0, Q8_0, TQ2_0 = 12, 512, 2, 8, 35
 
 
 @dataclass
@@ -196,7 +196,7 @@ def ggml_mul_mat(op_name):
 OPS["ggml_mul_mat_vec_a8"] = ggml_mul_mat("ggml_mul_mat_vec_a8")
 OPS["ggml_mul_mat_a8"] = ggml_mul_mat("ggml_mul_mat_a8")
 OPS["ggml_mul_mat_repacked"] = ggml_mul_mat("ggml_mul_mat_repacked")
-NO_LAYOUT = (lambda kw: {"type": Q5_0, "W": ggml_blocks(Q5_0)}, ValueError, r"type 6 \(Q5_0\) has no repacked layout")
+NO_LAYOUT = (lambda kw: {"type": TQ2_0, "W": ggml_blocks(TQ2_0)}, ValueError, r"type 35 \(TQ2_0\) has no repacked layout")
 OPS["ggml_mul_mat_repacked"].values["type without a repacked layout"] = NO_LAYOUT
 OPS["ggml_repack"] = Op(lambda: {"W": ggml_blocks(), "type": Q4_0, "row": GGML_ROWS, "n": GGML_N, "inverse": False}, {
     "W": Arg((torch.uint8,), rank_free=True),

@@ -28,10 +28,10 @@ constexpr int kRepackRows = 16;
 
 // The types with a repacked layout and kernels for it: the rest of a block
 // past its 2-byte fields is whole 4-byte words. The one-scale types of
-// 4 and 8 bits and every integer-form type (the K-quants and IQ4_XS).
+// 4, 5 and 8 bits and every integer-form type (the K-quants and IQ4_XS).
 constexpr bool has_repacked_layout(Type t) {
   switch (t) {
-    case Type::Q4_0: case Type::Q4_1: case Type::Q8_0: case Type::IQ4_NL:
+    case Type::Q4_0: case Type::Q4_1: case Type::Q5_0: case Type::Q5_1: case Type::Q8_0: case Type::IQ4_NL:
     case Type::Q2_K: case Type::Q3_K: case Type::Q4_K: case Type::Q5_K: case Type::Q6_K: case Type::IQ4_XS:
       return true;
     default:
@@ -50,7 +50,7 @@ constexpr RepackedFields repacked_fields(Type t) {
     case Type::Q2_K: return {80, 2};   // d, dmin after scales[16] and qs[64]
     case Type::Q3_K: return {108, 1};  // d after hmask, qs and scales
     case Type::Q6_K: return {208, 1};  // d after ql, qh and scales
-    case Type::Q4_1: case Type::Q4_K: case Type::Q5_K: return {0, 2};  // d, then m or dmin
+    case Type::Q4_1: case Type::Q5_1: case Type::Q4_K: case Type::Q5_K: return {0, 2};  // d, then m or dmin
     case Type::IQ4_XS: return {0, 2};  // d, then the 16-bit scales_h
     default: return {0, 1};            // d
   }

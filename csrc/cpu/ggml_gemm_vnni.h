@@ -287,6 +287,13 @@ struct FloatGemm {
   static __m512 total(const __m512* a) { return lane_order_sum(I::kHasMin ? _mm512_add_ps(a[0], a[8]) : a[0], a); }
 };
 
+// Calls f(std::integral_constant<int, I>{}) for I = 0 .. N - 1 in turn.
+template <int N, class F>
+inline void static_for(F&& f) {
+  [&]<int... I>(std::integer_sequence<int, I...>) { (f(std::integral_constant<int, I>{}), ...); }(
+      std::make_integer_sequence<int, N>{});
+}
+
 // Activation rows per pass of the repacked kernels over a tile: their fp32
 // sums and the decoded levels fill the registers.
 constexpr int kRepackedPassRows = 2;
@@ -351,15 +358,29 @@ struct RepackedFloatGemm {
   static constexpr int kAccs = Float::kAccs;
   static __m512 total(const __m512* a) { return Float::total(a); }
 
-  // A nibble as FloatGemm's unsigned level: Q4_1's as it is, Q4_0's
-  // (nibble - 8) + 128, IQ4_NL's table value + 128.
-  static __m512i level(__m512i nibble) {
+  // Q5_0 and Q5_1: word 0 holds each row's 32-bit qh, element i's fifth bit at bit i.
+  static constexpr bool kHighBits = T == ggml::Type::Q5_0 || T == ggml::Type::Q5_1;
+  static constexpr int kQuantWords = kWords - kHighBits;
+
+  // Group G's nibbles (elements 4G .. 4G + 3) as FloatGemm's unsigned
+  // levels: Q4_1's as they are, Q4_0's (nibble - 8) + 128, IQ4_NL's table
+  // value + 128, Q5_1's nibble + 16 * (its qh bit), Q5_0's that - 16 + 128.
+  template <int G>
+  static __m512i level(__m512i nibble, __m512i qh) {
     if constexpr (T == ggml::Type::Q4_1) {
       return nibble;
     } else if constexpr (T == ggml::Type::Q4_0) {
       return _mm512_add_epi8(nibble, _mm512_set1_epi8(120));
+    } else if constexpr (kHighBits) {
+      // Each row's qh byte G / 2 in all 4 bytes of its dword, then in byte i the bit of element 4G + i.
+      constexpr int c = 0x01010101 * (G / 2);
+      const __m512i spread =
+          _mm512_shuffle_epi8(qh, _mm512_broadcast_i32x4(_mm_setr_epi32(c, 0x04040404 + c, 0x08080808 + c, 0x0C0C0C0C + c)));
+      const __mmask64 high = _mm512_test_epi8_mask(spread, _mm512_set1_epi32(0x08040201 << (4 * (G % 2))));
+      const __m512i low = T == ggml::Type::Q5_0 ? _mm512_add_epi8(nibble, _mm512_set1_epi8(112)) : nibble;
+      return _mm512_mask_add_epi8(low, high, low, _mm512_set1_epi8(16));
     } else {
-      static_assert(T == ggml::Type::IQ4_NL, "the 4-bit repacked types");
+      static_assert(T == ggml::Type::IQ4_NL, "the 4- and 5-bit repacked types");
       const __m512i table =
           _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(LOWBIT_TABLE(ggml::kvalues_iq4nl))));
       return _mm512_xor_si512(_mm512_shuffle_epi8(table, nibble), _mm512_set1_epi8(-128));
@@ -386,16 +407,19 @@ struct RepackedFloatGemm {
           acc[m][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), ds[m], acc[m][g]);
         }
       };
-      const uint8_t* q = b + 32 * kHalves;  // word k of the 16 rows at q + 64 k
-      for (int k = 0; k < kWords; ++k) {
+      const uint8_t* words = b + 32 * kHalves;  // word w of the 16 rows at words + 64 w
+      const __m512i qh = kHighBits ? _mm512_loadu_si512(words) : _mm512_setzero_si512();
+      const uint8_t* q = words + 64 * kHighBits;  // the quant words
+      static_for<kQuantWords>([&](auto word) {
+        constexpr int k = decltype(word)::value;
         const __m512i v = _mm512_loadu_si512(q + 64 * k);
         if constexpr (T == ggml::Type::Q8_0) {
           dot(_mm512_xor_si512(v, _mm512_set1_epi8(-128)), k);  // w + 128
         } else {  // byte i: element 4k + i in the low nibble, 16 + 4k + i in the high one
-          dot(level(_mm512_and_si512(v, _mm512_set1_epi8(0x0f))), k);
-          dot(level(_mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f))), k + 4);
+          dot(level<k>(_mm512_and_si512(v, _mm512_set1_epi8(0x0f)), qh), k);
+          dot(level<k + 4>(_mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f)), qh), k + 4);
         }
-      }
+      });
       if constexpr (I::kHasMin) {  // FloatGemm::step's mins: the product rounded, then added
         const __m512 mw = half16(b + 32);
         for (int m = 0; m < MT; ++m)
@@ -413,13 +437,6 @@ struct RepackedFloatGemm {
 
 template <class Form>
 struct GemmVnni;  // below: the driver of the forms that decode a Block per tile and block
-
-// Calls f(std::integral_constant<int, I>{}) for I = 0 .. N - 1 in turn.
-template <int N, class F>
-inline void static_for(F&& f) {
-  [&]<int... I>(std::integer_sequence<int, I...>) { (f(std::integral_constant<int, I>{}), ...); }(
-      std::make_integer_sequence<int, N>{});
-}
 
 // IntGemm's arithmetic over a repacked weight of an integer-form type (the
 // K-quants, IQ4_XS), as RepackedFloatGemm is FloatGemm's: the same int32

@@ -66,13 +66,12 @@ class GGUFLinear(nn.Module):
     Activations may have any leading batch dims and be fp32, fp16 or bf16;
     the output has the activations' dtype.
 
-    `repack()` reorders qweight (on the CPU, for Q4_0, Q4_1, Q8_0, IQ4_NL, the
-    K-quants and IQ4_XS) into the interleaved layout the AVX-512 VNNI
-    kernels read 16 rows at a time (torch.ops.lowbit.ggml_repack): the same
-    results bit for bit, faster on those CPUs (elsewhere each call puts the
-    rows back first). The layer
-    keeps the file's layout everywhere else: its state_dict, dequantize(),
-    and a move to another device.
+    `repack()` reorders qweight (on the CPU, for Q4_0, Q4_1, Q5_0, Q5_1,
+    Q8_0, IQ4_NL, the K-quants and IQ4_XS) into the interleaved layout the
+    AVX-512 VNNI kernels read 16 rows at a time (torch.ops.lowbit.ggml_repack):
+    the same results bit for bit, faster on those CPUs (elsewhere each call
+    puts the rows back first). The layer keeps the file's layout everywhere
+    else: its state_dict, dequantize(), and a move to another device.
     """
 
     def __init__(self, in_features: int, out_features: int, qtype: int, bias: bool = True,
