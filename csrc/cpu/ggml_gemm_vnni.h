@@ -447,10 +447,10 @@ struct GemmVnni;  // below: the driver of the forms that decode a Block per tile
 // tile's 16 rows out of the layout's words with a few whole-register
 // operations per block. Measured on Zen 4 against the file layout's
 // kernels (benchmarks/results/cpu-amd-epyc-2t-gguf.txt, 1 and 2 threads):
-// a streamed matvec (14336 x 4096) 1.76-2.01x for Q2_K, Q3_K and IQ4_XS,
-// 1.09-1.20x for Q4_K and Q5_K, 0.79-0.84x for Q6_K (whose file layout
-// already reads at the memory's speed); M = 8 1.29-2.47x; M = 128
-// 1.02-1.21x (through Form, below).
+// a streamed matvec (14336 x 4096) 1.77-2.04x for Q2_K and Q3_K, 1.24-1.93x
+// for IQ4_XS, 1.18-1.27x for Q4_K, 0.96-1.10x for Q5_K and 0.86-0.89x for
+// Q6_K (whose file layout already reads at the memory's speed); M = 8
+// 1.29-2.19x; M = 128 1.03-1.20x (through Form, below).
 template <ggml::Type T>
 struct RepackedIntGemm {
   using I = ggml::TypeInfo<T>;

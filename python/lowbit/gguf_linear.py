@@ -33,8 +33,8 @@ REPACKED_LAYOUT_ISAS = ("avx512",)
 # The types repack_model leaves in the file's layout by default although
 # they have a repacked one: Q6_K (14), whose file-layout matvec already reads
 # at the memory's speed, while its repacked one ran 0.79-0.93x that for a
-# 14336 x 4096 weight on Zen 4 (1.2-1.6x at 4096 x 14336, 1.4-1.6x at
-# M = 8; benchmarks/results/cpu-amd-epyc-2t-gguf.txt).
+# 14336 x 4096 weight on Zen 4 over two runs (1.2-1.6x at 4096 x 14336,
+# 1.4-1.6x at M = 8; benchmarks/results/cpu-amd-epyc-2t-gguf.txt).
 REPACK_MODEL_SKIPS = (14,)
 
 
