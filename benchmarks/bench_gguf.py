@@ -272,7 +272,8 @@ def print_matmul(records, bandwidth):
 LOADER_LAYOUT_HEADER = ["loader layout", "its ms", "vs it"]
 REPACKED_HEADER = ["repacked ms", "vs file", "vs loader"]
 REPACKED_NOTE = ("repacked: lowbit's repacked layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, the K-quants, IQ4_XS; "
-                 "the same results bit for bit), its time and its speedup over lowbit's file layout and over llama.cpp's loader layout")
+                 "the same results bit for bit), its time and its speedup over lowbit's file layout and over "
+                 "llama.cpp's loader layout")
 
 
 def repacked_cells(r):

@@ -21,8 +21,8 @@ REPACKED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q
 # Each type's 2-byte fields as (first byte in the file's block, count): the
 # fp16 d, then m / dmin, and IQ4_XS's 16-bit scales_h; 2-, 3- and 6-bit
 # K-quants keep theirs at the block's end. Any other type: d at byte 0.
-FIELDS = {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "IQ4_XS": (0, 2), "Q2_K": (80, 2), "Q3_K": (108, 1),
-          "Q6_K": (208, 1)}
+FIELDS = {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "IQ4_XS": (0, 2), "Q2_K": (80, 2),
+          "Q3_K": (108, 1), "Q6_K": (208, 1)}
 N = 512
 TILE = 16
 

@@ -159,7 +159,8 @@ void mul_mat_quantized(const uint8_t* W, int64_t rows, int64_t n, const float* X
   // The repacked one-scale types without mins start their dots from the
   // offsets (RepackedFloatGemm); rows past the last tile run the file's kernels.
   if (isa == Isa::kAvx512)
-    offsets = (repacked && I::kBlock == 32 && !I::kHasMin) || ggml_mul_mat_avx512_takes_offsets(static_cast<int64_t>(T), M);
+    offsets = (repacked && I::kBlock == 32 && !I::kHasMin) ||
+              ggml_mul_mat_avx512_takes_offsets(static_cast<int64_t>(T), M);
 #endif
   const QuantizedActs<I::kAct> quantized(X, M, n, offsets);
   std::vector<ggml::ActRow> acts(M);

@@ -79,7 +79,6 @@ inline __m512i bcast4(const void* p) {
   return _mm512_set1_epi32(v);
 }
 
-
 // The 8 fp32 lanes of a row summed in hsum's order: ((0 + 4) + (2 + 6)) +
 // ((1 + 5) + (3 + 7)).
 inline __m512 lane_order_sum(__m512 a0, const __m512* a) {
@@ -310,7 +309,8 @@ inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
 
 // The repacked kernels' driver: rows r0 .. r0 + 16 * tiles (r0 a tile's first
 // row) against M activation rows, Repacked::pass<MT> over each tile per pair
-// of them (the one left over alone), Repacked::total into out; returns the
+// of them (the one left over alone) from zeroed sums, Repacked::total into
+// out; returns the
 // first row it did not take (past the last whole tile, in the file's layout).
 template <class Repacked>
 int64_t run_passes(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts, int64_t M,
@@ -324,6 +324,8 @@ int64_t run_passes(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const gg
       const auto rows_pass = [&](auto mt) {
         constexpr int MT = decltype(mt)::value;
         __m512 acc[MT][Repacked::kAccs];
+        for (int m = 0; m < MT; ++m)
+          for (int j = 0; j < Repacked::kAccs; ++j) acc[m][j] = _mm512_setzero_ps();
         Repacked::template pass<MT>(W + r * row_bytes, blocks, acts + m0, acc);
         for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + (m0 + m) * rows + r, Repacked::total(acc[m]));
       };
@@ -391,8 +393,6 @@ struct RepackedFloatGemm {
   // activation rows: acc[m] as FloatGemm::step leaves it after every block.
   template <int MT>
   static void pass(const uint8_t* tile, int64_t blocks, const ggml::ActRow* a, __m512 (&acc)[MT][kAccs]) {
-    for (int m = 0; m < MT; ++m)
-      for (int g = 0; g < kAccs; ++g) acc[m][g] = _mm512_setzero_ps();
     for (int64_t bi = 0; bi < blocks; ++bi) {
       const uint8_t* b = tile + bi * kTileBlockBytes;
       prefetch_ahead(b, kTileBlockBytes);
@@ -407,7 +407,7 @@ struct RepackedFloatGemm {
           acc[m][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), ds[m], acc[m][g]);
         }
       };
-      const uint8_t* words = b + 32 * kHalves;  // word w of the 16 rows at words + 64 w
+      const uint8_t* words = words_of<T>(b);  // word w of the 16 rows at words + 64 w
       const __m512i qh = kHighBits ? _mm512_loadu_si512(words) : _mm512_setzero_si512();
       const uint8_t* q = words + 64 * kHighBits;  // the quant words
       static_for<kQuantWords>([&](auto word) {
@@ -458,7 +458,6 @@ struct RepackedIntGemm {
   using Tile = RepackedTile<T>;
   static_assert(ggml::has_repacked_layout(T) && simd::has_int_scales<T>(), "an integer-form type with a repacked layout");
   static constexpr int64_t kTileBlockBytes = ggml::kRepackRows * I::kBytes;
-  static constexpr int kWordsAt = 2 * ggml::kRepackRows * ggml::repacked_fields(T).count;  // past the 2-byte fields
   static constexpr int kAccs = Int::kAccs;
   static __m512 total(const __m512* a) { return Int::total(a); }
 
@@ -478,7 +477,7 @@ struct RepackedIntGemm {
       const auto f = Tile::fields(b);
       static_for<Int::kSubs>([&](auto s) { out.scale[s] = Tile::template scale<decltype(s)::value>(f); });
       static_for<8>([&](auto j) { out.coef[j] = Tile::template coef<decltype(j)::value>(f); });
-      static_for<64>([&](auto g) { out.levels[g] = Tile::template levels<decltype(g)::value>(b + kWordsAt); });
+      static_for<64>([&](auto g) { out.levels[g] = Tile::template levels<decltype(g)::value>(words_of<T>(b)); });
       out.d = f.d;
       out.k = f.k;
     }
@@ -499,8 +498,6 @@ struct RepackedIntGemm {
   // IntGemm's.
   template <int MT>
   static void pass(const uint8_t* tile, int64_t blocks, const ggml::ActRow* a, __m512 (&acc)[MT][kAccs]) {
-    for (int m = 0; m < MT; ++m)
-      for (int j = 0; j < kAccs; ++j) acc[m][j] = _mm512_setzero_ps();
     for (int64_t bi = 0; bi < blocks; ++bi) {
       const uint8_t* b = tile + bi * kTileBlockBytes;
       const auto f = Tile::fields(b);
@@ -520,7 +517,7 @@ struct RepackedIntGemm {
         static_for<Int::kSpanGroups>([&](auto i) {
           constexpr int g = g0 + decltype(i)::value;
           _mm_prefetch(reinterpret_cast<const char*>(b) + kPrefetchAhead + g * kTileBlockBytes / 64, _MM_HINT_T1);
-          const __m512i levels = Tile::template levels<g>(b + kWordsAt);
+          const __m512i levels = Tile::template levels<g>(words_of<T>(b));
           for (int m = 0; m < MT; ++m) t[m] = _mm512_dpbusd_epi32(t[m], levels, bcast4(a[m].q + e + 4 * g));
         });
         const __m512i scale = Tile::template scale<g0 / Int::kGroups>(f);

@@ -12,9 +12,9 @@
 //                        block's 16-element parts 2J and 2J + 1
 //   levels<G>(words)     Block::levels[G]: elements 4G .. 4G + 3 of row r as
 //                        unsigned bytes in lane r (signed levels + 128)
-// where b is the tile's block and words = b + 32 * (its 2-byte fields), word
-// w of the 16 rows at words + 64 w. Each comment names the file's bytes a
-// word holds, after which the levels follow the format's element order
+// where b is the tile's block and words = words_of<T>(b) (past its 2-byte
+// fields), word w of the 16 rows at words + 64 w. Each comment names the
+// file's bytes a word holds, after which the levels follow the format's element order
 // (core/ggml_blocks.h). Include only inside the AVX-512 unit's target
 // pragma region.
 #pragma once
@@ -22,6 +22,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "../core/ggml_repack.h"
 #include "../core/ggml_tables.h"
 #include "../core/ggml_types.h"
 
@@ -53,6 +54,9 @@ inline __m512i bits_to(__m512i v) {
   return _mm512_and_si512(moved, _mm512_set1_epi8(static_cast<char>(Mask)));
 }
 
+// The words of a tile's block b (core/ggml_repack.h), past its 2-byte fields.
+template <ggml::Type T>
+inline const uint8_t* words_of(const uint8_t* b) { return b + 2 * ggml::kRepackRows * ggml::repacked_fields(T).count; }
 inline __m512i word(const uint8_t* words, int w) { return _mm512_loadu_si512(words + 64 * w); }
 // 16 fp16 values at p (a field of 16 rows) as fp32.
 inline __m512 half16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
@@ -64,13 +68,14 @@ struct RepackedTile;
 
 // Q4_K and Q5_K: scales[12] (words 0-2) hold 8 6-bit scales and 8 mins
 // (get_scale_min_k4); coefficients are the mins (k = -dmin).
+template <ggml::Type T>
 struct K4ScalesTile {
   struct Fields {
     __m512i sc_lo, sc_hi, mn_lo, mn_hi;  // each dword: four of a row's scales (mins), 0-3 or 4-7
     __m512 d, k;
   };
   static Fields fields(const uint8_t* b) {
-    const uint8_t* words = b + 64;
+    const uint8_t* words = words_of<T>(b);
     const __m512i w0 = word(words, 0), w1 = word(words, 1), w2 = word(words, 2);
     const __m512i six = _mm512_set1_epi8(0x3f), low4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30);
     Fields f;
@@ -90,7 +95,7 @@ struct K4ScalesTile {
 };
 
 template <>
-struct RepackedTile<ggml::Type::Q4_K> : K4ScalesTile {  // words 3-34: qs[128]
+struct RepackedTile<ggml::Type::Q4_K> : K4ScalesTile<ggml::Type::Q4_K> {  // words 3-34: qs[128]
   // Group G of sub-block s = G / 8: the low (even s) or high nibbles of qs[32 (s / 2) + 4 (G % 8) ..].
   template <int G>
   static __m512i levels(const uint8_t* words) {
@@ -99,7 +104,7 @@ struct RepackedTile<ggml::Type::Q4_K> : K4ScalesTile {  // words 3-34: qs[128]
 };
 
 template <>
-struct RepackedTile<ggml::Type::Q5_K> : K4ScalesTile {  // words 3-10: qh[32], 11-42: qs[128]
+struct RepackedTile<ggml::Type::Q5_K> : K4ScalesTile<ggml::Type::Q5_K> {  // words 3-10: qh[32], 11-42: qs[128]
   // Q4_K's nibble plus 16 for bit s of qh[4 (G % 8) ..].
   template <int G>
   static __m512i levels(const uint8_t* words) {
@@ -115,7 +120,7 @@ struct RepackedTile<ggml::Type::Q2_K> {  // words 0-3: scales[16], 4-19: qs[64];
     __m512 d, k;
   };
   static Fields fields(const uint8_t* b) {
-    const uint8_t* words = b + 64;
+    const uint8_t* words = words_of<ggml::Type::Q2_K>(b);
     return {{word(words, 0), word(words, 1), word(words, 2), word(words, 3)},
             half16(b), _mm512_sub_ps(_mm512_setzero_ps(), half16(b + 32))};  // k = -dmin
   }
@@ -141,7 +146,7 @@ struct RepackedTile<ggml::Type::Q3_K> {  // words 0-7: hmask[32], 8-23: qs[64], 
   // Biased scale 4q + i: nibble (q / 2) of scales[4 (q % 2) + i], and as
   // bits 4-5, bits 2q, 2q + 1 of scales[8 + i] (the format's kmask shuffle).
   static Fields fields(const uint8_t* b) {
-    const uint8_t* words = b + 32;
+    const uint8_t* words = words_of<ggml::Type::Q3_K>(b);
     const __m512i lo = word(words, 24), mid = word(words, 25), hi = word(words, 26);
     Fields f;
     f.biased[0] = _mm512_or_si512(bits_to<0, 0, 0x0f>(lo), bits_to<0, 4, 0x30>(hi));
@@ -176,7 +181,7 @@ struct RepackedTile<ggml::Type::Q6_K> {  // words 0-31: ql[128], 32-47: qh[64], 
   };
   static Fields fields(const uint8_t* b) {
     const __m512 d = half16(b);
-    return {b + 32, d, _mm512_mul_ps(d, _mm512_set1_ps(-32.0f))};  // the levels' offset of 32
+    return {words_of<ggml::Type::Q6_K>(b), d, _mm512_mul_ps(d, _mm512_set1_ps(-32.0f))};  // the levels' offset of 32
   }
   template <int S>  // scales[S] sign-extended to int32: moved to the top byte, shifted back
   static __m512i scale(const Fields& f) {
@@ -205,7 +210,7 @@ struct RepackedTile<ggml::Type::IQ4_XS> {  // fields d, scales_h; word 0: scales
   };
   static Fields fields(const uint8_t* b) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32));
-    return {word(b + 64, 0), _mm512_cvtepu16_epi32(h), half16(b), _mm512_setzero_ps()};
+    return {word(words_of<ggml::Type::IQ4_XS>(b), 0), _mm512_cvtepu16_epi32(h), half16(b), _mm512_setzero_ps()};
   }
   // (nibble S of scales_l | bits 2S, 2S + 1 of scales_h << 4) - 32, as int32.
   template <int S>
