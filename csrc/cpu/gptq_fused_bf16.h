@@ -1,4 +1,4 @@
-// gptq_gemm's fused small-M kernel for 2-, 3- and 4-bit weights and bf16 /
+// gptq_gemm's fused kernel for 2-, 3- and 4-bit weights and bf16 /
 // fp16 activations on AVX512-BF16 (vdpbf16ps). Include only inside the
 // target pragma region of gptq_fused_avx512bf16.cpp.
 //

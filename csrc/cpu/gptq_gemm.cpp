@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <limits>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -41,7 +42,13 @@ constexpr int64_t kSimdFusedMaxM = 64;
 // GEMM path (gemm_bf16x2_mm) above kSimdFusedMaxM, and above kAmxFusedMaxM
 // where AMX-BF16 runs that GEMM: on a 2-core Xeon (AMX, 2 threads, 4-bit
 // g128, 4096x14336 and 14336x4096) the fused kernel took 11 / 22 / 45 ms at
-// M = 16 / 32 / 64 and the GEMM path 28-31 ms at each of them.
+// M = 16 / 32 / 64 and the GEMM path 28-31 ms at each of them. Where
+// vdpbf16ps runs at the FMA's rate and there is no AMX, the vdpbf16ps fused
+// kernel takes every M: it costs the same per activation row at any M (AMD
+// Zen 4, 4096x14336 4-bit, 1 thread: 0.60-0.62 ms a row at M = 32 and 64,
+// about torch's bf16 GEMM's 0.57 at M = 256), where the GEMM path, two
+// planes of W, took 1.24 ms a row at M = 256; fp16 activations (two planes
+// of a) 1.1-1.2 ms a row against 1.5-1.6 through the fp32 dequantize path.
 constexpr int64_t kAmxFusedMaxM = 40;
 // Output columns per fused task: acc[kFusedMaxM][kTileN] stays in L1.
 constexpr int64_t kTileN = 64;
@@ -164,6 +171,17 @@ bool use_bf16_kernel(int bits) {
   return bf16_kernel() == Bf16Kernel::kAlways || bf16_dot_at_fma_rate();
 }
 
+// The most activation rows the SIMD fused kernels take (kSimdFusedMaxM and
+// kAmxFusedMaxM above); past them the dequantize + GEMM paths. bf16_gemm:
+// the large-M path is gemm_bf16x2_mm; bf16_dot: the fused kernel is the
+// vdpbf16ps one.
+int64_t simd_fused_max_m(bool bf16_gemm, bool bf16_dot) {
+  if (bf16_gemm && has_amx_bf16()) return kAmxFusedMaxM;
+  if (bf16_dot && bf16_dot_at_fma_rate() && bf16_kernel() != Bf16Kernel::kGemm)
+    return std::numeric_limits<int64_t>::max();
+  return kSimdFusedMaxM;
+}
+
 // The bf16 planes [planes, M, K] that sum to the activations exactly
 // (gptq_fused_bf16.h): a itself for bf16 input; hi = bf16(a) and lo = a - hi
 // for fp16, whose 3 extra significand bits fit in lo. a2 is a in fp32.
@@ -264,7 +282,8 @@ void gemm_dequant_mm(const at::Tensor& a, const GptqWeight& w, Isa isa, const at
 
 // out[M, N] = a[M, K] @ W for bf16 activations a on AVX512-BF16 CPUs, whose
 // bf16 GEMM (AMX or vdpbf16ps, fp32 accumulation) is several times faster
-// than the fp32 one: 5x on a 2-core Xeon with AMX, 3x on AMD Zen 4. W goes
+// than the fp32 one: 5x on a 2-core Xeon with AMX, 3x on AMD Zen 4 (where
+// only 8-bit weights come here: simd_fused_max_m). W goes
 // in column strips over all of K as two bf16 planes [hi; lo] [2K, width]
 // against [a, a] [M, 2K]: one GEMM adds a @ hi + a @ lo in fp32 and rounds
 // to bf16 once, as the fp32 path's output is rounded once, and hi + lo holds
@@ -376,18 +395,18 @@ at::Tensor gptq_gemm(const at::Tensor& a, const at::Tensor& b_q_weight, const at
     dispatch_bits(bit, [&](auto bits) {
       constexpr int B = decltype(bits)::value;
       const Isa isa = simd_fused_supports<B>(w.view) ? active_isa() : Isa::kPortable;
-      const bool bf16_gemm = a.scalar_type() == at::kBFloat16 && isa == Isa::kAvx512 && has_avx512_bf16() &&
-                             M > (has_amx_bf16() ? kAmxFusedMaxM : kSimdFusedMaxM);
-      if (bf16_gemm) {
-        out = at::empty({M, d.N}, a.options());
-        gemm_bf16x2_mm<B>(a2.to(at::kBFloat16), w.view, out);
-      } else if (M <= (isa != Isa::kPortable ? kSimdFusedMaxM : kFusedMaxM)) {
-        const bool half_input = a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf;
+      const bool half_input = a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf;
+      const bool bf16_gemm = a.scalar_type() == at::kBFloat16 && isa == Isa::kAvx512 && has_avx512_bf16();
+      const bool bf16_dot = half_input && isa == Isa::kAvx512 && use_bf16_kernel(B);
+      if (M <= (isa != Isa::kPortable ? simd_fused_max_m(bf16_gemm, bf16_dot) : kFusedMaxM)) {
         at::Tensor planes;
-        if (half_input && isa == Isa::kAvx512 && use_bf16_kernel(B)) planes = bf16_planes(a2, a.scalar_type());
+        if (bf16_dot) planes = bf16_planes(a2, a.scalar_type());
         const Bf16Acts a16{planes.defined() ? reinterpret_cast<const uint16_t*>(planes.data_ptr<at::BFloat16>()) : nullptr,
                            M, planes.defined() ? static_cast<int>(planes.size(0)) : 0};
         gemm_fused<B>(a2.data_ptr<float>(), M, w.view, out.data_ptr<float>(), isa, a16.data ? &a16 : nullptr);
+      } else if (bf16_gemm) {
+        out = at::empty({M, d.N}, a.options());
+        gemm_bf16x2_mm<B>(a2.to(at::kBFloat16), w.view, out);
       } else {
         gemm_dequant_mm<B>(a2, w.view, isa, out);
       }

@@ -94,16 +94,18 @@ std::atomic<int> bf16_kernel_choice{static_cast<int>(Bf16Kernel::kAuto)};
 Bf16Kernel bf16_kernel() { return static_cast<Bf16Kernel>(bf16_kernel_choice.load(std::memory_order_relaxed)); }
 
 void set_bf16_kernel(const std::string& name) {
-  for (Bf16Kernel k : {Bf16Kernel::kAuto, Bf16Kernel::kAlways}) {
+  for (Bf16Kernel k : {Bf16Kernel::kAuto, Bf16Kernel::kAlways, Bf16Kernel::kGemm}) {
     if (name == bf16_kernel_name(k)) {
       bf16_kernel_choice.store(static_cast<int>(k), std::memory_order_relaxed);
       return;
     }
   }
-  TORCH_CHECK_VALUE(false, "cpu_bf16_kernel: unknown mode '", name, "'; expected auto or always");
+  TORCH_CHECK_VALUE(false, "cpu_bf16_kernel: unknown mode '", name, "'; expected auto, always or gemm");
 }
 
-const char* bf16_kernel_name(Bf16Kernel k) { return k == Bf16Kernel::kAlways ? "always" : "auto"; }
+const char* bf16_kernel_name(Bf16Kernel k) {
+  return k == Bf16Kernel::kAlways ? "always" : k == Bf16Kernel::kGemm ? "gemm" : "auto";
+}
 
 bool has_amx_bf16() {
 #if defined(__x86_64__) && defined(__GNUC__)

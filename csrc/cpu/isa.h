@@ -34,10 +34,13 @@ bool bf16_dot_at_fma_rate();
 // Which kernel bf16 / fp16 activations of a GPTQ weight take where both the
 // vdpbf16ps and the fp32 FMA kernels apply: kAuto picks the faster on this
 // CPU; kAlways takes vdpbf16ps wherever it applies, so that the tests run it
-// at every M and bit width on any CPU that has it.
-enum class Bf16Kernel : int { kAuto = 0, kAlways = 1 };
+// at every M and bit width on any CPU that has it; kGemm is kAuto, except
+// that bf16 activations past the fused kernels' usual range (M > 64) take
+// the bf16 GEMM also where the vdpbf16ps kernel would run at every M, so
+// that the tests run that path on any CPU with AVX512-BF16.
+enum class Bf16Kernel : int { kAuto = 0, kAlways = 1, kGemm = 2 };
 Bf16Kernel bf16_kernel();
-// Sets it by name ("auto", "always"); raises ValueError for another.
+// Sets it by name ("auto", "always", "gemm"); raises ValueError for another.
 void set_bf16_kernel(const std::string& name);
 const char* bf16_kernel_name(Bf16Kernel k);
 // Whether it also has AMX-BF16, whose tile multiply makes torch's bf16 GEMM
