@@ -17,10 +17,14 @@ same threads:
   the machines' last-level caches), multiplied in turn, on every side;
 - dequantize of every type against gguf-py's NumPy dequantize.
 
-    python benchmarks/bench_gguf.py [--quick]
+    python benchmarks/bench_gguf.py [--quick] [--isa avx2]
 
 Prints the tables and writes benchmarks/results/<machine>-gguf.json, .txt and
-a PNG of matvec throughput per type against the peers. Each comparison is
+a PNG of matvec throughput per type against the peers; with --isa, lowbit's
+kernels of that ISA (torch.ops.lowbit.cpu_isa) and files named
+<machine>-<isa>-gguf.*. The llama.cpp peer comes from llama-cpp-python, or
+from LOWBIT_GGML_LIB_DIR (tests/ggml_peer.py): to meet the AVX2 kernels, a
+ggml built for AVX2 only (README, Benchmarks). Each comparison is
 timed in alternating rounds, each side's fastest round reported
 (common.time_rounds_ms), so that load from elsewhere on a shared machine
 cannot land on one side only.
@@ -357,17 +361,22 @@ def plot(records, bandwidth, info, path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="smaller shapes, fewer types, shorter timing")
+    parser.add_argument("--isa", help="lowbit's CPU kernels to run (portable, avx2, avx512); default: the best")
     args = parser.parse_args()
     budget = 0.1 if args.quick else 0.2  # per round of time_rounds_ms
     rng = np.random.default_rng(0)
+    if args.isa:
+        torch.ops.lowbit.cpu_isa(args.isa)
 
     info = machine()
     threads = [1] if args.quick else [t for t in THREADS if t <= torch.get_num_threads()]
-    stem = f"{info['slug']}-gguf"
+    stem = f"{info['slug']}-{args.isa}-gguf" if args.isa else f"{info['slug']}-gguf"
     with printed_to(f"{stem}.txt"):
         bandwidth = CopyBandwidth(threads=threads)
         print(f"machine: {info['name']} ({info['threads']} threads), torch {info['torch']}, "
               f"CPU kernels: {torch.ops.lowbit.cpu_isa()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
+        if os.environ.get("LOWBIT_GGML_LIB_DIR"):
+            print(f"llama.cpp peer: libggml from LOWBIT_GGML_LIB_DIR={os.environ['LOWBIT_GGML_LIB_DIR']}")
         shapes = [(4096, 4096)] if args.quick else SHAPES
         mm = matmul_table(rng, shapes, MAIN_TYPES[:3] if args.quick else MAIN_TYPES, threads, budget, bandwidth)
         torch.set_num_threads(max(threads))
@@ -388,6 +397,7 @@ def main():
         print(f"\ndequantize to fp32, {1024 if args.quick else 4096} x 4096 weights, {max(threads)} threads")
         dq = dequant_table(rng, 1024 if args.quick else 4096, 4096, budget)
     write_results(f"{stem}.json", dict(machine=info, cpu_isa=torch.ops.lowbit.cpu_isa(),
+                                       ggml_lib_dir=os.environ.get("LOWBIT_GGML_LIB_DIR"),
                                        **bandwidth.as_record(), dequantize=dq, matmul=mm, prefill=pf,
                                        streamed_matvec=st))
     if not args.quick and not ggml_peer.available():

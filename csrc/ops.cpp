@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 
+#include "core/ggml_repack.h"
 #include "core/ggml_types.h"
 #include "cpu/isa.h"
 
@@ -24,6 +25,21 @@ std::vector<int64_t> ggml_type_info(int64_t type) {
 std::string cpu_isa(std::optional<std::string> force) {
   if (force) lowbit::cpu::force_isa(*force);
   return lowbit::cpu::isa_name(lowbit::cpu::active_isa());
+}
+
+// Whether the active ISA's CPU kernels read a weight of this type in the
+// repacked layout as it is: with AVX-512 (VNNI) every type that has the
+// layout, with AVX2 the 4- and 5-bit one-scale ones; elsewhere each call
+// puts the rows back in the file's layout first (the same results, slower).
+bool cpu_reads_repacked(int64_t type) {
+  TORCH_CHECK_VALUE(lowbit::ggml::runtime_info(type).ok, "cpu_reads_repacked: type ", type,
+                    " is not a ggml weight type lowbit supports (unknown or removed id)");
+  const auto t = static_cast<lowbit::ggml::Type>(type);
+  switch (lowbit::cpu::active_isa()) {
+    case lowbit::cpu::Isa::kAvx512: return lowbit::ggml::has_repacked_layout(t);
+    case lowbit::cpu::Isa::kAvx2: return lowbit::ggml::reads_repacked_avx2(t);
+    default: return false;
+  }
 }
 
 // Which GPTQ kernel bf16 / fp16 activations take on AVX512-BF16 CPUs
@@ -78,4 +94,5 @@ TORCH_LIBRARY(lowbit, m) {
   // lowers it, for tests of every path and for benchmarks.
   m.def("cpu_isa(str? force=None) -> str", &cpu_isa);
   m.def("cpu_bf16_kernel(str? mode=None) -> str", &cpu_bf16_kernel);
+  m.def("cpu_reads_repacked(int type) -> bool", &cpu_reads_repacked);
 }

@@ -11,6 +11,9 @@ n_threads, planned once per thread count (ggml_graph_plan) with a work buffer
 we own: ggml_graph_compute_with_ctx would take a new work buffer from the
 context on every call. ggml quantizes x to the type's 8-bit activation blocks
 inside the call, as lowbit does. An optional extra: `pip install llama-cpp-python`.
+LOWBIT_GGML_LIB_DIR names another directory holding the two libraries, e.g.
+the same ggml built for AVX2 only, to meet lowbit's AVX2 kernels on an
+AVX-512 machine (benchmarks/README in the top-level README: Benchmarks).
 
 llama.cpp's own model loader does not leave every weight in that plain layout:
 where the CPU backend has an "extra" buffer type for a weight's type (CPU_REPACK:
@@ -43,7 +46,7 @@ class _CPlan(ctypes.Structure):  # struct ggml_cplan of the ggml that llama-cpp-
 def _load():
     import llama_cpp  # noqa: F401  (the package that ships the libraries)
 
-    lib_dir = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
+    lib_dir = os.environ.get("LOWBIT_GGML_LIB_DIR") or os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
     base = ctypes.CDLL(os.path.join(lib_dir, "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
     cpu = ctypes.CDLL(os.path.join(lib_dir, "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
     p = ctypes.c_void_p

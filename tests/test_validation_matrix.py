@@ -269,7 +269,8 @@ def test_validation_matrix(op_name, case, over, expect):
 
 def test_the_matrix_covers_every_op():
     declared = {name for name in dir(ops) if isinstance(getattr(ops, name), torch._ops.OpOverloadPacket)}
-    declared -= {"ggml_type_info", "cpu_isa", "cpu_bf16_kernel"}  # no tensors: test_scalar_ops_reject_bad_values
+    # no tensors: test_scalar_ops_reject_bad_values
+    declared -= {"ggml_type_info", "cpu_isa", "cpu_bf16_kernel", "cpu_reads_repacked"}
     assert declared <= set(OPS), declared - set(OPS)
     assert len(CASES) >= 200, len(CASES)
 
@@ -281,3 +282,6 @@ def test_scalar_ops_reject_bad_values():
         ops.cpu_isa("sse9")
     with pytest.raises(ValueError, match="^cpu_bf16_kernel: unknown mode 'fast'"):
         ops.cpu_bf16_kernel("fast")
+    for bad in (4, -1, 1000):
+        with pytest.raises(ValueError, match=f"^cpu_reads_repacked: type {bad} is not a ggml weight type"):
+            ops.cpu_reads_repacked(bad)

@@ -22,6 +22,7 @@
 #include "ggml_act_quant_simd.h"
 #include "ggml_dequant_simd.h"
 #include "ggml_matmul_simd.h"
+#include "ggml_repacked_avx2.h"
 
 namespace lowbit {
 namespace cpu {
@@ -49,6 +50,30 @@ struct DotAvx2 {
 bool ggml_mul_mat_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts,
                        int64_t M, float* out, int64_t rows) {
   return run_matmul_simd<DotAvx2>(type, W, r0, r1, n, acts, M, out, rows);
+}
+
+bool ggml_mul_mat_repacked_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n,
+                                const ggml::ActRow* acts, int64_t M, float* out, int64_t rows) {
+  bool ran = false;
+  dispatch_ggml_type(type, [&](auto t) {
+    constexpr ggml::Type T = decltype(t)::value;
+    if constexpr (reads_repacked_avx2(T)) {
+      // Whole tiles repacked; the rows past the last one as the file has them.
+      const int64_t r = RepackedFloatAvx2<T>::run(W, r0, r1, n, acts, M, out, rows);
+      MatmulSimd<DotAvx2, T>::run(W, r, r1, n, acts, M, out, rows);
+      ran = true;
+    }
+  });
+  return ran;
+}
+
+bool ggml_mul_mat_repacked_avx2_takes_offsets(int64_t type) {
+  bool takes = false;
+  dispatch_ggml_type(type, [&](auto t) {
+    constexpr ggml::Type T = decltype(t)::value;
+    if constexpr (reads_repacked_avx2(T)) takes = RepackedFloatAvx2<T>::kOffsets;
+  });
+  return takes;
 }
 
 void ggml_quantize_acts_avx2(ggml::Act act, const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, float* sum,

@@ -123,16 +123,19 @@ void mul_mat_rows(Isa isa, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, 
 }
 
 // The rows [r0, r1) of a repacked weight (core/ggml_repack.h; r0 a multiple
-// of its tile rows): the AVX-512 kernel reads the layout as it is; the other
-// ISAs put a few tiles at a time back in the file's layout (in a buffer that
-// stays in cache) and run their own kernel, so that every ISA computes what
-// it computes for the file's layout.
+// of its tile rows): the AVX-512 kernels, and the AVX2 ones for the types
+// reads_repacked_avx2 names, read the layout as it is; otherwise a few tiles
+// at a time go back in the file's layout (in a buffer that stays in cache)
+// for the ISA's own kernel, so that every ISA computes what it computes for
+// the file's layout.
 template <ggml::Type T>
 void mul_mat_repacked_rows(Isa isa, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts,
                            int64_t M, float* out, int64_t rows) {
   if constexpr (ggml::has_repacked_layout(T)) {
 #if defined(__x86_64__)
     if (isa == Isa::kAvx512 && ggml_mul_mat_repacked_avx512(static_cast<int64_t>(T), W, r0, r1, n, acts, M, out, rows))
+      return;
+    if (isa == Isa::kAvx2 && ggml_mul_mat_repacked_avx2(static_cast<int64_t>(T), W, r0, r1, n, acts, M, out, rows))
       return;
 #endif
     constexpr int64_t kStep = 4 * ggml::kRepackRows;
@@ -161,6 +164,7 @@ void mul_mat_quantized(const uint8_t* W, int64_t rows, int64_t n, const float* X
   if (isa == Isa::kAvx512)
     offsets = (repacked && I::kBlock == 32 && !I::kHasMin) ||
               ggml_mul_mat_avx512_takes_offsets(static_cast<int64_t>(T), M);
+  if (isa == Isa::kAvx2) offsets = repacked && ggml_mul_mat_repacked_avx2_takes_offsets(static_cast<int64_t>(T));
 #endif
   const QuantizedActs<I::kAct> quantized(X, M, n, offsets);
   std::vector<ggml::ActRow> acts(M);

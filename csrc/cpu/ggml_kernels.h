@@ -34,6 +34,12 @@ bool ggml_mul_mat_avx512_takes_offsets(int64_t type, int64_t M);
 // acts[m].offset. Returns false for the others.
 bool ggml_mul_mat_repacked_avx512(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n,
                                   const ggml::ActRow* acts, int64_t M, float* out, int64_t rows);
+// The AVX2 kernel of the same, for the types reads_repacked_avx2 names;
+// Q4_0 and Q5_0 read acts[m].offset (..._takes_offsets). Returns false for
+// the others.
+bool ggml_mul_mat_repacked_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n,
+                                const ggml::ActRow* acts, int64_t M, float* out, int64_t rows);
+bool ggml_mul_mat_repacked_avx2_takes_offsets(int64_t type);
 
 // Activation blocks [b0, b1) of x (blocks of ActLayout<act>::kBlock) quantized
 // as quantize_act_block<act> does, bit for bit; act is Q8_0, Q8_1 or Q8_K.

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 import lowbit
 from lowbit import smollm2
-from lowbit.gguf_linear import REPACKED_LAYOUT_ISAS
+from lowbit.gguf_linear import reads_repacked_layout
 from lowbit.machine import machine_slug
 
 PROMPT = "The three branches of government are"
@@ -40,6 +40,7 @@ QUICK_ROWS = GPTQ_ROWS[1:2]
 # 3's down_proj (4-bit g128): held-out output error 0.122 at 1% vs 0.102 at 10%
 # (RTN 0.099), while the calibration error barely moves (0.048 vs 0.051).
 DAMP_PERCENT = 0.1
+GGUF_Q4_1 = 3  # the ggml type of the shipped file's linear layers
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                        "benchmarks", "results")
 
@@ -62,7 +63,7 @@ def run_real_model(path: str, quick: bool, heldout_tokens: int) -> None:
     heldout = tokenizer(smollm2.shipped_text("heldout.txt"), return_tensors="pt").input_ids[0][:heldout_tokens]
     calibration = calibration_batches(tokenizer)
     models = [("fp32 reference", fp32), ("GGUF Q4_1 (as shipped)", gguf)]
-    if torch.ops.lowbit.cpu_isa() in REPACKED_LAYOUT_ISAS:
+    if reads_repacked_layout(GGUF_Q4_1):
         # The same file's layers in the CPU kernels' repacked layout: the same outputs bit for bit,
         # so the same perplexity; the speed columns show what the layout is worth on this CPU.
         models.append(("GGUF Q4_1, repacked layout", lowbit.load_gguf_model(path, repack=True)))

@@ -24,10 +24,13 @@ def has_repacked_layout(qtype: int) -> bool:
     return True
 
 
-# The CPU kernels that read the repacked layout as it is; the others put the
-# rows back into the file's layout on every call (correct, but several times
-# slower than the file's layout).
-REPACKED_LAYOUT_ISAS = ("avx512",)
+def reads_repacked_layout(qtype: int) -> bool:
+    """Whether the active CPU kernels read type `qtype`'s repacked layout as
+    it is (AVX-512 VNNI: every type with the layout; AVX2: Q4_0, Q4_1, Q5_0,
+    Q5_1, IQ4_NL). Otherwise each call puts the rows back into the
+    file's layout first: correct, but several times slower than the file's
+    layout (torch.ops.lowbit.cpu_reads_repacked)."""
+    return torch.ops.lowbit.cpu_reads_repacked(qtype)
 
 
 # The types repack_model leaves in the file's layout by default although
@@ -40,21 +43,23 @@ REPACK_MODEL_SKIPS = (14,)
 
 def repack_model(model: nn.Module, skip_types=REPACK_MODEL_SKIPS) -> list[str]:
     """GGUFLinear.repack() on every GGUFLinear of `model` on the CPU whose
-    type has the layout and is not in `skip_types`; returns their names.
-    Where the active CPU kernels do not read the layout
-    (torch.ops.lowbit.cpu_isa() not AVX-512 VNNI), it warns and leaves every
-    layer as it is."""
-    isa = torch.ops.lowbit.cpu_isa()
-    if isa not in REPACKED_LAYOUT_ISAS:
-        warnings.warn(f"lowbit.repack_model: this CPU's {isa} kernels would put the repacked rows back on every "
-                      f"call; the layers stay in the file's layout (the layout pays with AVX-512 VNNI)")
-        return []
-    names = []
+    type has the layout, is read as it is by the active CPU kernels
+    (reads_repacked_layout) and is not in `skip_types`; returns their names.
+    It warns naming the types whose layout the kernels would put back on
+    every call, and leaves those layers as they are."""
+    names, unread = [], set()
     for name, module in model.named_modules():
         if (isinstance(module, GGUFLinear) and module.qweight.device.type == "cpu"
                 and has_repacked_layout(module.qtype) and module.qtype not in skip_types):
-            module.repack()
-            names.append(name)
+            if reads_repacked_layout(module.qtype):
+                module.repack()
+                names.append(name)
+            else:
+                unread.add(module.qtype)
+    if unread:
+        warnings.warn(f"lowbit.repack_model: this CPU's {torch.ops.lowbit.cpu_isa()} kernels would put the "
+                      f"repacked rows back on every call for ggml types {sorted(unread)}; those layers stay in "
+                      f"the file's layout")
     return names
 
 
@@ -68,9 +73,10 @@ class GGUFLinear(nn.Module):
 
     `repack()` reorders qweight (on the CPU, for Q4_0, Q4_1, Q5_0, Q5_1,
     Q8_0, IQ4_NL, the K-quants and IQ4_XS) into the interleaved layout the
-    AVX-512 VNNI kernels read 16 rows at a time (torch.ops.lowbit.ggml_repack):
-    the same results bit for bit, faster on those CPUs (elsewhere each call
-    puts the rows back first). The layer keeps the file's layout everywhere
+    AVX-512 VNNI kernels read 16 rows at a time, and the AVX2 ones 8 at a time
+    for the 4- and 5-bit 32-element types (torch.ops.lowbit.ggml_repack): the same results
+    bit for bit, faster where reads_repacked_layout(qtype) (elsewhere each
+    call puts the rows back first). The layer keeps the file's layout everywhere
     else: its state_dict, dequantize(), and a move to another device.
     """
 
