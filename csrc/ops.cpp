@@ -29,8 +29,9 @@ std::string cpu_isa(std::optional<std::string> force) {
 
 // Whether the active ISA's CPU kernels read a weight of this type in the
 // repacked layout as it is: with AVX-512 (VNNI) every type that has the
-// layout, with AVX2 the 4- and 5-bit one-scale ones; elsewhere each call
-// puts the rows back in the file's layout first (the same results, slower).
+// layout, with AVX2 the 4- and 5-bit one-scale ones and Q4_K; elsewhere
+// each call puts the rows back in the file's layout first (the same
+// results, slower).
 bool cpu_reads_repacked(int64_t type) {
   TORCH_CHECK_VALUE(lowbit::ggml::runtime_info(type).ok, "cpu_reads_repacked: type ", type,
                     " is not a ggml weight type lowbit supports (unknown or removed id)");

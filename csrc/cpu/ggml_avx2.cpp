@@ -59,7 +59,8 @@ bool ggml_mul_mat_repacked_avx2(int64_t type, const uint8_t* W, int64_t r0, int6
     constexpr ggml::Type T = decltype(t)::value;
     if constexpr (reads_repacked_avx2(T)) {
       // Whole tiles repacked; the rows past the last one as the file has them.
-      const int64_t r = RepackedFloatAvx2<T>::run(W, r0, r1, n, acts, M, out, rows);
+      using Kernel = std::conditional_t<(ggml::TypeInfo<T>::kBlock == 32), RepackedFloatAvx2<T>, RepackedIntAvx2<T>>;
+      const int64_t r = run_half_tiles<Kernel>(W, r0, r1, n, acts, M, out, rows);
       MatmulSimd<DotAvx2, T>::run(W, r, r1, n, acts, M, out, rows);
       ran = true;
     }
@@ -71,7 +72,7 @@ bool ggml_mul_mat_repacked_avx2_takes_offsets(int64_t type) {
   bool takes = false;
   dispatch_ggml_type(type, [&](auto t) {
     constexpr ggml::Type T = decltype(t)::value;
-    if constexpr (reads_repacked_avx2(T)) takes = RepackedFloatAvx2<T>::kOffsets;
+    if constexpr (reads_repacked_avx2(T) && ggml::TypeInfo<T>::kBlock == 32) takes = RepackedFloatAvx2<T>::kOffsets;
   });
   return takes;
 }

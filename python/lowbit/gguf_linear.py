@@ -27,7 +27,7 @@ def has_repacked_layout(qtype: int) -> bool:
 def reads_repacked_layout(qtype: int) -> bool:
     """Whether the active CPU kernels read type `qtype`'s repacked layout as
     it is (AVX-512 VNNI: every type with the layout; AVX2: Q4_0, Q4_1, Q5_0,
-    Q5_1, IQ4_NL). Otherwise each call puts the rows back into the
+    Q5_1, IQ4_NL, Q4_K). Otherwise each call puts the rows back into the
     file's layout first: correct, but several times slower than the file's
     layout (torch.ops.lowbit.cpu_reads_repacked)."""
     return torch.ops.lowbit.cpu_reads_repacked(qtype)
@@ -74,7 +74,7 @@ class GGUFLinear(nn.Module):
     `repack()` reorders qweight (on the CPU, for Q4_0, Q4_1, Q5_0, Q5_1,
     Q8_0, IQ4_NL, the K-quants and IQ4_XS) into the interleaved layout the
     AVX-512 VNNI kernels read 16 rows at a time, and the AVX2 ones 8 at a time
-    for the 4- and 5-bit 32-element types (torch.ops.lowbit.ggml_repack): the same results
+    for the 4- and 5-bit 32-element types and Q4_K (torch.ops.lowbit.ggml_repack): the same results
     bit for bit, faster where reads_repacked_layout(qtype) (elsewhere each
     call puts the rows back first). The layer keeps the file's layout everywhere
     else: its state_dict, dequantize(), and a move to another device.
