@@ -35,6 +35,7 @@
 #include "ggml_levels_simd.h"
 #include "ggml_repacked_tiles.h"
 #include "row_tiles.h"
+#include "static_for.h"
 
 namespace lowbit {
 namespace cpu {
@@ -285,13 +286,6 @@ struct FloatGemm {
   // lanes add +0, which changes nothing (a sum from +0 is never -0).
   static __m512 total(const __m512* a) { return lane_order_sum(I::kHasMin ? _mm512_add_ps(a[0], a[8]) : a[0], a); }
 };
-
-// Calls f(std::integral_constant<int, I>{}) for I = 0 .. N - 1 in turn.
-template <int N, class F>
-inline void static_for(F&& f) {
-  [&]<int... I>(std::integer_sequence<int, I...>) { (f(std::integral_constant<int, I>{}), ...); }(
-      std::make_integer_sequence<int, N>{});
-}
 
 // Activation rows per pass of the repacked kernels over a tile: their fp32
 // sums and the decoded levels fill the registers.

@@ -24,6 +24,7 @@
 #include "../core/ggml_repack.h"
 #include "../core/ggml_tables.h"
 #include "../core/ggml_types.h"
+#include "static_for.h"
 
 namespace lowbit {
 namespace cpu {
@@ -32,12 +33,6 @@ namespace {
 // Rows per half tile: one per int32 lane.
 constexpr int kHalfRows = 8;
 
-// f(std::integral_constant<int, I>{}) for I = 0 .. 7 in turn.
-template <class F>
-inline void static_for_8(F&& f) {
-  [&]<int... I>(std::integer_sequence<int, I...>) { (f(std::integral_constant<int, I>{}), ...); }(
-      std::make_integer_sequence<int, 8>{});
-}
 
 // The 4 bytes at p in every int32 lane.
 inline __m256i bcast4x8(const void* p) {
@@ -166,14 +161,12 @@ struct RepackedFloatAvx2 {
       const auto word = [&](int w) { return half_word(words, h, w); };
       const __m256i qh = kHighBits ? word(0) : _mm256_setzero_si256();
       // Byte i of word k: element 4k + i in the low nibble, 16 + 4k + i in the high one.
-      const auto both = [&](auto kc) {
+      static_for<4>([&](auto kc) {
         constexpr int k = decltype(kc)::value;
         const __m256i v = word(kHighBits + k);
         dot(level<k>(_mm256_and_si256(v, low4), qh), k);
         dot(level<k + 4>(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), qh), k + 4);
-      };
-      both(std::integral_constant<int, 0>{}), both(std::integral_constant<int, 1>{});
-      both(std::integral_constant<int, 2>{}), both(std::integral_constant<int, 3>{});
+      });
       if constexpr (I::kHasMin) {
         // The matvec rounds m_w * s_x, then adds; the barrier keeps the
         // compiler from contracting the two into one FMA.
@@ -243,11 +236,11 @@ struct RepackedIntAvx2 {
                                              _mm256_and_si256(_mm256_srli_epi32(w1, 2), top2))};
       const int64_t e = bi * I::kBlock;
       __m256i S = _mm256_setzero_si256(), C = _mm256_setzero_si256();
-      static_for_8([&](auto jc) {  // sub-block J: its min against both 16-element activation sums
+      static_for<8>([&](auto jc) {  // sub-block J: its min against both 16-element activation sums
         constexpr int J = decltype(jc)::value;
         C = _mm256_add_epi32(C, _mm256_madd_epi16(pick8<J % 4, J % 4>(mn[J / 4]), bcast4x8(a.isum + bi * 16 + 2 * J)));
         const __m256i scale = pick8<J % 4, J % 4>(sc[J / 4]);  // in both int16 halves: madd scales each pair sum
-        static_for_8([&](auto ic) {
+        static_for<8>([&](auto ic) {
           constexpr int G = 8 * J + decltype(ic)::value;
           _mm_prefetch(ahead + G * kTileBlockBytes / 64, _MM_HINT_T1);
           const __m256i pairs = _mm256_maddubs_epi16(levels<G>(words, h), bcast4x8(a.q + e + 4 * G));
