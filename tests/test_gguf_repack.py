@@ -68,15 +68,17 @@ def test_layout_is_the_documented_one_and_inverts(name, rows):
 @pytest.mark.parametrize("name", REPACKED)
 @pytest.mark.parametrize("rows", [40, 64])
 def test_matmul_equals_the_file_layout_bit_for_bit(cpu_isa, name, rows):
-    """Every batch size (the passes take activation rows in pairs, so odd M
-    too; the integer-form types go through the GEMM driver from M = 16 or
-    64) against both file-layout ops, on every ISA (AVX-512 reads the
-    layout; the others put the rows back and run their own kernel)."""
+    """Every batch size (AVX-512's passes take activation rows in pairs and
+    AVX2's Q4_K passes in fours, so the rows left over too; the
+    integer-form types go through the GEMM driver from M = 16 or 64)
+    against both file-layout ops, on every ISA (AVX-512 reads the layout,
+    AVX2 reads it for the types cpu_reads_repacked names; the others put
+    the rows back and run their own kernel)."""
     t = gb.type_id(name)
     W = torch.from_numpy(blocks(name, rows))
     packed = ops.ggml_repack(W, t, rows, N)
     g = torch.Generator().manual_seed(rows)
-    for M in (1, 2, 3, 5, 8, 9, 33, 64, 65):
+    for M in (1, 2, 3, 5, 6, 7, 8, 9, 33, 64, 65):
         x = torch.randn(M, N, generator=g) * torch.logspace(-2, 2, N)  # activation blocks of every scale
         got = ops.ggml_mul_mat_repacked(packed, x, t, rows)
         assert torch.equal(got, ops.ggml_mul_mat_a8(W, x, t, rows)), M
