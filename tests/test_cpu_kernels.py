@@ -301,6 +301,31 @@ def test_batched_rows_equal_the_matvec_bit_for_bit(device, qtype):
         torch.set_num_threads(threads)
 
 
+def test_large_batches_through_the_repacked_kernel_equal_the_matvec(device):
+    """From M = 128 (kRepackedCopyRows in ggml_avx2.cpp) AVX2 runs a
+    file-layout Q4_K weight through its repacked-layout kernel, each 16-row
+    tile repacked into a buffer first; its passes take 4 activation rows.
+    Every row must still be the matvec's bit for bit: 131 rows leave 3 past
+    the last tile (the matvec form takes them), M = 133 a pass of 1, and two
+    threads split the tiles."""
+    if device != "cpu":
+        pytest.skip("the CPU kernels' tiling")
+    rows, M, n = 131, 133, 2304
+    rng = np.random.default_rng(7)
+    raw = torch.from_numpy(gb.random_blocks(rng, "Q4_K", rows, n))
+    x = torch.from_numpy(rng.standard_normal((M, n)).astype(np.float32))
+    t = gb.type_id("Q4_K")
+    threads = torch.get_num_threads()
+    try:
+        for k in (1, 2):
+            torch.set_num_threads(k)
+            batched = ops.ggml_mul_mat_a8(raw, x, t, rows)
+            for m in range(M):
+                assert torch.equal(batched[m], ops.ggml_mul_mat_vec_a8(raw, x[m : m + 1], t, rows)[0]), (k, m)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_isa_units_share_no_symbols():
     """Each SIMD unit compiles the kernel headers under its own target pragma.
     A function of those headers with a shared (weak) symbol exists once in the
