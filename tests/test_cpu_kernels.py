@@ -301,10 +301,12 @@ def test_batched_rows_equal_the_matvec_bit_for_bit(device, qtype):
         torch.set_num_threads(threads)
 
 
-def test_large_batches_through_the_repacked_kernel_equal_the_matvec(device):
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
+def test_large_batches_through_the_repacked_kernel_equal_the_matvec(device, qtype):
     """From M = 128 (kRepackedCopyRows in ggml_avx2.cpp) AVX2 runs a
-    file-layout Q4_K weight through its repacked-layout kernel, each 16-row
-    tile repacked into a buffer first; its passes take 4 activation rows.
+    file-layout Q4_K or Q5_K weight through its repacked-layout kernel
+    (has_repacked_int_avx2), each 16-row tile repacked into a buffer first;
+    its passes take 4 activation rows.
     Every row must still be the matvec's bit for bit: 131 rows leave 3 past
     the last tile (the matvec form takes them), M = 133 a pass of 1, and two
     threads split the tiles."""
@@ -312,9 +314,9 @@ def test_large_batches_through_the_repacked_kernel_equal_the_matvec(device):
         pytest.skip("the CPU kernels' tiling")
     rows, M, n = 131, 133, 2304
     rng = np.random.default_rng(7)
-    raw = torch.from_numpy(gb.random_blocks(rng, "Q4_K", rows, n))
+    raw = torch.from_numpy(gb.random_blocks(rng, qtype, rows, n))
     x = torch.from_numpy(rng.standard_normal((M, n)).astype(np.float32))
-    t = gb.type_id("Q4_K")
+    t = gb.type_id(qtype)
     threads = torch.get_num_threads()
     try:
         for k in (1, 2):

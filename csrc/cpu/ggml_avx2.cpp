@@ -47,13 +47,14 @@ struct DotAvx2 {
 };
 
 // From how many activation rows a file-layout weight of a type with an AVX2
-// repacked integer kernel (Q4_K) goes through that kernel, a tile at a time
-// repacked into a buffer that stays in cache: its passes share each decoded
-// group between 4 activation rows and need no horizontal sums, which pays
-// for the copy (about 9 us a tile of 16 x 4096) once there are enough rows.
-// Measured on Zen 4 (1 and 2 threads), time against the matvec form's:
-// 14336 x 4096 M = 32 1.10x, 64 0.89-0.91x, 128 0.81-0.86x, 512 0.72-0.79x;
-// 4096 x 14336 M = 64 0.99-1.03x, 128 0.90x.
+// repacked integer kernel (Q4_K, Q5_K) goes through that kernel, a tile at a
+// time repacked into a buffer that stays in cache: its passes share each
+// decoded group between 4 activation rows and need no horizontal sums,
+// which pays for the copy (about 9 us a tile of 16 x 4096) once there are
+// enough rows. Measured on Zen 4 (1 and 2 threads), time against the matvec
+// form's: Q4_K 14336 x 4096 M = 32 1.10x, 64 0.89-0.91x, 128 0.81-0.86x,
+// 512 0.72-0.79x; 4096 x 14336 M = 64 0.99-1.03x, 128 0.90x; Q5_K (2
+// threads) M = 128 0.86-0.98x, 512 0.79-0.85x.
 constexpr int64_t kRepackedCopyRows = 128;
 
 // Kernel over the whole tiles of file-layout rows r0 .. r1, each repacked
@@ -79,7 +80,7 @@ bool ggml_mul_mat_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, i
   dispatch_ggml_type(type, [&](auto t) {
     constexpr ggml::Type T = decltype(t)::value;
     if constexpr (!ggml::TypeInfo<T>::kFloat) {
-      if constexpr (reads_repacked_avx2(T) && ggml::TypeInfo<T>::kBlock == 256)
+      if constexpr (has_repacked_int_avx2<T>())
         if (M >= kRepackedCopyRows) r0 = run_repacked_copies<T, RepackedIntAvx2<T>>(W, r0, r1, n, acts, M, out, rows);
       MatmulSimd<DotAvx2, T>::run(W, r0, r1, n, acts, M, out, rows);
       ran = true;

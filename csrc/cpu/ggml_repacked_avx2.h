@@ -212,7 +212,7 @@ inline __m256i pick8(__m256i v) {
 }
 
 // The integer form (IntGemm in ggml_gemm_vnni.h, MatmulSimd::IntSums in
-// ggml_matmul_simd.h) over the repacked layout of Q4_K with AVX2,
+// ggml_matmul_simd.h) over the repacked layout of Q4_K and Q5_K with AVX2,
 // 8 rows to a half tile as above: per block and row the exact int32 sums S
 // (each 4-element group's maddubs pair sums times its sub-block's 6-bit
 // scale in one madd) and C (the mins times the activations' 16-element
@@ -220,20 +220,35 @@ inline __m256i pick8(__m256i v) {
 // d_w * d_x, acc), acc = fma(C, -dmin_w * d_x, acc). The same integers and
 // fp32 operations as the file layout's AVX2 matvec, so the same results bit
 // for bit. Block words (after d and dmin): 0-2 scales[12] (get_scale_min_k4),
-// 3-34 qs[128]. Q5_K's qh bits on top measured slower than its file layout
-// at M = 8 (1.27x the time) and on 2 threads streamed, so it has no AVX2 form.
+// then Q4_K's qs[128] (3-34), or Q5_K's qh[32] (3-10) and qs[128] (11-42).
+template <ggml::Type T>
+constexpr bool has_repacked_int_avx2() {
+  return T == ggml::Type::Q4_K || T == ggml::Type::Q5_K;
+}
+
 template <ggml::Type T>
 struct RepackedIntAvx2 {
   using I = ggml::TypeInfo<T>;
-  static_assert(T == ggml::Type::Q4_K, "Q4_K");
+  static_assert(has_repacked_int_avx2<T>(), "Q4_K or Q5_K");
   static constexpr int64_t kTileBlockBytes = ggml::kRepackRows * I::kBytes;
+  static constexpr bool kHighBits = T == ggml::Type::Q5_K;
+  static constexpr int kQsWord = kHighBits ? 11 : 3;
 
-  // Group G's levels (elements 4G .. 4G + 3, sub-block G / 8): the low (even
-  // sub-block) or high nibbles of qs[32 (G / 16) + 4 (G % 8) ..].
+  // Group G's levels (elements 4G .. 4G + 3, sub-block s = G / 8): the low
+  // (even s) or high nibbles of qs[32 (s / 2) + 4 (G % 8) ..], and for Q5_K
+  // 16 for bit s of qh[4 (G % 8) ..].
   template <int G>
   static __m256i levels(const uint8_t* words, int h) {
-    const __m256i q = half_word(words, h, 3 + 8 * (G / 16) + G % 8);
-    return _mm256_and_si256(G / 8 % 2 ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(0x0f));
+    constexpr int s = G / 8;
+    const __m256i q = half_word(words, h, kQsWord + 8 * (s / 2) + G % 8);
+    const __m256i low = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(0x0f));
+    if constexpr (!kHighBits) {
+      return low;
+    } else {
+      const __m256i qh = half_word(words, h, 3 + G % 8);  // bit s to bit 4 (a 16-bit shift; the mask keeps the byte's own)
+      const __m256i moved = s < 4 ? _mm256_slli_epi16(qh, 4 - s) : _mm256_srli_epi16(qh, s - 4);
+      return _mm256_or_si256(low, _mm256_and_si256(moved, _mm256_set1_epi8(0x10)));
+    }
   }
 
   // Activation rows per pass: each decoded group meets them all, its sums S
