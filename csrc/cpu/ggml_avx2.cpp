@@ -57,9 +57,9 @@ struct DotAvx2 {
 // threads) M = 128 0.86-0.98x, 512 0.79-0.85x.
 constexpr int64_t kRepackedCopyRows = 128;
 
-// Kernel over the whole tiles of file-layout rows r0 .. r1, each repacked
-// first; returns the first row it did not take.
-template <ggml::Type T, class Kernel>
+// RepackedIntAvx2 over the whole tiles of file-layout rows r0 .. r1, each
+// repacked first; returns the first row it did not take.
+template <ggml::Type T>
 int64_t run_repacked_copies(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts, int64_t M,
                             float* out, int64_t rows) {
   const int64_t row_bytes = n / ggml::TypeInfo<T>::kBlock * ggml::TypeInfo<T>::kBytes;
@@ -67,7 +67,7 @@ int64_t run_repacked_copies(const uint8_t* W, int64_t r0, int64_t r1, int64_t n,
   int64_t r = r0;
   for (; r + ggml::kRepackRows <= r1; r += ggml::kRepackRows) {
     ggml::repack_rows<T>(W + r * row_bytes, tile.data(), ggml::kRepackRows, row_bytes, /*inverse=*/false);
-    run_half_tiles<Kernel>(tile.data(), 0, ggml::kRepackRows, n, acts, M, out + r, rows);
+    run_half_tiles<RepackedIntAvx2<T>>(tile.data(), 0, ggml::kRepackRows, n, acts, M, out + r, rows);
   }
   return r;
 }
@@ -81,7 +81,7 @@ bool ggml_mul_mat_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, i
     constexpr ggml::Type T = decltype(t)::value;
     if constexpr (!ggml::TypeInfo<T>::kFloat) {
       if constexpr (has_repacked_int_avx2<T>())
-        if (M >= kRepackedCopyRows) r0 = run_repacked_copies<T, RepackedIntAvx2<T>>(W, r0, r1, n, acts, M, out, rows);
+        if (M >= kRepackedCopyRows) r0 = run_repacked_copies<T>(W, r0, r1, n, acts, M, out, rows);
       MatmulSimd<DotAvx2, T>::run(W, r0, r1, n, acts, M, out, rows);
       ran = true;
     }
