@@ -163,8 +163,7 @@ struct RepackedFloatAvx2 {
   // against activation rows a[0 .. MT): acc[m][g] lane r as the file
   // layout's matvec leaves lane g of row 8h + r, acc[m][8] its mins.
   template <int MT>
-  __attribute__((flatten)) static void half_pass(const uint8_t* tile, int h, int64_t blocks, const ggml::ActRow* a,
-                                                 __m256 (&acc)[MT][9]) {
+  static void half_pass(const uint8_t* tile, int h, int64_t blocks, const ggml::ActRow* a, __m256 (&acc)[MT][9]) {
     const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     for (int64_t bi = 0; bi < blocks; ++bi) {
       const uint8_t* b = tile + bi * kTileBlockBytes;
