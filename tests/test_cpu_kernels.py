@@ -267,6 +267,24 @@ def test_matmul_matches_llama_cpp_repacked(buffer, M):
         pytest.skip(f"{buffer} at M = {M}: " + "; ".join(f"{q}: {why}" for q, why in crashed.items()))
 
 
+def assert_batched_rows_equal_the_matvec(qtype, rows, M, n, seed):
+    """ggml_mul_mat_a8 of M activation rows equals ggml_mul_mat_vec_a8 of
+    each row bit for bit, on 1 and 2 threads."""
+    rng = np.random.default_rng(seed)
+    raw = torch.from_numpy(gb.random_blocks(rng, qtype, rows, n))
+    x = torch.from_numpy(rng.standard_normal((M, n)).astype(np.float32))
+    t = gb.type_id(qtype)
+    threads = torch.get_num_threads()
+    try:
+        for k in (1, 2):
+            torch.set_num_threads(k)
+            batched = ops.ggml_mul_mat_a8(raw, x, t, rows)
+            for m in range(M):
+                assert torch.equal(batched[m], ops.ggml_mul_mat_vec_a8(raw, x[m : m + 1], t, rows)[0]), (k, m)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("qtype", QUANT_TYPES)
 def test_batched_rows_equal_the_matvec_bit_for_bit(device, qtype):
     """The batched kernels tile weight rows (4 x 4 activation rows with
@@ -284,21 +302,8 @@ def test_batched_rows_equal_the_matvec_bit_for_bit(device, qtype):
     each), and two threads split the rows unevenly."""
     if device != "cpu":
         pytest.skip("the CPU kernels' tiling")
-    rows, M = 131, 69
     n = 2336 if gb.act_block(qtype) == 32 else 2304
-    rng = np.random.default_rng(gb.type_id(qtype))
-    raw = torch.from_numpy(gb.random_blocks(rng, qtype, rows, n))
-    x = torch.from_numpy(rng.standard_normal((M, n)).astype(np.float32))
-    t = gb.type_id(qtype)
-    threads = torch.get_num_threads()
-    try:
-        for k in (1, 2):
-            torch.set_num_threads(k)
-            batched = ops.ggml_mul_mat_a8(raw, x, t, rows)
-            for m in range(M):
-                assert torch.equal(batched[m], ops.ggml_mul_mat_vec_a8(raw, x[m : m + 1], t, rows)[0]), (k, m)
-    finally:
-        torch.set_num_threads(threads)
+    assert_batched_rows_equal_the_matvec(qtype, rows=131, M=69, n=n, seed=gb.type_id(qtype))
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
@@ -312,20 +317,7 @@ def test_large_batches_through_the_repacked_kernel_equal_the_matvec(device, qtyp
     threads split the tiles."""
     if device != "cpu":
         pytest.skip("the CPU kernels' tiling")
-    rows, M, n = 131, 133, 2304
-    rng = np.random.default_rng(7)
-    raw = torch.from_numpy(gb.random_blocks(rng, qtype, rows, n))
-    x = torch.from_numpy(rng.standard_normal((M, n)).astype(np.float32))
-    t = gb.type_id(qtype)
-    threads = torch.get_num_threads()
-    try:
-        for k in (1, 2):
-            torch.set_num_threads(k)
-            batched = ops.ggml_mul_mat_a8(raw, x, t, rows)
-            for m in range(M):
-                assert torch.equal(batched[m], ops.ggml_mul_mat_vec_a8(raw, x[m : m + 1], t, rows)[0]), (k, m)
-    finally:
-        torch.set_num_threads(threads)
+    assert_batched_rows_equal_the_matvec(qtype, rows=131, M=133, n=2304, seed=7)
 
 
 def test_isa_units_share_no_symbols():
