@@ -310,24 +310,17 @@ template <class Repacked>
 int64_t run_passes(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts, int64_t M,
                    float* out, int64_t rows) {
   using I = typename Repacked::I;
-  static_assert(kRepackedPassRows == 2, "the one row left over passes alone");
   const int64_t blocks = n / I::kBlock, row_bytes = blocks * I::kBytes;
   int64_t r = r0;
   for (; r + ggml::kRepackRows <= r1; r += ggml::kRepackRows)
-    for (int64_t m0 = 0; m0 < M; m0 += kRepackedPassRows) {
-      const auto rows_pass = [&](auto mt) {
-        constexpr int MT = decltype(mt)::value;
-        __m512 acc[MT][Repacked::kAccs];
-        for (int m = 0; m < MT; ++m)
-          for (int j = 0; j < Repacked::kAccs; ++j) acc[m][j] = _mm512_setzero_ps();
-        Repacked::template pass<MT>(W + r * row_bytes, blocks, acts + m0, acc);
-        for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + (m0 + m) * rows + r, Repacked::total(acc[m]));
-      };
-      if (M - m0 >= kRepackedPassRows)
-        rows_pass(std::integral_constant<int, kRepackedPassRows>{});
-      else
-        rows_pass(std::integral_constant<int, 1>{});
-    }
+    for_row_tiles<kRepackedPassRows>(M, [&](auto mt, int64_t m0) {
+      constexpr int MT = decltype(mt)::value;
+      __m512 acc[MT][Repacked::kAccs];
+      for (int m = 0; m < MT; ++m)
+        for (int j = 0; j < Repacked::kAccs; ++j) acc[m][j] = _mm512_setzero_ps();
+      Repacked::template pass<MT>(W + r * row_bytes, blocks, acts + m0, acc);
+      for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + (m0 + m) * rows + r, Repacked::total(acc[m]));
+    });
   return r;
 }
 

@@ -24,10 +24,8 @@
 #include "../core/ggml_repack.h"
 #include "../core/ggml_tables.h"
 #include "../core/ggml_types.h"
+#include "row_tiles.h"
 #include "static_for.h"
-#ifndef FLOAT_PASS_ROWS
-#define FLOAT_PASS_ROWS 4
-#endif
 
 namespace lowbit {
 namespace cpu {
@@ -35,7 +33,6 @@ namespace {
 
 // Rows per half tile: one per int32 lane.
 constexpr int kHalfRows = 8;
-
 
 // The 4 bytes at p in every int32 lane.
 inline __m256i bcast4x8(const void* p) {
@@ -77,15 +74,6 @@ inline __m256 lane_order_total(__m256 a0, const __m256 (&a)[9]) {
   return _mm256_add_ps(even, odd);
 }
 
-// pass(std::integral_constant<int, MT>{}, m0) over rows m0 .. m0 + MT of
-// `from` .. M: MT = K while K rows are left, the rest at once.
-template <int K, class Pass>
-inline void for_pass_rows(int64_t M, Pass&& pass, int64_t from = 0) {
-  int64_t m0 = from;
-  for (; m0 + K <= M; m0 += K) pass(std::integral_constant<int, K>{}, m0);
-  if constexpr (K > 1) for_pass_rows<K - 1>(M, pass, m0);
-}
-
 // Kernel's whole tiles from row r0 on (before r1) against M activation rows,
 // a half tile at a time against Kernel::kPassRows activation rows
 // (Kernel::half_pass into 9 fp32 sums each, Kernel::total); returns the
@@ -98,7 +86,7 @@ int64_t run_half_tiles(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, cons
   int64_t r = r0;
   for (; r + ggml::kRepackRows <= r1; r += ggml::kRepackRows)
     for (int h = 0; h < 2; ++h)
-      for_pass_rows<Kernel::kPassRows>(M, [&](auto mt, int64_t m0) {
+      for_row_tiles<Kernel::kPassRows>(M, [&](auto mt, int64_t m0) {
         constexpr int MT = decltype(mt)::value;
         __m256 acc[MT][9];
         for (auto& row : acc)
@@ -307,12 +295,15 @@ struct RepackedIntAvx2 {
       });
       const __m256 d = half_field(b, h);
       const __m256 k = _mm256_sub_ps(_mm256_setzero_ps(), half_field(b + 2 * ggml::kRepackRows, h));  // -dmin
+      __m256i mins[8];  // sub-block J's min in both int16 halves, cut once for all MT rows
+      static_for<8>([&](auto jc) {
+        constexpr int J = decltype(jc)::value;
+        mins[J] = pick8<J % 4, J % 4>(mn[J / 4]);
+      });
       for (int m = 0; m < MT; ++m) {
         __m256i C = _mm256_setzero_si256();  // each sub-block's min against both 16-element activation sums
-        static_for<8>([&](auto jc) {
-          constexpr int J = decltype(jc)::value;
-          C = _mm256_add_epi32(C, _mm256_madd_epi16(pick8<J % 4, J % 4>(mn[J / 4]), bcast4x8(a[m].isum + bi * 16 + 2 * J)));
-        });
+        for (int J = 0; J < 8; ++J)
+          C = _mm256_add_epi32(C, _mm256_madd_epi16(mins[J], bcast4x8(a[m].isum + bi * 16 + 2 * J)));
         const __m256 dx = _mm256_set1_ps(a[m].d[bi]);
         __m256& sum = acc[m][bi % 8];
         sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S[m]), _mm256_mul_ps(d, dx), sum);
