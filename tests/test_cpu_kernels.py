@@ -306,18 +306,22 @@ def test_batched_rows_equal_the_matvec_bit_for_bit(device, qtype):
     assert_batched_rows_equal_the_matvec(qtype, rows=131, M=69, n=n, seed=gb.type_id(qtype))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
-def test_large_batches_through_the_repacked_kernel_equal_the_matvec(device, qtype):
-    """From M = 128 (kRepackedCopyRows in ggml_avx2.cpp) AVX2 runs a
-    file-layout Q4_K or Q5_K weight through its repacked-layout kernel
-    (has_repacked_int_avx2), each 16-row tile repacked into a buffer first;
-    its passes take 4 activation rows.
-    Every row must still be the matvec's bit for bit: 131 rows leave 3 past
-    the last tile (the matvec form takes them), M = 133 a pass of 1, and two
-    threads split the tiles."""
+@pytest.mark.parametrize("qtype, M", [("Q4_1", 16), ("Q4_0", 32), ("IQ4_NL", 33), ("Q5_1", 35), ("Q4_K", 133),
+                                      ("Q5_K", 128)])
+def test_large_batches_through_the_repacked_kernel_equal_the_matvec(device, qtype, M):
+    """From M = 16 (Q4_1), 32 (Q4_0, IQ4_NL, Q5_1) or 128 (Q4_K, Q5_K)
+    AVX2 runs a file-layout weight through its type's repacked-layout kernel
+    (repacked_copy_rows in ggml_avx2.cpp), each 16-row tile repacked into a
+    buffer first; its passes take 2 (one-scale types) or 4 activation rows,
+    and Q4_0 starts its dots from the activations' offsets. Every row must
+    still be the matvec's bit for bit: each type at or just past its
+    threshold, 131 rows leave 3 past the last tile (the matvec form takes
+    them), an odd M a pass of 1 (2-row passes) or M = 133 (4-row passes),
+    and two threads split the tiles."""
     if device != "cpu":
         pytest.skip("the CPU kernels' tiling")
-    assert_batched_rows_equal_the_matvec(qtype, rows=131, M=133, n=2304, seed=7)
+    n = 2336 if gb.act_block(qtype) == 32 else 2304
+    assert_batched_rows_equal_the_matvec(qtype, rows=131, M=M, n=n, seed=7)
 
 
 def test_isa_units_share_no_symbols():

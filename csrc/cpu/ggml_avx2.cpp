@@ -4,6 +4,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -46,18 +47,34 @@ struct DotAvx2 {
   }
 };
 
-// From how many activation rows a file-layout weight of a type with an AVX2
-// repacked integer kernel (Q4_K, Q5_K) goes through that kernel, a tile at a
-// time repacked into a buffer that stays in cache: its passes share each
-// decoded group between 4 activation rows and need no horizontal sums,
-// which pays for the copy (about 9 us a tile of 16 x 4096) once there are
-// enough rows. Measured on Zen 4 (1 and 2 threads), time against the matvec
-// form's: Q4_K 14336 x 4096 M = 32 1.10x, 64 0.89-0.91x, 128 0.81-0.86x,
-// 512 0.72-0.79x; 4096 x 14336 M = 64 0.99-1.03x, 128 0.90x; Q5_K (2
-// threads) M = 128 0.86-0.98x, 512 0.79-0.85x.
-constexpr int64_t kRepackedCopyRows = 128;
+// The AVX2 repacked kernel of type T: RepackedFloatAvx2 for the one-scale
+// types, RepackedIntAvx2 for Q4_K and Q5_K.
+template <ggml::Type T>
+using RepackedAvx2 = std::conditional_t<(ggml::TypeInfo<T>::kBlock == 32), RepackedFloatAvx2<T>, RepackedIntAvx2<T>>;
 
-// RepackedIntAvx2 over the whole tiles of file-layout rows r0 .. r1, each
+// From how many activation rows a file-layout weight of type T goes through
+// RepackedAvx2<T>, a tile at a time repacked into a buffer that stays in
+// cache: its passes share each decoded group between activation rows and
+// need no horizontal sums, which pays for the copy (about 9 us a tile of
+// 16 x 4096) once there are enough rows. Measured on Zen 4 (14336 x 4096 and
+// 4096 x 14336, 1 and 2 threads), the time against the matvec form's:
+// Q4_1 M = 8 1.21x, 16 0.93-0.94x, 32 0.75-0.79x, 128 0.64-0.66x; Q4_0,
+// IQ4_NL and Q5_1 M = 16 1.02-1.10x, 32 0.87-0.97x, 64 0.76-0.90x, 128
+// 0.73-0.86x; Q4_K M = 32 1.10x, 64 0.89-1.03x, 128 0.81-0.90x, 512
+// 0.72-0.79x; Q5_K M = 128 0.86-0.98x, 512 0.79-0.85x. Q5_0, whose dots pay
+// both the offsets and the fifth bits, never gained (M = 16 1.31x, 128
+// 0.99-1.00x): kNoCopies, as for the types without an AVX2 repacked kernel.
+constexpr int64_t kNoCopies = std::numeric_limits<int64_t>::max();
+constexpr int64_t repacked_copy_rows(ggml::Type t) {
+  switch (t) {
+    case ggml::Type::Q4_1: return 16;
+    case ggml::Type::Q4_0: case ggml::Type::IQ4_NL: case ggml::Type::Q5_1: return 32;
+    case ggml::Type::Q4_K: case ggml::Type::Q5_K: return 128;
+    default: return kNoCopies;
+  }
+}
+
+// RepackedAvx2<T> over the whole tiles of file-layout rows r0 .. r1, each
 // repacked first; returns the first row it did not take.
 template <ggml::Type T>
 int64_t run_repacked_copies(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts, int64_t M,
@@ -67,7 +84,7 @@ int64_t run_repacked_copies(const uint8_t* W, int64_t r0, int64_t r1, int64_t n,
   int64_t r = r0;
   for (; r + ggml::kRepackRows <= r1; r += ggml::kRepackRows) {
     ggml::repack_rows<T>(W + r * row_bytes, tile.data(), ggml::kRepackRows, row_bytes, /*inverse=*/false);
-    run_half_tiles<RepackedIntAvx2<T>>(tile.data(), 0, ggml::kRepackRows, n, acts, M, out + r, rows);
+    run_half_tiles<RepackedAvx2<T>>(tile.data(), 0, ggml::kRepackRows, n, acts, M, out + r, rows);
   }
   return r;
 }
@@ -80,8 +97,8 @@ bool ggml_mul_mat_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, i
   dispatch_ggml_type(type, [&](auto t) {
     constexpr ggml::Type T = decltype(t)::value;
     if constexpr (!ggml::TypeInfo<T>::kFloat) {
-      if constexpr (has_repacked_int_avx2<T>())
-        if (M >= kRepackedCopyRows) r0 = run_repacked_copies<T>(W, r0, r1, n, acts, M, out, rows);
+      if constexpr (repacked_copy_rows(T) != kNoCopies)
+        if (M >= repacked_copy_rows(T)) r0 = run_repacked_copies<T>(W, r0, r1, n, acts, M, out, rows);
       MatmulSimd<DotAvx2, T>::run(W, r0, r1, n, acts, M, out, rows);
       ran = true;
     }
@@ -96,8 +113,7 @@ bool ggml_mul_mat_repacked_avx2(int64_t type, const uint8_t* W, int64_t r0, int6
     constexpr ggml::Type T = decltype(t)::value;
     if constexpr (reads_repacked_avx2(T)) {
       // Whole tiles repacked; the rows past the last one as the file has them.
-      using Kernel = std::conditional_t<(ggml::TypeInfo<T>::kBlock == 32), RepackedFloatAvx2<T>, RepackedIntAvx2<T>>;
-      const int64_t r = run_half_tiles<Kernel>(W, r0, r1, n, acts, M, out, rows);
+      const int64_t r = run_half_tiles<RepackedAvx2<T>>(W, r0, r1, n, acts, M, out, rows);
       MatmulSimd<DotAvx2, T>::run(W, r, r1, n, acts, M, out, rows);
       ran = true;
     }
@@ -105,11 +121,12 @@ bool ggml_mul_mat_repacked_avx2(int64_t type, const uint8_t* W, int64_t r0, int6
   return ran;
 }
 
-bool ggml_mul_mat_repacked_avx2_takes_offsets(int64_t type) {
+bool ggml_mul_mat_avx2_takes_offsets(int64_t type, int64_t M, bool repacked) {
   bool takes = false;
   dispatch_ggml_type(type, [&](auto t) {
     constexpr ggml::Type T = decltype(t)::value;
-    if constexpr (reads_repacked_avx2(T) && ggml::TypeInfo<T>::kBlock == 32) takes = RepackedFloatAvx2<T>::kOffsets;
+    if constexpr (ggml::reads_repacked_avx2(T) && ggml::TypeInfo<T>::kBlock == 32)  // the copies' types among them
+      takes = RepackedFloatAvx2<T>::kOffsets && (repacked ? ggml::reads_repacked_avx2(T) : M >= repacked_copy_rows(T));
   });
   return takes;
 }

@@ -164,7 +164,7 @@ void mul_mat_quantized(const uint8_t* W, int64_t rows, int64_t n, const float* X
   if (isa == Isa::kAvx512)
     offsets = (repacked && I::kBlock == 32 && !I::kHasMin) ||
               ggml_mul_mat_avx512_takes_offsets(static_cast<int64_t>(T), M);
-  if (isa == Isa::kAvx2) offsets = repacked && ggml_mul_mat_repacked_avx2_takes_offsets(static_cast<int64_t>(T));
+  if (isa == Isa::kAvx2) offsets = ggml_mul_mat_avx2_takes_offsets(static_cast<int64_t>(T), M, repacked);
 #endif
   const QuantizedActs<I::kAct> quantized(X, M, n, offsets);
   std::vector<ggml::ActRow> acts(M);

@@ -22,8 +22,8 @@ constexpr bool has_simd_levels(ggml::Type t) {
 // out[m * rows + r] = sum over the row of dequant(W[r]) * x[m] for r in
 // [r0, r1) and m < M, with acts[m] the activation rows quantized as
 // TypeInfo<T>::kAct, for every quantized type. Returns false (and computes
-// nothing) for the float types. The AVX-512 kernel reads acts[m].offset
-// where ggml_mul_mat_avx512_takes_offsets says so.
+// nothing) for the float types. The kernels read acts[m].offset where
+// ggml_mul_mat_avx512_takes_offsets / ggml_mul_mat_avx2_takes_offsets say so.
 bool ggml_mul_mat_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts,
                        int64_t M, float* out, int64_t rows);
 bool ggml_mul_mat_avx512(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n,
@@ -35,11 +35,12 @@ bool ggml_mul_mat_avx512_takes_offsets(int64_t type, int64_t M);
 bool ggml_mul_mat_repacked_avx512(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n,
                                   const ggml::ActRow* acts, int64_t M, float* out, int64_t rows);
 // The AVX2 kernel of the same, for the types reads_repacked_avx2 names;
-// Q4_0 and Q5_0 read acts[m].offset (..._takes_offsets). Returns false for
-// the others.
+// Q4_0 and Q5_0 read acts[m].offset. Returns false for the others.
 bool ggml_mul_mat_repacked_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n,
                                 const ggml::ActRow* acts, int64_t M, float* out, int64_t rows);
-bool ggml_mul_mat_repacked_avx2_takes_offsets(int64_t type);
+// Whether ggml_mul_mat_avx2 (repacked false) or ggml_mul_mat_repacked_avx2
+// (true) reads acts[m].offset for M activation rows of `type`.
+bool ggml_mul_mat_avx2_takes_offsets(int64_t type, int64_t M, bool repacked);
 
 // Activation blocks [b0, b1) of x (blocks of ActLayout<act>::kBlock) quantized
 // as quantize_act_block<act> does, bit for bit; act is Q8_0, Q8_1 or Q8_K.
