@@ -306,18 +306,18 @@ def test_batched_rows_equal_the_matvec_bit_for_bit(device, qtype):
     assert_batched_rows_equal_the_matvec(qtype, rows=131, M=69, n=n, seed=gb.type_id(qtype))
 
 
-@pytest.mark.parametrize("qtype, M", [("Q4_1", 16), ("Q4_0", 32), ("IQ4_NL", 33), ("Q5_1", 35), ("Q4_K", 133),
-                                      ("Q5_K", 128)])
+@pytest.mark.parametrize("qtype, M", [("Q4_0", 8), ("Q4_1", 9), ("IQ4_NL", 16), ("Q5_1", 17), ("Q4_K", 16),
+                                      ("IQ4_XS", 19), ("Q5_K", 33), ("Q5_0", 128)])
 def test_large_batches_through_the_repacked_kernel_equal_the_matvec(device, qtype, M):
-    """From M = 16 (Q4_1), 32 (Q4_0, IQ4_NL, Q5_1) or 128 (Q4_K, Q5_K)
-    AVX2 runs a file-layout weight through its type's repacked-layout kernel
-    (repacked_copy_rows in ggml_avx2.cpp), each 16-row tile repacked into a
-    buffer first; its passes take 2 (one-scale types) or 4 activation rows,
-    and Q4_0 starts its dots from the activations' offsets. Every row must
-    still be the matvec's bit for bit: each type at or just past its
-    threshold, 131 rows leave 3 past the last tile (the matvec form takes
-    them), an odd M a pass of 1 (2-row passes) or M = 133 (4-row passes),
-    and two threads split the tiles."""
+    """From M = 8 to 128 by type (repacked_copy_rows in ggml_avx2.cpp) AVX2
+    runs a file-layout weight through its type's repacked-layout kernel,
+    each 16-row tile moved into a buffer first by repack_tile (a vector
+    transpose of the words, the fields and Q5_0's, Q4_K's and Q5_K's last
+    words one at a time); its passes take 2 (one-scale types) or 4 activation
+    rows, and Q4_0 and Q5_0 start their dots from the activations' offsets.
+    Every row must still be the matvec's bit for bit: each type at or just
+    past its threshold, 131 rows leave 3 past the last tile (the matvec form
+    takes them), odd M a last pass of 1, and two threads split the tiles."""
     if device != "cpu":
         pytest.skip("the CPU kernels' tiling")
     n = 2336 if gb.act_block(qtype) == 32 else 2304

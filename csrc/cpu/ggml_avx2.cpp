@@ -54,22 +54,27 @@ using RepackedAvx2 = std::conditional_t<(ggml::TypeInfo<T>::kBlock == 32), Repac
 
 // From how many activation rows a file-layout weight of type T goes through
 // RepackedAvx2<T>, a tile at a time repacked into a buffer that stays in
-// cache: its passes share each decoded group between activation rows and
-// need no horizontal sums, which pays for the copy (about 9 us a tile of
-// 16 x 4096) once there are enough rows. Measured on Zen 4 (14336 x 4096 and
-// 4096 x 14336, 1 and 2 threads), the time against the matvec form's:
-// Q4_1 M = 8 1.21x, 16 0.93-0.94x, 32 0.75-0.79x, 128 0.64-0.66x; Q4_0,
-// IQ4_NL and Q5_1 M = 16 1.02-1.10x, 32 0.87-0.97x, 64 0.76-0.90x, 128
-// 0.73-0.86x; Q4_K M = 32 1.10x, 64 0.89-1.03x, 128 0.81-0.90x, 512
-// 0.72-0.79x; Q5_K M = 128 0.86-0.98x, 512 0.79-0.85x. Q5_0, whose dots pay
-// both the offsets and the fifth bits, never gained (M = 16 1.31x, 128
-// 0.99-1.00x): kNoCopies, as for the types without an AVX2 repacked kernel.
+// cache (repack_tile, about 2 us a tile of 16 x 4096): its passes share each
+// decoded group between activation rows and need no horizontal sums.
+// Measured on Zen 4 (14336 x 4096 and 4096 x 14336, 1 and 2 threads), the
+// time against the matvec form's at the threshold / one step below it / at
+// M = 128:
+//   Q4_0    8: 0.91-0.97x /  4: 1.17x      / 0.79-0.82x
+//   Q4_1    8: 0.81-0.86x /  4: 1.10x      / 0.58-0.64x
+//   IQ4_NL 16: 0.90-0.93x /  8: 0.95-1.02x / 0.82-0.84x
+//   Q5_1   16: 0.83-0.84x /  8: 0.94-1.03x / 0.71-0.75x
+//   Q4_K   16: 0.89-0.94x /  8: 1.03-1.08x / 0.71-0.82x
+//   IQ4_XS 16: 0.87-0.89x /  8: 0.96-1.02x / 0.73-0.79x
+//   Q5_K   32: 0.81-0.90x / 16: 0.93-0.99x / 0.79-0.90x
+//   Q5_0  128: 0.94x      / 64: 0.94-1.00x
+// Q5_0's repacked dots pay both the offsets and the fifth bits.
 constexpr int64_t kNoCopies = std::numeric_limits<int64_t>::max();
 constexpr int64_t repacked_copy_rows(ggml::Type t) {
   switch (t) {
-    case ggml::Type::Q4_1: return 16;
-    case ggml::Type::Q4_0: case ggml::Type::IQ4_NL: case ggml::Type::Q5_1: return 32;
-    case ggml::Type::Q4_K: case ggml::Type::Q5_K: return 128;
+    case ggml::Type::Q4_0: case ggml::Type::Q4_1: return 8;
+    case ggml::Type::IQ4_NL: case ggml::Type::Q5_1: case ggml::Type::Q4_K: case ggml::Type::IQ4_XS: return 16;
+    case ggml::Type::Q5_K: return 32;
+    case ggml::Type::Q5_0: return 128;
     default: return kNoCopies;
   }
 }
@@ -83,7 +88,7 @@ int64_t run_repacked_copies(const uint8_t* W, int64_t r0, int64_t r1, int64_t n,
   std::vector<uint8_t> tile(ggml::kRepackRows * row_bytes);
   int64_t r = r0;
   for (; r + ggml::kRepackRows <= r1; r += ggml::kRepackRows) {
-    ggml::repack_rows<T>(W + r * row_bytes, tile.data(), ggml::kRepackRows, row_bytes, /*inverse=*/false);
+    repack_tile<T>(W + r * row_bytes, row_bytes, tile.data());
     run_half_tiles<RepackedAvx2<T>>(tile.data(), 0, ggml::kRepackRows, n, acts, M, out + r, rows);
   }
   return r;

@@ -1,7 +1,7 @@
 // The 4- and 5-bit one-scale types' repacked layout (core/ggml_repack.h)
-// read as it is with AVX2 (and Q4_K's: RepackedIntAvx2, below): a 256-bit
-// load of a word of the layout is that word of 8 of a tile's 16 rows, one
-// per lane, so a tile runs as two halves of 8 rows. Each
+// read as it is with AVX2 (and Q4_K's, Q5_K's and IQ4_XS's: RepackedIntAvx2,
+// below): a 256-bit load of a word of the layout is that word of 8 of a
+// tile's 16 rows, one per lane, so a tile runs as two halves of 8 rows. Each
 // 4-element group of 8 rows meets its 4 activation bytes (broadcast) in one
 // maddubs + madd: the levels need no per-row decoding, no absolute value and
 // no sign flip where they are unsigned, and one scale vector d_w * d_x serves
@@ -72,6 +72,49 @@ inline __m256 lane_order_total(__m256 a0, const __m256 (&a)[9]) {
   const __m256 even = _mm256_add_ps(_mm256_add_ps(a0, a[4]), _mm256_add_ps(a[2], a[6]));
   const __m256 odd = _mm256_add_ps(_mm256_add_ps(a[1], a[5]), _mm256_add_ps(a[3], a[7]));
   return _mm256_add_ps(even, odd);
+}
+
+// One tile of ggml::kRepackRows file-layout rows (row_bytes apart from src)
+// into the repacked layout at dst: the bytes ggml::repack_rows puts there,
+// moved with vector loads. Each 4 words of a block of 8 rows (one 128-bit
+// load a row, two rows to a register) become word w of those 8 rows by a
+// 4 x 4 transpose in each 128-bit half; the 2-byte fields and the last
+// words past a multiple of 4 go one at a time. repack_rows' copy, a unit at a
+// time, took 9-12 us a tile of 16 x 4096: a quarter of a tile's time at
+// M = 32 (IQ4_XS, Zen 4).
+template <ggml::Type T>
+void repack_tile(const uint8_t* src, int64_t row_bytes, uint8_t* dst) {
+  using I = ggml::TypeInfo<T>;
+  constexpr ggml::RepackedFields f = ggml::repacked_fields(T);
+  constexpr int kFieldBytes = 2 * f.count;
+  constexpr int kWords = (I::kBytes - kFieldBytes) / 4;
+  constexpr int kWordsAt = f.at == 0 ? kFieldBytes : 0;  // the fields lead or close the block
+  const int64_t blocks = row_bytes / I::kBytes;
+  for (int64_t bi = 0; bi < blocks; ++bi) {
+    const uint8_t* in = src + bi * I::kBytes;
+    uint8_t* out = dst + bi * ggml::kRepackRows * I::kBytes;
+    for (int c = 0; c < f.count; ++c)
+      for (int r = 0; r < ggml::kRepackRows; ++r) memcpy(out + 2 * (ggml::kRepackRows * c + r), in + r * row_bytes + f.at + 2 * c, 2);
+    uint8_t* words = out + kFieldBytes * ggml::kRepackRows;
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* rows = in + kHalfRows * h * row_bytes + kWordsAt;
+      const auto load = [&](int r, int w) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + r * row_bytes + 4 * w)); };
+      const auto store = [&](int w, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + 64 * w + 32 * h), v); };
+      int w = 0;
+      for (; w + 4 <= kWords; w += 4) {
+        __m256i y[4];  // rows r and r + 4, words w .. w + 3
+        for (int r = 0; r < 4; ++r) y[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(load(r, w)), load(r + 4, w), 1);
+        const __m256i lo01 = _mm256_unpacklo_epi32(y[0], y[1]), lo23 = _mm256_unpacklo_epi32(y[2], y[3]);
+        const __m256i hi01 = _mm256_unpackhi_epi32(y[0], y[1]), hi23 = _mm256_unpackhi_epi32(y[2], y[3]);
+        store(w, _mm256_unpacklo_epi64(lo01, lo23));
+        store(w + 1, _mm256_unpackhi_epi64(lo01, lo23));
+        store(w + 2, _mm256_unpacklo_epi64(hi01, hi23));
+        store(w + 3, _mm256_unpackhi_epi64(hi01, hi23));
+      }
+      for (; w < kWords; ++w)
+        for (int r = 0; r < kHalfRows; ++r) memcpy(words + 64 * w + 32 * h + 4 * r, rows + r * row_bytes + 4 * w, 4);
+    }
+  }
 }
 
 // Kernel's whole tiles from row r0 on (before r1) against M activation rows,
@@ -209,37 +252,49 @@ inline __m256i pick8(__m256i v) {
 }
 
 // The integer form (IntGemm in ggml_gemm_vnni.h, MatmulSimd::IntSums in
-// ggml_matmul_simd.h) over the repacked layout of Q4_K and Q5_K with AVX2,
-// 8 rows to a half tile as above: per block and row the exact int32 sums S
-// (each 4-element group's maddubs pair sums times its sub-block's 6-bit
-// scale in one madd) and C (the mins times the activations' 16-element
-// sums), then the matvec's fp32 step into lane block % 8: acc = fma(S,
-// d_w * d_x, acc), acc = fma(C, -dmin_w * d_x, acc). The same integers and
-// fp32 operations as the file layout's AVX2 matvec, so the same results bit
-// for bit. Block words (after d and dmin): 0-2 scales[12] (get_scale_min_k4),
-// then Q4_K's qs[128] (3-34), or Q5_K's qh[32] (3-10) and qs[128] (11-42).
+// ggml_matmul_simd.h) over the repacked layout of Q4_K, Q5_K and IQ4_XS with
+// AVX2, 8 rows to a half tile as above: per block and row the exact int32
+// sums S (each 4-element group's maddubs pair sums times its sub-block's
+// scale in one madd) and, for the K-quants, C (the mins times the
+// activations' 16-element sums), then the matvec's fp32 step into lane
+// block % 8: acc = fma(S, d_w * d_x, acc), acc = fma(C, -dmin_w * d_x,
+// acc). The same integers and fp32 operations as the file layout's AVX2
+// matvec, so the same results bit for bit. Block words (after the 2-byte
+// fields): Q4_K's and Q5_K's 0-2 scales[12] (get_scale_min_k4), then Q4_K's
+// qs[128] (3-34), or Q5_K's qh[32] (3-10) and qs[128] (11-42); IQ4_XS's 0
+// scales_l[4], then qs[128] (1-32), its scales_h a 2-byte field after d.
 template <ggml::Type T>
 constexpr bool has_repacked_int_avx2() {
-  return T == ggml::Type::Q4_K || T == ggml::Type::Q5_K;
+  return T == ggml::Type::Q4_K || T == ggml::Type::Q5_K || T == ggml::Type::IQ4_XS;
 }
 
 template <ggml::Type T>
 struct RepackedIntAvx2 {
   using I = ggml::TypeInfo<T>;
-  static_assert(has_repacked_int_avx2<T>(), "Q4_K or Q5_K");
+  static_assert(has_repacked_int_avx2<T>(), "Q4_K, Q5_K or IQ4_XS");
   static constexpr int64_t kTileBlockBytes = ggml::kRepackRows * I::kBytes;
+  static constexpr int kFieldBytes = 2 * ggml::kRepackRows * ggml::repacked_fields(T).count;
   static constexpr bool kHighBits = T == ggml::Type::Q5_K;
-  static constexpr int kQsWord = kHighBits ? 11 : 3;
+  // IQ4_XS: signed levels through |w| and sign(x, w), and no mins.
+  static constexpr bool kSigned = T == ggml::Type::IQ4_XS;
+  static constexpr int kQsWord = kSigned ? 1 : kHighBits ? 11 : 3;
 
-  // Group G's levels (elements 4G .. 4G + 3, sub-block s = G / 8): the low
-  // (even s) or high nibbles of qs[32 (s / 2) + 4 (G % 8) ..], and for Q5_K
-  // 16 for bit s of qh[4 (G % 8) ..].
+  // Group G's levels (elements 4G .. 4G + 3, sub-block s = G / 8). Q4_K and
+  // Q5_K: the low (even s) or high nibbles of qs[32 (s / 2) + 4 (G % 8) ..],
+  // and for Q5_K 16 for bit s of qh[4 (G % 8) ..]. IQ4_XS: the low (G % 8 <
+  // 4) or high nibbles of qs[16 s + 4 (G % 4) ..] through its table.
   template <int G>
   static __m256i levels(const uint8_t* words, int h) {
     constexpr int s = G / 8;
-    const __m256i q = half_word(words, h, kQsWord + 8 * (s / 2) + G % 8);
-    const __m256i low = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(0x0f));
-    if constexpr (!kHighBits) {
+    constexpr bool high = kSigned ? G % 8 >= 4 : s % 2 == 1;
+    constexpr int word = kSigned ? kQsWord + 4 * s + G % 4 : kQsWord + 8 * (s / 2) + G % 8;
+    const __m256i q = half_word(words, h, word);
+    const __m256i low = _mm256_and_si256(high ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(0x0f));
+    if constexpr (kSigned) {
+      const __m256i table =
+          _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(LOWBIT_TABLE(ggml::kvalues_iq4nl))));
+      return _mm256_shuffle_epi8(table, low);
+    } else if constexpr (!kHighBits) {
       return low;
     } else {
       const __m256i qh = half_word(words, h, 3 + G % 8);  // bit s to bit 4 (a 16-bit shift; the mask keeps the byte's own)
@@ -248,10 +303,46 @@ struct RepackedIntAvx2 {
     }
   }
 
+  // A block's scale fields for 8 rows, one row per lane. Q4_K and Q5_K: the
+  // 6-bit scales and mins of sub-blocks 0-3 and 4-7, a byte each, cut from
+  // the three scale words. IQ4_XS: scales_l (nibble s at bit 4s) and
+  // scales_h (bits 2s, 2s + 1).
+  struct Fields {
+    __m256i sc[2], mn[2];
+  };
+  static Fields fields(const uint8_t* b, const uint8_t* words, int h) {
+    if constexpr (kSigned) {
+      const __m128i sh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 * ggml::kRepackRows + 16 * h));
+      return {{half_word(words, h, 0), _mm256_cvtepu16_epi32(sh)}, {}};
+    } else {
+      const __m256i w0 = half_word(words, h, 0), w1 = half_word(words, h, 1), w2 = half_word(words, h, 2);
+      const __m256i six = _mm256_set1_epi8(0x3f), low4 = _mm256_set1_epi8(0x0f), top2 = _mm256_set1_epi8(0x30);
+      return {{_mm256_and_si256(w0, six),
+               _mm256_or_si256(_mm256_and_si256(w2, low4), _mm256_and_si256(_mm256_srli_epi32(w0, 2), top2))},
+              {_mm256_and_si256(w1, six),
+               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), low4),
+                               _mm256_and_si256(_mm256_srli_epi32(w1, 2), top2))}};
+    }
+  }
+
+  // Sub-block J's scale in both int16 halves of each row's lane: madd
+  // scales each pair sum. IQ4_XS: (nibble J | the two scales_h bits << 4) - 32.
+  template <int J>
+  static __m256i scale(const Fields& f) {
+    if constexpr (kSigned) {
+      const __m256i low = _mm256_and_si256(_mm256_srli_epi32(f.sc[0], 4 * J), _mm256_set1_epi32(0x0f));
+      const __m256i high = J <= 2 ? _mm256_slli_epi32(f.sc[1], 4 - 2 * J) : _mm256_srli_epi32(f.sc[1], 2 * J - 4);
+      const __m256i v = _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi32(0x30)));
+      return _mm256_sub_epi16(_mm256_or_si256(v, _mm256_slli_epi32(v, 16)), _mm256_set1_epi16(32));
+    } else {
+      return pick8<J % 4, J % 4>(f.sc[J / 4]);
+    }
+  }
+
   // Activation rows per pass: each decoded group meets them all, its sums S
-  // a register each. Measured at 14336 x 4096, 1 thread (Zen 4): one row a
-  // pass ran M = 8 at 1.1x and M = 128 at 1.2x the file layout's time; 4 a
-  // pass 0.71x and 0.68x; 8 a pass 0.81x (registers spill).
+  // a register each. Measured at 14336 x 4096, 1 thread (Zen 4), Q4_K: one
+  // row a pass ran M = 8 at 1.1x and M = 128 at 1.2x the file layout's
+  // time; 4 a pass 0.71x and 0.68x; 8 a pass 0.81x (registers spill).
   static constexpr int kPassRows = 4;
 
   // Half h (rows 8h .. 8h + 7) of the tile at `tile` (`blocks` blocks)
@@ -268,46 +359,46 @@ struct RepackedIntAvx2 {
       // 4096 matvec at 1.90 ms on one thread (1.63 ms spread). 8 KB ahead in
       // the first half, the next tile's in the second, into L2 either way.
       const char* ahead = reinterpret_cast<const char*>(b) + (h == 0 ? 8192 : blocks * kTileBlockBytes);
-      const uint8_t* words = b + 4 * ggml::kRepackRows;  // past d and dmin
-      // Each dword: four of a row's scales (mins), sub-blocks 0-3 or 4-7.
-      const __m256i w0 = half_word(words, h, 0), w1 = half_word(words, h, 1), w2 = half_word(words, h, 2);
-      const __m256i six = _mm256_set1_epi8(0x3f), low4 = _mm256_set1_epi8(0x0f), top2 = _mm256_set1_epi8(0x30);
-      const __m256i sc[2] = {_mm256_and_si256(w0, six),
-                             _mm256_or_si256(_mm256_and_si256(w2, low4), _mm256_and_si256(_mm256_srli_epi32(w0, 2), top2))};
-      const __m256i mn[2] = {_mm256_and_si256(w1, six),
-                             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), low4),
-                                             _mm256_and_si256(_mm256_srli_epi32(w1, 2), top2))};
+      const uint8_t* words = b + kFieldBytes;
+      const Fields f = fields(b, words, h);
       const int64_t e = bi * I::kBlock;
       __m256i S[MT];
       for (__m256i& v : S) v = _mm256_setzero_si256();
       static_for<8>([&](auto jc) {  // sub-block J
         constexpr int J = decltype(jc)::value;
-        const __m256i scale = pick8<J % 4, J % 4>(sc[J / 4]);  // in both int16 halves: madd scales each pair sum
+        const __m256i sj = scale<J>(f);
         static_for<8>([&](auto ic) {
           constexpr int G = 8 * J + decltype(ic)::value;
           _mm_prefetch(ahead + G * kTileBlockBytes / 64, _MM_HINT_T1);
           const __m256i lv = levels<G>(words, h);
+          const __m256i u = kSigned ? _mm256_abs_epi8(lv) : lv;
           for (int m = 0; m < MT; ++m) {
-            S[m] = _mm256_add_epi32(S[m], _mm256_madd_epi16(_mm256_maddubs_epi16(lv, bcast4x8(a[m].q + e + 4 * G)), scale));
+            const __m256i x = bcast4x8(a[m].q + e + 4 * G);
+            S[m] = _mm256_add_epi32(S[m], _mm256_madd_epi16(_mm256_maddubs_epi16(u, kSigned ? _mm256_sign_epi8(x, lv) : x), sj));
             if constexpr (MT > 1) __asm__("" : "+x"(S[m]));  // a chain in its register (see MatmulSimd::int_chunk)
           }
         });
       });
       const __m256 d = half_field(b, h);
-      const __m256 k = _mm256_sub_ps(_mm256_setzero_ps(), half_field(b + 2 * ggml::kRepackRows, h));  // -dmin
-      __m256i mins[8];  // sub-block J's min in both int16 halves, cut once for all MT rows
-      static_for<8>([&](auto jc) {
-        constexpr int J = decltype(jc)::value;
-        mins[J] = pick8<J % 4, J % 4>(mn[J / 4]);
-      });
       for (int m = 0; m < MT; ++m) {
-        __m256i C = _mm256_setzero_si256();  // each sub-block's min against both 16-element activation sums
-        for (int J = 0; J < 8; ++J)
-          C = _mm256_add_epi32(C, _mm256_madd_epi16(mins[J], bcast4x8(a[m].isum + bi * 16 + 2 * J)));
         const __m256 dx = _mm256_set1_ps(a[m].d[bi]);
         __m256& sum = acc[m][bi % 8];
         sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S[m]), _mm256_mul_ps(d, dx), sum);
-        sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(C), _mm256_mul_ps(k, dx), sum);
+      }
+      if constexpr (!kSigned) {
+        const __m256 k = _mm256_sub_ps(_mm256_setzero_ps(), half_field(b + 2 * ggml::kRepackRows, h));  // -dmin
+        __m256i mins[8];  // sub-block J's min in both int16 halves, cut once for all MT rows
+        static_for<8>([&](auto jc) {
+          constexpr int J = decltype(jc)::value;
+          mins[J] = pick8<J % 4, J % 4>(f.mn[J / 4]);
+        });
+        for (int m = 0; m < MT; ++m) {
+          __m256i C = _mm256_setzero_si256();  // each sub-block's min against both 16-element activation sums
+          for (int J = 0; J < 8; ++J)
+            C = _mm256_add_epi32(C, _mm256_madd_epi16(mins[J], bcast4x8(a[m].isum + bi * 16 + 2 * J)));
+          __m256& sum = acc[m][bi % 8];
+          sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(C), _mm256_mul_ps(k, _mm256_set1_ps(a[m].d[bi])), sum);
+        }
       }
     }
   }
