@@ -143,19 +143,19 @@ int64_t run_half_tiles(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, cons
 template <ggml::Type T>
 struct RepackedFloatAvx2 {
   using I = ggml::TypeInfo<T>;
-  static_assert(ggml::reads_repacked_avx2(T), "a 4- or 5-bit one-scale type with a repacked layout");
+  static_assert(ggml::has_repacked_layout(T) && I::kBlock == 32, "a one-scale type with a repacked layout");
   static constexpr int kHalves = ggml::repacked_fields(T).count;             // fp16 fields per block
   static constexpr int64_t kTileBlockBytes = ggml::kRepackRows * I::kBytes;  // one block of the tile's rows
   // Q5_0 and Q5_1: word 0 holds each row's 32-bit qh, element i's fifth bit at bit i.
   static constexpr bool kHighBits = T == ggml::Type::Q5_0 || T == ggml::Type::Q5_1;
-  static constexpr int kQuantWords = (I::kBytes - 2 * kHalves) / 4 - kHighBits;
   // How the levels meet maddubs (unsigned x signed, pairs summed in int16):
-  // IQ4_NL's signed levels as |w| against x with w's sign; Q4_0's
+  // IQ4_NL's and Q8_0's signed levels as |w| against x with w's sign; Q4_0's
   // and Q5_0's as w + kBias (the nibble as stored, below 32, so no pair sum
   // saturates) against x, the dot starting from -kBias * (the 4 activations'
   // sum), which is ActRow::offset (-128 times it) shifted; the mins types'
   // levels as they are.
-  static constexpr bool kSigned = T == ggml::Type::IQ4_NL;
+  static constexpr bool kSigned = T == ggml::Type::IQ4_NL || T == ggml::Type::Q8_0;
+  static constexpr bool kBytes = T == ggml::Type::Q8_0;  // word k: elements 4k .. 4k + 3, no nibbles
   static constexpr int kBiasShift = T == ggml::Type::Q4_0 ? 4 : T == ggml::Type::Q5_0 ? 3 : 0;  // 128 >> shift
   static constexpr bool kOffsets = kBiasShift > 0;
 
@@ -216,13 +216,17 @@ struct RepackedFloatAvx2 {
       const uint8_t* words = b + 2 * ggml::kRepackRows * kHalves;
       const auto word = [&](int w) { return half_word(words, h, w); };
       const __m256i qh = kHighBits ? word(0) : _mm256_setzero_si256();
-      // Byte i of word k: element 4k + i in the low nibble, 16 + 4k + i in the high one.
-      static_for<4>([&](auto kc) {
-        constexpr int k = decltype(kc)::value;
-        const __m256i v = word(kHighBits + k);
-        dot(level<k>(_mm256_and_si256(v, low4), qh), k);
-        dot(level<k + 4>(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), qh), k + 4);
-      });
+      if constexpr (kBytes) {
+        static_for<8>([&](auto kc) { dot(word(decltype(kc)::value), decltype(kc)::value); });
+      } else {
+        // Byte i of word k: element 4k + i in the low nibble, 16 + 4k + i in the high one.
+        static_for<4>([&](auto kc) {
+          constexpr int k = decltype(kc)::value;
+          const __m256i v = word(kHighBits + k);
+          dot(level<k>(_mm256_and_si256(v, low4), qh), k);
+          dot(level<k + 4>(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), qh), k + 4);
+        });
+      }
       if constexpr (I::kHasMin) {
         const __m256 mw = half_field(b + 2 * ggml::kRepackRows, h);
         for (int m = 0; m < MT; ++m) {
@@ -241,77 +245,104 @@ struct RepackedFloatAvx2 {
 };
 
 // Bytes B0 and B1 of every dword lane of v as the lane's low and high int16,
-// zero-extended.
-template <int B0, int B1>
+// zero-extended, or sign-extended (Signed).
+template <int B0, int B1, bool Signed = false>
 inline __m256i pick8(__m256i v) {
   constexpr char z = static_cast<char>(0x80);  // vpshufb: a zero byte
   const auto b = [](int byte, int lane) { return static_cast<char>(byte + 4 * lane); };
-  const __m128i ctrl = _mm_setr_epi8(b(B0, 0), z, b(B1, 0), z, b(B0, 1), z, b(B1, 1), z, b(B0, 2), z, b(B1, 2), z,
-                                     b(B0, 3), z, b(B1, 3), z);
-  return _mm256_shuffle_epi8(v, _mm256_broadcastsi128_si256(ctrl));
+  // Signed: each byte into the high half of its int16, then shifted down arithmetically.
+  const auto lo = [&](int byte, int lane) { return Signed ? z : b(byte, lane); };
+  const auto hi = [&](int byte, int lane) { return Signed ? b(byte, lane) : z; };
+  const __m128i ctrl = _mm_setr_epi8(lo(B0, 0), hi(B0, 0), lo(B1, 0), hi(B1, 0), lo(B0, 1), hi(B0, 1), lo(B1, 1),
+                                     hi(B1, 1), lo(B0, 2), hi(B0, 2), lo(B1, 2), hi(B1, 2), lo(B0, 3), hi(B0, 3),
+                                     lo(B1, 3), hi(B1, 3));
+  const __m256i picked = _mm256_shuffle_epi8(v, _mm256_broadcastsi128_si256(ctrl));
+  return Signed ? _mm256_srai_epi16(picked, 8) : picked;
 }
 
 // The integer form (IntGemm in ggml_gemm_vnni.h, MatmulSimd::IntSums in
-// ggml_matmul_simd.h) over the repacked layout of Q4_K, Q5_K and IQ4_XS with
-// AVX2, 8 rows to a half tile as above: per block and row the exact int32
-// sums S (each 4-element group's maddubs pair sums times its sub-block's
-// scale in one madd) and, for the K-quants, C (the mins times the
-// activations' 16-element sums), then the matvec's fp32 step into lane
-// block % 8: acc = fma(S, d_w * d_x, acc), acc = fma(C, -dmin_w * d_x,
-// acc). The same integers and fp32 operations as the file layout's AVX2
-// matvec, so the same results bit for bit. Block words (after the 2-byte
-// fields): Q4_K's and Q5_K's 0-2 scales[12] (get_scale_min_k4), then Q4_K's
-// qs[128] (3-34), or Q5_K's qh[32] (3-10) and qs[128] (11-42); IQ4_XS's 0
-// scales_l[4], then qs[128] (1-32), its scales_h a 2-byte field after d.
+// ggml_matmul_simd.h) over the repacked layout of Q4_K, Q5_K, Q6_K and
+// IQ4_XS with AVX2, 8 rows to a half tile as above: per block and row the
+// exact int32 sums S (each 4-element group's maddubs pair sums times its
+// sub-block's scale in one madd) and, but for IQ4_XS, C (the coefficients,
+// Q4_K's and Q5_K's mins or Q6_K's scales, times the activations' 16-element
+// sums), then the matvec's fp32 step into lane block % 8: acc = fma(S,
+// d_w * d_x, acc), acc = fma(C, k_w * d_x, acc) with k_w = -dmin_w, or
+// -32 d_w for Q6_K's level offset. The same integers and fp32 operations as
+// the file layout's AVX2 matvec, so the same results bit for bit. Block
+// words (after the 2-byte fields): Q4_K's and Q5_K's 0-2 scales[12]
+// (get_scale_min_k4), then Q4_K's qs[128] (3-34), or Q5_K's qh[32] (3-10)
+// and qs[128] (11-42); IQ4_XS's 0 scales_l[4], then qs[128] (1-32), its
+// scales_h a 2-byte field after d; Q6_K's ql[128] (0-31), qh[64] (32-47)
+// and int8 scales[16] (48-51).
 template <ggml::Type T>
 constexpr bool has_repacked_int_avx2() {
-  return T == ggml::Type::Q4_K || T == ggml::Type::Q5_K || T == ggml::Type::IQ4_XS;
+  return T == ggml::Type::Q4_K || T == ggml::Type::Q5_K || T == ggml::Type::Q6_K || T == ggml::Type::IQ4_XS;
 }
 
 template <ggml::Type T>
 struct RepackedIntAvx2 {
   using I = ggml::TypeInfo<T>;
-  static_assert(has_repacked_int_avx2<T>(), "Q4_K, Q5_K or IQ4_XS");
+  static_assert(has_repacked_int_avx2<T>(), "Q4_K, Q5_K, Q6_K or IQ4_XS");
   static constexpr int64_t kTileBlockBytes = ggml::kRepackRows * I::kBytes;
   static constexpr int kFieldBytes = 2 * ggml::kRepackRows * ggml::repacked_fields(T).count;
   static constexpr bool kHighBits = T == ggml::Type::Q5_K;
-  // IQ4_XS: signed levels through |w| and sign(x, w), and no mins.
+  // IQ4_XS: signed levels through |w| and sign(x, w), and no coefficients.
   static constexpr bool kSigned = T == ggml::Type::IQ4_XS;
+  static constexpr bool kSixBit = T == ggml::Type::Q6_K;
   static constexpr int kQsWord = kSigned ? 1 : kHighBits ? 11 : 3;
+  static constexpr int kSubs = I::kBlock / I::kSub;  // sub-blocks of 32 elements, or Q6_K's 16 of 16
+  static constexpr int kSubGroups = I::kSub / 4;     // 4-element groups a sub-block
 
-  // Group G's levels (elements 4G .. 4G + 3, sub-block s = G / 8). Q4_K and
-  // Q5_K: the low (even s) or high nibbles of qs[32 (s / 2) + 4 (G % 8) ..],
-  // and for Q5_K 16 for bit s of qh[4 (G % 8) ..]. IQ4_XS: the low (G % 8 <
-  // 4) or high nibbles of qs[16 s + 4 (G % 4) ..] through its table.
+  // Group G's levels (elements 4G .. 4G + 3). Q4_K and Q5_K (sub-block s =
+  // G / 8): the low (even s) or high nibbles of qs[32 (s / 2) + 4 (G % 8)
+  // ..], and for Q5_K 16 for bit s of qh[4 (G % 8) ..]. IQ4_XS: the low (G % 8
+  // < 4) or high nibbles of qs[16 s + 4 (G % 4) ..] through its table. Q6_K
+  // (element e = 4G, 128-element half eh = e / 128, quarter k = e % 128 / 32,
+  // l = e % 32): the low (k < 2) or high nibbles of ql[64 eh + 32 (k % 2) +
+  // l ..] and bits 2k, 2k + 1 of qh[32 eh + l ..] as 16 and 32: the level
+  // plus 32, unsigned.
   template <int G>
   static __m256i levels(const uint8_t* words, int h) {
-    constexpr int s = G / 8;
-    constexpr bool high = kSigned ? G % 8 >= 4 : s % 2 == 1;
-    constexpr int word = kSigned ? kQsWord + 4 * s + G % 4 : kQsWord + 8 * (s / 2) + G % 8;
-    const __m256i q = half_word(words, h, word);
-    const __m256i low = _mm256_and_si256(high ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(0x0f));
-    if constexpr (kSigned) {
-      const __m256i table =
-          _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(LOWBIT_TABLE(ggml::kvalues_iq4nl))));
-      return _mm256_shuffle_epi8(table, low);
-    } else if constexpr (!kHighBits) {
-      return low;
+    if constexpr (kSixBit) {
+      constexpr int e = 4 * G, eh = e / 128, k = e % 128 / 32, l = e % 32;
+      const __m256i ql = half_word(words, h, (64 * eh + 32 * (k % 2) + l) / 4);
+      const __m256i qh = half_word(words, h, 32 + (32 * eh + l) / 4);
+      const __m256i low = _mm256_and_si256(k >= 2 ? _mm256_srli_epi16(ql, 4) : ql, _mm256_set1_epi8(0x0f));
+      // Bits 2k, 2k + 1 to bits 4, 5 (16-bit shifts; the mask keeps each byte's own).
+      const __m256i high = k <= 2 ? _mm256_slli_epi16(qh, 4 - 2 * k) : _mm256_srli_epi16(qh, 2 * k - 4);
+      return _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x30)));
     } else {
-      const __m256i qh = half_word(words, h, 3 + G % 8);  // bit s to bit 4 (a 16-bit shift; the mask keeps the byte's own)
-      const __m256i moved = s < 4 ? _mm256_slli_epi16(qh, 4 - s) : _mm256_srli_epi16(qh, s - 4);
-      return _mm256_or_si256(low, _mm256_and_si256(moved, _mm256_set1_epi8(0x10)));
+      constexpr int s = G / 8;
+      constexpr bool high = kSigned ? G % 8 >= 4 : s % 2 == 1;
+      constexpr int word = kSigned ? kQsWord + 4 * s + G % 4 : kQsWord + 8 * (s / 2) + G % 8;
+      const __m256i q = half_word(words, h, word);
+      const __m256i low = _mm256_and_si256(high ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(0x0f));
+      if constexpr (kSigned) {
+        const __m256i table = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(LOWBIT_TABLE(ggml::kvalues_iq4nl))));
+        return _mm256_shuffle_epi8(table, low);
+      } else if constexpr (!kHighBits) {
+        return low;
+      } else {
+        const __m256i qh = half_word(words, h, 3 + G % 8);  // bit s to bit 4 (a 16-bit shift; the mask keeps the byte's own)
+        const __m256i moved = s < 4 ? _mm256_slli_epi16(qh, 4 - s) : _mm256_srli_epi16(qh, s - 4);
+        return _mm256_or_si256(low, _mm256_and_si256(moved, _mm256_set1_epi8(0x10)));
+      }
     }
   }
 
-  // A block's scale fields for 8 rows, one row per lane. Q4_K and Q5_K: the
-  // 6-bit scales and mins of sub-blocks 0-3 and 4-7, a byte each, cut from
-  // the three scale words. IQ4_XS: scales_l (nibble s at bit 4s) and
-  // scales_h (bits 2s, 2s + 1).
+  // A block's scale words for 8 rows, one row per lane. Q4_K and Q5_K: the
+  // 6-bit scales (sc) and mins (mn) of sub-blocks 0-3 and 4-7, a byte each,
+  // cut from the three scale words. IQ4_XS: scales_l (nibble s at bit 4s)
+  // and scales_h (bits 2s, 2s + 1). Q6_K: the int8 scales, 4 a word.
   struct Fields {
-    __m256i sc[2], mn[2];
+    __m256i sc[4], mn[2];
   };
   static Fields fields(const uint8_t* b, const uint8_t* words, int h) {
-    if constexpr (kSigned) {
+    if constexpr (kSixBit) {
+      return {{half_word(words, h, 48), half_word(words, h, 49), half_word(words, h, 50), half_word(words, h, 51)}, {}};
+    } else if constexpr (kSigned) {
       const __m128i sh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 * ggml::kRepackRows + 16 * h));
       return {{half_word(words, h, 0), _mm256_cvtepu16_epi32(sh)}, {}};
     } else {
@@ -329,7 +360,9 @@ struct RepackedIntAvx2 {
   // scales each pair sum. IQ4_XS: (nibble J | the two scales_h bits << 4) - 32.
   template <int J>
   static __m256i scale(const Fields& f) {
-    if constexpr (kSigned) {
+    if constexpr (kSixBit) {
+      return pick8<J % 4, J % 4, true>(f.sc[J / 4]);
+    } else if constexpr (kSigned) {
       const __m256i low = _mm256_and_si256(_mm256_srli_epi32(f.sc[0], 4 * J), _mm256_set1_epi32(0x0f));
       const __m256i high = J <= 2 ? _mm256_slli_epi32(f.sc[1], 4 - 2 * J) : _mm256_srli_epi32(f.sc[1], 2 * J - 4);
       const __m256i v = _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi32(0x30)));
@@ -337,6 +370,15 @@ struct RepackedIntAvx2 {
     } else {
       return pick8<J % 4, J % 4>(f.sc[J / 4]);
     }
+  }
+
+  // The coefficients of the activations' 16-element sums 2j and 2j + 1 as an
+  // int16 pair: sub-block j's min twice (Q4_K, Q5_K), or the scales of
+  // sub-blocks 2j and 2j + 1 (Q6_K).
+  template <int j>
+  static __m256i coefs(const Fields& f) {
+    if constexpr (kSixBit) return pick8<2 * j % 4, 2 * j % 4 + 1, true>(f.sc[j / 2]);
+    return pick8<j % 4, j % 4>(f.mn[j / 4]);
   }
 
   // Activation rows per pass: each decoded group meets them all, its sums S
@@ -364,11 +406,11 @@ struct RepackedIntAvx2 {
       const int64_t e = bi * I::kBlock;
       __m256i S[MT];
       for (__m256i& v : S) v = _mm256_setzero_si256();
-      static_for<8>([&](auto jc) {  // sub-block J
+      static_for<kSubs>([&](auto jc) {  // sub-block J
         constexpr int J = decltype(jc)::value;
         const __m256i sj = scale<J>(f);
-        static_for<8>([&](auto ic) {
-          constexpr int G = 8 * J + decltype(ic)::value;
+        static_for<kSubGroups>([&](auto ic) {
+          constexpr int G = kSubGroups * J + decltype(ic)::value;
           _mm_prefetch(ahead + G * kTileBlockBytes / 64, _MM_HINT_T1);
           const __m256i lv = levels<G>(words, h);
           const __m256i u = kSigned ? _mm256_abs_epi8(lv) : lv;
@@ -386,16 +428,13 @@ struct RepackedIntAvx2 {
         sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S[m]), _mm256_mul_ps(d, dx), sum);
       }
       if constexpr (!kSigned) {
-        const __m256 k = _mm256_sub_ps(_mm256_setzero_ps(), half_field(b + 2 * ggml::kRepackRows, h));  // -dmin
-        __m256i mins[8];  // sub-block J's min in both int16 halves, cut once for all MT rows
-        static_for<8>([&](auto jc) {
-          constexpr int J = decltype(jc)::value;
-          mins[J] = pick8<J % 4, J % 4>(f.mn[J / 4]);
-        });
+        const __m256 k = kSixBit ? _mm256_mul_ps(d, _mm256_set1_ps(-32.0f))
+                                 : _mm256_sub_ps(_mm256_setzero_ps(), half_field(b + 2 * ggml::kRepackRows, h));
+        __m256i c[8];  // cut once for all MT rows
+        static_for<8>([&](auto jc) { c[decltype(jc)::value] = coefs<decltype(jc)::value>(f); });
         for (int m = 0; m < MT; ++m) {
-          __m256i C = _mm256_setzero_si256();  // each sub-block's min against both 16-element activation sums
-          for (int J = 0; J < 8; ++J)
-            C = _mm256_add_epi32(C, _mm256_madd_epi16(mins[J], bcast4x8(a[m].isum + bi * 16 + 2 * J)));
+          __m256i C = _mm256_setzero_si256();
+          for (int j = 0; j < 8; ++j) C = _mm256_add_epi32(C, _mm256_madd_epi16(c[j], bcast4x8(a[m].isum + bi * 16 + 2 * j)));
           __m256& sum = acc[m][bi % 8];
           sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(C), _mm256_mul_ps(k, _mm256_set1_ps(a[m].d[bi])), sum);
         }
