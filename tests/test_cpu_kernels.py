@@ -307,7 +307,7 @@ def test_batched_rows_equal_the_matvec_bit_for_bit(device, qtype):
 
 
 @pytest.mark.parametrize("qtype, M", [("Q4_0", 8), ("Q4_1", 9), ("IQ4_NL", 16), ("Q5_1", 17), ("Q4_K", 16),
-                                      ("IQ4_XS", 19), ("Q8_0", 17), ("Q5_K", 33), ("Q6_K", 34),
+                                      ("IQ4_XS", 19), ("Q8_0", 17), ("Q2_K", 18), ("Q5_K", 33), ("Q6_K", 34),
                                       ("Q5_0", 128)])
 def test_large_batches_through_the_repacked_kernel_equal_the_matvec(device, qtype, M):
     """From M = 8 to 128 by type (repacked_copy_rows in ggml_avx2.cpp) AVX2

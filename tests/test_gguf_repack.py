@@ -69,7 +69,7 @@ def test_layout_is_the_documented_one_and_inverts(name, rows):
 @pytest.mark.parametrize("rows", [40, 64])
 def test_matmul_equals_the_file_layout_bit_for_bit(cpu_isa, name, rows):
     """Every batch size (AVX-512's passes take activation rows in pairs and
-    AVX2's Q4_K and IQ4_XS passes in fours, so the rows left over too; the
+    AVX2's Q2_K, Q4_K and IQ4_XS passes in fours, so the rows left over too; the
     integer-form types go through the GEMM driver from M = 16 or 64)
     against both file-layout ops, on every ISA (AVX-512 reads the layout,
     AVX2 reads it for the types cpu_reads_repacked names; the others put
@@ -179,7 +179,7 @@ def test_gguf_linear_state_dict_and_moves_keep_the_file_layout():
 
 
 # The types whose layout the AVX2 kernels read as it is (the others' rows go back per call).
-AVX2_READS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "IQ4_XS"]
+AVX2_READS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q4_K", "IQ4_XS"]
 
 
 def test_cpu_reads_repacked_names_the_kernels_that_read_the_layout(cpu_isa):

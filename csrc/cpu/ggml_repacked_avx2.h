@@ -265,7 +265,7 @@ inline __m256i pick8(__m256i v) {
 // IQ4_XS with AVX2, 8 rows to a half tile as above: per block and row the
 // exact int32 sums S (each 4-element group's maddubs pair sums times its
 // sub-block's scale in one madd) and, but for IQ4_XS, C (the coefficients,
-// Q4_K's and Q5_K's mins or Q6_K's scales, times the activations' 16-element
+// the K-quants' mins or Q6_K's scales, times the activations' 16-element
 // sums), then the matvec's fp32 step into lane block % 8: acc = fma(S,
 // d_w * d_x, acc), acc = fma(C, k_w * d_x, acc) with k_w = -dmin_w, or
 // -32 d_w for Q6_K's level offset. The same integers and fp32 operations as
@@ -274,24 +274,27 @@ inline __m256i pick8(__m256i v) {
 // (get_scale_min_k4), then Q4_K's qs[128] (3-34), or Q5_K's qh[32] (3-10)
 // and qs[128] (11-42); IQ4_XS's 0 scales_l[4], then qs[128] (1-32), its
 // scales_h a 2-byte field after d; Q6_K's ql[128] (0-31), qh[64] (32-47)
-// and int8 scales[16] (48-51).
+// and int8 scales[16] (48-51); Q2_K's scales[16] (0-3, scale | min << 4)
+// and qs[64] (4-19).
 template <ggml::Type T>
 constexpr bool has_repacked_int_avx2() {
-  return T == ggml::Type::Q4_K || T == ggml::Type::Q5_K || T == ggml::Type::Q6_K || T == ggml::Type::IQ4_XS;
+  return T == ggml::Type::Q2_K || T == ggml::Type::Q4_K || T == ggml::Type::Q5_K || T == ggml::Type::Q6_K ||
+         T == ggml::Type::IQ4_XS;
 }
 
 template <ggml::Type T>
 struct RepackedIntAvx2 {
   using I = ggml::TypeInfo<T>;
-  static_assert(has_repacked_int_avx2<T>(), "Q4_K, Q5_K, Q6_K or IQ4_XS");
+  static_assert(has_repacked_int_avx2<T>(), "Q2_K, Q4_K, Q5_K, Q6_K or IQ4_XS");
   static constexpr int64_t kTileBlockBytes = ggml::kRepackRows * I::kBytes;
   static constexpr int kFieldBytes = 2 * ggml::kRepackRows * ggml::repacked_fields(T).count;
   static constexpr bool kHighBits = T == ggml::Type::Q5_K;
   // IQ4_XS: signed levels through |w| and sign(x, w), and no coefficients.
   static constexpr bool kSigned = T == ggml::Type::IQ4_XS;
   static constexpr bool kSixBit = T == ggml::Type::Q6_K;
+  static constexpr bool kTwoBit = T == ggml::Type::Q2_K;
   static constexpr int kQsWord = kSigned ? 1 : kHighBits ? 11 : 3;
-  static constexpr int kSubs = I::kBlock / I::kSub;  // sub-blocks of 32 elements, or Q6_K's 16 of 16
+  static constexpr int kSubs = I::kBlock / I::kSub;  // sub-blocks of 32 elements, or Q2_K's and Q6_K's 16 of 16
   static constexpr int kSubGroups = I::kSub / 4;     // 4-element groups a sub-block
 
   // Group G's levels (elements 4G .. 4G + 3). Q4_K and Q5_K (sub-block s =
@@ -301,10 +304,15 @@ struct RepackedIntAvx2 {
   // (element e = 4G, 128-element half eh = e / 128, quarter k = e % 128 / 32,
   // l = e % 32): the low (k < 2) or high nibbles of ql[64 eh + 32 (k % 2) +
   // l ..] and bits 2k, 2k + 1 of qh[32 eh + l ..] as 16 and 32: the level
-  // plus 32, unsigned.
+  // plus 32, unsigned. Q2_K (the same e, eh, k, l): bits 2k, 2k + 1 of
+  // qs[32 eh + l ..].
   template <int G>
   static __m256i levels(const uint8_t* words, int h) {
-    if constexpr (kSixBit) {
+    if constexpr (kTwoBit) {
+      constexpr int e = 4 * G, eh = e / 128, k = e % 128 / 32, l = e % 32;
+      const __m256i q = half_word(words, h, 4 + (32 * eh + l) / 4);
+      return _mm256_and_si256(_mm256_srli_epi16(q, 2 * k), _mm256_set1_epi8(3));
+    } else if constexpr (kSixBit) {
       constexpr int e = 4 * G, eh = e / 128, k = e % 128 / 32, l = e % 32;
       const __m256i ql = half_word(words, h, (64 * eh + 32 * (k % 2) + l) / 4);
       const __m256i qh = half_word(words, h, 32 + (32 * eh + l) / 4);
@@ -335,12 +343,21 @@ struct RepackedIntAvx2 {
   // A block's scale words for 8 rows, one row per lane. Q4_K and Q5_K: the
   // 6-bit scales (sc) and mins (mn) of sub-blocks 0-3 and 4-7, a byte each,
   // cut from the three scale words. IQ4_XS: scales_l (nibble s at bit 4s)
-  // and scales_h (bits 2s, 2s + 1). Q6_K: the int8 scales, 4 a word.
+  // and scales_h (bits 2s, 2s + 1). Q6_K: the int8 scales, 4 a word. Q2_K:
+  // the 4-bit scales and mins, 4 a word.
   struct Fields {
-    __m256i sc[4], mn[2];
+    __m256i sc[4], mn[4];
   };
   static Fields fields(const uint8_t* b, const uint8_t* words, int h) {
-    if constexpr (kSixBit) {
+    if constexpr (kTwoBit) {
+      Fields f;
+      for (int i = 0; i < 4; ++i) {
+        const __m256i w = half_word(words, h, i);
+        f.sc[i] = _mm256_and_si256(w, _mm256_set1_epi8(0x0f));
+        f.mn[i] = _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(0x0f));
+      }
+      return f;
+    } else if constexpr (kSixBit) {
       return {{half_word(words, h, 48), half_word(words, h, 49), half_word(words, h, 50), half_word(words, h, 51)}, {}};
     } else if constexpr (kSigned) {
       const __m128i sh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 * ggml::kRepackRows + 16 * h));
@@ -373,11 +390,12 @@ struct RepackedIntAvx2 {
   }
 
   // The coefficients of the activations' 16-element sums 2j and 2j + 1 as an
-  // int16 pair: sub-block j's min twice (Q4_K, Q5_K), or the scales of
-  // sub-blocks 2j and 2j + 1 (Q6_K).
+  // int16 pair: sub-block j's min twice (Q4_K, Q5_K), or the scales (Q6_K)
+  // or mins (Q2_K) of sub-blocks 2j and 2j + 1.
   template <int j>
   static __m256i coefs(const Fields& f) {
     if constexpr (kSixBit) return pick8<2 * j % 4, 2 * j % 4 + 1, true>(f.sc[j / 2]);
+    if constexpr (kTwoBit) return pick8<2 * j % 4, 2 * j % 4 + 1>(f.mn[j / 2]);
     return pick8<j % 4, j % 4>(f.mn[j / 4]);
   }
 
