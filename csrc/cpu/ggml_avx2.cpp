@@ -135,8 +135,11 @@ bool ggml_mul_mat_avx2_takes_offsets(int64_t type, int64_t M, bool repacked) {
   bool takes = false;
   dispatch_ggml_type(type, [&](auto t) {
     constexpr ggml::Type T = decltype(t)::value;
-    if constexpr (ggml::reads_repacked_avx2(T) && ggml::TypeInfo<T>::kBlock == 32)  // the copies' types among them
-      takes = RepackedFloatAvx2<T>::kOffsets && (repacked ? ggml::reads_repacked_avx2(T) : M >= repacked_copy_rows(T));
+    // A repacked weight of a type AVX2 does not read goes back to the file
+    // layout's kernels (copies included) a few tiles at a time.
+    constexpr bool reads = ggml::reads_repacked_avx2(T);
+    if constexpr (ggml::TypeInfo<T>::kBlock == 32 && (reads || repacked_copy_rows(T) != kNoCopies))
+      takes = RepackedFloatAvx2<T>::kOffsets && ((repacked && reads) || M >= repacked_copy_rows(T));
   });
   return takes;
 }
