@@ -1,15 +1,16 @@
-// The 4- and 5-bit one-scale types' repacked layout (core/ggml_repack.h)
-// read as it is with AVX2 (and Q4_K's, Q5_K's and IQ4_XS's: RepackedIntAvx2,
-// below): a 256-bit load of a word of the layout is that word of 8 of a
-// tile's 16 rows, one per lane, so a tile runs as two halves of 8 rows. Each
-// 4-element group of 8 rows meets its 4 activation bytes (broadcast) in one
-// maddubs + madd: the levels need no per-row decoding, no absolute value and
-// no sign flip where they are unsigned, and one scale vector d_w * d_x serves
-// the block's 8 groups. The arithmetic is the file layout's AVX2 matvec's
-// (ggml_matmul_simd.h): fp32 lane g of row r (in FloatGemm's words,
-// ggml_gemm_vnni.h) accumulates the exact int32 dot of group g times
-// d_w * d_x per block, the mins (Q4_1, Q5_1) their rounded products, and the
-// lanes sum in hsum's order, so the results are the same bit for bit.
+// The one-scale types' repacked layout (core/ggml_repack.h) read as it is
+// with AVX2 (and the integer-form types' but Q3_K's: RepackedIntAvx2, below;
+// Q5_K, Q6_K and Q8_0 only for the file layout's batches): a 256-bit load of
+// a word of the layout is that word of 8 of a tile's 16 rows, one per lane,
+// so a tile runs as two halves of 8 rows. Each 4-element group of 8 rows
+// meets its 4 activation bytes (broadcast) in one maddubs + madd: the levels
+// need no per-row decoding, no absolute value and no sign flip where they
+// are unsigned, and one scale vector d_w * d_x serves the block's 8 groups.
+// The arithmetic is the file layout's AVX2 matvec's (ggml_matmul_simd.h):
+// fp32 lane g of row r (in FloatGemm's words, ggml_gemm_vnni.h) accumulates
+// the exact int32 dot of group g times d_w * d_x per block, the mins (Q4_1,
+// Q5_1) their rounded products, and the lanes sum in hsum's order, so the
+// results are the same bit for bit.
 // Include only inside the AVX2 unit's target pragma region.
 #pragma once
 
@@ -75,31 +76,34 @@ inline __m256 lane_order_total(__m256 a0, const __m256 (&a)[9]) {
 }
 
 // One tile of ggml::kRepackRows file-layout rows (row_bytes apart from src)
-// into the repacked layout at dst: the bytes ggml::repack_rows puts there,
-// moved with vector loads. Each 4 words of a block of 8 rows (one 128-bit
-// load a row, two rows to a register) become word w of those 8 rows by a
-// 4 x 4 transpose in each 128-bit half; the 2-byte fields and the last
-// words past a multiple of 4 go one at a time. repack_rows' copy, a unit at a
-// time, took 9-12 us a tile of 16 x 4096: a quarter of a tile's time at
-// M = 32 (IQ4_XS, Zen 4).
+// into the repacked layout at dst: the bytes ggml::repack_rows puts where
+// ggml::repacked_offset says, moved with vector loads. Each 4 words of a
+// block of 8 rows (one 128-bit load a row, two rows to a register) become
+// word w of those 8 rows (4 bytes apart in the layout) by a 4 x 4 transpose
+// in each 128-bit half; the 2-byte fields and the last words past a multiple
+// of 4 go one at a time. repack_rows' copy, a unit at a time, took 9-12 us a
+// tile of 16 x 4096: a quarter of a tile's time at M = 32 (IQ4_XS, Zen 4).
 template <ggml::Type T>
 void repack_tile(const uint8_t* src, int64_t row_bytes, uint8_t* dst) {
   using I = ggml::TypeInfo<T>;
   constexpr ggml::RepackedFields f = ggml::repacked_fields(T);
   constexpr int kFieldBytes = 2 * f.count;
   constexpr int kWords = (I::kBytes - kFieldBytes) / 4;
-  constexpr int kWordsAt = f.at == 0 ? kFieldBytes : 0;  // the fields lead or close the block
+  static_assert(f.at == 0 || f.at == I::kBytes - kFieldBytes, "the fields lead or close the block: its words are contiguous");
+  constexpr int kWordsAt = f.at == 0 ? kFieldBytes : 0;
   const int64_t blocks = row_bytes / I::kBytes;
   for (int64_t bi = 0; bi < blocks; ++bi) {
     const uint8_t* in = src + bi * I::kBytes;
     uint8_t* out = dst + bi * ggml::kRepackRows * I::kBytes;
     for (int c = 0; c < f.count; ++c)
-      for (int r = 0; r < ggml::kRepackRows; ++r) memcpy(out + 2 * (ggml::kRepackRows * c + r), in + r * row_bytes + f.at + 2 * c, 2);
-    uint8_t* words = out + kFieldBytes * ggml::kRepackRows;
+      for (int r = 0; r < ggml::kRepackRows; ++r)
+        memcpy(out + ggml::repacked_offset(f, r, f.at + 2 * c), in + r * row_bytes + f.at + 2 * c, 2);
     for (int h = 0; h < 2; ++h) {
       const uint8_t* rows = in + kHalfRows * h * row_bytes + kWordsAt;
+      // Word w of row 8h + r of the block sits at word(w) + 4r.
+      const auto word = [&](int w) { return out + ggml::repacked_offset(f, kHalfRows * h, kWordsAt + 4 * w); };
       const auto load = [&](int r, int w) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + r * row_bytes + 4 * w)); };
-      const auto store = [&](int w, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + 64 * w + 32 * h), v); };
+      const auto store = [&](int w, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(word(w)), v); };
       int w = 0;
       for (; w + 4 <= kWords; w += 4) {
         __m256i y[4];  // rows r and r + 4, words w .. w + 3
@@ -112,7 +116,7 @@ void repack_tile(const uint8_t* src, int64_t row_bytes, uint8_t* dst) {
         store(w + 3, _mm256_unpackhi_epi64(hi01, hi23));
       }
       for (; w < kWords; ++w)
-        for (int r = 0; r < kHalfRows; ++r) memcpy(words + 64 * w + 32 * h + 4 * r, rows + r * row_bytes + 4 * w, 4);
+        for (int r = 0; r < kHalfRows; ++r) memcpy(word(w) + 4 * r, rows + r * row_bytes + 4 * w, 4);
     }
   }
 }

@@ -1,7 +1,7 @@
 // The activation-row tiling the SIMD kernels share: M rows in tiles of up to
-// four (or a kernel's own count), each tile's size a compile-time constant so
-// that its accumulators stay in registers. Include only inside a unit's target pragma region (see
-// gptq_fused_simd.h on internal linkage).
+// four (or a kernel's own count), each tile's size a compile-time constant
+// so that its accumulators stay in registers. Include only inside a unit's
+// target pragma region (see gptq_fused_simd.h on internal linkage).
 #pragma once
 
 #include <stdint.h>
