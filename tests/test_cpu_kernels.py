@@ -59,7 +59,7 @@ def test_cpu_bf16_kernel_modes_agree():
     K, n = 512, 128
     outs = {}
     try:
-        for bits in (2, 3, 4):
+        for bits in (2, 3, 4, 8):
             c = ref.random_checkpoint(rng, K, n, bits, 128, False, "gptq_v2", False)
             t = [torch.from_numpy(np.ascontiguousarray(c[k])) for k in ("qweight", "qzeros", "scales", "g_idx")]
             W = ref.dequantize(c["qweight"], c["qzeros"], c["scales"], c["g_idx"], bits, "gptq_v2")

@@ -190,6 +190,27 @@ def test_dequantize_every_path_is_exact(device, bits, scale_dtype, n, act_order)
     np.testing.assert_array_equal(W.cpu().float().numpy(), torch.from_numpy(expect).to(scale_dtype).float().numpy())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", BITS)
+def test_gemm_wide_half_activations_every_m(device, bits, dtype):
+    """bf16 / fp16 activations against a weight wide enough for several
+    column tasks (N = 1088: tasks of 256 columns, the last of 64) and groups
+    of 256 rows (two of the vdpbf16ps kernel's 128-row chunks each), at M on
+    both sides of each bit width's switch from decoding per row tile to
+    shared panels (8-bit past 4 rows, 3-bit past 8, 2- and 4-bit past 32),
+    with partial row tiles."""
+    rng = np.random.default_rng([bits, dtype == torch.float16])
+    k, n = 512, 1088
+    ckpt = ref.random_checkpoint(rng, k, n, bits, 256, False, "gptq_v2", False)
+    W = ref.dequantize(ckpt["qweight"], ckpt["qzeros"], ckpt["scales"], ckpt["g_idx"], bits, "gptq_v2")
+    t = as_torch(ckpt, device)
+    for M in (3, 5, 9, 32, 35):
+        a = torch.randn(M, k, generator=torch.Generator().manual_seed(M)).to(dtype).to(device)
+        out = torch.ops.lowbit.gptq_gemm(a, t["qweight"], t["qzeros"], t["scales"], t["g_idx"], False, True, bits)
+        assert out.dtype == dtype and out.shape == (M, n)
+        assert_close_to_reference(out, a, W, f"M={M}")
+
+
 @pytest.mark.parametrize("mode", ["set", "gemm"])
 @pytest.mark.parametrize("n", [96, 104], ids=["whole_vectors", "ragged"])
 def test_gemm_bf16_large_m_rounds_once(device, n, mode):

@@ -1,6 +1,6 @@
-// gptq_gemm's fused kernel for 2-, 3- and 4-bit weights and bf16 / fp16
-// activations (gptq_fused_bf16.h), and the tile dequantizer into bf16 planes
-// (gptq_dequant_simd.h), compiled for AVX-512 with BF16. Every
+// gptq_gemm's fused kernel for bf16 / fp16 activations (gptq_fused_bf16.h),
+// and the tile dequantizer into bf16 planes (gptq_dequant_simd.h), compiled
+// for AVX-512 with BF16. Every
 // non-SIMD header comes before the target pragma, so that no inline function
 // shared with other translation units is compiled for AVX-512.
 #include <stdint.h>

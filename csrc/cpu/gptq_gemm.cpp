@@ -44,11 +44,12 @@ constexpr int64_t kSimdFusedMaxM = 64;
 // g128, 4096x14336 and 14336x4096) the fused kernel took 11 / 22 / 45 ms at
 // M = 16 / 32 / 64 and the GEMM path 28-31 ms at each of them. Where
 // vdpbf16ps runs at the FMA's rate and there is no AMX, the vdpbf16ps fused
-// kernel takes every M: it costs the same per activation row at any M (AMD
-// Zen 4, 4096x14336 4-bit, 1 thread: 0.60-0.62 ms a row at M = 32 and 64,
-// about torch's bf16 GEMM's 0.57 at M = 256), where the GEMM path, two
-// planes of W, took 1.24 ms a row at M = 256; fp16 activations (two planes
-// of a) 1.1-1.2 ms a row against 1.5-1.6 through the fp32 dequantize path.
+// kernel takes every M: past a few rows it costs the same per activation row
+// at any M (AMD Zen 4, 4096x14336, 1 thread, every bit width: 0.57-0.60 ms a
+// row at M = 64 and 256, as torch's bf16 GEMM at M = 256), where the GEMM
+// path, two planes of W, took 1.24 ms a row at M = 256; fp16 activations
+// (two planes of a) 1.08 ms a row against 1.5-1.6 through the fp32
+// dequantize path.
 constexpr int64_t kAmxFusedMaxM = 40;
 // Output columns per fused task: acc[kFusedMaxM][kTileN] stays in L1.
 constexpr int64_t kTileN = 64;
@@ -132,7 +133,7 @@ void fused_portable(const float* a, int64_t M, const GptqWeight& w, int64_t n0, 
 // tiles. The SIMD kernel of the active ISA takes the columns it can (whole
 // vectors, contiguous groups) and the portable one the rest.
 // isa: the SIMD kernels to use (kPortable when w does not suit them); a16:
-// bf16 planes of a for the AVX512-BF16 kernel (2-, 3- and 4-bit), or null.
+// bf16 planes of a for the AVX512-BF16 kernel, or null.
 template <int B>
 void gemm_fused(const float* a, int64_t M, const GptqWeight& w, float* out, Isa isa, const Bf16Acts* a16) {
   const int64_t step = isa == Isa::kAvx512 ? kAvx512FusedCols : isa == Isa::kAvx2 ? kAvx2FusedCols : kTileN;
@@ -159,15 +160,16 @@ void gemm_fused(const float* a, int64_t M, const GptqWeight& w, float* out, Isa 
 // Whether bf16 / fp16 activations of a B-bit weight take the vdpbf16ps
 // kernel (gptq_fused_bf16.h) rather than the fp32 FMA one, on an AVX-512
 // CPU: both compute the same exact products. Where vdpbf16ps runs at the
-// FMA's rate it wins for 2-, 3- and 4-bit at every M (AMD Zen 4, 4-bit
-// 4096x14336, 1 thread: M = 1 1.48 ms against 2.37, M = 8 5.1 against 11.3).
+// FMA's rate it wins for every bit width at every M (AMD Zen 4, 4096x14336,
+// 1 thread: 4-bit M = 1 1.48 ms against 2.37, M = 8 5.1 against 11.3; 8-bit
+// M = 1 2.7 against 3.0, M = 8 7.0 against 11.5).
 // On Intel cores (a Xeon with AMX, the same shape) it loses everywhere since
 // the FMA kernel keeps a pack's words in registers and reads 3-bit in 4-bit
 // chunks: M = 1, 1 thread, 3-bit 1.83 / 1.97 ms against 1.46 / 1.56, 4-bit
 // 2.06 / 2.07 against 1.93 / 1.94; 2-bit and M >= 2 lost before.
 // cpu_bf16_kernel("always") takes it wherever it applies (the tests do).
 bool use_bf16_kernel(int bits) {
-  if (bits > 4 || !has_avx512_bf16()) return false;
+  if (!has_avx512_bf16()) return false;
   return bf16_kernel() == Bf16Kernel::kAlways || bf16_dot_at_fma_rate();
 }
 
@@ -283,7 +285,7 @@ void gemm_dequant_mm(const at::Tensor& a, const GptqWeight& w, Isa isa, const at
 // out[M, N] = a[M, K] @ W for bf16 activations a on AVX512-BF16 CPUs, whose
 // bf16 GEMM (AMX or vdpbf16ps, fp32 accumulation) is several times faster
 // than the fp32 one: 5x on a 2-core Xeon with AMX, 3x on AMD Zen 4 (where
-// only 8-bit weights come here: simd_fused_max_m). W goes
+// the vdpbf16ps fused kernel takes every M instead: simd_fused_max_m). W goes
 // in column strips over all of K as two bf16 planes [hi; lo] [2K, width]
 // against [a, a] [M, 2K]: one GEMM adds a @ hi + a @ lo in fp32 and rounds
 // to bf16 once, as the fp32 path's output is rounded once, and hi + lo holds

@@ -107,7 +107,7 @@ constexpr int kFusedMaxRows = 4;
 // A prefetch past the end of qweight is harmless: prefetches never fault.
 constexpr int64_t kFusedPrefetchWords = 256;
 
-// Activations for the AVX512-BF16 kernel (2-, 3- and 4-bit): `planes` bf16 copies
+// Activations for the AVX512-BF16 kernel: `planes` bf16 copies
 // of a [M, K] that sum to a exactly, [planes][M][K]: one plane for bf16
 // input, two (hi, lo) for fp16. The kernel also reads a itself in fp32.
 struct Bf16Acts {
