@@ -307,8 +307,8 @@ def test_batched_rows_equal_the_matvec_bit_for_bit(device, qtype):
 
 
 @pytest.mark.parametrize("qtype, M", [("Q4_0", 8), ("Q4_1", 9), ("IQ4_NL", 16), ("Q5_1", 17), ("Q4_K", 16),
-                                      ("IQ4_XS", 19), ("Q8_0", 17), ("Q2_K", 18), ("Q5_K", 33), ("Q6_K", 34),
-                                      ("Q5_0", 128)])
+                                      ("IQ4_XS", 19), ("Q8_0", 17), ("Q2_K", 18), ("Q3_K", 32), ("Q5_K", 33),
+                                      ("Q6_K", 34), ("Q5_0", 128)])
 def test_large_batches_through_the_repacked_kernel_equal_the_matvec(device, qtype, M):
     """From M = 8 to 128 by type (repacked_copy_rows in ggml_avx2.cpp) AVX2
     runs a file-layout weight through its type's repacked-layout kernel,
@@ -317,7 +317,7 @@ def test_large_batches_through_the_repacked_kernel_equal_the_matvec(device, qtyp
     words one at a time; Q6_K's fields close its blocks); its passes take 2
     (one-scale types) or 4 activation rows, Q4_0 and Q5_0 start their dots
     from the activations' offsets, and Q6_K's levels come unsigned with its
-    offset of 32 through the activations' sums.
+    offset of 32 (Q3_K's of 4) through the activations' sums.
     Every row must still be the matvec's bit for bit: each type at or just
     past its threshold, 131 rows leave 3 past the last tile (the matvec form
     takes them), odd M a last pass of 1, and two threads split the tiles."""

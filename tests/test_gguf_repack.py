@@ -179,7 +179,7 @@ def test_gguf_linear_state_dict_and_moves_keep_the_file_layout():
 
 
 # The types whose layout the AVX2 kernels read as it is (the others' rows go back per call).
-AVX2_READS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q4_K", "IQ4_XS"]
+AVX2_READS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "IQ4_XS"]
 
 
 def test_cpu_reads_repacked_names_the_kernels_that_read_the_layout(cpu_isa):
@@ -191,7 +191,7 @@ def test_cpu_reads_repacked_names_the_kernels_that_read_the_layout(cpu_isa):
 
 @pytest.mark.skipif(torch.ops.lowbit.cpu_isa("best") == "portable", reason="no SIMD kernels read the layout")
 def test_repack_model_on_avx2_takes_the_types_its_kernels_read():
-    model = torch.nn.ModuleDict({"a": layer("Q4_0"), "c": layer("Q8_0", out=24), "k": layer("Q3_K", out=32),
+    model = torch.nn.ModuleDict({"a": layer("Q4_0"), "c": layer("Q8_0", out=24), "k": layer("Q5_K", out=32),
                                  "n": layer("IQ4_NL", out=48)})
     x = torch.randn(3, N)
     before = {name: m(x) for name, m in model.items()}
@@ -199,7 +199,7 @@ def test_repack_model_on_avx2_takes_the_types_its_kernels_read():
     try:
         ops.cpu_isa("avx2")
         with pytest.warns(UserWarning, match=r"this CPU's avx2 kernels would put the repacked rows back on every "
-                                             r"call for ggml types \[8, 11\]"):
+                                             r"call for ggml types \[8, 13\]"):
             assert lowbit.repack_model(model) == ["a", "n"]
         assert [m.repacked for m in model.values()] == [True, False, False, True]
         assert all(torch.equal(m(x), before[name]) for name, m in model.items())

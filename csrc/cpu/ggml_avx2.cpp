@@ -67,6 +67,7 @@ using RepackedAvx2 = std::conditional_t<(ggml::TypeInfo<T>::kBlock == 32), Repac
 //   IQ4_XS 16: 0.87-0.89x /  8: 0.96-1.02x / 0.73-0.79x
 //   Q2_K   16: 0.91-0.94x /  8: 0.99-1.07x / 0.77-0.90x
 //   Q8_0   16: 0.80-0.96x /  8: 0.92-1.07x / 0.77-0.84x
+//   Q3_K   32: 0.91-0.93x / 16: 0.94-1.03x / 0.84-0.92x
 //   Q5_K   32: 0.81-0.90x / 16: 0.93-0.99x / 0.79-0.90x
 //   Q6_K   32: 0.94-0.96x / 16: 0.97-1.05x / 0.85-0.93x
 //   Q5_0  128: 0.94x      / 64: 0.94-1.00x
@@ -78,7 +79,7 @@ constexpr int64_t repacked_copy_rows(ggml::Type t) {
     case ggml::Type::Q4_0: case ggml::Type::Q4_1: return 8;
     case ggml::Type::IQ4_NL: case ggml::Type::Q5_1: case ggml::Type::Q4_K: case ggml::Type::IQ4_XS:
     case ggml::Type::Q8_0: case ggml::Type::Q2_K: return 16;
-    case ggml::Type::Q5_K: case ggml::Type::Q6_K: return 32;
+    case ggml::Type::Q3_K: case ggml::Type::Q5_K: case ggml::Type::Q6_K: return 32;
     case ggml::Type::Q5_0: return 128;
     default: return kNoCopies;
   }

@@ -1,5 +1,5 @@
 // The one-scale types' repacked layout (core/ggml_repack.h) read as it is
-// with AVX2 (and the integer-form types' but Q3_K's: RepackedIntAvx2, below;
+// with AVX2 (and the integer-form types': RepackedIntAvx2, below; Q3_K,
 // Q5_K, Q6_K and Q8_0 only for the file layout's batches): a 256-bit load of
 // a word of the layout is that word of 8 of a tile's 16 rows, one per lane,
 // so a tile runs as two halves of 8 rows. Each 4-element group of 8 rows
@@ -265,31 +265,32 @@ inline __m256i pick8(__m256i v) {
 }
 
 // The integer form (IntGemm in ggml_gemm_vnni.h, MatmulSimd::IntSums in
-// ggml_matmul_simd.h) over the repacked layout of Q4_K, Q5_K, Q6_K and
-// IQ4_XS with AVX2, 8 rows to a half tile as above: per block and row the
-// exact int32 sums S (each 4-element group's maddubs pair sums times its
+// ggml_matmul_simd.h) over the repacked layout of the K-quants and IQ4_XS
+// with AVX2, 8 rows to a half tile as above: per block and row the exact
+// int32 sums S (each 4-element group's maddubs pair sums times its
 // sub-block's scale in one madd) and, but for IQ4_XS, C (the coefficients,
-// the K-quants' mins or Q6_K's scales, times the activations' 16-element
-// sums), then the matvec's fp32 step into lane block % 8: acc = fma(S,
-// d_w * d_x, acc), acc = fma(C, k_w * d_x, acc) with k_w = -dmin_w, or
-// -32 d_w for Q6_K's level offset. The same integers and fp32 operations as
-// the file layout's AVX2 matvec, so the same results bit for bit. Block
-// words (after the 2-byte fields): Q4_K's and Q5_K's 0-2 scales[12]
-// (get_scale_min_k4), then Q4_K's qs[128] (3-34), or Q5_K's qh[32] (3-10)
-// and qs[128] (11-42); IQ4_XS's 0 scales_l[4], then qs[128] (1-32), its
-// scales_h a 2-byte field after d; Q6_K's ql[128] (0-31), qh[64] (32-47)
-// and int8 scales[16] (48-51); Q2_K's scales[16] (0-3, scale | min << 4)
-// and qs[64] (4-19).
+// the K-quants' mins or Q3_K's and Q6_K's scales, times the activations'
+// 16-element sums), then the matvec's fp32 step into lane block % 8: acc =
+// fma(S, d_w * d_x, acc), acc = fma(C, k_w * d_x, acc) with k_w = -dmin_w,
+// or -4 d_w and -32 d_w for Q3_K's and Q6_K's level offsets. The same
+// integers and fp32 operations as the file layout's AVX2 matvec, so the same
+// results bit for bit. Block words (after the 2-byte fields): Q4_K's and
+// Q5_K's 0-2 scales[12] (get_scale_min_k4), then Q4_K's qs[128] (3-34), or
+// Q5_K's qh[32] (3-10) and qs[128] (11-42); IQ4_XS's 0 scales_l[4], then
+// qs[128] (1-32), its scales_h a 2-byte field after d; Q6_K's ql[128]
+// (0-31), qh[64] (32-47) and int8 scales[16] (48-51); Q2_K's scales[16]
+// (0-3, scale | min << 4) and qs[64] (4-19); Q3_K's hmask[32] (0-7), qs[64]
+// (8-23) and scales[12] (24-26).
 template <ggml::Type T>
 constexpr bool has_repacked_int_avx2() {
-  return T == ggml::Type::Q2_K || T == ggml::Type::Q4_K || T == ggml::Type::Q5_K || T == ggml::Type::Q6_K ||
-         T == ggml::Type::IQ4_XS;
+  return T == ggml::Type::Q2_K || T == ggml::Type::Q3_K || T == ggml::Type::Q4_K || T == ggml::Type::Q5_K ||
+         T == ggml::Type::Q6_K || T == ggml::Type::IQ4_XS;
 }
 
 template <ggml::Type T>
 struct RepackedIntAvx2 {
   using I = ggml::TypeInfo<T>;
-  static_assert(has_repacked_int_avx2<T>(), "Q2_K, Q4_K, Q5_K, Q6_K or IQ4_XS");
+  static_assert(has_repacked_int_avx2<T>(), "a K-quant or IQ4_XS");
   static constexpr int64_t kTileBlockBytes = ggml::kRepackRows * I::kBytes;
   static constexpr int kFieldBytes = 2 * ggml::kRepackRows * ggml::repacked_fields(T).count;
   static constexpr bool kHighBits = T == ggml::Type::Q5_K;
@@ -297,8 +298,11 @@ struct RepackedIntAvx2 {
   static constexpr bool kSigned = T == ggml::Type::IQ4_XS;
   static constexpr bool kSixBit = T == ggml::Type::Q6_K;
   static constexpr bool kTwoBit = T == ggml::Type::Q2_K;
+  static constexpr bool kThreeBit = T == ggml::Type::Q3_K;
+  // The unsigned levels' offset that the coefficients (the scales) carry.
+  static constexpr float kLevelOffset = kSixBit ? 32.0f : kThreeBit ? 4.0f : 0.0f;
   static constexpr int kQsWord = kSigned ? 1 : kHighBits ? 11 : 3;
-  static constexpr int kSubs = I::kBlock / I::kSub;  // sub-blocks of 32 elements, or Q2_K's and Q6_K's 16 of 16
+  static constexpr int kSubs = I::kBlock / I::kSub;  // sub-blocks of 32 elements, or Q2_K's, Q3_K's and Q6_K's 16 of 16
   static constexpr int kSubGroups = I::kSub / 4;     // 4-element groups a sub-block
 
   // Group G's levels (elements 4G .. 4G + 3). Q4_K and Q5_K (sub-block s =
@@ -309,13 +313,19 @@ struct RepackedIntAvx2 {
   // l = e % 32): the low (k < 2) or high nibbles of ql[64 eh + 32 (k % 2) +
   // l ..] and bits 2k, 2k + 1 of qh[32 eh + l ..] as 16 and 32: the level
   // plus 32, unsigned. Q2_K (the same e, eh, k, l): bits 2k, 2k + 1 of
-  // qs[32 eh + l ..].
+  // qs[32 eh + l ..]. Q3_K: those of its qs, plus 4 for bit 4 eh + k of
+  // hmask[l ..]: the level plus 4, unsigned.
   template <int G>
   static __m256i levels(const uint8_t* words, int h) {
-    if constexpr (kTwoBit) {
+    if constexpr (kTwoBit || kThreeBit) {
       constexpr int e = 4 * G, eh = e / 128, k = e % 128 / 32, l = e % 32;
-      const __m256i q = half_word(words, h, 4 + (32 * eh + l) / 4);
-      return _mm256_and_si256(_mm256_srli_epi16(q, 2 * k), _mm256_set1_epi8(3));
+      const __m256i q = half_word(words, h, (kThreeBit ? 8 : 4) + (32 * eh + l) / 4);
+      const __m256i low = _mm256_and_si256(_mm256_srli_epi16(q, 2 * k), _mm256_set1_epi8(3));
+      if constexpr (kTwoBit) return low;
+      constexpr int bit = 4 * eh + k;  // to bit 2 (a 16-bit shift; the mask keeps the byte's own)
+      const __m256i hm = half_word(words, h, l / 4);
+      const __m256i moved = bit < 2 ? _mm256_slli_epi16(hm, 2 - bit) : _mm256_srli_epi16(hm, bit - 2);
+      return _mm256_or_si256(low, _mm256_and_si256(moved, _mm256_set1_epi8(4)));
     } else if constexpr (kSixBit) {
       constexpr int e = 4 * G, eh = e / 128, k = e % 128 / 32, l = e % 32;
       const __m256i ql = half_word(words, h, (64 * eh + 32 * (k % 2) + l) / 4);
@@ -348,12 +358,24 @@ struct RepackedIntAvx2 {
   // 6-bit scales (sc) and mins (mn) of sub-blocks 0-3 and 4-7, a byte each,
   // cut from the three scale words. IQ4_XS: scales_l (nibble s at bit 4s)
   // and scales_h (bits 2s, 2s + 1). Q6_K: the int8 scales, 4 a word. Q2_K:
-  // the 4-bit scales and mins, 4 a word.
+  // the 4-bit scales and mins, 4 a word. Q3_K: the 6-bit scales + 32, 4 a
+  // word: scale 4q + i is nibble q / 2 of scales[4 (q % 2) + i] and, as bits
+  // 4-5, bits 2q, 2q + 1 of scales[8 + i] (the format's kmask shuffle).
   struct Fields {
     __m256i sc[4], mn[4];
   };
   static Fields fields(const uint8_t* b, const uint8_t* words, int h) {
-    if constexpr (kTwoBit) {
+    if constexpr (kThreeBit) {
+      const __m256i lo = half_word(words, h, 24), mid = half_word(words, h, 25), hi = half_word(words, h, 26);
+      const __m256i low4 = _mm256_set1_epi8(0x0f), top2 = _mm256_set1_epi8(0x30);
+      // 16-bit shifts: the masks keep each byte's own bits.
+      const auto nib = [&](__m256i v, bool high) { return _mm256_and_si256(high ? _mm256_srli_epi16(v, 4) : v, low4); };
+      return {{_mm256_or_si256(nib(lo, false), _mm256_and_si256(_mm256_slli_epi16(hi, 4), top2)),
+               _mm256_or_si256(nib(mid, false), _mm256_and_si256(_mm256_slli_epi16(hi, 2), top2)),
+               _mm256_or_si256(nib(lo, true), _mm256_and_si256(hi, top2)),
+               _mm256_or_si256(nib(mid, true), _mm256_and_si256(_mm256_srli_epi16(hi, 2), top2))},
+              {}};
+    } else if constexpr (kTwoBit) {
       Fields f;
       for (int i = 0; i < 4; ++i) {
         const __m256i w = half_word(words, h, i);
@@ -381,7 +403,9 @@ struct RepackedIntAvx2 {
   // scales each pair sum. IQ4_XS: (nibble J | the two scales_h bits << 4) - 32.
   template <int J>
   static __m256i scale(const Fields& f) {
-    if constexpr (kSixBit) {
+    if constexpr (kThreeBit) {
+      return _mm256_sub_epi16(pick8<J % 4, J % 4>(f.sc[J / 4]), _mm256_set1_epi16(32));
+    } else if constexpr (kSixBit) {
       return pick8<J % 4, J % 4, true>(f.sc[J / 4]);
     } else if constexpr (kSigned) {
       const __m256i low = _mm256_and_si256(_mm256_srli_epi32(f.sc[0], 4 * J), _mm256_set1_epi32(0x0f));
@@ -394,10 +418,11 @@ struct RepackedIntAvx2 {
   }
 
   // The coefficients of the activations' 16-element sums 2j and 2j + 1 as an
-  // int16 pair: sub-block j's min twice (Q4_K, Q5_K), or the scales (Q6_K)
-  // or mins (Q2_K) of sub-blocks 2j and 2j + 1.
+  // int16 pair: sub-block j's min twice (Q4_K, Q5_K), or the scales (Q3_K,
+  // Q6_K) or mins (Q2_K) of sub-blocks 2j and 2j + 1.
   template <int j>
   static __m256i coefs(const Fields& f) {
+    if constexpr (kThreeBit) return _mm256_sub_epi16(pick8<2 * j % 4, 2 * j % 4 + 1>(f.sc[j / 2]), _mm256_set1_epi16(32));
     if constexpr (kSixBit) return pick8<2 * j % 4, 2 * j % 4 + 1, true>(f.sc[j / 2]);
     if constexpr (kTwoBit) return pick8<2 * j % 4, 2 * j % 4 + 1>(f.mn[j / 2]);
     return pick8<j % 4, j % 4>(f.mn[j / 4]);
@@ -450,8 +475,8 @@ struct RepackedIntAvx2 {
         sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S[m]), _mm256_mul_ps(d, dx), sum);
       }
       if constexpr (!kSigned) {
-        const __m256 k = kSixBit ? _mm256_mul_ps(d, _mm256_set1_ps(-32.0f))
-                                 : _mm256_sub_ps(_mm256_setzero_ps(), half_field(b + 2 * ggml::kRepackRows, h));
+        const __m256 k = kLevelOffset != 0.0f ? _mm256_mul_ps(d, _mm256_set1_ps(-kLevelOffset))
+                                              : _mm256_sub_ps(_mm256_setzero_ps(), half_field(b + 2 * ggml::kRepackRows, h));
         __m256i c[8];  // cut once for all MT rows
         static_for<8>([&](auto jc) { c[decltype(jc)::value] = coefs<decltype(jc)::value>(f); });
         for (int m = 0; m < MT; ++m) {

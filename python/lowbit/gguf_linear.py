@@ -73,10 +73,10 @@ class GGUFLinear(nn.Module):
 
     `repack()` reorders qweight (on the CPU, for Q4_0, Q4_1, Q5_0, Q5_1,
     Q8_0, IQ4_NL, the K-quants and IQ4_XS) into the interleaved layout the
-    AVX-512 VNNI kernels read 16 rows at a time, and the AVX2 ones 8 at a time
-    for the 4- and 5-bit 32-element types and Q4_K (torch.ops.lowbit.ggml_repack): the same results
-    bit for bit, faster where reads_repacked_layout(qtype) (elsewhere each
-    call puts the rows back first). The layer keeps the file's layout everywhere
+    AVX-512 VNNI kernels read 16 rows at a time, and the AVX2 ones 8 at a
+    time for most of those types (torch.ops.lowbit.ggml_repack): the same
+    results bit for bit, faster where reads_repacked_layout(qtype) (elsewhere
+    each call puts the rows back first). The layer keeps the file's layout everywhere
     else: its state_dict, dequantize(), and a move to another device.
     """
 
