@@ -384,13 +384,9 @@ struct FusedBf16 {
   static void run_planes(const float* a, const Bf16Acts& a16, const GptqWeight& w, int64_t n0, int64_t n1,
                          float* out) {
     const int64_t M = a16.M, N = w.N, gs = w.group_of.group_size;
-    for (int64_t m = 0; m < M; ++m) std::fill(out + m * N + n0, out + m * N + n1, 0.0f);
-    std::vector<int32_t> z(n1 - n0);
-    std::vector<float> s(n1 - n0);
     __m512i panel[kChunkRows / 2 * kPanelU];  // a chunk's pair vectors, kChunkRows / 2 a column vector
     Chunk in;
-    for (int64_t g = 0; g * gs < w.K; ++g) {
-      read_group_simd<B>(w, g, n0, n1, z.data(), s.data());
+    for_groups<B>(w, M, n0, n1, out, [&](int64_t g, const int32_t* z, const float* s) {
       const int64_t group_end = std::min(w.K, (g + 1) * gs);  // the last group may be short
       for (int64_t k0 = g * gs; k0 < group_end; k0 += kChunkRows) {
         read_chunk(a, a16, w.K, k0, std::min(kChunkRows, group_end - k0), in);
@@ -399,20 +395,19 @@ struct FusedBf16 {
           for_row_tiles(M, [&](auto mt, int64_t m0) {
             constexpr int MT = decltype(mt)::value, U = kU<MT>;
             for (int64_t n = n0; n < n1; n += U * L)
-              tile<MT, U, Planes>(Decoded<U>{q + n, N}, in, m0, z.data() + (n - n0), s.data() + (n - n0),
-                                  out + n, N);
+              tile<MT, U, Planes>(Decoded<U>{q + n, N}, in, m0, z + (n - n0), s + (n - n0), out + n, N);
           });
           continue;
         }
         for (int64_t n = n0; n < n1; n += kPanelU * L) {
           decode_panel(q + n, N, in.packs, panel);
           for_row_tiles(M, [&](auto mt, int64_t m0) {
-            tile<decltype(mt)::value, kPanelU, Planes>(Panel<kPanelU>{panel}, in, m0, z.data() + (n - n0),
-                                                       s.data() + (n - n0), out + n, N);
+            tile<decltype(mt)::value, kPanelU, Planes>(Panel<kPanelU>{panel}, in, m0, z + (n - n0), s + (n - n0),
+                                                       out + n, N);
           });
         }
       }
-    }
+    });
   }
 
   static void run(const float* a, const Bf16Acts& a16, const GptqWeight& w, int64_t n0, int64_t n1, float* out) {

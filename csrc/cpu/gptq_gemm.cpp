@@ -157,9 +157,9 @@ void gemm_fused(const float* a, int64_t M, const GptqWeight& w, float* out, Isa 
   });
 }
 
-// Whether bf16 / fp16 activations of a B-bit weight take the vdpbf16ps
-// kernel (gptq_fused_bf16.h) rather than the fp32 FMA one, on an AVX-512
-// CPU: both compute the same exact products. Where vdpbf16ps runs at the
+// Whether bf16 / fp16 activations take the vdpbf16ps kernel
+// (gptq_fused_bf16.h) rather than the fp32 FMA one, on an AVX-512 CPU: both
+// compute the same exact products. Where vdpbf16ps runs at the
 // FMA's rate it wins for every bit width at every M (AMD Zen 4, 4096x14336,
 // 1 thread: 4-bit M = 1 1.48 ms against 2.37, M = 8 5.1 against 11.3; 8-bit
 // M = 1 2.7 against 3.0, M = 8 7.0 against 11.5).
@@ -168,7 +168,7 @@ void gemm_fused(const float* a, int64_t M, const GptqWeight& w, float* out, Isa 
 // chunks: M = 1, 1 thread, 3-bit 1.83 / 1.97 ms against 1.46 / 1.56, 4-bit
 // 2.06 / 2.07 against 1.93 / 1.94; 2-bit and M >= 2 lost before.
 // cpu_bf16_kernel("always") takes it wherever it applies (the tests do).
-bool use_bf16_kernel(int bits) {
+bool use_bf16_kernel() {
   if (!has_avx512_bf16()) return false;
   return bf16_kernel() == Bf16Kernel::kAlways || bf16_dot_at_fma_rate();
 }
@@ -399,7 +399,7 @@ at::Tensor gptq_gemm(const at::Tensor& a, const at::Tensor& b_q_weight, const at
       const Isa isa = simd_fused_supports<B>(w.view) ? active_isa() : Isa::kPortable;
       const bool half_input = a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf;
       const bool bf16_gemm = a.scalar_type() == at::kBFloat16 && isa == Isa::kAvx512 && has_avx512_bf16();
-      const bool bf16_dot = half_input && isa == Isa::kAvx512 && use_bf16_kernel(B);
+      const bool bf16_dot = half_input && isa == Isa::kAvx512 && use_bf16_kernel();
       if (M <= (isa != Isa::kPortable ? simd_fused_max_m(bf16_gemm, bf16_dot) : kFusedMaxM)) {
         at::Tensor planes;
         if (bf16_dot) planes = bf16_planes(a2, a.scalar_type());

@@ -64,20 +64,27 @@ inline void read_group_simd(const GptqWeight& w, int64_t g, int64_t n0, int64_t 
 
 // The loop of a fused kernel over columns [n0, n1) of out [M, N]: zeroes
 // them, then for every group reads its zero points z and scales s for those
-// columns and calls tile(std::integral_constant<int, MT>, g, m0, z, s) for
-// each tile of MT <= kFusedMaxRows activation rows m0 .. m0+MT, which adds
-// the group's share to out.
-template <int B, class Tile>
-inline void for_group_row_tiles(const GptqWeight& w, int64_t M, int64_t n0, int64_t n1, float* out, Tile&& tile) {
-  static_assert(kFusedMaxRows == kMaxRowTile, "for_row_tiles' tiles");
+// columns and calls group(g, z, s), which adds the group's share to out.
+template <int B, class Group>
+inline void for_groups(const GptqWeight& w, int64_t M, int64_t n0, int64_t n1, float* out, Group&& group) {
   for (int64_t m = 0; m < M; ++m) std::fill(out + m * w.N + n0, out + m * w.N + n1, 0.0f);
   const int64_t groups = (w.K + w.group_of.group_size - 1) / w.group_of.group_size;
   std::vector<int32_t> z(n1 - n0);
   std::vector<float> s(n1 - n0);
   for (int64_t g = 0; g < groups; ++g) {
     read_group_simd<B>(w, g, n0, n1, z.data(), s.data());
-    for_row_tiles(M, [&](auto mt, int64_t m0) { tile(mt, g, m0, z.data(), s.data()); });
+    group(g, static_cast<const int32_t*>(z.data()), static_cast<const float*>(s.data()));
   }
+}
+
+// for_groups with tile(std::integral_constant<int, MT>, g, m0, z, s) called
+// for each tile of MT <= kFusedMaxRows activation rows m0 .. m0+MT.
+template <int B, class Tile>
+inline void for_group_row_tiles(const GptqWeight& w, int64_t M, int64_t n0, int64_t n1, float* out, Tile&& tile) {
+  static_assert(kFusedMaxRows == kMaxRowTile, "for_row_tiles' tiles");
+  for_groups<B>(w, M, n0, n1, out, [&](int64_t g, const int32_t* z, const float* s) {
+    for_row_tiles(M, [&](auto mt, int64_t m0) { tile(mt, g, m0, z, s); });
+  });
 }
 
 }  // namespace
