@@ -21,6 +21,14 @@ std::vector<int64_t> ggml_type_info(int64_t type) {
   return {info.block, info.bytes};
 }
 
+// The name of a ggml type id (ggml's own, as "Q4_K"), from the same table:
+// files can hold types newer than gguf-py's list.
+std::string ggml_type_name(int64_t type) {
+  const lowbit::ggml::RuntimeInfo info = lowbit::ggml::runtime_info(type);
+  TORCH_CHECK_VALUE(info.ok, "ggml_type_name: type ", type, " is not a ggml weight type lowbit supports (unknown or removed id)");
+  return info.name;
+}
+
 // The vector ISA the CPU kernels use now, after forcing it to `force` if given.
 std::string cpu_isa(std::optional<std::string> force) {
   if (force) lowbit::cpu::force_isa(*force);
@@ -89,6 +97,7 @@ TORCH_LIBRARY(lowbit, m) {
   m.def("ggml_mul_mat_repacked(Tensor W, Tensor X, int type, SymInt row) -> Tensor");
   // [elements per block, bytes per block] of a ggml type; raises for unknown ids.
   m.def("ggml_type_info(int type) -> int[]", &ggml_type_info);
+  m.def("ggml_type_name(int type) -> str", &ggml_type_name);
 
   // The x86 vector ISA of the CPU kernels ("portable", "avx2", "avx512"),
   // chosen from the CPU's features at load (or LOWBIT_CPU_ISA); `force`

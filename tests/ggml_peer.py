@@ -43,6 +43,15 @@ class _CPlan(ctypes.Structure):  # struct ggml_cplan of the ggml that llama-cpp-
                 ("abort_callback_data", ctypes.c_void_p), ("use_ref", ctypes.c_bool)]
 
 
+_ToFloat = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+
+
+class _TypeTraits(ctypes.Structure):  # struct ggml_type_traits (ggml.h)
+    _fields_ = [("type_name", ctypes.c_char_p), ("blck_size", ctypes.c_int64), ("blck_size_interleave", ctypes.c_int64),
+                ("type_size", ctypes.c_size_t), ("is_quantized", ctypes.c_bool), ("to_float", _ToFloat),
+                ("from_float_ref", ctypes.c_void_p)]
+
+
 def _load():
     import llama_cpp  # noqa: F401  (the package that ships the libraries)
 
@@ -62,6 +71,7 @@ def _load():
     cpu.ggml_graph_plan.argtypes, cpu.ggml_graph_plan.restype = [p, ctypes.c_int, p], _CPlan
     cpu.ggml_graph_compute.argtypes = [p, ctypes.POINTER(_CPlan)]
     cpu.ggml_graph_compute.restype = ctypes.c_int
+    base.ggml_get_type_traits.argtypes, base.ggml_get_type_traits.restype = [ctypes.c_int], ctypes.POINTER(_TypeTraits)
     cpu.ggml_cpu_init.argtypes, cpu.ggml_cpu_init.restype = [], None
     cpu.ggml_cpu_init()
     # ggml-backend: the CPU device's extra buffer types and allocation in them.
@@ -115,6 +125,25 @@ def extra_buffers():
     if available() is not None:
         return []
     return list(_cpu_device_and_extra_buffers()[1])
+
+
+def block_shape(qtype):
+    """(elements, bytes) of a block of ggml type id `qtype`, from ggml's own table."""
+    t = _LIBS[0].ggml_get_type_traits(qtype).contents
+    return t.blck_size, t.type_size
+
+
+def dequantize(raw, qtype):
+    """ggml's own dequantize_row (its to_float) of raw blocks [rows, bytes] as
+    float32 [rows, n]: an oracle for the types gguf-py cannot dequantize."""
+    block, nbytes = block_shape(qtype)
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    n = raw.shape[1] // nbytes * block
+    out = np.empty((raw.shape[0], n), dtype=np.float32)
+    to_float = _LIBS[0].ggml_get_type_traits(qtype).contents.to_float
+    for r in range(raw.shape[0]):
+        to_float(raw[r].ctypes.data, out[r].ctypes.data, n)
+    return out
 
 
 class BufferRefused(ValueError):

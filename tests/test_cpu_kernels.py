@@ -302,7 +302,7 @@ def test_batched_rows_equal_the_matvec_bit_for_bit(device, qtype):
     each), and two threads split the rows unevenly."""
     if device != "cpu":
         pytest.skip("the CPU kernels' tiling")
-    n = 2336 if gb.act_block(qtype) == 32 else 2304
+    n = 2336 if gb.block_shape(qtype)[0] == 32 else 2304
     assert_batched_rows_equal_the_matvec(qtype, rows=131, M=69, n=n, seed=gb.type_id(qtype))
 
 
@@ -323,7 +323,7 @@ def test_large_batches_through_the_repacked_kernel_equal_the_matvec(device, qtyp
     takes them), odd M a last pass of 1, and two threads split the tiles."""
     if device != "cpu":
         pytest.skip("the CPU kernels' tiling")
-    n = 2336 if gb.act_block(qtype) == 32 else 2304
+    n = 2336 if gb.block_shape(qtype)[0] == 32 else 2304
     assert_batched_rows_equal_the_matvec(qtype, rows=131, M=M, n=n, seed=7)
 
 

@@ -210,16 +210,17 @@ GGML_TYPES = {
     "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11,
     "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ2_XXS": 16, "IQ2_XS": 17, "IQ3_XXS": 18, "IQ1_S": 19, "IQ4_NL": 20,
     "IQ3_S": 21, "IQ2_S": 22, "IQ4_XS": 23, "IQ1_M": 29, "BF16": 30, "TQ1_0": 34, "TQ2_0": 35, "MXFP4": 39,
+    "NVFP4": 40, "Q1_0": 41, "Q2_0": 42,
 }
 # Byte offsets of the fp16 scale fields (ggml-common.h), as tests/gguf_blocks.py keeps them.
 HALF_FIELDS = {
     "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
     "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
     "IQ2_XXS": [0], "IQ2_XS": [0], "IQ3_XXS": [0], "IQ1_S": [0], "IQ4_NL": [0], "IQ3_S": [0],
-    "IQ2_S": [0], "IQ4_XS": [0], "TQ1_0": [52], "TQ2_0": [64],
+    "IQ2_S": [0], "IQ4_XS": [0], "TQ1_0": [52], "TQ2_0": [64], "Q1_0": [0], "Q2_0": [0],
 }
 MIN_FIELD = {"Q4_1": 2, "Q5_1": 2}  # the fp16 m of w = d*q + m, paired with Q8_1's fp16 sum
-ACT_BLOCK_32 = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4"}
+ACT_BLOCK_32 = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4", "NVFP4", "Q1_0", "Q2_0"}
 
 
 def ggml_blocks(name, rows, n, seed=0):
@@ -241,6 +242,8 @@ def ggml_blocks(name, rows, n, seed=0):
         blocks[:, :, 55] = (blocks[:, :, 55] & 0x0F) | 0x30  # a moderate fp16 exponent
     if name == "MXFP4":
         blocks[:, :, 0] = rng.integers(118, 130, blocks.shape[:2])  # E8M0 scales near 2^-6
+    if name == "NVFP4":
+        blocks[:, :, :4] = rng.integers(1, 5, blocks[:, :, :4].shape) << 3  # UE4M3 scales 2^-10 .. 2^-7
     return torch.from_numpy(raw)
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import gguf_blocks as gb
 import gguf_files
 from gguf_files import (HIDDEN, N_HEAD, N_HEAD_KV, TOY_TENSORS, converter_permute, patched, raw_gguf, tensor_info_offsets,
                         truncated)
@@ -252,6 +253,30 @@ def test_handwritten_bad_tensor_infos(tmp_path):
     # The valid form of the same file loads.
     raw_gguf(path, [("w", [32, 1], 8, 0)], q8_row)
     assert load_gguf(path).tensors["w"].shape == (1, 32)
+
+
+def test_newest_llama_cpp_types_load_and_inspect(tmp_path):
+    """NVFP4, Q1_0 and Q2_0 tensors (Q2_0 newer than gguf-py's type list)
+    load with their names from lowbit's table, dequantize like the
+    reference, and `inspect` lists them."""
+    rng = np.random.default_rng(3)
+    names = ["NVFP4", "Q1_0", "Q2_0"]
+    raws = [gb.random_blocks(rng, name, 2, 256) for name in names]
+    infos, data = [], b""
+    for name, raw in zip(names, raws):
+        infos.append((f"w.{name}", [256, 2], gb.type_id(name), len(data)))
+        data += raw.tobytes() + bytes(-raw.nbytes % 32)
+    path = raw_gguf(str(tmp_path / "new.gguf"), infos, data)
+    f = load_gguf(path)
+    for name, raw in zip(names, raws):
+        t = f.tensors[f"w.{name}"]
+        assert (t.type_name, t.shape) == (name, (2, 256))
+        np.testing.assert_array_equal(t.dequantize().numpy(), gb.dequantize(raw, name))
+    result = run_cli("inspect", path)
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines() if line.startswith("w.")}
+    assert rows == {"w.NVFP4": ["NVFP4", "2x256", "288", "4.50"], "w.Q1_0": ["Q1_0", "2x256", "72", "1.12"],
+                    "w.Q2_0": ["Q2_0", "2x256", "144", "2.25"]}
 
 
 def test_version_2_reads(tmp_path):

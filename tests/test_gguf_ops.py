@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import gguf_blocks as gb
+import ggml_peer
 
 ops = torch.ops.lowbit
 N = 512  # two 256-element super-blocks, sixteen 32-element blocks
@@ -73,14 +74,44 @@ def test_dequantize_special_scales_like_gguf_py(device, qtype):
     np.testing.assert_array_equal(got.cpu().numpy(), expect)
 
 
+def test_dequantize_every_nvfp4_scale_byte_like_gguf_py(device):
+    # All 256 UE4M3 bytes as sub-block scales, against levels of every
+    # nibble: zero and 0x7F (E4M3's NaN, read as zero by ggml and gguf-py),
+    # the subnormals (exponent 0), and bit 7, which the format leaves unused.
+    rows = 256 // 4
+    raw = blocks("NVFP4", rows=rows, n=64).copy()
+    raw[:, :4] = np.arange(256, dtype=np.uint8).reshape(rows, 4)
+    raw[:, 4:] = (np.arange(32) * 17 % 256).astype(np.uint8)  # bytes 0x00, 0x11, .. 0xff: every nibble in both halves
+    expect = gb.dequantize(raw, "NVFP4")
+    got = ops.ggml_dequantize(torch.from_numpy(raw).to(device), gb.type_id("NVFP4"), rows, 64, torch.float32)
+    np.testing.assert_array_equal(got.cpu().numpy(), expect)
+
+
+@pytest.mark.skipif(ggml_peer.available() is not None, reason=str(ggml_peer.available()))
+@pytest.mark.parametrize("qtype", ["NVFP4"] + sorted(gb.NUMPY_REFERENCE))
+def test_reference_dequantization_is_ggml_own(qtype):
+    """The oracle of the types newer than gguf-py's dequantizers (the NumPy
+    reference of Q1_0 and Q2_0, and gguf-py's NVFP4) against ggml's own
+    dequantize_row_* and block table, from llama-cpp-python's libggml."""
+    assert ggml_peer.block_shape(gb.type_id(qtype)) == gb.block_shape(qtype)
+    raw = blocks(qtype).copy()
+    if qtype in gb.HALF_FIELDS:  # every class of fp16 scale too
+        fields = raw.reshape(ROWS, -1, gb.block_shape(qtype)[1])
+        fields[:, :, :2] = np.resize(SPECIAL_HALVES, fields.shape[:2]).view(np.uint8).reshape(*fields.shape[:2], 2)
+    np.testing.assert_array_equal(gb.dequantize(raw, qtype), ggml_peer.dequantize(raw, gb.type_id(qtype)))
+
+
 def test_type_table_matches_gguf_py(qtype):
     assert ops.ggml_type_info(gb.type_id(qtype)) == list(gb.block_shape(qtype))
+    assert ops.ggml_type_name(gb.type_id(qtype)) == qtype
 
 
 @pytest.mark.parametrize("type_id", [4, 5, 9, 15, 24, 28, 31, 36, 38, 99, -1])
 def test_unknown_and_removed_types_raise(type_id):
     with pytest.raises(ValueError, match=f"type {type_id} is not a ggml weight type"):
         ops.ggml_type_info(type_id)
+    with pytest.raises(ValueError, match=f"ggml_type_name: type {type_id} is not a ggml weight type"):
+        ops.ggml_type_name(type_id)
     with pytest.raises(ValueError, match=f"ggml_dequantize: type {type_id} is not a ggml weight type"):
         ops.ggml_dequantize(torch.zeros(1024, dtype=torch.uint8), type_id, 1, 256, None)
 

@@ -65,6 +65,18 @@ LOWBIT_HD float e8m0_to_fp32_half(uint8_t e) {
   return bits_to_float(e < 2 ? (0x00200000u << e) : (static_cast<uint32_t>(e - 1) << 23));
 }
 
+// UE4M3 sub-block scale of NVFP4 (unsigned, 4 exponent bits biased by 7, 3
+// mantissa bits; bit 7 unused), halved like MXFP4's: ggml's
+// ggml_ue4m3_to_fp32. 0x7F, E4M3's NaN, reads as zero there, and so here.
+// Both forms are exact products of the mantissa and a power of two:
+// m * 2^-10 for exponent 0, (8 + m) * 2^(e - 11) otherwise.
+LOWBIT_HD float ue4m3_to_fp32_half(uint8_t x) {
+  if (x == 0x7f) return 0.0f;
+  const uint32_t e = (x >> 3) & 0xfu, m = x & 7u;
+  return e == 0 ? static_cast<float>(m) * bits_to_float((127u - 10u) << 23)
+                : static_cast<float>(8u + m) * bits_to_float((e + 127u - 11u) << 23);
+}
+
 // a * b and a * b + c with every operation rounded separately.
 LOWBIT_HD float mul_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)

@@ -170,6 +170,48 @@ struct Codec<Type::MXFP4> {  // e (E8M0) | qs[16] of E2M1 values (doubled, scale
   }
 };
 
+template <>
+struct Codec<Type::NVFP4> {  // d[4] (UE4M3, one per 16 elements) | qs[32] of E2M1 values (doubled, scales halved)
+  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::NVFP4>& o) {
+    for (int s = 0; s < 4; ++s) o.d[s] = ue4m3_to_fp32_half(b[s]);
+  }
+  // Sub-block s: byte j of qs[8s ..] holds element j (low nibble) and j + 8 (high).
+  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::NVFP4>& o) {
+    scales(b, o);
+    for (int e = 0; e < 64; ++e) {
+      const uint8_t byte = b[4 + 8 * (e / 16) + e % 8];
+      o.q[e] = LOWBIT_TABLE(kvalues_fp4)[e % 16 < 8 ? byte & 0xf : byte >> 4];
+    }
+  }
+};
+
+// ---- one scale per 128 / 64 elements, 1 and 2 bits ------------------------
+// Their one fp16 scale is repeated per 32 elements (see ggml_types.h).
+
+template <>
+struct Codec<Type::Q1_0> {  // d | qs[16]: bit e set is +d, clear -d
+  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::Q1_0>& o) {
+    const float d = half_at(b, 0);
+    for (float& s : o.d) s = d;
+  }
+  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::Q1_0>& o) {
+    scales(b, o);
+    for (int e = 0; e < 128; ++e) o.q[e] = static_cast<int8_t>((b[2 + e / 8] >> (e % 8)) & 1 ? 1 : -1);
+  }
+};
+
+template <>
+struct Codec<Type::Q2_0> {  // d | qs[16]: element e in bits 2 (e % 4) of byte e / 4, level minus 1
+  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::Q2_0>& o) {
+    const float d = half_at(b, 0);
+    for (float& s : o.d) s = d;
+  }
+  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::Q2_0>& o) {
+    scales(b, o);
+    for (int e = 0; e < 64; ++e) o.q[e] = static_cast<int8_t>(((b[2 + e / 4] >> (2 * (e % 4))) & 3) - 1);
+  }
+};
+
 // ---- K-quants (256 elements) -----------------------------------------------
 
 // Q2_K and Q3_K store 2-bit levels in qs[64]: element 128h + 32j + l sits in

@@ -17,6 +17,9 @@ enum class Act { Float, Q8_0, Q8_1, Q8_K };
 
 // X(name, ggml id, elements per block, bytes per block,
 //   elements per sub-block scale, has a per-sub-block min, activation format)
+// A sub-block never spans two activation blocks: Q1_0 and Q2_0, one scale
+// per block, list it per 32 elements (Decoded repeats it), as their dot
+// products meet one Q8_0 activation scale per 32 (ggml_vec_dot_q1_0_q8_0).
 #define LOWBIT_GGML_TYPES(X)                      \
   X(F32, 0, 1, 4, 1, false, Float)                \
   X(F16, 1, 1, 2, 1, false, Float)                \
@@ -42,7 +45,10 @@ enum class Act { Float, Q8_0, Q8_1, Q8_K };
   X(BF16, 30, 1, 2, 1, false, Float)              \
   X(TQ1_0, 34, 256, 54, 256, false, Q8_K)         \
   X(TQ2_0, 35, 256, 66, 256, false, Q8_K)         \
-  X(MXFP4, 39, 32, 17, 32, false, Q8_0)
+  X(MXFP4, 39, 32, 17, 32, false, Q8_0)           \
+  X(NVFP4, 40, 64, 36, 16, false, Q8_0)           \
+  X(Q1_0, 41, 128, 18, 32, false, Q8_0)           \
+  X(Q2_0, 42, 64, 18, 32, false, Q8_0)
 
 enum class Type : int {
 #define LOWBIT_GGML_ENUM(name, id, block, bytes, sub, has_min, act) name = id,

@@ -43,7 +43,9 @@ struct MatmulSimd {
   using I = ggml::TypeInfo<T>;
   using L = ggml::ActLayout<I::kAct>;
   static constexpr int kChunks = I::kBlock / 32;
-  static constexpr int kScaleVecs = (I::kBlock / I::kSub + 7) / 8;
+  static constexpr int kSubs = I::kBlock / I::kSub;
+  static constexpr int kScaleVecs = (kSubs + 7) / 8;
+  static constexpr int kActs = I::kBlock / L::kBlock;  // activation blocks a weight block
   // The K-quants and IQ4_XS scale each chunk's dot by integer sub-block
   // scales and meet fp32 once per block, as llama.cpp's kernels do
   // (simd::IntScales): a chain of one FMA per block instead of one per
@@ -249,8 +251,9 @@ struct MatmulSimd {
   template <int RT, int MT>
   static void tile(const uint8_t* wrow, int64_t row_bytes, int64_t blocks, const ggml::ActRow* acts, float* out,
                    int64_t rows) {
-    // One activation scale per weight block: Q8_K's 256 or Q8_0/Q8_1's 32.
-    static_assert(L::kBlock == I::kBlock, "activation blocks match weight blocks");
+    // One activation scale per weight block (Q8_K's 256 or Q8_0/Q8_1's 32),
+    // or per sub-block group where a block spans several (kActs).
+    static_assert(I::kBlock % L::kBlock == 0 && L::kBlock % I::kSub == 0, "sub-blocks inside activation blocks");
 #if LOWBIT_SIMD_AVX512BW
     if constexpr (kPairedRows<RT, MT>) {
       __m512 acc[RT / 2][MT];
@@ -452,6 +455,16 @@ struct MatmulSimd {
       const __m128 dw = row_scales<RT>(blk, sc);
       const __m256 dw2 = _mm256_set_m128(dw, dw);
       for (int m = 0; m < MT; ++m) ds.v[m] = _mm256_mul_ps(dw2, _mm256_set1_ps(acts[m].d[bi]));
+    } else if constexpr (kActs > 1) {
+      // Several activation blocks a weight block (NVFP4, Q1_0, Q2_0), each
+      // sub-block inside one: lane s holds sub-block s's own d_w * d_x.
+      static_assert(kSubs <= 8, "one vector of sub-block scales");
+      for (int m = 0; m < MT; ++m)
+        for (int r = 0; r < RT; ++r) {
+          alignas(32) float lanes[8] = {};
+          for (int s = 0; s < kSubs; ++s) lanes[s] = sc[r].d[s] * acts[m].d[bi * kActs + s * I::kSub / L::kBlock];
+          ds.v[r][m][0] = _mm256_load_ps(lanes);
+        }
     } else {
       for (int m = 0; m < MT; ++m) {
         const float dx = acts[m].d[bi];

@@ -235,6 +235,11 @@ def _type_info(type_id: int) -> tuple[int, int] | None:
 
 
 def _type_name(type_id: int) -> str:
+    """lowbit's name of a type it supports, else gguf-py's, else "unknown"."""
+    try:
+        return torch.ops.lowbit.ggml_type_name(type_id)
+    except ValueError:
+        pass
     try:
         return gguf.GGMLQuantizationType(type_id).name
     except ValueError:
