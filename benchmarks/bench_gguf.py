@@ -17,12 +17,15 @@ same threads:
   the machines' last-level caches), multiplied in turn, on every side;
 - dequantize of every type against gguf-py's NumPy dequantize.
 
-    python benchmarks/bench_gguf.py [--quick] [--isa avx2]
+    python benchmarks/bench_gguf.py [--quick] [--isa avx2] [--types NVFP4,Q1_0,Q2_0]
 
 Prints the tables and writes benchmarks/results/<machine>-gguf.json, .txt and
 a PNG of matvec throughput per type against the peers; with --isa, lowbit's
 kernels of that ISA (torch.ops.lowbit.cpu_isa) and files named
-<machine>-<isa>-gguf.*. The llama.cpp peer comes from llama-cpp-python, or
+<machine>-<isa>-gguf.*; with --types, those types in every table instead of
+the main ones (and in dequantize instead of all), in files named
+<machine>-gguf-<types>.* (the gguf-py column of Q1_0 and Q2_0, which gguf-py
+cannot dequantize, times the tests' NumPy reference instead). The llama.cpp peer comes from llama-cpp-python, or
 from LOWBIT_GGML_LIB_DIR (tests/ggml_peer.py): to meet the AVX2 kernels, a
 ggml built for AVX2 only (README, Benchmarks). Each comparison is
 timed in alternating rounds, each side's fastest round reported
@@ -54,13 +57,13 @@ THREADS = [1, 2]
 STREAMED_BYTES = 1.5e9
 
 
-def dequant_table(rng, rows, n, budget):
+def dequant_table(rng, rows, n, budget, types):
     """Each type against gguf-py and against the floor any dequantizer that
     returns a fresh fp32 tensor pays: allocating and filling [rows, n] fp32
     (the kernel zeroes every new page before the first write). gguf-py ms /
     floor ms is the largest speedup over gguf-py that is possible at all."""
     rows_out, records = [], []
-    for name in gb.TYPES:
+    for name in types:
         raw = gb.random_blocks(rng, name, rows, n)
         W = torch.from_numpy(raw)
         t = gb.type_id(name)
@@ -362,7 +365,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="smaller shapes, fewer types, shorter timing")
     parser.add_argument("--isa", help="lowbit's CPU kernels to run (portable, avx2, avx512); default: the best")
+    parser.add_argument("--types", help="comma-separated ggml types to measure instead of the main ones")
     args = parser.parse_args()
+    types = args.types.split(",") if args.types else None
+    for name in types or []:
+        if name not in gb.TYPES:
+            parser.error(f"--types: {name!r} is not one of {', '.join(gb.TYPES)}")
+    matmul_types = types or MAIN_TYPES
     budget = 0.1 if args.quick else 0.2  # per round of time_rounds_ms
     rng = np.random.default_rng(0)
     if args.isa:
@@ -371,6 +380,8 @@ def main():
     info = machine()
     threads = [1] if args.quick else [t for t in THREADS if t <= torch.get_num_threads()]
     stem = f"{info['slug']}-{args.isa}-gguf" if args.isa else f"{info['slug']}-gguf"
+    if types:
+        stem += "-" + "-".join(name.lower() for name in types)
     with printed_to(f"{stem}.txt"):
         bandwidth = CopyBandwidth(threads=threads)
         print(f"machine: {info['name']} ({info['threads']} threads), torch {info['torch']}, "
@@ -378,24 +389,24 @@ def main():
         if os.environ.get("LOWBIT_GGML_LIB_DIR"):
             print(f"llama.cpp peer: libggml from LOWBIT_GGML_LIB_DIR={os.environ['LOWBIT_GGML_LIB_DIR']}")
         shapes = [(4096, 4096)] if args.quick else SHAPES
-        mm = matmul_table(rng, shapes, MAIN_TYPES[:3] if args.quick else MAIN_TYPES, threads, budget, bandwidth)
+        mm = matmul_table(rng, shapes, matmul_types[:3] if args.quick else matmul_types, threads, budget, bandwidth)
         torch.set_num_threads(max(threads))
         bandwidth.sample()
         print(bandwidth.describe() + "\n")
         print("matmul with 8-bit activations (GB/s = weight bytes / time)")
         print_matmul(mm, bandwidth)
-        pf = [] if args.quick else matmul_table(rng, shapes[:1], MAIN_TYPES, threads, budget, bandwidth,
+        pf = [] if args.quick else matmul_table(rng, shapes[:1], matmul_types, threads, budget, bandwidth,
                                                 batch_sizes=[PREFILL_M])
         if pf:
             print(f"\nprefill: a batch of M = {PREFILL_M} activation rows")
             print_prefill(pf)
-        st = [] if args.quick else streamed_matvec_table(rng, shapes[0], MAIN_TYPES, threads, budget)
+        st = [] if args.quick else streamed_matvec_table(rng, shapes[0], matmul_types, threads, budget)
         if st:
             print(f"\nmatvec (M = 1) with the weights streamed from memory: copies of the weight, "
                   f"{STREAMED_BYTES / 1e9:.1f} GB in all, multiplied in turn (ms per matvec)")
             print_streamed(st, bandwidth)
         print(f"\ndequantize to fp32, {1024 if args.quick else 4096} x 4096 weights, {max(threads)} threads")
-        dq = dequant_table(rng, 1024 if args.quick else 4096, 4096, budget)
+        dq = dequant_table(rng, 1024 if args.quick else 4096, 4096, budget, types or gb.TYPES)
     write_results(f"{stem}.json", dict(machine=info, cpu_isa=torch.ops.lowbit.cpu_isa(),
                                        ggml_lib_dir=os.environ.get("LOWBIT_GGML_LIB_DIR"),
                                        **bandwidth.as_record(), dequantize=dq, matmul=mm, prefill=pf,

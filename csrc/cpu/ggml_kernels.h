@@ -16,7 +16,8 @@ constexpr bool has_simd_levels(ggml::Type t) {
   using ggml::Type;
   return t == Type::Q4_0 || t == Type::Q4_1 || t == Type::Q5_0 || t == Type::Q5_1 || t == Type::Q8_0 ||
          t == Type::Q2_K || t == Type::Q3_K || t == Type::Q4_K || t == Type::Q5_K || t == Type::Q6_K ||
-         t == Type::IQ4_NL || t == Type::IQ4_XS || t == Type::TQ1_0 || t == Type::TQ2_0 || t == Type::MXFP4;
+         t == Type::IQ4_NL || t == Type::IQ4_XS || t == Type::TQ1_0 || t == Type::TQ2_0 || t == Type::MXFP4 ||
+         t == Type::NVFP4 || t == Type::Q1_0 || t == Type::Q2_0;
 }
 
 // out[m * rows + r] = sum over the row of dequant(W[r]) * x[m] for r in

@@ -93,21 +93,23 @@ inline __m256i nibbles16(const uint8_t* p) {
   return _mm256_and_si256(_mm256_blend_epi32(v, _mm256_srli_epi16(v, 4), 0xf0), bytes(0xf));
 }
 
-// 0x10 in byte e where bit e of the 32-bit qh is set (the Q5_0/Q5_1 fifth bit).
-inline __m256i fifth_bits(const uint8_t* qh_bytes) {
-  uint32_t qh;
-  memcpy(&qh, qh_bytes, 4);
+// `value` in byte e where bit e of the 32 bits at p is set, else 0 (the
+// Q5_0/Q5_1 fifth bit, Q1_0's signs).
+inline __m256i bit_bytes(const uint8_t* p, int8_t value) {
+  uint32_t bits;
+  memcpy(&bits, p, 4);
 #if LOWBIT_SIMD_AVX512BW
-  // qh is the byte mask itself: one masked move, against five instructions.
-  return _mm256_maskz_mov_epi8(qh, bytes(0x10));
+  // The bits are the byte mask itself: one masked move, against five instructions.
+  return _mm256_maskz_mov_epi8(bits, bytes(value));
 #endif
-  // Byte e takes byte e / 8 of qh, then tests bit e % 8 of it.
+  // Byte e takes byte e / 8 of the bits, then tests bit e % 8 of it.
   const __m256i spread = _mm256_shuffle_epi8(
-      _mm256_set1_epi32(static_cast<int32_t>(qh)),
+      _mm256_set1_epi32(static_cast<int32_t>(bits)),
       _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
   const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), bytes(0x10));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), bytes(value));
 }
+inline __m256i fifth_bits(const uint8_t* qh_bytes) { return bit_bytes(qh_bytes, 0x10); }
 
 // A 16-entry int8 table in both lanes, for _mm256_shuffle_epi8 lookups.
 inline __m256i table16(const int8_t* t) {
@@ -300,6 +302,64 @@ struct Levels<Type::MXFP4> {  // the legacy nibble layout through the E2M1 table
   template <int C>
   static __m256i chunk(const uint8_t* b) {
     return _mm256_shuffle_epi8(table16(LOWBIT_TABLE(ggml::kvalues_fp4)), nibbles16(b + 1));
+  }
+};
+template <>
+struct Levels<Type::NVFP4> {  // E2M1 nibbles of 16-element sub-blocks: byte j of 8 holds elements j and j + 8
+  // The four UE4M3 scales as core's ue4m3_to_fp32_half computes them (the
+  // same exact products), in one vector and one store, which the matmul's
+  // vector load of them then forwards from.
+  static void scales(const uint8_t* b, ggml::Decoded<Type::NVFP4>& o) {
+    uint32_t bytes4;
+    memcpy(&bytes4, b, 4);
+    const __m128i x = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(static_cast<int>(bytes4)));
+    const __m128i m = _mm_and_si128(x, _mm_set1_epi32(7)), e = _mm_and_si128(_mm_srli_epi32(x, 3), _mm_set1_epi32(15));
+    const __m128 normal = _mm_mul_ps(_mm_cvtepi32_ps(_mm_add_epi32(m, _mm_set1_epi32(8))),
+                                     _mm_castsi128_ps(_mm_slli_epi32(_mm_add_epi32(e, _mm_set1_epi32(127 - 11)), 23)));
+    const __m128 subnormal = _mm_mul_ps(_mm_cvtepi32_ps(m), _mm_set1_ps(1.0f / 1024.0f));
+    const __m128 v = _mm_blendv_ps(normal, subnormal, _mm_castsi128_ps(_mm_cmpeq_epi32(e, _mm_setzero_si128())));
+    _mm_storeu_ps(o.d, _mm_andnot_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(x, _mm_set1_epi32(0x7f))), v));
+  }
+  template <int C>
+  static __m256i chunk(const uint8_t* b) {
+    // Sub-blocks 2C (bytes 0-7 of the 16) and 2C + 1 (bytes 8-15): the low
+    // half takes the low then the high nibbles of bytes 0-7, the high half
+    // those of bytes 8-15.
+    const __m256i v = _mm256_broadcastsi128_si256(load16(b + 4 + 16 * C));
+    const __m256i lo = _mm256_and_si256(v, bytes(0xf)), hi = byte_bits<4>(v, 0xf);
+    const __m256i idx = _mm256_blend_epi32(_mm256_unpacklo_epi64(lo, hi), _mm256_unpackhi_epi64(lo, hi), 0xf0);
+    return _mm256_shuffle_epi8(table16(LOWBIT_TABLE(ggml::kvalues_fp4)), idx);
+  }
+};
+// Q1_0 and Q2_0: one fp16 d a block, repeated per 32 elements (ggml_types.h).
+struct RepeatedScale {
+  template <Type T>
+  static void scales(const uint8_t* b, ggml::Decoded<T>& o) {
+    // One store of all of them (see Levels<NVFP4>::scales).
+    const __m128 d = _mm_set1_ps(half_at(b, 0));
+    static_assert(sizeof(o.d) == 16 || sizeof(o.d) == 8, "four or two scales");
+    if constexpr (sizeof(o.d) == 16)
+      _mm_storeu_ps(o.d, d);
+    else
+      _mm_storel_pi(reinterpret_cast<__m64*>(o.d), d);
+  }
+};
+template <>
+struct Levels<Type::Q1_0> : RepeatedScale {  // bit e of qs: +1 set, -1 clear
+  template <int C>
+  static __m256i chunk(const uint8_t* b) { return _mm256_sub_epi8(bit_bytes(b + 2 + 4 * C, 2), bytes(1)); }
+};
+template <>
+struct Levels<Type::Q2_0> : RepeatedScale {  // element e: bits 2 (e % 4) of byte e / 4, minus 1
+  template <int C>
+  static __m256i chunk(const uint8_t* b) {
+    // The four fields of each of the chunk's 8 bytes, then interleaved back
+    // into element order: bytes (f0, f1) and (f2, f3), then pairs of those.
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * C)), m = _mm_set1_epi8(3);
+    const __m128i f0 = _mm_and_si128(v, m), f1 = _mm_and_si128(_mm_srli_epi16(v, 2), m);
+    const __m128i f2 = _mm_and_si128(_mm_srli_epi16(v, 4), m), f3 = _mm_and_si128(_mm_srli_epi16(v, 6), m);
+    const __m128i f01 = _mm_unpacklo_epi8(f0, f1), f23 = _mm_unpacklo_epi8(f2, f3);
+    return _mm256_sub_epi8(_mm256_set_m128i(_mm_unpackhi_epi16(f01, f23), _mm_unpacklo_epi16(f01, f23)), bytes(1));
   }
 };
 template <>

@@ -115,6 +115,14 @@ struct MatmulSimd {
   static constexpr bool kPairedRows = false;
 #endif
 
+  // The first N (2 or 4) floats at p in the low lanes.
+  template <int N>
+  static inline __m128 load_floats(const float* p) {
+    static_assert(N == 2 || N == 4, "two or four floats");
+    if constexpr (N == 4) return _mm_loadu_ps(p);
+    return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));
+  }
+
   // Whether chunk() takes signed levels as w + 128 against ActRow::offset
   // (see there): where D's products cannot saturate and RT > 1 rows share
   // the offset loads.
@@ -457,14 +465,18 @@ struct MatmulSimd {
       for (int m = 0; m < MT; ++m) ds.v[m] = _mm256_mul_ps(dw2, _mm256_set1_ps(acts[m].d[bi]));
     } else if constexpr (kActs > 1) {
       // Several activation blocks a weight block (NVFP4, Q1_0, Q2_0), each
-      // sub-block inside one: lane s holds sub-block s's own d_w * d_x.
-      static_assert(kSubs <= 8, "one vector of sub-block scales");
-      for (int m = 0; m < MT; ++m)
-        for (int r = 0; r < RT; ++r) {
-          alignas(32) float lanes[8] = {};
-          for (int s = 0; s < kSubs; ++s) lanes[s] = sc[r].d[s] * acts[m].d[bi * kActs + s * I::kSub / L::kBlock];
-          ds.v[r][m][0] = _mm256_load_ps(lanes);
-        }
+      // sub-block inside one: lane s holds sub-block s's own d_w * d_x (the
+      // same fp32 products as block_dot's). Built in registers: a lane at a
+      // time through memory, the vector load stalled on the scalar stores
+      // and the matvec ran at a third of llama.cpp's speed.
+      __m256 dw[RT];
+      for (int r = 0; r < RT; ++r) dw[r] = _mm256_zextps128_ps256(load_floats<kSubs>(sc[r].d));
+      for (int m = 0; m < MT; ++m) {
+        // Activation block j = s * kSub / 32 in lane s: NVFP4's two a block each twice.
+        const __m128 dx = load_floats<kActs>(acts[m].d + bi * kActs);
+        const __m256 dxs = _mm256_zextps128_ps256(I::kSub == L::kBlock ? dx : _mm_unpacklo_ps(dx, dx));
+        for (int r = 0; r < RT; ++r) ds.v[r][m][0] = _mm256_mul_ps(dw[r], dxs);
+      }
     } else {
       for (int m = 0; m < MT; ++m) {
         const float dx = acts[m].d[bi];
