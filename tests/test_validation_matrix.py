@@ -270,7 +270,7 @@ def test_validation_matrix(op_name, case, over, expect):
 def test_the_matrix_covers_every_op():
     declared = {name for name in dir(ops) if isinstance(getattr(ops, name), torch._ops.OpOverloadPacket)}
     # no tensors: test_scalar_ops_reject_bad_values
-    declared -= {"ggml_type_info", "cpu_isa", "cpu_bf16_kernel", "cpu_reads_repacked"}
+    declared -= {"ggml_type_info", "ggml_type_name", "cpu_isa", "cpu_bf16_kernel", "cpu_reads_repacked"}
     assert declared <= set(OPS), declared - set(OPS)
     assert len(CASES) >= 200, len(CASES)
 
@@ -278,6 +278,8 @@ def test_the_matrix_covers_every_op():
 def test_scalar_ops_reject_bad_values():
     with pytest.raises(ValueError, match="^ggml_type_info: type 4 is not a ggml weight type"):
         ops.ggml_type_info(4)
+    with pytest.raises(ValueError, match="^ggml_type_name: type 4 is not a ggml weight type"):
+        ops.ggml_type_name(4)
     with pytest.raises(ValueError, match="^cpu_isa: unknown ISA 'sse9'"):
         ops.cpu_isa("sse9")
     with pytest.raises(ValueError, match="^cpu_bf16_kernel: unknown mode 'fast'"):
