@@ -341,7 +341,7 @@ struct RepeatedScale {
     if constexpr (sizeof(o.d) == 16)
       _mm_storeu_ps(o.d, d);
     else
-      _mm_storel_pi(reinterpret_cast<__m64*>(o.d), d);
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(o.d), _mm_castps_si128(d));  // no 8-byte alignment needed
   }
 };
 template <>

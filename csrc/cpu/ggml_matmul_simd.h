@@ -120,7 +120,7 @@ struct MatmulSimd {
   static inline __m128 load_floats(const float* p) {
     static_assert(N == 2 || N == 4, "two or four floats");
     if constexpr (N == 4) return _mm_loadu_ps(p);
-    return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));
+    return _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));  // no 8-byte alignment needed
   }
 
   // Whether chunk() takes signed levels as w + 128 against ActRow::offset
