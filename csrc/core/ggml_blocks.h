@@ -187,13 +187,15 @@ struct Codec<Type::NVFP4> {  // d[4] (UE4M3, one per 16 elements) | qs[32] of E2
 
 // ---- one scale per 128 / 64 elements, 1 and 2 bits ------------------------
 // Their one fp16 scale is repeated per 32 elements (see ggml_types.h).
+template <Type T>
+LOWBIT_HD void repeated_scale(const uint8_t* b, Decoded<T>& o) {
+  const float d = half_at(b, 0);
+  for (float& s : o.d) s = d;
+}
 
 template <>
 struct Codec<Type::Q1_0> {  // d | qs[16]: bit e set is +d, clear -d
-  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::Q1_0>& o) {
-    const float d = half_at(b, 0);
-    for (float& s : o.d) s = d;
-  }
+  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::Q1_0>& o) { repeated_scale(b, o); }
   LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::Q1_0>& o) {
     scales(b, o);
     for (int e = 0; e < 128; ++e) o.q[e] = static_cast<int8_t>((b[2 + e / 8] >> (e % 8)) & 1 ? 1 : -1);
@@ -202,10 +204,7 @@ struct Codec<Type::Q1_0> {  // d | qs[16]: bit e set is +d, clear -d
 
 template <>
 struct Codec<Type::Q2_0> {  // d | qs[16]: element e in bits 2 (e % 4) of byte e / 4, level minus 1
-  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::Q2_0>& o) {
-    const float d = half_at(b, 0);
-    for (float& s : o.d) s = d;
-  }
+  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::Q2_0>& o) { repeated_scale(b, o); }
   LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::Q2_0>& o) {
     scales(b, o);
     for (int e = 0; e < 64; ++e) o.q[e] = static_cast<int8_t>(((b[2 + e / 4] >> (2 * (e % 4))) & 3) - 1);

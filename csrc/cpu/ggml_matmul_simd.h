@@ -473,6 +473,7 @@ struct MatmulSimd {
       for (int r = 0; r < RT; ++r) dw[r] = _mm256_zextps128_ps256(load_floats<kSubs>(sc[r].d));
       for (int m = 0; m < MT; ++m) {
         // Activation block j = s * kSub / 32 in lane s: NVFP4's two a block each twice.
+        static_assert(I::kSub == L::kBlock || 2 * I::kSub == L::kBlock, "one or two sub-blocks an activation block");
         const __m128 dx = load_floats<kActs>(acts[m].d + bi * kActs);
         const __m256 dxs = _mm256_zextps128_ps256(I::kSub == L::kBlock ? dx : _mm_unpacklo_ps(dx, dx));
         for (int r = 0; r < RT; ++r) ds.v[r][m][0] = _mm256_mul_ps(dw[r], dxs);
