@@ -301,25 +301,40 @@ inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
     _mm_prefetch(reinterpret_cast<const char*>(p) + kRepackedPrefetchBytes + off, _MM_HINT_T0);
 }
 
+// Repacked::pass<MT, TT> from zeroed sums over the TT tiles from row r
+// (row_bytes a row) against activation rows m0 .. m0 + MT, Repacked::total
+// into out.
+template <class Repacked, int MT, int TT>
+void run_pass(const uint8_t* W, int64_t r, int64_t row_bytes, int64_t blocks, const ggml::ActRow* acts, int64_t m0,
+              float* out, int64_t rows) {
+  __m512 acc[TT][MT][Repacked::kAccs];
+  for (int u = 0; u < TT; ++u)
+    for (int m = 0; m < MT; ++m)
+      for (int j = 0; j < Repacked::kAccs; ++j) acc[u][m][j] = _mm512_setzero_ps();
+  Repacked::template pass<MT, TT>(W + r * row_bytes, ggml::kRepackRows * row_bytes, blocks, acts + m0, acc);
+  for (int u = 0; u < TT; ++u)
+    for (int m = 0; m < MT; ++m)
+      _mm512_storeu_ps(out + (m0 + m) * rows + r + ggml::kRepackRows * u, Repacked::total(acc[u][m]));
+}
+
 // The repacked kernels' driver: rows r0 .. r0 + 16 * tiles (r0 a tile's first
-// row) against M activation rows, Repacked::pass<MT> over each tile per pair
-// of them (the one left over alone) from zeroed sums, Repacked::total into
-// out; returns the
-// first row it did not take (past the last whole tile, in the file's layout).
+// row) against M activation rows: a matvec Repacked::kMatvecTiles tiles a
+// pass, else each tile per pair of activation rows (the one left over alone).
+// Returns the first row it did not take (past the last whole tile, in the
+// file's layout).
 template <class Repacked>
 int64_t run_passes(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts, int64_t M,
                    float* out, int64_t rows) {
   using I = typename Repacked::I;
   const int64_t blocks = n / I::kBlock, row_bytes = blocks * I::kBytes;
   int64_t r = r0;
+  constexpr int kTiles = Repacked::kMatvecTiles;
+  if (M == 1)
+    for (; r + kTiles * ggml::kRepackRows <= r1; r += kTiles * ggml::kRepackRows)
+      run_pass<Repacked, 1, kTiles>(W, r, row_bytes, blocks, acts, 0, out, rows);
   for (; r + ggml::kRepackRows <= r1; r += ggml::kRepackRows)
     for_row_tiles<kRepackedPassRows>(M, [&](auto mt, int64_t m0) {
-      constexpr int MT = decltype(mt)::value;
-      __m512 acc[MT][Repacked::kAccs];
-      for (int m = 0; m < MT; ++m)
-        for (int j = 0; j < Repacked::kAccs; ++j) acc[m][j] = _mm512_setzero_ps();
-      Repacked::template pass<MT>(W + r * row_bytes, blocks, acts + m0, acc);
-      for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + (m0 + m) * rows + r, Repacked::total(acc[m]));
+      run_pass<Repacked, decltype(mt)::value, 1>(W, r, row_bytes, blocks, acts, m0, out, rows);
     });
   return r;
 }
@@ -345,6 +360,14 @@ struct RepackedFloatGemm {
   static constexpr int kWords = (I::kBytes - 2 * kHalves) / 4;               // 4-byte words of quants
   static constexpr int64_t kTileBlockBytes = ggml::kRepackRows * I::kBytes;  // one block of the tile's rows
   static constexpr int kAccs = Float::kAccs;
+  // Tiles per matvec pass, each block of one followed by the same block of
+  // the next. One tile a pass streamed Q4_0 at 2.35 ms on one thread of the
+  // Xeon VM against 1.15 in cache (14336 x 4096, 1.5 GB of weights): the
+  // memory and the arithmetic took turns. Two: 1.95-2.06 ms, on two threads
+  // 1.04 against 1.16-1.19 (32 GB/s, llama.cpp's AMX layout 31); Q5_0,
+  // Q8_0 and IQ4_NL 9-20% faster streamed, in cache level. The sums are
+  // each tile's own, in the same order, so the results do not change.
+  static constexpr int kMatvecTiles = 2;
   static __m512 total(const __m512* a) { return Float::total(a); }
 
   // Q5_0 and Q5_1: word 0 holds each row's 32-bit qh, element i's fifth bit at bit i.
@@ -376,43 +399,49 @@ struct RepackedFloatGemm {
     }
   }
 
-  // The tile (its first byte at `tile`, `blocks` blocks) against MT
-  // activation rows: acc[m] as FloatGemm::step leaves it after every block.
+  // TT tiles (the first at `tile`, tile_bytes apart, `blocks` blocks each)
+  // against MT activation rows: acc[u][m] as FloatGemm::step leaves it after
+  // every block of tile u. Flattened, as RepackedIntGemm::pass is.
+  template <int MT, int TT>
+  __attribute__((flatten)) static void pass(const uint8_t* tile, int64_t tile_bytes, int64_t blocks,
+                                            const ggml::ActRow* a, __m512 (&acc)[TT][MT][kAccs]) {
+    for (int64_t bi = 0; bi < blocks; ++bi)
+      for (int u = 0; u < TT; ++u) block<MT>(tile + u * tile_bytes + bi * kTileBlockBytes, bi, a, acc[u]);
+  }
+
+  // Block bi of a tile (at b) against MT activation rows.
   template <int MT>
-  static void pass(const uint8_t* tile, int64_t blocks, const ggml::ActRow* a, __m512 (&acc)[MT][kAccs]) {
-    for (int64_t bi = 0; bi < blocks; ++bi) {
-      const uint8_t* b = tile + bi * kTileBlockBytes;
-      prefetch_ahead(b, kTileBlockBytes);
-      __m512 ds[MT];  // d_w * d_x
-      for (int m = 0; m < MT; ++m) ds[m] = _mm512_mul_ps(half16(b), _mm512_set1_ps(a[m].d[bi]));
-      const int64_t e = bi * I::kBlock;
-      // Group g's 4-element dots (levels: row r's 4 bytes in lane r) into fp32 lane g.
-      const auto dot = [&](__m512i levels, int g) {
-        for (int m = 0; m < MT; ++m) {
-          const __m512i start = I::kHasMin ? _mm512_setzero_si512() : bcast4(a[m].offset + e / 4 + g);
-          const __m512i p = _mm512_dpbusd_epi32(start, levels, bcast4(a[m].q + e + 4 * g));
-          acc[m][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), ds[m], acc[m][g]);
-        }
-      };
-      const uint8_t* words = words_of<T>(b);  // word w of the 16 rows at words + 64 w
-      const __m512i qh = kHighBits ? _mm512_loadu_si512(words) : _mm512_setzero_si512();
-      const uint8_t* q = words + 64 * kHighBits;  // the quant words
-      static_for<kQuantWords>([&](auto word) {
-        constexpr int k = decltype(word)::value;
-        const __m512i v = _mm512_loadu_si512(q + 64 * k);
-        if constexpr (T == ggml::Type::Q8_0) {
-          dot(_mm512_xor_si512(v, _mm512_set1_epi8(-128)), k);  // w + 128
-        } else {  // byte i: element 4k + i in the low nibble, 16 + 4k + i in the high one
-          dot(level<k>(_mm512_and_si512(v, _mm512_set1_epi8(0x0f)), qh), k);
-          dot(level<k + 4>(_mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f)), qh), k + 4);
-        }
-      });
-      if constexpr (I::kHasMin) {  // FloatGemm::step's mins: the product rounded, then added
-        const __m512 mw = half16(b + 32);
-        for (int m = 0; m < MT; ++m)
-          acc[m][8] = _mm512_add_ps(acc[m][8], _mm512_mul_round_ps(mw, _mm512_set1_ps(a[m].sum[bi]),
-                                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  static inline void block(const uint8_t* b, int64_t bi, const ggml::ActRow* a, __m512 (&acc)[MT][kAccs]) {
+    prefetch_ahead(b, kTileBlockBytes);
+    __m512 ds[MT];  // d_w * d_x
+    for (int m = 0; m < MT; ++m) ds[m] = _mm512_mul_ps(half16(b), _mm512_set1_ps(a[m].d[bi]));
+    const int64_t e = bi * I::kBlock;
+    // Group g's 4-element dots (levels: row r's 4 bytes in lane r) into fp32 lane g.
+    const auto dot = [&](__m512i levels, int g) {
+      for (int m = 0; m < MT; ++m) {
+        const __m512i start = I::kHasMin ? _mm512_setzero_si512() : bcast4(a[m].offset + e / 4 + g);
+        const __m512i p = _mm512_dpbusd_epi32(start, levels, bcast4(a[m].q + e + 4 * g));
+        acc[m][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), ds[m], acc[m][g]);
       }
+    };
+    const uint8_t* words = words_of<T>(b);  // word w of the 16 rows at words + 64 w
+    const __m512i qh = kHighBits ? _mm512_loadu_si512(words) : _mm512_setzero_si512();
+    const uint8_t* q = words + 64 * kHighBits;  // the quant words
+    static_for<kQuantWords>([&](auto word) {
+      constexpr int k = decltype(word)::value;
+      const __m512i v = _mm512_loadu_si512(q + 64 * k);
+      if constexpr (T == ggml::Type::Q8_0) {
+        dot(_mm512_xor_si512(v, _mm512_set1_epi8(-128)), k);  // w + 128
+      } else {  // byte i: element 4k + i in the low nibble, 16 + 4k + i in the high one
+        dot(level<k>(_mm512_and_si512(v, _mm512_set1_epi8(0x0f)), qh), k);
+        dot(level<k + 4>(_mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f)), qh), k + 4);
+      }
+    });
+    if constexpr (I::kHasMin) {  // FloatGemm::step's mins: the product rounded, then added
+      const __m512 mw = half16(b + 32);
+      for (int m = 0; m < MT; ++m)
+        acc[m][8] = _mm512_add_ps(acc[m][8], _mm512_mul_round_ps(mw, _mm512_set1_ps(a[m].sum[bi]),
+                                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     }
   }
 
@@ -446,6 +475,10 @@ struct RepackedIntGemm {
   static_assert(ggml::has_repacked_layout(T) && simd::has_int_scales<T>(), "an integer-form type with a repacked layout");
   static constexpr int64_t kTileBlockBytes = ggml::kRepackRows * I::kBytes;
   static constexpr int kAccs = Int::kAccs;
+  // One tile a matvec pass: two (as RepackedFloatGemm takes) ran 0-28%
+  // slower streamed and 5-48% in cache on the Xeon VM, every type; a
+  // block's scales and sums already fill the registers.
+  static constexpr int kMatvecTiles = 1;
   static __m512 total(const __m512* a) { return Int::total(a); }
 
   // From kGemmRows activation rows: IntGemm's Block cut from the repacked
@@ -479,39 +512,45 @@ struct RepackedIntGemm {
   // (both at the memory's speed), Q4_K 25 GB/s on one thread, as before.
   static constexpr int64_t kPrefetchAhead = 8192;
 
-  // The tile (its first byte at `tile`, `blocks` blocks) against MT
-  // activation rows: acc[m] as IntGemm::step leaves it after every block.
-  // Integer sums are exact, so their order is free; the fp32 step is
-  // IntGemm's.
+  // TT tiles (the first at `tile`, tile_bytes apart, `blocks` blocks each)
+  // against MT activation rows: acc[u][m] as IntGemm::step leaves it after
+  // every block of tile u. Integer sums are exact, so their order is free;
+  // the fp32 step is IntGemm's. Flattened: GCC left block() out of line,
+  // its sums passed through memory (a streamed Q4_K matvec 5% slower).
+  template <int MT, int TT>
+  __attribute__((flatten)) static void pass(const uint8_t* tile, int64_t tile_bytes, int64_t blocks,
+                                            const ggml::ActRow* a, __m512 (&acc)[TT][MT][kAccs]) {
+    for (int64_t bi = 0; bi < blocks; ++bi)
+      for (int u = 0; u < TT; ++u) block<MT>(tile + u * tile_bytes + bi * kTileBlockBytes, bi, a, acc[u]);
+  }
+
+  // Block bi of a tile (at b) against MT activation rows.
   template <int MT>
-  static void pass(const uint8_t* tile, int64_t blocks, const ggml::ActRow* a, __m512 (&acc)[MT][kAccs]) {
-    for (int64_t bi = 0; bi < blocks; ++bi) {
-      const uint8_t* b = tile + bi * kTileBlockBytes;
-      const auto f = Tile::fields(b);
-      const int64_t e = bi * I::kBlock;
-      __m512i S[MT], C[MT];
-      for (int m = 0; m < MT; ++m) S[m] = C[m] = _mm512_setzero_si512();
-      static_for<8>([&](auto j) {
-        const __m512i coef = Tile::template coef<decltype(j)::value>(f);
-        for (int m = 0; m < MT; ++m) C[m] = _mm512_dpwssd_epi32(C[m], coef, bcast4(a[m].isum + bi * 16 + 2 * j));
+  static inline void block(const uint8_t* b, int64_t bi, const ggml::ActRow* a, __m512 (&acc)[MT][kAccs]) {
+    const auto f = Tile::fields(b);
+    const int64_t e = bi * I::kBlock;
+    __m512i S[MT], C[MT];
+    for (int m = 0; m < MT; ++m) S[m] = C[m] = _mm512_setzero_si512();
+    static_for<8>([&](auto j) {
+      const __m512i coef = Tile::template coef<decltype(j)::value>(f);
+      for (int m = 0; m < MT; ++m) C[m] = _mm512_dpwssd_epi32(C[m], coef, bcast4(a[m].isum + bi * 16 + 2 * j));
+    });
+    // Spans of Int::kSpanGroups groups (a sub-block, or a 16-element half
+    // of one where Int scales with vpdpwssd) meet their sub-block's scale.
+    static_for<64 / Int::kSpanGroups>([&](auto span) {
+      constexpr int g0 = decltype(span)::value * Int::kSpanGroups;
+      __m512i t[MT];
+      for (int m = 0; m < MT; ++m) t[m] = _mm512_setzero_si512();
+      static_for<Int::kSpanGroups>([&](auto i) {
+        constexpr int g = g0 + decltype(i)::value;
+        _mm_prefetch(reinterpret_cast<const char*>(b) + kPrefetchAhead + g * kTileBlockBytes / 64, _MM_HINT_T1);
+        const __m512i levels = Tile::template levels<g>(words_of<T>(b));
+        for (int m = 0; m < MT; ++m) t[m] = _mm512_dpbusd_epi32(t[m], levels, bcast4(a[m].q + e + 4 * g));
       });
-      // Spans of Int::kSpanGroups groups (a sub-block, or a 16-element half
-      // of one where Int scales with vpdpwssd) meet their sub-block's scale.
-      static_for<64 / Int::kSpanGroups>([&](auto span) {
-        constexpr int g0 = decltype(span)::value * Int::kSpanGroups;
-        __m512i t[MT];
-        for (int m = 0; m < MT; ++m) t[m] = _mm512_setzero_si512();
-        static_for<Int::kSpanGroups>([&](auto i) {
-          constexpr int g = g0 + decltype(i)::value;
-          _mm_prefetch(reinterpret_cast<const char*>(b) + kPrefetchAhead + g * kTileBlockBytes / 64, _MM_HINT_T1);
-          const __m512i levels = Tile::template levels<g>(words_of<T>(b));
-          for (int m = 0; m < MT; ++m) t[m] = _mm512_dpbusd_epi32(t[m], levels, bcast4(a[m].q + e + 4 * g));
-        });
-        const __m512i scale = Tile::template scale<g0 / Int::kGroups>(f);
-        for (int m = 0; m < MT; ++m) S[m] = Int::add_scaled(S[m], t[m], scale);
-      });
-      for (int m = 0; m < MT; ++m) Int::add_block(S[m], C[m], f.d, f.k, a[m].d[bi], acc[m][bi % 8]);
-    }
+      const __m512i scale = Tile::template scale<g0 / Int::kGroups>(f);
+      for (int m = 0; m < MT; ++m) S[m] = Int::add_scaled(S[m], t[m], scale);
+    });
+    for (int m = 0; m < MT; ++m) Int::add_block(S[m], C[m], f.d, f.k, a[m].d[bi], acc[m][bi % 8]);
   }
 
   static int64_t run(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts, int64_t M,
