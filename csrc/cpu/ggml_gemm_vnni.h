@@ -301,17 +301,23 @@ inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
     _mm_prefetch(reinterpret_cast<const char*>(p) + kRepackedPrefetchBytes + off, _MM_HINT_T0);
 }
 
-// Repacked::pass<MT, TT> from zeroed sums over the TT tiles from row r
-// (row_bytes a row) against activation rows m0 .. m0 + MT, Repacked::total
-// into out.
+// The TT tiles from row r (row_bytes a row) against activation rows m0 ..
+// m0 + MT: from zeroed sums, Repacked::block of each tile in turn per block
+// (acc[u][m] as the form's step leaves it), then Repacked::total into out.
+// Flattened: GCC left the integer forms' block out of line, its sums passed
+// through memory (a streamed Q4_K matvec 5% slower).
 template <class Repacked, int MT, int TT>
-void run_pass(const uint8_t* W, int64_t r, int64_t row_bytes, int64_t blocks, const ggml::ActRow* acts, int64_t m0,
-              float* out, int64_t rows) {
+__attribute__((flatten)) void run_pass(const uint8_t* W, int64_t r, int64_t row_bytes, int64_t blocks,
+                                       const ggml::ActRow* acts, int64_t m0, float* out, int64_t rows) {
   __m512 acc[TT][MT][Repacked::kAccs];
   for (int u = 0; u < TT; ++u)
     for (int m = 0; m < MT; ++m)
       for (int j = 0; j < Repacked::kAccs; ++j) acc[u][m][j] = _mm512_setzero_ps();
-  Repacked::template pass<MT, TT>(W + r * row_bytes, ggml::kRepackRows * row_bytes, blocks, acts + m0, acc);
+  const uint8_t* tiles = W + r * row_bytes;
+  const int64_t tile_bytes = ggml::kRepackRows * row_bytes;
+  for (int64_t bi = 0; bi < blocks; ++bi)
+    for (int u = 0; u < TT; ++u)
+      Repacked::template block<MT>(tiles + u * tile_bytes + bi * Repacked::kTileBlockBytes, bi, acts + m0, acc[u]);
   for (int u = 0; u < TT; ++u)
     for (int m = 0; m < MT; ++m)
       _mm512_storeu_ps(out + (m0 + m) * rows + r + ggml::kRepackRows * u, Repacked::total(acc[u][m]));
@@ -399,17 +405,8 @@ struct RepackedFloatGemm {
     }
   }
 
-  // TT tiles (the first at `tile`, tile_bytes apart, `blocks` blocks each)
-  // against MT activation rows: acc[u][m] as FloatGemm::step leaves it after
-  // every block of tile u. Flattened, as RepackedIntGemm::pass is.
-  template <int MT, int TT>
-  __attribute__((flatten)) static void pass(const uint8_t* tile, int64_t tile_bytes, int64_t blocks,
-                                            const ggml::ActRow* a, __m512 (&acc)[TT][MT][kAccs]) {
-    for (int64_t bi = 0; bi < blocks; ++bi)
-      for (int u = 0; u < TT; ++u) block<MT>(tile + u * tile_bytes + bi * kTileBlockBytes, bi, a, acc[u]);
-  }
-
-  // Block bi of a tile (at b) against MT activation rows.
+  // Block bi of a tile (at b) against MT activation rows: acc[m] as
+  // FloatGemm::step leaves it.
   template <int MT>
   static inline void block(const uint8_t* b, int64_t bi, const ggml::ActRow* a, __m512 (&acc)[MT][kAccs]) {
     prefetch_ahead(b, kTileBlockBytes);
@@ -512,19 +509,9 @@ struct RepackedIntGemm {
   // (both at the memory's speed), Q4_K 25 GB/s on one thread, as before.
   static constexpr int64_t kPrefetchAhead = 8192;
 
-  // TT tiles (the first at `tile`, tile_bytes apart, `blocks` blocks each)
-  // against MT activation rows: acc[u][m] as IntGemm::step leaves it after
-  // every block of tile u. Integer sums are exact, so their order is free;
-  // the fp32 step is IntGemm's. Flattened: GCC left block() out of line,
-  // its sums passed through memory (a streamed Q4_K matvec 5% slower).
-  template <int MT, int TT>
-  __attribute__((flatten)) static void pass(const uint8_t* tile, int64_t tile_bytes, int64_t blocks,
-                                            const ggml::ActRow* a, __m512 (&acc)[TT][MT][kAccs]) {
-    for (int64_t bi = 0; bi < blocks; ++bi)
-      for (int u = 0; u < TT; ++u) block<MT>(tile + u * tile_bytes + bi * kTileBlockBytes, bi, a, acc[u]);
-  }
-
-  // Block bi of a tile (at b) against MT activation rows.
+  // Block bi of a tile (at b) against MT activation rows: acc[m] as
+  // IntGemm::step leaves it. Integer sums are exact, so their order is free;
+  // the fp32 step is IntGemm's.
   template <int MT>
   static inline void block(const uint8_t* b, int64_t bi, const ggml::ActRow* a, __m512 (&acc)[MT][kAccs]) {
     const auto f = Tile::fields(b);
