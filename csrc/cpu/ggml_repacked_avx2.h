@@ -52,19 +52,19 @@ inline __m256 half_field(const uint8_t* p, int h) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * kHalfRows * h)));
 }
 
-// The prefetches of block b (`bytes` of the tile's rows) in half h's pass:
-// the first half reads the tile's lines into L1 4 KB ahead; the second,
-// which finds them in cache, has the next tile's block (`tile_bytes` on)
-// brought into L2 meanwhile, so that the memory never idles for a half.
-// Measured on a 14336 x 4096 Q4_0 matvec, 1 thread: 1.84 ms without the
-// second, 1.63 ms with it.
-inline void prefetch_half(const uint8_t* b, int h, int64_t bytes, int64_t tile_bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) {
-    if (h == 0)
-      _mm_prefetch(reinterpret_cast<const char*>(b) + 4096 + off, _MM_HINT_T0);
-    else
-      _mm_prefetch(reinterpret_cast<const char*>(b) + tile_bytes + off, _MM_HINT_T1);
-  }
+// The lines a half tile's pass over one block prefetches: `bytes` from
+// `at`, into L1 (into_l1) or L2.
+struct Ahead {
+  const char* at;
+  int64_t bytes;
+  bool into_l1;
+};
+
+inline void prefetch_line(const char* p, bool into_l1) {
+  if (into_l1)
+    _mm_prefetch(p, _MM_HINT_T0);
+  else
+    _mm_prefetch(p, _MM_HINT_T1);
 }
 
 // The 8 lanes of a row summed as the matvec's hsum does: ((0 + 4) + (2 + 6))
@@ -121,9 +121,63 @@ void repack_tile(const uint8_t* src, int64_t row_bytes, uint8_t* dst) {
   }
 }
 
-// Kernel's whole tiles from row r0 on (before r1) against M activation rows,
-// a half tile at a time against Kernel::kPassRows activation rows
-// (Kernel::half_pass into 9 fp32 sums each, Kernel::total); returns the
+// Half H of the tile at `tile` (`blocks` blocks) against activation rows
+// a[0 .. MT), one pass over its blocks, into out (`rows` apart). The first
+// half prefetches the tile Kernel::kAheadBytes ahead; the second, which
+// finds the lines in cache, has the next tile's brought into L2 meanwhile,
+// so that the memory never idles for a half (a 14336 x 4096 Q4_0 matvec on
+// one thread, Zen 4, when matvecs took this path: 1.84 ms without, 1.63 ms
+// with).
+template <class Kernel, int MT, int H>
+__attribute__((flatten)) void run_half_pass(const uint8_t* tile, int64_t blocks, const ggml::ActRow* a,
+                                            float* out, int64_t rows) {
+  constexpr int64_t kBlockBytes = Kernel::kTileBlockBytes;
+  const int64_t ahead = H == 0 ? Kernel::kAheadBytes : blocks * kBlockBytes;
+  __m256 acc[MT][9];
+  for (auto& row : acc)
+    for (__m256& v : row) v = _mm256_setzero_ps();
+  for (int64_t bi = 0; bi < blocks; ++bi) {
+    const uint8_t* b = tile + bi * kBlockBytes;
+    const Ahead lines{reinterpret_cast<const char*>(b) + ahead, kBlockBytes, H == 0 && Kernel::kIntoL1};
+    Kernel::template block<MT>(b, H, bi, a, acc, lines);
+  }
+  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + m * rows + kHalfRows * H, Kernel::total(acc[m]));
+}
+
+// A matvec of the tile at `tile`: each block's two halves in turn, so that
+// the second reads the lines the first brought into L1, each half
+// prefetching its share of the block Kernel::kMatvecAheadBytes ahead. A
+// whole half at a time (run_half_pass) re-read the tile from L2 and left the
+// memory and the arithmetic taking turns. Xeon VM, 14336 x 4096, 1 thread,
+// alternating builds, ms with 1.5 GB of weights streamed / in cache, half
+// by half against in turn: Q4_0 3.06-3.13 / 1.78-1.81 against 2.24-2.30 /
+// 1.54-1.58, Q4_1 3.17 / 1.78-1.85 against 2.40-2.45 / 1.36-1.45, IQ4_NL
+// 3.03-3.09 against 2.33-2.35 streamed, Q5_0 and Q5_1 4.2-4.4 against
+// 3.1-3.3, Q4_K 2.96-2.99 / 1.79-1.80 against 2.33-2.46 / 1.46-1.54, IQ4_XS
+// 2.78 against 2.22, Q2_K 1.91-1.96 against 1.72-1.80, Q3_K 2.51-2.54
+// against 2.13-2.24 (in cache level for Q5_0, Q5_1, Q2_K and Q3_K). The halves take
+// h as a constant: as a loop variable, Q4_K streamed at 2.8 ms. Each half's
+// sums are its own, in the same order, so the results do not change.
+template <class Kernel>
+__attribute__((flatten)) void run_matvec_tile(const uint8_t* tile, int64_t blocks, const ggml::ActRow* a, float* out) {
+  constexpr int64_t kBlockBytes = Kernel::kTileBlockBytes;
+  __m256 acc[2][1][9];
+  for (auto& half : acc)
+    for (__m256& v : half[0]) v = _mm256_setzero_ps();
+  for (int64_t bi = 0; bi < blocks; ++bi) {
+    const uint8_t* b = tile + bi * kBlockBytes;
+    static_for<2>([&](auto half) {
+      constexpr int h = decltype(half)::value;
+      const char* at = reinterpret_cast<const char*>(b) + Kernel::kMatvecAheadBytes + h * kBlockBytes / 2;
+      Kernel::template block<1>(b, h, bi, a, acc[h], Ahead{at, kBlockBytes / 2, Kernel::kIntoL1});
+    });
+  }
+  for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + kHalfRows * h, Kernel::total(acc[h][0]));
+}
+
+// Kernel's whole tiles from row r0 on (before r1) against M activation rows:
+// a matvec through run_matvec_tile, else half by half against
+// Kernel::kPassRows activation rows at a time (run_half_pass). Returns the
 // first row it did not take.
 template <class Kernel>
 int64_t run_half_tiles(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts, int64_t M,
@@ -131,16 +185,18 @@ int64_t run_half_tiles(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, cons
   using I = typename Kernel::I;
   const int64_t blocks = n / I::kBlock, row_bytes = blocks * I::kBytes;
   int64_t r = r0;
-  for (; r + ggml::kRepackRows <= r1; r += ggml::kRepackRows)
-    for (int h = 0; h < 2; ++h)
+  for (; r + ggml::kRepackRows <= r1; r += ggml::kRepackRows) {
+    const uint8_t* tile = W + r * row_bytes;
+    if (M == 1) {
+      run_matvec_tile<Kernel>(tile, blocks, acts, out + r);
+      continue;
+    }
+    static_for<2>([&](auto h) {
       for_row_tiles<Kernel::kPassRows>(M, [&](auto mt, int64_t m0) {
-        constexpr int MT = decltype(mt)::value;
-        __m256 acc[MT][9];
-        for (auto& row : acc)
-          for (__m256& v : row) v = _mm256_setzero_ps();
-        Kernel::template half_pass<MT>(W + r * row_bytes, h, blocks, acts + m0, acc);
-        for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + (m0 + m) * rows + r + kHalfRows * h, Kernel::total(acc[m]));
+        run_half_pass<Kernel, decltype(mt)::value, decltype(h)::value>(tile, blocks, acts + m0, out + m0 * rows + r, rows);
       });
+    });
+  }
   return r;
 }
 
@@ -194,52 +250,55 @@ struct RepackedFloatAvx2 {
   // left Q4_0 (whose offsets take two more instructions a row) 1.06x.
   static constexpr int kPassRows = 2;
 
-  // Half h (rows 8h .. 8h + 7) of the tile at `tile` (`blocks` blocks)
-  // against activation rows a[0 .. MT): acc[m][g] lane r as the file
-  // layout's matvec leaves lane g of row 8h + r, acc[m][8] its mins.
+  // Prefetches: all of a block's lines at once, into L1, kAheadBytes ahead
+  // in a half pass, kMatvecAheadBytes in a matvec (into L2 there, a streamed
+  // Q4_0 matvec took 2.49 against 2.15 ms; Xeon VM, 1 thread).
+  static constexpr bool kIntoL1 = true;
+  static constexpr int64_t kAheadBytes = 4096, kMatvecAheadBytes = 2048;
+
+  // Block bi (at b) of half h (rows 8h .. 8h + 7) against activation rows
+  // a[0 .. MT): acc[m][g] lane r as the file layout's matvec leaves lane g
+  // of row 8h + r, acc[m][8] its mins; prefetches `ahead`.
   template <int MT>
-  static void half_pass(const uint8_t* tile, int h, int64_t blocks, const ggml::ActRow* a, __m256 (&acc)[MT][9]) {
+  static void block(const uint8_t* b, int h, int64_t bi, const ggml::ActRow* a, __m256 (&acc)[MT][9], Ahead ahead) {
+    for (int64_t off = 0; off < ahead.bytes; off += 64) prefetch_line(ahead.at + off, ahead.into_l1);
     const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    for (int64_t bi = 0; bi < blocks; ++bi) {
-      const uint8_t* b = tile + bi * kTileBlockBytes;
-      prefetch_half(b, h, kTileBlockBytes, blocks * kTileBlockBytes);
-      const __m256 d = half_field(b, h);
-      __m256 ds[MT];
-      for (int m = 0; m < MT; ++m) ds[m] = _mm256_mul_ps(d, _mm256_set1_ps(a[m].d[bi]));
-      const int64_t e = bi * I::kBlock;
-      const auto dot = [&](__m256i levels, int g) {
-        const __m256i u = kSigned ? _mm256_abs_epi8(levels) : levels;
-        for (int m = 0; m < MT; ++m) {
-          const __m256i x = bcast4x8(a[m].q + e + 4 * g);
-          __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, kSigned ? _mm256_sign_epi8(x, levels) : x), ones);
-          if constexpr (kOffsets)
-            p = _mm256_add_epi32(p, _mm256_srai_epi32(bcast4x8(a[m].offset + e / 4 + g), kBiasShift));
-          acc[m][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), ds[m], acc[m][g]);
-        }
-      };
-      const uint8_t* words = b + 2 * ggml::kRepackRows * kHalves;
-      const auto word = [&](int w) { return half_word(words, h, w); };
-      const __m256i qh = kHighBits ? word(0) : _mm256_setzero_si256();
-      if constexpr (kBytes) {
-        static_for<8>([&](auto kc) { dot(word(decltype(kc)::value), decltype(kc)::value); });
-      } else {
-        // Byte i of word k: element 4k + i in the low nibble, 16 + 4k + i in the high one.
-        static_for<4>([&](auto kc) {
-          constexpr int k = decltype(kc)::value;
-          const __m256i v = word(kHighBits + k);
-          dot(level<k>(_mm256_and_si256(v, low4), qh), k);
-          dot(level<k + 4>(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), qh), k + 4);
-        });
+    const __m256 d = half_field(b, h);
+    __m256 ds[MT];
+    for (int m = 0; m < MT; ++m) ds[m] = _mm256_mul_ps(d, _mm256_set1_ps(a[m].d[bi]));
+    const int64_t e = bi * I::kBlock;
+    const auto dot = [&](__m256i levels, int g) {
+      const __m256i u = kSigned ? _mm256_abs_epi8(levels) : levels;
+      for (int m = 0; m < MT; ++m) {
+        const __m256i x = bcast4x8(a[m].q + e + 4 * g);
+        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, kSigned ? _mm256_sign_epi8(x, levels) : x), ones);
+        if constexpr (kOffsets)
+          p = _mm256_add_epi32(p, _mm256_srai_epi32(bcast4x8(a[m].offset + e / 4 + g), kBiasShift));
+        acc[m][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), ds[m], acc[m][g]);
       }
-      if constexpr (I::kHasMin) {
-        const __m256 mw = half_field(b + 2 * ggml::kRepackRows, h);
-        for (int m = 0; m < MT; ++m) {
-          // The matvec rounds m_w * s_x, then adds; the barrier keeps the
-          // compiler from contracting the two into one FMA.
-          __m256 mins = _mm256_mul_ps(mw, _mm256_set1_ps(a[m].sum[bi]));
-          __asm__("" : "+x"(mins));
-          acc[m][8] = _mm256_add_ps(acc[m][8], mins);
-        }
+    };
+    const uint8_t* words = b + 2 * ggml::kRepackRows * kHalves;
+    const auto word = [&](int w) { return half_word(words, h, w); };
+    const __m256i qh = kHighBits ? word(0) : _mm256_setzero_si256();
+    if constexpr (kBytes) {
+      static_for<8>([&](auto kc) { dot(word(decltype(kc)::value), decltype(kc)::value); });
+    } else {
+      // Byte i of word k: element 4k + i in the low nibble, 16 + 4k + i in the high one.
+      static_for<4>([&](auto kc) {
+        constexpr int k = decltype(kc)::value;
+        const __m256i v = word(kHighBits + k);
+        dot(level<k>(_mm256_and_si256(v, low4), qh), k);
+        dot(level<k + 4>(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), qh), k + 4);
+      });
+    }
+    if constexpr (I::kHasMin) {
+      const __m256 mw = half_field(b + 2 * ggml::kRepackRows, h);
+      for (int m = 0; m < MT; ++m) {
+        // The matvec rounds m_w * s_x, then adds; the barrier keeps the
+        // compiler from contracting the two into one FMA.
+        __m256 mins = _mm256_mul_ps(mw, _mm256_set1_ps(a[m].sum[bi]));
+        __asm__("" : "+x"(mins));
+        acc[m][8] = _mm256_add_ps(acc[m][8], mins);
       }
     }
   }
@@ -304,6 +363,7 @@ struct RepackedIntAvx2 {
   static constexpr int kQsWord = kSigned ? 1 : kHighBits ? 11 : 3;
   static constexpr int kSubs = I::kBlock / I::kSub;  // sub-blocks of 32 elements, or Q2_K's, Q3_K's and Q6_K's 16 of 16
   static constexpr int kSubGroups = I::kSub / 4;     // 4-element groups a sub-block
+  static constexpr int kGroups = kSubs * kSubGroups;
 
   // Group G's levels (elements 4G .. 4G + 3). Q4_K and Q5_K (sub-block s =
   // G / 8): the low (even s) or high nibbles of qs[32 (s / 2) + 4 (G % 8)
@@ -434,57 +494,62 @@ struct RepackedIntAvx2 {
   // time; 4 a pass 0.71x and 0.68x; 8 a pass 0.81x (registers spill).
   static constexpr int kPassRows = 4;
 
-  // Half h (rows 8h .. 8h + 7) of the tile at `tile` (`blocks` blocks)
-  // against activation rows a[0 .. MT): acc[m][bi % 8] lane r as the file
-  // layout's matvec leaves lane bi % 8 of row 8h + r.
-  // Flattened: GCC left the groups' lambdas out of line for some MT.
+  // Prefetches: a line of the block per group, spread through the block,
+  // into L2: a tile's 2.3 KB block prefetched at once, as the one-scale
+  // types' are, left a streamed 14336 x 4096 matvec at 1.90 ms on one thread
+  // (1.63 ms spread; Zen 4). kAheadBytes ahead in a half pass,
+  // kMatvecAheadBytes in a matvec (2 KB there: Q4_K streamed 2.45 against
+  // 2.30 ms; Xeon VM, 1 thread).
+  static constexpr bool kIntoL1 = false;
+  static constexpr int64_t kAheadBytes = 8192, kMatvecAheadBytes = 1024;
+
+  // Block bi (at b) of half h (rows 8h .. 8h + 7) against activation rows
+  // a[0 .. MT): acc[m][bi % 8] lane r as the file layout's matvec leaves
+  // lane bi % 8 of row 8h + r; prefetches `ahead`.
   template <int MT>
-  __attribute__((flatten)) static void half_pass(const uint8_t* tile, int h, int64_t blocks, const ggml::ActRow* a,
-                                                 __m256 (&acc)[MT][9]) {
-    for (int64_t bi = 0; bi < blocks; ++bi) {
-      const uint8_t* b = tile + bi * kTileBlockBytes;
-      // A line of the block per group, spread through the block: its 2.3 KB
-      // prefetched at once, as prefetch_half does, left a streamed 14336 x
-      // 4096 matvec at 1.90 ms on one thread (1.63 ms spread). 8 KB ahead in
-      // the first half, the next tile's in the second, into L2 either way.
-      const char* ahead = reinterpret_cast<const char*>(b) + (h == 0 ? 8192 : blocks * kTileBlockBytes);
-      const uint8_t* words = b + kFieldBytes;
-      const Fields f = fields(b, words, h);
-      const int64_t e = bi * I::kBlock;
-      __m256i S[MT];
-      for (__m256i& v : S) v = _mm256_setzero_si256();
-      static_for<kSubs>([&](auto jc) {  // sub-block J
-        constexpr int J = decltype(jc)::value;
-        const __m256i sj = scale<J>(f);
-        static_for<kSubGroups>([&](auto ic) {
-          constexpr int G = kSubGroups * J + decltype(ic)::value;
-          _mm_prefetch(ahead + G * kTileBlockBytes / 64, _MM_HINT_T1);
-          const __m256i lv = levels<G>(words, h);
-          const __m256i u = kSigned ? _mm256_abs_epi8(lv) : lv;
-          for (int m = 0; m < MT; ++m) {
-            const __m256i x = bcast4x8(a[m].q + e + 4 * G);
-            S[m] = _mm256_add_epi32(S[m], _mm256_madd_epi16(_mm256_maddubs_epi16(u, kSigned ? _mm256_sign_epi8(x, lv) : x), sj));
-            if constexpr (MT > 1) __asm__("" : "+x"(S[m]));  // a chain in its register (see MatmulSimd::int_chunk)
-          }
-        });
-      });
-      const __m256 d = half_field(b, h);
-      for (int m = 0; m < MT; ++m) {
-        const __m256 dx = _mm256_set1_ps(a[m].d[bi]);
-        __m256& sum = acc[m][bi % 8];
-        sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S[m]), _mm256_mul_ps(d, dx), sum);
-      }
-      if constexpr (!kSigned) {
-        const __m256 k = kLevelOffset != 0.0f ? _mm256_mul_ps(d, _mm256_set1_ps(-kLevelOffset))
-                                              : _mm256_sub_ps(_mm256_setzero_ps(), half_field(b + 2 * ggml::kRepackRows, h));
-        __m256i c[8];  // cut once for all MT rows
-        static_for<8>([&](auto jc) { c[decltype(jc)::value] = coefs<decltype(jc)::value>(f); });
+  static void block(const uint8_t* b, int h, int64_t bi, const ggml::ActRow* a, __m256 (&acc)[MT][9], Ahead ahead) {
+    // Copies the groups' lambdas capture: GCC did not see through `ahead`'s
+    // fields there (each prefetch tested into_l1 at run time, and a Q4_K
+    // batch of 8 or 128 rows took 1.2x the time).
+    const char* const ahead_at = ahead.at;
+    const int64_t ahead_bytes = ahead.bytes;
+    const bool ahead_into_l1 = ahead.into_l1;
+    const uint8_t* words = b + kFieldBytes;
+    const Fields f = fields(b, words, h);
+    const int64_t e = bi * I::kBlock;
+    __m256i S[MT];
+    for (__m256i& v : S) v = _mm256_setzero_si256();
+    static_for<kSubs>([&](auto jc) {  // sub-block J
+      constexpr int J = decltype(jc)::value;
+      const __m256i sj = scale<J>(f);
+      static_for<kSubGroups>([&](auto ic) {
+        constexpr int G = kSubGroups * J + decltype(ic)::value;
+        prefetch_line(ahead_at + G * ahead_bytes / kGroups, ahead_into_l1);
+        const __m256i lv = levels<G>(words, h);
+        const __m256i u = kSigned ? _mm256_abs_epi8(lv) : lv;
         for (int m = 0; m < MT; ++m) {
-          __m256i C = _mm256_setzero_si256();
-          for (int j = 0; j < 8; ++j) C = _mm256_add_epi32(C, _mm256_madd_epi16(c[j], bcast4x8(a[m].isum + bi * 16 + 2 * j)));
-          __m256& sum = acc[m][bi % 8];
-          sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(C), _mm256_mul_ps(k, _mm256_set1_ps(a[m].d[bi])), sum);
+          const __m256i x = bcast4x8(a[m].q + e + 4 * G);
+          S[m] = _mm256_add_epi32(S[m], _mm256_madd_epi16(_mm256_maddubs_epi16(u, kSigned ? _mm256_sign_epi8(x, lv) : x), sj));
+          if constexpr (MT > 1) __asm__("" : "+x"(S[m]));  // a chain in its register (see MatmulSimd::int_chunk)
         }
+      });
+    });
+    const __m256 d = half_field(b, h);
+    for (int m = 0; m < MT; ++m) {
+      const __m256 dx = _mm256_set1_ps(a[m].d[bi]);
+      __m256& sum = acc[m][bi % 8];
+      sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S[m]), _mm256_mul_ps(d, dx), sum);
+    }
+    if constexpr (!kSigned) {
+      const __m256 k = kLevelOffset != 0.0f ? _mm256_mul_ps(d, _mm256_set1_ps(-kLevelOffset))
+                                            : _mm256_sub_ps(_mm256_setzero_ps(), half_field(b + 2 * ggml::kRepackRows, h));
+      __m256i c[8];  // cut once for all MT rows
+      static_for<8>([&](auto jc) { c[decltype(jc)::value] = coefs<decltype(jc)::value>(f); });
+      for (int m = 0; m < MT; ++m) {
+        __m256i C = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) C = _mm256_add_epi32(C, _mm256_madd_epi16(c[j], bcast4x8(a[m].isum + bi * 16 + 2 * j)));
+        __m256& sum = acc[m][bi % 8];
+        sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(C), _mm256_mul_ps(k, _mm256_set1_ps(a[m].d[bi])), sum);
       }
     }
   }
