@@ -52,16 +52,10 @@ inline __m256 half_field(const uint8_t* p, int h) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * kHalfRows * h)));
 }
 
-// The lines a half tile's pass over one block prefetches: `bytes` from
-// `at`, into L1 (into_l1) or L2.
-struct Ahead {
-  const char* at;
-  int64_t bytes;
-  bool into_l1;
-};
-
-inline void prefetch_line(const char* p, bool into_l1) {
-  if (into_l1)
+// Prefetches the line at p into L1 (kIntoL1) or L2.
+template <bool kIntoL1>
+inline void prefetch_line(const char* p) {
+  if constexpr (kIntoL1)
     _mm_prefetch(p, _MM_HINT_T0);
   else
     _mm_prefetch(p, _MM_HINT_T1);
@@ -138,8 +132,8 @@ __attribute__((flatten)) void run_half_pass(const uint8_t* tile, int64_t blocks,
     for (__m256& v : row) v = _mm256_setzero_ps();
   for (int64_t bi = 0; bi < blocks; ++bi) {
     const uint8_t* b = tile + bi * kBlockBytes;
-    const Ahead lines{reinterpret_cast<const char*>(b) + ahead, kBlockBytes, H == 0 && Kernel::kIntoL1};
-    Kernel::template block<MT>(b, H, bi, a, acc, lines);
+    Kernel::template block<MT, H == 0 && Kernel::kIntoL1>(b, H, bi, a, acc, reinterpret_cast<const char*>(b) + ahead,
+                                                          kBlockBytes);
   }
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + m * rows + kHalfRows * H, Kernel::total(acc[m]));
 }
@@ -169,7 +163,7 @@ __attribute__((flatten)) void run_matvec_tile(const uint8_t* tile, int64_t block
     static_for<2>([&](auto half) {
       constexpr int h = decltype(half)::value;
       const char* at = reinterpret_cast<const char*>(b) + Kernel::kMatvecAheadBytes + h * kBlockBytes / 2;
-      Kernel::template block<1>(b, h, bi, a, acc[h], Ahead{at, kBlockBytes / 2, Kernel::kIntoL1});
+      Kernel::template block<1, Kernel::kIntoL1>(b, h, bi, a, acc[h], at, kBlockBytes / 2);
     });
   }
   for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + kHalfRows * h, Kernel::total(acc[h][0]));
@@ -258,10 +252,12 @@ struct RepackedFloatAvx2 {
 
   // Block bi (at b) of half h (rows 8h .. 8h + 7) against activation rows
   // a[0 .. MT): acc[m][g] lane r as the file layout's matvec leaves lane g
-  // of row 8h + r, acc[m][8] its mins; prefetches `ahead`.
-  template <int MT>
-  static void block(const uint8_t* b, int h, int64_t bi, const ggml::ActRow* a, __m256 (&acc)[MT][9], Ahead ahead) {
-    for (int64_t off = 0; off < ahead.bytes; off += 64) prefetch_line(ahead.at + off, ahead.into_l1);
+  // of row 8h + r, acc[m][8] its mins; prefetches the `ahead_bytes` from
+  // `ahead` into L1 (kL1) or L2.
+  template <int MT, bool kL1>
+  static void block(const uint8_t* b, int h, int64_t bi, const ggml::ActRow* a, __m256 (&acc)[MT][9],
+                    const char* ahead, int64_t ahead_bytes) {
+    for (int64_t off = 0; off < ahead_bytes; off += 64) prefetch_line<kL1>(ahead + off);
     const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     const __m256 d = half_field(b, h);
     __m256 ds[MT];
@@ -505,15 +501,11 @@ struct RepackedIntAvx2 {
 
   // Block bi (at b) of half h (rows 8h .. 8h + 7) against activation rows
   // a[0 .. MT): acc[m][bi % 8] lane r as the file layout's matvec leaves
-  // lane bi % 8 of row 8h + r; prefetches `ahead`.
-  template <int MT>
-  static void block(const uint8_t* b, int h, int64_t bi, const ggml::ActRow* a, __m256 (&acc)[MT][9], Ahead ahead) {
-    // Copies the groups' lambdas capture: GCC did not see through `ahead`'s
-    // fields there (each prefetch tested into_l1 at run time, and a Q4_K
-    // batch of 8 or 128 rows took 1.2x the time).
-    const char* const ahead_at = ahead.at;
-    const int64_t ahead_bytes = ahead.bytes;
-    const bool ahead_into_l1 = ahead.into_l1;
+  // lane bi % 8 of row 8h + r; prefetches the `ahead_bytes` from `ahead`
+  // into L1 (kL1) or L2, one prefetch a group, spread evenly over them.
+  template <int MT, bool kL1>
+  static void block(const uint8_t* b, int h, int64_t bi, const ggml::ActRow* a, __m256 (&acc)[MT][9],
+                    const char* ahead, int64_t ahead_bytes) {
     const uint8_t* words = b + kFieldBytes;
     const Fields f = fields(b, words, h);
     const int64_t e = bi * I::kBlock;
@@ -524,7 +516,7 @@ struct RepackedIntAvx2 {
       const __m256i sj = scale<J>(f);
       static_for<kSubGroups>([&](auto ic) {
         constexpr int G = kSubGroups * J + decltype(ic)::value;
-        prefetch_line(ahead_at + G * ahead_bytes / kGroups, ahead_into_l1);
+        prefetch_line<kL1>(ahead + G * ahead_bytes / kGroups);
         const __m256i lv = levels<G>(words, h);
         const __m256i u = kSigned ? _mm256_abs_epi8(lv) : lv;
         for (int m = 0; m < MT; ++m) {
