@@ -229,6 +229,37 @@ def test_unsupported_tensor_type(toy, tmp_path, type_id, type_name):
     assert "blk.0.attn_v.weight" in message and f"type {type_id} ({type_name})" in message
 
 
+def test_loads_without_gguf_py(toy, tmp_path):
+    """gguf-py is the tests' reference, not lowbit's: lowbit imports it only to
+    name a type it does not support (else "unknown"), so machines without it
+    (the GPU machines' image) still import lowbit and read files."""
+    unsupported = patched(toy.path, str(tmp_path / "t.gguf"), tensor_info_offsets(toy.path, "blk.0.attn_v.weight")["type"],
+                          "I", 15)
+    script = f"""
+import sys
+class NoGguf:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "gguf":
+            raise ImportError("gguf-py is not installed")
+sys.meta_path.insert(0, NoGguf())
+from lowbit.gguf_file import GGUFError, load_gguf
+with load_gguf({toy.path!r}) as f:
+    print(len(f.tensors), f.tensors["blk.0.attn_q.weight"].type_name)
+try:
+    load_gguf({unsupported!r})
+except GGUFError as e:
+    print(repr(str(e)))
+print("gguf" in sys.modules)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    tensors, error, imported = result.stdout.strip().split("\n")
+    count, first_type = tensors.split()
+    assert int(count) == len(TOY_TENSORS) and first_type == load_gguf(toy.path).tensors["blk.0.attn_q.weight"].type_name
+    assert "blk.0.attn_v.weight" in error and "type 15 (unknown)" in error
+    assert imported == "False"
+
+
 def test_row_not_multiple_of_block(toy, tmp_path):
     at = tensor_info_offsets(toy.path, "token_embd.weight")["dims"]
     message = load_error(patched(toy.path, str(tmp_path / "r.gguf"), at, "Q", 48))

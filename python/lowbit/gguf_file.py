@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-import gguf
 import numpy as np
 import torch
 
@@ -240,9 +239,11 @@ def _type_name(type_id: int) -> str:
         return torch.ops.lowbit.ggml_type_name(type_id)
     except ValueError:
         pass
-    try:
+    try:  # only here: `import lowbit` needs no gguf-py (the GPU machines' image has none)
+        import gguf
+
         return gguf.GGMLQuantizationType(type_id).name
-    except ValueError:
+    except (ImportError, ValueError):
         return "unknown"
 
 
