@@ -39,8 +39,9 @@ struct ActLayout<Act::Q8_K> {
 // where a backend's kernels ask for it, is -128 * (the sum of each 4
 // consecutive q): the integer dot of levels + 128 (as unsigned bytes) with q
 // that starts from it comes to the dot of the levels themselves. isum, where
-// a backend's kernels ask for it, is Q8_K's sums as int16 (llama.cpp's own
-// bsums), the form integer dot products take them in.
+// a backend's kernels ask for it, is sum(q) per kSumBlock as int16 (exact:
+// at most 32 * 127): Q8_K's as llama.cpp's own bsums, the form integer dot
+// products take them in, and Q8_0's / Q8_1's undivided by d.
 struct ActRow {
   const int8_t* q;
   const float* d;

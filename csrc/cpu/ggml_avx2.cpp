@@ -48,9 +48,11 @@ struct DotAvx2 {
 };
 
 // The AVX2 repacked kernel of type T: RepackedFloatAvx2 for the one-scale
-// types, RepackedIntAvx2 for the integer-form ones it reads.
-template <ggml::Type T>
-using RepackedAvx2 = std::conditional_t<(ggml::TypeInfo<T>::kBlock == 32), RepackedFloatAvx2<T>, RepackedIntAvx2<T>>;
+// types, summing in `order`, RepackedIntAvx2 for the integer-form ones (one
+// order, the file layout's).
+template <ggml::Type T, SumOrder order>
+using RepackedAvx2 =
+    std::conditional_t<(ggml::TypeInfo<T>::kBlock == 32), RepackedFloatAvx2<T, order>, RepackedIntAvx2<T>>;
 
 // From how many activation rows a file-layout weight of type T goes through
 // RepackedAvx2<T>, a tile at a time repacked into a buffer that stays in
@@ -86,7 +88,8 @@ constexpr int64_t repacked_copy_rows(ggml::Type t) {
 }
 
 // RepackedAvx2<T> over the whole tiles of file-layout rows r0 .. r1, each
-// repacked first; returns the first row it did not take.
+// repacked first, in the file layout's order (so every row is the matvec's
+// bit for bit at every M); returns the first row it did not take.
 template <ggml::Type T>
 int64_t run_repacked_copies(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts, int64_t M,
                             float* out, int64_t rows) {
@@ -95,7 +98,8 @@ int64_t run_repacked_copies(const uint8_t* W, int64_t r0, int64_t r1, int64_t n,
   int64_t r = r0;
   for (; r + ggml::kRepackRows <= r1; r += ggml::kRepackRows) {
     repack_tile<T>(W + r * row_bytes, row_bytes, tile.data());
-    run_half_tiles<RepackedAvx2<T>>(tile.data(), 0, ggml::kRepackRows, n, acts, M, out + r, rows);
+    run_half_tiles<RepackedAvx2<T, SumOrder::kFileLayout>>(tile.data(), 0, ggml::kRepackRows, n, acts, M, out + r,
+                                                           rows);
   }
   return r;
 }
@@ -123,8 +127,9 @@ bool ggml_mul_mat_repacked_avx2(int64_t type, const uint8_t* W, int64_t r0, int6
   dispatch_ggml_type(type, [&](auto t) {
     constexpr ggml::Type T = decltype(t)::value;
     if constexpr (reads_repacked_avx2(T)) {
-      // Whole tiles repacked; the rows past the last one as the file has them.
-      const int64_t r = run_half_tiles<RepackedAvx2<T>>(W, r0, r1, n, acts, M, out, rows);
+      // Whole tiles repacked, each block's dot summed in int32 first; the
+      // rows past the last one as the file has them.
+      const int64_t r = run_half_tiles<RepackedAvx2<T, SumOrder::kBlockDot>>(W, r0, r1, n, acts, M, out, rows);
       MatmulSimd<DotAvx2, T>::run(W, r, r1, n, acts, M, out, rows);
       ran = true;
     }
@@ -137,10 +142,22 @@ bool ggml_mul_mat_avx2_takes_offsets(int64_t type, int64_t M, bool repacked) {
   dispatch_ggml_type(type, [&](auto t) {
     constexpr ggml::Type T = decltype(t)::value;
     // A repacked weight of a type AVX2 does not read goes back to the file
-    // layout's kernels (copies included) a few tiles at a time.
+    // layout's kernels (copies included) a few tiles at a time; one it reads
+    // takes ActRow::isum instead.
     constexpr bool reads = ggml::reads_repacked_avx2(T);
-    if constexpr (ggml::TypeInfo<T>::kBlock == 32 && (reads || repacked_copy_rows(T) != kNoCopies))
-      takes = RepackedFloatAvx2<T>::kOffsets && ((repacked && reads) || M >= repacked_copy_rows(T));
+    if constexpr (ggml::TypeInfo<T>::kBlock == 32 && repacked_copy_rows(T) != kNoCopies)
+      takes = RepackedFloatAvx2<T, SumOrder::kFileLayout>::kOffsets && !(repacked && reads) &&
+              M >= repacked_copy_rows(T);
+  });
+  return takes;
+}
+
+bool ggml_mul_mat_avx2_takes_block_sums(int64_t type, bool repacked) {
+  bool takes = false;
+  dispatch_ggml_type(type, [&](auto t) {
+    constexpr ggml::Type T = decltype(t)::value;
+    if constexpr (ggml::TypeInfo<T>::kBlock == 32 && ggml::reads_repacked_avx2(T))
+      takes = repacked && RepackedFloatAvx2<T, SumOrder::kBlockDot>::kOffsets;
   });
   return takes;
 }

@@ -48,8 +48,8 @@ int64_t row_chunk(int64_t n, int64_t M, int64_t rows) {
 }
 
 // All M activation rows quantized once per call, in the format T pairs with,
-// with ActRow::offset where `offsets` asks for it and ActRow::isum for Q8_K
-// (the SIMD ISAs only).
+// with ActRow::offset where `offsets` asks for it, and ActRow::isum for Q8_K
+// (the SIMD ISAs only) and where `block_sums` asks for it.
 template <Act A>
 struct QuantizedActs {
   using L = ggml::ActLayout<A>;
@@ -61,11 +61,11 @@ struct QuantizedActs {
   std::vector<int32_t> offset;
   std::vector<int16_t> isum;
 
-  QuantizedActs(const float* x, int64_t M, int64_t n_, bool offsets)
+  QuantizedActs(const float* x, int64_t M, int64_t n_, bool offsets, bool block_sums)
       : n(n_), q(M * n_), d(M * n_ / L::kBlock), sum(M * n_ / L::kSumBlock), offset(offsets ? M * n_ / 4 : 0) {
     const int64_t blocks = n / L::kBlock;
     const Isa isa = active_isa();
-    if (A == Act::Q8_K && isa != Isa::kPortable) isum.resize(sum.size());
+    if ((A == Act::Q8_K && isa != Isa::kPortable) || block_sums) isum.resize(sum.size());
     at::parallel_for(0, M * blocks, std::max<int64_t>(1, 2048 / L::kBlock), [&](int64_t b0, int64_t b1) {
 #if defined(__x86_64__)
       if (isa != Isa::kPortable)
@@ -76,9 +76,17 @@ struct QuantizedActs {
           ggml::quantize_act_block<A>(x + b * L::kBlock, q.data() + b * L::kBlock, d.data() + b,
                                       sum.data() + b * kSums);
         }
-      // |sum of 16 int8| <= 2032: exact in int16.
-      if (!isum.empty())
-        for (int64_t i = b0 * kSums; i < b1 * kSums; ++i) isum[i] = static_cast<int16_t>(sum[i]);
+      // |sum of 32 int8| <= 4064: exact in int16. Q8_K's sums are integers
+      // already; Q8_0's and Q8_1's carry d.
+      for (int64_t i = b0 * kSums; i < b1 * kSums && !isum.empty(); ++i) {
+        if constexpr (A == Act::Q8_K) {
+          isum[i] = static_cast<int16_t>(sum[i]);
+        } else {
+          int s = 0;
+          for (int j = 0; j < L::kSumBlock; ++j) s += q[i * L::kSumBlock + j];
+          isum[i] = static_cast<int16_t>(s);
+        }
+      }
     });
   }
 
@@ -157,16 +165,19 @@ void mul_mat_quantized(const uint8_t* W, int64_t rows, int64_t n, const float* X
                        bool repacked) {
   using I = TypeInfo<T>;
   const Isa isa = active_isa();
-  bool offsets = false;
+  bool offsets = false, block_sums = false;
 #if defined(__x86_64__)
   // The repacked one-scale types without mins start their dots from the
   // offsets (RepackedFloatGemm); rows past the last tile run the file's kernels.
   if (isa == Isa::kAvx512)
     offsets = (repacked && I::kBlock == 32 && !I::kHasMin) ||
               ggml_mul_mat_avx512_takes_offsets(static_cast<int64_t>(T), M);
-  if (isa == Isa::kAvx2) offsets = ggml_mul_mat_avx2_takes_offsets(static_cast<int64_t>(T), M, repacked);
+  if (isa == Isa::kAvx2) {
+    offsets = ggml_mul_mat_avx2_takes_offsets(static_cast<int64_t>(T), M, repacked);
+    block_sums = ggml_mul_mat_avx2_takes_block_sums(static_cast<int64_t>(T), repacked);
+  }
 #endif
-  const QuantizedActs<I::kAct> quantized(X, M, n, offsets);
+  const QuantizedActs<I::kAct> quantized(X, M, n, offsets, block_sums);
   std::vector<ggml::ActRow> acts(M);
   for (int64_t m = 0; m < M; ++m) acts[m] = quantized.row(m);
   parallel_chunks(rows, row_chunk(n, M, rows), [&](int64_t r0, int64_t r1) {

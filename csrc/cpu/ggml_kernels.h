@@ -36,12 +36,14 @@ bool ggml_mul_mat_avx512_takes_offsets(int64_t type, int64_t M);
 bool ggml_mul_mat_repacked_avx512(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n,
                                   const ggml::ActRow* acts, int64_t M, float* out, int64_t rows);
 // The AVX2 kernel of the same, for the types reads_repacked_avx2 names;
-// Q4_0 and Q5_0 read acts[m].offset. Returns false for the others.
+// Q4_0 and Q5_0 read acts[m].isum. Returns false for the others.
 bool ggml_mul_mat_repacked_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n,
                                 const ggml::ActRow* acts, int64_t M, float* out, int64_t rows);
 // Whether ggml_mul_mat_avx2 (repacked false) or ggml_mul_mat_repacked_avx2
-// (true) reads acts[m].offset for M activation rows of `type`.
+// (true) reads acts[m].offset for M activation rows of `type`, and whether
+// it reads acts[m].isum for a Q8_0 / Q8_1 `type` (for any M).
 bool ggml_mul_mat_avx2_takes_offsets(int64_t type, int64_t M, bool repacked);
+bool ggml_mul_mat_avx2_takes_block_sums(int64_t type, bool repacked);
 
 // Activation blocks [b0, b1) of x (blocks of ActLayout<act>::kBlock) quantized
 // as quantize_act_block<act> does, bit for bit; act is Q8_0, Q8_1 or Q8_K.

@@ -3,14 +3,14 @@
 // Q5_K, Q6_K and Q8_0 only for the file layout's batches): a 256-bit load of
 // a word of the layout is that word of 8 of a tile's 16 rows, one per lane,
 // so a tile runs as two halves of 8 rows. Each 4-element group of 8 rows
-// meets its 4 activation bytes (broadcast) in one maddubs + madd: the levels
-// need no per-row decoding, no absolute value and no sign flip where they
-// are unsigned, and one scale vector d_w * d_x serves the block's 8 groups.
-// The arithmetic is the file layout's AVX2 matvec's (ggml_matmul_simd.h):
-// fp32 lane g of row r (in FloatGemm's words, ggml_gemm_vnni.h) accumulates
-// the exact int32 dot of group g times d_w * d_x per block, the mins (Q4_1,
-// Q5_1) their rounded products, and the lanes sum in hsum's order, so the
-// results are the same bit for bit.
+// meets its 4 activation bytes (broadcast) in one maddubs: the levels need
+// no per-row decoding, no absolute value and no sign flip where they are
+// unsigned, and one scale vector d_w * d_x serves the block's 8 groups.
+// The one-scale types sum in one of two orders (SumOrder): the file
+// layout's AVX2 matvec's (ggml_matmul_simd.h), for the file layout's
+// batches, which must give its results bit for bit; or each block's exact
+// int32 dot first, for the repacked layout itself (a third of the
+// instructions a group; results within fp32 rounding of the file layout's).
 // Include only inside the AVX2 unit's target pragma region.
 #pragma once
 
@@ -194,7 +194,28 @@ int64_t run_half_tiles(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, cons
   return r;
 }
 
-template <ggml::Type T>
+// How RepackedFloatAvx2 forms a row's fp32 sum.
+enum class SumOrder {
+  // As the file layout's AVX2 matvec does, so the same results bit for bit:
+  // fp32 lane g of row r (in FloatGemm's words, ggml_gemm_vnni.h)
+  // accumulates the exact int32 dot of group g times d_w * d_x per block,
+  // the mins (Q4_1, Q5_1) their rounded products, and the lanes sum in
+  // hsum's order. Each group takes its own int32-to-fp32 conversion and FMA.
+  kFileLayout,
+  // Each block's exact int32 dot (the groups' maddubs pair sums added in
+  // int16 as far as they cannot overflow), then one FMA a block into a
+  // single fp32 sum a row, the mins' rounded products into a second one.
+  // The conversion and FMA per group bounded kFileLayout: Xeon VM, 14336 x
+  // 4096, 1 thread, M = 1 (in cache) / 8 / 128, kFileLayout against
+  // kBlockDot: Q4_0 1.41-1.49 / 11.3-11.8 / 176 ms against 1.18-1.20 / 5.9-6.0
+  // / 88-91, Q4_1 1.37-1.40 / 9.4-9.7 / 148-150 against 1.30-1.32 / 6.3-7.2 /
+  // 102-103, Q5_0 2.0-2.2 / 13.6-15.1 / 209-211 against 1.65-1.68 / 6.7-7.1 /
+  // 109-110, IQ4_NL 1.60 / 11.5-11.7 / 179-180 against 1.40 / 8.2-8.4 /
+  // 133-135 (these with kPassRows below).
+  kBlockDot,
+};
+
+template <ggml::Type T, SumOrder kOrder>
 struct RepackedFloatAvx2 {
   using I = ggml::TypeInfo<T>;
   static_assert(ggml::has_repacked_layout(T) && I::kBlock == 32, "a one-scale type with a repacked layout");
@@ -205,13 +226,18 @@ struct RepackedFloatAvx2 {
   // How the levels meet maddubs (unsigned x signed, pairs summed in int16):
   // IQ4_NL's and Q8_0's signed levels as |w| against x with w's sign; Q4_0's
   // and Q5_0's as w + kBias (the nibble as stored, below 32, so no pair sum
-  // saturates) against x, the dot starting from -kBias * (the 4 activations'
-  // sum), which is ActRow::offset (-128 times it) shifted; the mins types'
-  // levels as they are.
+  // saturates) against x, each dot less kBias * (its activations' sum): per
+  // group ActRow::offset (-128 times it) shifted, per block ActRow::isum; the
+  // mins types' levels as they are.
   static constexpr bool kSigned = T == ggml::Type::IQ4_NL || T == ggml::Type::Q8_0;
   static constexpr bool kBytes = T == ggml::Type::Q8_0;  // word k: elements 4k .. 4k + 3, no nibbles
   static constexpr int kBiasShift = T == ggml::Type::Q4_0 ? 4 : T == ggml::Type::Q5_0 ? 3 : 0;  // 128 >> shift
   static constexpr bool kOffsets = kBiasShift > 0;
+  // kBlockDot: groups whose maddubs pair sums (|level| <= kLevelMax against
+  // |x| <= 127) add up in int16 before one madd widens them.
+  static constexpr int kLevelMax = kSigned ? 128 : kHighBits ? 31 : 15;
+  static constexpr int kInt16Groups = 32767 / (2 * 127 * kLevelMax);
+  static_assert(kInt16Groups >= 1 && 8 % kInt16Groups == 0, "whole runs of groups a block");
 
   // Group G's levels (elements 4G .. 4G + 3 of 8 rows) from their 4-bit
   // field `nibble`, and for Q5 the rows' qh: the fifth bit of element
@@ -238,11 +264,14 @@ struct RepackedFloatAvx2 {
   }
 
   // Activation rows per pass: each decoded group meets them in turn, their
-  // fp32 sums and scales d_w * d_x in registers as far as they go. Measured
-  // at 14336 x 4096, M = 128, 1 thread (Zen 4), against one row a pass: 2 a
-  // pass 0.78-0.93x the time for Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; 4 a pass
-  // left Q4_0 (whose offsets take two more instructions a row) 1.06x.
-  static constexpr int kPassRows = 2;
+  // sums and scales d_w * d_x in registers as far as they go. kFileLayout,
+  // measured at 14336 x 4096, M = 128, 1 thread (Zen 4), against one row a
+  // pass: 2 a pass 0.78-0.93x the time for Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; 4
+  // a pass left Q4_0 (whose offsets take two more instructions a row) 1.06x.
+  // kBlockDot (Xeon VM, the same shape): 4 a pass against 2 at M = 8 / 128,
+  // Q5_0 and Q5_1 0.74 / 0.80x, IQ4_NL 0.88 / 0.92x, Q4_1 about level,
+  // Q4_0 1.06 / 1.13x.
+  static constexpr int kPassRows = kOrder == SumOrder::kBlockDot && T != ggml::Type::Q4_0 ? 4 : 2;
 
   // Prefetches: all of a block's lines at once, into L1, kAheadBytes ahead
   // in a half pass, kMatvecAheadBytes in a matvec (into L2 there, a streamed
@@ -251,8 +280,9 @@ struct RepackedFloatAvx2 {
   static constexpr int64_t kAheadBytes = 4096, kMatvecAheadBytes = 2048;
 
   // Block bi (at b) of half h (rows 8h .. 8h + 7) against activation rows
-  // a[0 .. MT): acc[m][g] lane r as the file layout's matvec leaves lane g
-  // of row 8h + r, acc[m][8] its mins; prefetches the `ahead_bytes` from
+  // a[0 .. MT), lane r for row 8h + r: kFileLayout, acc[m][g] as the file
+  // layout's matvec leaves lane g; kBlockDot, acc[m][0] the sum of the
+  // blocks' dots; acc[m][8] the mins. Prefetches the `ahead_bytes` from
   // `ahead` into L1 (kL1) or L2.
   template <int MT, bool kL1>
   static void block(const uint8_t* b, int h, int64_t bi, const ggml::ActRow* a, __m256 (&acc)[MT][9],
@@ -263,29 +293,50 @@ struct RepackedFloatAvx2 {
     __m256 ds[MT];
     for (int m = 0; m < MT; ++m) ds[m] = _mm256_mul_ps(d, _mm256_set1_ps(a[m].d[bi]));
     const int64_t e = bi * I::kBlock;
-    const auto dot = [&](__m256i levels, int g) {
+    __m256i sum[MT], run[MT];  // kBlockDot: the block's int32 dot so far; the int16 pair sums of this run of groups
+    for (int m = 0; m < MT; ++m) sum[m] = run[m] = _mm256_setzero_si256();
+    // Group g, the i-th the block takes.
+    const auto dot = [&](__m256i levels, int g, int i) {
       const __m256i u = kSigned ? _mm256_abs_epi8(levels) : levels;
       for (int m = 0; m < MT; ++m) {
         const __m256i x = bcast4x8(a[m].q + e + 4 * g);
-        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, kSigned ? _mm256_sign_epi8(x, levels) : x), ones);
-        if constexpr (kOffsets)
-          p = _mm256_add_epi32(p, _mm256_srai_epi32(bcast4x8(a[m].offset + e / 4 + g), kBiasShift));
-        acc[m][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), ds[m], acc[m][g]);
+        const __m256i pairs = _mm256_maddubs_epi16(u, kSigned ? _mm256_sign_epi8(x, levels) : x);
+        if constexpr (kOrder == SumOrder::kFileLayout) {
+          __m256i p = _mm256_madd_epi16(pairs, ones);
+          if constexpr (kOffsets)
+            p = _mm256_add_epi32(p, _mm256_srai_epi32(bcast4x8(a[m].offset + e / 4 + g), kBiasShift));
+          acc[m][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), ds[m], acc[m][g]);
+        } else if (kInt16Groups == 1) {
+          sum[m] = _mm256_add_epi32(sum[m], _mm256_madd_epi16(pairs, ones));
+        } else {
+          run[m] = _mm256_add_epi16(run[m], pairs);
+          if ((i + 1) % kInt16Groups == 0) {
+            sum[m] = _mm256_add_epi32(sum[m], _mm256_madd_epi16(run[m], ones));
+            run[m] = _mm256_setzero_si256();
+          }
+        }
       }
     };
     const uint8_t* words = b + 2 * ggml::kRepackRows * kHalves;
     const auto word = [&](int w) { return half_word(words, h, w); };
     const __m256i qh = kHighBits ? word(0) : _mm256_setzero_si256();
     if constexpr (kBytes) {
-      static_for<8>([&](auto kc) { dot(word(decltype(kc)::value), decltype(kc)::value); });
+      static_for<8>([&](auto kc) { dot(word(decltype(kc)::value), decltype(kc)::value, decltype(kc)::value); });
     } else {
       // Byte i of word k: element 4k + i in the low nibble, 16 + 4k + i in the high one.
       static_for<4>([&](auto kc) {
         constexpr int k = decltype(kc)::value;
         const __m256i v = word(kHighBits + k);
-        dot(level<k>(_mm256_and_si256(v, low4), qh), k);
-        dot(level<k + 4>(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), qh), k + 4);
+        dot(level<k>(_mm256_and_si256(v, low4), qh), k, 2 * k);
+        dot(level<k + 4>(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), qh), k + 4, 2 * k + 1);
       });
+    }
+    if constexpr (kOrder == SumOrder::kBlockDot) {
+      for (int m = 0; m < MT; ++m) {
+        __m256i s = sum[m];
+        if constexpr (kOffsets) s = _mm256_add_epi32(s, _mm256_set1_epi32(-(128 >> kBiasShift) * a[m].isum[bi]));
+        acc[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), ds[m], acc[m][0]);
+      }
     }
     if constexpr (I::kHasMin) {
       const __m256 mw = half_field(b + 2 * ggml::kRepackRows, h);
@@ -299,8 +350,11 @@ struct RepackedFloatAvx2 {
     }
   }
 
-  // The matvec's hsum(acc + mins): the mins in lane 0.
-  static __m256 total(const __m256 (&a)[9]) { return lane_order_total(I::kHasMin ? _mm256_add_ps(a[0], a[8]) : a[0], a); }
+  // kFileLayout: the matvec's hsum(acc + mins), the mins in lane 0.
+  static __m256 total(const __m256 (&a)[9]) {
+    const __m256 first = I::kHasMin ? _mm256_add_ps(a[0], a[8]) : a[0];
+    return kOrder == SumOrder::kFileLayout ? lane_order_total(first, a) : first;
+  }
 };
 
 // Bytes B0 and B1 of every dword lane of v as the lane's low and high int16,

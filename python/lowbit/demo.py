@@ -64,8 +64,9 @@ def run_real_model(path: str, quick: bool, heldout_tokens: int) -> None:
     calibration = calibration_batches(tokenizer)
     models = [("fp32 reference", fp32), ("GGUF Q4_1 (as shipped)", gguf)]
     if reads_repacked_layout(GGUF_Q4_1):
-        # The same file's layers in the CPU kernels' repacked layout: the same outputs bit for bit,
-        # so the same perplexity; the speed columns show what the layout is worth on this CPU.
+        # The same file's layers in the CPU kernels' repacked layout: the same outputs bit for bit
+        # (AVX2 CPUs: to fp32 rounding), so the same perplexity; the speed columns show what the
+        # layout is worth on this CPU.
         models.append(("GGUF Q4_1, repacked layout", lowbit.load_gguf_model(path, repack=True)))
     rows_spec = QUICK_ROWS if quick else GPTQ_ROWS
     for label, bits, sym, desc_act, fmt in tqdm(rows_spec, desc="GPTQ quantization"):

@@ -38,7 +38,7 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     of a weight matrix is ever made: the model takes about its file's size.
     `repack` reorders the layers of the types that have one into the CPU
     kernels' interleaved layout (GGUFLinear.repack: the same results, faster
-    on AVX-512 VNNI CPUs), which copies their blocks out of the mapping.
+    on AVX-512 VNNI CPUs and for most of those types on AVX2 ones), which copies their blocks out of the mapping.
     """
     import transformers
 
