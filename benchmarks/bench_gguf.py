@@ -10,9 +10,9 @@ same threads:
   else the plain blocks); torch's dense fp32 and bf16 matmul of the same
   shape, and the machine's copy bandwidth;
 - for the types with one, lowbit's repacked layout (ggml_repack, 16 rows
-  interleaved; the same results bit for bit, with AVX2's kernels the
-  32-element types' to fp32 rounding) beside the file's, in every table but
-  dequantize;
+  interleaved; the same results bit for bit, the 32-element types' to fp32
+  rounding where the kernels read their layout) beside the file's, in every
+  table but dequantize;
 - the matvec again with its weights streamed from memory, as a model's decode
   reads them: distinct copies of the weight, STREAMED_BYTES in all (more than
   the machines' last-level caches), multiplied in turn, on every side;
@@ -116,10 +116,9 @@ def repacked(raw, t, rows, n):
 
 def sums_in_block_order(t):
     """Whether the active kernels' repacked matmul of type t sums each block's
-    dot in int32 first (AVX2, 32-element types), agreeing with the file
-    layout's to fp32 rounding rather than bit for bit."""
-    return (torch.ops.lowbit.cpu_isa() == "avx2" and torch.ops.lowbit.ggml_type_info(t)[0] == 32
-            and torch.ops.lowbit.cpu_reads_repacked(t))
+    dot in int32 first (the 32-element types where they read the layout),
+    agreeing with the file layout's to fp32 rounding rather than bit for bit."""
+    return torch.ops.lowbit.ggml_type_info(t)[0] == 32 and torch.ops.lowbit.cpu_reads_repacked(t)
 
 
 def repacked_fields(packed_ms, ms, layout_ms):
@@ -292,7 +291,7 @@ def print_matmul(records, bandwidth):
 LOADER_LAYOUT_HEADER = ["loader layout", "its ms", "vs it"]
 REPACKED_HEADER = ["repacked ms", "vs file", "vs loader"]
 REPACKED_NOTE = ("repacked: lowbit's repacked layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, the K-quants, IQ4_XS; "
-                 "the same results bit for bit, with AVX2 the 32-element types' to fp32 rounding), its time and "
+                 "the same results bit for bit, the 32-element types' to fp32 rounding), its time and "
                  "its speedup over lowbit's file layout and over "
                  "llama.cpp's loader layout")
 

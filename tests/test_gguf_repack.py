@@ -5,11 +5,12 @@ The layout is checked byte by byte against a NumPy statement of it written
 from its description here; the matmul must give exactly (bit for bit) what
 ggml_mul_mat_a8 / ggml_mul_mat_vec_a8 give for the file's layout, under
 every CPU ISA, for every batch size, with and without rows past the last
-whole 16-row tile. One exception: AVX2's kernel of the one-scale types
-(Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL) sums each block's dot in int32 before fp32
-(SumOrder::kBlockDot in ggml_repacked_avx2.h), so there each output row
-must equal that row's own matvec bit for bit at every batch size and the
-file layout's within fp32 rounding. The file-layout ops are themselves
+whole 16-row tile. One exception: where the kernels read the layout of the
+32-element types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; AVX2 all but Q8_0)
+as it is, they sum each block's dot in int32 before fp32 (RepackedFloatGemm
+in ggml_gemm_vnni.h, SumOrder::kBlockDot in ggml_repacked_avx2.h), so there
+each output row must equal that row's own matvec bit for bit at every batch
+size and the file layout's within fp32 rounding. The file-layout ops are themselves
 checked against gguf-py (test_gguf_ops.py)."""
 import copy
 
@@ -69,9 +70,25 @@ def test_layout_is_the_documented_one_and_inverts(name, rows):
     assert torch.equal(ops.ggml_repack(packed, gb.type_id(name), rows, N, True), W)
 
 
-def sums_in_block_order(isa, name):
-    """Whether the repacked kernel sums each block's dot in int32 first (see the module's docstring)."""
-    return isa == "avx2" and gb.block_shape(name)[0] == 32 and ops.cpu_reads_repacked(gb.type_id(name))
+def sums_in_block_order(qtype):
+    """Whether the active kernels' repacked matmul of a type id sums each
+    block's dot in int32 first (see the module's docstring)."""
+    return ops.ggml_type_info(qtype)[0] == 32 and ops.cpu_reads_repacked(qtype)
+
+
+def assert_same_outputs(got, expect, qtype, repacked=True):
+    """A layer's outputs those of its file layout: bit for bit, or where the
+    repacked kernels sum in block order, to fp32 rounding."""
+    if repacked and sums_in_block_order(qtype):
+        torch.testing.assert_close(got, expect, rtol=0, atol=1e-5 * expect.abs().max().item())
+    else:
+        assert torch.equal(got, expect)
+
+
+def assert_repacked_outputs(model, x, before):
+    """Each layer's outputs those of before it was repacked."""
+    for name, m in model.items():
+        assert_same_outputs(m(x), before[name], m.qtype, m.repacked)
 
 
 @pytest.mark.parametrize("name", REPACKED)
@@ -82,14 +99,14 @@ def test_matmul_equals_the_file_layout_bit_for_bit(cpu_isa, name, rows):
     integer-form types go through the GEMM driver from M = 16 or 64)
     against both file-layout ops, on every ISA (AVX-512 reads the layout,
     AVX2 reads it for the types cpu_reads_repacked names; the others put
-    the rows back and run their own kernel). Where AVX2 sums in block order:
-    every row its own matvec's bit for bit (AVX2's passes take 2 or 4
+    the rows back and run their own kernel). Where the kernels sum in block
+    order: every row its own matvec's bit for bit (passes take 2, 4 or 8
     activation rows), and the file layout's to within 4e-6 of the sum of the
     products' magnitudes (fp32 sums of 16 blocks in two orders)."""
     t = gb.type_id(name)
     W = torch.from_numpy(blocks(name, rows))
     packed = ops.ggml_repack(W, t, rows, N)
-    block_order = sums_in_block_order(cpu_isa, name)
+    block_order = sums_in_block_order(t)
     magnitudes = ops.ggml_dequantize(W, t, rows, N, torch.float32).abs().double()
     g = torch.Generator().manual_seed(rows)
     for M in (1, 2, 3, 5, 6, 7, 8, 9, 33, 64, 65):
@@ -176,11 +193,11 @@ def test_gguf_linear_repack_computes_the_same(name):
     assert not torch.equal(packed.qweight, plain.qweight) and packed.qweight.shape == plain.qweight.shape
     for shape in ((1, N), (3, N), (2, 9, N)):
         x = torch.randn(shape)
-        assert torch.equal(packed(x), plain(x))
+        assert_same_outputs(packed(x), plain(x), packed.qtype)
     assert torch.equal(packed.dequantize(), plain.dequantize())
     assert torch.equal(packed.file_layout_qweight(), plain.qweight)
     torch._dynamo.reset()  # each type's layer compiles anew: more types than the recompile limit
-    assert torch.equal(torch.compile(packed, fullgraph=True)(x), plain(x))
+    assert torch.equal(torch.compile(packed, fullgraph=True)(x), packed(x))
     assert torch.equal(packed.unrepack().qweight, plain.qweight) and not packed.repacked
 
 
@@ -195,7 +212,7 @@ def test_gguf_linear_state_dict_and_moves_keep_the_file_layout():
     assert torch.equal(fresh.qweight, plain.qweight) and torch.equal(fresh(x), plain(x))
     other = lowbit.GGUFLinear(N, 40, gb.type_id("Q4_0")).repack()
     other.load_state_dict(plain.state_dict())
-    assert other.repacked and torch.equal(other.qweight, packed.qweight) and torch.equal(other(x), plain(x))
+    assert other.repacked and torch.equal(other.qweight, packed.qweight) and torch.equal(other(x), packed(x))
     # Off the CPU (meta stands in for a GPU here) the bytes go back to the file's layout.
     moved = copy.deepcopy(packed).to("meta")
     assert not moved.repacked and moved.qweight.device.type == "meta"
@@ -228,11 +245,7 @@ def test_repack_model_on_avx2_takes_the_types_its_kernels_read():
                                              r"call for ggml types \[8, 13\]"):
             assert lowbit.repack_model(model) == ["a", "n"]
         assert [m.repacked for m in model.values()] == [True, False, False, True]
-        for name, m in model.items():  # Q4_0 and IQ4_NL now sum in block order (see the module's docstring)
-            if m.repacked:
-                torch.testing.assert_close(m(x), before[name], rtol=0, atol=1e-5 * before[name].abs().max().item())
-            else:
-                assert torch.equal(m(x), before[name]), name
+        assert_repacked_outputs(model, x, before)
     finally:
         ops.cpu_isa(isa)
 
@@ -247,7 +260,7 @@ def test_repack_model_takes_the_layers_with_a_layout():
     assert [m.repacked for m in model.values()] == [True, False, True, False]
     assert lowbit.repack_model(model, skip_types=()) == ["a", "c", "six"]
     assert [m.repacked for m in model.values()] == [True, False, True, True]
-    assert all(torch.equal(m(x), before[name]) for name, m in model.items())
+    assert_repacked_outputs(model, x, before)
     # Where the kernels would put the rows back on every call, nothing is repacked.
     model = torch.nn.ModuleDict({"a": layer("Q4_0")})
     before = torch.ops.lowbit.cpu_isa()

@@ -167,11 +167,13 @@ void mul_mat_quantized(const uint8_t* W, int64_t rows, int64_t n, const float* X
   const Isa isa = active_isa();
   bool offsets = false, block_sums = false;
 #if defined(__x86_64__)
-  // The repacked one-scale types without mins start their dots from the
-  // offsets (RepackedFloatGemm); rows past the last tile run the file's kernels.
-  if (isa == Isa::kAvx512)
-    offsets = (repacked && I::kBlock == 32 && !I::kHasMin) ||
-              ggml_mul_mat_avx512_takes_offsets(static_cast<int64_t>(T), M);
+  // The repacked one-scale types without mins start each block's dot from
+  // its activations' sum (RepackedFloatGemm); rows past the last tile run
+  // the file's kernels.
+  if (isa == Isa::kAvx512) {
+    offsets = ggml_mul_mat_avx512_takes_offsets(static_cast<int64_t>(T), M);
+    block_sums = repacked && I::kBlock == 32 && !I::kHasMin;
+  }
   if (isa == Isa::kAvx2) {
     offsets = ggml_mul_mat_avx2_takes_offsets(static_cast<int64_t>(T), M, repacked);
     block_sums = ggml_mul_mat_avx2_takes_block_sums(static_cast<int64_t>(T), repacked);

@@ -15,9 +15,11 @@
 //   vector lanes are, and the mins (Q4_1, Q5_1) sum apart as there.
 // Either way every fp32 operation is the matvec's, in its order, and the 8
 // lanes sum in hsum's order, so results equal the matvec's bit for bit.
-// RepackedFloatGemm runs FloatGemm's arithmetic, at every M, over a weight
-// whose 16-row tiles are stored the way this GEMM lays them out
-// (core/ggml_repack.h), with nothing left to transpose.
+// RepackedIntGemm runs IntGemm's arithmetic, at every M, over a weight whose
+// 16-row tiles are stored the way this GEMM lays them out
+// (core/ggml_repack.h), with nothing left to transpose; RepackedFloatGemm
+// reads the one-scale types' tiles so, but sums each block's dot in int32
+// before fp32 (results to fp32 rounding of the matvec's).
 // Include only inside the AVX-512 unit's target pragma region, after
 // ggml_levels_simd.h.
 #pragma once
@@ -287,8 +289,8 @@ struct FloatGemm {
   static __m512 total(const __m512* a) { return lane_order_sum(I::kHasMin ? _mm512_add_ps(a[0], a[8]) : a[0], a); }
 };
 
-// Activation rows per pass of the repacked kernels over a tile: their fp32
-// sums and the decoded levels fill the registers.
+// Activation rows per pass of RepackedIntGemm over a tile: their fp32 sums
+// and the decoded levels fill the registers.
 constexpr int kRepackedPassRows = 2;
 // Tile bytes in flight ahead of a pass's loads: each pass reads its tile as
 // one sequential stream, which Zen 4's hardware prefetcher alone does not
@@ -339,33 +341,44 @@ int64_t run_passes(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const gg
     for (; r + kTiles * ggml::kRepackRows <= r1; r += kTiles * ggml::kRepackRows)
       run_pass<Repacked, 1, kTiles>(W, r, row_bytes, blocks, acts, 0, out, rows);
   for (; r + ggml::kRepackRows <= r1; r += ggml::kRepackRows)
-    for_row_tiles<kRepackedPassRows>(M, [&](auto mt, int64_t m0) {
+    for_row_tiles<Repacked::kPassRows>(M, [&](auto mt, int64_t m0) {
       run_pass<Repacked, decltype(mt)::value, 1>(W, r, row_bytes, blocks, acts, m0, out, rows);
     });
   return r;
 }
 
-// FloatGemm's arithmetic over a repacked weight (core/ggml_repack.h): a
+// The one-scale types over a repacked weight (core/ggml_repack.h): a
 // block's 16 rows already lie one to a lane, so decoding is cutting nibbles
 // (or flipping Q8_0's sign bits) in 512-bit registers, with no per-row decode
-// and no transpose, and cheap enough to redo for every pair of activation
+// and no transpose, and cheap enough to redo for every pass of activation
 // rows: levels and sums stay in registers, where GemmVnni writes each
-// decoded Block to L1 and reads it back per activation row tile. The same
-// levels, scales and fp32 operations in the same order as FloatGemm::step
-// and total, so the same results bit for bit. Measured on Zen 4 (14336 x
-// 4096, 2 threads, streamed weights): through GemmVnni's Block a matvec ran
-// 10-12 GB/s a thread and M = 128 took as long as the file layout's GEMM;
-// in registers 1.0-1.8x faster than the file layout's kernels at M = 1,
-// 1.7-2.1x at M = 2-16, 1.4-1.7x at M = 128.
+// decoded Block to L1 and reads it back per activation row tile. Measured on
+// Zen 4 (14336 x 4096, 2 threads, streamed weights): through GemmVnni's
+// Block a matvec ran 10-12 GB/s a thread and M = 128 took as long as the
+// file layout's GEMM; in registers 1.0-1.8x faster than the file layout's
+// kernels at M = 1, 1.7-2.1x at M = 2-16, 1.4-1.7x at M = 128.
+// The levels are FloatGemm's, but each block's 8 group dots chain into one
+// int32 sum per row (starting from -128 * the activations' block sum,
+// ActRow::isum, where the levels went in + 128) and meet fp32 in one FMA a
+// block: FloatGemm's order (a conversion and an FMA per group, so that the
+// results were the matvec's bit for bit) took 3 of every 4 instructions a
+// group. Xeon VM, 14336 x 4096, 1 thread, alternating builds, M = 2 / 8 /
+// 128 in cache, before against after (8 activation rows a pass): Q4_0 1.45-1.50 /
+// 5.3-6.1 / 87-88 ms against 1.24-1.29 / 2.6 / 43-44, Q4_1 1.56-1.58 /
+// 5.1-5.7 / 77-81 against 1.34-1.46 / 2.5 / 42-43, Q5_0 1.85-1.89 / 6.7-7.2
+// / 101-106 against 1.52-1.65 / 2.9 / 48-49, Q8_0 2.56-2.59 / 6.8-8.0 /
+// 82-86 against 2.34-2.43 / 2.8-3.0 / 45-46, IQ4_NL 1.60-1.69 / 5.8-6.1 /
+// 92-95 against 1.21-1.32 / 2.8 / 45-47; the matvec in cache level to
+// 1.2x. Results agree with the file layout's to fp32 rounding, each row its
+// own matvec's bit for bit at every M.
 template <ggml::Type T>
 struct RepackedFloatGemm {
   using I = ggml::TypeInfo<T>;
-  using Float = FloatGemm<T>;
   static_assert(ggml::has_repacked_layout(T) && I::kBlock == 32, "a one-scale type with a repacked layout");
   static constexpr int kHalves = ggml::repacked_fields(T).count;             // fp16 fields per block
   static constexpr int kWords = (I::kBytes - 2 * kHalves) / 4;               // 4-byte words of quants
   static constexpr int64_t kTileBlockBytes = ggml::kRepackRows * I::kBytes;  // one block of the tile's rows
-  static constexpr int kAccs = Float::kAccs;
+  static constexpr int kAccs = 1 + I::kHasMin;  // fp32 sums per activation row: the dots, the mins
   // Tiles per matvec pass, each block of one followed by the same block of
   // the next. One tile a pass streamed Q4_0 at 2.35 ms on one thread of the
   // Xeon VM against 1.15 in cache (14336 x 4096, 1.5 GB of weights): the
@@ -374,7 +387,11 @@ struct RepackedFloatGemm {
   // Q8_0 and IQ4_NL 9-20% faster streamed, in cache level. The sums are
   // each tile's own, in the same order, so the results do not change.
   static constexpr int kMatvecTiles = 2;
-  static __m512 total(const __m512* a) { return Float::total(a); }
+  static __m512 total(const __m512* a) { return I::kHasMin ? _mm512_add_ps(a[0], a[1]) : a[0]; }
+  // Activation rows per pass: with a block's dot in one int32 register and
+  // one fp32 sum a row, 8 fit the registers (M = 8 / 128, Xeon VM: 2 a pass
+  // 4.0-4.2 / 59-62 ms for Q4_0, 4 a pass 2.8-3.1 / 45-47, 8 2.6 / 43-44).
+  static constexpr int kPassRows = 8;
 
   // Q5_0 and Q5_1: word 0 holds each row's 32-bit qh, element i's fifth bit at bit i.
   static constexpr bool kHighBits = T == ggml::Type::Q5_0 || T == ggml::Type::Q5_1;
@@ -405,21 +422,22 @@ struct RepackedFloatGemm {
     }
   }
 
-  // Block bi of a tile (at b) against MT activation rows: acc[m] as
-  // FloatGemm::step leaves it.
+  // Block bi of a tile (at b) against MT activation rows: lane r of
+  // acc[m][0] += (row r's int32 dot) * (d_r * d_x), acc[m][1] += its mins.
   template <int MT>
   static inline void block(const uint8_t* b, int64_t bi, const ggml::ActRow* a, __m512 (&acc)[MT][kAccs]) {
     prefetch_ahead(b, kTileBlockBytes);
     __m512 ds[MT];  // d_w * d_x
     for (int m = 0; m < MT; ++m) ds[m] = _mm512_mul_ps(half16(b), _mm512_set1_ps(a[m].d[bi]));
     const int64_t e = bi * I::kBlock;
-    // Group g's 4-element dots (levels: row r's 4 bytes in lane r) into fp32 lane g.
+    // The block's int32 dot per row (lane r), from -128 * (the activations'
+    // sum) where the levels went in + 128.
+    __m512i sum[MT];
+    for (int m = 0; m < MT; ++m)
+      sum[m] = I::kHasMin ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * a[m].isum[bi]);
+    // Group g's 4-element dots (levels: row r's 4 bytes in lane r).
     const auto dot = [&](__m512i levels, int g) {
-      for (int m = 0; m < MT; ++m) {
-        const __m512i start = I::kHasMin ? _mm512_setzero_si512() : bcast4(a[m].offset + e / 4 + g);
-        const __m512i p = _mm512_dpbusd_epi32(start, levels, bcast4(a[m].q + e + 4 * g));
-        acc[m][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), ds[m], acc[m][g]);
-      }
+      for (int m = 0; m < MT; ++m) sum[m] = _mm512_dpbusd_epi32(sum[m], levels, bcast4(a[m].q + e + 4 * g));
     };
     const uint8_t* words = words_of<T>(b);  // word w of the 16 rows at words + 64 w
     const __m512i qh = kHighBits ? _mm512_loadu_si512(words) : _mm512_setzero_si512();
@@ -434,10 +452,11 @@ struct RepackedFloatGemm {
         dot(level<k + 4>(_mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f)), qh), k + 4);
       }
     });
+    for (int m = 0; m < MT; ++m) acc[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m]), ds[m], acc[m][0]);
     if constexpr (I::kHasMin) {  // FloatGemm::step's mins: the product rounded, then added
       const __m512 mw = half16(b + 32);
       for (int m = 0; m < MT; ++m)
-        acc[m][8] = _mm512_add_ps(acc[m][8], _mm512_mul_round_ps(mw, _mm512_set1_ps(a[m].sum[bi]),
+        acc[m][1] = _mm512_add_ps(acc[m][1], _mm512_mul_round_ps(mw, _mm512_set1_ps(a[m].sum[bi]),
                                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     }
   }
@@ -468,6 +487,7 @@ template <ggml::Type T>
 struct RepackedIntGemm {
   using I = ggml::TypeInfo<T>;
   using Int = IntGemm<T>;
+  static constexpr int kPassRows = kRepackedPassRows;
   using Tile = RepackedTile<T>;
   static_assert(ggml::has_repacked_layout(T) && simd::has_int_scales<T>(), "an integer-form type with a repacked layout");
   static constexpr int64_t kTileBlockBytes = ggml::kRepackRows * I::kBytes;

@@ -192,8 +192,8 @@ def main(argv=None) -> int:
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the file's chat template")
     generate.add_argument("--repack", action="store_true",
                           help="GGUF: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL/K-quant/IQ4_XS layers in the CPU kernels' "
-                               "repacked layout (the same results, with AVX2 to fp32 rounding for the 32-element "
-                               "types; faster on AVX-512 VNNI CPUs, and on AVX2 ones for "
+                               "repacked layout (the same results, for the 32-element types to fp32 rounding; "
+                               "faster on AVX-512 VNNI CPUs, and on AVX2 ones for "
                                "Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL/Q4_K)")
     generate.set_defaults(run=cmd_generate)
     args = parser.parse_args(argv)

@@ -75,11 +75,11 @@ class GGUFLinear(nn.Module):
     Q8_0, IQ4_NL, the K-quants and IQ4_XS) into the interleaved layout the
     AVX-512 VNNI kernels read 16 rows at a time, and the AVX2 ones 8 at a
     time for most of those types (torch.ops.lowbit.ggml_repack): the same
-    results bit for bit (with AVX2, Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL sum each
-    block's dot in int32 first: the same to fp32 rounding, and each row its
-    own matvec's bit for bit at every batch size), faster where
-    reads_repacked_layout(qtype) (elsewhere each call puts the rows back
-    first). The layer keeps the file's layout everywhere
+    results bit for bit, but for the 32-element types where the kernels read
+    their layout (they sum each block's dot in int32 first: the same to fp32
+    rounding, each row its own matvec's bit for bit at every batch size);
+    faster where reads_repacked_layout(qtype) (elsewhere each call puts the
+    rows back first). The layer keeps the file's layout everywhere
     else: its state_dict, dequantize(), and a move to another device.
     """
 

@@ -37,8 +37,9 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     with `.to(device)`. Unlike transformers' own GGUF loading, no float copy
     of a weight matrix is ever made: the model takes about its file's size.
     `repack` reorders the layers of the types that have one into the CPU
-    kernels' interleaved layout (GGUFLinear.repack: the same results, faster
-    on AVX-512 VNNI CPUs and for most of those types on AVX2 ones), which copies their blocks out of the mapping.
+    kernels' interleaved layout (GGUFLinear.repack: the same results, for the
+    32-element types to fp32 rounding; faster on AVX-512 VNNI CPUs and for
+    most of those types on AVX2 ones), which copies their blocks out of the mapping.
     """
     import transformers
 
