@@ -306,7 +306,7 @@ struct RepackedFloatAvx2 {
           if constexpr (kOffsets)
             p = _mm256_add_epi32(p, _mm256_srai_epi32(bcast4x8(a[m].offset + e / 4 + g), kBiasShift));
           acc[m][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), ds[m], acc[m][g]);
-        } else if (kInt16Groups == 1) {
+        } else if constexpr (kInt16Groups == 1) {
           sum[m] = _mm256_add_epi32(sum[m], _mm256_madd_epi16(pairs, ones));
         } else {
           run[m] = _mm256_add_epi16(run[m], pairs);
