@@ -54,8 +54,8 @@ inline void act_offsets(const int8_t* q, int32_t* offset) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(offset), _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, 7)));
 }
 
-// One Q8_0 / Q8_1 block of 32.
-inline void quantize_q8_0_block(const float* x, int8_t* q, float* d, float* sum) {
+// One Q8_0 / Q8_1 block of 32; with isum, also its sum(q) (ActRow::isum).
+inline void quantize_q8_0_block(const float* x, int8_t* q, float* d, float* sum, int16_t* isum) {
   __m256 v[4], amax = _mm256_setzero_ps();
   for (int i = 0; i < 4; ++i) {
     v[i] = _mm256_loadu_ps(x + 8 * i);
@@ -69,6 +69,7 @@ inline void quantize_q8_0_block(const float* x, int8_t* q, float* d, float* sum)
   const int32_t s = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(l[0], l[1]), _mm256_add_epi32(l[2], l[3])));
   d[0] = fp16_to_fp32(fp32_to_fp16(dd));
   sum[0] = fp16_to_fp32(fp32_to_fp16(static_cast<float>(s) * dd));
+  if (isum) isum[0] = static_cast<int16_t>(s);  // |s| <= 32 * 127: exact
 }
 
 // One Q8_K block of 256: scaled by the signed element of largest magnitude

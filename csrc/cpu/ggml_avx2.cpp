@@ -163,12 +163,15 @@ bool ggml_mul_mat_avx2_takes_block_sums(int64_t type, bool repacked) {
 }
 
 void ggml_quantize_acts_avx2(ggml::Act act, const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, float* sum,
-                             int32_t* offset) {
+                             int32_t* offset, int16_t* isum) {
   const int block = act == ggml::Act::Q8_K ? 256 : 32;
   if (act == ggml::Act::Q8_K) {
     for (int64_t b = b0; b < b1; ++b) quantize_q8_k_block(x + 256 * b, q + 256 * b, d + b, sum + 16 * b);
+    // |sum of 16 int8| <= 2032: exact in int16.
+    if (isum)
+      for (int64_t i = 16 * b0; i < 16 * b1; ++i) isum[i] = static_cast<int16_t>(sum[i]);
   } else {
-    for (int64_t b = b0; b < b1; ++b) quantize_q8_0_block(x + 32 * b, q + 32 * b, d + b, sum + b);
+    for (int64_t b = b0; b < b1; ++b) quantize_q8_0_block(x + 32 * b, q + 32 * b, d + b, sum + b, isum ? isum + b : nullptr);
   }
   if (offset)
     for (int64_t e = b0 * block; e < b1 * block; e += 32) act_offsets(q + e, offset + e / 4);

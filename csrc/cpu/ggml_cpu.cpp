@@ -49,7 +49,8 @@ int64_t row_chunk(int64_t n, int64_t M, int64_t rows) {
 
 // All M activation rows quantized once per call, in the format T pairs with,
 // with ActRow::offset where `offsets` asks for it, and ActRow::isum for Q8_K
-// (the SIMD ISAs only) and where `block_sums` asks for it.
+// and where `block_sums` asks for it (the SIMD ISAs only: their quantizer
+// fills it).
 template <Act A>
 struct QuantizedActs {
   using L = ggml::ActLayout<A>;
@@ -69,24 +70,14 @@ struct QuantizedActs {
     at::parallel_for(0, M * blocks, std::max<int64_t>(1, 2048 / L::kBlock), [&](int64_t b0, int64_t b1) {
 #if defined(__x86_64__)
       if (isa != Isa::kPortable)
-        ggml_quantize_acts_avx2(A, x, b0, b1, q.data(), d.data(), sum.data(), offsets ? offset.data() : nullptr);
+        ggml_quantize_acts_avx2(A, x, b0, b1, q.data(), d.data(), sum.data(), offsets ? offset.data() : nullptr,
+                                isum.empty() ? nullptr : isum.data());
       else
 #endif
         for (int64_t b = b0; b < b1; ++b) {
           ggml::quantize_act_block<A>(x + b * L::kBlock, q.data() + b * L::kBlock, d.data() + b,
                                       sum.data() + b * kSums);
         }
-      // |sum of 32 int8| <= 4064: exact in int16. Q8_K's sums are integers
-      // already; Q8_0's and Q8_1's carry d.
-      for (int64_t i = b0 * kSums; i < b1 * kSums && !isum.empty(); ++i) {
-        if constexpr (A == Act::Q8_K) {
-          isum[i] = static_cast<int16_t>(sum[i]);
-        } else {
-          int s = 0;
-          for (int j = 0; j < L::kSumBlock; ++j) s += q[i * L::kSumBlock + j];
-          isum[i] = static_cast<int16_t>(s);
-        }
-      }
     });
   }
 

@@ -289,9 +289,6 @@ struct FloatGemm {
   static __m512 total(const __m512* a) { return lane_order_sum(I::kHasMin ? _mm512_add_ps(a[0], a[8]) : a[0], a); }
 };
 
-// Activation rows per pass of RepackedIntGemm over a tile: their fp32 sums
-// and the decoded levels fill the registers.
-constexpr int kRepackedPassRows = 2;
 // Tile bytes in flight ahead of a pass's loads: each pass reads its tile as
 // one sequential stream, which Zen 4's hardware prefetcher alone does not
 // keep up with (as for the file layout's rows, ggml_matmul_simd.h).
@@ -327,7 +324,8 @@ __attribute__((flatten)) void run_pass(const uint8_t* W, int64_t r, int64_t row_
 
 // The repacked kernels' driver: rows r0 .. r0 + 16 * tiles (r0 a tile's first
 // row) against M activation rows: a matvec Repacked::kMatvecTiles tiles a
-// pass, else each tile per pair of activation rows (the one left over alone).
+// pass, else each tile per Repacked::kPassRows activation rows (fewer for
+// those left over).
 // Returns the first row it did not take (past the last whole tile, in the
 // file's layout).
 template <class Repacked>
@@ -487,7 +485,9 @@ template <ggml::Type T>
 struct RepackedIntGemm {
   using I = ggml::TypeInfo<T>;
   using Int = IntGemm<T>;
-  static constexpr int kPassRows = kRepackedPassRows;
+  // Activation rows per pass over a tile: their fp32 sums and the decoded
+  // levels fill the registers.
+  static constexpr int kPassRows = 2;
   using Tile = RepackedTile<T>;
   static_assert(ggml::has_repacked_layout(T) && simd::has_int_scales<T>(), "an integer-form type with a repacked layout");
   static constexpr int64_t kTileBlockBytes = ggml::kRepackRows * I::kBytes;

@@ -47,10 +47,11 @@ bool ggml_mul_mat_avx2_takes_block_sums(int64_t type, bool repacked);
 
 // Activation blocks [b0, b1) of x (blocks of ActLayout<act>::kBlock) quantized
 // as quantize_act_block<act> does, bit for bit; act is Q8_0, Q8_1 or Q8_K.
-// With `offset`, also the blocks' ActRow::offset values (indexed as q / 4).
-// AVX2 only: the AVX-512 CPUs run it too.
+// With `offset`, also the blocks' ActRow::offset values (indexed as q / 4);
+// with `isum`, their ActRow::isum values (indexed as sum). AVX2 only: the
+// AVX-512 CPUs run it too.
 void ggml_quantize_acts_avx2(ggml::Act act, const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, float* sum,
-                             int32_t* offset);
+                             int32_t* offset, int16_t* isum);
 
 // Rows [r0, r1) of an [rows, n] weight dequantized into out (row r from
 // element (r - r0) * n) in fp32, or rounded once to fp16 / bf16; bit-exact
