@@ -6,12 +6,12 @@ from its description here; the matmul must give exactly (bit for bit) what
 ggml_mul_mat_a8 / ggml_mul_mat_vec_a8 give for the file's layout, under
 every CPU ISA, for every batch size, with and without rows past the last
 whole 16-row tile. One exception: where the kernels read the layout of the
-32-element types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; AVX2 all but Q8_0)
-as it is, they sum each block's dot in int32 before fp32 (RepackedFloatGemm
-in ggml_gemm_vnni.h, SumOrder::kBlockDot in ggml_repacked_avx2.h), so there
+32-element types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) as it is, they sum
+each block's dot in int32 before fp32 (RepackedFloatGemm in
+ggml_gemm_vnni.h, SumOrder::kBlockDot in ggml_repacked_avx2.h), so there
 each output row must equal that row's own matvec bit for bit at every batch
-size and the file layout's within fp32 rounding. The file-layout ops are themselves
-checked against gguf-py (test_gguf_ops.py)."""
+size and the file layout's within fp32 rounding. The file-layout ops are
+themselves checked against gguf-py (test_gguf_ops.py)."""
 import copy
 
 import numpy as np
@@ -220,7 +220,7 @@ def test_gguf_linear_state_dict_and_moves_keep_the_file_layout():
 
 
 # The types whose layout the AVX2 kernels read as it is (the others' rows go back per call).
-AVX2_READS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "IQ4_XS"]
+AVX2_READS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "IQ4_XS"]
 
 
 def test_cpu_reads_repacked_names_the_kernels_that_read_the_layout(cpu_isa):
@@ -240,9 +240,9 @@ def test_repack_model_on_avx2_takes_the_types_its_kernels_read():
         ops.cpu_isa("avx2")
         before = {name: m(x) for name, m in model.items()}
         with pytest.warns(UserWarning, match=r"this CPU's avx2 kernels would put the repacked rows back on every "
-                                             r"call for ggml types \[8, 13\]"):
-            assert lowbit.repack_model(model) == ["a", "n"]
-        assert [m.repacked for m in model.values()] == [True, False, False, True]
+                                             r"call for ggml types \[13\]"):
+            assert lowbit.repack_model(model) == ["a", "c", "n"]
+        assert [m.repacked for m in model.values()] == [True, True, False, True]
         assert_repacked_outputs(model, x, before)
     finally:
         ops.cpu_isa(isa)

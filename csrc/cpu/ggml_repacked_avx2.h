@@ -1,6 +1,6 @@
 // The one-scale types' repacked layout (core/ggml_repack.h) read as it is
-// with AVX2 (and the integer-form types': RepackedIntAvx2, below; Q3_K,
-// Q5_K, Q6_K and Q8_0 only for the file layout's batches): a 256-bit load of
+// with AVX2 (and the integer-form types': RepackedIntAvx2, below; Q5_K and
+// Q6_K only for the file layout's batches): a 256-bit load of
 // a word of the layout is that word of 8 of a tile's 16 rows, one per lane,
 // so a tile runs as two halves of 8 rows. Each 4-element group of 8 rows
 // meets its 4 activation bytes (broadcast) in one maddubs: the levels need
