@@ -15,6 +15,7 @@
 #include "../ggml_prepare.h"
 #include "ggml_cpu.h"
 #include "ggml_kernels.h"
+#include "huge_pages.h"
 #include "isa.h"
 #include "parallel.h"
 
@@ -275,6 +276,7 @@ at::Tensor ggml_repack(const at::Tensor& W, int64_t type, int64_t row, int64_t n
   const int64_t row_bytes = n / info.block * info.bytes;
   const uint8_t* src = W.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
+  advise_huge_pages(dst, out.numel());  // a model's weight, streamed by every matvec
   dispatch_ggml_type(type, [&](auto t) {
     constexpr ggml::Type T = decltype(t)::value;
     if constexpr (ggml::has_repacked_layout(T)) {
