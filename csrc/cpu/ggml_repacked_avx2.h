@@ -138,41 +138,55 @@ __attribute__((flatten)) void run_half_pass(const uint8_t* tile, int64_t blocks,
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + m * rows + kHalfRows * H, Kernel::total(acc[m]));
 }
 
-// A matvec of the tile at `tile`: each block's two halves in turn, so that
-// the second reads the lines the first brought into L1, each half
-// prefetching its share of the block Kernel::kMatvecAheadBytes ahead. A
-// whole half at a time (run_half_pass) re-read the tile from L2 and left the
-// memory and the arithmetic taking turns. Xeon VM, 14336 x 4096, 1 thread,
+// The tile at `tile` against activation rows a[0 .. MT), MT <= the
+// kernel's kPassRows: each block's two halves in turn, so that the second
+// reads the lines the first brought into L1, each half prefetching its
+// share of the block Kernel::kMatvecAheadBytes ahead. A whole half at a
+// time (run_half_pass) re-read the tile from L2 and left the memory and the
+// arithmetic taking turns. Matvecs, Xeon VM, 14336 x 4096, 1 thread,
 // alternating builds, ms with 1.5 GB of weights streamed / in cache, half
 // by half against in turn: Q4_0 3.06-3.13 / 1.78-1.81 against 2.24-2.30 /
 // 1.54-1.58, Q4_1 3.17 / 1.78-1.85 against 2.40-2.45 / 1.36-1.45, IQ4_NL
 // 3.03-3.09 against 2.33-2.35 streamed, Q5_0 and Q5_1 4.2-4.4 against
 // 3.1-3.3, Q4_K 2.96-2.99 / 1.79-1.80 against 2.33-2.46 / 1.46-1.54, IQ4_XS
 // 2.78 against 2.22, Q2_K 1.91-1.96 against 1.72-1.80, Q3_K 2.51-2.54
-// against 2.13-2.24 (in cache level for Q5_0, Q5_1, Q2_K and Q3_K). The halves take
-// h as a constant: as a loop variable, Q4_K streamed at 2.8 ms. Each half's
-// sums are its own, in the same order, so the results do not change.
-template <class Kernel>
-__attribute__((flatten)) void run_matvec_tile(const uint8_t* tile, int64_t blocks, const ggml::ActRow* a, float* out) {
+// against 2.13-2.24 (in cache level for Q5_0, Q5_1, Q2_K and Q3_K). The
+// same held for the batches that one pass takes: streamed on 2 threads,
+// half by half against in turn, Q4_K M = 2 / 4 2.45 / 2.97 against 1.95 /
+// 2.36 ms (its file layout 1.87 / 2.33), Q4_1 M = 3 / 4 3.14 / 3.34 against
+// 2.17 / 2.48, Q5_1 3.68 / 3.94 against 2.56 / 2.81, Q8_0 M = 2 4.34
+// against 2.91. In cache faster or level too (1 thread, M = 2: Q4_K 2.12
+// against 1.70, Q8_0 3.10 against 2.40), but for the mins types and Q5_0
+// at M = 3 and 4, whose two halves' sums outgrow the registers: Q4_1 M = 4
+// 3.00 against 3.63 ms, Q5_1 3.57 against 4.08, Q5_0 3.34 against 3.96; a
+// model that fits in cache is the exception, so the stream wins. The halves
+// take h as a constant: as a loop variable, Q4_K streamed at 2.8 ms. Each
+// half's sums are its own, in the same order as a half pass's, so the
+// results do not change.
+template <class Kernel, int MT>
+__attribute__((flatten)) void run_whole_tile(const uint8_t* tile, int64_t blocks, const ggml::ActRow* a, float* out,
+                                             int64_t rows) {
   constexpr int64_t kBlockBytes = Kernel::kTileBlockBytes;
-  __m256 acc[2][1][9];
+  __m256 acc[2][MT][9];
   for (auto& half : acc)
-    for (__m256& v : half[0]) v = _mm256_setzero_ps();
+    for (auto& row : half)
+      for (__m256& v : row) v = _mm256_setzero_ps();
   for (int64_t bi = 0; bi < blocks; ++bi) {
     const uint8_t* b = tile + bi * kBlockBytes;
     static_for<2>([&](auto half) {
       constexpr int h = decltype(half)::value;
       const char* at = reinterpret_cast<const char*>(b) + Kernel::kMatvecAheadBytes + h * kBlockBytes / 2;
-      Kernel::template block<1, Kernel::kIntoL1>(b, h, bi, a, acc[h], at, kBlockBytes / 2);
+      Kernel::template block<MT, Kernel::kIntoL1>(b, h, bi, a, acc[h], at, kBlockBytes / 2);
     });
   }
-  for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + kHalfRows * h, Kernel::total(acc[h][0]));
+  for (int h = 0; h < 2; ++h)
+    for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + m * rows + kHalfRows * h, Kernel::total(acc[h][m]));
 }
 
 // Kernel's whole tiles from row r0 on (before r1) against M activation rows:
-// a matvec through run_matvec_tile, else half by half against
-// Kernel::kPassRows activation rows at a time (run_half_pass). Returns the
-// first row it did not take.
+// up to Kernel::kPassRows of them through run_whole_tile, more half by half
+// against Kernel::kPassRows activation rows at a time (run_half_pass).
+// Returns the first row it did not take.
 template <class Kernel>
 int64_t run_half_tiles(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts, int64_t M,
                        float* out, int64_t rows) {
@@ -181,8 +195,10 @@ int64_t run_half_tiles(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, cons
   int64_t r = r0;
   for (; r + ggml::kRepackRows <= r1; r += ggml::kRepackRows) {
     const uint8_t* tile = W + r * row_bytes;
-    if (M == 1) {
-      run_matvec_tile<Kernel>(tile, blocks, acts, out + r);
+    if (M <= Kernel::kPassRows) {
+      for_row_tiles<Kernel::kPassRows>(M, [&](auto mt, int64_t m0) {
+        run_whole_tile<Kernel, decltype(mt)::value>(tile, blocks, acts + m0, out + m0 * rows + r, rows);
+      });
       continue;
     }
     static_for<2>([&](auto h) {
