@@ -125,9 +125,9 @@ def assert_repacked_outputs(model, x, before):
 @pytest.mark.parametrize("name", REPACKED)
 @pytest.mark.parametrize("rows", [40, 64])
 def test_matmul_equals_the_file_layout_bit_for_bit(cpu_isa, name, rows):
-    """Every batch size (AVX-512's passes take activation rows in pairs and
-    AVX2's Q2_K, Q4_K and IQ4_XS passes in fours, so the rows left over too; the
-    integer-form types go through the GEMM driver from M = 16 or 64)
+    """Every batch size (passes take up to 8 activation rows with AVX-512
+    and up to 4 with AVX2, so the rows left over too; the integer-form types
+    go through the GEMM driver from M = 16 or 64)
     against both file-layout ops, on every ISA (AVX-512 reads the layout,
     AVX2 reads it for the types cpu_reads_repacked names; the others put
     the rows back and run their own kernel). Where the kernels sum in block

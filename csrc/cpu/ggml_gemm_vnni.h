@@ -485,9 +485,16 @@ template <ggml::Type T>
 struct RepackedIntGemm {
   using I = ggml::TypeInfo<T>;
   using Int = IntGemm<T>;
-  // Activation rows per pass over a tile: their fp32 sums and the decoded
-  // levels fill the registers.
-  static constexpr int kPassRows = 2;
+  // Activation rows per pass over a tile. Each pass past a tile's first
+  // reads it from L2 while the memory idles, so 2 a pass (as this had
+  // been, for the rows' sums and the levels to fit the registers) was
+  // slower everywhere: Xeon VM, 14336 x 4096, ms at M = 4 / 8, 2 a pass against 8,
+  // weights streamed on 1 thread Q4_K 3.57 / 5.14 against 3.03 / 4.13, Q6_K
+  // 5.71 / 8.51 against 4.71 / 5.95, IQ4_XS 3.77 / 5.93 against 2.97 /
+  // 4.10 (2 threads M = 8: 2.97, 4.74, 3.40 against 2.55, 3.52, 2.54); in
+  // cache, 1 thread, Q4_K 2.10 / 3.55 against 1.68 / 2.55, Q6_K 3.68 / 6.70
+  // against 2.79 / 4.01. 4 a pass fell in between.
+  static constexpr int kPassRows = 8;
   using Tile = RepackedTile<T>;
   static_assert(ggml::has_repacked_layout(T) && simd::has_int_scales<T>(), "an integer-form type with a repacked layout");
   static constexpr int64_t kTileBlockBytes = ggml::kRepackRows * I::kBytes;
@@ -500,8 +507,8 @@ struct RepackedIntGemm {
 
   // From kGemmRows activation rows: IntGemm's Block cut from the repacked
   // tile once per block for GemmVnni to meet every row with, 4 rows per
-  // level load. Redoing that cut per pair of rows, as the passes do, cost
-  // Q4_K's M = 128 6% against the file layout's GEMM (14336 x 4096, 2
+  // level load. Redoing that cut per pass, as the passes do (of 2 rows
+  // when measured), cost Q4_K's M = 128 6% against the file layout's GEMM (14336 x 4096, 2
   // threads); the passes stay ahead of this form up to M = 32 where a
   // span's scaling is one vpdpwssd (Q2_K, Q4_K), but not past M = 16 where
   // it is a vpmulld per activation row (Q5_K, Q6_K, IQ4_XS: 0.92-0.98x the
