@@ -118,7 +118,7 @@ ensure_built() {
 # tests' gguf helpers) cannot even be collected without it.
 pytest_ignores() {
   if ! $PY -c 'import gguf' 2>/dev/null; then
-    grep -lE '^(import|from) (gguf|gguf_blocks|gguf_files)([ .]|$)' tests/*.py | sed 's/^/--ignore=/'
+    grep -lE '^(import|from) (gguf|gguf_blocks|gguf_files|tiny_models)([ .]|$)' tests/*.py | sed 's/^/--ignore=/'
   fi
 }
 

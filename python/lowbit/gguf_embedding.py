@@ -6,14 +6,19 @@ from torch import nn
 
 
 class GGUFEmbedding(nn.Module):
-    """out[..., :] = dequantized row `ids[...]` of the blocks, in `dtype`.
+    """out[..., :] = dequantized row `ids[...]` of the blocks, in `dtype`
+    (times `embed_scale`, where given).
 
     Buffer `qweight`: uint8 [num_embeddings, embedding_dim / block * type_size],
     the rows exactly as a GGUF file stores them (one row per token, whole
-    blocks, so a row dequantizes on its own, exactly).
+    blocks, so a row dequantizes on its own, exactly). `embed_scale` stands in
+    for transformers' ScaledWordEmbedding (the Gemma models' sqrt(hidden)):
+    held as a buffer that follows model.to(dtype), and applied as that
+    module applies it, in the output's dtype.
     """
 
-    def __init__(self, qweight: torch.Tensor, qtype: int, embedding_dim: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, qweight: torch.Tensor, qtype: int, embedding_dim: int, dtype: torch.dtype = torch.float32,
+                 embed_scale: float | None = None):
         super().__init__()
         block, type_size = torch.ops.lowbit.ggml_type_info(qtype)
         if embedding_dim % block or qweight.dtype != torch.uint8 or qweight.dim() != 2 \
@@ -26,6 +31,8 @@ class GGUFEmbedding(nn.Module):
         # The output dtype, held by an empty float buffer so that it follows
         # model.to(dtype) as a float weight would (the blocks stay uint8).
         self.register_buffer("out_dtype", torch.empty(0, dtype=dtype), persistent=False)
+        self.register_buffer("embed_scale", None if embed_scale is None else torch.tensor(embed_scale).to(dtype),
+                             persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
@@ -37,6 +44,8 @@ class GGUFEmbedding(nn.Module):
         rows = self.qweight.index_select(0, flat)
         out = torch.ops.lowbit.ggml_dequantize(rows, self.qtype, rows.shape[0], self.embedding_dim,
                                                self.out_dtype.dtype)
+        if self.embed_scale is not None:
+            out = out * self.embed_scale.to(out.dtype)
         return out.reshape(*ids.shape, self.embedding_dim)
 
     def dequantize(self) -> torch.Tensor:
@@ -45,4 +54,5 @@ class GGUFEmbedding(nn.Module):
                                                 self.out_dtype.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype}, dtype={self.out_dtype.dtype}"
+        scale = "" if self.embed_scale is None else f", embed_scale={self.embed_scale.item():g}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype}, dtype={self.out_dtype.dtype}{scale}"

@@ -14,7 +14,7 @@ from torch import nn
 from .gguf_embedding import GGUFEmbedding
 from .gguf_file import GGUFFile, load_gguf
 from .gguf_linear import repack_model
-from .gguf_llama import HF_MODEL_CLASSES, HF_TOKENIZER_CLASSES, check_architecture, config_from_gguf
+from .gguf_arch import ARCHITECTURES, check_architecture, config_from_gguf
 from .gptq.checkpoint import checkpoint_files
 from .replace import check_shape, place_gguf_tensors, replace_linear
 
@@ -24,11 +24,16 @@ __all__ = ["load_gguf_model", "load_gguf_tokenizer", "load_gptq_model"]
 # divisors in this tensor instead of metadata.
 ROPE_FREQS = "rope_freqs.weight"
 TOKEN_EMBD = "token_embd.weight"
+# A phi3 LongRoPE file's per-frequency factors, which its config holds (config_from_gguf).
+ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, repack: bool = False) -> nn.Module:
-    """The transformers LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM
-    that a llama, qwen2 or qwen3 GGUF file describes, in eval mode on the CPU.
+    """The transformers model (ARCHITECTURES[arch].model_class:
+    LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GemmaForCausalLM,
+    Gemma2ForCausalLM, Gemma3ForCausalLM or Phi3ForCausalLM) that a GGUF file
+    of the llama, qwen2, qwen3, gemma, gemma2, gemma3 or phi3 architecture
+    describes, in eval mode on the CPU.
 
     Every linear layer the file has a quantized weight for is a GGUFLinear
     over the file's blocks (memory-mapped, so loading reads no weight bytes),
@@ -46,11 +51,11 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     path = os.fspath(path)
     f = load_gguf(path)
     arch = check_architecture(f.metadata, f"load_gguf_model: {path}")
-    model_class = getattr(transformers, HF_MODEL_CLASSES[arch])
+    model_class = getattr(transformers, ARCHITECTURES[arch].model_class)
     config = model_class.config_class(**config_from_gguf(f.metadata, f.tensors))
     model = _on_meta(lambda: model_class(config), config, dtype)
-    _embed_tokens_from_blocks(model, f, dtype)
-    place_gguf_tensors(model, f, "load_gguf_model", consumed=(ROPE_FREQS, TOKEN_EMBD))
+    _embed_tokens_from_blocks(model, f, dtype, ARCHITECTURES[arch].scaled_embedding)
+    place_gguf_tensors(model, f, "load_gguf_model", consumed=(ROPE_FREQS, TOKEN_EMBD, *ROPE_FACTORS))
     _rebuild_computed_buffers(model)
     _apply_rope_freqs(model, f)
     if repack:
@@ -58,15 +63,22 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     return _checked(model, f"load_gguf_model: {path}")
 
 
-def _embed_tokens_from_blocks(model: nn.Module, f: GGUFFile, dtype: torch.dtype) -> None:
+def _embed_tokens_from_blocks(model: nn.Module, f: GGUFFile, dtype: torch.dtype, scaled: bool) -> None:
     """The token embedding as a GGUFEmbedding over the file's blocks (rows
     dequantized as they are looked up; a tied LM head multiplies by the same
-    blocks), where a float table would be the model's largest tensor."""
+    blocks), where a float table would be the model's largest tensor. Where
+    the model's own embedding scales its output (`scaled`: the Gemma
+    models' ScaledWordEmbedding, by sqrt(hidden_size)), the GGUFEmbedding does."""
     embd = f.tensors.get(TOKEN_EMBD)
     if embd is None:
         return  # replace_linear reports the missing parameter
-    check_shape(f.path, embd, "the config's token embedding", tuple(model.get_input_embeddings().weight.shape))
-    model.set_input_embeddings(GGUFEmbedding(embd.data, embd.type, embd.shape[1], dtype))
+    current = model.get_input_embeddings()
+    check_shape(f.path, embd, "the config's token embedding", tuple(current.weight.shape))
+    if scaled != hasattr(current, "embed_scale"):  # a transformers version that scales elsewhere
+        raise RuntimeError(f"load_gguf_model: {type(current).__name__} of {type(model).__name__} "
+                           f"{'does not scale' if scaled else 'scales'} its embeddings, which lowbit does not expect")
+    scale = model.config.hidden_size ** 0.5 if scaled else None
+    model.set_input_embeddings(GGUFEmbedding(embd.data, embd.type, embd.shape[1], dtype, scale))
 
 
 def load_gguf_tokenizer(path: str | os.PathLike):
@@ -79,7 +91,8 @@ def load_gguf_tokenizer(path: str | os.PathLike):
 
     path = os.fspath(path)
     directory, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
-    tokenizer_class = HF_TOKENIZER_CLASSES.get(load_gguf(path).metadata.get("general.architecture"))
+    arch = ARCHITECTURES.get(load_gguf(path).metadata.get("general.architecture"))
+    tokenizer_class = arch.tokenizer_class if arch else None
     if tokenizer_class is None:
         return transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
     return getattr(transformers, tokenizer_class).from_pretrained(directory, gguf_file=name)

@@ -11,7 +11,7 @@ from torch import nn
 
 from .gguf_file import GGUFError, GGUFFile, GGUFTensor, load_gguf
 from .gguf_linear import GGUFLinear
-from .gguf_llama import check_architecture, hf_name, rows_in_hf_order
+from .gguf_arch import check_architecture, hf_name, hf_value, rows_in_hf_order
 from .gptq.checkpoint import GPTQCheckpointError, load_gptq
 
 
@@ -28,12 +28,13 @@ def replace_linear(model: nn.Module, path: str | os.PathLike, checkpoint_format:
     ValueError; checkpoint tensors the model has no place for are warned about
     and listed in the report.
 
-    A `.gguf` file of the llama, qwen2 or qwen3 architecture (names as
-    llama.cpp's converter writes them; others raise ValueError): every
-    nn.Linear the file has a quantized weight for becomes a GGUFLinear over
-    the file's own blocks; embeddings, norms and biases are loaded as float
-    tensors; a llama file's Q/K row permutation is undone on the quantized
-    rows (and biases).
+    A `.gguf` file of an architecture in lowbit.gguf_arch.ARCHITECTURES
+    (llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3; names as llama.cpp's
+    converter writes them; others raise ValueError): every nn.Linear the file
+    has a quantized weight for becomes a GGUFLinear over the file's own
+    blocks; embeddings, norms and biases are loaded as float tensors; what
+    the converter did is undone: a llama file's Q/K row permutation on the
+    quantized rows (and biases), the + 1 on a Gemma file's norm weights.
 
     A GPTQ checkpoint (a directory, or a .safetensors file beside its config):
     every module with a qweight becomes a GPTQLinear holding the checkpoint's
@@ -111,7 +112,7 @@ def place_gguf_tensors(model: nn.Module, f: GGUFFile, caller: str, consumed: tup
     uses itself (`consumed`). A model built on the meta device gets the
     file's float tensors as new parameters."""
     path = f.path
-    check_architecture(f.metadata, f"{caller}: {path}")
+    arch = check_architecture(f.metadata, f"{caller}: {path}")
     report = ReplaceReport()
     wanted = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     placed = set()
@@ -119,7 +120,7 @@ def place_gguf_tensors(model: nn.Module, f: GGUFFile, caller: str, consumed: tup
     # Linear weights first, so bias tensors find their (new) layers afterwards.
     tensors = sorted(f.tensors.values(), key=lambda t: not t.name.endswith(".weight"))
     for t in tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         module_name, _, attr = (name or "").rpartition(".")
         module = _get_module(model, module_name) if name else None
         if module is None or not hasattr(module, attr):
@@ -133,7 +134,7 @@ def place_gguf_tensors(model: nn.Module, f: GGUFFile, caller: str, consumed: tup
         else:
             target = getattr(module, attr)
             check_shape(path, t, name, tuple(target.shape))
-            value = rows_in_hf_order(t.name, t.dequantize(), f.metadata)  # a bias's elements are its rows
+            value = hf_value(t.name, t.dequantize(), f.metadata)
             _load_tensor(model, target, value)
             report.loaded.append(name)
         placed.add(name)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .gguf_file import load_gguf
-from .gguf_llama import config_from_gguf, hf_name, rows_in_hf_order
+from .gguf_arch import config_from_gguf, hf_name, hf_value
 from .gguf_linear import GGUFLinear
 from .gptq.checkpoint import save_gptq
 from .gptq.config import GPTQConfig
@@ -52,7 +52,7 @@ def load_float_model(path: str):
     params = dict(model.named_parameters())
     for t in f.tensors.values():
         with torch.no_grad():
-            params[hf_name(t.name)].copy_(rows_in_hf_order(t.name, t.dequantize(), f.metadata))
+            params[hf_name(t.name, "llama")].copy_(hf_value(t.name, t.dequantize(), f.metadata))
     return load_gguf_tokenizer(path), model
 
 
