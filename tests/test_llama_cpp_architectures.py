@@ -1,0 +1,140 @@
+"""lowbit.load_gguf_model against llama.cpp itself (llama-cpp-python, the
+optional extra `make deps` builds) on the same tiny file of every
+architecture lowbit loads (tiny_models.py, written as llama.cpp's converter
+writes them). What llama.cpp computes from a file is what the file means, so
+this checks lowbit's reading of it against an implementation that shares
+none of its code: tensor names and row order, the Gemma norms' + 1, the
+embedding scale, the query scale the converter leaves unwritten, logit
+softcaps, sliding windows and their layer pattern, each layer type's rope
+base and scaling, partial rotation and fused projections.
+
+The files hold F32 weights and llama.cpp keeps its KV cache in F32, so
+that both sides compute in fp32 and only what the file means can set them
+apart (the 8-bit products are checked against llama.cpp's on their own,
+test_cpu_kernels.py). The models are sharpened (queries and keys x16,
+embeddings x30) so that each of those features moves the logits; llama.cpp
+runs 24 tokens from an empty context, so a window of 5 masks most of each
+sliding layer's keys. Tolerance: the largest |logit difference| within 0.5%
+of the largest |logit|. Measured over 4 seeds: 0.000-0.001% for llama,
+qwen2, qwen3 and phi3 (with and without LongRoPE), up to 0.01% for gemma and
+0.05-0.15% for gemma2 and gemma3 (llama.cpp's GELU reads an fp16 table);
+each feature read wrongly (MISREADINGS) moved it by 2.3% (llama's Q/K rows)
+to 720% (a final softcap)."""
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+import lowbit
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make deps builds it)")
+pytest.importorskip("transformers")
+from llama_cpp_runner import LlamaCppLogits, llama_without_extra_buffers  # noqa: E402
+from tiny_models import MODELS, PHI3_LONGROPE, tiny_model, write_tiny_gguf  # noqa: E402
+
+F32 = 0  # ggml's type id, for llama.cpp's KV cache
+TOKENS = 24
+SHARPEN = 16  # queries and keys: attention sharp enough that softcaps, windows and rotations show
+TOLERANCE = 0.005
+
+
+# Each architecture's tiny model, and phi3's with LongRoPE.
+CASES = {**{arch: (arch, {}) for arch in MODELS}, "phi3-longrope": ("phi3", PHI3_LONGROPE)}
+
+
+def sharpened(arch, seed=0, **overrides):
+    model = tiny_model(arch, seed, **overrides)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight", "qkv_proj.weight")):
+                p.mul_(SHARPEN)
+            elif name.endswith("embed_tokens.weight"):
+                p.mul_(30)
+    return model
+
+
+def write_for_llama_cpp(path, model, arch):
+    """The converter's file, with a vocabulary llama.cpp takes without a
+    tokenizer (tokenizer.ggml.model "none" and a vocab_size)."""
+    extra = {"tokenizer.ggml.model": "none"}
+    if arch != "llama":  # the llama writer puts vocab_size there already
+        extra[f"{arch}.vocab_size"] = model.config.vocab_size
+    return write_tiny_gguf(path, model, arch, extra_metadata=extra, qtype=T.F32)
+
+
+def logits_difference(path, ids):
+    """max |lowbit - llama.cpp| / max |llama.cpp| over every position's logits."""
+    ours = lowbit.load_gguf_model(path)
+    llm = llama_without_extra_buffers(model_path=str(path), n_ctx=32, n_batch=32, logits_all=True, verbose=False,
+                                      n_threads=torch.get_num_threads(), type_k=F32, type_v=F32)
+    with torch.no_grad():
+        got = ours(ids).logits[0].numpy()
+    want = LlamaCppLogits(llm)(ids).logits[0].numpy()
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_agree_with_llama_cpp(tmp_path, case):
+    arch, overrides = CASES[case]
+    path = write_for_llama_cpp(tmp_path / f"{case}.gguf", sharpened(arch, **overrides), arch)
+    ids = torch.randint(0, 64, (1, TOKENS), generator=torch.Generator().manual_seed(0))
+    assert logits_difference(path, ids) < TOLERANCE
+
+
+def unscaled_embedding(model):
+    model.get_input_embeddings().embed_scale = None
+
+
+_GEMMA3_ROPE = MODELS["gemma3"][2]["rope_parameters"]
+# Ways to misread a file, each applied to lowbit's load of it: fields of its
+# Architecture, config kwargs, or a change to the loaded model.
+MISREADINGS = {
+    "llama: Q/K rows left in llama.cpp's order": ("llama", dict(arch=dict(qk_rows_permuted=False))),
+    "gemma: norms keeping the converter's + 1": ("gemma", dict(arch=dict(norm_offset=0.0))),
+    "gemma: embeddings unscaled": ("gemma", dict(model=unscaled_embedding)),
+    "gemma2: norms keeping the converter's + 1": ("gemma2", dict(arch=dict(norm_offset=0.0))),
+    "gemma2: queries scaled by hidden / heads": ("gemma2", dict(config=dict(query_pre_attn_scalar=16))),
+    "gemma2: no attention softcap": ("gemma2", dict(config=dict(attn_logit_softcapping=None))),
+    "gemma2: no final softcap": ("gemma2", dict(config=dict(final_logit_softcapping=None))),
+    "gemma2: no sliding window": ("gemma2", dict(config=dict(sliding_window=4096))),
+    "gemma2: layer pattern the other way": ("gemma2", dict(config=dict(
+        layer_types=["full_attention", "sliding_attention"]))),
+    "gemma3: sliding layers with the global base": ("gemma3", dict(config=dict(rope_parameters={
+        **_GEMMA3_ROPE, "sliding_attention": {"rope_type": "default", "rope_theta": 1e6}}))),
+    "gemma3: global layers unscaled": ("gemma3", dict(config=dict(rope_parameters={
+        **_GEMMA3_ROPE, "full_attention": {"rope_type": "default", "rope_theta": 1e6}}))),
+    "gemma3: llama.cpp's default layer pattern": ("gemma3", dict(config=dict(
+        layer_types=["sliding_attention", "sliding_attention"]))),
+    "gemma3: no final softcap": ("gemma3", dict(config=dict(final_logit_softcapping=None))),
+    "phi3: whole heads rotated": ("phi3", dict(config=dict(rope_parameters={
+        **MODELS["phi3"][2]["rope_parameters"], "partial_rotary_factor": 1.0}))),
+    "phi3-longrope: LongRoPE's factors ignored": ("phi3-longrope", dict(config=dict(rope_parameters={
+        **MODELS["phi3"][2]["rope_parameters"]}))),
+}
+
+
+@pytest.mark.parametrize("case", list(MISREADINGS))
+def test_each_feature_moves_the_logits(tmp_path, monkeypatch, case):
+    """The comparison above would catch each misreading: loaded that way,
+    lowbit's logits leave the tolerance by 4x or more (measured 4.5x for
+    llama's Q/K rows, 7.8x for gemma's unscaled embeddings, 34x and up for
+    the rest)."""
+    name, misread = MISREADINGS[case]
+    arch, overrides = CASES[name]
+    path = write_for_llama_cpp(tmp_path / f"{name}.gguf", sharpened(arch, **overrides), arch)
+    spec = lowbit.gguf_arch.ARCHITECTURES[arch]
+    monkeypatch.setitem(lowbit.gguf_arch.ARCHITECTURES, arch, dataclasses.replace(spec, **misread.get("arch", {})))
+    config_from_gguf = lowbit.models.config_from_gguf
+    monkeypatch.setattr(lowbit.models, "config_from_gguf",
+                        lambda *args: {**config_from_gguf(*args), **misread.get("config", {})})
+    load = lowbit.load_gguf_model
+
+    def load_misread(path):
+        model = load(path)
+        misread.get("model", lambda m: None)(model)
+        return model
+    monkeypatch.setattr(lowbit, "load_gguf_model", load_misread)
+    ids = torch.randint(0, 64, (1, TOKENS), generator=torch.Generator().manual_seed(0))
+    assert logits_difference(path, ids) > 4 * TOLERANCE
