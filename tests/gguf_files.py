@@ -220,6 +220,14 @@ def write_model_gguf(path: str, model, arch: str, qtype: T = T.Q8_0, extra_metad
         if config.final_logit_softcapping:
             writer.add_final_logit_softcapping(config.final_logit_softcapping)
         writer.add_sliding_window(config.sliding_window)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if experts:  # TextModel's expert counts, and Qwen2MoeModel's expert and shared-expert FFN sizes
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if hasattr(config, "moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if hasattr(config, "shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if arch == "phi3":  # Phi3MiniModel: the rotated part of each head, LongRoPE's factors as tensors
         rotated = int(rope.get("partial_rotary_factor", 1.0) * config.hidden_size) // n_head
         writer.add_rope_dimension_count(rotated)
@@ -236,18 +244,17 @@ def write_model_gguf(path: str, model, arch: str, qtype: T = T.Q8_0, extra_metad
         writer.add_key_value(key, value, _gguf_value_type(value))
     for name, value in (extra_tensors or {}).items():
         writer.add_tensor(name, value)
-    for hf, param in model.named_parameters():  # a tied LM head is not listed
+    for hf, value in _converter_tensors(model):
         name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise KeyError(f"gguf-py maps no {arch} tensor to {hf}")
-        value = param.detach().to(torch.float32).numpy()
         if arch == "llama" and hf.endswith(("q_proj.weight", "q_proj.bias")):
             value = converter_permute(value, n_head)
         elif arch == "llama" and hf.endswith(("k_proj.weight", "k_proj.bias")):
             value = converter_permute(value, n_head_kv)
         elif arch.startswith("gemma") and hf.endswith("norm.weight"):
             value = value + 1
-        if value.ndim == 2:
+        if value.ndim >= 2 and not name.endswith("ffn_gate_inp.weight"):  # routers stay F32, as the converter keeps them
             writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(value), qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, np.ascontiguousarray(value))
@@ -256,6 +263,24 @@ def write_model_gguf(path: str, model, arch: str, qtype: T = T.Q8_0, extra_metad
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _converter_tensors(model):
+    """(HF name, fp32 NumPy value) of each parameter as the converter takes
+    it: a tied LM head not listed, transformers' fused 3-D expert gate_up_proj
+    split into gate_proj and up_proj (Qwen2MoeModel.modify_tensors)."""
+    import torch
+
+    for hf, param in model.named_parameters():
+        value = param.detach().to(torch.float32).numpy()
+        if hf.endswith("mlp.experts.gate_up_proj"):
+            half = value.shape[1] // 2
+            yield hf.replace("gate_up_proj", "gate_proj.weight"), value[:, :half]
+            yield hf.replace("gate_up_proj", "up_proj.weight"), value[:, half:]
+        elif hf.endswith("mlp.experts.down_proj"):
+            yield hf + ".weight", value
+        else:
+            yield hf, value
 
 
 def _gguf_value_type(value):

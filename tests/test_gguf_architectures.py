@@ -40,6 +40,32 @@ def assert_logits_close(got, want, arch):
     assert ((got - want).norm() / want.norm()).item() < TOLERANCE.get(arch, 0.02)
 
 
+def expected_weights(reference):
+    """The float weight each lowbit layer of the loaded model must hold, by
+    its name: the reference's parameters (the tied lm_head too), and for a
+    GGUFExperts each expert's gate, up and down rows of transformers' 3-D
+    gate_up_proj and down_proj."""
+    expect = dict(reference.named_parameters(remove_duplicate=False))
+    for name, p in list(expect.items()):
+        if name.endswith("experts.gate_up_proj"):
+            module, half = name.removesuffix(".gate_up_proj"), p.shape[1] // 2
+            for e in range(p.shape[0]):
+                expect[f"{module}.gate_proj.{e}.weight"] = p[e, :half]
+                expect[f"{module}.up_proj.{e}.weight"] = p[e, half:]
+                expect[f"{module}.down_proj.{e}.weight"] = expect[f"{module}.down_proj"][e]
+    return expect
+
+
+def is_experts(module):
+    """transformers' experts module: its experts' weights in 3-D parameters."""
+    return isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter)
+
+
+def replaced_modules(source):
+    """The modules replace_linear must replace: every nn.Linear, and every experts module."""
+    return sorted(n for n, m in source.named_modules() if isinstance(m, torch.nn.Linear) or is_experts(m))
+
+
 def with_float_linears(model):
     """A copy of `model` with every GGUFLinear an nn.Linear of its dequantized
     weight: what the loader placed, without the kernels' 8-bit activations."""
@@ -64,7 +90,7 @@ def test_replace_linear_loads_the_architecture(tmp_path, arch):
     report = lowbit.replace_linear(model, path)
     assert report.unplaced == []
 
-    expect = dict(reference.named_parameters(remove_duplicate=False))  # the tied lm_head too
+    expect = expected_weights(reference)
     for name, module in model.named_modules():
         if isinstance(module, lowbit.GGUFLinear):
             torch.testing.assert_close(module.dequantize(), expect[f"{name}.weight"], rtol=0, atol=0, msg=name)
@@ -72,7 +98,7 @@ def test_replace_linear_loads_the_architecture(tmp_path, arch):
                 torch.testing.assert_close(module.bias, expect[f"{name}.bias"], rtol=0, atol=0, msg=name)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p, expect[name], rtol=0, atol=0, msg=name)
-    assert sorted(report.replaced) == sorted(n for n, m in source.named_modules() if isinstance(m, torch.nn.Linear))
+    assert sorted(report.replaced) == replaced_modules(source)
 
     ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -87,7 +113,7 @@ def test_an_architecture_of_unknown_row_order_is_refused(tmp_path):
     multipliers lowbit does not apply; loading must fail, not compute garbage."""
     path = write_model_gguf(str(tmp_path / "granite.gguf"), tiny_model("qwen2", seed=0), "granite")
     with pytest.raises(ValueError, match=r"architecture 'granite' is not supported \(supported: llama, qwen2, qwen3, "
-                                         r"gemma, gemma2, gemma3, phi3\)"):
+                                         r"gemma, gemma2, gemma3, phi3, qwen2moe, qwen3moe\)"):
         lowbit.replace_linear(tiny_model("qwen2", seed=1), path)
 
 
@@ -106,7 +132,9 @@ def test_load_gguf_model_builds_the_architecture(tmp_path, arch, overrides):
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "tie_word_embeddings", "attention_bias",
                 "hidden_act", "hidden_activation", "layer_types", "sliding_window", "query_pre_attn_scalar",
-                "attn_logit_softcapping", "final_logit_softcapping", "original_max_position_embeddings"):
+                "attn_logit_softcapping", "final_logit_softcapping", "original_max_position_embeddings",
+                "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "shared_expert_intermediate_size", "norm_topk_prob"):
         assert getattr(model.config, key, None) == getattr(source.config, key, None), key
     assert model.config.rms_norm_eps == pytest.approx(source.config.rms_norm_eps)  # an F32 in the file
     assert model.model.layers[0].self_attn.head_dim == source.model.layers[0].self_attn.head_dim
@@ -118,12 +146,15 @@ def test_load_gguf_model_builds_the_architecture(tmp_path, arch, overrides):
     scaling = getattr(source.model.rotary_emb, "attention_scaling", None)  # gemma3's: per layer type
     assert getattr(model.model.rotary_emb, "attention_scaling", None) == pytest.approx(scaling)
     assert not any(type(m) in (torch.nn.Linear, torch.nn.Embedding) for m in model.modules())
-    expect = dict(reference.named_parameters(remove_duplicate=False))
+    expect = expected_weights(reference)
     for name, module in model.named_modules():
         if isinstance(module, (lowbit.GGUFLinear, lowbit.GGUFEmbedding)):
             torch.testing.assert_close(module.dequantize(), expect[f"{name}.weight"], rtol=0, atol=0, msg=name)
-    # Nothing float bigger than a norm or bias: every matrix stays in its blocks.
-    assert max(t.numel() for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()) <= 64
+    assert sum(isinstance(m, lowbit.GGUFExperts) for m in model.modules()) == sum(map(is_experts, source.modules()))
+    # Nothing float bigger than a norm or bias (or a router, which files keep
+    # F32): every matrix stays in its blocks.
+    floats = [*model.named_parameters(), *model.named_buffers()]
+    assert max(t.numel() for n, t in floats if t.is_floating_point() and not n.endswith("mlp.gate.weight")) <= 64
     for name, p in model.named_parameters():
         torch.testing.assert_close(p, expect[name], rtol=0, atol=0, msg=name)
     for name, b in model.named_buffers():

@@ -6,20 +6,21 @@ this checks lowbit's reading of it against an implementation that shares
 none of its code: tensor names and row order, the Gemma norms' + 1, the
 embedding scale, the query scale the converter leaves unwritten, logit
 softcaps, sliding windows and their layer pattern, each layer type's rope
-base and scaling, partial rotation and fused projections.
+base and scaling, partial rotation, fused projections, and the experts:
+their routing, renormalized or not, and which rows are gate and which up.
 
 The files hold F32 weights and llama.cpp keeps its KV cache in F32, so
 that both sides compute in fp32 and only what the file means can set them
 apart (the 8-bit products are checked against llama.cpp's on their own,
 test_cpu_kernels.py). The models are sharpened (queries and keys x16,
-embeddings x30) so that each of those features moves the logits; llama.cpp
-runs 24 tokens from an empty context, so a window of 5 masks most of each
-sliding layer's keys. Tolerance: the largest |logit difference| within 0.5%
+embeddings x30, experts x8) so that each of those features moves the
+logits; llama.cpp runs 24 tokens from an empty context, so a window of 5
+masks most of each sliding layer's keys. Tolerance: the largest |logit difference| within 0.5%
 of the largest |logit|. Measured over 4 seeds: 0.000-0.001% for llama,
-qwen2, qwen3 and phi3 (with and without LongRoPE), up to 0.01% for gemma and
-0.05-0.15% for gemma2 and gemma3 (llama.cpp's GELU reads an fp16 table);
-each feature read wrongly (MISREADINGS) moved it by 2.3% (llama's Q/K rows)
-to 720% (a final softcap)."""
+qwen2, qwen3, qwen2moe, qwen3moe, mixtral and phi3 (with and without
+LongRoPE), up to 0.01% for gemma and 0.05-0.15% for gemma2 and gemma3
+(llama.cpp's GELU reads an fp16 table); each feature read wrongly
+(MISREADINGS) moved it by 2.3% (llama's Q/K rows) to 720% (a final softcap)."""
 import dataclasses
 
 import numpy as np
@@ -32,11 +33,12 @@ import lowbit
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make deps builds it)")
 pytest.importorskip("transformers")
 from llama_cpp_runner import LlamaCppLogits, llama_without_extra_buffers  # noqa: E402
-from tiny_models import MODELS, PHI3_LONGROPE, tiny_model, write_tiny_gguf  # noqa: E402
+from tiny_models import FILE_ARCH, MODELS, PHI3_LONGROPE, tiny_model, write_tiny_gguf  # noqa: E402
 
 F32 = 0  # ggml's type id, for llama.cpp's KV cache
 TOKENS = 24
 SHARPEN = 16  # queries and keys: attention sharp enough that softcaps, windows and rotations show
+EXPERTS_SCALE = 8  # the experts' weights: their share of the residual stream as large as attention's
 TOLERANCE = 0.005
 
 
@@ -52,16 +54,19 @@ def sharpened(arch, seed=0, **overrides):
                 p.mul_(SHARPEN)
             elif name.endswith("embed_tokens.weight"):
                 p.mul_(30)
+            elif ".experts." in name:
+                p.mul_(EXPERTS_SCALE)
     return model
 
 
-def write_for_llama_cpp(path, model, arch):
-    """The converter's file, with a vocabulary llama.cpp takes without a
-    tokenizer (tokenizer.ggml.model "none" and a vocab_size)."""
+def write_for_llama_cpp(path, model, name):
+    """The converter's file of model `name`, with a vocabulary llama.cpp takes
+    without a tokenizer (tokenizer.ggml.model "none" and a vocab_size)."""
+    arch = FILE_ARCH.get(name, name)
     extra = {"tokenizer.ggml.model": "none"}
     if arch != "llama":  # the llama writer puts vocab_size there already
         extra[f"{arch}.vocab_size"] = model.config.vocab_size
-    return write_tiny_gguf(path, model, arch, extra_metadata=extra, qtype=T.F32)
+    return write_tiny_gguf(path, model, name, extra_metadata=extra, qtype=T.F32)
 
 
 def logits_difference(path, ids):
@@ -77,14 +82,20 @@ def logits_difference(path, ids):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_agree_with_llama_cpp(tmp_path, case):
-    arch, overrides = CASES[case]
-    path = write_for_llama_cpp(tmp_path / f"{case}.gguf", sharpened(arch, **overrides), arch)
+    name, overrides = CASES[case]
+    path = write_for_llama_cpp(tmp_path / f"{case}.gguf", sharpened(name, **overrides), name)
     ids = torch.randint(0, 64, (1, TOKENS), generator=torch.Generator().manual_seed(0))
     assert logits_difference(path, ids) < TOLERANCE
 
 
 def unscaled_embedding(model):
     model.get_input_embeddings().embed_scale = None
+
+
+def gate_and_up_swapped(model):
+    for m in model.modules():
+        if isinstance(m, lowbit.GGUFExperts):
+            m.gate_proj, m.up_proj = m.up_proj, m.gate_proj
 
 
 _GEMMA3_ROPE = MODELS["gemma3"][2]["rope_parameters"]
@@ -110,6 +121,9 @@ MISREADINGS = {
     "gemma3: no final softcap": ("gemma3", dict(config=dict(final_logit_softcapping=None))),
     "phi3: whole heads rotated": ("phi3", dict(config=dict(rope_parameters={
         **MODELS["phi3"][2]["rope_parameters"], "partial_rotary_factor": 1.0}))),
+    "qwen2moe: top-k weights renormalized": ("qwen2moe", dict(config=dict(norm_topk_prob=True))),
+    "qwen3moe: top-k weights not renormalized": ("qwen3moe", dict(config=dict(norm_topk_prob=False))),
+    "mixtral: experts' gate and up swapped": ("mixtral", dict(model=gate_and_up_swapped)),
     "phi3-longrope: LongRoPE's factors ignored": ("phi3-longrope", dict(config=dict(rope_parameters={
         **MODELS["phi3"][2]["rope_parameters"]}))),
 }
@@ -119,11 +133,12 @@ MISREADINGS = {
 def test_each_feature_moves_the_logits(tmp_path, monkeypatch, case):
     """The comparison above would catch each misreading: loaded that way,
     lowbit's logits leave the tolerance by 4x or more (measured 4.5x for
-    llama's Q/K rows, 7.8x for gemma's unscaled embeddings, 34x and up for
+    llama's Q/K rows, 7.8x for gemma's unscaled embeddings, 21x and up for
     the rest)."""
-    name, misread = MISREADINGS[case]
-    arch, overrides = CASES[name]
-    path = write_for_llama_cpp(tmp_path / f"{name}.gguf", sharpened(arch, **overrides), arch)
+    case_name, misread = MISREADINGS[case]
+    name, overrides = CASES[case_name]
+    path = write_for_llama_cpp(tmp_path / f"{case_name}.gguf", sharpened(name, **overrides), name)
+    arch = FILE_ARCH.get(name, name)
     spec = lowbit.gguf_arch.ARCHITECTURES[arch]
     monkeypatch.setitem(lowbit.gguf_arch.ARCHITECTURES, arch, dataclasses.replace(spec, **misread.get("arch", {})))
     config_from_gguf = lowbit.models.config_from_gguf

@@ -33,10 +33,21 @@ MODELS = {
                     final_logit_softcapping=10.0,
                     rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                                      "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    # Mixtures of experts: 4 experts, 2 per token, so that 12 tokens give each several.
+    "qwen3moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                 dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
+    # A shared expert beside the routed ones, its gate a 1-D tensor in the
+    # file; an LM head of its own (llama.cpp's qwen2moe requires output.weight).
+    "qwen2moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+                 dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64, tie_word_embeddings=False)),
+    # Mixtral: a llama file with experts (FILE_ARCH).
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                dict(num_local_experts=4, num_experts_per_tok=2)),
     # Fused QKV and gate/up projections, half of each head rotated (as Phi-4-mini's 3/4).
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM,
-             dict(pad_token_id=None, bos_token_id=None, eos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
-                                                      "partial_rotary_factor": 0.5})),
+             dict(pad_token_id=None, bos_token_id=None, eos_token_id=None,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})),
 }
 # Phi-3.5's and Phi-4-mini's LongRoPE (tiny_model("phi3", seed, **PHI3_LONGROPE)):
 # per-frequency divisors, the short ones within the original context, as
@@ -48,6 +59,10 @@ PHI3_LONGROPE = dict(max_position_embeddings=1024, original_max_position_embeddi
 # gemma3's sliding-window pattern (llama.cpp's default is 5 sliding layers to
 # a global one; this two-layer model alternates).
 EXTRA_METADATA = {"gemma3": {"gemma3.attention.sliding_window_pattern": 2}}
+
+
+# The general.architecture of each model's file, where it is not the model's name.
+FILE_ARCH = {"mixtral": "llama"}
 
 
 def tiny_model(arch, seed, **overrides):
@@ -63,21 +78,24 @@ def tiny_model(arch, seed, **overrides):
             if p.ndim == 1:
                 value = torch.randn_like(p) * 0.3 + (1 if name.endswith("norm.weight") else 0)
                 p.copy_(torch.round(value * 1024) / 1024)  # a Gemma converter's + 1 exact
+            elif name.endswith("mlp.gate.weight"):  # routers decisive: no near-ties for two runs to break apart
+                p.normal_(0, 0.5)
     return model
 
 
-def write_tiny_gguf(path, model, arch, extra_metadata=None, **kwargs):
-    """`model` as llama.cpp's converter writes it, with EXTRA_METADATA."""
-    extra = {**EXTRA_METADATA.get(arch, {}), **(extra_metadata or {})}
-    return write_model_gguf(str(path), model, arch, extra_metadata=extra, **kwargs)
+def write_tiny_gguf(path, model, name, extra_metadata=None, **kwargs):
+    """Model `name` of MODELS as llama.cpp's converter writes it, with EXTRA_METADATA."""
+    extra = {**EXTRA_METADATA.get(name, {}), **(extra_metadata or {})}
+    return write_model_gguf(str(path), model, FILE_ARCH.get(name, name), extra_metadata=extra, **kwargs)
 
 
 def through_q8_0(model):
-    """The model with every 2-D weight quantized and dequantized by gguf-py."""
+    """The model with every weight matrix quantized and dequantized by gguf-py
+    (experts' 3-D ones row by row; not a router's, which files keep F32)."""
     model = copy.deepcopy(model)
     with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 2:
+        for name, p in model.named_parameters():
+            if p.ndim >= 2 and not name.endswith("mlp.gate.weight"):
                 q = quants.quantize(p.numpy(), T.Q8_0)
                 p.copy_(torch.from_numpy(quants.dequantize(q, T.Q8_0).reshape(p.shape)))
     return model

@@ -10,6 +10,7 @@ _library.load()
 from . import _fake  # noqa: E402,F401  (needs the ops loaded first)
 from . import gptq, tp  # noqa: E402,F401
 from .gguf_embedding import GGUFEmbedding  # noqa: E402
+from .gguf_experts import GGUFExperts  # noqa: E402
 from .gguf_file import GGUFError, GGUFFile, GGUFTensor, load_gguf  # noqa: E402
 from .gguf_linear import GGUFLinear, repack_model  # noqa: E402
 from .gptq import GPTQLinear, GPTQTensors, load_gptq, quantize_rtn, save_gptq  # noqa: E402
@@ -18,7 +19,8 @@ from .replace import ReplaceReport, replace_linear  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
-    "GGUFEmbedding", "GGUFError", "GGUFFile", "GGUFLinear", "GGUFTensor", "GPTQLinear", "GPTQTensors", "ReplaceReport",
+    "GGUFEmbedding", "GGUFError", "GGUFExperts", "GGUFFile", "GGUFLinear", "GGUFTensor", "GPTQLinear", "GPTQTensors",
+    "ReplaceReport",
     "load_gguf", "load_gguf_model", "load_gguf_tokenizer", "load_gptq", "load_gptq_model", "quantize_rtn",
     "repack_model", "replace_linear", "save_gptq",
 ]

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["Architecture", "ARCHITECTURES", "architecture", "check_architecture", "hf_name", "unpermute_rows",
-           "rows_in_hf_order", "hf_value", "config_from_gguf"]
+__all__ = ["Architecture", "ARCHITECTURES", "EXPERT_TENSORS", "architecture", "check_architecture", "hf_name",
+           "expert_modules", "unpermute_rows", "rows_in_hf_order", "hf_value", "config_from_gguf"]
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -44,6 +44,15 @@ _LLAMA_BLOCK = {**_ATTENTION, **_GATED_FFN, "attn_norm": "input_layernorm", "ffn
 _GEMMA2_BLOCK = {**_ATTENTION, **_GATED_FFN, "attn_norm": "input_layernorm",
                  "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                  "post_ffw_norm": "post_feedforward_layernorm"}
+# Mixture-of-experts layers: the router, and (EXPERT_TENSORS) the experts'
+# 3-D tensors, which make one module together.
+_MOE_BLOCK = {**_ATTENTION, "ffn_gate_inp": "mlp.gate", "attn_norm": "input_layernorm",
+              "ffn_norm": "post_attention_layernorm"}
+# Qwen2-MoE adds a shared expert, which every token goes through, scaled by
+# a sigmoid gate of one row (a 1-D tensor in the file).
+_QWEN2MOE_BLOCK = {**_MOE_BLOCK, "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                   "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+                   "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
 # Phi-3 keeps Q, K and V in one matrix and the FFN's gate and up in another,
 # as transformers' Phi3 does ([q; k; v] and [gate; up] rows, unchanged).
 _PHI3_BLOCK = {"attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj", "ffn_up": "mlp.gate_up_proj",
@@ -73,6 +82,9 @@ class Architecture:
     # Whether the config can rotate only part of each head (rope.dimension_count
     # smaller than the head): transformers' Phi3 can, the others rotate all of it.
     partial_rotary: bool = False
+    # The architecture of a file with experts ({arch}.expert_count > 0), where
+    # that is another transformers class (a llama file's Mixtral).
+    with_experts: Architecture | None = None
     # The architecture's own config kwargs: (metadata, arch, tensors, config
     # so far) -> kwargs. It may take out of the config so far what its class
     # spells otherwise (rope_theta and rope_scaling as rope_parameters).
@@ -86,6 +98,41 @@ def _llama_extra(metadata, arch, tensors, config):
 
 def _qwen3_extra(metadata, arch, tensors, config):
     return {"attention_bias": "blk.0.attn_q.bias" in set(tensors)}
+
+
+def _experts_config(metadata, arch, count_key: str, used_key: str) -> dict:
+    """The expert counts, and llama.cpp's routing: softmax over the experts,
+    the top expert_used_count of them, their weights renormalized to sum to 1
+    (build_moe_ffn with norm_w)."""
+    count, used = metadata.get(f"{arch}.expert_count", 0), metadata.get(f"{arch}.expert_used_count", 0)
+    if count <= 0 or not 0 < used <= count:
+        raise ValueError(f"config_from_gguf: {arch} file with {arch}.expert_count {count} and "
+                         f"{arch}.expert_used_count {used}")
+    return {count_key: count, used_key: used}
+
+
+def _mixtral_extra(metadata, arch, tensors, config):
+    return _experts_config(metadata, arch, "num_local_experts", "num_experts_per_tok")
+
+
+def _qwen_moe_config(metadata, arch, config, normalized: bool) -> dict:
+    """Qwen2-MoE's and Qwen3-MoE's: every layer routes, each expert's FFN
+    size (llama.cpp's default: feed_forward_length / expert_used_count),
+    and whether llama.cpp renormalizes the chosen experts' weights."""
+    return {**_experts_config(metadata, arch, "num_experts", "num_experts_per_tok"),
+            "moe_intermediate_size": metadata.get(f"{arch}.expert_feed_forward_length",
+                                                  config["intermediate_size"] // metadata[f"{arch}.expert_used_count"]),
+            "norm_topk_prob": normalized, "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
+def _qwen2moe_extra(metadata, arch, tensors, config):
+    shared = metadata.get(f"{arch}.expert_shared_feed_forward_length", config["intermediate_size"])
+    return {**_qwen_moe_config(metadata, arch, config, normalized=False), "shared_expert_intermediate_size": shared}
+
+
+def _qwen3moe_extra(metadata, arch, tensors, config):
+    return {**_qwen_moe_config(metadata, arch, config, normalized=True),
+            "attention_bias": "blk.0.attn_q.bias" in set(tensors)}
 
 
 def _layer_types(metadata: Mapping[str, Any], arch: str, layers: int, default_pattern: int) -> list[str]:
@@ -186,7 +233,9 @@ def _longrope_factors(metadata, arch, tensors) -> dict:
 
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture("LlamaForCausalLM", _LLAMA_BLOCK, "TokenizersBackend", qk_rows_permuted=True,
-                          extra_config=_llama_extra),
+                          extra_config=_llama_extra,
+                          with_experts=Architecture("MixtralForCausalLM", _MOE_BLOCK, "TokenizersBackend",
+                                                    qk_rows_permuted=True, extra_config=_mixtral_extra)),
     "qwen2": Architecture("Qwen2ForCausalLM", _LLAMA_BLOCK, "Qwen2Tokenizer"),
     "qwen3": Architecture("Qwen3ForCausalLM", _LLAMA_BLOCK, "Qwen2Tokenizer", extra_config=_qwen3_extra),
     "gemma": Architecture("GemmaForCausalLM", _LLAMA_BLOCK, norm_offset=1.0, scaled_embedding=True,
@@ -196,7 +245,12 @@ ARCHITECTURES: dict[str, Architecture] = {
     "gemma3": Architecture("Gemma3ForCausalLM", _GEMMA2_BLOCK, norm_offset=1.0, scaled_embedding=True,
                            extra_config=_gemma3_extra),
     "phi3": Architecture("Phi3ForCausalLM", _PHI3_BLOCK, partial_rotary=True, extra_config=_phi3_extra),
+    "qwen2moe": Architecture("Qwen2MoeForCausalLM", _QWEN2MOE_BLOCK, "Qwen2Tokenizer", extra_config=_qwen2moe_extra),
+    "qwen3moe": Architecture("Qwen3MoeForCausalLM", _MOE_BLOCK, "Qwen2Tokenizer", extra_config=_qwen3moe_extra),
 }
+
+# A layer's expert tensors (3-D: [experts, rows, n]) -> their part of GGUFExperts.
+EXPERT_TENSORS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
 
 _NAME_RE = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<base>\w+)\.(?P<suffix>weight|bias)")
 
@@ -212,13 +266,20 @@ def check_architecture(metadata: Mapping[str, Any], where: str) -> str:
 
 
 def architecture(metadata: Mapping[str, Any], where: str) -> Architecture:
-    return ARCHITECTURES[check_architecture(metadata, where)]
+    """The file's Architecture: its general.architecture's, or that one's
+    with_experts where the file has experts."""
+    arch = check_architecture(metadata, where)
+    spec = ARCHITECTURES[arch]
+    if spec.with_experts is not None and metadata.get(f"{arch}.expert_count", 0) > 0:
+        return spec.with_experts
+    return spec
 
 
-def hf_name(gguf_name: str, arch: str) -> str | None:
+def hf_name(gguf_name: str, arch: str | Architecture) -> str | None:
     """The transformers parameter name of a GGUF tensor in a file of
-    architecture `arch`, or None for tensors with no HF counterpart
-    (rope_freqs, rope_factors_*) or unknown names."""
+    architecture `arch` (a name of ARCHITECTURES, or the Architecture), or
+    None for tensors with no HF parameter of their own (rope_freqs,
+    rope_factors_*, the experts' tensors: expert_modules) or unknown names."""
     m = _NAME_RE.fullmatch(gguf_name)
     if m is None:
         return None
@@ -226,9 +287,21 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
     if layer is None:
         prefix = _GLOBAL_NAMES.get(base)
     else:
-        module = ARCHITECTURES[arch].block.get(base)
+        spec = ARCHITECTURES[arch] if isinstance(arch, str) else arch
+        module = spec.block.get(base)
         prefix = None if module is None else f"model.layers.{layer}.{module}"
     return None if prefix is None else f"{prefix}.{suffix}"
+
+
+def expert_modules(names: Iterable[str]) -> dict[str, dict[str, str]]:
+    """The experts modules a file's tensors make: transformers' module name
+    (model.layers.N.mlp.experts) -> {"gate" | "up" | "down": GGUF tensor name}."""
+    modules: dict[str, dict[str, str]] = {}
+    for name in names:
+        m = _NAME_RE.fullmatch(name)
+        if m and m["layer"] is not None and m["base"] in EXPERT_TENSORS and m["suffix"] == "weight":
+            modules.setdefault(f"model.layers.{m['layer']}.mlp.experts", {})[EXPERT_TENSORS[m["base"]]] = name
+    return modules
 
 
 def unpermute_rows(data: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -255,7 +328,7 @@ def rows_in_hf_order(name: str, rows: torch.Tensor, metadata: Mapping[str, Any])
     attn_k weights and biases) unpermuted with the file's head counts;
     everything else is as stored."""
     arch = check_architecture(metadata, "rows_in_hf_order")
-    if not ARCHITECTURES[arch].qk_rows_permuted:
+    if not architecture(metadata, "rows_in_hf_order").qk_rows_permuted:
         return rows
     n_head = metadata.get(f"{arch}.attention.head_count")
     if name.endswith(("attn_q.weight", "attn_q.bias")):
@@ -306,7 +379,7 @@ def config_from_gguf(metadata: Mapping[str, Any], tensors: Iterable[str] | Mappi
     factors are tensors (their values need the mapping).
     """
     arch = check_architecture(metadata, "config_from_gguf")
-    spec = ARCHITECTURES[arch]
+    spec = architecture(metadata, "config_from_gguf")
     missing = [f"{arch}.{k}" for k in _REQUIRED_KEYS.values() if f"{arch}.{k}" not in metadata]
     if missing:
         raise ValueError(f"config_from_gguf: metadata lacks {', '.join(missing)}")

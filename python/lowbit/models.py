@@ -14,7 +14,7 @@ from torch import nn
 from .gguf_embedding import GGUFEmbedding
 from .gguf_file import GGUFFile, load_gguf
 from .gguf_linear import repack_model
-from .gguf_arch import ARCHITECTURES, check_architecture, config_from_gguf
+from .gguf_arch import ARCHITECTURES, architecture, config_from_gguf
 from .gptq.checkpoint import checkpoint_files
 from .replace import check_shape, place_gguf_tensors, replace_linear
 
@@ -29,16 +29,19 @@ ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, repack: bool = False) -> nn.Module:
-    """The transformers model (ARCHITECTURES[arch].model_class:
-    LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GemmaForCausalLM,
+    """The transformers model (lowbit.gguf_arch.ARCHITECTURES: LlamaForCausalLM,
+    or MixtralForCausalLM for a llama file with experts, Qwen2ForCausalLM,
+    Qwen3ForCausalLM, Qwen3MoeForCausalLM, GemmaForCausalLM,
     Gemma2ForCausalLM, Gemma3ForCausalLM or Phi3ForCausalLM) that a GGUF file
-    of the llama, qwen2, qwen3, gemma, gemma2, gemma3 or phi3 architecture
-    describes, in eval mode on the CPU.
+    of the llama, qwen2, qwen3, qwen3moe, gemma, gemma2, gemma3 or phi3
+    architecture describes, in eval mode on the CPU.
 
     Every linear layer the file has a quantized weight for is a GGUFLinear
-    over the file's blocks (memory-mapped, so loading reads no weight bytes),
-    the token embedding a GGUFEmbedding over its blocks (rows dequantized as
-    they are looked up); norms and biases are dequantized to `dtype`. Move it
+    over the file's blocks (memory-mapped, so loading reads no weight
+    bytes), a mixture-of-experts layer's experts a GGUFExperts (a GGUFLinear
+    per expert and projection over the same mapping), the token embedding a
+    GGUFEmbedding over its blocks (rows dequantized as they are looked up);
+    norms, biases and routers are dequantized to `dtype`. Move it
     with `.to(device)`. Unlike transformers' own GGUF loading, no float copy
     of a weight matrix is ever made: the model takes about its file's size.
     `repack` reorders the layers of the types that have one into the CPU
@@ -50,11 +53,11 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
 
     path = os.fspath(path)
     f = load_gguf(path)
-    arch = check_architecture(f.metadata, f"load_gguf_model: {path}")
-    model_class = getattr(transformers, ARCHITECTURES[arch].model_class)
+    spec = architecture(f.metadata, f"load_gguf_model: {path}")
+    model_class = getattr(transformers, spec.model_class)
     config = model_class.config_class(**config_from_gguf(f.metadata, f.tensors))
     model = _on_meta(lambda: model_class(config), config, dtype)
-    _embed_tokens_from_blocks(model, f, dtype, ARCHITECTURES[arch].scaled_embedding)
+    _embed_tokens_from_blocks(model, f, dtype, spec.scaled_embedding)
     place_gguf_tensors(model, f, "load_gguf_model", consumed=(ROPE_FREQS, TOKEN_EMBD, *ROPE_FACTORS))
     _rebuild_computed_buffers(model)
     _apply_rope_freqs(model, f)

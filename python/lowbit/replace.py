@@ -11,7 +11,8 @@ from torch import nn
 
 from .gguf_file import GGUFError, GGUFFile, GGUFTensor, load_gguf
 from .gguf_linear import GGUFLinear
-from .gguf_arch import check_architecture, hf_name, hf_value, rows_in_hf_order
+from .gguf_arch import architecture, expert_modules, hf_name, hf_value, rows_in_hf_order
+from .gguf_experts import GGUFExperts
 from .gptq.checkpoint import GPTQCheckpointError, load_gptq
 
 
@@ -112,22 +113,28 @@ def place_gguf_tensors(model: nn.Module, f: GGUFFile, caller: str, consumed: tup
     uses itself (`consumed`). A model built on the meta device gets the
     file's float tensors as new parameters."""
     path = f.path
-    arch = check_architecture(f.metadata, f"{caller}: {path}")
+    spec = architecture(f.metadata, f"{caller}: {path}")
     report = ReplaceReport()
     wanted = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     placed = set()
+    in_experts = set(_place_experts(model, f, report, placed))
 
     # Linear weights first, so bias tensors find their (new) layers afterwards.
     tensors = sorted(f.tensors.values(), key=lambda t: not t.name.endswith(".weight"))
     for t in tensors:
-        name = hf_name(t.name, arch)
+        if t.name in in_experts:
+            continue
+        name = hf_name(t.name, spec)
         module_name, _, attr = (name or "").rpartition(".")
         module = _get_module(model, module_name) if name else None
         if module is None or not hasattr(module, attr):
             report.unplaced.append(t.name)
             continue
         if isinstance(module, nn.Linear) and attr == "weight":
-            check_shape(path, t, module_name, (module.out_features, module.in_features))
+            # A one-output layer may come as a 1-D tensor (qwen2moe's shared-expert gate).
+            one_row = module.out_features == 1 and len(t.shape) == 1
+            shape = (module.out_features, module.in_features)
+            check_shape(path, t, module_name, shape[1:] if one_row else shape)
             layer = GGUFLinear.from_raw(rows_in_hf_order(t.name, t.data, f.metadata), t.type, module.in_features, module.bias)
             model.set_submodule(module_name, layer)
             report.replaced.append(module_name)
@@ -147,6 +154,29 @@ def place_gguf_tensors(model: nn.Module, f: GGUFFile, caller: str, consumed: tup
     if missing:
         raise ValueError(f"{caller}: {path} has no tensor for model parameters {missing}")
     return report
+
+
+def _place_experts(model: nn.Module, f: GGUFFile, report: ReplaceReport, placed: set) -> list[str]:
+    """Each layer's expert tensors as one GGUFExperts in place of the model's
+    experts module (transformers' 3-D gate_up_proj and down_proj); returns
+    the GGUF tensors it used."""
+    used = []
+    for module_name, parts in expert_modules(f.tensors).items():
+        module = _get_module(model, module_name)
+        if not isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) or set(parts) != {"gate", "up", "down"}:
+            continue  # not transformers' 3-D experts, or not all three parts: reported unplaced by the caller
+        tensors = {part: f.tensors[name] for part, name in parts.items()}
+        experts, intermediate, hidden = module.down_proj.shape[0], module.down_proj.shape[2], module.down_proj.shape[1]
+        for part, shape in (("gate", (experts, intermediate, hidden)), ("up", (experts, intermediate, hidden)),
+                            ("down", (experts, hidden, intermediate))):
+            check_shape(f.path, tensors[part], f"{module_name}'s {part} experts", shape)
+        layer = GGUFExperts(*((tensors[p].data, tensors[p].type) for p in ("gate", "up", "down")), experts=experts,
+                            hidden_size=hidden, intermediate_size=intermediate, act_fn=module.act_fn)
+        model.set_submodule(module_name, layer)
+        report.replaced.append(module_name)
+        placed.update(f"{module_name}.{n}" for n, _ in module.named_parameters())
+        used += parts.values()
+    return used
 
 
 def _load_tensor(model: nn.Module, target: torch.Tensor, value: torch.Tensor) -> None:
