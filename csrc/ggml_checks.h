@@ -46,6 +46,40 @@ inline ggml::RuntimeInfo check_ggml_matmul(const char* op, const at::Tensor& W, 
   return check_ggml_weight(op, W, type, "row", rows, X.size(1));
 }
 
+// The shapes of a validated ggml_mul_mat_id call, and its ids as a
+// contiguous int32 [tokens * slots] tensor.
+struct GgmlMatmulId {
+  ggml::RuntimeInfo info;
+  int64_t experts, tokens, slots, n;
+  bool per_slot;  // X [tokens, slots, n] (else [tokens, n], the same row for every slot)
+  at::Tensor ids;
+};
+
+// Validates W [experts, row, row_bytes] (the experts' weights one after
+// another, as a GGUF expert tensor stores them), X [tokens, n] or [tokens,
+// slots, n] and ids [tokens, slots] (int32 / int64, values in [0, experts):
+// checked here for CPU tensors, by the device kernels otherwise).
+inline GgmlMatmulId check_ggml_matmul_id(const char* op, const at::Tensor& W, const at::Tensor& X,
+                                         const at::Tensor& ids, int64_t type, int64_t row) {
+  check_float_dtype(op, "X", X);
+  check_same_device(op, "X", X, W);
+  TORCH_CHECK_VALUE(X.dim() == 2 || X.dim() == 3, op, ": X must be [tokens, n] or [tokens, slots, n], got shape ",
+                    X.sizes());
+  check_dim(op, "W", W, 3);
+  check_dim(op, "ids", ids, 2);
+  const int64_t tokens = ids.size(0), slots = ids.size(1), n = X.size(-1), experts = W.size(0);
+  TORCH_CHECK_VALUE(X.size(0) == tokens && (X.dim() == 2 || X.size(1) == slots), op, ": X must be [tokens=", tokens,
+                    ", n]", " or [tokens=", tokens, ", slots=", slots, ", n] for ids ", ids.sizes(), ", got ",
+                    X.sizes());
+  int64_t weight_rows = 0;
+  TORCH_CHECK_VALUE(!c10::mul_overflows(experts, row, &weight_rows), op, ": ", experts, " experts of ", row,
+                    " rows overflow int64");
+  const ggml::RuntimeInfo info = check_ggml_weight(op, W, type, "row", weight_rows, n);
+  TORCH_CHECK_VALUE(W.size(1) == row, op, ": W must be [experts, row=", row, ", row_bytes], got shape ", W.sizes());
+  const at::Tensor ids32 = check_index_vector(op, "ids", ids.reshape(-1), W, tokens * slots, experts);
+  return {info, experts, tokens, slots, n, X.dim() == 3, ids32};
+}
+
 // Refuses a type without a repacked layout (core/ggml_repack.h), naming those with one.
 inline void check_ggml_repacked_type(const char* op, int64_t type) {
   bool has = false;

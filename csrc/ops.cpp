@@ -90,11 +90,19 @@ TORCH_LIBRARY(lowbit, m) {
   // (Q8_0 / Q8_1 / Q8_K per weight type) and integer dot products, fp32 sums.
   m.def("ggml_mul_mat_vec_a8(Tensor W, Tensor X, int type, SymInt row) -> Tensor");
   m.def("ggml_mul_mat_a8(Tensor W, Tensor X, int type, SymInt row) -> Tensor");
+  // Mixture of experts, as llama.cpp's ggml_mul_mat_id: W [experts, row,
+  // row_bytes] (a GGUF expert tensor's data), ids [tokens, slots] the expert
+  // of each slot of each token, X [tokens, n] (every slot's row) or [tokens,
+  // slots, n]; out [tokens, slots, row] = X @ dequant(W[ids]).T, as
+  // ggml_mul_mat_a8 computes each.
+  m.def("ggml_mul_mat_id(Tensor W, Tensor X, Tensor ids, int type, SymInt row) -> Tensor");
   // The CPU kernels' interleaved layout of a weight (core/ggml_repack.h):
   // W [row, n] reordered into it (or back, `inverse`), same size and shape;
   // and ggml_mul_mat_a8 of a weight in it (the same results, bit for bit).
   m.def("ggml_repack(Tensor W, int type, SymInt row, SymInt n, bool inverse=False) -> Tensor");
   m.def("ggml_mul_mat_repacked(Tensor W, Tensor X, int type, SymInt row) -> Tensor");
+  // ggml_mul_mat_id of experts each in that layout (ggml_repack of its own rows).
+  m.def("ggml_mul_mat_id_repacked(Tensor W, Tensor X, Tensor ids, int type, SymInt row) -> Tensor");
   // [elements per block, bytes per block] of a ggml type; raises for unknown ids.
   m.def("ggml_type_info(int type) -> int[]", &ggml_type_info);
   m.def("ggml_type_name(int type) -> str", &ggml_type_name);

@@ -63,9 +63,12 @@ def _load():
     base.ggml_free.argtypes, base.ggml_free.restype = [p], None
     base.ggml_new_tensor_2d.argtypes = [p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     base.ggml_new_tensor_2d.restype = p
+    base.ggml_new_tensor_3d.argtypes = [p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    base.ggml_new_tensor_3d.restype = p
     base.ggml_get_data.argtypes, base.ggml_get_data.restype = [p], p
     base.ggml_nbytes.argtypes, base.ggml_nbytes.restype = [p], ctypes.c_size_t
     base.ggml_mul_mat.argtypes, base.ggml_mul_mat.restype = [p, p, p], p
+    base.ggml_mul_mat_id.argtypes, base.ggml_mul_mat_id.restype = [p, p, p, p], p
     base.ggml_new_graph.argtypes, base.ggml_new_graph.restype = [p], p
     base.ggml_build_forward_expand.argtypes, base.ggml_build_forward_expand.restype = [p, p], None
     cpu.ggml_graph_plan.argtypes, cpu.ggml_graph_plan.restype = [p, ctypes.c_int, p], _CPlan
@@ -161,7 +164,49 @@ def buffer_takes(qtype, rows, n, M, buffer):
     return True
 
 
-class GgmlMatmul:
+class _Graph:
+    """A ggml context (self.ctx) holding one graph (self.graph) that computes
+    on `threads` threads, planned once per thread count with a work buffer we
+    own; subclasses build the graph."""
+
+    def _set_graph(self, out, threads):
+        self.graph = self._base.ggml_new_graph(self.ctx)
+        self._base.ggml_build_forward_expand(self.graph, out)
+        self.threads = threads
+        self._plans = {}  # threads -> (plan, work buffer)
+
+    def compute(self):
+        if self.threads not in self._plans:
+            plan = self._cpu.ggml_graph_plan(self.graph, self.threads, None)
+            work = np.empty(max(plan.work_size, 1), dtype=np.uint8)
+            plan.work_data = work.ctypes.data
+            self._plans[self.threads] = (plan, work)
+        plan, _ = self._plans[self.threads]
+        status = self._cpu.ggml_graph_compute(self.graph, ctypes.byref(plan))
+        if status != 0:
+            raise RuntimeError(f"ggml_graph_compute failed with status {status}")
+
+    def _copy_in(self, tensor, array):
+        ctypes.memmove(self._base.ggml_get_data(tensor), array.ctypes.data, array.nbytes)
+
+    def _copy_out(self, tensor, shape):
+        buf = (ctypes.c_float * int(np.prod(shape))).from_address(self._base.ggml_get_data(tensor))
+        return np.frombuffer(buf, dtype=np.float32).reshape(shape).copy()
+
+    def _release(self):
+        if getattr(self, "_weight_buffer", None):
+            self._base.ggml_backend_buffer_free(self._weight_buffer)
+            self._weight_buffer = None
+        for name in ("wctx", "ctx"):
+            if getattr(self, name, None):
+                self._base.ggml_free(getattr(self, name))
+                setattr(self, name, None)
+
+    def __del__(self):
+        self._release()
+
+
+class GgmlMatmul(_Graph):
     """out[M, rows] = x[M, n] @ dequant(W).T by ggml's CPU backend.
 
     buffer: None keeps W as the plain blocks (ggml_mul_mat's vec_dot path);
@@ -198,13 +243,10 @@ class GgmlMatmul:
         if buffer:
             self._place_weight(buffer, raw)
         elif raw is not None:
-            ctypes.memmove(base.ggml_get_data(self.W), raw.ctypes.data, raw.nbytes)
-        self.graph = base.ggml_new_graph(self.ctx)
-        base.ggml_build_forward_expand(self.graph, self.out)
+            self._copy_in(self.W, raw)
+        self._set_graph(self.out, threads)
         self.shape = (M, n)
         self.rows = rows
-        self.threads = threads
-        self._plans = {}  # threads -> (plan, work buffer)
 
     def _place_weight(self, buffer, raw):
         """Allocates W in extra buffer type `buffer` and hands it the blocks,
@@ -226,35 +268,46 @@ class GgmlMatmul:
     def set_input(self, x):
         x = np.ascontiguousarray(x, dtype=np.float32)
         assert x.shape == self.shape
-        ctypes.memmove(self._base.ggml_get_data(self.x), x.ctypes.data, x.nbytes)
-
-    def compute(self):
-        if self.threads not in self._plans:
-            plan = self._cpu.ggml_graph_plan(self.graph, self.threads, None)
-            work = np.empty(max(plan.work_size, 1), dtype=np.uint8)
-            plan.work_data = work.ctypes.data
-            self._plans[self.threads] = (plan, work)
-        plan, _ = self._plans[self.threads]
-        status = self._cpu.ggml_graph_compute(self.graph, ctypes.byref(plan))
-        if status != 0:
-            raise RuntimeError(f"ggml_graph_compute failed with status {status}")
+        self._copy_in(self.x, x)
 
     def result(self):
-        M = self.shape[0]
-        buf = (ctypes.c_float * (M * self.rows)).from_address(self._base.ggml_get_data(self.out))
-        return np.frombuffer(buf, dtype=np.float32).reshape(M, self.rows).copy()
+        return self._copy_out(self.out, (self.shape[0], self.rows))
 
-    def _release(self):
-        if getattr(self, "_weight_buffer", None):
-            self._base.ggml_backend_buffer_free(self._weight_buffer)
-            self._weight_buffer = None
-        for name in ("wctx", "ctx"):
-            if getattr(self, name, None):
-                self._base.ggml_free(getattr(self, name))
-                setattr(self, name, None)
 
-    def __del__(self):
-        self._release()
+class GgmlMulMatId(_Graph):
+    """out[t, s] = dequant(W[ids[t, s]]) @ x[t] (or x[t, s]) by ggml's
+    ggml_mul_mat_id, llama.cpp's mixture-of-experts matmul, on the plain
+    blocks: W the bytes of `experts` matrices of [rows, n] one after another
+    (a GGUF expert tensor's data), ids [T, k] int32, x [T, n] for every
+    slot (`per_slot` False) or [T, k, n]; out [T, k, rows]."""
+
+    def __init__(self, raw, qtype, experts, rows, n, T, k, threads, per_slot=False):
+        if available() is not None:
+            raise RuntimeError(available())
+        self._base, self._cpu = _LIBS
+        base = self._base
+        raw = np.ascontiguousarray(raw, dtype=np.uint8)
+        f32, i32 = 0, 26  # GGML_TYPE_F32, GGML_TYPE_I32
+        self.ctx = base.ggml_init(_InitParams(raw.nbytes + 4 * T * k * (n + rows + 1) + (16 << 20), None, False))
+        if not self.ctx:
+            raise RuntimeError("ggml_init failed")
+        self.W = base.ggml_new_tensor_3d(self.ctx, int(qtype), n, rows, experts)
+        if base.ggml_nbytes(self.W) != raw.nbytes:
+            raise ValueError(f"ggml expects {base.ggml_nbytes(self.W)} bytes for type {qtype}, got {raw.nbytes}")
+        self._copy_in(self.W, raw)
+        self.x = base.ggml_new_tensor_3d(self.ctx, f32, n, k if per_slot else 1, T)
+        self.ids = base.ggml_new_tensor_2d(self.ctx, i32, k, T)
+        self.out = base.ggml_mul_mat_id(self.ctx, self.W, self.x, self.ids)
+        self._set_graph(self.out, threads)
+        self.shape, self.rows = (T, k if per_slot else 1, n), rows
+
+    def set_input(self, x, ids):
+        self._copy_in(self.x, np.ascontiguousarray(x, dtype=np.float32).reshape(self.shape))
+        self._copy_in(self.ids, np.ascontiguousarray(ids, dtype=np.int32))
+
+    def result(self):
+        T, k = self.shape[0], self._base.ggml_nbytes(self.ids) // 4 // self.shape[0]
+        return self._copy_out(self.out, (T, k, self.rows))
 
 
 _CHILD = """

@@ -40,20 +40,24 @@ def assert_logits_close(got, want, arch):
     assert ((got - want).norm() / want.norm()).item() < TOLERANCE.get(arch, 0.02)
 
 
-def expected_weights(reference):
-    """The float weight each lowbit layer of the loaded model must hold, by
-    its name: the reference's parameters (the tied lm_head too), and for a
-    GGUFExperts each expert's gate, up and down rows of transformers' 3-D
-    gate_up_proj and down_proj."""
+def assert_weights_arrived(model, reference):
+    """Every lowbit layer of the loaded model holds the reference's weights
+    bit for bit: a GGUFLinear or GGUFEmbedding its module's weight (the tied
+    lm_head too) and bias, a GGUFExperts the experts' 3-D gate_up_proj (gate
+    rows first) and down_proj."""
     expect = dict(reference.named_parameters(remove_duplicate=False))
-    for name, p in list(expect.items()):
-        if name.endswith("experts.gate_up_proj"):
-            module, half = name.removesuffix(".gate_up_proj"), p.shape[1] // 2
-            for e in range(p.shape[0]):
-                expect[f"{module}.gate_proj.{e}.weight"] = p[e, :half]
-                expect[f"{module}.up_proj.{e}.weight"] = p[e, half:]
-                expect[f"{module}.down_proj.{e}.weight"] = expect[f"{module}.down_proj"][e]
-    return expect
+    for name, module in model.named_modules():
+        if isinstance(module, (lowbit.GGUFLinear, lowbit.GGUFEmbedding)):
+            torch.testing.assert_close(module.dequantize(), expect[f"{name}.weight"], rtol=0, atol=0, msg=name)
+            if getattr(module, "bias", None) is not None:
+                torch.testing.assert_close(module.bias, expect[f"{name}.bias"], rtol=0, atol=0, msg=name)
+        elif isinstance(module, lowbit.GGUFExperts):
+            w = module.dequantize()
+            torch.testing.assert_close(torch.cat([w["gate"], w["up"]], dim=1), expect[f"{name}.gate_up_proj"],
+                                       rtol=0, atol=0, msg=name)
+            torch.testing.assert_close(w["down"], expect[f"{name}.down_proj"], rtol=0, atol=0, msg=name)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, expect[name], rtol=0, atol=0, msg=name)
 
 
 def is_experts(module):
@@ -68,9 +72,14 @@ def replaced_modules(source):
 
 def with_float_linears(model):
     """A copy of `model` with every GGUFLinear an nn.Linear of its dequantized
-    weight: what the loader placed, without the kernels' 8-bit activations."""
+    weight, every GGUFExperts one of F32 blocks (ggml type 0) of its own:
+    what the loader placed, without the kernels' 8-bit activations."""
     model = copy.deepcopy(model)
     for name, module in list(model.named_modules()):
+        if isinstance(module, lowbit.GGUFExperts):
+            f32 = {k: (w.reshape(-1, w.shape[-1]).view(torch.uint8), 0) for k, w in module.dequantize().items()}
+            model.set_submodule(name, lowbit.GGUFExperts(f32["gate"], f32["up"], f32["down"], module.num_experts,
+                                                         module.hidden_size, module.intermediate_size, module.act_fn))
         if isinstance(module, lowbit.GGUFLinear):
             linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
             with torch.no_grad():
@@ -90,14 +99,7 @@ def test_replace_linear_loads_the_architecture(tmp_path, arch):
     report = lowbit.replace_linear(model, path)
     assert report.unplaced == []
 
-    expect = expected_weights(reference)
-    for name, module in model.named_modules():
-        if isinstance(module, lowbit.GGUFLinear):
-            torch.testing.assert_close(module.dequantize(), expect[f"{name}.weight"], rtol=0, atol=0, msg=name)
-            if module.bias is not None:
-                torch.testing.assert_close(module.bias, expect[f"{name}.bias"], rtol=0, atol=0, msg=name)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p, expect[name], rtol=0, atol=0, msg=name)
+    assert_weights_arrived(model, reference)
     assert sorted(report.replaced) == replaced_modules(source)
 
     ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
@@ -146,17 +148,12 @@ def test_load_gguf_model_builds_the_architecture(tmp_path, arch, overrides):
     scaling = getattr(source.model.rotary_emb, "attention_scaling", None)  # gemma3's: per layer type
     assert getattr(model.model.rotary_emb, "attention_scaling", None) == pytest.approx(scaling)
     assert not any(type(m) in (torch.nn.Linear, torch.nn.Embedding) for m in model.modules())
-    expect = expected_weights(reference)
-    for name, module in model.named_modules():
-        if isinstance(module, (lowbit.GGUFLinear, lowbit.GGUFEmbedding)):
-            torch.testing.assert_close(module.dequantize(), expect[f"{name}.weight"], rtol=0, atol=0, msg=name)
+    assert_weights_arrived(model, reference)
     assert sum(isinstance(m, lowbit.GGUFExperts) for m in model.modules()) == sum(map(is_experts, source.modules()))
     # Nothing float bigger than a norm or bias (or a router, which files keep
     # F32): every matrix stays in its blocks.
     floats = [*model.named_parameters(), *model.named_buffers()]
     assert max(t.numel() for n, t in floats if t.is_floating_point() and not n.endswith("mlp.gate.weight")) <= 64
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p, expect[name], rtol=0, atol=0, msg=name)
     for name, b in model.named_buffers():
         assert not b.is_meta, name
     rotary = dict(model.model.rotary_emb.named_buffers())  # gemma3's: one inv_freq per layer type
@@ -290,3 +287,19 @@ def test_load_gguf_tokenizer_matches_autotokenizer(tmp_path, monkeypatch, arch):
     chat = [{"role": "user", "content": "the question"}]
     assert got.apply_chat_template(chat, tokenize=False) == expect.apply_chat_template(chat, tokenize=False)
     assert (got.bos_token, got.eos_token) == (expect.bos_token, expect.eos_token) == ("<|im_start|>", "<|im_end|>")
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "mixtral"])
+def test_load_gguf_model_repacks_the_experts(tmp_path, arch):
+    """repack=True repacks the experts too (each projection whose type the
+    active kernels read): the same model, to the 32-element types' fp32
+    rounding (Q8_0 here)."""
+    path = write_tiny_gguf(tmp_path / f"{arch}.gguf", tiny_model(arch, seed=0), arch)
+    plain, packed = lowbit.load_gguf_model(path), lowbit.load_gguf_model(path, repack=True)
+    experts = [m for m in packed.modules() if isinstance(m, lowbit.GGUFExperts)]
+    assert experts and all(m.repacked == dict.fromkeys(("gate", "up", "down"), torch.ops.lowbit.cpu_reads_repacked(8))
+                           for m in experts)
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = plain(ids).logits, packed(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())

@@ -1,12 +1,14 @@
 """GGUFExperts against transformers' own experts module (Qwen3MoeExperts)
-holding the dequantized weights: the same routing, the same per-expert
-sums in the same order; validation; repacking; device and dtype moves."""
+holding the dequantized weights: the same routing and sums (to fp32
+rounding, with the weights in float blocks); validation; views; bf16;
+torch.compile."""
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
+import gguf_blocks as gb
 import lowbit
 
 transformers = pytest.importorskip("transformers")
@@ -49,17 +51,14 @@ def routing(tokens, k, seed=0):
 
 
 def float_copy(experts):
-    """GGUFExperts with each expert's layers nn.Linear of their dequantized weights."""
-    import copy
+    """The same GGUFExperts with its dequantized weights as F32 blocks (ggml
+    type 0): the same module without 8-bit activations."""
+    def f32(w):
+        return w.reshape(-1, w.shape[-1]).contiguous().view(torch.uint8), 0
 
-    experts = copy.deepcopy(experts)
-    for layers in (experts.gate_proj, experts.up_proj, experts.down_proj):
-        for e, layer in enumerate(layers):
-            linear = torch.nn.Linear(layer.in_features, layer.out_features, bias=False)
-            with torch.no_grad():
-                linear.weight.copy_(layer.dequantize())
-            layers[e] = linear
-    return experts
+    w = experts.dequantize()
+    return lowbit.GGUFExperts(f32(w["gate"]), f32(w["up"]), f32(w["down"]), experts=EXPERTS, hidden_size=HIDDEN,
+                              intermediate_size=INTERMEDIATE, act_fn=experts.act_fn)
 
 
 @pytest.mark.parametrize("tokens, k", [(1, 2), (1, 6), (5, 1), (9, 2), (40, 3)])
@@ -71,30 +70,23 @@ def test_matches_transformers_experts(pair, tokens, k):
         want = reference(x, index, weights)
         exact = float_copy(ours)(x, index, weights)
         got = ours(x, index, weights)
-    # The routing and the sums' order are transformers': with float layers, equal to fp32 rounding.
-    torch.testing.assert_close(exact, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+    # The routing and the sums are transformers': with float weights, equal to fp32 rounding.
+    torch.testing.assert_close(exact, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     # The 8-bit activations of lowbit's matmuls (relative L2 measured 0.5-0.8%).
     assert ((got - want).norm() / want.norm()).item() < 0.02
 
 
-def test_unrouted_experts_cost_nothing_and_tokens_stay_apart(pair):
+def test_tokens_stay_apart(pair):
+    """Each token's output is its own: running a batch mixes nothing between tokens."""
     ours, _ = pair
     x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(1))
     index = torch.tensor([[4], [4], [1]])
     weights = torch.ones(3, 1)
-    calls = []
-    hooks = [layer.register_forward_hook(lambda m, i, o, e=e: calls.append((e, i[0].shape[0])))
-             for e, layer in enumerate(ours.gate_proj)]
-    try:
-        with torch.no_grad():
-            together = ours(x, index, weights)
-    finally:
-        for h in hooks:
-            h.remove()
-    assert calls == [(1, 1), (4, 2)]  # each routed expert once, on all of its tokens
     with torch.no_grad():
-        for t in range(3):  # each token's output is its own: batching experts' tokens mixes nothing
-            torch.testing.assert_close(together[t], ours(x[t:t + 1], index[t:t + 1], weights[t:t + 1])[0])
+        together = ours(x, index, weights)
+        for t in range(3):
+            torch.testing.assert_close(together[t], ours(x[t:t + 1], index[t:t + 1], weights[t:t + 1])[0],
+                                       rtol=0, atol=0)
 
 
 def test_bf16_and_leading_dims_of_transformers_blocks(pair):
@@ -108,38 +100,31 @@ def test_bf16_and_leading_dims_of_transformers_blocks(pair):
     assert ((got.float() - want).norm() / want.norm()).item() < 0.03
 
 
-def test_repack_model_repacks_the_experts(pair):
-    ours, _ = pair
-    import copy
-
-    packed = copy.deepcopy(ours)
-    names = lowbit.repack_model(packed)
-    if not torch.ops.lowbit.cpu_reads_repacked(int(T.Q8_0)):
-        pytest.skip(f"the {torch.ops.lowbit.cpu_isa()} kernels do not read Q8_0's repacked layout")
-    assert {f"gate_proj.{e}" for e in range(EXPERTS)} <= set(names)
-    x = torch.randn(7, HIDDEN, generator=torch.Generator().manual_seed(3))
-    index, weights = routing(7, 2, seed=3)
-    with torch.no_grad():
-        want, got = ours(x, index, weights), packed(x, index, weights)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-
-
 def test_validation(pair):
     ours, reference = pair
-    rows = torch.cat([layer.qweight for layer in ours.gate_proj])
-    down = torch.cat([layer.qweight for layer in ours.down_proj])
-    with pytest.raises(ValueError, match=r"GGUFExperts: gate must be uint8 \[experts \* rows, row_bytes\] for 4 "):
-        lowbit.GGUFExperts((rows[:-1], T.Q8_0), (rows, T.Q8_0), (down, T.Q4_0), experts=4, hidden_size=HIDDEN,
-                           intermediate_size=INTERMEDIATE, act_fn=reference.act_fn)
-    with pytest.raises(ValueError, match="each gate expert has 192 rows, not 96"):  # 6 experts' rows read as 3
-        lowbit.GGUFExperts((rows, T.Q8_0), (rows, T.Q8_0), (down, T.Q4_0), experts=3, hidden_size=HIDDEN,
-                           intermediate_size=INTERMEDIATE, act_fn=reference.act_fn)
-    with pytest.raises(ValueError, match="GGUFLinear.from_raw"):  # rows of the wrong byte count for the type
-        lowbit.GGUFExperts((rows, T.Q4_0), (rows, T.Q8_0), (down, T.Q4_0), experts=EXPERTS, hidden_size=HIDDEN,
-                           intermediate_size=INTERMEDIATE, act_fn=reference.act_fn)
+    rows = ours.gate_qweight.reshape(EXPERTS * INTERMEDIATE, -1)
+    down = ours.down_qweight.reshape(EXPERTS * HIDDEN, -1)
+    build = lambda gate=(rows, T.Q8_0), experts=EXPERTS: lowbit.GGUFExperts(
+        gate, (rows, T.Q8_0), (down, T.Q4_0), experts=experts, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+        act_fn=reference.act_fn)
+    with pytest.raises(ValueError, match=r"GGUFExperts: gate must be uint8 \[experts \* rows, row_bytes\] = "
+                                         r"\[576, 68\] for 6 experts of \[96, 64\] type 8 weights, got torch.uint8 "
+                                         r"\(575, 68\)"):
+        build(gate=(rows[:-1], T.Q8_0))
+    with pytest.raises(ValueError, match=r"gate must be .* got torch.uint8 \(576, 68\)"):  # 6 experts' rows as 3
+        build(experts=3)
+    with pytest.raises(ValueError, match=r"gate must be .* type 2 weights"):  # rows of another type's byte count
+        build(gate=(rows, T.Q4_0))
     x = torch.randn(2, HIDDEN)
-    with pytest.raises(IndexError, match=r"expert ids must lie in \[0, 6\), got 6"):
+    with pytest.raises(ValueError, match=r"ggml_mul_mat_id: ids values must lie in \[0, 6\), found min 0 and max 6"):
         ours(x, torch.tensor([[0], [EXPERTS]]), torch.ones(2, 1))
+
+
+def test_dequantize_gives_the_files_weights(pair):
+    ours, reference = pair
+    w = ours.dequantize()
+    torch.testing.assert_close(torch.cat([w["gate"], w["up"]], dim=1), reference.gate_up_proj.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(w["down"], reference.down_proj.detach(), rtol=0, atol=0)
 
 
 def test_experts_are_views_of_the_blocks():
@@ -148,10 +133,10 @@ def test_experts_are_views_of_the_blocks():
     down, _ = blocks(rng, (3, 32, 32), T.Q8_0)
     experts = lowbit.GGUFExperts((gate, T.Q8_0), (gate, T.Q8_0), (down, T.Q8_0), experts=3, hidden_size=32,
                                  intermediate_size=32, act_fn=torch.nn.SiLU())
-    row_bytes = gate.shape[1]
-    for e, layer in enumerate(experts.gate_proj):
-        assert layer.qweight.data_ptr() == gate.data_ptr() + e * 32 * row_bytes  # no copy of a file's blocks
+    assert experts.gate_qweight.data_ptr() == gate.data_ptr() and experts.gate_qweight.shape == (3, 32, 34)
+    assert experts.down_qweight.data_ptr() == down.data_ptr()  # no copy of a file's blocks
     assert "experts=3, hidden=32, intermediate=32" in repr(experts)
+    assert set(experts.state_dict()) == {"gate_qweight", "up_qweight", "down_qweight"}
 
 
 def test_torch_compile(pair):
@@ -164,3 +149,47 @@ def test_torch_compile(pair):
         want = ours(x, index, weights)
         got = torch.compile(ours)(x, index, weights)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_repack_keeps_the_results(pair):
+    """GGUFExperts.repack (and repack_model) put the projections whose type
+    the active kernels read in the repacked layout: the same outputs (the
+    integer-form types bit for bit, the 32-element ones to fp32 rounding),
+    the file's layout in state_dict() and dequantize(), undone by unrepack()."""
+    ours, _ = pair
+    import copy
+
+    packed = copy.deepcopy(ours)
+    names = lowbit.repack_model(torch.nn.ModuleDict({"experts": packed}))
+    read = [p for p in ("gate", "up", "down") if torch.ops.lowbit.cpu_reads_repacked(packed.qtypes[p])]
+    assert names == [f"experts.{p}" for p in read] and [p for p, on in packed.repacked.items() if on] == read
+    if not read:
+        pytest.skip(f"the {torch.ops.lowbit.cpu_isa()} kernels read neither Q8_0's nor Q4_0's repacked layout")
+    x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(5))
+    index, weights = routing(9, 3, seed=5)
+    with torch.no_grad():
+        want, got = ours(x, index, weights), packed(x, index, weights)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert all(torch.equal(packed.state_dict()[k], v) for k, v in ours.state_dict().items())
+    for p, w in ours.dequantize().items():
+        torch.testing.assert_close(packed.dequantize()[p], w, rtol=0, atol=0)
+    assert not torch.equal(packed.gate_qweight, ours.gate_qweight) or "gate" not in read
+    packed.unrepack()
+    assert not any(packed.repacked.values()) and torch.equal(packed.gate_qweight, ours.gate_qweight)
+
+
+def test_repacked_expert_matmul_equals_each_expert_repacked(cpu_isa):
+    """ggml_mul_mat_id_repacked of experts each repacked = ggml_mul_mat_repacked
+    of each expert alone, bit for bit (what each expert's own kernels give)."""
+    rng = np.random.default_rng(6)
+    for name in ("Q4_K", "Q6_K", "Q4_0", "IQ4_XS"):
+        t = gb.type_id(name)
+        W = torch.from_numpy(gb.random_blocks(rng, name, 4 * 32, 256)).view(4, 32, -1)
+        packed = torch.stack([torch.ops.lowbit.ggml_repack(w, t, 32, 256) for w in W])
+        x = torch.randn(5, 256, generator=torch.Generator().manual_seed(t))
+        ids = torch.tensor([[0, 3], [3, 1], [2, 0], [1, 2], [3, 0]], dtype=torch.int32)
+        got = torch.ops.lowbit.ggml_mul_mat_id_repacked(packed, x, ids, t, 32)
+        for i in range(5):
+            for s in range(2):
+                want = torch.ops.lowbit.ggml_mul_mat_repacked(packed[ids[i, s]], x[i:i + 1], t, 32)[0]
+                torch.testing.assert_close(got[i, s], want, rtol=0, atol=0, msg=f"{name} token {i} slot {s}")

@@ -185,7 +185,7 @@ def test_types_without_the_layout_are_refused():
     with pytest.raises(ValueError, match=r"^ggml_mul_mat_repacked: type 35 \(TQ2_0\) has no repacked layout"):
         ops.ggml_mul_mat_repacked(raw, torch.randn(1, N), 35, 16)
     names = ("Q4_0", "Q5_1", "Q6_K", "IQ4_XS", "TQ2_0", "F16")
-    assert [lowbit.gguf_linear.has_repacked_layout(gb.type_id(n)) for n in names] == [True] * 4 + [False] * 2
+    assert [lowbit.repacking.has_repacked_layout(gb.type_id(n)) for n in names] == [True] * 4 + [False] * 2
 
 
 def test_opcheck_and_compile():

@@ -95,7 +95,7 @@ def unscaled_embedding(model):
 def gate_and_up_swapped(model):
     for m in model.modules():
         if isinstance(m, lowbit.GGUFExperts):
-            m.gate_proj, m.up_proj = m.up_proj, m.gate_proj
+            m.gate_qweight, m.up_qweight = m.up_qweight, m.gate_qweight
 
 
 _GEMMA3_ROPE = MODELS["gemma3"][2]["rope_parameters"]

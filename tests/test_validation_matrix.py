@@ -180,17 +180,21 @@ OPS = {
 }
 
 
+# The value cases of every GGUF matmul (W, X, type, row).
+GGML_MATMUL_VALUES = {
+    "unknown type": (lambda kw: {"type": 99}, ValueError, "type 99 is not a ggml weight type"),
+    "bytes of another type": (lambda kw: {"type": Q8_0}, ValueError, "W has"),
+    "more rows than W holds": (lambda kw: {"row": GGML_ROWS + 1}, ValueError, "W has"),
+    "negative rows": (lambda kw: {"row": -1}, ValueError, "row must be non-negative"),
+    "rows overflow": (lambda kw: {"row": 2**62}, ValueError, "overflow|W has"),
+    "X not whole blocks": (lambda kw: {"X": kw["X"][..., :500].contiguous()}, ValueError, "n=500 is not a multiple"),
+}
+
+
 def ggml_mul_mat(op_name):
     return Op(lambda: {"W": ggml_blocks(), "X": torch.randn(2, GGML_N), "type": Q4_0, "row": GGML_ROWS}, {
         "W": Arg((torch.uint8,), rank_free=True), "X": Arg(FLOATS, contiguous=False, empty_ok=(0,)),
-    }, {
-        "unknown type": (lambda kw: {"type": 99}, ValueError, "type 99 is not a ggml weight type"),
-        "bytes of another type": (lambda kw: {"type": Q8_0}, ValueError, "W has"),
-        "more rows than W holds": (lambda kw: {"row": GGML_ROWS + 1}, ValueError, "W has"),
-        "negative rows": (lambda kw: {"row": -1}, ValueError, "row must be non-negative"),
-        "rows overflow": (lambda kw: {"row": 2**62}, ValueError, "overflow|W has"),
-        "X not whole blocks": (lambda kw: {"X": kw["X"][:, :500].contiguous()}, ValueError, "n=500 is not a multiple"),
-    })
+    }, dict(GGML_MATMUL_VALUES))
 
 
 OPS["ggml_mul_mat_vec_a8"] = ggml_mul_mat("ggml_mul_mat_vec_a8")
@@ -198,6 +202,33 @@ OPS["ggml_mul_mat_a8"] = ggml_mul_mat("ggml_mul_mat_a8")
 OPS["ggml_mul_mat_repacked"] = ggml_mul_mat("ggml_mul_mat_repacked")
 NO_LAYOUT = (lambda kw: {"type": TQ2_0, "W": ggml_blocks(TQ2_0)}, ValueError, r"type 35 \(TQ2_0\) has no repacked layout")
 OPS["ggml_mul_mat_repacked"].values["type without a repacked layout"] = NO_LAYOUT
+GGML_EXPERTS = 3
+
+
+def ggml_mul_mat_id():
+    """3 experts of Q4_0 [GGML_ROWS, GGML_N], 2 tokens, 2 slots each."""
+    return Op(lambda: {
+        "W": torch.cat([ggml_blocks()] * GGML_EXPERTS).view(GGML_EXPERTS, GGML_ROWS, -1), "X": torch.randn(2, GGML_N),
+        "ids": torch.tensor([[0, 2], [1, 0]], dtype=I32), "type": Q4_0, "row": GGML_ROWS}, {
+        "W": Arg((torch.uint8,)), "X": Arg(FLOATS, contiguous=False),
+        "ids": Arg((I32, torch.int64), contiguous=False, empty_ok=(1,)),  # no slots: an empty result
+    }, {
+        **GGML_MATMUL_VALUES,
+        "X for other tokens": (lambda kw: {"X": torch.randn(3, GGML_N)}, ValueError, r"X must be \[tokens=2"),
+        "X for other slots": (lambda kw: {"X": torch.randn(2, 3, GGML_N)}, ValueError, r"slots=2, n\]"),
+        "expert past the last": (lambda kw: {"ids": torch.tensor([[0, 3], [1, 0]], dtype=I32)}, ValueError,
+                                 r"ids values must lie in \[0, 3\), found min 0 and max 3"),
+        "negative expert": (lambda kw: {"ids": torch.tensor([[0, -1], [1, 0]], dtype=I32)}, ValueError, "ids values"),
+        "int64 expert that int32 would wrap": (lambda kw: {"ids": torch.tensor([[0, 2**32 + 1], [1, 0]])},
+                                               ValueError, "ids values"),
+    })
+
+
+OPS["ggml_mul_mat_id"] = ggml_mul_mat_id()
+OPS["ggml_mul_mat_id_repacked"] = ggml_mul_mat_id()
+OPS["ggml_mul_mat_id_repacked"].values["type without a repacked layout"] = (
+    lambda kw: {"type": TQ2_0, "W": torch.cat([ggml_blocks(TQ2_0)] * GGML_EXPERTS).view(GGML_EXPERTS, GGML_ROWS, -1)},
+    ValueError, r"type 35 \(TQ2_0\) has no repacked layout")
 OPS["ggml_repack"] = Op(lambda: {"W": ggml_blocks(), "type": Q4_0, "row": GGML_ROWS, "n": GGML_N, "inverse": False}, {
     "W": Arg((torch.uint8,), rank_free=True),
 }, {

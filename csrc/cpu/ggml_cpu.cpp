@@ -5,6 +5,9 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <algorithm>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "../core/ggml_blocks.h"
@@ -149,14 +152,11 @@ void mul_mat_repacked_rows(Isa isa, const uint8_t* W, int64_t r0, int64_t r1, in
   }
 }
 
-// out[M, rows] = X[M, n] @ W.T with the activations quantized once per call;
-// tasks own disjoint weight rows (whole tiles of the SIMD kernels, and of a
-// repacked weight's layout).
+// What the active ISA's kernels of type T read beyond an activation row's
+// q, d and sums at M rows: {ActRow::offset, ActRow::isum}.
 template <ggml::Type T>
-void mul_mat_quantized(const uint8_t* W, int64_t rows, int64_t n, const float* X, int64_t M, float* out,
-                       bool repacked) {
+std::pair<bool, bool> act_extras(Isa isa, int64_t M, bool repacked) {
   using I = TypeInfo<T>;
-  const Isa isa = active_isa();
   bool offsets = false, block_sums = false;
 #if defined(__x86_64__)
   // The repacked one-scale types without mins start each block's dot from
@@ -171,6 +171,18 @@ void mul_mat_quantized(const uint8_t* W, int64_t rows, int64_t n, const float* X
     block_sums = ggml_mul_mat_avx2_takes_block_sums(static_cast<int64_t>(T), repacked);
   }
 #endif
+  return {offsets, block_sums};
+}
+
+// out[M, rows] = X[M, n] @ W.T with the activations quantized once per call;
+// tasks own disjoint weight rows (whole tiles of the SIMD kernels, and of a
+// repacked weight's layout).
+template <ggml::Type T>
+void mul_mat_quantized(const uint8_t* W, int64_t rows, int64_t n, const float* X, int64_t M, float* out,
+                       bool repacked) {
+  using I = TypeInfo<T>;
+  const Isa isa = active_isa();
+  const auto [offsets, block_sums] = act_extras<T>(isa, M, repacked);
   const QuantizedActs<I::kAct> quantized(X, M, n, offsets, block_sums);
   std::vector<ggml::ActRow> acts(M);
   for (int64_t m = 0; m < M; ++m) acts[m] = quantized.row(m);
@@ -222,7 +234,114 @@ at::Tensor ggml_mul_mat(const char* op, const at::Tensor& W, const at::Tensor& X
   return out.to(X.scalar_type());
 }
 
+// A mixture-of-experts call's (token, slot) pairs grouped by expert: pairs
+// order[start[e] .. start[e + 1]) go to expert e, in pair order.
+struct ExpertGroups {
+  std::vector<int64_t> start, order;
+  ExpertGroups(const int32_t* ids, int64_t pairs, int64_t experts) : start(experts + 1, 0), order(pairs) {
+    for (int64_t p = 0; p < pairs; ++p) ++start[ids[p] + 1];
+    for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
+    std::vector<int64_t> next(start.begin(), start.end() - 1);
+    for (int64_t p = 0; p < pairs; ++p) order[next[ids[p]]++] = p;
+  }
+  int64_t count(int64_t e) const { return start[e + 1] - start[e]; }
+};
+
+// out[p, :] = W[expert of pair p] @ x[its row] for every pair, in groups:
+// grouped[i] is pair order[i]'s row; W's experts each in the repacked
+// layout (of its own rows) where `repacked`. Each activation row is
+// quantized once however many experts take it, and one parallel pass runs
+// every expert's rows (in chunks as mul_mat_quantized's) against all of its
+// pairs at once, so the experts of a token share the threads.
+template <ggml::Type T>
+void mul_mat_id_quantized(const uint8_t* W, int64_t experts, int64_t rows, int64_t n, const float* x,
+                          int64_t x_rows, const ExpertGroups& groups, const std::vector<int64_t>& x_row_of,
+                          float* grouped, bool repacked) {
+  using I = TypeInfo<T>;
+  const Isa isa = active_isa();
+  int64_t most = 0;
+  for (int64_t e = 0; e < experts; ++e) most = std::max(most, groups.count(e));
+  const auto [offsets, block_sums] = act_extras<T>(isa, most, repacked);  // a superset for the smaller groups
+  const QuantizedActs<I::kAct> quantized(x, x_rows, n, offsets, block_sums);
+  std::vector<ggml::ActRow> acts(groups.order.size());
+  for (size_t i = 0; i < acts.size(); ++i) acts[i] = quantized.row(x_row_of[groups.order[i]]);
+  struct Task {
+    int64_t expert, r0, r1;
+  };
+  std::vector<Task> tasks;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t M = groups.count(e), chunk = row_chunk(n, M, rows);
+    for (int64_t r0 = 0; M > 0 && r0 < rows; r0 += chunk) tasks.push_back({e, r0, std::min(rows, r0 + chunk)});
+  }
+  const int64_t row_bytes = n / I::kBlock * I::kBytes;
+  parallel_chunks(static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const Task& task = tasks[t];
+      const int64_t first = groups.start[task.expert];
+      const uint8_t* w = W + task.expert * rows * row_bytes;
+      const int64_t M = groups.count(task.expert);
+      if (repacked)
+        mul_mat_repacked_rows<T>(isa, w, task.r0, task.r1, n, acts.data() + first, M, grouped + first * rows, rows);
+      else
+        mul_mat_rows<T>(isa, w, task.r0, task.r1, n, acts.data() + first, M, grouped + first * rows, rows);
+    }
+  });
+}
+
+// The float weight types: each expert's rows gathered, then mul_mat_float.
+template <ggml::Type T>
+void mul_mat_id_float(const uint8_t* W, int64_t experts, int64_t rows, int64_t n, const float* x,
+                      const ExpertGroups& groups, const std::vector<int64_t>& x_row_of, float* grouped) {
+  const int64_t pairs = static_cast<int64_t>(groups.order.size());
+  std::vector<float> gathered(pairs * n);
+  for (int64_t i = 0; i < pairs; ++i) std::copy_n(x + x_row_of[groups.order[i]] * n, n, gathered.data() + i * n);
+  const int64_t row_bytes = n * TypeInfo<T>::kBytes;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (groups.count(e) == 0) continue;
+    const int64_t first = groups.start[e];
+    mul_mat_float<T>(W + e * rows * row_bytes, rows, n, gathered.data() + first * n, groups.count(e),
+                     grouped + first * rows);
+  }
+}
+
+at::Tensor ggml_mul_mat_id(const char* op, const at::Tensor& W, const at::Tensor& X, const at::Tensor& ids,
+                           int64_t type, int64_t row, bool repacked) {
+  const GgmlMatmulId c = check_ggml_matmul_id(op, W, X, ids, type, row);
+  if (repacked) check_ggml_repacked_type(op, type);
+  const at::Tensor x = X.to(at::kFloat).contiguous();
+  const int64_t pairs = c.tokens * c.slots;
+  if (pairs == 0 || row == 0 || c.n == 0) return at::zeros({c.tokens, c.slots, row}, X.options());
+  const ExpertGroups groups(c.ids.data_ptr<int32_t>(), pairs, c.experts);
+  std::vector<int64_t> x_row_of(pairs);  // each pair's activation row
+  for (int64_t p = 0; p < pairs; ++p) x_row_of[p] = c.per_slot ? p : p / c.slots;
+  at::Tensor out = at::empty({c.tokens, c.slots, row}, x.options());
+  const std::unique_ptr<float[]> grouped(new float[pairs * row]);
+  const uint8_t* w = W.data_ptr<uint8_t>();
+  dispatch_ggml_type(type, [&](auto t) {
+    constexpr ggml::Type T = decltype(t)::value;
+    if constexpr (TypeInfo<T>::kFloat) {
+      mul_mat_id_float<T>(w, c.experts, row, c.n, x.data_ptr<float>(), groups, x_row_of, grouped.get());
+    } else {
+      mul_mat_id_quantized<T>(w, c.experts, row, c.n, x.data_ptr<float>(), c.per_slot ? pairs : c.tokens, groups,
+                              x_row_of, grouped.get(), repacked);
+    }
+  });
+  float* dst = out.data_ptr<float>();
+  for (int64_t i = 0; i < pairs; ++i) std::copy_n(grouped.get() + i * row, row, dst + groups.order[i] * row);
+  return out.to(X.scalar_type());
+}
+
 }  // namespace
+
+at::Tensor ggml_mul_mat_id(const at::Tensor& W, const at::Tensor& X, const at::Tensor& ids, int64_t type,
+                           int64_t row) {
+  return ggml_mul_mat_id("ggml_mul_mat_id", W, X, ids, type, row, /*repacked=*/false);
+}
+
+at::Tensor ggml_mul_mat_id_repacked(const at::Tensor& W, const at::Tensor& X, const at::Tensor& ids, int64_t type,
+                                    int64_t row) {
+  return ggml_mul_mat_id("ggml_mul_mat_id_repacked", W, X, ids, type, row, /*repacked=*/true);
+}
 
 at::Tensor ggml_dequantize(const at::Tensor& W, int64_t type, int64_t m, int64_t n,
                            std::optional<at::ScalarType> dtype) {

@@ -15,6 +15,8 @@ TORCH_LIBRARY_IMPL(lowbit, CPU, m) {
   m.impl("ggml_dequantize", &lowbit::cpu::ggml_dequantize);
   m.impl("ggml_mul_mat_vec_a8", &lowbit::cpu::ggml_mul_mat_vec_a8);
   m.impl("ggml_mul_mat_a8", &lowbit::cpu::ggml_mul_mat_a8);
+  m.impl("ggml_mul_mat_id", &lowbit::cpu::ggml_mul_mat_id);
   m.impl("ggml_mul_mat_repacked", &lowbit::cpu::ggml_mul_mat_repacked);
+  m.impl("ggml_mul_mat_id_repacked", &lowbit::cpu::ggml_mul_mat_id_repacked);
   m.impl("ggml_repack", &lowbit::cpu::ggml_repack);
 }

@@ -1,4 +1,5 @@
-// CUDA ggml_mul_mat_vec_a8 and ggml_mul_mat_a8: X [M, n] @ dequant(W).T.
+// CUDA ggml_mul_mat_vec_a8 and ggml_mul_mat_a8: X [M, n] @ dequant(W).T, and
+// ggml_mul_mat_id: the same per (token, slot) with each slot's expert's W.
 //
 // Same arithmetic as the CPU (csrc/cpu/ggml_cpu.cpp), from the same shared
 // definitions: the activations are quantized once per call by
@@ -15,6 +16,12 @@
 // i + lanes, ... into registers/local memory and dots each with up to 8
 // activation rows, then the group sums its lanes with shuffles. Every weight
 // block is read and decoded once per 8 activation rows.
+//
+// ggml_mul_mat_id (mixture of experts): a lane group per (pair, weight row),
+// each pair's expert read from ids on the device, so no expert counts ever
+// reach the host (no sync); each pair decodes its expert's rows for itself,
+// where the CPU groups a prefill's pairs by expert and decodes each block
+// once per group.
 //
 // Larger M (ggml_mul_mat_a8 only): the activations are quantized exactly as
 // above and expanded back to fp32 (d * q), W is dequantized to fp32 row tiles,
@@ -107,17 +114,29 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// A thread's place in the fused kernels: groups of `lanes` (1 << lanes_log2)
+// lanes of a warp, each group one weight row (`row`, counted over the
+// grid's x blocks), the thread lane `sub` of its group.
+struct LaneGroup {
+  int lanes, sub;
+  int64_t row;
+  __device__ __forceinline__ explicit LaneGroup(int lanes_log2) : lanes(1 << lanes_log2) {
+    const int lane = threadIdx.x & 31;
+    const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+    row = warp * (32 >> lanes_log2) + (lane >> lanes_log2);
+    sub = lane & (lanes - 1);
+  }
+};
+
 // out[m0 + m, r] for m < mrows and every row r; see the top of the file.
 template <ggml::Type T>
 __global__ void __launch_bounds__(kThreads)
     matvec_kernel(const uint8_t* W, int64_t rows, int64_t blocks_per_row, QuantizedActs<TypeInfo<T>::kAct> acts,
                   int64_t m0, int mrows, int lanes_log2, void* out, Float out_kind) {
   using I = TypeInfo<T>;
-  const int lanes = 1 << lanes_log2;
-  const int lane = threadIdx.x & 31;
-  const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  const int64_t r = warp * (32 >> lanes_log2) + (lane >> lanes_log2);
-  const int sub = lane & (lanes - 1);
+  const LaneGroup g(lanes_log2);
+  const int lanes = g.lanes, sub = g.sub;
+  const int64_t r = g.row;
   float acc[kMaxRows];
 #pragma unroll
   for (int m = 0; m < kMaxRows; ++m) acc[m] = 0.0f;
@@ -143,6 +162,47 @@ __global__ void __launch_bounds__(kThreads)
     for (int m = 0; m < kMaxRows; ++m) {
       if (m < mrows) store_float(out, out_kind, (m0 + m) * rows + r, acc[m]);
     }
+  }
+}
+
+// ggml_mul_mat_id: out[p, r] = W[ids[p]] row r . activation row of pair p
+// (p, or its token p / slots where every slot shares its token's row), for
+// pairs p = blockIdx.y, blockIdx.y + gridDim.y, ...; lane groups as
+// matvec_kernel's. Float weight types take x's fp32 rows as they are, their
+// "blocks" single elements.
+template <ggml::Type T>
+__global__ void __launch_bounds__(kThreads)
+    matvec_id_kernel(const uint8_t* W, int64_t experts, int64_t rows, int64_t blocks_per_row,
+                     QuantizedActs<TypeInfo<T>::kAct> acts, const float* x, const int32_t* ids, int64_t pairs,
+                     int64_t slots, bool per_slot, int lanes_log2, void* out, Float out_kind) {
+  using I = TypeInfo<T>;
+  const LaneGroup g(lanes_log2);
+  const int lanes = g.lanes, sub = g.sub;
+  const int64_t r = g.row;
+  for (int64_t p = blockIdx.y; p < pairs; p += gridDim.y) {
+    const int32_t e = ids[p];
+    CUDA_KERNEL_ASSERT(e >= 0 && e < experts && "ggml_mul_mat_id: ids value out of range");
+    const int64_t m = per_slot ? p : p / slots;
+    float acc = 0.0f;
+    if (r < rows) {
+      const uint8_t* row = W + (e * rows + r) * blocks_per_row * I::kBytes;
+      if constexpr (I::kFloat) {
+        for (int64_t i = sub; i < blocks_per_row; i += lanes) {
+          float w;
+          ggml::dequantize_block<T>(row + i * I::kBytes, &w);
+          acc += w * x[m * blocks_per_row + i];
+        }
+      } else {
+        ggml::Decoded<T> blk;
+        const ggml::ActRow a = acts.row(m);
+        for (int64_t b = sub; b < blocks_per_row; b += lanes) {
+          ggml::Codec<T>::decode(row + b * I::kBytes, blk);
+          acc += ggml::block_dot<T>(blk, a, b, Dp4aDot{});
+        }
+      }
+    }
+    for (int off = lanes >> 1; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (r < rows && sub == 0) store_float(out, out_kind, p * rows + r, acc);
   }
 }
 
@@ -294,6 +354,35 @@ at::Tensor ggml_mul_mat(const char* op, const at::Tensor& W, const at::Tensor& X
 }
 
 }  // namespace
+
+at::Tensor ggml_mul_mat_id(const at::Tensor& W, const at::Tensor& X, const at::Tensor& ids, int64_t type,
+                           int64_t row) {
+  const GgmlMatmulId c = check_ggml_matmul_id("ggml_mul_mat_id", W, X, ids, type, row);
+  const c10::cuda::CUDAGuard guard(W.device());
+  const int64_t pairs = c.tokens * c.slots;
+  at::Tensor out = at::zeros({c.tokens, c.slots, row}, X.options());
+  if (pairs == 0 || row == 0 || c.n == 0) return out;
+  const at::Tensor x = X.to(at::kFloat).contiguous().view({-1, c.n});
+  dispatch_ggml_type(type, [&](auto t) {
+    constexpr ggml::Type T = decltype(t)::value;
+    using I = TypeInfo<T>;
+    const int64_t blocks_per_row = c.n / I::kBlock;
+    const int lg = log2_lanes_for(blocks_per_row);
+    const dim3 grid(static_cast<unsigned int>(ceil_div(row, int64_t{kWarps} * (32 >> lg))),
+                    static_cast<unsigned int>(std::min<int64_t>(pairs, 65535)));
+    QuantizedActs<I::kAct> view{};
+    ActBuffers<I::kAct> acts;
+    if constexpr (!I::kFloat) {
+      acts = quantize_acts<I::kAct>(x);
+      view = acts.view;
+    }
+    matvec_id_kernel<T><<<grid, kThreads, 0, current_stream()>>>(
+        W.data_ptr<uint8_t>(), c.experts, row, blocks_per_row, view, x.data_ptr<float>(),
+        c.ids.data_ptr<int32_t>(), pairs, c.slots, c.per_slot, lg, out.data_ptr(), float_kind(out.scalar_type()));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
 
 at::Tensor ggml_mul_mat_vec_a8(const at::Tensor& W, const at::Tensor& X, int64_t type, int64_t row) {
   return ggml_mul_mat("ggml_mul_mat_vec_a8", W, X, type, row, /*any_m_fused=*/true);

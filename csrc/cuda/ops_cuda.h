@@ -36,6 +36,8 @@ at::Tensor ggml_dequantize(const at::Tensor& W, int64_t type, int64_t m, int64_t
 // ggml_matmul.cu
 at::Tensor ggml_mul_mat_vec_a8(const at::Tensor& W, const at::Tensor& X, int64_t type, int64_t row);
 at::Tensor ggml_mul_mat_a8(const at::Tensor& W, const at::Tensor& X, int64_t type, int64_t row);
+at::Tensor ggml_mul_mat_id(const at::Tensor& W, const at::Tensor& X, const at::Tensor& ids, int64_t type,
+                           int64_t row);
 
 }  // namespace cuda
 }  // namespace lowbit

@@ -15,4 +15,5 @@ TORCH_LIBRARY_IMPL(lowbit, CUDA, m) {
   m.impl("ggml_dequantize", &lowbit::cuda::ggml_dequantize);
   m.impl("ggml_mul_mat_vec_a8", &lowbit::cuda::ggml_mul_mat_vec_a8);
   m.impl("ggml_mul_mat_a8", &lowbit::cuda::ggml_mul_mat_a8);
+  m.impl("ggml_mul_mat_id", &lowbit::cuda::ggml_mul_mat_id);
 }

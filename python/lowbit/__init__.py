@@ -12,7 +12,8 @@ from . import gptq, tp  # noqa: E402,F401
 from .gguf_embedding import GGUFEmbedding  # noqa: E402
 from .gguf_experts import GGUFExperts  # noqa: E402
 from .gguf_file import GGUFError, GGUFFile, GGUFTensor, load_gguf  # noqa: E402
-from .gguf_linear import GGUFLinear, repack_model  # noqa: E402
+from .gguf_linear import GGUFLinear  # noqa: E402
+from .repacking import repack_model  # noqa: E402
 from .gptq import GPTQLinear, GPTQTensors, load_gptq, quantize_rtn, save_gptq  # noqa: E402
 from .models import load_gguf_model, load_gguf_tokenizer, load_gptq_model  # noqa: E402
 from .replace import ReplaceReport, replace_linear  # noqa: E402

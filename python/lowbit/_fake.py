@@ -61,6 +61,16 @@ def _ggml_mul_mat_a8(W, X, type, row):
     return X.new_empty((X.shape[0], row))
 
 
+@torch.library.register_fake("lowbit::ggml_mul_mat_id")
+def _ggml_mul_mat_id(W, X, ids, type, row):
+    return X.new_empty((ids.shape[0], ids.shape[1], row))
+
+
+@torch.library.register_fake("lowbit::ggml_mul_mat_id_repacked")
+def _ggml_mul_mat_id_repacked(W, X, ids, type, row):
+    return X.new_empty((ids.shape[0], ids.shape[1], row))
+
+
 @torch.library.register_fake("lowbit::ggml_mul_mat_repacked")
 def _ggml_mul_mat_repacked(W, X, type, row):
     return X.new_empty((X.shape[0], row))

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 import lowbit
 from lowbit import smollm2
-from lowbit.gguf_linear import reads_repacked_layout
+from lowbit.repacking import reads_repacked_layout
 from lowbit.machine import machine_slug
 
 PROMPT = "The three branches of government are"

@@ -1,79 +1,135 @@
 """GGUFExperts: a transformers mixture-of-experts `experts` module over a
 GGUF file's 3-D expert tensors (ffn_gate_exps, ffn_up_exps, ffn_down_exps),
-each expert's blocks a GGUFLinear, so that no expert is ever dequantized."""
+multiplied by torch.ops.lowbit.ggml_mul_mat_id, so that no expert is ever
+dequantized."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .gguf_linear import GGUFLinear
 
-
-def _per_expert(blocks: torch.Tensor, qtype: int, experts: int, in_features: int, name: str) -> nn.ModuleList:
-    """One GGUFLinear per expert over the rows of `blocks` (uint8 [experts *
-    rows, row_bytes], the file's 3-D tensor with its expert dim folded into
-    the rows): each expert's rows are contiguous, so each layer is a view."""
-    if blocks.dim() != 2 or blocks.shape[0] % experts:
-        raise ValueError(f"GGUFExperts: {name} must be uint8 [experts * rows, row_bytes] for {experts} experts, "
-                         f"got {tuple(blocks.shape)}")
-    rows = blocks.shape[0] // experts
-    return nn.ModuleList(GGUFLinear.from_raw(blocks[e * rows:(e + 1) * rows], qtype, in_features, None)
-                         for e in range(experts))
+PROJECTIONS = ("gate", "up", "down")
 
 
 class GGUFExperts(nn.Module):
     """forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]:
     the experts module of transformers' Qwen2Moe / Qwen3Moe / Mixtral sparse
     MoE blocks, which route and call it so. Token t's output is the sum over
-    its k experts e, in ascending e, of weight * down_e(act(gate_e(x)) *
-    up_e(x)), as their eager experts compute it; each expert runs once on
-    all the tokens routed to it.
+    its k slots of weight * down_e(act(gate_e(x)) * up_e(x)), e the slot's
+    expert, as their experts modules compute it (the slots summed in slot
+    order rather than by expert: the same to fp32 rounding).
 
-    `gate`, `up`, `down`: uint8 block bytes [experts * rows, row_bytes] (a
-    GGUF expert tensor's data) and their ggml types, which may differ (a
-    Q4_K_M file's down experts are Q6_K or Q4_K by layer). Each expert's
-    projections are GGUFLinear layers (gate_proj[e], up_proj[e],
-    down_proj[e]), views of those bytes, so lowbit.repack_model repacks
-    them like any other layer.
+    `gate`, `up`, `down`: (uint8 block bytes [experts * rows, row_bytes], a
+    GGUF expert tensor's data, and its ggml type); the types may differ (a
+    Q4_K_M file's down experts are Q6_K or Q4_K by layer). The buffers
+    `gate_qweight`, `up_qweight`, `down_qweight` are [experts, rows,
+    row_bytes] views of those bytes: nothing is copied. Each projection is
+    one ggml_mul_mat_id call for every token and slot, which quantizes each
+    activation row once and runs every chosen expert in one parallel pass.
+
+    `repack()` puts each expert of the projections whose type the active CPU
+    kernels read in the repacked layout (GGUFLinear.repack: the same
+    results, for the 32-element types to fp32 rounding; expert matrices have
+    short rows, where it is several times faster); state_dict(),
+    dequantize() and a move off the CPU keep the file's layout.
     """
 
     def __init__(self, gate: tuple[torch.Tensor, int], up: tuple[torch.Tensor, int], down: tuple[torch.Tensor, int],
                  experts: int, hidden_size: int, intermediate_size: int, act_fn: nn.Module):
         super().__init__()
         self.num_experts, self.hidden_size, self.intermediate_size = experts, hidden_size, intermediate_size
-        self.gate_proj = _per_expert(*gate, experts, hidden_size, "gate")
-        self.up_proj = _per_expert(*up, experts, hidden_size, "up")
-        self.down_proj = _per_expert(*down, experts, intermediate_size, "down")
-        for name, layers, out in (("gate", self.gate_proj, intermediate_size), ("up", self.up_proj, intermediate_size),
-                                  ("down", self.down_proj, hidden_size)):
-            if layers[0].out_features != out:
-                raise ValueError(f"GGUFExperts: each {name} expert has {layers[0].out_features} rows, not {out}")
+        self.qtypes, self.repacked = {}, dict.fromkeys(PROJECTIONS, False)
+        for (name, (rows, n)), (blocks, qtype) in zip(self._shapes().items(), (gate, up, down)):
+            block, type_size = torch.ops.lowbit.ggml_type_info(qtype)
+            row_bytes = n // block * type_size
+            if blocks.dtype != torch.uint8 or n % block or tuple(blocks.shape) != (experts * rows, row_bytes):
+                raise ValueError(f"GGUFExperts: {name} must be uint8 [experts * rows, row_bytes] = "
+                                 f"[{experts * rows}, {row_bytes}] for {experts} experts of [{rows}, {n}] type "
+                                 f"{qtype} weights, got {blocks.dtype} {tuple(blocks.shape)}")
+            self.register_buffer(f"{name}_qweight", blocks.view(experts, rows, row_bytes))
+            self.qtypes[name] = qtype
         self.act_fn = act_fn
+
+    def _shapes(self) -> dict[str, tuple[int, int]]:
+        """Each projection's [rows, n] per expert."""
+        return {"gate": (self.intermediate_size, self.hidden_size), "up": (self.intermediate_size, self.hidden_size),
+                "down": (self.hidden_size, self.intermediate_size)}
+
+    def _project(self, name: str, x: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
+        op = torch.ops.lowbit.ggml_mul_mat_id_repacked if self.repacked[name] else torch.ops.lowbit.ggml_mul_mat_id
+        return op(getattr(self, f"{name}_qweight"), x, top_k_index, self.qtypes[name], self._shapes()[name][0])
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        k = top_k_index.shape[-1]
-        chosen = top_k_index.reshape(-1)
-        # (token, slot) pairs grouped by expert, each group in token order.
-        order = torch.argsort(chosen, stable=True)
-        counts = torch.bincount(chosen, minlength=self.num_experts).tolist()  # the host picks the experts
-        if len(counts) > self.num_experts:
-            raise IndexError(f"GGUFExperts: expert ids must lie in [0, {self.num_experts}), got {len(counts) - 1}")
-        tokens, weights = order // k, top_k_weights.reshape(-1)[order]
-        out = torch.zeros_like(hidden_states)
-        start = 0
-        for e, count in enumerate(counts):
-            if not count:
-                continue
-            rows = tokens[start:start + count]
-            x = hidden_states.index_select(0, rows)
-            y = self.down_proj[e](self.act_fn(self.gate_proj[e](x)) * self.up_proj[e](x))
-            out.index_add_(0, rows, y * weights[start:start + count, None].to(y.dtype))
-            start += count
+        gate = self._project("gate", hidden_states, top_k_index)  # [T, k, intermediate]
+        up = self._project("up", hidden_states, top_k_index)
+        down = self._project("down", self.act_fn(gate) * up, top_k_index)  # [T, k, hidden]
+        return (down * top_k_weights.unsqueeze(-1).to(down.dtype)).sum(dim=1)
+
+    def repack(self, skip_types=()) -> list[str]:
+        """Each projection whose type has the repacked layout, is read as it
+        is by the active CPU kernels and is not in `skip_types`, put in it in
+        place; returns their names."""
+        done = []
+        for name in PROJECTIONS:
+            qtype = self.qtypes[name]
+            if getattr(self, f"{name}_qweight").device.type != "cpu":
+                raise ValueError(f"GGUFExperts.repack: the repacked layout is the CPU kernels'; {name} is on "
+                                 f"{getattr(self, f'{name}_qweight').device}")
+            if (not self.repacked[name] and torch.ops.lowbit.cpu_reads_repacked(qtype)  # and so has the layout
+                    and qtype not in skip_types):
+                setattr(self, f"{name}_qweight", self._reorder(name, inverse=False))
+                self.repacked[name] = True
+            if self.repacked[name]:
+                done.append(name)
+        return done
+
+    def unrepack(self) -> "GGUFExperts":
+        """Every projection back in the file's layout, in place; returns self."""
+        for name in PROJECTIONS:
+            if self.repacked[name]:
+                setattr(self, f"{name}_qweight", self._reorder(name, inverse=True))
+                self.repacked[name] = False
+        return self
+
+    def file_layout_qweight(self, name: str) -> torch.Tensor:
+        """Projection `name`'s blocks as the file stores them (a reordered copy when repacked)."""
+        return self._reorder(name, inverse=True) if self.repacked[name] else getattr(self, f"{name}_qweight")
+
+    def _reorder(self, name: str, inverse: bool) -> torch.Tensor:
+        """ggml_repack of each expert's own rows (its tiles never take another's)."""
+        blocks, (rows, n) = getattr(self, f"{name}_qweight"), self._shapes()[name]
+        return torch.stack([torch.ops.lowbit.ggml_repack(w, self.qtypes[name], rows, n, inverse) for w in blocks])
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """The float weights {"gate", "up": [experts, intermediate, hidden], "down": [experts, hidden, intermediate]}."""
+        out = {}
+        for name, (rows, n) in self._shapes().items():
+            blocks = self.file_layout_qweight(name)
+            out[name] = torch.ops.lowbit.ggml_dequantize(blocks.reshape(-1, blocks.shape[-1]), self.qtypes[name],
+                                                         self.num_experts * rows, n, dtype).view(-1, rows, n)
         return out
 
+    def _apply(self, fn, recurse=True):
+        # Only the CPU kernels read the repacked layout: going anywhere else,
+        # the bytes go back to the file's layout first.
+        if any(self.repacked.values()) and fn(torch.empty(0, dtype=torch.uint8)).device.type != "cpu":
+            self.unrepack()
+        return super()._apply(fn, recurse)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name in PROJECTIONS:  # a state dict holds the file's layout, whatever loads it
+            if self.repacked[name]:
+                destination[f"{prefix}{name}_qweight"] = self.file_layout_qweight(name)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        for name in PROJECTIONS:  # the file's layout was copied in
+            if self.repacked[name]:
+                setattr(self, f"{name}_qweight", self._reorder(name, inverse=False))
+
     def extra_repr(self) -> str:
-        types = {name: layers[0].qtype for name, layers in
-                 (("gate", self.gate_proj), ("up", self.up_proj), ("down", self.down_proj))}
+        repacked = [name for name in PROJECTIONS if self.repacked[name]]
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
-                f"qtypes={types}")
+                f"qtypes={self.qtypes}" + (f", repacked={repacked}" if repacked else ""))

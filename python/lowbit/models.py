@@ -13,7 +13,7 @@ from torch import nn
 
 from .gguf_embedding import GGUFEmbedding
 from .gguf_file import GGUFFile, load_gguf
-from .gguf_linear import repack_model
+from .repacking import repack_model
 from .gguf_arch import ARCHITECTURES, architecture, config_from_gguf
 from .gptq.checkpoint import checkpoint_files
 from .replace import check_shape, place_gguf_tensors, replace_linear

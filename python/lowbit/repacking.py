@@ -1,0 +1,71 @@
+"""The CPU kernels' repacked layout across a model: which ggml types have
+it, which the active kernels read as it is, and repack_model, which puts
+every GGUFLinear and GGUFExperts that gains from it in it."""
+import functools
+import warnings
+
+import torch
+from torch import nn
+
+from .gguf_experts import GGUFExperts
+from .gguf_linear import GGUFLinear
+
+
+@functools.lru_cache(maxsize=None)
+def has_repacked_layout(qtype: int) -> bool:
+    """Whether ggml type `qtype` has the CPU kernels' repacked layout (the
+    table lives with the kernels: this asks torch.ops.lowbit.ggml_repack)."""
+    block, _ = torch.ops.lowbit.ggml_type_info(qtype)
+    try:
+        torch.ops.lowbit.ggml_repack(torch.empty(0, dtype=torch.uint8), qtype, 0, block)
+    except ValueError:
+        return False
+    return True
+
+
+def reads_repacked_layout(qtype: int) -> bool:
+    """Whether the active CPU kernels read type `qtype`'s repacked layout as
+    it is (AVX-512 VNNI: every type with the layout; AVX2: Q4_0, Q4_1, Q5_0,
+    Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, IQ4_XS). Otherwise each call puts the
+    rows back into the file's layout first: correct, but several times slower
+    than the file's layout (torch.ops.lowbit.cpu_reads_repacked)."""
+    return torch.ops.lowbit.cpu_reads_repacked(qtype)
+
+
+# The types repack_model leaves in the file's layout by default although
+# they have a repacked one: Q6_K (14), whose file-layout matvec already reads
+# at the memory's speed, while its repacked one ran 0.79-0.93x that for a
+# 14336 x 4096 weight on Zen 4 over two runs (1.2-1.6x at 4096 x 14336,
+# 1.4-1.6x at M = 8; benchmarks/results/cpu-amd-epyc-2t-gguf.txt).
+REPACK_MODEL_SKIPS = (14,)
+
+
+def repack_model(model: nn.Module, skip_types=REPACK_MODEL_SKIPS, expert_skip_types=()) -> list[str]:
+    """GGUFLinear.repack() on every GGUFLinear of `model` on the CPU whose
+    type has the layout, is read as it is by the active CPU kernels
+    (reads_repacked_layout) and is not in `skip_types`, and
+    GGUFExperts.repack() of every GGUFExperts' such projections (but those
+    in `expert_skip_types`: its short expert rows gain from the layout in
+    every type); returns their names (an expert projection's as
+    "<module>.gate", ".up", ".down"). It warns naming the types whose layout
+    the kernels would put back on every call, and leaves those as they are."""
+    names, unread = [], set()
+    for name, module in model.named_modules():
+        if (isinstance(module, GGUFLinear) and module.qweight.device.type == "cpu"
+                and has_repacked_layout(module.qtype) and module.qtype not in skip_types):
+            if reads_repacked_layout(module.qtype):
+                module.repack()
+                names.append(name)
+            else:
+                unread.add(module.qtype)
+        elif isinstance(module, GGUFExperts) and module.gate_qweight.device.type == "cpu":
+            names += [f"{name}.{p}" for p in module.repack(expert_skip_types)]
+            unread.update(t for t in module.qtypes.values()
+                          if has_repacked_layout(t) and not reads_repacked_layout(t) and t not in expert_skip_types)
+    if unread:
+        warnings.warn(f"lowbit.repack_model: this CPU's {torch.ops.lowbit.cpu_isa()} kernels would put the "
+                      f"repacked rows back on every call for ggml types {sorted(unread)}; those layers stay in "
+                      f"the file's layout")
+    return names
+
+
