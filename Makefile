@@ -47,6 +47,7 @@ demo: build
 bench: build reference-deps
 	$(PYTHON) benchmarks/bench_gptq_gemm.py
 	$(PYTHON) benchmarks/bench_gguf.py
+	$(PYTHON) benchmarks/bench_gguf_moe.py
 	$(PYTHON) benchmarks/bench_tp_mlp.py
 
 # Compile (only) every CUDA source for sm_80 and sm_90a; works without a GPU.

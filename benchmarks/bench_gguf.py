@@ -111,7 +111,7 @@ def loader_layout_peers(raw_np, t, rows, n, M, threads):
 
 def repacked(raw, t, rows, n):
     """The weight in lowbit's repacked layout, or None for a type without one."""
-    return torch.ops.lowbit.ggml_repack(raw, t, rows, n) if lowbit.gguf_linear.has_repacked_layout(t) else None
+    return torch.ops.lowbit.ggml_repack(raw, t, rows, n) if lowbit.repacking.has_repacked_layout(t) else None
 
 
 def sums_in_block_order(t):
@@ -219,7 +219,7 @@ def streamed_matvec_table(rng, shape, types, threads_list, budget):
         for p in plain + extra:
             p.set_input(x.numpy())
 
-        packs = [repacked(r, t, rows, n) for r in raws] if lowbit.gguf_linear.has_repacked_layout(t) else []
+        packs = [repacked(r, t, rows, n) for r in raws] if lowbit.repacking.has_repacked_layout(t) else []
 
         def lowbit_all():
             for r in raws:
