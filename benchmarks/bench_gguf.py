@@ -379,7 +379,13 @@ def main():
     parser.add_argument("--quick", action="store_true", help="smaller shapes, fewer types, shorter timing")
     parser.add_argument("--isa", help="lowbit's CPU kernels to run (portable, avx2, avx512); default: the best")
     parser.add_argument("--types", help="comma-separated ggml types to measure instead of the main ones")
+    parser.add_argument("--shapes", help="comma-separated ROWSxN weight shapes (e.g. 2048x768): the M = 1 and 8 "
+                                         "tables only, for those shapes instead of the main ones")
     args = parser.parse_args()
+    try:
+        shapes = [tuple(map(int, shape.split("x"))) for shape in args.shapes.split(",")] if args.shapes else None
+    except ValueError:
+        parser.error(f"--shapes: {args.shapes!r} is not a list of ROWSxN")
     types = args.types.split(",") if args.types else None
     for name in types or []:
         if name not in gb.TYPES:
@@ -395,36 +401,41 @@ def main():
     stem = f"{info['slug']}-{args.isa}-gguf" if args.isa else f"{info['slug']}-gguf"
     if types:
         stem += "-" + "-".join(name.lower() for name in types)
+    if shapes:
+        stem += "-" + "-".join(f"{rows}x{n}" for rows, n in shapes)
     with printed_to(f"{stem}.txt"):
         bandwidth = CopyBandwidth(threads=threads)
         print(f"machine: {info['name']} ({info['threads']} threads), torch {info['torch']}, "
               f"CPU kernels: {torch.ops.lowbit.cpu_isa()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
         if os.environ.get("LOWBIT_GGML_LIB_DIR"):
             print(f"llama.cpp peer: libggml from LOWBIT_GGML_LIB_DIR={os.environ['LOWBIT_GGML_LIB_DIR']}")
-        shapes = [(4096, 4096)] if args.quick else SHAPES
+        only_matmul = bool(shapes)
+        shapes = shapes or ([(4096, 4096)] if args.quick else SHAPES)
         mm = matmul_table(rng, shapes, matmul_types[:3] if args.quick else matmul_types, threads, budget, bandwidth)
         torch.set_num_threads(max(threads))
         bandwidth.sample()
         print(bandwidth.describe() + "\n")
         print("matmul with 8-bit activations (GB/s = weight bytes / time)")
         print_matmul(mm, bandwidth)
-        pf = [] if args.quick else matmul_table(rng, shapes[:1], matmul_types, threads, budget, bandwidth,
+        pf = [] if args.quick or only_matmul else matmul_table(rng, shapes[:1], matmul_types, threads, budget, bandwidth,
                                                 batch_sizes=[PREFILL_M])
         if pf:
             print(f"\nprefill: a batch of M = {PREFILL_M} activation rows")
             print_prefill(pf)
-        st = [] if args.quick else streamed_matvec_table(rng, shapes[0], matmul_types, threads, budget)
+        st = [] if args.quick or only_matmul else streamed_matvec_table(rng, shapes[0], matmul_types, threads, budget)
         if st:
             print(f"\nmatvec (M = 1) with the weights streamed from memory: copies of the weight, "
                   f"{STREAMED_BYTES / 1e9:.1f} GB in all, multiplied in turn (ms per matvec)")
             print_streamed(st, bandwidth)
-        print(f"\ndequantize to fp32, {1024 if args.quick else 4096} x 4096 weights, {max(threads)} threads")
-        dq = dequant_table(rng, 1024 if args.quick else 4096, 4096, budget, types or gb.TYPES)
+        dq = []
+        if not only_matmul:
+            print(f"\ndequantize to fp32, {1024 if args.quick else 4096} x 4096 weights, {max(threads)} threads")
+            dq = dequant_table(rng, 1024 if args.quick else 4096, 4096, budget, types or gb.TYPES)
     write_results(f"{stem}.json", dict(machine=info, cpu_isa=torch.ops.lowbit.cpu_isa(),
                                        ggml_lib_dir=os.environ.get("LOWBIT_GGML_LIB_DIR"),
                                        **bandwidth.as_record(), dequantize=dq, matmul=mm, prefill=pf,
                                        streamed_matvec=st))
-    if not args.quick and not ggml_peer.available():
+    if not args.quick and not only_matmul and not ggml_peer.available():
         plot(mm, bandwidth.gbs, info, os.path.join(RESULTS, f"{stem}.png"))
 
 

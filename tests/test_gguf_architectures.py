@@ -303,3 +303,22 @@ def test_load_gguf_model_repacks_the_experts(tmp_path, arch):
     with torch.no_grad():
         want, got = plain(ids).logits, packed(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_generate_with_the_cache_is_the_models_greedy_choice(tmp_path, arch):
+    """transformers' generate (prefill, then one token at a time through its
+    cache: sliding windows, experts at one token) picks at every step the
+    token the whole sequence's forward pass ranks first (to rounding: ties
+    within 1e-4 of the largest logit count)."""
+    source = tiny_model(arch, seed=0)
+    with torch.no_grad():
+        source.get_input_embeddings().weight.mul_(30)  # logits far apart
+    model = lowbit.load_gguf_model(write_tiny_gguf(tmp_path / f"{arch}.gguf", source, arch))
+    ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        logits = model(out).logits[0, 6:-1]
+    assert out.shape == (1, 17)
+    chosen = logits.gather(1, out[0, 7:, None])[:, 0]
+    assert torch.all(chosen >= logits.max(dim=1).values - 1e-4 * logits.abs().max())
