@@ -13,7 +13,8 @@ from .gguf_file import GGUFError, GGUFFile, GGUFTensor, load_gguf
 from .gguf_linear import GGUFLinear
 from .gguf_arch import architecture, expert_modules, hf_name, hf_value, rows_in_hf_order
 from .gguf_experts import GGUFExperts
-from .gptq.checkpoint import GPTQCheckpointError, load_gptq
+from .gptq.checkpoint import GPTQCheckpoint, GPTQCheckpointError, load_gptq
+from .gptq.experts import EXPERT_LAYER, PROJECTIONS, GPTQExpert, GPTQExperts
 
 
 @dataclass
@@ -39,8 +40,11 @@ def replace_linear(model: nn.Module, path: str | os.PathLike, checkpoint_format:
 
     A GPTQ checkpoint (a directory, or a .safetensors file beside its config):
     every module with a qweight becomes a GPTQLinear holding the checkpoint's
-    tensors; everything else is loaded into the model's own parameters and
-    buffers. `checkpoint_format` ("gptq" / "gptq_v2") overrides the config's.
+    tensors, and the per-expert layers of a mixture of experts
+    (`<...>.experts.<e>.gate_proj`, `up_proj`, `down_proj`) a GPTQExperts in
+    place of transformers' experts module with 3-D parameters; everything
+    else is loaded into the model's own parameters and buffers.
+    `checkpoint_format` ("gptq" / "gptq_v2") overrides the config's.
 
     A model built on the meta device (no memory) takes the checkpoint's
     tensors on the CPU in its place (lowbit.load_gguf_model and
@@ -58,7 +62,10 @@ def _replace_from_gptq(model: nn.Module, path: str, checkpoint_format: str | Non
     wanted = [n for n, _ in model.named_parameters()]  # tied parameters once, as HF saves them
     wanted += [n for n, _ in _persistent_buffers(model)]
     placed = set()
+    in_experts = _place_gptq_experts(model, ckpt, report, placed)
     for name, layer in ckpt.modules.items():
+        if name in in_experts:
+            continue
         module = _get_module(model, name)
         if not isinstance(module, nn.Linear):
             raise GPTQCheckpointError(f"{ckpt.directory}: module {name!r} is quantized in the checkpoint but the "
@@ -94,6 +101,43 @@ def _replace_from_gptq(model: nn.Module, path: str, checkpoint_format: str | Non
     if missing:
         raise GPTQCheckpointError(f"replace_linear: {ckpt.directory} has no tensor for model parameters {missing}")
     return report
+
+
+def _place_gptq_experts(model: nn.Module, ckpt: GPTQCheckpoint, report: ReplaceReport, placed: set) -> set[str]:
+    """The checkpoint's per-expert layers (`<experts>.<e>.gate_proj`, ...) as one
+    GPTQExperts in place of each transformers experts module that holds its
+    experts in 3-D parameters (gate_up_proj, down_proj); returns the layers'
+    names. Models with a module per expert take them one by one instead."""
+    found: dict[str, dict[int, dict[str, object]]] = {}
+    for name, layer in ckpt.modules.items():
+        m = EXPERT_LAYER.fullmatch(name)
+        if m:
+            found.setdefault(m["experts"], {}).setdefault(int(m["expert"]), {})[m["projection"]] = layer
+    used = set()
+    for prefix, experts in found.items():
+        module = _get_module(model, prefix)
+        if not isinstance(getattr(module, "gate_up_proj", None), nn.Parameter):
+            continue
+        count, hidden, intermediate = module.down_proj.shape[0], module.down_proj.shape[1], module.down_proj.shape[2]
+        missing = [f"{e}.{p}" for e in range(count) for p in PROJECTIONS if p not in experts.get(e, {})]
+        extra = sorted(set(experts) - set(range(count)))
+        if missing or extra:
+            raise GPTQCheckpointError(f"{ckpt.directory}: {prefix}: the model has {count} experts; the checkpoint "
+                                      + (f"lacks {prefix}.{missing[0]}" if missing else f"has expert {extra[0]}"))
+        for e in range(count):
+            for p, (n_in, n_out) in zip(PROJECTIONS, ((hidden, intermediate), (hidden, intermediate),
+                                                      (intermediate, hidden))):
+                layer = experts[e][p]
+                if (layer.in_features, layer.out_features) != (n_in, n_out):
+                    raise GPTQCheckpointError(f"{ckpt.directory}: module '{prefix}.{e}.{p}' is [{layer.out_features} x "
+                                              f"{layer.in_features}] in the checkpoint but [{n_out} x {n_in}] in the "
+                                              f"model's experts")
+        layer = GPTQExperts([GPTQExpert(*(experts[e][p] for p in PROJECTIONS)) for e in range(count)], module.act_fn)
+        model.set_submodule(prefix, layer)
+        report.replaced.append(prefix)
+        placed.update(f"{prefix}.{n}" for n, _ in module.named_parameters())
+        used.update(f"{prefix}.{e}.{p}" for e in range(count) for p in PROJECTIONS)
+    return used
 
 
 def _persistent_buffers(model: nn.Module):

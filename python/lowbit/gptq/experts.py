@@ -1,0 +1,74 @@
+"""GPTQExperts: a transformers mixture-of-experts `experts` module over a
+GPTQ checkpoint's per-expert layers (`<...>.experts.<e>.gate_proj`,
+`up_proj`, `down_proj`, as GPTQModel and AutoGPTQ write Qwen-MoE models),
+each a GPTQLinear."""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from .linear import GPTQLinear
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# A checkpoint's per-expert layer: (experts module, expert, projection).
+EXPERT_LAYER = re.compile(r"(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<projection>gate_proj|up_proj|down_proj)")
+
+
+class GPTQExpert(nn.Module):
+    """One expert's three GPTQLinear projections, under the checkpoint's names."""
+
+    def __init__(self, gate_proj: GPTQLinear, up_proj: GPTQLinear, down_proj: GPTQLinear):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+
+
+class GPTQExperts(nn.Module):
+    """forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]:
+    the experts module of transformers' Qwen2Moe / Qwen3Moe / Mixtral sparse
+    MoE blocks, over experts whose projections are GPTQLinear layers. Expert
+    e is the child module "e" (a GPTQExpert), so the state_dict keys are the
+    checkpoint's own (`<e>.gate_proj.qweight`, ...) and save_gptq writes what
+    load_gptq_model read. Each expert runs once, on all the tokens routed to it, and each
+    token's outputs add up in ascending expert order, as transformers'
+    eager experts module computes them; the host reads the per-expert token
+    counts (one device sync a layer, as that module has).
+    """
+
+    def __init__(self, experts: list[GPTQExpert], act_fn: nn.Module):
+        super().__init__()
+        self.num_experts = len(experts)
+        for e, expert in enumerate(experts):
+            self.add_module(str(e), expert)
+        self.act_fn = act_fn
+
+    def expert(self, e: int) -> GPTQExpert:
+        return self._modules[str(e)]
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        k = top_k_index.shape[-1]
+        chosen = top_k_index.reshape(-1)
+        order = torch.argsort(chosen, stable=True)  # (token, slot) pairs grouped by expert, in token order
+        counts = torch.bincount(chosen, minlength=self.num_experts).tolist()
+        if len(counts) > self.num_experts:
+            raise IndexError(f"GPTQExperts: expert ids must lie in [0, {self.num_experts}), got {len(counts) - 1}")
+        tokens, weights = order // k, top_k_weights.reshape(-1)[order]
+        out = torch.zeros_like(hidden_states)
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                expert = self.expert(e)
+                rows = tokens[start:start + count]
+                x = hidden_states.index_select(0, rows)
+                y = expert.down_proj(self.act_fn(expert.gate_proj(x)) * expert.up_proj(x))
+                out.index_add_(0, rows, y * weights[start:start + count, None].to(y.dtype))
+                start += count
+        return out
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The float weights {"gate_proj", "up_proj": [experts, intermediate, hidden],
+        "down_proj": [experts, hidden, intermediate]}."""
+        return {p: torch.stack([getattr(self.expert(e), p).dequantize(dtype) for e in range(self.num_experts)])
+                for p in PROJECTIONS}
