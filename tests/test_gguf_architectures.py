@@ -262,7 +262,7 @@ def write_tokenizer_gguf(path: str, arch: str) -> str:
     return path
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3"])
 def test_load_gguf_tokenizer_matches_autotokenizer(tmp_path, monkeypatch, arch):
     """load_gguf_tokenizer gives what AutoTokenizer gives for the file (its
     class, ids, text back, chat prompt, special tokens), and for the

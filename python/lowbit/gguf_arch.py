@@ -1,14 +1,17 @@
 """GGUF architectures: how a file that llama.cpp's converter wrote maps onto
 a transformers model, from one table; no kernels.
 
-Per architecture (ARCHITECTURES): the transformers class, the GGUF tensor
-names of a decoder layer and the module each belongs to, what the converter
-did to the HF checkpoint's values (LlamaModel's Q/K row permutation, the
-Gemma models' + 1 on every norm weight), and the transformers config kwargs
-read from the file's metadata the way llama.cpp's loader reads them
-(defaults included: a key the converter leaves out means what it means to
-llama.cpp). Facts from llama.cpp's convert_hf_to_gguf.py (conversion/*.py)
-and src/models/<arch>.cpp, llama-cpp-python 0.3.36's copy.
+Per architecture (ARCHITECTURES): the transformers class (another for a
+file with experts where the architecture name is shared: a llama file's
+Mixtral), the GGUF tensor names of a decoder layer and the module each
+belongs to (a layer's 3-D expert tensors together make its experts module:
+EXPERT_TENSORS), what the converter did to the HF checkpoint's values
+(LlamaModel's Q/K row permutation, the Gemma models' + 1 on every norm
+weight), and the transformers config kwargs read from the file's metadata
+the way llama.cpp's loader reads them (defaults included: a key the
+converter leaves out means what it means to llama.cpp). Facts from
+llama.cpp's convert_hf_to_gguf.py (conversion/*.py) and
+src/models/<arch>.cpp, llama-cpp-python 0.3.36's copy.
 """
 from __future__ import annotations
 
