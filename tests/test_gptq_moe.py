@@ -1,7 +1,9 @@
 """GPTQ checkpoints of mixture-of-experts models: per-expert layers
 (`model.layers.N.mlp.experts.E.gate_proj.qweight`, ..., as GPTQModel writes
-Qwen-MoE models) into transformers' models, whose experts are 3-D
-parameters, as GPTQExperts. A tiny Qwen3-MoE / Qwen2-MoE is quantized
+Qwen-MoE models; `block_sparse_moe.experts.E.w1`, ..., as Mixtral
+checkpoints made under transformers 4 name them) into transformers' models,
+whose experts are 3-D parameters, as GPTQExperts. A tiny Qwen3-MoE /
+Qwen2-MoE / Mixtral is quantized
 (GPTQLinear.from_linear per expert and projection, act-order for some),
 saved with save_gptq, loaded with load_gptq_model, and compared with the
 same model holding the dequantized weights (both sides sum the same exactly
@@ -23,12 +25,16 @@ CONFIG = GPTQConfig(bits=4, group_size=32, desc_act=True, sym=False, checkpoint_
 
 
 def tiny_moe(arch, seed=0):
-    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                  pad_token_id=None, tie_word_embeddings=False)
+    common = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, num_experts_per_tok=2, pad_token_id=None, tie_word_embeddings=False)
+    if arch == "mixtral":
+        config = transformers.MixtralConfig(**common, intermediate_size=32, num_local_experts=4)
+        model_class = transformers.MixtralForCausalLM
+    else:
+        common.update(intermediate_size=96, num_experts=4, moe_intermediate_size=32)
     if arch == "qwen3moe":
         config, model_class = transformers.Qwen3MoeConfig(**common, norm_topk_prob=True), transformers.Qwen3MoeForCausalLM
-    else:
+    elif arch == "qwen2moe":
         config, model_class = (transformers.Qwen2MoeConfig(**common, shared_expert_intermediate_size=64),
                                transformers.Qwen2MoeForCausalLM)
     torch.manual_seed(seed)
@@ -76,7 +82,7 @@ def quantized(model):
     return model, reference
 
 
-@pytest.fixture(scope="module", params=["qwen3moe", "qwen2moe"])
+@pytest.fixture(scope="module", params=["qwen3moe", "qwen2moe", "mixtral"])
 def saved(request, tmp_path_factory):
     model, reference = quantized(tiny_moe(request.param))
     directory = str(tmp_path_factory.mktemp(request.param) / "ckpt")
@@ -113,6 +119,53 @@ def test_load_gptq_model_runs_the_experts(saved):
     assert set(first) == set(second) and all(torch.equal(first[k], second[k]) for k in first)
 
 
+def copy_with(directory, tensors, to):
+    """The checkpoint at `directory` with `tensors` as its weights, at `to`."""
+    os.makedirs(to)
+    for f in os.listdir(directory):
+        if f != "model.safetensors":
+            with open(os.path.join(directory, f), "rb") as src, open(os.path.join(to, f), "wb") as dst:
+                dst.write(src.read())
+    save_file(tensors, os.path.join(to, "model.safetensors"))
+    return str(to)
+
+
+LEGACY = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def test_mixtral_checkpoint_under_transformers_4_names(tmp_path):
+    """A Mixtral checkpoint as AutoGPTQ / GPTQModel wrote it under
+    transformers 4 (`block_sparse_moe`, w1 / w3 / w2 experts, float router
+    `block_sparse_moe.gate`) runs as the same checkpoint under today's names;
+    saved again, it has today's names."""
+    model, reference = quantized(tiny_moe("mixtral"))
+    lowbit.save_gptq(model, str(tmp_path / "new"), CONFIG)
+    tensors = load_file(str(tmp_path / "new" / "model.safetensors"))
+
+    def legacy(name):
+        name = name.replace(".mlp.", ".block_sparse_moe.")
+        for new, old in LEGACY.items():
+            name = name.replace(f".{new}.", f".{old}.") if ".experts." in name else name
+        return name
+
+    old = {legacy(k): v for k, v in tensors.items()}
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.qweight" in old
+    assert "model.layers.0.block_sparse_moe.gate.weight" in old
+    loaded = lowbit.load_gptq_model(copy_with(str(tmp_path / "new"), old, tmp_path / "old"))
+    assert sum(isinstance(m, lowbit.gptq.GPTQExperts) for m in loaded.modules()) == 2
+    ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = loaded(ids).logits, reference(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    lowbit.save_gptq(loaded, str(tmp_path / "again"), CONFIG)
+    again = load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert set(again) == set(tensors) and all(torch.equal(again[k], tensors[k]) for k in tensors)
+    # A projection missing under the old names is named as the model names it.
+    old = {k: v for k, v in old.items() if ".block_sparse_moe.experts.2.w3." not in k}
+    with pytest.raises(GPTQCheckpointError, match=r"checkpoint lacks model.layers.0.mlp.experts.2.up_proj"):
+        lowbit.load_gptq_model(copy_with(str(tmp_path / "new"), old, tmp_path / "broken"))
+
+
 def test_damaged_experts_are_refused(saved, tmp_path):
     directory, _ = saved
     tensors = load_file(os.path.join(directory, "model.safetensors"))
@@ -128,14 +181,8 @@ def test_damaged_experts_are_refused(saved, tmp_path):
                                         r"checkpoint but \[32 x 64\] in the model's experts"),
     }
     for case, (damaged, pattern) in cases.items():
-        broken = tmp_path / case.replace(" ", "_")
-        broken.mkdir()
-        for f in os.listdir(directory):
-            if f != "model.safetensors":
-                (broken / f).write_bytes(open(os.path.join(directory, f), "rb").read())
-        save_file(damaged, str(broken / "model.safetensors"))
         with pytest.raises(GPTQCheckpointError, match=pattern):
-            lowbit.load_gptq_model(str(broken))
+            lowbit.load_gptq_model(copy_with(directory, damaged, tmp_path / case.replace(" ", "_")))
 
 
 def test_expert_ids_out_of_range():

@@ -2,6 +2,7 @@
 HF transformers model, swapping its nn.Linear layers for lowbit layers."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from .gguf_linear import GGUFLinear
 from .gguf_arch import architecture, expert_modules, hf_name, hf_value, rows_in_hf_order
 from .gguf_experts import GGUFExperts
 from .gptq.checkpoint import GPTQCheckpoint, GPTQCheckpointError, load_gptq
-from .gptq.experts import EXPERT_LAYER, PROJECTIONS, GPTQExpert, GPTQExperts
+from .gptq.experts import EXPERT_LAYER, PROJECTIONS, GPTQExpert, GPTQExperts, current_name
 
 
 @dataclass
@@ -43,7 +44,10 @@ def replace_linear(model: nn.Module, path: str | os.PathLike, checkpoint_format:
     tensors, and the per-expert layers of a mixture of experts
     (`<...>.experts.<e>.gate_proj`, `up_proj`, `down_proj`) a GPTQExperts in
     place of transformers' experts module with 3-D parameters; everything
-    else is loaded into the model's own parameters and buffers.
+    else is loaded into the model's own parameters and buffers. A Mixtral
+    checkpoint's transformers 4 names (`block_sparse_moe`, experts' w1 / w3
+    / w2) that the model does not have are read as transformers 5's (`mlp`,
+    gate_proj / up_proj / down_proj); the report and errors use the model's.
     `checkpoint_format` ("gptq" / "gptq_v2") overrides the config's.
 
     A model built on the meta device (no memory) takes the checkpoint's
@@ -57,7 +61,7 @@ def replace_linear(model: nn.Module, path: str | os.PathLike, checkpoint_format:
 
 
 def _replace_from_gptq(model: nn.Module, path: str, checkpoint_format: str | None) -> ReplaceReport:
-    ckpt = load_gptq(path, checkpoint_format)
+    ckpt = _named_as_model(model, load_gptq(path, checkpoint_format))
     report = ReplaceReport()
     wanted = [n for n, _ in model.named_parameters()]  # tied parameters once, as HF saves them
     wanted += [n for n, _ in _persistent_buffers(model)]
@@ -101,6 +105,16 @@ def _replace_from_gptq(model: nn.Module, path: str, checkpoint_format: str | Non
     if missing:
         raise GPTQCheckpointError(f"replace_linear: {ckpt.directory} has no tensor for model parameters {missing}")
     return report
+
+
+def _named_as_model(model: nn.Module, ckpt: GPTQCheckpoint) -> GPTQCheckpoint:
+    """The checkpoint with the older names the model has no module for
+    under their current ones (gptq.experts.current_name)."""
+    def renamed(name: str, module_name: str) -> str:
+        return name if _get_module(model, module_name) is not None else current_name(name)
+
+    return dataclasses.replace(ckpt, modules={renamed(n, n): layer for n, layer in ckpt.modules.items()},
+                               tensors={renamed(n, n.rpartition(".")[0]): t for n, t in ckpt.tensors.items()})
 
 
 def _place_gptq_experts(model: nn.Module, ckpt: GPTQCheckpoint, report: ReplaceReport, placed: set) -> set[str]:

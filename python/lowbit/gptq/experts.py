@@ -1,7 +1,8 @@
 """GPTQExperts: a transformers mixture-of-experts `experts` module over a
 GPTQ checkpoint's per-expert layers (`<...>.experts.<e>.gate_proj`,
-`up_proj`, `down_proj`, as GPTQModel and AutoGPTQ write Qwen-MoE models),
-each a GPTQLinear."""
+`up_proj`, `down_proj`, as GPTQModel and AutoGPTQ write Qwen-MoE models;
+Mixtral checkpoints' older names are read as these: current_name), each a
+GPTQLinear."""
 from __future__ import annotations
 
 import re
@@ -14,6 +15,20 @@ from .linear import GPTQLinear
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # A checkpoint's per-expert layer: (experts module, expert, projection).
 EXPERT_LAYER = re.compile(r"(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<projection>gate_proj|up_proj|down_proj)")
+# The names transformers 4 gave Mixtral's layers, which its GPTQ checkpoints
+# (AutoGPTQ's, GPTQModel's, TheBloke's) keep: the block `block_sparse_moe`
+# (now `mlp`, holding the router `gate` and the `experts`) and an expert's
+# w1 / w3 / w2. transformers 5 renames float checkpoints the same way as it
+# loads them (conversion_mapping.py, "mixtral").
+LEGACY_BLOCK = (".block_sparse_moe.", ".mlp.")
+LEGACY_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+LEGACY_EXPERT_LAYER = re.compile(r"(\.experts\.\d+)\.(w[123])\b")
+
+
+def current_name(name: str) -> str:
+    """A checkpoint name under transformers 5's names for it."""
+    name = name.replace(*LEGACY_BLOCK)
+    return LEGACY_EXPERT_LAYER.sub(lambda m: f"{m[1]}.{LEGACY_PROJECTIONS[m[2]]}", name)
 
 
 class GPTQExpert(nn.Module):
