@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import inspect
 import math
 import os
 import tempfile
@@ -116,12 +117,14 @@ def speed(model, ids: torch.Tensor, prefill: int = 128, decode: int = 16) -> tup
         t0 = now()
         model(prompt)
         prefill_tps = prefill / (now() - t0)
+        # transformers 5.2x renamed past_key_values (argument and output) to cache.
+        cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         out = model(prompt, use_cache=True)
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        cache, token = getattr(out, cache_arg), out.logits[:, -1:].argmax(-1)
         t0 = now()
         for _ in range(decode):
-            out = model(token, past_key_values=cache, use_cache=True)
-            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            out = model(token, use_cache=True, **{cache_arg: cache})
+            cache, token = getattr(out, cache_arg), out.logits[:, -1:].argmax(-1)
         decode_tps = decode / (now() - t0)
     return prefill_tps, decode_tps
 
