@@ -23,10 +23,19 @@ layer calls them, in groups that read the same input (q/k/v, then o, then
 gate/up, then down for Llama): every group's Hessian comes from inputs that
 already went through the quantized groups before it (the reference code's
 "true sequential" mode).
+
+Mixture-of-experts layers (transformers' experts modules with 3-D
+gate_up_proj / down_proj parameters) are split into one Linear per expert
+and projection first, as GPTQModel quantizes them: each expert's gate/up
+share the Hessian of the tokens routed to it, its down that of its own
+activations; all experts' gate/up are calibrated in one pass over the
+inputs, then all downs. The layer keeps them as a GPTQExperts, under the
+names GPTQ MoE checkpoints use (`mlp.experts.<e>.gate_proj`, ...).
 """
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -35,6 +44,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .config import BITS, FORMATS, GPTQConfig
+from .experts import EXPERT_LAYER, GPTQExpert, GPTQExperts
 from .linear import GPTQLinear
 
 BLOCK_SIZE = 128  # columns per lazy batch-update (the paper's B = 128)
@@ -91,7 +101,10 @@ def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_si
     W[:, dead] = 0
     # Act-order: quantize the columns with the largest activations first,
     # while many columns are still left to absorb their error.
-    perm = torch.argsort(H.diagonal(), descending=True) if desc_act else torch.arange(K, device=W.device)
+    # (Stable, so that equal activations keep their order: an expert that no
+    # calibration token reached, H = I, keeps the plain g_idx.)
+    perm = (torch.argsort(H.diagonal(), descending=True, stable=True) if desc_act
+            else torch.arange(K, device=W.device))
     W, H = W[:, perm], H[perm][:, perm]
     # Dampening (paper, step 3): a fraction of the mean diagonal keeps the
     # Cholesky decomposition stable on large models.
@@ -241,9 +254,13 @@ def quantize(model: nn.Module, calibration_batches: Iterable[Any], bits: int, gr
              sym: bool = True, desc_act: bool = False, checkpoint_format: str = "gptq_v2",
              damp_percent: float = 0.01, lm_head: bool = False, progress: bool = True) -> GPTQConfig:
     """GPTQ-quantizes an HF LlamaForCausalLM-style model in place: every
-    nn.Linear of its decoder layers (model.model.layers), and the LM head
-    with `lm_head`, becomes a GPTQLinear. Returns the config that
-    lowbit.save_gptq needs to write it as an HF GPTQ checkpoint.
+    nn.Linear of its decoder layers (model.model.layers) but one-output ones
+    (Qwen2-MoE's shared-expert gate, which GPTQ checkpoints keep in float),
+    and the LM head with `lm_head`, becomes a GPTQLinear; every
+    mixture-of-experts experts module (Qwen3-MoE, Qwen2-MoE, Mixtral) a
+    GPTQExperts. Experts that no calibration token reaches are rounded to
+    nearest (the GPTQ of an identity Hessian), with a warning. Returns the
+    config that lowbit.save_gptq needs to write it as an HF GPTQ checkpoint.
 
     `calibration_batches` are token id tensors [batch, seq] or dicts of
     model(**batch) keyword arguments (input_ids, attention_mask), read once
@@ -319,26 +336,91 @@ def _with_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple
 
 
 def _quantize_layer(layer: nn.Module, prefix: str, inputs, quantize_one) -> None:
-    """Quantizes the Linears of one decoder layer, group after group (Linears
-    sharing an input share its Hessian), each from inputs that went through
-    the groups quantized before it."""
-    linears = {name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
-    for group in _groups_by_input(layer, linears, inputs[0], prefix):
-        hessian = Hessian(linears[group[0]].in_features, linears[group[0]].weight.device)
-        hook = linears[group[0]].register_forward_hook(lambda module, args, out, h=hessian: h.add(args[0]))
+    """Quantizes the Linears of one decoder layer, stage after stage, each
+    from inputs that went through the stages quantized before it. A stage is
+    one Linear group (Linears sharing an input share its Hessian), or every
+    expert's gate/up, or every expert's down, of one experts module."""
+    _split_experts(layer, prefix)
+    linears = {name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear) and m.out_features > 1}
+    for stage in _stages(layer, linears, inputs[0], prefix):
+        hessians = [Hessian(linears[group[0]].in_features, linears[group[0]].weight.device) for group in stage]
+        hooks = [linears[group[0]].register_forward_hook(lambda module, args, out, h=h: h.add(args[0]))
+                 for group, h in zip(stage, hessians)]
         try:
             for args, kwargs in inputs:
                 _run(layer, args, kwargs)
         finally:
-            hook.remove()
-        H = hessian.value()
-        for name in group:
-            layer.set_submodule(name, quantize_one(linears[name], H))
+            for hook in hooks:
+                hook.remove()
+        unreached = []
+        for group, hessian in zip(stage, hessians):
+            if hessian.rows == 0:  # only an expert's: every other Linear ran on the sample
+                unreached.append(group[0].rpartition(".")[0])
+                H = torch.eye(hessian.sum.shape[0], dtype=torch.float64, device=hessian.sum.device)
+            else:
+                H = hessian.value()
+            for name in group:
+                layer.set_submodule(name, quantize_one(linears[name], H))
+        if unreached:
+            warnings.warn(f"quantize: no calibration token reached {len(unreached)} experts of {prefix} "
+                          f"({', '.join(unreached[:4])}{', ...' if len(unreached) > 4 else ''}): rounded to nearest")
 
 
-def _groups_by_input(layer: nn.Module, linears: dict[str, nn.Linear], sample, prefix: str) -> list[list[str]]:
+def _split_experts(layer: nn.Module, prefix: str) -> None:
+    """Each transformers experts module of the layer (3-D gate_up_proj [E,
+    2I, H], gate rows first, and down_proj [E, H, I]) becomes a GPTQExperts
+    of float nn.Linear experts computing the same."""
+    for name, module in list(layer.named_modules()):
+        if not isinstance(getattr(module, "gate_up_proj", None), nn.Parameter):
+            continue
+        params = {n for n, _ in module.named_parameters()}
+        if params != {"gate_up_proj", "down_proj"} or not hasattr(module, "act_fn"):
+            raise ValueError(f"quantize: {prefix}.{name} ({type(module).__name__}, parameters {sorted(params)}) is "
+                             "not an experts module GPTQExperts computes (gate_up_proj and down_proj, act_fn)")
+        gate_up, down = module.gate_up_proj.detach(), module.down_proj.detach()
+        half = gate_up.shape[1] // 2
+        layer.set_submodule(name, GPTQExperts([GPTQExpert(_linear(w[:half]), _linear(w[half:]), _linear(d))
+                                               for w, d in zip(gate_up, down)], module.act_fn))
+
+
+def _linear(weight: torch.Tensor) -> nn.Linear:
+    """A bias-free Linear over `weight` itself (no copy)."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    return linear
+
+
+def _stages(layer: nn.Module, linears: dict[str, nn.Linear], sample, prefix: str) -> list[list[list[str]]]:
+    """The layer's Linear groups in call order (_groups_by_input), each its
+    own stage, with the experts' in two stages per experts module: all the
+    gate/up groups where its first gate/up runs, all the downs where its
+    first down runs."""
+    experts: dict[str, dict[int, None]] = {}
+    for name in linears:
+        m = EXPERT_LAYER.fullmatch(name)
+        if m:
+            experts.setdefault(m["experts"], {})[int(m["expert"])] = None
+    stages, placed = [], set()
+    for group in _groups_by_input(layer, linears, sample, prefix, optional=experts.keys()):
+        m = EXPERT_LAYER.fullmatch(group[0])
+        if m is None:
+            stages.append([group])
+            continue
+        down = m["projection"] == "down_proj"
+        if (m["experts"], down) not in placed:
+            placed.add((m["experts"], down))
+            stages.append([[f"{m['experts']}.{e}.down_proj"] if down else
+                           [f"{m['experts']}.{e}.gate_proj", f"{m['experts']}.{e}.up_proj"]
+                           for e in experts[m["experts"]]])
+    return stages
+
+
+def _groups_by_input(layer: nn.Module, linears: dict[str, nn.Linear], sample, prefix: str,
+                     optional: Iterable[str] = ()) -> list[list[str]]:
     """The layer's Linears in call order, grouped by the input tensor they
-    read (q/k/v all read the normed hidden states), from one forward pass."""
+    read (q/k/v all read the normed hidden states), from one forward pass.
+    Linears under the `optional` modules (experts: the sample need not reach
+    all of them) may not run; every other one must."""
     calls = []
     hooks = [m.register_forward_hook(lambda module, args, out, name=name: calls.append((name, args[0])))
              for name, m in linears.items()]
@@ -357,7 +439,7 @@ def _groups_by_input(layer: nn.Module, linears: dict[str, nn.Linear], sample, pr
             groups.append([name])
         seen.add(name)
         previous = x
-    unused = sorted(set(linears) - seen)
+    unused = sorted(n for n in set(linears) - seen if not any(n.startswith(f"{o}.") for o in optional))
     if unused:
         raise ValueError(f"quantize: {[f'{prefix}.{n}' for n in unused]} never run in the forward pass, "
                          "so they have no calibration inputs")

@@ -32,7 +32,8 @@ def current_name(name: str) -> str:
 
 
 class GPTQExpert(nn.Module):
-    """One expert's three GPTQLinear projections, under the checkpoint's names."""
+    """One expert's three GPTQLinear projections, under the checkpoint's names
+    (nn.Linear ones while lowbit.gptq.quantize works on them)."""
 
     def __init__(self, gate_proj: GPTQLinear, up_proj: GPTQLinear, down_proj: GPTQLinear):
         super().__init__()
