@@ -170,13 +170,18 @@ def converter_permute(w, n_head: int):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# Architectures whose converter is LlamaModel's: it writes the vocabulary
+# size and rotary dimension count, and permutes the Q/K rows.
+LLAMA_CONVERTERS = ("llama", "smollm3")
+
+
 def write_model_gguf(path: str, model, arch: str, qtype: T = T.Q8_0, extra_metadata=None, extra_tensors=None) -> str:
-    """A transformers model of a llama, qwen2, qwen3, gemma, gemma2, gemma3 or
-    phi3 architecture as llama.cpp's converter writes it for `arch` (its
+    """A transformers model of a llama, smollm3, qwen2, qwen3, gemma, gemma2,
+    gemma3 or phi3 architecture (or their MoE kin) as llama.cpp's converter writes it for `arch` (its
     hyperparameters, and `extra_metadata`, full key -> value), tensor names
     from gguf-py's own HF -> GGUF name map (and `extra_tensors`, NumPy arrays
     by GGUF name), the Q and K projections' rows and biases permuted for
-    llama only (LlamaModel.modify_tensors), 1 added to the Gemma models' norm
+    LLAMA_CONVERTERS only (LlamaModel.modify_tensors), 1 added to the Gemma models' norm
     weights (GemmaModel, Gemma2Model, Gemma3Model.modify_tensors), 2-D weights
     quantized to `qtype` by gguf-py, norms and biases F32, a tied LM head left
     out."""
@@ -207,7 +212,7 @@ def write_model_gguf(path: str, model, arch: str, qtype: T = T.Q8_0, extra_metad
         writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
     elif arch != "gemma2":  # Gemma2Model writes no rope keys
         writer.add_rope_freq_base(rope["rope_theta"])
-    if arch == "llama":
+    if arch in LLAMA_CONVERTERS:
         writer.add_vocab_size(config.vocab_size)
         writer.add_rope_dimension_count(head_dim)
     else:
@@ -248,9 +253,9 @@ def write_model_gguf(path: str, model, arch: str, qtype: T = T.Q8_0, extra_metad
         name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise KeyError(f"gguf-py maps no {arch} tensor to {hf}")
-        if arch == "llama" and hf.endswith(("q_proj.weight", "q_proj.bias")):
+        if arch in LLAMA_CONVERTERS and hf.endswith(("q_proj.weight", "q_proj.bias")):
             value = converter_permute(value, n_head)
-        elif arch == "llama" and hf.endswith(("k_proj.weight", "k_proj.bias")):
+        elif arch in LLAMA_CONVERTERS and hf.endswith(("k_proj.weight", "k_proj.bias")):
             value = converter_permute(value, n_head_kv)
         elif arch.startswith("gemma") and hf.endswith("norm.weight"):
             value = value + 1

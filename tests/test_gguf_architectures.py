@@ -114,8 +114,8 @@ def test_an_architecture_of_unknown_row_order_is_refused(tmp_path):
     """granite's tensors have llama's names, but its converter writes
     multipliers lowbit does not apply; loading must fail, not compute garbage."""
     path = write_model_gguf(str(tmp_path / "granite.gguf"), tiny_model("qwen2", seed=0), "granite")
-    with pytest.raises(ValueError, match=r"architecture 'granite' is not supported \(supported: llama, qwen2, qwen3, "
-                                         r"gemma, gemma2, gemma3, phi3, qwen2moe, qwen3moe\)"):
+    with pytest.raises(ValueError, match=r"architecture 'granite' is not supported \(supported: llama, smollm3, qwen2, "
+                                         r"qwen3, gemma, gemma2, gemma3, phi3, qwen2moe, qwen3moe\)"):
         lowbit.replace_linear(tiny_model("qwen2", seed=1), path)
 
 
@@ -277,8 +277,21 @@ def test_load_gguf_tokenizer_matches_autotokenizer(tmp_path, monkeypatch, arch):
         def refuse(*args, **kwargs):
             raise AssertionError("went through load_gguf_checkpoint")
         monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", refuse)
-    got = lowbit.load_gguf_tokenizer(path)
+    assert_same_tokenizer(lowbit.load_gguf_tokenizer(path), expect)
 
+
+def test_load_gguf_tokenizer_reads_smollm3_files(tmp_path):
+    """transformers' GGUF support does not know smollm3 files (AutoTokenizer
+    refuses them); their tokenizer metadata is llama's, and lowbit builds
+    from it what AutoTokenizer builds from the same metadata in a llama file."""
+    path = write_tokenizer_gguf(str(tmp_path / "smollm3.gguf"), "smollm3")
+    write_tokenizer_gguf(str(tmp_path / "llama.gguf"), "llama")
+    assert_same_tokenizer(lowbit.load_gguf_tokenizer(path),
+                          transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="llama.gguf"))
+
+
+def assert_same_tokenizer(got, expect):
+    """Same class, ids, text back, chat prompt and special tokens."""
     assert type(got) is type(expect)
     text = "the  theme<|im_start|> then\n\n tthe<|im_end|>é ✓"
     ids = got(text).input_ids

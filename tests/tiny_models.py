@@ -16,6 +16,9 @@ from gguf_files import write_model_gguf
 MODELS = {
     # attention_bias gives the llama file Q/K biases, which the converter permutes like the weights.
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(attention_bias=True)),
+    # Four layers: the fourth skips RoPE (NoPE), as every fourth does.
+    "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM,
+                dict(num_hidden_layers=4, pad_token_id=None, bos_token_id=None, eos_token_id=None)),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),  # Q/K/V biases
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {}),  # q_norm, k_norm
     "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM, {}),

@@ -4,9 +4,9 @@
     python -m lowbit inspect PATH                   quantization config and module table of a GPTQ
                                                     checkpoint (directory or .safetensors file)
     python -m lowbit convert-gptq SRC DST --to v2   rewrite a GPTQ checkpoint's zeros as v2 (or v1)
-    python -m lowbit generate PATH PROMPT           greedy continuation by a GGUF file's model (llama,
-                                                    qwen2, qwen3, gemma, gemma2, gemma3, phi3) or a
-                                                    GPTQ directory's, running their own quantized weights
+    python -m lowbit generate PATH PROMPT           greedy continuation by a GGUF file's model (an
+                                                    architecture of lowbit.gguf_arch.ARCHITECTURES) or
+                                                    a GPTQ directory's, running their own quantized weights
 """
 import argparse
 import sys
@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from .gguf_arch import ARCHITECTURES
 from .gguf_file import GGUFFile, load_gguf
 from .gptq.checkpoint import load_gptq
 from .gptq.convert import convert_checkpoint
@@ -184,8 +185,8 @@ def main(argv=None) -> int:
     convert.add_argument("--to", required=True, choices=sorted(GPTQ_FORMATS),
                          help="v1 ('gptq', stores zero-1) or v2 ('gptq_v2', stores the zero)")
     convert.set_defaults(run=cmd_convert_gptq)
-    generate = commands.add_parser("generate", help="greedy continuation of PROMPT by a GGUF file's model (llama, "
-                                                    "qwen2, qwen3, gemma, gemma2, gemma3, phi3) or a GPTQ "
+    generate = commands.add_parser("generate", help="greedy continuation of PROMPT by a GGUF file's model ("
+                                                    + ", ".join(ARCHITECTURES) + ") or a GPTQ "
                                                     "checkpoint's model, with its speed")
     generate.add_argument("path", help="a .gguf file, or a GPTQ checkpoint directory with its tokenizer")
     generate.add_argument("prompt")

@@ -99,6 +99,14 @@ def _llama_extra(metadata, arch, tensors, config):
     return {"attention_bias": "blk.0.attn_q.bias" in names, "mlp_bias": "blk.0.ffn_up.bias" in names}
 
 
+def _smollm3_extra(metadata, arch, tensors, config):
+    """llama.cpp's SmolLM3 skips RoPE in every 4th layer (its fixed
+    n_no_rope_layer_step; the file says nothing of it)."""
+    layers = config["num_hidden_layers"]
+    return {**_llama_extra(metadata, arch, tensors, config), "no_rope_layer_interval": 4,
+            "no_rope_layers": [int((il + 1) % 4 != 0) for il in range(layers)]}
+
+
 def _qwen3_extra(metadata, arch, tensors, config):
     return {"attention_bias": "blk.0.attn_q.bias" in set(tensors)}
 
@@ -239,6 +247,9 @@ ARCHITECTURES: dict[str, Architecture] = {
                           extra_config=_llama_extra,
                           with_experts=Architecture("MixtralForCausalLM", _MOE_BLOCK, "TokenizersBackend",
                                                     qk_rows_permuted=True, extra_config=_mixtral_extra)),
+    # SmolLM3's converter is llama's (LlamaModel: Q/K rows permuted).
+    "smollm3": Architecture("SmolLM3ForCausalLM", _LLAMA_BLOCK, "TokenizersBackend", qk_rows_permuted=True,
+                            extra_config=_smollm3_extra),
     "qwen2": Architecture("Qwen2ForCausalLM", _LLAMA_BLOCK, "Qwen2Tokenizer"),
     "qwen3": Architecture("Qwen3ForCausalLM", _LLAMA_BLOCK, "Qwen2Tokenizer", extra_config=_qwen3_extra),
     "gemma": Architecture("GemmaForCausalLM", _LLAMA_BLOCK, norm_offset=1.0, scaled_embedding=True,

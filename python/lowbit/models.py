@@ -30,11 +30,11 @@ ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, repack: bool = False) -> nn.Module:
     """The transformers model (lowbit.gguf_arch.ARCHITECTURES: LlamaForCausalLM,
-    or MixtralForCausalLM for a llama file with experts, Qwen2ForCausalLM,
-    Qwen3ForCausalLM, Qwen3MoeForCausalLM, GemmaForCausalLM,
-    Gemma2ForCausalLM, Gemma3ForCausalLM or Phi3ForCausalLM) that a GGUF file
-    of the llama, qwen2, qwen3, qwen3moe, gemma, gemma2, gemma3 or phi3
-    architecture describes, in eval mode on the CPU.
+    or MixtralForCausalLM for a llama file with experts, SmolLM3ForCausalLM,
+    Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen2MoeForCausalLM,
+    Qwen3MoeForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM,
+    Gemma3ForCausalLM or Phi3ForCausalLM) that a GGUF file of one of those
+    architectures describes, in eval mode on the CPU.
 
     Every linear layer the file has a quantized weight for is a GGUFLinear
     over the file's blocks (memory-mapped, so loading reads no weight
