@@ -1,5 +1,6 @@
 """lowbit.gptq.algorithm: GPTQ (Frantar et al. 2022) on single Linears and on
-a small transformers Llama.
+a small transformers Llama (and Gemma 2/3, whose layers differ in mask and
+rotation).
 
 GPTQ must beat round-to-nearest (the same grid without error feedback) on
 the layer output error it minimises, produce tensors consistent with the
@@ -245,3 +246,33 @@ def test_llama_lm_head_v1_and_dict_batches(tmp_path):
     fresh = tiny_llama(seed=1)
     assert "lm_head" in lowbit.replace_linear(fresh, tmp_path / "ckpt").replaced
     assert torch.equal(logits(fresh, held_out), logits(model, held_out))
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2"])
+def test_each_layer_is_calibrated_with_its_own_mask_and_rotation(arch):
+    """Gemma 2/3 give each layer type its own attention mask (a sliding
+    window or none) and Gemma 3 its own rotary embedding: layer 1 (global)
+    is calibrated with its own, not layer 0's (sliding). Its o_proj is bit
+    for bit quantize_linear of the float o_proj with the Hessian of the
+    inputs it gets in the quantized model (o_proj's input does not depend on
+    o_proj itself; q/k/v were quantized before it, as quantize does)."""
+    from tiny_models import tiny_model
+
+    model = tiny_model(arch, seed=0)
+    assert model.config.layer_types == ["sliding_attention", "full_attention"]
+    float_o = torch.nn.Linear(128, 64, bias=False)
+    with torch.no_grad():
+        float_o.weight.copy_(model.model.layers[1].self_attn.o_proj.weight)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 64, (2, 16), generator=g) for _ in range(4)]  # 16 tokens: the window of 5 masks
+    quantize(model, batches, 4, 32, sym=False, desc_act=True, progress=False)
+    o_proj = model.model.layers[1].self_attn.o_proj
+    hessian = Hessian(128)
+    hook = o_proj.register_forward_hook(lambda module, args, out: hessian.add(args[0]))
+    with torch.no_grad():
+        for ids in batches:
+            model(ids)
+    hook.remove()
+    want = quantize_linear(float_o, hessian.value(), 4, 32, sym=False, desc_act=True)
+    for t in ("qweight", "qzeros", "scales", "g_idx"):
+        assert torch.equal(getattr(o_proj, t), getattr(want, t)), t

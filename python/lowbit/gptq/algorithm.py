@@ -18,7 +18,8 @@ checkpoint dequantizes to.
 
 `quantize` runs the whole model block by block ("sequential" in the paper):
 each decoder layer is quantized from the outputs of the already-quantized
-layers before it. Inside a layer the Linears are quantized in the order the
+layers before it, with the mask and rotary embedding the model gives that
+layer (they differ between Gemma's sliding and global layers). Inside a layer the Linears are quantized in the order the
 layer calls them, in groups that read the same input (q/k/v, then o, then
 gate/up, then down for Llama): every group's Hessian comes from inputs that
 already went through the quantized groups before it (the reference code's
@@ -282,12 +283,13 @@ def quantize(model: nn.Module, calibration_batches: Iterable[Any], bits: int, gr
     model.eval()
     try:
         with torch.no_grad():
-            inputs = _layer_inputs(model, decoder.layers[0], calibration_batches)
+            hidden, extras = _layer_inputs(model, decoder.layers, calibration_batches)
             for index, layer in enumerate(tqdm(decoder.layers, desc="GPTQ layers", disable=not progress)):
+                inputs = [_with_hidden(args, kwargs, h) for h, (args, kwargs) in zip(hidden, extras[index])]
                 _quantize_layer(layer, f"model.layers.{index}", inputs, quantize_one)
-                inputs = [_with_hidden(args, kwargs, _run(layer, args, kwargs)) for args, kwargs in inputs]
+                hidden = [_run(layer, args, kwargs) for args, kwargs in inputs]
             if lm_head:
-                _quantize_lm_head(model, decoder.norm, inputs, quantize_one)
+                _quantize_lm_head(model, decoder.norm, hidden, quantize_one)
     finally:
         model.train(training)
     return GPTQConfig(bits=bits, group_size=group_size, desc_act=desc_act, sym=sym,
@@ -295,20 +297,30 @@ def quantize(model: nn.Module, calibration_batches: Iterable[Any], bits: int, gr
 
 
 class _Captured(Exception):
-    """Stops the model's forward once the first decoder layer's inputs are in."""
+    """Stops the model's forward once the last decoder layer's inputs are in."""
 
 
-def _layer_inputs(model: nn.Module, first: nn.Module, batches: Iterable[Any]) -> list[tuple[tuple, dict]]:
-    """The (args, kwargs) the first decoder layer gets for each calibration
-    batch: its hidden states plus whatever the model computes for it
-    (position embeddings, attention mask, position ids, ...)."""
-    captured = []
+def _layer_inputs(model: nn.Module, layers: nn.ModuleList, batches: Iterable[Any]) -> tuple[list, list]:
+    """(the first decoder layer's hidden states per calibration batch, per
+    layer and batch the (args, kwargs) the float model gives that layer with
+    its hidden states left out: None). Each layer's own, as masks and rotary
+    embeddings can differ by layer type (Gemma 2/3's sliding and global
+    layers, Qwen2's sliding-window ones); they do not depend on the weights,
+    so one forward of the float model finds them; only the first layer's
+    hidden states are kept."""
+    hidden, extras = [], [[] for _ in layers]
 
-    def capture(module, args, kwargs):
-        captured.append((args, kwargs))
-        raise _Captured
+    def capture(index, module, args, kwargs):
+        h, args, kwargs = (args[0], (None, *args[1:]), kwargs) if args else (
+            kwargs["hidden_states"], args, {**kwargs, "hidden_states": None})
+        if index == 0:
+            hidden.append(h)
+        extras[index].append((args, kwargs))
+        if index == len(layers) - 1:
+            raise _Captured
 
-    hook = first.register_forward_pre_hook(capture, with_kwargs=True)
+    hooks = [layer.register_forward_pre_hook(lambda module, args, kwargs, i=i: capture(i, module, args, kwargs),
+                                             with_kwargs=True) for i, layer in enumerate(layers)]
     try:
         for batch in batches:
             kwargs = dict(batch) if isinstance(batch, Mapping) else {"input_ids": batch}
@@ -318,10 +330,13 @@ def _layer_inputs(model: nn.Module, first: nn.Module, batches: Iterable[Any]) ->
             except _Captured:
                 pass
     finally:
-        hook.remove()
-    if not captured:
+        for hook in hooks:
+            hook.remove()
+    if not hidden:
         raise ValueError("quantize: calibration_batches is empty")
-    return captured
+    if any(len(e) != len(hidden) for e in extras):
+        raise ValueError("quantize: the model's forward did not run every decoder layer once per batch")
+    return hidden, extras
 
 
 def _run(layer: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -446,10 +461,10 @@ def _groups_by_input(layer: nn.Module, linears: dict[str, nn.Linear], sample, pr
     return groups
 
 
-def _quantize_lm_head(model: nn.Module, norm: nn.Module, inputs, quantize_one) -> None:
+def _quantize_lm_head(model: nn.Module, norm: nn.Module, hidden, quantize_one) -> None:
     """The LM head reads the final norm of the last layer's outputs."""
     head = model.lm_head
     hessian = Hessian(head.in_features, head.weight.device)
-    for args, kwargs in inputs:
-        hessian.add(norm(args[0] if args else kwargs["hidden_states"]))
+    for h in hidden:
+        hessian.add(norm(h))
     model.lm_head = quantize_one(head, hessian.value())
