@@ -175,7 +175,8 @@ def converter_permute(w, n_head: int):
 LLAMA_CONVERTERS = ("llama", "smollm3")
 
 
-def write_model_gguf(path: str, model, arch: str, qtype: T = T.Q8_0, extra_metadata=None, extra_tensors=None) -> str:
+def write_model_gguf(path: str, model, arch: str, qtype: T = T.Q8_0, extra_metadata=None, extra_tensors=None,
+                     expert_qtype: T | None = None) -> str:
     """A transformers model of a llama, smollm3, qwen2, qwen3, gemma, gemma2,
     gemma3 or phi3 architecture (or their MoE kin) as llama.cpp's converter writes it for `arch` (its
     hyperparameters, and `extra_metadata`, full key -> value), tensor names
@@ -183,14 +184,15 @@ def write_model_gguf(path: str, model, arch: str, qtype: T = T.Q8_0, extra_metad
     by GGUF name), the Q and K projections' rows and biases permuted for
     LLAMA_CONVERTERS only (LlamaModel.modify_tensors), 1 added to the Gemma models' norm
     weights (GemmaModel, Gemma2Model, Gemma3Model.modify_tensors), 2-D weights
-    quantized to `qtype` by gguf-py, norms and biases F32, a tied LM head left
-    out."""
+    quantized to `qtype` by gguf-py (the experts' to `expert_qtype` where
+    given: gpt-oss files keep theirs in MXFP4), norms and biases F32, a tied
+    LM head left out."""
     import torch
 
     config = model.config
     n_head, n_head_kv = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_head
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper().replace("-", "_")], config.num_hidden_layers)
     writer = gguf.GGUFWriter(path, arch)
     # The hyperparameters TextModel.set_gguf_parameters writes (and LlamaModel's
     # vocab size and rotary dimension count).
@@ -221,6 +223,15 @@ def write_model_gguf(path: str, model, arch: str, qtype: T = T.Q8_0, extra_metad
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
         writer.add_sliding_window(config.sliding_window)
+    if rope.get("rope_type") == "yarn":  # TextModel: the type, factor, original context and betas
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    if arch == "gpt-oss":  # GptOssModel: the window, and the experts' FFN size
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_expert_feed_forward_length(config.intermediate_size)
     if arch == "gemma3":
         if config.final_logit_softcapping:
             writer.add_final_logit_softcapping(config.final_logit_softcapping)
@@ -259,8 +270,10 @@ def write_model_gguf(path: str, model, arch: str, qtype: T = T.Q8_0, extra_metad
             value = converter_permute(value, n_head_kv)
         elif arch.startswith("gemma") and hf.endswith("norm.weight"):
             value = value + 1
-        if value.ndim >= 2 and not name.endswith("ffn_gate_inp.weight"):  # routers stay F32, as the converter keeps them
-            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(value), qtype), raw_dtype=qtype)
+        # Routers and biases stay F32, as the converter keeps them.
+        if value.ndim >= 2 and name.endswith(".weight") and not name.endswith("ffn_gate_inp.weight"):
+            t = expert_qtype if expert_qtype is not None and name.endswith("_exps.weight") else qtype
+            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(value), t), raw_dtype=t)
         else:
             writer.add_tensor(name, np.ascontiguousarray(value))
     writer.write_header_to_file()
@@ -273,12 +286,28 @@ def write_model_gguf(path: str, model, arch: str, qtype: T = T.Q8_0, extra_metad
 def _converter_tensors(model):
     """(HF name, fp32 NumPy value) of each parameter as the converter takes
     it: a tied LM head not listed, transformers' fused 3-D expert gate_up_proj
-    split into gate_proj and up_proj (Qwen2MoeModel.modify_tensors)."""
+    split into gate_proj and up_proj (Qwen2MoeModel.modify_tensors); gpt-oss's
+    experts ([in, out], gate and up interleaved) transposed and split, their
+    biases split, the sinks named .weight (GptOssModel)."""
     import torch
 
+    gpt_oss = model.config.model_type == "gpt_oss"
     for hf, param in model.named_parameters():
         value = param.detach().to(torch.float32).numpy()
-        if hf.endswith("mlp.experts.gate_up_proj"):
+        if gpt_oss and hf.endswith("mlp.experts.gate_up_proj"):
+            value = value.swapaxes(-1, -2)
+            yield hf.replace("gate_up_proj", "gate_proj.weight"), value[:, ::2]
+            yield hf.replace("gate_up_proj", "up_proj.weight"), value[:, 1::2]
+        elif gpt_oss and hf.endswith("mlp.experts.gate_up_proj_bias"):
+            yield hf.replace("gate_up_proj_bias", "gate_proj.bias"), value[:, ::2]
+            yield hf.replace("gate_up_proj_bias", "up_proj.bias"), value[:, 1::2]
+        elif gpt_oss and hf.endswith("mlp.experts.down_proj"):
+            yield hf + ".weight", value.swapaxes(-1, -2)
+        elif gpt_oss and hf.endswith("mlp.experts.down_proj_bias"):
+            yield hf.replace("down_proj_bias", "down_proj.bias"), value
+        elif gpt_oss and hf.endswith("self_attn.sinks"):
+            yield hf + ".weight", value
+        elif hf.endswith("mlp.experts.gate_up_proj"):
             half = value.shape[1] // 2
             yield hf.replace("gate_up_proj", "gate_proj.weight"), value[:, :half]
             yield hf.replace("gate_up_proj", "up_proj.weight"), value[:, half:]

@@ -1,5 +1,6 @@
 """replace_linear and load_gguf_model on each GGUF architecture they load
-(llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3), through files written the
+(tiny_models.MODELS: llama and Mixtral, smollm3, qwen2, qwen3, the Qwen MoEs,
+gpt-oss, gemma, gemma2, gemma3, phi3), through files written the
 way llama.cpp's converter writes them (gguf_files.write_model_gguf: gguf-py's
 name map, llama's Q/K permutation of weights and biases, the Gemma models'
 + 1 on norm weights, each converter's hyperparameter keys, gguf-py's
@@ -30,7 +31,7 @@ from gguf_files import write_model_gguf
 from lowbit.gguf_arch import ARCHITECTURES
 
 transformers = pytest.importorskip("transformers")
-from tiny_models import MODELS, PHI3_LONGROPE, through_q8_0, tiny_model, write_tiny_gguf  # noqa: E402
+from tiny_models import MODELS, PHI3_LONGROPE, is_router, through_q8_0, tiny_model, write_tiny_gguf  # noqa: E402
 
 # Relative L2 of the logits that lowbit's 8-bit activations may cost (see above).
 TOLERANCE = {"gemma2": 0.05, "gemma3": 0.05}
@@ -44,7 +45,8 @@ def assert_weights_arrived(model, reference):
     """Every lowbit layer of the loaded model holds the reference's weights
     bit for bit: a GGUFLinear or GGUFEmbedding its module's weight (the tied
     lm_head too) and bias, a GGUFExperts the experts' 3-D gate_up_proj (gate
-    rows first) and down_proj."""
+    rows first; gpt-oss's [in, out] with gate and up interleaved, and its
+    biases) and down_proj."""
     expect = dict(reference.named_parameters(remove_duplicate=False))
     for name, module in model.named_modules():
         if isinstance(module, (lowbit.GGUFLinear, lowbit.GGUFEmbedding)):
@@ -53,9 +55,16 @@ def assert_weights_arrived(model, reference):
                 torch.testing.assert_close(module.bias, expect[f"{name}.bias"], rtol=0, atol=0, msg=name)
         elif isinstance(module, lowbit.GGUFExperts):
             w = module.dequantize()
-            torch.testing.assert_close(torch.cat([w["gate"], w["up"]], dim=1), expect[f"{name}.gate_up_proj"],
-                                       rtol=0, atol=0, msg=name)
-            torch.testing.assert_close(w["down"], expect[f"{name}.down_proj"], rtol=0, atol=0, msg=name)
+            gate_up, down = expect[f"{name}.gate_up_proj"], expect[f"{name}.down_proj"]
+            if module.biased:
+                gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+                gate_up = torch.cat([gate_up[:, ::2], gate_up[:, 1::2]], dim=1)
+                bias = expect[f"{name}.gate_up_proj_bias"]
+                torch.testing.assert_close(torch.cat([module.gate_bias, module.up_bias], dim=1),
+                                           torch.cat([bias[:, ::2], bias[:, 1::2]], dim=1), rtol=0, atol=0, msg=name)
+                torch.testing.assert_close(module.down_bias, expect[f"{name}.down_proj_bias"], rtol=0, atol=0, msg=name)
+            torch.testing.assert_close(torch.cat([w["gate"], w["up"]], dim=1), gate_up, rtol=0, atol=0, msg=name)
+            torch.testing.assert_close(w["down"], down, rtol=0, atol=0, msg=name)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p, expect[name], rtol=0, atol=0, msg=name)
 
@@ -78,8 +87,10 @@ def with_float_linears(model):
     for name, module in list(model.named_modules()):
         if isinstance(module, lowbit.GGUFExperts):
             f32 = {k: (w.reshape(-1, w.shape[-1]).view(torch.uint8), 0) for k, w in module.dequantize().items()}
+            biases = {p: getattr(module, f"{p}_bias") for p in f32} if module.biased else None
             model.set_submodule(name, lowbit.GGUFExperts(f32["gate"], f32["up"], f32["down"], module.num_experts,
-                                                         module.hidden_size, module.intermediate_size, module.act_fn))
+                                                         module.hidden_size, module.intermediate_size, module.act_fn,
+                                                         glu=module.glu, biases=biases))
         if isinstance(module, lowbit.GGUFLinear):
             linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
             with torch.no_grad():
@@ -115,7 +126,7 @@ def test_an_architecture_of_unknown_row_order_is_refused(tmp_path):
     multipliers lowbit does not apply; loading must fail, not compute garbage."""
     path = write_model_gguf(str(tmp_path / "granite.gguf"), tiny_model("qwen2", seed=0), "granite")
     with pytest.raises(ValueError, match=r"architecture 'granite' is not supported \(supported: llama, smollm3, qwen2, "
-                                         r"qwen3, gemma, gemma2, gemma3, phi3, qwen2moe, qwen3moe\)"):
+                                         r"qwen3, gemma, gemma2, gemma3, phi3, qwen2moe, qwen3moe, gpt-oss\)"):
         lowbit.replace_linear(tiny_model("qwen2", seed=1), path)
 
 
@@ -150,10 +161,11 @@ def test_load_gguf_model_builds_the_architecture(tmp_path, arch, overrides):
     assert not any(type(m) in (torch.nn.Linear, torch.nn.Embedding) for m in model.modules())
     assert_weights_arrived(model, reference)
     assert sum(isinstance(m, lowbit.GGUFExperts) for m in model.modules()) == sum(map(is_experts, source.modules()))
-    # Nothing float bigger than a norm or bias (or a router, which files keep
-    # F32): every matrix stays in its blocks.
+    # Nothing float bigger than a norm or bias (or a router, or gpt-oss's
+    # experts' biases, which files keep F32): every matrix stays in its blocks.
     floats = [*model.named_parameters(), *model.named_buffers()]
-    assert max(t.numel() for n, t in floats if t.is_floating_point() and not n.endswith("mlp.gate.weight")) <= 64
+    assert max(t.numel() for n, t in floats if t.is_floating_point() and not is_router(n)
+               and not n.endswith(("experts.gate_bias", "experts.up_bias", "experts.down_bias"))) <= 64
     for name, b in model.named_buffers():
         assert not b.is_meta, name
     rotary = dict(model.model.rotary_emb.named_buffers())  # gemma3's: one inv_freq per layer type
@@ -262,7 +274,7 @@ def write_tokenizer_gguf(path: str, arch: str) -> str:
     return path
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gpt-oss", "phi3"])
 def test_load_gguf_tokenizer_matches_autotokenizer(tmp_path, monkeypatch, arch):
     """load_gguf_tokenizer gives what AutoTokenizer gives for the file (its
     class, ids, text back, chat prompt, special tokens), and for the
@@ -302,7 +314,7 @@ def assert_same_tokenizer(got, expect):
     assert (got.bos_token, got.eos_token) == (expect.bos_token, expect.eos_token) == ("<|im_start|>", "<|im_end|>")
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "mixtral", "gpt-oss"])
 def test_load_gguf_model_repacks_the_experts(tmp_path, arch):
     """repack=True repacks the experts too (each projection whose type the
     active kernels read): the same model, to the 32-element types' fp32

@@ -115,6 +115,15 @@ def test_validation(pair):
         build(experts=3)
     with pytest.raises(ValueError, match=r"gate must be .* type 2 weights"):  # rows of another type's byte count
         build(gate=(rows, T.Q4_0))
+    with pytest.raises(ValueError, match=r"GGUFExperts: give act_fn or glu, not both"):
+        lowbit.GGUFExperts((rows, T.Q8_0), (rows, T.Q8_0), (down, T.Q4_0), EXPERTS, HIDDEN, INTERMEDIATE,
+                           reference.act_fn, glu=lowbit.gguf_experts.ClampedSwiGLU(1.702, 7.0))
+    biases = {"gate": torch.zeros(EXPERTS, INTERMEDIATE), "up": torch.zeros(EXPERTS, INTERMEDIATE),
+              "down": torch.zeros(EXPERTS, INTERMEDIATE)}
+    with pytest.raises(ValueError, match=r"GGUFExperts: biases\['down'\] must be a float \[experts, rows\] = "
+                                         r"\[6, 64\] tensor, got \(torch.float32, \(6, 96\)\)"):
+        lowbit.GGUFExperts((rows, T.Q8_0), (rows, T.Q8_0), (down, T.Q4_0), EXPERTS, HIDDEN, INTERMEDIATE,
+                           reference.act_fn, biases=biases)
     x = torch.randn(2, HIDDEN)
     with pytest.raises(ValueError, match=r"ggml_mul_mat_id: ids values must lie in \[0, 6\), found min 0 and max 6"):
         ours(x, torch.tensor([[0], [EXPERTS]]), torch.ones(2, 1))

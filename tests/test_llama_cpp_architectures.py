@@ -6,9 +6,11 @@ this checks lowbit's reading of it against an implementation that shares
 none of its code: tensor names and row order, the Gemma norms' + 1, the
 embedding scale, the query scale the converter leaves unwritten, logit
 softcaps, sliding windows and their layer pattern, each layer type's rope
-base and scaling, partial rotation, SmolLM3's layers without RoPE, fused
-projections, and the experts: their routing, renormalized or not, and which
-rows are gate and which up.
+base and scaling (YaRN too), partial rotation, SmolLM3's layers without
+RoPE, fused projections, and the experts: their routing, renormalized or
+not, which rows are gate and which up, and gpt-oss's attention sinks,
+biased experts and clamped SwiGLU (its experts also in MXFP4, as its files
+hold them).
 
 The files hold F32 weights and llama.cpp keeps its KV cache in F32, so
 that both sides compute in fp32 and only what the file means can set them
@@ -19,12 +21,14 @@ those features moves the logits; llama.cpp runs 24 tokens from an empty
 context, so a window of 5 masks most of each sliding layer's keys.
 Tolerance: the largest |logit difference| within 0.5% of the largest
 |logit|. Measured over 4 seeds: at most 0.0004% for llama, smollm3, qwen2,
-qwen3, qwen2moe, qwen3moe, mixtral and phi3 (with and without LongRoPE),
-0.002% for gemma and 0.12-0.16% for gemma2 and gemma3 (llama.cpp's GELU
-reads an fp16 table); each feature read wrongly (MISREADINGS) moved it by
-9.3% (qwen3moe's top-k weights not renormalized) to 720% (a final softcap).
+qwen3, qwen2moe, qwen3moe, mixtral, gpt-oss (F32 or MXFP4 experts) and phi3
+(with and without LongRoPE), 0.002% for gemma and 0.12-0.16% for gemma2 and
+gemma3 (llama.cpp's GELU reads an fp16 table); each feature read wrongly
+(MISREADINGS) moved it by 9.3% (qwen3moe's top-k weights not renormalized)
+to 720% (a final softcap).
 """
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -49,8 +53,12 @@ ATTENTION_OUTPUT_SCALE = 4
 TOLERANCE = 0.005
 
 
-# Each architecture's tiny model, and phi3's with LongRoPE.
-CASES = {**{arch: (arch, {}) for arch in MODELS}, "phi3-longrope": ("phi3", PHI3_LONGROPE)}
+# Each architecture's tiny model, and phi3's with LongRoPE; gpt-oss's also
+# with its experts in MXFP4, as its files hold them (the products then go
+# through 8-bit activations on both sides).
+CASES = {**{arch: (arch, {}) for arch in MODELS}, "phi3-longrope": ("phi3", PHI3_LONGROPE),
+         "gpt-oss-mxfp4": ("gpt-oss", {})}
+EXPERT_QTYPES = {"gpt-oss-mxfp4": T.MXFP4}
 
 
 def sharpened(arch, seed=0, **overrides):
@@ -68,14 +76,14 @@ def sharpened(arch, seed=0, **overrides):
     return model
 
 
-def write_for_llama_cpp(path, model, name):
+def write_for_llama_cpp(path, model, name, expert_qtype=None):
     """The converter's file of model `name`, with a vocabulary llama.cpp takes
     without a tokenizer (tokenizer.ggml.model "none" and a vocab_size)."""
     arch = FILE_ARCH.get(name, name)
     extra = {"tokenizer.ggml.model": "none"}
     if arch not in LLAMA_CONVERTERS:  # LlamaModel's writer puts vocab_size there already
         extra[f"{arch}.vocab_size"] = model.config.vocab_size
-    return write_tiny_gguf(path, model, name, extra_metadata=extra, qtype=T.F32)
+    return write_tiny_gguf(path, model, name, extra_metadata=extra, qtype=T.F32, expert_qtype=expert_qtype)
 
 
 def logits_difference(path, ids):
@@ -92,7 +100,7 @@ def logits_difference(path, ids):
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_agree_with_llama_cpp(tmp_path, case):
     name, overrides = CASES[case]
-    path = write_for_llama_cpp(tmp_path / f"{case}.gguf", sharpened(name, **overrides), name)
+    path = write_for_llama_cpp(tmp_path / f"{case}.gguf", sharpened(name, **overrides), name, EXPERT_QTYPES.get(case))
     ids = torch.randint(0, 64, (1, TOKENS), generator=torch.Generator().manual_seed(0))
     assert logits_difference(path, ids) < TOLERANCE
 
@@ -105,6 +113,26 @@ def gate_and_up_swapped(model):
     for m in model.modules():
         if isinstance(m, lowbit.GGUFExperts):
             m.gate_qweight, m.up_qweight = m.up_qweight, m.gate_qweight
+
+
+def without_sinks(model):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("self_attn.sinks"):
+                p.fill_(-math.inf)
+
+
+def without_expert_biases(model):
+    for m in model.modules():
+        if isinstance(m, lowbit.GGUFExperts):
+            for part in ("gate", "up", "down"):
+                getattr(m, f"{part}_bias").zero_()
+
+
+def unclamped_swiglu(model):
+    for m in model.modules():
+        if isinstance(m, lowbit.GGUFExperts):
+            m.glu.limit = math.inf
 
 
 _GEMMA3_ROPE = MODELS["gemma3"][2]["rope_parameters"]
@@ -135,6 +163,12 @@ MISREADINGS = {
     "qwen2moe: top-k weights renormalized": ("qwen2moe", dict(config=dict(norm_topk_prob=True))),
     "qwen3moe: top-k weights not renormalized": ("qwen3moe", dict(config=dict(norm_topk_prob=False))),
     "mixtral: experts' gate and up swapped": ("mixtral", dict(model=gate_and_up_swapped)),
+    "gpt-oss: no attention sinks": ("gpt-oss", dict(model=without_sinks)),
+    "gpt-oss: experts' biases dropped": ("gpt-oss", dict(model=without_expert_biases)),
+    "gpt-oss: SwiGLU unclamped": ("gpt-oss", dict(model=unclamped_swiglu)),
+    "gpt-oss: every layer sliding": ("gpt-oss", dict(config=dict(layer_types=["sliding_attention"] * 2))),
+    "gpt-oss: YaRN ignored": ("gpt-oss", dict(config=dict(rope_parameters={"rope_type": "default",
+                                                                            "rope_theta": 1e4}))),
     "phi3-longrope: LongRoPE's factors ignored": ("phi3-longrope", dict(config=dict(rope_parameters={
         **MODELS["phi3"][2]["rope_parameters"]}))),
 }
@@ -144,7 +178,8 @@ MISREADINGS = {
 def test_each_feature_moves_the_logits(tmp_path, monkeypatch, case):
     """The comparison above would catch each misreading: loaded that way,
     lowbit's logits leave the tolerance by 4x or more (measured 18.6x for
-    qwen3moe's top-k weights not renormalized, 49x and up for the rest)."""
+    qwen3moe's top-k weights not renormalized, 18.8x for gpt-oss's SwiGLU
+    unclamped, 49x and up for the rest)."""
     case_name, misread = MISREADINGS[case]
     name, overrides = CASES[case_name]
     path = write_for_llama_cpp(tmp_path / f"{case_name}.gguf", sharpened(name, **overrides), name)

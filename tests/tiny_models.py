@@ -4,6 +4,7 @@ writes them (gguf_files.write_model_gguf), and the float reference they
 must load as (test_gguf_architectures.py, test_llama_cpp_architectures.py)."""
 import copy
 
+import numpy as np
 import torch
 import transformers
 from gguf import GGMLQuantizationType as T
@@ -47,6 +48,14 @@ MODELS = {
     # Mixtral: a llama file with experts (FILE_ARCH).
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
                 dict(num_local_experts=4, num_experts_per_tok=2)),
+    # gpt-oss: sinks, biases everywhere, biased experts stored [in, out] with
+    # gate and up interleaved, clamped SwiGLU, a window of 5 on every other
+    # layer, YaRN (its betas written, as the converter does).
+    "gpt-oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM,
+                dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=5,
+                     tie_word_embeddings=False,
+                     rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "original_max_position_embeddings": 16, "rope_theta": 1e4})),
     # Fused QKV and gate/up projections, half of each head rotated (as Phi-4-mini's 3/4).
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM,
              dict(pad_token_id=None, bos_token_id=None, eos_token_id=None,
@@ -78,10 +87,10 @@ def tiny_model(arch, seed, **overrides):
     model = model_class(config).eval()
     with torch.no_grad():  # HF initialises biases to 0 and norms to 1, which would hide a misplaced one
         for name, p in model.named_parameters():
-            if p.ndim == 1:
+            if p.ndim == 1 or name.endswith("_bias"):  # gpt-oss's experts' biases are [experts, rows]
                 value = torch.randn_like(p) * 0.3 + (1 if name.endswith("norm.weight") else 0)
                 p.copy_(torch.round(value * 1024) / 1024)  # a Gemma converter's + 1 exact
-            elif name.endswith("mlp.gate.weight"):  # routers decisive: no near-ties for two runs to break apart
+            elif is_router(name):  # routers decisive: no near-ties for two runs to break apart
                 p.normal_(0, 0.5)
     return model
 
@@ -92,15 +101,23 @@ def write_tiny_gguf(path, model, name, extra_metadata=None, **kwargs):
     return write_model_gguf(str(path), model, FILE_ARCH.get(name, name), extra_metadata=extra, **kwargs)
 
 
+def is_router(name):
+    return name.endswith(("mlp.gate.weight", "mlp.router.weight"))
+
+
 def through_q8_0(model):
     """The model with every weight matrix quantized and dequantized by gguf-py
-    (experts' 3-D ones row by row; not a router's, which files keep F32)."""
+    (experts' 3-D ones row by row, the rows of the file's [out, in] layout
+    where the model keeps them [in, out]; not a router's or a bias, which
+    files keep F32)."""
     model = copy.deepcopy(model)
+    transposed = {n for n, m in model.named_modules() if getattr(m, "is_transposed", False)}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim >= 2 and not name.endswith("mlp.gate.weight"):
-                q = quants.quantize(p.numpy(), T.Q8_0)
-                p.copy_(torch.from_numpy(quants.dequantize(q, T.Q8_0).reshape(p.shape)))
+            if p.ndim >= 2 and not is_router(name) and not name.endswith("_bias"):
+                w = p.transpose(-1, -2) if name.rpartition(".")[0] in transposed else p
+                q = quants.quantize(np.ascontiguousarray(w.numpy()), T.Q8_0)
+                w.copy_(torch.from_numpy(quants.dequantize(q, T.Q8_0).reshape(w.shape)))
     return model
 
 

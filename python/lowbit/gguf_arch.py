@@ -56,6 +56,11 @@ _MOE_BLOCK = {**_ATTENTION, "ffn_gate_inp": "mlp.gate", "attn_norm": "input_laye
 _QWEN2MOE_BLOCK = {**_MOE_BLOCK, "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
                    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
                    "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+# gpt-oss: biased attention with a learned sink logit per head (a parameter
+# of the attention module itself: Architecture.parameters), a biased router,
+# and the FFN's input norm under llama.cpp's name post_attention_norm.
+_GPT_OSS_BLOCK = {**_ATTENTION, "ffn_gate_inp": "mlp.router", "attn_norm": "input_layernorm",
+                  "post_attention_norm": "post_attention_layernorm"}
 # Phi-3 keeps Q, K and V in one matrix and the FFN's gate and up in another,
 # as transformers' Phi3 does ([q; k; v] and [gate; up] rows, unchanged).
 _PHI3_BLOCK = {"attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj", "ffn_up": "mlp.gate_up_proj",
@@ -88,6 +93,9 @@ class Architecture:
     # The architecture of a file with experts ({arch}.expert_count > 0), where
     # that is another transformers class (a llama file's Mixtral).
     with_experts: Architecture | None = None
+    # A decoder layer's GGUF tensors that are one parameter of a module (no
+    # .weight of their own) -> that parameter under model.layers.N.
+    parameters: Mapping[str, str] = field(default_factory=dict)
     # The architecture's own config kwargs: (metadata, arch, tensors, config
     # so far) -> kwargs. It may take out of the config so far what its class
     # spells otherwise (rope_theta and rope_scaling as rope_parameters).
@@ -207,6 +215,25 @@ def _gemma3_extra(metadata, arch, tensors, config):
     }
 
 
+def _gpt_oss_extra(metadata, arch, tensors, config):
+    """gpt-oss's: experts (the top expert_used_count of the router's logits,
+    softmax over those: llama.cpp's SOFTMAX_WEIGHT gating, as transformers'
+    GptOss routes), each of expert_feed_forward_length; sliding layers every
+    other one from the first (llama.cpp's pattern 2) with the same rotary
+    embedding as the global ones; llama.cpp's fixed SwiGLU constants."""
+    base = config.pop("rope_theta")
+    if float(metadata.get(f"{arch}.rope.freq_base_swa", base)) != base:
+        raise ValueError(f"config_from_gguf: {arch}.rope.freq_base_swa differs from rope.freq_base; transformers' "
+                         "GptOss rotates every layer alike")
+    rope = config.pop("rope_scaling", None) or {"rope_type": "default", "rope_theta": base}
+    return {**_experts_config(metadata, arch, "num_local_experts", "num_experts_per_tok"),
+            "intermediate_size": metadata[f"{arch}.expert_feed_forward_length"],
+            "sliding_window": metadata[f"{arch}.attention.sliding_window"],
+            "layer_types": _layer_types(metadata, arch, config["num_hidden_layers"], 2),
+            "rope_parameters": rope, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+            "attention_bias": "blk.0.attn_q.bias" in set(tensors)}
+
+
 def _phi3_extra(metadata, arch, tensors, config):
     """Phi3's head is hidden / heads, and any partial rotation a factor of
     it; LongRoPE files carry their per-frequency factors as tensors."""
@@ -261,6 +288,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "phi3": Architecture("Phi3ForCausalLM", _PHI3_BLOCK, partial_rotary=True, extra_config=_phi3_extra),
     "qwen2moe": Architecture("Qwen2MoeForCausalLM", _QWEN2MOE_BLOCK, "Qwen2Tokenizer", extra_config=_qwen2moe_extra),
     "qwen3moe": Architecture("Qwen3MoeForCausalLM", _MOE_BLOCK, "Qwen2Tokenizer", extra_config=_qwen3moe_extra),
+    "gpt-oss": Architecture("GptOssForCausalLM", _GPT_OSS_BLOCK, "TokenizersBackend", extra_config=_gpt_oss_extra,
+                            parameters={"attn_sinks": "self_attn.sinks"}),
 }
 
 # A layer's expert tensors (3-D: [experts, rows, n]) -> their part of GGUFExperts.
@@ -302,6 +331,8 @@ def hf_name(gguf_name: str, arch: str | Architecture) -> str | None:
         prefix = _GLOBAL_NAMES.get(base)
     else:
         spec = ARCHITECTURES[arch] if isinstance(arch, str) else arch
+        if base in spec.parameters:
+            return f"model.layers.{layer}.{spec.parameters[base]}" if suffix == "weight" else None
         module = spec.block.get(base)
         prefix = None if module is None else f"model.layers.{layer}.{module}"
     return None if prefix is None else f"{prefix}.{suffix}"
@@ -309,12 +340,14 @@ def hf_name(gguf_name: str, arch: str | Architecture) -> str | None:
 
 def expert_modules(names: Iterable[str]) -> dict[str, dict[str, str]]:
     """The experts modules a file's tensors make: transformers' module name
-    (model.layers.N.mlp.experts) -> {"gate" | "up" | "down": GGUF tensor name}."""
+    (model.layers.N.mlp.experts) -> {"gate" | "up" | "down": GGUF tensor name,
+    and "gate.bias" | "up.bias" | "down.bias" for gpt-oss's biases}."""
     modules: dict[str, dict[str, str]] = {}
     for name in names:
         m = _NAME_RE.fullmatch(name)
-        if m and m["layer"] is not None and m["base"] in EXPERT_TENSORS and m["suffix"] == "weight":
-            modules.setdefault(f"model.layers.{m['layer']}.mlp.experts", {})[EXPERT_TENSORS[m["base"]]] = name
+        if m and m["layer"] is not None and m["base"] in EXPERT_TENSORS:
+            part = EXPERT_TENSORS[m["base"]] + ("" if m["suffix"] == "weight" else ".bias")
+            modules.setdefault(f"model.layers.{m['layer']}.mlp.experts", {})[part] = name
     return modules
 
 
@@ -450,7 +483,18 @@ def _rope_scaling(metadata: Mapping[str, Any], arch: str) -> dict[str, Any] | No
     if kind == "linear":
         return {"rope_type": "linear", "factor": factor}
     if kind == "yarn":
-        return {"rope_type": "yarn", "factor": factor,
+        # llama.cpp's corrections range is whole dimensions (floor / ceil):
+        # transformers' truncate, its default. The betas default alike; an
+        # attention factor or extrapolation mix of the file's own, which
+        # llama.cpp combines with its context parameters, is refused.
+        rope = {"rope_type": "yarn", "factor": factor,
                 "original_max_position_embeddings": metadata[f"{arch}.rope.scaling.original_context_length"]}
+        for key in ("yarn_attn_factor", "yarn_ext_factor", "yarn_log_multiplier"):
+            if f"{arch}.rope.scaling.{key}" in metadata:
+                raise ValueError(f"config_from_gguf: {arch}.rope.scaling.{key} is not supported")
+        for key, kwarg in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if f"{arch}.rope.scaling.{key}" in metadata:
+                rope[kwarg] = float(metadata[f"{arch}.rope.scaling.{key}"])
+        return rope
     raise ValueError(f"config_from_gguf: {arch}.rope.scaling.type {kind!r} is not supported (none, linear, yarn"
                      f"{', longrope' if arch == 'phi3' else ''})")

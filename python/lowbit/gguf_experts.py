@@ -11,13 +11,34 @@ from torch import nn
 PROJECTIONS = ("gate", "up", "down")
 
 
+class ClampedSwiGLU(nn.Module):
+    """gpt-oss's gated activation of (gate, up): gate clamped above at
+    `limit`, up to [-limit, limit], then gate * sigmoid(alpha * gate) * (up + 1),
+    as transformers' GptOssExperts and llama.cpp's swiglu_oai compute it."""
+
+    def __init__(self, alpha: float, limit: float):
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        return gate * torch.sigmoid(gate * self.alpha) * (up.clamp(-self.limit, self.limit) + 1)
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, limit={self.limit}"
+
+
 class GGUFExperts(nn.Module):
     """forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]:
-    the experts module of transformers' Qwen2Moe / Qwen3Moe / Mixtral sparse
-    MoE blocks, which route and call it so. Token t's output is the sum over
-    its k slots of weight * down_e(act(gate_e(x)) * up_e(x)), e the slot's
-    expert, as their experts modules compute it (the slots summed in slot
-    order rather than by expert: the same to fp32 rounding).
+    the experts module of transformers' Qwen2Moe / Qwen3Moe / Mixtral /
+    GptOss sparse MoE blocks, which route and call it so. Token t's output is
+    the sum over its k slots of weight * down_e(act(gate_e(x)) * up_e(x)), e
+    the slot's expert, as their experts modules compute it (the slots summed
+    in slot order rather than by expert: the same to fp32 rounding). With
+    `glu` (gpt-oss's ClampedSwiGLU), glu(gate_e(x), up_e(x)) replaces
+    act(gate_e(x)) * up_e(x); with `biases` ({"gate", "up": [experts,
+    intermediate], "down": [experts, hidden]}, float), each projection adds
+    its expert's bias.
 
     `gate`, `up`, `down`: (uint8 block bytes [experts * rows, row_bytes], a
     GGUF expert tensor's data, and its ggml type); the types may differ (a
@@ -35,8 +56,11 @@ class GGUFExperts(nn.Module):
     """
 
     def __init__(self, gate: tuple[torch.Tensor, int], up: tuple[torch.Tensor, int], down: tuple[torch.Tensor, int],
-                 experts: int, hidden_size: int, intermediate_size: int, act_fn: nn.Module):
+                 experts: int, hidden_size: int, intermediate_size: int, act_fn: nn.Module | None,
+                 glu: nn.Module | None = None, biases: dict[str, torch.Tensor] | None = None):
         super().__init__()
+        if (act_fn is None) == (glu is None):
+            raise ValueError("GGUFExperts: give act_fn or glu, not both")
         self.num_experts, self.hidden_size, self.intermediate_size = experts, hidden_size, intermediate_size
         self.qtypes, self.repacked = {}, dict.fromkeys(PROJECTIONS, False)
         for (name, (rows, n)), (blocks, qtype) in zip(self._shapes().items(), (gate, up, down)):
@@ -48,7 +72,16 @@ class GGUFExperts(nn.Module):
                                  f"{qtype} weights, got {blocks.dtype} {tuple(blocks.shape)}")
             self.register_buffer(f"{name}_qweight", blocks.view(experts, rows, row_bytes))
             self.qtypes[name] = qtype
-        self.act_fn = act_fn
+        self.act_fn, self.glu = act_fn, glu
+        self.biased = biases is not None
+        for name, (rows, n) in self._shapes().items():
+            if biases is None:
+                break
+            bias = biases.get(name)
+            if bias is None or not bias.is_floating_point() or tuple(bias.shape) != (experts, rows):
+                raise ValueError(f"GGUFExperts: biases[{name!r}] must be a float [experts, rows] = [{experts}, {rows}] "
+                                 f"tensor, got {None if bias is None else (bias.dtype, tuple(bias.shape))}")
+            self.register_buffer(f"{name}_bias", bias)
 
     def _shapes(self) -> dict[str, tuple[int, int]]:
         """Each projection's [rows, n] per expert."""
@@ -57,13 +90,15 @@ class GGUFExperts(nn.Module):
 
     def _project(self, name: str, x: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
         op = torch.ops.lowbit.ggml_mul_mat_id_repacked if self.repacked[name] else torch.ops.lowbit.ggml_mul_mat_id
-        return op(getattr(self, f"{name}_qweight"), x, top_k_index, self.qtypes[name], self._shapes()[name][0])
+        y = op(getattr(self, f"{name}_qweight"), x, top_k_index, self.qtypes[name], self._shapes()[name][0])
+        return y + getattr(self, f"{name}_bias")[top_k_index].to(y.dtype) if self.biased else y
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         gate = self._project("gate", hidden_states, top_k_index)  # [T, k, intermediate]
         up = self._project("up", hidden_states, top_k_index)
-        down = self._project("down", self.act_fn(gate) * up, top_k_index)  # [T, k, hidden]
+        activation = self.glu(gate, up) if self.glu is not None else self.act_fn(gate) * up
+        down = self._project("down", activation, top_k_index)  # [T, k, hidden]
         return (down * top_k_weights.unsqueeze(-1).to(down.dtype)).sum(dim=1)
 
     def repack(self, skip_types=()) -> list[str]:
@@ -132,4 +167,5 @@ class GGUFExperts(nn.Module):
     def extra_repr(self) -> str:
         repacked = [name for name in PROJECTIONS if self.repacked[name]]
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
-                f"qtypes={self.qtypes}" + (f", repacked={repacked}" if repacked else ""))
+                f"qtypes={self.qtypes}" + (", biased" if self.biased else "")
+                + (f", repacked={repacked}" if repacked else ""))

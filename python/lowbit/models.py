@@ -32,8 +32,8 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     """The transformers model (lowbit.gguf_arch.ARCHITECTURES: LlamaForCausalLM,
     or MixtralForCausalLM for a llama file with experts, SmolLM3ForCausalLM,
     Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen2MoeForCausalLM,
-    Qwen3MoeForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM,
-    Gemma3ForCausalLM or Phi3ForCausalLM) that a GGUF file of one of those
+    Qwen3MoeForCausalLM, GptOssForCausalLM, GemmaForCausalLM,
+    Gemma2ForCausalLM, Gemma3ForCausalLM or Phi3ForCausalLM) that a GGUF file of one of those
     architectures describes, in eval mode on the CPU.
 
     Every linear layer the file has a quantized weight for is a GGUFLinear

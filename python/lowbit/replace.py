@@ -13,7 +13,7 @@ from torch import nn
 from .gguf_file import GGUFError, GGUFFile, GGUFTensor, load_gguf
 from .gguf_linear import GGUFLinear
 from .gguf_arch import architecture, expert_modules, hf_name, hf_value, rows_in_hf_order
-from .gguf_experts import GGUFExperts
+from .gguf_experts import ClampedSwiGLU, GGUFExperts
 from .gptq.checkpoint import GPTQCheckpoint, GPTQCheckpointError, load_gptq
 from .gptq.experts import EXPERT_LAYER, PROJECTIONS, GPTQExpert, GPTQExperts, current_name
 
@@ -33,8 +33,8 @@ def replace_linear(model: nn.Module, path: str | os.PathLike, checkpoint_format:
 
     A `.gguf` file of an architecture in lowbit.gguf_arch.ARCHITECTURES
     (llama, smollm3, qwen2, qwen3, gemma, gemma2, gemma3, phi3, qwen2moe,
-    qwen3moe; names as llama.cpp's converter writes them; others raise
-    ValueError): every nn.Linear the file
+    qwen3moe, gpt-oss; names as llama.cpp's converter writes them; others
+    raise ValueError): every nn.Linear the file
     has a quantized weight for becomes a GGUFLinear over the file's own
     blocks; embeddings, norms and biases are loaded as float tensors; what
     the converter did is undone: a llama file's Q/K row permutation on the
@@ -217,20 +217,31 @@ def place_gguf_tensors(model: nn.Module, f: GGUFFile, caller: str, consumed: tup
 
 def _place_experts(model: nn.Module, f: GGUFFile, report: ReplaceReport, placed: set) -> list[str]:
     """Each layer's expert tensors as one GGUFExperts in place of the model's
-    experts module (transformers' 3-D gate_up_proj and down_proj); returns
-    the GGUF tensors it used."""
+    experts module (transformers' 3-D gate_up_proj and down_proj, [in, out]
+    where the module says is_transposed, with biases where it has them:
+    gpt-oss's, whose gated activation is its ClampedSwiGLU); returns the
+    GGUF tensors it used."""
     used = []
     for module_name, parts in expert_modules(f.tensors).items():
         module = _get_module(model, module_name)
-        if not isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) or set(parts) != {"gate", "up", "down"}:
-            continue  # not transformers' 3-D experts, or not all three parts: reported unplaced by the caller
+        biased = getattr(module, "has_bias", False)
+        wanted = {"gate", "up", "down"} | ({"gate.bias", "up.bias", "down.bias"} if biased else set())
+        if not isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) or set(parts) != wanted:
+            continue  # not transformers' 3-D experts, or not all parts: reported unplaced by the caller
         tensors = {part: f.tensors[name] for part, name in parts.items()}
-        experts, intermediate, hidden = module.down_proj.shape[0], module.down_proj.shape[2], module.down_proj.shape[1]
-        for part, shape in (("gate", (experts, intermediate, hidden)), ("up", (experts, intermediate, hidden)),
-                            ("down", (experts, hidden, intermediate))):
+        experts, *down = module.down_proj.shape
+        hidden, intermediate = reversed(down) if getattr(module, "is_transposed", False) else down
+        shapes = {"gate": (experts, intermediate, hidden), "up": (experts, intermediate, hidden),
+                  "down": (experts, hidden, intermediate)}
+        for part, shape in shapes.items():
             check_shape(f.path, tensors[part], f"{module_name}'s {part} experts", shape)
+            if biased:
+                check_shape(f.path, tensors[f"{part}.bias"], f"{module_name}'s {part} experts' biases", shape[:2])
+        biases = {p: tensors[f"{p}.bias"].dequantize() for p in shapes} if biased else None
+        glu = ClampedSwiGLU(module.alpha, module.limit) if hasattr(module, "limit") else None
         layer = GGUFExperts(*((tensors[p].data, tensors[p].type) for p in ("gate", "up", "down")), experts=experts,
-                            hidden_size=hidden, intermediate_size=intermediate, act_fn=module.act_fn)
+                            hidden_size=hidden, intermediate_size=intermediate,
+                            act_fn=None if glu else module.act_fn, glu=glu, biases=biases)
         model.set_submodule(module_name, layer)
         report.replaced.append(module_name)
         placed.update(f"{module_name}.{n}" for n, _ in module.named_parameters())
