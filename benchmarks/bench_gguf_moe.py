@@ -8,8 +8,10 @@ load runs.
 
 Shapes: a layer of Qwen3-30B-A3B (128 experts of 2048 -> 768, 8 per token)
 and of Mixtral-8x7B (8 experts of 4096 -> 14336, 2 per token), in the types
-of their Q4_K_M files (gate and up Q4_K, down Q6_K), for 1 token (decode), 4
-and 32. Each timed call runs ROUTINGS different random routings one after
+of their Q4_K_M files (gate and up Q4_K, down Q6_K), and of gpt-oss-20b (32
+experts of 2880 -> 2880, 4 per token) in MXFP4, as its files hold its
+experts (its biases and clamped SwiGLU are not timed: the peer's calls and
+the HF column are the three products alone), for 1 token (decode), 4 and 32. Each timed call runs ROUTINGS different random routings one after
 another, as consecutive tokens route: the chosen experts' weights then come
 from memory, not cache (Qwen3: 16 routings of 8 experts reach about 100 of
 128; Mixtral's two experts of 8 are re-read, 0.4 GB each, more than L3).
@@ -17,6 +19,8 @@ GB/s: the chosen experts' weight bytes over the time, against the machine's
 copy bandwidth measured in the same run.
 
     python benchmarks/bench_gguf_moe.py          results: benchmarks/results/<machine>-gguf-moe.{txt,json}
+    python benchmarks/bench_gguf_moe.py --layers gpt-oss-20b
+                                                 results: ...<machine>-gguf-moe-gpt-oss-20b.{txt,json}
 """
 import argparse
 import copy
@@ -33,19 +37,21 @@ import gguf_blocks as gb  # noqa: E402
 import lowbit  # noqa: E402
 from common import CopyBandwidth, machine, print_table, printed_to, time_rounds_ms, write_results  # noqa: E402
 
-# name: (experts, hidden, intermediate, experts per token)
-LAYERS = {"Qwen3-30B-A3B": (128, 2048, 768, 8), "Mixtral-8x7B": (8, 4096, 14336, 2)}
-TYPES = {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}  # a Q4_K_M file's
+Q4_K_M = {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}
+MXFP4 = dict.fromkeys(("gate", "up", "down"), "MXFP4")
+# name: (experts, hidden, intermediate, experts per token, each projection's type)
+LAYERS = {"Qwen3-30B-A3B": (128, 2048, 768, 8, Q4_K_M), "Mixtral-8x7B": (8, 4096, 14336, 2, Q4_K_M),
+          "gpt-oss-20b": (32, 2880, 2880, 4, MXFP4)}
 TOKENS = [1, 4, 32]
 THREADS = [1, 2]
 ROUTINGS = 16
 
 
-def layer(rng, experts, hidden, intermediate):
+def layer(rng, experts, hidden, intermediate, types):
     """Random blocks of each projection, [experts * rows, row_bytes], and the module over them."""
     shapes = {"gate": (intermediate, hidden), "up": (intermediate, hidden), "down": (hidden, intermediate)}
-    blocks = {p: torch.from_numpy(gb.random_blocks(rng, TYPES[p], experts * r, n)) for p, (r, n) in shapes.items()}
-    module = lowbit.GGUFExperts(*((blocks[p], gb.type_id(TYPES[p])) for p in ("gate", "up", "down")),
+    blocks = {p: torch.from_numpy(gb.random_blocks(rng, types[p], experts * r, n)) for p, (r, n) in shapes.items()}
+    module = lowbit.GGUFExperts(*((blocks[p], gb.type_id(types[p])) for p in ("gate", "up", "down")),
                                 experts=experts, hidden_size=hidden, intermediate_size=intermediate,
                                 act_fn=torch.nn.SiLU())
     return blocks, module
@@ -84,22 +90,29 @@ def chosen_bytes(blocks, experts, route):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="Qwen3's layer only, 1 thread, shorter timing")
+    parser.add_argument("--layers", help=f"comma-separated subset of {', '.join(LAYERS)} (results named after it)")
     args = parser.parse_args()
+    names = args.layers.split(",") if args.layers else list(LAYERS)[:1 if args.quick else None]
+    unknown = [n for n in names if n not in LAYERS]
+    if unknown:
+        parser.error(f"unknown layers {unknown}; choose from {', '.join(LAYERS)}")
+    suffix = "" if not args.layers else "-" + "-".join(n.lower() for n in names)
     info = machine()
     threads = [1] if args.quick else [t for t in THREADS if t <= torch.get_num_threads()]
     budget = 0.1 if args.quick else 0.3
     peer_missing = ggml_peer.available()
     rng = np.random.default_rng(0)
     records = []
-    with printed_to(f"{info['slug']}-gguf-moe.txt"):
+    with printed_to(f"{info['slug']}-gguf-moe{suffix}.txt"):
         bandwidth = CopyBandwidth(threads=threads)
         print(f"machine: {info['name']} ({info['threads']} threads), torch {info['torch']}, "
               f"CPU kernels: {torch.ops.lowbit.cpu_isa()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
         print(peer_missing or "llama.cpp peer: ggml_mul_mat_id of llama-cpp-python's libggml")
-        for name, (experts, hidden, intermediate, k) in list(LAYERS.items())[:1 if args.quick else None]:
+        for name in names:
+            experts, hidden, intermediate, k, types = LAYERS[name]
             torch.set_num_threads(max(threads))
             bandwidth.sample()
-            blocks, module = layer(rng, experts, hidden, intermediate)
+            blocks, module = layer(rng, experts, hidden, intermediate, types)
             hf = float_experts(module)
             packed = copy.deepcopy(module)
             packed.repack()
@@ -109,7 +122,7 @@ def main():
                 h = torch.randn(tokens, k, intermediate)
                 peers = None
                 if not peer_missing:
-                    peers = [ggml_peer.GgmlMulMatId(blocks[p].numpy(), gb.type_id(TYPES[p]), experts, rows, n, tokens,
+                    peers = [ggml_peer.GgmlMulMatId(blocks[p].numpy(), gb.type_id(types[p]), experts, rows, n, tokens,
                                                     k, 1, per_slot=p == "down")
                              for p, (rows, n) in (("gate", (intermediate, hidden)), ("up", (intermediate, hidden)),
                                                   ("down", (hidden, intermediate)))]
@@ -136,7 +149,7 @@ def main():
                             [ours(module), ours(packed), peers and theirs, dense], min_reps=2, budget_s=budget))
                     gbs = chosen_bytes(blocks, experts, route) / ROUTINGS / (packed_ms * 1e-3) / 1e9
                     records.append(dict(layer=name, experts=experts, hidden=hidden, intermediate=intermediate,
-                                        experts_per_token=k, tokens=tokens, threads=t, lowbit_ms=ms,
+                                        experts_per_token=k, types=types, tokens=tokens, threads=t, lowbit_ms=ms,
                                         repacked_ms=packed_ms, repacked_projections=packed.repack(),
                                         llama_cpp_ms=peer_ms, speedup_vs_llama_cpp=peer_ms / ms,
                                         repacked_speedup_vs_llama_cpp=peer_ms / packed_ms,
@@ -158,9 +171,9 @@ def main():
                          f"{r['speedup_vs_transformers_fp32']:.2f}x", f"{r['repacked_weight_gbs']:.1f}", f"{of:.0%}"])
         print_table(["layer", "tokens", "thr", "file ms", "repacked ms", "llama.cpp ms", "file vs it", "repacked vs it",
                      "HF fp32 ms", "file vs it", "GB/s", "of thr bw"], rows)
-    write_results(f"{info['slug']}-gguf-moe.json", dict(machine=info, cpu_isa=torch.ops.lowbit.cpu_isa(),
-                                                        routings_per_call=ROUTINGS, types=TYPES,
-                                                        **bandwidth.as_record(), moe=records))
+    write_results(f"{info['slug']}-gguf-moe{suffix}.json", dict(machine=info, cpu_isa=torch.ops.lowbit.cpu_isa(),
+                                                                routings_per_call=ROUTINGS,
+                                                                **bandwidth.as_record(), moe=records))
 
 
 if __name__ == "__main__":

@@ -191,7 +191,7 @@ def test_repacked_expert_matmul_equals_each_expert_repacked(cpu_isa):
     """ggml_mul_mat_id_repacked of experts each repacked = ggml_mul_mat_repacked
     of each expert alone, bit for bit (what each expert's own kernels give)."""
     rng = np.random.default_rng(6)
-    for name in ("Q4_K", "Q6_K", "Q4_0", "IQ4_XS"):
+    for name in ("Q4_K", "Q6_K", "Q4_0", "IQ4_XS", "MXFP4"):  # MXFP4: gpt-oss's experts
         t = gb.type_id(name)
         W = torch.from_numpy(gb.random_blocks(rng, name, 4 * 32, 256)).view(4, 32, -1)
         packed = torch.stack([torch.ops.lowbit.ggml_repack(w, t, 32, 256) for w in W])

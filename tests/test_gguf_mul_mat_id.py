@@ -70,7 +70,7 @@ def test_half_activations_and_repeated_experts(device):
     torch.testing.assert_close(both[0, 0], both[0, 1], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS", "Q2_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS", "Q2_K", "MXFP4"])
 @pytest.mark.parametrize("per_slot", [False, True])
 def test_agrees_with_llama_cpp(name, per_slot):
     """llama.cpp's ggml_mul_mat_id on the same blocks, activations and ids: the

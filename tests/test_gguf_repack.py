@@ -6,7 +6,7 @@ from its description here; the matmul must give exactly (bit for bit) what
 ggml_mul_mat_a8 / ggml_mul_mat_vec_a8 give for the file's layout, under
 every CPU ISA, for every batch size, with and without rows past the last
 whole 16-row tile. One exception: where the kernels read the layout of the
-32-element types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) as it is, they sum
+32-element types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4) as it is, they sum
 each block's dot in int32 before fp32 (RepackedFloatGemm in
 ggml_gemm_vnni.h, SumOrder::kBlockDot in ggml_repacked_avx2.h), so there
 each output row must equal that row's own matvec bit for bit at every batch
@@ -23,12 +23,14 @@ import gguf_blocks as gb
 import lowbit
 
 ops = torch.ops.lowbit
-REPACKED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]
-# Each type's 2-byte fields as (first byte in the file's block, count): the
-# fp16 d, then m / dmin, and IQ4_XS's 16-bit scales_h; 2-, 3- and 6-bit
-# K-quants keep theirs at the block's end. Any other type: d at byte 0.
-FIELDS = {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "IQ4_XS": (0, 2), "Q2_K": (80, 2),
-          "Q3_K": (108, 1), "Q6_K": (208, 1)}
+REPACKED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+            "IQ4_XS"]
+# Each type's fields as (first byte in the file's block, count, bytes each):
+# the fp16 d, then m / dmin, and IQ4_XS's 16-bit scales_h; 2-, 3- and 6-bit
+# K-quants keep theirs at the block's end; MXFP4's one E8M0 byte. Any other
+# type: an fp16 d at byte 0.
+FIELDS = {"Q4_1": (0, 2, 2), "Q5_1": (0, 2, 2), "Q4_K": (0, 2, 2), "Q5_K": (0, 2, 2), "IQ4_XS": (0, 2, 2),
+          "Q2_K": (80, 2, 2), "Q3_K": (108, 1, 2), "Q6_K": (208, 1, 2), "MXFP4": (0, 1, 1)}
 N = 512
 TILE = 16
 
@@ -39,20 +41,20 @@ def blocks(name, rows, seed=0):
 
 def numpy_repack(raw: np.ndarray, name: str) -> np.ndarray:
     """The layout as documented: per tile of 16 rows and per block, each
-    2-byte field (FIELDS) of the 16 rows, then each 4-byte word of the rest
-    of the block, in the file's order, of the 16 rows; rows past the last
-    whole tile as they were."""
+    field (FIELDS) of the 16 rows, then each 4-byte word of the rest of the
+    block, in the file's order, of the 16 rows; rows past the last whole
+    tile as they were."""
     rows = raw.shape[0]
     _, block_bytes = ops.ggml_type_info(gb.type_id(name))
-    at, count = FIELDS.get(name, (0, 1))
+    at, count, size = FIELDS.get(name, (0, 1, 2))
     blk = raw.reshape(rows, -1, block_bytes)
     out = raw.copy()
     for t in range(rows // TILE):
         tile = blk[t * TILE:(t + 1) * TILE]  # [16, blocks, bytes]
         parts = []
         for b in range(tile.shape[1]):
-            fields = [tile[:, b, at + 2 * h:at + 2 * h + 2] for h in range(count)]
-            rest = np.delete(tile[:, b], np.arange(at, at + 2 * count), axis=1)
+            fields = [tile[:, b, at + size * h:at + size * (h + 1)] for h in range(count)]
+            rest = np.delete(tile[:, b], np.arange(at, at + size * count), axis=1)
             words = [rest[:, 4 * w:4 * w + 4] for w in range(rest.shape[1] // 4)]
             parts += [f.reshape(-1) for f in fields + words]
         out[t * TILE:(t + 1) * TILE] = np.concatenate(parts).reshape(TILE, -1)
@@ -180,7 +182,7 @@ def test_results_do_not_depend_on_the_thread_count():
 def test_types_without_the_layout_are_refused():
     raw = torch.from_numpy(blocks("TQ2_0", 16))
     with pytest.raises(ValueError, match=r"^ggml_repack: type 35 \(TQ2_0\) has no repacked layout; the types with one "
-                                         r"are Q4_0 \(2\), Q4_1 \(3\), Q5_0 \(6\), .*, IQ4_XS \(23\)$"):
+                                         r"are Q4_0 \(2\), Q4_1 \(3\), Q5_0 \(6\), .*, IQ4_XS \(23\), MXFP4 \(39\)$"):
         ops.ggml_repack(raw, 35, 16, N)
     with pytest.raises(ValueError, match=r"^ggml_mul_mat_repacked: type 35 \(TQ2_0\) has no repacked layout"):
         ops.ggml_mul_mat_repacked(raw, torch.randn(1, N), 35, 16)

@@ -8,11 +8,11 @@
 // The layout, per tile of kRepackRows consecutive rows (rows past the last
 // whole tile stay as the file has them, as does any type without one):
 // block b of the tile's rows takes the byte range the tile's rows have in
-// the file at b * kRepackRows * bytes, holding first each 2-byte field of
-// the block (repacked_fields: the fp16 d, then m or dmin, and IQ4_XS's
-// scales_h) of rows 0..15 (32 bytes per field), then each 4-byte word of the
-// rest of the block, in the file's order (64 bytes per word: word w of rows
-// 0..15). A tile spans the same bytes as its rows did, so a weight keeps its
+// the file at b * kRepackRows * bytes, holding first each field of the
+// block (repacked_fields: the fp16 d, then m or dmin, and IQ4_XS's
+// scales_h; MXFP4's one-byte E8M0 scale) of rows 0..15 (16 fields per
+// field), then each 4-byte word of the rest of the block, in the file's
+// order (64 bytes per word: word w of rows 0..15). A tile spans the same bytes as its rows did, so a weight keeps its
 // size and shape, and unrepacking is the same permutation read the other way.
 #pragma once
 
@@ -27,11 +27,13 @@ namespace ggml {
 constexpr int kRepackRows = 16;
 
 // The types with a repacked layout and kernels for it: the rest of a block
-// past its 2-byte fields is whole 4-byte words. The one-scale types of
-// 4, 5 and 8 bits and every integer-form type (the K-quants and IQ4_XS).
+// past its fields is whole 4-byte words. The one-scale types of 4, 5 and 8
+// bits (MXFP4, gpt-oss's experts, too) and every integer-form type (the
+// K-quants and IQ4_XS).
 constexpr bool has_repacked_layout(Type t) {
   switch (t) {
     case Type::Q4_0: case Type::Q4_1: case Type::Q5_0: case Type::Q5_1: case Type::Q8_0: case Type::IQ4_NL:
+    case Type::MXFP4:
     case Type::Q2_K: case Type::Q3_K: case Type::Q4_K: case Type::Q5_K: case Type::Q6_K: case Type::IQ4_XS:
       return true;
     default:
@@ -40,8 +42,8 @@ constexpr bool has_repacked_layout(Type t) {
 }
 
 // Those whose layout the AVX2 kernels read as it is too
-// (cpu/ggml_repacked_avx2.h): the one-scale types, Q2_K, Q3_K, Q4_K and
-// IQ4_XS. With AVX2 the others' tiles go back to the file's layout on every
+// (cpu/ggml_repacked_avx2.h): the one-scale types but MXFP4, Q2_K, Q3_K,
+// Q4_K and IQ4_XS. With AVX2 the others' tiles go back to the file's layout on every
 // call: Q5_K's and Q6_K's (which batches of their file layout use) streamed
 // a matvec at 0.82x and 0.79-0.83x their file layout's speed (Zen 4, 1 and
 // 2 threads, 14336 x 4096 and 4096 x 14336). Q3_K's streamed at 1.04-1.09x.
@@ -60,11 +62,12 @@ constexpr bool reads_repacked_avx2(Type t) {
   }
 }
 
-// A block's 2-byte fields, which the repacked layout puts first: `count` of
-// them, starting at byte `at` of the file's block (the K-quants of 2, 3 and
-// 6 bits keep theirs at the block's end).
+// A block's fields, which the repacked layout puts first: `count` of them,
+// `size` bytes each, starting at byte `at` of the file's block (the K-quants
+// of 2, 3 and 6 bits keep theirs at the block's end).
 struct RepackedFields {
-  int at, count;
+  int at, count, size = 2;
+  constexpr int bytes() const { return count * size; }
 };
 constexpr RepackedFields repacked_fields(Type t) {
   switch (t) {
@@ -73,15 +76,20 @@ constexpr RepackedFields repacked_fields(Type t) {
     case Type::Q6_K: return {208, 1};  // d after ql, qh and scales
     case Type::Q4_1: case Type::Q5_1: case Type::Q4_K: case Type::Q5_K: return {0, 2};  // d, then m or dmin
     case Type::IQ4_XS: return {0, 2};  // d, then the 16-bit scales_h
+    case Type::MXFP4: return {0, 1, 1};  // the E8M0 scale
     default: return {0, 1};            // d
   }
 }
 
+// Bytes of a tile's block before its words: every field of its 16 rows.
+constexpr int repacked_field_bytes(Type t) { return repacked_fields(t).bytes() * kRepackRows; }
+
 // Where byte j of a row's block goes within the repacked block of its tile,
 // for row r of the tile.
 LOWBIT_HD int repacked_offset(RepackedFields f, int r, int j) {
-  const int field_bytes = 2 * f.count;
-  if (j >= f.at && j < f.at + field_bytes) return (j - f.at) / 2 * 2 * kRepackRows + r * 2 + (j - f.at) % 2;
+  const int field_bytes = f.bytes();
+  if (j >= f.at && j < f.at + field_bytes)
+    return (j - f.at) / f.size * f.size * kRepackRows + r * f.size + (j - f.at) % f.size;
   const int q = j < f.at ? j : j - field_bytes;  // its place among the words
   return field_bytes * kRepackRows + (q / 4) * 4 * kRepackRows + r * 4 + q % 4;
 }
@@ -96,7 +104,7 @@ template <Type T>
 LOWBIT_HD void repack_rows(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t row_bytes, bool inverse) {
   using I = TypeInfo<T>;
   constexpr RepackedFields f = repacked_fields(T);
-  static_assert((I::kBytes - 2 * f.count) % 4 == 0 && f.at % 4 == 0, "whole words around the fields");
+  static_assert((I::kBytes - f.bytes()) % 4 == 0 && f.at % 4 == 0, "whole words around the fields");
   const int64_t tiled = rows / kRepackRows * kRepackRows;
   const int64_t blocks = row_bytes / I::kBytes;
   for (int64_t r = 0; r < tiled; ++r) {
@@ -110,8 +118,8 @@ LOWBIT_HD void repack_rows(const uint8_t* src, uint8_t* dst, int64_t rows, int64
         const int64_t from = inverse ? p : plain + j, to = inverse ? plain + j : p;
         for (int i = 0; i < size; ++i) dst[to + i] = src[from + i];
       };
-      for (int h = 0; h < f.count; ++h) unit(f.at + 2 * h, 2);
-      for (int q = 0; q < I::kBytes - 2 * f.count; q += 4) unit(q < f.at ? q : q + 2 * f.count, 4);
+      for (int h = 0; h < f.count; ++h) unit(f.at + f.size * h, f.size);
+      for (int q = 0; q < I::kBytes - f.bytes(); q += 4) unit(q < f.at ? q : q + f.bytes(), 4);
     }
   }
   for (int64_t j = tiled * row_bytes; j < rows * row_bytes; ++j) dst[j] = src[j];

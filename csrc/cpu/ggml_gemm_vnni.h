@@ -373,8 +373,7 @@ template <ggml::Type T>
 struct RepackedFloatGemm {
   using I = ggml::TypeInfo<T>;
   static_assert(ggml::has_repacked_layout(T) && I::kBlock == 32, "a one-scale type with a repacked layout");
-  static constexpr int kHalves = ggml::repacked_fields(T).count;             // fp16 fields per block
-  static constexpr int kWords = (I::kBytes - 2 * kHalves) / 4;               // 4-byte words of quants
+  static constexpr int kWords = (I::kBytes - ggml::repacked_fields(T).bytes()) / 4;  // 4-byte words of quants
   static constexpr int64_t kTileBlockBytes = ggml::kRepackRows * I::kBytes;  // one block of the tile's rows
   static constexpr int kAccs = 1 + I::kHasMin;  // fp32 sums per activation row: the dots, the mins
   // Tiles per matvec pass, each block of one followed by the same block of
@@ -396,8 +395,9 @@ struct RepackedFloatGemm {
   static constexpr int kQuantWords = kWords - kHighBits;
 
   // Group G's nibbles (elements 4G .. 4G + 3) as FloatGemm's unsigned
-  // levels: Q4_1's as they are, Q4_0's (nibble - 8) + 128, IQ4_NL's table
-  // value + 128, Q5_1's nibble + 16 * (its qh bit), Q5_0's that - 16 + 128.
+  // levels: Q4_1's as they are, Q4_0's (nibble - 8) + 128, IQ4_NL's and
+  // MXFP4's table value + 128, Q5_1's nibble + 16 * (its qh bit), Q5_0's
+  // that - 16 + 128.
   template <int G>
   static __m512i level(__m512i nibble, __m512i qh) {
     if constexpr (T == ggml::Type::Q4_1) {
@@ -413,10 +413,24 @@ struct RepackedFloatGemm {
       const __m512i low = T == ggml::Type::Q5_0 ? _mm512_add_epi8(nibble, _mm512_set1_epi8(112)) : nibble;
       return _mm512_mask_add_epi8(low, high, low, _mm512_set1_epi8(16));
     } else {
-      static_assert(T == ggml::Type::IQ4_NL, "the 4- and 5-bit repacked types");
-      const __m512i table =
-          _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(LOWBIT_TABLE(ggml::kvalues_iq4nl))));
+      static_assert(T == ggml::Type::IQ4_NL || T == ggml::Type::MXFP4, "the 4- and 5-bit repacked types");
+      const int8_t* values = T == ggml::Type::IQ4_NL ? LOWBIT_TABLE(ggml::kvalues_iq4nl) : LOWBIT_TABLE(ggml::kvalues_fp4);
+      const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values)));
       return _mm512_xor_si512(_mm512_shuffle_epi8(table, nibble), _mm512_set1_epi8(-128));
+    }
+  }
+
+  // The 16 rows' block scales: fp16 d, or MXFP4's E8M0 as core's
+  // e8m0_to_fp32_half gives it (2^(e - 128); e < 2 subnormal), exactly.
+  static __m512 scales(const uint8_t* b) {
+    if constexpr (T == ggml::Type::MXFP4) {
+      const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+      const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+      const __m512i subnormal = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+      const __mmask16 small = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+      return _mm512_castsi512_ps(_mm512_mask_blend_epi32(small, normal, subnormal));
+    } else {
+      return half16(b);
     }
   }
 
@@ -426,7 +440,8 @@ struct RepackedFloatGemm {
   static inline void block(const uint8_t* b, int64_t bi, const ggml::ActRow* a, __m512 (&acc)[MT][kAccs]) {
     prefetch_ahead(b, kTileBlockBytes);
     __m512 ds[MT];  // d_w * d_x
-    for (int m = 0; m < MT; ++m) ds[m] = _mm512_mul_ps(half16(b), _mm512_set1_ps(a[m].d[bi]));
+    const __m512 dw = scales(b);
+    for (int m = 0; m < MT; ++m) ds[m] = _mm512_mul_ps(dw, _mm512_set1_ps(a[m].d[bi]));
     const int64_t e = bi * I::kBlock;
     // The block's int32 dot per row (lane r), from -128 * (the activations'
     // sum) where the levels went in + 128.

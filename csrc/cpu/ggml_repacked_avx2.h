@@ -81,7 +81,7 @@ template <ggml::Type T>
 void repack_tile(const uint8_t* src, int64_t row_bytes, uint8_t* dst) {
   using I = ggml::TypeInfo<T>;
   constexpr ggml::RepackedFields f = ggml::repacked_fields(T);
-  constexpr int kFieldBytes = 2 * f.count;
+  constexpr int kFieldBytes = f.bytes();
   constexpr int kWords = (I::kBytes - kFieldBytes) / 4;
   static_assert(f.at == 0 || f.at == I::kBytes - kFieldBytes, "the fields lead or close the block: its words are contiguous");
   constexpr int kWordsAt = f.at == 0 ? kFieldBytes : 0;
@@ -91,7 +91,7 @@ void repack_tile(const uint8_t* src, int64_t row_bytes, uint8_t* dst) {
     uint8_t* out = dst + bi * ggml::kRepackRows * I::kBytes;
     for (int c = 0; c < f.count; ++c)
       for (int r = 0; r < ggml::kRepackRows; ++r)
-        memcpy(out + ggml::repacked_offset(f, r, f.at + 2 * c), in + r * row_bytes + f.at + 2 * c, 2);
+        memcpy(out + ggml::repacked_offset(f, r, f.at + f.size * c), in + r * row_bytes + f.at + f.size * c, f.size);
     for (int h = 0; h < 2; ++h) {
       const uint8_t* rows = in + kHalfRows * h * row_bytes + kWordsAt;
       // Word w of row 8h + r of the block sits at word(w) + 4r.
@@ -235,7 +235,6 @@ template <ggml::Type T, SumOrder kOrder>
 struct RepackedFloatAvx2 {
   using I = ggml::TypeInfo<T>;
   static_assert(ggml::has_repacked_layout(T) && I::kBlock == 32, "a one-scale type with a repacked layout");
-  static constexpr int kHalves = ggml::repacked_fields(T).count;             // fp16 fields per block
   static constexpr int64_t kTileBlockBytes = ggml::kRepackRows * I::kBytes;  // one block of the tile's rows
   // Q5_0 and Q5_1: word 0 holds each row's 32-bit qh, element i's fifth bit at bit i.
   static constexpr bool kHighBits = T == ggml::Type::Q5_0 || T == ggml::Type::Q5_1;
@@ -333,7 +332,7 @@ struct RepackedFloatAvx2 {
         }
       }
     };
-    const uint8_t* words = b + 2 * ggml::kRepackRows * kHalves;
+    const uint8_t* words = b + ggml::repacked_field_bytes(T);
     const auto word = [&](int w) { return half_word(words, h, w); };
     const __m256i qh = kHighBits ? word(0) : _mm256_setzero_si256();
     if constexpr (kBytes) {
@@ -417,7 +416,7 @@ struct RepackedIntAvx2 {
   using I = ggml::TypeInfo<T>;
   static_assert(has_repacked_int_avx2<T>(), "a K-quant or IQ4_XS");
   static constexpr int64_t kTileBlockBytes = ggml::kRepackRows * I::kBytes;
-  static constexpr int kFieldBytes = 2 * ggml::kRepackRows * ggml::repacked_fields(T).count;
+  static constexpr int kFieldBytes = ggml::repacked_field_bytes(T);
   static constexpr bool kHighBits = T == ggml::Type::Q5_K;
   // IQ4_XS: signed levels through |w| and sign(x, w), and no coefficients.
   static constexpr bool kSigned = T == ggml::Type::IQ4_XS;

@@ -56,7 +56,7 @@ inline __m512i bits_to(__m512i v) {
 
 // The words of a tile's block b (core/ggml_repack.h), past its 2-byte fields.
 template <ggml::Type T>
-inline const uint8_t* words_of(const uint8_t* b) { return b + 2 * ggml::kRepackRows * ggml::repacked_fields(T).count; }
+inline const uint8_t* words_of(const uint8_t* b) { return b + ggml::repacked_field_bytes(T); }
 inline __m512i word(const uint8_t* words, int w) { return _mm512_loadu_si512(words + 64 * w); }
 // 16 fp16 values at p (a field of 16 rows) as fp32.
 inline __m512 half16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }

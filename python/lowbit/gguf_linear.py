@@ -19,7 +19,7 @@ class GGUFLinear(nn.Module):
     the output has the activations' dtype.
 
     `repack()` reorders qweight (on the CPU, for Q4_0, Q4_1, Q5_0, Q5_1,
-    Q8_0, IQ4_NL, the K-quants and IQ4_XS) into the interleaved layout the
+    Q8_0, IQ4_NL, MXFP4, the K-quants and IQ4_XS) into the interleaved layout the
     AVX-512 VNNI kernels read 16 rows at a time, and the AVX2 ones 8 at a
     time for most of those types (torch.ops.lowbit.ggml_repack): the same
     results bit for bit, but for the 32-element types where the kernels read
