@@ -21,6 +21,9 @@ copy bandwidth measured in the same run.
     python benchmarks/bench_gguf_moe.py          results: benchmarks/results/<machine>-gguf-moe.{txt,json}
     python benchmarks/bench_gguf_moe.py --layers gpt-oss-20b
                                                  results: ...<machine>-gguf-moe-gpt-oss-20b.{txt,json}
+    python benchmarks/bench_gguf_moe.py --isa avx2   lowbit's AVX2 kernels: ...<machine>-avx2-gguf-moe*;
+        the peer is llama-cpp-python's ggml unless LOWBIT_GGML_LIB_DIR names one built for AVX2
+        (README: Benchmarks)
 """
 import argparse
 import copy
@@ -91,23 +94,30 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="Qwen3's layer only, 1 thread, shorter timing")
     parser.add_argument("--layers", help=f"comma-separated subset of {', '.join(LAYERS)} (results named after it)")
+    parser.add_argument("--isa", help="lowbit's CPU kernels to run (portable, avx2, avx512); default: the best")
     args = parser.parse_args()
+    if args.isa:
+        torch.ops.lowbit.cpu_isa(args.isa)
     names = args.layers.split(",") if args.layers else list(LAYERS)[:1 if args.quick else None]
     unknown = [n for n in names if n not in LAYERS]
     if unknown:
         parser.error(f"unknown layers {unknown}; choose from {', '.join(LAYERS)}")
     suffix = "" if not args.layers else "-" + "-".join(n.lower() for n in names)
+
     info = machine()
+    stem = f"{info['slug']}-{args.isa}-gguf-moe{suffix}" if args.isa else f"{info['slug']}-gguf-moe{suffix}"
     threads = [1] if args.quick else [t for t in THREADS if t <= torch.get_num_threads()]
     budget = 0.1 if args.quick else 0.3
     peer_missing = ggml_peer.available()
     rng = np.random.default_rng(0)
     records = []
-    with printed_to(f"{info['slug']}-gguf-moe{suffix}.txt"):
+    with printed_to(f"{stem}.txt"):
         bandwidth = CopyBandwidth(threads=threads)
         print(f"machine: {info['name']} ({info['threads']} threads), torch {info['torch']}, "
               f"CPU kernels: {torch.ops.lowbit.cpu_isa()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
-        print(peer_missing or "llama.cpp peer: ggml_mul_mat_id of llama-cpp-python's libggml")
+        print(peer_missing or "llama.cpp peer: ggml_mul_mat_id of "
+              + (f"the libggml in LOWBIT_GGML_LIB_DIR={os.environ['LOWBIT_GGML_LIB_DIR']}"
+                 if os.environ.get("LOWBIT_GGML_LIB_DIR") else "llama-cpp-python's libggml"))
         for name in names:
             experts, hidden, intermediate, k, types = LAYERS[name]
             torch.set_num_threads(max(threads))
@@ -171,7 +181,7 @@ def main():
                          f"{r['speedup_vs_transformers_fp32']:.2f}x", f"{r['repacked_weight_gbs']:.1f}", f"{of:.0%}"])
         print_table(["layer", "tokens", "thr", "file ms", "repacked ms", "llama.cpp ms", "file vs it", "repacked vs it",
                      "HF fp32 ms", "file vs it", "GB/s", "of thr bw"], rows)
-    write_results(f"{info['slug']}-gguf-moe{suffix}.json", dict(machine=info, cpu_isa=torch.ops.lowbit.cpu_isa(),
+    write_results(f"{stem}.json", dict(machine=info, cpu_isa=torch.ops.lowbit.cpu_isa(),
                                                                 routings_per_call=ROUTINGS,
                                                                 **bandwidth.as_record(), moe=records))
 

@@ -253,7 +253,7 @@ def test_gguf_linear_state_dict_and_moves_keep_the_file_layout():
 
 
 # The types whose layout the AVX2 kernels read as it is (the others' rows go back per call).
-AVX2_READS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "IQ4_XS"]
+AVX2_READS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "IQ4_XS"]
 
 
 def test_cpu_reads_repacked_names_the_kernels_that_read_the_layout(cpu_isa):

@@ -42,8 +42,8 @@ constexpr bool has_repacked_layout(Type t) {
 }
 
 // Those whose layout the AVX2 kernels read as it is too
-// (cpu/ggml_repacked_avx2.h): the one-scale types but MXFP4, Q2_K, Q3_K,
-// Q4_K and IQ4_XS. With AVX2 the others' tiles go back to the file's layout on every
+// (cpu/ggml_repacked_avx2.h): the one-scale types, Q2_K, Q3_K, Q4_K and
+// IQ4_XS. With AVX2 the others' tiles go back to the file's layout on every
 // call: Q5_K's and Q6_K's (which batches of their file layout use) streamed
 // a matvec at 0.82x and 0.79-0.83x their file layout's speed (Zen 4, 1 and
 // 2 threads, 14336 x 4096 and 4096 x 14336). Q3_K's streamed at 1.04-1.09x.
@@ -55,7 +55,7 @@ constexpr bool has_repacked_layout(Type t) {
 constexpr bool reads_repacked_avx2(Type t) {
   switch (t) {
     case Type::Q4_0: case Type::Q4_1: case Type::Q5_0: case Type::Q5_1: case Type::IQ4_NL: case Type::Q8_0:
-    case Type::Q4_K: case Type::IQ4_XS: case Type::Q2_K: case Type::Q3_K:
+    case Type::MXFP4: case Type::Q4_K: case Type::IQ4_XS: case Type::Q2_K: case Type::Q3_K:
       return true;
     default:
       return false;

@@ -239,12 +239,12 @@ struct RepackedFloatAvx2 {
   // Q5_0 and Q5_1: word 0 holds each row's 32-bit qh, element i's fifth bit at bit i.
   static constexpr bool kHighBits = T == ggml::Type::Q5_0 || T == ggml::Type::Q5_1;
   // How the levels meet maddubs (unsigned x signed, pairs summed in int16):
-  // IQ4_NL's and Q8_0's signed levels as |w| against x with w's sign; Q4_0's
+  // IQ4_NL's, MXFP4's and Q8_0's signed levels as |w| against x with w's sign; Q4_0's
   // and Q5_0's as w + kBias (the nibble as stored, below 32, so no pair sum
   // saturates) against x, each dot less kBias * (its activations' sum): per
   // group ActRow::offset (-128 times it) shifted, per block ActRow::isum; the
   // mins types' levels as they are.
-  static constexpr bool kSigned = T == ggml::Type::IQ4_NL || T == ggml::Type::Q8_0;
+  static constexpr bool kSigned = T == ggml::Type::IQ4_NL || T == ggml::Type::MXFP4 || T == ggml::Type::Q8_0;
   static constexpr bool kBytes = T == ggml::Type::Q8_0;  // word k: elements 4k .. 4k + 3, no nibbles
   static constexpr int kBiasShift = T == ggml::Type::Q4_0 ? 4 : T == ggml::Type::Q5_0 ? 3 : 0;  // 128 >> shift
   static constexpr bool kOffsets = kBiasShift > 0;
@@ -269,12 +269,26 @@ struct RepackedFloatAvx2 {
       const __m256i bit = _mm256_set1_epi32(0x08040201 << (4 * (G % 2)));
       const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
       return _mm256_or_si256(nibble, _mm256_and_si256(set, _mm256_set1_epi8(16)));
-    } else if constexpr (T == ggml::Type::IQ4_NL) {
-      const __m256i table =
-          _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(LOWBIT_TABLE(ggml::kvalues_iq4nl))));
+    } else if constexpr (T == ggml::Type::IQ4_NL || T == ggml::Type::MXFP4) {
+      const int8_t* values = T == ggml::Type::IQ4_NL ? LOWBIT_TABLE(ggml::kvalues_iq4nl) : LOWBIT_TABLE(ggml::kvalues_fp4);
+      const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values)));
       return _mm256_shuffle_epi8(table, nibble);
     } else {
       return nibble;
+    }
+  }
+
+  // Half h's 8 block scales: fp16 d, or MXFP4's E8M0 as core's
+  // e8m0_to_fp32_half gives it (2^(e - 128); e < 2 subnormal), exactly.
+  static __m256 scales(const uint8_t* b, int h) {
+    if constexpr (T == ggml::Type::MXFP4) {
+      const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + kHalfRows * h)));
+      const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+      const __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+      const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+      return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, small));
+    } else {
+      return half_field(b, h);
     }
   }
 
@@ -304,7 +318,7 @@ struct RepackedFloatAvx2 {
                     const char* ahead, int64_t ahead_bytes) {
     for (int64_t off = 0; off < ahead_bytes; off += 64) prefetch_line<kL1>(ahead + off);
     const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    const __m256 d = half_field(b, h);
+    const __m256 d = scales(b, h);
     __m256 ds[MT];
     for (int m = 0; m < MT; ++m) ds[m] = _mm256_mul_ps(d, _mm256_set1_ps(a[m].d[bi]));
     const int64_t e = bi * I::kBlock;

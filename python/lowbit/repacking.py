@@ -26,7 +26,7 @@ def has_repacked_layout(qtype: int) -> bool:
 def reads_repacked_layout(qtype: int) -> bool:
     """Whether the active CPU kernels read type `qtype`'s repacked layout as
     it is (AVX-512 VNNI: every type with the layout; AVX2: Q4_0, Q4_1, Q5_0,
-    Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, IQ4_XS). Otherwise each call puts the
+    Q5_1, Q8_0, IQ4_NL, MXFP4, Q2_K, Q3_K, Q4_K, IQ4_XS). Otherwise each call puts the
     rows back into the file's layout first: correct, but several times slower
     than the file's layout (torch.ops.lowbit.cpu_reads_repacked)."""
     return torch.ops.lowbit.cpu_reads_repacked(qtype)
