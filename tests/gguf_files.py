@@ -172,7 +172,7 @@ def converter_permute(w, n_head: int):
 
 # Architectures whose converter is LlamaModel's: it writes the vocabulary
 # size and rotary dimension count, and permutes the Q/K rows.
-LLAMA_CONVERTERS = ("llama", "smollm3")
+LLAMA_CONVERTERS = ("llama", "smollm3", "granite")
 
 
 def write_model_gguf(path: str, model, arch: str, qtype: T = T.Q8_0, extra_metadata=None, extra_tensors=None,
@@ -229,6 +229,11 @@ def write_model_gguf(path: str, model, arch: str, qtype: T = T.Q8_0, extra_metad
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
         writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    if arch == "granite":  # GraniteModel: the multipliers as scales
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
     if arch == "gpt-oss":  # GptOssModel: the window, and the experts' FFN size
         writer.add_sliding_window(config.sliding_window)
         writer.add_expert_feed_forward_length(config.intermediate_size)

@@ -1,5 +1,5 @@
 """replace_linear and load_gguf_model on each GGUF architecture they load
-(tiny_models.MODELS: llama and Mixtral, smollm3, qwen2, qwen3, the Qwen MoEs,
+(tiny_models.MODELS: llama and Mixtral, smollm3, granite, qwen2, qwen3, the Qwen MoEs,
 gpt-oss, gemma, gemma2, gemma3, phi3), through files written the
 way llama.cpp's converter writes them (gguf_files.write_model_gguf: gguf-py's
 name map, llama's Q/K permutation of weights and biases, the Gemma models'
@@ -122,11 +122,11 @@ def test_replace_linear_loads_the_architecture(tmp_path, arch):
 
 
 def test_an_architecture_of_unknown_row_order_is_refused(tmp_path):
-    """granite's tensors have llama's names, but its converter writes
+    """minicpm's tensors have llama's names, but its converter writes
     multipliers lowbit does not apply; loading must fail, not compute garbage."""
-    path = write_model_gguf(str(tmp_path / "granite.gguf"), tiny_model("qwen2", seed=0), "granite")
-    with pytest.raises(ValueError, match=r"architecture 'granite' is not supported \(supported: llama, smollm3, qwen2, "
-                                         r"qwen3, gemma, gemma2, gemma3, phi3, qwen2moe, qwen3moe, gpt-oss\)"):
+    path = write_model_gguf(str(tmp_path / "minicpm.gguf"), tiny_model("qwen2", seed=0), "minicpm")
+    with pytest.raises(ValueError, match=r"architecture 'minicpm' is not supported \(supported: llama, smollm3, granite, "
+                                         r"qwen2, qwen3, gemma, gemma2, gemma3, phi3, qwen2moe, qwen3moe, gpt-oss\)"):
         lowbit.replace_linear(tiny_model("qwen2", seed=1), path)
 
 
@@ -233,8 +233,8 @@ def test_load_gguf_model_in_bf16(tmp_path, arch):
 
 
 def test_load_gguf_model_refuses_bad_files(tmp_path):
-    path = write_model_gguf(str(tmp_path / "granite.gguf"), tiny_model("qwen2", seed=0), "granite")
-    with pytest.raises(ValueError, match=r"load_gguf_model: .*granite.gguf: GGUF architecture 'granite' is not supported"):
+    path = write_model_gguf(str(tmp_path / "minicpm.gguf"), tiny_model("qwen2", seed=0), "minicpm")
+    with pytest.raises(ValueError, match=r"load_gguf_model: .*minicpm.gguf: GGUF architecture 'minicpm' is not supported"):
         lowbit.load_gguf_model(path)
     wrong = np.ones(5, dtype=np.float32)
     path = write_model_gguf(str(tmp_path / "llama.gguf"), tiny_model("llama", seed=0), "llama",
@@ -292,11 +292,13 @@ def test_load_gguf_tokenizer_matches_autotokenizer(tmp_path, monkeypatch, arch):
     assert_same_tokenizer(lowbit.load_gguf_tokenizer(path), expect)
 
 
-def test_load_gguf_tokenizer_reads_smollm3_files(tmp_path):
-    """transformers' GGUF support does not know smollm3 files (AutoTokenizer
-    refuses them); their tokenizer metadata is llama's, and lowbit builds
-    from it what AutoTokenizer builds from the same metadata in a llama file."""
-    path = write_tokenizer_gguf(str(tmp_path / "smollm3.gguf"), "smollm3")
+@pytest.mark.parametrize("arch", ["smollm3", "granite"])
+def test_load_gguf_tokenizer_reads_files_transformers_does_not(tmp_path, arch):
+    """transformers' GGUF support does not know smollm3 and granite files
+    (AutoTokenizer refuses them); their tokenizer metadata is llama's kind,
+    and lowbit builds from it what AutoTokenizer builds from the same
+    metadata in a llama file."""
+    path = write_tokenizer_gguf(str(tmp_path / f"{arch}.gguf"), arch)
     write_tokenizer_gguf(str(tmp_path / "llama.gguf"), "llama")
     assert_same_tokenizer(lowbit.load_gguf_tokenizer(path),
                           transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="llama.gguf"))

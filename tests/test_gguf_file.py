@@ -518,8 +518,13 @@ def test_rope_scaling_from_gguf(kind, keys, expect):
 
 
 def test_config_errors():
-    with pytest.raises(ValueError, match=r"config_from_gguf: GGUF architecture 'granite' is not supported"):
-        config_from_gguf({**SYNTHETIC_LLAMA, "general.architecture": "granite"}, [])
+    with pytest.raises(ValueError, match=r"config_from_gguf: GGUF architecture 'minicpm' is not supported"):
+        config_from_gguf({**SYNTHETIC_LLAMA, "general.architecture": "minicpm"}, [])
+    granite = {**{k.replace("llama.", "granite.", 1): v for k, v in SYNTHETIC_LLAMA.items()},
+               "general.architecture": "granite"}
+    with pytest.raises(ValueError, match=r"config_from_gguf: metadata lacks granite.logit_scale"):
+        config_from_gguf(granite, [])
+    assert config_from_gguf({**granite, "granite.logit_scale": 8.0}, [])["logits_scaling"] == 8.0
     without = {k: v for k, v in SYNTHETIC_LLAMA.items() if k != "llama.block_count"}
     with pytest.raises(ValueError, match="lacks llama.block_count"):
         config_from_gguf(without, [])

@@ -7,7 +7,7 @@ none of its code: tensor names and row order, the Gemma norms' + 1, the
 embedding scale, the query scale the converter leaves unwritten, logit
 softcaps, sliding windows and their layer pattern, each layer type's rope
 base and scaling (YaRN too), partial rotation, SmolLM3's layers without
-RoPE, fused projections, and the experts: their routing, renormalized or
+RoPE, Granite's multipliers, fused projections, and the experts: their routing, renormalized or
 not, which rows are gate and which up, and gpt-oss's attention sinks,
 biased experts and clamped SwiGLU (its experts also in MXFP4, as its files
 hold them).
@@ -20,7 +20,7 @@ values and attention outputs x4, embeddings x30, experts x8) so that each of
 those features moves the logits; llama.cpp runs 24 tokens from an empty
 context, so a window of 5 masks most of each sliding layer's keys.
 Tolerance: the largest |logit difference| within 0.5% of the largest
-|logit|. Measured over 4 seeds: at most 0.0004% for llama, smollm3, qwen2,
+|logit|. Measured over 4 seeds: at most 0.0004% for llama, smollm3, granite, qwen2,
 qwen3, qwen2moe, qwen3moe, mixtral, gpt-oss (F32 or MXFP4 experts) and phi3
 (with and without LongRoPE), 0.002% for gemma and 0.12-0.16% for gemma2 and
 gemma3 (llama.cpp's GELU reads an fp16 table); each feature read wrongly
@@ -140,6 +140,10 @@ _GEMMA3_ROPE = MODELS["gemma3"][2]["rope_parameters"]
 # Architecture, config kwargs, or a change to the loaded model.
 MISREADINGS = {
     "llama: Q/K rows left in llama.cpp's order": ("llama", dict(arch=dict(qk_rows_permuted=False))),
+    "granite: embeddings unscaled": ("granite", dict(config=dict(embedding_multiplier=1.0))),
+    "granite: sublayer outputs unscaled": ("granite", dict(config=dict(residual_multiplier=1.0))),
+    "granite: attention scaled by 1 / sqrt(head)": ("granite", dict(config=dict(attention_multiplier=0.25))),
+    "granite: logits unscaled": ("granite", dict(config=dict(logits_scaling=1.0))),
     "smollm3: RoPE in every layer": ("smollm3", dict(config=dict(no_rope_layers=[1, 1, 1, 1]))),
     "smollm3: NoPE layers counted from 0": ("smollm3", dict(config=dict(no_rope_layers=[0, 1, 1, 1]))),
     "gemma: norms keeping the converter's + 1": ("gemma", dict(arch=dict(norm_offset=0.0))),

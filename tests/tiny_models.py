@@ -20,6 +20,11 @@ MODELS = {
     # Four layers: the fourth skips RoPE (NoPE), as every fourth does.
     "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM,
                 dict(num_hidden_layers=4, pad_token_id=None, bos_token_id=None, eos_token_id=None)),
+    # Granite: every multiplier away from 1 (the attention's far from 1 / sqrt(16), softening the
+    # sharpened attention of test_llama_cpp_architectures.py).
+    "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM,
+                dict(embedding_multiplier=0.3, attention_multiplier=0.03, residual_multiplier=2.0, logits_scaling=4.0,
+                     pad_token_id=None, bos_token_id=None, eos_token_id=None)),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),  # Q/K/V biases
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {}),  # q_norm, k_norm
     "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM, {}),

@@ -115,6 +115,19 @@ def _smollm3_extra(metadata, arch, tensors, config):
             "no_rope_layers": [int((il + 1) % 4 != 0) for il in range(layers)]}
 
 
+def _granite_extra(metadata, arch, tensors, config):
+    """Granite's multipliers under llama.cpp's names: the embeddings' and
+    each sublayer's output scale (absent: 1), the attention's (absent: 1 /
+    sqrt(head)), and the logits' divisor (required, as llama.cpp requires it)."""
+    if f"{arch}.logit_scale" not in metadata:
+        raise ValueError(f"config_from_gguf: metadata lacks {arch}.logit_scale")
+    return {**_llama_extra(metadata, arch, tensors, config),
+            "embedding_multiplier": float(metadata.get(f"{arch}.embedding_scale", 0.0)) or 1.0,
+            "residual_multiplier": float(metadata.get(f"{arch}.residual_scale", 0.0)) or 1.0,
+            "attention_multiplier": float(metadata.get(f"{arch}.attention.scale", 0.0)) or config["head_dim"] ** -0.5,
+            "logits_scaling": float(metadata[f"{arch}.logit_scale"])}
+
+
 def _qwen3_extra(metadata, arch, tensors, config):
     return {"attention_bias": "blk.0.attn_q.bias" in set(tensors)}
 
@@ -277,6 +290,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     # SmolLM3's converter is llama's (LlamaModel: Q/K rows permuted).
     "smollm3": Architecture("SmolLM3ForCausalLM", _LLAMA_BLOCK, "TokenizersBackend", qk_rows_permuted=True,
                             extra_config=_smollm3_extra),
+    # Granite's converter is llama's too, and writes its multipliers.
+    "granite": Architecture("GraniteForCausalLM", _LLAMA_BLOCK, "TokenizersBackend", qk_rows_permuted=True,
+                            extra_config=_granite_extra),
     "qwen2": Architecture("Qwen2ForCausalLM", _LLAMA_BLOCK, "Qwen2Tokenizer"),
     "qwen3": Architecture("Qwen3ForCausalLM", _LLAMA_BLOCK, "Qwen2Tokenizer", extra_config=_qwen3_extra),
     "gemma": Architecture("GemmaForCausalLM", _LLAMA_BLOCK, norm_offset=1.0, scaled_embedding=True,

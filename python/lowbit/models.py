@@ -31,6 +31,7 @@ ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, repack: bool = False) -> nn.Module:
     """The transformers model (lowbit.gguf_arch.ARCHITECTURES: LlamaForCausalLM,
     or MixtralForCausalLM for a llama file with experts, SmolLM3ForCausalLM,
+    GraniteForCausalLM,
     Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen2MoeForCausalLM,
     Qwen3MoeForCausalLM, GptOssForCausalLM, GemmaForCausalLM,
     Gemma2ForCausalLM, Gemma3ForCausalLM or Phi3ForCausalLM) that a GGUF file of one of those
