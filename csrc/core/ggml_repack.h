@@ -10,10 +10,12 @@
 // block b of the tile's rows takes the byte range the tile's rows have in
 // the file at b * kRepackRows * bytes, holding first each field of the
 // block (repacked_fields: the fp16 d, then m or dmin, and IQ4_XS's
-// scales_h; MXFP4's one-byte E8M0 scale) of rows 0..15 (16 fields per
-// field), then each 4-byte word of the rest of the block, in the file's
-// order (64 bytes per word: word w of rows 0..15). A tile spans the same bytes as its rows did, so a weight keeps its
-// size and shape, and unrepacking is the same permutation read the other way.
+// scales_h; MXFP4's one-byte E8M0 scale) of rows 0..15 (the field of the
+// 16 rows side by side: 32 bytes, 16 for a one-byte field), then each
+// 4-byte word of the rest of the block, in the file's order (64 bytes per
+// word: word w of rows 0..15). A tile spans the same bytes as its rows did,
+// so a weight keeps its size and shape, and unrepacking is the same
+// permutation read the other way.
 #pragma once
 
 #include <stdint.h>

@@ -54,7 +54,7 @@ inline __m512i bits_to(__m512i v) {
   return _mm512_and_si512(moved, _mm512_set1_epi8(static_cast<char>(Mask)));
 }
 
-// The words of a tile's block b (core/ggml_repack.h), past its 2-byte fields.
+// The words of a tile's block b (core/ggml_repack.h), past its fields.
 template <ggml::Type T>
 inline const uint8_t* words_of(const uint8_t* b) { return b + ggml::repacked_field_bytes(T); }
 inline __m512i word(const uint8_t* words, int w) { return _mm512_loadu_si512(words + 64 * w); }
