@@ -102,9 +102,21 @@ class Architecture:
     extra_config: Callable[[Mapping[str, Any], str, Any, dict], dict] = field(default=_no_extra)
 
 
+def _attention_bias(tensors) -> dict:
+    """Whether the attention projections have biases: the file's first
+    layer's attn_q.bias."""
+    return {"attention_bias": "blk.0.attn_q.bias" in set(tensors)}
+
+
+def _rope_parameters(config: dict) -> dict:
+    """transformers' rope_parameters, taken out of the config so far's
+    rope_theta and rope_scaling (for the classes that spell them so)."""
+    theta = config.pop("rope_theta")
+    return {**(config.pop("rope_scaling", None) or {"rope_type": "default"}), "rope_theta": theta}
+
+
 def _llama_extra(metadata, arch, tensors, config):
-    names = set(tensors)
-    return {"attention_bias": "blk.0.attn_q.bias" in names, "mlp_bias": "blk.0.ffn_up.bias" in names}
+    return {**_attention_bias(tensors), "mlp_bias": "blk.0.ffn_up.bias" in set(tensors)}
 
 
 def _smollm3_extra(metadata, arch, tensors, config):
@@ -129,7 +141,7 @@ def _granite_extra(metadata, arch, tensors, config):
 
 
 def _qwen3_extra(metadata, arch, tensors, config):
-    return {"attention_bias": "blk.0.attn_q.bias" in set(tensors)}
+    return _attention_bias(tensors)
 
 
 def _experts_config(metadata, arch, count_key: str, used_key: str) -> dict:
@@ -163,8 +175,7 @@ def _qwen2moe_extra(metadata, arch, tensors, config):
 
 
 def _qwen3moe_extra(metadata, arch, tensors, config):
-    return {**_qwen_moe_config(metadata, arch, config, normalized=True),
-            "attention_bias": "blk.0.attn_q.bias" in set(tensors)}
+    return {**_qwen_moe_config(metadata, arch, config, normalized=True), **_attention_bias(tensors)}
 
 
 def _layer_types(metadata: Mapping[str, Any], arch: str, layers: int, default_pattern: int) -> list[str]:
@@ -214,8 +225,7 @@ def _gemma3_extra(metadata, arch, tensors, config):
     # Sliding layers rotate with their own base and no scaling (llama.cpp's
     # rope_freq_base_train_swa, default 10000, and freq_scale_train_swa 1).
     sliding = {"rope_type": "default", "rope_theta": float(metadata.get(f"{arch}.rope.freq_base_swa", 10000.0))}
-    theta = config.pop("rope_theta")
-    full = config.pop("rope_scaling", None) or {"rope_type": "default", "rope_theta": theta}
+    full = _rope_parameters(config)
     softcap = metadata.get(f"{arch}.final_logit_softcapping")
     return {
         "hidden_activation": "gelu_pytorch_tanh",
@@ -234,17 +244,15 @@ def _gpt_oss_extra(metadata, arch, tensors, config):
     GptOss routes), each of expert_feed_forward_length; sliding layers every
     other one from the first (llama.cpp's pattern 2) with the same rotary
     embedding as the global ones; llama.cpp's fixed SwiGLU constants."""
-    base = config.pop("rope_theta")
-    if float(metadata.get(f"{arch}.rope.freq_base_swa", base)) != base:
+    rope = _rope_parameters(config)
+    if float(metadata.get(f"{arch}.rope.freq_base_swa", rope["rope_theta"])) != rope["rope_theta"]:
         raise ValueError(f"config_from_gguf: {arch}.rope.freq_base_swa differs from rope.freq_base; transformers' "
                          "GptOss rotates every layer alike")
-    rope = config.pop("rope_scaling", None) or {"rope_type": "default", "rope_theta": base}
     return {**_experts_config(metadata, arch, "num_local_experts", "num_experts_per_tok"),
             "intermediate_size": metadata[f"{arch}.expert_feed_forward_length"],
             "sliding_window": metadata[f"{arch}.attention.sliding_window"],
             "layer_types": _layer_types(metadata, arch, config["num_hidden_layers"], 2),
-            "rope_parameters": rope, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
-            "attention_bias": "blk.0.attn_q.bias" in set(tensors)}
+            "rope_parameters": rope, "swiglu_alpha": 1.702, "swiglu_limit": 7.0, **_attention_bias(tensors)}
 
 
 def _phi3_extra(metadata, arch, tensors, config):
@@ -254,8 +262,7 @@ def _phi3_extra(metadata, arch, tensors, config):
     if head * config["num_attention_heads"] != config["hidden_size"]:
         raise ValueError(f"config_from_gguf: {arch} heads have {head} dimensions, not hidden / heads = "
                          f"{config['hidden_size'] // config['num_attention_heads']}")
-    rope = config.pop("rope_scaling", None) or {"rope_type": "default"}
-    rope["rope_theta"] = config.pop("rope_theta")
+    rope = _rope_parameters(config)
     rope["partial_rotary_factor"] = metadata.get(f"{arch}.rope.dimension_count", head) / head
     original = metadata.get(f"{arch}.rope.scaling.original_context_length", config["max_position_embeddings"])
     if rope["rope_type"] == "longrope":
