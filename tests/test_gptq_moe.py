@@ -305,3 +305,16 @@ def test_experts_no_token_reaches_are_rounded_to_nearest():
             got = getattr(experts.expert(e), proj)
             assert torch.equal(got.dequantize(torch.float32), rtn.dequantize(torch.float32)), (e, proj)
             assert torch.equal(got.g_idx, rtn.g_idx)
+
+
+def test_quantize_refuses_experts_it_cannot_compute():
+    """gpt-oss's experts (biased, [in, out], gate and up interleaved, clamped
+    SwiGLU) are not what GPTQExperts computes: refused naming the module,
+    not quantized into something else."""
+    config = transformers.GptOssConfig(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                       num_experts_per_tok=2)
+    model = transformers.GptOssForCausalLM(config).eval()
+    with pytest.raises(ValueError, match=r"quantize: model.layers.0.mlp.experts \(GptOssExperts, parameters .*\) is not "
+                                         r"an experts module GPTQExperts computes"):
+        quantize(model, calibration(1, seed=0), CONFIG.bits, CONFIG.group_size, progress=False)

@@ -16,6 +16,7 @@ from .gguf_arch import architecture, expert_modules, hf_name, hf_value, rows_in_
 from .gguf_experts import ClampedSwiGLU, GGUFExperts
 from .gptq.checkpoint import GPTQCheckpoint, GPTQCheckpointError, load_gptq
 from .gptq.experts import EXPERT_LAYER, PROJECTIONS, GPTQExpert, GPTQExperts, current_name
+from .moe import experts_dims, plain_experts
 
 
 @dataclass
@@ -131,9 +132,12 @@ def _place_gptq_experts(model: nn.Module, ckpt: GPTQCheckpoint, report: ReplaceR
     used = set()
     for prefix, experts in found.items():
         module = _get_module(model, prefix)
-        if not isinstance(getattr(module, "gate_up_proj", None), nn.Parameter):
+        if experts_dims(module) is None:
             continue
-        count, hidden, intermediate = module.down_proj.shape[0], module.down_proj.shape[1], module.down_proj.shape[2]
+        if not plain_experts(module):
+            raise GPTQCheckpointError(f"{ckpt.directory}: {prefix}: the model's {type(module).__name__} is not an "
+                                      "experts module GPTQExperts computes (unbiased gate/up then down)")
+        count, hidden, intermediate = experts_dims(module)
         missing = [f"{e}.{p}" for e in range(count) for p in PROJECTIONS if p not in experts.get(e, {})]
         extra = sorted(set(experts) - set(range(count)))
         if missing or extra:
@@ -226,11 +230,11 @@ def _place_experts(model: nn.Module, f: GGUFFile, report: ReplaceReport, placed:
         module = _get_module(model, module_name)
         biased = getattr(module, "has_bias", False)
         wanted = {"gate", "up", "down"} | ({"gate.bias", "up.bias", "down.bias"} if biased else set())
-        if not isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) or set(parts) != wanted:
+        dims = experts_dims(module)
+        if dims is None or set(parts) != wanted:
             continue  # not transformers' 3-D experts, or not all parts: reported unplaced by the caller
         tensors = {part: f.tensors[name] for part, name in parts.items()}
-        experts, *down = module.down_proj.shape
-        hidden, intermediate = reversed(down) if getattr(module, "is_transposed", False) else down
+        experts, hidden, intermediate = dims
         shapes = {"gate": (experts, intermediate, hidden), "up": (experts, intermediate, hidden),
                   "down": (experts, hidden, intermediate)}
         for part, shape in shapes.items():

@@ -45,6 +45,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .config import BITS, FORMATS, GPTQConfig
+from ..moe import experts_dims, plain_experts
 from .experts import EXPERT_LAYER, GPTQExpert, GPTQExperts
 from .linear import GPTQLinear
 
@@ -386,11 +387,11 @@ def _split_experts(layer: nn.Module, prefix: str) -> None:
     2I, H], gate rows first, and down_proj [E, H, I]) becomes a GPTQExperts
     of float nn.Linear experts computing the same."""
     for name, module in list(layer.named_modules()):
-        if not isinstance(getattr(module, "gate_up_proj", None), nn.Parameter):
+        if experts_dims(module) is None:
             continue
-        params = {n for n, _ in module.named_parameters()}
-        if params != {"gate_up_proj", "down_proj"} or not hasattr(module, "act_fn"):
-            raise ValueError(f"quantize: {prefix}.{name} ({type(module).__name__}, parameters {sorted(params)}) is "
+        if not plain_experts(module):
+            params = sorted(n for n, _ in module.named_parameters())
+            raise ValueError(f"quantize: {prefix}.{name} ({type(module).__name__}, parameters {params}) is "
                              "not an experts module GPTQExperts computes (gate_up_proj and down_proj, act_fn)")
         gate_up, down = module.gate_up_proj.detach(), module.down_proj.detach()
         half = gate_up.shape[1] // 2
