@@ -4,7 +4,7 @@ CPU-only when torch has no CUDA or nvcc is missing; CUDA too when both are
 there. LOWBIT_CUDA=0/1 overrides the choice; TORCH_CUDA_ARCH_LIST picks the
 GPU architectures and MAX_JOBS the parallel compile jobs (torch's own
 variables); LOWBIT_SANITIZE=1 builds with AddressSanitizer and
-UndefinedBehaviorSanitizer. Install with: pip install --no-build-isolation -e .
+UndefinedBehaviorSanitizer; LOWBIT_DEBUG=1 keeps debug info (-g). Install with: pip install --no-build-isolation -e .
 """
 import glob
 import os
@@ -27,18 +27,22 @@ def extension():
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     # at::parallel_for expands OpenMP pragmas inside our own code, so we must
     # compile with OpenMP like torch itself.
-    cxx = ["-O3", "-fopenmp"]
+    # C++20 is named explicitly: torch before 2.13 passes -std=c++17 on its own.
+    # -g0 drops the -g Python's flags add (it multiplies compile time and .so
+    # size); LOWBIT_DEBUG=1 keeps debug info.
+    debug = ["-g"] if os.environ.get("LOWBIT_DEBUG") == "1" else ["-g0"]
+    cxx = ["-O3", "-std=c++20", "-fopenmp", *debug]
     link = ["-fopenmp"]
     if os.environ.get("LOWBIT_SANITIZE") == "1":
         # AddressSanitizer + UndefinedBehaviorSanitizer build for the sanitizer
         # test run (make sanitize); every finding aborts.
         flags = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g"]
-        cxx = ["-O1", "-fopenmp", *flags]
+        cxx = ["-O1", "-std=c++20", "-fopenmp", *flags]
         link = ["-fopenmp", *flags]
     if not want_cuda():
         return CppExtension("lowbit._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=link)
     sources += sorted(glob.glob("csrc/cuda/*.cu"))
-    nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
+    nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
     return CUDAExtension(
         "lowbit._C",
         sources,
