@@ -50,10 +50,25 @@ struct ActRow {
   const int16_t* isum = nullptr;
 };
 
+// A block holding NaN or Inf has no 8-bit form: its levels become 0 and its
+// scale NaN, so every dot product that reads it is NaN, as the float matmul
+// is non-finite there. Q8_K's sums stay integers (0); Q8_0's / Q8_1's
+// (which include d) become NaN too.
+template <Act A>
+LOWBIT_HD void non_finite_act_block(int8_t* q, float* d, float* sum) {
+  constexpr int kSums = ActLayout<A>::kBlock / ActLayout<A>::kSumBlock;
+  for (int j = 0; j < ActLayout<A>::kBlock; ++j) q[j] = 0;
+  d[0] = NAN;
+  for (int j = 0; j < kSums; ++j) sum[j] = A == Act::Q8_K ? 0.0f : NAN;
+}
+
 // Q8_0 / Q8_1: d = amax / 127 stored as fp16, q = round(x / d) (half away
 // from zero, C's roundf), computed with the unrounded d as llama.cpp does.
 template <Act A>
 LOWBIT_HD void quantize_act_block(const float* x, int8_t* q, float* d, float* sum) {
+  bool finite = true;
+  for (int j = 0; j < ActLayout<A>::kBlock; ++j) finite &= isfinite(x[j]);
+  if (!finite) return non_finite_act_block<A>(q, d, sum);
   if constexpr (A == Act::Q8_K) {
     // Q8_K: fp32 d from the signed value of largest magnitude, q = nearest
     // (ties to even) of -127 / max * x, clamped to 127; sums per 16.

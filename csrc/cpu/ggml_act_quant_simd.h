@@ -1,9 +1,6 @@
 // Activation blocks quantized to Q8_0 / Q8_1 / Q8_K with AVX2, bit for bit
-// what the scalar quantize_act_block (core/ggml_q8.h) computes: the same
-// fp32 products, roundf and nearbyintf reproduced exactly, integer sums. The
-// scalar loop took ~4 ns an element (its roundf does not vectorize), 60 us
-// per call at n = 14336: 2-3% of a 4-bit matvec of that width and most of a
-// small one's. Include only inside the AVX2 unit's target pragma region.
+// what the scalar quantize_act_block (core/ggml_q8.h) computes, whose roundf
+// does not vectorize. Include only inside the AVX2 unit's target pragma region.
 #pragma once
 
 #include <immintrin.h>
@@ -29,6 +26,11 @@ inline int32_t hsum_epi32(__m256i v) {
   s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
 }
+
+// v * 0: +-0 where v is finite, NaN where it is NaN or Inf. OR-ed over a
+// block (the zeros' bits add nothing), has_nan finds any non-finite element.
+inline __m256 nan_where_non_finite(__m256 v) { return _mm256_mul_ps(v, _mm256_setzero_ps()); }
+inline bool has_nan(__m256 v) { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
 
 // C's roundf (halves away from zero): trunc(t), plus t's sign where the
 // dropped fraction (exact: |t| < 2^23 here) is at least one half.
@@ -56,10 +58,16 @@ inline void act_offsets(const int8_t* q, int32_t* offset) {
 
 // One Q8_0 / Q8_1 block of 32; with isum, also its sum(q) (ActRow::isum).
 inline void quantize_q8_0_block(const float* x, int8_t* q, float* d, float* sum, int16_t* isum) {
-  __m256 v[4], amax = _mm256_setzero_ps();
+  __m256 v[4], amax = _mm256_setzero_ps(), probe = _mm256_setzero_ps();
   for (int i = 0; i < 4; ++i) {
     v[i] = _mm256_loadu_ps(x + 8 * i);
-    amax = _mm256_max_ps(abs_ps(v[i]), amax);  // a NaN element leaves amax, as fmaxf does
+    amax = _mm256_max_ps(abs_ps(v[i]), amax);
+    probe = _mm256_or_ps(probe, nan_where_non_finite(v[i]));
+  }
+  if (has_nan(probe)) {
+    ggml::non_finite_act_block<ggml::Act::Q8_0>(q, d, sum);
+    if (isum) isum[0] = 0;
+    return;
   }
   const float dd = hmax_ps(amax) / 127.0f;
   const __m256 id = _mm256_set1_ps(dd != 0.0f ? 1.0f / dd : 0.0f);
@@ -75,10 +83,15 @@ inline void quantize_q8_0_block(const float* x, int8_t* q, float* d, float* sum,
 // One Q8_K block of 256: scaled by the signed element of largest magnitude
 // (the first of equals), rounded to nearest even, clamped to 127, sums per 16.
 inline void quantize_q8_k_block(const float* x, int8_t* q, float* d, float* sum) {
-  __m256 amax = _mm256_setzero_ps();
-  for (int i = 0; i < 32; ++i) amax = _mm256_max_ps(abs_ps(_mm256_loadu_ps(x + 8 * i)), amax);
+  __m256 amax = _mm256_setzero_ps(), probe = _mm256_setzero_ps();
+  for (int i = 0; i < 32; ++i) {
+    const __m256 v = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(abs_ps(v), amax);
+    probe = _mm256_or_ps(probe, nan_where_non_finite(v));
+  }
+  if (has_nan(probe)) return ggml::non_finite_act_block<ggml::Act::Q8_K>(q, d, sum);
   const float a = hmax_ps(amax);
-  if (a == 0.0f) {  // also where every element is NaN, as the scalar loop finds no larger magnitude
+  if (a == 0.0f) {
     d[0] = 0.0f;
     for (int i = 0; i < 256; i += 32) _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), _mm256_setzero_si256());
     for (int j = 0; j < 16; ++j) sum[j] = 0.0f;

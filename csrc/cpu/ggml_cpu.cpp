@@ -39,12 +39,10 @@ void dequantize_row(const uint8_t* row, int64_t n, float* out) {
 // Rows per parallel task: about 64k weights each, so small matrices stay serial.
 int64_t row_grain(int64_t n) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, n)); }
 
-// Rows per matmul chunk, in whole tiles of the SIMD kernels (up to 4 rows,
-// ggml_matmul_simd.h; 16 for the AVX-512 GEMM, ggml_gemm_vnni.h). Batches
-// (compute-bound) take small chunks of 64k weights, handed out as threads
-// free up: 20-25% faster on 2 threads of a shared Zen 4. A matvec streams
-// memory: one contiguous share per thread, as interleaved chunks broke the
-// hardware prefetcher's streams (up to 1.5x slower measured).
+// Rows per matmul chunk, in whole tiles of the SIMD kernels (4 rows; 16 for
+// the AVX-512 GEMM). Batches are compute-bound and take small chunks handed
+// out as threads free up; a matvec streams memory, one contiguous share per
+// thread, so each thread's reads stay one prefetchable stream.
 int64_t row_chunk(int64_t n, int64_t M, int64_t rows) {
   int64_t chunk = row_grain(n);
   if (M == 1) chunk = std::max<int64_t>(chunk, (rows + at::get_num_threads() - 1) / at::get_num_threads());
@@ -218,7 +216,7 @@ at::Tensor ggml_mul_mat(const char* op, const at::Tensor& W, const at::Tensor& X
   const at::Tensor x = X.to(at::kFloat).contiguous();
   const int64_t M = x.size(0), n = x.size(1);
   at::Tensor out = at::empty({M, row}, x.options());
-  if (M > 0 && row > 0) {
+  if (M > 0 && row > 0 && n > 0) {  // n = 0: an empty sum, zeros
     const uint8_t* w = W.data_ptr<uint8_t>();
     dispatch_ggml_type(type, [&](auto t) {
       constexpr ggml::Type T = decltype(t)::value;

@@ -50,13 +50,10 @@ using ggml::Act;
 using ggml::ActLayout;
 using ggml::TypeInfo;
 
-// Largest M for which ggml_mul_mat_a8 takes the fused kernel. NOT MEASURED
-// YET (no GPU when this was written; benchmarks/bench_cuda.py times both
-// paths, ggml_mul_mat_vec_a8 being the fused one at any M). The guess: the
-// fused kernel decodes W once per 8 rows, each decode costing about a full
-// pass over W's blocks in instructions, while the cuBLAS path pays one fp32
-// copy of W (write + read, 8 bytes per weight) and then runs at SGEMM speed,
-// which at ~3 TB/s and ~60 TFLOP/s pays off after a few decode passes.
+// Largest M for which ggml_mul_mat_a8 takes the fused kernel, an estimate
+// until benchmarks/bench_cuda.py times both paths on a GPU: the fused kernel
+// decodes W once per 8 rows, the cuBLAS path pays one fp32 copy of W and then
+// runs at SGEMM speed, which pays off after a few decode passes.
 constexpr int64_t kFusedMaxM = 32;
 // Activation rows per fused launch (accumulators in registers).
 constexpr int kMaxRows = 8;
@@ -341,6 +338,7 @@ at::Tensor ggml_mul_mat(const char* op, const at::Tensor& W, const at::Tensor& X
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, row}, X.options());
   if (M == 0 || row == 0) return out;
+  if (x.size(1) == 0) return out.zero_();  // an empty sum
   const uint8_t* w = W.data_ptr<uint8_t>();
   dispatch_ggml_type(type, [&](auto t) {
     constexpr ggml::Type T = decltype(t)::value;

@@ -1,0 +1,109 @@
+"""Inputs at the edges of what PyTorch allows: activations with NaN or Inf,
+and zero-width matrices. Each matmul op gives what a float matmul gives
+(non-finite where a non-finite input reaches an output, zeros for an empty
+sum), on every device and CPU ISA, never a crash."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import gguf_blocks as gb
+import gptq_reference as ref
+
+ops = torch.ops.lowbit
+N, ROWS, M = 512, 12, 6
+REPACKED = [t for t in gb.TYPES if ops.ggml_has_repacked_layout(gb.type_id(t))]
+
+
+def weight(name, rows=ROWS):
+    rng = np.random.default_rng([7, gb.type_id(name)])
+    return torch.from_numpy(gb.random_blocks(rng, name, rows, N))
+
+
+def poisoned(dtype=torch.float32):
+    """Rows 0-2 each carry one non-finite element (NaN, +Inf, -Inf); the rest are finite."""
+    x = torch.randn(M, N, generator=torch.Generator().manual_seed(3)).to(dtype)
+    x[0, 37], x[1, 300], x[2, 511] = float("nan"), float("inf"), float("-inf")
+    return x
+
+
+def check_poisoned_rows(out, clean):
+    """Rows with a non-finite input are non-finite in every output (every
+    output reads the whole row); NaN stays NaN; the other rows are the clean
+    call's, bit for bit (rows are independent)."""
+    assert torch.isnan(out[0]).all(), out[0]
+    assert not torch.isfinite(out[1:3]).any(), out[1:3]
+    assert torch.equal(out[3:], clean[3:])
+
+
+@pytest.mark.parametrize("op_name", ["ggml_mul_mat_vec_a8", "ggml_mul_mat_a8"])
+@pytest.mark.parametrize("qtype", gb.TYPES)
+def test_non_finite_activations_propagate(device, op_name, qtype):
+    W, x = weight(qtype).to(device), poisoned().to(device)
+    out = getattr(ops, op_name)(W, x, gb.type_id(qtype), ROWS)
+    clean = getattr(ops, op_name)(W, torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0), gb.type_id(qtype), ROWS)
+    check_poisoned_rows(out.cpu(), clean.cpu())
+
+
+@pytest.mark.parametrize("qtype", REPACKED)
+def test_non_finite_activations_propagate_repacked(cpu_isa, qtype):
+    t = gb.type_id(qtype)
+    W = ops.ggml_repack(weight(qtype, rows=32), t, 32, N)
+    x = poisoned()
+    for rows_x in (x[:1], x):  # the matvec and the batched kernels
+        out = ops.ggml_mul_mat_repacked(W, rows_x, t, 32)
+        assert torch.isnan(out[0]).all()
+    out = ops.ggml_mul_mat_repacked(W, x, t, 32)
+    clean = ops.ggml_mul_mat_repacked(W, torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0), t, 32)
+    check_poisoned_rows(out, clean)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "IQ4_XS", "F16"])
+def test_non_finite_activations_propagate_through_experts(device, qtype):
+    t = gb.type_id(qtype)
+    W = torch.stack([weight(qtype), weight(qtype)]).to(device)
+    ids = torch.tensor([[0, 1]] * M, dtype=torch.int32, device=device)
+    out = ops.ggml_mul_mat_id(W, poisoned().to(device), ids, t, ROWS).cpu()
+    assert torch.isnan(out[0]).all() and not torch.isfinite(out[1:3]).any()
+    assert torch.isfinite(out[3:]).all()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_non_finite_activations_propagate_gptq(device, bits, dtype):
+    rng = np.random.default_rng(bits)
+    ckpt = ref.random_checkpoint(rng, N, 64, bits, 32, False, "gptq_v2", False)
+    q, z, s, g = (torch.from_numpy(np.ascontiguousarray(ckpt[k])).to(device) for k in ("qweight", "qzeros", "scales", "g_idx"))
+    x = poisoned(dtype).to(device)
+    out = ops.gptq_gemm(x, q, z, s.to(dtype), g, False, True, bits).cpu()
+    assert torch.isnan(out[0]).all() and not torch.isfinite(out[1:3]).any()
+    assert torch.isfinite(out[3:]).all()
+
+
+@pytest.mark.parametrize("op_name", ["ggml_mul_mat_vec_a8", "ggml_mul_mat_a8", "ggml_mul_mat_repacked"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ2_XXS", "F32"])
+def test_zero_width_activations_give_zeros(op_name, qtype):
+    """X [M, 0] @ W[row, 0].T is an empty sum: zeros [M, row]. Run in a child
+    process, so that a crash (a division by the width) fails the test
+    instead of the run."""
+    if op_name == "ggml_mul_mat_repacked" and not ops.ggml_has_repacked_layout(gb.type_id(qtype)):
+        pytest.skip(f"{qtype} has no repacked layout")
+    code = (
+        "import torch, lowbit\n"
+        f"for isa in ('portable', torch.ops.lowbit.cpu_isa('best')):\n"
+        "    torch.ops.lowbit.cpu_isa(isa)\n"
+        "    for m in (0, 1, 5, 40):\n"
+        f"        out = torch.ops.lowbit.{op_name}(torch.empty(4, 0, dtype=torch.uint8), torch.randn(m, 0), {gb.type_id(qtype)}, 4)\n"
+        "        assert out.shape == (m, 4) and not out.any(), out\n"
+        "print('ok')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", (run.returncode, run.stderr[-2000:])
+
+
+def test_zero_width_experts_give_zeros():
+    ids = torch.tensor([[0, 1]], dtype=torch.int32)
+    out = ops.ggml_mul_mat_id(torch.empty(2, 4, 0, dtype=torch.uint8), torch.randn(1, 0), ids, gb.type_id("Q4_0"), 4)
+    assert out.shape == (1, 2, 4) and not out.any()
