@@ -76,6 +76,8 @@ inline GgmlMatmulId check_ggml_matmul_id(const char* op, const at::Tensor& W, co
                     " rows overflow int64");
   const ggml::RuntimeInfo info = check_ggml_weight(op, W, type, "row", weight_rows, n);
   TORCH_CHECK_VALUE(W.size(1) == row, op, ": W must be [experts, row=", row, ", row_bytes], got shape ", W.sizes());
+  TORCH_CHECK_VALUE(experts > 0 || tokens * slots == 0, op, ": W holds no experts for the ", tokens * slots,
+                    " (token, slot) pairs of ids ", ids.sizes());
   const at::Tensor ids32 = check_index_vector(op, "ids", ids.reshape(-1), W, tokens * slots, experts);
   return {info, experts, tokens, slots, n, X.dim() == 3, ids32};
 }

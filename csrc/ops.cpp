@@ -29,6 +29,13 @@ std::string ggml_type_name(int64_t type) {
   return info.name;
 }
 
+// Whether a ggml type has the CPU kernels' repacked layout (core/ggml_repack.h).
+bool ggml_has_repacked_layout(int64_t type) {
+  TORCH_CHECK_VALUE(lowbit::ggml::runtime_info(type).ok, "ggml_has_repacked_layout: type ", type,
+                    " is not a ggml weight type lowbit supports (unknown or removed id)");
+  return lowbit::ggml::has_repacked_layout(static_cast<lowbit::ggml::Type>(type));
+}
+
 // The vector ISA the CPU kernels use now, after forcing it to `force` if given.
 std::string cpu_isa(std::optional<std::string> force) {
   if (force) lowbit::cpu::force_isa(*force);
@@ -36,10 +43,9 @@ std::string cpu_isa(std::optional<std::string> force) {
 }
 
 // Whether the active ISA's CPU kernels read a weight of this type in the
-// repacked layout as it is: with AVX-512 (VNNI) every type that has the
-// layout, with AVX2 the 4- and 5-bit one-scale ones and Q4_K; elsewhere
-// each call puts the rows back in the file's layout first (the same
-// results, slower).
+// repacked layout as it is (AVX-512: every type with the layout; AVX2: those
+// reads_repacked_avx2 names); elsewhere each call puts the rows back in the
+// file's layout first (the same results, slower).
 bool cpu_reads_repacked(int64_t type) {
   TORCH_CHECK_VALUE(lowbit::ggml::runtime_info(type).ok, "cpu_reads_repacked: type ", type,
                     " is not a ggml weight type lowbit supports (unknown or removed id)");
@@ -106,6 +112,7 @@ TORCH_LIBRARY(lowbit, m) {
   // [elements per block, bytes per block] of a ggml type; raises for unknown ids.
   m.def("ggml_type_info(int type) -> int[]", &ggml_type_info);
   m.def("ggml_type_name(int type) -> str", &ggml_type_name);
+  m.def("ggml_has_repacked_layout(int type) -> bool", &ggml_has_repacked_layout);
 
   // The x86 vector ISA of the CPU kernels ("portable", "avx2", "avx512"),
   // chosen from the CPU's features at load (or LOWBIT_CPU_ISA); `force`

@@ -48,3 +48,13 @@ def test_gptq_gemm_under_torch_compile_fullgraph():
         x = torch.randn(M, K)
         eager = torch.nn.functional.silu(torch.ops.lowbit.gptq_gemm(x, qweight, qzeros, scales, g_idx, False, True, 4)) * 2.0
         torch.testing.assert_close(layer(x), eager)
+
+
+def test_torch_compile_refuses_a_bad_call_while_tracing():
+    """The fake kernels validate as the real ones: a weight one byte short
+    fails when torch.compile traces the call, naming the op and argument."""
+    W = torch.zeros(8 * 2 * 18 - 1, dtype=torch.uint8)  # 8 rows of 64 Q4_0 weights, one byte short
+    compiled = torch.compile(lambda x: torch.ops.lowbit.ggml_mul_mat_a8(W, x, 2, 8), fullgraph=True, backend="eager")
+    # Dynamo's error for a failed fake-tensor call, carrying the fake kernel's ValueError.
+    with pytest.raises(torch._dynamo.exc.TorchRuntimeError, match="ggml_mul_mat_a8: W has 287 bytes"):
+        compiled(torch.randn(3, 64))

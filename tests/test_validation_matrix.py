@@ -13,7 +13,7 @@ overflow int64. Every rejection must be the documented exception type
 (csrc/gptq_checks.h: dtype / device / layout -> RuntimeError, value / shape /
 bit width -> ValueError) with a message that starts with the op's name and
 names the argument. Device mixes are in tests/test_cuda_backend.py (they need
-a GPU). tests/README.md records the case count.
+a GPU).
 """
 from __future__ import annotations
 
@@ -298,10 +298,38 @@ def test_validation_matrix(op_name, case, over, expect):
     assert type(info.value) is exc or (exc is ValueError and isinstance(info.value, ValueError)), info.value
 
 
+# Rejections that depend on tensor values, which a fake kernel never sees.
+VALUE_CASES = {"g_idx negative", "g_idx past the groups", "g_idx int64 above 2^32", "perm past K (shuffled layout)",
+               "perm past K", "perm negative", "perm not a permutation", "perm past N", "value above 2^bit - 1",
+               "negative value", "expert past the last", "negative expert", "int64 expert that int32 would wrap"}
+SHAPE_CASES = [c for c in CASES if c[3] != "accepted" and c[1] not in VALUE_CASES]
+
+
+@pytest.mark.parametrize("op_name, case, over, expect", SHAPE_CASES, ids=[f"{o}: {c}" for o, c, _, _ in SHAPE_CASES])
+def test_fake_kernels_refuse_what_the_kernels_refuse(op_name, case, over, expect):
+    """Under FakeTensorMode (torch.compile's tracing, opcheck) each shape,
+    dtype and layout rejection raises what the real kernel raises, so a bad
+    call fails at trace time instead of returning a shape."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    kw = OPS[op_name].valid()
+    bad = {**kw, **over(kw)}
+    exc, pattern = expect
+    with FakeTensorMode() as mode:
+        fake = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in bad.items()}
+        with pytest.raises(exc, match=f"^{op_name}: .*({pattern})") as info:
+            getattr(ops, op_name)(**fake)
+    assert type(info.value) is exc or (exc is ValueError and isinstance(info.value, ValueError)), info.value
+    with pytest.raises(exc) as real:
+        getattr(ops, op_name)(**bad)
+    assert str(real.value).splitlines()[0] == str(info.value).splitlines()[0]
+
+
 def test_the_matrix_covers_every_op():
     declared = {name for name in dir(ops) if isinstance(getattr(ops, name), torch._ops.OpOverloadPacket)}
     # no tensors: test_scalar_ops_reject_bad_values
-    declared -= {"ggml_type_info", "ggml_type_name", "cpu_isa", "cpu_bf16_kernel", "cpu_reads_repacked"}
+    declared -= {"ggml_type_info", "ggml_type_name", "ggml_has_repacked_layout", "cpu_isa", "cpu_bf16_kernel",
+                 "cpu_reads_repacked"}
     assert declared <= set(OPS), declared - set(OPS)
     assert len(CASES) >= 200, len(CASES)
 
@@ -311,6 +339,9 @@ def test_scalar_ops_reject_bad_values():
         ops.ggml_type_info(4)
     with pytest.raises(ValueError, match="^ggml_type_name: type 4 is not a ggml weight type"):
         ops.ggml_type_name(4)
+    with pytest.raises(ValueError, match="^ggml_has_repacked_layout: type 4 is not a ggml weight type"):
+        ops.ggml_has_repacked_layout(4)
+    assert ops.ggml_has_repacked_layout(Q4_0) and not ops.ggml_has_repacked_layout(TQ2_0)
     with pytest.raises(ValueError, match="^cpu_isa: unknown ISA 'sse9'"):
         ops.cpu_isa("sse9")
     with pytest.raises(ValueError, match="^cpu_bf16_kernel: unknown mode 'fast'"):
