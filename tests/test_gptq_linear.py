@@ -47,6 +47,29 @@ def test_act_order_runs_shuffled_and_reshuffles_after_load_state_dict():
     assert torch.equal(layer(x), other(x)) and not torch.equal(layer(x), y)
 
 
+@pytest.mark.parametrize("write", ["whole", "row slice", "column slice", "g_idx only"])
+def test_act_order_sees_writes_through_data(write):
+    """Loaders copy weights in through `.data`, which bumps no version counter:
+    the shuffled copy must still follow them."""
+    layer, _ = layer_and_linear(act_order=True)
+    other, _ = layer_and_linear(act_order=True, seed=1)
+    x = torch.randn(3, IN)
+    layer(x)  # builds the shuffled copy
+    rows = layer.qweight.shape[0]
+    if write == "whole":
+        for name in ("qweight", "qzeros", "scales", "g_idx"):
+            getattr(layer, name).data.copy_(getattr(other, name))
+    elif write == "row slice":
+        layer.qweight.data[rows // 2:rows // 2 + 2].copy_(other.qweight[rows // 2:rows // 2 + 2])
+    elif write == "column slice":
+        layer.qweight.data[:, 8:16].copy_(other.qweight[:, 8:16])
+    else:
+        layer.g_idx.data.copy_(other.g_idx)
+    fresh = lowbit.GPTQLinear(IN, OUT, 4, layer.group_size, sym=False, desc_act=True, checkpoint_format="gptq_v2")
+    fresh.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(layer(x), fresh(x), rtol=0, atol=0)
+
+
 def test_unequal_groups_run_unshuffled():
     layer, _ = layer_and_linear(group_size=64)
     g = torch.randint(0, 4, (IN,), dtype=torch.int32, generator=torch.Generator().manual_seed(0))

@@ -53,8 +53,8 @@ class GPTQLinear(nn.Module):
             self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device))
         else:
             self.bias = None
-        # (key of the qweight/g_idx versions it was built from, (qweight to multiply, b_g_idx, use_exllama)),
-        # one attribute so that threads sharing the layer never see a key with another key's plan.
+        # (what it was built from, (qweight to multiply, b_g_idx, use_exllama)), one attribute so that
+        # threads sharing the layer never see one plan's key with another plan's tensors.
         self._plan = None
 
     @classmethod
@@ -77,12 +77,30 @@ class GPTQLinear(nn.Module):
     def use_v2_format(self) -> bool:
         return self.checkpoint_format == "gptq_v2"
 
+    def _source(self) -> tuple:
+        """What a plan depends on. Writes through `.data` (how many loaders copy
+        weights in) bump no version counter, so the key also holds g_idx's
+        values and a diagonal of qweight words that meets every packed row
+        and every column: a load of other weights, or of any row or column
+        slice of them, changes it. It gathers max(rows, N) words, against the
+        rows * N the matmul reads."""
+        q, g = self.qweight, self.g_idx
+        rows, cols = q.shape
+        i = torch.arange(max(rows, cols), device=q.device)
+        sample = q.view(-1)[i % rows * cols + i % cols]
+        return (q.data_ptr(), q._version, g.data_ptr(), g._version), sample, g.clone()
+
+    def _unchanged(self, source: tuple) -> bool:
+        now = self._source()
+        return (now[0] == source[0] and now[1].device == source[1].device and torch.equal(now[1], source[1])
+                and torch.equal(now[2], source[2]))
+
     def _prepare(self):
         """Picks how to run: shuffled (act-order with equal groups) or plain."""
-        key = (self.qweight.data_ptr(), self.qweight._version, self.g_idx.data_ptr(), self.g_idx._version)
         plan = self._plan
-        if plan is not None and plan[0] == key and plan[1][0].device == self.qweight.device:
+        if plan is not None and self._unchanged(plan[0]):
             return plan[1]
+        source = self._source()
         K, groups = self.in_features, self.scales.shape[0]
         g_idx = self.g_idx
         trivial = torch.arange(K, device=g_idx.device) // max(1, K // groups)
@@ -96,7 +114,7 @@ class GPTQLinear(nn.Module):
                 fast = (shuffled, perm, True)
             else:  # groups of unequal size: the unshuffled kernel takes any g_idx
                 fast = (self.qweight, g_idx, False)
-        self._plan = (key, fast)
+        self._plan = (source, fast)
         return fast
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
