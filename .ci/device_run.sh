@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What a session with a lent GPU machine (nvidia-h100-x1 / nvidia-h200: torch
+# What runs on a lent GPU machine (nvidia-h100-x1 / nvidia-h200: torch
 # 2.11+cu130, nvcc 13.0, Python 3.12, 16 cores, no network) runs there, one
 # phase per device call (each call may run at most 600 s):
 #

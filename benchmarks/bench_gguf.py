@@ -28,7 +28,7 @@ the main ones (and in dequantize instead of all), in files named
 <machine>-gguf-<types>.* (the gguf-py column of Q1_0 and Q2_0, which gguf-py
 cannot dequantize, times the tests' NumPy reference instead). The llama.cpp peer comes from llama-cpp-python, or
 from LOWBIT_GGML_LIB_DIR (tests/ggml_peer.py): to meet the AVX2 kernels, a
-ggml built for AVX2 only (README, Benchmarks). Each comparison is
+ggml built for AVX2 only (benchmarks/README.md). Each comparison is
 timed in alternating rounds, each side's fastest round reported
 (common.time_rounds_ms), so that load from elsewhere on a shared machine
 cannot land on one side only.

@@ -23,7 +23,7 @@ copy bandwidth measured in the same run.
                                                  results: ...<machine>-gguf-moe-gpt-oss-20b.{txt,json}
     python benchmarks/bench_gguf_moe.py --isa avx2   lowbit's AVX2 kernels: ...<machine>-avx2-gguf-moe*;
         the peer is llama-cpp-python's ggml unless LOWBIT_GGML_LIB_DIR names one built for AVX2
-        (README: Benchmarks)
+        (benchmarks/README.md)
 """
 import argparse
 import copy

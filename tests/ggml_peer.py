@@ -13,7 +13,7 @@ context on every call. ggml quantizes x to the type's 8-bit activation blocks
 inside the call, as lowbit does. An optional extra: `pip install llama-cpp-python`.
 LOWBIT_GGML_LIB_DIR names another directory holding the two libraries, e.g.
 the same ggml built for AVX2 only, to meet lowbit's AVX2 kernels on an
-AVX-512 machine (benchmarks/README in the top-level README: Benchmarks).
+AVX-512 machine (benchmarks/README.md).
 
 llama.cpp's own model loader does not leave every weight in that plain layout:
 where the CPU backend has an "extra" buffer type for a weight's type (CPU_REPACK:
@@ -22,7 +22,7 @@ is repacked into it when the model loads. `GgmlMatmul(..., buffer=name)` places 
 in such a buffer the same way (ggml_backend_tensor_set does the repacking), and
 `extra_buffers()` lists the ones this build and CPU have, and `buffer_takes()`
 asks whether one takes a given matmul. A buffer type can crash the process on
-some machines (the AMX one segfaults for M > 1 on the Xeon VM of the README), so
+some machines (the AMX one segfaults for M > 1 on some Xeons), so
 `runs_in_subprocess` tries a configuration in a child first.
 """
 import ctypes

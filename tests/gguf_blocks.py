@@ -10,7 +10,8 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants as gq
 from gguf.constants import GGML_QUANT_SIZES
 
-# Every weight type lowbit supports (the list), in ggml id order.
+# Every weight type lowbit supports, in ggml id order, written out apart from
+# the C++ table so that a type the table loses fails the tests.
 TYPES = [
     "F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
     "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS", "IQ1_M", "BF16",

@@ -44,16 +44,9 @@ constexpr bool has_repacked_layout(Type t) {
 }
 
 // Those whose layout the AVX2 kernels read as it is too
-// (cpu/ggml_repacked_avx2.h): the one-scale types, Q2_K, Q3_K, Q4_K and
-// IQ4_XS. With AVX2 the others' tiles go back to the file's layout on every
-// call: Q5_K's and Q6_K's (which batches of their file layout use) streamed
-// a matvec at 0.82x and 0.79-0.83x their file layout's speed (Zen 4, 1 and
-// 2 threads, 14336 x 4096 and 4096 x 14336). Q3_K's streamed at 1.04-1.09x.
-// Q8_0's, left out while its repacked kernel summed in the file layout's
-// order (0.63-0.95x its file layout's streamed matvec), summing each
-// block's dot in int32 first streams a matvec at 1.01-1.07x that; in cache
-// it runs level at M = 1 and in 0.66-0.83x the time at M = 2 to 128 (but
-// level at M = 2 for 4096 x 14336 on 2 threads; Xeon VM, 1 and 2 threads).
+// (cpu/ggml_repacked_avx2.h). The rest go back to the file's layout on every
+// call: with AVX2 their repacked matvec streams slower than their file
+// layout's (csrc/cpu/README.md), and their tiles serve file-layout batches only.
 constexpr bool reads_repacked_avx2(Type t) {
   switch (t) {
     case Type::Q4_0: case Type::Q4_1: case Type::Q5_0: case Type::Q5_1: case Type::IQ4_NL: case Type::Q8_0:

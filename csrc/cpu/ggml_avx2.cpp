@@ -56,25 +56,11 @@ using RepackedAvx2 =
 
 // From how many activation rows a file-layout weight of type T goes through
 // RepackedAvx2<T>, a tile at a time repacked into a buffer that stays in
-// cache (repack_tile, about 2 us a tile of 16 x 4096): its passes share each
-// decoded group between activation rows and need no horizontal sums.
-// Measured on Zen 4 (14336 x 4096 and 4096 x 14336, 1 and 2 threads), the
-// time against the matvec form's at the threshold / one step below it / at
-// M = 128:
-//   Q4_0    8: 0.91-0.97x /  4: 1.17x      / 0.79-0.82x
-//   Q4_1    8: 0.81-0.86x /  4: 1.10x      / 0.58-0.64x
-//   IQ4_NL 16: 0.90-0.93x /  8: 0.95-1.02x / 0.82-0.84x
-//   Q5_1   16: 0.83-0.84x /  8: 0.94-1.03x / 0.71-0.75x
-//   Q4_K   16: 0.89-0.94x /  8: 1.03-1.08x / 0.71-0.82x
-//   IQ4_XS 16: 0.87-0.89x /  8: 0.96-1.02x / 0.73-0.79x
-//   Q2_K   16: 0.91-0.94x /  8: 0.99-1.07x / 0.77-0.90x
-//   Q8_0   16: 0.80-0.96x /  8: 0.92-1.07x / 0.77-0.84x
-//   Q3_K   32: 0.91-0.93x / 16: 0.94-1.03x / 0.84-0.92x
-//   Q5_K   32: 0.81-0.90x / 16: 0.93-0.99x / 0.79-0.90x
-//   Q6_K   32: 0.94-0.96x / 16: 0.97-1.05x / 0.85-0.93x
-//   Q5_0  128: 0.94x      / 64: 0.94-1.00x
-// Q5_0's repacked dots pay both the offsets and the fifth bits; Q6_K's
-// levels take two words and four more instructions a group.
+// cache (repack_tile): its passes share each decoded group between
+// activation rows and need no horizontal sums. Each value is the smallest M
+// where that beats the matvec form at every benchmark shape and thread count
+// (csrc/cpu/README.md); Q5_0 (offsets and fifth bits) and Q6_K (two words
+// a group) gain least, so they start latest.
 constexpr int64_t kNoCopies = std::numeric_limits<int64_t>::max();
 constexpr int64_t repacked_copy_rows(ggml::Type t) {
   switch (t) {

@@ -290,8 +290,8 @@ struct FloatGemm {
 };
 
 // Tile bytes in flight ahead of a pass's loads: each pass reads its tile as
-// one sequential stream, which Zen 4's hardware prefetcher alone does not
-// keep up with (as for the file layout's rows, ggml_matmul_simd.h).
+// one sequential stream, which the hardware prefetcher alone does not keep
+// up with (as for the file layout's rows, ggml_matmul_simd.h).
 constexpr int kRepackedPrefetchBytes = 4096;
 
 // Prefetches the `bytes` bytes kRepackedPrefetchBytes past p.
@@ -303,8 +303,8 @@ inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
 // The TT tiles from row r (row_bytes a row) against activation rows m0 ..
 // m0 + MT: from zeroed sums, Repacked::block of each tile in turn per block
 // (acc[u][m] as the form's step leaves it), then Repacked::total into out.
-// Flattened: GCC left the integer forms' block out of line, its sums passed
-// through memory (a streamed Q4_K matvec 5% slower).
+// Flattened: otherwise GCC leaves the integer forms' block out of line and
+// passes its sums through memory.
 template <class Repacked, int MT, int TT>
 __attribute__((flatten)) void run_pass(const uint8_t* W, int64_t r, int64_t row_bytes, int64_t blocks,
                                        const ggml::ActRow* acts, int64_t m0, float* out, int64_t rows) {
@@ -350,25 +350,13 @@ int64_t run_passes(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const gg
 // (or flipping Q8_0's sign bits) in 512-bit registers, with no per-row decode
 // and no transpose, and cheap enough to redo for every pass of activation
 // rows: levels and sums stay in registers, where GemmVnni writes each
-// decoded Block to L1 and reads it back per activation row tile. Measured on
-// Zen 4 (14336 x 4096, 2 threads, streamed weights): through GemmVnni's
-// Block a matvec ran 10-12 GB/s a thread and M = 128 took as long as the
-// file layout's GEMM; in registers 1.0-1.8x faster than the file layout's
-// kernels at M = 1, 1.7-2.1x at M = 2-16, 1.4-1.7x at M = 128.
+// decoded Block to L1 and reads it back per activation row tile.
 // The levels are FloatGemm's, but each block's 8 group dots chain into one
 // int32 sum per row (starting from -128 * the activations' block sum,
 // ActRow::isum, where the levels went in + 128) and meet fp32 in one FMA a
-// block: FloatGemm's order (a conversion and an FMA per group, so that the
-// results were the matvec's bit for bit) took 3 of every 4 instructions a
-// group. Xeon VM, 14336 x 4096, 1 thread, alternating builds, M = 2 / 8 /
-// 128 in cache, before against after (8 activation rows a pass): Q4_0 1.45-1.50 /
-// 5.3-6.1 / 87-88 ms against 1.24-1.29 / 2.6 / 43-44, Q4_1 1.56-1.58 /
-// 5.1-5.7 / 77-81 against 1.34-1.46 / 2.5 / 42-43, Q5_0 1.85-1.89 / 6.7-7.2
-// / 101-106 against 1.52-1.65 / 2.9 / 48-49, Q8_0 2.56-2.59 / 6.8-8.0 /
-// 82-86 against 2.34-2.43 / 2.8-3.0 / 45-46, IQ4_NL 1.60-1.69 / 5.8-6.1 /
-// 92-95 against 1.21-1.32 / 2.8 / 45-47; the matvec in cache level to
-// 1.2x. Results agree with the file layout's to fp32 rounding, each row its
-// own matvec's bit for bit at every M.
+// block: FloatGemm's order (a conversion and an FMA per group) would take 3
+// of every 4 instructions a group. Results agree with the file layout's to
+// fp32 rounding, each row its own matvec's bit for bit at every M.
 template <ggml::Type T>
 struct RepackedFloatGemm {
   using I = ggml::TypeInfo<T>;
@@ -377,17 +365,12 @@ struct RepackedFloatGemm {
   static constexpr int64_t kTileBlockBytes = ggml::kRepackRows * I::kBytes;  // one block of the tile's rows
   static constexpr int kAccs = 1 + I::kHasMin;  // fp32 sums per activation row: the dots, the mins
   // Tiles per matvec pass, each block of one followed by the same block of
-  // the next. One tile a pass streamed Q4_0 at 2.35 ms on one thread of the
-  // Xeon VM against 1.15 in cache (14336 x 4096, 1.5 GB of weights): the
-  // memory and the arithmetic took turns. Two: 1.95-2.06 ms, on two threads
-  // 1.04 against 1.16-1.19 (32 GB/s, llama.cpp's AMX layout 31); Q5_0,
-  // Q8_0 and IQ4_NL 9-20% faster streamed, in cache level. The sums are
-  // each tile's own, in the same order, so the results do not change.
+  // the next: with one tile a pass a streamed matvec leaves memory and
+  // arithmetic taking turns. Each tile's sums keep their order: same results.
   static constexpr int kMatvecTiles = 2;
   static __m512 total(const __m512* a) { return I::kHasMin ? _mm512_add_ps(a[0], a[1]) : a[0]; }
   // Activation rows per pass: with a block's dot in one int32 register and
-  // one fp32 sum a row, 8 fit the registers (M = 8 / 128, Xeon VM: 2 a pass
-  // 4.0-4.2 / 59-62 ms for Q4_0, 4 a pass 2.8-3.1 / 45-47, 8 2.6 / 43-44).
+  // one fp32 sum a row, 8 fit the registers (fewer a pass run slower).
   static constexpr int kPassRows = 8;
 
   // Q5_0 and Q5_1: word 0 holds each row's 32-bit qh, element i's fifth bit at bit i.
@@ -490,44 +473,30 @@ struct GemmVnni;  // below: the driver of the forms that decode a Block per tile
 // block % 8, so the same results bit for bit. RepackedTile<T>
 // (ggml_repacked_tiles.h) cuts the scales, coefficients and levels of the
 // tile's 16 rows out of the layout's words with a few whole-register
-// operations per block. Measured on Zen 4 against the file layout's
-// kernels (benchmarks/results/cpu-amd-epyc-2t-gguf.txt, 1 and 2 threads):
-// a streamed matvec (14336 x 4096) 1.77-2.04x for Q2_K and Q3_K, 1.24-1.93x
-// for IQ4_XS, 1.18-1.27x for Q4_K, 0.96-1.10x for Q5_K and 0.86-0.89x for
-// Q6_K (whose file layout already reads at the memory's speed); M = 8
-// 1.29-2.19x; M = 128 1.03-1.20x (through Form, below).
+// operations per block. Its speed against the file layout's kernels: the
+// `vs file` column of benchmarks/results/*-gguf.txt.
 template <ggml::Type T>
 struct RepackedIntGemm {
   using I = ggml::TypeInfo<T>;
   using Int = IntGemm<T>;
   // Activation rows per pass over a tile. Each pass past a tile's first
-  // reads it from L2 while the memory idles, so 2 a pass (as this had
-  // been, for the rows' sums and the levels to fit the registers) was
-  // slower everywhere: Xeon VM, 14336 x 4096, ms at M = 4 / 8, 2 a pass against 8,
-  // weights streamed on 1 thread Q4_K 3.57 / 5.14 against 3.03 / 4.13, Q6_K
-  // 5.71 / 8.51 against 4.71 / 5.95, IQ4_XS 3.77 / 5.93 against 2.97 /
-  // 4.10 (2 threads M = 8: 2.97, 4.74, 3.40 against 2.55, 3.52, 2.54); in
-  // cache, 1 thread, Q4_K 2.10 / 3.55 against 1.68 / 2.55, Q6_K 3.68 / 6.70
-  // against 2.79 / 4.01. 4 a pass fell in between.
+  // reads it from L2 while the memory idles, so fewer rows a pass (2 or 4)
+  // run slower, streamed and in cache (csrc/cpu/README.md).
   static constexpr int kPassRows = 8;
   using Tile = RepackedTile<T>;
   static_assert(ggml::has_repacked_layout(T) && simd::has_int_scales<T>(), "an integer-form type with a repacked layout");
   static constexpr int64_t kTileBlockBytes = ggml::kRepackRows * I::kBytes;
   static constexpr int kAccs = Int::kAccs;
-  // One tile a matvec pass: two (as RepackedFloatGemm takes) ran 0-28%
-  // slower streamed and 5-48% in cache on the Xeon VM, every type; a
-  // block's scales and sums already fill the registers.
+  // One tile a matvec pass: a block's scales and sums already fill the
+  // registers, and two tiles (as RepackedFloatGemm takes) run slower.
   static constexpr int kMatvecTiles = 1;
   static __m512 total(const __m512* a) { return Int::total(a); }
 
   // From kGemmRows activation rows: IntGemm's Block cut from the repacked
   // tile once per block for GemmVnni to meet every row with, 4 rows per
-  // level load. Redoing that cut per pass, as the passes do (of 2 rows
-  // when measured), cost Q4_K's M = 128 6% against the file layout's GEMM (14336 x 4096, 2
-  // threads); the passes stay ahead of this form up to M = 32 where a
-  // span's scaling is one vpdpwssd (Q2_K, Q4_K), but not past M = 16 where
-  // it is a vpmulld per activation row (Q5_K, Q6_K, IQ4_XS: 0.92-0.98x the
-  // file layout at M = 32 through the passes, 1.10-1.28x through the form).
+  // level load, instead of the passes' cut per pass. The passes stay ahead
+  // longer where a span's scaling is one vpdpwssd than where it is a
+  // vpmulld per activation row (csrc/cpu/README.md, M thresholds).
   struct Form : IntGemm<T> {
     using Block = typename IntGemm<T>::Block;
     static void decode(const uint8_t* tile, int64_t /*row_bytes*/, int64_t bi, int /*count*/, Block& out) {
@@ -543,12 +512,8 @@ struct RepackedIntGemm {
   };
   static constexpr int64_t kGemmRows = Int::kDotScales ? 64 : 16;
   // The pass prefetches the block kPrefetchAhead bytes on into L2, a line
-  // per group (a few twice): these blocks are 1.3-3.3 KB, and their lines
-  // prefetched into L1 at once, 4 KB ahead, as RepackedFloatGemm's small
-  // blocks are, left a streamed Q6_K matvec at 10 GB/s a thread, a third
-  // of the file layout's (Zen 4, 14336 x 4096, 1.5 GB of copies); spread
-  // into L1 no better. Into L2, 8 KB on: Q6_K level with the file layout
-  // (both at the memory's speed), Q4_K 25 GB/s on one thread, as before.
+  // per group (a few twice): these blocks are 1.3-3.3 KB, and prefetched into
+  // L1 all at once, as RepackedFloatGemm's small blocks are, they starve a streamed matvec.
   static constexpr int64_t kPrefetchAhead = 8192;
 
   // Block bi of a tile (at b) against MT activation rows: acc[m] as

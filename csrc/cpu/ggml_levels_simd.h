@@ -74,8 +74,8 @@ inline __m256i byte_bits(__m256i v, int8_t mask) {
 }
 // (a & mask) | b: a level from two fields, b's masked already and a's
 // masked here. AVX-512 VL does it in one vpternlogd (0xEC: the truth table
-// of (a & c) | b); measured at M = 1 on the Xeon with byte_bits' moves, Q3_K,
-// Q5_K and Q6_K ran 3-10% faster than with a mask, a shift and an or more.
+// of (a & c) | b), with byte_bits' moves three instructions fewer than a
+// mask, a shift and an or.
 inline __m256i or_masked(__m256i a, __m256i b, int8_t mask) {
 #if LOWBIT_SIMD_AVX512BW
   return _mm256_ternarylogic_epi32(a, b, bytes(mask), 0xEC);
@@ -439,8 +439,8 @@ struct Levels<Type::Q3_K> {  // Q2_K's levels minus 4 where hmask bit C of byte 
   // The 16 biased 6-bit scales (core's q3k_scales) in bytes 0-15: scale s
   // has the low (s < 8) or high nibble of byte s % 8 and, as bits 4-5, bits
   // 2 (s / 4) and 2 (s / 4) + 1 of byte 8 + s % 4. In vector registers, by
-  // shuffles and one variable shift: 2-6% faster than core's scalar 64-bit
-  // unpacking and the moves into vector registers (Xeon, M = 1).
+  // shuffles and one variable shift: cheaper than core's scalar 64-bit
+  // unpacking and the moves into vector registers.
   static __m128i biased_scales(const uint8_t* b) {
     const __m128i v = load16(b + 94);  // the block's last 16 bytes: the scales are bytes 2-13
     const __m128i low = _mm_shuffle_epi8(v, _mm_setr_epi8(2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 4, 5, 6, 7, 8, 9));

@@ -51,12 +51,9 @@ struct MatmulSimd {
   // (simd::IntScales): a chain of one FMA per block instead of one per
   // chunk, and no sign trick for Q6_K and Q3_K.
   static constexpr bool kIntScales = simd::has_int_scales<T>();
-  // Weight rows per tile. Measured on Zen 4 at M = 8: tiles of D::kRowTile
-  // rows run the types without mins and with one scale vector per block (the
-  // signed legacy types) 5-35% faster, but types with mins or 16 sub-blocks
-  // 0-15% slower (their per-row scales and mins outgrow the registers), so
-  // those keep one row, as do the integer-form types, whose int32 block sums
-  // take a register per row and activation row besides the fp32 ones.
+  // Weight rows per tile: D::kRowTile for the types without mins and with
+  // one scale vector per block (the signed legacy types). The others' per-row
+  // scales, mins or int32 block sums would outgrow the registers: one row.
   static constexpr int kRowTile = !I::kHasMin && kScaleVecs == 1 && !kIntScales ? D::kRowTile : 1;
   static_assert(I::kSub == 16 || I::kSub % 32 == 0, "sub-blocks of 16 or a multiple of 32 elements");
   // Weight bytes a tile has in flight ahead of its loads, across its rows.
@@ -73,8 +70,7 @@ struct MatmulSimd {
   // several weight rows pack a legacy block's RT scales per activation row
   // into one vector instead (lane r, in both 128-bit halves), and each FMA
   // takes its own with one vshufps: as RT x MT broadcast vectors, a 4 x 4
-  // tile's scales and accumulators outgrew the registers and spilled.
-  // Measured at M = 8, 1 thread: 5-12% faster for Q4_0, Q5_0, IQ4_NL, Q8_0.
+  // tile's scales and accumulators would outgrow the registers and spill.
   template <int RT>
   static constexpr bool kPackedScales = I::kBlock == I::kSub && RT > 1;
   template <int RT, int MT>
@@ -102,11 +98,10 @@ struct MatmulSimd {
   // The AVX-512 unit runs those packed-scale tiles two weight rows to a
   // 512-bit register (lanes 0-7 row 2p, lanes 8-15 row 2p + 1), every lane
   // computing what its 256-bit counterpart does, so the results stay bit for
-  // bit those of single rows. On the Xeon one 512-bit vpdpbusd, vcvtdq2ps or
-  // FMA costs about what one 256-bit one does: half the issue slots per row.
-  // Not for one or two activation rows: there the 256-bit level decoding
-  // dominates, and 512-bit instructions in flight close one of the three
-  // ports it runs on (Q4_0 ran 15-30% slower at M = 1, 7-9% at M = 2).
+  // bit those of single rows, at half the issue slots per row where a 512-bit
+  // instruction costs what a 256-bit one does. Not for one or two activation
+  // rows: there the 256-bit level decoding dominates, and 512-bit
+  // instructions in flight close one of the ports it runs on.
 #if LOWBIT_SIMD_AVX512BW
   template <int RT, int MT>
   static constexpr bool kPairedRows = kPackedScales<RT> && RT % 2 == 0 && MT > 2;
@@ -205,11 +200,9 @@ struct MatmulSimd {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acts[m].q + e));
       for (int r = 0; r < RT; ++r) {
         iacc[r][m] = D::scaled_dot(iacc[r][m], u[r], Lv::kSignedIntLevels ? _mm256_sign_epi8(x, w[r]) : x, scale[r]);
-        // Integer adds reassociate freely, and GCC took the chance with
-        // AVX2's madd + add: it formed all of a block's products first,
-        // spilled them to the stack and summed them after. Keeping each sum
-        // in its register here made Q4_K 10-15% faster at M = 8 and 128
-        // (Zen 4, AVX2, 1 thread); the sums are the same integers.
+        // Integer adds reassociate freely, and GCC would form all of a
+        // block's products first (AVX2's madd + add), spill them and sum them
+        // after; each sum stays in its register (the same integers).
         __asm__("" : "+x"(iacc[r][m]));
       }
     }
@@ -241,12 +234,9 @@ struct MatmulSimd {
       const uint8_t* blk[RT];
       for (int r = 0; r < RT; ++r) {
         blk[r] = wrow + r * row_bytes + bi * I::kBytes;
-        // The hardware prefetcher alone falls behind on Zen 4 wherever the
-        // weights are not the only stream: interleaved rows (tiles ran up to
-        // 15% slower than single rows at M = 8 without this), and single
-        // rows longer than L1 holds activations for (at n = 14336, M = 1,
-        // weight loads took 57% of the time and this made K-quant rows
-        // 20-35% faster). So every line is fetched kPrefetchBytes / RT ahead.
+        // The hardware prefetcher alone falls behind wherever the weights are
+        // not the only stream (interleaved rows, or rows longer than L1 holds
+        // activations for), so every line is fetched kPrefetchBytes / RT ahead.
         for (int off = 0; off < I::kBytes; off += 64)
           _mm_prefetch(reinterpret_cast<const char*>(blk[r]) + kPrefetchBytes / RT + off, _MM_HINT_T0);
       }
@@ -311,10 +301,8 @@ struct MatmulSimd {
   // the order they are formed in, so the GEMM, with weight rows across its
   // lanes, meets the same numbers. Here a block's lanes hold partial sums;
   // 8 blocks' worth are kept and reduced together (one transposing hadd
-  // tree per 8 blocks instead of one per block: 20-30% of a matvec's time
-  // at M = 1 with per-block reductions), and their products d_w * d_x
-  // formed 8 at a time (one scalar multiply and store per block, weight row
-  // and activation row had cost 8-10% of a prefill's time on Zen 4).
+  // tree per 8 blocks, not one per block), and their products d_w * d_x
+  // formed 8 at a time, not by a scalar multiply per block and row.
   template <int RT, int MT>
   struct IntSums {
     alignas(32) int32_t s[RT][MT][8][8], c[RT][MT][8][8];  // [..][block % 8][lane]; c: kIntCoefs only
@@ -322,10 +310,8 @@ struct MatmulSimd {
     // The entries of blocks b0 .. b0 + count - 1 (count <= 8) into acc;
     // a row's last blocks may fill fewer than 8, and the entries past them,
     // left from the row's group before, count as zero: masked loads of the
-    // scales, zero registers for the sums. Zeroing them in memory (scalar
-    // stores, then vector loads that could not take them from the store
-    // buffer) had cost rows of fewer than 8 blocks half their speed: Q4_K
-    // 4096 x 1024 181 us against 2048 x 2048 87 (llama.cpp 94 / 88).
+    // scales, zero registers for the sums, not zeroed memory (vector loads
+    // right after scalar stores cannot take them from the store buffer).
     void add_to(const ggml::ActRow* acts, int64_t b0, int count, __m256 (&acc)[RT][MT]) const {
       // The activation scales of those blocks, zero past count (no read
       // past the row's end).
@@ -462,8 +448,7 @@ struct MatmulSimd {
       // Several activation blocks a weight block (NVFP4, Q1_0, Q2_0), each
       // sub-block inside one: lane s holds sub-block s's own d_w * d_x (the
       // same fp32 products as block_dot's). Built in registers: a lane at a
-      // time through memory, the vector load stalled on the scalar stores
-      // and the matvec ran at a third of llama.cpp's speed.
+      // time through memory, the vector load would stall on the scalar stores.
       __m256 dw[RT];
       for (int r = 0; r < RT; ++r) dw[r] = _mm256_zextps128_ps256(load_floats<kSubs>(sc[r].d));
       for (int m = 0; m < MT; ++m) {
@@ -493,15 +478,9 @@ struct MatmulSimd {
   }
 
   // Whether run() takes tiles of kRowTile > 1 weight rows for M activation
-  // rows: not for a matvec. Single rows read a thread's weights as one
-  // sequential stream; a tile reads its 4 rows' blocks in turn. With the
-  // weights in cache tiles were 0-14% faster at M = 1 on the Xeon VM, but
-  // streamed from memory (as a model's decode streams them) 29-40% slower
-  // (14336x4096, 1.5 GB of weights in turn, 2 threads: Q4_0 2.10 against
-  // 1.56 ms, Q8_0 2.68 / 2.08, IQ4_NL 2.21 / 1.57); and on Zen 4 a row pair
-  // had run a matvec at under half speed. From M = 2 they share each
-  // decoded chunk: from memory 8-18% slower at M = 2, level at M = 4, 7-13%
-  // faster at M = 8; in cache 7-24% faster from M = 2.
+  // rows: not for a matvec, whose single rows read a thread's weights as one
+  // sequential stream (a tile reads its rows' blocks in turn, slower once
+  // the weights come from memory); from M = 2 tiles share each decoded chunk.
   static bool row_tiles(int64_t M) { return kRowTile > 1 && M > 1; }
   // Whether run() reads ActRow::offset: row tiles in chunk()'s offset form,
   // and the GEMM of the signed one-scale types.
@@ -512,22 +491,14 @@ struct MatmulSimd {
   // Activation rows per panel: each weight row tile runs against a panel of
   // about 32 KB of int8 values (L1) before the next tile, and the thread's
   // weight rows (about 64k weights, row_chunk) go round again for the next
-  // panel from L2. Measured on the Xeon VM, 4096x4096, 2 threads: with all M
-  // rows as one panel the activations streamed from L2 or beyond for every
-  // weight row, and M = 512 took 133 ms for Q4_K against 76 ms in panels
-  // (Q4_0 91 against 81); 128 KB and 512 KB panels fell in between; M = 8
-  // did not move (one panel at n = 4096).
+  // panel from L2. As one panel, a large batch's activations would stream
+  // from L2 or beyond for every weight row.
   static int64_t panel_rows(int64_t n) { return std::max<int64_t>(kMaxRowTile, (32 << 10) / n / 4 * 4); }
 
   // Whether M activation rows take the GEMM with weight rows across the
-  // lanes (ggml_gemm_vnni.h), where the unit has it and the type a GEMM
-  // form. Measured on the Xeon VM (14336x4096, 2 threads, A/B): the
-  // integer-form types 15-35% faster from M = 8 (M = 4 0-20% slower); Q4_1
-  // and Q5_1, whose matvec form takes single rows, 1.3-1.45x at M = 8 and 2x
-  // at M = 128 (M = 4 within 10%); the signed one-scale types, whose 4-row
-  // 512-bit tiles already do a GEMM's work per decoded chunk, 10-25% slower
-  // up to M = 16, level at M = 32 (Q5_0 10% faster), 10-25% faster from
-  // M = 64 (Q8_0 level throughout).
+  // lanes (ggml_gemm_vnni.h), where the unit has it and the type a GEMM form;
+  // later for the signed one-scale types, whose 512-bit row tiles already
+  // share each decoded chunk (csrc/cpu/README.md, M thresholds).
 #if LOWBIT_SIMD_AVX512BW
   static constexpr bool kGemm = has_gemm_vnni<T>();
 #else

@@ -75,8 +75,8 @@ inline __m256 lane_order_total(__m256 a0, const __m256 (&a)[9]) {
 // block of 8 rows (one 128-bit load a row, two rows to a register) become
 // word w of those 8 rows (4 bytes apart in the layout) by a 4 x 4 transpose
 // in each 128-bit half; the 2-byte fields and the last words past a multiple
-// of 4 go one at a time. repack_rows' copy, a unit at a time, took 9-12 us a
-// tile of 16 x 4096: a quarter of a tile's time at M = 32 (IQ4_XS, Zen 4).
+// of 4 go one at a time. repack_rows' copy, a unit at a time, would cost a
+// large share of a tile's time at the copy thresholds (ggml_avx2.cpp).
 template <ggml::Type T>
 void repack_tile(const uint8_t* src, int64_t row_bytes, uint8_t* dst) {
   using I = ggml::TypeInfo<T>;
@@ -119,9 +119,7 @@ void repack_tile(const uint8_t* src, int64_t row_bytes, uint8_t* dst) {
 // a[0 .. MT), one pass over its blocks, into out (`rows` apart). The first
 // half prefetches the tile Kernel::kAheadBytes ahead; the second, which
 // finds the lines in cache, has the next tile's brought into L2 meanwhile,
-// so that the memory never idles for a half (a 14336 x 4096 Q4_0 matvec on
-// one thread, Zen 4, when matvecs took this path: 1.84 ms without, 1.63 ms
-// with).
+// so that the memory never idles for a half.
 template <class Kernel, int MT, int H>
 __attribute__((flatten)) void run_half_pass(const uint8_t* tile, int64_t blocks, const ggml::ActRow* a,
                                             float* out, int64_t rows) {
@@ -142,27 +140,11 @@ __attribute__((flatten)) void run_half_pass(const uint8_t* tile, int64_t blocks,
 // kernel's kPassRows: each block's two halves in turn, so that the second
 // reads the lines the first brought into L1, each half prefetching its
 // share of the block Kernel::kMatvecAheadBytes ahead. A whole half at a
-// time (run_half_pass) re-read the tile from L2 and left the memory and the
-// arithmetic taking turns. Matvecs, Xeon VM, 14336 x 4096, 1 thread,
-// alternating builds, ms with 1.5 GB of weights streamed / in cache, half
-// by half against in turn: Q4_0 3.06-3.13 / 1.78-1.81 against 2.24-2.30 /
-// 1.54-1.58, Q4_1 3.17 / 1.78-1.85 against 2.40-2.45 / 1.36-1.45, IQ4_NL
-// 3.03-3.09 against 2.33-2.35 streamed, Q5_0 and Q5_1 4.2-4.4 against
-// 3.1-3.3, Q4_K 2.96-2.99 / 1.79-1.80 against 2.33-2.46 / 1.46-1.54, IQ4_XS
-// 2.78 against 2.22, Q2_K 1.91-1.96 against 1.72-1.80, Q3_K 2.51-2.54
-// against 2.13-2.24 (in cache level for Q5_0, Q5_1, Q2_K and Q3_K). The
-// same held for the batches that one pass takes: streamed on 2 threads,
-// half by half against in turn, Q4_K M = 2 / 4 2.45 / 2.97 against 1.95 /
-// 2.36 ms (its file layout 1.87 / 2.33), Q4_1 M = 3 / 4 3.14 / 3.34 against
-// 2.17 / 2.48, Q5_1 3.68 / 3.94 against 2.56 / 2.81, Q8_0 M = 2 4.34
-// against 2.91. In cache faster or level too (1 thread, M = 2: Q4_K 2.12
-// against 1.70, Q8_0 3.10 against 2.40), but for the mins types and Q5_0
-// at M = 3 and 4, whose two halves' sums outgrow the registers: Q4_1 M = 4
-// 3.00 against 3.63 ms, Q5_1 3.57 against 4.08, Q5_0 3.34 against 3.96; a
-// model that fits in cache is the exception, so the stream wins. The halves
-// take h as a constant: as a loop variable, Q4_K streamed at 2.8 ms. Each
-// half's sums are its own, in the same order as a half pass's, so the
-// results do not change.
+// time (run_half_pass) would re-read the tile from L2 and leave the memory
+// and the arithmetic taking turns, which costs streamed weights more than
+// the register pressure of two halves' sums costs weights in cache. The
+// halves take h as a constant (a loop variable is slower). Each half's sums
+// are its own, in the same order as a half pass's: the same results.
 template <class Kernel, int MT>
 __attribute__((flatten)) void run_whole_tile(const uint8_t* tile, int64_t blocks, const ggml::ActRow* a, float* out,
                                              int64_t rows) {
@@ -220,14 +202,8 @@ enum class SumOrder {
   kFileLayout,
   // Each block's exact int32 dot (the groups' maddubs pair sums added in
   // int16 as far as they cannot overflow), then one FMA a block into a
-  // single fp32 sum a row, the mins' rounded products into a second one.
-  // The conversion and FMA per group bounded kFileLayout: Xeon VM, 14336 x
-  // 4096, 1 thread, M = 1 (in cache) / 8 / 128, kFileLayout against
-  // kBlockDot: Q4_0 1.41-1.49 / 11.3-11.8 / 176 ms against 1.18-1.20 / 5.9-6.0
-  // / 88-91, Q4_1 1.37-1.40 / 9.4-9.7 / 148-150 against 1.30-1.32 / 6.3-7.2 /
-  // 102-103, Q5_0 2.0-2.2 / 13.6-15.1 / 209-211 against 1.65-1.68 / 6.7-7.1 /
-  // 109-110, IQ4_NL 1.60 / 11.5-11.7 / 179-180 against 1.40 / 8.2-8.4 /
-  // 133-135 (these with kPassRows below).
+  // single fp32 sum a row, the mins' rounded products into a second one:
+  // kFileLayout's conversion and FMA per group are what bound its speed.
   kBlockDot,
 };
 
@@ -293,18 +269,13 @@ struct RepackedFloatAvx2 {
   }
 
   // Activation rows per pass: each decoded group meets them in turn, their
-  // sums and scales d_w * d_x in registers as far as they go. kFileLayout,
-  // measured at 14336 x 4096, M = 128, 1 thread (Zen 4), against one row a
-  // pass: 2 a pass 0.78-0.93x the time for Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; 4
-  // a pass left Q4_0 (whose offsets take two more instructions a row) 1.06x.
-  // kBlockDot (Xeon VM, the same shape): 4 a pass against 2 at M = 8 / 128,
-  // Q5_0 and Q5_1 0.74 / 0.80x, IQ4_NL 0.88 / 0.92x, Q4_1 about level,
-  // Q4_0 1.06 / 1.13x.
+  // sums and scales d_w * d_x in registers as far as they go; Q4_0's offsets
+  // take two more instructions a row, so it (and kFileLayout) takes 2.
   static constexpr int kPassRows = kOrder == SumOrder::kBlockDot && T != ggml::Type::Q4_0 ? 4 : 2;
 
-  // Prefetches: all of a block's lines at once, into L1, kAheadBytes ahead
-  // in a half pass, kMatvecAheadBytes in a matvec (into L2 there, a streamed
-  // Q4_0 matvec took 2.49 against 2.15 ms; Xeon VM, 1 thread).
+  // Prefetches: all of a block's lines at once, into L1 (a streamed matvec
+  // prefetching into L2 is slower), kAheadBytes ahead in a half pass,
+  // kMatvecAheadBytes in a matvec.
   static constexpr bool kIntoL1 = true;
   static constexpr int64_t kAheadBytes = 4096, kMatvecAheadBytes = 2048;
 
@@ -568,17 +539,12 @@ struct RepackedIntAvx2 {
   }
 
   // Activation rows per pass: each decoded group meets them all, its sums S
-  // a register each. Measured at 14336 x 4096, 1 thread (Zen 4), Q4_K: one
-  // row a pass ran M = 8 at 1.1x and M = 128 at 1.2x the file layout's
-  // time; 4 a pass 0.71x and 0.68x; 8 a pass 0.81x (registers spill).
+  // a register each; 4 fit the registers (8 spill, fewer repeat the decoding).
   static constexpr int kPassRows = 4;
 
-  // Prefetches: a line of the block per group, spread through the block,
-  // into L2: a tile's 2.3 KB block prefetched at once, as the one-scale
-  // types' are, left a streamed 14336 x 4096 matvec at 1.90 ms on one thread
-  // (1.63 ms spread; Zen 4). kAheadBytes ahead in a half pass,
-  // kMatvecAheadBytes in a matvec (2 KB there: Q4_K streamed 2.45 against
-  // 2.30 ms; Xeon VM, 1 thread).
+  // Prefetches: a line of the block per group, spread through the block, into
+  // L2 (a 2.3 KB block prefetched at once starves a streamed matvec);
+  // kAheadBytes ahead in a half pass, kMatvecAheadBytes in a matvec.
   static constexpr bool kIntoL1 = false;
   static constexpr int64_t kAheadBytes = 8192, kMatvecAheadBytes = 1024;
 

@@ -206,23 +206,17 @@ struct FusedBf16 {
   // chunks each add their own share to out.
   static constexpr int64_t kChunkRows = 128;
   // Column vectors of a panel and of the tiles that read it. With 4, GCC
-  // kept a 4-row tile's 4 x 4 accumulators on the stack (1.5x slower at
-  // M = 256).
+  // keeps a 4-row tile's 4 x 4 accumulators on the stack.
   static constexpr int kPanelU = 2;
   // Column vectors of a tile that decodes as it goes: its accumulators and
   // the decoding share the registers.
   template <int MT>
   static constexpr int kU = MT <= 2 ? 4 : 2;
   // The most activation rows whose tiles each decode as they go; more share
-  // a panel. 8-bit levels take the vdpbf16ps's ports (vcvtdq2ps,
-  // vcvtne2ps2bf16), so a second row tile pays for the panel (AMD Zen 4,
-  // 4096x14336 g128, 1 thread: M = 8 7.0 ms against 8.0 decoding in each
-  // tile, M = 16 11.4 against 15.5, M = 256 150 against 244). 3-bit's shifts
-  // and merges pay from M = 12 (8.3 against 8.7 ms; M = 256 154 against
-  // 244). 2- and 4-bit decode in one shift and one vpternlogd on other
-  // ports: within 10% either way up to M = 32 on 1 thread; from M = 64 the
-  // panel is faster on 2 threads and steadier (14336x4096 4-bit, M = 64,
-  // three runs: 19.4-20.9 ms against 20.6-32.5).
+  // a panel. 8-bit levels take the vdpbf16ps's own ports (vcvtdq2ps,
+  // vcvtne2ps2bf16), so a second row tile already pays for the panel;
+  // 3-bit's shifts and merges pay soon after; 2- and 4-bit decode on other
+  // ports, and panels only pay (and run steadier) for large M.
   static constexpr int64_t kDecodeMaxRows = B == 8 ? kFusedMaxRows : B == 3 ? 8 : 32;
 
   // The activation side of a chunk of rows k0 .. k0 + kFields * packs, for

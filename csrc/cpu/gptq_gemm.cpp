@@ -29,27 +29,17 @@ namespace lowbit {
 namespace cpu {
 namespace {
 
-// Largest M handled by the fused kernel; beyond it dequantize + at::mm wins.
-// Measured on 4096x4096 g128, 2 threads (AMD EPYC, portable build): the two
-// paths cross between M = 6 and M = 12 for every bit width (README).
+// Largest M handled by the portable fused kernel; beyond it dequantize +
+// at::mm wins, for every bit width (csrc/cpu/README.md, M thresholds).
 constexpr int64_t kFusedMaxM = 8;
-// The same for the SIMD fused kernels, which decode 5x faster: measured on
-// 4096x14336 and 14336x4096 g128, 2 threads, AVX-512 (2-core AMD EPYC), the
-// fused path wins at every M up to 64 for every bit width (52-59 ms against
-// 75-115 ms at M = 64), with the gap closing about M = 100.
+// The same for the SIMD fused kernels, which decode several times faster.
 constexpr int64_t kSimdFusedMaxM = 64;
 // bf16 activations on AVX512-BF16 CPUs leave the fused kernels for the bf16
 // GEMM path (gemm_bf16x2_mm) above kSimdFusedMaxM, and above kAmxFusedMaxM
-// where AMX-BF16 runs that GEMM: on a 2-core Xeon (AMX, 2 threads, 4-bit
-// g128, 4096x14336 and 14336x4096) the fused kernel took 11 / 22 / 45 ms at
-// M = 16 / 32 / 64 and the GEMM path 28-31 ms at each of them. Where
+// where AMX-BF16 runs that GEMM, whose time then barely grows with M. Where
 // vdpbf16ps runs at the FMA's rate and there is no AMX, the vdpbf16ps fused
-// kernel takes every M: past a few rows it costs the same per activation row
-// at any M (AMD Zen 4, 4096x14336, 1 thread, every bit width: 0.57-0.60 ms a
-// row at M = 64 and 256, as torch's bf16 GEMM at M = 256), where the GEMM
-// path, two planes of W, took 1.24 ms a row at M = 256; fp16 activations
-// (two planes of a) 1.08 ms a row against 1.5-1.6 through the fp32
-// dequantize path.
+// kernel takes every M: past a few rows its cost per activation row is
+// torch's bf16 GEMM's, where the GEMM path does two GEMMs' work.
 constexpr int64_t kAmxFusedMaxM = 40;
 // Output columns per fused task: acc[kFusedMaxM][kTileN] stays in L1.
 constexpr int64_t kTileN = 64;
@@ -57,9 +47,8 @@ constexpr int64_t kTileN = 64;
 // the fewest rows k a full-width tile may have before column strips are used.
 constexpr int64_t kTileBytes = 8 << 20;
 constexpr int64_t kMinTileRows = 256;
-// The same for the bf16 GEMM path's column strips, [2K, width] bf16. At
-// M = 256, 2 threads (2-core Xeon with AMX): 16 MB strips 48 / 47 ms for
-// 4096x14336 / 14336x4096, 8 MB 47 / 56 ms, 32 MB 55 / 48 ms.
+// The same for the bf16 GEMM path's column strips, [2K, width] bf16: 16 MB
+// is fastest at both benchmark shapes (8 and 32 MB each lose at one).
 constexpr int64_t kBf16TileBytes = 16 << 20;
 
 // Group parameters of one run of columns [n0, n1) (read_group), each group
@@ -159,14 +148,9 @@ void gemm_fused(const float* a, int64_t M, const GptqWeight& w, float* out, Isa 
 
 // Whether bf16 / fp16 activations take the vdpbf16ps kernel
 // (gptq_fused_bf16.h) rather than the fp32 FMA one, on an AVX-512 CPU: both
-// compute the same exact products. Where vdpbf16ps runs at the
-// FMA's rate it wins for every bit width at every M (AMD Zen 4, 4096x14336,
-// 1 thread: 4-bit M = 1 1.48 ms against 2.37, M = 8 5.1 against 11.3; 8-bit
-// M = 1 2.7 against 3.0, M = 8 7.0 against 11.5).
-// On Intel cores (a Xeon with AMX, the same shape) it loses everywhere since
-// the FMA kernel keeps a pack's words in registers and reads 3-bit in 4-bit
-// chunks: M = 1, 1 thread, 3-bit 1.83 / 1.97 ms against 1.46 / 1.56, 4-bit
-// 2.06 / 2.07 against 1.93 / 1.94; 2-bit and M >= 2 lost before.
+// compute the same exact products. Where vdpbf16ps runs at the FMA's rate
+// it wins for every bit width at every M; on Intel cores, at half that rate,
+// the FMA kernel (words pinned in registers, 3-bit read in 4-bit chunks) wins.
 // cpu_bf16_kernel("always") takes it wherever it applies (the tests do).
 bool use_bf16_kernel() {
   if (!has_avx512_bf16()) return false;
@@ -249,9 +233,7 @@ void for_pack_rows(int64_t k0, int64_t k1, int64_t rows_per_task, F&& f) {
 // tile spans all N columns and as many rows k as kTileBytes holds, summed
 // into out by addmm: out stays one contiguous operand. Only where that
 // leaves fewer than kMinTileRows rows (very wide N) do tiles become column
-// strips over all of K. Measured at M = 256, 14336x4096, 2 threads: column
-// strips of 146 columns, each mm's result copied into out, had cost 15%
-// over the dense fp32 GEMM.
+// strips over all of K, whose results each cost a copy into out.
 template <int B>
 void gemm_dequant_mm(const at::Tensor& a, const GptqWeight& w, Isa isa, const at::Tensor& out) {
   constexpr int64_t kFields = gptq::Pack<B>::kFields;
@@ -284,8 +266,8 @@ void gemm_dequant_mm(const at::Tensor& a, const GptqWeight& w, Isa isa, const at
 
 // out[M, N] = a[M, K] @ W for bf16 activations a on AVX512-BF16 CPUs, whose
 // bf16 GEMM (AMX or vdpbf16ps, fp32 accumulation) is several times faster
-// than the fp32 one: 5x on a 2-core Xeon with AMX, 3x on AMD Zen 4 (where
-// the vdpbf16ps fused kernel takes every M instead: simd_fused_max_m). W goes
+// than the fp32 one (where vdpbf16ps runs at the FMA's rate the fused
+// kernel takes every M instead: simd_fused_max_m). W goes
 // in column strips over all of K as two bf16 planes [hi; lo] [2K, width]
 // against [a, a] [M, 2K]: one GEMM adds a @ hi + a @ lo in fp32 and rounds
 // to bf16 once, as the fp32 path's output is rounded once, and hi + lo holds

@@ -98,13 +98,9 @@ constexpr int64_t kAvx512FusedCols = 64;  // 4 vectors of 16 lanes
 // Activation rows that share each decoded weight in the SIMD fused kernels;
 // more take another pass (for_group_row_tiles in gptq_group_simd.h).
 constexpr int kFusedMaxRows = 4;
-// The SIMD fused kernels read weight rows 256 B per tile from many rows at
-// once, too many streams for the hardware prefetcher; asking for each row
-// 1 KB ahead measured 5-15% faster at M = 1 (AMD Zen 4, noisy 2-vCPU VM).
-// The prefetch goes to L2, not L1: rows N * 4 bytes apart (a multiple of
-// 4 KB for usual N) share L1 sets, and a group's 16 or more rows evict each
-// other's lines from its 8 ways before use (L2 prefetch: 10-30% faster).
-// A prefetch past the end of qweight is harmless: prefetches never fault.
+// The fused kernels read many weight rows at once, more streams than the
+// hardware prefetcher follows, so each row is prefetched 1 KB ahead, into L2:
+// rows N * 4 bytes apart share L1 sets and would evict each other there.
 constexpr int64_t kFusedPrefetchWords = 256;
 
 // Activations for the AVX512-BF16 kernel: `planes` bf16 copies

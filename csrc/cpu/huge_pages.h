@@ -1,13 +1,7 @@
-// Transparent huge pages for the large weight tensors the CPU ops write.
-//
-// A repacked weight is read as one sequential stream per thread, and on
-// 4 KB pages that stream ran well below the memory's speed: a 14336 x 4096
-// Q4_K matvec with 1.5 GB of repacked copies in turn took 2.90 ms a matvec
-// in torch's default allocation against 2.32 ms on 2 MB pages (Xeon VM,
-// AVX2, 1 thread), where the file layout, on the file's own mapping, took
-// 2.41. torch backs its CPU tensors with huge pages only when the
-// environment sets THP_MEM_ALLOC_ENABLE=1, so the ops that make such a
-// weight ask for them themselves.
+// Transparent huge pages for the large weight tensors the CPU ops write: a
+// repacked weight is streamed by every matvec, which runs below memory speed
+// on 4 KB pages, and torch asks for huge pages only under
+// THP_MEM_ALLOC_ENABLE=1 (csrc/cpu/README.md).
 #pragma once
 
 #include <stddef.h>

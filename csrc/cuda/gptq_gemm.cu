@@ -52,15 +52,11 @@ namespace cuda {
 namespace {
 
 // Largest M that takes the fused kernel, per bit width; above it the
-// dequantize + cuBLAS path runs. NOT MEASURED YET -- no GPU was available
-// when these were written; benchmarks/bench_cuda.py's M sweep is the
-// measurement that should set them. The guess: both paths do the same fp32
-// multiply-adds (2*M*K*N), and the fused kernel also re-decodes W once per
-// 8 rows of M (about 4 extra instructions per weight and chunk) while the
-// large-M path first writes and re-reads a K*N fp32 copy of W (~8 bytes per
-// weight, independent of the bit width) but then runs cuBLAS's tuned SGEMM.
-// On an H100 (~3 TB/s, ~60 TFLOP/s fp32) that copy costs about as much as
-// 64-128 rows of fused work, for every bit width alike: start at 64.
+// dequantize + cuBLAS path runs. Estimates, to be set from
+// benchmarks/bench_cuda.py's M sweep (csrc/cuda/README.md): the fused kernel
+// re-decodes W once per 8 rows of M, the large-M path writes and re-reads an
+// fp32 copy of W (~8 bytes per weight, any bit width) and then runs cuBLAS's
+// SGEMM; on an H100 that copy costs about 64-128 rows of fused work.
 constexpr int64_t kFusedMaxM2 = 64;
 constexpr int64_t kFusedMaxM3 = 64;
 constexpr int64_t kFusedMaxM4 = 64;

@@ -193,10 +193,9 @@ def main(argv=None) -> int:
     generate.add_argument("--tokens", type=int, default=32, help="new tokens at most (default 32)")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the file's chat template")
     generate.add_argument("--repack", action="store_true",
-                          help="GGUF: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL/K-quant/IQ4_XS layers in the CPU kernels' "
-                               "repacked layout (the same results, for the 32-element types to fp32 rounding; "
-                               "faster on AVX-512 VNNI CPUs, and on AVX2 ones for "
-                               "Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL/Q4_K)")
+                          help="GGUF: the layers whose type has the CPU kernels' repacked layout in it (the "
+                               "same results, for the 32-element types to fp32 rounding; faster where the CPU's "
+                               "kernels read it: torch.ops.lowbit.cpu_reads_repacked)")
     generate.set_defaults(run=cmd_generate)
     args = parser.parse_args(argv)
     try:

@@ -25,8 +25,8 @@ def has_repacked_layout(qtype: int) -> bool:
 
 def reads_repacked_layout(qtype: int) -> bool:
     """Whether the active CPU kernels read type `qtype`'s repacked layout as
-    it is (AVX-512 VNNI: every type with the layout; AVX2: Q4_0, Q4_1, Q5_0,
-    Q5_1, Q8_0, IQ4_NL, MXFP4, Q2_K, Q3_K, Q4_K, IQ4_XS). Otherwise each call puts the
+    it is (AVX-512 VNNI: every type with the layout; AVX2: the types
+    reads_repacked_avx2 names in csrc/core/ggml_repack.h). Otherwise each call puts the
     rows back into the file's layout first: correct, but several times slower
     than the file's layout (torch.ops.lowbit.cpu_reads_repacked)."""
     return torch.ops.lowbit.cpu_reads_repacked(qtype)
@@ -34,9 +34,7 @@ def reads_repacked_layout(qtype: int) -> bool:
 
 # The types repack_model leaves in the file's layout by default although
 # they have a repacked one: Q6_K (14), whose file-layout matvec already reads
-# at the memory's speed, while its repacked one ran 0.79-0.93x that for a
-# 14336 x 4096 weight on Zen 4 over two runs (1.2-1.6x at 4096 x 14336,
-# 1.4-1.6x at M = 8; benchmarks/results/cpu-amd-epyc-2t-gguf.txt).
+# at the memory's speed and can beat its repacked one (benchmarks/results/*-gguf.txt).
 REPACK_MODEL_SKIPS = (14,)
 
 

@@ -1,0 +1,393 @@
+"""The generated tables of lowbit's docs, from the tables the code holds and
+the result files in benchmarks/results/.
+
+    python benchmarks/results_tables.py               print every block (markdown)
+    python benchmarks/results_tables.py support       print one block (support, summary, results)
+    python benchmarks/results_tables.py --write       rewrite the blocks in README.md and benchmarks/README.md
+    python benchmarks/results_tables.py --check       exit 1 where those blocks differ from what this prints
+
+A block sits between "<!-- begin generated: NAME -->" and "<!-- end generated:
+NAME -->" in its document:
+
+    support  README.md          GGUF types (csrc/core/ggml_types.h, LOWBIT_GGML_TYPES) by CPU ISA and
+                                backend (csrc/core/ggml_repack.h, csrc/cpu/ggml_kernels.h), and the
+                                GGUF architectures (python/lowbit/gguf_arch.py, ARCHITECTURES)
+    summary  README.md          one table per machine: <machine>-gguf.json, <machine>-gptq.json and
+                                smollm2-<machine>.md
+    results  benchmarks/README.md  one table per result file, with its machine and command
+
+Plain Python 3: it reads sources, JSON and markdown, and needs neither torch
+nor a build of lowbit.
+"""
+import argparse
+import glob
+import json
+import math
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+DOCS = {"support": "README.md", "summary": "README.md", "results": "benchmarks/README.md"}
+MAIN_SHAPE = (14336, 4096)  # bench_gguf.py's shape with streamed and prefill tables (rows x n)
+GPTQ_SHAPE = (4096, 14336)  # bench_gptq_gemm.py's K x N of the same weight
+
+
+def read(path):
+    with open(os.path.join(ROOT, path)) as f:
+        return f.read()
+
+
+def function_types(source, signature):
+    """The Type::NAME names a C++ predicate over ggml types returns true for: a switch's cases up to its
+    `return true;`, or the terms of one boolean expression."""
+    start = source.index(signature)
+    body = source[start:source.index("\n}", start)]
+    body = body.split("return true;")[0]
+    names = re.findall(r"Type::(\w+)", body)
+    if not names:
+        raise SystemExit(f"results_tables: no types found in {signature!r}")
+    return set(names)
+
+
+def ggml_types():
+    """[(name, id, block elements, block bytes, activation format)] from LOWBIT_GGML_TYPES, in table order."""
+    source = read("csrc/core/ggml_types.h")
+    rows = re.findall(r"X\((\w+), (\d+), (\d+), (\d+), \d+, (?:true|false), (\w+)\)", source)
+    if not rows:
+        raise SystemExit("results_tables: LOWBIT_GGML_TYPES not found in csrc/core/ggml_types.h")
+    return [(name, int(i), int(block), int(size), act) for name, i, block, size, act in rows]
+
+
+def architectures():
+    """[(GGUF architecture, transformers class, class with experts or None)] from gguf_arch.ARCHITECTURES."""
+    source = read("python/lowbit/gguf_arch.py")
+    table = source[source.index("ARCHITECTURES: dict"):]
+    table = table[:table.index("\n}\n")]
+    found = []
+    for m in re.finditer(r'^    "([\w-]+)": Architecture\("(\w+)"(.*?)(?=^    "|\Z)', table, re.M | re.S):
+        experts = re.search(r'with_experts=Architecture\("(\w+)"', m.group(3))
+        found.append((m.group(1), m.group(2), experts.group(1) if experts else None))
+    if not found:
+        raise SystemExit("results_tables: ARCHITECTURES not found in python/lowbit/gguf_arch.py")
+    return found
+
+
+def support_block():
+    repack = read("csrc/core/ggml_repack.h")
+    has_layout = function_types(repack, "constexpr bool has_repacked_layout(Type t)")
+    avx2_reads = function_types(repack, "constexpr bool reads_repacked_avx2(Type t)")
+    simd_levels = function_types(read("csrc/cpu/ggml_kernels.h"), "constexpr bool has_simd_levels(ggml::Type t)")
+
+    def simd(name, act, reads):
+        if act == "Float":
+            return "fp32 dot"
+        cell = "SIMD" if name in simd_levels else "SIMD, scalar decode"
+        return cell + (", **R**" if reads else "")
+
+    out = ["| format / type | id | block: values, bytes | bits/weight | activations | portable | AVX2 | "
+           "AVX-512 | repacked layout | CUDA |",
+           "|---|---:|---|---:|---|---|---|---|---|---|",
+           "| GPTQ 2/3/4/8-bit (v1 and v2 zeros, sym/asym, any group size, act-order) | | 32 fields per pack | "
+           "2–8 + group metadata | fp32/fp16/bf16 | yes | SIMD | SIMD (+ `vdpbf16ps` for bf16/fp16 on "
+           "AVX512-BF16) | `gptq_shuffle`'s row order, every device | compiled |"]
+    for name, i, block, size, act in ggml_types():
+        bits = f"{8 * size / block:.4g}"
+        out.append(f"| GGUF {name} | {i} | {block}, {size} | {bits} | {'fp32' if act == 'Float' else act} | yes | "
+                   f"{simd(name, act, name in avx2_reads)} | {simd(name, act, name in has_layout)} | "
+                   f"{'yes' if name in has_layout else '—'} | compiled |")
+    out.append("")
+    out.append("SIMD: the ISA's own kernels (levels cut out in vector registers; \"scalar decode\": levels "
+               "from the portable codec, dot products in SIMD). **R**: that ISA reads lowbit's repacked layout as "
+               "it is (`torch.ops.lowbit.cpu_reads_repacked`); elsewhere a repacked weight is put back "
+               "per call. compiled: the CUDA kernels are compile-checked only and have not yet run on a GPU.")
+    out.append("")
+    archs = []
+    for arch, cls, experts in architectures():
+        archs.append(f"`{arch}` ({cls}" + (f"; with experts {experts}" if experts else "") + ")")
+    out.append("GGUF architectures `load_gguf_model` and `replace_linear` take: " + ", ".join(archs) + ".")
+    return "\n".join(out) + "\n"
+
+
+# ---- result files -------------------------------------------------------------------------------------------------
+
+def load_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def finite(x):
+    return isinstance(x, (int, float)) and not (isinstance(x, float) and math.isnan(x))
+
+
+def ratio(x):
+    return f"{x:.2f}x" if finite(x) else "—"
+
+
+def ms(x):
+    if not finite(x):
+        return "—"
+    return f"{x:.2f}" if x < 10 else f"{x:.1f}" if x < 100 else f"{x:.0f}"
+
+
+def header_lines(stem):
+    """The first lines of the result file's printed table: its machine (and peer) as the benchmark wrote them."""
+    path = os.path.join(RESULTS, stem + ".txt")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        lines = f.read().split("\n")
+    return [line for line in lines[:3] if line.startswith(("machine:", "llama.cpp peer:"))]
+
+
+def command(stem, data):
+    """The command that writes benchmarks/results/<stem>.*, from the file's name and header."""
+    env = []
+    text = " ".join(header_lines(stem))
+    if "OMP_WAIT_POLICY=ACTIVE" in text:
+        env.append("OMP_WAIT_POLICY=ACTIVE")
+    if data.get("ggml_lib_dir") or "LOWBIT_GGML_LIB_DIR" in text:
+        env.append("LOWBIT_GGML_LIB_DIR=<ggml built for AVX2 only>")
+    slug = data["machine"]["slug"]
+    rest = stem[len(slug) + 1:]
+    args = []
+    isa = re.match(r"(portable|avx2|avx512)-", rest)
+    if isa:
+        args.append(f"--isa {isa.group(1)}")
+        rest = rest[isa.end():]
+    if rest.startswith("gguf-moe"):
+        script = "bench_gguf_moe.py"
+        if rest != "gguf-moe":
+            args.append("--layers " + rest[len("gguf-moe-"):])
+    elif rest.startswith("gguf"):
+        script = "bench_gguf.py"
+        words = rest.split("-")[1:]
+        types = [w.upper() for w in words if not re.fullmatch(r"\d+x\d+", w)]
+        shapes = [w for w in words if re.fullmatch(r"\d+x\d+", w)]
+        if types:
+            args.append("--types " + ",".join(types))
+        if shapes:
+            args.append("--shapes " + ",".join(shapes))
+    elif rest == "gptq":
+        script = "bench_gptq_gemm.py"
+    elif rest == "tp":
+        script = "bench_tp_mlp.py"
+    else:
+        raise SystemExit(f"results_tables: no command known for {stem}")
+    return " ".join(env + [f"python benchmarks/{script}"] + args)
+
+
+def bandwidth(data):
+    by = data.get("copy_bandwidth_by_threads_gbs") or {}
+    if not by:
+        return ""
+    parts = [f"{by[t]:.1f} GB/s on {t} thread{'s' if t != '1' else ''}" for t in sorted(by, key=int, reverse=True)]
+    return "copy bandwidth " + ", ".join(parts)
+
+
+def pair(entry):
+    """'file / repacked' cell: lowbit's file layout over llama.cpp on the plain blocks, lowbit's repacked
+    layout over llama.cpp in its loader's layout."""
+    if entry is None:
+        return "—"
+    return f"{ratio(entry.get('speedup_vs_llama_cpp'))} / {ratio(entry.get('repacked_speedup_vs_llama_cpp_loader_layout'))}"
+
+
+def index(entries):
+    return {(e["type"], e["rows"], e["n"], e["M"], e["threads"]): e for e in entries or []}
+
+
+def loader_layouts(cells):
+    """llama.cpp's loader layout across a row's cells ("AMX → plain" where one failed at larger M and the next
+    that runs was measured instead)."""
+    seen = list(dict.fromkeys(e.get("llama_cpp_loader_layout") for e in cells if e and e.get("llama_cpp_loader_layout")))
+    return " → ".join(seen) or "—"
+
+
+def gguf_table(data, threads_list, shapes=None, compact=False):
+    mm, streamed, prefill = index(data.get("matmul")), index(data.get("streamed_matvec")), index(data.get("prefill"))
+    types = list(dict.fromkeys(e["type"] for e in data.get("matmul", [])))
+    all_shapes = list(dict.fromkeys((e["rows"], e["n"]) for e in data.get("matmul", [])))
+    shapes = shapes or ([MAIN_SHAPE] if MAIN_SHAPE in all_shapes and streamed else all_shapes)
+    columns = [("M = 1, one weight", mm, 1)]
+    if streamed:
+        columns.append(("M = 1, streamed", streamed, 1))
+    columns.append(("M = 8", mm, 8))
+    prefill_m = sorted({e["M"] for e in data.get("prefill", [])})
+    if prefill:
+        columns.append((f"M = {prefill_m[0]}", prefill, prefill_m[0]))
+    keys = "| type | llama.cpp loader layout | " if compact else "| rows x n | type | threads | llama.cpp loader layout | "
+    out = [keys + " | ".join(c[0] for c in columns) + " |",
+           ("|---|---|" if compact else "|---|---|---:|---|") + "---:|" * len(columns)]
+    for rows, n in shapes:
+        for t in types:
+            for thr in threads_list:
+                entries = [table.get((t, rows, n, m, thr)) for _, table, m in columns]
+                key = f"| {t} | " if compact else f"| {rows}x{n} | {t} | {thr} | "
+                out.append(key + loader_layouts(entries) + " | " + " | ".join(pair(e) for e in entries) + " |")
+    return out
+
+
+def dequantize_line(data):
+    deq = data.get("dequantize") or []
+    if not deq:
+        return []
+    speed = sorted(e["speedup_vs_gguf_py"] for e in deq if finite(e.get("speedup_vs_gguf_py")))
+    rows, n = deq[0]["rows"], deq[0]["n"]
+    ten = sum(s >= 10 for s in speed)
+    return [f"`ggml_dequantize` ({rows}x{n}, fp32 out, {data['machine']['threads']} threads): {ten} of {len(speed)} "
+            f"types at 10x gguf-py's NumPy dequantize or more; {speed[0]:.1f}x to {speed[-1]:.1f}x, median "
+            f"{speed[len(speed) // 2]:.1f}x."]
+
+
+def moe_table(data):
+    out = ["| layer | tokens | threads | file ms | repacked ms | llama.cpp ms | file vs llama.cpp | "
+           "repacked vs llama.cpp | file vs transformers fp32 |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for e in data["moe"]:
+        out.append(f"| {e['layer']} | {e['tokens']} | {e['threads']} | {ms(e['lowbit_ms'])} | {ms(e['repacked_ms'])} | "
+                   f"{ms(e['llama_cpp_ms'])} | {ratio(e['speedup_vs_llama_cpp'])} | "
+                   f"{ratio(e['repacked_speedup_vs_llama_cpp'])} | {ratio(e['speedup_vs_transformers_fp32'])} |")
+    return out
+
+
+def gptq_table(data):
+    most = max(e["threads"] for e in data["records"])
+    out = ["| K x N | M | bits | fp32 ms | vs torch fp32 | bf16 ms | vs torch bf16 | vs torch int4 |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for e in data["records"]:
+        if e["threads"] != most:
+            continue
+        out.append(f"| {e['K']}x{e['N']} | {e['M']} | {e['bits']} | {ms(e['lowbit_ms'])} | {ratio(e['speedup_vs_fp32'])} | "
+                   f"{ms(e['lowbit_bf16_ms'])} | {ratio(e['speedup_vs_bf16'])} | {ratio(e['speedup_vs_torch_int4'])} |")
+    return out, most
+
+
+def tp_table(data):
+    out = ["| model | TP | M | naive ms | TP-aware ms | speedup |", "|---|---:|---:|---:|---:|---:|"]
+    for e in data["records"]:
+        out.append(f"| {e['model']} | {e['tp']} | {e['m']} | {ms(e['naive_ms'])} | {ms(e['tp_aware_ms'])} | "
+                   f"{ratio(e['speedup'])} |")
+    return out
+
+
+def markdown_table(path):
+    """The first markdown table of a result .md file and the lines around it, as written."""
+    with open(path) as f:
+        return [line.rstrip() for line in f.read().strip().split("\n")]
+
+
+PAIR_NOTE = ("Each cell: lowbit in the file's layout over llama.cpp on the same plain blocks / lowbit in its "
+             "repacked layout over llama.cpp in the layout its loader gives the weight (above 1: lowbit faster; "
+             "\"AMX → plain\": that layout failed from M = 2 and the next one that runs was measured).")
+
+
+def results_block():
+    out = []
+    for path in sorted(glob.glob(os.path.join(RESULTS, "*.json"))):
+        stem = os.path.basename(path)[:-len(".json")]
+        data = load_json(path)
+        out += [f"#### `{stem}`", ""]
+        out += [f"    {line}" for line in header_lines(stem)] or [f"    machine: {data['machine']['name']}"]
+        out += ["", f"Command: `{command(stem, data)}`" + (f"; {bandwidth(data)}." if bandwidth(data) else "."), ""]
+        if "moe" in data:
+            out += moe_table(data)
+            out += ["", "ms per layer call (gate, up and down), each the mean over "
+                    f"{data.get('routings_per_call', 16)} routings."]
+        elif "matmul" in data:
+            threads = sorted({e["threads"] for e in data["matmul"]})
+            out += gguf_table(data, threads)
+            out += ["", PAIR_NOTE]
+            out += [""] + dequantize_line(data) if data.get("dequantize") else []
+        elif "bits" in data and "records" in data and "model" in data["records"][0]:
+            out += tp_table(data)
+        elif "records" in data:
+            table, most = gptq_table(data)
+            out += table + ["", f"{most} threads, g128; fp32 activations against torch's fp32 dense matmul, bf16 "
+                            "activations against torch's bf16 dense matmul and its int4 kernel (4-bit only)."]
+        out.append("")
+    for path in sorted(glob.glob(os.path.join(RESULTS, "*.md"))):
+        out += [f"#### `{os.path.basename(path)[:-3]}`", ""] + markdown_table(path) + [""]
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def summary_block():
+    out = []
+    for path in sorted(glob.glob(os.path.join(RESULTS, "*-gguf.json"))):
+        data = load_json(path)
+        slug = data["machine"]["slug"]
+        if os.path.basename(path) != f"{slug}-gguf.json":
+            continue  # a run with forced kernels (-avx2-): benchmarks/README.md
+        m = data["machine"]
+        most = max(e["threads"] for e in data["matmul"])
+        out += [f"**{m['name']}, {m['threads']} threads** ({data['cpu_isa']} kernels, torch {m['torch']}; "
+                f"`benchmarks/results/{slug}-*`). GGUF matmuls, {MAIN_SHAPE[0]}x{MAIN_SHAPE[1]}, {most} threads:", ""]
+        out += gguf_table(data, [most], compact=True)
+        out += [""]
+        gptq = os.path.join(RESULTS, f"{slug}-gptq.json")
+        if os.path.exists(gptq):
+            records = load_json(gptq)["records"]
+            pick = {e["M"]: e for e in records
+                    if (e["K"], e["N"]) == GPTQ_SHAPE and e["threads"] == most and e["bits"] == 4}
+            if pick:
+                int4 = ", ".join(f"M = {M} {ratio(e['speedup_vs_torch_int4'])}" for M, e in sorted(pick.items()))
+                fp32 = ", ".join(f"M = {M} {ratio(e['speedup_vs_fp32'])}" for M, e in sorted(pick.items()))
+                out += [f"`gptq_gemm` 4-bit g128, K x N = {GPTQ_SHAPE[0]}x{GPTQ_SHAPE[1]}, {most} threads: bf16 "
+                        f"activations over torch's int4 kernel {int4}; fp32 activations over torch's fp32 dense "
+                        f"matmul {fp32}.", ""]
+        job = os.path.join(RESULTS, f"smollm2-{slug}.md")
+        if os.path.exists(job):
+            rows = [line.strip("|").split("|") for line in markdown_table(job)
+                    if line.startswith("| ") and not line.startswith("| format")]
+            cells = "; ".join(f"{r[0].strip()} {r[3].strip()} / {r[5].strip()}" for r in rows)
+            out += [f"Main job (SmolLM2-135M, `make demo`), perplexity / decode tokens/s: {cells}.", ""]
+    if out:
+        out += [PAIR_NOTE]
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+BLOCKS = {"support": support_block, "summary": summary_block, "results": results_block}
+
+
+def replace_block(text, name, body):
+    begin, end = f"<!-- begin generated: {name} -->\n", f"<!-- end generated: {name} -->"
+    if begin not in text or end not in text:
+        raise SystemExit(f"results_tables: {DOCS[name]} has no '{begin.strip()}' ... '{end}' block")
+    head, rest = text.split(begin, 1)
+    return head + begin + body + end + rest.split(end, 1)[1]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("block", nargs="?", choices=sorted(BLOCKS), help="print only this block")
+    parser.add_argument("--write", action="store_true", help="rewrite the blocks in their documents")
+    parser.add_argument("--check", action="store_true", help="exit 1 where a document's block is out of date")
+    args = parser.parse_args()
+    names = [args.block] if args.block else list(BLOCKS)
+    if not (args.write or args.check):
+        for name in names:
+            print(BLOCKS[name]())
+        return 0
+    stale = []
+    for doc in sorted({DOCS[name] for name in names}):
+        text = read(doc)
+        new = text
+        for name in names:
+            if DOCS[name] == doc:
+                new = replace_block(new, name, BLOCKS[name]())
+        if new != text:
+            stale.append(doc)
+            if args.write:
+                with open(os.path.join(ROOT, doc), "w") as f:
+                    f.write(new)
+    if args.check and stale:
+        print(f"results_tables: out of date in {', '.join(stale)}: run python benchmarks/results_tables.py --write")
+        return 1
+    if args.write:
+        print(f"results_tables: rewrote {', '.join(stale)}" if stale else "results_tables: up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
