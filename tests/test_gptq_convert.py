@@ -1,8 +1,10 @@
 """GPTQ v1 <-> v2 checkpoint conversion (lowbit.gptq.convert), the
 `convert-gptq` and GPTQ `inspect` commands, and load_gptq's warning for
 checkpoints whose format label contradicts their stored zeros."""
+import errno
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -12,7 +14,8 @@ import torch
 
 from gptq_checkpoints import (EXTRA_CONTENT, EXTRA_FILE, LAYERS, TinyModel, make_checkpoint, quantized_layers,
                               raw_bytes, read_json, relabel, tensors, tree_hashes)
-from lowbit.gptq.checkpoint import load_gptq, save_gptq, write_checkpoint
+import lowbit.gptq.checkpoint
+from lowbit.gptq.checkpoint import GPTQCheckpointError, load_gptq, save_gptq, write_checkpoint
 from lowbit.gptq.config import GPTQConfig, read_config
 from lowbit.gptq.convert import convert_checkpoint
 
@@ -125,8 +128,10 @@ def test_v2_to_v1_refuses_zero_of_zero(tmp_path):
     assert tree_hashes(src) == before
 
 
-def test_v1_to_v2_refuses_field_past_v2(tmp_path):
-    """A v1 field of 2^bits-1 means zero 2^bits (the v1 reader adds 1), which no v2 field holds."""
+def test_v1_field_of_all_ones_is_read_as_gptqmodel_writes_it(tmp_path):
+    """A v1 field of 2^bits-1 (zero 2^bits) comes from no quantizer; GPTQModel writes it for a zero of 0,
+    subtracting 0x11111111 from each packed v2 word. The module's words are read back by adding it (carries
+    and all), which is the per-field +1 wherever no field is all ones; the other module is untouched."""
     src = tmp_path / "src"
     model = make_checkpoint(src, bits=4, sym=False)
     state = dict(model.state_dict())
@@ -134,9 +139,13 @@ def test_v1_to_v2_refuses_field_past_v2(tmp_path):
     zeros[0, 0] = 15
     state["mlp.up_proj.qzeros"] = torch.ops.lowbit.gptq_pack(zeros, 4, 1)
     write_checkpoint(tmp_path / "edited", state, read_json(src / "config.json"))
-    with pytest.raises(ValueError, match=r"1 of 2 modules have v1 zero fields of 2\^bits-1 .*\(mlp.up_proj\)"):
+    with pytest.warns(UserWarning, match=r"edited: 1 modules \(mlp.up_proj\) store v1 zero fields of all ones"):
         convert_checkpoint(tmp_path / "edited", tmp_path / "dst")
-    assert not (tmp_path / "dst").exists()
+    v1, v2 = state["mlp.up_proj.qzeros"], tensors(tmp_path / "dst")["mlp.up_proj.qzeros"]
+    assert torch.equal(v2.long() & 0xFFFFFFFF, (v1.long() + 0x11111111) & 0xFFFFFFFF)
+    assert torch.ops.lowbit.gptq_unpack(v2, 4, 1)[0, 0] == 0
+    direct = quantized_layers(4, 32, False, False, "gptq_v2")["mlp.down_proj"]
+    assert raw_bytes(tensors(tmp_path / "dst")["mlp.down_proj.qzeros"]) == raw_bytes(direct.qzeros)
 
 
 def test_same_format_refused(tmp_path):
@@ -185,6 +194,60 @@ def test_interrupted_conversion_leaves_no_dst(tmp_path):
     leftovers = [n for n in os.listdir(tmp_path) if n != "src"]
     assert leftovers and all(n.startswith(".dst.") for n in leftovers)  # killed mid-write, as intended
     assert any(f.endswith(".safetensors") for f in os.listdir(tmp_path / leftovers[0]))
+
+
+def test_full_disk_names_the_destination(tmp_path, monkeypatch):
+    make_checkpoint(tmp_path / "src")
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(lowbit.gptq.checkpoint, "save_file", disk_full)
+    dst = tmp_path / "dst"
+    with pytest.raises(GPTQCheckpointError, match=f"^{re.escape(str(dst))}: cannot write the checkpoint: .*No "
+                                                  "space left on device") as e:
+        convert_checkpoint(tmp_path / "src", dst)
+    assert e.value.__cause__.errno == errno.ENOSPC
+    assert os.listdir(tmp_path) == ["src"]  # neither dst nor its temporary directory
+
+
+def tree(directory) -> set[str]:
+    """Every file and directory under `directory`, by relative path."""
+    out = set()
+    for root, dirs, files in os.walk(directory):
+        out.update(os.path.relpath(os.path.join(root, n), directory) for n in dirs + files)
+    return out
+
+
+@pytest.mark.parametrize("inside", ["out", "sub/out"], ids=["in-src", "in-a-subdirectory-of-src"])
+def test_destination_inside_the_source(tmp_path, inside):
+    """The temporary directory lies beside dst, so inside src: it is not copied into the output."""
+    src = tmp_path / "src"
+    model = make_checkpoint(src, bits=3, sym=False)
+    (src / "sub").mkdir()
+    (src / "sub" / "notes.txt").write_text("kept")
+    before = tree(src)
+    convert_checkpoint(src, src / inside)
+    assert tree(src / inside) == {"config.json", "quantize_config.json", "model.safetensors", EXTRA_FILE, "sub",
+                                  os.path.join("sub", "notes.txt")}
+    assert tree(src) == before | {inside} | {os.path.join(inside, p) for p in tree(src / inside)}  # no leftovers
+    assert same_outputs(model, load_gptq(src / inside))
+
+
+def test_non_regular_extra_files_are_refused(tmp_path):
+    """Files carried over are copied only if regular: a link to a device (here /dev/null; /dev/zero would
+    fill the disk) or a named pipe is refused by name."""
+    make_checkpoint(tmp_path / "src")
+    os.symlink("/dev/null", tmp_path / "src" / "vocab.txt")
+    with pytest.raises(GPTQCheckpointError, match=re.escape(f"{tmp_path / 'src' / 'vocab.txt'}: the file is not a "
+                                                            "regular file")):
+        convert_checkpoint(tmp_path / "src", tmp_path / "dst")
+    os.remove(tmp_path / "src" / "vocab.txt")
+    os.mkfifo(tmp_path / "src" / "merges.txt")
+    with pytest.raises(GPTQCheckpointError, match=re.escape(f"{tmp_path / 'src' / 'merges.txt'}: the file is not a "
+                                                            "regular file")):
+        convert_checkpoint(tmp_path / "src", tmp_path / "dst")
+    assert os.listdir(tmp_path) == ["src"]
 
 
 # --- the format label check in load_gptq --------------------------------------------------------

@@ -33,9 +33,8 @@ def replace_linear(model: nn.Module, path: str | os.PathLike, checkpoint_format:
     and listed in the report.
 
     A `.gguf` file of an architecture in lowbit.gguf_arch.ARCHITECTURES
-    (llama, smollm3, granite, qwen2, qwen3, gemma, gemma2, gemma3, phi3,
-    qwen2moe, qwen3moe, gpt-oss; names as llama.cpp's converter writes them;
-    others raise ValueError): every nn.Linear the file
+    (names as llama.cpp's converter writes them; others raise ValueError):
+    every nn.Linear the file
     has a quantized weight for becomes a GGUFLinear over the file's own
     blocks; embeddings, norms and biases are loaded as float tensors; what
     the converter did is undone: a llama file's Q/K row permutation on the

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -30,8 +31,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from .gptq.checkpoint import (GPTQCheckpointError, check_module_tensors, checkpoint_files, read_tensors,
-                               write_checkpoint)
+from .gptq.checkpoint import (GPTQCheckpointError, check_module_tensors, checkpoint_files, hold_gptqmodel_zeros_as_v2,
+                              read_tensors, write_checkpoint)
 from .gptq.config import GPTQConfig, read_config
 from .gptq.linear import GPTQLinear
 from .packing import fields_per_pack, words_per_pack
@@ -352,6 +353,9 @@ def _local_layer(src: _Source, in_features: int, out_features: int, has_bias: bo
     with torch.no_grad():
         for name, buffer in layer.named_buffers(recurse=False):
             buffer.copy_(tensors[name])
+    if hold_gptqmodel_zeros_as_v2(layer):
+        warnings.warn(f"{src.name}: v1 zero fields of all ones (zero point 2^bits, which no quantizer produces) "
+                      "were read as GPTQModel writes them (a zero of 0) and are held as exact v2 zeros", stacklevel=3)
     return layer
 
 

@@ -13,19 +13,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..packing import fields_per_pack, words_per_pack
-from .config import GPTQConfig, ModuleQuant, read_config
+from .config import GPTQCheckpointError, GPTQConfig, ModuleQuant, check_regular_file, read_config
 from .linear import GPTQLinear
 
 INDEX_FILE = "model.safetensors.index.json"
 QUANT_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
-
-
-class GPTQCheckpointError(ValueError):
-    """A GPTQ checkpoint is missing tensors, has wrong shapes or dtypes, or is unreadable."""
 
 
 @dataclass
@@ -39,28 +35,48 @@ class GPTQCheckpoint:
 def checkpoint_files(path: str | os.PathLike) -> tuple[str, list[str]]:
     """(directory, safetensors files) of a checkpoint directory or single file."""
     path = os.fspath(path)
-    if os.path.isfile(path):
+    if os.path.isdir(path):
+        index = os.path.join(path, INDEX_FILE)
+        if os.path.lexists(index):
+            files = [os.path.join(path, s) for s in _index_shards(index)]
+            missing = [f for f in files if not os.path.lexists(f)]
+            if missing:
+                raise GPTQCheckpointError(f"{index}: lists shards that do not exist: {missing}")
+        else:
+            files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+            if not files:
+                raise GPTQCheckpointError(f"{path}: no .safetensors files")
+    elif os.path.lexists(path):
         if not path.endswith(".safetensors"):
             raise GPTQCheckpointError(f"{path}: expected a .safetensors file or a checkpoint directory")
-        return os.path.dirname(os.path.abspath(path)), [path]
-    if not os.path.isdir(path):
+        files, path = [path], os.path.dirname(os.path.abspath(path))
+    else:
         raise GPTQCheckpointError(f"{path}: no such file or directory")
-    index = os.path.join(path, INDEX_FILE)
-    if os.path.isfile(index):
-        try:
-            with open(index) as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise GPTQCheckpointError(f"{index}: unreadable shard index: {e}") from e
-        files = [os.path.join(path, s) for s in shards]
-        missing = [f for f in files if not os.path.isfile(f)]
-        if missing:
-            raise GPTQCheckpointError(f"{index}: lists shards that do not exist: {missing}")
-        return path, files
-    files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        raise GPTQCheckpointError(f"{path}: no .safetensors files")
+    for file in files:
+        check_regular_file(file, "safetensors file")
     return path, files
+
+
+def _index_shards(index: str) -> list[str]:
+    """The shard files a model.safetensors.index.json names, each checked to be
+    a .safetensors path inside the index's directory."""
+    check_regular_file(index, "shard index")
+    try:
+        with open(index) as f:
+            content = json.load(f)
+    except (OSError, ValueError) as e:
+        raise GPTQCheckpointError(f"{index}: unreadable shard index: {e}") from e
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise GPTQCheckpointError(f"{index}: weight_map must be a non-empty JSON object of tensor name -> shard "
+                                  f"file, got {type(weight_map).__name__}")
+    for name, shard in weight_map.items():
+        # A shard path from an untrusted index must not reach files outside the checkpoint.
+        if (not isinstance(shard, str) or not shard.endswith(".safetensors") or os.path.isabs(shard)
+                or os.path.normpath(shard).split(os.sep)[0] == os.pardir):
+            raise GPTQCheckpointError(f"{index}: weight_map[{name!r}] is {shard!r}, not the name of a .safetensors "
+                                      "file in the checkpoint directory")
+    return sorted(set(weight_map.values()))
 
 
 def read_tensors(files: list[str]) -> dict[str, torch.Tensor]:
@@ -105,6 +121,7 @@ def load_gptq(path: str | os.PathLike, checkpoint_format: str | None = None) -> 
         parts = {k: tensors.pop(f"{prefix}.{k}", None) for k in (*QUANT_TENSORS, "bias")}
         ckpt.modules[prefix] = _module(prefix, quant, config, parts, directory)
     _check_labelled_format(ckpt)
+    _read_gptqmodel_v1_zeros(ckpt)
     ckpt.tensors = tensors
     return ckpt
 
@@ -199,6 +216,107 @@ def _check_labelled_format(ckpt: GPTQCheckpoint) -> None:
         layer.checkpoint_format = actual
 
 
+# GPTQModel keeps v2 zeros and writes 2-, 4- and 8-bit v1 by subtracting this
+# from every packed int32 qzeros word (and reads v1 back by adding it): one per
+# field, so a v2 zero of 0 becomes a field of all ones and borrows one from the
+# next field.
+GPTQMODEL_V1_OFFSETS = {2: 0x55555555, 4: 0x11111111, 8: 0x01010101}
+
+
+def v1_zeros_as_v2(qzeros: torch.Tensor, bits: int) -> tuple[torch.Tensor, bool]:
+    """(the v2 zero points [groups, N] of v1 `qzeros`, whether they were read as
+    GPTQModel writes them). A v1 field of all ones (zero 2^bits) comes from no
+    quantizer but is what GPTQModel writes for a zero of 0: where one is present
+    the words are read as GPTQModel reads them, the exact inverse of its writing.
+    Without one that reading is the per-field +1 of every other v1 reader."""
+    fields = torch.ops.lowbit.gptq_unpack(qzeros, bits, 1)
+    if not bool((fields == 2**bits - 1).any()):
+        return fields + 1, False
+    if bits == 3:  # 3-bit fields straddle words, so GPTQModel shifts each field alone, modulo 8
+        return (fields + 1) % 8, True
+    words = (qzeros.long() + GPTQMODEL_V1_OFFSETS[bits]) & 0xFFFFFFFF  # carries cross fields; the top one is lost
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return torch.ops.lowbit.gptq_unpack(words, bits, 1), True
+
+
+def gptqmodel_warning(where: str, modules: list[str]) -> str:
+    """What load_gptq and convert_checkpoint say of modules read by v1_zeros_as_v2 as GPTQModel's."""
+    named = ", ".join(modules[:5]) + (", ..." if len(modules) > 5 else "")
+    return (f"{where}: {len(modules)} modules ({named}) store v1 zero fields of all ones (zero point 2^bits, which "
+            "no quantizer produces); their zeros were read as GPTQModel writes them (it stores a zero of 0 that "
+            "way) and are held as exact v2 zeros")
+
+
+def hold_gptqmodel_zeros_as_v2(layer: GPTQLinear) -> bool:
+    """Whether `layer` is a v1 module that GPTQModel wrote with zeros of 0; if
+    so its zeros become exact v2 zeros (lowbit's v1 reading would put such a
+    zero 2^bits steps off). Whole words and whole 3-bit packs read alone, so
+    a tensor-parallel shard of a module reads as the whole module does."""
+    if layer.checkpoint_format != "gptq":
+        return False
+    zeros, by_gptqmodel = v1_zeros_as_v2(layer.qzeros, layer.bits)
+    if by_gptqmodel:
+        with torch.no_grad():
+            layer.qzeros.copy_(torch.ops.lowbit.gptq_pack(zeros, layer.bits, 1))
+        layer.checkpoint_format = "gptq_v2"
+    return by_gptqmodel
+
+
+def _read_gptqmodel_v1_zeros(ckpt: GPTQCheckpoint) -> None:
+    """hold_gptqmodel_zeros_as_v2 for every module, with one warning."""
+    found = [name for name, layer in ckpt.modules.items() if hold_gptqmodel_zeros_as_v2(layer)]
+    if found:
+        warnings.warn(gptqmodel_warning(ckpt.directory, found), stacklevel=3)
+
+
+def check_layer_count(directory: str | os.PathLike) -> None:
+    """Refuses a config.json whose num_hidden_layers is not the number of layers
+    the checkpoint's tensors hold, before a loader builds that many: a count of
+    100000 takes hours to build, and a count too small leaves layers of the
+    checkpoint out. A stack of layers is the numbered modules at the first
+    number in tensor names (model.layers.<i>, transformer.h.<i>, ...); some
+    stack must hold exactly layers 0 .. num_hidden_layers - 1 (plus DeepSeek's
+    num_nextn_predict_layers multi-token-prediction layers, which may follow).
+    Reads only the safetensors headers; a config without the key passes."""
+    directory, files = checkpoint_files(directory)
+    path = os.path.join(directory, "config.json")
+    if not os.path.lexists(path):
+        return
+    check_regular_file(path, "config")
+    try:
+        with open(path) as f:
+            content = json.load(f)
+    except (OSError, ValueError) as e:
+        raise GPTQCheckpointError(f"{path}: unreadable JSON: {e}") from e
+    count = content.get("num_hidden_layers") if isinstance(content, dict) else None
+    if count is None:
+        return
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise GPTQCheckpointError(f"{path}: num_hidden_layers must be a non-negative integer, got {count!r}")
+    extra = content.get("num_nextn_predict_layers")
+    extra = extra if isinstance(extra, int) and not isinstance(extra, bool) else 0
+    stacks: dict[str, set[int]] = {}  # stack -> the layer indices its tensors have
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                names = list(f.keys())
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise GPTQCheckpointError(f"{file}: unreadable safetensors file: {e}") from e
+        for name in names:
+            parts = name.split(".")
+            i = next((i for i, p in enumerate(parts[:-1]) if p.isascii() and p.isdigit()), None)
+            if i is not None:
+                stacks.setdefault(".".join(parts[:i]), set()).add(int(parts[i]))
+    # A stack counts as its number of layers only without gaps: one tensor named
+    # layers.99999 must not make 100000 layers acceptable.
+    if any(idx == set(range(len(idx))) and count <= len(idx) <= count + extra for idx in stacks.values()):
+        return
+    held = "; ".join(f"{stack or '(top level)'}: {len(idx)} numbered from {min(idx)} to {max(idx)}"
+                     for stack, idx in sorted(stacks.items())) or "none"
+    raise GPTQCheckpointError(f"{path}: num_hidden_layers is {count}, but the checkpoint's tensors do not hold "
+                              f"layers 0 .. {count - 1} of any stack (stacks of numbered modules: {held})")
+
+
 def write_checkpoint(directory: str | os.PathLike, tensors: dict[str, torch.Tensor], config: dict[str, Any],
                      copy_from: str | None = None, max_shard_bytes: int | None = None) -> None:
     """Writes a checkpoint directory atomically: everything goes to a temporary
@@ -210,16 +328,12 @@ def write_checkpoint(directory: str | os.PathLike, tensors: dict[str, torch.Tens
     if os.path.exists(directory):
         raise FileExistsError(f"{directory} already exists")
     parent = os.path.dirname(directory)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.", dir=parent)
+    tmp = None
     try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.", dir=parent)
         if copy_from is not None:
-            for name in os.listdir(copy_from):
-                src = os.path.join(copy_from, name)
-                if os.path.isdir(src):
-                    shutil.copytree(src, os.path.join(tmp, name))
-                elif not _is_weight_or_config(name):
-                    shutil.copy2(src, os.path.join(tmp, name))
+            _copy_other_files(copy_from, tmp)
         _write_shards(tmp, tensors, max_shard_bytes)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
@@ -227,9 +341,36 @@ def write_checkpoint(directory: str | os.PathLike, tensors: dict[str, torch.Tens
             json.dump(config["quantization_config"], f, indent=2)
         _sync_tree(tmp)  # the data is on disk before the name appears
         os.rename(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        # A full disk or a read-only parent: say which checkpoint could not be written.
+        if isinstance(e, (OSError, SafetensorError)):
+            raise GPTQCheckpointError(f"{directory}: cannot write the checkpoint: {e}") from e
         raise
+
+
+def _copy_other_files(src: str, tmp: str) -> None:
+    """Copies what `src` holds besides weights and configs into `tmp`. Where the
+    destination lies inside `src`, `tmp` (beside it) does too and is left out,
+    so the output never holds a copy of itself. Only regular files are copied:
+    a device such as /dev/zero would never end."""
+    tmp_path = os.path.realpath(tmp)
+
+    def skipped(directory: str, names: list[str]) -> list[str]:
+        return [n for n in names if os.path.realpath(os.path.join(directory, n)) == tmp_path]
+
+    def copy(source: str, target: str) -> None:
+        check_regular_file(source)
+        shutil.copy2(source, target)
+
+    names = os.listdir(src)
+    for name in sorted(set(names) - set(skipped(src, names))):
+        path = os.path.join(src, name)
+        if os.path.isdir(path):
+            shutil.copytree(path, os.path.join(tmp, name), ignore=skipped, copy_function=copy)
+        elif not _is_weight_or_config(name):
+            copy(path, os.path.join(tmp, name))
 
 
 def _sync_tree(directory: str) -> None:

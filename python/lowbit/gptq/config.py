@@ -2,11 +2,18 @@
 transformers write it, with GPTQModel's per-module `dynamic` overrides."""
 from __future__ import annotations
 
+import functools
 import json
 import os
-import re
+import stat
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+try:  # matches with a time limit, which `re` cannot
+    import regex
+except ImportError:
+    regex = None
 
 # Where a checkpoint directory keeps its config, in the order readers look.
 CONFIG_SOURCES = ("quantize_config.json", "quant_config.json", "config.json")
@@ -15,10 +22,29 @@ BITS = (2, 3, 4, 8)
 OVERRIDABLE = ("bits", "group_size", "desc_act", "sym")  # what a `dynamic` rule may change
 # Other keys (true_sequential, static_groups, meta, damp_percent, ...) describe
 # how a checkpoint was made, not how to read it, and are ignored.
+# The seconds one config's `dynamic` rules may spend matching module names, all
+# calls together. A legitimate rule takes microseconds per name; a checkpoint's
+# rules are untrusted, and a backtracking one can run for hours on one name.
+RULE_MATCH_SECONDS = 5.0
 
 
 class GPTQConfigError(ValueError):
     """A GPTQ quantization config is missing, unreadable or unsupported."""
+
+
+class GPTQCheckpointError(ValueError):
+    """A GPTQ checkpoint is missing tensors, has wrong shapes or dtypes, or is unreadable."""
+
+
+def check_regular_file(path: str, what: str = "file") -> None:
+    """Refuses anything but a regular file (after symlinks) before it is opened:
+    reading a named pipe blocks forever, and a device such as /dev/zero never ends."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise GPTQCheckpointError(f"{path}: cannot read the {what}: {e}") from e
+    if not stat.S_ISREG(mode):
+        raise GPTQCheckpointError(f"{path}: the {what} is not a regular file")
 
 
 @dataclass(frozen=True)
@@ -40,6 +66,9 @@ class GPTQConfig:
     lm_head: bool = False  # the LM head is quantized too
     dynamic: dict[str, dict[str, Any]] = field(default_factory=dict)  # GPTQModel per-module overrides
     source: str = ""  # the file the config came from
+    # Seconds of RULE_MATCH_SECONDS left, in a list so that the frozen config can spend them.
+    _match_seconds: list = field(default_factory=lambda: [RULE_MATCH_SECONDS], init=False, repr=False,
+                                 compare=False)
 
     @property
     def default(self) -> ModuleQuant:
@@ -50,16 +79,29 @@ class GPTQConfig:
 
         GPTQModel's rules: a key "-:regex" excludes matching modules, "+:regex"
         or a bare regex overrides bits / group_size / desc_act / sym; the first
-        matching rule applies (re.match on the full module name).
+        matching rule applies (re.match on the full module name). All
+        matching of one config shares RULE_MATCH_SECONDS; past that it raises
+        GPTQCheckpointError naming the config file and the rule.
         """
         for key, overrides in self.dynamic.items():
-            negative = key.startswith("-:")
-            pattern = key[2:] if key[:2] in ("-:", "+:") else key
-            if re.match(pattern, name):
-                if negative:
+            if self._matches(key, name):
+                if key.startswith("-:"):
                     return None
                 return replace(self.default, **{k: overrides[k] for k in OVERRIDABLE if k in overrides})
         return self.default
+
+    def _matches(self, key: str, name: str) -> bool:
+        left = self._match_seconds
+        start = time.monotonic()
+        try:
+            return _rule_pattern(key, self.source).match(name, timeout=max(left[0], 1e-3)) is not None
+        except TimeoutError:
+            raise GPTQCheckpointError(
+                f"{self.source or 'quantization config'}: dynamic rule {key!r} did not finish matching module "
+                f"names within {RULE_MATCH_SECONDS} s (all rules together); a pattern that backtracks "
+                "catastrophically is refused") from None
+        finally:
+            left[0] -= time.monotonic() - start
 
     def to_dict(self) -> dict[str, Any]:
         """The config as an HF `quantization_config` dict."""
@@ -68,6 +110,19 @@ class GPTQConfig:
         if self.dynamic:
             out["dynamic"] = self.dynamic
         return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _rule_pattern(key: str, source: str = ""):
+    """The compiled regex of `dynamic` rule `key` (without its "-:" / "+:" prefix)."""
+    where = source or "quantization config"
+    if regex is None:
+        raise GPTQConfigError(f"{where}: dynamic rules need the `regex` package (pip install regex), which "
+                              "bounds how long a checkpoint's pattern may run")
+    try:
+        return regex.compile(key[2:] if key[:2] in ("-:", "+:") else key)
+    except regex.error as e:
+        raise GPTQConfigError(f"{where}: dynamic rule {key!r} is not a valid regex: {e}") from e
 
 
 def parse_config(raw: dict[str, Any], source: str = "") -> GPTQConfig:
@@ -95,10 +150,7 @@ def parse_config(raw: dict[str, Any], source: str = "") -> GPTQConfig:
     for key, overrides in config.dynamic.items():
         if not isinstance(overrides, dict):
             raise GPTQConfigError(f"{where}: dynamic rule {key!r} must map to a dict, got {overrides!r}")
-        try:
-            re.compile(key[2:] if key[:2] in ("-:", "+:") else key)
-        except re.error as e:
-            raise GPTQConfigError(f"{where}: dynamic rule {key!r} is not a valid regex: {e}") from e
+        _rule_pattern(key, source)
         if not key.startswith("-:"):
             _validate(replace(config.default, **{k: overrides[k] for k in OVERRIDABLE if k in overrides}),
                       f"{where}: dynamic rule {key!r}")
@@ -134,8 +186,9 @@ def read_config(directory: str | os.PathLike) -> GPTQConfig:
     directory = os.fspath(directory)
     for name in CONFIG_SOURCES:
         path = os.path.join(directory, name)
-        if not os.path.isfile(path):
+        if not os.path.lexists(path):
             continue
+        check_regular_file(path, "config")
         try:
             with open(path) as f:
                 raw = json.load(f)

@@ -3,20 +3,24 @@ zero-point formats.
 
 v1 stores zero-1 per field, v2 the zero itself. The conversion unpacks every
 qzeros field, adds or subtracts 1 and repacks: adding a constant to the packed
-words would be wrong for 3-bit, whose fields straddle word boundaries. Zeros a
-format cannot hold are refused rather than wrapped: a zero of 0 has no v1
-encoding, and a v1 field of 2^bits-1 (zero 2^bits) has no v2 encoding.
+words would be wrong for 3-bit, whose fields straddle word boundaries. A v1
+module with a field of all ones (zero 2^bits, which no quantizer produces) is
+read as GPTQModel writes a zero of 0 (checkpoint.v1_zeros_as_v2), with a
+warning. A zero of 0 has no v1 encoding lowbit's readers share, so converting
+such zeros to v1 is refused rather than wrapped.
 """
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any
 
 import torch
 
-from .checkpoint import GPTQCheckpointError, checkpoint_files, read_tensors, write_checkpoint
-from .config import FORMATS, GPTQConfig, read_config
+from .checkpoint import (GPTQCheckpointError, checkpoint_files, gptqmodel_warning, read_tensors, v1_zeros_as_v2,
+                         write_checkpoint)
+from .config import FORMATS, GPTQConfig, check_regular_file, read_config
 
 MAX_NAMED_MODULES = 5  # refusals name this many modules, then give the count
 
@@ -36,7 +40,8 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str =
     Raises ValueError (GPTQConfigError / GPTQCheckpointError for unreadable
     checkpoints) before writing anything if the checkpoint already is in
     format `to`, if its config's format label contradicts its stored
-    symmetric zeros, or if any zero cannot be expressed in format `to`.
+    symmetric zeros, or if any zero cannot be expressed in format `to`;
+    GPTQCheckpointError naming `dst` if writing fails (a full disk).
     Returns a summary: source, destination, from, to, modules, tensors, shards.
     """
     if to not in FORMATS:
@@ -53,10 +58,20 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str =
     tensors = read_tensors(files)
     zeros = _unpacked_zeros(src, config, tensors)
     _check_label(src, config, zeros)
-    _check_representable(src, config.checkpoint_format, to, zeros)
-    shift = 1 if to == "gptq_v2" else -1
-    for prefix, (bits, z) in zeros.items():
-        tensors[f"{prefix}.qzeros"] = torch.ops.lowbit.gptq_pack(z + shift, bits, 1)
+    if to == "gptq":
+        _check_v1_representable(src, zeros)
+        converted = {prefix: (bits, z - 1) for prefix, (bits, z) in zeros.items()}
+    else:
+        converted, by_gptqmodel = {}, []
+        for prefix, (bits, _) in zeros.items():
+            z, read_as_gptqmodel = v1_zeros_as_v2(tensors[f"{prefix}.qzeros"], bits)
+            converted[prefix] = (bits, z)
+            if read_as_gptqmodel:
+                by_gptqmodel.append(prefix)
+        if by_gptqmodel:
+            warnings.warn(gptqmodel_warning(src, by_gptqmodel), stacklevel=2)
+    for prefix, (bits, z) in converted.items():
+        tensors[f"{prefix}.qzeros"] = torch.ops.lowbit.gptq_pack(z, bits, 1)
     write_checkpoint(dst, tensors, _converted_config(src, config, to), copy_from=src,
                      max_shard_bytes=_largest_shard_bytes(files) if len(files) > 1 else None)
     return {"source": src, "destination": dst, "from": config.checkpoint_format, "to": to,
@@ -105,25 +120,21 @@ def _check_label(src: str, config: GPTQConfig, zeros: dict[str, tuple[int, torch
             f"Set checkpoint_format to {other!r} in its config instead of converting it.")
 
 
-def _check_representable(src: str, source: str, to: str, zeros: dict[str, tuple[int, torch.Tensor]]) -> None:
-    """Refuses, naming the modules, zeros that format `to` cannot store."""
-    if to == "gptq":  # v1 stores zero-1 in [0, 2^bits-1]: a zero of 0 has no encoding
-        bad = [p for p, (_, z) in zeros.items() if bool((z == 0).any())]
-        why = "have zero points of 0, which v1 ('gptq') cannot store (it keeps zero-1)"
-    else:  # a v1 field of 2^bits-1 means zero 2^bits, past v2's largest field
-        bad = [p for p, (bits, z) in zeros.items() if bool((z == 2**bits - 1).any())]
-        why = "have v1 zero fields of 2^bits-1 (zero point 2^bits), which v2 ('gptq_v2') cannot store"
+def _check_v1_representable(src: str, zeros: dict[str, tuple[int, torch.Tensor]]) -> None:
+    """Refuses, naming the modules, v2 zeros of 0: v1 stores zero-1 in [0, 2^bits-1]."""
+    bad = [p for p, (_, z) in zeros.items() if bool((z == 0).any())]
     if bad:
         named = ", ".join(bad[:MAX_NAMED_MODULES]) + (", ..." if len(bad) > MAX_NAMED_MODULES else "")
-        raise ValueError(f"{src}: cannot convert {source!r} to {to!r}: {len(bad)} of {len(zeros)} modules {why} "
-                         f"({named}); nothing was written")
+        raise ValueError(f"{src}: cannot convert 'gptq_v2' to 'gptq': {len(bad)} of {len(zeros)} modules have zero "
+                         f"points of 0, which v1 ('gptq') cannot store (it keeps zero-1) ({named}); nothing was "
+                         "written")
 
 
 def _converted_config(src: str, config: GPTQConfig, to: str) -> dict[str, Any]:
     """config.json content for the output: the source's config.json (if any)
     with quantization_config = the source's quantization config (from the file
     read_config used, so keys like `meta` survive) relabelled `to`."""
-    content = _read_json(os.path.join(src, "config.json")) if os.path.isfile(os.path.join(src, "config.json")) else {}
+    content = _read_json(os.path.join(src, "config.json")) if os.path.lexists(os.path.join(src, "config.json")) else {}
     raw = _read_json(config.source)
     quant = dict(raw["quantization_config"] if os.path.basename(config.source) == "config.json" else raw)
     quant["checkpoint_format"] = to
@@ -134,6 +145,7 @@ def _converted_config(src: str, config: GPTQConfig, to: str) -> dict[str, Any]:
 
 
 def _read_json(path: str) -> dict[str, Any]:
+    check_regular_file(path, "config")
     try:
         with open(path) as f:
             return json.load(f)
