@@ -186,7 +186,9 @@ def write_model_gguf(path: str, model, arch: str, qtype: T = T.Q8_0, extra_metad
     weights (GemmaModel, Gemma2Model, Gemma3Model.modify_tensors), 2-D weights
     quantized to `qtype` by gguf-py (the experts' to `expert_qtype` where
     given: gpt-oss files keep theirs in MXFP4), norms and biases F32, a tied
-    LM head left out."""
+    LM head left out. An `extra_metadata` value replaces the key's, None
+    leaves the key out; its GGUF type follows the Python type (bool, str,
+    float32, array, int32 below 0, else uint32 or uint64)."""
     import torch
 
     config = model.config
@@ -262,7 +264,9 @@ def write_model_gguf(path: str, model, arch: str, qtype: T = T.Q8_0, extra_metad
             writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
             writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
     for key, value in (extra_metadata or {}).items():
-        writer.add_key_value(key, value, _gguf_value_type(value))
+        writer.kv_data[0].pop(key, None)  # replaced (or, for None, left out) without gguf-py's warning
+        if value is not None:
+            writer.add_key_value(key, value, _gguf_value_type(value))
     for name, value in (extra_tensors or {}).items():
         writer.add_tensor(name, value)
     for hf, value in _converter_tensors(model):
@@ -323,9 +327,12 @@ def _converter_tensors(model):
 
 
 def _gguf_value_type(value):
-    if isinstance(value, str):
-        return gguf.GGUFValueType.STRING
-    return gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32
+    V = gguf.GGUFValueType
+    if isinstance(value, (bool, str, float, list)):
+        return {bool: V.BOOL, str: V.STRING, float: V.FLOAT32, list: V.ARRAY}[type(value)]
+    if value < 0:
+        return V.INT32
+    return V.UINT32 if value < 2**32 else V.UINT64
 
 
 def smollm2_gguf_path() -> str | None:

@@ -18,6 +18,7 @@ equal the reference's to fp32 rounding, and as loaded they agree within the
 whose norm on each sublayer's output scales a small rounding in a sublayer
 that nearly cancels up to the size of the rest."""
 import copy
+import functools
 import warnings
 
 import numpy as np
@@ -234,13 +235,108 @@ def test_load_gguf_model_in_bf16(tmp_path, arch):
 
 def test_load_gguf_model_refuses_bad_files(tmp_path):
     path = write_model_gguf(str(tmp_path / "minicpm.gguf"), tiny_model("qwen2", seed=0), "minicpm")
-    with pytest.raises(ValueError, match=r"load_gguf_model: .*minicpm.gguf: GGUF architecture 'minicpm' is not supported"):
+    with pytest.raises(lowbit.GGUFError, match=r"load_gguf_model: .*minicpm.gguf: metadata 'general.architecture': "
+                                               r"GGUF architecture 'minicpm' is not supported"):
         lowbit.load_gguf_model(path)
     wrong = np.ones(5, dtype=np.float32)
     path = write_model_gguf(str(tmp_path / "llama.gguf"), tiny_model("llama", seed=0), "llama",
                             extra_tensors={"rope_freqs.weight": wrong})
     with pytest.raises(ValueError, match=r"llama.gguf: rope_freqs.weight has shape \(5,\), the model's rotary embedding \(8,\)"):
         lowbit.load_gguf_model(path)
+
+
+@functools.cache
+def cached_tiny_model(arch):
+    return tiny_model(arch, seed=0)
+
+
+def refused(tmp_path, arch, changes, key):
+    """The tiny `arch` model's file with metadata `changes` (None: the key
+    left out) must be refused by load_gguf_model with a GGUFError naming the
+    file and `key`, and no other exception."""
+    path = write_tiny_gguf(tmp_path / f"{arch}.gguf", cached_tiny_model(arch), arch, extra_metadata=changes)
+    with pytest.raises(lowbit.GGUFError) as info:
+        lowbit.load_gguf_model(path)
+    assert path in str(info.value) and repr(key) in str(info.value)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("count, problem", [
+    (3, "no blk.2.* tensors"),  # a layer no tensor fills
+    (100000, "no blk.2.* tensors"),  # checked before a model of that many layers is built
+    (2**63, "no blk.2.* tensors"),
+    (1, "tensors of layer 1 (blk.1.*)"),  # a layer the model would drop
+])
+def test_block_count_must_match_the_layers_of_the_file(tmp_path, count, problem):
+    """The tiny llama has 2 layers: llama.block_count says how many the model
+    builds, and must be exactly the layers the file's blk.N tensors hold."""
+    assert problem in refused(tmp_path, "llama", {"llama.block_count": count}, "llama.block_count")
+
+
+# Per case: the tiny model, its metadata changes (None: the key left out),
+# and the key the error must name. The tiny llama: hidden 64, 4 heads of 16
+# (2 KV heads), FFN 96, vocabulary 64, 2 layers.
+BAD_METADATA = {
+    "head count 0": ("llama", {"llama.attention.head_count": 0}, "llama.attention.head_count"),
+    "head count a string": ("llama", {"llama.attention.head_count": "4"}, "llama.attention.head_count"),
+    "head count missing": ("llama", {"llama.attention.head_count": None}, "llama.attention.head_count"),
+    "head count not dividing the embedding": (
+        "llama", {"llama.attention.head_count": 6, "llama.attention.key_length": None}, "llama.attention.head_count"),
+    "KV head count 0": ("llama", {"llama.attention.head_count_kv": 0}, "llama.attention.head_count_kv"),
+    "KV head count not dividing the heads": ("llama", {"llama.attention.head_count_kv": 3},
+                                             "llama.attention.head_count_kv"),
+    "embedding length 0": ("llama", {"llama.embedding_length": 0}, "llama.embedding_length"),
+    "embedding length negative": ("llama", {"llama.embedding_length": -64}, "llama.embedding_length"),
+    "embedding length missing": ("llama", {"llama.embedding_length": None}, "llama.embedding_length"),
+    "context length 0": ("llama", {"llama.context_length": 0}, "llama.context_length"),
+    "feed-forward length 0": ("llama", {"llama.feed_forward_length": 0}, "llama.feed_forward_length"),
+    "feed-forward length a float": ("llama", {"llama.feed_forward_length": 96.0}, "llama.feed_forward_length"),
+    "block count a bool": ("llama", {"llama.block_count": True}, "llama.block_count"),
+    "block count a string": ("llama", {"llama.block_count": "2"}, "llama.block_count"),
+    "block count missing": ("llama", {"llama.block_count": None}, "llama.block_count"),
+    "norm epsilon a string": ("llama", {"llama.attention.layer_norm_rms_epsilon": "1e-5"},
+                              "llama.attention.layer_norm_rms_epsilon"),
+    "norm epsilon 0": ("llama", {"llama.attention.layer_norm_rms_epsilon": 0.0},
+                       "llama.attention.layer_norm_rms_epsilon"),
+    "key length 0": ("llama", {"llama.attention.key_length": 0}, "llama.attention.key_length"),
+    "rotary dimensions a string": ("llama", {"llama.rope.dimension_count": "16"}, "llama.rope.dimension_count"),
+    "rope base a string": ("llama", {"llama.rope.freq_base": "1e4"}, "llama.rope.freq_base"),
+    "rope base 0": ("llama", {"llama.rope.freq_base": 0.0}, "llama.rope.freq_base"),
+    "rope scaling without its factor": ("llama", {"llama.rope.scaling.type": "linear"}, "llama.rope.scaling.factor"),
+    "rope scaling factor 0": ("llama", {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 0.0},
+                              "llama.rope.scaling.factor"),
+    "yarn without its original context": ("llama", {"llama.rope.scaling.type": "yarn",
+                                                    "llama.rope.scaling.factor": 4.0},
+                                          "llama.rope.scaling.original_context_length"),
+    "rope scaling type a number": ("llama", {"llama.rope.scaling.type": 2}, "llama.rope.scaling.type"),
+    "vocabulary size 0": ("llama", {"llama.vocab_size": 0}, "llama.vocab_size"),
+    "vocabulary size missing": ("llama", {"llama.vocab_size": None}, "llama.vocab_size"),
+    "bos outside the vocabulary": ("llama", {"tokenizer.ggml.bos_token_id": 64}, "tokenizer.ggml.bos_token_id"),
+    "eos negative": ("llama", {"tokenizer.ggml.eos_token_id": -1}, "tokenizer.ggml.eos_token_id"),
+    "padding outside the vocabulary": ("llama", {"tokenizer.ggml.padding_token_id": 1000},
+                                       "tokenizer.ggml.padding_token_id"),
+    "padding a string": ("llama", {"tokenizer.ggml.padding_token_id": "0"}, "tokenizer.ggml.padding_token_id"),
+    "architecture a number": ("llama", {"general.architecture": 7}, "general.architecture"),
+    "expert count a string": ("llama", {"llama.expert_count": "4"}, "llama.expert_count"),
+    "experts without a used count": ("llama", {"llama.expert_count": 4}, "llama.expert_used_count"),
+    "more experts used than exist": ("qwen3moe", {"qwen3moe.expert_used_count": 5}, "qwen3moe.expert_used_count"),
+    "shared expert FFN 0": ("qwen2moe", {"qwen2moe.expert_shared_feed_forward_length": 0},
+                            "qwen2moe.expert_shared_feed_forward_length"),
+    "softcap a string": ("gemma2", {"gemma2.attn_logit_softcapping": "50"}, "gemma2.attn_logit_softcapping"),
+    "window pattern for 3 layers": ("gemma3", {"gemma3.attention.sliding_window_pattern": [1, 0, 1]},
+                                    "gemma3.attention.sliding_window_pattern"),
+    "gpt-oss without its window": ("gpt-oss", {"gpt-oss.attention.sliding_window": None},
+                                   "gpt-oss.attention.sliding_window"),
+    "granite without its logit scale": ("granite", {"granite.logit_scale": None}, "granite.logit_scale"),
+    "granite logit scale 0": ("granite", {"granite.logit_scale": 0.0}, "granite.logit_scale"),
+    "phi3 original context 0": ("phi3", {"phi3.rope.scaling.original_context_length": 0},
+                                "phi3.rope.scaling.original_context_length"),
+}
+
+
+@pytest.mark.parametrize("arch, changes, key", BAD_METADATA.values(), ids=BAD_METADATA)
+def test_bad_metadata_is_a_gguf_error_naming_the_key(tmp_path, arch, changes, key):
+    refused(tmp_path, arch, changes, key)
 
 
 def _byte_level_alphabet() -> list[str]:

@@ -276,7 +276,7 @@ def test_handwritten_bad_tensor_infos(tmp_path):
     assert "5 dimensions" in error([("w", [32, 1, 1, 1, 1], 8, 0)])
     assert "0 dimensions" in error([("w", [], 8, 0)])
     assert "empty dimension" in error([("w", [32, 0], 8, 0)])
-    assert "not a multiple of the alignment" in error([("w", [32], 8, 4)])
+    assert "data offset 4, expected 0" in error([("w", [32], 8, 4)], bytes(64))
     assert "duplicate tensor 'w'" in error([("w", [32], 8, 0), ("w", [32], 8, 0)], bytes(64))
     # Dims whose byte count overflows 64 bits: rejected by size, nothing allocated.
     assert "past the end" in error([("huge", [2**40, 2**40, 2**40], 8, 0)])
@@ -284,6 +284,42 @@ def test_handwritten_bad_tensor_infos(tmp_path):
     # The valid form of the same file loads.
     raw_gguf(path, [("w", [32, 1], 8, 0)], q8_row)
     assert load_gguf(path).tensors["w"].shape == (1, 32)
+
+
+# Tensor data as llama.cpp's gguf_init_from_file requires it: in file order,
+# each tensor at the previous one's end padded to the alignment. The toy
+# file's relative offsets: token_embd at 0 (2176 bytes), attn_norm at 2176,
+# attn_q at 2432 (2304 bytes of Q4_0), attn_k at 4736, attn_v at 5888 (2176
+# bytes of Q8_0), attn_output at 8064.
+# A tensor info field -> (tensor_info_offsets key, bytes past it, struct format).
+INFO_FIELDS = {"offset": ("offset", 0, "Q"), "type": ("type", 0, "I"), "rows": ("dims", 8, "Q")}
+
+
+@pytest.mark.parametrize("tensor, field, value, at_fault, offset, expected", [
+    ("blk.0.attn_k.weight", "offset", 2432, "blk.0.attn_k.weight", 2432, 4736),  # attn_q's data again
+    ("blk.0.attn_k.weight", "offset", 4704, "blk.0.attn_k.weight", 4704, 4736),  # into attn_q's last 32 bytes
+    ("blk.0.attn_k.weight", "offset", 4768, "blk.0.attn_k.weight", 4768, 4736),  # a gap, and into attn_v
+    ("token_embd.weight", "offset", 32, "token_embd.weight", 32, 0),  # the first starts the data section
+    # Larger blocks (Q4_0 -> Q4_1), smaller ones (Q8_0 -> Q5_1), fewer rows:
+    # the data still fits the file, but the next tensor no longer follows it.
+    ("blk.0.attn_q.weight", "type", 3, "blk.0.attn_k.weight", 4736, 2432 + 64 * 40),
+    ("blk.0.attn_v.weight", "type", 7, "blk.0.attn_output.weight", 8064, 5888 + 32 * 48),
+    ("token_embd.weight", "rows", 16, "blk.0.attn_norm.weight", 2176, 16 * 68),
+])
+def test_tensor_data_follows_the_previous_tensor(toy, tmp_path, tensor, field, value, at_fault, offset, expected):
+    key, past, fmt = INFO_FIELDS[field]
+    at = tensor_info_offsets(toy.path, tensor)[key] + past
+    message = load_error(patched(toy.path, str(tmp_path / "o.gguf"), at, fmt, value))
+    assert f"tensor {at_fault!r}: data offset {offset}, expected {expected}" in message
+
+
+def test_aliased_tensors_are_refused(tmp_path):
+    """Two tensors over the same bytes, as a hand-written file can claim them."""
+    path = raw_gguf(str(tmp_path / "alias.gguf"), [("a", [32], 8, 0), ("b", [32], 8, 0)], bytes(128))
+    message = load_error(path)
+    assert "tensor 'b': data offset 0, expected 64" in message and "'a'" in message
+    raw_gguf(path, [("a", [32], 8, 0), ("b", [32], 8, 64)], bytes(128))
+    assert list(load_gguf(path).tensors) == ["a", "b"]
 
 
 def test_newest_llama_cpp_types_load_and_inspect(tmp_path):
@@ -518,21 +554,22 @@ def test_rope_scaling_from_gguf(kind, keys, expect):
 
 
 def test_config_errors():
-    with pytest.raises(ValueError, match=r"config_from_gguf: GGUF architecture 'minicpm' is not supported"):
+    with pytest.raises(GGUFError, match=r"config_from_gguf: metadata 'general.architecture': GGUF architecture "
+                                        r"'minicpm' is not supported"):
         config_from_gguf({**SYNTHETIC_LLAMA, "general.architecture": "minicpm"}, [])
     granite = {**{k.replace("llama.", "granite.", 1): v for k, v in SYNTHETIC_LLAMA.items()},
                "general.architecture": "granite"}
-    with pytest.raises(ValueError, match=r"config_from_gguf: metadata lacks granite.logit_scale"):
+    with pytest.raises(GGUFError, match=r"config_from_gguf: metadata 'granite.logit_scale': missing"):
         config_from_gguf(granite, [])
     assert config_from_gguf({**granite, "granite.logit_scale": 8.0}, [])["logits_scaling"] == 8.0
     without = {k: v for k, v in SYNTHETIC_LLAMA.items() if k != "llama.block_count"}
-    with pytest.raises(ValueError, match="lacks llama.block_count"):
+    with pytest.raises(GGUFError, match="'llama.block_count': missing"):
         config_from_gguf(without, [])
-    with pytest.raises(ValueError, match="neither qwen2.vocab_size nor tokenizer.ggml.tokens"):
+    with pytest.raises(GGUFError, match="'qwen2.vocab_size': missing, as is tokenizer.ggml.tokens"):
         config_from_gguf({k: v for k, v in qwen_metadata("qwen2").items() if k != "tokenizer.ggml.tokens"}, [])
-    with pytest.raises(ValueError, match="rope.dimension_count is 64 but heads have 128 dimensions"):
+    with pytest.raises(GGUFError, match="'llama.rope.dimension_count': 64, but heads have 128 dimensions"):
         config_from_gguf({**SYNTHETIC_LLAMA, "llama.rope.dimension_count": 64}, [])
-    with pytest.raises(ValueError, match="rope.scaling.type 'longrope' is not supported"):
+    with pytest.raises(GGUFError, match="'llama.rope.scaling.type': 'longrope' is not supported"):
         config_from_gguf({**SYNTHETIC_LLAMA, "llama.rope.scaling.type": "longrope",
                           "llama.rope.scaling.factor": 2.0}, [])
 
@@ -590,7 +627,7 @@ def test_gemma3_config_from_gguf():
     assert config["layer_types"] == ["full_attention"] * 34 and config["sliding_window"] is None
     big = gemma_metadata("gemma3", 62, 5376, 32, 16, 128)
     assert config_from_gguf(big, [])["query_pre_attn_scalar"] == 168
-    with pytest.raises(ValueError, match="sliding_window_pattern has 3 entries for 34 layers"):
+    with pytest.raises(GGUFError, match="sliding_window_pattern': 3 entries for 34 layers"):
         config_from_gguf({**metadata, "gemma3.attention.sliding_window_pattern": [True, True, False]}, [])
 
 
@@ -633,9 +670,11 @@ def test_phi3_config_from_gguf():
     assert config["sliding_window"] is None
     with pytest.raises(ValueError, match="needs its tensors' values"):
         config_from_gguf(metadata, list(tensors))
-    with pytest.raises(ValueError, match="no rope_factors_short.weight"):
+    with pytest.raises(GGUFError, match="'phi3.rope.scaling.type': longrope, but the file has no "
+                                        "rope_factors_short.weight"):
         config_from_gguf(metadata, {"rope_factors_long.weight": _Tensor(long)})
-    with pytest.raises(ValueError, match=r"phi3 heads have 128 dimensions, not hidden / heads = 96"):
+    with pytest.raises(GGUFError, match=r"'phi3.attention.key_length': phi3 heads have 128 dimensions, "
+                                        r"not hidden / heads = 96"):
         config_from_gguf({**phi3_metadata(32, 32, 96), "phi3.attention.key_length": 128}, [])
 
 

@@ -10,6 +10,7 @@ the file, inserts or deletes bytes, or damages a byte of the header or of the
 tensor data (block scales and indices); each case applies one
 to three. The contract checked per case:
 - the only exception is lowbit.GGUFError, and its message names the file;
+- a file that loads has no two tensors over the same bytes;
 - no hang: a case takes under CASE_SECONDS (a watchdog aborts the run, with
   every thread's traceback, if one ever takes CASE_SECONDS * 10);
 - no huge allocation: the peak of Python and NumPy allocations (tracemalloc)
@@ -19,7 +20,7 @@ to three. The contract checked per case:
 
 The CI run tries LOWBIT_FUZZ_EXAMPLES cases (default 300, derandomized, so a
 run is reproducible); `make fuzz` runs 20000 fresh random cases and prints
-hypothesis' statistics (tests/README.md records the last long run).
+hypothesis' statistics.
 """
 from __future__ import annotations
 
@@ -190,6 +191,10 @@ def exercise(path: str) -> str:
     except GGUFError as e:
         assert path in str(e), f"GGUFError does not name the file: {e}"
         return outcome(str(e), path)
+    # Views into one mapping: no two tensors of a file that loads share a byte.
+    spans = sorted((t.data.data_ptr(), t.data.data_ptr() + t.nbytes, t.name) for t in f.tensors.values())
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        assert end <= start, f"the data of {first!r} and {second!r} overlap"
     for t in f.tensors.values():
         in_features = t.shape[-1]
         layer = GGUFLinear.from_raw(t.data, t.type, in_features)

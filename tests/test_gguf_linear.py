@@ -74,6 +74,39 @@ def test_constructor_and_from_raw_validate():
         lowbit.GGUFLinear.from_linear(torch.nn.Linear(512, 8), gb.type_id("Q4_K"))
 
 
+def _blocks(rows, row_bytes):
+    return torch.zeros(rows, row_bytes, dtype=torch.uint8)
+
+
+Q4_0 = gb.type_id("Q4_0")
+
+
+# Each constructor, a size it is given (or reads off its blocks) empty,
+# negative or not an integer, and the argument its error must name.
+@pytest.mark.parametrize("build, message", [
+    (lambda: lowbit.GGUFLinear(0, 8, Q4_0), "GGUFLinear: in_features must be a positive integer, got 0"),
+    (lambda: lowbit.GGUFLinear(512, 0, Q4_0), "GGUFLinear: out_features must be a positive integer, got 0"),
+    (lambda: lowbit.GGUFLinear(-32, 8, Q4_0), "GGUFLinear: in_features must be a positive integer, got -32"),
+    (lambda: lowbit.GGUFLinear(512, -1, Q4_0), "GGUFLinear: out_features must be a positive integer, got -1"),
+    (lambda: lowbit.GGUFLinear(512.0, 8, Q4_0), "GGUFLinear: in_features must be a positive integer, got 512.0"),
+    (lambda: lowbit.GGUFLinear.from_raw(_blocks(0, 288), Q4_0, 512), "out_features must be a positive integer, got 0"),
+    (lambda: lowbit.GGUFLinear.from_raw(_blocks(8, 0), Q4_0, 0), "in_features must be a positive integer, got 0"),
+    (lambda: lowbit.GGUFEmbedding(_blocks(0, 288), Q4_0, 512),
+     "GGUFEmbedding: num_embeddings must be a positive integer, got 0"),
+    (lambda: lowbit.GGUFEmbedding(_blocks(8, 0), Q4_0, 0),
+     "GGUFEmbedding: embedding_dim must be a positive integer, got 0"),
+    (lambda: lowbit.GGUFExperts(*[(_blocks(0, 36), Q4_0)] * 3, 0, 64, 64, torch.nn.SiLU()),
+     "GGUFExperts: experts must be a positive integer, got 0"),
+    (lambda: lowbit.GGUFExperts(*[(_blocks(0, 0), Q4_0)] * 3, 2, 0, 0, torch.nn.SiLU()),
+     "GGUFExperts: hidden_size must be a positive integer, got 0"),
+], ids=["in 0", "out 0", "in negative", "out negative", "in a float", "from_raw no rows", "from_raw no columns",
+        "embedding no rows", "embedding dim 0", "experts 0", "experts hidden 0"])
+def test_empty_sizes_are_refused(build, message):
+    """Refused by name at construction, not left to fail as a reshape later."""
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
 # --- GGUFEmbedding ---------------------------------------------------------------------------
 
 

@@ -9,21 +9,73 @@ EXPERT_TENSORS), what the converter did to the HF checkpoint's values
 (LlamaModel's Q/K row permutation, the Gemma models' + 1 on every norm
 weight), and the transformers config kwargs read from the file's metadata
 the way llama.cpp's loader reads them (defaults included: a key the
-converter leaves out means what it means to llama.cpp). Facts from
+converter leaves out means what it means to llama.cpp), each through one
+typed accessor (_Metadata.get) that refuses a value of the wrong type or
+range with a GGUFError naming the file and the key. Facts from
 llama.cpp's convert_hf_to_gguf.py (conversion/*.py) and
 src/models/<arch>.cpp, llama-cpp-python 0.3.36's copy.
 """
 from __future__ import annotations
 
+import math
 import re
+import reprlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .gguf_file import GGUFError
+
 __all__ = ["Architecture", "ARCHITECTURES", "EXPERT_TENSORS", "architecture", "check_architecture", "hf_name",
-           "expert_modules", "unpermute_rows", "rows_in_hf_order", "hf_value", "config_from_gguf"]
+           "expert_modules", "unpermute_rows", "rows_in_hf_order", "hf_value", "config_from_gguf",
+           "check_block_count"]
+
+_REQUIRED = object()  # _Metadata.get's default: the key must be there
+_KINDS = {int: "an integer", float: "a number", str: "a string", list: "an array"}
+
+
+class _Metadata:
+    """A GGUF file's metadata read through one typed accessor: a missing key,
+    a value of the wrong type or out of range is a GGUFError naming the file
+    (`where`) and the key, not a KeyError, TypeError or ZeroDivisionError (or
+    transformers' own error) somewhere later."""
+
+    def __init__(self, metadata: Mapping[str, Any], where: str):
+        self.metadata, self.where = metadata, where
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.metadata
+
+    def error(self, key: str, problem: str) -> GGUFError:
+        return GGUFError(f"{self.where}: metadata {key!r}: {problem}")
+
+    def get(self, key: str, kind: type, default: Any = _REQUIRED, minimum: float | None = None,
+            positive: bool = False) -> Any:
+        """metadata[key], else `default` (none given: the key is required), of
+        `kind`: int (not a bool), float (an int or a float, finite; returned
+        as a float), str or list; a number at least `minimum`, above 0 where `positive`."""
+        if key not in self.metadata:
+            if default is _REQUIRED:
+                raise self.error(key, "missing")
+            return default
+        value = self.metadata[key]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if kind is int:
+            ok = number and isinstance(value, int)
+        elif kind is float:
+            ok = number and math.isfinite(value)
+        else:
+            ok = isinstance(value, kind)
+        if not ok:
+            raise self.error(key, f"expected {_KINDS[kind]}, got {type(value).__name__} {reprlib.repr(value)}")
+        if positive and value <= 0:
+            raise self.error(key, f"must be > 0, got {value!r}")
+        if minimum is not None and value < minimum:
+            raise self.error(key, f"must be >= {minimum}, got {value!r}")
+        return float(value) if kind is float else value
+
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -67,7 +119,7 @@ _PHI3_BLOCK = {"attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_pro
                "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 
 
-def _no_extra(metadata: Mapping[str, Any], arch: str, tensors, config: dict) -> dict:
+def _no_extra(m, arch: str, tensors, config: dict) -> dict:
     return {}
 
 
@@ -96,10 +148,10 @@ class Architecture:
     # A decoder layer's GGUF tensors that are one parameter of a module (no
     # .weight of their own) -> that parameter under model.layers.N.
     parameters: Mapping[str, str] = field(default_factory=dict)
-    # The architecture's own config kwargs: (metadata, arch, tensors, config
-    # so far) -> kwargs. It may take out of the config so far what its class
-    # spells otherwise (rope_theta and rope_scaling as rope_parameters).
-    extra_config: Callable[[Mapping[str, Any], str, Any, dict], dict] = field(default=_no_extra)
+    # The architecture's own config kwargs: (the file's _Metadata, arch,
+    # tensors, config so far) -> kwargs. It may take out of the config so far
+    # what its class spells otherwise (rope_theta and rope_scaling as rope_parameters).
+    extra_config: Callable[[_Metadata, str, Any, dict], dict] = field(default=_no_extra)
 
 
 def _attention_bias(tensors) -> dict:
@@ -115,81 +167,82 @@ def _rope_parameters(config: dict) -> dict:
     return {**(config.pop("rope_scaling", None) or {"rope_type": "default"}), "rope_theta": theta}
 
 
-def _llama_extra(metadata, arch, tensors, config):
+def _llama_extra(m, arch, tensors, config):
     return {**_attention_bias(tensors), "mlp_bias": "blk.0.ffn_up.bias" in set(tensors)}
 
 
-def _smollm3_extra(metadata, arch, tensors, config):
+def _smollm3_extra(m, arch, tensors, config):
     """llama.cpp's SmolLM3 skips RoPE in every 4th layer (its fixed
     n_no_rope_layer_step; the file says nothing of it)."""
     layers = config["num_hidden_layers"]
-    return {**_llama_extra(metadata, arch, tensors, config), "no_rope_layer_interval": 4,
+    return {**_llama_extra(m, arch, tensors, config), "no_rope_layer_interval": 4,
             "no_rope_layers": [int((il + 1) % 4 != 0) for il in range(layers)]}
 
 
-def _granite_extra(metadata, arch, tensors, config):
+def _granite_extra(m, arch, tensors, config):
     """Granite's multipliers under llama.cpp's names: the embeddings' and
-    each sublayer's output scale (absent: 1), the attention's (absent: 1 /
-    sqrt(head)), and the logits' divisor (required, as llama.cpp requires it)."""
-    if f"{arch}.logit_scale" not in metadata:
-        raise ValueError(f"config_from_gguf: metadata lacks {arch}.logit_scale")
-    return {**_llama_extra(metadata, arch, tensors, config),
-            "embedding_multiplier": float(metadata.get(f"{arch}.embedding_scale", 0.0)) or 1.0,
-            "residual_multiplier": float(metadata.get(f"{arch}.residual_scale", 0.0)) or 1.0,
-            "attention_multiplier": float(metadata.get(f"{arch}.attention.scale", 0.0)) or config["head_dim"] ** -0.5,
-            "logits_scaling": float(metadata[f"{arch}.logit_scale"])}
+    each sublayer's output scale (absent or 0: 1), the attention's (absent
+    or 0: 1 / sqrt(head)), and the logits' divisor (required, as llama.cpp requires it)."""
+    return {**_llama_extra(m, arch, tensors, config),
+            "embedding_multiplier": m.get(f"{arch}.embedding_scale", float, 0.0, minimum=0) or 1.0,
+            "residual_multiplier": m.get(f"{arch}.residual_scale", float, 0.0, minimum=0) or 1.0,
+            "attention_multiplier": m.get(f"{arch}.attention.scale", float, 0.0, minimum=0)
+            or config["head_dim"] ** -0.5,
+            "logits_scaling": m.get(f"{arch}.logit_scale", float, positive=True)}
 
 
-def _qwen3_extra(metadata, arch, tensors, config):
+def _qwen3_extra(m, arch, tensors, config):
     return _attention_bias(tensors)
 
 
-def _experts_config(metadata, arch, count_key: str, used_key: str) -> dict:
+def _experts_config(m, arch, count_key: str, used_key: str) -> dict:
     """The expert counts, and llama.cpp's routing: softmax over the experts,
     the top expert_used_count of them, their weights renormalized to sum to 1
     (build_moe_ffn with norm_w)."""
-    count, used = metadata.get(f"{arch}.expert_count", 0), metadata.get(f"{arch}.expert_used_count", 0)
-    if count <= 0 or not 0 < used <= count:
-        raise ValueError(f"config_from_gguf: {arch} file with {arch}.expert_count {count} and "
-                         f"{arch}.expert_used_count {used}")
+    count = m.get(f"{arch}.expert_count", int, positive=True)
+    used = m.get(f"{arch}.expert_used_count", int, positive=True)
+    if used > count:
+        raise m.error(f"{arch}.expert_used_count", f"{used} experts per token, of {count} ({arch}.expert_count)")
     return {count_key: count, used_key: used}
 
 
-def _mixtral_extra(metadata, arch, tensors, config):
-    return _experts_config(metadata, arch, "num_local_experts", "num_experts_per_tok")
+def _mixtral_extra(m, arch, tensors, config):
+    return _experts_config(m, arch, "num_local_experts", "num_experts_per_tok")
 
 
-def _qwen_moe_config(metadata, arch, config, normalized: bool) -> dict:
+def _qwen_moe_config(m, arch, config, normalized: bool) -> dict:
     """Qwen2-MoE's and Qwen3-MoE's: every layer routes, each expert's FFN
     size (llama.cpp's default: feed_forward_length / expert_used_count),
     and whether llama.cpp renormalizes the chosen experts' weights."""
-    return {**_experts_config(metadata, arch, "num_experts", "num_experts_per_tok"),
-            "moe_intermediate_size": metadata.get(f"{arch}.expert_feed_forward_length",
-                                                  config["intermediate_size"] // metadata[f"{arch}.expert_used_count"]),
+    experts = _experts_config(m, arch, "num_experts", "num_experts_per_tok")
+    default_size = config["intermediate_size"] // experts["num_experts_per_tok"]
+    return {**experts,
+            "moe_intermediate_size": m.get(f"{arch}.expert_feed_forward_length", int, default_size, positive=True),
             "norm_topk_prob": normalized, "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
-def _qwen2moe_extra(metadata, arch, tensors, config):
-    shared = metadata.get(f"{arch}.expert_shared_feed_forward_length", config["intermediate_size"])
-    return {**_qwen_moe_config(metadata, arch, config, normalized=False), "shared_expert_intermediate_size": shared}
+def _qwen2moe_extra(m, arch, tensors, config):
+    shared = m.get(f"{arch}.expert_shared_feed_forward_length", int, config["intermediate_size"], positive=True)
+    return {**_qwen_moe_config(m, arch, config, normalized=False), "shared_expert_intermediate_size": shared}
 
 
-def _qwen3moe_extra(metadata, arch, tensors, config):
-    return {**_qwen_moe_config(metadata, arch, config, normalized=True), **_attention_bias(tensors)}
+def _qwen3moe_extra(m, arch, tensors, config):
+    return {**_qwen_moe_config(m, arch, config, normalized=True), **_attention_bias(tensors)}
 
 
-def _layer_types(metadata: Mapping[str, Any], arch: str, layers: int, default_pattern: int) -> list[str]:
+def _layer_types(m: _Metadata, arch: str, layers: int, default_pattern: int) -> list[str]:
     """Each layer's attention as llama.cpp's load_swa_pattern sets it:
     attention.sliding_window_pattern is a per-layer array, or n (sliding but
     every n-th layer; 0: all sliding), default `default_pattern`."""
-    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", default_pattern)
-    if isinstance(pattern, list):
-        if len(pattern) != layers:
-            raise ValueError(f"config_from_gguf: {arch}.attention.sliding_window_pattern has {len(pattern)} "
-                             f"entries for {layers} layers")
+    key = f"{arch}.attention.sliding_window_pattern"
+    if isinstance(m.metadata.get(key), list):
+        pattern = m.get(key, list)
+        if len(pattern) != layers or not all(isinstance(p, int) for p in pattern):
+            raise m.error(key, f"{len(pattern)} entries for {layers} layers, expected a boolean per layer")
         sliding = [bool(p) for p in pattern]
     else:
-        sliding = [pattern == 0 or il % pattern < pattern - 1 for il in range(layers)]
+        n = m.get(key, int, default_pattern, minimum=0)
+        sliding = [n == 0 or il % n < n - 1 for il in range(layers)]
     return ["sliding_attention" if s else "full_attention" for s in sliding]
 
 
@@ -202,90 +255,91 @@ def _query_pre_attn_scalar(config: dict, largest_layers: int) -> int:
     return config["head_dim"]
 
 
-def _gemma_extra(metadata, arch, tensors, config):
+def _gemma_extra(m, arch, tensors, config):
     return {"hidden_act": "gelu_pytorch_tanh"}  # llama.cpp's GELU is the tanh form
 
 
-def _gemma2_extra(metadata, arch, tensors, config):
+def _gemma2_extra(m, arch, tensors, config):
     layers = config["num_hidden_layers"]
     return {
         "hidden_activation": "gelu_pytorch_tanh",
-        "sliding_window": metadata.get(f"{arch}.attention.sliding_window", 4096),
-        "layer_types": _layer_types(metadata, arch, layers, 2),
-        "attn_logit_softcapping": float(metadata.get(f"{arch}.attn_logit_softcapping", 50.0)),
-        "final_logit_softcapping": float(metadata.get(f"{arch}.final_logit_softcapping", 30.0)),
+        "sliding_window": m.get(f"{arch}.attention.sliding_window", int, 4096, positive=True),
+        "layer_types": _layer_types(m, arch, layers, 2),
+        "attn_logit_softcapping": m.get(f"{arch}.attn_logit_softcapping", float, 50.0, positive=True),
+        "final_logit_softcapping": m.get(f"{arch}.final_logit_softcapping", float, 30.0, positive=True),
         "query_pre_attn_scalar": _query_pre_attn_scalar(config, 46),
     }
 
 
-def _gemma3_extra(metadata, arch, tensors, config):
+def _gemma3_extra(m, arch, tensors, config):
     layers = config["num_hidden_layers"]
-    window = metadata.get(f"{arch}.attention.sliding_window", 0)
-    layer_types = _layer_types(metadata, arch, layers, 6) if window > 0 else ["full_attention"] * layers
+    window = m.get(f"{arch}.attention.sliding_window", int, 0, minimum=0)
+    layer_types = _layer_types(m, arch, layers, 6) if window > 0 else ["full_attention"] * layers
     # Sliding layers rotate with their own base and no scaling (llama.cpp's
     # rope_freq_base_train_swa, default 10000, and freq_scale_train_swa 1).
-    sliding = {"rope_type": "default", "rope_theta": float(metadata.get(f"{arch}.rope.freq_base_swa", 10000.0))}
+    sliding = {"rope_type": "default",
+               "rope_theta": m.get(f"{arch}.rope.freq_base_swa", float, 10000.0, positive=True)}
     full = _rope_parameters(config)
-    softcap = metadata.get(f"{arch}.final_logit_softcapping")
+    softcap = m.get(f"{arch}.final_logit_softcapping", float, 0.0, minimum=0)
     return {
         "hidden_activation": "gelu_pytorch_tanh",
         "sliding_window": window if window > 0 else None,
         "layer_types": layer_types,
         "rope_parameters": {"full_attention": full, "sliding_attention": sliding},
-        "final_logit_softcapping": float(softcap) if softcap else None,
+        "final_logit_softcapping": softcap or None,
         "attn_logit_softcapping": None,
         "query_pre_attn_scalar": _query_pre_attn_scalar(config, 62),
     }
 
 
-def _gpt_oss_extra(metadata, arch, tensors, config):
+def _gpt_oss_extra(m, arch, tensors, config):
     """gpt-oss's: experts (the top expert_used_count of the router's logits,
     softmax over those: llama.cpp's SOFTMAX_WEIGHT gating, as transformers'
     GptOss routes), each of expert_feed_forward_length; sliding layers every
     other one from the first (llama.cpp's pattern 2) with the same rotary
     embedding as the global ones; llama.cpp's fixed SwiGLU constants."""
     rope = _rope_parameters(config)
-    if float(metadata.get(f"{arch}.rope.freq_base_swa", rope["rope_theta"])) != rope["rope_theta"]:
-        raise ValueError(f"config_from_gguf: {arch}.rope.freq_base_swa differs from rope.freq_base; transformers' "
-                         "GptOss rotates every layer alike")
-    return {**_experts_config(metadata, arch, "num_local_experts", "num_experts_per_tok"),
-            "intermediate_size": metadata[f"{arch}.expert_feed_forward_length"],
-            "sliding_window": metadata[f"{arch}.attention.sliding_window"],
-            "layer_types": _layer_types(metadata, arch, config["num_hidden_layers"], 2),
+    if m.get(f"{arch}.rope.freq_base_swa", float, rope["rope_theta"], positive=True) != rope["rope_theta"]:
+        raise m.error(f"{arch}.rope.freq_base_swa", "differs from rope.freq_base; transformers' GptOss rotates "
+                      "every layer alike")
+    return {**_experts_config(m, arch, "num_local_experts", "num_experts_per_tok"),
+            "intermediate_size": m.get(f"{arch}.expert_feed_forward_length", int, positive=True),
+            "sliding_window": m.get(f"{arch}.attention.sliding_window", int, positive=True),
+            "layer_types": _layer_types(m, arch, config["num_hidden_layers"], 2),
             "rope_parameters": rope, "swiglu_alpha": 1.702, "swiglu_limit": 7.0, **_attention_bias(tensors)}
 
 
-def _phi3_extra(metadata, arch, tensors, config):
+def _phi3_extra(m, arch, tensors, config):
     """Phi3's head is hidden / heads, and any partial rotation a factor of
     it; LongRoPE files carry their per-frequency factors as tensors."""
     head = config.pop("head_dim")
     if head * config["num_attention_heads"] != config["hidden_size"]:
-        raise ValueError(f"config_from_gguf: {arch} heads have {head} dimensions, not hidden / heads = "
-                         f"{config['hidden_size'] // config['num_attention_heads']}")
+        raise m.error(f"{arch}.attention.key_length", f"{arch} heads have {head} dimensions, not hidden / heads = "
+                      f"{config['hidden_size'] // config['num_attention_heads']}")
     rope = _rope_parameters(config)
-    rope["partial_rotary_factor"] = metadata.get(f"{arch}.rope.dimension_count", head) / head
-    original = metadata.get(f"{arch}.rope.scaling.original_context_length", config["max_position_embeddings"])
+    rope["partial_rotary_factor"] = m.get(f"{arch}.rope.dimension_count", int, head, positive=True) / head
+    original = m.get(f"{arch}.rope.scaling.original_context_length", int, config["max_position_embeddings"],
+                     positive=True)
     if rope["rope_type"] == "longrope":
-        rope.update(original_max_position_embeddings=original, **_longrope_factors(metadata, arch, tensors))
-    window = metadata.get(f"{arch}.attention.sliding_window", 0)
+        rope.update(original_max_position_embeddings=original, **_longrope_factors(m, arch, tensors))
+    window = m.get(f"{arch}.attention.sliding_window", int, 0, minimum=0)
     return {"rope_parameters": rope, "original_max_position_embeddings": original,
             "sliding_window": window if window > 0 else None}
 
 
-def _longrope_factors(metadata, arch, tensors) -> dict:
+def _longrope_factors(m, arch, tensors) -> dict:
     if not isinstance(tensors, Mapping):
-        raise ValueError("config_from_gguf: a LongRoPE file's config needs its tensors' values (pass the mapping "
+        raise ValueError(f"{m.where}: a LongRoPE file's config needs its tensors' values (pass the mapping "
                          "name -> tensor), not only their names")
     factors = {}
     for kind in ("long", "short"):
         t = tensors.get(f"rope_factors_{kind}.weight")
         if t is None:
-            raise ValueError(f"config_from_gguf: {arch}.rope.scaling.type is longrope but the file has no "
-                             f"rope_factors_{kind}.weight")
+            raise m.error(f"{arch}.rope.scaling.type", f"longrope, but the file has no rope_factors_{kind}.weight")
         factors[f"{kind}_factor"] = t.dequantize().reshape(-1).tolist()
-    attention = metadata.get(f"{arch}.rope.scaling.attn_factor")
+    attention = m.get(f"{arch}.rope.scaling.attn_factor", float, None, positive=True)
     if attention is not None:
-        factors["attention_factor"] = float(attention)
+        factors["attention_factor"] = attention
     return factors
 
 
@@ -319,15 +373,17 @@ ARCHITECTURES: dict[str, Architecture] = {
 EXPERT_TENSORS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
 
 _NAME_RE = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<base>\w+)\.(?P<suffix>weight|bias)")
+_LAYER_RE = re.compile(r"blk\.(\d+)\.")
 
 
 def check_architecture(metadata: Mapping[str, Any], where: str) -> str:
-    """The file's general.architecture, or ValueError if lowbit does not know
+    """The file's general.architecture, or GGUFError if lowbit does not know
     how its converter wrote it (a wrong guess would load and compute garbage)."""
-    arch = metadata.get("general.architecture")
+    m = _Metadata(metadata, where)
+    arch = m.get("general.architecture", str)
     if arch not in ARCHITECTURES:
-        raise ValueError(f"{where}: GGUF architecture {arch!r} is not supported "
-                         f"(supported: {', '.join(ARCHITECTURES)})")
+        raise m.error("general.architecture", f"GGUF architecture {arch!r} is not supported "
+                                              f"(supported: {', '.join(ARCHITECTURES)})")
     return arch
 
 
@@ -336,9 +392,26 @@ def architecture(metadata: Mapping[str, Any], where: str) -> Architecture:
     with_experts where the file has experts."""
     arch = check_architecture(metadata, where)
     spec = ARCHITECTURES[arch]
-    if spec.with_experts is not None and metadata.get(f"{arch}.expert_count", 0) > 0:
-        return spec.with_experts
-    return spec
+    experts = _Metadata(metadata, where).get(f"{arch}.expert_count", int, 0, minimum=0)
+    return spec.with_experts if spec.with_experts is not None and experts > 0 else spec
+
+
+def check_block_count(metadata: Mapping[str, Any], names: Iterable[str], where: str) -> int:
+    """The file's block_count, refused unless the blk.N tensors (`names`)
+    are exactly layers 0 .. block_count - 1, before a model is built from
+    it: a larger count would build layers no tensor fills (a corrupt 10^5
+    or 2^63: a hang, a huge allocation), a smaller one drop layers unseen."""
+    m = _Metadata(metadata, where)
+    key = f"{check_architecture(metadata, where)}.block_count"
+    count = m.get(key, int, positive=True)
+    layers = {int(match[1]) for name in names if (match := _LAYER_RE.match(name))}
+    beyond = min((il for il in layers if il >= count), default=None)
+    if beyond is not None:
+        raise m.error(key, f"{count} layers, but the file has tensors of layer {beyond} (blk.{beyond}.*)")
+    if len(layers) < count:  # then one of 0 .. len(layers) has no tensor
+        missing = min(set(range(len(layers) + 1)) - layers)
+        raise m.error(key, f"{count} layers, but the file has no blk.{missing}.* tensors")
+    return count
 
 
 def hf_name(gguf_name: str, arch: str | Architecture) -> str | None:
@@ -400,11 +473,12 @@ def rows_in_hf_order(name: str, rows: torch.Tensor, metadata: Mapping[str, Any])
     arch = check_architecture(metadata, "rows_in_hf_order")
     if not architecture(metadata, "rows_in_hf_order").qk_rows_permuted:
         return rows
-    n_head = metadata.get(f"{arch}.attention.head_count")
+    m = _Metadata(metadata, "rows_in_hf_order")
     if name.endswith(("attn_q.weight", "attn_q.bias")):
-        return unpermute_rows(rows, n_head)
+        return unpermute_rows(rows, m.get(f"{arch}.attention.head_count", int, positive=True))
     if name.endswith(("attn_k.weight", "attn_k.bias")):
-        return unpermute_rows(rows, metadata.get(f"{arch}.attention.head_count_kv", n_head))
+        n_head = m.get(f"{arch}.attention.head_count", int, positive=True)
+        return unpermute_rows(rows, m.get(f"{arch}.attention.head_count_kv", int, n_head, positive=True))
     return rows
 
 
@@ -420,13 +494,13 @@ def hf_value(name: str, value: torch.Tensor, metadata: Mapping[str, Any]) -> tor
     return value
 
 
-# transformers config kwarg <- GGUF key without the "<arch>." prefix.
-_REQUIRED_KEYS = {
+# transformers config kwarg <- GGUF key without the "<arch>." prefix: the
+# sizes every file must give, each a positive integer.
+_REQUIRED_SIZES = {
     "hidden_size": "embedding_length",
     "intermediate_size": "feed_forward_length",
     "num_hidden_layers": "block_count",
     "num_attention_heads": "attention.head_count",
-    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
     "max_position_embeddings": "context_length",
 }
 
@@ -437,10 +511,12 @@ _TOKEN_ID_KEYS = {
 }
 
 
-def config_from_gguf(metadata: Mapping[str, Any], tensors: Iterable[str] | Mapping[str, Any]) -> dict[str, Any]:
+def config_from_gguf(metadata: Mapping[str, Any], tensors: Iterable[str] | Mapping[str, Any],
+                     where: str = "config_from_gguf") -> dict[str, Any]:
     """Kwargs for the transformers config class of the file's architecture
     (ARCHITECTURES[arch].model_class's) from a GGUF file's metadata, read the
-    way llama.cpp reads it.
+    way llama.cpp reads it; a key missing, of the wrong type or out of range
+    is a GGUFError that names `where` (the caller and file) and the key.
 
     `tensors` are the file's tensors, names or a mapping name -> GGUFTensor:
     a file without output.weight ties the LM head to the token embedding,
@@ -448,76 +524,89 @@ def config_from_gguf(metadata: Mapping[str, Any], tensors: Iterable[str] | Mappi
     those biases (qwen2 always has Q/K/V biases), and a phi3 LongRoPE file's
     factors are tensors (their values need the mapping).
     """
-    arch = check_architecture(metadata, "config_from_gguf")
-    spec = architecture(metadata, "config_from_gguf")
-    missing = [f"{arch}.{k}" for k in _REQUIRED_KEYS.values() if f"{arch}.{k}" not in metadata]
-    if missing:
-        raise ValueError(f"config_from_gguf: metadata lacks {', '.join(missing)}")
-
-    config = {kwarg: metadata[f"{arch}.{key}"] for kwarg, key in _REQUIRED_KEYS.items()}
-    config["vocab_size"] = _vocab_size(metadata, arch)
+    arch = check_architecture(metadata, where)
+    spec = architecture(metadata, where)
+    m = _Metadata(metadata, where)
+    config = {kwarg: m.get(f"{arch}.{key}", int, positive=True) for kwarg, key in _REQUIRED_SIZES.items()}
+    config["rms_norm_eps"] = m.get(f"{arch}.attention.layer_norm_rms_epsilon", float, positive=True)
+    config["vocab_size"] = _vocab_size(m, arch)
     # Absent head_count_kv means plain multi-head attention (llama.cpp's default too).
-    config["num_key_value_heads"] = metadata.get(f"{arch}.attention.head_count_kv", config["num_attention_heads"])
-    config["head_dim"] = _head_dim(metadata, arch, config["hidden_size"], config["num_attention_heads"],
-                                   spec.partial_rotary)
-    config["rope_theta"] = float(metadata.get(f"{arch}.rope.freq_base", 10000.0))
-    scaling = _rope_scaling(metadata, arch)
+    n_head = config["num_attention_heads"]
+    n_head_kv = m.get(f"{arch}.attention.head_count_kv", int, n_head, positive=True)
+    if n_head % n_head_kv:
+        raise m.error(f"{arch}.attention.head_count_kv", f"{n_head_kv} KV heads do not divide the {n_head} "
+                                                         f"attention heads ({arch}.attention.head_count)")
+    config["num_key_value_heads"] = n_head_kv
+    config["head_dim"] = _head_dim(m, arch, config["hidden_size"], n_head, spec.partial_rotary)
+    config["rope_theta"] = m.get(f"{arch}.rope.freq_base", float, 10000.0, positive=True)
+    scaling = _rope_scaling(m, arch)
     if scaling is not None:
         config["rope_scaling"] = {**scaling, "rope_theta": config["rope_theta"]}
     config["tie_word_embeddings"] = "output.weight" not in set(tensors)
     # The file's special tokens, and none where it names none (a transformers
-    # default could lie outside the file's vocabulary).
+    # default could lie outside the file's vocabulary, as may the file's own).
     for kwarg, key in _TOKEN_ID_KEYS.items():
-        config[kwarg] = metadata.get(key)
-    config.update(spec.extra_config(metadata, arch, tensors, config))
+        token = m.get(key, int, None, minimum=0)
+        if token is not None and token >= config["vocab_size"]:
+            raise m.error(key, f"token {token} is outside the vocabulary of {config['vocab_size']} tokens")
+        config[kwarg] = token
+    config.update(spec.extra_config(m, arch, tensors, config))
     return config
 
 
-def _vocab_size(metadata: Mapping[str, Any], arch: str) -> int:
-    if f"{arch}.vocab_size" in metadata:
-        return metadata[f"{arch}.vocab_size"]
-    if "tokenizer.ggml.tokens" in metadata:
-        return len(metadata["tokenizer.ggml.tokens"])
-    raise ValueError(f"config_from_gguf: metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
+def _vocab_size(m: _Metadata, arch: str) -> int:
+    if f"{arch}.vocab_size" in m:
+        return m.get(f"{arch}.vocab_size", int, positive=True)
+    if "tokenizer.ggml.tokens" in m:
+        tokens = m.get("tokenizer.ggml.tokens", list)
+        if not tokens:
+            raise m.error("tokenizer.ggml.tokens", "empty")
+        return len(tokens)
+    raise m.error(f"{arch}.vocab_size", "missing, as is tokenizer.ggml.tokens (one of them gives the vocabulary size)")
 
 
-def _head_dim(metadata: Mapping[str, Any], arch: str, hidden: int, n_head: int, partial_rotary: bool) -> int:
+def _head_dim(m: _Metadata, arch: str, hidden: int, n_head: int, partial_rotary: bool) -> int:
     """llama.cpp's head size: attention.key_length, else embedding / heads.
     The rotated part (rope.dimension_count) must be the whole head where the
     transformers class rotates every dimension."""
-    head_dim = metadata.get(f"{arch}.attention.key_length", hidden // n_head)
-    rotated = metadata.get(f"{arch}.rope.dimension_count", head_dim)
+    key = f"{arch}.attention.key_length"
+    if key not in m and hidden % n_head:
+        raise m.error(f"{arch}.attention.head_count", f"{n_head} heads do not divide {arch}.embedding_length "
+                                                      f"{hidden}, and no {key} gives the head size")
+    head_dim = m.get(key, int, hidden // n_head, positive=True)
+    rotated = m.get(f"{arch}.rope.dimension_count", int, head_dim, positive=True)
     if rotated > head_dim or rotated % 2 or (rotated != head_dim and not partial_rotary):
-        raise ValueError(f"config_from_gguf: {arch}.rope.dimension_count is {rotated} but heads have {head_dim} "
-                         f"dimensions; partial rotary embeddings are not supported for {arch}")
+        raise m.error(f"{arch}.rope.dimension_count", f"{rotated}, but heads have {head_dim} dimensions; partial "
+                                                      f"rotary embeddings are not supported for {arch}")
     return head_dim
 
 
-def _rope_scaling(metadata: Mapping[str, Any], arch: str) -> dict[str, Any] | None:
+def _rope_scaling(m: _Metadata, arch: str) -> dict[str, Any] | None:
     """transformers rope parameters for the file's rope.scaling.* keys (types
     none, linear and yarn, and phi3's longrope, the ones llama.cpp's
     converter writes for these architectures), or None without scaling."""
-    kind = metadata.get(f"{arch}.rope.scaling.type", "none")
+    key = f"{arch}.rope.scaling.type"
+    kind = m.get(key, str, "none")
     if kind == "none":
         return None
     if kind == "longrope" and arch == "phi3":  # its factors are tensors (_longrope_factors)
         return {"rope_type": "longrope"}
-    factor = float(metadata[f"{arch}.rope.scaling.factor"])
+    if kind not in ("linear", "yarn"):
+        raise m.error(key, f"{kind!r} is not supported (none, linear, yarn{', longrope' if arch == 'phi3' else ''})")
+    factor = m.get(f"{arch}.rope.scaling.factor", float, positive=True)
     if kind == "linear":
         return {"rope_type": "linear", "factor": factor}
-    if kind == "yarn":
-        # llama.cpp's corrections range is whole dimensions (floor / ceil):
-        # transformers' truncate, its default. The betas default alike; an
-        # attention factor or extrapolation mix of the file's own, which
-        # llama.cpp combines with its context parameters, is refused.
-        rope = {"rope_type": "yarn", "factor": factor,
-                "original_max_position_embeddings": metadata[f"{arch}.rope.scaling.original_context_length"]}
-        for key in ("yarn_attn_factor", "yarn_ext_factor", "yarn_log_multiplier"):
-            if f"{arch}.rope.scaling.{key}" in metadata:
-                raise ValueError(f"config_from_gguf: {arch}.rope.scaling.{key} is not supported")
-        for key, kwarg in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
-            if f"{arch}.rope.scaling.{key}" in metadata:
-                rope[kwarg] = float(metadata[f"{arch}.rope.scaling.{key}"])
-        return rope
-    raise ValueError(f"config_from_gguf: {arch}.rope.scaling.type {kind!r} is not supported (none, linear, yarn"
-                     f"{', longrope' if arch == 'phi3' else ''})")
+    # llama.cpp's corrections range is whole dimensions (floor / ceil):
+    # transformers' truncate, its default. The betas default alike; an
+    # attention factor or extrapolation mix of the file's own, which
+    # llama.cpp combines with its context parameters, is refused.
+    rope = {"rope_type": "yarn", "factor": factor,
+            "original_max_position_embeddings": m.get(f"{arch}.rope.scaling.original_context_length", int,
+                                                      positive=True)}
+    for name in ("yarn_attn_factor", "yarn_ext_factor", "yarn_log_multiplier"):
+        if f"{arch}.rope.scaling.{name}" in m:
+            raise m.error(f"{arch}.rope.scaling.{name}", "not supported")
+    for name, kwarg in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        if f"{arch}.rope.scaling.{name}" in m:
+            rope[kwarg] = m.get(f"{arch}.rope.scaling.{name}", float, positive=True)
+    return rope

@@ -4,6 +4,8 @@ get_rows does (a float copy of a 128k-token table costs GBs)."""
 import torch
 from torch import nn
 
+from .gguf_linear import check_sizes
+
 
 class GGUFEmbedding(nn.Module):
     """out[..., :] = dequantized row `ids[...]` of the blocks, in `dtype`
@@ -20,12 +22,14 @@ class GGUFEmbedding(nn.Module):
     def __init__(self, qweight: torch.Tensor, qtype: int, embedding_dim: int, dtype: torch.dtype = torch.float32,
                  embed_scale: float | None = None):
         super().__init__()
+        check_sizes("GGUFEmbedding", embedding_dim=embedding_dim)
         block, type_size = torch.ops.lowbit.ggml_type_info(qtype)
         if embedding_dim % block or qweight.dtype != torch.uint8 or qweight.dim() != 2 \
                 or qweight.shape[1] != embedding_dim // block * type_size:
             raise ValueError(f"GGUFEmbedding: qweight must be uint8 [rows, {embedding_dim // block * type_size}] "
                              f"for dimension {embedding_dim} of type {qtype}, got {qweight.dtype} "
                              f"{tuple(qweight.shape)}")
+        check_sizes("GGUFEmbedding", num_embeddings=qweight.shape[0])
         self.num_embeddings, self.embedding_dim, self.qtype = qweight.shape[0], embedding_dim, qtype
         self.register_buffer("qweight", qweight)
         # The output dtype, held by an empty float buffer so that it follows

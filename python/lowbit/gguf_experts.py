@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .gguf_linear import check_sizes
+
 
 PROJECTIONS = ("gate", "up", "down")
 
@@ -61,6 +63,7 @@ class GGUFExperts(nn.Module):
         super().__init__()
         if (act_fn is None) == (glu is None):
             raise ValueError("GGUFExperts: give act_fn or glu, not both")
+        check_sizes("GGUFExperts", experts=experts, hidden_size=hidden_size, intermediate_size=intermediate_size)
         self.num_experts, self.hidden_size, self.intermediate_size = experts, hidden_size, intermediate_size
         self.qtypes, self.repacked = {}, dict.fromkeys(PROJECTIONS, False)
         for (name, (rows, n)), (blocks, qtype) in zip(self._shapes().items(), (gate, up, down)):

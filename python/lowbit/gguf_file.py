@@ -4,9 +4,10 @@ The header, metadata and tensor infos are parsed here from the GGUF
 specification, every read bounds-checked against the file size (gguf-py's
 GGUFReader, the tests' independent reference, builds NumPy objects per array
 item: seconds for a 150k-token vocabulary, against milliseconds here). Every
-tensor is checked against lowbit's type table (torch.ops.lowbit.ggml_type_info)
-and the file size, and its raw block bytes exposed as a torch.uint8
-[rows, row_bytes] view over a copy-on-write memory map.
+tensor is checked against lowbit's type table (torch.ops.lowbit.ggml_type_info),
+the file size and llama.cpp's layout (each tensor's data right after the
+previous one's, padded to the alignment), and its raw block bytes exposed as
+a torch.uint8 [rows, row_bytes] view over a copy-on-write memory map.
 
     with load_gguf("model.gguf") as f:
         w = f.tensors["blk.0.attn_q.weight"]
@@ -211,11 +212,23 @@ def load_gguf(path: str | os.PathLike) -> GGUFFile:
         raise
     except Exception as e:  # anything the parser trips over means a bad file
         raise GGUFError(f"{path}: not a readable GGUF file: {_describe(e)}") from e
-    tensors = {}
+    # llama.cpp's rule (gguf_init_from_file): in file order, each tensor's data
+    # starts where the previous tensor's ends, padded to the alignment. So no
+    # two tensors share a byte: an offset or type edited to alias another
+    # tensor's data, or a gap that hides bytes, is refused.
+    tensors: dict[str, GGUFTensor] = {}
+    expected, previous = 0, None
     for info in infos:
         if info.name in tensors:
             raise GGUFError(f"{path}: duplicate tensor {info.name!r}")
-        tensors[info.name] = _tensor(data, data_offset, info, path, alignment)
+        t = _tensor(data, data_offset, info, path)
+        if info.rel_offset != expected:
+            follows = (f"where {previous!r} ends, padded to the alignment {alignment}" if previous
+                       else "the start of the data section")
+            raise GGUFError(f"{path}: tensor {info.name!r}: data offset {info.rel_offset}, expected {expected} "
+                            f"({follows}): tensor data must not overlap or leave gaps")
+        tensors[info.name] = t
+        expected, previous = expected + t.nbytes + -t.nbytes % alignment, info.name
     return GGUFFile(path, version, alignment, metadata, tensors)
 
 
@@ -247,7 +260,7 @@ def _type_name(type_id: int) -> str:
         return "unknown"
 
 
-def _tensor(data: np.ndarray, data_offset: int, info: _TensorInfo, path: str, alignment: int) -> GGUFTensor:
+def _tensor(data: np.ndarray, data_offset: int, info: _TensorInfo, path: str) -> GGUFTensor:
     where = f"{path}: tensor {info.name!r}"
     type_id, dims, rel_offset = info.type_id, info.dims, info.rel_offset
     type_info = _type_info(type_id)
@@ -261,8 +274,6 @@ def _tensor(data: np.ndarray, data_offset: int, info: _TensorInfo, path: str, al
     if row_len % block:
         raise GGUFError(f"{where}: row length {row_len} is not a multiple of the "
                         f"{_type_name(type_id)} block size {block}")
-    if rel_offset % alignment:
-        raise GGUFError(f"{where}: data offset {rel_offset} is not a multiple of the alignment {alignment}")
 
     rows = math.prod(dims[1:])
     row_bytes = row_len // block * type_bytes

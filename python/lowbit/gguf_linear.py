@@ -1,5 +1,6 @@
 """GGUFLinear: an nn.Linear replacement that keeps a GGUF weight's quantized
 blocks (not a dequantized copy) and multiplies through torch.ops.lowbit."""
+import numbers
 from typing import Optional
 
 import torch
@@ -8,6 +9,15 @@ from torch import nn
 # Batches of at most this many rows take the matrix-vector op; larger ones
 # the batched op (the split vLLM's GGUF layers make).
 VEC_MAX_M = 8
+
+
+def check_sizes(owner: str, **sizes) -> None:
+    """ValueError naming the first of `sizes` that is not a positive integer:
+    a 0 passes every block-size check and would surface later as a torch
+    reshape error that names neither the module nor the argument."""
+    for name, size in sizes.items():
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+            raise ValueError(f"{owner}: {name} must be a positive integer, got {size!r}")
 
 
 class GGUFLinear(nn.Module):
@@ -33,6 +43,7 @@ class GGUFLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, qtype: int, bias: bool = True,
                  dtype: Optional[torch.dtype] = None, device=None):
         super().__init__()
+        check_sizes("GGUFLinear", in_features=in_features, out_features=out_features)
         block, type_size = torch.ops.lowbit.ggml_type_info(qtype)
         if in_features % block:
             raise ValueError(f"GGUFLinear: in_features={in_features} is not a multiple of the block size {block} of type {qtype}")

@@ -14,8 +14,8 @@ from torch import nn
 from .gguf_embedding import GGUFEmbedding
 from .gguf_file import GGUFFile, load_gguf
 from .repacking import repack_model
-from .gguf_arch import ARCHITECTURES, architecture, config_from_gguf
-from .gptq.checkpoint import checkpoint_files
+from .gguf_arch import ARCHITECTURES, architecture, check_block_count, config_from_gguf
+from .gptq.checkpoint import check_layer_count, checkpoint_files
 from .replace import check_shape, place_gguf_tensors, replace_linear
 
 __all__ = ["load_gguf_model", "load_gguf_tokenizer", "load_gptq_model"]
@@ -53,10 +53,14 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     import transformers
 
     path = os.fspath(path)
+    where = f"load_gguf_model: {path}"
     f = load_gguf(path)
-    spec = architecture(f.metadata, f"load_gguf_model: {path}")
+    spec = architecture(f.metadata, where)
+    # The layer count against the file's layers first: the model is built
+    # with as many as its config says, before any tensor is placed.
+    check_block_count(f.metadata, f.tensors, where)
     model_class = getattr(transformers, spec.model_class)
-    config = model_class.config_class(**config_from_gguf(f.metadata, f.tensors))
+    config = model_class.config_class(**config_from_gguf(f.metadata, f.tensors, where))
     model = _on_meta(lambda: model_class(config), config, dtype)
     _embed_tokens_from_blocks(model, f, dtype, spec.scaled_embedding)
     place_gguf_tensors(model, f, "load_gguf_model", consumed=(ROPE_FREQS, TOKEN_EMBD, *ROPE_FACTORS))
@@ -64,7 +68,7 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     _apply_rope_freqs(model, f)
     if repack:
         repack_model(model)
-    return _checked(model, f"load_gguf_model: {path}")
+    return _checked(model, where)
 
 
 def _embed_tokens_from_blocks(model: nn.Module, f: GGUFFile, dtype: torch.dtype, scaled: bool) -> None:
@@ -95,8 +99,9 @@ def load_gguf_tokenizer(path: str | os.PathLike):
 
     path = os.fspath(path)
     directory, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
-    arch = ARCHITECTURES.get(load_gguf(path).metadata.get("general.architecture"))
-    tokenizer_class = arch.tokenizer_class if arch else None
+    arch = load_gguf(path).metadata.get("general.architecture")
+    spec = ARCHITECTURES.get(arch) if isinstance(arch, str) else None  # a list would be unhashable
+    tokenizer_class = spec.tokenizer_class if spec else None
     if tokenizer_class is None:
         return transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
     return getattr(transformers, tokenizer_class).from_pretrained(directory, gguf_file=name)
@@ -113,6 +118,7 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     import transformers
 
     directory, _ = checkpoint_files(os.fspath(path))
+    check_layer_count(directory)
     config = transformers.AutoConfig.from_pretrained(directory)
     # The quantization_config is lowbit's to read (replace_linear does); left
     # on the config, transformers would look for a GPTQ backend of its own.
