@@ -1,13 +1,13 @@
 """lowbit: low-bit LLM weights (GPTQ, GGUF) as torch.ops.lowbit.* operators.
 
 Importing lowbit loads the compiled operators into torch.ops.lowbit and
-registers their fake kernels for torch.compile.
+registers their fake kernels for torch.compile and their gradients.
 """
 from . import _library
 
 _library.load()
 
-from . import _fake  # noqa: E402,F401  (needs the ops loaded first)
+from . import _autograd, _fake  # noqa: E402,F401  (need the ops loaded first)
 from . import gptq, tp  # noqa: E402,F401
 from .gguf_embedding import GGUFEmbedding  # noqa: E402
 from .gguf_experts import GGUFExperts  # noqa: E402

@@ -1,0 +1,165 @@
+"""Gradients of lowbit's ops.
+
+The matmul ops differentiate with respect to their activations; the
+quantized weights are frozen (integer tensors carry no gradient, and a float
+tensor a weight is made of, such as GPTQ's scales, refuses to be
+differentiated). The gradient is that of the dequantized weight W:
+grad_x = grad_out @ W for the GGUF ops (x @ W.T), grad_out @ W.T for
+gptq_gemm (x @ W). The GGUF ops' 8-bit rounding of the activations counts as
+the identity, the straight-through estimator of llama.cpp's training and of
+quantization-aware training. W is decoded a tile of rows at a time, never
+whole in fp32, and the sums run in fp32. The other ops with a float input
+refuse to be differentiated rather than give no gradient silently.
+"""
+import torch
+
+from .packing import fields_per_pack, words_per_pack
+
+ops = torch.ops.lowbit
+# Weights decoded per backward step: 4M fp32 values (16 MB), whole packs of K
+# rows for GPTQ and whole 16-row tiles for the repacked GGUF layout.
+TILE_VALUES = 1 << 22
+_PACK_ROWS = 32  # a whole pack of K rows at every GPTQ bit width
+_REPACK_ROWS = 16  # the repacked layout's tile (csrc/core/ggml_repack.h)
+
+
+def _tiles(total: int, width: int, multiple: int, at_least: int = 1):
+    """[start, end) tiles of `total` rows of `width` values: TILE_VALUES each,
+    starts on a multiple of `multiple`, none shorter than `at_least` (the
+    last absorbs a short remainder)."""
+    step = max(at_least, TILE_VALUES // max(1, width))
+    step = -(-step // multiple) * multiple
+    start = 0
+    while start < total:
+        end = total if total - (start + step) < at_least else start + step
+        yield start, end
+        start = end
+
+
+def _check_frozen(op: str, named: dict) -> None:
+    for name, value in named.items():
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            raise RuntimeError(f"{op}: not differentiable with respect to {name} (lowbit's quantized weights are "
+                               "frozen)")
+
+
+def _refusing(op: str, names: tuple):
+    """A setup_context that refuses any of `names` requiring grad."""
+    def setup_context(ctx, inputs, output):
+        _check_frozen(op, dict(zip(names, inputs)))
+    return setup_context
+
+
+def _no_backward(ctx, *grads):
+    raise AssertionError("unreachable: setup_context refuses first")
+
+
+# ---- gptq_gemm: out [..., N] = a [..., K] @ W [K, N] ------------------------------
+
+_GPTQ_WEIGHT = ("b_q_weight", "b_gptq_qzeros", "b_gptq_scales", "b_g_idx")
+
+
+def _gptq_setup(ctx, inputs, output):
+    a, qweight, qzeros, scales, g_idx, use_exllama, use_v2_format, bit = inputs
+    _check_frozen("gptq_gemm", dict(zip(_GPTQ_WEIGHT, inputs[1:5])))
+    ctx.save_for_backward(qweight, qzeros, scales, g_idx)
+    ctx.flags = (use_exllama, use_v2_format, bit, a.dtype)
+
+
+def _gptq_backward(ctx, grad):
+    qweight, qzeros, scales, g_idx = ctx.saved_tensors
+    use_exllama, use_v2_format, bit, dtype = ctx.flags
+    K = qweight.shape[0] // words_per_pack(bit) * fields_per_pack(bit)
+    groups = scales.shape[0]
+    g = grad.reshape(-1, grad.shape[-1]).float()
+    # Shuffled weights (use_exllama): rows in g_idx's (q_perm's) order, row i
+    # of group i // (K / groups); the plain ones carry their own g_idx.
+    shuffled_or_even = use_exllama or g_idx.numel() == 0
+    rows_of = lambda k0, k1: torch.arange(k0, k1, device=qweight.device, dtype=torch.int32) // (K // groups)
+    parts = []
+    # At least `groups` rows a tile: gptq_dequantize takes no more groups than rows.
+    for k0, k1 in _tiles(K, qweight.shape[1], _PACK_ROWS, at_least=groups):
+        rows = qweight[k0 * bit // 32:k1 * bit // 32]
+        idx = rows_of(k0, k1) if shuffled_or_even else g_idx[k0:k1]
+        W = ops.gptq_dequantize(rows, qzeros, scales.float(), idx, use_v2_format, bit)  # [k1 - k0, N]
+        parts.append(g @ W.t())
+    grad_a = torch.cat(parts, dim=1)
+    if use_exllama and g_idx.numel():  # out = a[..., perm] @ W_shuffled
+        grad_a = torch.empty_like(grad_a).index_copy_(1, g_idx.long(), grad_a)
+    return (grad_a.to(dtype).reshape(*grad.shape[:-1], K),) + (None,) * 7
+
+
+torch.library.register_autograd("lowbit::gptq_gemm", _gptq_backward, setup_context=_gptq_setup)
+
+
+# ---- GGUF matmuls: out [M, row] = X [M, n] @ W.T -----------------------------------
+
+def _ggml_rows(W: torch.Tensor, type: int, n: int, repacked: bool, r0: int, r1: int) -> torch.Tensor:
+    """fp32 rows [r0, r1) of a GGUF weight (r0 a whole tile of a repacked one)."""
+    block, nbytes = ops.ggml_type_info(type)
+    row_bytes = n // block * nbytes
+    raw = W.reshape(-1)[r0 * row_bytes:r1 * row_bytes]
+    if repacked:
+        raw = ops.ggml_repack(raw, type, r1 - r0, n, True)
+    return ops.ggml_dequantize(raw, type, r1 - r0, n, torch.float32)
+
+
+def _grad_x(grad: torch.Tensor, W: torch.Tensor, type: int, rows: int, n: int, repacked: bool) -> torch.Tensor:
+    """grad [P, rows] @ W [rows, n] in fp32, W decoded a tile at a time."""
+    g = grad.float()
+    out = g.new_zeros((g.shape[0], n))
+    for r0, r1 in _tiles(rows, n, _REPACK_ROWS):
+        out += g[:, r0:r1] @ _ggml_rows(W, type, n, repacked, r0, r1)
+    return out
+
+
+def _ggml_setup(ctx, inputs, output):
+    W, X, type, row = inputs
+    ctx.save_for_backward(W)
+    ctx.args = (type, row, X.shape[1], X.dtype)
+
+
+def _ggml_backward(repacked):
+    def backward(ctx, grad):
+        (W,) = ctx.saved_tensors
+        type, row, n, dtype = ctx.args
+        return None, _grad_x(grad, W, type, row, n, repacked).to(dtype), None, None
+    return backward
+
+
+for _op, _repacked in (("ggml_mul_mat_vec_a8", False), ("ggml_mul_mat_a8", False), ("ggml_mul_mat_repacked", True)):
+    torch.library.register_autograd(f"lowbit::{_op}", _ggml_backward(_repacked), setup_context=_ggml_setup)
+
+
+def _ggml_id_setup(ctx, inputs, output):
+    W, X, ids, type, row = inputs
+    ctx.save_for_backward(W, ids)
+    ctx.args = (type, row, X.shape, X.dtype)
+
+
+def _ggml_id_backward(repacked):
+    def backward(ctx, grad):
+        """Each expert's pairs at once: grad [pairs of e, row] @ W[e]."""
+        W, ids = ctx.saved_tensors
+        type, row, x_shape, dtype = ctx.args
+        n, tokens, slots = x_shape[-1], ids.shape[0], ids.shape[1]
+        flat = ids.reshape(-1).long()
+        g = grad.reshape(-1, row)
+        per_pair = g.new_zeros((tokens * slots, n), dtype=torch.float32)
+        for e in torch.unique(flat).tolist():
+            pairs = (flat == e).nonzero().squeeze(1)
+            per_pair[pairs] = _grad_x(g[pairs], W[e], type, row, n, repacked)
+        if len(x_shape) == 3:
+            return None, per_pair.reshape(x_shape).to(dtype), None, None, None
+        return None, per_pair.reshape(tokens, slots, n).sum(1).to(dtype), None, None, None
+    return backward
+
+
+for _op, _repacked in (("ggml_mul_mat_id", False), ("ggml_mul_mat_id_repacked", True)):
+    torch.library.register_autograd(f"lowbit::{_op}", _ggml_id_backward(_repacked), setup_context=_ggml_id_setup)
+
+
+# ---- ops that take a float input but are not differentiated -----------------------
+
+for _op, _names in (("gptq_dequantize", _GPTQ_WEIGHT), ("gptq_permute_cols", ("qweight", "qzeros", "scales", "perm"))):
+    torch.library.register_autograd(f"lowbit::{_op}", _no_backward, setup_context=_refusing(_op, _names))

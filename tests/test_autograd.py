@@ -1,0 +1,158 @@
+"""Gradients through lowbit's ops and layers: the gradient of the dequantized
+weight with respect to the activations (python/lowbit/_autograd.py), checked
+in float64 against the NumPy / gguf-py dequantized references; the weights
+refuse to be differentiated; opcheck and torch.compile with gradients."""
+import numpy as np
+import pytest
+import torch
+
+import gguf_blocks as gb
+import gptq_reference as ref
+import lowbit
+import lowbit._autograd as autograd_mod
+
+ops = torch.ops.lowbit
+K, N = 256, 64
+N_GGML, ROWS = 512, 40  # 40 rows: two whole 16-row tiles and a partial one in the repacked layout
+
+
+@pytest.fixture(params=["one tile", "many tiles"])
+def tiles(request, monkeypatch):
+    """The backward decodes W in tiles: whole and in several pieces (a tail included)."""
+    if request.param == "many tiles":
+        monkeypatch.setattr(autograd_mod, "TILE_VALUES", 16 * 32)
+    return request.param
+
+
+def gptq_case(bits, layout):
+    rng = np.random.default_rng([bits, len(layout)])
+    act_order = layout != "plain"
+    ckpt = ref.random_checkpoint(rng, K, N, bits, 32, False, "gptq_v2", act_order)
+    q, z, s, g = (torch.from_numpy(np.ascontiguousarray(ckpt[k])) for k in ("qweight", "qzeros", "scales", "g_idx"))
+    W = ref.dequantize(ckpt["qweight"], ckpt["qzeros"], ckpt["scales"], ckpt["g_idx"], bits, "gptq_v2")  # [K, N]
+    if layout == "shuffled":
+        perm = torch.argsort(g, stable=True).to(torch.int32)
+        ops.gptq_shuffle(q, perm, bits)
+        return (q, z, s, perm, True), W
+    if layout == "plain":
+        g = torch.empty(0, dtype=torch.int32)
+    return (q, z, s, g, False), W
+
+
+@pytest.mark.parametrize("layout", ["plain", "act-order", "shuffled"])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_gptq_gemm_gradient_is_that_of_the_dequantized_weight(device, tiles, bits, layout):
+    (q, z, s, g, shuffled), W = gptq_case(bits, layout)
+    q, z, s, g = (t.to(device) for t in (q, z, s, g))
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(2, 3, K, dtype=dtype, device=device, requires_grad=True)
+        out = ops.gptq_gemm(a, q, z, s.to(dtype), g, shuffled, True, bits)
+        grad_out = torch.randn_like(out)
+        (grad_a,) = torch.autograd.grad(out, a, grad_out)
+        assert grad_a.dtype == dtype and grad_a.shape == a.shape
+        a64 = a.detach().double().cpu().requires_grad_()
+        (expect,) = torch.autograd.grad(a64 @ torch.from_numpy(W), a64, grad_out.double().cpu())
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(grad_a.double().cpu(), expect, rtol=tol, atol=tol * expect.abs().max().item())
+
+
+GGML_TYPES = ["Q4_0", "Q4_1", "Q5_K", "Q6_K", "IQ2_XS", "Q8_0", "F16", "NVFP4"]
+
+
+def ggml_case(name, rows=ROWS, seed=0):
+    rng = np.random.default_rng([seed, gb.type_id(name)])
+    raw = gb.random_blocks(rng, name, rows, N_GGML)
+    return torch.from_numpy(raw), torch.from_numpy(gb.dequantize(raw, name).astype(np.float64))
+
+
+@pytest.mark.parametrize("op_name", ["ggml_mul_mat_vec_a8", "ggml_mul_mat_a8"])
+@pytest.mark.parametrize("qtype", GGML_TYPES)
+def test_ggml_gradient_is_that_of_the_dequantized_weight(device, tiles, op_name, qtype):
+    raw, W = ggml_case(qtype)
+    x = torch.randn(5, N_GGML, device=device, requires_grad=True)
+    out = getattr(ops, op_name)(raw.to(device), x, gb.type_id(qtype), ROWS)
+    grad_out = torch.randn_like(out)
+    (grad_x,) = torch.autograd.grad(out, x, grad_out)
+    expect = grad_out.double().cpu() @ W  # d(x @ W.T)/dx, the 8-bit activation rounding as identity
+    torch.testing.assert_close(grad_x.double().cpu(), expect, rtol=1e-5, atol=1e-5 * expect.abs().max().item())
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q6_K", "MXFP4"])
+def test_ggml_repacked_gradient(cpu_isa, tiles, qtype):
+    raw, W = ggml_case(qtype)
+    t = gb.type_id(qtype)
+    packed = ops.ggml_repack(raw, t, ROWS, N_GGML)
+    x = torch.randn(3, N_GGML, requires_grad=True)
+    grad_out = torch.randn(3, ROWS)
+    (grad_x,) = torch.autograd.grad(ops.ggml_mul_mat_repacked(packed, x, t, ROWS), x, grad_out)
+    expect = grad_out.double() @ W
+    torch.testing.assert_close(grad_x.double(), expect, rtol=1e-5, atol=1e-5 * expect.abs().max().item())
+
+
+@pytest.mark.parametrize("repacked", [False, True])
+@pytest.mark.parametrize("per_slot", [False, True])
+def test_ggml_mul_mat_id_gradient(tiles, per_slot, repacked):
+    experts = [ggml_case("Q4_K", seed=e) for e in range(3)]
+    t = gb.type_id("Q4_K")
+    W = torch.stack([raw for raw, _ in experts])
+    if repacked:
+        W = torch.stack([ops.ggml_repack(raw, t, ROWS, N_GGML) for raw, _ in experts])
+    ids = torch.tensor([[0, 2], [2, 2], [1, 0], [2, 1]], dtype=torch.int32)
+    x = torch.randn(4, 2, N_GGML, requires_grad=True) if per_slot else torch.randn(4, N_GGML, requires_grad=True)
+    op = ops.ggml_mul_mat_id_repacked if repacked else ops.ggml_mul_mat_id
+    out = op(W, x, ids, t, ROWS)
+    grad_out = torch.randn_like(out)
+    (grad_x,) = torch.autograd.grad(out, x, grad_out)
+    expect = torch.zeros(4, 2, N_GGML, dtype=torch.float64)
+    for tok in range(4):
+        for slot in range(2):
+            expect[tok, slot] = grad_out[tok, slot].double() @ experts[ids[tok, slot]][1]
+    expect = expect if per_slot else expect.sum(1)
+    torch.testing.assert_close(grad_x.double(), expect, rtol=1e-5, atol=1e-5 * expect.abs().max().item())
+
+
+def test_weights_refuse_to_be_differentiated():
+    (q, z, s, g, _), _ = gptq_case(4, "act-order")
+    a = torch.randn(2, K, requires_grad=True)
+    with pytest.raises(RuntimeError, match="gptq_gemm: not differentiable with respect to b_gptq_scales"):
+        ops.gptq_gemm(a, q, z, s.float().requires_grad_(), g, False, True, 4)
+    with pytest.raises(RuntimeError, match="gptq_dequantize: not differentiable with respect to b_gptq_scales"):
+        ops.gptq_dequantize(q, z, s.float().requires_grad_(), g, True, 4)
+    with pytest.raises(RuntimeError, match="gptq_permute_cols: not differentiable with respect to scales"):
+        ops.gptq_permute_cols(q, z, s.float().requires_grad_(), torch.arange(N, dtype=torch.int32), 4)
+
+
+def test_opcheck_with_gradients():
+    (q, z, s, g, _), _ = gptq_case(4, "act-order")
+    a = torch.randn(3, K, requires_grad=True)
+    torch.library.opcheck(ops.gptq_gemm, (a, q, z, s.float(), g, False, True, 4))
+    raw, _ = ggml_case("Q4_K")
+    x = torch.randn(3, N_GGML, requires_grad=True)
+    for op in (ops.ggml_mul_mat_vec_a8, ops.ggml_mul_mat_a8):
+        torch.library.opcheck(op, (raw, x, gb.type_id("Q4_K"), ROWS))
+    torch.library.opcheck(ops.ggml_mul_mat_repacked, (ops.ggml_repack(raw, 12, ROWS, N_GGML), x, 12, ROWS))
+
+
+def test_layers_pass_gradients_below_them_under_torch_compile():
+    """A float Linear under a GPTQLinear and a GGUFLinear trains: its gradient
+    is that of the same stack with the dequantized weights, eager and compiled."""
+    torch.manual_seed(0)
+    gptq = lowbit.GPTQLinear.from_linear(torch.nn.Linear(K, N), 4, 32, sym=False, checkpoint_format="gptq_v2",
+                                         perm=torch.randperm(K))
+    raw, _ = ggml_case("Q4_K", rows=K)
+    gguf = lowbit.GGUFLinear(N_GGML, K, gb.type_id("Q4_K"), bias=False)
+    gguf.qweight.copy_(raw)
+    below = torch.nn.Linear(32, N_GGML)
+    stack = lambda x: gptq(gguf(below(x)))
+    dense = lambda x: torch.nn.functional.linear(torch.nn.functional.linear(below(x), gguf.dequantize(torch.float32)),
+                                                 gptq.dequantize(torch.float32), gptq.bias.float())
+    x = torch.randn(4, 32)
+    grads = {}
+    for name, f in (("lowbit", stack), ("compiled", torch.compile(stack)), ("dense", dense)):
+        below.zero_grad()
+        f(x).square().sum().backward()
+        grads[name] = below.weight.grad.clone()
+    scale = grads["dense"].abs().max().item()
+    # The GGUF layer's 8-bit activations move the forward a little; the gradients follow.
+    torch.testing.assert_close(grads["lowbit"], grads["dense"], rtol=0.05, atol=0.02 * scale)
+    torch.testing.assert_close(grads["compiled"], grads["lowbit"], rtol=1e-4, atol=1e-5 * scale)
