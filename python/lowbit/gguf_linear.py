@@ -84,7 +84,8 @@ class GGUFLinear(nn.Module):
             raw = quants.quantize(weight, GGMLQuantizationType(qtype))
         except NotImplementedError as e:
             raise ValueError(f"GGUFLinear.from_linear: gguf-py cannot quantize type {qtype}: {e}") from e
-        qweight = torch.from_numpy(raw.reshape(weight.shape[0], -1)).to(linear.weight.device)
+        # The float types come back as float arrays: their bytes are the blocks.
+        qweight = torch.from_numpy(raw.view("uint8").reshape(weight.shape[0], -1)).to(linear.weight.device)
         return cls.from_raw(qweight, qtype, linear.in_features, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,92 @@
+"""LoRA adapters over lowbit's quantized layers, with PEFT (QLoRA-style: the
+base stays in its file's blocks, frozen; only the adapters train).
+
+    config = lowbit.lora.LoraConfig(r=8, target_modules=["q_proj", "v_proj"])
+    model = peft.get_peft_model(lowbit.load_gguf_model("model.gguf"), config)
+    ...                                    # train as any PEFT model
+    model.save_pretrained("adapter/")      # a standard PEFT adapter
+    model = lowbit.lora.load_adapter(lowbit.load_gguf_model("model.gguf"), "adapter/")
+
+`LoraConfig` is peft.LoraConfig with GGUFLinear and GPTQLinear registered
+through PEFT's custom-module mechanism (`register` does it to a config of
+your own). Gradients reach the adapters and every layer below through
+lowbit's autograd (python/lowbit/_autograd.py). Merging an adapter into a
+quantized base is refused: it would need re-quantization, which moves the
+weights away from those the adapter was trained against.
+"""
+from __future__ import annotations
+
+import os
+
+import peft
+import torch
+from peft.tuners.lora.layer import LoraLayer
+from torch import nn
+
+from .gguf_linear import GGUFLinear
+from .gptq.linear import GPTQLinear
+
+__all__ = ["LoraConfig", "QuantizedLoraLinear", "load_adapter", "register"]
+
+
+class QuantizedLoraLinear(nn.Module, LoraLayer):
+    """LoRA over a GGUFLinear or GPTQLinear: base(x) + B(A(dropout(x))) * scaling
+    for each active adapter, the adapters in their own dtype."""
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config: peft.LoraConfig, r: int = 0,
+                 lora_alpha: int = 1, **kwargs):
+        super().__init__()
+        LoraLayer.__init__(self, base_layer)
+        if config.use_dora:
+            raise ValueError(f"{type(self).__name__}: DoRA needs the base weight's norm per column, which lowbit's "
+                             "quantized layers do not keep; use plain LoRA")
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config)
+
+    def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
+        return module.in_features, module.out_features
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        result = self.base_layer(x, *args, **kwargs)
+        if self.disable_adapters:
+            return result
+        for name in self.active_adapters:
+            if name not in self.lora_A:
+                continue
+            lora_A, lora_B = self.lora_A[name], self.lora_B[name]
+            h = self._cast_input_dtype(x, lora_A.weight.dtype)
+            delta = lora_B(lora_A(self.lora_dropout[name](h))) * self.scaling[name]
+            result = result + delta.to(result.dtype)
+        return result
+
+    def merge(self, *args, **kwargs) -> None:
+        raise ValueError(f"{type(self).__name__}: merging a LoRA adapter into a quantized {type(self.base_layer).__name__} "
+                         "would re-quantize the weight the adapter was trained against; keep the adapter separate "
+                         "(or merge into a float copy: base_layer.dequantize())")
+
+    def unmerge(self) -> None:
+        pass  # nothing is ever merged
+
+    def __repr__(self) -> str:
+        return "lora." + super().__repr__()
+
+
+def register(config: peft.LoraConfig) -> peft.LoraConfig:
+    """`config` with lowbit's quantized layers registered as LoRA targets."""
+    config._register_custom_module({GGUFLinear: QuantizedLoraLinear, GPTQLinear: QuantizedLoraLinear})
+    return config
+
+
+def LoraConfig(**kwargs) -> peft.LoraConfig:  # noqa: N802  (named as the class it makes)
+    """peft.LoraConfig(**kwargs) with lowbit's quantized layers registered."""
+    return register(peft.LoraConfig(**kwargs))
+
+
+def load_adapter(model: nn.Module, path: str | os.PathLike, adapter_name: str = "default",
+                 is_trainable: bool = False) -> peft.PeftModel:
+    """A saved PEFT adapter onto `model` (a lowbit model of the same weights):
+    peft.PeftModel.from_pretrained with the adapter's config registered."""
+    config = register(peft.LoraConfig.from_pretrained(os.fspath(path)))
+    config.inference_mode = not is_trainable
+    return peft.PeftModel.from_pretrained(model, os.fspath(path), adapter_name=adapter_name,
+                                          is_trainable=is_trainable, config=config)

@@ -1,0 +1,124 @@
+"""LoRA over lowbit models with PEFT (python/lowbit/lora.py): adapters wrap
+the quantized layers, their gradients are those of the same LoRA over an
+nn.Linear holding the dequantized weight, a model trains, and a saved
+adapter reloads to the same outputs; merging is refused."""
+import os
+
+import pytest
+import torch
+
+import gguf_blocks as gb
+import lowbit
+from lowbit.gptq import GPTQConfig
+
+peft = pytest.importorskip("peft")
+import lowbit.lora  # noqa: E402  (needs peft)
+import tiny_models  # noqa: E402
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_config(**kw):
+    # init_lora_weights=False: B is random too, so every adapter weight gets a gradient at once.
+    return lowbit.lora.LoraConfig(**{**dict(r=4, lora_alpha=8, target_modules=["0"], init_lora_weights=False), **kw})
+
+
+def quantized_layer(kind):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 96)
+    if kind == "gptq":
+        return lowbit.GPTQLinear.from_linear(linear, 4, 32, sym=False, checkpoint_format="gptq_v2",
+                                             perm=torch.randperm(256), dtype=torch.float32)
+    return lowbit.GGUFLinear.from_linear(linear, gb.type_id(kind))
+
+
+@pytest.mark.parametrize("kind, tol", [("gptq", 1e-5), ("F16", 1e-5), ("Q4_0", 3e-2), ("Q8_0", 1e-2)])
+def test_adapter_gradients_equal_those_over_the_dequantized_linear(kind, tol):
+    """The same adapter over the quantized layer and over nn.Linear(dequantized
+    W): equal gradients, to fp32 rounding where the layer's forward is exact
+    (GPTQ, F16) and to its 8-bit activation rounding otherwise (stated tol)."""
+    layer = quantized_layer(kind)
+    dense = torch.nn.Linear(256, 96, bias=layer.bias is not None)
+    with torch.no_grad():
+        dense.weight.copy_(layer.dequantize(torch.float32))
+        if layer.bias is not None:
+            dense.bias.copy_(layer.bias)
+    # A norm after the layer: PEFT needs a model with a parameter of its own.
+    torch.manual_seed(1)
+    ours = peft.get_peft_model(torch.nn.Sequential(layer, torch.nn.LayerNorm(96)), lora_config())
+    torch.manual_seed(1)
+    theirs = peft.get_peft_model(torch.nn.Sequential(dense, torch.nn.LayerNorm(96)),
+                                 peft.LoraConfig(r=4, lora_alpha=8, target_modules=["0"], init_lora_weights=False))
+    assert type(ours.base_model.model[0]).__name__ == "QuantizedLoraLinear"
+    x, weights = torch.randn(6, 256), torch.randn(6, 96)
+    for model in (ours, theirs):
+        (model(x) * weights).sum().backward()
+    theirs_params = dict(theirs.named_parameters())
+    adapters = [(n, p) for n, p in ours.named_parameters() if "lora_" in n]
+    assert len(adapters) == 2 and all(p.requires_grad for _, p in adapters)
+    for name, p in adapters:
+        q = theirs_params[name]
+        torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol * q.grad.abs().max().item())
+    assert not any(p.requires_grad for n, p in ours.named_parameters() if "lora_" not in n)
+
+
+@pytest.fixture(params=["gguf", "gptq"])
+def model_path(request, tmp_path):
+    model = tiny_models.tiny_model("llama", 0, num_hidden_layers=2)
+    if request.param == "gguf":
+        return request.param, tiny_models.write_tiny_gguf(tmp_path / "tiny.gguf", model, "llama")
+    for name, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            model.set_submodule(name, lowbit.GPTQLinear.from_linear(module, 4, 32, sym=False,
+                                                                    checkpoint_format="gptq_v2",
+                                                                    perm=torch.randperm(module.in_features)))
+    lowbit.save_gptq(model, tmp_path / "tiny-gptq", GPTQConfig(bits=4, group_size=32, desc_act=True, sym=False,
+                                                              checkpoint_format="gptq_v2"))
+    return request.param, str(tmp_path / "tiny-gptq")
+
+
+def load(kind, path):
+    return lowbit.load_gguf_model(path) if kind == "gguf" else lowbit.load_gptq_model(path)
+
+
+def test_lora_trains_saves_and_reloads(model_path, tmp_path):
+    kind, path = model_path
+    torch.manual_seed(0)
+    model = peft.get_peft_model(load(kind, path), lora_config(target_modules=TARGETS, init_lora_weights=True))
+    wrapped = [n for n, m in model.named_modules() if isinstance(m, lowbit.lora.QuantizedLoraLinear)]
+    assert len(wrapped) == 2 * len(TARGETS)
+    model.gradient_checkpointing_enable()  # recomputes each decoder layer, lowbit's ops included, in backward
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    losses = []
+    for _ in range(40):
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.9 * losses[0], losses  # from log(64): the adapters learn the batch
+    model.eval()
+    model.save_pretrained(tmp_path / "adapter")
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(tmp_path / "adapter"))
+    with torch.no_grad():
+        trained = model(input_ids=ids).logits
+    reloaded = lowbit.lora.load_adapter(load(kind, path), tmp_path / "adapter")
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, trained)
+    with pytest.raises(ValueError, match="merging a LoRA adapter into a quantized"):
+        reloaded.merge_and_unload()
+
+
+def test_lora_trains_under_torch_compile():
+    model = peft.get_peft_model(torch.nn.Sequential(quantized_layer("Q4_0"), torch.nn.LayerNorm(96)), lora_config())
+    x, weights = torch.randn(4, 256), torch.randn(4, 96)
+    step = torch.compile(lambda x: (model(x) * weights).sum())
+    step(x).backward()
+    compiled = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    (model(x) * weights).sum().backward()
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(compiled[n], p.grad, rtol=1e-4, atol=1e-5 * p.grad.abs().max().item())
