@@ -8,7 +8,7 @@ Bases, each trained in a process of its own (peak memory is per process):
   gptq   the same weights as a 4-bit GPTQ checkpoint lowbit writes (RTN,
          g128, asymmetric; made in another process), lowbit.load_gptq_model
   fp32   transformers' GGUF loading (every weight dequantized to fp32)
-LoRA r=8, alpha 16 on q/k/v/o/gate/up/down; AdamW (lr 1e-3); batches of 2
+LoRA r=8, alpha 16 on q/k/v/o/gate/up/down; AdamW (lr 2e-4); batches of 2
 windows of 128 tokens of the shipped calibration text, gradient checkpointing
 on every base; held-out perplexity
 on the first 2048 tokens of the shipped held-out text, before and after.
@@ -28,7 +28,7 @@ import time
 import torch
 
 import common  # noqa: F401  (sets THP_MEM_ALLOC_ENABLE before torch allocates)
-from common import RESULTS
+from common import RESULTS, machine
 from lowbit.machine import device_name, machine_slug
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -89,7 +89,7 @@ def train(base: str, steps: int, gptq_dir: str) -> dict:
     model.eval()
     ppl_before = s.perplexity(model, heldout)
     model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4)
     order = torch.randperm(windows.shape[0], generator=torch.Generator().manual_seed(0))
     losses, start = [], time.perf_counter()
     for step in range(steps):
@@ -164,8 +164,7 @@ def main():
     with open(stem + ".md", "w") as f:
         f.write(text)
     with open(stem + ".json", "w") as f:
-        json.dump({"machine": device_name(), "command": command, "threads": torch.get_num_threads(),
-                   "file_mb": file_mb, "rows": rows}, f, indent=1)
+        json.dump({"machine": machine(), "command": command, "file_mb": file_mb, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

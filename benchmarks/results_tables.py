@@ -287,6 +287,8 @@ def results_block():
     out = []
     for path in sorted(glob.glob(os.path.join(RESULTS, "*.json"))):
         stem = os.path.basename(path)[:-len(".json")]
+        if os.path.exists(path[:-len(".json")] + ".md"):
+            continue  # its own markdown table (below) says what it measured, with its command
         data = load_json(path)
         out += [f"#### `{stem}`", ""]
         out += [f"    {line}" for line in header_lines(stem)] or [f"    machine: {data['machine']['name']}"]
