@@ -4,7 +4,9 @@ CPU-only when torch has no CUDA or nvcc is missing; CUDA too when both are
 there. LOWBIT_CUDA=0/1 overrides the choice; TORCH_CUDA_ARCH_LIST picks the
 GPU architectures and MAX_JOBS the parallel compile jobs (torch's own
 variables); LOWBIT_SANITIZE=1 builds with AddressSanitizer and
-UndefinedBehaviorSanitizer; LOWBIT_DEBUG=1 keeps debug info (-g). Install with: pip install --no-build-isolation -e .
+UndefinedBehaviorSanitizer; LOWBIT_DEBUG=1 keeps debug info (-g);
+LOWBIT_CPU_SIMD=0 compiles only the portable CPU kernels (a quick build for a
+GPU machine, where they are the CUDA tests' reference). Install with: pip install --no-build-isolation -e .
 """
 import glob
 import os
@@ -39,14 +41,18 @@ def extension():
         flags = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g"]
         cxx = ["-O1", "-std=c++20", "-fopenmp", *flags]
         link = ["-fopenmp", *flags]
+    macros = []
+    if os.environ.get("LOWBIT_CPU_SIMD") == "0":
+        macros.append(("LOWBIT_PORTABLE_ONLY", "1"))  # csrc/cpu/isa.h: the portable kernels only
     if not want_cuda():
-        return CppExtension("lowbit._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=link)
+        return CppExtension("lowbit._C", sources, define_macros=macros, extra_compile_args={"cxx": cxx},
+                            extra_link_args=link)
     sources += sorted(glob.glob("csrc/cuda/*.cu"))
     nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
     return CUDAExtension(
         "lowbit._C",
         sources,
-        define_macros=[("LOWBIT_WITH_CUDA", "1")],
+        define_macros=[("LOWBIT_WITH_CUDA", "1"), *macros],
         extra_compile_args={"cxx": cxx, "nvcc": nvcc},
         extra_link_args=link,
     )

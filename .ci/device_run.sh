@@ -7,6 +7,7 @@
 #   bash .ci/device_run.sh test       # CUDA tests: tests/test_cuda_backend.py + every [cuda] case
 #   bash .ci/device_run.sh sanitize   # compute-sanitizer memcheck / racecheck / synccheck on a subset
 #   bash .ci/device_run.sh bench      # benchmarks/bench_cuda.py (BENCH_ARGS=--quick to shorten)
+#   bash .ci/device_run.sh all        # the four in turn, within ALL_BUDGET (480) seconds
 #
 # Run from the repository root with $OUT set (the device tool sets it); logs
 # and results are copied into $OUT (at most 8 files per call come back).
@@ -37,6 +38,8 @@ export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
 export MAX_JOBS=${MAX_JOBS:-16}
 export LOWBIT_CUDA=1
+# The portable CPU kernels only (the CUDA tests' reference): minutes less to build.
+export LOWBIT_CPU_SIMD=${LOWBIT_CPU_SIMD:-0}
 export HF_HUB_OFFLINE=1
 # Seconds a phase's main command may take before it is stopped (the logs up
 # to then are kept): under the tool's 600 s per call.
@@ -183,13 +186,35 @@ bench() {
   return $rc
 }
 
+# Every phase in one device call, each within its share of ALL_BUDGET seconds
+# (default 480: one call and a rerun fit a 15-minute lease); each phase's logs
+# are in $OUT as soon as it ends, so a time-out loses only the phase it cut.
+all_phases() {
+  local total=${ALL_BUDGET:-480} status=0 phase share rc
+  for phase in "build 42" "run_tests 31" "sanitize 17" "bench 10"; do
+    set -- $phase
+    share=$((total * $2 / 100))
+    BUDGET=$share
+    log "phase $1 (${share} s)"
+    "$1"
+    rc=$?
+    log "phase $1 exit status $rc"
+    echo "$1 $rc" >>"$OUT/summary.txt"
+    [ $rc -eq 0 ] || status=1
+    [ "$1" = build ] && [ $rc -ne 0 ] && break
+  done
+  cat "$OUT/summary.txt"
+  return $status
+}
+
 case "$PHASE" in
   build) build ;;
   test) run_tests ;;
   sanitize) sanitize ;;
   bench) bench ;;
+  all) all_phases ;;
   *)
-    echo "usage: bash .ci/device_run.sh build|test|sanitize|bench" >&2
+    echo "usage: bash .ci/device_run.sh build|test|sanitize|bench|all" >&2
     exit 2
     ;;
 esac

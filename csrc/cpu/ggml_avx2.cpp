@@ -15,8 +15,9 @@
 #include "../core/ggml_types.h"
 #include "../dispatch_ggml.h"
 #include "ggml_kernels.h"
+#include "isa.h"
 
-#if defined(__x86_64__)
+#if LOWBIT_X86_SIMD
 #include <immintrin.h>
 
 #pragma GCC push_options

@@ -70,7 +70,7 @@ struct QuantizedActs {
     const Isa isa = active_isa();
     if ((A == Act::Q8_K && isa != Isa::kPortable) || block_sums) isum.resize(sum.size());
     at::parallel_for(0, M * blocks, std::max<int64_t>(1, 2048 / L::kBlock), [&](int64_t b0, int64_t b1) {
-#if defined(__x86_64__)
+#if LOWBIT_X86_SIMD
       if (isa != Isa::kPortable)
         ggml_quantize_acts_avx2(A, x, b0, b1, q.data(), d.data(), sum.data(), offsets ? offset.data() : nullptr,
                                 isum.empty() ? nullptr : isum.data());
@@ -115,7 +115,7 @@ template <ggml::Type T>
 void mul_mat_rows(Isa isa, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts, int64_t M,
                   float* out, int64_t rows) {
   bool done = false;
-#if defined(__x86_64__)
+#if LOWBIT_X86_SIMD
   const int64_t t = static_cast<int64_t>(T);
   if (isa == Isa::kAvx512) done = ggml_mul_mat_avx512(t, W, r0, r1, n, acts, M, out, rows);
   if (isa == Isa::kAvx2) done = ggml_mul_mat_avx2(t, W, r0, r1, n, acts, M, out, rows);
@@ -133,7 +133,7 @@ template <ggml::Type T>
 void mul_mat_repacked_rows(Isa isa, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts,
                            int64_t M, float* out, int64_t rows) {
   if constexpr (ggml::has_repacked_layout(T)) {
-#if defined(__x86_64__)
+#if LOWBIT_X86_SIMD
     if (isa == Isa::kAvx512 && ggml_mul_mat_repacked_avx512(static_cast<int64_t>(T), W, r0, r1, n, acts, M, out, rows))
       return;
     if (isa == Isa::kAvx2 && ggml_mul_mat_repacked_avx2(static_cast<int64_t>(T), W, r0, r1, n, acts, M, out, rows))
@@ -156,7 +156,7 @@ template <ggml::Type T>
 std::pair<bool, bool> act_extras(Isa isa, int64_t M, bool repacked) {
   using I = TypeInfo<T>;
   bool offsets = false, block_sums = false;
-#if defined(__x86_64__)
+#if LOWBIT_X86_SIMD
   // The repacked one-scale types without mins start each block's dot from
   // its activations' sum (RepackedFloatGemm); rows past the last tile run
   // the file's kernels.
@@ -355,7 +355,7 @@ at::Tensor ggml_dequantize(const at::Tensor& W, int64_t type, int64_t m, int64_t
   at::parallel_for(0, m, row_grain(n), [&](int64_t r0, int64_t r1) {
     // The SIMD kernel of the active ISA where the type has one (bit-exact
     // with the portable loop), straight into the output dtype.
-#if defined(__x86_64__)
+#if LOWBIT_X86_SIMD
     if (isa == Isa::kAvx512 && ggml_dequantize_avx512(type, w, r0, r1, n, dst + r0 * n * elem, simd_dtype)) return;
     if (isa == Isa::kAvx2 && ggml_dequantize_avx2(type, w, r0, r1, n, dst + r0 * n * elem, simd_dtype)) return;
 #endif

@@ -10,8 +10,9 @@
 
 #include "../core/gptq_format.h"
 #include "gptq_kernels.h"
+#include "isa.h"
 
-#if defined(__x86_64__)
+#if LOWBIT_X86_SIMD
 #include <immintrin.h>
 
 #pragma GCC push_options

@@ -135,7 +135,7 @@ void gemm_fused(const float* a, int64_t M, const GptqWeight& w, float* out, Isa 
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * task, n1 = std::min(w.N, t1 * task);
     const int64_t simd_n1 = std::min(n1, simd_end);
-#if defined(__x86_64__)
+#if LOWBIT_X86_SIMD
     if (simd_n1 > n0) {
       if (isa == Isa::kAvx512 && a16) gptq_fused_avx512bf16(B, a, *a16, w, n0, simd_n1, out);
       if (isa == Isa::kAvx512 && !a16) gptq_fused_avx512(B, a, M, w, n0, simd_n1, out);
@@ -194,7 +194,7 @@ template <int B, class T>
 void dequant_rows(const GptqWeight& w, Isa isa, int64_t k0, int64_t k1, int64_t n0, int64_t n1, T* out,
                   int64_t ldo) {
   int64_t simd_n1 = n0;
-#if defined(__x86_64__)
+#if LOWBIT_X86_SIMD
   if (isa != Isa::kPortable) {
     const int64_t step = isa == Isa::kAvx512 ? kAvx512DequantCols : kAvx2DequantCols;
     simd_n1 = n0 + (n1 - n0) / step * step;
@@ -289,7 +289,7 @@ void gemm_bf16x2_mm(const at::Tensor& a, const GptqWeight& w, const at::Tensor& 
     uint16_t* hi = tile;
     uint16_t* lo = tile + K * width;
     for_pack_rows<B>(0, K, 4096 / width, [&](int64_t k0, int64_t k1) {
-#if defined(__x86_64__)
+#if LOWBIT_X86_SIMD
       if (simd_n1 > n0) gptq_dequant_bf16x2_avx512bf16(B, w, k0, k1, n0, simd_n1, hi + k0 * width, lo + k0 * width, width);
 #endif
       const int64_t rest = n0 + width - simd_n1;

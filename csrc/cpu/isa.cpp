@@ -10,7 +10,7 @@ namespace cpu {
 namespace {
 
 Isa detect() {
-#if defined(__x86_64__) && defined(__GNUC__)
+#if LOWBIT_X86_SIMD && defined(__GNUC__)
   __builtin_cpu_init();
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
@@ -27,8 +27,9 @@ Isa parse(const std::string& name) {
   if (name.empty() || name == "best") return detected_isa();
   for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512}) {
     if (name == isa_name(isa)) {
-      TORCH_CHECK_VALUE(static_cast<int>(isa) <= static_cast<int>(detected_isa()), "cpu_isa: this CPU cannot run ",
-                        name, "; the best it supports is ", isa_name(detected_isa()));
+      TORCH_CHECK_VALUE(static_cast<int>(isa) <= static_cast<int>(detected_isa()), "cpu_isa: ",
+                        LOWBIT_X86_SIMD ? "this CPU cannot run " : "this build (LOWBIT_CPU_SIMD=0) has no ", name,
+                        " kernels; the best it runs is ", isa_name(detected_isa()));
       return isa;
     }
   }

@@ -10,6 +10,16 @@
 
 #include <string>
 
+// Whether this build has the x86 SIMD kernels. A build with LOWBIT_CPU_SIMD=0
+// (setup.py defines LOWBIT_PORTABLE_ONLY) compiles only the portable ones,
+// in a fraction of the time: for a GPU machine, where the CPU ops serve as
+// the CUDA tests' reference. Every SIMD unit and call site is behind it.
+#if defined(__x86_64__) && !defined(LOWBIT_PORTABLE_ONLY)
+#define LOWBIT_X86_SIMD 1
+#else
+#define LOWBIT_X86_SIMD 0
+#endif
+
 namespace lowbit {
 namespace cpu {
 
