@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..packing import fields_per_pack, words_per_pack
-from .config import GPTQCheckpointError, GPTQConfig, ModuleQuant, check_regular_file, read_config
+from .config import GPTQCheckpointError, GPTQConfig, ModuleQuant, check_regular_file, read_config, read_json
 from .linear import GPTQLinear
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -60,12 +60,7 @@ def checkpoint_files(path: str | os.PathLike) -> tuple[str, list[str]]:
 def _index_shards(index: str) -> list[str]:
     """The shard files a model.safetensors.index.json names, each checked to be
     a .safetensors path inside the index's directory."""
-    check_regular_file(index, "shard index")
-    try:
-        with open(index) as f:
-            content = json.load(f)
-    except (OSError, ValueError) as e:
-        raise GPTQCheckpointError(f"{index}: unreadable shard index: {e}") from e
+    content = read_json(index, "shard index")
     weight_map = content.get("weight_map") if isinstance(content, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise GPTQCheckpointError(f"{index}: weight_map must be a non-empty JSON object of tensor name -> shard "
@@ -282,12 +277,7 @@ def check_layer_count(directory: str | os.PathLike) -> None:
     path = os.path.join(directory, "config.json")
     if not os.path.lexists(path):
         return
-    check_regular_file(path, "config")
-    try:
-        with open(path) as f:
-            content = json.load(f)
-    except (OSError, ValueError) as e:
-        raise GPTQCheckpointError(f"{path}: unreadable JSON: {e}") from e
+    content = read_json(path, "config")
     count = content.get("num_hidden_layers") if isinstance(content, dict) else None
     if count is None:
         return

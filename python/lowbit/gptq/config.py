@@ -47,6 +47,17 @@ def check_regular_file(path: str, what: str = "file") -> None:
         raise GPTQCheckpointError(f"{path}: the {what} is not a regular file")
 
 
+def read_json(path: str, what: str, error: type = GPTQCheckpointError) -> Any:
+    """The JSON content of `path`, a regular file (checked first); `error`
+    naming the file if it cannot be read or parsed."""
+    check_regular_file(path, what)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise error(f"{path}: unreadable {what}: {e}") from e
+
+
 @dataclass(frozen=True)
 class ModuleQuant:
     """How one module is quantized."""
@@ -188,12 +199,7 @@ def read_config(directory: str | os.PathLike) -> GPTQConfig:
         path = os.path.join(directory, name)
         if not os.path.lexists(path):
             continue
-        check_regular_file(path, "config")
-        try:
-            with open(path) as f:
-                raw = json.load(f)
-        except (OSError, ValueError) as e:
-            raise GPTQConfigError(f"{path}: unreadable JSON: {e}") from e
+        raw = read_json(path, "config", GPTQConfigError)
         if name == "config.json":
             if not isinstance(raw, dict):
                 raise GPTQConfigError(f"{path}: config.json must be a JSON object, got {type(raw).__name__}")

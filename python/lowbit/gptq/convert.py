@@ -11,7 +11,6 @@ such zeros to v1 is refused rather than wrapped.
 """
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from typing import Any
@@ -20,7 +19,7 @@ import torch
 
 from .checkpoint import (GPTQCheckpointError, checkpoint_files, gptqmodel_warning, read_tensors, v1_zeros_as_v2,
                          write_checkpoint)
-from .config import FORMATS, GPTQConfig, check_regular_file, read_config
+from .config import FORMATS, GPTQConfig, read_config, read_json
 
 MAX_NAMED_MODULES = 5  # refusals name this many modules, then give the count
 
@@ -134,23 +133,15 @@ def _converted_config(src: str, config: GPTQConfig, to: str) -> dict[str, Any]:
     """config.json content for the output: the source's config.json (if any)
     with quantization_config = the source's quantization config (from the file
     read_config used, so keys like `meta` survive) relabelled `to`."""
-    content = _read_json(os.path.join(src, "config.json")) if os.path.lexists(os.path.join(src, "config.json")) else {}
-    raw = _read_json(config.source)
+    content = (read_json(os.path.join(src, "config.json"), "config")
+               if os.path.lexists(os.path.join(src, "config.json")) else {})
+    raw = read_json(config.source, "config")
     quant = dict(raw["quantization_config"] if os.path.basename(config.source) == "config.json" else raw)
     quant["checkpoint_format"] = to
     if "format" in quant:  # newer GPTQModel writes the format under both keys
         quant["format"] = to
     content["quantization_config"] = quant
     return content
-
-
-def _read_json(path: str) -> dict[str, Any]:
-    check_regular_file(path, "config")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise GPTQCheckpointError(f"{path}: unreadable JSON: {e}") from e
 
 
 def _largest_shard_bytes(files: list[str]) -> int:
