@@ -26,7 +26,7 @@ def want_cuda() -> bool:
 
 
 def extension():
-    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    sources = sorted(glob.glob("csrc/ops/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     # at::parallel_for expands OpenMP pragmas inside our own code, so we must
     # compile with OpenMP like torch itself.
     # C++20 is named explicitly: torch before 2.13 passes -std=c++17 on its own.

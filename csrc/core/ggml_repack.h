@@ -28,35 +28,6 @@ namespace ggml {
 
 constexpr int kRepackRows = 16;
 
-// The types with a repacked layout and kernels for it: the rest of a block
-// past its fields is whole 4-byte words. The one-scale types of 4, 5 and 8
-// bits (MXFP4, gpt-oss's experts, too) and every integer-form type (the
-// K-quants and IQ4_XS).
-constexpr bool has_repacked_layout(Type t) {
-  switch (t) {
-    case Type::Q4_0: case Type::Q4_1: case Type::Q5_0: case Type::Q5_1: case Type::Q8_0: case Type::IQ4_NL:
-    case Type::MXFP4:
-    case Type::Q2_K: case Type::Q3_K: case Type::Q4_K: case Type::Q5_K: case Type::Q6_K: case Type::IQ4_XS:
-      return true;
-    default:
-      return false;
-  }
-}
-
-// Those whose layout the AVX2 kernels read as it is too
-// (cpu/ggml_repacked_avx2.h). The rest go back to the file's layout on every
-// call: with AVX2 their repacked matvec streams slower than their file
-// layout's (csrc/cpu/README.md), and their tiles serve file-layout batches only.
-constexpr bool reads_repacked_avx2(Type t) {
-  switch (t) {
-    case Type::Q4_0: case Type::Q4_1: case Type::Q5_0: case Type::Q5_1: case Type::IQ4_NL: case Type::Q8_0:
-    case Type::MXFP4: case Type::Q4_K: case Type::IQ4_XS: case Type::Q2_K: case Type::Q3_K:
-      return true;
-    default:
-      return false;
-  }
-}
-
 // A block's fields, which the repacked layout puts first: `count` of them,
 // `size` bytes each, starting at byte `at` of the file's block (the K-quants
 // of 2, 3 and 6 bits keep theirs at the block's end).

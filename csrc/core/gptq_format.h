@@ -95,6 +95,76 @@ LOWBIT_HD void deposit_field(uint32_t* stream, int64_t stride, int64_t i, uint32
   insert(stream[f.lo * stride], stream[f.hi * stride], f, value);
 }
 
+// A 2-D tensor of fields seen as [outer, length, inner] and packed along
+// `length` (dim 0: [1, rows, cols], dim 1: [rows, cols, 1]). Pack p of the
+// stream (o, c) holds fields (o, p*kFields + j, c), j < kFields, in the words
+// (o, p*kWords + v, c), v < kWords, of the packed tensor (the same shape with
+// `length` fields become length / kFields * kWords words). Every pack/unpack
+// kernel walks packs with these offsets and moves one pack with pack_one /
+// unpack_one.
+struct PackedAxis {
+  int64_t outer;
+  int64_t length;  // fields along the packed axis
+  int64_t inner;
+};
+
+LOWBIT_HD PackedAxis packed_axis(int64_t rows, int64_t cols, int64_t dim) {
+  return dim == 0 ? PackedAxis{1, rows, cols} : PackedAxis{rows, cols, 1};
+}
+
+// Where pack p of the streams (o, c) starts, for c = 0: in the fields and in the words.
+template <int BITS>
+LOWBIT_HD int64_t pack_fields_at(const PackedAxis& ax, int64_t o, int64_t p) {
+  return (o * ax.length + p * Pack<BITS>::kFields) * ax.inner;
+}
+template <int BITS>
+LOWBIT_HD int64_t pack_words_at(const PackedAxis& ax, int64_t o, int64_t p) {
+  return (o * (ax.length / Pack<BITS>::kFields * Pack<BITS>::kWords) + p * Pack<BITS>::kWords) * ax.inner;
+}
+
+// One pack: the kFields values fields[j * stride] (each in [0, 2^BITS))
+// into the kWords words words[v * stride], and back. `stride` is the
+// tensor's inner size (a compile-time 1 where the caller knows it).
+template <int BITS, typename Stride>
+LOWBIT_HD void pack_one(const int32_t* fields, uint32_t* words, Stride stride) {
+  uint32_t w[Pack<BITS>::kWords] = {};
+  LOWBIT_UNROLL
+  for (int j = 0; j < Pack<BITS>::kFields; ++j) {
+    const FieldLoc f = locate<BITS>(j);
+    insert(w[f.lo], w[f.hi], f, static_cast<uint32_t>(fields[j * stride]));
+  }
+  LOWBIT_UNROLL
+  for (int v = 0; v < Pack<BITS>::kWords; ++v) words[v * stride] = w[v];
+}
+template <int BITS, typename Stride>
+LOWBIT_HD void unpack_one(const uint32_t* words, int32_t* fields, Stride stride) {
+  uint32_t w[Pack<BITS>::kWords];
+  LOWBIT_UNROLL
+  for (int v = 0; v < Pack<BITS>::kWords; ++v) w[v] = words[v * stride];
+  LOWBIT_UNROLL
+  for (int j = 0; j < Pack<BITS>::kFields; ++j) {
+    const FieldLoc f = locate<BITS>(j);
+    fields[j * stride] = static_cast<int32_t>(extract(w[f.lo], w[f.hi], f));
+  }
+}
+
+// Pack p of one column of a weight packed along K (`stride` words between
+// rows): its fields gathered from rows from[0 .. kFields) of `src` (the
+// column's first word) into the kWords words dst[v * stride]. The rows must
+// lie in [0, K).
+template <int BITS>
+LOWBIT_HD void gather_one(const uint32_t* src, const int32_t* from, uint32_t* dst, int64_t stride) {
+  uint32_t w[Pack<BITS>::kWords] = {};
+  LOWBIT_UNROLL
+  for (int j = 0; j < Pack<BITS>::kFields; ++j) {
+    const FieldLoc s = locate<BITS>(from[j]);
+    const FieldLoc d = locate<BITS>(j);
+    insert(w[d.lo], w[d.hi], d, extract(src[s.lo * stride], src[s.hi * stride], s));
+  }
+  LOWBIT_UNROLL
+  for (int v = 0; v < Pack<BITS>::kWords; ++v) dst[v * stride] = w[v];
+}
+
 // The zero-point rule. GPTQ v1 checkpoints ("gptq") store zero - 1, GPTQ v2
 // ("gptq_v2") store the zero itself. The offset is applied to each unpacked
 // field, never to packed words, where it would carry across fields.

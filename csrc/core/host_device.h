@@ -9,6 +9,15 @@
 #define LOWBIT_HD inline
 #endif
 
+// Unrolls the loop that follows (a pack's fields, at compile-time shifts).
+#if defined(__CUDACC__)
+#define LOWBIT_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__) && !defined(__clang__)
+#define LOWBIT_UNROLL _Pragma("GCC unroll 32")
+#else
+#define LOWBIT_UNROLL
+#endif
+
 // A constant lookup table readable from host and device code. Under nvcc the
 // data is emitted twice, in host memory and in device global memory, and
 // LOWBIT_TABLE(name) picks the copy of the side being compiled.

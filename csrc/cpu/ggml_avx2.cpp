@@ -13,7 +13,7 @@
 #include "../core/ggml_q8.h"
 #include "../core/ggml_tables.h"
 #include "../core/ggml_types.h"
-#include "../dispatch_ggml.h"
+#include "../ops/dispatch.h"
 #include "ggml_kernels.h"
 #include "isa.h"
 
@@ -55,23 +55,13 @@ template <ggml::Type T, SumOrder order>
 using RepackedAvx2 =
     std::conditional_t<(ggml::TypeInfo<T>::kBlock == 32), RepackedFloatAvx2<T, order>, RepackedIntAvx2<T>>;
 
-// From how many activation rows a file-layout weight of type T goes through
-// RepackedAvx2<T>, a tile at a time repacked into a buffer that stays in
-// cache (repack_tile): its passes share each decoded group between
-// activation rows and need no horizontal sums. Each value is the smallest M
-// where that beats the matvec form at every benchmark shape and thread count
-// (csrc/cpu/README.md); Q5_0 (offsets and fifth bits) and Q6_K (two words
-// a group) gain least, so they start latest.
+// From how many activation rows (ggml_traits.h) a file-layout weight of type
+// T goes through RepackedAvx2<T>, a tile at a time repacked into a buffer that
+// stays in cache (repack_tile): its passes share each decoded group between
+// activation rows and need no horizontal sums.
 constexpr int64_t kNoCopies = std::numeric_limits<int64_t>::max();
 constexpr int64_t repacked_copy_rows(ggml::Type t) {
-  switch (t) {
-    case ggml::Type::Q4_0: case ggml::Type::Q4_1: return 8;
-    case ggml::Type::IQ4_NL: case ggml::Type::Q5_1: case ggml::Type::Q4_K: case ggml::Type::IQ4_XS:
-    case ggml::Type::Q8_0: case ggml::Type::Q2_K: return 16;
-    case ggml::Type::Q3_K: case ggml::Type::Q5_K: case ggml::Type::Q6_K: return 32;
-    case ggml::Type::Q5_0: return 128;
-    default: return kNoCopies;
-  }
+  return ggml_cpu_traits(t).avx2_copy_rows ? ggml_cpu_traits(t).avx2_copy_rows : kNoCopies;
 }
 
 // RepackedAvx2<T> over the whole tiles of file-layout rows r0 .. r1, each
@@ -131,7 +121,7 @@ bool ggml_mul_mat_avx2_takes_offsets(int64_t type, int64_t M, bool repacked) {
     // A repacked weight of a type AVX2 does not read goes back to the file
     // layout's kernels (copies included) a few tiles at a time; one it reads
     // takes ActRow::isum instead.
-    constexpr bool reads = ggml::reads_repacked_avx2(T);
+    constexpr bool reads = reads_repacked_avx2(T);
     if constexpr (ggml::TypeInfo<T>::kBlock == 32 && repacked_copy_rows(T) != kNoCopies)
       takes = RepackedFloatAvx2<T, SumOrder::kFileLayout>::kOffsets && !(repacked && reads) &&
               M >= repacked_copy_rows(T);
@@ -143,7 +133,7 @@ bool ggml_mul_mat_avx2_takes_block_sums(int64_t type, bool repacked) {
   bool takes = false;
   dispatch_ggml_type(type, [&](auto t) {
     constexpr ggml::Type T = decltype(t)::value;
-    if constexpr (ggml::TypeInfo<T>::kBlock == 32 && ggml::reads_repacked_avx2(T))
+    if constexpr (ggml::TypeInfo<T>::kBlock == 32 && reads_repacked_avx2(T))
       takes = repacked && RepackedFloatAvx2<T, SumOrder::kBlockDot>::kOffsets;
   });
   return takes;

@@ -13,7 +13,7 @@
 #include "../core/ggml_repack.h"
 #include "../core/ggml_tables.h"
 #include "../core/ggml_types.h"
-#include "../dispatch_ggml.h"
+#include "../ops/dispatch.h"
 #include "ggml_kernels.h"
 #include "isa.h"
 
@@ -63,7 +63,7 @@ bool ggml_mul_mat_repacked_avx512(int64_t type, const uint8_t* W, int64_t r0, in
   bool ran = false;
   dispatch_ggml_type(type, [&](auto t) {
     constexpr ggml::Type T = decltype(t)::value;
-    if constexpr (ggml::has_repacked_layout(T)) {
+    if constexpr (has_repacked_layout(T)) {
       // Whole tiles repacked; the rows past the last one as the file has them.
       using Form = std::conditional_t<(ggml::TypeInfo<T>::kBlock == 32), RepackedFloatGemm<T>, RepackedIntGemm<T>>;
       const int64_t r = Form::run(W, r0, r1, n, acts, M, out, rows);

@@ -7,16 +7,16 @@
 
 #include <algorithm>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "../core/ggml_blocks.h"
 #include "../core/ggml_q8.h"
 #include "../core/ggml_repack.h"
-#include "../dispatch_ggml.h"
-#include "../ggml_checks.h"
-#include "../ggml_prepare.h"
-#include "ggml_cpu.h"
+#include "../ops/backend_ops.h"
+#include "../ops/dispatch.h"
+#include "../ops/ggml_checks.h"
 #include "ggml_kernels.h"
 #include "huge_pages.h"
 #include "isa.h"
@@ -28,6 +28,21 @@ namespace {
 
 using ggml::Act;
 using ggml::TypeInfo;
+
+// Refuses a type without a repacked layout (ggml_traits.h), naming those with one.
+void check_ggml_repacked_type(const char* op, int64_t type) {
+  bool has = false;
+  std::string with;
+#define LOWBIT_GGML_REPACKED(name, id, block, bytes, sub, has_min, act) \
+  if (has_repacked_layout(ggml::Type::name)) {                          \
+    has = has || type == id;                                            \
+    with += std::string(with.empty() ? "" : ", ") + #name " (" #id ")"; \
+  }
+  LOWBIT_GGML_TYPES(LOWBIT_GGML_REPACKED)
+#undef LOWBIT_GGML_REPACKED
+  TORCH_CHECK_VALUE(has, op, ": type ", type, " (", ggml::runtime_info(type).name,
+                    ") has no repacked layout; the types with one are ", with);
+}
 
 // Decodes one row of n weights (whole blocks) into fp32.
 template <ggml::Type T>
@@ -132,7 +147,7 @@ void mul_mat_rows(Isa isa, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, 
 template <ggml::Type T>
 void mul_mat_repacked_rows(Isa isa, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts,
                            int64_t M, float* out, int64_t rows) {
-  if constexpr (ggml::has_repacked_layout(T)) {
+  if constexpr (has_repacked_layout(T)) {
 #if LOWBIT_X86_SIMD
     if (isa == Isa::kAvx512 && ggml_mul_mat_repacked_avx512(static_cast<int64_t>(T), W, r0, r1, n, acts, M, out, rows))
       return;
@@ -396,7 +411,7 @@ at::Tensor ggml_repack(const at::Tensor& W, int64_t type, int64_t row, int64_t n
   advise_huge_pages(dst, out.numel());  // a model's weight, streamed by every matvec
   dispatch_ggml_type(type, [&](auto t) {
     constexpr ggml::Type T = decltype(t)::value;
-    if constexpr (ggml::has_repacked_layout(T)) {
+    if constexpr (has_repacked_layout(T)) {
       // Tasks of whole tiles, each a weight of its own (see repack_rows).
       const int64_t tiles = (row + ggml::kRepackRows - 1) / ggml::kRepackRows;
       at::parallel_for(0, tiles, std::max<int64_t>(1, row_grain(n) / ggml::kRepackRows), [&](int64_t t0, int64_t t1) {

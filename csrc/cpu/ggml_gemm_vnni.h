@@ -360,7 +360,7 @@ int64_t run_passes(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const gg
 template <ggml::Type T>
 struct RepackedFloatGemm {
   using I = ggml::TypeInfo<T>;
-  static_assert(ggml::has_repacked_layout(T) && I::kBlock == 32, "a one-scale type with a repacked layout");
+  static_assert(has_repacked_layout(T) && I::kBlock == 32, "a one-scale type with a repacked layout");
   static constexpr int kWords = (I::kBytes - ggml::repacked_fields(T).bytes()) / 4;  // 4-byte words of quants
   static constexpr int64_t kTileBlockBytes = ggml::kRepackRows * I::kBytes;  // one block of the tile's rows
   static constexpr int kAccs = 1 + I::kHasMin;  // fp32 sums per activation row: the dots, the mins
@@ -484,7 +484,7 @@ struct RepackedIntGemm {
   // run slower, streamed and in cache (csrc/cpu/README.md).
   static constexpr int kPassRows = 8;
   using Tile = RepackedTile<T>;
-  static_assert(ggml::has_repacked_layout(T) && simd::has_int_scales<T>(), "an integer-form type with a repacked layout");
+  static_assert(has_repacked_layout(T) && simd::has_int_scales<T>(), "an integer-form type with a repacked layout");
   static constexpr int64_t kTileBlockBytes = ggml::kRepackRows * I::kBytes;
   static constexpr int kAccs = Int::kAccs;
   // One tile a matvec pass: a block's scales and sums already fill the
@@ -557,8 +557,7 @@ struct RepackedIntGemm {
 // Whether type T has a GEMM form, and which.
 template <ggml::Type T>
 constexpr bool has_gemm_vnni() {
-  using I = ggml::TypeInfo<T>;
-  return !I::kFloat && (simd::has_int_scales<T>() || (I::kBlock == 32 && I::kSub == 32));
+  return ggml_cpu_traits(T).gemm != Gemm::kNone;
 }
 template <ggml::Type T>
 using GemmForm = std::conditional_t<simd::has_int_scales<T>(), IntGemm<T>, FloatGemm<T>>;

@@ -5,20 +5,10 @@
 
 #include "../core/ggml_q8.h"
 #include "../core/ggml_types.h"
+#include "ggml_traits.h"
 
 namespace lowbit {
 namespace cpu {
-
-// The weight types whose levels are cut out in vector registers
-// (ggml_levels_simd.h): llama.cpp's main types. The SIMD kernels take the
-// other quantized types' levels from the scalar Codec<T>::decode instead.
-constexpr bool has_simd_levels(ggml::Type t) {
-  using ggml::Type;
-  return t == Type::Q4_0 || t == Type::Q4_1 || t == Type::Q5_0 || t == Type::Q5_1 || t == Type::Q8_0 ||
-         t == Type::Q2_K || t == Type::Q3_K || t == Type::Q4_K || t == Type::Q5_K || t == Type::Q6_K ||
-         t == Type::IQ4_NL || t == Type::IQ4_XS || t == Type::TQ1_0 || t == Type::TQ2_0 || t == Type::MXFP4 ||
-         t == Type::NVFP4 || t == Type::Q1_0 || t == Type::Q2_0;
-}
 
 // out[m * rows + r] = sum over the row of dequant(W[r]) * x[m] for r in
 // [r0, r1) and m < M, with acts[m] the activation rows quantized as

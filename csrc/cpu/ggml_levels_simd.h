@@ -1,6 +1,6 @@
 // The int8 levels of a GGUF block, 32 elements at a time, cut out in AVX2
 // registers for the SIMD kernels (ggml_matmul_simd.h, ggml_dequant_simd.h),
-// for the types has_simd_levels() names. Element order
+// for the types has_simd_levels() names (ggml_traits.h). Element order
 // and values are exactly those of Codec<T>::decode in core/ggml_blocks.h (a
 // test runs every ISA against the portable kernels and the reference). The
 // sub-block scales come from Codec<T>::scales, except for the K-quants whose
@@ -539,13 +539,14 @@ inline __m256i int_levels(const uint8_t* b) {
     return Levels<T>::template chunk<C>(b);
 }
 
-// Whether T has the integer form (Levels<T>::int_scales; see IntScales).
+// Whether T has the integer form (Levels<T>::int_scales; see IntScales):
+// the integer GEMM form of the traits table, which its Levels must provide.
 template <ggml::Type T>
 constexpr bool has_int_scales() {
-  if constexpr (!has_simd_levels(T))
-    return false;
-  else
-    return requires { Levels<T>::kIntCoefs; };
+  constexpr bool table = ggml_cpu_traits(T).gemm == Gemm::kInt;
+  if constexpr (has_simd_levels(T))
+    static_assert(table == requires { Levels<T>::kIntCoefs; }, "the traits table's GEMM form and Levels<T> agree");
+  return table;
 }
 
 }  // namespace simd

@@ -496,15 +496,14 @@ struct MatmulSimd {
   static int64_t panel_rows(int64_t n) { return std::max<int64_t>(kMaxRowTile, (32 << 10) / n / 4 * 4); }
 
   // Whether M activation rows take the GEMM with weight rows across the
-  // lanes (ggml_gemm_vnni.h), where the unit has it and the type a GEMM form;
-  // later for the signed one-scale types, whose 512-bit row tiles already
-  // share each decoded chunk (csrc/cpu/README.md, M thresholds).
+  // lanes (ggml_gemm_vnni.h), where the unit has it and the type a GEMM form
+  // (from the M of ggml_traits.h).
 #if LOWBIT_SIMD_AVX512BW
   static constexpr bool kGemm = has_gemm_vnni<T>();
 #else
   static constexpr bool kGemm = false;
 #endif
-  static constexpr int64_t kGemmRows = kIntScales || I::kHasMin ? 8 : 32;
+  static constexpr int64_t kGemmRows = ggml_cpu_traits(T).gemm_rows;
   static bool gemm(int64_t M) { return kGemm && M >= kGemmRows; }
 
   static void run(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts, int64_t M,

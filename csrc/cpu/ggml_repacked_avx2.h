@@ -25,6 +25,7 @@
 #include "../core/ggml_repack.h"
 #include "../core/ggml_tables.h"
 #include "../core/ggml_types.h"
+#include "ggml_traits.h"
 #include "row_tiles.h"
 #include "static_for.h"
 
@@ -210,7 +211,7 @@ enum class SumOrder {
 template <ggml::Type T, SumOrder kOrder>
 struct RepackedFloatAvx2 {
   using I = ggml::TypeInfo<T>;
-  static_assert(ggml::has_repacked_layout(T) && I::kBlock == 32, "a one-scale type with a repacked layout");
+  static_assert(has_repacked_layout(T) && I::kBlock == 32, "a one-scale type with a repacked layout");
   static constexpr int64_t kTileBlockBytes = ggml::kRepackRows * I::kBytes;  // one block of the tile's rows
   // Q5_0 and Q5_1: word 0 holds each row's 32-bit qh, element i's fifth bit at bit i.
   static constexpr bool kHighBits = T == ggml::Type::Q5_0 || T == ggml::Type::Q5_1;
@@ -392,8 +393,7 @@ inline __m256i pick8(__m256i v) {
 // (8-23) and scales[12] (24-26).
 template <ggml::Type T>
 constexpr bool has_repacked_int_avx2() {
-  return T == ggml::Type::Q2_K || T == ggml::Type::Q3_K || T == ggml::Type::Q4_K || T == ggml::Type::Q5_K ||
-         T == ggml::Type::Q6_K || T == ggml::Type::IQ4_XS;
+  return has_repacked_layout(T) && ggml_cpu_traits(T).gemm == Gemm::kInt;
 }
 
 template <ggml::Type T>

@@ -18,10 +18,9 @@
 #include <vector>
 
 #include "../core/gptq_format.h"
-#include "../dispatch_bits.h"
-#include "../gptq_checks.h"
-#include "../gptq_prepare.h"
-#include "gptq_cpu.h"
+#include "../ops/dispatch.h"
+#include "../ops/gptq_checks.h"
+#include "../ops/backend_ops.h"
 #include "gptq_kernels.h"
 #include "isa.h"
 

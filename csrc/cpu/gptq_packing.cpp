@@ -7,26 +7,15 @@
 #include <utility>
 
 #include "../core/gptq_format.h"
-#include "../dispatch_bits.h"
-#include "../gptq_checks.h"
-#include "../gptq_prepare.h"
-#include "gptq_cpu.h"
+#include "../ops/backend_ops.h"
+#include "../ops/dispatch.h"
+#include "../ops/gptq_checks.h"
 
 namespace lowbit {
 namespace cpu {
 namespace {
 
-// A 2-D tensor seen as [outer, length, inner] and packed along `length`:
-// dim 0 is [1, rows, cols], dim 1 is [rows, cols, 1].
-struct PackedAxis {
-  int64_t outer;
-  int64_t length;
-  int64_t inner;
-};
-
-PackedAxis packed_axis(at::IntArrayRef sizes, int64_t dim) {
-  return dim == 0 ? PackedAxis{1, sizes[0], sizes[1]} : PackedAxis{sizes[0], sizes[1], 1};
-}
+using gptq::PackedAxis;
 
 // Work per parallel task: aim for about 16k fields so threads are worth it.
 int64_t grain_for(int64_t fields_per_task) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, fields_per_task)); }
@@ -45,17 +34,6 @@ void for_each_pack(const PackedAxis& ax, Body body) {
   });
 }
 
-// Calls field(loc) for the located fields 0 .. kFields-1 of a pack, with loc
-// a compile-time constant: every shift and mask below is an immediate.
-template <int B, typename Field, int... J>
-inline void for_each_field(std::integer_sequence<int, J...>, Field field) {
-  (field(std::integral_constant<int, J>{}), ...);
-}
-template <int B, typename Field>
-inline void for_each_field(Field field) {
-  for_each_field<B>(std::make_integer_sequence<int, gptq::Pack<B>::kFields>{}, field);
-}
-
 // Runs body(inner) with the stride between a field's consecutive values: a
 // compile-time 1 for streams packed along dim 1 (qzeros), so that the field
 // loops below collapse into straight-line code, else ax.inner.
@@ -68,59 +46,36 @@ inline void with_inner(const PackedAxis& ax, Body body) {
   }
 }
 
-template <int B>
-void pack_impl(const int32_t* values, uint32_t* words, const PackedAxis& ax) {
-  using P = gptq::Pack<B>;
-  const int64_t word_len = ax.length / P::kFields * P::kWords;
+// Runs move(field offset, word offset, stride) for every pack of every
+// stream (gptq::pack_one or unpack_one at those offsets).
+template <int B, typename Move>
+void for_each_stream_pack(const PackedAxis& ax, Move move) {
   with_inner(ax, [&](auto inner) {
     for_each_pack<B>(ax, [&](int64_t o, int64_t p) {
-      const int32_t* src = values + (o * ax.length + p * P::kFields) * inner;
-      uint32_t* dst = words + (o * word_len + p * P::kWords) * inner;
-      for_each_field<B>([&](auto j) {
-        constexpr gptq::FieldLoc f = gptq::locate<B>(decltype(j)::value);
-        const int32_t* v = src + j * inner;
-        uint32_t* lo = dst + f.lo * inner;
-        uint32_t* hi = dst + f.hi * inner;
-        for (int64_t c = 0; c < inner; ++c) gptq::insert(lo[c], hi[c], f, static_cast<uint32_t>(v[c]));
-      });
+      const int64_t f = gptq::pack_fields_at<B>(ax, o, p), w = gptq::pack_words_at<B>(ax, o, p);
+      for (int64_t c = 0; c < inner; ++c) move(f + c, w + c, inner);
     });
   });
 }
 
 template <int B>
+void pack_impl(const int32_t* values, uint32_t* words, const PackedAxis& ax) {
+  for_each_stream_pack<B>(ax, [&](int64_t f, int64_t w, auto inner) { gptq::pack_one<B>(values + f, words + w, inner); });
+}
+
+template <int B>
 void unpack_impl(const uint32_t* words, int32_t* values, const PackedAxis& ax) {
-  using P = gptq::Pack<B>;
-  const int64_t word_len = ax.length / P::kFields * P::kWords;
-  with_inner(ax, [&](auto inner) {
-    for_each_pack<B>(ax, [&](int64_t o, int64_t p) {
-      const uint32_t* src = words + (o * word_len + p * P::kWords) * inner;
-      int32_t* dst = values + (o * ax.length + p * P::kFields) * inner;
-      for_each_field<B>([&](auto j) {
-        constexpr gptq::FieldLoc f = gptq::locate<B>(decltype(j)::value);
-        const uint32_t* lo = src + f.lo * inner;
-        const uint32_t* hi = src + f.hi * inner;
-        int32_t* v = dst + j * inner;
-        for (int64_t c = 0; c < inner; ++c) v[c] = static_cast<int32_t>(gptq::extract(lo[c], hi[c], f));
-      });
-    });
-  });
+  for_each_stream_pack<B>(ax, [&](int64_t f, int64_t w, auto inner) { gptq::unpack_one<B>(words + w, values + f, inner); });
 }
 
 // dst row k = src row perm[k], for a weight packed along K (rows) with N columns.
 template <int B>
 void permute_rows_impl(const uint32_t* src, uint32_t* dst, const int32_t* perm, int64_t K, int64_t N) {
-  using P = gptq::Pack<B>;
-  for_each_pack<B>(PackedAxis{1, K, N}, [&](int64_t, int64_t p) {
-    uint32_t* out = dst + p * P::kWords * N;
-    for (int j = 0; j < P::kFields; ++j) {
-      const gptq::FieldLoc s = gptq::locate<B>(perm[p * P::kFields + j]);
-      const gptq::FieldLoc d = gptq::locate<B>(j);
-      const uint32_t* slo = src + s.lo * N;
-      const uint32_t* shi = src + s.hi * N;
-      uint32_t* dlo = out + d.lo * N;
-      uint32_t* dhi = out + d.hi * N;
-      for (int64_t n = 0; n < N; ++n) gptq::insert(dlo[n], dhi[n], d, gptq::extract(slo[n], shi[n], s));
-    }
+  const PackedAxis ax{1, K, N};
+  for_each_pack<B>(ax, [&](int64_t, int64_t p) {
+    const int32_t* from = perm + p * gptq::Pack<B>::kFields;
+    uint32_t* out = dst + gptq::pack_words_at<B>(ax, 0, p);
+    for (int64_t n = 0; n < N; ++n) gptq::gather_one<B>(src + n, from, out + n, N);
   });
 }
 
@@ -135,8 +90,8 @@ at::Tensor gptq_pack(const at::Tensor& values, int64_t bit, int64_t dim) {
   const at::Tensor v = values.contiguous();
   std::vector<int64_t> out_sizes = v.sizes().vec();
   out_sizes[dim] = length / fields_per_pack(bit) * words_per_pack(bit);
-  at::Tensor out = at::zeros(out_sizes, v.options());
-  dispatch_bits(bit, [&](auto bits) { pack_impl<decltype(bits)::value>(v.data_ptr<int32_t>(), words_of(out), packed_axis(v.sizes(), dim)); });
+  at::Tensor out = at::empty(out_sizes, v.options());
+  dispatch_bits(bit, [&](auto bits) { pack_impl<decltype(bits)::value>(v.data_ptr<int32_t>(), words_of(out), gptq::packed_axis(v.size(0), v.size(1), dim)); });
   return out;
 }
 
@@ -147,7 +102,7 @@ at::Tensor gptq_unpack(const at::Tensor& packed, int64_t bit, int64_t dim) {
   std::vector<int64_t> out_sizes = w.sizes().vec();
   out_sizes[dim] = words / words_per_pack(bit) * fields_per_pack(bit);
   at::Tensor out = at::empty(out_sizes, w.options());
-  dispatch_bits(bit, [&](auto bits) { unpack_impl<decltype(bits)::value>(words_of(w), out.data_ptr<int32_t>(), packed_axis(out.sizes(), dim)); });
+  dispatch_bits(bit, [&](auto bits) { unpack_impl<decltype(bits)::value>(words_of(w), out.data_ptr<int32_t>(), gptq::packed_axis(out.size(0), out.size(1), dim)); });
   return out;
 }
 
@@ -155,7 +110,7 @@ namespace {
 
 // A copy of qweight (packed along K) with row k taken from row perm[k].
 at::Tensor permute_rows(const at::Tensor& qweight, const at::Tensor& perm32, int64_t K, int64_t bit) {
-  at::Tensor out = at::zeros_like(qweight);
+  at::Tensor out = at::empty_like(qweight);
   dispatch_bits(bit, [&](auto bits) {
     permute_rows_impl<decltype(bits)::value>(words_of(qweight), words_of(out), perm32.data_ptr<int32_t>(), K,
                                              qweight.size(1));

@@ -8,11 +8,11 @@
 // (coalesced stores; a lane writing its own block would stride by a block).
 // Float types (F32/F16/BF16, one element per "block"): one thread per element.
 #include "../core/ggml_blocks.h"
-#include "../dispatch_ggml.h"
-#include "../ggml_prepare.h"
+#include "../ops/dispatch.h"
+#include "../ops/ggml_checks.h"
 #include "common.cuh"
 #include "ggml_cuda.cuh"
-#include "ops_cuda.h"
+#include "../ops/backend_ops.h"
 
 namespace lowbit {
 namespace cuda {

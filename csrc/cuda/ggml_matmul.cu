@@ -36,11 +36,11 @@
 
 #include "../core/ggml_blocks.h"
 #include "../core/ggml_q8.h"
-#include "../dispatch_ggml.h"
-#include "../ggml_checks.h"
+#include "../ops/dispatch.h"
+#include "../ops/ggml_checks.h"
 #include "common.cuh"
 #include "ggml_cuda.cuh"
-#include "ops_cuda.h"
+#include "../ops/backend_ops.h"
 
 namespace lowbit {
 namespace cuda {

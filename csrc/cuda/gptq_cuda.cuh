@@ -10,7 +10,7 @@
 #include <cstdint>
 
 #include "../core/gptq_format.h"
-#include "../gptq_checks.h"
+#include "../ops/gptq_checks.h"
 #include "common.cuh"
 
 namespace lowbit {

@@ -6,11 +6,11 @@
 // the pack's rows. Every value is gptq::dequant(q, zero, scale) in fp32 --
 // exact, as on the CPU -- rounded once to the output dtype.
 #include "../core/gptq_format.h"
-#include "../dispatch_bits.h"
-#include "../gptq_prepare.h"
+#include "../ops/dispatch.h"
+#include "../ops/gptq_checks.h"
 #include "common.cuh"
 #include "gptq_cuda.cuh"
-#include "ops_cuda.h"
+#include "../ops/backend_ops.h"
 
 namespace lowbit {
 namespace cuda {

@@ -41,11 +41,11 @@
 #include <vector>
 
 #include "../core/gptq_format.h"
-#include "../dispatch_bits.h"
-#include "../gptq_prepare.h"
+#include "../ops/dispatch.h"
+#include "../ops/gptq_checks.h"
 #include "common.cuh"
 #include "gptq_cuda.cuh"
-#include "ops_cuda.h"
+#include "../ops/backend_ops.h"
 
 namespace lowbit {
 namespace cuda {

@@ -6,13 +6,13 @@
 // so it assembles its words in registers and writes them whole: no thread
 // shares an output word, no atomics, and no zero-filled output is needed.
 // These are offline ops (checkpoint preparation), so validation may read
-// index and value ranges back from the device (gptq_prepare.h).
+// index and value ranges back from the device (ops/gptq_checks.h).
 #include "../core/gptq_format.h"
-#include "../dispatch_bits.h"
-#include "../gptq_prepare.h"
+#include "../ops/dispatch.h"
+#include "../ops/gptq_checks.h"
 #include "common.cuh"
 #include "gptq_cuda.cuh"
-#include "ops_cuda.h"
+#include "../ops/backend_ops.h"
 
 namespace lowbit {
 namespace cuda {
@@ -20,61 +20,31 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// A 2-D tensor seen as [outer, length, inner] and packed along `length`:
-// dim 0 is [1, rows, cols], dim 1 is [rows, cols, 1]. Consecutive threads
-// take consecutive `inner` positions, so dim-0 packing is coalesced.
-struct PackedAxis {
-  int64_t outer;
-  int64_t length;  // fields along the packed axis
-  int64_t inner;
-};
+using gptq::PackedAxis;
 
-PackedAxis packed_axis(at::IntArrayRef value_sizes, int64_t dim) {
-  return dim == 0 ? PackedAxis{1, value_sizes[0], value_sizes[1]} : PackedAxis{value_sizes[0], value_sizes[1], 1};
-}
-
-template <int B>
-__global__ void __launch_bounds__(kThreads) pack_kernel(const int32_t* values, uint32_t* words, PackedAxis ax) {
-  using P = gptq::Pack<B>;
-  const int64_t packs = ax.length / P::kFields;
-  const int64_t word_len = packs * P::kWords;
+// body(o, p, c) for every pack p of every stream (o, c), one thread each
+// (grid-stride); consecutive threads take consecutive c, so dim-0 packing is
+// coalesced.
+template <int B, typename Body>
+__device__ void for_each_pack(const PackedAxis& ax, Body body) {
+  const int64_t packs = ax.length / gptq::Pack<B>::kFields;
   const int64_t total = ax.outer * packs * ax.inner;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < total; t += stride) {
-    const int64_t c = t % ax.inner, p = (t / ax.inner) % packs, o = t / (ax.inner * packs);
-    const int32_t* src = values + (o * ax.length + p * P::kFields) * ax.inner + c;
-    uint32_t out[P::kWords] = {};
-#pragma unroll
-    for (int j = 0; j < P::kFields; ++j) {
-      const gptq::FieldLoc f = gptq::locate<B>(j);
-      gptq::insert(out[f.lo], out[f.hi], f, static_cast<uint32_t>(src[j * ax.inner]));
-    }
-    uint32_t* dst = words + (o * word_len + p * P::kWords) * ax.inner + c;
-#pragma unroll
-    for (int v = 0; v < P::kWords; ++v) dst[v * ax.inner] = out[v];
-  }
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < total; t += stride)
+    body(t / (ax.inner * packs), (t / ax.inner) % packs, t % ax.inner);
 }
 
-template <int B>
-__global__ void __launch_bounds__(kThreads) unpack_kernel(const uint32_t* words, int32_t* values, PackedAxis ax) {
-  using P = gptq::Pack<B>;
-  const int64_t packs = ax.length / P::kFields;
-  const int64_t word_len = packs * P::kWords;
-  const int64_t total = ax.outer * packs * ax.inner;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < total; t += stride) {
-    const int64_t c = t % ax.inner, p = (t / ax.inner) % packs, o = t / (ax.inner * packs);
-    const uint32_t* src = words + (o * word_len + p * P::kWords) * ax.inner + c;
-    uint32_t in[P::kWords];
-#pragma unroll
-    for (int v = 0; v < P::kWords; ++v) in[v] = src[v * ax.inner];
-    int32_t* dst = values + (o * ax.length + p * P::kFields) * ax.inner + c;
-#pragma unroll
-    for (int j = 0; j < P::kFields; ++j) {
-      const gptq::FieldLoc f = gptq::locate<B>(j);
-      dst[j * ax.inner] = static_cast<int32_t>(gptq::extract(in[f.lo], in[f.hi], f));
-    }
-  }
+// Every pack of every stream packed (kPack: fields into words) or unpacked.
+template <int B, bool kPack>
+__global__ void __launch_bounds__(kThreads) pack_kernel(int32_t* fields, uint32_t* words, PackedAxis ax) {
+  for_each_pack<B>(ax, [&](int64_t o, int64_t p, int64_t c) {
+    int32_t* f = fields + gptq::pack_fields_at<B>(ax, o, p) + c;
+    uint32_t* w = words + gptq::pack_words_at<B>(ax, o, p) + c;
+    if constexpr (kPack)
+      gptq::pack_one<B>(f, w, ax.inner);
+    else
+      gptq::unpack_one<B>(w, f, ax.inner);
+  });
 }
 
 // dst row k = src row perm[k] for a weight packed along K with N columns:
@@ -83,24 +53,13 @@ __global__ void __launch_bounds__(kThreads) unpack_kernel(const uint32_t* words,
 template <int B>
 __global__ void __launch_bounds__(kThreads)
     permute_rows_kernel(const uint32_t* src, uint32_t* dst, const int32_t* perm, int64_t K, int64_t N) {
-  using P = gptq::Pack<B>;
-  const int64_t packs = K / P::kFields;
-  const int64_t total = packs * N;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < total; t += stride) {
-    const int64_t n = t % N, p = t / N;
-    uint32_t out[P::kWords] = {};
-#pragma unroll
-    for (int j = 0; j < P::kFields; ++j) {
-      const int64_t from = perm[p * P::kFields + j];
-      CUDA_KERNEL_ASSERT(from >= 0 && from < K && "gptq: permutation value out of range");
-      const gptq::FieldLoc s = gptq::locate<B>(from);
-      const gptq::FieldLoc d = gptq::locate<B>(j);
-      gptq::insert(out[d.lo], out[d.hi], d, gptq::extract(src[s.lo * N + n], src[s.hi * N + n], s));
-    }
-#pragma unroll
-    for (int v = 0; v < P::kWords; ++v) dst[(p * P::kWords + v) * N + n] = out[v];
-  }
+  const PackedAxis ax{1, K, N};
+  for_each_pack<B>(ax, [&](int64_t, int64_t p, int64_t n) {
+    const int32_t* from = perm + p * gptq::Pack<B>::kFields;
+    for (int j = 0; j < gptq::Pack<B>::kFields; ++j)
+      CUDA_KERNEL_ASSERT(from[j] >= 0 && from[j] < K && "gptq: permutation value out of range");
+    gptq::gather_one<B>(src + n, from, dst + gptq::pack_words_at<B>(ax, 0, p) + n, N);
+  });
 }
 
 const uint32_t* words_of(const at::Tensor& t) { return reinterpret_cast<const uint32_t*>(t.data_ptr<int32_t>()); }
@@ -122,36 +81,39 @@ at::Tensor permute_rows(const at::Tensor& qweight, const at::Tensor& perm32, int
 
 }  // namespace
 
-at::Tensor pack_words(const at::Tensor& values, int64_t bit, int64_t dim) {
-  const at::Tensor v = values.contiguous();
-  std::vector<int64_t> out_sizes = v.sizes().vec();
-  out_sizes[dim] = v.size(dim) / gptq::fields_per_pack(bit) * gptq::words_per_pack(bit);
-  at::Tensor out = at::empty(out_sizes, v.options());
+namespace {
+
+// The fields of a validated 2-D tensor packed into words along `dim`
+// (`pack`), or the words unpacked into fields.
+at::Tensor convert_words(const at::Tensor& input, int64_t bit, int64_t dim, bool pack) {
+  const at::Tensor in = input.contiguous();
+  std::vector<int64_t> out_sizes = in.sizes().vec();
+  const int64_t fields = gptq::fields_per_pack(bit), words = gptq::words_per_pack(bit);
+  out_sizes[dim] = pack ? in.size(dim) / fields * words : in.size(dim) / words * fields;
+  at::Tensor out = at::empty(out_sizes, in.options());
   if (out.numel() == 0) return out;
-  const PackedAxis ax = packed_axis(v.sizes(), dim);
-  const unsigned int blocks = grid_for(ax.outer * (ax.length / gptq::fields_per_pack(bit)) * ax.inner, kThreads);
+  const at::Tensor& field_tensor = pack ? in : out;
+  const PackedAxis ax = gptq::packed_axis(field_tensor.size(0), field_tensor.size(1), dim);
+  const unsigned int blocks = grid_for(ax.outer * (ax.length / fields) * ax.inner, kThreads);
+  int32_t* f = field_tensor.data_ptr<int32_t>();
+  uint32_t* w = reinterpret_cast<uint32_t*>((pack ? out : in).data_ptr<int32_t>());
   dispatch_bits(bit, [&](auto bits) {
-    pack_kernel<decltype(bits)::value><<<blocks, kThreads, 0, current_stream()>>>(v.data_ptr<int32_t>(),
-                                                                                 words_of(out), ax);
+    constexpr int B = decltype(bits)::value;
+    if (pack)
+      pack_kernel<B, true><<<blocks, kThreads, 0, current_stream()>>>(f, w, ax);
+    else
+      pack_kernel<B, false><<<blocks, kThreads, 0, current_stream()>>>(f, w, ax);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;
 }
 
+}  // namespace
+
+at::Tensor pack_words(const at::Tensor& values, int64_t bit, int64_t dim) { return convert_words(values, bit, dim, true); }
+
 at::Tensor unpack_words(const at::Tensor& packed, int64_t bit, int64_t dim) {
-  const at::Tensor w = packed.contiguous();
-  std::vector<int64_t> out_sizes = w.sizes().vec();
-  out_sizes[dim] = w.size(dim) / gptq::words_per_pack(bit) * gptq::fields_per_pack(bit);
-  at::Tensor out = at::empty(out_sizes, w.options());
-  if (out.numel() == 0) return out;
-  const PackedAxis ax = packed_axis(out.sizes(), dim);
-  const unsigned int blocks = grid_for(ax.outer * (ax.length / gptq::fields_per_pack(bit)) * ax.inner, kThreads);
-  dispatch_bits(bit, [&](auto bits) {
-    unpack_kernel<decltype(bits)::value><<<blocks, kThreads, 0, current_stream()>>>(words_of(w),
-                                                                                   out.data_ptr<int32_t>(), ax);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-  return out;
+  return convert_words(packed, bit, dim, false);
 }
 
 at::Tensor gptq_pack(const at::Tensor& values, int64_t bit, int64_t dim) {

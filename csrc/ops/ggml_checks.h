@@ -1,16 +1,16 @@
-// Argument validation for the GGUF ops, shared by every backend (same
-// conventions as gptq_checks.h: RuntimeError for dtype/device/layout,
-// ValueError for values and shapes; messages start with "<op>: <argument>").
+// Argument checks of the GGUF ops, shared by every backend: a weight's type
+// and byte count, the matmul and mixture-of-experts shapes, and the exact
+// sequence each op runs (conventions in checks.h).
 #pragma once
 
 #include <ATen/ATen.h>
 #include <c10/util/safe_numerics.h>
 
-#include <string>
+#include <optional>
+#include <utility>
 
-#include "core/ggml_repack.h"
-#include "core/ggml_types.h"
-#include "gptq_checks.h"
+#include "../core/ggml_types.h"
+#include "checks.h"
 
 namespace lowbit {
 
@@ -82,19 +82,17 @@ inline GgmlMatmulId check_ggml_matmul_id(const char* op, const at::Tensor& W, co
   return {info, experts, tokens, slots, n, X.dim() == 3, ids32};
 }
 
-// Refuses a type without a repacked layout (core/ggml_repack.h), naming those with one.
-inline void check_ggml_repacked_type(const char* op, int64_t type) {
-  bool has = false;
-  std::string with;
-#define LOWBIT_GGML_REPACKED(name, id, block, bytes, sub, has_min, act) \
-  if (ggml::has_repacked_layout(ggml::Type::name)) {                  \
-    has = has || type == id;                                          \
-    with += std::string(with.empty() ? "" : ", ") + #name " (" #id ")"; \
-  }
-  LOWBIT_GGML_TYPES(LOWBIT_GGML_REPACKED)
-#undef LOWBIT_GGML_REPACKED
-  TORCH_CHECK_VALUE(has, op, ": type ", type, " (", ggml::runtime_info(type).name,
-                    ") has no repacked layout; the types with one are ", with);
+// ggml_dequantize: validates the weight and the requested output dtype
+// (fp16 when none is given); returns the type info and the dtype.
+inline std::pair<ggml::RuntimeInfo, at::ScalarType> check_ggml_dequantize(const at::Tensor& W, int64_t type,
+                                                                          int64_t m, int64_t n,
+                                                                          std::optional<at::ScalarType> dtype) {
+  const char* op = "ggml_dequantize";
+  const ggml::RuntimeInfo info = check_ggml_weight(op, W, type, "m", m, n);
+  const at::ScalarType out_type = dtype.value_or(at::kHalf);
+  TORCH_CHECK(out_type == at::kFloat || out_type == at::kHalf || out_type == at::kBFloat16, op,
+              ": dtype must be float32, float16 or bfloat16, got ", out_type);
+  return {info, out_type};
 }
 
 }  // namespace lowbit

@@ -1,70 +1,9 @@
-// The one place where lowbit's operator schemas are declared. Backends add
-// kernels for these schemas with TORCH_LIBRARY_IMPL (cpu/*.cpp, cuda/*.cu);
-// fake (meta) kernels for torch.compile live in python/lowbit/_fake.py.
+// The one place where lowbit's operator schemas are declared. The backends
+// register kernels for them with TORCH_LIBRARY_IMPL (backend_ops.h, cpu/,
+// cuda/), the table queries and CPU settings as composite kernels
+// (ggml_type_ops.cpp, cpu/cpu_settings.cpp); fake kernels for torch.compile
+// are Python (python/lowbit/ops.py).
 #include <torch/library.h>
-
-#include <vector>
-
-#include <optional>
-#include <string>
-
-#include "core/ggml_repack.h"
-#include "core/ggml_types.h"
-#include "cpu/isa.h"
-
-namespace {
-
-// [elements per block, bytes per block] of a ggml type id, from the one table.
-std::vector<int64_t> ggml_type_info(int64_t type) {
-  const lowbit::ggml::RuntimeInfo info = lowbit::ggml::runtime_info(type);
-  TORCH_CHECK_VALUE(info.ok, "ggml_type_info: type ", type, " is not a ggml weight type lowbit supports (unknown or removed id)");
-  return {info.block, info.bytes};
-}
-
-// The name of a ggml type id (ggml's own, as "Q4_K"), from the same table:
-// files can hold types newer than gguf-py's list.
-std::string ggml_type_name(int64_t type) {
-  const lowbit::ggml::RuntimeInfo info = lowbit::ggml::runtime_info(type);
-  TORCH_CHECK_VALUE(info.ok, "ggml_type_name: type ", type, " is not a ggml weight type lowbit supports (unknown or removed id)");
-  return info.name;
-}
-
-// Whether a ggml type has the CPU kernels' repacked layout (core/ggml_repack.h).
-bool ggml_has_repacked_layout(int64_t type) {
-  TORCH_CHECK_VALUE(lowbit::ggml::runtime_info(type).ok, "ggml_has_repacked_layout: type ", type,
-                    " is not a ggml weight type lowbit supports (unknown or removed id)");
-  return lowbit::ggml::has_repacked_layout(static_cast<lowbit::ggml::Type>(type));
-}
-
-// The vector ISA the CPU kernels use now, after forcing it to `force` if given.
-std::string cpu_isa(std::optional<std::string> force) {
-  if (force) lowbit::cpu::force_isa(*force);
-  return lowbit::cpu::isa_name(lowbit::cpu::active_isa());
-}
-
-// Whether the active ISA's CPU kernels read a weight of this type in the
-// repacked layout as it is (AVX-512: every type with the layout; AVX2: those
-// reads_repacked_avx2 names); elsewhere each call puts the rows back in the
-// file's layout first (the same results, slower).
-bool cpu_reads_repacked(int64_t type) {
-  TORCH_CHECK_VALUE(lowbit::ggml::runtime_info(type).ok, "cpu_reads_repacked: type ", type,
-                    " is not a ggml weight type lowbit supports (unknown or removed id)");
-  const auto t = static_cast<lowbit::ggml::Type>(type);
-  switch (lowbit::cpu::active_isa()) {
-    case lowbit::cpu::Isa::kAvx512: return lowbit::ggml::has_repacked_layout(t);
-    case lowbit::cpu::Isa::kAvx2: return lowbit::ggml::reads_repacked_avx2(t);
-    default: return false;
-  }
-}
-
-// Which GPTQ kernel bf16 / fp16 activations take on AVX512-BF16 CPUs
-// (lowbit::cpu::Bf16Kernel), after setting it to `mode` if given.
-std::string cpu_bf16_kernel(std::optional<std::string> mode) {
-  if (mode) lowbit::cpu::set_bf16_kernel(*mode);
-  return lowbit::cpu::bf16_kernel_name(lowbit::cpu::bf16_kernel());
-}
-
-}  // namespace
 
 TORCH_LIBRARY(lowbit, m) {
   // a @ W for a GPTQ weight W[k, n] = scales[g, n] * (q[k, n] - zero[g, n]).
@@ -110,14 +49,20 @@ TORCH_LIBRARY(lowbit, m) {
   // ggml_mul_mat_id of experts each in that layout (ggml_repack of its own rows).
   m.def("ggml_mul_mat_id_repacked(Tensor W, Tensor X, Tensor ids, int type, SymInt row) -> Tensor");
   // [elements per block, bytes per block] of a ggml type; raises for unknown ids.
-  m.def("ggml_type_info(int type) -> int[]", &ggml_type_info);
-  m.def("ggml_type_name(int type) -> str", &ggml_type_name);
-  m.def("ggml_has_repacked_layout(int type) -> bool", &ggml_has_repacked_layout);
+  m.def("ggml_type_info(int type) -> int[]");
+  m.def("ggml_type_name(int type) -> str");
+  // Whether a type has the CPU kernels' repacked layout, and all the CPU
+  // kernels' facts of a type (cpu/ggml_traits.h): [SIMD levels, GEMM form
+  // (0 none, 1 float, 2 integer), the M the GEMM starts at, repacked layout,
+  // the ISAs that read it as it is (bit 0 AVX2, bit 1 AVX-512), the M from
+  // which AVX2 copies file-layout tiles into it, whether repack_model takes it].
+  m.def("ggml_has_repacked_layout(int type) -> bool");
+  m.def("ggml_cpu_traits(int type) -> int[]");
 
   // The x86 vector ISA of the CPU kernels ("portable", "avx2", "avx512"),
   // chosen from the CPU's features at load (or LOWBIT_CPU_ISA); `force`
   // lowers it, for tests of every path and for benchmarks.
-  m.def("cpu_isa(str? force=None) -> str", &cpu_isa);
-  m.def("cpu_bf16_kernel(str? mode=None) -> str", &cpu_bf16_kernel);
-  m.def("cpu_reads_repacked(int type) -> bool", &cpu_reads_repacked);
+  m.def("cpu_isa(str? force=None) -> str");
+  m.def("cpu_bf16_kernel(str? mode=None) -> str");
+  m.def("cpu_reads_repacked(int type) -> bool");
 }

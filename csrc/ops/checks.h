@@ -1,5 +1,5 @@
-// Argument validation for the GPTQ ops, shared by every backend so that CPU
-// and CUDA reject exactly the same inputs with the same messages.
+// The generic argument checks of every op, on every backend: dtype, device,
+// layout, rank and index vectors.
 //
 // Convention: a wrong dtype, device or memory layout raises RuntimeError
 // (TORCH_CHECK); a wrong value, shape or bit width raises ValueError
@@ -12,13 +12,7 @@
 #include <limits>
 #include <vector>
 
-#include "core/gptq_format.h"
-
 namespace lowbit {
-
-inline void check_bits(const char* op, int64_t bit) {
-  TORCH_CHECK_VALUE(gptq::is_supported_bits(bit), op, ": bit must be 2, 3, 4 or 8, got ", bit);
-}
 
 inline void check_dtype(const char* op, const char* name, const at::Tensor& t, at::ScalarType want) {
   TORCH_CHECK(t.scalar_type() == want, op, ": ", name, " must be ", want, ", got ", t.scalar_type());
@@ -42,65 +36,6 @@ inline void check_contiguous(const char* op, const char* name, const at::Tensor&
 
 inline void check_dim(const char* op, const char* name, const at::Tensor& t, int64_t dim) {
   TORCH_CHECK_VALUE(t.dim() == dim, op, ": ", name, " must be ", dim, "-D, got shape ", t.sizes());
-}
-
-using gptq::fields_per_pack;
-using gptq::words_per_pack;
-
-// Shape of a GPTQ weight after validation: W is [K, N] with `groups` groups.
-struct GptqDims {
-  int64_t K;
-  int64_t N;
-  int64_t groups;
-};
-
-// The names an op's schema gives the three weight tensors, for messages.
-struct GptqWeightNames {
-  const char* qweight;
-  const char* qzeros;
-  const char* scales;
-};
-// vLLM's names (gptq_gemm, gptq_dequantize).
-constexpr GptqWeightNames kVllmWeightNames{"b_q_weight", "b_gptq_qzeros", "b_gptq_scales"};
-
-// Validates qweight [K*bit/32, N], qzeros [groups, N*bit/32], scales [groups, N]
-// (dtypes, devices, contiguity, shapes consistent with `bit`).
-inline GptqDims check_gptq_weight(const char* op, const at::Tensor& qweight, const at::Tensor& qzeros,
-                                  const at::Tensor& scales, int64_t bit,
-                                  const GptqWeightNames& names = kVllmWeightNames) {
-  check_bits(op, bit);
-  check_dtype(op, names.qweight, qweight, at::kInt);
-  check_dtype(op, names.qzeros, qzeros, at::kInt);
-  check_float_dtype(op, names.scales, scales);
-  check_same_device(op, names.qzeros, qzeros, qweight);
-  check_same_device(op, names.scales, scales, qweight);
-  check_dim(op, names.qweight, qweight, 2);
-  check_dim(op, names.qzeros, qzeros, 2);
-  check_dim(op, names.scales, scales, 2);
-  check_contiguous(op, names.qweight, qweight);
-  check_contiguous(op, names.qzeros, qzeros);
-  check_contiguous(op, names.scales, scales);
-
-  const int64_t rows = qweight.size(0);
-  const int64_t N = qweight.size(1);
-  TORCH_CHECK_VALUE(rows > 0 && N > 0, op, ": ", names.qweight, " must be non-empty, got shape ", qweight.sizes());
-  TORCH_CHECK_VALUE(rows % words_per_pack(bit) == 0, op, ": ", names.qweight, " has ", rows,
-                    " rows, not a multiple of ", words_per_pack(bit), " as ", bit, "-bit packing needs");
-  const int64_t K = rows / words_per_pack(bit) * fields_per_pack(bit);
-
-  const int64_t groups = scales.size(0);
-  TORCH_CHECK_VALUE(groups > 0, op, ": ", names.scales, " must have at least one group, got shape ",
-                    scales.sizes());
-  TORCH_CHECK_VALUE(groups <= K, op, ": ", names.scales, " has ", groups, " groups but K is only ", K);
-  TORCH_CHECK_VALUE(scales.size(1) == N, op, ": ", names.scales, " must be [groups, N=", N, "], got ",
-                    scales.sizes());
-  TORCH_CHECK_VALUE(N % fields_per_pack(bit) == 0, op, ": N=", N, " (", names.qweight, ".size(1)) must be a multiple of ",
-                    fields_per_pack(bit), " so that ", bit, "-bit ", names.qzeros, " pack whole words");
-  const int64_t zero_cols = N / fields_per_pack(bit) * words_per_pack(bit);
-  TORCH_CHECK_VALUE(qzeros.size(0) == groups && qzeros.size(1) == zero_cols, op,
-                    ": ", names.qzeros, " must be [groups=", groups, ", N*bit/32=", zero_cols, "], got ",
-                    qzeros.sizes());
-  return {K, N, groups};
 }
 
 // Validates an int32/int64 index vector of length K (or empty) whose values

@@ -1,0 +1,69 @@
+// The CPU kernels' switches and per-type facts as ops: the ISA in use, the
+// bf16 GPTQ kernel, and the traits table (ggml_traits.h). They take no
+// tensor, so they register as composite kernels.
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "../core/ggml_types.h"
+#include "ggml_traits.h"
+#include "isa.h"
+
+namespace lowbit {
+namespace cpu {
+namespace {
+
+ggml::Type checked_type(const char* op, int64_t type) {
+  TORCH_CHECK_VALUE(ggml::runtime_info(type).ok, op, ": type ", type,
+                    " is not a ggml weight type lowbit supports (unknown or removed id)");
+  return static_cast<ggml::Type>(type);
+}
+
+// The vector ISA the CPU kernels use now, after forcing it to `force` if given.
+std::string cpu_isa(std::optional<std::string> force) {
+  if (force) force_isa(*force);
+  return isa_name(active_isa());
+}
+
+// Which GPTQ kernel bf16 / fp16 activations take on AVX512-BF16 CPUs
+// (Bf16Kernel), after setting it to `mode` if given.
+std::string cpu_bf16_kernel(std::optional<std::string> mode) {
+  if (mode) set_bf16_kernel(*mode);
+  return bf16_kernel_name(bf16_kernel());
+}
+
+bool ggml_has_repacked_layout(int64_t type) {
+  return has_repacked_layout(checked_type("ggml_has_repacked_layout", type));
+}
+
+// Whether the active ISA's kernels read a repacked weight of this type as it
+// is; elsewhere each call puts the rows back in the file's layout first.
+bool cpu_reads_repacked(int64_t type) {
+  const GgmlCpuTraits t = ggml_cpu_traits(checked_type("cpu_reads_repacked", type));
+  switch (active_isa()) {
+    case Isa::kAvx512: return t.reads_repacked & kReadsAvx512;
+    case Isa::kAvx2: return t.reads_repacked & kReadsAvx2;
+    default: return false;
+  }
+}
+
+// The row of the traits table, in the schema's order (ops/schemas.cpp).
+std::vector<int64_t> ggml_cpu_traits_op(int64_t type) {
+  const GgmlCpuTraits t = ggml_cpu_traits(checked_type("ggml_cpu_traits", type));
+  return {t.simd_levels, static_cast<int64_t>(t.gemm), t.gemm_rows, t.repacked, t.reads_repacked,
+          t.avx2_copy_rows, t.repack_by_default};
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace lowbit
+
+TORCH_LIBRARY_IMPL(lowbit, CompositeImplicitAutograd, m) {
+  m.impl("cpu_isa", &lowbit::cpu::cpu_isa);
+  m.impl("cpu_bf16_kernel", &lowbit::cpu::cpu_bf16_kernel);
+  m.impl("cpu_reads_repacked", &lowbit::cpu::cpu_reads_repacked);
+  m.impl("ggml_has_repacked_layout", &lowbit::cpu::ggml_has_repacked_layout);
+  m.impl("ggml_cpu_traits", &lowbit::cpu::ggml_cpu_traits_op);
+}
