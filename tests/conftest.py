@@ -1,6 +1,5 @@
 import contextlib
 import os
-import sys
 
 import pytest
 import torch
@@ -8,9 +7,6 @@ import torch
 # Nothing in the suite may reach a model hub (transformers builds the SmolLM2
 # tokenizer from the GGUF file on disk).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-# Tests import their NumPy references (gptq_reference.py, ...) as plain modules.
-sys.path.insert(0, os.path.dirname(__file__))
 
 import lowbit  # noqa: E402,F401  (loads torch.ops.lowbit)
 

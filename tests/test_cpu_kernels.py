@@ -1,6 +1,6 @@
 """The CPU kernels' run-time ISA choice and threading, and lowbit's GGUF
 matmul against llama.cpp's own: ggml_mul_mat of llama-cpp-python's libggml
-(tests/ggml_peer.py) on identical blocks and activations.
+(tests/llama_cpp_peer.py) on identical blocks and activations.
 
 Tolerance against llama.cpp: both quantize the activations to the same 8-bit
 blocks and form the same integer sub-block sums, so only the order of the fp32
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import gguf_blocks as gb
-import ggml_peer
+import llama_cpp_peer
 import gptq_reference as ref
 from conftest import ISAS
 
@@ -194,14 +194,14 @@ def test_activation_quantization_is_the_same_on_every_isa(qtype, act):
     np.testing.assert_allclose(outs["portable"], expect, rtol=1e-6, atol=0)
 
 
-@pytest.mark.skipif(ggml_peer.available() is not None, reason=str(ggml_peer.available()))
+@pytest.mark.skipif(llama_cpp_peer.available() is not None, reason=str(llama_cpp_peer.available()))
 @pytest.mark.parametrize("M", [1, 5])
 @pytest.mark.parametrize("qtype", QUANT_TYPES)
 def test_matmul_matches_llama_cpp(device, qtype, M):
     rng = np.random.default_rng([M, gb.type_id(qtype)])
     raw = gb.random_blocks(rng, qtype, ROWS, N)
     x = rng.standard_normal((M, N)).astype(np.float32)
-    peer = ggml_peer.GgmlMatmul(raw, gb.type_id(qtype), ROWS, N, M, threads=1)
+    peer = llama_cpp_peer.GgmlMatmul(raw, gb.type_id(qtype), ROWS, N, M, threads=1)
     peer.set_input(x)
     peer.compute()
     expect = peer.result()
@@ -231,7 +231,7 @@ def activations_on_the_int8_grid(rng, M, n):
 
 
 @pytest.mark.parametrize("M", [1, 5])
-@pytest.mark.parametrize("buffer", ggml_peer.extra_buffers())
+@pytest.mark.parametrize("buffer", llama_cpp_peer.extra_buffers())
 def test_matmul_matches_llama_cpp_repacked(buffer, M):
     """The same against llama.cpp with the weight repacked into a layout its
     model loader uses (CPU_REPACK, AMX), which run their own kernels: every
@@ -249,16 +249,16 @@ def test_matmul_matches_llama_cpp_repacked(buffer, M):
     for qtype in QUANT_TYPES:
         rng = np.random.default_rng([M, gb.type_id(qtype), 1])
         raw = gb.random_blocks(rng, qtype, rows, N)
-        if not ggml_peer.buffer_takes(gb.type_id(qtype), rows, N, M, buffer):
+        if not llama_cpp_peer.buffer_takes(gb.type_id(qtype), rows, N, M, buffer):
             continue
         taken.append(qtype)
-        why = ggml_peer.runs_in_subprocess(raw.nbytes, gb.type_id(qtype), rows, N, M, 1, buffer)
+        why = llama_cpp_peer.runs_in_subprocess(raw.nbytes, gb.type_id(qtype), rows, N, M, 1, buffer)
         if why is not None:
             crashed[qtype] = why
             continue
         x = activations_on_the_int8_grid(rng, M, N)
         got = ops.ggml_mul_mat_a8(torch.from_numpy(raw), torch.from_numpy(x), gb.type_id(qtype), rows).numpy()
-        peer = ggml_peer.GgmlMatmul(raw, gb.type_id(qtype), rows, N, M, threads=1, buffer=buffer)
+        peer = llama_cpp_peer.GgmlMatmul(raw, gb.type_id(qtype), rows, N, M, threads=1, buffer=buffer)
         peer.set_input(x)
         peer.compute()
         assert_agrees_with_llama_cpp(got, peer.result(), raw, x, qtype, f"{qtype} {buffer}")

@@ -29,7 +29,7 @@ from gguf import quants
 
 import lowbit
 from gguf_files import write_model_gguf
-from lowbit.gguf_arch import ARCHITECTURES
+from lowbit.gguf.arch import ARCHITECTURES
 
 transformers = pytest.importorskip("transformers")
 from tiny_models import MODELS, PHI3_LONGROPE, is_router, through_q8_0, tiny_model, write_tiny_gguf  # noqa: E402

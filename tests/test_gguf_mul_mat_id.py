@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-import ggml_peer
 import gguf_blocks as gb
+import llama_cpp_peer
 
 ops = torch.ops.lowbit
 EXPERTS, ROWS, N = 5, 48, 256
@@ -76,7 +76,7 @@ def test_agrees_with_llama_cpp(name, per_slot):
     """llama.cpp's ggml_mul_mat_id on the same blocks, activations and ids: the
     same 8-bit products, summed in another order (relative 1e-5 of the largest
     output; measured under 2e-7)."""
-    missing = ggml_peer.available()
+    missing = llama_cpp_peer.available()
     if missing:
         pytest.skip(missing)
     tokens, slots = 7, 3
@@ -84,7 +84,8 @@ def test_agrees_with_llama_cpp(name, per_slot):
     ids = routing(tokens, slots, seed=2)
     rng = np.random.default_rng(3)
     x = rng.standard_normal((tokens, slots, N) if per_slot else (tokens, N)).astype(np.float32)
-    peer = ggml_peer.GgmlMulMatId(W.numpy(), gb.type_id(name), EXPERTS, ROWS, N, tokens, slots, 1, per_slot=per_slot)
+    peer = llama_cpp_peer.GgmlMulMatId(W.numpy(), gb.type_id(name), EXPERTS, ROWS, N, tokens, slots, 1,
+                                       per_slot=per_slot)
     peer.set_input(x, ids.numpy())
     peer.compute()
     want = peer.result()

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import gguf_blocks as gb
-import ggml_peer
+import llama_cpp_peer
 
 ops = torch.ops.lowbit
 N = 512  # two 256-element super-blocks, sixteen 32-element blocks
@@ -87,18 +87,18 @@ def test_dequantize_every_nvfp4_scale_byte_like_gguf_py(device):
     np.testing.assert_array_equal(got.cpu().numpy(), expect)
 
 
-@pytest.mark.skipif(ggml_peer.available() is not None, reason=str(ggml_peer.available()))
+@pytest.mark.skipif(llama_cpp_peer.available() is not None, reason=str(llama_cpp_peer.available()))
 @pytest.mark.parametrize("qtype", ["NVFP4"] + sorted(gb.NUMPY_REFERENCE))
 def test_reference_dequantization_is_ggml_own(qtype):
     """The oracle of the types newer than gguf-py's dequantizers (the NumPy
     reference of Q1_0 and Q2_0, and gguf-py's NVFP4) against ggml's own
     dequantize_row_* and block table, from llama-cpp-python's libggml."""
-    assert ggml_peer.block_shape(gb.type_id(qtype)) == gb.block_shape(qtype)
+    assert llama_cpp_peer.block_shape(gb.type_id(qtype)) == gb.block_shape(qtype)
     raw = blocks(qtype).copy()
     if qtype in gb.HALF_FIELDS:  # every class of fp16 scale too
         fields = raw.reshape(ROWS, -1, gb.block_shape(qtype)[1])
         fields[:, :, :2] = np.resize(SPECIAL_HALVES, fields.shape[:2]).view(np.uint8).reshape(*fields.shape[:2], 2)
-    np.testing.assert_array_equal(gb.dequantize(raw, qtype), ggml_peer.dequantize(raw, gb.type_id(qtype)))
+    np.testing.assert_array_equal(gb.dequantize(raw, qtype), llama_cpp_peer.dequantize(raw, gb.type_id(qtype)))
 
 
 def test_type_table_matches_gguf_py(qtype):

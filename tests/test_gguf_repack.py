@@ -187,7 +187,32 @@ def test_types_without_the_layout_are_refused():
     with pytest.raises(ValueError, match=r"^ggml_mul_mat_repacked: type 35 \(TQ2_0\) has no repacked layout"):
         ops.ggml_mul_mat_repacked(raw, torch.randn(1, N), 35, 16)
     names = ("Q4_0", "Q5_1", "Q6_K", "IQ4_XS", "TQ2_0", "F16")
-    assert [lowbit.repacking.has_repacked_layout(gb.type_id(n)) for n in names] == [True] * 4 + [False] * 2
+    assert [lowbit.gguf.repacking.has_repacked_layout(gb.type_id(n)) for n in names] == [True] * 4 + [False] * 2
+
+
+# The CPU traits table's rows, written out apart from csrc/cpu/ggml_traits.h:
+# [SIMD levels, GEMM form (0 none, 1 float, 2 integer), GEMM from M, repacked
+# layout, ISAs reading it (1 AVX2, 2 AVX-512), AVX2 copies from M, repack_model default].
+CPU_TRAITS = {
+    "Q4_0": [1, 1, 32, 1, 3, 8, 1], "Q4_1": [1, 1, 8, 1, 3, 8, 1], "Q5_0": [1, 1, 32, 1, 3, 128, 1],
+    "Q5_1": [1, 1, 8, 1, 3, 16, 1], "Q8_0": [1, 1, 32, 1, 3, 16, 1], "IQ4_NL": [1, 1, 32, 1, 3, 16, 1],
+    "MXFP4": [1, 1, 32, 1, 3, 0, 1], "Q2_K": [1, 2, 8, 1, 3, 16, 1], "Q3_K": [1, 2, 8, 1, 3, 32, 1],
+    "Q4_K": [1, 2, 8, 1, 3, 16, 1], "Q5_K": [1, 2, 8, 1, 2, 32, 1], "Q6_K": [1, 2, 8, 1, 2, 32, 0],
+    "IQ4_XS": [1, 2, 8, 1, 3, 16, 1],
+    **{n: [1, 0, 0, 0, 0, 0, 0] for n in ("TQ1_0", "TQ2_0", "NVFP4", "Q1_0", "Q2_0")},
+}
+
+
+def test_cpu_traits_table():
+    """Every type's row of ggml_cpu_traits, and the predicates Python reads from it agree with it."""
+    for name in gb.TYPES:
+        t = gb.type_id(name)
+        row = ops.ggml_cpu_traits(t)
+        assert row == CPU_TRAITS.get(name, [0] * 7), name
+        assert ops.ggml_has_repacked_layout(t) == bool(row[3])
+        assert lowbit.gguf.repacking.repacked_by_default(t) == bool(row[6])
+        isa = ops.cpu_isa()
+        assert ops.cpu_reads_repacked(t) == bool(row[4] & {"avx2": 1, "avx512": 2}.get(isa, 0)), (name, isa)
 
 
 def test_opcheck_and_compile():
@@ -287,7 +312,7 @@ def test_repack_model_takes_the_layers_with_a_layout():
                                  "c": layer("Q8_0", out=24), "six": layer("Q6_K", out=32)})
     x = torch.randn(3, N)
     before = {name: m(x) for name, m in model.items()}
-    assert lowbit.repack_model(model) == ["a", "c"]  # Q6_K: REPACK_MODEL_SKIPS
+    assert lowbit.repack_model(model) == ["a", "c"]  # Q6_K: not repacked by default (csrc/cpu/ggml_traits.h)
     assert [m.repacked for m in model.values()] == [True, False, True, False]
     assert lowbit.repack_model(model, skip_types=()) == ["a", "c", "six"]
     assert [m.repacked for m in model.values()] == [True, False, True, True]

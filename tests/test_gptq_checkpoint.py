@@ -658,13 +658,13 @@ def test_layer_count_counts_only_layers_without_gaps(checkpoint):
 
 
 def wired_into_load_gptq_model() -> bool:
-    from lowbit import models
+    from lowbit.gptq import placing
 
-    return "check_layer_count" in models.load_gptq_model.__code__.co_names
+    return "check_layer_count" in placing.load_gptq_model.__code__.co_names
 
 
 @pytest.mark.skipif(not wired_into_load_gptq_model(),
-                    reason="lowbit.models.load_gptq_model does not call check_layer_count yet")
+                    reason="lowbit.gptq.placing.load_gptq_model does not call check_layer_count yet")
 @pytest.mark.parametrize("layers", [1, 100000])
 def test_load_gptq_model_checks_the_layer_count_first(checkpoint, layers):
     raw = json.loads((checkpoint / HF).read_text())

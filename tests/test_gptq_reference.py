@@ -1,13 +1,9 @@
 """Tests of the NumPy GPTQ reference itself (tests/gptq_reference.py)."""
 
-import os
-import sys
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gptq_reference as ref  # noqa: E402
+import gptq_reference as ref
 
 ALL_BITS = [2, 3, 4, 8]
 FMTS = ["gptq", "gptq_v2"]

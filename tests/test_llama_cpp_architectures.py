@@ -40,7 +40,7 @@ import lowbit
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make deps builds it)")
 pytest.importorskip("transformers")
 from gguf_files import LLAMA_CONVERTERS  # noqa: E402
-from llama_cpp_runner import LlamaCppLogits, llama_without_extra_buffers  # noqa: E402
+from llama_cpp_peer import LlamaCppLogits, llama_without_extra_buffers  # noqa: E402
 from tiny_models import FILE_ARCH, MODELS, PHI3_LONGROPE, tiny_model, write_tiny_gguf  # noqa: E402
 
 F32 = 0  # ggml's type id, for llama.cpp's KV cache
@@ -188,10 +188,10 @@ def test_each_feature_moves_the_logits(tmp_path, monkeypatch, case):
     name, overrides = CASES[case_name]
     path = write_for_llama_cpp(tmp_path / f"{case_name}.gguf", sharpened(name, **overrides), name)
     arch = FILE_ARCH.get(name, name)
-    spec = lowbit.gguf_arch.ARCHITECTURES[arch]
-    monkeypatch.setitem(lowbit.gguf_arch.ARCHITECTURES, arch, dataclasses.replace(spec, **misread.get("arch", {})))
-    config_from_gguf = lowbit.models.config_from_gguf
-    monkeypatch.setattr(lowbit.models, "config_from_gguf",
+    spec = lowbit.gguf.arch.ARCHITECTURES[arch]
+    monkeypatch.setitem(lowbit.gguf.arch.ARCHITECTURES, arch, dataclasses.replace(spec, **misread.get("arch", {})))
+    config_from_gguf = lowbit.gguf.model.config_from_gguf
+    monkeypatch.setattr(lowbit.gguf.model, "config_from_gguf",
                         lambda *args: {**config_from_gguf(*args), **misread.get("config", {})})
     load = lowbit.load_gguf_model
 

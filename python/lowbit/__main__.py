@@ -5,7 +5,7 @@
                                                     checkpoint (directory or .safetensors file)
     python -m lowbit convert-gptq SRC DST --to v2   rewrite a GPTQ checkpoint's zeros as v2 (or v1)
     python -m lowbit generate PATH PROMPT           greedy continuation by a GGUF file's model (an
-                                                    architecture of lowbit.gguf_arch.ARCHITECTURES) or
+                                                    architecture of lowbit.gguf.arch.ARCHITECTURES) or
                                                     a GPTQ directory's, running their own quantized weights
 """
 import argparse
@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from .gguf_arch import ARCHITECTURES
-from .gguf_file import GGUFFile, load_gguf
+from .gguf.arch import ARCHITECTURES
+from .gguf.file import GGUFFile, load_gguf
 from .gptq.checkpoint import load_gptq
 from .gptq.convert import convert_checkpoint
 from .gptq.linear import GPTQLinear
@@ -136,7 +136,8 @@ def load_model_and_tokenizer(path: str, repack: bool = False):
     """A .gguf file's model and tokenizer (both from the file; `repack`: its
     layers in the CPU kernels' repacked layout), or a GPTQ checkpoint
     directory's (the tokenizer saved beside the weights)."""
-    from .models import load_gguf_model, load_gguf_tokenizer, load_gptq_model
+    from .gguf.model import load_gguf_model, load_gguf_tokenizer
+    from .gptq.placing import load_gptq_model
 
     if path.endswith(".gguf"):
         return load_gguf_model(path, repack=repack), load_gguf_tokenizer(path)

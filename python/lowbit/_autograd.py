@@ -13,7 +13,7 @@ refuse to be differentiated rather than give no gradient silently.
 """
 import torch
 
-from .packing import fields_per_pack, words_per_pack
+from .gptq.packing import fields_per_pack, words_per_pack
 
 ops = torch.ops.lowbit
 # Weights decoded per backward step: 4M fp32 values (16 MB), whole packs of K

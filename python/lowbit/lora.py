@@ -23,7 +23,7 @@ import torch
 from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
-from .gguf_linear import GGUFLinear
+from .gguf.linear import GGUFLinear
 from .gptq.linear import GPTQLinear
 
 __all__ = ["LoraConfig", "QuantizedLoraLinear", "load_adapter", "register"]

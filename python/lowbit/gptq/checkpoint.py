@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..packing import fields_per_pack, words_per_pack
+from .packing import fields_per_pack, words_per_pack
 from .config import GPTQCheckpointError, GPTQConfig, ModuleQuant, check_regular_file, read_config, read_json
 from .linear import GPTQLinear
 

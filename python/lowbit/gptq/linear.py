@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from ..packing import fields_per_pack, words_per_pack
+from .packing import fields_per_pack, words_per_pack
 from .config import BITS, FORMATS
 from .rtn import quantize_rtn
 

@@ -4,7 +4,7 @@ get_rows does (a float copy of a 128k-token table costs GBs)."""
 import torch
 from torch import nn
 
-from .gguf_linear import check_sizes
+from .linear import check_sizes
 
 
 class GGUFEmbedding(nn.Module):

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .gguf_file import GGUFError
+from .file import GGUFError
 
 __all__ = ["Architecture", "ARCHITECTURES", "EXPERT_TENSORS", "architecture", "check_architecture", "hf_name",
            "expert_modules", "unpermute_rows", "rows_in_hf_order", "hf_value", "config_from_gguf",

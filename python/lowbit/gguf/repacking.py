@@ -1,53 +1,51 @@
 """The CPU kernels' repacked layout across a model: which ggml types have
 it, which the active kernels read as it is, and repack_model, which puts
 every GGUFLinear and GGUFExperts that gains from it in it."""
-import functools
 import warnings
 
 import torch
 from torch import nn
 
-from .gguf_experts import GGUFExperts
-from .gguf_linear import GGUFLinear
+from ..ops import GGMLType
+from .experts import GGUFExperts
+from .linear import GGUFLinear
 
 
-@functools.lru_cache(maxsize=None)
 def has_repacked_layout(qtype: int) -> bool:
-    """Whether ggml type `qtype` has the CPU kernels' repacked layout (the
-    table lives with the kernels: this asks torch.ops.lowbit.ggml_repack)."""
-    block, _ = torch.ops.lowbit.ggml_type_info(qtype)
-    try:
-        torch.ops.lowbit.ggml_repack(torch.empty(0, dtype=torch.uint8), qtype, 0, block)
-    except ValueError:
-        return False
-    return True
+    """Whether ggml type `qtype` has the CPU kernels' repacked layout (a
+    column of the CPU traits table, csrc/cpu/ggml_traits.h)."""
+    return torch.ops.lowbit.ggml_has_repacked_layout(int(qtype))
+
+
+def repacked_by_default(qtype: int) -> bool:
+    """Whether repack_model takes a layer of type `qtype` unless told
+    otherwise (the traits table's last column: Q6_K's file-layout matvec
+    already reads at the memory's speed, so its layers stay as they are)."""
+    return bool(torch.ops.lowbit.ggml_cpu_traits(int(qtype))[-1])
 
 
 def reads_repacked_layout(qtype: int) -> bool:
     """Whether the active CPU kernels read type `qtype`'s repacked layout as
-    it is (AVX-512 VNNI: every type with the layout; AVX2: the types
-    reads_repacked_avx2 names in csrc/core/ggml_repack.h). Otherwise each call puts the
+    it is (AVX-512 VNNI: every type with the layout; AVX2: those the CPU
+    traits table, csrc/cpu/ggml_traits.h, names). Otherwise each call puts the
     rows back into the file's layout first: correct, but several times slower
     than the file's layout (torch.ops.lowbit.cpu_reads_repacked)."""
     return torch.ops.lowbit.cpu_reads_repacked(qtype)
 
 
-# The types repack_model leaves in the file's layout by default although
-# they have a repacked one: Q6_K (14), whose file-layout matvec already reads
-# at the memory's speed and can beat its repacked one (benchmarks/results/*-gguf.txt).
-REPACK_MODEL_SKIPS = (14,)
-
-
-def repack_model(model: nn.Module, skip_types=REPACK_MODEL_SKIPS, expert_skip_types=()) -> list[str]:
+def repack_model(model: nn.Module, skip_types=None, expert_skip_types=()) -> list[str]:
     """GGUFLinear.repack() on every GGUFLinear of `model` on the CPU whose
     type has the layout, is read as it is by the active CPU kernels
-    (reads_repacked_layout) and is not in `skip_types`, and
+    (reads_repacked_layout) and is not in `skip_types` (by default, the
+    types repacked_by_default leaves out), and
     GGUFExperts.repack() of every GGUFExperts' such projections (but those
     in `expert_skip_types`: its short expert rows gain from the layout in
     every type); returns their names (an expert projection's as
     "<module>.gate", ".up", ".down"). It warns naming the types whose layout
     the kernels would put back on every call, and leaves those as they are."""
     names, unread = [], set()
+    if skip_types is None:
+        skip_types = {t for t in GGMLType if not repacked_by_default(t)}
     for name, module in model.named_modules():
         if (isinstance(module, GGUFLinear) and module.qweight.device.type == "cpu"
                 and has_repacked_layout(module.qtype) and module.qtype not in skip_types):
@@ -65,5 +63,6 @@ def repack_model(model: nn.Module, skip_types=REPACK_MODEL_SKIPS, expert_skip_ty
                       f"repacked rows back on every call for ggml types {sorted(unread)}; those layers stay in "
                       f"the file's layout")
     return names
+
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .gguf_linear import check_sizes
+from .linear import check_sizes
 
 
 PROJECTIONS = ("gate", "up", "down")

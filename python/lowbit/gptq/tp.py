@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from .gptq.checkpoint import (GPTQCheckpointError, check_module_tensors, checkpoint_files, hold_gptqmodel_zeros_as_v2,
-                              read_tensors, write_checkpoint)
-from .gptq.config import GPTQConfig, read_config
-from .gptq.linear import GPTQLinear
+from .checkpoint import (GPTQCheckpointError, check_module_tensors, checkpoint_files, hold_gptqmodel_zeros_as_v2,
+                         read_tensors, write_checkpoint)
+from .config import GPTQConfig, read_config
+from .linear import GPTQLinear
 from .packing import fields_per_pack, words_per_pack
 
 __all__ = [

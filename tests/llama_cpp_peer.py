@@ -1,6 +1,16 @@
-"""llama.cpp's CPU backend as an independent reference and benchmark peer:
-one ggml_mul_mat of a given quant type, on the same blocks as lowbit
-(tests/test_llama_cpp_ggml.py, benchmarks/bench_gguf.py).
+"""llama.cpp (llama-cpp-python, the optional extra `make reference-deps`
+builds) as lowbit's independent reference and benchmark peer, at two levels:
+
+- op level: one ggml_mul_mat (GgmlMatmul) or ggml_mul_mat_id (GgmlMulMatId)
+  of a given quant type by llama.cpp's CPU backend, on the same blocks as
+  lowbit (tests/test_cpu_kernels.py, test_gguf_mul_mat_id.py,
+  benchmarks/bench_gguf.py, bench_gguf_moe.py);
+- model level: llama.cpp's Llama on a whole GGUF file, callable like a
+  transformers model (llama_without_extra_buffers, LlamaCppLogits;
+  tests/test_llama_cpp_model.py, test_llama_cpp_architectures.py).
+
+Tests import it as `llama_cpp_peer` (pytest puts tests/ on the path), the
+benchmarks as `tests.llama_cpp_peer` (run from the repository root).
 
 ggml is reached through the shared libraries that PyPI's llama-cpp-python
 builds and ships (llama_cpp/lib/libggml-base.so, libggml-cpu.so), with a few
@@ -310,28 +320,79 @@ class GgmlMulMatId(_Graph):
         return self._copy_out(self.out, (T, k, self.rows))
 
 
-_CHILD = """
-import sys
-import numpy as np
-sys.path.insert(0, {tests!r})
-import ggml_peer
-m = ggml_peer.GgmlMatmul(np.zeros({nbytes}, np.uint8), {qtype}, {rows}, {n}, {M}, {threads}, buffer={buffer!r})
-m.set_input(np.ones(({M}, {n}), np.float32))
-m.compute()
-"""
+def _probe(nbytes, qtype, rows, n, M, threads, buffer):
+    """What runs_in_subprocess runs in the child: one GgmlMatmul of zero blocks."""
+    m = GgmlMatmul(np.zeros(nbytes, np.uint8), qtype, rows, n, M, threads, buffer=buffer)
+    m.set_input(np.ones((M, n), np.float32))
+    m.compute()
 
 
 def runs_in_subprocess(nbytes, qtype, rows, n, M, threads, buffer):
     """None if a GgmlMatmul of this configuration (zero blocks) computes in a
     child process, else why not (the signal the child died of, or its last
     line of errors), so a caller can leave out a configuration that would
-    kill its own process. Ask buffer_takes first: it costs no process."""
-    code = _CHILD.format(tests=os.path.dirname(os.path.abspath(__file__)), nbytes=nbytes, qtype=int(qtype),
-                         rows=rows, n=n, M=M, threads=threads, buffer=buffer)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    kill its own process. Ask buffer_takes first: it costs no process. The
+    child runs this file as a script (`python llama_cpp_peer.py --probe ...`),
+    so it needs no import path of its own."""
+    args = [nbytes, int(qtype), rows, n, M, threads, buffer]
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--probe", *map(str, args)],
+                          capture_output=True, text=True)
     if done.returncode == 0:
         return None
     if done.returncode < 0:
         return f"llama.cpp crashed (signal {-done.returncode})"
     last = done.stderr.strip().splitlines()
     return last[-1] if last else f"exit status {done.returncode}"
+
+
+# Model level: llama.cpp's Llama on a whole GGUF file.
+
+def llama_without_extra_buffers(**kwargs):
+    """llama_cpp.Llama with llama.cpp's extra weight buffer types (repacked
+    and AMX layouts) off: on a Xeon with AMX, llama-cpp-python 0.3.36 built
+    for it (AMX_INT8 = 1) crashes with a segmentation fault in the first
+    decode of a file with them on, and runs with them off. The plain CPU
+    path computes the same 8-bit products, so it is the same reference.
+    Llama takes no argument for it, so its default model parameters are
+    wrapped while it loads."""
+    import llama_cpp
+
+    low_level = llama_cpp.llama.llama_cpp
+    defaults = low_level.llama_model_default_params
+
+    def without_extra_buffers():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    low_level.llama_model_default_params = without_extra_buffers
+    try:
+        llm = llama_cpp.Llama(**kwargs)
+    finally:
+        low_level.llama_model_default_params = defaults
+    assert not llm.model_params.use_extra_bufts
+    return llm
+
+
+class LlamaCppLogits:
+    """llama.cpp as a callable with the transformers output shape: the logits
+    of every position of ids [1, T], from an empty context."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def __call__(self, ids):
+        import torch
+
+        self.llm.reset()
+        self.llm.eval(ids[0].tolist())
+        scores = np.array(self.llm.scores[: ids.shape[1]], dtype=np.float32)
+        return type("Output", (), {"logits": torch.from_numpy(scores)[None]})
+
+
+if __name__ == "__main__":
+    # runs_in_subprocess's child: --probe nbytes qtype rows n M threads buffer
+    if len(sys.argv) != 9 or sys.argv[1] != "--probe":
+        sys.exit("usage: python llama_cpp_peer.py --probe NBYTES QTYPE ROWS N M THREADS BUFFER")
+    *sizes, buffer = sys.argv[2:]
+    _probe(*map(int, sizes), None if buffer == "None" else buffer)

@@ -1,0 +1,68 @@
+"""What placing a GGUF file (lowbit.gguf.model) and a GPTQ checkpoint
+(lowbit.gptq.placing) into a model have in common: the report, looking up
+and filling a model's modules and tensors, and building a model on the meta
+device, so that no float copy of a quantized weight is made."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class ReplaceReport:
+    replaced: list[str] = field(default_factory=list)  # modules now lowbit layers
+    loaded: list[str] = field(default_factory=list)  # parameters loaded as plain tensors
+    unplaced: list[str] = field(default_factory=list)  # checkpoint tensors with no place in the model
+
+
+def get_module(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name) if name else None
+    except AttributeError:
+        return None
+
+
+def load_tensor(model: nn.Module, target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copies `value` into the model's tensor `target`, or, where that tensor
+    is on the meta device (a model built without memory), puts a CPU tensor
+    of the target's dtype and kind (parameter or buffer) in its place wherever
+    the model holds it, so tied parameters (an LM head tied to the embedding)
+    stay tied, as they do under copy_."""
+    if not target.is_meta:
+        with torch.no_grad():
+            target.copy_(value)
+        return
+    new = value.to(target.dtype)
+    if isinstance(target, nn.Parameter):
+        new = nn.Parameter(new, requires_grad=target.requires_grad)
+    holders = [(m, name) for m in model.modules()
+               for name, t in [*m._parameters.items(), *m._buffers.items()] if t is target]
+    for module, name in holders:
+        setattr(module, name, new)
+
+
+def on_meta(build, config, dtype: torch.dtype) -> nn.Module:
+    """build() with every tensor on the meta device: no memory, no init."""
+    config.dtype = dtype
+    with torch.device("meta"):
+        return build().to(dtype)
+
+
+def rebuild_computed_buffers(model: nn.Module) -> None:
+    """Rotary embeddings hold computed (non-persistent) inverse frequencies,
+    which no checkpoint stores and the meta build left empty: build each such
+    module again on the CPU from its config."""
+    for name, module in list(model.named_modules()):
+        if name and hasattr(module, "config") and any(b.is_meta for b in module.buffers(recurse=False)):
+            model.set_submodule(name, type(module)(config=module.config))
+
+
+def checked(model: nn.Module, where: str) -> nn.Module:
+    """The model in eval mode, once no tensor of it is left on the meta device."""
+    still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if still_meta:
+        raise RuntimeError(f"{where}: no value for {still_meta} (this {type(model).__name__} has tensors "
+                           f"that neither the checkpoint nor lowbit fills)")
+    return model.eval()

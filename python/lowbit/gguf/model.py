@@ -1,0 +1,225 @@
+"""A GGUF file becomes a model: load_gguf_model builds the transformers model
+its metadata describes (lowbit.gguf.arch) on the meta device and
+place_gguf_tensors fills it (replace_linear's GGUF work), so no float copy
+of a linear layer's weight nor of the token embedding is made at any point:
+a model needs about its file's size in memory, not its float size;
+load_gguf_tokenizer builds the file's tokenizer."""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+from torch import nn
+
+from .._placing import ReplaceReport, checked, get_module, load_tensor, on_meta, rebuild_computed_buffers
+from ..moe import experts_dims
+from .arch import (ARCHITECTURES, architecture, check_block_count, config_from_gguf, expert_modules, hf_name, hf_value,
+                   rows_in_hf_order)
+from .embedding import GGUFEmbedding
+from .experts import ClampedSwiGLU, GGUFExperts
+from .file import GGUFError, GGUFFile, GGUFTensor, load_gguf
+from .linear import GGUFLinear
+from .repacking import repack_model
+
+__all__ = ["load_gguf_model", "load_gguf_tokenizer", "place_gguf_tensors"]
+
+# llama.cpp's converter stores Llama 3.1+'s rope scaling as per-frequency
+# divisors in this tensor instead of metadata.
+ROPE_FREQS = "rope_freqs.weight"
+TOKEN_EMBD = "token_embd.weight"
+# A phi3 LongRoPE file's per-frequency factors, which its config holds (config_from_gguf).
+ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, repack: bool = False) -> nn.Module:
+    """The transformers model (lowbit.gguf.arch.ARCHITECTURES: LlamaForCausalLM,
+    or MixtralForCausalLM for a llama file with experts, SmolLM3ForCausalLM,
+    GraniteForCausalLM,
+    Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen2MoeForCausalLM,
+    Qwen3MoeForCausalLM, GptOssForCausalLM, GemmaForCausalLM,
+    Gemma2ForCausalLM, Gemma3ForCausalLM or Phi3ForCausalLM) that a GGUF file of one of those
+    architectures describes, in eval mode on the CPU.
+
+    Every linear layer the file has a quantized weight for is a GGUFLinear
+    over the file's blocks (memory-mapped, so loading reads no weight
+    bytes), a mixture-of-experts layer's experts a GGUFExperts (a GGUFLinear
+    per expert and projection over the same mapping), the token embedding a
+    GGUFEmbedding over its blocks (rows dequantized as they are looked up);
+    norms, biases and routers are dequantized to `dtype`. Move it
+    with `.to(device)`. Unlike transformers' own GGUF loading, no float copy
+    of a weight matrix is ever made: the model takes about its file's size.
+    `repack` reorders the layers of the types that have one into the CPU
+    kernels' interleaved layout (GGUFLinear.repack: the same results, for the
+    32-element types to fp32 rounding; faster on AVX-512 VNNI CPUs and for
+    most of those types on AVX2 ones), which copies their blocks out of the mapping.
+    """
+    import transformers
+
+    path = os.fspath(path)
+    where = f"load_gguf_model: {path}"
+    f = load_gguf(path)
+    spec = architecture(f.metadata, where)
+    # The layer count against the file's layers first: the model is built
+    # with as many as its config says, before any tensor is placed.
+    check_block_count(f.metadata, f.tensors, where)
+    model_class = getattr(transformers, spec.model_class)
+    config = model_class.config_class(**config_from_gguf(f.metadata, f.tensors, where))
+    model = on_meta(lambda: model_class(config), config, dtype)
+    _embed_tokens_from_blocks(model, f, dtype, spec.scaled_embedding)
+    place_gguf_tensors(model, f, "load_gguf_model", consumed=(ROPE_FREQS, TOKEN_EMBD, *ROPE_FACTORS))
+    rebuild_computed_buffers(model)
+    _apply_rope_freqs(model, f)
+    if repack:
+        repack_model(model)
+    return checked(model, where)
+
+
+def _embed_tokens_from_blocks(model: nn.Module, f: GGUFFile, dtype: torch.dtype, scaled: bool) -> None:
+    """The token embedding as a GGUFEmbedding over the file's blocks (rows
+    dequantized as they are looked up; a tied LM head multiplies by the same
+    blocks), where a float table would be the model's largest tensor. Where
+    the model's own embedding scales its output (`scaled`: the Gemma
+    models' ScaledWordEmbedding, by sqrt(hidden_size)), the GGUFEmbedding does."""
+    embd = f.tensors.get(TOKEN_EMBD)
+    if embd is None:
+        return  # replace_linear reports the missing parameter
+    current = model.get_input_embeddings()
+    check_shape(f.path, embd, "the config's token embedding", tuple(current.weight.shape))
+    if scaled != hasattr(current, "embed_scale"):  # a transformers version that scales elsewhere
+        raise RuntimeError(f"load_gguf_model: {type(current).__name__} of {type(model).__name__} "
+                           f"{'does not scale' if scaled else 'scales'} its embeddings, which lowbit does not expect")
+    scale = model.config.hidden_size ** 0.5 if scaled else None
+    model.set_input_embeddings(GGUFEmbedding(embd.data, embd.type, embd.shape[1], dtype, scale))
+
+
+def load_gguf_tokenizer(path: str | os.PathLike):
+    """The transformers tokenizer that transformers builds from the file's
+    tokenizer.ggml.* metadata: AutoTokenizer's class for the file's
+    architecture, built straight from the file (0.3 s for SmolLM2's, against
+    AutoTokenizer's 3-4 s). Architectures lowbit does not know go through
+    AutoTokenizer itself."""
+    import transformers
+
+    path = os.fspath(path)
+    directory, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
+    arch = load_gguf(path).metadata.get("general.architecture")
+    spec = ARCHITECTURES.get(arch) if isinstance(arch, str) else None  # a list would be unhashable
+    tokenizer_class = spec.tokenizer_class if spec else None
+    if tokenizer_class is None:
+        return transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    return getattr(transformers, tokenizer_class).from_pretrained(directory, gguf_file=name)
+
+
+def _apply_rope_freqs(model: nn.Module, f: GGUFFile) -> None:
+    """The file's rope_freqs divisors, applied as llama.cpp does (theta / freq_factor)."""
+    freqs = f.tensors.get(ROPE_FREQS)
+    if freqs is None:
+        return
+    rotary = model.model.rotary_emb
+    if freqs.shape != tuple(rotary.inv_freq.shape):  # one divisor per frequency
+        raise ValueError(f"load_gguf_model: {f.path}: {ROPE_FREQS} has shape {freqs.shape}, "
+                         f"the model's rotary embedding {tuple(rotary.inv_freq.shape)}")
+    rotary.inv_freq = rotary.inv_freq / freqs.dequantize()
+    rotary.original_inv_freq = rotary.inv_freq.clone()
+
+
+def place_gguf_tensors(model: nn.Module, f: GGUFFile, caller: str, consumed: tuple[str, ...] = ()) -> ReplaceReport:
+    """replace_linear's GGUF work on an open file. File tensors with no place
+    in the model are warned about (as `caller`), except those the caller
+    uses itself (`consumed`). A model built on the meta device gets the
+    file's float tensors as new parameters."""
+    path = f.path
+    spec = architecture(f.metadata, f"{caller}: {path}")
+    report = ReplaceReport()
+    wanted = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    placed = set()
+    in_experts = set(_place_experts(model, f, report, placed))
+
+    # Linear weights first, so bias tensors find their (new) layers afterwards.
+    tensors = sorted(f.tensors.values(), key=lambda t: not t.name.endswith(".weight"))
+    for t in tensors:
+        if t.name in in_experts:
+            continue
+        name = hf_name(t.name, spec)
+        module_name, _, attr = (name or "").rpartition(".")
+        module = get_module(model, module_name) if name else None
+        if module is None or not hasattr(module, attr):
+            report.unplaced.append(t.name)
+            continue
+        if isinstance(module, nn.Linear) and attr == "weight":
+            # A one-output layer may come as a 1-D tensor (qwen2moe's shared-expert gate).
+            one_row = module.out_features == 1 and len(t.shape) == 1
+            shape = (module.out_features, module.in_features)
+            check_shape(path, t, module_name, shape[1:] if one_row else shape)
+            layer = GGUFLinear.from_raw(rows_in_hf_order(t.name, t.data, f.metadata), t.type, module.in_features, module.bias)
+            model.set_submodule(module_name, layer)
+            report.replaced.append(module_name)
+        else:
+            target = getattr(module, attr)
+            check_shape(path, t, name, tuple(target.shape))
+            value = hf_value(t.name, t.dequantize(), f.metadata)
+            load_tensor(model, target, value)
+            report.loaded.append(name)
+        placed.add(name)
+
+    unexpected = [name for name in report.unplaced if name not in consumed]
+    if unexpected:
+        warnings.warn(f"{caller}: {path}: tensors with no place in the model: {unexpected}")
+    _tie_lm_head(model, f, report, placed)
+    missing = [n for n in wanted if n not in placed]
+    if missing:
+        raise ValueError(f"{caller}: {path} has no tensor for model parameters {missing}")
+    return report
+
+
+def _place_experts(model: nn.Module, f: GGUFFile, report: ReplaceReport, placed: set) -> list[str]:
+    """Each layer's expert tensors as one GGUFExperts in place of the model's
+    experts module (transformers' 3-D gate_up_proj and down_proj, [in, out]
+    where the module says is_transposed, with biases where it has them:
+    gpt-oss's, whose gated activation is its ClampedSwiGLU); returns the
+    GGUF tensors it used."""
+    used = []
+    for module_name, parts in expert_modules(f.tensors).items():
+        module = get_module(model, module_name)
+        biased = getattr(module, "has_bias", False)
+        wanted = {"gate", "up", "down"} | ({"gate.bias", "up.bias", "down.bias"} if biased else set())
+        dims = experts_dims(module)
+        if dims is None or set(parts) != wanted:
+            continue  # not transformers' 3-D experts, or not all parts: reported unplaced by the caller
+        tensors = {part: f.tensors[name] for part, name in parts.items()}
+        experts, hidden, intermediate = dims
+        shapes = {"gate": (experts, intermediate, hidden), "up": (experts, intermediate, hidden),
+                  "down": (experts, hidden, intermediate)}
+        for part, shape in shapes.items():
+            check_shape(f.path, tensors[part], f"{module_name}'s {part} experts", shape)
+            if biased:
+                check_shape(f.path, tensors[f"{part}.bias"], f"{module_name}'s {part} experts' biases", shape[:2])
+        biases = {p: tensors[f"{p}.bias"].dequantize() for p in shapes} if biased else None
+        glu = ClampedSwiGLU(module.alpha, module.limit) if hasattr(module, "limit") else None
+        layer = GGUFExperts(*((tensors[p].data, tensors[p].type) for p in ("gate", "up", "down")), experts=experts,
+                            hidden_size=hidden, intermediate_size=intermediate,
+                            act_fn=None if glu else module.act_fn, glu=glu, biases=biases)
+        model.set_submodule(module_name, layer)
+        report.replaced.append(module_name)
+        placed.update(f"{module_name}.{n}" for n, _ in module.named_parameters())
+        used += parts.values()
+    return used
+
+
+def _tie_lm_head(model: nn.Module, f, report: ReplaceReport, placed: set) -> None:
+    """Without output.weight, llama.cpp multiplies by the token embedding's
+    blocks; do the same for an LM head still tied to the embedding."""
+    head = get_module(model, "lm_head")
+    embd = f.tensors.get(TOKEN_EMBD)
+    if "output.weight" in f.tensors or not isinstance(head, nn.Linear) or embd is None:
+        return
+    check_shape(f.path, embd, "lm_head", (head.out_features, head.in_features))
+    model.set_submodule("lm_head", GGUFLinear.from_raw(embd.data, embd.type, head.in_features, head.bias))
+    report.replaced.append("lm_head")
+    placed.add("lm_head.weight")
+
+
+def check_shape(path: str, t: GGUFTensor, target: str, shape: tuple) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise GGUFError(f"{path}: tensor {t.name!r} has shape {tuple(t.shape)} but {target} needs {tuple(shape)}")

@@ -1,0 +1,151 @@
+"""A GPTQ checkpoint in a model: place_gptq_checkpoint swaps the model's
+quantized modules for GPTQLinear / GPTQExperts layers and loads every other
+tensor (replace_linear's GPTQ work); load_gptq_model builds the transformers
+model of a checkpoint directory on the meta device and fills it that way, so
+no float copy of a quantized weight is made at any point."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+
+import torch
+from torch import nn
+
+from .._placing import ReplaceReport, checked, get_module, load_tensor, on_meta, rebuild_computed_buffers
+from ..moe import experts_dims, plain_experts
+from .checkpoint import GPTQCheckpoint, GPTQCheckpointError, check_layer_count, checkpoint_files, load_gptq
+from .experts import EXPERT_LAYER, PROJECTIONS, GPTQExpert, GPTQExperts, current_name
+
+__all__ = ["load_gptq_model", "place_gptq_checkpoint"]
+
+
+def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                    checkpoint_format: str | None = None) -> nn.Module:
+    """The transformers model (AutoModelForCausalLM) of an HF GPTQ checkpoint
+    directory, in eval mode on the CPU: its config.json builds the model, every
+    quantized module becomes a GPTQLinear holding the checkpoint's tensors,
+    every other tensor is loaded as `dtype` (a tied LM head stays tied to the
+    embedding). `checkpoint_format` overrides the config's, as in replace_linear.
+    """
+    import transformers
+
+    directory, _ = checkpoint_files(os.fspath(path))
+    check_layer_count(directory)
+    config = transformers.AutoConfig.from_pretrained(directory)
+    # The quantization_config is lowbit's to read (place_gptq_checkpoint does); left
+    # on the config, transformers would look for a GPTQ backend of its own.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = on_meta(lambda: transformers.AutoModelForCausalLM.from_config(config), config, dtype)
+    place_gptq_checkpoint(model, directory, checkpoint_format)
+    rebuild_computed_buffers(model)
+    return checked(model, f"load_gptq_model: {directory}")
+
+
+def place_gptq_checkpoint(model: nn.Module, path: str, checkpoint_format: str | None = None) -> ReplaceReport:
+    """replace_linear's GPTQ work: the checkpoint at `path` (a directory, or a
+    .safetensors file beside its config) into `model`; `checkpoint_format`
+    ("gptq" / "gptq_v2") overrides the config's. A model built on the meta
+    device takes the checkpoint's (CPU) tensors in its place."""
+    ckpt = _named_as_model(model, load_gptq(path, checkpoint_format))
+    report = ReplaceReport()
+    wanted = [n for n, _ in model.named_parameters()]  # tied parameters once, as HF saves them
+    wanted += [n for n, _ in _persistent_buffers(model)]
+    placed = set()
+    in_experts = _place_gptq_experts(model, ckpt, report, placed)
+    for name, layer in ckpt.modules.items():
+        if name in in_experts:
+            continue
+        module = get_module(model, name)
+        if not isinstance(module, nn.Linear):
+            raise GPTQCheckpointError(f"{ckpt.directory}: module {name!r} is quantized in the checkpoint but the "
+                                      f"model has {type(module).__name__ if module is not None else 'no such module'}")
+        if (module.in_features, module.out_features) != (layer.in_features, layer.out_features):
+            raise GPTQCheckpointError(f"{ckpt.directory}: module {name!r} is [{layer.out_features} x "
+                                      f"{layer.in_features}] in the checkpoint but Linear({module.in_features}, "
+                                      f"{module.out_features}) in the model")
+        if (module.bias is None) != (layer.bias is None):
+            raise GPTQCheckpointError(f"{ckpt.directory}: module {name!r}: the checkpoint "
+                                      f"{'has no' if layer.bias is None else 'has a'} bias, the model "
+                                      f"{'has one' if module.bias is not None else 'has none'}")
+        # On the model's device; a model built on the meta device takes the checkpoint's (CPU) tensors.
+        model.set_submodule(name, layer if module.weight.is_meta else layer.to(module.weight.device))
+        report.replaced.append(name)
+        placed.update(f"{name}.{p}" for p in ("weight", "bias"))
+    targets = dict(model.named_parameters())
+    targets.update(_persistent_buffers(model))
+    for name, tensor in ckpt.tensors.items():
+        target = targets.get(name)
+        if target is None:
+            report.unplaced.append(name)
+            continue
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise GPTQCheckpointError(f"{ckpt.directory}: tensor {name!r} has shape {tuple(tensor.shape)} but the "
+                                      f"model's is {tuple(target.shape)}")
+        load_tensor(model, target, tensor)
+        report.loaded.append(name)
+        placed.add(name)
+    if report.unplaced:
+        warnings.warn(f"replace_linear: {ckpt.directory}: tensors with no place in the model: {report.unplaced}")
+    missing = [n for n in wanted if n not in placed]
+    if missing:
+        raise GPTQCheckpointError(f"replace_linear: {ckpt.directory} has no tensor for model parameters {missing}")
+    return report
+
+
+def _named_as_model(model: nn.Module, ckpt: GPTQCheckpoint) -> GPTQCheckpoint:
+    """The checkpoint with the older names the model has no module for
+    under their current ones (gptq.experts.current_name)."""
+    def renamed(name: str, module_name: str) -> str:
+        return name if get_module(model, module_name) is not None else current_name(name)
+
+    return dataclasses.replace(ckpt, modules={renamed(n, n): layer for n, layer in ckpt.modules.items()},
+                               tensors={renamed(n, n.rpartition(".")[0]): t for n, t in ckpt.tensors.items()})
+
+
+def _place_gptq_experts(model: nn.Module, ckpt: GPTQCheckpoint, report: ReplaceReport, placed: set) -> set[str]:
+    """The checkpoint's per-expert layers (`<experts>.<e>.gate_proj`, ...) as one
+    GPTQExperts in place of each transformers experts module that holds its
+    experts in 3-D parameters (gate_up_proj, down_proj); returns the layers'
+    names. Models with a module per expert take them one by one instead."""
+    found: dict[str, dict[int, dict[str, object]]] = {}
+    for name, layer in ckpt.modules.items():
+        m = EXPERT_LAYER.fullmatch(name)
+        if m:
+            found.setdefault(m["experts"], {}).setdefault(int(m["expert"]), {})[m["projection"]] = layer
+    used = set()
+    for prefix, experts in found.items():
+        module = get_module(model, prefix)
+        if experts_dims(module) is None:
+            continue
+        if not plain_experts(module):
+            raise GPTQCheckpointError(f"{ckpt.directory}: {prefix}: the model's {type(module).__name__} is not an "
+                                      "experts module GPTQExperts computes (unbiased gate/up then down)")
+        count, hidden, intermediate = experts_dims(module)
+        missing = [f"{e}.{p}" for e in range(count) for p in PROJECTIONS if p not in experts.get(e, {})]
+        extra = sorted(set(experts) - set(range(count)))
+        if missing or extra:
+            raise GPTQCheckpointError(f"{ckpt.directory}: {prefix}: the model has {count} experts; the checkpoint "
+                                      + (f"lacks {prefix}.{missing[0]}" if missing else f"has expert {extra[0]}"))
+        for e in range(count):
+            for p, (n_in, n_out) in zip(PROJECTIONS, ((hidden, intermediate), (hidden, intermediate),
+                                                      (intermediate, hidden))):
+                layer = experts[e][p]
+                if (layer.in_features, layer.out_features) != (n_in, n_out):
+                    raise GPTQCheckpointError(f"{ckpt.directory}: module '{prefix}.{e}.{p}' is [{layer.out_features} x "
+                                              f"{layer.in_features}] in the checkpoint but [{n_out} x {n_in}] in the "
+                                              f"model's experts")
+        layer = GPTQExperts([GPTQExpert(*(experts[e][p] for p in PROJECTIONS)) for e in range(count)], module.act_fn)
+        model.set_submodule(prefix, layer)
+        report.replaced.append(prefix)
+        placed.update(f"{prefix}.{n}" for n, _ in module.named_parameters())
+        used.update(f"{prefix}.{e}.{p}" for e in range(count) for p in PROJECTIONS)
+    return used
+
+
+def _persistent_buffers(model: nn.Module):
+    for module_name, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                yield (f"{module_name}.{name}" if module_name else name), buf
