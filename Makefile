@@ -47,14 +47,16 @@ build: $(STAMP)
 test: build reference-deps
 	$(PYTHON) -m pytest -q -rs tests
 
+# The main job and the benchmarks run as modules of benchmarks/ from the
+# repository root, where they import each other and the tests' references.
 demo: build
-	$(PYTHON) -m lowbit.demo
+	$(PYTHON) -m benchmarks.demo
 
 bench: build reference-deps
-	$(PYTHON) benchmarks/bench_gptq_gemm.py
-	$(PYTHON) benchmarks/bench_gguf.py
-	$(PYTHON) benchmarks/bench_gguf_moe.py
-	$(PYTHON) benchmarks/bench_tp_mlp.py
+	$(PYTHON) -m benchmarks.bench_gptq_gemm
+	$(PYTHON) -m benchmarks.bench_gguf
+	$(PYTHON) -m benchmarks.bench_gguf_moe
+	$(PYTHON) -m benchmarks.bench_tp_mlp
 
 # Compile (only) every CUDA source for sm_80 and sm_90a; works without a GPU.
 cuda-check: deps

@@ -6,7 +6,7 @@
 #   bash .ci/device_run.sh build      # CUDA build (sm_90a) + ptxas resource report
 #   bash .ci/device_run.sh test       # CUDA tests: tests/test_cuda_backend.py + every [cuda] case
 #   bash .ci/device_run.sh sanitize   # compute-sanitizer memcheck / racecheck / synccheck on a subset
-#   bash .ci/device_run.sh bench      # benchmarks/bench_cuda.py (BENCH_ARGS=--quick to shorten)
+#   bash .ci/device_run.sh bench      # python -m benchmarks.bench_cuda (BENCH_ARGS=--quick to shorten)
 #   bash .ci/device_run.sh all        # the four in turn, within ALL_BUDGET (480) seconds
 #
 # Run from the repository root with $OUT set (the device tool sets it); logs
@@ -177,9 +177,9 @@ sanitize() {
 
 bench() {
   ensure_built
-  log "benchmarks/bench_cuda.py ${BENCH_ARGS:-}"
+  log "python -m benchmarks.bench_cuda ${BENCH_ARGS:-}"
   # shellcheck disable=SC2086
-  timeout -k 10 "$BUDGET" $PY benchmarks/bench_cuda.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -n 60
+  timeout -k 10 "$BUDGET" $PY -m benchmarks.bench_cuda ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -n 60
   local rc=${PIPESTATUS[0]}
   cp benchmarks/results/*-cuda.md benchmarks/results/*-cuda.json "$OUT/" 2>/dev/null
   log "bench exit status $rc"

@@ -2,7 +2,7 @@
 same shape in the same run, with achieved GB/s against the device's copy
 bandwidth measured in the same run.
 
-    python benchmarks/bench_cuda.py [--quick] [--no-crossover] [--device cuda:0]
+    python -m benchmarks.bench_cuda [--quick] [--no-crossover] [--device cuda:0]
 
 - gptq_gemm, bits 2/3/4/8, group size 128, fp16 activations, on the
   Llama-70B MLP shapes (K x N) 8192x28672 and 28672x8192 and on 4096x14336:
@@ -24,7 +24,7 @@ CUDA-event samples after warm-up; weights are rotated among enough copies to
 exceed twice the L2 cache, so repeated calls do not run from L2.
 
 Writes benchmarks/results/<gpu>-cuda.md and .json (<gpu> from
-lowbit.machine.short_device_name, e.g. h100). Without a GPU, or with a lowbit
+benchmarks.machine.short_device_name, e.g. h100). Without a GPU, or with a lowbit
 built without CUDA kernels, it says so and exits with status 1.
 """
 import argparse
@@ -35,8 +35,8 @@ import sys
 
 import torch
 
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, BENCH_DIR)
+# The repository root: the forced sweeps' child processes run this module from there.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SHAPES = [(8192, 28672), (28672, 8192), (4096, 14336)]  # (K = in features, N = out features)
 BITS = [2, 3, 4, 8]
@@ -130,7 +130,7 @@ def gguf_weight(name, rows, n, device, seed):
 
 class Bench:
     def __init__(self, device, quick):
-        from common import cuda_copy_bandwidth_gbs, cuda_time_ms
+        from benchmarks.common import cuda_copy_bandwidth_gbs, cuda_time_ms
 
         self.device = device
         self.quick = quick
@@ -211,9 +211,9 @@ def child_sweep(args):
 
 def run_forced(args, fused_max_m, max_m):
     env = dict(os.environ, LOWBIT_CUDA_GPTQ_FUSED_MAX_M=str(fused_max_m), PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, os.path.abspath(__file__), "--child-sweep", "--child-max-m", str(max_m),
+    cmd = [sys.executable, "-m", "benchmarks.bench_cuda", "--child-sweep", "--child-max-m", str(max_m),
            "--device", args.device] + (["--quick"] if args.quick else [])
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("CHILD-JSON "):
             return json.loads(line[len("CHILD-JSON "):])
@@ -269,9 +269,8 @@ def main():
         return child_sweep(args)
 
     load_lowbit()
-    from common import RESULTS, machine
-
-    from lowbit.machine import short_device_name
+    from benchmarks.common import RESULTS, machine
+    from benchmarks.machine import short_device_name
 
     device = torch.device(args.device)
     if device.type != "cuda":

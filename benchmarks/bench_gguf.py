@@ -3,7 +3,7 @@ same threads:
 
 - matvec / small-batch matmul (M = 1, 8), and a prompt-sized batch
   (M = 128, prefill), of every main type against
-  llama.cpp's CPU backend on identical blocks (tests/ggml_peer.py, the optional
+  llama.cpp's CPU backend on identical blocks (tests/llama_cpp_peer.py, the optional
   llama-cpp-python extra) twice: on the plain blocks, and in the layout
   llama.cpp's model loader gives the weight (the first of the CPU backend's
   extra buffer types, AMX or CPU_REPACK, that takes the type and runs here,
@@ -18,7 +18,7 @@ same threads:
   the machines' last-level caches), multiplied in turn, on every side;
 - dequantize of every type against gguf-py's NumPy dequantize.
 
-    python benchmarks/bench_gguf.py [--quick] [--isa avx2] [--types NVFP4,Q1_0,Q2_0]
+    python -m benchmarks.bench_gguf [--quick] [--isa avx2] [--types NVFP4,Q1_0,Q2_0]
 
 Prints the tables and writes benchmarks/results/<machine>-gguf.json, .txt and
 a PNG of matvec throughput per type against the peers; with --isa, lowbit's
@@ -27,7 +27,7 @@ kernels of that ISA (torch.ops.lowbit.cpu_isa) and files named
 the main ones (and in dequantize instead of all), in files named
 <machine>-gguf-<types>.* (the gguf-py column of Q1_0 and Q2_0, which gguf-py
 cannot dequantize, times the tests' NumPy reference instead). The llama.cpp peer comes from llama-cpp-python, or
-from LOWBIT_GGML_LIB_DIR (tests/ggml_peer.py): to meet the AVX2 kernels, a
+from LOWBIT_GGML_LIB_DIR (tests/llama_cpp_peer.py): to meet the AVX2 kernels, a
 ggml built for AVX2 only (benchmarks/README.md). Each comparison is
 timed in alternating rounds, each side's fastest round reported
 (common.time_rounds_ms), so that load from elsewhere on a shared machine
@@ -35,18 +35,16 @@ cannot land on one side only.
 """
 import argparse
 import os
-import sys
 
-from common import RESULTS, CopyBandwidth, machine, print_table, printed_to, time_rounds_ms, write_results  # first: sets THP
+from benchmarks.common import (RESULTS, CopyBandwidth, machine, print_table, printed_to,  # first: sets THP
+                               time_rounds_ms, write_results)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import lowbit  # noqa: E402,F401  (loads torch.ops.lowbit)
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-import gguf_blocks as gb  # noqa: E402  (valid random blocks of every type)
-import ggml_peer  # noqa: E402  (llama.cpp's ggml_mul_mat through llama-cpp-python's libggml)
+from tests import gguf_blocks as gb  # noqa: E402  (valid random blocks of every type)
+from tests import llama_cpp_peer  # noqa: E402  (llama.cpp's ggml_mul_mat through llama-cpp-python's libggml)
 
 MAIN_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 SHAPES = [(14336, 4096), (4096, 14336)]  # (rows = out features, n = in features)
@@ -89,11 +87,11 @@ def runnable_extra_buffers(nbytes, t, rows, n, M, threads):
     takes it is first tried in a child process, since one that crashes would
     take the benchmark with it."""
     runs, left_out = [], {}
-    for buffer in ggml_peer.extra_buffers():
-        if not ggml_peer.buffer_takes(t, rows, n, M, buffer):
+    for buffer in llama_cpp_peer.extra_buffers():
+        if not llama_cpp_peer.buffer_takes(t, rows, n, M, buffer):
             left_out[buffer] = "does not take the type or shape"
             continue
-        why = ggml_peer.runs_in_subprocess(nbytes, t, rows, n, M, threads, buffer)
+        why = llama_cpp_peer.runs_in_subprocess(nbytes, t, rows, n, M, threads, buffer)
         if why is None:
             runs.append(buffer)
         else:
@@ -106,12 +104,12 @@ def loader_layout_peers(raw_np, t, rows, n, M, threads):
     runs here ({name: GgmlMatmul}, in loader order), and why the others were
     left out ({name: reason})."""
     runs, left_out = runnable_extra_buffers(raw_np.nbytes, t, rows, n, M, threads)
-    return {b: ggml_peer.GgmlMatmul(raw_np, t, rows, n, M, 1, buffer=b) for b in runs}, left_out
+    return {b: llama_cpp_peer.GgmlMatmul(raw_np, t, rows, n, M, 1, buffer=b) for b in runs}, left_out
 
 
 def repacked(raw, t, rows, n):
     """The weight in lowbit's repacked layout, or None for a type without one."""
-    return torch.ops.lowbit.ggml_repack(raw, t, rows, n) if lowbit.repacking.has_repacked_layout(t) else None
+    return torch.ops.lowbit.ggml_repack(raw, t, rows, n) if lowbit.gguf.repacking.has_repacked_layout(t) else None
 
 
 def sums_in_block_order(t):
@@ -129,11 +127,11 @@ def repacked_fields(packed_ms, ms, layout_ms):
 
 def matmul_table(rng, shapes, types, threads_list, budget, bandwidth, batch_sizes=MS):
     """Times every case, sampling the copy bandwidth at each shape."""
-    peer_missing = ggml_peer.available()
+    peer_missing = llama_cpp_peer.available()
     if peer_missing:
         print(peer_missing)
     else:
-        print(f"llama.cpp's extra buffer types here: {', '.join(ggml_peer.extra_buffers()) or 'none'}")
+        print(f"llama.cpp's extra buffer types here: {', '.join(llama_cpp_peer.extra_buffers()) or 'none'}")
     records = []
     for rows, n in shapes:
         torch.set_num_threads(max(threads_list))
@@ -160,7 +158,7 @@ def matmul_table(rng, shapes, types, threads_list, budget, bandwidth, batch_size
                         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), name
                     else:
                         assert torch.equal(got, want), name
-                peer = None if peer_missing else ggml_peer.GgmlMatmul(raw_np, t, rows, n, M, 1)
+                peer = None if peer_missing else llama_cpp_peer.GgmlMatmul(raw_np, t, rows, n, M, 1)
                 extra, left_out = ({}, {}) if peer_missing else loader_layout_peers(raw_np, t, rows, n, M,
                                                                                     max(threads_list))
                 agree = float("nan")
@@ -202,7 +200,7 @@ def streamed_matvec_table(rng, shape, types, threads_list, budget):
     weight (STREAMED_BYTES in all) multiplied in turn by lowbit, by llama.cpp
     on the plain blocks and in its loader's layout; each side's time per
     matvec is its time for all copies over their number."""
-    if ggml_peer.available():
+    if llama_cpp_peer.available():
         return []
     rows, n = shape
     records = []
@@ -214,12 +212,12 @@ def streamed_matvec_table(rng, shape, types, threads_list, budget):
         raws = [torch.from_numpy(one.copy()) for _ in range(copies)]
         runs, _ = runnable_extra_buffers(one.nbytes, t, rows, n, 1, max(threads_list))
         layout = runs[0] if runs else "plain"
-        plain = [ggml_peer.GgmlMatmul(r.numpy(), t, rows, n, 1, 1) for r in raws]
-        extra = [ggml_peer.GgmlMatmul(r.numpy(), t, rows, n, 1, 1, buffer=layout) for r in raws] if runs else []
+        plain = [llama_cpp_peer.GgmlMatmul(r.numpy(), t, rows, n, 1, 1) for r in raws]
+        extra = [llama_cpp_peer.GgmlMatmul(r.numpy(), t, rows, n, 1, 1, buffer=layout) for r in raws] if runs else []
         for p in plain + extra:
             p.set_input(x.numpy())
 
-        packs = [repacked(r, t, rows, n) for r in raws] if lowbit.repacking.has_repacked_layout(t) else []
+        packs = [repacked(r, t, rows, n) for r in raws] if lowbit.gguf.repacking.has_repacked_layout(t) else []
 
         def lowbit_all():
             for r in raws:
@@ -435,7 +433,7 @@ def main():
                                        ggml_lib_dir=os.environ.get("LOWBIT_GGML_LIB_DIR"),
                                        **bandwidth.as_record(), dequantize=dq, matmul=mm, prefill=pf,
                                        streamed_matvec=st))
-    if not args.quick and not only_matmul and not ggml_peer.available():
+    if not args.quick and not only_matmul and not llama_cpp_peer.available():
         plot(mm, bandwidth.gbs, info, os.path.join(RESULTS, f"{stem}.png"))
 
 

@@ -1,6 +1,6 @@
 """Mixture-of-experts layers: lowbit.GGUFExperts (three ggml_mul_mat_id
 calls), in the file's layout and repacked (GGUFExperts.repack), against llama.cpp's ggml_mul_mat_id on the same blocks (the CPU
-backend of llama-cpp-python, tests/ggml_peer.py: gate, up and down, each one
+backend of llama-cpp-python, tests/llama_cpp_peer.py: gate, up and down, each one
 call, as llama.cpp's build_moe_ffn issues them; the activation between them
 is not timed on its side) and transformers' own eager experts module
 (Qwen3MoeExperts) holding fp32 weights, which is what a model dequantized at
@@ -18,27 +18,24 @@ from memory, not cache (Qwen3: 16 routings of 8 experts reach about 100 of
 GB/s: the chosen experts' weight bytes over the time, against the machine's
 copy bandwidth measured in the same run.
 
-    python benchmarks/bench_gguf_moe.py          results: benchmarks/results/<machine>-gguf-moe.{txt,json}
-    python benchmarks/bench_gguf_moe.py --layers gpt-oss-20b
+    python -m benchmarks.bench_gguf_moe          results: benchmarks/results/<machine>-gguf-moe.{txt,json}
+    python -m benchmarks.bench_gguf_moe --layers gpt-oss-20b
                                                  results: ...<machine>-gguf-moe-gpt-oss-20b.{txt,json}
-    python benchmarks/bench_gguf_moe.py --isa avx2   lowbit's AVX2 kernels: ...<machine>-avx2-gguf-moe*;
+    python -m benchmarks.bench_gguf_moe --isa avx2   lowbit's AVX2 kernels: ...<machine>-avx2-gguf-moe*;
         the peer is llama-cpp-python's ggml unless LOWBIT_GGML_LIB_DIR names one built for AVX2
         (benchmarks/README.md)
 """
 import argparse
 import copy
 import os
-import sys
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
-import ggml_peer  # noqa: E402
-import gguf_blocks as gb  # noqa: E402
-import lowbit  # noqa: E402
-from common import CopyBandwidth, machine, print_table, printed_to, time_rounds_ms, write_results  # noqa: E402
+import lowbit
+from benchmarks.common import CopyBandwidth, machine, print_table, printed_to, time_rounds_ms, write_results
+from tests import gguf_blocks as gb
+from tests import llama_cpp_peer
 
 Q4_K_M = {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}
 MXFP4 = dict.fromkeys(("gate", "up", "down"), "MXFP4")
@@ -108,7 +105,7 @@ def main():
     stem = f"{info['slug']}-{args.isa}-gguf-moe{suffix}" if args.isa else f"{info['slug']}-gguf-moe{suffix}"
     threads = [1] if args.quick else [t for t in THREADS if t <= torch.get_num_threads()]
     budget = 0.1 if args.quick else 0.3
-    peer_missing = ggml_peer.available()
+    peer_missing = llama_cpp_peer.available()
     rng = np.random.default_rng(0)
     records = []
     with printed_to(f"{stem}.txt"):
@@ -132,7 +129,7 @@ def main():
                 h = torch.randn(tokens, k, intermediate)
                 peers = None
                 if not peer_missing:
-                    peers = [ggml_peer.GgmlMulMatId(blocks[p].numpy(), gb.type_id(types[p]), experts, rows, n, tokens,
+                    peers = [llama_cpp_peer.GgmlMulMatId(blocks[p].numpy(), gb.type_id(types[p]), experts, rows, n, tokens,
                                                     k, 1, per_slot=p == "down")
                              for p, (rows, n) in (("gate", (intermediate, hidden)), ("up", (intermediate, hidden)),
                                                   ("down", (hidden, intermediate)))]

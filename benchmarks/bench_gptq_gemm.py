@@ -4,7 +4,7 @@ torch's dense fp32 and bf16 matmul of the same shape, torch's own int4 CPU
 kernel (aten._weight_int4pack_mm_for_cpu, bf16 activations, for 4-bit), and
 the machine's copy bandwidth (GB/s = bytes of qweight + scales + zeros / time).
 
-    python benchmarks/bench_gptq_gemm.py [--device cpu|cuda] [--quick]
+    python -m benchmarks.bench_gptq_gemm [--device cpu|cuda] [--quick]
 
 Writes benchmarks/results/<machine>-gptq.json and .txt. Every kernel of a
 shape, M and thread count is timed in alternating rounds, each one's fastest
@@ -12,7 +12,8 @@ round reported (common.time_rounds_ms).
 """
 import argparse
 
-from common import CopyBandwidth, machine, print_table, printed_to, time_rounds_ms, write_results  # first: sets THP
+from benchmarks.common import (CopyBandwidth, machine, print_table, printed_to,  # first: sets THP
+                               time_rounds_ms, write_results)
 
 import torch  # noqa: E402
 

@@ -4,7 +4,7 @@ TP-aware dequantization (Algorithm 3: reordered offline, one AllReduce), in
 the shape of Hoque et al.'s tables (MLP sizes of Llama-70B and Granite-20B,
 4-bit, group size 128, act-order; M tokens; TP ranks).
 
-    python benchmarks/bench_tp_mlp.py [--quick] [--reps N]
+    python -m benchmarks.bench_tp_mlp [--quick] [--reps N]
 
 Each TP size runs as that many gloo processes on this machine, with the
 cores split between them (oversubscribed when TP exceeds the cores), so the
@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from common import RESULTS, machine, print_table, write_results
+from benchmarks.common import RESULTS, machine, print_table, write_results
 from lowbit.gptq import GPTQConfig
 from lowbit.gptq.checkpoint import write_checkpoint
-from lowbit.tp import NaiveTPMLP, TPAwareMLP, reorder_checkpoint
+from lowbit.gptq.tp import NaiveTPMLP, TPAwareMLP, reorder_checkpoint
 
 MODELS = {"Llama-70B": (8192, 28672), "Granite-20B": (6144, 24576)}  # (hidden, intermediate)
 MS = [1, 2, 4, 8, 16]

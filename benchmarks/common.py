@@ -17,7 +17,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch  # noqa: E402
 
-from lowbit.machine import device_name, machine_slug
+from benchmarks.machine import device_name, machine_slug
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

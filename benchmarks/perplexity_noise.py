@@ -11,7 +11,7 @@ activation block sits next to a rounding boundary, such a change moves one
 level by a whole step (a block with an outlier has steps of outlier / 127),
 and 30 layers carry it on; fp32 has no such steps.
 
-    python benchmarks/perplexity_noise.py   # about 2 minutes on 2 cores
+    python -m benchmarks.perplexity_noise   # about 2 minutes on 2 cores
 """
 import os
 import sys
@@ -19,10 +19,11 @@ import time
 
 import torch
 
-from lowbit import smollm2
-from lowbit.demo import RESULTS
-from lowbit.machine import machine_slug
-from lowbit.models import load_gguf_model
+from lowbit.gguf.model import load_gguf_model
+
+from benchmarks import smollm2
+from benchmarks.demo import RESULTS
+from benchmarks.machine import machine_slug
 
 HELDOUT_TOKENS = 1024
 SEEDS = (1, 2, 3, 4)
@@ -81,7 +82,7 @@ def main() -> None:
         "|---|---:|---:|---:|---|",
         *rows,
         "",
-        f"{time.perf_counter() - start:.0f} s (`python benchmarks/perplexity_noise.py`).",
+        f"{time.perf_counter() - start:.0f} s (`python -m benchmarks.perplexity_noise`).",
     ])
     print("\n" + table)
     os.makedirs(RESULTS, exist_ok=True)

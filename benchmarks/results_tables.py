@@ -1,17 +1,17 @@
 """The generated tables of lowbit's docs, from the tables the code holds and
 the result files in benchmarks/results/.
 
-    python benchmarks/results_tables.py               print every block (markdown)
-    python benchmarks/results_tables.py support       print one block (support, summary, results)
-    python benchmarks/results_tables.py --write       rewrite the blocks in README.md and benchmarks/README.md
-    python benchmarks/results_tables.py --check       exit 1 where those blocks differ from what this prints
+    python -m benchmarks.results_tables               print every block (markdown)
+    python -m benchmarks.results_tables support       print one block (support, summary, results)
+    python -m benchmarks.results_tables --write       rewrite the blocks in README.md and benchmarks/README.md
+    python -m benchmarks.results_tables --check       exit 1 where those blocks differ from what this prints
 
 A block sits between "<!-- begin generated: NAME -->" and "<!-- end generated:
 NAME -->" in its document:
 
     support  README.md          GGUF types (csrc/core/ggml_types.h, LOWBIT_GGML_TYPES) by CPU ISA and
-                                backend (csrc/core/ggml_repack.h, csrc/cpu/ggml_kernels.h), and the
-                                GGUF architectures (python/lowbit/gguf_arch.py, ARCHITECTURES)
+                                backend (csrc/cpu/ggml_traits.h, LOWBIT_GGML_CPU_TRAITS), and the
+                                GGUF architectures (python/lowbit/gguf/arch.py, ARCHITECTURES)
     summary  README.md          one table per machine: <machine>-gguf.json, <machine>-gptq.json and
                                 smollm2-<machine>.md
     results  benchmarks/README.md  one table per result file, with its machine and command
@@ -39,16 +39,13 @@ def read(path):
         return f.read()
 
 
-def function_types(source, signature):
-    """The Type::NAME names a C++ predicate over ggml types returns true for: a switch's cases up to its
-    `return true;`, or the terms of one boolean expression."""
-    start = source.index(signature)
-    body = source[start:source.index("\n}", start)]
-    body = body.split("return true;")[0]
-    names = re.findall(r"Type::(\w+)", body)
-    if not names:
-        raise SystemExit(f"results_tables: no types found in {signature!r}")
-    return set(names)
+def cpu_traits():
+    """{name: (SIMD levels, repacked layout, ISAs reading it)} from LOWBIT_GGML_CPU_TRAITS, the CPU traits table."""
+    source = read("csrc/cpu/ggml_traits.h")
+    rows = re.findall(r"X\((\w+), (true|false), k\w+, \d+, (true|false), (\w+), \d+, (?:true|false)\)", source)
+    if not rows:
+        raise SystemExit("results_tables: LOWBIT_GGML_CPU_TRAITS not found in csrc/cpu/ggml_traits.h")
+    return {name: (levels == "true", repacked == "true", reads) for name, levels, repacked, reads in rows}
 
 
 def ggml_types():
@@ -61,8 +58,8 @@ def ggml_types():
 
 
 def architectures():
-    """[(GGUF architecture, transformers class, class with experts or None)] from gguf_arch.ARCHITECTURES."""
-    source = read("python/lowbit/gguf_arch.py")
+    """[(GGUF architecture, transformers class, class with experts or None)] from gguf/arch.py's ARCHITECTURES."""
+    source = read("python/lowbit/gguf/arch.py")
     table = source[source.index("ARCHITECTURES: dict"):]
     table = table[:table.index("\n}\n")]
     found = []
@@ -70,15 +67,15 @@ def architectures():
         experts = re.search(r'with_experts=Architecture\("(\w+)"', m.group(3))
         found.append((m.group(1), m.group(2), experts.group(1) if experts else None))
     if not found:
-        raise SystemExit("results_tables: ARCHITECTURES not found in python/lowbit/gguf_arch.py")
+        raise SystemExit("results_tables: ARCHITECTURES not found in python/lowbit/gguf/arch.py")
     return found
 
 
 def support_block():
-    repack = read("csrc/core/ggml_repack.h")
-    has_layout = function_types(repack, "constexpr bool has_repacked_layout(Type t)")
-    avx2_reads = function_types(repack, "constexpr bool reads_repacked_avx2(Type t)")
-    simd_levels = function_types(read("csrc/cpu/ggml_kernels.h"), "constexpr bool has_simd_levels(ggml::Type t)")
+    traits = cpu_traits()
+    simd_levels = {name for name, (levels, _, _) in traits.items() if levels}
+    has_layout = {name for name, (_, repacked, _) in traits.items() if repacked}
+    avx2_reads = {name for name, (_, _, reads) in traits.items() if reads in ("kReadsAvx2", "kReadsBoth")}
 
     def simd(name, act, reads):
         if act == "Float":
@@ -157,11 +154,11 @@ def command(stem, data):
         args.append(f"--isa {isa.group(1)}")
         rest = rest[isa.end():]
     if rest.startswith("gguf-moe"):
-        script = "bench_gguf_moe.py"
+        script = "bench_gguf_moe"
         if rest != "gguf-moe":
             args.append("--layers " + rest[len("gguf-moe-"):])
     elif rest.startswith("gguf"):
-        script = "bench_gguf.py"
+        script = "bench_gguf"
         words = rest.split("-")[1:]
         types = [w.upper() for w in words if not re.fullmatch(r"\d+x\d+", w)]
         shapes = [w for w in words if re.fullmatch(r"\d+x\d+", w)]
@@ -170,12 +167,12 @@ def command(stem, data):
         if shapes:
             args.append("--shapes " + ",".join(shapes))
     elif rest == "gptq":
-        script = "bench_gptq_gemm.py"
+        script = "bench_gptq_gemm"
     elif rest == "tp":
-        script = "bench_tp_mlp.py"
+        script = "bench_tp_mlp"
     else:
         raise SystemExit(f"results_tables: no command known for {stem}")
-    return " ".join(env + [f"python benchmarks/{script}"] + args)
+    return " ".join(env + [f"python -m benchmarks.{script}"] + args)
 
 
 def bandwidth(data):
@@ -384,7 +381,7 @@ def main():
                 with open(os.path.join(ROOT, doc), "w") as f:
                     f.write(new)
     if args.check and stale:
-        print(f"results_tables: out of date in {', '.join(stale)}: run python benchmarks/results_tables.py --write")
+        print(f"results_tables: out of date in {', '.join(stale)}: run python -m benchmarks.results_tables --write")
         return 1
     if args.write:
         print(f"results_tables: rewrote {', '.join(stale)}" if stale else "results_tables: up to date")
