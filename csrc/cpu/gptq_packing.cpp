@@ -58,16 +58,6 @@ void for_each_stream_pack(const PackedAxis& ax, Move move) {
   });
 }
 
-template <int B>
-void pack_impl(const int32_t* values, uint32_t* words, const PackedAxis& ax) {
-  for_each_stream_pack<B>(ax, [&](int64_t f, int64_t w, auto inner) { gptq::pack_one<B>(values + f, words + w, inner); });
-}
-
-template <int B>
-void unpack_impl(const uint32_t* words, int32_t* values, const PackedAxis& ax) {
-  for_each_stream_pack<B>(ax, [&](int64_t f, int64_t w, auto inner) { gptq::unpack_one<B>(words + w, values + f, inner); });
-}
-
 // dst row k = src row perm[k], for a weight packed along K (rows) with N columns.
 template <int B>
 void permute_rows_impl(const uint32_t* src, uint32_t* dst, const int32_t* perm, int64_t K, int64_t N) {
@@ -84,26 +74,37 @@ uint32_t* words_of(at::Tensor& t) { return reinterpret_cast<uint32_t*>(t.data_pt
 
 }  // namespace
 
+namespace {
+
+// The fields of a validated 2-D tensor packed into words along `dim`
+// (`pack`), or the words unpacked into fields.
+at::Tensor convert_words(const at::Tensor& input, int64_t bit, int64_t dim, bool pack) {
+  const at::Tensor in = input.contiguous();
+  at::Tensor out = at::empty(converted_sizes(in, bit, dim, pack), in.options());
+  const at::Tensor& fields = pack ? in : out;
+  const PackedAxis ax = gptq::packed_axis(fields.size(0), fields.size(1), dim);
+  int32_t* f = fields.data_ptr<int32_t>();
+  uint32_t* w = reinterpret_cast<uint32_t*>((pack ? out : in).data_ptr<int32_t>());
+  dispatch_bits(bit, [&](auto bits) {
+    constexpr int B = decltype(bits)::value;
+    if (pack)
+      for_each_stream_pack<B>(ax, [&](int64_t fo, int64_t wo, auto inner) { gptq::pack_one<B>(f + fo, w + wo, inner); });
+    else
+      for_each_stream_pack<B>(ax, [&](int64_t fo, int64_t wo, auto inner) { gptq::unpack_one<B>(w + wo, f + fo, inner); });
+  });
+  return out;
+}
+
+}  // namespace
+
 at::Tensor gptq_pack(const at::Tensor& values, int64_t bit, int64_t dim) {
   check_pack_values(values, bit, dim);
-  const int64_t length = values.size(dim);
-  const at::Tensor v = values.contiguous();
-  std::vector<int64_t> out_sizes = v.sizes().vec();
-  out_sizes[dim] = length / fields_per_pack(bit) * words_per_pack(bit);
-  at::Tensor out = at::empty(out_sizes, v.options());
-  dispatch_bits(bit, [&](auto bits) { pack_impl<decltype(bits)::value>(v.data_ptr<int32_t>(), words_of(out), gptq::packed_axis(v.size(0), v.size(1), dim)); });
-  return out;
+  return convert_words(values, bit, dim, true);
 }
 
 at::Tensor gptq_unpack(const at::Tensor& packed, int64_t bit, int64_t dim) {
   check_unpack_words(packed, bit, dim);
-  const int64_t words = packed.size(dim);
-  const at::Tensor w = packed.contiguous();
-  std::vector<int64_t> out_sizes = w.sizes().vec();
-  out_sizes[dim] = words / words_per_pack(bit) * fields_per_pack(bit);
-  at::Tensor out = at::empty(out_sizes, w.options());
-  dispatch_bits(bit, [&](auto bits) { unpack_impl<decltype(bits)::value>(words_of(w), out.data_ptr<int32_t>(), gptq::packed_axis(out.size(0), out.size(1), dim)); });
-  return out;
+  return convert_words(packed, bit, dim, false);
 }
 
 namespace {

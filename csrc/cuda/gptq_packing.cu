@@ -87,14 +87,11 @@ namespace {
 // (`pack`), or the words unpacked into fields.
 at::Tensor convert_words(const at::Tensor& input, int64_t bit, int64_t dim, bool pack) {
   const at::Tensor in = input.contiguous();
-  std::vector<int64_t> out_sizes = in.sizes().vec();
-  const int64_t fields = gptq::fields_per_pack(bit), words = gptq::words_per_pack(bit);
-  out_sizes[dim] = pack ? in.size(dim) / fields * words : in.size(dim) / words * fields;
-  at::Tensor out = at::empty(out_sizes, in.options());
+  at::Tensor out = at::empty(converted_sizes(in, bit, dim, pack), in.options());
   if (out.numel() == 0) return out;
   const at::Tensor& field_tensor = pack ? in : out;
   const PackedAxis ax = gptq::packed_axis(field_tensor.size(0), field_tensor.size(1), dim);
-  const unsigned int blocks = grid_for(ax.outer * (ax.length / fields) * ax.inner, kThreads);
+  const unsigned int blocks = grid_for(ax.outer * (ax.length / gptq::fields_per_pack(bit)) * ax.inner, kThreads);
   int32_t* f = field_tensor.data_ptr<int32_t>();
   uint32_t* w = reinterpret_cast<uint32_t*>((pack ? out : in).data_ptr<int32_t>());
   dispatch_bits(bit, [&](auto bits) {

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 #include "../core/gptq_format.h"
 #include "checks.h"
@@ -217,6 +218,15 @@ inline void check_unpack_words(const at::Tensor& packed, int64_t bit, int64_t di
   const int64_t words = packed.size(dim);
   TORCH_CHECK_VALUE(words % words_per_pack(bit) == 0, op, ": packed.size(", dim, ")=", words,
                     " must be a multiple of ", words_per_pack(bit), " for ", bit, "-bit packing");
+}
+
+// The sizes of gptq_pack's (`pack`) or gptq_unpack's output for a validated
+// input: `dim` holding whole packs of words instead of fields, or back.
+inline std::vector<int64_t> converted_sizes(const at::Tensor& input, int64_t bit, int64_t dim, bool pack) {
+  std::vector<int64_t> sizes = input.sizes().vec();
+  const int64_t fields = fields_per_pack(bit), words = words_per_pack(bit);
+  sizes[dim] = pack ? sizes[dim] / fields * words : sizes[dim] / words * fields;
+  return sizes;
 }
 
 }  // namespace lowbit
