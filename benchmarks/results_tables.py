@@ -337,10 +337,13 @@ def summary_block():
                         f"matmul {fp32}.", ""]
         job = os.path.join(RESULTS, f"smollm2-{slug}.md")
         if os.path.exists(job):
-            rows = [line.strip("|").split("|") for line in markdown_table(job)
-                    if line.startswith("| ") and not line.startswith("| format")]
-            cells = "; ".join(f"{r[0].strip()} {r[3].strip()} / {r[5].strip()}" for r in rows)
-            out += [f"Main job (SmolLM2-135M, `make demo`), perplexity / decode tokens/s: {cells}.", ""]
+            table = [[c.strip() for c in line.strip("|").split("|")] for line in markdown_table(job)
+                     if line.startswith("| ")]
+            head, rows = table[0], table[1:]  # columns by name: a file with a KL column has one more
+            names = [n for n in ("perplexity", "KL to fp32", "decode tok/s") if n in head]
+            cells = "; ".join(f"{r[0]} " + " / ".join(r[head.index(n)] for n in names) for r in rows)
+            out += [f"Main job (SmolLM2-135M, `make demo`), {' / '.join(names).replace('tok/s', 'tokens/s')}: "
+                    f"{cells}.", ""]
     if out:
         out += [PAIR_NOTE]
     return "\n".join(out).rstrip("\n") + "\n"

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from importlib import resources
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -83,24 +84,60 @@ def through_checkpoint(quantized, config: GPTQConfig):
 @dataclass
 class Measurement:
     perplexity: float
+    kl: float  # mean KL(p_fp32 || p_model) per held-out token, nats
     prefill_tps: float
     decode_tps: float
     gpu_prefill_tps: float | None = None  # when measured on a GPU too
     gpu_decode_tps: float | None = None
 
 
+def windows(ids: torch.Tensor, window: int = 256):
+    """(inputs [1, w], targets [w]) of the non-overlapping windows of `ids` [n]
+    that perplexity and KL score: each predicts its tokens from an empty context."""
+    for start in range(0, ids.numel() - 1, window):
+        chunk = ids[start:start + window + 1]
+        if chunk.numel() < 2:
+            break
+        yield chunk[None, :-1], chunk[1:]
+
+
+def window_logits(model, ids: torch.Tensor, window: int = 256) -> list[torch.Tensor]:
+    """The fp32 logits [w, vocab] of each of windows(ids): the reference that
+    heldout_scores measures KL against."""
+    with torch.no_grad():
+        return [model(inputs).logits[0].float() for inputs, _ in windows(ids, window)]
+
+
+def kl_per_token(reference_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(p_ref || p) in nats at each position, p_ref = softmax(reference_logits),
+    p = softmax(logits), both [T, vocab]; in fp64, so that the small divergences
+    of the near-lossless formats are not fp32 rounding of two log-softmaxes."""
+    log_p = torch.log_softmax(reference_logits.double(), dim=-1)
+    log_q = torch.log_softmax(logits.double(), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+def heldout_scores(model, ids: torch.Tensor, reference: list[torch.Tensor] | None = None,
+                   window: int = 256) -> tuple[float, float | None]:
+    """(perplexity, mean KL to `reference` in nats per token) of `model` over
+    windows(ids), from the same logits; KL None without a reference, which is
+    window_logits(reference_model, ids, window)."""
+    nll = kl = 0.0
+    count = 0
+    with torch.no_grad():
+        for i, (inputs, targets) in enumerate(windows(ids, window)):
+            logits = model(inputs).logits[0].float()
+            log_q = torch.log_softmax(logits.double(), dim=-1)
+            nll -= log_q.gather(1, targets[:, None]).sum().item()
+            if reference is not None:
+                kl += kl_per_token(reference[i], logits).sum().item()
+            count += targets.numel()
+    return math.exp(nll / count), (kl / count if reference is not None else None)
+
+
 def perplexity(model, ids: torch.Tensor, window: int = 256) -> float:
     """exp(mean next-token NLL) over non-overlapping windows of `ids` [n]."""
-    nll, count = 0.0, 0
-    with torch.no_grad():
-        for start in range(0, ids.numel() - 1, window):
-            chunk = ids[start:start + window + 1]
-            if chunk.numel() < 2:
-                break
-            logits = model(chunk[None, :-1]).logits[0].float()
-            nll += nn.functional.cross_entropy(logits, chunk[1:], reduction="sum").item()
-            count += chunk.numel() - 1
-    return math.exp(nll / count)
+    return heldout_scores(model, ids, window=window)[0]
 
 
 def speed(model, ids: torch.Tensor, prefill: int = 128, decode: int = 16) -> tuple[float, float]:
@@ -146,12 +183,60 @@ def speed_on(model, ids: torch.Tensor, device: torch.device) -> tuple[float, flo
         model.to("cpu")
 
 
-def measure(model, heldout_ids: torch.Tensor, gpu_device: torch.device | None = None) -> Measurement:
-    """Perplexity and CPU speed, plus GPU speed when `gpu_device` is given."""
-    m = Measurement(perplexity(model, heldout_ids), *speed(model, heldout_ids))
+def measure(model, heldout_ids: torch.Tensor, reference: list[torch.Tensor],
+            gpu_device: torch.device | None = None) -> Measurement:
+    """Perplexity, KL to `reference` (window_logits of the fp32 model) and CPU
+    speed, plus GPU speed when `gpu_device` is given."""
+    m = Measurement(*heldout_scores(model, heldout_ids, reference), *speed(model, heldout_ids))
     if gpu_device is not None:
         m.gpu_prefill_tps, m.gpu_decode_tps = speed_on(model, heldout_ids, gpu_device)
     return m
+
+
+# llama.cpp (llama-cpp-python, from `make reference-deps`) on the same GGUF file.
+
+def llama_cpp_model(path: str, window: int = 256):
+    """(llama_cpp.Llama on `path` with the torch thread count, None), or (None,
+    why not) where llama-cpp-python is not installed. Its context holds one
+    scoring window; every position's logits are kept, as a transformers
+    forward returns them. Without llama.cpp's extra buffer types: the plain
+    blocks, as lowbit's GGUF row holds them (and no AMX crash on some Xeons)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError as e:
+        return None, f"llama-cpp-python is not installed ({e}; make reference-deps builds it)"
+    from tests.llama_cpp_peer import llama_without_extra_buffers
+
+    threads = torch.get_num_threads()
+    return llama_without_extra_buffers(model_path=path, n_ctx=window, n_batch=window, logits_all=True,
+                                       n_threads=threads, n_threads_batch=threads, verbose=False), None
+
+
+def llama_cpp_speed(llm, ids: torch.Tensor, prefill: int = 128, decode: int = 16) -> tuple[float, float]:
+    """speed() for a llama_cpp.Llama: the same warm-up, the same prompt from an
+    empty context (logits for every position, as a transformers forward), the
+    same greedy decode after it."""
+    prompt = ids[:prefill].tolist()
+    llm.reset()
+    llm.eval(prompt[:8])  # warm-up
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    prefill_tps = prefill / (time.perf_counter() - t0)
+    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    t0 = time.perf_counter()
+    for _ in range(decode):
+        llm.eval([token])
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    return prefill_tps, decode / (time.perf_counter() - t0)
+
+
+def measure_llama_cpp(llm, heldout_ids: torch.Tensor, reference: list[torch.Tensor]) -> Measurement:
+    """measure() for a llama_cpp.Llama (CPU only)."""
+    from tests.llama_cpp_peer import LlamaCppLogits
+
+    scores = heldout_scores(LlamaCppLogits(llm), heldout_ids, reference)
+    return Measurement(*scores, *llama_cpp_speed(llm, heldout_ids))
 
 
 def weight_stats(model) -> tuple[float, float]:
