@@ -45,7 +45,7 @@ $(STAMP): $(SOURCES)
 build: $(STAMP)
 
 test: build reference-deps
-	$(PYTHON) -m pytest -q -rs tests
+	$(PYTHON) -m pytest -q -rs --durations=25 tests
 
 # The main job and the benchmarks run as modules of benchmarks/ from the
 # repository root, where they import each other and the tests' references.

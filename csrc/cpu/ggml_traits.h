@@ -79,7 +79,8 @@ struct GgmlCpuTraits {
   bool repack_by_default;
 };
 
-constexpr GgmlCpuTraits ggml_cpu_traits(ggml::Type t) {
+// static: each SIMD unit keeps its own copy (test_isa_units_share_no_symbols).
+static constexpr GgmlCpuTraits ggml_cpu_traits(ggml::Type t) {
   switch (t) {
 #define LOWBIT_GGML_CPU_CASE(name, levels, gemm, gemm_m, repacked, reads, copy_m, by_default) \
   case ggml::Type::name:                                                                    \
@@ -104,9 +105,9 @@ constexpr GgmlCpuTraits ggml_cpu_traits(ggml::Type t) {
 LOWBIT_GGML_TYPES(LOWBIT_GGML_CPU_CHECK)
 #undef LOWBIT_GGML_CPU_CHECK
 
-constexpr bool has_simd_levels(ggml::Type t) { return ggml_cpu_traits(t).simd_levels; }
-constexpr bool has_repacked_layout(ggml::Type t) { return ggml_cpu_traits(t).repacked; }
-constexpr bool reads_repacked_avx2(ggml::Type t) { return ggml_cpu_traits(t).reads_repacked & kReadsAvx2; }
+static constexpr bool has_simd_levels(ggml::Type t) { return ggml_cpu_traits(t).simd_levels; }
+static constexpr bool has_repacked_layout(ggml::Type t) { return ggml_cpu_traits(t).repacked; }
+static constexpr bool reads_repacked_avx2(ggml::Type t) { return ggml_cpu_traits(t).reads_repacked & kReadsAvx2; }
 
 }  // namespace cpu
 }  // namespace lowbit
