@@ -1,18 +1,24 @@
 """Ops and layers called from 8 Python threads at once give exactly the serial
 results (the kernels keep no shared mutable state; a GPTQLinear's lazily built
-fast path is published atomically), and one GGUF file loads in several
-processes at once (read-only, copy-on-write memory maps)."""
+fast path is published atomically), one GGUF file loads in several
+processes at once (read-only, copy-on-write memory maps), and the CPU
+kernels' thread pool gives the same results on any thread count, works in a
+forked child, and kernel_threads hands torch's threads to it in a model's forward calls."""
 import ast
+import os
 import subprocess
 import sys
+import textwrap
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pytest
 import torch
 
 import gguf_blocks as gb
 import lowbit
 from gguf_files import write_toy_gguf
+from lowbit import ops
 
 THREADS = 8
 
@@ -59,3 +65,135 @@ def test_one_gguf_file_loads_in_several_processes(tmp_path):
         out, _ = p.communicate(timeout=120)
         assert p.returncode == 0 and ast.literal_eval(out) == expect
     assert path.read_bytes() == before  # no loader writes to its input
+
+
+def pool_calls():
+    """Calls of every CPU op that splits its work over the pool, at sizes of
+    many chunks (matvec, batch, dequantization, GPTQ's fused and tiled paths,
+    packing)."""
+    torch.manual_seed(1)
+    raw = torch.from_numpy(gb.random_blocks(np.random.default_rng(1), "Q4_K", 1024, 2048))
+    q4k = gb.type_id("Q4_K")
+    x1, x9 = torch.randn(1, 2048), torch.randn(9, 2048)
+    layer = lowbit.GPTQLinear.from_linear(torch.nn.Linear(2048, 768), 4, 128, False, "gptq_v2",
+                                          perm=torch.randperm(2048))
+    big = torch.randn(96, 2048)
+    return [lambda: torch.ops.lowbit.ggml_mul_mat_vec_a8(raw, x1, q4k, 1024),
+            lambda: torch.ops.lowbit.ggml_mul_mat_a8(raw, x9, q4k, 1024),
+            lambda: torch.ops.lowbit.ggml_dequantize(raw, q4k, 1024, 2048, torch.float32),
+            lambda: torch.ops.lowbit.ggml_repack(raw, q4k, 1024, 2048, False),
+            lambda: layer(x1), lambda: layer(big),
+            lambda: torch.ops.lowbit.gptq_unpack(layer.qweight, 4, 0)]
+
+
+@pytest.mark.parametrize("torch_threads", [1, 2])
+def test_pool_results_do_not_depend_on_the_thread_count(torch_threads):
+    calls = pool_calls()
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = [call() for call in calls]
+        torch.set_num_threads(torch_threads)
+        for threads in (0, 1, 2, 3, 7):  # 0: torch's count; more than this machine's cores
+            assert ops.cpu_threads(threads) == threads
+            for i, call in enumerate(calls):
+                assert torch.equal(call(), serial[i]), f"call {i} differs on {threads} lowbit threads"
+    finally:
+        ops.cpu_threads(0)
+        torch.set_num_threads(saved)
+
+
+def test_pool_works_in_a_forked_child():
+    """A child forked after the pool started has none of its threads: it
+    starts its own (no hang), with the same results. (GNU OpenMP's threads,
+    torch's own, do not survive a fork: the child runs torch's ops on one.)"""
+    script = textwrap.dedent("""
+        import os, sys, torch
+        sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "tests")]
+        import lowbit
+        from test_concurrency import pool_calls
+        torch.set_num_threads(2)
+        lowbit.ops.cpu_threads(3)
+        calls = pool_calls()
+        expect = [call() for call in calls]
+        pid = os.fork()
+        if pid == 0:
+            torch.set_num_threads(1)
+            same = all(torch.equal(call(), e) for call, e in zip(calls, expect))
+            os._exit(0 if same else 3)
+        _, status = os.waitpid(pid, 0)
+        sys.exit(os.waitstatus_to_exitcode(status))
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_kernel_threads_gives_torch_threads_to_the_kernels():
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama", 0).eval()
+    seen = []
+    model.model.layers[0].mlp.register_forward_pre_hook(
+        lambda module, args: seen.append((torch.get_num_threads(), ops.cpu_threads())))
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert lowbit.kernel_threads(model) is model
+        with torch.no_grad():
+            model(torch.tensor([[1, 2, 3, 4]]))  # torch's ops on one thread, lowbit's on two
+            assert seen == [(1, 2)] and (torch.get_num_threads(), ops.cpu_threads()) == (2, 0)
+            ops.cpu_threads(3)  # a count the user set is kept, and restored
+            model(torch.tensor([[1]]))
+            assert seen[-1] == (1, 3) and (torch.get_num_threads(), ops.cpu_threads()) == (2, 3)
+            ops.cpu_threads(0)
+            # Restored when the forward raises.
+            with pytest.raises(IndexError):
+                model(torch.tensor([[10 ** 6]]))
+            assert (torch.get_num_threads(), ops.cpu_threads()) == (2, 0)
+            # One thread: nothing to hand over.
+            torch.set_num_threads(1)
+            model(torch.tensor([[1]]))
+            assert seen[-1] == (1, 0)
+            torch.set_num_threads(2)
+            lowbit.kernel_threads(model, False)
+            model(torch.tensor([[1]]))
+            assert seen[-1] == (2, 0)
+    finally:
+        ops.cpu_threads(0)
+        torch.set_num_threads(saved)
+
+
+def test_loaded_models_give_torch_threads_to_the_kernels(tmp_path):
+    from tiny_models import tiny_model, write_tiny_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, tiny_model("llama", 0), "llama")
+    for model in (lowbit.load_gguf_model(path), tiny_model("llama", 0)):
+        if not isinstance(model.model.layers[0].mlp.up_proj, lowbit.GGUFLinear):
+            lowbit.replace_linear(model, path)
+        seen = []
+        model.model.layers[0].mlp.register_forward_pre_hook(lambda module, args: seen.append(torch.get_num_threads()))
+        saved = torch.get_num_threads()
+        try:
+            torch.set_num_threads(2)
+            with torch.no_grad():
+                model(torch.tensor([[1, 2]]))
+            assert seen == [1] and torch.get_num_threads() == 2
+        finally:
+            torch.set_num_threads(saved)
+
+
+def test_a_model_with_kernel_threads_pickles():
+    import io
+
+    from tiny_models import tiny_model
+
+    model = lowbit.kernel_threads(tiny_model("llama", 0))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    again = torch.load(buffer, weights_only=False)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)

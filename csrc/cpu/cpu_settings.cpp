@@ -1,5 +1,5 @@
 // The CPU kernels' switches and per-type facts as ops: the ISA in use, the
-// bf16 GPTQ kernel, and the traits table (ggml_traits.h). They take no
+// bf16 GPTQ kernel, the thread count, and the traits table (ggml_traits.h). They take no
 // tensor, so they register as composite kernels.
 #include <torch/library.h>
 
@@ -10,6 +10,7 @@
 #include "../core/ggml_types.h"
 #include "ggml_traits.h"
 #include "isa.h"
+#include "parallel.h"
 
 namespace lowbit {
 namespace cpu {
@@ -32,6 +33,18 @@ std::string cpu_isa(std::optional<std::string> force) {
 std::string cpu_bf16_kernel(std::optional<std::string> mode) {
   if (mode) set_bf16_kernel(*mode);
   return bf16_kernel_name(bf16_kernel());
+}
+
+// The CPU kernels' thread count, after setting it to `threads` if given: 0,
+// the default, follows torch's intra-op count. Apart from torch's own, a
+// model can run its small torch ops on one thread and its matmuls on several.
+int64_t cpu_threads(std::optional<int64_t> threads) {
+  if (threads) {
+    TORCH_CHECK_VALUE(*threads >= 0 && *threads <= 1024, "cpu_threads: threads must be 0 (torch's count) to 1024, got ",
+                      *threads);
+    set_pool_threads(*threads);
+  }
+  return pool_threads_setting();
 }
 
 bool ggml_has_repacked_layout(int64_t type) {
@@ -63,6 +76,7 @@ std::vector<int64_t> ggml_cpu_traits_op(int64_t type) {
 TORCH_LIBRARY_IMPL(lowbit, CompositeImplicitAutograd, m) {
   m.impl("cpu_isa", &lowbit::cpu::cpu_isa);
   m.impl("cpu_bf16_kernel", &lowbit::cpu::cpu_bf16_kernel);
+  m.impl("cpu_threads", &lowbit::cpu::cpu_threads);
   m.impl("cpu_reads_repacked", &lowbit::cpu::cpu_reads_repacked);
   m.impl("ggml_has_repacked_layout", &lowbit::cpu::ggml_has_repacked_layout);
   m.impl("ggml_cpu_traits", &lowbit::cpu::ggml_cpu_traits_op);

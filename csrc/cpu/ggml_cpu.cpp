@@ -2,7 +2,6 @@
 // activations and integer dot products. One template per family, instantiated
 // for every type of the table in core/ggml_types.h.
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
@@ -56,11 +55,14 @@ int64_t row_grain(int64_t n) { return std::max<int64_t>(1, 65536 / std::max<int6
 
 // Rows per matmul chunk, in whole tiles of the SIMD kernels (4 rows; 16 for
 // the AVX-512 GEMM). Batches are compute-bound and take small chunks handed
-// out as threads free up; a matvec streams memory, one contiguous share per
-// thread, so each thread's reads stay one prefetchable stream.
+// out as threads free up; a matvec streams memory in a few long contiguous
+// runs per thread (kChunksPerThread), each one prefetchable stream.
 int64_t row_chunk(int64_t n, int64_t M, int64_t rows) {
   int64_t chunk = row_grain(n);
-  if (M == 1) chunk = std::max<int64_t>(chunk, (rows + at::get_num_threads() - 1) / at::get_num_threads());
+  if (M == 1) {
+    const int64_t parts = kChunksPerThread * pool_threads();
+    chunk = std::max<int64_t>(chunk, (rows + parts - 1) / parts);
+  }
   return (chunk + 15) / 16 * 16;
 }
 
@@ -84,7 +86,7 @@ struct QuantizedActs {
     const int64_t blocks = n / L::kBlock;
     const Isa isa = active_isa();
     if ((A == Act::Q8_K && isa != Isa::kPortable) || block_sums) isum.resize(sum.size());
-    at::parallel_for(0, M * blocks, std::max<int64_t>(1, 2048 / L::kBlock), [&](int64_t b0, int64_t b1) {
+    parallel_for(M * blocks, std::max<int64_t>(1, 2048 / L::kBlock), [&](int64_t b0, int64_t b1) {
 #if LOWBIT_X86_SIMD
       if (isa != Isa::kPortable)
         ggml_quantize_acts_avx2(A, x, b0, b1, q.data(), d.data(), sum.data(), offsets ? offset.data() : nullptr,
@@ -132,7 +134,9 @@ void mul_mat_rows(Isa isa, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, 
   bool done = false;
 #if LOWBIT_X86_SIMD
   const int64_t t = static_cast<int64_t>(T);
+#if LOWBIT_X86_AVX512
   if (isa == Isa::kAvx512) done = ggml_mul_mat_avx512(t, W, r0, r1, n, acts, M, out, rows);
+#endif
   if (isa == Isa::kAvx2) done = ggml_mul_mat_avx2(t, W, r0, r1, n, acts, M, out, rows);
 #endif
   if (!done) mul_mat_rows_portable<T>(W, r0, r1, n, acts, M, out, rows);
@@ -149,8 +153,10 @@ void mul_mat_repacked_rows(Isa isa, const uint8_t* W, int64_t r0, int64_t r1, in
                            int64_t M, float* out, int64_t rows) {
   if constexpr (has_repacked_layout(T)) {
 #if LOWBIT_X86_SIMD
+#if LOWBIT_X86_AVX512
     if (isa == Isa::kAvx512 && ggml_mul_mat_repacked_avx512(static_cast<int64_t>(T), W, r0, r1, n, acts, M, out, rows))
       return;
+#endif
     if (isa == Isa::kAvx2 && ggml_mul_mat_repacked_avx2(static_cast<int64_t>(T), W, r0, r1, n, acts, M, out, rows))
       return;
 #endif
@@ -175,10 +181,12 @@ std::pair<bool, bool> act_extras(Isa isa, int64_t M, bool repacked) {
   // The repacked one-scale types without mins start each block's dot from
   // its activations' sum (RepackedFloatGemm); rows past the last tile run
   // the file's kernels.
+#if LOWBIT_X86_AVX512
   if (isa == Isa::kAvx512) {
     offsets = ggml_mul_mat_avx512_takes_offsets(static_cast<int64_t>(T), M);
     block_sums = repacked && I::kBlock == 32 && !I::kHasMin;
   }
+#endif
   if (isa == Isa::kAvx2) {
     offsets = ggml_mul_mat_avx2_takes_offsets(static_cast<int64_t>(T), M, repacked);
     block_sums = ggml_mul_mat_avx2_takes_block_sums(static_cast<int64_t>(T), repacked);
@@ -210,7 +218,7 @@ void mul_mat_quantized(const uint8_t* W, int64_t rows, int64_t n, const float* X
 // Float weight types (F32, F16, BF16) multiply fp32 activations directly.
 template <ggml::Type T>
 void mul_mat_float(const uint8_t* W, int64_t rows, int64_t n, const float* X, int64_t M, float* out) {
-  at::parallel_for(0, rows, row_grain(n), [&](int64_t r0, int64_t r1) {
+  parallel_for(rows, row_grain(n), [&](int64_t r0, int64_t r1) {
     std::vector<float> w(n);
     for (int64_t r = r0; r < r1; ++r) {
       dequantize_row<T>(W + r * n * TypeInfo<T>::kBytes, n, w.data());
@@ -367,11 +375,13 @@ at::Tensor ggml_dequantize(const at::Tensor& W, int64_t type, int64_t m, int64_t
   const OutDtype simd_dtype = out_type == at::kFloat ? OutDtype::kF32 : out_type == at::kHalf ? OutDtype::kF16 : OutDtype::kBF16;
   const int64_t elem = out.element_size();
   uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
-  at::parallel_for(0, m, row_grain(n), [&](int64_t r0, int64_t r1) {
+  parallel_for(m, row_grain(n), [&](int64_t r0, int64_t r1) {
     // The SIMD kernel of the active ISA where the type has one (bit-exact
     // with the portable loop), straight into the output dtype.
 #if LOWBIT_X86_SIMD
+#if LOWBIT_X86_AVX512
     if (isa == Isa::kAvx512 && ggml_dequantize_avx512(type, w, r0, r1, n, dst + r0 * n * elem, simd_dtype)) return;
+#endif
     if (isa == Isa::kAvx2 && ggml_dequantize_avx2(type, w, r0, r1, n, dst + r0 * n * elem, simd_dtype)) return;
 #endif
     // Portable: one fp32 row at a time, then rounded once to the output dtype.
@@ -414,7 +424,7 @@ at::Tensor ggml_repack(const at::Tensor& W, int64_t type, int64_t row, int64_t n
     if constexpr (has_repacked_layout(T)) {
       // Tasks of whole tiles, each a weight of its own (see repack_rows).
       const int64_t tiles = (row + ggml::kRepackRows - 1) / ggml::kRepackRows;
-      at::parallel_for(0, tiles, std::max<int64_t>(1, row_grain(n) / ggml::kRepackRows), [&](int64_t t0, int64_t t1) {
+      parallel_for(tiles, std::max<int64_t>(1, row_grain(n) / ggml::kRepackRows), [&](int64_t t0, int64_t t1) {
         const int64_t r0 = t0 * ggml::kRepackRows, r1 = std::min(row, t1 * ggml::kRepackRows);
         ggml::repack_rows<T>(src + r0 * row_bytes, dst + r0 * row_bytes, r1 - r0, row_bytes, inverse);
       });

@@ -9,7 +9,6 @@
 // activations on AVX512-BF16 CPUs a bf16 GEMM over two bf16 planes of W.
 // Accumulation is fp32 throughout.
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <limits>
@@ -23,6 +22,7 @@
 #include "../ops/backend_ops.h"
 #include "gptq_kernels.h"
 #include "isa.h"
+#include "parallel.h"
 
 namespace lowbit {
 namespace cpu {
@@ -128,16 +128,18 @@ void gemm_fused(const float* a, int64_t M, const GptqWeight& w, float* out, Isa 
   const int64_t simd_end = isa == Isa::kPortable ? 0 : w.N - w.N % step;
   // Tasks of 4 to 16 steps: wide for long contiguous reads of each weight row
   // (16 measured ~10% faster than 4 at M=1), narrow enough for every thread.
-  const int64_t per_thread = w.N / (2 * at::get_num_threads()) / step * step;
+  const int64_t per_thread = w.N / (2 * pool_threads()) / step * step;
   const int64_t task = std::clamp(per_thread, 4 * step, 16 * step);
   const int64_t tasks = (w.N + task - 1) / task;
-  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+  parallel_for(tasks, 1, [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * task, n1 = std::min(w.N, t1 * task);
     const int64_t simd_n1 = std::min(n1, simd_end);
 #if LOWBIT_X86_SIMD
     if (simd_n1 > n0) {
+#if LOWBIT_X86_AVX512
       if (isa == Isa::kAvx512 && a16) gptq_fused_avx512bf16(B, a, *a16, w, n0, simd_n1, out);
       if (isa == Isa::kAvx512 && !a16) gptq_fused_avx512(B, a, M, w, n0, simd_n1, out);
+#endif
       if (isa == Isa::kAvx2) gptq_fused_avx2(B, a, M, w, n0, simd_n1, out);
     }
 #endif
@@ -197,10 +199,10 @@ void dequant_rows(const GptqWeight& w, Isa isa, int64_t k0, int64_t k1, int64_t 
   if (isa != Isa::kPortable) {
     const int64_t step = isa == Isa::kAvx512 ? kAvx512DequantCols : kAvx2DequantCols;
     simd_n1 = n0 + (n1 - n0) / step * step;
-    if (simd_n1 > n0) {
-      (isa == Isa::kAvx512 ? gptq_dequant_avx512 : gptq_dequant_avx2)(B, w, k0, k1, n0, simd_n1, storage_type<T>(),
-                                                                     out, ldo);
-    }
+#if LOWBIT_X86_AVX512
+    if (simd_n1 > n0 && isa == Isa::kAvx512) gptq_dequant_avx512(B, w, k0, k1, n0, simd_n1, storage_type<T>(), out, ldo);
+#endif
+    if (simd_n1 > n0 && isa == Isa::kAvx2) gptq_dequant_avx2(B, w, k0, k1, n0, simd_n1, storage_type<T>(), out, ldo);
   }
 #endif
   if (simd_n1 == n1) return;
@@ -223,7 +225,7 @@ template <int B, class F>
 void for_pack_rows(int64_t k0, int64_t k1, int64_t rows_per_task, F&& f) {
   constexpr int64_t kFields = gptq::Pack<B>::kFields;
   const int64_t grain = std::max<int64_t>(1, rows_per_task / kFields);
-  at::parallel_for(0, (k1 - k0 + kFields - 1) / kFields, grain, [&](int64_t p0, int64_t p1) {
+  parallel_for((k1 - k0 + kFields - 1) / kFields, grain, [&](int64_t p0, int64_t p1) {
     f(k0 + p0 * kFields, std::min(k1, k0 + p1 * kFields));
   });
 }
@@ -288,7 +290,7 @@ void gemm_bf16x2_mm(const at::Tensor& a, const GptqWeight& w, const at::Tensor& 
     uint16_t* hi = tile;
     uint16_t* lo = tile + K * width;
     for_pack_rows<B>(0, K, 4096 / width, [&](int64_t k0, int64_t k1) {
-#if LOWBIT_X86_SIMD
+#if LOWBIT_X86_AVX512
       if (simd_n1 > n0) gptq_dequant_bf16x2_avx512bf16(B, w, k0, k1, n0, simd_n1, hi + k0 * width, lo + k0 * width, width);
 #endif
       const int64_t rest = n0 + width - simd_n1;

@@ -1,7 +1,6 @@
 // CPU kernels that move GPTQ fields between words: pack, unpack, zero points
 // and gptq_shuffle's row permutation. All field arithmetic comes from
 // core/gptq_format.h.
-#include <ATen/Parallel.h>
 
 #include <tuple>
 #include <utility>
@@ -10,6 +9,7 @@
 #include "../ops/backend_ops.h"
 #include "../ops/dispatch.h"
 #include "../ops/gptq_checks.h"
+#include "parallel.h"
 
 namespace lowbit {
 namespace cpu {
@@ -25,7 +25,7 @@ int64_t grain_for(int64_t fields_per_task) { return std::max<int64_t>(1, 16384 /
 template <int B, typename Body>
 void for_each_pack(const PackedAxis& ax, Body body) {
   const int64_t packs = ax.length / gptq::Pack<B>::kFields;
-  at::parallel_for(0, ax.outer * packs, grain_for(gptq::Pack<B>::kFields * ax.inner), [&](int64_t b, int64_t e) {
+  parallel_for(ax.outer * packs, grain_for(gptq::Pack<B>::kFields * ax.inner), [&](int64_t b, int64_t e) {
     int64_t o = b / packs, p = b % packs;  // then stepped: no division per pack
     for (int64_t t = b; t < e; ++t) {
       body(o, p);

@@ -1,31 +1,52 @@
-// Work split for the CPU kernels whose tasks are many equal chunks of a
-// memory-bound loop (matmul rows / columns).
+// Work split for the CPU kernels: many small chunks of a loop whose chunks
+// own disjoint outputs, run by lowbit's own thread pool (parallel.cpp).
+//
+// A caller never waits for a thread that has not started: it runs chunks
+// itself as soon as it posts them and waits only for chunks other threads
+// have claimed. An OpenMP region (at::parallel_for) ends on a barrier that
+// every thread of the team must reach, so one thread the OS has descheduled
+// (another process on its core) stalls each call for a scheduler time slice,
+// and a decode step makes hundreds of such calls. Here that thread just takes
+// no chunks. Chunks compute the same values whoever runs them, so results do
+// not depend on the thread count or on timing.
 #pragma once
 
-#include <ATen/Parallel.h>
+#include <stdint.h>
 
 #include <algorithm>
-#include <atomic>
-#include <stdint.h>
 
 namespace lowbit {
 namespace cpu {
 
-// Runs fn(begin, end) over [0, n) in chunks of `chunk`, handed to torch's
-// threads one at a time as each finishes its last, as llama.cpp's CPU backend
-// does. at::parallel_for alone gives each thread a fixed share, so one thread
-// delayed by the OS (common on shared or virtual machines) holds up the whole
-// call; here it just takes fewer chunks. Chunks own disjoint outputs and
-// compute them the same way whoever runs them: results do not depend on the
-// thread count.
+using ChunkFn = void (*)(const void* ctx, int64_t begin, int64_t end);
+
+// Runs fn(ctx, b, e) over [0, n) in chunks [b, e) of `chunk` (the last may be
+// shorter), in parallel over torch's thread count (at::get_num_threads()).
+// Serial, chunk by chunk in order, with one thread, one chunk, from inside a
+// pool thread or an OpenMP region, or while another caller's job runs. The
+// first exception a chunk throws is rethrown here after every chunk ran.
+void run_chunks(int64_t n, int64_t chunk, ChunkFn fn, const void* ctx);
+
+// How many threads (the caller included) take chunks: set_pool_threads's
+// count, or torch's (at::get_num_threads()) while that is 0, the default.
+int64_t pool_threads();
+int64_t pool_threads_setting();
+void set_pool_threads(int64_t threads);
+
 template <class F>
 void parallel_chunks(int64_t n, int64_t chunk, const F& fn) {
-  if (n <= 0) return;
-  const int64_t chunks = (n + chunk - 1) / chunk;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(chunks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) fn(c * chunk, std::min(n, (c + 1) * chunk));
-  });
+  run_chunks(n, chunk, [](const void* c, int64_t b, int64_t e) { (*static_cast<const F*>(c))(b, e); }, &fn);
+}
+
+// at::parallel_for's contract over [0, n): fn(b, e) on ranges of at least
+// `grain` (all of [0, n) at once when it is smaller), in about four chunks
+// per thread so that a slow thread's share is taken by the others.
+constexpr int64_t kChunksPerThread = 4;
+
+template <class F>
+void parallel_for(int64_t n, int64_t grain, const F& fn) {
+  const int64_t parts = kChunksPerThread * pool_threads();
+  parallel_chunks(n, std::max<int64_t>({int64_t{1}, grain, (n + parts - 1) / parts}), fn);
 }
 
 }  // namespace cpu

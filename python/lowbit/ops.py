@@ -31,7 +31,7 @@ Tensor = torch.Tensor
 SymInt = Union[int, torch.SymInt]
 
 __all__ = [
-    "GGMLType", "cpu_bf16_kernel", "cpu_isa", "cpu_reads_repacked", "ggml_cpu_traits", "ggml_dequantize",
+    "GGMLType", "cpu_bf16_kernel", "cpu_isa", "cpu_reads_repacked", "cpu_threads", "ggml_cpu_traits", "ggml_dequantize",
     "ggml_has_repacked_layout", "ggml_mul_mat_a8", "ggml_mul_mat_id", "ggml_mul_mat_id_repacked",
     "ggml_mul_mat_repacked", "ggml_mul_mat_vec_a8", "ggml_repack", "ggml_type_info", "ggml_type_name",
     "gptq_dequantize", "gptq_gemm", "gptq_pack", "gptq_permute_cols", "gptq_permute_rows", "gptq_shuffle",
@@ -522,6 +522,15 @@ def cpu_bf16_kernel(mode: Optional[str] = None) -> str:
     """Which GPTQ kernel bf16 / fp16 activations take on AVX512-BF16 CPUs ("auto",
     "always" or "gemm"), after setting it to `mode` if given."""
     return torch.ops.lowbit.cpu_bf16_kernel(mode)
+
+
+def cpu_threads(threads: Optional[int] = None) -> int:
+    """The thread count of lowbit's CPU kernels, after setting it to `threads` if
+    given: 0, the default, follows torch.get_num_threads(). The kernels run on
+    their own pool, whose callers never wait for a thread the OS has not scheduled
+    yet; a count set here holds apart from torch's (lowbit.kernel_threads runs a
+    model's torch ops on one thread and its quantized matmuls on several)."""
+    return torch.ops.lowbit.cpu_threads(threads)
 
 
 def cpu_reads_repacked(type: int) -> bool:

@@ -12,6 +12,7 @@ from ._placing import ReplaceReport
 from .gguf.file import load_gguf
 from .gguf.model import place_gguf_tensors
 from .gptq.placing import place_gptq_checkpoint
+from .threads import kernel_threads
 
 __all__ = ["ReplaceReport", "replace_linear"]
 
@@ -43,9 +44,13 @@ def replace_linear(model: nn.Module, path: str | os.PathLike, checkpoint_format:
 
     A model built on the meta device (no memory) takes the checkpoint's
     tensors on the CPU in its place (lowbit.load_gguf_model and
-    load_gptq_model build models that way).
+    load_gptq_model build models that way). The model's forward calls then
+    give torch's threads to lowbit's kernels (lowbit.kernel_threads).
     """
     path = os.fspath(path)
     if path.endswith(".gguf"):
-        return place_gguf_tensors(model, load_gguf(path), "replace_linear")
-    return place_gptq_checkpoint(model, path, checkpoint_format)
+        report = place_gguf_tensors(model, load_gguf(path), "replace_linear")
+    else:
+        report = place_gptq_checkpoint(model, path, checkpoint_format)
+    kernel_threads(model)
+    return report

@@ -14,6 +14,7 @@ from torch import nn
 
 from .._placing import ReplaceReport, checked, get_module, load_tensor, on_meta, rebuild_computed_buffers
 from ..moe import experts_dims
+from ..threads import kernel_threads
 from .arch import (ARCHITECTURES, architecture, check_block_count, config_from_gguf, expert_modules, hf_name, hf_value,
                    rows_in_hf_order)
 from .embedding import GGUFEmbedding
@@ -53,6 +54,8 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     kernels' interleaved layout (GGUFLinear.repack: the same results, for the
     32-element types to fp32 rounding; faster on AVX-512 VNNI CPUs and for
     most of those types on AVX2 ones), which copies their blocks out of the mapping.
+    Its forward calls run torch's ops on one thread and lowbit's kernels on
+    torch's thread count (lowbit.kernel_threads).
     """
     import transformers
 
@@ -72,6 +75,7 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     _apply_rope_freqs(model, f)
     if repack:
         repack_model(model)
+    kernel_threads(model)
     return checked(model, where)
 
 

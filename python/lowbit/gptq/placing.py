@@ -15,6 +15,7 @@ from torch import nn
 from .._placing import ReplaceReport, checked, get_module, load_tensor, on_meta, rebuild_computed_buffers
 from ..moe import experts_dims, plain_experts
 from .checkpoint import GPTQCheckpoint, GPTQCheckpointError, check_layer_count, checkpoint_files, load_gptq
+from ..threads import kernel_threads
 from .experts import EXPERT_LAYER, PROJECTIONS, GPTQExpert, GPTQExperts, current_name
 
 __all__ = ["load_gptq_model", "place_gptq_checkpoint"]
@@ -27,6 +28,8 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     quantized module becomes a GPTQLinear holding the checkpoint's tensors,
     every other tensor is loaded as `dtype` (a tied LM head stays tied to the
     embedding). `checkpoint_format` overrides the config's, as in replace_linear.
+    Its forward calls run torch's ops on one thread and lowbit's kernels on
+    torch's thread count (lowbit.kernel_threads).
     """
     import transformers
 
@@ -40,6 +43,7 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     model = on_meta(lambda: transformers.AutoModelForCausalLM.from_config(config), config, dtype)
     place_gptq_checkpoint(model, directory, checkpoint_format)
     rebuild_computed_buffers(model)
+    kernel_threads(model)
     return checked(model, f"load_gptq_model: {directory}")
 
 

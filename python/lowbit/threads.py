@@ -1,0 +1,79 @@
+"""Threads of a lowbit model on the CPU.
+
+lowbit's kernels run on their own thread pool (ops.cpu_threads), whose
+callers never wait for a thread that has not started; torch's ops run on
+torch's OpenMP threads, whose parallel regions end on a barrier every thread
+must reach. Two pools on the same cores get in each other's way (each one's
+threads poll for work while the other's run), and on a machine whose cores
+are shared one of torch's threads that the OS has not scheduled yet stalls
+each of its ops, a few hundred times per decoded token.
+
+kernel_threads(model) makes each forward call on CPU inputs run torch's ops
+on one thread and lowbit's kernels on the threads torch had: the matmuls,
+where the time goes, keep every thread, and nothing waits on a barrier.
+load_gguf_model, load_gptq_model and replace_linear set it;
+kernel_threads(model, False) removes it.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import ops
+
+__all__ = ["kernel_threads"]
+
+_HANDLES = "_lowbit_kernel_threads"
+
+
+def _on_cpu(args, kwargs) -> bool:
+    """Whether the call's first tensor argument (input_ids, inputs_embeds, x) is on the CPU."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device.type == "cpu"
+    return False
+
+
+class _KernelThreads:
+    """The hooks' state: the settings each running forward call replaced, a
+    stack (a model may call itself: an assistant model, a nested forward).
+    A class, not closures, so that a model with the hooks still pickles."""
+
+    def __init__(self):
+        self.saved = []
+
+    def __getstate__(self):
+        return {"saved": []}
+
+    def before(self, module, args, kwargs):
+        threads = torch.get_num_threads()
+        if torch.compiler.is_compiling() or threads == 1 or not _on_cpu(args, kwargs):
+            self.saved.append(None)
+            return
+        self.saved.append((threads, ops.cpu_threads()))
+        if self.saved[-1][1] == 0:  # lowbit follows torch's count: hold it at torch's
+            ops.cpu_threads(threads)
+        torch.set_num_threads(1)
+
+    def after(self, module, args, kwargs, output):
+        restore = self.saved.pop() if self.saved else None
+        if restore is not None:
+            torch.set_num_threads(restore[0])
+            ops.cpu_threads(restore[1])
+
+
+def kernel_threads(model: nn.Module, enable: bool = True) -> nn.Module:
+    """Runs each forward call of `model` on CPU inputs with torch's ops on one
+    thread and lowbit's kernels on torch's thread count, restoring both after
+    the call (also when it raises); enable=False removes that. Returns the model."""
+    for handle in getattr(model, _HANDLES, ()):
+        handle.remove()
+    if hasattr(model, _HANDLES):
+        delattr(model, _HANDLES)
+    if not enable:
+        return model
+    state = _KernelThreads()
+    handles = (model.register_forward_pre_hook(state.before, with_kwargs=True),
+               model.register_forward_hook(state.after, with_kwargs=True, always_call=True))
+    setattr(model, _HANDLES, handles)
+    return model
