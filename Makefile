@@ -69,7 +69,8 @@ fuzz: build
 	LOWBIT_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PYTHON) -m pytest -q -p no:warnings --hypothesis-show-statistics \
 	  tests/test_gguf_fuzz.py
 
-# The CPU test suite against an ASan + UBSan build of the extension.
+# The op-level CPU tests against an AddressSanitizer build of the extension
+# (SANITIZERS=address,undefined adds UBSan; .ci/sanitize.sh).
 sanitize: reference-deps
 	bash .ci/sanitize.sh
 

@@ -4,9 +4,11 @@ CPU-only when torch has no CUDA or nvcc is missing; CUDA too when both are
 there. LOWBIT_CUDA=0/1 overrides the choice; TORCH_CUDA_ARCH_LIST picks the
 GPU architectures and MAX_JOBS the parallel compile jobs (torch's own
 variables); LOWBIT_SANITIZE=1 builds with AddressSanitizer and
-UndefinedBehaviorSanitizer; LOWBIT_DEBUG=1 keeps debug info (-g);
+UndefinedBehaviorSanitizer, LOWBIT_SANITIZE=address (or another -fsanitize
+list) with those sanitizers; LOWBIT_DEBUG=1 keeps debug info (-g);
 LOWBIT_CPU_SIMD=0 compiles only the portable CPU kernels (a quick build for a
-GPU machine, where they are the CUDA tests' reference). Install with: pip install --no-build-isolation -e .
+GPU machine, where they are the CUDA tests' reference), LOWBIT_CPU_SIMD=avx2
+leaves out the AVX-512 ones (a build for CPUs without AVX-512). Install with: pip install --no-build-isolation -e .
 """
 import glob
 import os
@@ -35,15 +37,21 @@ def extension():
     debug = ["-g"] if os.environ.get("LOWBIT_DEBUG") == "1" else ["-g0"]
     cxx = ["-O3", "-std=c++20", "-fopenmp", *debug]
     link = ["-fopenmp"]
-    if os.environ.get("LOWBIT_SANITIZE") == "1":
-        # AddressSanitizer + UndefinedBehaviorSanitizer build for the sanitizer
-        # test run (make sanitize); every finding aborts.
-        flags = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g"]
+    sanitizers = os.environ.get("LOWBIT_SANITIZE", "")
+    if sanitizers not in ("", "0"):
+        # The sanitizer build of the sanitizer test run (make sanitize); every finding aborts.
+        sanitizers = "address,undefined" if sanitizers == "1" else sanitizers
+        flags = [f"-fsanitize={sanitizers}", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g"]
         cxx = ["-O1", "-std=c++20", "-fopenmp", *flags]
         link = ["-fopenmp", *flags]
     macros = []
-    if os.environ.get("LOWBIT_CPU_SIMD") == "0":
+    simd = os.environ.get("LOWBIT_CPU_SIMD")
+    if simd == "0":
         macros.append(("LOWBIT_PORTABLE_ONLY", "1"))  # csrc/cpu/isa.h: the portable kernels only
+    elif simd == "avx2":
+        macros.append(("LOWBIT_NO_AVX512", "1"))  # csrc/cpu/isa.h: no AVX-512 kernels
+    elif simd not in (None, "", "1"):
+        raise RuntimeError(f"LOWBIT_CPU_SIMD={simd!r}: expected 0 (portable kernels only), avx2 or 1 (all, the default)")
     if not want_cuda():
         return CppExtension("lowbit._C", sources, define_macros=macros, extra_compile_args={"cxx": cxx},
                             extra_link_args=link)

@@ -12,7 +12,7 @@
 #include "gptq_kernels.h"
 #include "isa.h"
 
-#if LOWBIT_X86_SIMD
+#if LOWBIT_X86_AVX512
 #include <immintrin.h>
 
 #pragma GCC push_options

@@ -17,7 +17,7 @@ Isa detect() {
                       __builtin_cpu_supports("avx512vnni");
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                     __builtin_cpu_supports("f16c");
-  if (avx512 && avx2) return Isa::kAvx512;
+  if (avx512 && avx2 && LOWBIT_X86_AVX512) return Isa::kAvx512;
   if (avx2) return Isa::kAvx2;
 #endif
   return Isa::kPortable;
