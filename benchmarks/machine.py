@@ -20,11 +20,28 @@ def device_name(device: torch.device = torch.device("cpu")) -> str:
     return platform.processor() or "cpu"
 
 
+def cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            found = re.search(r"^flags\s*:\s*(.*)$", f.read(), re.M)
+        return set(found.group(1).split()) if found else set()
+    except OSError:
+        return set()
+
+
 def machine_slug(device: torch.device = torch.device("cpu")) -> str:
-    """e.g. cpu-amd-epyc-2t (CPU model and thread count) or cuda-nvidia-h100-80gb-hbm3."""
+    """e.g. cpu-amd-epyc-2t (CPU model and thread count; -no-avx512 where an
+    x86 CPU lacks AVX-512F: virtual machines often report only the vendor and
+    family, so two generations would otherwise share one name) or
+    cuda-nvidia-h100-80gb-hbm3."""
     name = re.sub(r"\((r|tm)\)", "", device_name(device).lower())  # "Intel(R) Xeon(R)" -> "intel xeon"
     slug = re.sub(r"[^a-z0-9]+", "-", name).strip("-")
-    return f"cpu-{slug}-{torch.get_num_threads()}t" if device.type == "cpu" else f"cuda-{slug}"
+    if device.type != "cpu":
+        return f"cuda-{slug}"
+    flags = cpu_flags()
+    if platform.machine() in ("x86_64", "AMD64") and flags and "avx512f" not in flags:
+        slug += "-no-avx512"
+    return f"cpu-{slug}-{torch.get_num_threads()}t"
 
 
 _VENDOR_WORDS = {"nvidia", "tesla", "geforce", "quadro", "amd", "radeon", "instinct"}

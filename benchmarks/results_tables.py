@@ -311,14 +311,28 @@ def results_block():
     return "\n".join(out).rstrip("\n") + "\n"
 
 
+def machines():
+    """{slug: machine record} of every machine with a GGUF kernel run of its own
+    kernels, a main job, an end-to-end or a shared-cores run."""
+    found = {}
+    for path in sorted(glob.glob(os.path.join(RESULTS, "*-gguf.json")) + glob.glob(os.path.join(RESULTS, "*-e2e.json"))
+                       + glob.glob(os.path.join(RESULTS, "*-shared-cores.json"))):
+        m = load_json(path)["machine"]
+        suffix = os.path.basename(path)[len(m["slug"]):]
+        if suffix in ("-gguf.json", "-e2e.json", "-shared-cores.json"):  # not a run with forced kernels (-avx2-)
+            found.setdefault(m["slug"], m)
+    return found
+
+
 def summary_block():
     out = []
-    for path in sorted(glob.glob(os.path.join(RESULTS, "*-gguf.json"))):
+    for slug, m in machines().items():
+        path = os.path.join(RESULTS, f"{slug}-gguf.json")
+        if not os.path.exists(path):
+            out += [f"**{m['name']}, {m['threads']} threads** (torch {m['torch']}; `benchmarks/results/{slug}-*`).", ""]
+            out += main_job_lines(slug) + e2e_lines(slug) + shared_cores_lines(slug)
+            continue
         data = load_json(path)
-        slug = data["machine"]["slug"]
-        if os.path.basename(path) != f"{slug}-gguf.json":
-            continue  # a run with forced kernels (-avx2-): benchmarks/README.md
-        m = data["machine"]
         most = max(e["threads"] for e in data["matmul"])
         out += [f"**{m['name']}, {m['threads']} threads** ({data['cpu_isa']} kernels, torch {m['torch']}; "
                 f"`benchmarks/results/{slug}-*`). GGUF matmuls, {MAIN_SHAPE[0]}x{MAIN_SHAPE[1]}, {most} threads:", ""]
@@ -335,18 +349,57 @@ def summary_block():
                 out += [f"`gptq_gemm` 4-bit g128, K x N = {GPTQ_SHAPE[0]}x{GPTQ_SHAPE[1]}, {most} threads: bf16 "
                         f"activations over torch's int4 kernel {int4}; fp32 activations over torch's fp32 dense "
                         f"matmul {fp32}.", ""]
-        job = os.path.join(RESULTS, f"smollm2-{slug}.md")
-        if os.path.exists(job):
-            table = [[c.strip() for c in line.strip("|").split("|")] for line in markdown_table(job)
-                     if line.startswith("| ")]
-            head, rows = table[0], table[1:]  # columns by name: a file with a KL column has one more
-            names = [n for n in ("perplexity", "KL to fp32", "decode tok/s") if n in head]
-            cells = "; ".join(f"{r[0]} " + " / ".join(r[head.index(n)] for n in names) for r in rows)
-            out += [f"Main job (SmolLM2-135M, `make demo`), {' / '.join(names).replace('tok/s', 'tokens/s')}: "
-                    f"{cells}.", ""]
+        out += main_job_lines(slug) + e2e_lines(slug) + shared_cores_lines(slug)
     if out:
         out += [PAIR_NOTE]
     return "\n".join(out).rstrip("\n") + "\n"
+
+
+def main_job_lines(slug):
+    job = os.path.join(RESULTS, f"smollm2-{slug}.md")
+    if not os.path.exists(job):
+        return []
+    rows = md_rows(job)
+    names = [n for n in ("perplexity", "KL to fp32", "decode tok/s") if n in rows[0]]  # a file with KL has one more
+    cells = "; ".join(f"{r['format']} " + " / ".join(r[n] for n in names) for r in rows)
+    return [f"Main job (SmolLM2-135M, `make demo`), {' / '.join(names).replace('tok/s', 'tokens/s')}: {cells}.", ""]
+
+
+def md_rows(path):
+    """A result .md file's table as {column: cell} rows."""
+    table = [[c.strip() for c in line.strip("|").split("|")] for line in markdown_table(path) if line.startswith("| ")]
+    return [dict(zip(table[0], row)) for row in table[1:]]
+
+
+def e2e_lines(slug):
+    """One row per file of bench_e2e: lowbit's faster layout against llama.cpp's default buffers."""
+    path = os.path.join(RESULTS, f"{slug}-e2e.md")
+    if not os.path.exists(path):
+        return []
+    rows = md_rows(path)
+    out = ["End-to-end generation (`python -m benchmarks.bench_e2e`), tokens/s, lowbit's faster layout "
+           "(its loader's model, transformers' generate) over llama.cpp on the same file:", "",
+           "| file | lowbit prefill / decode | llama.cpp prefill / decode | ratio prefill / decode |",
+           "|---|---:|---:|---:|"]
+    for name in dict.fromkeys(r["file"] for r in rows):
+        ours = [r for r in rows if r["file"] == name and r["library"].startswith("lowbit")]
+        peer = [r for r in rows if r["file"] == name and r["library"] == "llama.cpp, default buffers"]
+        if not ours:
+            continue
+        best = max(ours, key=lambda r: float(r["decode tok/s"]))
+        theirs = f"{peer[0]['prefill tok/s']} / {peer[0]['decode tok/s']}" if peer else "—"
+        out.append(f"| {name}, {best['library'].split(', ')[-1]} | {best['prefill tok/s']} / {best['decode tok/s']} | "
+                   f"{theirs} | {best['prefill vs llama.cpp']} / {best['decode vs llama.cpp']} |")
+    return out + [""]
+
+
+def shared_cores_lines(slug):
+    path = os.path.join(RESULTS, f"{slug}-shared-cores.md")
+    if not os.path.exists(path):
+        return []
+    cells = "; ".join(f"{r['library']} {r['ratio']}" for r in md_rows(path))
+    return [f"Decode beside a process that keeps one of the two cores busy, over decode alone "
+            f"(`python -m benchmarks.bench_shared_cores`; 0.50 is proportional): {cells}.", ""]
 
 
 BLOCKS = {"support": support_block, "summary": summary_block, "results": results_block}
