@@ -1,6 +1,6 @@
 """Threads of a lowbit model on the CPU.
 
-lowbit's kernels run on their own thread pool (ops.cpu_threads), whose
+lowbit's kernels run on their own thread pool (lowbit.ops.cpu_threads), whose
 callers never wait for a thread that has not started; torch's ops run on
 torch's OpenMP threads, whose parallel regions end on a barrier every thread
 must reach. Two pools on the same cores get in each other's way (each one's
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import ops
+
 
 __all__ = ["kernel_threads"]
 
@@ -50,16 +50,16 @@ class _KernelThreads:
         if torch.compiler.is_compiling() or threads == 1 or not _on_cpu(args, kwargs):
             self.saved.append(None)
             return
-        self.saved.append((threads, ops.cpu_threads()))
+        self.saved.append((threads, torch.ops.lowbit.cpu_threads()))
         if self.saved[-1][1] == 0:  # lowbit follows torch's count: hold it at torch's
-            ops.cpu_threads(threads)
+            torch.ops.lowbit.cpu_threads(threads)
         torch.set_num_threads(1)
 
     def after(self, module, args, kwargs, output):
         restore = self.saved.pop() if self.saved else None
         if restore is not None:
             torch.set_num_threads(restore[0])
-            ops.cpu_threads(restore[1])
+            torch.ops.lowbit.cpu_threads(restore[1])
 
 
 def kernel_threads(model: nn.Module, enable: bool = True) -> nn.Module:
