@@ -19,8 +19,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
-
 __all__ = ["kernel_threads"]
 
 _HANDLES = "_lowbit_kernel_threads"
