@@ -41,7 +41,7 @@ def extension():
     if sanitizers not in ("", "0"):
         # The sanitizer build of the sanitizer test run (make sanitize); every finding aborts.
         sanitizers = "address,undefined" if sanitizers == "1" else sanitizers
-        flags = [f"-fsanitize={sanitizers}", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g"]
+        flags = [f"-fsanitize={sanitizers}", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g0"]
         cxx = ["-O1", "-std=c++20", "-fopenmp", *flags]
         link = ["-fopenmp", *flags]
     macros = []
