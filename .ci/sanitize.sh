@@ -20,7 +20,9 @@ sanitizers=${SANITIZERS:-address}
 (cd "$work" && LOWBIT_SANITIZE=$sanitizers LOWBIT_CUDA=0 LOWBIT_CPU_SIMD=$simd python3 setup.py -q build_ext --inplace >/dev/null)
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
-preload="$(gcc -print-file-name=libasan.so)"
+# libstdc++ beside the runtime from the start: python3 does not link it, and
+# ASan's exception interceptor finds no __cxa_throw when it is loaded later.
+preload="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so.6)"
 case ",$sanitizers," in *,undefined,*) preload="$preload $(gcc -print-file-name=libubsan.so)" ;; esac
 export LD_PRELOAD="$preload"
 cd "$work"
