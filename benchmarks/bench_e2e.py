@@ -19,7 +19,11 @@ Per (file, library) it measures:
 
 lowbit: lowbit.load_gguf_model + model.generate (greedy; a streamer stamps
 each token), in the file's layout and with lowbit.repack_model; a 4-bit GPTQ
-checkpoint of the 1B model through lowbit.load_gptq_model. llama.cpp:
+checkpoint of the 1B model through lowbit.load_gptq_model; on the shipped
+file also with lowbit.compiled_decoding (static cache, compiled decode steps;
+inductor calling the kernels from Python, and from generated C++), whose
+warm-up generate compiles (inductor's on-disk cache makes the later rounds'
+compiles shorter). llama.cpp:
 Llama(n_ctx=512) with its default weight buffers (its CPU_REPACK layout for
 the types it takes) and without its extra buffers (the plain blocks), timed
 the same way: eval of the prompt after reset, then single-token evals of the
@@ -73,6 +77,8 @@ VARIANTS = {
     "lowbit": "lowbit, file layout",
     "lowbit-repacked": "lowbit, repacked",
     "lowbit-gptq": "lowbit, GPTQ",
+    "lowbit-compiled": "lowbit, compiled decode",
+    "lowbit-compiled-cpp": "lowbit, compiled decode, C++ wrapper",
     "llama": "llama.cpp, default buffers",
     "llama-plain": "llama.cpp, no extra buffers",
 }
@@ -127,6 +133,10 @@ def _child_lowbit(spec):
         model = lowbit.load_gptq_model(spec["path"])
     else:
         model = lowbit.load_gguf_model(spec["path"])
+        if spec["variant"].startswith("lowbit-compiled"):
+            # One cache length for the warm-up and the timed runs: one compile.
+            lowbit.compiled_decoding(model, max_cache_len=len(spec["prompt"]) + spec["new_tokens"] + 1,
+                                     cpp_wrapper=spec["variant"] == "lowbit-compiled-cpp")
         if spec["variant"] == "lowbit-repacked":
             names = lowbit.repack_model(model)
             linears = [m for m in model.modules() if isinstance(m, lowbit.GGUFLinear)]
@@ -212,7 +222,9 @@ def child(spec):
 
     side = _child_llama if spec["variant"].startswith("llama") else _child_lowbit
     baseline, load_call_s, load_s, layout, run, prompt = side(spec)
-    run(prompt, min(8, spec["new_tokens"]))  # warm-up: the prompt-sized and one-token paths once
+    t = time.perf_counter()
+    run(prompt, min(8, spec["new_tokens"]))  # warm-up: the prompt-sized and one-token paths once (compiled: compiles)
+    warmup_s = time.perf_counter() - t
     prefill, decode = [], []
     for _ in range(spec["reps"]):
         p, d = run(prompt, spec["new_tokens"])
@@ -220,7 +232,7 @@ def child(spec):
         decode.append(spec["new_tokens"] / d)
     rss, peak = _memory()
     print(RESULT_MARK + json.dumps(dict(
-        variant=spec["variant"], path=spec["path"], load_call_s=load_call_s, load_s=load_s,
+        variant=spec["variant"], path=spec["path"], load_call_s=load_call_s, load_s=load_s, warmup_s=warmup_s,
         prefill_tps=statistics.median(prefill), decode_tps=statistics.median(decode),
         prefill_tps_reps=prefill, decode_tps_reps=decode, baseline_rss_mb=baseline, peak_rss_mb=peak,
         above_imports_mb=peak - baseline, final_rss_mb=rss,
@@ -405,7 +417,8 @@ def files(models, threads):
     gguf_variants = ["lowbit", "lowbit-repacked", "llama", "llama-plain"]
     out = []
     if "smollm2" in models:
-        out.append(("SmolLM2-135M Q4_1 (shipped)", shipped, gguf_variants))
+        out.append(("SmolLM2-135M Q4_1 (shipped)", shipped,
+                    gguf_variants[:2] + ["lowbit-compiled", "lowbit-compiled-cpp"] + gguf_variants[2:]))
     if "requant" in models:
         for ftype in REQUANT_TYPES:
             dst = os.path.join(cache, f"SmolLM2-135M-Instruct.{ftype}.from-Q4_1.gguf")
@@ -436,7 +449,7 @@ def summarize(label, path, variant, records):
     ok = [r for r in records if "error" not in r]
     s = dict(file=label, path=path, variant=variant, rounds=len(ok), errors=[r["error"] for r in records if "error" in r],
              records=ok)
-    for key in ("load_s", "load_call_s", "prefill_tps", "decode_tps", "peak_rss_mb", "above_imports_mb",
+    for key in ("load_s", "load_call_s", "warmup_s", "prefill_tps", "decode_tps", "peak_rss_mb", "above_imports_mb",
                 "baseline_rss_mb"):
         s[key] = statistics.median(r[key] for r in ok) if ok else float("nan")
     if ok and "buffers" in ok[0]:
@@ -470,18 +483,18 @@ def table_rows(summaries, file_info):
         ref = reference.get(s["file"]) or {}
         mb, types = file_info[s["file"]]
         rows.append([s["file"], types, f"{mb:.0f}", VARIANTS[s["variant"]], layout_note(s),
-                     f"{s['load_s']:.2f}", f"{s['prefill_tps']:.0f}", f"{s['decode_tps']:.1f}",
+                     f"{s['load_s']:.2f}", f"{s['warmup_s']:.1f}", f"{s['prefill_tps']:.0f}", f"{s['decode_tps']:.1f}",
                      ratio(s["prefill_tps"], ref.get("prefill_tps")), ratio(s["decode_tps"], ref.get("decode_tps")),
                      f"{s['peak_rss_mb']:.0f}", f"{s['above_imports_mb']:.0f}"])
     return rows
 
 
-HEADERS = ["file", "weight types (share of bytes)", "MB", "library", "layout", "load s", "prefill tok/s",
+HEADERS = ["file", "weight types (share of bytes)", "MB", "library", "layout", "load s", "warm-up s", "prefill tok/s",
            "decode tok/s", "prefill vs llama.cpp", "decode vs llama.cpp", "peak RSS MB", "above imports MB"]
 
 
 def markdown(rows):
-    right = {"MB", "load s", "prefill tok/s", "decode tok/s", "prefill vs llama.cpp", "decode vs llama.cpp",
+    right = {"MB", "load s", "warm-up s", "prefill tok/s", "decode tok/s", "prefill vs llama.cpp", "decode vs llama.cpp",
              "peak RSS MB", "above imports MB"}
     out = ["| " + " | ".join(HEADERS) + " |", "|" + "|".join("---:" if h in right else "---" for h in HEADERS) + "|"]
     return out + ["| " + " | ".join(r) + " |" for r in rows]
@@ -586,7 +599,8 @@ def main():
         f"{args.threads} threads on every side; median of {rounds} rounds, each configuration in a fresh process "
         f"(each timing the median of {reps} generations after a warm-up one).",
         "load s: file to first-token-ready model (the load call, lowbit's repack_model in its repacked row, and one "
-        "one-token forward). Ratios: over llama.cpp with its default buffers on the same file (the GPTQ row: on "
+        "one-token forward). warm-up s: the first generate call (the prompt and 8 new tokens; in the compiled rows "
+        "it compiles the decode step). Ratios: over llama.cpp with its default buffers on the same file (the GPTQ row: on "
         "the 1B Q4_K_M file); above 1, lowbit faster. layout: lowbit's layers in its repacked layout (repack_model "
         "leaves Q6_K in the file's); the size of llama.cpp's CPU_REPACK buffer, its repacked copy of the weights "
         "whose type it takes. MB: the file (GPTQ: the checkpoint directory).",

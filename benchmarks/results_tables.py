@@ -388,7 +388,7 @@ def e2e_lines(slug):
             continue
         best = max(ours, key=lambda r: float(r["decode tok/s"]))
         theirs = f"{peer[0]['prefill tok/s']} / {peer[0]['decode tok/s']}" if peer else "—"
-        out.append(f"| {name}, {best['library'].split(', ')[-1]} | {best['prefill tok/s']} / {best['decode tok/s']} | "
+        out.append(f"| {name}, {best['library'].removeprefix('lowbit, ')} | {best['prefill tok/s']} / {best['decode tok/s']} | "
                    f"{theirs} | {best['prefill vs llama.cpp']} / {best['decode vs llama.cpp']} |")
     return out + [""]
 

@@ -32,6 +32,29 @@ def _on_cpu(args, kwargs) -> bool:
     return False
 
 
+def split_threads(args=(), kwargs=None):
+    """Before a call on CPU inputs: torch's ops on one thread, lowbit's kernels
+    on the threads torch had. Returns what to restore_threads after the call
+    (None where nothing changed: one thread, inputs elsewhere, or tracing
+    under torch.compile, whose graph's kernels run on torch's threads)."""
+    if torch.compiler.is_compiling():
+        return None
+    threads = torch.get_num_threads()
+    if threads == 1 or not _on_cpu(args, kwargs or {}):
+        return None
+    saved = (threads, torch.ops.lowbit.cpu_threads())
+    if saved[1] == 0:  # lowbit follows torch's count: hold it at torch's
+        torch.ops.lowbit.cpu_threads(threads)
+    torch.set_num_threads(1)
+    return saved
+
+
+def restore_threads(saved) -> None:
+    if saved is not None:
+        torch.set_num_threads(saved[0])
+        torch.ops.lowbit.cpu_threads(saved[1])
+
+
 class _KernelThreads:
     """The hooks' state: the settings each running forward call replaced, a
     stack (a model may call itself: an assistant model, a nested forward).
@@ -44,20 +67,12 @@ class _KernelThreads:
         return {"saved": []}
 
     def before(self, module, args, kwargs):
-        threads = torch.get_num_threads()
-        if torch.compiler.is_compiling() or threads == 1 or not _on_cpu(args, kwargs):
-            self.saved.append(None)
-            return
-        self.saved.append((threads, torch.ops.lowbit.cpu_threads()))
-        if self.saved[-1][1] == 0:  # lowbit follows torch's count: hold it at torch's
-            torch.ops.lowbit.cpu_threads(threads)
-        torch.set_num_threads(1)
+        if not torch.compiler.is_compiling():
+            self.saved.append(split_threads(args, kwargs))
 
     def after(self, module, args, kwargs, output):
-        restore = self.saved.pop() if self.saved else None
-        if restore is not None:
-            torch.set_num_threads(restore[0])
-            torch.ops.lowbit.cpu_threads(restore[1])
+        if not torch.compiler.is_compiling():
+            restore_threads(self.saved.pop() if self.saved else None)
 
 
 def kernel_threads(model: nn.Module, enable: bool = True) -> nn.Module:

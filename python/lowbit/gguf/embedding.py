@@ -40,7 +40,9 @@ class GGUFEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        if flat.numel():
+        # A compiled graph bounds-checks the gather itself (inductor asserts
+        # its indirect indices); a host-side check would break the graph.
+        if flat.numel() and not torch.compiler.is_compiling():
             low, high = torch.stack(torch.aminmax(flat)).tolist()  # one pass, one device sync
             if low < 0 or high >= self.num_embeddings:
                 raise IndexError(f"GGUFEmbedding: token ids must lie in [0, {self.num_embeddings}), "

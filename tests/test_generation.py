@@ -1,0 +1,59 @@
+"""Compiled decoding (lowbit.compiled_decoding): model.generate with a static
+KV cache and each decode step one torch.compile(fullgraph=True) graph around
+lowbit's ops gives the tokens the eager model gives, on a tiny Llama GGUF
+file (Q8_0: the same kernels as any file, compiled in seconds)."""
+import pytest
+import torch
+
+import lowbit
+from tiny_models import tiny_model, write_tiny_gguf
+
+NEW_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("generation") / "llama.gguf", tiny_model("llama", seed=0), "llama")
+
+
+def generate(model, ids):
+    with torch.inference_mode():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                              min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+
+
+@pytest.fixture
+def two_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_compiled_decoding_gives_the_eager_tokens(path, two_threads):
+    model = lowbit.load_gguf_model(path)
+    ids = torch.tensor([[1, 7, 22, 5, 63, 40, 9]])
+    eager = generate(model, ids)
+    assert lowbit.compiled_decoding(model, max_cache_len=32) is model
+    assert model.generation_config.cache_implementation == "static" and model.generation_config.max_cache_len == 32
+    steps = []
+    step = model._compiled_call.step
+    model._compiled_call.step = lambda *a, **k: steps.append(torch.get_num_threads()) or step(*a, **k)
+    compiled = generate(model, ids)
+    assert torch.equal(compiled, eager)
+    # generate ran the decode steps through the compiled call, torch's ops on one thread where it had more
+    assert len(steps) == NEW_TOKENS - 1 and set(steps) == {1}
+    assert generate(model, ids[:, :4]).shape == (1, 4 + NEW_TOKENS)  # another prompt length: the same graph
+    assert torch.get_num_threads() == 2
+    lowbit.compiled_decoding(model, enable=False)
+    assert model.generation_config.cache_implementation is None and model.generation_config.compile_config is None
+    assert not hasattr(model, "_compiled_call")
+    assert torch.equal(generate(model, ids), eager)
+
+
+def test_compiled_embedding_still_checks_token_ids(path):
+    table = lowbit.load_gguf_model(path).model.embed_tokens
+    compiled = torch.compile(table, fullgraph=True)
+    assert torch.equal(compiled(torch.tensor([[0, 63]])), table(torch.tensor([[0, 63]])))
+    with pytest.raises((IndexError, RuntimeError, AssertionError)):
+        compiled(torch.tensor([[0, 64]]))
