@@ -176,7 +176,7 @@ def cmd_generate(args) -> None:
     steps = len(streamer.arrivals) - 1 - first
     decode = f", decode {steps / (streamer.arrivals[-1] - streamer.arrivals[first]):.1f} tokens/s" if steps > 0 else ""
     if args.compile and len(streamer.arrivals) > 2:
-        decode += f" (compiling took {streamer.arrivals[2] - streamer.arrivals[1]:.1f} s)"
+        decode += f" after a first step that compiled in {streamer.arrivals[2] - streamer.arrivals[1]:.1f} s"
     print(f"prefill {ids.shape[1] / prompt_s:.1f} tokens/s{decode} "
           f"({len(streamer.tokens)} new tokens, {torch.get_num_threads()} threads)", file=sys.stderr)
 
