@@ -600,7 +600,8 @@ def main():
         f"(each timing the median of {reps} generations after a warm-up one).",
         "load s: file to first-token-ready model (the load call, lowbit's repack_model in its repacked row, and one "
         "one-token forward). warm-up s: the first generate call (the prompt and 8 new tokens; in the compiled rows "
-        "it compiles the decode step). Ratios: over llama.cpp with its default buffers on the same file (the GPTQ row: on "
+        "it compiles the decode step, and only the first round may find inductor's on-disk cache empty: the JSON "
+        "holds each round's). Ratios: over llama.cpp with its default buffers on the same file (the GPTQ row: on "
         "the 1B Q4_K_M file); above 1, lowbit faster. layout: lowbit's layers in its repacked layout (repack_model "
         "leaves Q6_K in the file's); the size of llama.cpp's CPU_REPACK buffer, its repacked copy of the weights "
         "whose type it takes. MB: the file (GPTQ: the checkpoint directory).",

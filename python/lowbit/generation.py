@@ -52,7 +52,8 @@ def compiled_decoding(model: nn.Module, enable: bool = True, max_cache_len: int 
     cache only grows). cpp_wrapper: inductor calls the step's kernels from
     generated C++ rather than Python, which takes out most of the remaining
     per-op host time and makes the compile several times longer.
-    Calls that pass their own cache_implementation or compile_config keep them."""
+    Call it where the model runs (the compile mode follows its device); calls
+    that pass their own cache_implementation or compile_config keep them."""
     from transformers import CompileConfig
 
     config = model.generation_config
