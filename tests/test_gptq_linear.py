@@ -70,6 +70,51 @@ def test_act_order_sees_writes_through_data(write):
     torch.testing.assert_close(layer(x), fresh(x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("write", ["qweight", "act-order g_idx"])
+def test_plain_layer_sees_writes_through_data(write):
+    """A layer without act-order multiplies its own buffers as they are now:
+    a write through `.data` (no version bump) takes effect on the next call."""
+    layer, _ = layer_and_linear()
+    other, _ = layer_and_linear(act_order=True, seed=1)
+    x = torch.randn(3, IN)
+    layer(x)
+    names = ("qweight", "qzeros", "scales") if write == "qweight" else ("qweight", "qzeros", "scales", "g_idx")
+    for name in names:
+        getattr(layer, name).data.copy_(getattr(other, name))
+    fresh = lowbit.GPTQLinear(IN, OUT, 4, layer.group_size, sym=False, desc_act=True, checkpoint_format="gptq_v2")
+    fresh.load_state_dict(layer.state_dict())
+    # Unshuffled and shuffled kernels sum in different orders: equal to fp32 rounding.
+    torch.testing.assert_close(layer(x), fresh(x))
+
+
+def ops_dispatched(fn) -> list[str]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with Record() as record:
+        fn()
+    return record.ops
+
+
+@pytest.mark.parametrize("group_size", [64, 96])  # 96: a short last group (K % group_size != 0)
+def test_plain_layer_does_no_per_call_checks(group_size):
+    """A decode step calls every layer once per token: a layer without
+    act-order runs the matmul and no tensor op besides."""
+    layer, _ = layer_and_linear(group_size=group_size, bias=False)
+    x = torch.randn(1, IN)
+    layer(x)
+    ops = [op for op in ops_dispatched(lambda: layer(x)) if op not in ("aten.view", "aten.reshape", "aten._unsafe_view")]
+    assert ops == ["lowbit.gptq_gemm"], ops
+
+
 def test_unequal_groups_run_unshuffled():
     layer, _ = layer_and_linear(group_size=64)
     g = torch.randint(0, 4, (IN,), dtype=torch.int32, generator=torch.Generator().manual_seed(0))

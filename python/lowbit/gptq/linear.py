@@ -53,8 +53,8 @@ class GPTQLinear(nn.Module):
             self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device))
         else:
             self.bias = None
-        # (what it was built from, (qweight to multiply, b_g_idx, use_exllama)), one attribute so that
-        # threads sharing the layer never see one plan's key with another plan's tensors.
+        # How to run (_new_plan), one attribute so that threads sharing the layer never see one
+        # plan's key with another plan's tensors.
         self._plan = None
 
     @classmethod
@@ -77,45 +77,54 @@ class GPTQLinear(nn.Module):
     def use_v2_format(self) -> bool:
         return self.checkpoint_format == "gptq_v2"
 
-    def _source(self) -> tuple:
-        """What a plan depends on. Writes through `.data` (how many loaders copy
-        weights in) bump no version counter, so the key also holds g_idx's
-        values and a diagonal of qweight words that meets every packed row
-        and every column: a load of other weights, or of any row or column
-        slice of them, changes it. It gathers max(rows, N) words, against the
-        rows * N the matmul reads."""
-        q, g = self.qweight, self.g_idx
-        rows, cols = q.shape
-        i = torch.arange(max(rows, cols), device=q.device)
-        sample = q.view(-1)[i % rows * cols + i % cols]
-        return (q.data_ptr(), q._version, g.data_ptr(), g._version), sample, g.clone()
+    def _prepare(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """gptq_gemm's (b_q_weight, b_g_idx, use_exllama) for this layer.
 
-    def _unchanged(self, source: tuple) -> bool:
-        now = self._source()
-        return (now[0] == source[0] and now[1].device == source[1].device and torch.equal(now[1], source[1])
-                and torch.equal(now[2], source[2]))
-
-    def _prepare(self):
-        """Picks how to run: shuffled (act-order with equal groups) or plain."""
+        Any g_idx runs on the checkpoint's own buffers (the op recognises
+        contiguous groups, a short last one included), so a plain layer needs
+        no checks per call: the plan only records that g_idx was not act-order
+        when last looked at. Act-order weights whose groups all have the same
+        size run on a shuffled private copy of qweight, whose source is checked
+        on every call: writes through `.data` (how many loaders copy weights
+        in) bump no version counter, so besides g_idx's values the check reads
+        a diagonal of qweight words that meets every packed row and every
+        column. While torch.compile traces, the plan is taken as it stands.
+        """
         plan = self._plan
-        if plan is not None and self._unchanged(plan[0]):
-            return plan[1]
-        source = self._source()
+        if plan is not None and (torch.compiler.is_compiling() or self._still_valid(plan)):
+            return plan[1] if plan[1] is not None else (self.qweight, self.g_idx, False)
+        plan = self._plan = self._new_plan()
+        return plan[1] if plan[1] is not None else (self.qweight, self.g_idx, False)
+
+    def _key(self) -> tuple:
+        q, g = self.qweight, self.g_idx
+        return q.data_ptr(), q._version, g.data_ptr(), g._version
+
+    def _still_valid(self, plan: tuple) -> bool:
+        key, shuffled, g_idx, where, sample = plan
+        now = self._key()
+        if shuffled is None:  # plain: only a new act-order g_idx would call for a new plan
+            return now[2:] == key[2:]
+        return (now == key and torch.equal(self.g_idx, g_idx)
+                and torch.equal(self.qweight.view(-1)[where], sample))
+
+    def _new_plan(self) -> tuple:
+        """(key, shuffled (qweight, perm, True) or None for plain, g_idx copy,
+        sampled qweight positions, their words)."""
+        key = self._key()
         K, groups = self.in_features, self.scales.shape[0]
         g_idx = self.g_idx
-        trivial = torch.arange(K, device=g_idx.device) // max(1, K // groups)
-        if K % groups == 0 and torch.equal(g_idx, trivial.to(g_idx.dtype)):
-            fast = (self.qweight, torch.empty(0, dtype=torch.int32, device=g_idx.device), False)
-        else:
-            perm = torch.argsort(g_idx, stable=True).to(torch.int32)
-            if K % groups == 0 and torch.equal(g_idx[perm], trivial.to(g_idx.dtype)):
-                shuffled = self.qweight.clone()
-                torch.ops.lowbit.gptq_shuffle(shuffled, perm, self.bits)
-                fast = (shuffled, perm, True)
-            else:  # groups of unequal size: the unshuffled kernel takes any g_idx
-                fast = (self.qweight, g_idx, False)
-        self._plan = (source, fast)
-        return fast
+        perm = torch.argsort(g_idx, stable=True)
+        trivial = (torch.arange(K, device=g_idx.device) // max(1, K // groups)).to(g_idx.dtype)
+        if K % groups or torch.equal(perm, torch.arange(K, device=perm.device)) or not torch.equal(g_idx[perm], trivial):
+            return key, None, None, None, None  # in order already, or groups of unequal size
+        perm = perm.to(torch.int32)
+        shuffled = self.qweight.clone()
+        torch.ops.lowbit.gptq_shuffle(shuffled, perm, self.bits)
+        rows, cols = self.qweight.shape
+        i = torch.arange(max(rows, cols), device=g_idx.device)
+        where = i % rows * cols + i % cols
+        return key, (shuffled, perm, True), g_idx.clone(), where, self.qweight.view(-1)[where]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qweight, idx, shuffled = self._prepare()
