@@ -35,14 +35,16 @@ def test_forward_equals_x_at_the_reference_dequantized_weight(bits, act_order):
     assert rel < {2: 0.6, 3: 0.3, 4: 0.15, 8: 0.01}[bits]
 
 
-def test_act_order_runs_shuffled_and_reshuffles_after_load_state_dict():
-    layer, _ = layer_and_linear(act_order=True)
+@pytest.mark.parametrize("group_size", [64, 96])  # 96: a short last group (K % group_size != 0)
+def test_act_order_runs_sorted_and_resorts_after_load_state_dict(group_size):
+    layer, _ = layer_and_linear(act_order=True, group_size=group_size)
     x = torch.randn(3, IN)
     y = layer(x)
-    qweight, idx, shuffled = layer._prepare()
-    assert shuffled and not torch.equal(qweight, layer.qweight)  # a private shuffled copy
+    qweight, g_idx, perm = layer._prepare()
+    assert perm is not None and not torch.equal(qweight, layer.qweight)  # a private sorted copy
+    assert torch.equal(g_idx, (torch.arange(IN) // group_size).int())  # contiguous groups
     assert layer.state_dict()["qweight"].data_ptr() == layer.qweight.data_ptr()
-    other, _ = layer_and_linear(act_order=True, seed=1)
+    other, _ = layer_and_linear(act_order=True, group_size=group_size, seed=1)
     layer.load_state_dict(other.state_dict())
     assert torch.equal(layer(x), other(x)) and not torch.equal(layer(x), y)
 
@@ -115,7 +117,7 @@ def test_plain_layer_does_no_per_call_checks(group_size):
     assert ops == ["lowbit.gptq_gemm"], ops
 
 
-def test_unequal_groups_run_unshuffled():
+def test_unequal_groups():
     layer, _ = layer_and_linear(group_size=64)
     g = torch.randint(0, 4, (IN,), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
     layer.g_idx.copy_(g)
@@ -123,7 +125,6 @@ def test_unequal_groups_run_unshuffled():
     W = ref.dequantize(layer.qweight.numpy(), layer.qzeros.numpy(), layer.scales.numpy(), g.numpy(), 4, "gptq_v2")
     np.testing.assert_allclose(layer(x).double().numpy(), x.double().numpy() @ W + layer.bias.double().numpy(),
                                rtol=1e-5, atol=1e-5)
-    assert layer._prepare()[2] is False
 
 
 def test_state_dict_is_the_checkpoint():

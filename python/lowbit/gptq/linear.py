@@ -18,10 +18,10 @@ class GPTQLinear(nn.Module):
     Buffers (state_dict) are the checkpoint's own: `qweight` int32
     [K*bits/32, N], `qzeros` int32 [groups, N*bits/32], `scales` [groups, N],
     `g_idx` int32 [K] and optional `bias` [N], so `load_state_dict` reads a
-    checkpoint and `state_dict()` writes one. For act-order weights whose
-    groups all have `group_size` rows, the layer shuffles a private copy of
-    `qweight` into lowbit's fast layout the first time it runs (again after
-    its buffers change); any other g_idx runs unshuffled.
+    checkpoint and `state_dict()` writes one. For act-order weights the layer
+    keeps a private copy of `qweight` with its rows sorted by group, made the
+    first time it runs (again after its buffers change), so that the kernels
+    read contiguous groups whatever the checkpoint's order.
     """
 
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, sym: bool = True,
@@ -77,59 +77,64 @@ class GPTQLinear(nn.Module):
     def use_v2_format(self) -> bool:
         return self.checkpoint_format == "gptq_v2"
 
-    def _prepare(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """gptq_gemm's (b_q_weight, b_g_idx, use_exllama) for this layer.
+    def _prepare(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(qweight, g_idx, perm) for gptq_gemm: x[..., perm] @ W[perm] = x @ W.
 
-        Any g_idx runs on the checkpoint's own buffers (the op recognises
-        contiguous groups, a short last one included), so a plain layer needs
-        no checks per call: the plan only records that g_idx was not act-order
-        when last looked at. Act-order weights whose groups all have the same
-        size run on a shuffled private copy of qweight, whose source is checked
-        on every call: writes through `.data` (how many loaders copy weights
-        in) bump no version counter, so besides g_idx's values the check reads
-        a diagonal of qweight words that meets every packed row and every
-        column. While torch.compile traces, the plan is taken as it stands.
+        A layer whose g_idx is in order runs on its own buffers with no check
+        per call (any later g_idx is still honoured: the op takes any). An
+        act-order layer runs on a private copy of qweight with its rows sorted
+        by group (perm) and the sorted g_idx, which the kernels read as
+        contiguous groups; the activations are permuted to match. That copy's
+        source is checked on every call: writes through `.data` (how many
+        loaders copy weights in) bump no version counter, so besides g_idx's
+        values the check reads qweight's first packed row and first column,
+        which every write of whole rows or whole columns meets (a checkpoint,
+        or a row or column shard of one). The row is contiguous: that is
+        N / 16 + rows cache lines, where a diagonal through every row and
+        column would be max(N, rows) scattered ones, a read from memory that
+        costs more than a small layer's matmul. While torch.compile traces,
+        the plan is taken as it stands.
         """
         plan = self._plan
-        if plan is not None and (torch.compiler.is_compiling() or self._still_valid(plan)):
-            return plan[1] if plan[1] is not None else (self.qweight, self.g_idx, False)
-        plan = self._plan = self._new_plan()
-        return plan[1] if plan[1] is not None else (self.qweight, self.g_idx, False)
+        if plan is None or not (torch.compiler.is_compiling() or self._still_valid(plan)):
+            plan = self._plan = self._new_plan()
+        return plan[1] if plan[1] is not None else (self.qweight, self.g_idx, None)
 
     def _key(self) -> tuple:
-        q, g = self.qweight, self.g_idx
+        # Read from _buffers directly: nn.Module's attribute lookup is a cost per call here.
+        q, g = self._buffers["qweight"], self._buffers["g_idx"]
         return q.data_ptr(), q._version, g.data_ptr(), g._version
 
     def _still_valid(self, plan: tuple) -> bool:
-        key, shuffled, g_idx, where, sample = plan
-        now = self._key()
-        if shuffled is None:  # plain: only a new act-order g_idx would call for a new plan
-            return now[2:] == key[2:]
-        return (now == key and torch.equal(self.g_idx, g_idx)
-                and torch.equal(self.qweight.view(-1)[where], sample))
+        key, sorted_, g_idx, where, sample = plan
+        if sorted_ is None:  # in order: only a new g_idx could call for sorting
+            g = self._buffers["g_idx"]
+            return (g.data_ptr(), g._version) == key[2:]
+        return (self._key() == key and torch.equal(self._buffers["g_idx"], g_idx)
+                and torch.equal(torch.take(self._buffers["qweight"], where), sample))
 
     def _new_plan(self) -> tuple:
-        """(key, shuffled (qweight, perm, True) or None for plain, g_idx copy,
-        sampled qweight positions, their words)."""
+        """(key, (sorted qweight, sorted g_idx, perm) or None when g_idx is in
+        order, g_idx copy, sampled qweight positions, their words)."""
         key = self._key()
-        K, groups = self.in_features, self.scales.shape[0]
         g_idx = self.g_idx
         perm = torch.argsort(g_idx, stable=True)
-        trivial = (torch.arange(K, device=g_idx.device) // max(1, K // groups)).to(g_idx.dtype)
-        if K % groups or torch.equal(perm, torch.arange(K, device=perm.device)) or not torch.equal(g_idx[perm], trivial):
-            return key, None, None, None, None  # in order already, or groups of unequal size
-        perm = perm.to(torch.int32)
-        shuffled = self.qweight.clone()
-        torch.ops.lowbit.gptq_shuffle(shuffled, perm, self.bits)
-        rows, cols = self.qweight.shape
-        i = torch.arange(max(rows, cols), device=g_idx.device)
-        where = i % rows * cols + i % cols
-        return key, (shuffled, perm, True), g_idx.clone(), where, self.qweight.view(-1)[where]
+        if torch.equal(perm, torch.arange(perm.numel(), device=perm.device)):
+            return key, None, None, None, None
+        rows = torch.ops.lowbit.gptq_permute_rows(self.qweight, perm.to(torch.int32), self.bits)
+        q_rows, cols = self.qweight.shape
+        where = torch.cat([torch.arange(cols, device=g_idx.device),
+                           torch.arange(1, q_rows, device=g_idx.device) * cols])  # row 0, column 0
+        return (key, (rows, g_idx[perm].to(torch.int32), perm), g_idx.clone(), where,
+                torch.take(self.qweight, where))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qweight, idx, shuffled = self._prepare()
-        y = torch.ops.lowbit.gptq_gemm(x.reshape(-1, self.in_features), qweight, self.qzeros, self.scales, idx,
-                                       shuffled, self.use_v2_format, self.bits)
+        qweight, g_idx, perm = self._prepare()
+        x2 = x.reshape(-1, self.in_features)
+        if perm is not None:
+            x2 = x2.index_select(1, perm)
+        y = torch.ops.lowbit.gptq_gemm(x2, qweight, self.qzeros, self.scales, g_idx, False, self.use_v2_format,
+                                       self.bits)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
