@@ -16,10 +16,11 @@ def layer_and_linear(bits=4, group_size=64, sym=False, fmt="gptq_v2", act_order=
     return lowbit.GPTQLinear.from_linear(linear, bits, group_size, sym, fmt, perm=perm), linear
 
 
+@pytest.mark.parametrize("group_size", [64, 96])  # 96: a short last group (K % group_size != 0)
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
-def test_forward_equals_x_at_the_reference_dequantized_weight(bits, act_order):
-    layer, linear = layer_and_linear(bits, act_order=act_order)
+def test_forward_equals_x_at_the_reference_dequantized_weight(bits, act_order, group_size):
+    layer, linear = layer_and_linear(bits, group_size, act_order=act_order)
     W = ref.dequantize(layer.qweight.numpy(), layer.qzeros.numpy(), layer.scales.numpy(), layer.g_idx.numpy(),
                        bits, "gptq_v2")  # [K, N], independent of the C++ code
     np.testing.assert_array_equal(layer.dequantize(torch.float32).t().numpy(), W.astype(np.float32))

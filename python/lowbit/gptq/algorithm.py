@@ -190,38 +190,43 @@ class _Grid:
 
 def _quantize_columns(W: torch.Tensor, U: torch.Tensor, grid: _Grid) -> torch.Tensor:
     """The column loop of GPTQ (paper, Algorithm 1): returns the dequantized
-    weight Q [N, K]; W is updated in place by the error feedback."""
+    weight Q [N, K] (W itself is left as it was). The loop runs on a
+    transposed copy of W, which takes the error feedback, so that each
+    column it reads and writes is contiguous (on [N, K] every column touches
+    N cache lines); the arithmetic is the same, element for element."""
     N, K = W.shape
-    Q = torch.empty_like(W)
+    Wt = W.t().contiguous()
+    Qt = torch.empty_like(Wt)
     for b0 in range(0, K, BLOCK_SIZE):
         b1 = min(b0 + BLOCK_SIZE, K)
-        block = W[:, b0:b1].clone()
-        errors = torch.empty(N, b1 - b0, dtype=W.dtype, device=W.device)
+        block = Wt[b0:b1].clone()
+        errors = torch.empty(b1 - b0, N, dtype=W.dtype, device=W.device)
         for i in range(b1 - b0):
             j = b0 + i
             if j % grid.group_size == 0:
-                grid.start_group(j // grid.group_size, _current_group(W, block, errors, U, b0, i,
-                                                                     min(j + grid.group_size, K)))
-            Q[:, j] = grid.quantize(j, block[:, i])
+                grid.start_group(j // grid.group_size, _current_group(Wt, block, errors, U, b0, i,
+                                                                      min(j + grid.group_size, K)))
+            q = Qt[j] = grid.quantize(j, block[i])
             # Eq. 3: delta_F = -(w_j - q_j) / [H_F^-1]_jj * (H_F^-1)_{j,F}; only the
             # columns in this block are updated now.
-            errors[:, i] = (block[:, i] - Q[:, j]) / U[j, j]
-            block[:, i + 1:] -= errors[:, i, None] * U[j, j + 1:b1]
+            err = errors[i] = (block[i] - q) / U[j, j]
+            block[i + 1:] -= U[j, j + 1:b1, None] * err
         # Lazy batch-update: the rest of W gets the whole block's feedback at once.
-        W[:, b1:] -= errors @ U[b0:b1, b1:]
-    return Q
+        Wt[b1:] -= U[b0:b1, b1:].t() @ errors
+    return Qt.t()
 
 
-def _current_group(W, block, errors, U, b0, i, end) -> torch.Tensor:
-    """The current weights of the group of columns b0+i .. end-1: those in the
-    block carry every update so far; those past it still lack the pending
-    feedback of the block's first i columns."""
-    b1 = b0 + block.shape[1]
-    inside = block[:, i:min(end, b1) - b0]
+def _current_group(Wt, block, errors, U, b0, i, end) -> torch.Tensor:
+    """The current weights [N, end - b0 - i] of the group of columns b0+i ..
+    end-1, from the transposed weight Wt [K, N] and block [B, N]: those in
+    the block carry every update so far; those past it still lack the
+    pending feedback of the block's first i columns."""
+    b1 = b0 + block.shape[0]
+    inside = block[i:min(end, b1) - b0]
     if end <= b1:
-        return inside
-    outside = W[:, b1:end] - errors[:, :i] @ U[b0:b0 + i, b1:end]
-    return torch.cat([inside, outside], dim=1)
+        return inside.t()
+    outside = Wt[b1:end] - U[b0:b0 + i, b1:end].t() @ errors[:i]
+    return torch.cat([inside, outside], dim=0).t()
 
 
 def quantize_linear(linear: nn.Linear, hessian: torch.Tensor, bits: int, group_size: int = 128, sym: bool = True,
@@ -301,6 +306,10 @@ class _Captured(Exception):
     """Stops the model's forward once the last decoder layer's inputs are in."""
 
 
+class _StageInputsIn(Exception):
+    """Stops a decoder layer's forward once a stage's Linear has its input."""
+
+
 def _layer_inputs(model: nn.Module, layers: nn.ModuleList, batches: Iterable[Any]) -> tuple[list, list]:
     """(the first decoder layer's hidden states per calibration batch, per
     layer and batch the (args, kwargs) the float model gives that layer with
@@ -358,13 +367,26 @@ def _quantize_layer(layer: nn.Module, prefix: str, inputs, quantize_one) -> None
     expert's gate/up, or every expert's down, of one experts module."""
     _split_experts(layer, prefix)
     linears = {name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear) and m.out_features > 1}
-    for stage in _stages(layer, linears, inputs[0], prefix):
+    repeated = set()
+    for stage in _stages(layer, linears, inputs[0], prefix, repeated):
         hessians = [Hessian(linears[group[0]].in_features, linears[group[0]].weight.device) for group in stage]
-        hooks = [linears[group[0]].register_forward_hook(lambda module, args, out, h=h: h.add(args[0]))
+        # A stage of one group that the layer calls once has all its inputs when
+        # that call starts: the rest of the layer's forward is skipped.
+        stop = len(stage) == 1 and stage[0][0] not in repeated
+
+        def add(h: Hessian, x: torch.Tensor) -> None:
+            h.add(x)
+            if stop:
+                raise _StageInputsIn
+
+        hooks = [linears[group[0]].register_forward_pre_hook(lambda module, args, h=h: add(h, args[0]))
                  for group, h in zip(stage, hessians)]
         try:
             for args, kwargs in inputs:
-                _run(layer, args, kwargs)
+                try:
+                    _run(layer, args, kwargs)
+                except _StageInputsIn:
+                    pass
         finally:
             for hook in hooks:
                 hook.remove()
@@ -406,18 +428,19 @@ def _linear(weight: torch.Tensor) -> nn.Linear:
     return linear
 
 
-def _stages(layer: nn.Module, linears: dict[str, nn.Linear], sample, prefix: str) -> list[list[list[str]]]:
+def _stages(layer: nn.Module, linears: dict[str, nn.Linear], sample, prefix: str,
+            repeated: set[str]) -> list[list[list[str]]]:
     """The layer's Linear groups in call order (_groups_by_input), each its
     own stage, with the experts' in two stages per experts module: all the
     gate/up groups where its first gate/up runs, all the downs where its
-    first down runs."""
+    first down runs. Adds the Linears called more than once to `repeated`."""
     experts: dict[str, dict[int, None]] = {}
     for name in linears:
         m = EXPERT_LAYER.fullmatch(name)
         if m:
             experts.setdefault(m["experts"], {})[int(m["expert"])] = None
     stages, placed = [], set()
-    for group in _groups_by_input(layer, linears, sample, prefix, optional=experts.keys()):
+    for group in _groups_by_input(layer, linears, sample, prefix, repeated, optional=experts.keys()):
         m = EXPERT_LAYER.fullmatch(group[0])
         if m is None:
             stages.append([group])
@@ -431,12 +454,13 @@ def _stages(layer: nn.Module, linears: dict[str, nn.Linear], sample, prefix: str
     return stages
 
 
-def _groups_by_input(layer: nn.Module, linears: dict[str, nn.Linear], sample, prefix: str,
+def _groups_by_input(layer: nn.Module, linears: dict[str, nn.Linear], sample, prefix: str, repeated: set[str],
                      optional: Iterable[str] = ()) -> list[list[str]]:
     """The layer's Linears in call order, grouped by the input tensor they
-    read (q/k/v all read the normed hidden states), from one forward pass.
-    Linears under the `optional` modules (experts: the sample need not reach
-    all of them) may not run; every other one must."""
+    read (q/k/v all read the normed hidden states), from one forward pass;
+    those called more than once go into `repeated`. Linears under the
+    `optional` modules (experts: the sample need not reach all of them) may
+    not run; every other one must."""
     calls = []
     hooks = [m.register_forward_hook(lambda module, args, out, name=name: calls.append((name, args[0])))
              for name, m in linears.items()]
@@ -448,6 +472,7 @@ def _groups_by_input(layer: nn.Module, linears: dict[str, nn.Linear], sample, pr
     groups, seen, previous = [], set(), None
     for name, x in calls:  # `calls` keeps the inputs alive, so `is` cannot confuse two tensors
         if name in seen:
+            repeated.add(name)
             continue
         if x is previous:
             groups[-1].append(name)
