@@ -1,7 +1,8 @@
 """Compiled decoding (lowbit.compiled_decoding): model.generate with a static
 KV cache and each decode step one torch.compile(fullgraph=True) graph around
 lowbit's ops gives the tokens the eager model gives, on a tiny Llama GGUF
-file (Q8_0: the same kernels as any file, compiled in seconds)."""
+file (Q8_0: the same kernels as any file, compiled in seconds) and on the
+same model as act-order GPTQ layers."""
 import pytest
 import torch
 
@@ -57,3 +58,25 @@ def test_compiled_embedding_still_checks_token_ids(path):
     assert torch.equal(compiled(torch.tensor([[0, 63]])), table(torch.tensor([[0, 63]])))
     with pytest.raises((IndexError, RuntimeError, AssertionError)):
         compiled(torch.tensor([[0, 64]]))
+
+
+def act_order_gptq_model(seed):
+    """tiny_model's Llama with every decoder Linear an act-order GPTQ 4-bit layer."""
+    model = tiny_model("llama", seed=seed).eval()
+    order = torch.Generator().manual_seed(seed)
+    for name, m in list(model.named_modules()):
+        if isinstance(m, torch.nn.Linear) and name != "lm_head":
+            perm = torch.randperm(m.in_features, generator=order)
+            model.set_submodule(name, lowbit.GPTQLinear.from_linear(m, 4, 32, sym=False, checkpoint_format="gptq_v2",
+                                                                    perm=perm))
+    return lowbit.kernel_threads(model)
+
+
+def test_compiled_decoding_of_an_act_order_gptq_model(two_threads):
+    """The layers' sorted copies are made in the eager prefill; the compiled
+    steps take them as they stand."""
+    model = act_order_gptq_model(seed=1)
+    ids = torch.tensor([[1, 7, 22, 5, 63, 40, 9]])
+    eager = generate(model, ids)
+    lowbit.compiled_decoding(model, max_cache_len=32)
+    assert torch.equal(generate(model, ids), eager)
