@@ -156,6 +156,18 @@ def others_share(busy_start: float | None, own_start: float, seconds: float) -> 
     return max(others, 0.0) / (seconds * (os.cpu_count() or 1))
 
 
+def write_result_table(stem: str, lines: list[str], seconds: float, module: str) -> None:
+    """Prints `lines` (a caption and a markdown table) with the run's time and
+    command, and writes them to benchmarks/results/<stem>.md."""
+    table = "\n".join([*lines, "", f"{seconds:.0f} s (`python -m benchmarks.{module}`)."])
+    print("\n" + table)
+    os.makedirs(RESULTS, exist_ok=True)
+    out = os.path.join(RESULTS, f"{stem}.md")
+    with open(out, "w") as f:
+        f.write(table + "\n")
+    print(f"wrote {out}")
+
+
 def write_results(table: str, rows, seconds: float, others: float | None = None) -> None:
     os.makedirs(RESULTS, exist_ok=True)
     base = os.path.join(RESULTS, f"smollm2-{machine_slug()}")

@@ -8,7 +8,6 @@ grid (2048 tokens, 10% dampening); this shows how the choice moves the result.
     python -m benchmarks.gptq_calibration   # about 12 minutes on 2 cores
 """
 import copy
-import os
 import sys
 import time
 
@@ -17,7 +16,7 @@ import torch
 import lowbit
 
 from benchmarks import smollm2
-from benchmarks.demo import RESULTS
+from benchmarks.demo import write_result_table
 from benchmarks.machine import machine_slug
 
 WINDOW = 256
@@ -52,7 +51,7 @@ def main() -> None:
                     f"{ppl:.3f} | {seconds:.0f} |")
         print(rows[-1], flush=True)
 
-    table = "\n".join([
+    write_result_table(f"gptq-calibration-{machine_slug()}", [
         f"SmolLM2-135M-Instruct, 4-bit g128 asymmetric, {torch.get_num_threads()} CPU threads ({machine_slug()}), "
         f"torch {torch.__version__}; KL(p_fp32 || p) and perplexity on {heldout.numel()} held-out tokens "
         f"(windows of {WINDOW}); calibration from the start of the shipped calibration text "
@@ -61,16 +60,7 @@ def main() -> None:
         "| method | calibration tokens | dampening | act-order | KL to fp32 | perplexity | quantize s |",
         "|---|---:|---:|---|---:|---:|---:|",
         *rows,
-        "",
-        f"{time.perf_counter() - start:.0f} s (`python -m benchmarks.gptq_calibration`).",
-    ])
-    print("\n" + table)
-    os.makedirs(RESULTS, exist_ok=True)
-    out = os.path.join(RESULTS, f"gptq-calibration-{machine_slug()}.md")
-    with open(out, "w") as f:
-        f.write(table + "\n")
-    print(f"wrote {out}")
-
+    ], time.perf_counter() - start, "gptq_calibration")
 
 if __name__ == "__main__":
     main()

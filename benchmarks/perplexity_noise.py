@@ -13,7 +13,6 @@ and 30 layers carry it on; fp32 has no such steps.
 
     python -m benchmarks.perplexity_noise   # about 2 minutes on 2 cores
 """
-import os
 import sys
 import time
 
@@ -22,7 +21,7 @@ import torch
 from lowbit.gguf.model import load_gguf_model
 
 from benchmarks import smollm2
-from benchmarks.demo import RESULTS
+from benchmarks.demo import write_result_table
 from benchmarks.machine import machine_slug
 
 HELDOUT_TOKENS = 1024
@@ -73,7 +72,7 @@ def main() -> None:
                     f"{', '.join(isa)} |")
         print(rows[-1], flush=True)
 
-    table = "\n".join([
+    write_result_table(f"smollm2-perplexity-noise-{machine_slug()}", [
         f"SmolLM2-135M-Instruct, held-out perplexity ({ids.numel()} tokens, windows of 256), "
         f"{machine_slug()}, torch {torch.__version__}, kernels {best} unless named",
         "",
@@ -81,16 +80,7 @@ def main() -> None:
         "| spread | per CPU ISA |",
         "|---|---:|---:|---:|---|",
         *rows,
-        "",
-        f"{time.perf_counter() - start:.0f} s (`python -m benchmarks.perplexity_noise`).",
-    ])
-    print("\n" + table)
-    os.makedirs(RESULTS, exist_ok=True)
-    out = os.path.join(RESULTS, f"smollm2-perplexity-noise-{machine_slug()}.md")
-    with open(out, "w") as f:
-        f.write(table + "\n")
-    print(f"wrote {out}")
-
+    ], time.perf_counter() - start, "perplexity_noise")
 
 if __name__ == "__main__":
     main()
