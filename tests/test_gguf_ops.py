@@ -155,6 +155,25 @@ def test_mul_mat_a8_within_documented_tolerance(device, qtype, op, M):
         assert np.all(err <= bound), f"{dtype}: error {err[worst]:.3g} > {bound[worst]:.3g} at {worst}"
 
 
+@pytest.mark.parametrize("rows, n", [(7, 13), (9, 600)])
+@pytest.mark.parametrize("M", [1, 2, 5])
+@pytest.mark.parametrize("qtype", sorted(gb.FLOAT_TYPES))
+def test_float_weights_of_any_shape(device, qtype, M, rows, n):
+    """Float weights need no blocks: rows of any length (n % 8 != 0 leaves
+    the SIMD kernel a scalar tail) and any row count (not whole 4-row tiles),
+    at batch sizes that leave one activation row over, within fp32 rounding."""
+    rng = np.random.default_rng([M, rows, n])
+    raw = gb.random_blocks(rng, qtype, rows, n)
+    W = gb.dequantize(raw, qtype).astype(np.float64)
+    x = rng.standard_normal((M, n)).astype(np.float32)
+    expect = x.astype(np.float64) @ W.T
+    bound = 1e-6 * n * (np.abs(x.astype(np.float64)) @ np.abs(W).T) + 1e-30
+    for op in (ops.ggml_mul_mat_vec_a8, ops.ggml_mul_mat_a8):
+        got = op(torch.from_numpy(raw).to(device), torch.from_numpy(x).to(device), gb.type_id(qtype), rows)
+        err = np.abs(got.double().cpu().numpy() - expect)
+        assert np.all(err <= bound), f"{op}: max error over bound {np.max(err / bound):.3g}"
+
+
 def test_q8_0_activations_are_quantized_like_llama_cpp():
     """With Q8_0 weights the a8 product is sum_b d_w * d_x * sum(q_w * q_x),
     where (q_x, d_x) is llama.cpp's Q8_0 quantization of x (gguf-py has the

@@ -24,6 +24,7 @@
 #pragma GCC target("avx2,fma,f16c")
 #include "ggml_act_quant_simd.h"
 #include "ggml_dequant_simd.h"
+#include "ggml_float_simd.h"
 #include "ggml_matmul_simd.h"
 #include "ggml_repacked_avx2.h"
 
@@ -152,6 +153,19 @@ void ggml_quantize_acts_avx2(ggml::Act act, const float* x, int64_t b0, int64_t 
   }
   if (offset)
     for (int64_t e = b0 * block; e < b1 * block; e += 32) act_offsets(q + e, offset + e / 4);
+}
+
+bool ggml_mul_mat_float_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const float* X,
+                             int64_t M, float* out, int64_t rows) {
+  bool ran = false;
+  dispatch_ggml_type(type, [&](auto t) {
+    constexpr ggml::Type T = decltype(t)::value;
+    if constexpr (ggml::TypeInfo<T>::kFloat) {
+      mul_mat_float_rows<T>(W, r0, r1, n, X, M, out, rows);
+      ran = true;
+    }
+  });
+  return ran;
 }
 
 bool ggml_dequantize_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, void* out,

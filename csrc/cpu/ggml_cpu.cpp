@@ -215,10 +215,18 @@ void mul_mat_quantized(const uint8_t* W, int64_t rows, int64_t n, const float* X
   });
 }
 
-// Float weight types (F32, F16, BF16) multiply fp32 activations directly.
+// Float weight types (F32, F16, BF16) multiply fp32 activations directly,
+// in runs of whole 4-row tiles of the SIMD kernel.
 template <ggml::Type T>
 void mul_mat_float(const uint8_t* W, int64_t rows, int64_t n, const float* X, int64_t M, float* out) {
-  parallel_for(rows, row_grain(n), [&](int64_t r0, int64_t r1) {
+  const Isa isa = active_isa();
+  const int64_t parts = kChunksPerThread * pool_threads();
+  const int64_t chunk = std::max(row_grain(n), (rows + parts - 1) / parts);
+  parallel_chunks(rows, (chunk + 3) / 4 * 4, [&](int64_t r0, int64_t r1) {
+#if LOWBIT_X86_SIMD
+    if (isa != Isa::kPortable && ggml_mul_mat_float_avx2(static_cast<int64_t>(T), W, r0, r1, n, X, M, out, rows))
+      return;
+#endif
     std::vector<float> w(n);
     for (int64_t r = r0; r < r1; ++r) {
       dequantize_row<T>(W + r * n * TypeInfo<T>::kBytes, n, w.data());

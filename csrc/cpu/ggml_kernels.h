@@ -43,6 +43,12 @@ bool ggml_mul_mat_avx2_takes_block_sums(int64_t type, bool repacked);
 void ggml_quantize_acts_avx2(ggml::Act act, const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, float* sum,
                              int32_t* offset, int16_t* isum);
 
+// out[m * rows + r] = W[r] . x[m] for r in [r0, r1) and m < M, over fp32
+// activation rows X[M, n], for the float types (F32, F16, BF16); false for
+// the others. AVX2 with F16C: the AVX-512 CPUs run it too.
+bool ggml_mul_mat_float_avx2(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const float* X,
+                             int64_t M, float* out, int64_t rows);
+
 // Rows [r0, r1) of an [rows, n] weight dequantized into out (row r from
 // element (r - r0) * n) in fp32, or rounded once to fp16 / bf16; bit-exact
 // with the portable path; every type.
