@@ -126,8 +126,10 @@ def test_lm_head_quantized_sharded_and_single_file(tmp_path):
 @pytest.mark.parametrize("tied, lm_head, bias", [(False, False, True), (True, False, False), (False, True, False)])
 def test_load_gptq_model_builds_the_model_from_the_directory(tmp_path, tied, lm_head, bias):
     """load_gptq_model builds the model from config.json on the meta device:
-    exactly the model replace_linear fills (same tensors, same logits), with
-    a tied LM head tied to the loaded embedding, and nothing left on meta."""
+    the model replace_linear fills (the same hidden states bit for bit; the
+    logits to fp32 summation order, the unquantized head being a GGUFLinear
+    over the checkpoint's table), a tied LM head over the embedding's own
+    bytes, and nothing left on meta."""
     config = GPTQConfig(bits=4, group_size=32, sym=False, checkpoint_format="gptq_v2", lm_head=lm_head)
     model = tiny_llama(bias=bias)
     if tied:
@@ -138,9 +140,10 @@ def test_load_gptq_model_builds_the_model_from_the_directory(tmp_path, tied, lm_
 
     built = lowbit.load_gptq_model(tmp_path / "ckpt")
     assert type(built) is transformers.LlamaForCausalLM and not built.training
-    assert isinstance(built.lm_head, lowbit.GPTQLinear) == lm_head
+    assert isinstance(built.lm_head, lowbit.GPTQLinear if lm_head else lowbit.GGUFLinear)
+    assert isinstance(built.model.embed_tokens, lowbit.GGUFEmbedding)
     if tied:
-        assert built.lm_head.weight is built.model.embed_tokens.weight
+        assert built.lm_head.qweight is built.model.embed_tokens.qweight
     assert not [n for n, t in [*built.named_parameters(), *built.named_buffers()] if t.is_meta]
     assert {p.dtype for p in built.parameters()} == {torch.float32}
     fresh = tiny_llama(seed=7, bias=bias)
@@ -148,8 +151,44 @@ def test_load_gptq_model_builds_the_model_from_the_directory(tmp_path, tied, lm_
         fresh.config.tie_word_embeddings = True
         fresh.lm_head.weight = fresh.model.embed_tokens.weight
     lowbit.replace_linear(fresh, tmp_path / "ckpt")
-    torch.testing.assert_close(logits(built, IDS), logits(fresh, IDS), rtol=0, atol=0)
+    with torch.no_grad():
+        hidden = [m.model(IDS).last_hidden_state for m in (built, fresh)]
+    torch.testing.assert_close(hidden[0], hidden[1], rtol=0, atol=0)
+    torch.testing.assert_close(logits(built, IDS), logits(fresh, IDS), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(built.model.rotary_emb.inv_freq, fresh.model.rotary_emb.inv_freq, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("dtype, qtype", [(torch.float16, 1), (torch.bfloat16, 30)])
+def test_load_gptq_model_keeps_the_float_tables_as_stored(tmp_path, tied, dtype, qtype):
+    """A checkpoint's 2-byte token embedding and unquantized LM head stay its
+    bytes (GGUF F16 / BF16 tables, one table for a tied head): no float32
+    copy anywhere in the model, and the logits of the same checkpoint loaded
+    into float32 parameters, to fp32 summation order."""
+    config = GPTQConfig(bits=4, group_size=32, sym=False, checkpoint_format="gptq_v2")
+    model = tiny_llama()
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+    quantize(model, config)
+    model.model.embed_tokens.to(dtype)
+    model.lm_head.to(dtype)
+    lowbit.save_gptq(model, tmp_path / "ckpt", config)
+
+    built = lowbit.load_gptq_model(tmp_path / "ckpt")
+    embedding, head = built.model.embed_tokens, built.lm_head
+    assert (embedding.qtype, head.qtype) == (qtype, qtype)
+    assert embedding.qweight.nbytes == 512 * 128 * 2
+    assert (head.qweight.untyped_storage().data_ptr() == embedding.qweight.untyped_storage().data_ptr()) == tied
+    table = 512 * 128
+    assert not [n for n, t in [*built.named_parameters(), *built.named_buffers()] if t.numel() >= table
+                and t.dtype.is_floating_point]
+    fresh = tiny_llama(seed=7)
+    if tied:
+        fresh.config.tie_word_embeddings = True
+        fresh.lm_head.weight = fresh.model.embed_tokens.weight
+    lowbit.replace_linear(fresh, tmp_path / "ckpt")
+    torch.testing.assert_close(logits(built, IDS), logits(fresh, IDS), rtol=1e-5, atol=1e-6)
 
 
 def test_load_gptq_model_in_half_precision(tmp_path):

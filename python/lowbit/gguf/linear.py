@@ -6,6 +6,9 @@ from typing import Optional
 import torch
 from torch import nn
 
+# The ggml float weight types (F32, F16, BF16) of torch's dtypes.
+FLOAT_QTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
+
 # Batches of at most this many rows take the matrix-vector op; larger ones
 # the batched op (the split vLLM's GGUF layers make).
 VEC_MAX_M = 8

@@ -404,6 +404,24 @@ def _write_shards(directory: str, tensors: dict[str, torch.Tensor], max_shard_by
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
 
+def _float_tables_as_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """model's state dict with the float tables load_gptq_model holds as
+    GGUF F32 / F16 / BF16 bytes (token embedding, LM head) as the float
+    `weight` tensors the checkpoint had."""
+    # Imported here: lowbit.gguf imports lowbit.ops, which imports this package.
+    from ..gguf import GGUFEmbedding, GGUFLinear
+    from ..gguf.linear import FLOAT_QTYPES
+
+    state = model.state_dict()
+    dtypes = {qtype: dtype for dtype, qtype in FLOAT_QTYPES.items()}
+    for name, module in model.named_modules():
+        if isinstance(module, (GGUFEmbedding, GGUFLinear)) and module.qtype in dtypes:
+            prefix = f"{name}." if name else ""
+            raw = state.pop(prefix + "qweight")
+            state[prefix + "weight"] = raw.view(dtypes[module.qtype]).reshape(raw.shape[0], -1)
+    return state
+
+
 def save_gptq(model: torch.nn.Module, directory: str | os.PathLike, config: GPTQConfig,
               max_shard_bytes: int | None = None) -> None:
     """Writes `model` (its GPTQLinear layers hold the checkpoint tensors under
@@ -411,7 +429,7 @@ def save_gptq(model: torch.nn.Module, directory: str | os.PathLike, config: GPTQ
     `quantization_config` (the model's HF config too, if it has one),
     quantize_config.json, and safetensors, sharded above `max_shard_bytes`."""
     tensors, seen = {}, set()
-    for name, t in model.state_dict().items():
+    for name, t in _float_tables_as_weights(model).items():
         # Tied weights (an LM head sharing the embedding) appear twice; like HF, keep the first.
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
         if key not in seen:

@@ -2,7 +2,8 @@
 quantized modules for GPTQLinear / GPTQExperts layers and loads every other
 tensor (replace_linear's GPTQ work); load_gptq_model builds the transformers
 model of a checkpoint directory on the meta device and fills it that way, so
-no float copy of a quantized weight is made at any point."""
+no float copy of a quantized weight is made at any point, and the float token
+embedding and LM head stay the checkpoint's bytes (the GGUF float types)."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,8 +27,12 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     """The transformers model (AutoModelForCausalLM) of an HF GPTQ checkpoint
     directory, in eval mode on the CPU: its config.json builds the model, every
     quantized module becomes a GPTQLinear holding the checkpoint's tensors,
-    every other tensor is loaded as `dtype` (a tied LM head stays tied to the
-    embedding). `checkpoint_format` overrides the config's, as in replace_linear.
+    every other tensor is loaded as `dtype`, but for the token embedding and
+    an unquantized LM head: a GGUFEmbedding and a GGUFLinear over the
+    checkpoint's own fp16 / bf16 / fp32 bytes (one copy for both where the
+    head is tied to the embedding), so the model takes about its checkpoint's
+    size and the head's matvec reads 2-byte weights where the checkpoint has
+    them. `checkpoint_format` overrides the config's, as in replace_linear.
     Its forward calls run torch's ops on one thread and lowbit's kernels on
     torch's thread count (lowbit.kernel_threads).
     """
@@ -58,6 +63,7 @@ def place_gptq_checkpoint(model: nn.Module, path: str, checkpoint_format: str | 
     wanted += [n for n, _ in _persistent_buffers(model)]
     placed = set()
     in_experts = _place_gptq_experts(model, ckpt, report, placed)
+    _float_tables_in_place(model, ckpt, report, placed)
     for name, layer in ckpt.modules.items():
         if name in in_experts:
             continue
@@ -96,6 +102,42 @@ def place_gptq_checkpoint(model: nn.Module, path: str, checkpoint_format: str | 
     if missing:
         raise GPTQCheckpointError(f"replace_linear: {ckpt.directory} has no tensor for model parameters {missing}")
     return report
+
+
+def _float_tables_in_place(model: nn.Module, ckpt: GPTQCheckpoint, report: ReplaceReport, placed: set) -> None:
+    """In a model built on the meta device, the token embedding (a plain
+    nn.Embedding) and the LM head (an unquantized, unbiased nn.Linear, tied
+    to the embedding or not) over the checkpoint's own bytes, as the GGUF
+    loader holds a file's (lowbit.gguf.model): a float32 copy of a 2-byte
+    table doubles a small model's memory and its head's reads per token."""
+    # Imported here: lowbit.gguf imports lowbit.ops, which imports this package.
+    from ..gguf import GGUFEmbedding, GGUFLinear
+    from ..gguf.linear import FLOAT_QTYPES
+
+    names = {id(p): n for n, p in model.named_parameters()}  # tied parameters: the first name, as HF saves them
+    views = {}  # one uint8 view per table: a tied head holds the embedding's
+
+    def table(module: nn.Module | None, kind: type):
+        """(checkpoint name, bytes, GGUF float type) of the module's weight, or None."""
+        if type(module) is not kind or not module.weight.is_meta:
+            return None
+        name = names.get(id(module.weight))
+        tensor = ckpt.tensors.get(name)
+        if tensor is None or tensor.dtype not in FLOAT_QTYPES or tuple(tensor.shape) != tuple(module.weight.shape):
+            return None  # the general path loads or reports it
+        return name, views.setdefault(name, tensor.contiguous().view(torch.uint8)), FLOAT_QTYPES[tensor.dtype]
+
+    embedding, head = model.get_input_embeddings(), get_module(model, "lm_head")
+    found = {}
+    if (t := table(embedding, nn.Embedding)) and embedding.max_norm is None:
+        found[t[0].rpartition(".")[0]] = t[0]
+        model.set_input_embeddings(GGUFEmbedding(t[1], t[2], embedding.embedding_dim, embedding.weight.dtype))
+    if "lm_head" not in ckpt.modules and (t := table(head, nn.Linear)) and head.bias is None:
+        found["lm_head"] = t[0]
+        model.set_submodule("lm_head", GGUFLinear.from_raw(t[1], t[2], head.in_features))
+    report.replaced += found
+    placed.update(found.values())
+    ckpt.tensors = {n: t for n, t in ckpt.tensors.items() if n not in placed}
 
 
 def _named_as_model(model: nn.Module, ckpt: GPTQCheckpoint) -> GPTQCheckpoint:
