@@ -167,19 +167,12 @@ def _module(name: str, q: ModuleQuant, config: GPTQConfig, t: dict[str, torch.Te
         raise GPTQCheckpointError(f"{where}: g_idx values must lie in [0, {groups}), found "
                                   f"[{int(g_idx.min())}, {int(g_idx.max())}]")
     try:
-        layer = GPTQLinear(K, N, q.bits, q.group_size, q.sym, q.desc_act, config.checkpoint_format,
-                           bias=bias is not None, dtype=scales.dtype)
+        # The checkpoint's (memory-mapped) tensors themselves: a copy would
+        # hold the weights twice while the file's other tensors keep it mapped.
+        return GPTQLinear.from_tensors(qweight, qzeros, scales, g_idx, bias, q.bits, q.group_size, q.sym, q.desc_act,
+                                       config.checkpoint_format)
     except ValueError as e:
         raise GPTQCheckpointError(f"{where}: {e}") from e
-    with torch.no_grad():
-        layer.qweight.copy_(qweight)
-        layer.qzeros.copy_(qzeros)
-        layer.scales.copy_(scales)
-        if g_idx is not None:
-            layer.g_idx.copy_(g_idx)
-        if bias is not None:
-            layer.bias.copy_(bias)
-    return layer
 
 
 def _check_labelled_format(ckpt: GPTQCheckpoint) -> None:

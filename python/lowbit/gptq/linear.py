@@ -12,6 +12,12 @@ from .config import BITS, FORMATS
 from .rtn import quantize_rtn
 
 
+def in_order_g_idx(in_features: int, group_size: int, device=None) -> torch.Tensor:
+    """int32 [in_features]: each input row's group without act-order."""
+    g = in_features if group_size == -1 else group_size
+    return (torch.arange(in_features, device=device) // g).to(torch.int32)
+
+
 class GPTQLinear(nn.Module):
     """y = x @ W.T + b for a GPTQ weight W.
 
@@ -47,8 +53,7 @@ class GPTQLinear(nn.Module):
         self.register_buffer("qzeros", torch.zeros(groups, out_features // fields_per_pack(bits) * words,
                                                    dtype=torch.int32, device=device))
         self.register_buffer("scales", torch.zeros(groups, out_features, dtype=dtype, device=device))
-        g = in_features if group_size == -1 else group_size
-        self.register_buffer("g_idx", (torch.arange(in_features, device=device) // g).to(torch.int32))
+        self.register_buffer("g_idx", in_order_g_idx(in_features, group_size, device))
         if bias:
             self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device))
         else:
@@ -64,13 +69,31 @@ class GPTQLinear(nn.Module):
         """Round-to-nearest GPTQ quantization of `linear` (act-order when `perm`
         gives the order in which GPTQ would process the input rows)."""
         t = quantize_rtn(linear.weight, bits, group_size, sym, checkpoint_format, perm, scale_dtype=dtype)
-        layer = cls(linear.in_features, linear.out_features, bits, group_size, sym, perm is not None,
-                    checkpoint_format, linear.bias is not None, dtype, linear.weight.device)
-        with torch.no_grad():
-            for name in ("qweight", "qzeros", "scales", "g_idx"):
-                getattr(layer, name).copy_(getattr(t, name))
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls.from_tensors(t.qweight, t.qzeros, t.scales, t.g_idx, bias, bits, group_size, sym, perm is not None,
+                                checkpoint_format)
+
+    @classmethod
+    def from_tensors(cls, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                     g_idx: torch.Tensor | None, bias: torch.Tensor | None, bits: int, group_size: int,
+                     sym: bool = True, desc_act: bool = False, checkpoint_format: str = "gptq") -> GPTQLinear:
+        """A layer whose buffers are these tensors themselves, not copies (a
+        memory-mapped checkpoint's stay mapped, read as they are used):
+        g_idx as int32 (in order where None), bias in the scales' dtype."""
+        in_features = qweight.shape[0] // words_per_pack(bits) * fields_per_pack(bits)
+        layer = cls(in_features, qweight.shape[1], bits, group_size, sym, desc_act, checkpoint_format,
+                    bias is not None, scales.dtype, device="meta")
+        g_idx = in_order_g_idx(in_features, group_size, qweight.device) if g_idx is None else g_idx.to(torch.int32)
+        given = {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}
+        if bias is not None:
+            given["bias"] = bias.to(scales.dtype)
+        for name, tensor in given.items():
+            expect = getattr(layer, name)
+            if tensor.dtype != expect.dtype or tensor.shape != expect.shape:
+                raise ValueError(f"GPTQLinear.from_tensors: {name} must be {expect.dtype} {tuple(expect.shape)} "
+                                 f"beside qweight {tuple(qweight.shape)} at {bits} bits, got {tensor.dtype} "
+                                 f"{tuple(tensor.shape)}")
+            setattr(layer, name, tensor)
         return layer
 
     @property
