@@ -2,6 +2,9 @@
 weight with respect to the activations (python/lowbit/_autograd.py), checked
 in float64 against the NumPy / gguf-py dequantized references; the weights
 refuse to be differentiated; opcheck and torch.compile with gradients."""
+import os
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -156,3 +159,42 @@ def test_layers_pass_gradients_below_them_under_torch_compile():
     # The GGUF layer's 8-bit activations move the forward a little; the gradients follow.
     torch.testing.assert_close(grads["lowbit"], grads["dense"], rtol=0.05, atol=0.02 * scale)
     torch.testing.assert_close(grads["compiled"], grads["lowbit"], rtol=1e-4, atol=1e-5 * scale)
+
+
+def python_autograd_calls(f):
+    """The Python functions of torch.library's autograd kernel (which the ops'
+    registered gradients run in) that a call of f enters."""
+    seen = []
+
+    def probe(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.endswith(os.path.join("_library", "autograd.py")):
+            seen.append(frame.f_code.co_name)
+
+    sys.setprofile(probe)
+    try:
+        f()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def test_layers_skip_autograd_where_nothing_needs_a_gradient():
+    """Frozen layers call their op below autograd under no_grad and on inputs
+    that need no gradient (no Python autograd kernel, the host time of a small
+    matvec), and through it where the input needs one."""
+    torch.manual_seed(0)
+    gptq = lowbit.GPTQLinear.from_linear(torch.nn.Linear(K, N), 4, 32, sym=False, checkpoint_format="gptq_v2")
+    raw, _ = ggml_case("Q4_K", rows=K)
+    gguf = lowbit.GGUFLinear.from_raw(raw, gb.type_id("Q4_K"), N_GGML)
+    for layer, n in ((gptq, K), (gguf, N_GGML)):
+        x = torch.randn(2, n)
+        with torch.no_grad():
+            assert python_autograd_calls(lambda: layer(x)) == []
+            expect = layer(x)
+        assert python_autograd_calls(lambda: layer(x)) == []
+        y = layer(x)
+        assert y.grad_fn is None and torch.equal(y, expect)
+        x.requires_grad_()
+        assert python_autograd_calls(lambda: layer(x))  # the probe sees the kernel where it runs
+        y = layer(x)
+        assert y.grad_fn is not None and torch.equal(y.detach(), expect)

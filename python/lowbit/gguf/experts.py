@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._frozen import call_frozen
 from .linear import check_sizes
 
 
@@ -93,7 +94,7 @@ class GGUFExperts(nn.Module):
 
     def _project(self, name: str, x: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
         op = torch.ops.lowbit.ggml_mul_mat_id_repacked if self.repacked[name] else torch.ops.lowbit.ggml_mul_mat_id
-        y = op(getattr(self, f"{name}_qweight"), x, top_k_index, self.qtypes[name], self._shapes()[name][0])
+        y = call_frozen(op, getattr(self, f"{name}_qweight"), x, top_k_index, self.qtypes[name], self._shapes()[name][0])
         return y + getattr(self, f"{name}_bias")[top_k_index].to(y.dtype) if self.biased else y
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

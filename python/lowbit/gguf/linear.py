@@ -6,6 +6,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .._frozen import call_frozen
+
 # The ggml float weight types (F32, F16, BF16) of torch's dtypes.
 FLOAT_QTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 
@@ -94,11 +96,12 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         if self.repacked:
-            y = torch.ops.lowbit.ggml_mul_mat_repacked(self.qweight, x2, self.qtype, self.out_features)
+            op = torch.ops.lowbit.ggml_mul_mat_repacked
         elif x2.shape[0] <= VEC_MAX_M:
-            y = torch.ops.lowbit.ggml_mul_mat_vec_a8(self.qweight, x2, self.qtype, self.out_features)
+            op = torch.ops.lowbit.ggml_mul_mat_vec_a8
         else:
-            y = torch.ops.lowbit.ggml_mul_mat_a8(self.qweight, x2, self.qtype, self.out_features)
+            op = torch.ops.lowbit.ggml_mul_mat_a8
+        y = call_frozen(op, self._buffers["qweight"], x2, self.qtype, self.out_features)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)

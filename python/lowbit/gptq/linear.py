@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from .._frozen import call_frozen
 from .packing import fields_per_pack, words_per_pack
 from .config import BITS, FORMATS
 from .rtn import quantize_rtn
@@ -156,8 +157,9 @@ class GPTQLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if perm is not None:
             x2 = x2.index_select(1, perm)
-        y = torch.ops.lowbit.gptq_gemm(x2, qweight, self.qzeros, self.scales, g_idx, False, self.use_v2_format,
-                                       self.bits)
+        buffers = self._buffers
+        y = call_frozen(torch.ops.lowbit.gptq_gemm, x2, qweight, buffers["qzeros"], buffers["scales"], g_idx, False,
+                        self.checkpoint_format == "gptq_v2", self.bits)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)

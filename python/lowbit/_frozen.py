@@ -1,0 +1,21 @@
+"""Calling lowbit's matmul ops from a layer whose weights are frozen.
+
+The ops' gradients are registered from Python (lowbit._autograd), so every
+call passes through a Python autograd kernel, even under no_grad: about as
+much host time as a small matvec itself (15 us a call on a slow core, and a
+decode step makes hundreds of calls). Where no argument needs a gradient
+that kernel would only pass the call on, so call_frozen skips it.
+"""
+import torch
+
+_BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
+
+
+def call_frozen(op, *args):
+    """op(*args), below autograd where grad mode is off or no argument
+    requires grad (the result then has no grad_fn either way); through
+    autograd otherwise, and while torch.compile traces (it sees the op)."""
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)):
+        return op(*args)
+    with _BELOW_AUTOGRAD():
+        return op(*args)
