@@ -164,6 +164,27 @@ def test_kernel_threads_gives_torch_threads_to_the_kernels():
         torch.set_num_threads(saved)
 
 
+def test_kernel_threads_runs_no_grad_calls_below_autograd():
+    """Under no_grad a model's forward call dispatches every op below
+    autograd (the same logits), and with grad mode on through it; the
+    dispatch state is restored after the call, also when it raises."""
+    from tiny_models import tiny_model
+
+    model = lowbit.kernel_threads(tiny_model("llama", 0).eval())
+    below = lambda: torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.AutogradFunctionality)
+    seen = []
+    model.model.layers[0].mlp.register_forward_pre_hook(lambda module, args: seen.append(below()))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        logits = model(ids).logits
+        assert seen == [True] and not below()
+        with pytest.raises(IndexError):
+            model(torch.tensor([[10 ** 6]]))
+        assert not below()
+    with_grad = model(ids).logits
+    assert seen[-1] is False and with_grad.grad_fn is not None and torch.equal(with_grad.detach(), logits)
+
+
 def test_loaded_models_give_torch_threads_to_the_kernels(tmp_path):
     from tiny_models import tiny_model, write_tiny_gguf
 

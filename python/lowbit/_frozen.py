@@ -4,7 +4,9 @@ The ops' gradients are registered from Python (lowbit._autograd), so every
 call passes through a Python autograd kernel, even under no_grad: about as
 much host time as a small matvec itself (15 us a call on a slow core, and a
 decode step makes hundreds of calls). Where no argument needs a gradient
-that kernel would only pass the call on, so call_frozen skips it.
+that kernel would only pass the call on, so call_frozen skips it, and
+below_autograd lets a whole forward call (a lowbit model's, under no_grad:
+generate) skip it for every op, torch's included.
 """
 import torch
 
@@ -19,3 +21,20 @@ def call_frozen(op, *args):
         return op(*args)
     with _BELOW_AUTOGRAD():
         return op(*args)
+
+
+def below_autograd():
+    """Where grad mode is off and torch.compile is not tracing: a guard,
+    entered, that dispatches every op below autograd until leave_autograd;
+    None elsewhere. Nothing computed under no_grad gets a grad_fn either
+    way; view and version tracking stay on."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    guard = _BELOW_AUTOGRAD()
+    guard.__enter__()
+    return guard
+
+
+def leave_autograd(guard) -> None:
+    if guard is not None:
+        guard.__exit__(None, None, None)

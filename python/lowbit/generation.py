@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ._frozen import below_autograd, leave_autograd
 from .threads import restore_threads, split_threads
 
 __all__ = ["compiled_decoding"]
@@ -23,18 +24,19 @@ __all__ = ["compiled_decoding"]
 
 class _ThreadedStep:
     """The compiled decode step, run with lowbit.kernel_threads' split (torch's
-    ops on one thread, lowbit's kernels on torch's count): the model's hooks
-    that make it in eager calls are inside the compiled region, where they do
-    nothing."""
+    ops on one thread, lowbit's kernels on torch's count) and, under no_grad,
+    below autograd: the model's hooks that do this in eager calls are inside
+    the compiled region, where they do nothing."""
 
     def __init__(self, step):
         self.step = step
 
     def __call__(self, *args, **kwargs):
-        saved = split_threads(args, kwargs)
+        saved, guard = split_threads(args, kwargs), below_autograd()
         try:
             return self.step(*args, **kwargs)
         finally:
+            leave_autograd(guard)
             restore_threads(saved)
 
 

@@ -11,6 +11,8 @@ each of its ops, a few hundred times per decoded token.
 kernel_threads(model) makes each forward call on CPU inputs run torch's ops
 on one thread and lowbit's kernels on the threads torch had: the matmuls,
 where the time goes, keep every thread, and nothing waits on a barrier.
+Under no_grad (generate) a forward call also runs below autograd
+(lowbit._frozen.below_autograd), which spares each op its autograd kernel.
 load_gguf_model, load_gptq_model and replace_linear set it;
 kernel_threads(model, False) removes it.
 """
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from ._frozen import below_autograd, leave_autograd
 
 __all__ = ["kernel_threads"]
 
@@ -68,11 +72,13 @@ class _KernelThreads:
 
     def before(self, module, args, kwargs):
         if not torch.compiler.is_compiling():
-            self.saved.append(split_threads(args, kwargs))
+            self.saved.append((split_threads(args, kwargs), below_autograd()))
 
     def after(self, module, args, kwargs, output):
-        if not torch.compiler.is_compiling():
-            restore_threads(self.saved.pop() if self.saved else None)
+        if not torch.compiler.is_compiling() and self.saved:
+            threads, guard = self.saved.pop()
+            leave_autograd(guard)
+            restore_threads(threads)
 
 
 def kernel_threads(model: nn.Module, enable: bool = True) -> nn.Module:
