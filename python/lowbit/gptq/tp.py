@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from .checkpoint import (GPTQCheckpointError, check_module_tensors, checkpoint_files, hold_gptqmodel_zeros_as_v2,
+from .checkpoint import (HEADER_DTYPES, GPTQCheckpointError, check_module_tensors, checkpoint_files, hold_gptqmodel_zeros_as_v2,
                          read_tensors, write_checkpoint)
 from .config import GPTQConfig, read_config
 from .linear import GPTQLinear
@@ -280,11 +280,6 @@ def _layer_source(layer: GPTQLinear, name: str) -> _Source:
                    layer.checkpoint_format, layer.bias is not None, read)
 
 
-# torch's dtypes by the names safetensors headers give them.
-_HEADER_DTYPES = {"I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16,
-                  "F32": torch.float32}
-
-
 def _checkpoint_source(path: str | os.PathLike, name: str) -> _Source:
     """Reads only headers now; `read` opens the file and takes a slice later."""
     directory, files = checkpoint_files(path)
@@ -299,7 +294,7 @@ def _checkpoint_source(path: str | os.PathLike, name: str) -> _Source:
                     file_of[tensor] = file
                     shapes[tensor], dtypes[tensor] = tuple(header.get_shape()), header.get_dtype()
     quant = config.for_module(name)
-    check_module_tensors(where, name, {t: _HEADER_DTYPES.get(d) for t, d in dtypes.items()},
+    check_module_tensors(where, name, {t: HEADER_DTYPES.get(d) for t, d in dtypes.items()},
                          quant is not None and quant.desc_act, labels=dtypes)
     if quant is None:
         raise GPTQCheckpointError(f"{where}: has a qweight but the config's dynamic rules exclude it")
