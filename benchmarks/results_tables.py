@@ -372,11 +372,13 @@ def md_rows(path):
 
 
 def e2e_lines(slug):
-    """One row per file of bench_e2e: lowbit's faster layout against llama.cpp's default buffers."""
-    path = os.path.join(RESULTS, f"{slug}-e2e.md")
-    if not os.path.exists(path):
+    """One row per file of bench_e2e (its default models, then each --models run's):
+    lowbit's faster layout against llama.cpp's default buffers."""
+    default = os.path.join(RESULTS, f"{slug}-e2e.md")
+    paths = [p for p in [default, *sorted(glob.glob(os.path.join(RESULTS, f"{slug}-e2e-*.md")))] if os.path.exists(p)]
+    if not paths:
         return []
-    rows = md_rows(path)
+    rows = [r for path in paths for r in md_rows(path)]
     out = ["End-to-end generation (`python -m benchmarks.bench_e2e`), tokens/s, lowbit's faster layout "
            "(its loader's model, transformers' generate) over llama.cpp on the same file:", "",
            "| file | lowbit prefill / decode | llama.cpp prefill / decode | ratio prefill / decode |",
