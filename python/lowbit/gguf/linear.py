@@ -68,8 +68,10 @@ class GGUFLinear(nn.Module):
     def from_raw(cls, qweight: torch.Tensor, qtype: int, in_features: int,
                  bias: Optional[torch.Tensor] = None) -> "GGUFLinear":
         """A layer over existing block bytes [out_features, row_bytes] (e.g. a GGUF tensor's data)."""
+        # Built on the meta device: a zero-filled qweight the size of the
+        # blocks would be allocated only to be replaced.
         layer = cls(in_features, qweight.shape[0], qtype, bias=bias is not None,
-                    dtype=None if bias is None else bias.dtype, device=qweight.device)
+                    dtype=None if bias is None else bias.dtype, device="meta")
         if tuple(qweight.shape) != tuple(layer.qweight.shape) or qweight.dtype != torch.uint8:
             raise ValueError(f"GGUFLinear.from_raw: qweight must be uint8 {tuple(layer.qweight.shape)} for "
                              f"{in_features} inputs of type {qtype}, got {qweight.dtype} {tuple(qweight.shape)}")
