@@ -20,7 +20,8 @@ Per (file, library) it measures:
 lowbit: lowbit.load_gguf_model + model.generate (greedy; a streamer stamps
 each token), in the file's layout and with lowbit.repack_model; a 4-bit GPTQ
 checkpoint of the 1B model through lowbit.load_gptq_model; on the shipped
-file also with lowbit.compiled_decoding (static cache, compiled decode steps;
+file also with its projections unfused (load_gguf_model's fuse=False), and
+with lowbit.compiled_decoding (static cache, compiled decode steps;
 inductor calling the kernels from Python, and from generated C++), whose
 warm-up generate compiles (inductor's on-disk cache makes the later rounds'
 compiles shorter). llama.cpp:
@@ -75,6 +76,7 @@ RESULT_MARK = "E2E-RESULT "
 # Rows of the table, in the order each file's configurations run.
 VARIANTS = {
     "lowbit": "lowbit, file layout",
+    "lowbit-unfused": "lowbit, file layout, unfused",
     "lowbit-repacked": "lowbit, repacked",
     "lowbit-gptq": "lowbit, GPTQ",
     "lowbit-compiled": "lowbit, compiled decode",
@@ -132,7 +134,7 @@ def _child_lowbit(spec):
     if spec["variant"] == "lowbit-gptq":
         model = lowbit.load_gptq_model(spec["path"])
     else:
-        model = lowbit.load_gguf_model(spec["path"])
+        model = lowbit.load_gguf_model(spec["path"], fuse=spec["variant"] != "lowbit-unfused")
         if spec["variant"].startswith("lowbit-compiled"):
             # One cache length for the warm-up and the timed runs: one compile.
             lowbit.compiled_decoding(model, max_cache_len=len(spec["prompt"]) + spec["new_tokens"] + 1,
@@ -418,7 +420,8 @@ def files(models, threads):
     out = []
     if "smollm2" in models:
         out.append(("SmolLM2-135M Q4_1 (shipped)", shipped,
-                    gguf_variants[:2] + ["lowbit-compiled", "lowbit-compiled-cpp"] + gguf_variants[2:]))
+                    gguf_variants[:1] + ["lowbit-unfused"] + gguf_variants[1:2]
+                    + ["lowbit-compiled", "lowbit-compiled-cpp"] + gguf_variants[2:]))
     if "requant" in models:
         for ftype in REQUANT_TYPES:
             dst = os.path.join(cache, f"SmolLM2-135M-Instruct.{ftype}.from-Q4_1.gguf")

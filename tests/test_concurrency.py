@@ -191,7 +191,7 @@ def test_loaded_models_give_torch_threads_to_the_kernels(tmp_path):
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, tiny_model("llama", 0), "llama")
     for model in (lowbit.load_gguf_model(path), tiny_model("llama", 0)):
-        if not isinstance(model.model.layers[0].mlp.up_proj, lowbit.GGUFLinear):
+        if not isinstance(model.model.layers[0].mlp.down_proj, lowbit.GGUFLinear):
             lowbit.replace_linear(model, path)
         seen = []
         model.model.layers[0].mlp.register_forward_pre_hook(lambda module, args: seen.append(torch.get_num_threads()))

@@ -29,6 +29,7 @@ from gguf import quants
 
 import lowbit
 from gguf_files import write_model_gguf
+from lowbit.fusing import ProjectionSlice
 from lowbit.gguf.arch import ARCHITECTURES
 
 transformers = pytest.importorskip("transformers")
@@ -49,8 +50,12 @@ def assert_weights_arrived(model, reference):
     rows first; gpt-oss's [in, out] with gate and up interleaved, and its
     biases) and down_proj."""
     expect = dict(reference.named_parameters(remove_duplicate=False))
+    # A fused layer (qkv_proj, gate_up_proj) is checked through its slices, each a projection's rows.
+    fused = {id(m.outputs.layer) for m in model.modules() if isinstance(m, ProjectionSlice)}
     for name, module in model.named_modules():
-        if isinstance(module, (lowbit.GGUFLinear, lowbit.GGUFEmbedding)):
+        if id(module) in fused and f"{name}.weight" not in expect:
+            continue
+        if isinstance(module, (lowbit.GGUFLinear, lowbit.GGUFEmbedding, ProjectionSlice)):
             torch.testing.assert_close(module.dequantize(), expect[f"{name}.weight"], rtol=0, atol=0, msg=name)
             if getattr(module, "bias", None) is not None:
                 torch.testing.assert_close(module.bias, expect[f"{name}.bias"], rtol=0, atol=0, msg=name)
@@ -81,8 +86,8 @@ def replaced_modules(source):
 
 
 def with_float_linears(model):
-    """A copy of `model` with every GGUFLinear an nn.Linear of its dequantized
-    weight, every GGUFExperts one of F32 blocks (ggml type 0) of its own:
+    """A copy of `model` with every GGUFLinear (and projection of a fused
+    one) an nn.Linear of its dequantized weight, every GGUFExperts one of F32 blocks (ggml type 0) of its own:
     what the loader placed, without the kernels' 8-bit activations."""
     model = copy.deepcopy(model)
     for name, module in list(model.named_modules()):
@@ -92,7 +97,7 @@ def with_float_linears(model):
             model.set_submodule(name, lowbit.GGUFExperts(f32["gate"], f32["up"], f32["down"], module.num_experts,
                                                          module.hidden_size, module.intermediate_size, module.act_fn,
                                                          glu=module.glu, biases=biases))
-        if isinstance(module, lowbit.GGUFLinear):
+        if isinstance(module, (lowbit.GGUFLinear, ProjectionSlice)):  # a fused layer's slices: their rows
             linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
             with torch.no_grad():
                 linear.weight.copy_(module.dequantize())
@@ -163,10 +168,12 @@ def test_load_gguf_model_builds_the_architecture(tmp_path, arch, overrides):
     assert_weights_arrived(model, reference)
     assert sum(isinstance(m, lowbit.GGUFExperts) for m in model.modules()) == sum(map(is_experts, source.modules()))
     # Nothing float bigger than a norm or bias (or a router, or gpt-oss's
-    # experts' biases, which files keep F32): every matrix stays in its blocks.
+    # experts' biases, which files keep F32, or a fused layer's biases, its
+    # projections' joined): every matrix stays in its blocks.
     floats = [*model.named_parameters(), *model.named_buffers()]
     assert max(t.numel() for n, t in floats if t.is_floating_point() and not is_router(n)
-               and not n.endswith(("experts.gate_bias", "experts.up_bias", "experts.down_bias"))) <= 64
+               and not n.endswith(("experts.gate_bias", "experts.up_bias", "experts.down_bias",
+                                   "qkv_proj.bias", "qk_proj.bias", "gate_up_proj.bias"))) <= 64
     for name, b in model.named_buffers():
         assert not b.is_meta, name
     rotary = dict(model.model.rotary_emb.named_buffers())  # gemma3's: one inv_freq per layer type

@@ -116,12 +116,14 @@ def test_load_gguf_model_is_the_replaced_model(models):
     with torch.no_grad():
         torch.testing.assert_close(built(ids).logits, model(ids).logits, rtol=0, atol=0)
     # The quantized weights are the file's memory-mapped bytes, not copies (llama's Q/K excepted:
-    # their rows are unpermuted into new tensors).
+    # their rows are unpermuted into new tensors, which the fused qkv_proj joins with V's). The
+    # file stores each layer's gate and up back to back: the fused gate_up_proj is a view of both.
     mapped = [range(*(int(a, 16) for a in line.split()[0].split("-")))
               for line in open("/proc/self/maps") if line.rstrip().endswith(os.path.realpath(PATH))]
-    for name in ("mlp.up_proj", "mlp.down_proj", "self_attn.v_proj", "self_attn.o_proj"):
+    for name in ("mlp.gate_up_proj", "mlp.down_proj", "self_attn.o_proj"):
         ptr = built.model.layers[7].get_submodule(name).qweight.data_ptr()
         assert any(ptr in r for r in mapped), name
+    assert not any(built.model.layers[7].self_attn.qkv_proj.qweight.data_ptr() in r for r in mapped)
     # The token embedding stays in its Q8_0 blocks too, shared with the tied head: no float
     # tensor is bigger than a norm's 576 weights (a float table would be 49152 x 576).
     assert isinstance(built.model.embed_tokens, lowbit.GGUFEmbedding)
@@ -143,7 +145,7 @@ def test_load_gguf_model_repacked_is_the_same_model(models):
     model, _, _, tokenizer = models
     packed = lowbit.load_gguf_model(PATH, repack=True)
     layers = [m for m in packed.modules() if isinstance(m, lowbit.GGUFLinear)]
-    assert len(layers) == 211 and all(m.repacked for m in layers)
+    assert len(layers) == 121 and all(m.repacked for m in layers)  # 30 x (qkv, o, gate_up, down) + lm_head
     for prompt in (PROMPT, "Once upon a time, in a land far away, there lived a"):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         with torch.no_grad():

@@ -7,7 +7,8 @@ base stays in its file's blocks, frozen; only the adapters train).
     model.save_pretrained("adapter/")      # a standard PEFT adapter
     model = lowbit.lora.load_adapter(lowbit.load_gguf_model("model.gguf"), "adapter/")
 
-`LoraConfig` is peft.LoraConfig with GGUFLinear and GPTQLinear registered
+`LoraConfig` is peft.LoraConfig with GGUFLinear, GPTQLinear and the
+projections fused layers leave (lowbit.fusing.ProjectionSlice) registered
 through PEFT's custom-module mechanism (`register` does it to a config of
 your own). Gradients reach the adapters and every layer below through
 lowbit's autograd (python/lowbit/_autograd.py). Merging an adapter into a
@@ -23,6 +24,7 @@ import torch
 from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
+from .fusing import ProjectionSlice
 from .gguf.linear import GGUFLinear
 from .gptq.linear import GPTQLinear
 
@@ -73,7 +75,8 @@ class QuantizedLoraLinear(nn.Module, LoraLayer):
 
 def register(config: peft.LoraConfig) -> peft.LoraConfig:
     """`config` with lowbit's quantized layers registered as LoRA targets."""
-    config._register_custom_module({GGUFLinear: QuantizedLoraLinear, GPTQLinear: QuantizedLoraLinear})
+    config._register_custom_module({GGUFLinear: QuantizedLoraLinear, GPTQLinear: QuantizedLoraLinear,
+                                    ProjectionSlice: QuantizedLoraLinear})
     return config
 
 

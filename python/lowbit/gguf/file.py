@@ -66,16 +66,37 @@ class GGUFFile:
     last view does."""
 
     def __init__(self, path: str, version: int, alignment: int,
-                 metadata: dict[str, Any], tensors: dict[str, GGUFTensor]):
+                 metadata: dict[str, Any], tensors: dict[str, GGUFTensor], mapping: np.ndarray | None = None):
         self.path = path
         self.version = version
         self.alignment = alignment
         self.metadata = metadata
         self.tensors = tensors
+        self._mapping = mapping
+
+    def back_to_back(self, parts: list[torch.Tensor]) -> torch.Tensor | None:
+        """Row blocks of equal row bytes that lie back to back in this file's
+        mapping, in this order (tensors the file stores one after the other,
+        with no padding between), as one view of the mapping: joining them
+        copies nothing. None for any that do not (a copy, another file, a gap)."""
+        if self._mapping is None or not parts:
+            return None
+        whole = torch.from_numpy(self._mapping)  # a view: no bytes are read
+        base, row_bytes = whole.data_ptr(), parts[0].shape[-1]
+        start = end = parts[0].data_ptr()
+        for p in parts:
+            if (p.dtype != torch.uint8 or p.device.type != "cpu" or p.dim() != 2 or p.shape[1] != row_bytes
+                    or not p.is_contiguous() or p.data_ptr() != end):
+                return None
+            end += p.numel()
+        if start < base or end > base + whole.numel():
+            return None
+        return whole[start - base:end - base].view(-1, row_bytes)
 
     def close(self) -> None:
         self.metadata = {}
         self.tensors = {}
+        self._mapping = None
 
     def __enter__(self) -> GGUFFile:
         return self
@@ -229,7 +250,7 @@ def load_gguf(path: str | os.PathLike) -> GGUFFile:
                             f"({follows}): tensor data must not overlap or leave gaps")
         tensors[info.name] = t
         expected, previous = expected + t.nbytes + -t.nbytes % alignment, info.name
-    return GGUFFile(path, version, alignment, metadata, tensors)
+    return GGUFFile(path, version, alignment, metadata, tensors, data)
 
 
 def _describe(e: Exception) -> str:

@@ -95,6 +95,24 @@ class GGUFLinear(nn.Module):
         qweight = torch.from_numpy(raw.view("uint8").reshape(weight.shape[0], -1)).to(linear.weight.device)
         return cls.from_raw(qweight, qtype, linear.in_features, linear.bias)
 
+    def can_join(self, other: nn.Module) -> bool:
+        """Whether `other`'s rows can follow this layer's in one layer (joined)."""
+        return (type(other) is type(self) and other.qtype == self.qtype and other.in_features == self.in_features
+                and not (self.repacked or other.repacked) and other.qweight.device == self.qweight.device
+                and (None if self.bias is None else self.bias.dtype) == (None if other.bias is None else other.bias.dtype))
+
+    @classmethod
+    def joined(cls, layers: list["GGUFLinear"], back_to_back=None) -> "GGUFLinear":
+        """One layer over the rows of `layers` (which can_join), in order:
+        back_to_back(qweights) where it gives them as one view (a file's
+        mapping: no copy), else a concatenated copy."""
+        qweights = [layer.qweight for layer in layers]
+        rows = back_to_back(qweights) if back_to_back is not None else None
+        if rows is None:
+            rows = torch.cat(qweights)
+        bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
+        return cls.from_raw(rows, layers[0].qtype, layers[0].in_features, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         if self.repacked:
@@ -129,6 +147,10 @@ class GGUFLinear(nn.Module):
             self.qweight = self._reorder(inverse=True)
             self.repacked = False
         return self
+
+    def qweight_part(self, rows: slice) -> torch.Tensor:
+        """The blocks of output rows `rows`, in the file's layout."""
+        return self.file_layout_qweight()[rows]
 
     def file_layout_qweight(self) -> torch.Tensor:
         """qweight as the file stores it (a reordered copy when repacked)."""

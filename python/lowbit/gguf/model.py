@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .._placing import ReplaceReport, checked, get_module, load_tensor, on_meta, rebuild_computed_buffers
+from ..fusing import fuse_projections
 from ..moe import experts_dims
 from ..threads import kernel_threads
 from .arch import (ARCHITECTURES, architecture, check_block_count, config_from_gguf, expert_modules, hf_name, hf_value,
@@ -33,7 +34,8 @@ TOKEN_EMBD = "token_embd.weight"
 ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
-def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, repack: bool = False) -> nn.Module:
+def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, repack: bool = False,
+                    fuse: bool = True) -> nn.Module:
     """The transformers model (lowbit.gguf.arch.ARCHITECTURES: LlamaForCausalLM,
     or MixtralForCausalLM for a llama file with experts, SmolLM3ForCausalLM,
     GraniteForCausalLM,
@@ -50,6 +52,11 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     norms, biases and routers are dequantized to `dtype`. Move it
     with `.to(device)`. Unlike transformers' own GGUF loading, no float copy
     of a weight matrix is ever made: the model takes about its file's size.
+    `fuse` joins the projections each decoder layer calls on one input (q,
+    k and v; gate and up) into one GGUFLinear where their types match
+    (lowbit.fusing: `qkv_proj`, `gate_up_proj`, with a ProjectionSlice in
+    each projection's place): one matmul instead of two or three, over the
+    file's own bytes where it stores them back to back.
     `repack` reorders the layers of the types that have one into the CPU
     kernels' interleaved layout (GGUFLinear.repack: the same results, for the
     32-element types to fp32 rounding; faster on AVX-512 VNNI CPUs and for
@@ -73,6 +80,8 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     place_gguf_tensors(model, f, "load_gguf_model", consumed=(ROPE_FREQS, TOKEN_EMBD, *ROPE_FACTORS))
     rebuild_computed_buffers(model)
     _apply_rope_freqs(model, f)
+    if fuse:
+        fuse_projections(model, f.back_to_back)
     if repack:
         repack_model(model)
     kernel_threads(model)

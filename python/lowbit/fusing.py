@@ -1,0 +1,145 @@
+"""Projections that read the same input, as one quantized matmul.
+
+A decoder layer multiplies its normed hidden states by q_proj, k_proj and
+v_proj, and its MLP's input by gate_proj and up_proj. Each of lowbit's
+matmuls has a fixed cost (the call, quantizing the activations, starting the
+threads) that is as large as a small layer's whole matvec, so
+fuse_projections(model) puts each such group's rows into one layer of the
+same type over the concatenated rows (`qkv_proj`, `gate_up_proj` beside
+them, as vLLM's models have), and leaves in each projection's place a
+ProjectionSlice: the first slice called on an input runs the fused layer,
+and each sibling called on the same input takes its columns of that result.
+
+The model's own forward is unchanged, so any architecture works: a slice
+called on an input its group has not just computed (another tensor, the same
+one written in between, or the same slice twice) runs the fused layer again.
+(Inference tensors and torch.compile's graphs count no writes: there only
+the input's identity is checked.)
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["PROJECTION_GROUPS", "ProjectionSlice", "fuse_projections"]
+
+# Sibling projections that transformers' decoder layers call on one input.
+PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class FusedOutputs:
+    """A fused layer's latest output, for its slices: the input it was for
+    (and that input's version), and the parts not taken yet. A plain object:
+    nn.Module's __setattr__ would cost more per call than a small matvec."""
+
+    def __init__(self, layer: nn.Module, sizes: Sequence[int]):
+        self.layer, self.sizes = layer, tuple(sizes)
+        self.input = self.version = self.parts = None
+
+    def take(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Part `index` of layer(x): the parts of one call, each taken once."""
+        parts = self.parts
+        # Inference tensors and traced graphs have no version counters (nor
+        # can torch.compile guard on one): there the input's identity decides.
+        version = None if torch.compiler.is_compiling() or x.is_inference() else x._version
+        if parts is None or self.input is not x or parts[index] is None or self.version != version:
+            parts = self.parts = list(self.layer(x).split(self.sizes, dim=-1))
+            self.input, self.version = x, version
+        out, parts[index] = parts[index], None
+        # Once every part is taken nothing is held: no activation outlives its step.
+        if all(p is None for p in parts):
+            self.input = self.version = self.parts = None
+        return out
+
+    def __getstate__(self):
+        return {"layer": self.layer, "sizes": self.sizes, "input": None, "version": None, "parts": None}
+
+
+class ProjectionSlice(nn.Module):
+    """A projection whose rows are rows [start, start + out_features) of a
+    fused layer (its parent's qkv_proj or gate_up_proj): that part of the
+    fused layer's output."""
+
+    def __init__(self, outputs: FusedOutputs, index: int, name: str):
+        super().__init__()
+        # Not a submodule: the parent holds the fused layer, once, under its own name.
+        self.__dict__["outputs"] = outputs
+        self.index, self.fused_name = index, name
+        self.in_features = outputs.layer.in_features
+        self.out_features = outputs.sizes[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outputs.take(self.index, x)
+
+    @property
+    def rows(self) -> slice:
+        """Its rows of the fused layer."""
+        start = sum(self.outputs.sizes[:self.index])
+        return slice(start, start + self.out_features)
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        """Its rows' quantized weight, as the fused layer stores them in its
+        checkpoint's layout (where PEFT, for one, finds a quantized layer's device)."""
+        return self.outputs.layer.qweight_part(self.rows)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        bias = self.outputs.layer.bias
+        return None if bias is None else bias[self.rows]
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The float weight [out_features, in_features]: its rows of the fused layer's."""
+        layer = self.outputs.layer
+        return (layer.dequantize() if dtype is None else layer.dequantize(dtype))[self.rows]
+
+    def extra_repr(self) -> str:
+        return f"{self.fused_name} part {self.index}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+def fused_name(names: Sequence[str]) -> str:
+    """qkv_proj for q_proj, k_proj, v_proj; gate_up_proj for gate_proj, up_proj."""
+    stems = [n.removesuffix("_proj") for n in names]
+    return ("" if all(len(s) == 1 for s in stems) else "_").join(stems) + "_proj"
+
+
+def fuse_projections(model: nn.Module, back_to_back: Callable | None = None) -> list[str]:
+    """Each PROJECTION_GROUPS group of sibling lowbit layers in `model` (or
+    the members of one that can join: same type, same input size, ...) as
+    one layer over their concatenated rows, with a ProjectionSlice in each one's place. Layers
+    of other types, and names the parent already uses for the fused layer
+    (Phi-3's own qkv_proj), are left as they are. `back_to_back`: where the
+    layers' rows may lie back to back in one mapping (GGUFFile.back_to_back),
+    they are taken from it without a copy. Returns the fused layers' names."""
+    fused_names = []
+    for parent_name, parent in list(model.named_modules()):
+        for group in PROJECTION_GROUPS:
+            for names in _joinable(parent, group):
+                name = fused_name(names)
+                if hasattr(parent, name):
+                    continue
+                layers = [parent._modules[n] for n in names]
+                fused = type(layers[0]).joined(layers, back_to_back)
+                outputs = FusedOutputs(fused, [layer.out_features for layer in layers])
+                parent.add_module(name, fused)
+                for index, n in enumerate(names):
+                    parent.add_module(n, ProjectionSlice(outputs, index, name))
+                fused_names.append(f"{parent_name}.{name}" if parent_name else name)
+    return fused_names
+
+
+def _joinable(parent: nn.Module, group: Sequence[str]) -> list[list[str]]:
+    """The sets of the group's layers in `parent` that can join, each of two
+    or more, in the group's order (a Q4_K_M file's q and k may share a type
+    that its v does not)."""
+    left = [n for n in group if hasattr(parent._modules.get(n), "can_join")]
+    runs = []
+    while len(left) > 1:
+        first = parent._modules[left[0]]
+        members = [left[0]] + [n for n in left[1:] if first.can_join(parent._modules[n])]
+        if len(members) > 1:
+            runs.append(members)
+        left = [n for n in left if n not in members]
+    return runs

@@ -1,0 +1,152 @@
+"""Fused projections (lowbit.fusing): q/k/v and gate/up of each decoder layer
+as one GGUFLinear over their joined rows, with a ProjectionSlice in each
+projection's place. The fused model computes exactly what the unfused one
+does (each output row is its own dot product either way), whatever order
+and inputs the slices are called with, under torch.compile and autograd."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import lowbit
+from lowbit.fusing import ProjectionSlice, fuse_projections
+from tiny_models import tiny_model, write_tiny_gguf
+
+pytest.importorskip("gguf")
+
+
+@pytest.fixture(scope="module")
+def qwen2_path(tmp_path_factory):
+    # Qwen2: biases on q, k and v, so the fused layer joins biases too.
+    return write_tiny_gguf(tmp_path_factory.mktemp("fusing") / "qwen2.gguf", tiny_model("qwen2", seed=1), "qwen2")
+
+
+def test_fused_model_computes_what_the_unfused_one_does(qwen2_path):
+    fused, plain = lowbit.load_gguf_model(qwen2_path), lowbit.load_gguf_model(qwen2_path, fuse=False)
+    for layer, reference in zip(fused.model.layers, plain.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        assert isinstance(attn.qkv_proj, lowbit.GGUFLinear) and isinstance(mlp.gate_up_proj, lowbit.GGUFLinear)
+        names = ("q_proj", "k_proj", "v_proj")
+        assert attn.qkv_proj.out_features == sum(getattr(reference.self_attn, n).out_features for n in names)
+        for parent, ref_parent, group in ((attn, reference.self_attn, names), (mlp, reference.mlp, ("gate_proj", "up_proj"))):
+            for name in group:
+                part, whole = getattr(parent, name), getattr(ref_parent, name)
+                assert isinstance(part, ProjectionSlice) and isinstance(whole, lowbit.GGUFLinear)
+                assert (part.in_features, part.out_features) == (whole.in_features, whole.out_features)
+                assert torch.equal(part.qweight, whole.qweight)
+                assert torch.equal(part.dequantize(), whole.dequantize())
+                assert (part.bias is None) == (whole.bias is None)
+                if part.bias is not None:
+                    assert torch.equal(part.bias, whole.bias)
+    # per layer qkv, o, gate_up, down; and the LM head (tied: over the embedding's blocks)
+    assert sum(isinstance(m, lowbit.GGUFLinear) for m in fused.modules()) == 2 * 4 + 1
+    ids = torch.tensor([[3, 17, 40, 2, 9, 33, 61, 5, 12, 27, 8, 50]])  # 12 rows: the batched kernels
+    with torch.no_grad():
+        assert torch.equal(fused(ids).logits, plain(ids).logits)
+        assert torch.equal(fused(ids[:, :1]).logits, plain(ids[:, :1]).logits)  # one row: the matvec
+    assert fuse_projections(fused) == []  # already fused: nothing left to join
+
+
+def layers(parent):
+    return parent.q_proj, parent.k_proj, parent.v_proj
+
+
+def attention_pair(path):
+    fused = lowbit.load_gguf_model(path).model.layers[0].self_attn
+    plain = lowbit.load_gguf_model(path, fuse=False).model.layers[0].self_attn
+    return fused, plain
+
+
+def test_slices_take_one_call_only_for_the_same_unchanged_input(qwen2_path):
+    fused, plain = attention_pair(qwen2_path)
+    x, y = torch.randn(2, 3, 64), torch.randn(2, 3, 64)
+    calls = []
+    fused.qkv_proj.register_forward_hook(lambda *a: calls.append(1))
+    with torch.no_grad():
+        for got, want in zip([m(x) for m in layers(fused)], [m(x) for m in layers(plain)]):
+            assert torch.equal(got, want)
+        assert len(calls) == 1
+        outputs = fused.q_proj.outputs
+        assert outputs.input is None and outputs.parts is None  # every part taken: no activation held
+        # Another input for k, a write to x between q and v, q twice: each gets its own input's rows.
+        q = fused.q_proj(x)
+        assert torch.equal(fused.k_proj(y), plain.k_proj(y))
+        assert torch.equal(q, plain.q_proj(x))
+        fused.q_proj(x)
+        x.mul_(2)
+        assert torch.equal(fused.v_proj(x), plain.v_proj(x))
+        assert torch.equal(fused.q_proj(x), plain.q_proj(x)) and torch.equal(fused.q_proj(x), plain.q_proj(x))
+    with torch.inference_mode():
+        z = torch.randn(1, 64)
+        assert torch.equal(torch.cat([m(z) for m in layers(fused)], -1), torch.cat([m(z) for m in layers(plain)], -1))
+
+
+def test_slices_under_torch_compile_and_autograd(qwen2_path):
+    fused, plain = attention_pair(qwen2_path)
+
+    def projections(attn, x):
+        return torch.cat([m(x) for m in layers(attn)], -1)
+
+    x = torch.randn(1, 5, 64)
+    compiled = torch.compile(projections, fullgraph=True)
+    with torch.no_grad():
+        assert torch.equal(compiled(fused, x), projections(plain, x))
+        assert torch.equal(compiled(fused, x[:, :1]), projections(plain, x[:, :1]))
+    # The input's gradient: one product with the joined rows against three summed, equal to fp32 order.
+    grads = []
+    for attn in (fused, plain):
+        leaf = x.clone().requires_grad_()
+        (projections(attn, leaf) * torch.arange(1, 1 + 64 + 32 + 32)).sum().backward()
+        grads.append(leaf.grad)
+    torch.testing.assert_close(*grads, rtol=1e-5, atol=1e-5 * grads[1].abs().max().item())
+
+
+def test_a_copy_keeps_its_slices_on_its_own_fused_layer(qwen2_path):
+    model = lowbit.load_gguf_model(qwen2_path)
+    twin = copy.deepcopy(model)
+    attn = twin.model.layers[0].self_attn
+    assert attn.q_proj.outputs.layer is attn.qkv_proj is not model.model.layers[0].self_attn.qkv_proj
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert torch.equal(twin(ids).logits, model(ids).logits)
+
+
+def quantized(rows, qtype, bias=False, seed=0):
+    linear = nn.Linear(64, rows, bias=bias)
+    torch.manual_seed(seed)
+    nn.init.normal_(linear.weight)
+    return lowbit.GGUFLinear.from_linear(linear, qtype)
+
+
+def test_only_projections_that_can_join_are_fused():
+    Q8_0, Q4_0 = int(lowbit.GGMLType.Q8_0), int(lowbit.GGMLType.Q4_0)
+    attn = nn.Module()
+    attn.q_proj, attn.k_proj, attn.v_proj = quantized(64, Q8_0), quantized(32, Q4_0), quantized(32, Q8_0, seed=1)
+    mlp = nn.Module()
+    mlp.gate_proj, mlp.up_proj = quantized(96, Q8_0), quantized(96, Q8_0, bias=True)  # one biased: not joined
+    parent = nn.Module()
+    parent.attn, parent.mlp = attn, mlp
+    reference = copy.deepcopy(parent)
+    assert fuse_projections(parent) == ["attn.qv_proj"]
+    assert isinstance(attn.q_proj, ProjectionSlice) and isinstance(attn.v_proj, ProjectionSlice)
+    assert attn.k_proj is not None and isinstance(attn.k_proj, lowbit.GGUFLinear)
+    assert isinstance(mlp.gate_proj, lowbit.GGUFLinear) and isinstance(mlp.up_proj, lowbit.GGUFLinear)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        for got, want in zip(layers(attn), layers(reference.attn)):
+            assert torch.equal(got(x), want(x))
+
+
+def test_file_rows_back_to_back_join_without_a_copy(qwen2_path):
+    f = lowbit.load_gguf(qwen2_path)
+    tensors = list(f.tensors.values())
+    pairs = [(a, b) for a, b in zip(tensors, tensors[1:])
+             if a.data.shape[1] == b.data.shape[1] and b.data.data_ptr() == a.data.data_ptr() + a.nbytes]
+    assert pairs  # the writer puts some tensors of equal row bytes back to back
+    a, b = pairs[0]
+    joined = f.back_to_back([a.data, b.data])
+    assert joined.data_ptr() == a.data.data_ptr() and torch.equal(joined, torch.cat([a.data, b.data]))
+    assert f.back_to_back([b.data, a.data]) is None  # out of order
+    assert f.back_to_back([a.data, b.data.clone()]) is None  # not the file's bytes
+    assert f.back_to_back([a.data[:, :-1], b.data[:, :-1]]) is None  # not whole rows
