@@ -4,6 +4,7 @@ projection's place. The fused model computes exactly what the unfused one
 does (each output row is its own dot product either way), whatever order
 and inputs the slices are called with, under torch.compile and autograd."""
 import copy
+import zlib
 
 import pytest
 import torch
@@ -150,3 +151,55 @@ def test_file_rows_back_to_back_join_without_a_copy(qwen2_path):
     assert f.back_to_back([b.data, a.data]) is None  # out of order
     assert f.back_to_back([a.data, b.data.clone()]) is None  # not the file's bytes
     assert f.back_to_back([a.data[:, :-1], b.data[:, :-1]]) is None  # not whole rows
+
+
+def act_order_gptq_llama(bits):
+    """A tiny Llama whose decoder Linears are act-order GPTQ layers, those of
+    one input sharing their order (as GPTQ's, from one Hessian, do); biased
+    q, k and v."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                      attention_bias=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    for name, m in list(model.named_modules()):
+        if isinstance(m, nn.Linear) and name != "lm_head":
+            parent = name.rpartition(".")[0]
+            order = torch.Generator().manual_seed(zlib.crc32(f"{parent} {m.in_features}".encode()))
+            perm = torch.randperm(m.in_features, generator=order)
+            model.set_submodule(name, lowbit.GPTQLinear.from_linear(m, bits, 32, sym=False, checkpoint_format="gptq_v2",
+                                                                    perm=perm, dtype=torch.float32))
+    return model
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_gptq_models_fuse_and_save_apart(tmp_path, bits):
+    from lowbit.gptq import GPTQConfig
+
+    config = GPTQConfig(bits=bits, group_size=32, desc_act=True, sym=False, checkpoint_format="gptq_v2")
+    lowbit.save_gptq(act_order_gptq_llama(bits), tmp_path / "ckpt", config)
+    fused = lowbit.load_gptq_model(tmp_path / "ckpt")
+    plain = lowbit.load_gptq_model(tmp_path / "ckpt", fuse=False)
+    attn = fused.model.layers[1].self_attn
+    assert isinstance(attn.qkv_proj, lowbit.GPTQLinear) and attn.qkv_proj.out_features == 128 + 64 + 64
+    assert isinstance(attn.k_proj, ProjectionSlice) and isinstance(fused.model.layers[1].mlp.gate_proj, ProjectionSlice)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        part, whole = getattr(attn, name), getattr(plain.model.layers[1].self_attn, name)
+        assert torch.equal(part.dequantize(), whole.dequantize()) and torch.equal(part.bias, whole.bias)
+        assert torch.equal(part.qweight, whole.qweight)
+    ids = torch.tensor([[3, 17, 400, 2, 9, 33, 61, 5, 12, 27, 8, 50]])
+    with torch.no_grad():
+        for length in (12, 1):
+            assert torch.equal(fused(ids[:, :length]).logits, plain(ids[:, :length]).logits)
+    # Saved from the fused model: the checkpoint it was loaded from, tensor for tensor.
+    lowbit.save_gptq(fused, tmp_path / "again", config)
+    original = lowbit.load_gptq(tmp_path / "ckpt")
+    again = lowbit.load_gptq(tmp_path / "again")
+    assert original.modules.keys() == again.modules.keys()
+    for name, layer in original.modules.items():
+        for key, tensor in layer.state_dict().items():
+            assert torch.equal(again.modules[name].state_dict()[key], tensor), (name, key)
+    with pytest.raises(TypeError, match="fuse=False"):
+        lowbit.gptq.tp_aware(fused.model.layers[0].mlp)

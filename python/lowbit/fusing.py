@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["PROJECTION_GROUPS", "ProjectionSlice", "fuse_projections"]
+__all__ = ["PROJECTION_GROUPS", "ProjectionSlice", "fuse_projections", "unfused_state_dict"]
 
 # Sibling projections that transformers' decoder layers call on one input.
 PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -81,9 +81,9 @@ class ProjectionSlice(nn.Module):
 
     @property
     def qweight(self) -> torch.Tensor:
-        """Its rows' quantized weight, as the fused layer stores them in its
-        checkpoint's layout (where PEFT, for one, finds a quantized layer's device)."""
-        return self.outputs.layer.qweight_part(self.rows)
+        """Its rows' quantized weight in the checkpoint's layout (where PEFT,
+        for one, finds a quantized layer's device)."""
+        return self.outputs.layer.part_state(self.rows)["qweight"]
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -143,3 +143,21 @@ def _joinable(parent: nn.Module, group: Sequence[str]) -> list[list[str]]:
             runs.append(members)
         left = [n for n in left if n not in members]
     return runs
+
+
+def unfused_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """model.state_dict() as the model before fuse_projections has it: each
+    fused layer's tensors under its projections' names, each projection its
+    rows (GPTQ: columns) of them, so a checkpoint saved from a fused model
+    is the checkpoint it was loaded from."""
+    state = model.state_dict()
+    fused = set()
+    for name, module in model.named_modules():
+        if isinstance(module, ProjectionSlice):
+            parent = name.rpartition(".")[0]
+            fused.add(f"{parent}.{module.fused_name}." if parent else f"{module.fused_name}.")
+            for key, tensor in module.outputs.layer.part_state(module.rows).items():
+                state[f"{name}.{key}"] = tensor
+    for key in [k for k in state if any(k.startswith(prefix) for prefix in fused)]:
+        del state[key]
+    return state

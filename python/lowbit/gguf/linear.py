@@ -148,9 +148,13 @@ class GGUFLinear(nn.Module):
             self.repacked = False
         return self
 
-    def qweight_part(self, rows: slice) -> torch.Tensor:
-        """The blocks of output rows `rows`, in the file's layout."""
-        return self.file_layout_qweight()[rows]
+    def part_state(self, rows: slice) -> dict[str, torch.Tensor]:
+        """The state of a layer of output rows `rows` of this one: their
+        blocks in the file's layout, and their biases."""
+        state = {"qweight": self.file_layout_qweight()[rows]}
+        if self.bias is not None:
+            state["bias"] = self.bias[rows]
+        return state
 
     def file_layout_qweight(self) -> torch.Tensor:
         """qweight as the file stores it (a reordered copy when repacked)."""

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from .packing import fields_per_pack, words_per_pack
 from .config import GPTQCheckpointError, GPTQConfig, ModuleQuant, check_regular_file, read_config, read_json
+from ..fusing import unfused_state_dict
 from .linear import GPTQLinear
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -423,14 +424,15 @@ def _write_shards(directory: str, tensors: dict[str, torch.Tensor], max_shard_by
 
 
 def _float_tables_as_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """model's state dict with the float tables load_gptq_model holds as
-    GGUF F32 / F16 / BF16 bytes (token embedding, LM head) as the float
-    `weight` tensors the checkpoint had."""
+    """model's state dict as its checkpoint has it: fused projections apart
+    (lowbit.fusing.unfused_state_dict), and the float tables load_gptq_model
+    holds as GGUF F32 / F16 / BF16 bytes (token embedding, LM head) as the
+    float `weight` tensors the checkpoint had."""
     # Imported here: lowbit.gguf imports lowbit.ops, which imports this package.
     from ..gguf import GGUFEmbedding, GGUFLinear
     from ..gguf.linear import FLOAT_QTYPES
 
-    state = model.state_dict()
+    state = unfused_state_dict(model)
     dtypes = {qtype: dtype for dtype, qtype in FLOAT_QTYPES.items()}
     for name, module in model.named_modules():
         if isinstance(module, (GGUFEmbedding, GGUFLinear)) and module.qtype in dtypes:

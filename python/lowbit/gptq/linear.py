@@ -97,6 +97,38 @@ class GPTQLinear(nn.Module):
             setattr(layer, name, tensor)
         return layer
 
+    def can_join(self, other: nn.Module) -> bool:
+        """Whether `other`'s output columns can follow this layer's in one
+        layer (joined): the same quantization of the same inputs, act-order
+        included (q, k and v quantized on one Hessian share their g_idx)."""
+        same = ("in_features", "bits", "group_size", "sym", "desc_act", "checkpoint_format")
+        return (type(other) is type(self) and all(getattr(other, a) == getattr(self, a) for a in same)
+                and other.scales.dtype == self.scales.dtype and other.qweight.device == self.qweight.device
+                and (self.bias is None) == (other.bias is None) and torch.equal(other.g_idx, self.g_idx))
+
+    @classmethod
+    def joined(cls, layers: list[GPTQLinear], back_to_back=None) -> GPTQLinear:
+        """One layer whose output columns are those of `layers` (which
+        can_join), in order; a new copy of their tensors (back_to_back, a
+        GGUF file's join, has nothing to offer GPTQ's column-major packing)."""
+        first = layers[0]
+        joined = {name: torch.cat([getattr(layer, name) for layer in layers], dim=-1)
+                  for name in ("qweight", "qzeros", "scales")}
+        bias = None if first.bias is None else torch.cat([layer.bias for layer in layers])
+        return cls.from_tensors(joined["qweight"], joined["qzeros"], joined["scales"], first.g_idx.clone(), bias,
+                                first.bits, first.group_size, first.sym, first.desc_act, first.checkpoint_format)
+
+    def part_state(self, cols: slice) -> dict[str, torch.Tensor]:
+        """The state of a layer of output columns `cols` of this one (each
+        end a multiple of a zero pack's fields, as every layer's width is)."""
+        fields, words = fields_per_pack(self.bits), words_per_pack(self.bits)
+        zeros = slice(cols.start // fields * words, cols.stop // fields * words)
+        state = {"qweight": self.qweight[:, cols], "qzeros": self.qzeros[:, zeros], "scales": self.scales[:, cols],
+                 "g_idx": self.g_idx.clone()}  # one tensor each: savers drop a tensor they have seen (tied weights)
+        if self.bias is not None:
+            state["bias"] = self.bias[cols]
+        return state
+
     @property
     def use_v2_format(self) -> bool:
         return self.checkpoint_format == "gptq_v2"

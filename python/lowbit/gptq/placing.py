@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .._placing import ReplaceReport, checked, get_module, load_tensor, on_meta, rebuild_computed_buffers
+from ..fusing import fuse_projections
 from ..moe import experts_dims, plain_experts
 from .checkpoint import GPTQCheckpoint, GPTQCheckpointError, check_layer_count, checkpoint_files, load_gptq
 from ..threads import kernel_threads
@@ -23,7 +24,7 @@ __all__ = ["load_gptq_model", "place_gptq_checkpoint"]
 
 
 def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                    checkpoint_format: str | None = None) -> nn.Module:
+                    checkpoint_format: str | None = None, fuse: bool = True) -> nn.Module:
     """The transformers model (AutoModelForCausalLM) of an HF GPTQ checkpoint
     directory, in eval mode on the CPU: its config.json builds the model, every
     quantized module becomes a GPTQLinear holding the checkpoint's tensors,
@@ -33,6 +34,9 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     head is tied to the embedding), so the model takes about its checkpoint's
     size and the head's matvec reads 2-byte weights where the checkpoint has
     them. `checkpoint_format` overrides the config's, as in replace_linear.
+    `fuse` joins each decoder layer's q, k and v (and gate and up) GPTQLinears
+    into one where they are quantized alike (lowbit.fusing: one gptq_gemm
+    instead of three; save_gptq writes them apart again).
     Its forward calls run torch's ops on one thread and lowbit's kernels on
     torch's thread count (lowbit.kernel_threads).
     """
@@ -48,6 +52,8 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     model = on_meta(lambda: transformers.AutoModelForCausalLM.from_config(config), config, dtype)
     place_gptq_checkpoint(model, directory, checkpoint_format)
     rebuild_computed_buffers(model)
+    if fuse:
+        fuse_projections(model)
     kernel_threads(model)
     return checked(model, f"load_gptq_model: {directory}")
 

@@ -141,7 +141,9 @@ def _mlp_layers(mlp: nn.Module) -> tuple[GPTQLinear, GPTQLinear, GPTQLinear]:
     layers = tuple(getattr(mlp, part, None) for part in MLP_PARTS)
     for part, layer in zip(MLP_PARTS, layers):
         if not isinstance(layer, GPTQLinear):
-            raise TypeError(f"tp_aware: mlp.{part} must be a GPTQLinear, got {type(layer).__name__}")
+            raise TypeError(f"tp_aware: mlp.{part} must be a GPTQLinear, got {type(layer).__name__}"
+                            + (" (a fused projection: load the model with fuse=False)"
+                               if hasattr(layer, "fused_name") else ""))
     gate, up, down = layers
     if not gate.out_features == up.out_features == down.in_features:
         raise ValueError(f"tp_aware: gate_proj and up_proj must have down_proj's {down.in_features} input "
