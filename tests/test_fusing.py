@@ -4,6 +4,11 @@ projection's place. The fused model computes exactly what the unfused one
 does (each output row is its own dot product either way), whatever order
 and inputs the slices are called with, under torch.compile and autograd."""
 import copy
+import gc
+import os
+import shutil
+import sys
+import threading
 import zlib
 
 import pytest
@@ -68,8 +73,7 @@ def test_slices_take_one_call_only_for_the_same_unchanged_input(qwen2_path):
         for got, want in zip([m(x) for m in layers(fused)], [m(x) for m in layers(plain)]):
             assert torch.equal(got, want)
         assert len(calls) == 1
-        outputs = fused.q_proj.outputs
-        assert outputs.input is None and outputs.parts is None  # every part taken: no activation held
+        assert fused.q_proj.outputs.latest is None  # every part taken: no activation held
         # Another input for k, a write to x between q and v, q twice: each gets its own input's rows.
         q = fused.q_proj(x)
         assert torch.equal(fused.k_proj(y), plain.k_proj(y))
@@ -81,6 +85,33 @@ def test_slices_take_one_call_only_for_the_same_unchanged_input(qwen2_path):
     with torch.inference_mode():
         z = torch.randn(1, 64)
         assert torch.equal(torch.cat([m(z) for m in layers(fused)], -1), torch.cat([m(z) for m in layers(plain)], -1))
+
+
+def test_threads_sharing_a_fused_layer_each_get_their_own_rows(qwen2_path):
+    fused, plain = attention_pair(qwen2_path)
+    inputs = [torch.randn(3, 64) for _ in range(4)]
+    with torch.no_grad():
+        want = [[m(x) for m in layers(plain)] for x in inputs]
+    wrong = []
+
+    def run(i):
+        with torch.no_grad():
+            for _ in range(300):
+                got = [m(inputs[i]) for m in layers(fused)]
+                if not all(torch.equal(g, w) for g, w in zip(got, want[i])):
+                    wrong.append(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(inputs))]
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the interpreter switches threads between nearly any two bytecodes
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert not wrong
 
 
 def test_slices_under_torch_compile_and_autograd(qwen2_path):
@@ -203,3 +234,50 @@ def test_gptq_models_fuse_and_save_apart(tmp_path, bits):
             assert torch.equal(again.modules[name].state_dict()[key], tensor), (name, key)
     with pytest.raises(TypeError, match="fuse=False"):
         lowbit.gptq.tp_aware(fused.model.layers[0].mlp)
+
+
+def mapped_kb(path):
+    """Resident kB of this process's mappings of `path` (/proc/self/smaps)."""
+    total, ours = 0, False
+    for line in open("/proc/self/smaps"):
+        if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
+            ours = line.rstrip().endswith(os.path.realpath(path))
+        elif ours and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the resident pages from /proc/self/smaps")
+def test_release_drops_copied_pages_and_the_bytes_stay_readable():
+    from gguf_files import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    f = lowbit.load_gguf(path)
+    parts = [f.tensors[f"blk.0.ffn_{p}.weight"].data for p in ("gate", "up", "down")]
+    copies = [p.clone() for p in parts]  # reads every page
+    before = mapped_kb(path)
+    f.release(parts)
+    assert before - mapped_kb(path) >= 0.9 * sum(p.numel() for p in parts) / 1024
+    assert all(torch.equal(p, c) for p, c in zip(parts, copies))  # read again from the file
+    f.release([copies[0]])  # not the file's bytes: nothing to drop
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the resident pages from /proc/self/smaps")
+def test_loading_keeps_no_mapped_pages_of_copied_weights(tmp_path, monkeypatch):
+    """SmolLM2's Q and K rows are unpermuted into copies, and the fused
+    qkv_proj copies V's too: the mapping's pages they were read from leave
+    memory (gate and up, back to back in the file, are joined as a view)."""
+    from gguf_files import smollm2_gguf_path
+
+    path = tmp_path / "smollm2.gguf"  # a path of its own: no other test's mapping counted
+    shutil.copyfile(smollm2_gguf_path(), path)
+    model = lowbit.load_gguf_model(path)
+    kept = mapped_kb(path)
+    del model
+    gc.collect()
+    assert mapped_kb(path) == 0
+    monkeypatch.setattr(lowbit.GGUFFile, "release", lambda self, parts: None)
+    model = lowbit.load_gguf_model(path)
+    f = lowbit.load_gguf(path)
+    copied = sum(f.tensors[f"blk.{i}.attn_{p}.weight"].nbytes for i in range(30) for p in "qkv")
+    assert mapped_kb(path) - kept >= 0.9 * copied / 1024

@@ -30,31 +30,33 @@ PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class FusedOutputs:
-    """A fused layer's latest output, for its slices: the input it was for
-    (and that input's version), and the parts not taken yet. A plain object:
-    nn.Module's __setattr__ would cost more per call than a small matvec."""
+    """A fused layer's latest output, for its slices: one tuple of the input
+    it was for, that input's version and the parts not taken yet, read and
+    replaced whole, so threads sharing the model never pair one call's input
+    with another's parts. A plain object: nn.Module's __setattr__ would cost
+    more per call than a small matvec."""
 
     def __init__(self, layer: nn.Module, sizes: Sequence[int]):
         self.layer, self.sizes = layer, tuple(sizes)
-        self.input = self.version = self.parts = None
+        self.latest = None  # (input, version, parts)
 
     def take(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Part `index` of layer(x): the parts of one call, each taken once."""
-        parts = self.parts
+        latest = self.latest
         # Inference tensors and traced graphs have no version counters (nor
         # can torch.compile guard on one): there the input's identity decides.
         version = None if torch.compiler.is_compiling() or x.is_inference() else x._version
-        if parts is None or self.input is not x or parts[index] is None or self.version != version:
-            parts = self.parts = list(self.layer(x).split(self.sizes, dim=-1))
-            self.input, self.version = x, version
+        if latest is None or latest[0] is not x or latest[1] != version or latest[2][index] is None:
+            latest = self.latest = (x, version, list(self.layer(x).split(self.sizes, dim=-1)))
+        parts = latest[2]
         out, parts[index] = parts[index], None
         # Once every part is taken nothing is held: no activation outlives its step.
-        if all(p is None for p in parts):
-            self.input = self.version = self.parts = None
+        if self.latest is latest and all(p is None for p in parts):
+            self.latest = None
         return out
 
     def __getstate__(self):
-        return {"layer": self.layer, "sizes": self.sizes, "input": None, "version": None, "parts": None}
+        return {"layer": self.layer, "sizes": self.sizes, "latest": None}
 
 
 class ProjectionSlice(nn.Module):
@@ -105,16 +107,22 @@ def fused_name(names: Sequence[str]) -> str:
     return ("" if all(len(s) == 1 for s in stems) else "_").join(stems) + "_proj"
 
 
-def fuse_projections(model: nn.Module, back_to_back: Callable | None = None) -> list[str]:
+def fuse_projections(model: nn.Module, back_to_back: Callable | None = None,
+                     release: Callable | None = None) -> list[str]:
     """Each PROJECTION_GROUPS group of sibling lowbit layers in `model` (or
     the members of one that can join: same type, same input size, ...) as
     one layer over their concatenated rows, with a ProjectionSlice in each one's place. Layers
     of other types, and names the parent already uses for the fused layer
     (Phi-3's own qkv_proj), are left as they are. `back_to_back`: where the
     layers' rows may lie back to back in one mapping (GGUFFile.back_to_back),
-    they are taken from it without a copy. Returns the fused layers' names."""
+    they are taken from it without a copy; `release` (GGUFFile.release) is
+    given the joined layers' weights, which it may drop from memory where
+    they were copied out of a mapping. Returns the fused layers' names."""
     fused_names = []
-    for parent_name, parent in list(model.named_modules()):
+    # Names, not modules: a list of the modules would keep every replaced
+    # projection (its weights) alive until the last group is joined.
+    for parent_name in [name for name, _ in model.named_modules()]:
+        parent = model.get_submodule(parent_name)
         for group in PROJECTION_GROUPS:
             for names in _joinable(parent, group):
                 name = fused_name(names)
@@ -126,6 +134,9 @@ def fuse_projections(model: nn.Module, back_to_back: Callable | None = None) -> 
                 parent.add_module(name, fused)
                 for index, n in enumerate(names):
                     parent.add_module(n, ProjectionSlice(outputs, index, name))
+                if release is not None and fused.qweight.data_ptr() != layers[0].qweight.data_ptr():  # a copy
+                    release([layer.qweight for layer in layers])
+                del layers
                 fused_names.append(f"{parent_name}.{name}" if parent_name else name)
     return fused_names
 

@@ -15,7 +15,9 @@ a torch.uint8 [rows, row_bytes] view over a copy-on-write memory map.
 """
 from __future__ import annotations
 
+import ctypes
 import math
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -93,6 +95,24 @@ class GGUFFile:
             return None
         return whole[start - base:end - base].view(-1, row_bytes)
 
+    def release(self, parts: list[torch.Tensor]) -> None:
+        """Drops the resident pages of the mapping that lie wholly inside
+        `parts` (views of this file whose bytes now live in a copy, as a
+        joined layer's): read once to be copied, they would otherwise stay
+        in the process's memory beside the copy. Nothing is written through
+        the mapping, so any later read of those bytes reads the file again."""
+        if self._mapping is None or _MADVISE is None:
+            return
+        whole = torch.from_numpy(self._mapping)
+        base, end = whole.data_ptr(), whole.data_ptr() + whole.numel()
+        for p in parts:
+            start, stop = p.data_ptr(), p.data_ptr() + p.numel()
+            if p.device.type != "cpu" or not p.is_contiguous() or start < base or stop > end:
+                continue  # a copy of its own: it goes with its last reference
+            first, last = -(-start // _PAGE) * _PAGE, stop // _PAGE * _PAGE
+            if last > first:
+                _MADVISE(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+
     def close(self) -> None:
         self.metadata = {}
         self.tensors = {}
@@ -107,6 +127,15 @@ class GGUFFile:
     def __repr__(self) -> str:
         return f"GGUFFile({self.path!r}, {len(self.tensors)} tensors, {len(self.metadata)} keys)"
 
+
+# madvise from the C library where there is one (Linux, macOS): GGUFFile.release.
+_PAGE = mmap.PAGESIZE
+_MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
+try:
+    _MADVISE = ctypes.CDLL(None, use_errno=True).madvise
+    _MADVISE.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+except (OSError, AttributeError):
+    _MADVISE = None
 
 # GGUF metadata value types (gguf.GGUFValueType's numbering) by the struct
 # format of their payload; 8 and 9 are strings and arrays.

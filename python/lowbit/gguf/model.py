@@ -81,7 +81,7 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     rebuild_computed_buffers(model)
     _apply_rope_freqs(model, f)
     if fuse:
-        fuse_projections(model, f.back_to_back)
+        fuse_projections(model, f.back_to_back, f.release)
     if repack:
         repack_model(model)
     kernel_threads(model)
@@ -165,7 +165,10 @@ def place_gguf_tensors(model: nn.Module, f: GGUFFile, caller: str, consumed: tup
             one_row = module.out_features == 1 and len(t.shape) == 1
             shape = (module.out_features, module.in_features)
             check_shape(path, t, module_name, shape[1:] if one_row else shape)
-            layer = GGUFLinear.from_raw(rows_in_hf_order(t.name, t.data, f.metadata), t.type, module.in_features, module.bias)
+            rows = rows_in_hf_order(t.name, t.data, f.metadata)
+            layer = GGUFLinear.from_raw(rows, t.type, module.in_features, module.bias)
+            if rows is not t.data:  # unpermuted into a copy: the mapped bytes were read once
+                f.release([t.data])
             model.set_submodule(module_name, layer)
             report.replaced.append(module_name)
         else:
