@@ -18,10 +18,14 @@ the input's identity is checked.)
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from .gguf.file import GGUFFile
 
 __all__ = ["PROJECTION_GROUPS", "ProjectionSlice", "fuse_projections", "unfused_state_dict"]
 
@@ -107,17 +111,16 @@ def fused_name(names: Sequence[str]) -> str:
     return ("" if all(len(s) == 1 for s in stems) else "_").join(stems) + "_proj"
 
 
-def fuse_projections(model: nn.Module, back_to_back: Callable | None = None,
-                     release: Callable | None = None) -> list[str]:
+def fuse_projections(model: nn.Module, mapped: GGUFFile | None = None) -> list[str]:
     """Each PROJECTION_GROUPS group of sibling lowbit layers in `model` (or
     the members of one that can join: same type, same input size, ...) as
     one layer over their concatenated rows, with a ProjectionSlice in each one's place. Layers
     of other types, and names the parent already uses for the fused layer
-    (Phi-3's own qkv_proj), are left as they are. `back_to_back`: where the
-    layers' rows may lie back to back in one mapping (GGUFFile.back_to_back),
-    they are taken from it without a copy; `release` (GGUFFile.release) is
-    given the joined layers' weights, which it may drop from memory where
-    they were copied out of a mapping. Returns the fused layers' names."""
+    (Phi-3's own qkv_proj), are left as they are. `mapped`: the file whose
+    mapping the layers' rows may be views of. Rows it stores back to back
+    are joined as one view of it, without a copy (GGUFFile.back_to_back);
+    rows joined by copying have their pages of the mapping dropped from
+    memory (GGUFFile.release). Returns the fused layers' names."""
     fused_names = []
     # Names, not modules: a list of the modules would keep every replaced
     # projection (its weights) alive until the last group is joined.
@@ -129,13 +132,13 @@ def fuse_projections(model: nn.Module, back_to_back: Callable | None = None,
                 if hasattr(parent, name):
                     continue
                 layers = [parent._modules[n] for n in names]
-                fused = type(layers[0]).joined(layers, back_to_back)
+                fused = type(layers[0]).joined(layers, mapped.back_to_back if mapped is not None else None)
                 outputs = FusedOutputs(fused, [layer.out_features for layer in layers])
                 parent.add_module(name, fused)
                 for index, n in enumerate(names):
                     parent.add_module(n, ProjectionSlice(outputs, index, name))
-                if release is not None and fused.qweight.data_ptr() != layers[0].qweight.data_ptr():  # a copy
-                    release([layer.qweight for layer in layers])
+                if mapped is not None and fused.qweight.data_ptr() != layers[0].qweight.data_ptr():  # a copy
+                    mapped.release([layer.qweight for layer in layers])
                 del layers
                 fused_names.append(f"{parent_name}.{name}" if parent_name else name)
     return fused_names

@@ -76,40 +76,47 @@ class GGUFFile:
         self.tensors = tensors
         self._mapping = mapping
 
+    def _offset(self, t: torch.Tensor) -> int | None:
+        """The byte offset in this file's mapping of `t`, a contiguous CPU view
+        that lies wholly inside it; None for anything else (a copy, another
+        file's bytes, a closed file)."""
+        if self._mapping is None or t.device.type != "cpu" or not t.is_contiguous():
+            return None
+        base = self._mapping.ctypes.data
+        start = t.data_ptr() - base
+        nbytes = t.numel() * t.element_size()
+        return start if 0 <= start and start + nbytes <= self._mapping.nbytes else None
+
     def back_to_back(self, parts: list[torch.Tensor]) -> torch.Tensor | None:
         """Row blocks of equal row bytes that lie back to back in this file's
         mapping, in this order (tensors the file stores one after the other,
         with no padding between), as one view of the mapping: joining them
         copies nothing. None for any that do not (a copy, another file, a gap)."""
-        if self._mapping is None or not parts:
+        if not parts:
             return None
-        whole = torch.from_numpy(self._mapping)  # a view: no bytes are read
-        base, row_bytes = whole.data_ptr(), parts[0].shape[-1]
-        start = end = parts[0].data_ptr()
+        row_bytes = parts[0].shape[-1]
+        start = end = self._offset(parts[0])
         for p in parts:
-            if (p.dtype != torch.uint8 or p.device.type != "cpu" or p.dim() != 2 or p.shape[1] != row_bytes
-                    or not p.is_contiguous() or p.data_ptr() != end):
+            if (end is None or p.dtype != torch.uint8 or p.dim() != 2 or p.shape[1] != row_bytes
+                    or self._offset(p) != end):
                 return None
             end += p.numel()
-        if start < base or end > base + whole.numel():
-            return None
-        return whole[start - base:end - base].view(-1, row_bytes)
+        return torch.from_numpy(self._mapping)[start:end].view(-1, row_bytes)  # a view: no bytes are read
 
     def release(self, parts: list[torch.Tensor]) -> None:
         """Drops the resident pages of the mapping that lie wholly inside
         `parts` (views of this file whose bytes now live in a copy, as a
         joined layer's): read once to be copied, they would otherwise stay
         in the process's memory beside the copy. Nothing is written through
-        the mapping, so any later read of those bytes reads the file again."""
-        if self._mapping is None or _MADVISE is None:
+        the mapping, so any later read of those bytes reads the file again.
+        Parts that are copies of their own go with their last reference."""
+        if _MADVISE is None:
             return
-        whole = torch.from_numpy(self._mapping)
-        base, end = whole.data_ptr(), whole.data_ptr() + whole.numel()
         for p in parts:
-            start, stop = p.data_ptr(), p.data_ptr() + p.numel()
-            if p.device.type != "cpu" or not p.is_contiguous() or start < base or stop > end:
-                continue  # a copy of its own: it goes with its last reference
-            first, last = -(-start // _PAGE) * _PAGE, stop // _PAGE * _PAGE
+            if (offset := self._offset(p)) is None:
+                continue
+            start = self._mapping.ctypes.data + offset
+            first, last = -(-start // _PAGE) * _PAGE, (start + p.numel() * p.element_size()) // _PAGE * _PAGE
             if last > first:
                 _MADVISE(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
 

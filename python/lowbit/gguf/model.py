@@ -81,7 +81,7 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     rebuild_computed_buffers(model)
     _apply_rope_freqs(model, f)
     if fuse:
-        fuse_projections(model, f.back_to_back, f.release)
+        fuse_projections(model, f)
     if repack:
         repack_model(model)
     kernel_threads(model)

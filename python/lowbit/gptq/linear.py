@@ -115,7 +115,7 @@ class GPTQLinear(nn.Module):
         joined = {name: torch.cat([getattr(layer, name) for layer in layers], dim=-1)
                   for name in ("qweight", "qzeros", "scales")}
         bias = None if first.bias is None else torch.cat([layer.bias for layer in layers])
-        return cls.from_tensors(joined["qweight"], joined["qzeros"], joined["scales"], first.g_idx.clone(), bias,
+        return cls.from_tensors(joined["qweight"], joined["qzeros"], joined["scales"], first.g_idx, bias,
                                 first.bits, first.group_size, first.sym, first.desc_act, first.checkpoint_format)
 
     def part_state(self, cols: slice) -> dict[str, torch.Tensor]:
