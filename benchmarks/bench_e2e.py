@@ -39,8 +39,9 @@ Models (--models):
   1b       a Llama of 1.0B parameters with random weights (hidden 2048, 20
            layers, MLP 5632, 32 heads, 8 KV heads, SmolLM2's tokenizer),
            written as F16 by gguf-py and quantized by llama.cpp to Q4_K_M;
-           and a 4-bit GPTQ checkpoint (RTN, g128) of the same weights, lowbit
-           only (llama.cpp reads no GPTQ), against the Q4_K_M file
+           and 4-bit GPTQ checkpoints (RTN, g128) of the same weights, with
+           and without act-order, lowbit only (llama.cpp reads no GPTQ),
+           against the Q4_K_M file
 Generated files are cached in $LOWBIT_BENCH_CACHE (default
 ~/.cache/lowbit-bench) and reused.
 
@@ -71,6 +72,8 @@ REQUANT_TYPES = ("Q4_K_M", "Q6_K", "Q8_0")
 # The random Llama of about 1B parameters (config of --models 1b).
 BIG = dict(hidden=2048, layers=20, intermediate=5632, heads=32, kv_heads=8, std=0.02, seed=0)
 GPTQ_BITS, GPTQ_GROUP = 4, 128
+GPTQ_LABEL = "random Llama 1.0B GPTQ 4-bit"
+GPTQ_ACT_ORDER_LABEL = "random Llama 1.0B GPTQ 4-bit act-order"
 RESULT_MARK = "E2E-RESULT "
 
 # Rows of the table, in the order each file's configurations run.
@@ -348,11 +351,14 @@ def random_llama_gguf(dst, template):
     return _atomic(dst, write)
 
 
-def gptq_from_gguf(src, dst):
+def gptq_from_gguf(src, dst, act_order=False):
     """A 4-bit GPTQ checkpoint (RTN, g128, asymmetric, v2 zeros) of the
     float GGUF `src`, one tensor at a time (no float model is built): each
     decoder Linear's weight in transformers' row order (lowbit's hf_value) is
-    quantized; embedding and norms are kept in fp16."""
+    quantized; embedding and norms are kept in fp16. act_order: groups over a
+    random order of each layer's inputs, one order per input a block's
+    Linears share (q/k/v, gate/up), as GPTQ's act-order gives them from one
+    Hessian."""
     if os.path.exists(dst):
         return dst
     import torch
@@ -367,14 +373,25 @@ def gptq_from_gguf(src, dst):
     print(f"writing the GPTQ checkpoint {os.path.basename(dst)} ...", file=sys.stderr, flush=True)
     f = lowbit.load_gguf(src)
     arch = f.metadata["general.architecture"]
-    config = GPTQConfig(bits=GPTQ_BITS, group_size=GPTQ_GROUP, desc_act=False, sym=False, checkpoint_format="gptq_v2")
+    config = GPTQConfig(bits=GPTQ_BITS, group_size=GPTQ_GROUP, desc_act=act_order, sym=False,
+                        checkpoint_format="gptq_v2")
+    shared_input = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
+    orders = {}
+    generator = torch.Generator().manual_seed(BIG["seed"])
     tensors = {}
     for t in f.tensors.values():
         name = hf_name(t.name, arch)
         value = hf_value(t.name, t.dequantize(), f.metadata)
         if t.name.startswith("blk.") and value.dim() == 2:
-            q = quantize_rtn(value, GPTQ_BITS, GPTQ_GROUP, sym=False, checkpoint_format="gptq_v2")
             module = name[:-len(".weight")]
+            perm = None
+            if act_order:
+                block, _, proj = module.rpartition(".")
+                key = (block, shared_input.get(proj, proj))
+                if key not in orders:
+                    orders[key] = torch.randperm(value.shape[1], generator=generator)
+                perm = orders[key]
+            q = quantize_rtn(value, GPTQ_BITS, GPTQ_GROUP, sym=False, checkpoint_format="gptq_v2", perm=perm)
             for part in ("qweight", "qzeros", "scales", "g_idx"):
                 tensors[f"{module}.{part}"] = getattr(q, part).contiguous()
         else:
@@ -397,7 +414,9 @@ def weight_types(path):
     import lowbit
 
     if os.path.isdir(path):
-        return f"GPTQ {GPTQ_BITS}-bit g{GPTQ_GROUP}, fp16 embedding"
+        with open(os.path.join(path, "config.json")) as f:
+            act_order = json.load(f)["quantization_config"]["desc_act"]
+        return f"GPTQ {GPTQ_BITS}-bit g{GPTQ_GROUP}{', act-order' if act_order else ''}, fp16 embedding"
     shares = {}
     for t in lowbit.load_gguf(path).tensors.values():
         name = lowbit.GGMLType(t.type).name
@@ -430,9 +449,10 @@ def files(models, threads):
     if "1b" in models:
         f16 = random_llama_gguf(os.path.join(cache, "random-llama-1b.F16.gguf"), shipped)
         q4km = llama_quantize(f16, os.path.join(cache, "random-llama-1b.Q4_K_M.gguf"), "Q4_K_M", threads)
-        gptq = gptq_from_gguf(f16, os.path.join(cache, f"random-llama-1b-gptq-{GPTQ_BITS}bit-g{GPTQ_GROUP}"))
+        stem = os.path.join(cache, f"random-llama-1b-gptq-{GPTQ_BITS}bit-g{GPTQ_GROUP}")
         out.append(("random Llama 1.0B Q4_K_M", q4km, gguf_variants))
-        out.append(("random Llama 1.0B GPTQ 4-bit", gptq, ["lowbit-gptq"]))
+        out.append((GPTQ_LABEL, gptq_from_gguf(f16, stem), ["lowbit-gptq"]))
+        out.append((GPTQ_ACT_ORDER_LABEL, gptq_from_gguf(f16, stem + "-act-order", act_order=True), ["lowbit-gptq"]))
     return out
 
 
@@ -480,7 +500,8 @@ def layout_note(s):
 
 def table_rows(summaries, file_info):
     reference = {s["file"]: s for s in summaries if s["variant"] == REFERENCE}
-    reference["random Llama 1.0B GPTQ 4-bit"] = reference.get("random Llama 1.0B Q4_K_M")
+    for label in (GPTQ_LABEL, GPTQ_ACT_ORDER_LABEL):
+        reference[label] = reference.get("random Llama 1.0B Q4_K_M")
     rows = []
     for s in summaries:
         ref = reference.get(s["file"]) or {}
@@ -604,13 +625,20 @@ def main():
         "load s: file to first-token-ready model (the load call, lowbit's repack_model in its repacked row, and one "
         "one-token forward). warm-up s: the first generate call (the prompt and 8 new tokens; in the compiled rows "
         "it compiles the decode step, and only the first round may find inductor's on-disk cache empty: the JSON "
-        "holds each round's). Ratios: over llama.cpp with its default buffers on the same file (the GPTQ row: on "
+        "holds each round's). Ratios: over llama.cpp with its default buffers on the same file (the GPTQ rows: on "
         "the 1B Q4_K_M file); above 1, lowbit faster. layout: lowbit's layers in its repacked layout (repack_model "
         "leaves Q6_K in the file's); the size of llama.cpp's CPU_REPACK buffer, its repacked copy of the weights "
         "whose type it takes. MB: the file (GPTQ: the checkpoint directory).",
         "peak RSS: the process's high-water RSS (VmHWM); above imports: over its RSS after importing its library "
         "(torch, transformers and lowbit; llama_cpp).",
     ]
+    gptq = {s["file"]: s for s in summaries if s["variant"] == "lowbit-gptq"}
+    if GPTQ_LABEL in gptq and GPTQ_ACT_ORDER_LABEL in gptq:
+        plain, shuffled = gptq[GPTQ_LABEL], gptq[GPTQ_ACT_ORDER_LABEL]
+        notes.append(f"Act-order against the same quantization without it: prefill "
+                     f"{ratio(shuffled['prefill_tps'], plain['prefill_tps'])}, decode "
+                     f"{ratio(shuffled['decode_tps'], plain['decode_tps'])}, peak RSS "
+                     f"{ratio(shuffled['peak_rss_mb'], plain['peak_rss_mb'])}.")
     with printed_to(os.path.join(out_dir, f"{stem}.txt")):
         print(f"machine: {info['name']} ({info['threads']} threads), torch {info['torch']}, CPU kernels: "
               f"{torch.ops.lowbit.cpu_isa()}, OMP_WAIT_POLICY={omp}")
