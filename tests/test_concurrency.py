@@ -129,6 +129,45 @@ def test_pool_works_in_a_forked_child():
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+def test_gptq_gemm_hands_its_large_m_gemm_the_pools_threads():
+    """Under kernel_threads' split (torch on one thread, lowbit's pool on
+    two), gptq_gemm's large-M path runs at::mm on the pool's two threads:
+    OpenMP starts its worker thread for that call (a fresh process, whose
+    torch never ran a parallel region before), and torch's count is back at
+    one after it. With a pool of one, nothing is started."""
+    script = textwrap.dedent("""
+        import os, sys, torch
+        torch.set_num_threads(1)
+        import lowbit
+        from lowbit.gptq.rtn import quantize_rtn
+        pool = int(sys.argv[1])
+        lowbit.ops.cpu_threads(pool)
+        K, N = 256, 512
+        q = quantize_rtn(torch.randn(N, K), 4, 128, sym=False)
+        g_idx = torch.arange(K, dtype=torch.int32) // 128
+        def call(M):
+            a = torch.randn(M, K)
+            out = torch.ops.lowbit.gptq_gemm(a, q.qweight, q.qzeros, q.scales, g_idx, False, True, 4)
+            w = torch.ops.lowbit.gptq_dequantize(q.qweight, q.qzeros, q.scales.float(), g_idx, True, 4)
+            torch.testing.assert_close(out, a @ w, rtol=1e-5, atol=1e-4)
+        call(1)  # the pool's threads start
+        before = len(os.listdir("/proc/self/task"))
+        call(512)
+        print(len(os.listdir("/proc/self/task")) - before, torch.get_num_threads())
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(root, "python"), os.environ.get("PYTHONPATH", "")]))
+    started = {}
+    for pool in (1, 2):
+        done = subprocess.run([sys.executable, "-c", script, str(pool)], cwd=root, capture_output=True, text=True,
+                              timeout=120, env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        new_threads, torch_threads = map(int, done.stdout.split())
+        assert torch_threads == 1
+        started[pool] = new_threads
+    assert started == {1: 0, 2: 1}
+
+
 def test_kernel_threads_gives_torch_threads_to_the_kernels():
     from tiny_models import tiny_model
 

@@ -392,9 +392,11 @@ at::Tensor gptq_gemm(const at::Tensor& a, const at::Tensor& b_q_weight, const at
                            M, planes.defined() ? static_cast<int>(planes.size(0)) : 0};
         gemm_fused<B>(a2.data_ptr<float>(), M, w.view, out.data_ptr<float>(), isa, a16.data ? &a16 : nullptr);
       } else if (bf16_gemm) {
+        const TorchThreadsAtPool threads;
         out = at::empty({M, d.N}, a.options());
         gemm_bf16x2_mm<B>(a2.to(at::kBFloat16), w.view, out);
       } else {
+        const TorchThreadsAtPool threads;
         gemm_dequant_mm<B>(a2, w.view, isa, out);
       }
     });

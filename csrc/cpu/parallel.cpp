@@ -151,6 +151,12 @@ void run_serial(int64_t n, int64_t chunk, ChunkFn fn, const void* ctx) {
   for (int64_t b = 0; b < n; b += chunk) fn(ctx, b, std::min(n, b + chunk));
 }
 
+// GNU OpenMP's threads do not survive a fork, and a forked child whose
+// parent ran a parallel region hangs in its next one of more than one
+// thread: torch runs a child's ops on one, and TorchThreadsAtPool leaves it so.
+std::atomic<bool> g_forked{false};
+const int g_fork_hook = pthread_atfork(nullptr, nullptr, [] { g_forked.store(true); });
+
 }  // namespace
 
 std::atomic<int64_t> g_threads{0};
@@ -163,6 +169,18 @@ int64_t pool_threads() {
 int64_t pool_threads_setting() { return g_threads.load(std::memory_order_relaxed); }
 
 void set_pool_threads(int64_t threads) { g_threads.store(threads, std::memory_order_relaxed); }
+
+TorchThreadsAtPool::TorchThreadsAtPool() {
+  const int64_t threads = pool_threads(), torch_threads = at::get_num_threads();
+  if (threads > torch_threads && !t_in_pool && !at::in_parallel_region() && !g_forked.load()) {
+    saved_ = static_cast<int>(torch_threads);
+    at::set_num_threads(static_cast<int>(threads));
+  }
+}
+
+TorchThreadsAtPool::~TorchThreadsAtPool() {
+  if (saved_ > 0) at::set_num_threads(saved_);
+}
 
 void run_chunks(int64_t n, int64_t chunk, ChunkFn fn, const void* ctx) {
   if (n <= 0) return;

@@ -33,6 +33,22 @@ int64_t pool_threads();
 int64_t pool_threads_setting();
 void set_pool_threads(int64_t threads);
 
+// For its lifetime, torch's own parallel ops (at::mm) run on pool_threads()
+// threads where torch's count is lower: lowbit.kernel_threads holds torch at
+// one thread during a model's forward and gives the others to the pool, so a
+// kernel that hands its work to at::mm (gptq_gemm's large-M paths) takes them
+// back. Nothing changes inside an OpenMP region or in a forked child.
+class TorchThreadsAtPool {
+ public:
+  TorchThreadsAtPool();
+  ~TorchThreadsAtPool();
+  TorchThreadsAtPool(const TorchThreadsAtPool&) = delete;
+  TorchThreadsAtPool& operator=(const TorchThreadsAtPool&) = delete;
+
+ private:
+  int saved_ = 0;  // torch's count to restore, or 0 where nothing changed
+};
+
 template <class F>
 void parallel_chunks(int64_t n, int64_t chunk, const F& fn) {
   run_chunks(n, chunk, [](const void* c, int64_t b, int64_t e) { (*static_cast<const F*>(c))(b, e); }, &fn);
