@@ -236,6 +236,35 @@ def test_gptq_models_fuse_and_save_apart(tmp_path, bits):
         lowbit.gptq.tp_aware(fused.model.layers[0].mlp)
 
 
+@pytest.mark.parametrize("widths", [(128, 64, 64), (64, 32, 32), (192, 96, 64)])
+def test_gptq_layers_join_only_in_whole_column_steps(cpu_isa, widths):
+    """GPTQ parts join where each is a whole number of the kernels' widest
+    column step (JOIN_COLUMNS): the joined layer then gives each part's
+    outputs bit for bit at every M (the fused kernel, its portable tail
+    columns and the large-M GEMM alike); narrower parts stay apart, since a
+    part's columns would move between a SIMD kernel and its portable tail."""
+    from lowbit.gptq.linear import JOIN_COLUMNS
+    from lowbit.gptq.rtn import quantize_rtn
+
+    K, g = 320, torch.Generator().manual_seed(5)
+    perm = torch.randperm(K, generator=g)
+    parts = []
+    for n in widths:
+        q = quantize_rtn(torch.randn(n, K, generator=g) * 0.05, 4, 64, sym=False, checkpoint_format="gptq_v2", perm=perm)
+        parts.append(lowbit.GPTQLinear.from_tensors(q.qweight, q.qzeros, q.scales, q.g_idx, None, 4, 64, False, True,
+                                                    "gptq_v2"))
+    joins = [parts[0].can_join(p) for p in parts[1:]]
+    assert joins == [p.out_features % JOIN_COLUMNS == 0 and widths[0] % JOIN_COLUMNS == 0 for p in parts[1:]]
+    joinable = [parts[0]] + [p for p, ok in zip(parts[1:], joins) if ok]
+    if len(joinable) < 2:
+        return
+    joined = lowbit.GPTQLinear.joined(joinable)
+    with torch.no_grad():
+        for M in (1, 12, 64, 65, 300):
+            x = torch.randn(M, K, generator=g)
+            assert torch.equal(joined(x), torch.cat([p(x) for p in joinable], 1)), M
+
+
 def mapped_kb(path):
     """Resident kB of this process's mappings of `path` (/proc/self/smaps)."""
     total, ours = 0, False

@@ -12,6 +12,13 @@ from .packing import fields_per_pack, words_per_pack
 from .config import BITS, FORMATS
 from .rtn import quantize_rtn
 
+# Layers join only in whole multiples of the CPU kernels' widest column step
+# (AVX-512: 64 columns, AVX2: 32). Each column's sum is then computed by the
+# same kernel whether it sits in a part or in the joined layer: a narrower
+# part's columns would move between a SIMD kernel and its portable tail,
+# which sums in another order.
+JOIN_COLUMNS = 64
+
 
 def in_order_g_idx(in_features: int, group_size: int, device=None) -> torch.Tensor:
     """int32 [in_features]: each input row's group without act-order."""
@@ -99,10 +106,12 @@ class GPTQLinear(nn.Module):
 
     def can_join(self, other: nn.Module) -> bool:
         """Whether `other`'s output columns can follow this layer's in one
-        layer (joined): the same quantization of the same inputs, act-order
-        included (q, k and v quantized on one Hessian share their g_idx)."""
+        layer (joined) with the same results: the same quantization of the
+        same inputs, act-order included (q, k and v quantized on one Hessian
+        share their g_idx), both as wide as whole JOIN_COLUMNS."""
         same = ("in_features", "bits", "group_size", "sym", "desc_act", "checkpoint_format")
-        return (type(other) is type(self) and all(getattr(other, a) == getattr(self, a) for a in same)
+        return (type(other) is type(self) and self.out_features % JOIN_COLUMNS == 0
+                and other.out_features % JOIN_COLUMNS == 0 and all(getattr(other, a) == getattr(self, a) for a in same)
                 and other.scales.dtype == self.scales.dtype and other.qweight.device == self.qweight.device
                 and (self.bias is None) == (other.bias is None) and torch.equal(other.g_idx, self.g_idx))
 
