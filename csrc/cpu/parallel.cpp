@@ -134,16 +134,9 @@ struct Pool {
 
 Pool* g_pool = nullptr;
 
-// A forked child has none of the parent's helper threads: it starts a new
-// pool (the old one, possibly mid-job in another thread, is left alone).
-void reset_after_fork() { g_pool = new Pool; }
-
 Pool& pool() {
   static std::once_flag once;
-  std::call_once(once, [] {
-    g_pool = new Pool;  // never destroyed: detached helpers use it until exit
-    pthread_atfork(nullptr, nullptr, reset_after_fork);
-  });
+  std::call_once(once, [] { g_pool = new Pool; });  // never destroyed: detached helpers use it until exit
   return *g_pool;
 }
 
@@ -151,11 +144,15 @@ void run_serial(int64_t n, int64_t chunk, ChunkFn fn, const void* ctx) {
   for (int64_t b = 0; b < n; b += chunk) fn(ctx, b, std::min(n, b + chunk));
 }
 
-// GNU OpenMP's threads do not survive a fork, and a forked child whose
-// parent ran a parallel region hangs in its next one of more than one
+// A forked child has none of the parent's threads. Of lowbit's, it starts a
+// new pool (the old one, possibly mid-job in another thread, is left alone).
+// GNU OpenMP's hang the child's next parallel region of more than one
 // thread: torch runs a child's ops on one, and TorchThreadsAtPool leaves it so.
 std::atomic<bool> g_forked{false};
-const int g_fork_hook = pthread_atfork(nullptr, nullptr, [] { g_forked.store(true); });
+const int g_fork_hook = pthread_atfork(nullptr, nullptr, [] {
+  g_forked.store(true);
+  if (g_pool != nullptr) g_pool = new Pool;
+});
 
 }  // namespace
 
