@@ -73,6 +73,60 @@ def test_act_order_sees_writes_through_data(write):
     torch.testing.assert_close(layer(x), fresh(x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("bits", [3, 4])
+def test_sorted_rows_hold_one_copy_and_give_the_checkpoint_back(bits):
+    layer, _ = layer_and_linear(bits=bits, act_order=True)
+    x = torch.randn(5, IN)
+    y, state, w = layer(x), {k: v.clone() for k, v in layer.state_dict().items()}, layer.dequantize()
+    checkpoint_rows = layer.qweight
+    assert layer.sort_rows() is layer and layer.rows_sorted and layer._plan is None  # the private copy is gone
+    order = torch.argsort(layer.g_idx, stable=True)
+    fields = ref.unpack(layer.qweight.numpy(), bits, 0)  # [K, N] fields of the sorted rows
+    np.testing.assert_array_equal(fields, ref.unpack(checkpoint_rows.numpy(), bits, 0)[order.numpy()])
+    torch.testing.assert_close(layer(x), y, rtol=0, atol=0)  # the same sorted sums as the private copy's
+    assert layer._plan is None
+    sd = layer.state_dict()
+    assert list(sd) == list(state) and all(torch.equal(sd[k], v) for k, v in state.items())
+    assert torch.equal(layer.dequantize(), w)
+    assert torch.equal(layer.unsort_rows().qweight, checkpoint_rows) and not layer.rows_sorted
+
+
+def test_sorted_layer_runs_its_buffers_with_no_checks():
+    layer, _ = layer_and_linear(act_order=True, bias=False)
+    layer.sort_rows()
+    x = torch.randn(1, IN)
+    layer(x)
+    views = ("aten.view", "aten.reshape", "aten._unsafe_view")
+    ops = [op for op in ops_dispatched(lambda: layer(x)) if op not in views]
+    assert ops == ["aten.index_select", "lowbit.gptq_gemm"], ops
+
+
+def test_sorted_layer_sorts_what_load_state_dict_brings():
+    layer, _ = layer_and_linear(act_order=True)
+    other, _ = layer_and_linear(act_order=True, seed=1)
+    x = torch.randn(3, IN)
+    expect = other(x)
+    layer.sort_rows().load_state_dict(other.state_dict())
+    assert layer.rows_sorted and torch.equal(layer(x), expect)
+    assert all(torch.equal(v, other.state_dict()[k]) for k, v in layer.state_dict().items())
+
+
+def test_sorted_layer_refuses_weights_written_in_place():
+    layer, _ = layer_and_linear(act_order=True)
+    other, _ = layer_and_linear(act_order=True, seed=1)
+    layer.sort_rows()
+    with torch.no_grad():
+        layer.qweight.copy_(other.qweight)
+    with pytest.raises(RuntimeError, match="load_state_dict"):
+        layer(torch.randn(1, IN))
+
+
+def test_sorting_an_in_order_layer_changes_nothing():
+    layer, _ = layer_and_linear()
+    qweight = layer.qweight
+    assert not layer.sort_rows().rows_sorted and layer.qweight is qweight
+
+
 @pytest.mark.parametrize("write", ["qweight", "act-order g_idx"])
 def test_plain_layer_sees_writes_through_data(write):
     """A layer without act-order multiplies its own buffers as they are now:

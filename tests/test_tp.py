@@ -117,9 +117,12 @@ def checkpoints(tmp_path_factory):
 # Single process: the offline reorderings
 # ---------------------------------------------------------------------------
 
+@pytest.mark.parametrize("rows_sorted", [False, True])  # True: as the checkpoint loaders hold act-order layers
 @pytest.mark.parametrize("bits", BITS)
-def test_make_sequential(bits):
+def test_make_sequential(bits, rows_sorted):
     layer = act_order(INTER, HIDDEN, bits, seed=bits)
+    if rows_sorted:
+        layer.sort_rows()
     seq = make_sequential(layer)
     perm = torch.argsort(layer.g_idx, stable=True)
     assert isinstance(seq, SequentialGPTQLinear) and not seq.desc_act
@@ -133,9 +136,13 @@ def test_make_sequential(bits):
         assert_matches(seq(x), layer(x), f"{bits}-bit make_sequential, M={x.shape[0]}")
 
 
+@pytest.mark.parametrize("rows_sorted", [False, True])
 @pytest.mark.parametrize("bits", BITS)
-def test_tp_aware(bits):
+def test_tp_aware(bits, rows_sorted):
     mlp = act_order_mlp(bits)
+    if rows_sorted:
+        for part in ("gate_proj", "up_proj", "down_proj"):
+            getattr(mlp, part).sort_rows()
     before = {part: getattr(mlp, part) for part in ("gate_proj", "up_proj", "down_proj")}
     xs = inputs(bits)
     with torch.no_grad():
@@ -156,9 +163,12 @@ def test_tp_aware(bits):
         assert_matches(mlp(x), ref, f"{bits}-bit tp_aware MLP, M={x.shape[0]}")
 
 
+@pytest.mark.parametrize("rows_sorted", [False, True])
 @pytest.mark.parametrize("bits", BITS)
-def test_permutation_round_trips(bits):
+def test_permutation_round_trips(bits, rows_sorted):
     layer = act_order(HIDDEN, INTER, bits, seed=bits)
+    if rows_sorted:
+        layer.sort_rows()
     g = torch.Generator().manual_seed(bits)
     cols, rows = torch.randperm(INTER, generator=g), torch.randperm(HIDDEN, generator=g)
     x = torch.randn(3, HIDDEN, generator=g)

@@ -32,10 +32,15 @@ class GPTQLinear(nn.Module):
     Buffers (state_dict) are the checkpoint's own: `qweight` int32
     [K*bits/32, N], `qzeros` int32 [groups, N*bits/32], `scales` [groups, N],
     `g_idx` int32 [K] and optional `bias` [N], so `load_state_dict` reads a
-    checkpoint and `state_dict()` writes one. For act-order weights the layer
-    keeps a private copy of `qweight` with its rows sorted by group, made the
-    first time it runs (again after its buffers change), so that the kernels
-    read contiguous groups whatever the checkpoint's order.
+    checkpoint and `state_dict()` writes one. The kernels read act-order
+    weights with their rows sorted by group (contiguous groups whatever the
+    checkpoint's order), in one of two ways. By default the layer keeps a
+    private sorted copy of `qweight`, made the first time it runs and checked
+    against its buffers on every call, so that any write into them (through
+    `.data` too) takes effect. After sort_rows() (as the checkpoint loaders
+    call it) `qweight` itself holds the sorted rows: no second copy and no
+    check per call; `state_dict()` still writes the checkpoint's order, and
+    new weights come in through `load_state_dict`.
     """
 
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, sym: bool = True,
@@ -66,6 +71,11 @@ class GPTQLinear(nn.Module):
             self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device))
         else:
             self.bias = None
+        # After sort_rows(): qweight's row k is the checkpoint's row row_order[k], of group
+        # sorted_g_idx[k]. Not state: state_dict writes the checkpoint's order.
+        self.register_buffer("row_order", None, persistent=False)
+        self.register_buffer("sorted_g_idx", None, persistent=False)
+        self._sorted_key = None
         # How to run (_new_plan), one attribute so that threads sharing the layer never see one
         # plan's key with another plan's tensors.
         self._plan = None
@@ -111,6 +121,7 @@ class GPTQLinear(nn.Module):
         share their g_idx), both as wide as whole JOIN_COLUMNS."""
         same = ("in_features", "bits", "group_size", "sym", "desc_act", "checkpoint_format")
         return (type(other) is type(self) and self.out_features % JOIN_COLUMNS == 0
+                and other.rows_sorted == self.rows_sorted
                 and other.out_features % JOIN_COLUMNS == 0 and all(getattr(other, a) == getattr(self, a) for a in same)
                 and other.scales.dtype == self.scales.dtype and other.qweight.device == self.qweight.device
                 and (self.bias is None) == (other.bias is None) and torch.equal(other.g_idx, self.g_idx))
@@ -124,19 +135,67 @@ class GPTQLinear(nn.Module):
         joined = {name: torch.cat([getattr(layer, name) for layer in layers], dim=-1)
                   for name in ("qweight", "qzeros", "scales")}
         bias = None if first.bias is None else torch.cat([layer.bias for layer in layers])
-        return cls.from_tensors(joined["qweight"], joined["qzeros"], joined["scales"], first.g_idx, bias,
-                                first.bits, first.group_size, first.sym, first.desc_act, first.checkpoint_format)
+        layer = cls.from_tensors(joined["qweight"], joined["qzeros"], joined["scales"], first.g_idx, bias,
+                                 first.bits, first.group_size, first.sym, first.desc_act, first.checkpoint_format)
+        if first.rows_sorted:  # equal g_idx: every part's rows are in the same order
+            layer._mark_sorted(first.row_order, first.sorted_g_idx)
+        return layer
 
     def part_state(self, cols: slice) -> dict[str, torch.Tensor]:
         """The state of a layer of output columns `cols` of this one (each
         end a multiple of a zero pack's fields, as every layer's width is)."""
         fields, words = fields_per_pack(self.bits), words_per_pack(self.bits)
         zeros = slice(cols.start // fields * words, cols.stop // fields * words)
-        state = {"qweight": self.qweight[:, cols], "qzeros": self.qzeros[:, zeros], "scales": self.scales[:, cols],
-                 "g_idx": self.g_idx.clone()}  # one tensor each: savers drop a tensor they have seen (tied weights)
+        # One tensor each: savers drop a tensor they have seen (tied weights).
+        state = {"qweight": self.checkpoint_qweight(cols), "qzeros": self.qzeros[:, zeros],
+                 "scales": self.scales[:, cols], "g_idx": self.g_idx.clone()}
         if self.bias is not None:
             state["bias"] = self.bias[cols]
         return state
+
+    @property
+    def rows_sorted(self) -> bool:
+        """Whether qweight holds its rows sorted by group (sort_rows)."""
+        return self.row_order is not None
+
+    def sort_rows(self) -> GPTQLinear:
+        """An act-order layer's qweight rows sorted by group, in place (the
+        layout the kernels read): the layer then holds one copy of its
+        weights and checks nothing per call. state_dict() and dequantize()
+        still give the checkpoint's order; load_state_dict sorts what it
+        loads. A write into qweight or g_idx other than through
+        load_state_dict is an error the next call reports (one through
+        `.data` goes unseen: use unsort_rows() first). A layer whose g_idx is
+        already in group order stays as it is. Returns self."""
+        if self.rows_sorted:
+            return self
+        order = torch.argsort(self.g_idx, stable=True)
+        if not torch.equal(order, torch.arange(order.numel(), device=order.device)):
+            self.qweight = self._permuted_rows(slice(None), order)
+            self._mark_sorted(order, self.g_idx[order].to(torch.int32))
+        return self
+
+    def unsort_rows(self) -> GPTQLinear:
+        """qweight back in the checkpoint's row order, in place; returns self."""
+        if self.rows_sorted:
+            self.qweight = self.checkpoint_qweight()
+            self.row_order = self.sorted_g_idx = self._sorted_key = None
+        return self
+
+    def checkpoint_qweight(self, cols: slice = slice(None)) -> torch.Tensor:
+        """qweight's columns `cols` in the checkpoint's row order (a copy where
+        the rows are sorted)."""
+        if not self.rows_sorted:
+            return self.qweight[:, cols]
+        return self._permuted_rows(cols, torch.argsort(self.row_order))
+
+    def _permuted_rows(self, cols: slice, order: torch.Tensor) -> torch.Tensor:
+        return torch.ops.lowbit.gptq_permute_rows(self.qweight[:, cols].contiguous(), order.to(torch.int32),
+                                                  self.bits)
+
+    def _mark_sorted(self, order: torch.Tensor, sorted_g_idx: torch.Tensor) -> None:
+        self.row_order, self.sorted_g_idx = order, sorted_g_idx
+        self._plan, self._sorted_key = None, self._key()
 
     @property
     def use_v2_format(self) -> bool:
@@ -146,10 +205,12 @@ class GPTQLinear(nn.Module):
         """(qweight, g_idx, perm) for gptq_gemm: x[..., perm] @ W[perm] = x @ W.
 
         A layer whose g_idx is in order runs on its own buffers with no check
-        per call (any later g_idx is still honoured: the op takes any). An
-        act-order layer runs on a private copy of qweight with its rows sorted
-        by group (perm) and the sorted g_idx, which the kernels read as
-        contiguous groups; the activations are permuted to match. That copy's
+        per call (any later g_idx is still honoured: the op takes any), as
+        does a layer whose rows sort_rows() sorted (a comparison of version
+        counters only). Otherwise an act-order layer runs on a private copy
+        of qweight with its rows sorted by group (perm) and the sorted g_idx,
+        which the kernels read as contiguous groups; the activations are
+        permuted to match. That copy's
         source is checked on every call: writes through `.data` (how many
         loaders copy weights in) bump no version counter, so besides g_idx's
         values the check reads qweight's first packed row and first column,
@@ -160,6 +221,11 @@ class GPTQLinear(nn.Module):
         costs more than a small layer's matmul. While torch.compile traces,
         the plan is taken as it stands.
         """
+        if self.row_order is not None:
+            if not torch.compiler.is_compiling() and self._sorted_key != self._key():
+                raise RuntimeError("GPTQLinear: qweight or g_idx was changed in place after sort_rows(); load new "
+                                   "weights with load_state_dict (or call unsort_rows() before writing them)")
+            return self._buffers["qweight"], self._buffers["sorted_g_idx"], self._buffers["row_order"]
         plan = self._plan
         if plan is None or not (torch.compiler.is_compiling() or self._still_valid(plan)):
             plan = self._plan = self._new_plan()
@@ -208,11 +274,30 @@ class GPTQLinear(nn.Module):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The float weight [out_features, in_features] in `dtype` (default: the
         scales' dtype), computed exactly in fp32 and rounded once."""
-        w = torch.ops.lowbit.gptq_dequantize(self.qweight, self.qzeros, self.scales.float(), self.g_idx,
+        w = torch.ops.lowbit.gptq_dequantize(self.checkpoint_qweight(), self.qzeros, self.scales.float(), self.g_idx,
                                              self.use_v2_format, self.bits)
         return w.t().to(dtype or self.scales.dtype)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        if self.rows_sorted:  # moved: the check's key follows the buffers
+            self._sorted_key = self._key()
+        return out
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.rows_sorted:  # a state dict holds the checkpoint's order, whatever loads it
+            destination[prefix + "qweight"] = self.checkpoint_qweight()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        sorted_ = self.rows_sorted
+        self.unsort_rows()  # what is not loaded stays the checkpoint's
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if sorted_:
+            self.sort_rows()
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group_size={self.group_size}, sym={self.sym}, desc_act={self.desc_act}, "
-                f"checkpoint_format={self.checkpoint_format!r}, bias={self.bias is not None}")
+                f"checkpoint_format={self.checkpoint_format!r}, bias={self.bias is not None}"
+                + (", rows_sorted=True" if self.rows_sorted else ""))

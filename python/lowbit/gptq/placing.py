@@ -62,8 +62,13 @@ def place_gptq_checkpoint(model: nn.Module, path: str, checkpoint_format: str | 
     """replace_linear's GPTQ work: the checkpoint at `path` (a directory, or a
     .safetensors file beside its config) into `model`; `checkpoint_format`
     ("gptq" / "gptq_v2") overrides the config's. A model built on the meta
-    device takes the checkpoint's (CPU) tensors in its place."""
+    device takes the checkpoint's (CPU) tensors in its place. Act-order
+    layers hold their rows sorted by group (GPTQLinear.sort_rows)."""
     ckpt = _named_as_model(model, load_gptq(path, checkpoint_format))
+    for layer in ckpt.modules.values():
+        # The tensors are the loader's own: act-order rows sorted in place,
+        # one copy of the weights (GPTQLinear.sort_rows).
+        layer.sort_rows()
     report = ReplaceReport()
     wanted = [n for n, _ in model.named_parameters()]  # tied parameters once, as HF saves them
     wanted += [n for n, _ in _persistent_buffers(model)]

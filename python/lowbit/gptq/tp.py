@@ -81,18 +81,21 @@ def _permuted_cols(t: dict[str, torch.Tensor | None], perm: torch.Tensor, bits: 
 
 
 def _buffers(layer: GPTQLinear) -> dict[str, torch.Tensor | None]:
-    return {name: getattr(layer, name) for name in _TENSORS}
+    """The layer's checkpoint tensors (qweight in the checkpoint's row order)."""
+    state = layer.state_dict(keep_vars=True)
+    return {name: state.get(name) for name in _TENSORS}
 
 
 def _copy(layer: GPTQLinear, cls: type[GPTQLinear] | None = None, **tensors: torch.Tensor) -> GPTQLinear:
     """A new layer of `cls` (default: layer's class) like `layer`, with the given buffers replaced."""
+    state = layer.state_dict(keep_vars=True)
     g_idx = tensors.get("g_idx", layer.g_idx)
     new = (cls or type(layer))(layer.in_features, layer.out_features, layer.bits, layer.group_size, layer.sym,
               not _is_sorted(g_idx), layer.checkpoint_format, layer.bias is not None, layer.scales.dtype,
               layer.qweight.device)
     with torch.no_grad():
         for name, buffer in new.named_buffers(recurse=False):
-            source = tensors.get(name, getattr(layer, name, None))
+            source = tensors.get(name, state.get(name))
             if source is not None:
                 buffer.copy_(source)
     return new
