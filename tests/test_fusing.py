@@ -224,6 +224,9 @@ def test_gptq_models_fuse_and_save_apart(tmp_path, bits):
     with torch.no_grad():
         for length in (12, 1):
             assert torch.equal(fused(ids[:, :length]).logits, plain(ids[:, :length]).logits)
+    # The loaded act-order layers hold one copy of their weights: no private sorted copy was made.
+    layers = [m for model in (fused, plain) for m in model.modules() if isinstance(m, lowbit.GPTQLinear)]
+    assert all(m.rows_sorted and m._plan is None for m in layers)
     # Saved from the fused model: the checkpoint it was loaded from, tensor for tensor.
     lowbit.save_gptq(fused, tmp_path / "again", config)
     original = lowbit.load_gptq(tmp_path / "ckpt")
