@@ -9,15 +9,16 @@ K, N = 256, 96
 ops = torch.ops.lowbit
 
 
-def checkpoint(bits, seed=0):
+def checkpoint(bits, seed=0, n=N):
     rng = np.random.default_rng([bits, seed])
-    c = ref.random_checkpoint(rng, K, N, bits, 32, False, "gptq_v2", True)
+    c = ref.random_checkpoint(rng, K, n, bits, 32, False, "gptq_v2", True)
     return rng, {k: torch.from_numpy(np.ascontiguousarray(c[k])) for k in ("qweight", "qzeros", "scales", "g_idx")}
 
 
+@pytest.mark.parametrize("n", [N, 608])  # 608: the CPU kernel's column tiles of 256, the last one short
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
-def test_permute_rows(bits):
-    rng, c = checkpoint(bits)
+def test_permute_rows(bits, n):
+    rng, c = checkpoint(bits, n=n)
     perm = rng.permutation(K)
     got = ops.gptq_permute_rows(c["qweight"], torch.from_numpy(perm), bits)
     np.testing.assert_array_equal(got.numpy(), ref.pack(ref.unpack(c["qweight"].numpy(), bits, 0)[perm], bits, 0))

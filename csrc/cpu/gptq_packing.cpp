@@ -2,6 +2,7 @@
 // and gptq_shuffle's row permutation. All field arithmetic comes from
 // core/gptq_format.h.
 
+#include <algorithm>
 #include <tuple>
 #include <utility>
 
@@ -58,14 +59,35 @@ void for_each_stream_pack(const PackedAxis& ax, Move move) {
   });
 }
 
-// dst row k = src row perm[k], for a weight packed along K (rows) with N columns.
+// dst row k = src row perm[k], for a weight packed along K (rows) with N
+// columns. A task builds one pack's words for a tile of columns, one field at
+// a time: a field's place in its source and destination words is the same in
+// every column, so the column loop is plain shifts and masks (vectorized),
+// not a field location worked out per word.
 template <int B>
 void permute_rows_impl(const uint32_t* src, uint32_t* dst, const int32_t* perm, int64_t K, int64_t N) {
-  const PackedAxis ax{1, K, N};
-  for_each_pack<B>(ax, [&](int64_t, int64_t p) {
-    const int32_t* from = perm + p * gptq::Pack<B>::kFields;
-    uint32_t* out = dst + gptq::pack_words_at<B>(ax, 0, p);
-    for (int64_t n = 0; n < N; ++n) gptq::gather_one<B>(src + n, from, out + n, N);
+  using P = gptq::Pack<B>;
+  constexpr int64_t kTile = 256;
+  const int64_t packs = K / P::kFields, tiles = (N + kTile - 1) / kTile;
+  parallel_for(packs * tiles, grain_for(P::kFields * kTile), [&](int64_t b, int64_t e) {
+    uint32_t words[P::kWords][kTile];
+    for (int64_t task = b; task < e; ++task) {
+      const int64_t p = task / tiles, n0 = task % tiles * kTile, n = std::min(kTile, N - n0);
+      for (auto& row : words) std::fill(row, row + n, 0u);
+      for (int j = 0; j < P::kFields; ++j) {
+        const gptq::FieldLoc s = gptq::locate<B>(perm[p * P::kFields + j]), d = gptq::locate<B>(j);
+        const uint32_t* lo = src + s.lo * N + n0;
+        const uint32_t* hi = src + s.hi * N + n0;
+        uint32_t* out = words[d.lo];
+        if (s.hi_mask == 0 && d.hi_mask == 0) {  // neither field straddles two words
+          for (int64_t c = 0; c < n; ++c) out[c] |= ((lo[c] >> s.lo_shift) & s.lo_mask) << d.lo_shift;
+        } else {
+          uint32_t* out_hi = words[d.hi];
+          for (int64_t c = 0; c < n; ++c) gptq::insert(out[c], out_hi[c], d, gptq::extract(lo[c], hi[c], s));
+        }
+      }
+      for (int v = 0; v < P::kWords; ++v) std::copy(words[v], words[v] + n, dst + (p * P::kWords + v) * N + n0);
+    }
   });
 }
 
