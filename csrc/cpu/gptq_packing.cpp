@@ -63,7 +63,9 @@ void for_each_stream_pack(const PackedAxis& ax, Move move) {
 // columns. A task builds one pack's words for a tile of columns, one field at
 // a time: a field's place in its source and destination words is the same in
 // every column, so the column loop is plain shifts and masks (vectorized),
-// not a field location worked out per word.
+// not a field location worked out per word. Tasks run down a column tile
+// before the next one: each source word serves kFields packs, and a tile's
+// words stay in cache between them.
 template <int B>
 void permute_rows_impl(const uint32_t* src, uint32_t* dst, const int32_t* perm, int64_t K, int64_t N) {
   using P = gptq::Pack<B>;
@@ -72,7 +74,7 @@ void permute_rows_impl(const uint32_t* src, uint32_t* dst, const int32_t* perm, 
   parallel_for(packs * tiles, grain_for(P::kFields * kTile), [&](int64_t b, int64_t e) {
     uint32_t words[P::kWords][kTile];
     for (int64_t task = b; task < e; ++task) {
-      const int64_t p = task / tiles, n0 = task % tiles * kTile, n = std::min(kTile, N - n0);
+      const int64_t p = task % packs, n0 = task / packs * kTile, n = std::min(kTile, N - n0);
       for (auto& row : words) std::fill(row, row + n, 0u);
       for (int j = 0; j < P::kFields; ++j) {
         const gptq::FieldLoc s = gptq::locate<B>(perm[p * P::kFields + j]), d = gptq::locate<B>(j);
