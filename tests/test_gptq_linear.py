@@ -111,6 +111,21 @@ def test_sorted_layer_sorts_what_load_state_dict_brings():
     assert all(torch.equal(v, other.state_dict()[k]) for k, v in layer.state_dict().items())
 
 
+def test_sorted_layer_copies_and_pickles():
+    import copy
+    import io
+
+    layer, _ = layer_and_linear(act_order=True)
+    x = torch.randn(2, IN)
+    expect = layer.sort_rows()(x)
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    for other in (copy.deepcopy(layer), torch.load(buffer, weights_only=False)):
+        assert other.rows_sorted and other.qweight.data_ptr() != layer.qweight.data_ptr()
+        assert torch.equal(other(x), expect)
+
+
 def test_sorted_layer_refuses_weights_written_in_place():
     layer, _ = layer_and_linear(act_order=True)
     other, _ = layer_and_linear(act_order=True, seed=1)

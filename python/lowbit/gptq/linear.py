@@ -284,6 +284,11 @@ class GPTQLinear(nn.Module):
             self._sorted_key = self._key()
         return out
 
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if self.rows_sorted:  # a copy (deepcopy, pickle) holds new buffers of the same rows
+            self._sorted_key = self._key()
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.rows_sorted:  # a state dict holds the checkpoint's order, whatever loads it
