@@ -136,6 +136,18 @@ def test_sorted_layer_refuses_weights_written_in_place():
         layer(torch.randn(1, IN))
 
 
+@pytest.mark.parametrize("act_order", [False, True])
+def test_layers_made_under_inference_mode_run(act_order):
+    """Inference tensors have no version counter for the per-call checks."""
+    x = torch.randn(2, IN)
+    expect, _ = layer_and_linear(act_order=act_order)
+    with torch.inference_mode():
+        layer, _ = layer_and_linear(act_order=act_order)
+        assert layer.qweight.is_inference()
+        torch.testing.assert_close(layer(x), expect(x), rtol=0, atol=0)
+        torch.testing.assert_close(layer.sort_rows()(x), expect(x), rtol=0, atol=0)
+
+
 def test_sorting_an_in_order_layer_changes_nothing():
     layer, _ = layer_and_linear()
     qweight = layer.qweight

@@ -20,6 +20,13 @@ from .rtn import quantize_rtn
 JOIN_COLUMNS = 64
 
 
+def _version(t: torch.Tensor) -> int:
+    """t's version counter; -1 for an inference tensor (made under
+    torch.inference_mode), which has none: its writes go unseen, as those
+    through `.data` do."""
+    return -1 if t.is_inference() else t._version
+
+
 def in_order_g_idx(in_features: int, group_size: int, device=None) -> torch.Tensor:
     """int32 [in_features]: each input row's group without act-order."""
     g = in_features if group_size == -1 else group_size
@@ -210,8 +217,7 @@ class GPTQLinear(nn.Module):
         counters only). Otherwise an act-order layer runs on a private copy
         of qweight with its rows sorted by group (perm) and the sorted g_idx,
         which the kernels read as contiguous groups; the activations are
-        permuted to match. That copy's
-        source is checked on every call: writes through `.data` (how many
+        permuted to match. That copy's source is checked on every call: writes through `.data` (how many
         loaders copy weights in) bump no version counter, so besides g_idx's
         values the check reads qweight's first packed row and first column,
         which every write of whole rows or whole columns meets (a checkpoint,
@@ -221,7 +227,7 @@ class GPTQLinear(nn.Module):
         costs more than a small layer's matmul. While torch.compile traces,
         the plan is taken as it stands.
         """
-        if self.row_order is not None:
+        if self._buffers["row_order"] is not None:
             if not torch.compiler.is_compiling() and self._sorted_key != self._key():
                 raise RuntimeError("GPTQLinear: qweight or g_idx was changed in place after sort_rows(); load new "
                                    "weights with load_state_dict (or call unsort_rows() before writing them)")
@@ -234,13 +240,13 @@ class GPTQLinear(nn.Module):
     def _key(self) -> tuple:
         # Read from _buffers directly: nn.Module's attribute lookup is a cost per call here.
         q, g = self._buffers["qweight"], self._buffers["g_idx"]
-        return q.data_ptr(), q._version, g.data_ptr(), g._version
+        return q.data_ptr(), _version(q), g.data_ptr(), _version(g)
 
     def _still_valid(self, plan: tuple) -> bool:
         key, sorted_, g_idx, where, sample = plan
         if sorted_ is None:  # in order: only a new g_idx could call for sorting
             g = self._buffers["g_idx"]
-            return (g.data_ptr(), g._version) == key[2:]
+            return (g.data_ptr(), _version(g)) == key[2:]
         return (self._key() == key and torch.equal(self._buffers["g_idx"], g_idx)
                 and torch.equal(torch.take(self._buffers["qweight"], where), sample))
 
