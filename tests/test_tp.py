@@ -215,11 +215,14 @@ def test_reorder_checkpoint(checkpoints, tmp_path):
 # Single process: shard arithmetic without communication
 # ---------------------------------------------------------------------------
 
+@pytest.mark.parametrize("rows_sorted", [False, True])
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_shards_recombine(bits, world_size):
+def test_shards_recombine(bits, world_size, rows_sorted):
     """Column shards concatenate and row shards (sorted g_idx) sum to the full layer."""
     layer = act_order(INTER, HIDDEN, bits, seed=bits)
+    if rows_sorted:
+        layer.sort_rows()
     x = torch.randn(5, INTER)
     cols = [ColumnParallelGPTQLinear.from_layer(layer, r, world_size) for r in range(world_size)]
     assert_matches(torch.cat([c(x) for c in cols], dim=-1), layer(x), f"{bits}-bit column shards")

@@ -277,8 +277,10 @@ class _Source:
 
 
 def _layer_source(layer: GPTQLinear, name: str) -> _Source:
+    state = _buffers(layer)  # the checkpoint's tensors: qweight in its row order
+
     def read(tensor, *index):
-        t = getattr(layer, tensor)
+        t = state[tensor]
         return None if t is None else t[index]
 
     return _Source(name, layer.in_features, layer.out_features, layer.bits, layer.group_size, layer.sym,
@@ -356,7 +358,7 @@ def _local_layer(src: _Source, in_features: int, out_features: int, has_bias: bo
     if hold_gptqmodel_zeros_as_v2(layer):
         warnings.warn(f"{src.name}: v1 zero fields of all ones (zero point 2^bits, which no quantizer produces) "
                       "were read as GPTQModel writes them (a zero of 0) and are held as exact v2 zeros", stacklevel=3)
-    return layer
+    return layer.sort_rows()  # its own copy: act-order rows sorted in place, as the checkpoint loaders hold them
 
 
 def _column_shard(src: _Source, rank: int, world_size: int) -> GPTQLinear:
