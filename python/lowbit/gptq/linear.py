@@ -128,8 +128,8 @@ class GPTQLinear(nn.Module):
         share their g_idx), both as wide as whole JOIN_COLUMNS."""
         same = ("in_features", "bits", "group_size", "sym", "desc_act", "checkpoint_format")
         return (type(other) is type(self) and self.out_features % JOIN_COLUMNS == 0
-                and other.rows_sorted == self.rows_sorted
                 and other.out_features % JOIN_COLUMNS == 0 and all(getattr(other, a) == getattr(self, a) for a in same)
+                and other.rows_sorted == self.rows_sorted
                 and other.scales.dtype == self.scales.dtype and other.qweight.device == self.qweight.device
                 and (self.bias is None) == (other.bias is None) and torch.equal(other.g_idx, self.g_idx))
 
@@ -174,12 +174,10 @@ class GPTQLinear(nn.Module):
         load_state_dict is an error the next call reports (one through
         `.data` goes unseen: use unsort_rows() first). A layer whose g_idx is
         already in group order stays as it is. Returns self."""
-        if self.rows_sorted:
-            return self
-        order = torch.argsort(self.g_idx, stable=True)
-        if not torch.equal(order, torch.arange(order.numel(), device=order.device)):
-            self.qweight = self._permuted_rows(slice(None), order)
-            self._mark_sorted(order, self.g_idx[order].to(torch.int32))
+        if not self.rows_sorted and (form := self._sorted_form()) is not None:
+            rows, sorted_g_idx, order = form
+            self.qweight = rows
+            self._mark_sorted(order, sorted_g_idx)
         return self
 
     def unsort_rows(self) -> GPTQLinear:
@@ -195,6 +193,14 @@ class GPTQLinear(nn.Module):
         if not self.rows_sorted:
             return self.qweight[:, cols]
         return self._permuted_rows(cols, torch.argsort(self.row_order))
+
+    def _sorted_form(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(qweight's rows sorted by group, the sorted g_idx, the order), or
+        None where g_idx is in order already."""
+        order = torch.argsort(self.g_idx, stable=True)
+        if torch.equal(order, torch.arange(order.numel(), device=order.device)):
+            return None
+        return self._permuted_rows(slice(None), order), self.g_idx[order].to(torch.int32), order
 
     def _permuted_rows(self, cols: slice, order: torch.Tensor) -> torch.Tensor:
         return torch.ops.lowbit.gptq_permute_rows(self.qweight[:, cols].contiguous(), order.to(torch.int32),
@@ -217,11 +223,11 @@ class GPTQLinear(nn.Module):
         counters only). Otherwise an act-order layer runs on a private copy
         of qweight with its rows sorted by group (perm) and the sorted g_idx,
         which the kernels read as contiguous groups; the activations are
-        permuted to match. That copy's source is checked on every call: writes through `.data` (how many
-        loaders copy weights in) bump no version counter, so besides g_idx's
-        values the check reads qweight's first packed row and first column,
-        which every write of whole rows or whole columns meets (a checkpoint,
-        or a row or column shard of one). The row is contiguous: that is
+        permuted to match. That copy's source is checked on every call: writes
+        through `.data` (how many loaders copy weights in) bump no version
+        counter, so besides g_idx's values the check reads qweight's first
+        packed row and first column, which every write of whole rows or whole
+        columns meets (a checkpoint, or a row or column shard of one). The row is contiguous: that is
         N / 16 + rows cache lines, where a diagonal through every row and
         column would be max(N, rows) scattered ones, a read from memory that
         costs more than a small layer's matmul. While torch.compile traces,
@@ -253,17 +259,14 @@ class GPTQLinear(nn.Module):
     def _new_plan(self) -> tuple:
         """(key, (sorted qweight, sorted g_idx, perm) or None when g_idx is in
         order, g_idx copy, sampled qweight positions, their words)."""
-        key = self._key()
-        g_idx = self.g_idx
-        perm = torch.argsort(g_idx, stable=True)
-        if torch.equal(perm, torch.arange(perm.numel(), device=perm.device)):
+        key, form = self._key(), self._sorted_form()
+        if form is None:
             return key, None, None, None, None
-        rows = torch.ops.lowbit.gptq_permute_rows(self.qweight, perm.to(torch.int32), self.bits)
         q_rows, cols = self.qweight.shape
-        where = torch.cat([torch.arange(cols, device=g_idx.device),
-                           torch.arange(1, q_rows, device=g_idx.device) * cols])  # row 0, column 0
-        return (key, (rows, g_idx[perm].to(torch.int32), perm), g_idx.clone(), where,
-                torch.take(self.qweight, where))
+        device = self.g_idx.device
+        where = torch.cat([torch.arange(cols, device=device),
+                           torch.arange(1, q_rows, device=device) * cols])  # row 0, column 0
+        return key, form, self.g_idx.clone(), where, torch.take(self.qweight, where)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qweight, g_idx, perm = self._prepare()
