@@ -1,17 +1,16 @@
 """How far SmolLM2's held-out perplexity moves under rounding-sized changes,
 for the fp32 model and for the GGUF Q4_1 file through lowbit (8-bit
-activations, as llama.cpp multiplies).
+activations, as llama.cpp multiplies), on the main job's held-out tokens.
 
-The main job's GGUF row reads 19.508 on the AMD VM and 19.423 on the Xeon VM
-with the same kernels and the same file, while fp32 reads 19.269 on both.
-This measures why: the token embeddings are scaled by (1 + 1e-7 * noise), a
-few fp32 ulps, and each CPU ISA's kernels are run (their fp32 sums are
-ordered differently, about 3e-7 relative per layer). Where an 8-bit
-activation block sits next to a rounding boundary, such a change moves one
-level by a whole step (a block with an outlier has steps of outlier / 127),
-and 30 layers carry it on; fp32 has no such steps.
+The token embeddings are scaled by (1 + 1e-7 * noise), a few fp32 ulps, and
+each CPU ISA's kernels are run (their fp32 sums are ordered differently,
+about 3e-7 relative per layer). Where an 8-bit activation block sits next to
+a rounding boundary, such a change moves one level by a whole step (a block
+with an outlier has steps of outlier / 127), and 30 layers carry it on; fp32
+has no such steps. This is why the main job's GGUF rows differ between
+machines with the same kernels and the same file while fp32's do not.
 
-    python -m benchmarks.perplexity_noise   # about 2 minutes on 2 cores
+    python -m benchmarks.perplexity_noise   # about 4 minutes on 2 cores
 """
 import sys
 import time
@@ -21,10 +20,9 @@ import torch
 from lowbit.gguf.model import load_gguf_model
 
 from benchmarks import smollm2
-from benchmarks.demo import write_result_table
+from benchmarks.demo import HELDOUT_TOKENS, write_result_table
 from benchmarks.machine import machine_slug
 
-HELDOUT_TOKENS = 1024
 SEEDS = (1, 2, 3, 4)
 RELATIVE_NOISE = 1e-7
 

@@ -140,32 +140,40 @@ def perplexity(model, ids: torch.Tensor, window: int = 256) -> float:
     return heldout_scores(model, ids, window=window)[0]
 
 
-def speed(model, ids: torch.Tensor, prefill: int = 128, decode: int = 16) -> tuple[float, float]:
+def speed(model, ids: torch.Tensor, prefill: int = 128, decode: int = 16, rounds: int = 3) -> tuple[float, float]:
     """(prefill tokens/s for a `prefill`-token prompt, greedy decode tokens/s),
-    on the device the model is on."""
+    on the device the model is on; each the median of `rounds` rounds, as one
+    16-token decode on a 2-core machine can lose a third of its speed to a
+    moment of other work."""
     device = next(model.parameters()).device
     prompt = ids[None, :prefill].to(device)
+    # transformers 5.2x renamed past_key_values (argument and output) to cache.
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def now() -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
-    with torch.no_grad():
-        model(prompt[:, :8])  # warm-up
+    def one_round() -> tuple[float, float]:
         t0 = now()
-        model(prompt)
-        prefill_tps = prefill / (now() - t0)
-        # transformers 5.2x renamed past_key_values (argument and output) to cache.
-        cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         out = model(prompt, use_cache=True)
+        prefill_tps = prefill / (now() - t0)
         cache, token = getattr(out, cache_arg), out.logits[:, -1:].argmax(-1)
         t0 = now()
         for _ in range(decode):
             out = model(token, use_cache=True, **{cache_arg: cache})
             cache, token = getattr(out, cache_arg), out.logits[:, -1:].argmax(-1)
-        decode_tps = decode / (now() - t0)
-    return prefill_tps, decode_tps
+        return prefill_tps, decode / (now() - t0)
+
+    with torch.no_grad():
+        model(prompt[:, :8])  # warm-up
+        return medians([one_round() for _ in range(rounds)])
+
+
+def medians(rounds: list[tuple[float, float]]) -> tuple[float, float]:
+    """The median of each column of `rounds` (odd counts: a measured value)."""
+    return tuple(float(np.median(column)) for column in zip(*rounds))
 
 
 def gpu() -> torch.device | None:
@@ -212,23 +220,28 @@ def llama_cpp_model(path: str, window: int = 256):
                                        n_threads=threads, n_threads_batch=threads, verbose=False), None
 
 
-def llama_cpp_speed(llm, ids: torch.Tensor, prefill: int = 128, decode: int = 16) -> tuple[float, float]:
+def llama_cpp_speed(llm, ids: torch.Tensor, prefill: int = 128, decode: int = 16,
+                    rounds: int = 3) -> tuple[float, float]:
     """speed() for a llama_cpp.Llama: the same warm-up, the same prompt from an
     empty context (logits for every position, as a transformers forward), the
-    same greedy decode after it."""
+    same greedy decode after it, the same medians."""
     prompt = ids[:prefill].tolist()
+
+    def one_round() -> tuple[float, float]:
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        prefill_tps = prefill / (time.perf_counter() - t0)
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t0 = time.perf_counter()
+        for _ in range(decode):
+            llm.eval([token])
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        return prefill_tps, decode / (time.perf_counter() - t0)
+
     llm.reset()
     llm.eval(prompt[:8])  # warm-up
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(prompt)
-    prefill_tps = prefill / (time.perf_counter() - t0)
-    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    t0 = time.perf_counter()
-    for _ in range(decode):
-        llm.eval([token])
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    return prefill_tps, decode / (time.perf_counter() - t0)
+    return medians([one_round() for _ in range(rounds)])
 
 
 def measure_llama_cpp(llm, heldout_ids: torch.Tensor, reference: list[torch.Tensor]) -> Measurement:
