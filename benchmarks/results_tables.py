@@ -330,7 +330,7 @@ def summary_block():
         path = os.path.join(RESULTS, f"{slug}-gguf.json")
         if not os.path.exists(path):
             out += [f"**{m['name']}, {m['threads']} threads** (torch {m['torch']}; `benchmarks/results/{slug}-*`).", ""]
-            out += main_job_lines(slug) + e2e_lines(slug) + shared_cores_lines(slug)
+            out += main_job_lines(slug) + calibration_lines(slug) + e2e_lines(slug) + shared_cores_lines(slug)
             continue
         data = load_json(path)
         most = max(e["threads"] for e in data["matmul"])
@@ -349,7 +349,7 @@ def summary_block():
                 out += [f"`gptq_gemm` 4-bit g128, K x N = {GPTQ_SHAPE[0]}x{GPTQ_SHAPE[1]}, {most} threads: bf16 "
                         f"activations over torch's int4 kernel {int4}; fp32 activations over torch's fp32 dense "
                         f"matmul {fp32}.", ""]
-        out += main_job_lines(slug) + e2e_lines(slug) + shared_cores_lines(slug)
+        out += main_job_lines(slug) + calibration_lines(slug) + e2e_lines(slug) + shared_cores_lines(slug)
     if out:
         out += [PAIR_NOTE]
     return "\n".join(out).rstrip("\n") + "\n"
@@ -363,6 +363,20 @@ def main_job_lines(slug):
     names = [n for n in ("perplexity", "KL to fp32", "decode tok/s") if n in rows[0]]  # a file with KL has one more
     cells = "; ".join(f"{r['format']} " + " / ".join(r[n] for n in names) for r in rows)
     return [f"Main job (SmolLM2-135M, `make demo`), {' / '.join(names).replace('tok/s', 'tokens/s')}: {cells}.", ""]
+
+
+def calibration_lines(slug):
+    path = os.path.join(RESULTS, f"gptq-calibration-{slug}.md")
+    if not os.path.exists(path):
+        return []
+
+    def label(r):
+        if r["method"] == "round to nearest":
+            return r["method"]
+        return f"{r['calibration tokens']} tokens, {r['dampening']}" + (", act-order" if r["act-order"] == "yes" else "")
+    cells = "; ".join(f"{label(r)} {r['KL to fp32']} / {r['perplexity']}" for r in md_rows(path))
+    return [f"GPTQ 4-bit g128 calibration (SmolLM2, `python -m benchmarks.gptq_calibration`), KL to fp32 / "
+            f"perplexity: {cells}.", ""]
 
 
 def md_rows(path):
