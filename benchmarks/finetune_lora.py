@@ -48,13 +48,11 @@ def peak_rss_mb() -> float:
 def make_gptq(directory: str) -> None:
     """The shipped file's weights as a 4-bit GPTQ checkpoint (RTN) in `directory`."""
     import benchmarks.smollm2 as s
-    from lowbit.gptq import GPTQConfig
 
     _, float_model = s.load_float_model(s.gguf_path())
-    config = GPTQConfig(bits=4, group_size=128, desc_act=False, sym=False, checkpoint_format="gptq_v2")
     from lowbit import save_gptq
 
-    save_gptq(s.rtn_model(float_model, 4, 128), directory, config)
+    save_gptq(s.rtn_model(float_model, 4, 128), directory, s.rtn_config(4, 128))
 
 
 def train(base: str, steps: int, gptq_dir: str) -> dict:

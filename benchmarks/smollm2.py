@@ -73,6 +73,11 @@ def rtn_model(float_model, bits: int, group_size: int = 128):
     return model
 
 
+def rtn_config(bits: int, group_size: int = 128) -> GPTQConfig:
+    """The checkpoint config of rtn_model(_, bits, group_size)."""
+    return GPTQConfig(bits=bits, group_size=group_size, desc_act=False, sym=False, checkpoint_format="gptq_v2")
+
+
 def through_checkpoint(quantized, config: GPTQConfig):
     """Writes `quantized` as an HF GPTQ directory and loads it back with
     lowbit.load_gptq_model: what a user of the checkpoint gets."""
