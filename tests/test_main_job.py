@@ -32,9 +32,8 @@ def float_model():
 
 def test_gptq_checkpoint_perplexity_equals_the_dequantized_float_model(float_model):
     tokenizer, fp32 = float_model
-    quantized = smollm2.rtn_model(fp32, 4)
-    config = lowbit.gptq.GPTQConfig(bits=4, group_size=128, sym=False, checkpoint_format="gptq_v2")
-    loaded = smollm2.through_checkpoint(quantized, config)
+    # The main job's RTN row: rtn_model through a checkpoint with its rtn_config.
+    loaded = smollm2.through_checkpoint(smollm2.rtn_model(fp32, 4), smollm2.rtn_config(4))
     dequantized = copy.deepcopy(fp32)
     for name in smollm2.decoder_linears(fp32):
         layer = loaded.get_submodule(name)  # a fused projection's rows are its fused GPTQLinear's
@@ -171,6 +170,11 @@ def test_act_order_gptq_is_closer_to_fp32_than_rtn_in_kl(float_model):
     _, kl_gptq = smollm2.heldout_scores(gptq, ids, reference)
     _, kl_rtn = smollm2.heldout_scores(smollm2.rtn_model(fp32, 4), ids, reference)
     assert 0 < kl_gptq < KL_MARGIN * kl_rtn, (kl_gptq, kl_rtn)
+
+
+def test_speed_columns_are_medians_of_the_rounds():
+    # Each column on its own: the prefill of one round beside the decode of another.
+    assert smollm2.medians([(300.0, 20.0), (100.0, 40.0), (200.0, 10.0)]) == (200.0, 20.0)
 
 
 def test_speed_on_a_device_and_the_gpu_columns(float_model):
