@@ -42,10 +42,10 @@ GPTQ_ROWS = [
 ]
 QUICK_ROWS = GPTQ_ROWS[1:2]
 # 10% rather than GPTQ's usual 1%: on 2048 calibration tokens 1% lowers the KL
-# to fp32 of the asymmetric 4-bit rows (benchmarks.gptq_calibration) but raises
-# that of the symmetric 4-bit, 3-bit and 2-bit rows above 10%'s (1.10, 2.60 and
-# 13.1 against 0.97, 2.43 and 10.2 nats), the symmetric one above RTN's: with so
-# few tokens the Hessian of a 1536-wide down_proj input is close to singular.
+# to fp32 of the asymmetric 4-bit rows a little (benchmarks.gptq_calibration)
+# but raises that of the symmetric 4-bit, 3-bit and 2-bit rows well above 10%'s,
+# the symmetric one to about RTN's: with so few tokens the Hessian of a
+# 1536-wide down_proj input is close to singular.
 DAMP_PERCENT = 0.1
 GGUF_Q4_1 = 3  # the ggml type of the shipped file's linear layers
 LLAMA_CPP_ROW = "GGUF Q4_1 (as shipped) through llama.cpp"

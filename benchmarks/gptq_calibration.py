@@ -2,9 +2,9 @@
 the fp32 model (dequantized from the shipped Q4_1 file) for each number of
 calibration tokens, dampening and act-order setting, scored against the
 fp32 model on the main job's held-out tokens by KL divergence (nats per
-token) and perplexity, beside round-to-nearest. The main job runs one point
-of this grid (2048 tokens, 10% dampening, both act-order settings); this
-shows how the choice moves the result.
+token) and perplexity, beside round-to-nearest. The main job's asymmetric
+4-bit rows are two points of this grid (2048 tokens, 10% dampening, with and
+without act-order); this shows how the choice moves the result.
 
     python -m benchmarks.gptq_calibration   # about 10 minutes on 2 cores
 """
