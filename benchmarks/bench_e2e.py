@@ -19,7 +19,8 @@ Per (file, library) it measures:
 
 lowbit: lowbit.load_gguf_model + model.generate (greedy; a streamer stamps
 each token), in the file's layout and with lowbit.repack_model; a 4-bit GPTQ
-checkpoint of the 1B model through lowbit.load_gptq_model; on the shipped
+checkpoint of the 1B model through lowbit.load_gptq_model, with fp32
+activations and with int8 ones (int8_activations, gptq_gemm_a8); on the shipped
 file also with its projections unfused (load_gguf_model's fuse=False), and
 with lowbit.compiled_decoding (static cache, compiled decode steps;
 inductor calling the kernels from Python, and from generated C++), whose
@@ -82,6 +83,7 @@ VARIANTS = {
     "lowbit-unfused": "lowbit, file layout, unfused",
     "lowbit-repacked": "lowbit, repacked",
     "lowbit-gptq": "lowbit, GPTQ",
+    "lowbit-gptq-a8": "lowbit, GPTQ, int8 activations",
     "lowbit-compiled": "lowbit, compiled decode",
     "lowbit-compiled-cpp": "lowbit, compiled decode, C++ wrapper",
     "llama": "llama.cpp, default buffers",
@@ -134,8 +136,8 @@ def _child_lowbit(spec):
     prompt = torch.tensor([spec["prompt"]])
     layout = {}
     t0 = time.perf_counter()
-    if spec["variant"] == "lowbit-gptq":
-        model = lowbit.load_gptq_model(spec["path"])
+    if spec["variant"].startswith("lowbit-gptq"):
+        model = lowbit.load_gptq_model(spec["path"], int8_activations=spec["variant"] == "lowbit-gptq-a8")
     else:
         model = lowbit.load_gguf_model(spec["path"], fuse=spec["variant"] != "lowbit-unfused")
         if spec["variant"].startswith("lowbit-compiled"):
@@ -451,8 +453,9 @@ def files(models, threads):
         q4km = llama_quantize(f16, os.path.join(cache, "random-llama-1b.Q4_K_M.gguf"), "Q4_K_M", threads)
         stem = os.path.join(cache, f"random-llama-1b-gptq-{GPTQ_BITS}bit-g{GPTQ_GROUP}")
         out.append(("random Llama 1.0B Q4_K_M", q4km, gguf_variants))
-        out.append((GPTQ_LABEL, gptq_from_gguf(f16, stem), ["lowbit-gptq"]))
-        out.append((GPTQ_ACT_ORDER_LABEL, gptq_from_gguf(f16, stem + "-act-order", act_order=True), ["lowbit-gptq"]))
+        gptq_variants = ["lowbit-gptq", "lowbit-gptq-a8"]
+        out.append((GPTQ_LABEL, gptq_from_gguf(f16, stem), gptq_variants))
+        out.append((GPTQ_ACT_ORDER_LABEL, gptq_from_gguf(f16, stem + "-act-order", act_order=True), gptq_variants))
     return out
 
 
@@ -632,13 +635,14 @@ def main():
         "peak RSS: the process's high-water RSS (VmHWM); above imports: over its RSS after importing its library "
         "(torch, transformers and lowbit; llama_cpp).",
     ]
-    gptq = {s["file"]: s for s in summaries if s["variant"] == "lowbit-gptq"}
-    if GPTQ_LABEL in gptq and GPTQ_ACT_ORDER_LABEL in gptq:
-        plain, shuffled = gptq[GPTQ_LABEL], gptq[GPTQ_ACT_ORDER_LABEL]
-        notes.append(f"Act-order against the same quantization without it: prefill "
-                     f"{ratio(shuffled['prefill_tps'], plain['prefill_tps'])}, decode "
-                     f"{ratio(shuffled['decode_tps'], plain['decode_tps'])}, peak RSS "
-                     f"{ratio(shuffled['peak_rss_mb'], plain['peak_rss_mb'])}.")
+    for variant in ("lowbit-gptq", "lowbit-gptq-a8"):
+        gptq = {s["file"]: s for s in summaries if s["variant"] == variant}
+        if GPTQ_LABEL in gptq and GPTQ_ACT_ORDER_LABEL in gptq:
+            plain, shuffled = gptq[GPTQ_LABEL], gptq[GPTQ_ACT_ORDER_LABEL]
+            notes.append(f"Act-order against the same quantization without it ({VARIANTS[variant]}): prefill "
+                         f"{ratio(shuffled['prefill_tps'], plain['prefill_tps'])}, decode "
+                         f"{ratio(shuffled['decode_tps'], plain['decode_tps'])}, peak RSS "
+                         f"{ratio(shuffled['peak_rss_mb'], plain['peak_rss_mb'])}.")
     with printed_to(os.path.join(out_dir, f"{stem}.txt")):
         print(f"machine: {info['name']} ({info['threads']} threads), torch {info['torch']}, CPU kernels: "
               f"{torch.ops.lowbit.cpu_isa()}, OMP_WAIT_POLICY={omp}")

@@ -247,3 +247,33 @@ def gemm(a, qweight, qzeros, scales, g_idx, bits, fmt):
     """float64 a @ dequantize(...), a of shape [..., K]."""
     W = dequantize(qweight, qzeros, scales, g_idx, bits, fmt)
     return np.asarray(a, dtype=np.float64) @ W
+
+
+def gemm_a8(a, qweight, qzeros, scales, bits, fmt, group_size):
+    """float32 out [M, N] of gptq_gemm_a8 (csrc/README.md), contiguous groups of
+    group_size rows (-1: one group): each row of a quantized per group to
+    q = rint(a * (127 / amax)) in float32 arithmetic with scale d = amax / 127
+    (NaN where the group holds a NaN or an infinity, q = 0 there), the
+    group's integer dot product r = sum q_a * (q_w - z), and out = fma(s * d,
+    r, out) in float32 group by group (the fma in float64, exact for these
+    24-bit operands but for one rounding of the sum)."""
+    a = np.asarray(a, dtype=np.float32)
+    q = unpack(qweight, bits, 0).astype(np.int64)
+    K, N = q.shape
+    z = decode_zeros(unpack(qzeros, bits, 1), bits, fmt).astype(np.int64)[:, :N]
+    s = np.asarray(scales).astype(np.float32)
+    gs = K if group_size == -1 else group_size
+    out = np.zeros((a.shape[0], N), dtype=np.float32)
+    for g, k0 in enumerate(range(0, K, gs)):
+        block = a[:, k0:k0 + gs]
+        finite = np.isfinite(block).all(axis=1)
+        amax = np.abs(np.where(finite[:, None], block, 0)).max(axis=1).astype(np.float32)
+        inv = np.zeros_like(amax)
+        ok = finite & (amax > 0)
+        inv[ok] = np.float32(127) / amax[ok]
+        qa = np.where(finite[:, None], np.rint(np.where(finite[:, None], block, 0) * inv[:, None]), 0).astype(np.int64)
+        d = np.where(finite, amax / np.float32(127), np.float32(np.nan)).astype(np.float32)
+        r = qa @ (q[k0:k0 + gs] - z[g])  # exact: int64
+        sd = (s[g][None, :] * d[:, None]).astype(np.float32)
+        out = (sd.astype(np.float64) * r.astype(np.float32).astype(np.float64) + out).astype(np.float32)
+    return out

@@ -314,3 +314,22 @@ def test_loading_keeps_no_mapped_pages_of_copied_weights(tmp_path, monkeypatch):
     f = lowbit.load_gguf(path)
     copied = sum(f.tensors[f"blk.{i}.attn_{p}.weight"].nbytes for i in range(30) for p in "qkv")
     assert mapped_kb(path) - kept >= 0.9 * copied / 1024
+
+
+def test_gptq_models_load_with_int8_activations(tmp_path):
+    from lowbit.gptq import GPTQConfig
+
+    config = GPTQConfig(bits=4, group_size=32, desc_act=True, sym=False, checkpoint_format="gptq_v2")
+    lowbit.save_gptq(act_order_gptq_llama(4), tmp_path / "ckpt", config)
+    fused = lowbit.load_gptq_model(tmp_path / "ckpt", int8_activations=True)
+    plain = lowbit.load_gptq_model(tmp_path / "ckpt", fuse=False, int8_activations=True)
+    exact = lowbit.load_gptq_model(tmp_path / "ckpt")
+    layers = [m for model in (fused, plain) for m in model.modules() if isinstance(m, lowbit.GPTQLinear)]
+    assert layers and all(m.int8_activations for m in layers)
+    assert not any(m.int8_activations for m in exact.modules() if isinstance(m, lowbit.GPTQLinear))
+    ids = torch.tensor([[3, 17, 400, 2, 9, 33, 61, 5, 12, 27, 8, 50]])
+    with torch.no_grad():
+        got, want = fused(ids).logits, exact(ids).logits
+        assert torch.equal(got, plain(ids).logits)  # joined layers: each column's sums unchanged
+    assert not torch.equal(got, want)
+    torch.testing.assert_close(got, want, rtol=0, atol=0.05 * want.abs().max().item())

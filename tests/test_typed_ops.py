@@ -64,6 +64,7 @@ def _calls():
     q4_0 = int(GGMLType.Q4_0)
     return {
         "gptq_gemm": (w["a"], w["qweight"], w["qzeros"], w["scales"], w["g_idx"], False, True, BITS),
+        "gptq_gemm_a8": (w["a"], w["qweight"], w["qzeros"], w["scales"], w["g_idx"], True, BITS),
         "gptq_dequantize": (w["qweight"], w["qzeros"], w["scales"], w["g_idx"], False, BITS),
         "gptq_permute_rows": (w["qweight"], w["perm_k"], BITS),
         "gptq_permute_cols": (w["qweight"], w["qzeros"], w["scales"], w["perm_n"], BITS),

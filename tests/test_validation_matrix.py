@@ -61,6 +61,12 @@ def gemm():
                 b_g_idx=w["g_idx"], use_exllama=False, use_v2_format=True, bit=4)
 
 
+def gemm_a8():
+    kw = gemm()
+    del kw["use_exllama"]
+    return kw
+
+
 def dequant():
     kw = gemm()
     del kw["a"], kw["use_exllama"]
@@ -101,6 +107,21 @@ OPS = {
         "g_idx short": (lambda kw: {"b_g_idx": kw["b_g_idx"][:-1]}, ValueError, "b_g_idx must have K=256"),
         "perm past K (shuffled layout)": (lambda kw: {"use_exllama": True, "b_g_idx": torch.full((K,), K, dtype=I32)},
                                           ValueError, "b_g_idx values must lie"),
+        "groups do not divide K": (lambda kw: {"b_g_idx": torch.empty(0, dtype=I32),
+                                               "b_gptq_scales": kw["b_gptq_scales"][:7].contiguous(),
+                                               "b_gptq_qzeros": kw["b_gptq_qzeros"][:7].contiguous()},
+                                   ValueError, "groups"),
+    }),
+    "gptq_gemm_a8": Op(gemm_a8, {
+        "a": Arg(FLOATS, contiguous=False, empty_ok=(0,), rank_free=True),
+        "b_q_weight": Arg((I32,)), "b_gptq_qzeros": Arg((I32,)), "b_gptq_scales": Arg(FLOATS),
+        "b_g_idx": Arg((I32, torch.int64), contiguous=False, empty_ok=(0,)),
+    }, {
+        **BITS_CASES,
+        "a has the wrong K": (lambda kw: {"a": torch.randn(3, K + 8)}, ValueError, "a must be"),
+        "g_idx past the groups": (lambda kw: {"b_g_idx": kw["b_g_idx"] + 1}, ValueError, "b_g_idx values must lie"),
+        "groups not contiguous": (lambda kw: {"b_g_idx": kw["b_g_idx"].flip(0).contiguous()}, ValueError,
+                                  "b_g_idx must put the rows in contiguous groups"),
         "groups do not divide K": (lambda kw: {"b_g_idx": torch.empty(0, dtype=I32),
                                                "b_gptq_scales": kw["b_gptq_scales"][:7].contiguous(),
                                                "b_gptq_qzeros": kw["b_gptq_qzeros"][:7].contiguous()},
@@ -301,7 +322,8 @@ def test_validation_matrix(op_name, case, over, expect):
 # Rejections that depend on tensor values, which a fake kernel never sees.
 VALUE_CASES = {"g_idx negative", "g_idx past the groups", "g_idx int64 above 2^32", "perm past K (shuffled layout)",
                "perm past K", "perm negative", "perm not a permutation", "perm past N", "value above 2^bit - 1",
-               "negative value", "expert past the last", "negative expert", "int64 expert that int32 would wrap"}
+               "negative value", "expert past the last", "negative expert", "int64 expert that int32 would wrap",
+               "groups not contiguous"}
 SHAPE_CASES = [c for c in CASES if c[3] != "accepted" and c[1] not in VALUE_CASES]
 
 

@@ -21,6 +21,7 @@
 #include "../ops/gptq_checks.h"
 #include "../ops/backend_ops.h"
 #include "gptq_kernels.h"
+#include "gptq_prepare.h"
 #include "isa.h"
 #include "parallel.h"
 
@@ -126,15 +127,7 @@ template <int B>
 void gemm_fused(const float* a, int64_t M, const GptqWeight& w, float* out, Isa isa, const Bf16Acts* a16) {
   const int64_t step = isa == Isa::kAvx512 ? kAvx512FusedCols : isa == Isa::kAvx2 ? kAvx2FusedCols : kTileN;
   const int64_t simd_end = isa == Isa::kPortable ? 0 : w.N - w.N % step;
-  // Tasks of up to 16 steps: wide for long contiguous reads of each weight row
-  // (16 measured ~10% faster than 4 at M=1 on wide layers), and narrower where
-  // that gives each thread fewer than kChunksPerThread of them: a small
-  // layer's columns (576 or 192 in a 135M model) then still spread evenly.
-  const int64_t per_chunk = w.N / (kChunksPerThread * pool_threads()) / step * step;
-  const int64_t task = std::clamp(per_chunk, step, 16 * step);
-  const int64_t tasks = (w.N + task - 1) / task;
-  parallel_for(tasks, 1, [&](int64_t t0, int64_t t1) {
-    const int64_t n0 = t0 * task, n1 = std::min(w.N, t1 * task);
+  for_column_tasks(w.N, step, [&](int64_t n0, int64_t n1) {
     const int64_t simd_n1 = std::min(n1, simd_end);
 #if LOWBIT_X86_SIMD
     if (simd_n1 > n0) {
@@ -315,50 +308,6 @@ void gemm_bf16x2_mm(const at::Tensor& a, const GptqWeight& w, const at::Tensor& 
     at::mm_out(o, a2, tile_buf.narrow(0, 0, 2 * K * width).view({2 * K, width}));
     out.narrow(1, n0, width).copy_(o);
   }
-}
-
-// Owns what a GptqWeight points into.
-struct PreparedWeight {
-  at::Tensor g_idx;
-  GptqWeight view;
-};
-
-// A g_idx that is k / gs for some group size gs (contiguous groups, the last
-// one possibly short, as checkpoints with K % group_size != 0 store it) is the
-// trivial grouping RowGroups{nullptr, gs}, which the SIMD kernels take; 0 if
-// g_idx is anything else.
-int64_t contiguous_group_size(const at::Tensor& g_idx, int64_t K) {
-  const int32_t* g = g_idx.data_ptr<int32_t>();
-  int64_t gs = 1;
-  while (gs < K && g[gs] == 0) ++gs;
-  for (int64_t k = 0; k < K; ++k) {
-    if (g[k] != k / gs) return 0;
-  }
-  return gs;
-}
-
-PreparedWeight prepare(const at::Tensor& qweight, const at::Tensor& qzeros, const at::Tensor& scales,
-                       const at::Tensor& g_idx, const GptqDims& d, bool use_v2_format, int64_t bit) {
-  PreparedWeight p;
-  p.g_idx = g_idx;
-  const ScaleType scale_type = scales.scalar_type() == at::kFloat  ? ScaleType::kF32
-                               : scales.scalar_type() == at::kHalf ? ScaleType::kF16
-                                                                   : ScaleType::kBF16;
-  int64_t group_size = d.K / d.groups;
-  const int32_t* gi = g_idx.numel() ? g_idx.data_ptr<int32_t>() : nullptr;
-  if (gi) {
-    if (const int64_t gs = contiguous_group_size(g_idx, d.K)) {
-      gi = nullptr;
-      group_size = gs;
-    }
-  }
-  p.view = GptqWeight{reinterpret_cast<const uint32_t*>(qweight.data_ptr<int32_t>()),
-                      d.K,
-                      d.N,
-                      GroupParams{reinterpret_cast<const uint32_t*>(qzeros.data_ptr<int32_t>()), scales.data_ptr(),
-                                  scale_type, use_v2_format},
-                      RowGroups{gi, group_size, d.groups}};
-  return p;
 }
 
 }  // namespace

@@ -129,6 +129,32 @@ void gptq_dequant_avx512(int bits, const GptqWeight& w, int64_t k0, int64_t k1, 
 void gptq_dequant_bf16x2_avx512bf16(int bits, const GptqWeight& w, int64_t k0, int64_t k1, int64_t n0, int64_t n1,
                                     uint16_t* hi, uint16_t* lo, int64_t ldo);
 
+// gptq_gemm_a8's activations: each row's groups of K quantized to int8,
+// q = round(a * 127 / amax) with scale d = amax / 127, in the byte order
+// a8_byte<B> gives. The AVX-512 kernel broadcasts dword j of each pack to
+// every column; byte b of a weight word shifted right by j*B bits (and
+// masked) holds field b*S + j, so that dword holds those fields' activations.
+struct GptqActs8 {
+  const int8_t* q;       // [M][K] in a8_byte order
+  const float* scale;    // [M][groups]: d, NaN where the group holds a NaN or an infinity
+  const int32_t* sum;    // [M][groups]: the sum of the group's q
+  int64_t groups;
+};
+template <int B>
+constexpr int64_t a8_byte(int64_t k) {
+  if constexpr (B == 3) {
+    return k;  // fields straddle words: only the portable kernel reads 3-bit
+  } else {
+    constexpr int64_t F = 32 / B, S = 8 / B;
+    const int64_t f = k % F;
+    return k - f + (f % S) * 4 + f / S;
+  }
+}
+// out[m, n] for n in [n0, n1) (multiples of kAvx512FusedCols), 2-, 4- and
+// 8-bit weights with contiguous groups of whole packs, rows m < M.
+void gptq_a8_avx512(int bits, const GptqActs8& x, int64_t M, const GptqWeight& w, int64_t n0, int64_t n1,
+                    float* out);
+
 void gptq_fused_avx2(int bits, const float* a, int64_t M, const GptqWeight& w, int64_t n0, int64_t n1, float* out);
 void gptq_fused_avx512(int bits, const float* a, int64_t M, const GptqWeight& w, int64_t n0, int64_t n1, float* out);
 void gptq_fused_avx512bf16(int bits, const float* a, const Bf16Acts& a16, const GptqWeight& w, int64_t n0,

@@ -118,12 +118,12 @@ struct GemmArgs {
   at::Tensor idx;  // b_g_idx as contiguous int32 (empty when none was given)
 };
 
-// Every check of gptq_gemm, in the CPU kernel's order. Index values are
-// checked only for CPU tensors (see the top of this file).
+// Every check of gptq_gemm (op names gptq_gemm_a8's messages), in the CPU
+// kernel's order. Index values are checked only for CPU tensors (see the top
+// of this file).
 inline GemmArgs check_gemm_args(const at::Tensor& a, const at::Tensor& b_q_weight, const at::Tensor& b_gptq_qzeros,
                                 const at::Tensor& b_gptq_scales, const at::Tensor& b_g_idx, bool use_exllama,
-                                int64_t bit) {
-  const char* op = "gptq_gemm";
+                                int64_t bit, const char* op = "gptq_gemm") {
   const GptqDims d = check_gptq_weight(op, b_q_weight, b_gptq_qzeros, b_gptq_scales, bit);
   check_float_dtype(op, "a", a);
   check_same_device(op, "a", a, b_q_weight);
@@ -137,6 +137,20 @@ inline GemmArgs check_gemm_args(const at::Tensor& a, const at::Tensor& b_q_weigh
     check_even_groups(op, d, use_exllama ? "as shuffled (use_exllama) weights need" : "so b_g_idx must be given");
   }
   return {d, idx};
+}
+
+// gptq_gemm_a8's integer sums of one group stay below 2^31 (|q_a| <= 127,
+// |q_w - z| <= 2^bit) up to groups of this many rows.
+constexpr int64_t kA8MaxGroupRows = 32768;
+
+// The checks gptq_gemm_a8 adds once the grouping is known: contiguous
+// groups (g_idx[k] == k // group_size, the last one possibly short) of at
+// most kA8MaxGroupRows rows; group_size 0 means g_idx is not contiguous.
+inline void check_a8_groups(int64_t group_size) {
+  TORCH_CHECK_VALUE(group_size > 0, "gptq_gemm_a8: b_g_idx must put the rows in contiguous groups "
+                    "(g_idx[k] == k // group_size); sort an act-order weight's rows by group first (GPTQLinear does)");
+  TORCH_CHECK_VALUE(group_size <= kA8MaxGroupRows, "gptq_gemm_a8: b_gptq_scales has groups of ", group_size,
+                    " rows; at most ", kA8MaxGroupRows, " keep the int32 sums exact");
 }
 
 // ---- gptq_dequantize -----------------------------------------------------------

@@ -11,6 +11,12 @@ TORCH_LIBRARY(lowbit, m) {
   m.def(
       "gptq_gemm(Tensor a, Tensor b_q_weight, Tensor b_gptq_qzeros, Tensor b_gptq_scales, "
       "Tensor b_g_idx, bool use_exllama, bool use_v2_format, int bit) -> Tensor");
+  // gptq_gemm (unshuffled, contiguous groups) with each activation row's
+  // groups quantized to int8, q = round(a * 127 / amax), integer dot
+  // products per group and fp32 sums across groups; CPU.
+  m.def(
+      "gptq_gemm_a8(Tensor a, Tensor b_q_weight, Tensor b_gptq_qzeros, Tensor b_gptq_scales, "
+      "Tensor b_g_idx, bool use_v2_format, int bit) -> Tensor");
   // Rewrites q_weight in place into lowbit's fast layout (rows permuted by q_perm).
   m.def("gptq_shuffle(Tensor(a!) q_weight, Tensor q_perm, int bit) -> ()");
   // The float weight W [K, N] of an unshuffled GPTQ weight, in the scales' dtype.

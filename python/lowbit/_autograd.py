@@ -5,9 +5,9 @@ quantized weights are frozen (integer tensors carry no gradient, and a float
 tensor a weight is made of, such as GPTQ's scales, refuses to be
 differentiated). The gradient is that of the dequantized weight W:
 grad_x = grad_out @ W for the GGUF ops (x @ W.T), grad_out @ W.T for
-gptq_gemm (x @ W). The GGUF ops' 8-bit rounding of the activations counts as
-the identity, the straight-through estimator of llama.cpp's training and of
-quantization-aware training. W is decoded a tile of rows at a time, never
+gptq_gemm and gptq_gemm_a8 (x @ W). The 8-bit rounding of the activations
+(the GGUF ops', gptq_gemm_a8's) counts as the identity, the straight-through
+estimator of llama.cpp's training and of quantization-aware training. W is decoded a tile of rows at a time, never
 whole in fp32, and the sums run in fp32. The other ops with a float input
 refuse to be differentiated rather than give no gradient silently.
 """
@@ -90,6 +90,21 @@ def _gptq_backward(ctx, grad):
 
 
 torch.library.register_autograd("lowbit::gptq_gemm", _gptq_backward, setup_context=_gptq_setup)
+
+
+# gptq_gemm_a8: gptq_gemm's gradient, its rounding of the activations the identity.
+def _gptq_a8_setup(ctx, inputs, output):
+    a, qweight, qzeros, scales, g_idx, use_v2_format, bit = inputs
+    _check_frozen("gptq_gemm_a8", dict(zip(_GPTQ_WEIGHT, inputs[1:5])))
+    ctx.save_for_backward(qweight, qzeros, scales, g_idx)
+    ctx.flags = (False, use_v2_format, bit, a.dtype)
+
+
+def _gptq_a8_backward(ctx, grad):
+    return _gptq_backward(ctx, grad)[:7]
+
+
+torch.library.register_autograd("lowbit::gptq_gemm_a8", _gptq_a8_backward, setup_context=_gptq_a8_setup)
 
 
 # ---- GGUF matmuls: out [M, row] = X [M, n] @ W.T -----------------------------------

@@ -34,8 +34,8 @@ __all__ = [
     "GGMLType", "cpu_bf16_kernel", "cpu_isa", "cpu_reads_repacked", "cpu_threads", "ggml_cpu_traits", "ggml_dequantize",
     "ggml_has_repacked_layout", "ggml_mul_mat_a8", "ggml_mul_mat_id", "ggml_mul_mat_id_repacked",
     "ggml_mul_mat_repacked", "ggml_mul_mat_vec_a8", "ggml_repack", "ggml_type_info", "ggml_type_name",
-    "gptq_dequantize", "gptq_gemm", "gptq_pack", "gptq_permute_cols", "gptq_permute_rows", "gptq_shuffle",
-    "gptq_unpack",
+    "gptq_dequantize", "gptq_gemm", "gptq_gemm_a8", "gptq_pack", "gptq_permute_cols", "gptq_permute_rows",
+    "gptq_shuffle", "gptq_unpack",
 ]
 
 
@@ -275,6 +275,40 @@ def _gptq_gemm(a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_exllama
     if use_exllama or b_g_idx.numel() == 0:
         _even_groups(op, K, groups, "as shuffled (use_exllama) weights need" if use_exllama
                      else "so b_g_idx must be given")
+    return a.new_empty((*a.shape[:-1], N))
+
+
+# gptq_gemm_a8's integer sums of one group stay exact up to groups of this many
+# rows (csrc/ops/gptq_checks.h).
+A8_MAX_GROUP_ROWS = 32768
+
+
+def gptq_gemm_a8(a: Tensor, b_q_weight: Tensor, b_gptq_qzeros: Tensor, b_gptq_scales: Tensor, b_g_idx: Tensor,
+                 use_v2_format: bool, bit: int) -> Tensor:
+    """gptq_gemm of an unshuffled weight with contiguous groups (b_g_idx empty or
+    k // group_size) and int8 activations: each row of a is quantized per weight
+    group, q = round(a * 127 / amax) with scale amax / 127, and every group's dot
+    product is summed exactly in int32, then scaled and summed across groups in fp32.
+    About 2^-8 of |a| @ |W| from gptq_gemm (the rounding of the activations, as
+    llama.cpp rounds them for its integer dot products); the matvec is bound by
+    memory where gptq_gemm's fp32 one is bound by its instructions. CPU; the VNNI
+    kernel takes 2-, 4- and 8-bit weights, a portable loop every width."""
+    return torch.ops.lowbit.gptq_gemm_a8(a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_v2_format, bit)
+
+
+@torch.library.register_fake("lowbit::gptq_gemm_a8")
+def _gptq_gemm_a8(a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_v2_format, bit):
+    op = "gptq_gemm_a8"
+    K, N, groups = _gptq_weight(op, b_q_weight, b_gptq_qzeros, b_gptq_scales, bit)
+    _float_dtype(op, "a", a)
+    _same_device(op, "a", a, b_q_weight)
+    _value(a.dim() >= 1 and a.shape[-1] == K, op, "a must be [..., K=", K, "] to match b_q_weight, got ", _shape(a))
+    _index_vector(op, "b_g_idx", b_g_idx, b_q_weight, K)
+    if b_g_idx.numel() == 0:
+        _even_groups(op, K, groups, "so b_g_idx must be given")
+    # Contiguous groups hold at least K / groups rows each (the values are checked on the CPU).
+    _value(K // groups <= A8_MAX_GROUP_ROWS, op, "b_gptq_scales has groups of ", K // groups, " rows; at most ",
+           A8_MAX_GROUP_ROWS, " keep the int32 sums exact")
     return a.new_empty((*a.shape[:-1], N))
 
 

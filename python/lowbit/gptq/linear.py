@@ -1,5 +1,6 @@
 """GPTQLinear: an nn.Linear replacement whose buffers are exactly a GPTQ
-checkpoint's tensors, multiplied by torch.ops.lowbit.gptq_gemm."""
+checkpoint's tensors, multiplied by torch.ops.lowbit.gptq_gemm (or, with
+int8_activations on the CPU, gptq_gemm_a8)."""
 from __future__ import annotations
 
 import math
@@ -48,7 +49,16 @@ class GPTQLinear(nn.Module):
     call it) `qweight` itself holds the sorted rows: no second copy and no
     check per call; `state_dict()` still writes the checkpoint's order, and
     new weights come in through `load_state_dict`.
+
+    `int8_activations` (False by default) multiplies CPU inputs with
+    gptq_gemm_a8: each row's groups rounded to int8, as llama.cpp rounds its
+    activations, for integer dot products that leave a matvec bound by memory
+    (the fp32 kernel is bound by its instructions) and prefill several times
+    faster. It needs groups of equal size, as every GPTQ checkpoint has them.
     """
+
+    # A class default, so that layers pickled without the attribute have it.
+    int8_activations = False
 
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, sym: bool = True,
                  desc_act: bool = False, checkpoint_format: str = "gptq", bias: bool = True,
@@ -126,7 +136,7 @@ class GPTQLinear(nn.Module):
         layer (joined) with the same results: the same quantization of the
         same inputs, act-order included (q, k and v quantized on one Hessian
         share their g_idx), both as wide as whole JOIN_COLUMNS."""
-        same = ("in_features", "bits", "group_size", "sym", "desc_act", "checkpoint_format")
+        same = ("in_features", "bits", "group_size", "sym", "desc_act", "checkpoint_format", "int8_activations")
         return (type(other) is type(self) and self.out_features % JOIN_COLUMNS == 0
                 and other.out_features % JOIN_COLUMNS == 0 and all(getattr(other, a) == getattr(self, a) for a in same)
                 and other.rows_sorted == self.rows_sorted
@@ -146,6 +156,7 @@ class GPTQLinear(nn.Module):
                                  first.bits, first.group_size, first.sym, first.desc_act, first.checkpoint_format)
         if first.rows_sorted:  # equal g_idx: every part's rows are in the same order
             layer._mark_sorted(first.row_order, first.sorted_g_idx)
+        layer.int8_activations = first.int8_activations
         return layer
 
     def part_state(self, cols: slice) -> dict[str, torch.Tensor]:
@@ -274,8 +285,13 @@ class GPTQLinear(nn.Module):
         if perm is not None:
             x2 = x2.index_select(1, perm)
         buffers = self._buffers
-        y = call_frozen(torch.ops.lowbit.gptq_gemm, x2, qweight, buffers["qzeros"], buffers["scales"], g_idx, False,
-                        self.checkpoint_format == "gptq_v2", self.bits)
+        v2 = self.checkpoint_format == "gptq_v2"
+        if self.int8_activations and x2.device.type == "cpu":
+            y = call_frozen(torch.ops.lowbit.gptq_gemm_a8, x2, qweight, buffers["qzeros"], buffers["scales"], g_idx,
+                            v2, self.bits)
+        else:
+            y = call_frozen(torch.ops.lowbit.gptq_gemm, x2, qweight, buffers["qzeros"], buffers["scales"], g_idx,
+                            False, v2, self.bits)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -314,4 +330,5 @@ class GPTQLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group_size={self.group_size}, sym={self.sym}, desc_act={self.desc_act}, "
                 f"checkpoint_format={self.checkpoint_format!r}, bias={self.bias is not None}"
-                + (", rows_sorted=True" if self.rows_sorted else ""))
+                + (", rows_sorted=True" if self.rows_sorted else "")
+                + (", int8_activations=True" if self.int8_activations else ""))

@@ -19,12 +19,14 @@ from ..moe import experts_dims, plain_experts
 from .checkpoint import GPTQCheckpoint, GPTQCheckpointError, check_layer_count, checkpoint_files, load_gptq
 from ..threads import kernel_threads
 from .experts import EXPERT_LAYER, PROJECTIONS, GPTQExpert, GPTQExperts, current_name
+from .linear import GPTQLinear
 
 __all__ = ["load_gptq_model", "place_gptq_checkpoint"]
 
 
 def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                    checkpoint_format: str | None = None, fuse: bool = True) -> nn.Module:
+                    checkpoint_format: str | None = None, fuse: bool = True,
+                    int8_activations: bool = False) -> nn.Module:
     """The transformers model (AutoModelForCausalLM) of an HF GPTQ checkpoint
     directory, in eval mode on the CPU: its config.json builds the model, every
     quantized module becomes a GPTQLinear holding the checkpoint's tensors,
@@ -37,6 +39,8 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     `fuse` joins each decoder layer's q, k and v (and gate and up) GPTQLinears
     into one where they are quantized alike (lowbit.fusing: one gptq_gemm
     instead of three; save_gptq writes them apart again).
+    `int8_activations` sets every GPTQLinear's (GPTQLinear: activations
+    rounded to int8 per group for integer dot products, faster on the CPU).
     Its forward calls run torch's ops on one thread and lowbit's kernels on
     torch's thread count (lowbit.kernel_threads).
     """
@@ -52,6 +56,10 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     model = on_meta(lambda: transformers.AutoModelForCausalLM.from_config(config), config, dtype)
     place_gptq_checkpoint(model, directory, checkpoint_format)
     rebuild_computed_buffers(model)
+    if int8_activations:
+        for module in model.modules():
+            if isinstance(module, GPTQLinear):
+                module.int8_activations = True
     if fuse:
         fuse_projections(model)
     kernel_threads(model)

@@ -1,0 +1,128 @@
+// CPU gptq_gemm_a8: gptq_gemm with int8 activations.
+//
+// Each activation row is quantized per weight group, as llama.cpp quantizes
+// activations per block for its integer dot products: q = round(a * 127 /
+// amax) in [-127, 127], d = amax / 127. A group's dot product is then exact
+// in int32, and the fp32 kernel's shift, lookup and FMA per weight become one
+// vpdpbusd per 4 weights (gptq_a8_avx512.h), which leaves a matvec bound by
+// memory. The rounding of the activations is the only difference from
+// gptq_gemm; the portable kernel and the SIMD one give the same bits.
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "../core/gptq_format.h"
+#include "../ops/backend_ops.h"
+#include "../ops/dispatch.h"
+#include "../ops/gptq_checks.h"
+#include "gptq_kernels.h"
+#include "gptq_prepare.h"
+#include "isa.h"
+#include "parallel.h"
+
+namespace lowbit {
+namespace cpu {
+namespace {
+
+// Rows [m0, m1) of a [M, K] quantized into x (GptqActs8's layout for B).
+// A group holding a NaN or an infinity gets the scale NaN (and q = 0), so
+// that every output it meets is NaN, as the float product would be.
+template <int B>
+void quantize_rows(const float* a, const GptqWeight& w, int64_t m0, int64_t m1, int8_t* q, float* scale,
+                   int32_t* sum) {
+  const int64_t gs = w.group_of.group_size, groups = w.group_of.count;
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* row = a + m * w.K;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t k0 = g * gs, k1 = std::min(w.K, k0 + gs);
+      float amax = 0.0f;
+      bool finite = true;
+      for (int64_t k = k0; k < k1; ++k) {
+        finite &= std::isfinite(row[k]);
+        amax = std::max(amax, std::fabs(row[k]));
+      }
+      const float inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t total = 0;
+      for (int64_t k = k0; k < k1; ++k) {
+        // |row[k] * inv| <= 127 (rounded): an exact int32 after nearbyint.
+        const int32_t v = finite ? static_cast<int32_t>(std::nearbyint(row[k] * inv)) : 0;
+        q[m * w.K + a8_byte<B>(k)] = static_cast<int8_t>(v);
+        total += v;
+      }
+      scale[m * groups + g] = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+      sum[m * groups + g] = total;
+    }
+  }
+}
+
+// out[:, n0:n1] of every bit width, one column at a time.
+template <int B>
+void a8_portable(const GptqActs8& x, int64_t M, const GptqWeight& w, int64_t n0, int64_t n1, float* out) {
+  const int64_t gs = w.group_of.group_size;
+  std::vector<int32_t> z(n1 - n0);
+  std::vector<float> s(n1 - n0);
+  for (int64_t m = 0; m < M; ++m) std::fill(out + m * w.N + n0, out + m * w.N + n1, 0.0f);
+  for (int64_t g = 0; g < x.groups; ++g) {
+    read_group<B>(w, g, n0, n1, z.data(), s.data());
+    const int64_t k0 = g * gs, k1 = std::min(w.K, k0 + gs);
+    for (int64_t m = 0; m < M; ++m) {
+      const int8_t* q = x.q + m * w.K;
+      const float d = x.scale[m * x.groups + g];
+      const int32_t a_sum = x.sum[m * x.groups + g];
+      for (int64_t n = n0; n < n1; ++n) {
+        int32_t dot = 0;
+        for (int64_t k = k0; k < k1; ++k) {
+          dot += q[a8_byte<B>(k)] * static_cast<int32_t>(gptq::unpack_field<B>(w.qweight + n, w.N, k));
+        }
+        const int32_t r = dot - z[n - n0] * a_sum;
+        float& o = out[m * w.N + n];
+        o = std::fma(s[n - n0] * d, static_cast<float>(r), o);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+at::Tensor gptq_gemm_a8(const at::Tensor& a, const at::Tensor& b_q_weight, const at::Tensor& b_gptq_qzeros,
+                        const at::Tensor& b_gptq_scales, const at::Tensor& b_g_idx, bool use_v2_format, int64_t bit) {
+  const auto [d, idx] =
+      check_gemm_args(a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, false, bit, "gptq_gemm_a8");
+  const PreparedWeight w = prepare(b_q_weight, b_gptq_qzeros, b_gptq_scales, idx, d, use_v2_format, bit);
+  check_a8_groups(w.view.group_of.g_idx ? 0 : w.view.group_of.group_size);
+  const at::Tensor a2 = a.reshape({-1, d.K}).to(at::kFloat).contiguous();
+  const int64_t M = a2.size(0);
+  at::Tensor out = at::empty({M, d.N}, a2.options());
+  if (M > 0) {
+    at::Tensor q = at::empty({M, d.K}, a2.options().dtype(at::kChar));
+    at::Tensor scale = at::empty({M, d.groups}, a2.options());
+    at::Tensor sum = at::empty({M, d.groups}, a2.options().dtype(at::kInt));
+    const GptqActs8 x{q.data_ptr<int8_t>(), scale.data_ptr<float>(), sum.data_ptr<int32_t>(), d.groups};
+    dispatch_bits(bit, [&](auto bits) {
+      constexpr int B = decltype(bits)::value;
+      parallel_for(M, 1, [&](int64_t m0, int64_t m1) {
+        quantize_rows<B>(a2.data_ptr<float>(), w.view, m0, m1, q.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                         sum.data_ptr<int32_t>());
+      });
+      const bool simd = LOWBIT_X86_AVX512 && B != 3 && active_isa() == Isa::kAvx512 && simd_fused_supports<B>(w.view);
+      const int64_t step = simd ? kAvx512FusedCols : 64;
+      const int64_t simd_end = simd ? d.N - d.N % step : 0;
+      for_column_tasks(d.N, step, [&](int64_t n0, int64_t n1) {
+        const int64_t simd_n1 = std::min(n1, simd_end);
+#if LOWBIT_X86_AVX512
+        if (simd_n1 > n0) gptq_a8_avx512(B, x, M, w.view, n0, simd_n1, out.data_ptr<float>());
+#endif
+        if (n1 > std::max(n0, simd_n1)) a8_portable<B>(x, M, w.view, std::max(n0, simd_n1), n1, out.data_ptr<float>());
+      });
+    });
+  }
+  std::vector<int64_t> out_sizes = a.sizes().vec();
+  out_sizes.back() = d.N;
+  return out.to(a.scalar_type()).view(out_sizes);
+}
+
+}  // namespace cpu
+}  // namespace lowbit

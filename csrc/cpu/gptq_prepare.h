@@ -1,0 +1,76 @@
+// The torch-facing side of the CPU GPTQ matmuls (gptq_gemm.cpp,
+// gptq_gemm_a8.cpp): a validated weight's tensors as the GptqWeight view the
+// kernels read, and the split of its output columns into parallel tasks.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+
+#include "../ops/gptq_checks.h"
+#include "gptq_kernels.h"
+#include "parallel.h"
+
+namespace lowbit {
+namespace cpu {
+namespace {
+
+// Owns what a GptqWeight points into.
+struct PreparedWeight {
+  at::Tensor g_idx;
+  GptqWeight view;
+};
+
+// A g_idx that is k / gs for some group size gs (contiguous groups, the last
+// one possibly short, as checkpoints with K % group_size != 0 store it) is the
+// trivial grouping RowGroups{nullptr, gs}, which the SIMD kernels take; 0 if
+// g_idx is anything else.
+int64_t contiguous_group_size(const at::Tensor& g_idx, int64_t K) {
+  const int32_t* g = g_idx.data_ptr<int32_t>();
+  int64_t gs = 1;
+  while (gs < K && g[gs] == 0) ++gs;
+  for (int64_t k = 0; k < K; ++k) {
+    if (g[k] != k / gs) return 0;
+  }
+  return gs;
+}
+
+PreparedWeight prepare(const at::Tensor& qweight, const at::Tensor& qzeros, const at::Tensor& scales,
+                       const at::Tensor& g_idx, const GptqDims& d, bool use_v2_format, int64_t bit) {
+  PreparedWeight p;
+  p.g_idx = g_idx;
+  const ScaleType scale_type = scales.scalar_type() == at::kFloat  ? ScaleType::kF32
+                               : scales.scalar_type() == at::kHalf ? ScaleType::kF16
+                                                                   : ScaleType::kBF16;
+  int64_t group_size = d.K / d.groups;
+  const int32_t* gi = g_idx.numel() ? g_idx.data_ptr<int32_t>() : nullptr;
+  if (gi) {
+    if (const int64_t gs = contiguous_group_size(g_idx, d.K)) {
+      gi = nullptr;
+      group_size = gs;
+    }
+  }
+  p.view = GptqWeight{reinterpret_cast<const uint32_t*>(qweight.data_ptr<int32_t>()),
+                      d.K,
+                      d.N,
+                      GroupParams{reinterpret_cast<const uint32_t*>(qzeros.data_ptr<int32_t>()), scales.data_ptr(),
+                                  scale_type, use_v2_format},
+                      RowGroups{gi, group_size, d.groups}};
+  return p;
+}
+
+// fn(n0, n1) over [0, N) in parallel tasks of whole `step`s of columns (the
+// last may be short): up to 16 steps, wide for long contiguous reads of each
+// weight row (16 measured ~10% faster than 4 at M=1 on wide layers), and
+// narrower where that gives each thread fewer than kChunksPerThread of them:
+// a small layer's columns (576 or 192 in a 135M model) then still spread evenly.
+template <class Fn>
+void for_column_tasks(int64_t N, int64_t step, const Fn& fn) {
+  const int64_t per_chunk = N / (kChunksPerThread * pool_threads()) / step * step;
+  const int64_t task = std::clamp(per_chunk, step, 16 * step);
+  parallel_for((N + task - 1) / task, 1, [&](int64_t t0, int64_t t1) { fn(t0 * task, std::min(N, t1 * task)); });
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace lowbit

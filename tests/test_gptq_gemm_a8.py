@@ -1,0 +1,175 @@
+"""gptq_gemm_a8: gptq_gemm with int8 activations.
+
+Against the NumPy statement of its arithmetic (gptq_reference.gemm_a8) to one
+float32 ulp, the VNNI kernel against the portable one bit for bit, and
+against the exact float product within the bound that the rounding of the
+activations allows: each activation moves by at most half its group's step
+amax / 127, so |out - a @ W| <= sum_g amax_g / 254 * sum_{k in g} |W[k, n]|
+(plus fp32 summation, far smaller).
+"""
+import numpy as np
+import pytest
+import torch
+
+import gptq_reference as ref
+from lowbit.gptq import GPTQLinear
+
+ops = torch.ops.lowbit
+BITS = (2, 3, 4, 8)
+ISAS = [isa for isa in ("portable", "avx2", "avx512") if isa in ("portable", ops.cpu_isa())
+        or (isa == "avx2" and ops.cpu_isa() == "avx512")]
+
+
+def weight(rng, K, N, bits, group_size, fmt="gptq_v2"):
+    """Random q, zeros and scales with contiguous groups (the last one short
+    where group_size does not divide K), packed as a checkpoint stores them."""
+    gs = K if group_size == -1 else group_size
+    groups = -(-K // gs)
+    maxq = (1 << bits) - 1
+    q = rng.integers(0, maxq + 1, size=(K, N))
+    z = rng.integers(1 if fmt == "gptq" else 0, maxq + 1, size=(groups, N))
+    scales = (rng.uniform(0.5, 1.5, size=(groups, N)) / (1 << bits)).astype(np.float16)
+    packed = lambda x: torch.from_numpy(np.ascontiguousarray(x))
+    return {"qweight": packed(ref.pack(q, bits, 0)), "qzeros": packed(ref.pack(ref.encode_zeros(z, bits, fmt), bits, 1)),
+            "scales": packed(scales),
+        "g_idx": (torch.arange(K) // gs).to(torch.int32), "gs": group_size}
+
+
+def run(a, w, bits, fmt="gptq_v2"):
+    return ops.gptq_gemm_a8(a, w["qweight"], w["qzeros"], w["scales"], w["g_idx"], fmt == "gptq_v2", bits)
+
+
+@pytest.fixture
+def isa():
+    yield
+    ops.cpu_isa("best")
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("K,N,group_size", [(384, 96, 128), (512, 224, 64), (384, 64, 256),
+                                            (256, 128, -1), (1024, 320, 32)])
+@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
+def test_matches_the_numpy_statement_on_every_isa(bits, K, N, group_size, fmt, isa):
+    rng = np.random.default_rng(bits * 1000 + K + N)
+    w = weight(rng, K, N, bits, group_size, fmt)
+    a = torch.from_numpy(rng.standard_normal((9, K)).astype(np.float32))  # row tiles of 4, 4 and 1
+    a[3] *= 1e-30  # a tiny row: its own scale, no underflow to zero
+    a[5] = 0.0
+    expect = ref.gemm_a8(a.numpy(), w["qweight"].numpy(), w["qzeros"].numpy(), w["scales"].numpy(), bits, fmt,
+                         group_size)
+    outs = []
+    for name in ISAS:
+        ops.cpu_isa(name)
+        out = run(a, w, bits, fmt)
+        ulp = np.spacing(np.abs(expect)).astype(np.float32)
+        np.testing.assert_array_less(np.abs(out.numpy() - expect), ulp + 1e-45, err_msg=f"{name}")
+        outs.append(out)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    assert torch.equal(outs[0][5], torch.zeros(N))
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_within_the_activation_rounding_of_the_exact_product(bits, dtype):
+    K, N, gs = 512, 192, 128
+    rng = np.random.default_rng(bits)
+    w = weight(rng, K, N, bits, gs)
+    a = torch.from_numpy(rng.standard_normal((5, K)).astype(np.float32)).to(dtype)
+    W = ref.dequantize(w["qweight"].numpy(), w["qzeros"].numpy(), w["scales"].numpy(), None, bits, "gptq_v2")
+    a64 = a.double().numpy()
+    exact = a64 @ W
+    amax = np.abs(a64).reshape(5, K // gs, gs).max(axis=2)  # [M, groups]
+    absW = np.abs(W).reshape(K // gs, gs, N).sum(axis=1)  # [groups, N]
+    bound = (amax / 254) @ absW + 1e-5 * (np.abs(a64) @ np.abs(W))
+    out = run(a, w, bits)
+    assert out.dtype == dtype and out.shape == (5, N)
+    out_rounding = {torch.float32: 0.0, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}[dtype]
+    err = np.abs(out.double().numpy() - exact)
+    assert np.all(err <= bound + out_rounding * np.abs(exact)), float((err / (bound + 1e-30)).max())
+    # The bound is met, not trivially: the rounding does move the result.
+    assert err.max() > 1e-3 * bound.max()
+
+
+def test_non_finite_activations_poison_their_row_only():
+    rng = np.random.default_rng(0)
+    w = weight(rng, 256, 64, 4, 128)
+    a = torch.randn(3, 256)
+    a[0, 7] = float("inf")
+    a[2, 200] = float("nan")
+    out = run(a, w, 4)
+    assert torch.isnan(out[0]).all() and torch.isnan(out[2]).all()
+    assert torch.isfinite(out[1]).all()
+
+
+def test_leading_dims_and_empty_rows():
+    rng = np.random.default_rng(1)
+    w = weight(rng, 256, 64, 4, 128)
+    a = torch.randn(2, 3, 256)
+    assert torch.equal(run(a, w, 4), run(a.reshape(6, 256), w, 4).reshape(2, 3, 64))
+    assert run(torch.empty(0, 256), w, 4).shape == (0, 64)
+
+
+def test_refuses_groups_that_are_not_contiguous():
+    rng = np.random.default_rng(2)
+    w = weight(rng, 256, 64, 4, 128)
+    w["g_idx"] = w["g_idx"].flip(0).contiguous()
+    with pytest.raises(ValueError, match="gptq_gemm_a8: b_g_idx must put the rows in contiguous groups"):
+        run(torch.randn(1, 256), w, 4)
+
+
+def test_refuses_groups_too_long_for_exact_int32_sums():
+    K = 65536
+    w = weight(np.random.default_rng(3), K, 32, 8, -1)
+    w["g_idx"] = torch.empty(0, dtype=torch.int32)
+    with pytest.raises(ValueError, match="gptq_gemm_a8: b_gptq_scales has groups of 65536 rows"):
+        run(torch.randn(1, K), w, 8)
+    with pytest.raises(ValueError, match="gptq_gemm_a8: b_gptq_scales has groups of 65536 rows"):
+        run(torch.randn(1, K, device="meta"), {k: v.to("meta") if torch.is_tensor(v) else v for k, v in w.items()},
+            8)
+
+
+def test_opcheck_compile_and_gradient():
+    rng = np.random.default_rng(4)
+    w = weight(rng, 256, 128, 4, 64)
+    args = (w["qweight"], w["qzeros"], w["scales"], w["g_idx"], True, 4)
+    a = torch.randn(3, 256)
+    torch.library.opcheck(ops.gptq_gemm_a8, (a, *args))
+    compiled = torch.compile(lambda x: torch.relu(ops.gptq_gemm_a8(x, *args)) * 2, fullgraph=True)
+    assert torch.equal(compiled(a), torch.relu(ops.gptq_gemm_a8(a, *args)) * 2)
+    # The rounding of the activations counts as the identity: gptq_gemm's gradient.
+    x = a.clone().requires_grad_()
+    ops.gptq_gemm_a8(x, *args).sum().backward()
+    y = a.clone().requires_grad_()
+    ops.gptq_gemm(y, w["qweight"], w["qzeros"], w["scales"], w["g_idx"], False, True, 4).sum().backward()
+    torch.testing.assert_close(x.grad, y.grad)
+    with pytest.raises(RuntimeError, match="gptq_gemm_a8: not differentiable with respect to b_gptq_scales"):
+        ops.gptq_gemm_a8(a, w["qweight"], w["qzeros"], w["scales"].float().requires_grad_(), w["g_idx"], True, 4)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_linear_with_int8_activations(act_order):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 128)
+    perm = torch.randperm(256) if act_order else None
+    layer = GPTQLinear.from_linear(linear, 4, 64, sym=False, checkpoint_format="gptq_v2", perm=perm)
+    if act_order:
+        layer.sort_rows()
+    x = torch.randn(2, 5, 256)
+    exact = layer(x)
+    layer.int8_activations = True
+    assert "int8_activations=True" in repr(layer)
+    got = layer(x)
+    # What the op gives on the layer's (row-sorted) weight and permuted inputs.
+    qweight, g_idx, order = layer._prepare()
+    x2 = x.reshape(-1, 256) if order is None else x.reshape(-1, 256)[:, order]
+    direct = ops.gptq_gemm_a8(x2, qweight, layer.qzeros, layer.scales, g_idx, True, 4).float() + layer.bias.float()
+    torch.testing.assert_close(got.reshape(-1, 128), direct, rtol=0, atol=1e-6)
+    assert not torch.equal(got, exact)
+    torch.testing.assert_close(got, exact, rtol=0, atol=0.05 * exact.abs().max().item())
+    joined = GPTQLinear.joined([layer, layer])
+    assert joined.int8_activations
+    plain = GPTQLinear.from_linear(linear, 4, 64, sym=False, checkpoint_format="gptq_v2", perm=perm)
+    if act_order:
+        plain.sort_rows()
+    assert not layer.can_join(plain)
