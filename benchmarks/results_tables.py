@@ -87,8 +87,8 @@ def support_block():
            "AVX-512 | repacked layout | CUDA |",
            "|---|---:|---|---:|---|---|---|---|---|---|",
            "| GPTQ 2/3/4/8-bit (v1 and v2 zeros, sym/asym, any group size, act-order) | | 32 fields per pack | "
-           "2–8 + group metadata | fp32/fp16/bf16 | yes | SIMD | SIMD (+ `vdpbf16ps` for bf16/fp16 on "
-           "AVX512-BF16) | `gptq_shuffle`'s row order, every device | compiled |"]
+           "2–8 + group metadata | fp32/fp16/bf16, or int8 (`gptq_gemm_a8`) | yes | SIMD | SIMD (+ `vdpbf16ps` for "
+           "bf16/fp16 on AVX512-BF16, `vpdpbusd` for int8) | `gptq_shuffle`'s row order, every device | compiled |"]
     for name, i, block, size, act in ggml_types():
         bits = f"{8 * size / block:.4g}"
         out.append(f"| GGUF {name} | {i} | {block}, {size} | {bits} | {'fp32' if act == 'Float' else act} | yes | "

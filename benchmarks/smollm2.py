@@ -78,12 +78,12 @@ def rtn_config(bits: int, group_size: int = 128) -> GPTQConfig:
     return GPTQConfig(bits=bits, group_size=group_size, desc_act=False, sym=False, checkpoint_format="gptq_v2")
 
 
-def through_checkpoint(quantized, config: GPTQConfig):
+def through_checkpoint(quantized, config: GPTQConfig, int8_activations: bool = False):
     """Writes `quantized` as an HF GPTQ directory and loads it back with
     lowbit.load_gptq_model: what a user of the checkpoint gets."""
     with tempfile.TemporaryDirectory() as tmp:
         save_gptq(quantized, os.path.join(tmp, "ckpt"), config)
-        return load_gptq_model(os.path.join(tmp, "ckpt"))
+        return load_gptq_model(os.path.join(tmp, "ckpt"), int8_activations=int8_activations)
 
 
 @dataclass

@@ -271,6 +271,13 @@ def test_generate_command_runs_a_gptq_directory(tmp_path, capsys):
                                 pad_token_id=tokenizer.eos_token_id)
     assert out.strip() == tokenizer.decode(expect[0, 3:], skip_special_tokens=True).strip()
     assert "LlamaForCausalLM" in err and "prompt 3 tokens" in err
+    # --int8-activations: the same tokens as the loader's int8 model gives them.
+    assert main(["generate", str(tmp_path / "ckpt"), "w1 w2 w3", "--tokens", "5", "--int8-activations"]) == 0
+    int8_model = lowbit.load_gptq_model(tmp_path / "ckpt", int8_activations=True)
+    with torch.no_grad():
+        expect = int8_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+                                     pad_token_id=tokenizer.eos_token_id)
+    assert capsys.readouterr().out.strip() == tokenizer.decode(expect[0, 3:], skip_special_tokens=True).strip()
 
 
 def test_dynamic_overrides(tmp_path):
