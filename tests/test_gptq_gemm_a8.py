@@ -70,6 +70,29 @@ def test_matches_the_numpy_statement_on_every_isa(bits, K, N, group_size, fmt, i
 
 
 @pytest.mark.parametrize("bits", BITS)
+def test_extreme_levels_and_activations_do_not_saturate(bits, isa):
+    """Every level at its largest or smallest against activations at +-127 on
+    the int8 grid: the largest products any kernel's narrow sums meet (AVX2
+    adds u8 x s8 pairs in int16)."""
+    K, N, maxq = 256, 96, (1 << bits) - 1
+    w = weight(np.random.default_rng(5), K, N, bits, 128, "gptq_v2")
+    q = np.full((K, N), maxq)
+    q[:, ::2] = 0
+    w["qweight"] = torch.from_numpy(np.ascontiguousarray(ref.pack(q, bits, 0)))
+    a = torch.ones(6, K)
+    a[1] = -1.0
+    a[2, ::2] = -1.0
+    a[3, 1::3] = -1.0
+    expect = ref.gemm_a8(a.numpy(), w["qweight"].numpy(), w["qzeros"].numpy(), w["scales"].numpy(), bits,
+                         "gptq_v2", 128)
+    for name in ISAS:
+        ops.cpu_isa(name)
+        out = run(a, w, bits)
+        np.testing.assert_array_less(np.abs(out.numpy() - expect), np.spacing(np.abs(expect)) + 1e-45,
+                                     err_msg=name)
+
+
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_within_the_activation_rounding_of_the_exact_product(bits, dtype):
     K, N, gs = 512, 192, 128

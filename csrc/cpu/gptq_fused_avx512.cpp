@@ -1,6 +1,6 @@
 // gptq_gemm's fused small-M kernel (gptq_fused_simd.h), GPTQ tile
 // dequantizer (gptq_dequant_simd.h) and gptq_gemm_a8's kernel
-// (gptq_a8_avx512.h) compiled for AVX-512 (F, BW, VL, DQ, VNNI).
+// (gptq_a8_simd.h) compiled for AVX-512 (F, BW, VL, DQ, VNNI).
 // Every non-SIMD header comes before the target pragma, so that no inline
 // function shared with other translation units is compiled for AVX-512.
 #include <stdint.h>
@@ -27,7 +27,7 @@
 // 4-bit caller's [1][U] words against the 3-bit signature's [3][U]: only
 // words[0] is read, so this too is a false positive.
 #pragma GCC diagnostic ignored "-Warray-bounds"
-#include "gptq_a8_avx512.h"
+#include "gptq_a8_simd.h"
 #include "gptq_dequant_simd.h"
 #include "gptq_fused_simd.h"
 #include "vec_avx512.h"
@@ -41,11 +41,7 @@ void gptq_fused_avx512(int bits, const float* a, int64_t M, const GptqWeight& w,
 
 void gptq_a8_avx512(int bits, const GptqActs8& x, int64_t M, const GptqWeight& w, int64_t n0, int64_t n1,
                     float* out) {
-  switch (bits) {
-    case 2: return A8Avx512<2>::run(x, M, w, n0, n1, out);
-    case 4: return A8Avx512<4>::run(x, M, w, n0, n1, out);
-    case 8: return A8Avx512<8>::run(x, M, w, n0, n1, out);
-  }
+  run_a8_simd<A8Avx512>(bits, x, M, w, n0, n1, out);
 }
 
 void gptq_dequant_avx512(int bits, const GptqWeight& w, int64_t k0, int64_t k1, int64_t n0, int64_t n1,

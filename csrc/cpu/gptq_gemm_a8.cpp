@@ -4,8 +4,8 @@
 // activations per block for its integer dot products: q = round(a * 127 /
 // amax) in [-127, 127], d = amax / 127. A group's dot product is then exact
 // in int32, and the fp32 kernel's shift, lookup and FMA per weight become one
-// vpdpbusd per 4 weights (gptq_a8_avx512.h), which leaves a matvec bound by
-// memory. The rounding of the activations is the only difference from
+// vpdpbusd per 4 weights (gptq_a8_simd.h; vpmaddubsw and vpmaddwd on AVX2),
+// which leaves a matvec bound by memory. The rounding of the activations is the only difference from
 // gptq_gemm; the portable kernel and the SIMD one give the same bits.
 #include <ATen/ATen.h>
 
@@ -107,13 +107,18 @@ at::Tensor gptq_gemm_a8(const at::Tensor& a, const at::Tensor& b_q_weight, const
         quantize_rows<B>(a2.data_ptr<float>(), w.view, m0, m1, q.data_ptr<int8_t>(), scale.data_ptr<float>(),
                          sum.data_ptr<int32_t>());
       });
-      const bool simd = LOWBIT_X86_AVX512 && B != 3 && active_isa() == Isa::kAvx512 && simd_fused_supports<B>(w.view);
-      const int64_t step = simd ? kAvx512FusedCols : 64;
-      const int64_t simd_end = simd ? d.N - d.N % step : 0;
+      const Isa isa = B != 3 && simd_fused_supports<B>(w.view) ? active_isa() : Isa::kPortable;
+      const int64_t step = isa == Isa::kAvx512 ? kAvx512FusedCols : isa == Isa::kAvx2 ? kAvx2FusedCols : 64;
+      const int64_t simd_end = isa == Isa::kPortable ? 0 : d.N - d.N % step;
       for_column_tasks(d.N, step, [&](int64_t n0, int64_t n1) {
         const int64_t simd_n1 = std::min(n1, simd_end);
+#if LOWBIT_X86_SIMD
+        if (simd_n1 > n0) {
 #if LOWBIT_X86_AVX512
-        if (simd_n1 > n0) gptq_a8_avx512(B, x, M, w.view, n0, simd_n1, out.data_ptr<float>());
+          if (isa == Isa::kAvx512) gptq_a8_avx512(B, x, M, w.view, n0, simd_n1, out.data_ptr<float>());
+#endif
+          if (isa == Isa::kAvx2) gptq_a8_avx2(B, x, M, w.view, n0, simd_n1, out.data_ptr<float>());
+        }
 #endif
         if (n1 > std::max(n0, simd_n1)) a8_portable<B>(x, M, w.view, std::max(n0, simd_n1), n1, out.data_ptr<float>());
       });

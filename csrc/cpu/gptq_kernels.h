@@ -133,7 +133,8 @@ void gptq_dequant_bf16x2_avx512bf16(int bits, const GptqWeight& w, int64_t k0, i
 // q = round(a * 127 / amax) with scale d = amax / 127, in the byte order
 // a8_byte<B> gives. The AVX-512 kernel broadcasts dword j of each pack to
 // every column; byte b of a weight word shifted right by j*B bits (and
-// masked) holds field b*S + j, so that dword holds those fields' activations.
+// masked) holds field b*S + j, so that dword holds those fields' activations
+// (gptq_a8_simd.h).
 struct GptqActs8 {
   const int8_t* q;       // [M][K] in a8_byte order
   const float* scale;    // [M][groups]: d, NaN where the group holds a NaN or an infinity
@@ -150,8 +151,10 @@ constexpr int64_t a8_byte(int64_t k) {
     return k - f + (f % S) * 4 + f / S;
   }
 }
-// out[m, n] for n in [n0, n1) (multiples of kAvx512FusedCols), 2-, 4- and
-// 8-bit weights with contiguous groups of whole packs, rows m < M.
+// out[m, n] for n in [n0, n1) (multiples of kAvx2FusedCols / kAvx512FusedCols),
+// 2-, 4- and 8-bit weights with contiguous groups of whole packs, rows m < M.
+void gptq_a8_avx2(int bits, const GptqActs8& x, int64_t M, const GptqWeight& w, int64_t n0, int64_t n1,
+                  float* out);
 void gptq_a8_avx512(int bits, const GptqActs8& x, int64_t M, const GptqWeight& w, int64_t n0, int64_t n1,
                     float* out);
 

@@ -59,6 +59,47 @@ struct VecAvx2 {
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
 };
 
+// The integer-dot vocabulary of gptq_gemm_a8's kernel (gptq_a8_simd.h).
+// vpmaddubsw sums pairs of u8 x s8 products in saturating int16 and vpmaddwd
+// the pairs of those into int32. 2- and 4-bit levels (at most 15) cannot
+// saturate it; 8-bit ones go in as q - 128 (kOffset), the sign moved onto
+// the activation, so each product is at most 128 * 127 and a pair fits.
+struct A8Avx2 {
+  static constexpr int kLanes = 8;
+  static constexpr int kRegisters = 16;
+  using I = __m256i;
+  using F = __m256;
+  template <int B>
+  static constexpr int32_t kOffset = B == 8 ? 128 : 0;
+
+  static I zero() { return _mm256_setzero_si256(); }
+  static I set1(int32_t x) { return _mm256_set1_epi32(x); }
+  static I load(const uint32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  template <int B>
+  static I srl(I v, int j) { return j == 0 ? v : _mm256_srli_epi32(v, j * B); }
+  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  // acc + the sums of four (level byte) x (activation byte) products per lane.
+  template <int B>
+  static I dot(I acc, I levels, I a) {
+    __m256i pairs;
+    if constexpr (B == 8) {
+      const __m256i w = _mm256_xor_si256(levels, _mm256_set1_epi8(static_cast<char>(0x80)));  // q - 128
+      pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(a, w));
+    } else {
+      pairs = _mm256_maddubs_epi16(levels, a);
+    }
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+  static F set1_ps(float x) { return _mm256_set1_ps(x); }
+  static F load_ps(const float* p) { return _mm256_loadu_ps(p); }
+  static void store_ps(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+};
+
 }  // namespace
 }  // namespace cpu
 }  // namespace lowbit

@@ -57,6 +57,34 @@ struct VecAvx512 {
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
 };
 
+// The integer-dot vocabulary of gptq_gemm_a8's kernel (gptq_a8_simd.h):
+// vpdpbusd adds four u8 x s8 products per lane to an int32, exactly.
+struct A8Avx512 {
+  static constexpr int kLanes = 16;
+  static constexpr int kRegisters = 32;
+  using I = __m512i;
+  using F = __m512;
+  template <int B>
+  static constexpr int32_t kOffset = 0;
+
+  static I zero() { return _mm512_setzero_si512(); }
+  static I set1(int32_t x) { return _mm512_set1_epi32(x); }
+  static I load(const uint32_t* p) { return _mm512_loadu_si512(p); }
+  template <int B>
+  static I srl(I v, int j) { return j == 0 ? v : _mm512_srli_epi32(v, j * B); }
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  template <int B>
+  static I dot(I acc, I levels, I a) { return _mm512_dpbusd_epi32(acc, levels, a); }
+  static F set1_ps(float x) { return _mm512_set1_ps(x); }
+  static F load_ps(const float* p) { return _mm512_loadu_ps(p); }
+  static void store_ps(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+};
+
 }  // namespace
 }  // namespace cpu
 }  // namespace lowbit

@@ -1,0 +1,125 @@
+// gptq_gemm_a8's kernel for 2-, 4- and 8-bit weights, written once over an
+// integer-dot vocabulary D (A8Avx512: VNNI vpdpbusd; A8Avx2: vpmaddubsw and
+// vpmaddwd) and instantiated per ISA in its own translation unit. Include
+// only inside that unit's target pragma region, after every non-SIMD header.
+//
+// Lanes are output columns, as in the fp32 kernel (gptq_fused_simd.h), but
+// the weights never become floats: a 32-bit lane of a packed word holds
+// 32/B fields of one column, and shifting it right by j*B bits and masking
+// B bits of every byte leaves fields j, S+j, 2S+j, 3S+j (S = 8/B) as four
+// unsigned bytes. D::dot multiplies them by four int8 activations, the dword
+// of the pack that a8_byte<B> laid out for shift j, and adds the four
+// products to the lane's int32 sum: one vpdpbusd per 4 weights per column,
+// against a shift, a lookup and an FMA per weight in fp32. Per group and
+// column the sum is exact; the zero point leaves it through the group's
+// activation sum, and the two scales multiply it once:
+//     out[m, n] = fma(s[g, n] * d[m, g], float(sum_k q_a q_w - z sum_k q_a), out[m, n])
+// group by group, the portable kernel's order, so both give the same bits.
+#pragma once
+
+#include <stdint.h>
+
+#include <algorithm>
+
+#include "gptq_group_simd.h"
+#include "gptq_kernels.h"
+
+namespace lowbit {
+namespace cpu {
+// Internal linkage: each ISA's unit compiles its own copy (gptq_fused_simd.h).
+namespace {
+
+template <class D, int B>
+struct A8Simd {
+  static_assert(B == 2 || B == 4 || B == 8, "3-bit fields straddle words: the portable kernel reads them");
+  using I = typename D::I;
+  using F = typename D::F;
+  static constexpr int F_ = 32 / B;  // fields per word
+  static constexpr int S = 8 / B;    // shifts per word, each giving 4 fields per lane
+  static constexpr int L = D::kLanes;
+  static constexpr uint32_t kByteMask = ((1u << B) - 1u) * 0x01010101u;
+  // Column vectors per tile for MT activation rows: as many accumulator
+  // chains as the register file holds beside the words and fields.
+  template <int MT>
+  static constexpr int kU = D::kRegisters >= 32 ? 4 : (MT == 1 ? 4 : MT == 2 ? 2 : 1);
+
+  // One group (packs words from word row q, rows N apart) of MT activation
+  // rows x U*L columns, added to out (rows N apart). x: row m0's dwords at
+  // the group's first pack, rows x_stride dwords apart.
+  template <int MT>
+  __attribute__((noinline)) static void group_tile(const int32_t* x, int64_t x_stride, const uint32_t* q, int64_t N,
+                                                   int64_t packs, int64_t ahead, const int32_t* z, const float* s,
+                                                   const float* d, const int32_t* a_sum, float* out) {
+    constexpr int U = kU<MT>;
+    I acc[MT][U];
+    for (int m = 0; m < MT; ++m)
+      for (int u = 0; u < U; ++u) acc[m][u] = D::zero();
+    const I mask = D::set1(static_cast<int32_t>(kByteMask));
+    for (int64_t p = 0; p < packs; ++p) {
+      I words[U];
+      for (int u = 0; u < U; ++u) {
+        const uint32_t* row = q + p * N + u * L;
+        __builtin_prefetch(row + ahead, 0, 2);  // the next group's rows, into L2
+        words[u] = D::load(row);
+      }
+      for (int j = 0; j < S; ++j) {
+        I fields[U];
+        for (int u = 0; u < U; ++u) {
+          fields[u] = D::template srl<B>(words[u], j);
+          if constexpr (B < 8) fields[u] = D::and_(fields[u], mask);
+        }
+        for (int m = 0; m < MT; ++m) {
+          const I a = D::set1(x[m * x_stride + p * S + j]);
+          for (int u = 0; u < U; ++u) acc[m][u] = D::template dot<B>(acc[m][u], fields[u], a);
+        }
+      }
+    }
+    // D::dot<B> may sum q_w - kOffset<B> (a signed byte) in place of q_w.
+    const I offset = D::set1(D::template kOffset<B>);
+    for (int m = 0; m < MT; ++m) {
+      const F dm = D::set1_ps(d[m]);
+      const I sum_m = D::set1(a_sum[m]);
+      for (int u = 0; u < U; ++u) {
+        const I zero = D::sub(D::load(reinterpret_cast<const uint32_t*>(z + u * L)), offset);
+        const I r = D::sub(acc[m][u], D::mullo(zero, sum_m));
+        const F sd = D::mul(D::load_ps(s + u * L), dm);
+        float* o = out + m * N + u * L;
+        D::store_ps(o, D::fma(sd, D::cvt(r), D::load_ps(o)));
+      }
+    }
+  }
+
+  static void run(const GptqActs8& x, int64_t M, const GptqWeight& w, int64_t n0, int64_t n1, float* out) {
+    const int64_t gs = w.group_of.group_size;
+    const int64_t group_words = gs / F_ * w.N;
+    for_group_row_tiles<B>(w, M, n0, n1, out, [&](auto mt, int64_t g, int64_t m0, const int32_t* z, const float* s) {
+      constexpr int MT = decltype(mt)::value;
+      const int64_t packs = std::min(gs, w.K - g * gs) / F_;  // the last group may be short
+      float d[MT];
+      int32_t a_sum[MT];
+      for (int m = 0; m < MT; ++m) {
+        d[m] = x.scale[(m0 + m) * x.groups + g];
+        a_sum[m] = x.sum[(m0 + m) * x.groups + g];
+      }
+      const int32_t* xg = reinterpret_cast<const int32_t*>(x.q + m0 * w.K + g * gs);
+      const uint32_t* qg = w.qweight + g * group_words;
+      for (int64_t n = n0; n < n1; n += kU<MT> * L) {
+        group_tile<MT>(xg, w.K / 4, qg + n, w.N, packs, group_words, z + (n - n0), s + (n - n0), d, a_sum,
+                       out + m0 * w.N + n);
+      }
+    });
+  }
+};
+
+template <class D>
+void run_a8_simd(int bits, const GptqActs8& x, int64_t M, const GptqWeight& w, int64_t n0, int64_t n1, float* out) {
+  switch (bits) {
+    case 2: return A8Simd<D, 2>::run(x, M, w, n0, n1, out);
+    case 4: return A8Simd<D, 4>::run(x, M, w, n0, n1, out);
+    case 8: return A8Simd<D, 8>::run(x, M, w, n0, n1, out);
+  }
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace lowbit
