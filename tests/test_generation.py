@@ -72,16 +72,17 @@ def act_order_gptq_model(seed):
     return lowbit.kernel_threads(model)
 
 
-@pytest.mark.parametrize("rows_sorted", [False, True])
-def test_compiled_decoding_of_an_act_order_gptq_model(two_threads, rows_sorted):
+@pytest.mark.parametrize("rows_sorted,int8_activations", [(False, False), (True, False), (True, True)])
+def test_compiled_decoding_of_an_act_order_gptq_model(two_threads, rows_sorted, int8_activations):
     """The layers' sorted copies are made in the eager prefill (or their rows
     are sorted in place, as the checkpoint loaders hold them); the compiled
-    steps take them as they stand."""
+    steps take them as they stand, gptq_gemm_a8 as gptq_gemm."""
     model = act_order_gptq_model(seed=1)
-    if rows_sorted:
-        for m in model.modules():
-            if isinstance(m, lowbit.GPTQLinear):
+    for m in model.modules():
+        if isinstance(m, lowbit.GPTQLinear):
+            if rows_sorted:
                 m.sort_rows()
+            m.int8_activations = int8_activations
     ids = torch.tensor([[1, 7, 22, 5, 63, 40, 9]])
     eager = generate(model, ids)
     lowbit.compiled_decoding(model, max_cache_len=32)
