@@ -1,5 +1,6 @@
-"""gptq_gemm, with fp32 and with bf16 activations, against its peers, measured
-in the same run on the same threads:
+"""gptq_gemm, with fp32 and with bf16 activations, and gptq_gemm_a8 (fp32
+activations rounded to int8, CPU), against their peers, measured in the same
+run on the same threads:
 torch's dense fp32 and bf16 matmul of the same shape, torch's own int4 CPU
 kernel (aten._weight_int4pack_mm_for_cpu, bf16 activations, for 4-bit), and
 the machine's copy bandwidth (GB/s = bytes of qweight + scales + zeros / time).
@@ -85,19 +86,23 @@ def main():
                     # fp32 activations against fp32 dense; bf16 activations (what torch's
                     # int4 kernel and bf16 dense take) against those two. All in turns.
                     gemm = lambda a, w, bits: lambda: torch.ops.lowbit.gptq_gemm(a, *w, False, True, bits)
+                    a8 = lambda w, bits: (lambda: torch.ops.lowbit.gptq_gemm_a8(a32, *w, True, bits)) \
+                        if device.type == "cpu" else None
                     fp32_ms, bf16_ms, int4_ms, *lowbit_ms = time_rounds_ms(
                         [lambda: a32 @ dense32, lambda: a16 @ dense16, int4] +
-                        [gemm(a, weights[bits], bits) for bits in BITS for a in (a32, a16)], device, budget_s=budget)
+                        [f for bits in BITS for f in (gemm(a32, weights[bits], bits), gemm(a16, weights[bits], bits),
+                                                      a8(weights[bits], bits))], device, budget_s=budget)
                     for i, bits in enumerate(BITS):
                         qweight, qzeros, scales, g_idx = weights[bits]
-                        ms, ms16 = lowbit_ms[2 * i: 2 * i + 2]
+                        ms, ms16, ms8 = lowbit_ms[3 * i: 3 * i + 3]
                         nbytes = sum(t.numel() * t.element_size() for t in (qweight, qzeros, scales))
-                        gbs = nbytes / (min(ms, ms16) * 1e-3) / 1e9
+                        gbs = nbytes / (min(ms, ms16, ms8) * 1e-3) / 1e9
                         peer_int4 = int4_ms if bits == 4 else float("nan")
                         records.append(dict(K=K, N=N, M=M, threads=threads, bits=bits, group_size=GROUP,
-                                            lowbit_ms=ms, lowbit_bf16_ms=ms16, weight_gbs=gbs,
+                                            lowbit_ms=ms, lowbit_bf16_ms=ms16, lowbit_int8_ms=ms8, weight_gbs=gbs,
                                             torch_fp32_ms=fp32_ms, torch_bf16_ms=bf16_ms, torch_int4_ms=peer_int4,
                                             speedup_vs_fp32=fp32_ms / ms, speedup_vs_bf16=bf16_ms / ms16,
+                                            int8_speedup_vs_fp32=fp32_ms / ms8,
                                             speedup_vs_torch_int4=peer_int4 / ms16))
         torch.set_num_threads(max(threads_list))
         bandwidth.sample()
@@ -107,16 +112,19 @@ def main():
             r["bandwidth_fraction"] = r["weight_gbs"] / bandwidth.gbs
             r["bandwidth_fraction_same_threads"] = r["weight_gbs"] / bandwidth.gbs_at(r["threads"])
             rows.append([f"{r['K']}x{r['N']}", r["M"], r["threads"], r["bits"], f"{r['lowbit_ms']:.3f}",
-                         f"{r['lowbit_bf16_ms']:.3f}", f"{r['weight_gbs']:.1f}", f"{100 * r['bandwidth_fraction']:.0f}%",
+                         f"{r['lowbit_bf16_ms']:.3f}", f"{r['lowbit_int8_ms']:.3f}", f"{r['weight_gbs']:.1f}", f"{100 * r['bandwidth_fraction']:.0f}%",
                          f"{100 * r['bandwidth_fraction_same_threads']:.0f}%",
-                         f"{r['torch_fp32_ms']:.3f}", f"{r['speedup_vs_fp32']:.2f}x", f"{r['speedup_vs_bf16']:.2f}x",
+                         f"{r['torch_fp32_ms']:.3f}", f"{r['speedup_vs_fp32']:.2f}x",
+                         f"{r['int8_speedup_vs_fp32']:.2f}x", f"{r['speedup_vs_bf16']:.2f}x",
                          f"{r['torch_int4_ms']:.3f}", f"{r['speedup_vs_torch_int4']:.2f}x"])
         print("lowbit ms: fp32 activations, compared with fp32 dense; bf16 ms: bf16 activations, compared with\n"
-              "bf16 dense and torch's int4 kernel (both take bf16); GB/s from the faster of the two\n")
-        print_table(["KxN", "M", "thr", "bits", "lowbit ms", "bf16 ms", "GB/s", "of bw", "of thr bw", "fp32 ms", "vs fp32",
-                     "vs bf16", "int4 ms", "vs int4"], rows)
+              "bf16 dense and torch's int4 kernel (both take bf16); int8 ms: gptq_gemm_a8 of the fp32 activations,\n"
+              "compared with fp32 dense (int8 vs fp32); GB/s from the fastest of the three\n")
+        print_table(["KxN", "M", "thr", "bits", "lowbit ms", "bf16 ms", "int8 ms", "GB/s", "of bw", "of thr bw",
+                     "fp32 ms", "vs fp32", "int8 vs fp32", "vs bf16", "int4 ms", "vs int4"], rows)
     write_results(f"{stem}.json", dict(machine=info, cpu_isa=isa, **bandwidth.as_record(),
-                                       activations="lowbit_ms: fp32, lowbit_bf16_ms: bf16 (torch int4 and bf16 dense: bf16)",
+                                       activations="lowbit_ms: fp32, lowbit_bf16_ms: bf16 (torch int4 and bf16 dense: "
+                                                   "bf16), lowbit_int8_ms: gptq_gemm_a8 of the fp32 activations",
                                        records=records))
 
 
