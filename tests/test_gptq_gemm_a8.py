@@ -196,3 +196,13 @@ def test_gptq_linear_with_int8_activations(act_order):
     if act_order:
         plain.sort_rows()
     assert not layer.can_join(plain)
+
+
+def test_three_bit_layers_keep_fp32_activations():
+    """No integer kernel reads 3-bit fields; the layer keeps gptq_gemm."""
+    torch.manual_seed(1)
+    layer = GPTQLinear.from_linear(torch.nn.Linear(256, 128), 3, 64, sym=False, checkpoint_format="gptq_v2")
+    x = torch.randn(3, 256)
+    exact = layer(x)
+    layer.int8_activations = True
+    assert torch.equal(layer(x), exact)

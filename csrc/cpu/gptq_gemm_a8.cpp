@@ -58,29 +58,34 @@ void quantize_rows(const float* a, const GptqWeight& w, int64_t m0, int64_t m1, 
   }
 }
 
-// out[:, n0:n1] of every bit width, one column at a time.
+// out[:, n0:n1] of every bit width: per group and activation row, each weight
+// row's fields are added into int32 column sums times that row's activation
+// (a loop over columns the compiler vectorises), then scaled as the SIMD
+// kernels scale them.
 template <int B>
 void a8_portable(const GptqActs8& x, int64_t M, const GptqWeight& w, int64_t n0, int64_t n1, float* out) {
-  const int64_t gs = w.group_of.group_size;
-  std::vector<int32_t> z(n1 - n0);
-  std::vector<float> s(n1 - n0);
+  const int64_t gs = w.group_of.group_size, width = n1 - n0;
+  std::vector<int32_t> z(width), dot(width);
+  std::vector<float> s(width);
   for (int64_t m = 0; m < M; ++m) std::fill(out + m * w.N + n0, out + m * w.N + n1, 0.0f);
   for (int64_t g = 0; g < x.groups; ++g) {
     read_group<B>(w, g, n0, n1, z.data(), s.data());
     const int64_t k0 = g * gs, k1 = std::min(w.K, k0 + gs);
     for (int64_t m = 0; m < M; ++m) {
       const int8_t* q = x.q + m * w.K;
+      std::fill(dot.begin(), dot.end(), 0);
+      for (int64_t k = k0; k < k1; ++k) {
+        const int32_t qa = q[a8_byte<B>(k)];
+        if (qa == 0) continue;
+        const gptq::FieldLoc f = gptq::locate<B>(k);
+        const uint32_t* lo = w.qweight + f.lo * w.N + n0;
+        const uint32_t* hi = w.qweight + f.hi * w.N + n0;
+        for (int64_t i = 0; i < width; ++i) dot[i] += qa * static_cast<int32_t>(gptq::extract(lo[i], hi[i], f));
+      }
       const float d = x.scale[m * x.groups + g];
       const int32_t a_sum = x.sum[m * x.groups + g];
-      for (int64_t n = n0; n < n1; ++n) {
-        int32_t dot = 0;
-        for (int64_t k = k0; k < k1; ++k) {
-          dot += q[a8_byte<B>(k)] * static_cast<int32_t>(gptq::unpack_field<B>(w.qweight + n, w.N, k));
-        }
-        const int32_t r = dot - z[n - n0] * a_sum;
-        float& o = out[m * w.N + n];
-        o = std::fma(s[n - n0] * d, static_cast<float>(r), o);
-      }
+      float* o = out + m * w.N + n0;
+      for (int64_t i = 0; i < width; ++i) o[i] = std::fma(s[i] * d, static_cast<float>(dot[i] - z[i] * a_sum), o[i]);
     }
   }
 }

@@ -291,8 +291,9 @@ def gptq_gemm_a8(a: Tensor, b_q_weight: Tensor, b_gptq_qzeros: Tensor, b_gptq_sc
     product is summed exactly in int32, then scaled and summed across groups in fp32.
     About 2^-8 of |a| @ |W| from gptq_gemm (the rounding of the activations, as
     llama.cpp rounds them for its integer dot products); the matvec is bound by
-    memory where gptq_gemm's fp32 one is bound by its instructions. CPU; the VNNI
-    kernel takes 2-, 4- and 8-bit weights, a portable loop every width."""
+    memory where gptq_gemm's fp32 one is bound by its instructions. CPU; the SIMD
+    kernels (vpdpbusd on AVX-512 VNNI, vpmaddubsw on AVX2) take 2-, 4- and 8-bit
+    weights; 3-bit ones take a portable loop, slower than gptq_gemm's."""
     return torch.ops.lowbit.gptq_gemm_a8(a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_v2_format, bit)
 
 

@@ -54,7 +54,9 @@ class GPTQLinear(nn.Module):
     gptq_gemm_a8: each row's groups rounded to int8, as llama.cpp rounds its
     activations, for integer dot products that leave a matvec bound by memory
     (the fp32 kernel is bound by its instructions) and prefill several times
-    faster. It needs groups of equal size, as every GPTQ checkpoint has them.
+    faster. It needs groups of equal size, as every GPTQ checkpoint has them,
+    and applies to 2-, 4- and 8-bit layers: 3-bit fields straddle words, no
+    integer kernel reads them, and gptq_gemm's fp32 one is faster there.
     """
 
     # A class default, so that layers pickled without the attribute have it.
@@ -286,7 +288,7 @@ class GPTQLinear(nn.Module):
             x2 = x2.index_select(1, perm)
         buffers = self._buffers
         v2 = self.checkpoint_format == "gptq_v2"
-        if self.int8_activations and x2.device.type == "cpu":
+        if self.int8_activations and self.bits != 3 and x2.device.type == "cpu":
             y = call_frozen(torch.ops.lowbit.gptq_gemm_a8, x2, qweight, buffers["qzeros"], buffers["scales"], g_idx,
                             v2, self.bits)
         else:

@@ -40,7 +40,8 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     into one where they are quantized alike (lowbit.fusing: one gptq_gemm
     instead of three; save_gptq writes them apart again).
     `int8_activations` sets every GPTQLinear's (GPTQLinear: activations
-    rounded to int8 per group for integer dot products, faster on the CPU).
+    rounded to int8 per group for integer dot products, faster on the CPU;
+    2-, 4- and 8-bit layers).
     Its forward calls run torch's ops on one thread and lowbit's kernels on
     torch's thread count (lowbit.kernel_threads).
     """
