@@ -251,13 +251,16 @@ def moe_table(data):
 
 def gptq_table(data):
     most = max(e["threads"] for e in data["records"])
-    out = ["| K x N | M | bits | fp32 ms | vs torch fp32 | bf16 ms | vs torch bf16 | vs torch int4 |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    int8 = all("lowbit_int8_ms" in e for e in data["records"])
+    out = ["| K x N | M | bits | fp32 ms | vs torch fp32 | bf16 ms | vs torch bf16 | vs torch int4 |"
+           + (" int8 ms | int8 vs torch fp32 |" if int8 else ""),
+           "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if int8 else "")]
     for e in data["records"]:
         if e["threads"] != most:
             continue
         out.append(f"| {e['K']}x{e['N']} | {e['M']} | {e['bits']} | {ms(e['lowbit_ms'])} | {ratio(e['speedup_vs_fp32'])} | "
-                   f"{ms(e['lowbit_bf16_ms'])} | {ratio(e['speedup_vs_bf16'])} | {ratio(e['speedup_vs_torch_int4'])} |")
+                   f"{ms(e['lowbit_bf16_ms'])} | {ratio(e['speedup_vs_bf16'])} | {ratio(e['speedup_vs_torch_int4'])} |"
+                   + (f" {ms(e['lowbit_int8_ms'])} | {ratio(e['int8_speedup_vs_fp32'])} |" if int8 else ""))
     return out, most
 
 
@@ -346,9 +349,12 @@ def summary_block():
             if pick:
                 int4 = ", ".join(f"M = {M} {ratio(e['speedup_vs_torch_int4'])}" for M, e in sorted(pick.items()))
                 fp32 = ", ".join(f"M = {M} {ratio(e['speedup_vs_fp32'])}" for M, e in sorted(pick.items()))
+                int8 = ", ".join(f"M = {M} {ratio(e['int8_speedup_vs_fp32'])}" for M, e in sorted(pick.items())
+                                 if "int8_speedup_vs_fp32" in e)
                 out += [f"`gptq_gemm` 4-bit g128, K x N = {GPTQ_SHAPE[0]}x{GPTQ_SHAPE[1]}, {most} threads: bf16 "
                         f"activations over torch's int4 kernel {int4}; fp32 activations over torch's fp32 dense "
-                        f"matmul {fp32}.", ""]
+                        f"matmul {fp32}" + (f"; `gptq_gemm_a8` (int8) over the same {int8}" if int8 else "") + ".",
+                        ""]
         out += main_job_lines(slug) + calibration_lines(slug) + e2e_lines(slug) + shared_cores_lines(slug)
     if out:
         out += [PAIR_NOTE]
