@@ -350,9 +350,7 @@ at::Tensor gptq_gemm(const at::Tensor& a, const at::Tensor& b_q_weight, const at
       }
     });
   }
-  std::vector<int64_t> out_sizes = a.sizes().vec();
-  out_sizes.back() = d.N;
-  return out.to(a.scalar_type()).view(out_sizes);
+  return as_output(out, a, d.N);
 }
 
 at::Tensor gptq_dequantize(const at::Tensor& b_q_weight, const at::Tensor& b_gptq_qzeros,

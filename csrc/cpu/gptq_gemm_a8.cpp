@@ -5,8 +5,9 @@
 // amax) in [-127, 127], d = amax / 127. A group's dot product is then exact
 // in int32, and the fp32 kernel's shift, lookup and FMA per weight become one
 // vpdpbusd per 4 weights (gptq_a8_simd.h; vpmaddubsw and vpmaddwd on AVX2),
-// which leaves a matvec bound by memory. The rounding of the activations is the only difference from
-// gptq_gemm; the portable kernel and the SIMD one give the same bits.
+// which leaves a matvec bound by memory. The rounding of the activations is
+// the only difference from gptq_gemm; the portable kernel and the SIMD ones
+// give the same bits.
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -129,9 +130,7 @@ at::Tensor gptq_gemm_a8(const at::Tensor& a, const at::Tensor& b_q_weight, const
       });
     });
   }
-  std::vector<int64_t> out_sizes = a.sizes().vec();
-  out_sizes.back() = d.N;
-  return out.to(a.scalar_type()).view(out_sizes);
+  return as_output(out, a, d.N);
 }
 
 }  // namespace cpu

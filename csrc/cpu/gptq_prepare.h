@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "../ops/gptq_checks.h"
 #include "gptq_kernels.h"
@@ -57,6 +58,13 @@ PreparedWeight prepare(const at::Tensor& qweight, const at::Tensor& qzeros, cons
                                   scale_type, use_v2_format},
                       RowGroups{gi, group_size, d.groups}};
   return p;
+}
+
+// The fp32 [M, N] result as the op returns it: [..., N] in a's dtype.
+inline at::Tensor as_output(const at::Tensor& out, const at::Tensor& a, int64_t N) {
+  std::vector<int64_t> sizes = a.sizes().vec();
+  sizes.back() = N;
+  return out.to(a.scalar_type()).view(sizes);
 }
 
 // fn(n0, n1) over [0, N) in parallel tasks of whole `step`s of columns (the

@@ -264,9 +264,8 @@ def gptq_gemm(a: Tensor, b_q_weight: Tensor, b_gptq_qzeros: Tensor, b_gptq_scale
                                       use_v2_format, bit)
 
 
-@torch.library.register_fake("lowbit::gptq_gemm")
-def _gptq_gemm(a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_exllama, use_v2_format, bit):
-    op = "gptq_gemm"
+def _gemm_args(op, a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_exllama, bit):
+    """check_gemm_args (csrc/ops/gptq_checks.h): (K, N, groups)."""
     K, N, groups = _gptq_weight(op, b_q_weight, b_gptq_qzeros, b_gptq_scales, bit)
     _float_dtype(op, "a", a)
     _same_device(op, "a", a, b_q_weight)
@@ -275,6 +274,12 @@ def _gptq_gemm(a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_exllama
     if use_exllama or b_g_idx.numel() == 0:
         _even_groups(op, K, groups, "as shuffled (use_exllama) weights need" if use_exllama
                      else "so b_g_idx must be given")
+    return K, N, groups
+
+
+@torch.library.register_fake("lowbit::gptq_gemm")
+def _gptq_gemm(a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_exllama, use_v2_format, bit):
+    _, N, _ = _gemm_args("gptq_gemm", a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_exllama, bit)
     return a.new_empty((*a.shape[:-1], N))
 
 
@@ -300,13 +305,7 @@ def gptq_gemm_a8(a: Tensor, b_q_weight: Tensor, b_gptq_qzeros: Tensor, b_gptq_sc
 @torch.library.register_fake("lowbit::gptq_gemm_a8")
 def _gptq_gemm_a8(a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_v2_format, bit):
     op = "gptq_gemm_a8"
-    K, N, groups = _gptq_weight(op, b_q_weight, b_gptq_qzeros, b_gptq_scales, bit)
-    _float_dtype(op, "a", a)
-    _same_device(op, "a", a, b_q_weight)
-    _value(a.dim() >= 1 and a.shape[-1] == K, op, "a must be [..., K=", K, "] to match b_q_weight, got ", _shape(a))
-    _index_vector(op, "b_g_idx", b_g_idx, b_q_weight, K)
-    if b_g_idx.numel() == 0:
-        _even_groups(op, K, groups, "so b_g_idx must be given")
+    K, N, groups = _gemm_args(op, a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, False, bit)
     # Contiguous groups hold at least K / groups rows each (the values are checked on the CPU).
     _value(K // groups <= A8_MAX_GROUP_ROWS, op, "b_gptq_scales has groups of ", K // groups, " rows; at most ",
            A8_MAX_GROUP_ROWS, " keep the int32 sums exact")
