@@ -5,6 +5,12 @@ torch's dense fp32 and bf16 matmul of the same shape, torch's own int4 CPU
 kernel (aten._weight_int4pack_mm_for_cpu, bf16 activations, for 4-bit), and
 the machine's copy bandwidth (GB/s = bytes of qweight + scales + zeros / time).
 
+The main table multiplies the same weight call after call: a weight smaller
+than the L3 (4-bit 4096x14336 is 30 MB) is read from cache there. The
+streamed table (CPU, M = 1) multiplies distinct copies in turn, 1.5 GB in
+all, as a model's decode reads its weights from memory; its GB/s are the
+ones to hold against the copy bandwidth.
+
     python -m benchmarks.bench_gptq_gemm [--device cpu|cuda] [--quick]
 
 Writes benchmarks/results/<machine>-gptq.json and .txt. Every kernel of a
@@ -25,6 +31,7 @@ BITS = [2, 3, 4, 8]
 MS = [1, 8, 16, 256]
 THREADS = [1, 2]
 GROUP = 128
+STREAMED_BYTES = 1.5e9  # as bench_gguf's: several times any L3 here
 
 
 def random_gptq_weight(K, N, bits, device):
@@ -51,6 +58,66 @@ def torch_int4(K, N, M):
         return fn
     except (RuntimeError, AttributeError):
         return None
+
+
+def torch_int4_packed(K, N):
+    """torch's int4 CPU layout of a random [N, K] weight and its g128 scales and zeros."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (N, K), dtype=torch.int32), 2)
+    return packed, torch.rand(K // GROUP, N, 2).bfloat16()
+
+
+def streamed_table(K, N, threads_list, budget):
+    """M = 1 over distinct copies of each weight, STREAMED_BYTES in all, taken
+    in turn (each side's time per matmul: its time for all copies over their
+    number): gptq_gemm (fp32 activations), gptq_gemm_a8, torch's int4 kernel
+    (4-bit) and torch's fp32 dense matmul (one weight: 4 bytes per element
+    already exceed any L3 here)."""
+    dense = torch.randn(K, N)
+    a32 = torch.randn(1, K)
+    records = []
+    for bits in BITS:
+        one = random_gptq_weight(K, N, bits, torch.device("cpu"))
+        nbytes = sum(t.numel() * t.element_size() for t in one[:3])
+        copies = max(2, int(STREAMED_BYTES // nbytes))
+        weights = [tuple(t.clone() for t in one) for _ in range(copies)]
+        int4 = None
+        if bits == 4:
+            try:
+                packs = [torch_int4_packed(K, N) for _ in range(copies)]
+                a16 = a32.bfloat16()
+                int4 = lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(a16, p, GROUP, sz) for p, sz in packs]
+            except (RuntimeError, AttributeError):
+                pass
+        fp32 = lambda: [torch.ops.lowbit.gptq_gemm(a32, *w, False, True, bits) for w in weights]
+        a8 = lambda: [torch.ops.lowbit.gptq_gemm_a8(a32, *w, True, bits) for w in weights]
+        for threads in threads_list:
+            torch.set_num_threads(threads)
+            ms, ms8, int4_ms = (v / copies for v in time_rounds_ms([fp32, a8, int4], min_reps=2, budget_s=2 * budget))
+            (dense_ms,) = time_rounds_ms([lambda: a32 @ dense], budget_s=budget)
+            records.append(dict(K=K, N=N, M=1, threads=threads, bits=bits, group_size=GROUP, copies=copies,
+                                lowbit_ms=ms, lowbit_int8_ms=ms8, weight_gbs=nbytes / (ms * 1e-3) / 1e9,
+                                int8_weight_gbs=nbytes / (ms8 * 1e-3) / 1e9, torch_int4_ms=int4_ms,
+                                torch_fp32_ms=dense_ms, speedup_vs_fp32=dense_ms / ms,
+                                int8_speedup_vs_fp32=dense_ms / ms8, int8_speedup_vs_torch_int4=int4_ms / ms8))
+        del weights
+    torch.set_num_threads(max(threads_list))
+    return records
+
+
+def print_streamed(records, bandwidth):
+    rows = []
+    for r in records:
+        thr_bw = bandwidth.gbs_at(r["threads"])
+        r["bandwidth_fraction_same_threads"] = r["weight_gbs"] / thr_bw
+        r["int8_bandwidth_fraction_same_threads"] = r["int8_weight_gbs"] / thr_bw
+        rows.append([f"{r['K']}x{r['N']}", r["threads"], r["bits"], r["copies"], f"{r['lowbit_ms']:.3f}",
+                     f"{r['weight_gbs']:.1f}", f"{100 * r['bandwidth_fraction_same_threads']:.0f}%",
+                     f"{r['lowbit_int8_ms']:.3f}", f"{r['int8_weight_gbs']:.1f}",
+                     f"{100 * r['int8_bandwidth_fraction_same_threads']:.0f}%", f"{r['torch_fp32_ms']:.3f}",
+                     f"{r['speedup_vs_fp32']:.2f}x", f"{r['int8_speedup_vs_fp32']:.2f}x", f"{r['torch_int4_ms']:.3f}",
+                     f"{r['int8_speedup_vs_torch_int4']:.2f}x"])
+    print_table(["KxN", "thr", "bits", "copies", "fp32 act ms", "GB/s", "of thr bw", "int8 ms", "int8 GB/s",
+                 "of thr bw", "torch fp32 ms", "vs fp32", "int8 vs fp32", "torch int4 ms", "int8 vs int4"], rows)
 
 
 def main():
@@ -104,6 +171,7 @@ def main():
                                             speedup_vs_fp32=fp32_ms / ms, speedup_vs_bf16=bf16_ms / ms16,
                                             int8_speedup_vs_fp32=fp32_ms / ms8,
                                             speedup_vs_torch_int4=peer_int4 / ms16))
+        streamed = [] if args.quick or device.type != "cpu" else streamed_table(*SHAPES[0], threads_list, budget)
         torch.set_num_threads(max(threads_list))
         bandwidth.sample()
         print(bandwidth.describe() + "\n")
@@ -117,15 +185,21 @@ def main():
                          f"{r['torch_fp32_ms']:.3f}", f"{r['speedup_vs_fp32']:.2f}x",
                          f"{r['int8_speedup_vs_fp32']:.2f}x", f"{r['speedup_vs_bf16']:.2f}x",
                          f"{r['torch_int4_ms']:.3f}", f"{r['speedup_vs_torch_int4']:.2f}x"])
-        print("lowbit ms: fp32 activations, compared with fp32 dense; bf16 ms: bf16 activations, compared with\n"
+        print("One weight, multiplied call after call (a weight that fits the L3 is read from cache).\n"
+              "lowbit ms: fp32 activations, compared with fp32 dense; bf16 ms: bf16 activations, compared with\n"
               "bf16 dense and torch's int4 kernel (both take bf16); int8 ms: gptq_gemm_a8 of the fp32 activations,\n"
               "compared with fp32 dense (int8 vs fp32); GB/s from the fastest of the three\n")
         print_table(["KxN", "M", "thr", "bits", "lowbit ms", "bf16 ms", "int8 ms", "GB/s", "of bw", "of thr bw",
                      "fp32 ms", "vs fp32", "int8 vs fp32", "vs bf16", "int4 ms", "vs int4"], rows)
+        if streamed:
+            print(f"\nM = 1 with the weights streamed from memory: copies of each weight, {STREAMED_BYTES / 1e9:.1f} GB "
+                  "in all, in turn;\nfp32 act: gptq_gemm, int8: gptq_gemm_a8, torch int4: its kernel over copies of "
+                  "its own layout (bf16\nactivations), torch fp32: dense matmul of one weight (beyond the L3 already)\n")
+            print_streamed(streamed, bandwidth)
     write_results(f"{stem}.json", dict(machine=info, cpu_isa=isa, **bandwidth.as_record(),
                                        activations="lowbit_ms: fp32, lowbit_bf16_ms: bf16 (torch int4 and bf16 dense: "
                                                    "bf16), lowbit_int8_ms: gptq_gemm_a8 of the fp32 activations",
-                                       records=records))
+                                       records=records, streamed=streamed))
 
 
 

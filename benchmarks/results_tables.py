@@ -264,6 +264,17 @@ def gptq_table(data):
     return out, most
 
 
+def gptq_streamed_table(data):
+    out = ["| K x N | threads | bits | fp32 act. ms | GB/s | int8 ms | int8 GB/s | int8 of copy bw | "
+           "int8 vs torch fp32 | int8 vs torch int4 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for e in data["streamed"]:
+        out.append(f"| {e['K']}x{e['N']} | {e['threads']} | {e['bits']} | {ms(e['lowbit_ms'])} | {e['weight_gbs']:.1f} | "
+                   f"{ms(e['lowbit_int8_ms'])} | {e['int8_weight_gbs']:.1f} | "
+                   f"{100 * e['int8_bandwidth_fraction_same_threads']:.0f}% | {ratio(e['int8_speedup_vs_fp32'])} | "
+                   f"{ratio(e['int8_speedup_vs_torch_int4'])} |")
+    return out
+
+
 def tp_table(data):
     out = ["| model | TP | M | naive ms | TP-aware ms | speedup |", "|---|---:|---:|---:|---:|---:|"]
     for e in data["records"]:
@@ -306,8 +317,13 @@ def results_block():
             out += tp_table(data)
         elif "records" in data:
             table, most = gptq_table(data)
-            out += table + ["", f"{most} threads, g128; fp32 activations against torch's fp32 dense matmul, bf16 "
+            out += table + ["", f"{most} threads, g128, one weight multiplied call after call (a weight that fits "
+                            "the L3 is read from cache); fp32 activations against torch's fp32 dense matmul, bf16 "
                             "activations against torch's bf16 dense matmul and its int4 kernel (4-bit only)."]
+            if data.get("streamed"):
+                out += ["", "M = 1 with the weights streamed from memory (distinct copies, 1.5 GB in all, in turn); "
+                        "of copy bw: over the copy bandwidth on the same threads (read + write); torch int4 over "
+                        "copies of its own layout:", ""] + gptq_streamed_table(data)
         out.append("")
     for path in sorted(glob.glob(os.path.join(RESULTS, "*.md"))):
         out += [f"#### `{os.path.basename(path)[:-3]}`", ""] + markdown_table(path) + [""]
@@ -343,7 +359,8 @@ def summary_block():
         out += [""]
         gptq = os.path.join(RESULTS, f"{slug}-gptq.json")
         if os.path.exists(gptq):
-            records = load_json(gptq)["records"]
+            gptq_data = load_json(gptq)
+            records = gptq_data["records"]
             pick = {e["M"]: e for e in records
                     if (e["K"], e["N"]) == GPTQ_SHAPE and e["threads"] == most and e["bits"] == 4}
             if pick:
@@ -353,12 +370,23 @@ def summary_block():
                                  if "int8_speedup_vs_fp32" in e)
                 out += [f"`gptq_gemm` 4-bit g128, K x N = {GPTQ_SHAPE[0]}x{GPTQ_SHAPE[1]}, {most} threads: bf16 "
                         f"activations over torch's int4 kernel {int4}; fp32 activations over torch's fp32 dense "
-                        f"matmul {fp32}" + (f"; `gptq_gemm_a8` (int8) over the same {int8}" if int8 else "") + ".",
-                        ""]
+                        f"matmul {fp32}" + (f"; `gptq_gemm_a8` (int8) over the same {int8}" if int8 else "")
+                        + " (one weight, call after call)." + streamed_gptq_sentence(gptq_data, most), ""]
         out += main_job_lines(slug) + calibration_lines(slug) + e2e_lines(slug) + shared_cores_lines(slug)
     if out:
         out += [PAIR_NOTE]
     return "\n".join(out).rstrip("\n") + "\n"
+
+
+def streamed_gptq_sentence(data, threads):
+    """The 4-bit M = 1 figures with the weights streamed from memory, where the run has them."""
+    pick = [e for e in data.get("streamed", []) if e["bits"] == 4 and e["threads"] == threads]
+    if not pick:
+        return ""
+    e = pick[0]
+    return (f" Streamed from memory (M = 1): `gptq_gemm_a8` {e['int8_weight_gbs']:.1f} GB/s "
+            f"({100 * e['int8_bandwidth_fraction_same_threads']:.0f}% of the copy bandwidth), fp32 activations "
+            f"{e['weight_gbs']:.1f} GB/s; int8 over torch's int4 kernel {ratio(e['int8_speedup_vs_torch_int4'])}.")
 
 
 def main_job_lines(slug):
