@@ -252,7 +252,8 @@ def gemm(a, qweight, qzeros, scales, g_idx, bits, fmt):
 def gemm_a8(a, qweight, qzeros, scales, bits, fmt, group_size):
     """float32 out [M, N] of gptq_gemm_a8 (csrc/README.md), contiguous groups of
     group_size rows (-1: one group): each row of a quantized per group to
-    q = rint(a * (127 / amax)) in float32 arithmetic with scale d = amax / 127
+    q = rint(a * (127 / amax)) in float32 arithmetic (a and amax first scaled
+    by 2^64 where amax < 2^-64, so the quotient stays finite) with scale d = amax / 127
     (NaN where the group holds a NaN or an infinity, q = 0 there), the
     group's integer dot product r = sum q_a * (q_w - z), and out = fma(s * d,
     r, out) in float32 group by group (the fma in float64, exact for these
@@ -268,10 +269,13 @@ def gemm_a8(a, qweight, qzeros, scales, bits, fmt, group_size):
         block = a[:, k0:k0 + gs]
         finite = np.isfinite(block).all(axis=1)
         amax = np.abs(np.where(finite[:, None], block, 0)).max(axis=1).astype(np.float32)
+        # Below 2^-64, amax and the row are scaled by 2^64 (exact) so that 127 / amax cannot overflow.
+        pre = np.where(amax < np.float32(2.0**-64), np.float32(2.0**64), np.float32(1)).astype(np.float32)
         inv = np.zeros_like(amax)
         ok = finite & (amax > 0)
-        inv[ok] = np.float32(127) / amax[ok]
-        qa = np.where(finite[:, None], np.rint(np.where(finite[:, None], block, 0) * inv[:, None]), 0).astype(np.int64)
+        inv[ok] = np.float32(127) / (amax[ok] * pre[ok])
+        scaled = np.where(finite[:, None], block, 0) * pre[:, None] * inv[:, None]
+        qa = np.where(finite[:, None], np.rint(scaled), 0).astype(np.int64)
         d = np.where(finite, amax / np.float32(127), np.float32(np.nan)).astype(np.float32)
         r = qa @ (q[k0:k0 + gs] - z[g])  # exact: int64
         sd = (s[g][None, :] * d[:, None]).astype(np.float32)

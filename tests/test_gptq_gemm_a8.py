@@ -55,6 +55,7 @@ def test_matches_the_numpy_statement_on_every_isa(bits, K, N, group_size, fmt, i
     a = torch.from_numpy(rng.standard_normal((9, K)).astype(np.float32))  # row tiles of 4, 4 and 1
     a[3] *= 1e-30  # a tiny row: its own scale, no underflow to zero
     a[5] = 0.0
+    a[7] *= 1e-40  # subnormal: 127 / amax overflows fp32 unless the group is scaled first
     expect = ref.gemm_a8(a.numpy(), w["qweight"].numpy(), w["qzeros"].numpy(), w["scales"].numpy(), bits, fmt,
                          group_size)
     outs = []
@@ -67,6 +68,7 @@ def test_matches_the_numpy_statement_on_every_isa(bits, K, N, group_size, fmt, i
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
     assert torch.equal(outs[0][5], torch.zeros(N))
+    assert torch.isfinite(outs[0][7]).all() and (outs[0][7] != 0).any()
 
 
 @pytest.mark.parametrize("bits", BITS)

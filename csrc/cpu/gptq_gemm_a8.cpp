@@ -28,9 +28,20 @@ namespace lowbit {
 namespace cpu {
 namespace {
 
+// v rounded to the nearest integer, ties to even (nearbyint's result in the
+// default rounding mode), for |v| <= 2^22: adding 1.5 * 2^23 leaves no
+// fraction bits, so the sum rounds v and the subtraction is exact: two adds
+// where nearbyintf is a library call per element.
+inline float round_even(float v) {
+  constexpr float kMagic = 12582912.0f;
+  return (v + kMagic) - kMagic;
+}
+
 // Rows [m0, m1) of a [M, K] quantized into x (GptqActs8's layout for B).
 // A group holding a NaN or an infinity gets the scale NaN (and q = 0), so
-// that every output it meets is NaN, as the float product would be.
+// that every output it meets is NaN, as the float product would be. A group
+// whose amax is below 2^-64 is scaled by 2^64 first (exact), so that 127 /
+// amax cannot overflow: q is what unbounded fp32 exponents would give.
 template <int B>
 void quantize_rows(const float* a, const GptqWeight& w, int64_t m0, int64_t m1, int8_t* q, float* scale,
                    int32_t* sum) {
@@ -45,11 +56,12 @@ void quantize_rows(const float* a, const GptqWeight& w, int64_t m0, int64_t m1, 
         finite &= std::isfinite(row[k]);
         amax = std::max(amax, std::fabs(row[k]));
       }
-      const float inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+      const float pre = amax < 0x1p-64f ? 0x1p64f : 1.0f;
+      const float inv = finite && amax > 0.0f ? 127.0f / (amax * pre) : 0.0f;
       int32_t total = 0;
       for (int64_t k = k0; k < k1; ++k) {
-        // |row[k] * inv| <= 127 (rounded): an exact int32 after nearbyint.
-        const int32_t v = finite ? static_cast<int32_t>(std::nearbyint(row[k] * inv)) : 0;
+        // |row[k] * inv| <= 127 (rounded): an exact int32 after rounding.
+        const int32_t v = finite ? static_cast<int32_t>(round_even(row[k] * pre * inv)) : 0;
         q[m * w.K + a8_byte<B>(k)] = static_cast<int8_t>(v);
         total += v;
       }
