@@ -23,8 +23,8 @@ checkpoint of the 1B model through lowbit.load_gptq_model, with fp32
 activations and with int8 ones (int8_activations, gptq_gemm_a8); on the shipped
 file also with its projections unfused (load_gguf_model's fuse=False), and
 with lowbit.compiled_decoding (static cache, compiled decode steps;
-inductor calling the kernels from Python, and from generated C++), whose
-warm-up generate compiles (inductor's on-disk cache makes the later rounds'
+inductor calling the kernels from Python, and from generated C++; the 1B
+Q4_K_M file from generated C++), whose warm-up generate compiles (inductor's on-disk cache makes the later rounds'
 compiles shorter). llama.cpp:
 Llama(n_ctx=512) with its default weight buffers (its CPU_REPACK layout for
 the types it takes) and without its extra buffers (the plain blocks), timed
@@ -452,7 +452,7 @@ def files(models, threads):
         f16 = random_llama_gguf(os.path.join(cache, "random-llama-1b.F16.gguf"), shipped)
         q4km = llama_quantize(f16, os.path.join(cache, "random-llama-1b.Q4_K_M.gguf"), "Q4_K_M", threads)
         stem = os.path.join(cache, f"random-llama-1b-gptq-{GPTQ_BITS}bit-g{GPTQ_GROUP}")
-        out.append(("random Llama 1.0B Q4_K_M", q4km, gguf_variants))
+        out.append(("random Llama 1.0B Q4_K_M", q4km, gguf_variants[:2] + ["lowbit-compiled-cpp"] + gguf_variants[2:]))
         gptq_variants = ["lowbit-gptq", "lowbit-gptq-a8"]
         out.append((GPTQ_LABEL, gptq_from_gguf(f16, stem), gptq_variants))
         out.append((GPTQ_ACT_ORDER_LABEL, gptq_from_gguf(f16, stem + "-act-order", act_order=True), gptq_variants))
