@@ -9,7 +9,9 @@ stays eager (its length changes from prompt to prompt).
 
 The first generate call compiles (on a 2-core CPU about a minute for a
 30-layer model; inductor's cache on disk makes later processes faster), so
-it pays for long generations and servers, not for a few tokens.
+it pays for long generations and servers, not for a few tokens, and on
+models whose decode step is mostly per-op host time (a 135M model) rather
+than weight reads (a 1B one, where the kernels take most of the step).
 """
 from __future__ import annotations
 
