@@ -61,7 +61,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 # The repository root: each child runs this module from there.
@@ -573,7 +572,7 @@ def main():
     if args.child:
         return child(json.loads(args.child))
 
-    from benchmarks.common import RESULTS, machine, print_table, printed_to, write_results  # first: sets THP
+    from benchmarks.common import machine, print_table, printed_to, results_dir, write_results  # first: sets THP
 
     import torch
 
@@ -592,8 +591,7 @@ def main():
     if sorted(models) != sorted(DEFAULT_MODELS) and not args.quick:
         stem += "-" + "-".join(m for m in MODELS if m in models)
     # A smoke run's results go to the temp directory, not next to the real ones.
-    out_dir = os.path.join(tempfile.gettempdir(), "lowbit-bench-e2e-quick") if args.quick else RESULTS
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = results_dir(args.quick)
 
     chosen = files(models, args.threads)
     file_info = {label: (nbytes(path) / 1e6, weight_types(path)) for label, path, _ in chosen}

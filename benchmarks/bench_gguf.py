@@ -36,8 +36,8 @@ cannot land on one side only.
 import argparse
 import os
 
-from benchmarks.common import (RESULTS, CopyBandwidth, machine, print_table, printed_to,  # first: sets THP
-                               time_rounds_ms, write_results)
+from benchmarks.common import (CopyBandwidth, machine, print_table, printed_to,  # first: sets THP
+                               results_dir, time_rounds_ms, write_results)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -401,6 +401,7 @@ def main():
         stem += "-" + "-".join(name.lower() for name in types)
     if shapes:
         stem += "-" + "-".join(f"{rows}x{n}" for rows, n in shapes)
+    stem = os.path.join(results_dir(args.quick), stem)
     with printed_to(f"{stem}.txt"):
         bandwidth = CopyBandwidth(threads=threads)
         print(f"machine: {info['name']} ({info['threads']} threads), torch {info['torch']}, "
@@ -434,7 +435,7 @@ def main():
                                        **bandwidth.as_record(), dequantize=dq, matmul=mm, prefill=pf,
                                        streamed_matvec=st))
     if not args.quick and not only_matmul and not llama_cpp_peer.available():
-        plot(mm, bandwidth.gbs, info, os.path.join(RESULTS, f"{stem}.png"))
+        plot(mm, bandwidth.gbs, info, f"{stem}.png")
 
 
 

@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 import lowbit
-from benchmarks.common import CopyBandwidth, machine, print_table, printed_to, time_rounds_ms, write_results
+from benchmarks.common import (CopyBandwidth, machine, print_table, printed_to, results_dir, time_rounds_ms,
+                               write_results)
 from tests import gguf_blocks as gb
 from tests import llama_cpp_peer
 
@@ -103,6 +104,7 @@ def main():
 
     info = machine()
     stem = f"{info['slug']}-{args.isa}-gguf-moe{suffix}" if args.isa else f"{info['slug']}-gguf-moe{suffix}"
+    stem = os.path.join(results_dir(args.quick), stem)
     threads = [1] if args.quick else [t for t in THREADS if t <= torch.get_num_threads()]
     budget = 0.1 if args.quick else 0.3
     peer_missing = llama_cpp_peer.available()

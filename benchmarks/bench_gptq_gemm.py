@@ -18,9 +18,10 @@ shape, M and thread count is timed in alternating rounds, each one's fastest
 round reported (common.time_rounds_ms).
 """
 import argparse
+import os
 
 from benchmarks.common import (CopyBandwidth, machine, print_table, printed_to,  # first: sets THP
-                               time_rounds_ms, write_results)
+                               results_dir, time_rounds_ms, write_results)
 
 import torch  # noqa: E402
 
@@ -133,7 +134,7 @@ def main():
 
     info = machine(device)
     records = []
-    stem = f"{info['slug']}-gptq"
+    stem = os.path.join(results_dir(args.quick), f"{info['slug']}-gptq")
     with printed_to(f"{stem}.txt"):
         bandwidth = CopyBandwidth(device, threads_list)
         isa = torch.ops.lowbit.cpu_isa() if device.type == "cpu" else "-"

@@ -13,7 +13,7 @@ weights are random but valid act-order GPTQ tensors. A rep is timed from a
 barrier to the end of the forward on each rank; a rep's time is the slowest
 rank's, and the table shows the median over reps.
 
-Writes benchmarks/results/<machine>-tp.json and -tp.png (--quick: -tp-quick.*).
+Writes benchmarks/results/<machine>-tp.json and -tp.png (--quick: under the temp directory).
 On the 2-core dev machine --quick takes about 20 s and the full sweep a few
 minutes; its slowest cells are TP=1, M=16 (about 8 s per Llama-70B forward).
 """
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.common import RESULTS, machine, print_table, write_results
+from benchmarks.common import machine, print_table, results_dir, write_results
 from lowbit.gptq import GPTQConfig
 from lowbit.gptq.checkpoint import write_checkpoint
 from lowbit.gptq.tp import NaiveTPMLP, TPAwareMLP, reorder_checkpoint
@@ -171,13 +171,13 @@ def main():
                                  f"{r['max_rel_diff']:.1e}"])
     print()
     print_table(["model", "TP", "M", "naive ms", "TP-aware ms", "speedup", "max rel diff"], rows)
-    name = f"{info['slug']}-tp{'-quick' if args.quick else ''}"
+    name = os.path.join(results_dir(args.quick), f"{info['slug']}-tp")
     write_results(f"{name}.json", dict(
         machine=info, bits=BITS, group_size=GROUP, act_order=True, backend="gloo", reps=args.reps, quick=args.quick,
         notes="TP ranks are processes on one CPU sharing its cores; a rep's time is the slowest rank's, from a "
               "barrier to the end of the forward; *_ms are medians over reps.",
         records=records))
-    plot(records, models, os.path.join(RESULTS, f"{name}.png"))
+    plot(records, models, f"{name}.png")
 
 
 if __name__ == "__main__":

@@ -17,9 +17,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch  # noqa: E402
 
-from benchmarks.machine import device_name, machine_slug
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from benchmarks.machine import RESULTS, device_name, machine_slug, results_dir  # noqa: F401  (re-exported)
 
 
 def sync(device):
@@ -139,6 +137,7 @@ def print_table(headers, rows):
 
 
 def write_results(name, payload):
+    """payload as JSON to results/<name> (or to `name` where it is a path)."""
     os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, name)
     with open(path, "w") as f:
@@ -198,7 +197,8 @@ class _Tee(io.TextIOBase):
 
 @contextlib.contextmanager
 def printed_to(name):
-    """Prints as usual and also saves everything printed as results/<name>."""
+    """Prints as usual and also saves everything printed as results/<name>
+    (or as `name` where it is a path)."""
     log = io.StringIO()
     with contextlib.redirect_stdout(_Tee(sys.stdout, log)):
         yield

@@ -26,7 +26,7 @@ import lowbit
 from lowbit.gguf.repacking import reads_repacked_layout
 
 from benchmarks import smollm2
-from benchmarks.machine import machine_slug
+from benchmarks.machine import machine_slug, results_dir
 
 PROMPT = "The three branches of government are"
 # (label, bits, sym, desc_act, checkpoint_format): the table's GPTQ rows, g128.
@@ -57,7 +57,6 @@ LLAMA_CPP_ROW = "GGUF Q4_1 (as shipped) through llama.cpp"
 # logits KL needs take 50 MB a window and each row scores them all, so the
 # whole text (30,000 tokens) is left to --heldout-tokens.
 HELDOUT_TOKENS = 4096
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def calibration_batches(tokenizer, length: int = 256, count: int = 8) -> list[torch.Tensor]:
@@ -115,7 +114,7 @@ def run_real_model(path: str, quick: bool, heldout_tokens: int = HELDOUT_TOKENS)
     table = format_table(rows, heldout.numel(), len(calibration) * calibration[0].numel(), gpu_name)
     print("\n" + table)
     seconds = time.perf_counter() - t_start
-    write_results(table, rows, seconds, others_share(busy_start, own_start, seconds))
+    write_results(table, rows, seconds, others_share(busy_start, own_start, seconds), results_dir(quick))
 
 
 def format_table(rows, heldout_tokens: int, calibration_tokens: int, gpu_name: str | None = None) -> str:
@@ -173,16 +172,14 @@ def write_result_table(stem: str, lines: list[str], seconds: float, module: str)
     command, and writes them to benchmarks/results/<stem>.md."""
     table = "\n".join([*lines, "", f"{seconds:.0f} s (`python -m benchmarks.{module}`)."])
     print("\n" + table)
-    os.makedirs(RESULTS, exist_ok=True)
-    out = os.path.join(RESULTS, f"{stem}.md")
+    out = os.path.join(results_dir(), f"{stem}.md")
     with open(out, "w") as f:
         f.write(table + "\n")
     print(f"wrote {out}")
 
 
-def write_results(table: str, rows, seconds: float, others: float | None = None) -> None:
-    os.makedirs(RESULTS, exist_ok=True)
-    base = os.path.join(RESULTS, f"smollm2-{machine_slug()}")
+def write_results(table: str, rows, seconds: float, others: float | None, directory: str) -> None:
+    base = os.path.join(directory, f"smollm2-{machine_slug()}")
     note = ""
     if others is not None and others >= 0.05:
         note = (f" Other processes took {others:.0%} of the machine's {os.cpu_count()} cores' time while it ran "

@@ -1,9 +1,23 @@
 """The name of the machine results were measured on, shared by the main job
-and the benchmarks so result files from one machine carry one name."""
+and the benchmarks so result files from one machine carry one name, and the
+folder the files go to."""
+import os
 import platform
 import re
+import tempfile
 
 import torch
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def results_dir(quick: bool = False) -> str:
+    """benchmarks/results, or for a --quick run (a smoke test of a script) a
+    folder under the system's temp directory: a quick run never replaces the
+    files of a full one, which the READMEs' tables are made from."""
+    path = os.path.join(tempfile.gettempdir(), "lowbit-bench-quick") if quick else RESULTS
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def device_name(device: torch.device = torch.device("cpu")) -> str:
