@@ -371,7 +371,8 @@ def summary_block():
                 out += [f"`gptq_gemm` 4-bit g128, K x N = {GPTQ_SHAPE[0]}x{GPTQ_SHAPE[1]}, {most} threads: bf16 "
                         f"activations over torch's int4 kernel {int4}; fp32 activations over torch's fp32 dense "
                         f"matmul {fp32}" + (f"; `gptq_gemm_a8` (int8) over the same {int8}" if int8 else "")
-                        + " (one weight, call after call)." + streamed_gptq_sentence(gptq_data, most), ""]
+                        + " (one weight, call after call: a quantized one that fits the L3 stays there, the dense "
+                        "one does not)." + streamed_gptq_sentence(gptq_data, most), ""]
         out += main_job_lines(slug) + calibration_lines(slug) + e2e_lines(slug) + shared_cores_lines(slug)
     if out:
         out += [PAIR_NOTE]
@@ -386,7 +387,8 @@ def streamed_gptq_sentence(data, threads):
     e = pick[0]
     return (f" Streamed from memory (M = 1): `gptq_gemm_a8` {e['int8_weight_gbs']:.1f} GB/s "
             f"({100 * e['int8_bandwidth_fraction_same_threads']:.0f}% of the copy bandwidth), fp32 activations "
-            f"{e['weight_gbs']:.1f} GB/s; int8 over torch's int4 kernel {ratio(e['int8_speedup_vs_torch_int4'])}.")
+            f"{e['weight_gbs']:.1f} GB/s; int8 over torch's fp32 dense matmul {ratio(e['int8_speedup_vs_fp32'])}, "
+            f"over its int4 kernel {ratio(e['int8_speedup_vs_torch_int4'])}.")
 
 
 def main_job_lines(slug):
