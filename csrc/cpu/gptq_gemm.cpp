@@ -125,21 +125,18 @@ void fused_portable(const float* a, int64_t M, const GptqWeight& w, int64_t n0, 
 // bf16 planes of a for the AVX512-BF16 kernel, or null.
 template <int B>
 void gemm_fused(const float* a, int64_t M, const GptqWeight& w, float* out, Isa isa, const Bf16Acts* a16) {
-  const int64_t step = isa == Isa::kAvx512 ? kAvx512FusedCols : isa == Isa::kAvx2 ? kAvx2FusedCols : kTileN;
-  const int64_t simd_end = isa == Isa::kPortable ? 0 : w.N - w.N % step;
-  for_column_tasks(w.N, step, [&](int64_t n0, int64_t n1) {
-    const int64_t simd_n1 = std::min(n1, simd_end);
-#if LOWBIT_X86_SIMD
-    if (simd_n1 > n0) {
+  for_isa_column_tasks(
+      w.N, isa, kTileN,
+      [&](int64_t n0, int64_t n1) {
 #if LOWBIT_X86_AVX512
-      if (isa == Isa::kAvx512 && a16) gptq_fused_avx512bf16(B, a, *a16, w, n0, simd_n1, out);
-      if (isa == Isa::kAvx512 && !a16) gptq_fused_avx512(B, a, M, w, n0, simd_n1, out);
+        if (isa == Isa::kAvx512 && a16) gptq_fused_avx512bf16(B, a, *a16, w, n0, n1, out);
+        if (isa == Isa::kAvx512 && !a16) gptq_fused_avx512(B, a, M, w, n0, n1, out);
 #endif
-      if (isa == Isa::kAvx2) gptq_fused_avx2(B, a, M, w, n0, simd_n1, out);
-    }
+#if LOWBIT_X86_SIMD
+        if (isa == Isa::kAvx2) gptq_fused_avx2(B, a, M, w, n0, n1, out);
 #endif
-    fused_portable<B>(a, M, w, std::max(n0, simd_n1), n1, out);
-  });
+      },
+      [&](int64_t n0, int64_t n1) { fused_portable<B>(a, M, w, n0, n1, out); });
 }
 
 // Whether bf16 / fp16 activations take the vdpbf16ps kernel

@@ -126,20 +126,18 @@ at::Tensor gptq_gemm_a8(const at::Tensor& a, const at::Tensor& b_q_weight, const
                          sum.data_ptr<int32_t>());
       });
       const Isa isa = B != 3 && simd_fused_supports<B>(w.view) ? active_isa() : Isa::kPortable;
-      const int64_t step = isa == Isa::kAvx512 ? kAvx512FusedCols : isa == Isa::kAvx2 ? kAvx2FusedCols : 64;
-      const int64_t simd_end = isa == Isa::kPortable ? 0 : d.N - d.N % step;
-      for_column_tasks(d.N, step, [&](int64_t n0, int64_t n1) {
-        const int64_t simd_n1 = std::min(n1, simd_end);
-#if LOWBIT_X86_SIMD
-        if (simd_n1 > n0) {
+      float* o = out.data_ptr<float>();
+      for_isa_column_tasks(
+          d.N, isa, 64,
+          [&](int64_t n0, int64_t n1) {
 #if LOWBIT_X86_AVX512
-          if (isa == Isa::kAvx512) gptq_a8_avx512(B, x, M, w.view, n0, simd_n1, out.data_ptr<float>());
+            if (isa == Isa::kAvx512) gptq_a8_avx512(B, x, M, w.view, n0, n1, o);
 #endif
-          if (isa == Isa::kAvx2) gptq_a8_avx2(B, x, M, w.view, n0, simd_n1, out.data_ptr<float>());
-        }
+#if LOWBIT_X86_SIMD
+            if (isa == Isa::kAvx2) gptq_a8_avx2(B, x, M, w.view, n0, n1, o);
 #endif
-        if (n1 > std::max(n0, simd_n1)) a8_portable<B>(x, M, w.view, std::max(n0, simd_n1), n1, out.data_ptr<float>());
-      });
+          },
+          [&](int64_t n0, int64_t n1) { a8_portable<B>(x, M, w.view, n0, n1, o); });
     });
   }
   return as_output(out, a, d.N);

@@ -10,6 +10,7 @@
 
 #include "../ops/gptq_checks.h"
 #include "gptq_kernels.h"
+#include "isa.h"
 #include "parallel.h"
 
 namespace lowbit {
@@ -77,6 +78,21 @@ void for_column_tasks(int64_t N, int64_t step, const Fn& fn) {
   const int64_t per_chunk = N / (kChunksPerThread * pool_threads()) / step * step;
   const int64_t task = std::clamp(per_chunk, step, 16 * step);
   parallel_for((N + task - 1) / task, 1, [&](int64_t t0, int64_t t1) { fn(t0 * task, std::min(N, t1 * task)); });
+}
+
+// for_column_tasks for kernels of `isa`, whose SIMD kernels take whole steps
+// of columns (kAvx512FusedCols, kAvx2FusedCols): simd(n0, n1) on each task's
+// columns below the last whole step, portable(n0, n1) on the rest (every
+// column when isa is kPortable, in tasks of portable_step).
+template <class Simd, class Portable>
+void for_isa_column_tasks(int64_t N, Isa isa, int64_t portable_step, const Simd& simd, const Portable& portable) {
+  const int64_t step = isa == Isa::kAvx512 ? kAvx512FusedCols : isa == Isa::kAvx2 ? kAvx2FusedCols : portable_step;
+  const int64_t simd_end = isa == Isa::kPortable ? 0 : N - N % step;
+  for_column_tasks(N, step, [&](int64_t n0, int64_t n1) {
+    const int64_t simd_n1 = std::min(n1, simd_end);
+    if (simd_n1 > n0) simd(n0, simd_n1);
+    if (n1 > std::max(n0, simd_n1)) portable(std::max(n0, simd_n1), n1);
+  });
 }
 
 }  // namespace

@@ -7,9 +7,10 @@ differentiated). The gradient is that of the dequantized weight W:
 grad_x = grad_out @ W for the GGUF ops (x @ W.T), grad_out @ W.T for
 gptq_gemm and gptq_gemm_a8 (x @ W). The 8-bit rounding of the activations
 (the GGUF ops', gptq_gemm_a8's) counts as the identity, the straight-through
-estimator of llama.cpp's training and of quantization-aware training. W is decoded a tile of rows at a time, never
-whole in fp32, and the sums run in fp32. The other ops with a float input
-refuse to be differentiated rather than give no gradient silently.
+estimator of llama.cpp's training and of quantization-aware training. W is
+decoded a tile of rows at a time, never whole in fp32, and the sums run in
+fp32. The other ops with a float input refuse to be differentiated rather
+than give no gradient silently.
 """
 import torch
 
