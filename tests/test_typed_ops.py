@@ -74,6 +74,7 @@ def _calls():
         "ggml_mul_mat_vec_a8": (W, X[:1], q4_0, ROWS),
         "ggml_mul_mat_a8": (W, X, q4_0, ROWS),
         "ggml_mul_mat_id": (experts, X[:3], ids, q4_0, ROWS),
+        "ggml_quantize": (X, int(GGMLType.Q8_0)),
         "ggml_repack": (W, q4_0, ROWS, COLS, False),
         "ggml_mul_mat_repacked": (repacked, X, q4_0, ROWS),
         "ggml_mul_mat_id_repacked": (experts_repacked, X[:3], ids, q4_0, ROWS),

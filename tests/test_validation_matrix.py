@@ -250,6 +250,18 @@ OPS["ggml_mul_mat_id_repacked"] = ggml_mul_mat_id()
 OPS["ggml_mul_mat_id_repacked"].values["type without a repacked layout"] = (
     lambda kw: {"type": TQ2_0, "W": torch.cat([ggml_blocks(TQ2_0)] * GGML_EXPERTS).view(GGML_EXPERTS, GGML_ROWS, -1)},
     ValueError, r"type 35 \(TQ2_0\) has no repacked layout")
+OPS["ggml_quantize"] = Op(lambda: {"x": torch.randn(GGML_ROWS, GGML_N), "type": Q8_0}, {
+    "x": Arg(FLOATS, empty_ok=(0, 1)),
+}, {
+    "unknown type": (lambda kw: {"type": 99}, ValueError, "type 99 is not a ggml weight type"),
+    "type it does not write": (lambda kw: {"type": Q4_0}, ValueError, r"type 2 \(Q4_0\): lowbit writes Q8_0"),
+    "n not whole blocks": (lambda kw: {"x": kw["x"][:, :-16].contiguous()}, ValueError,
+                           r"x's rows \(n=496\) are not a multiple of the Q8_0 block size 32"),
+    "NaN": (lambda kw: {"x": kw["x"].index_fill(1, torch.tensor([5]), float("nan"))}, ValueError,
+            r"x holds a non-finite value \(nan\) at \[0, 5\]"),
+    "scale beyond fp16": (lambda kw: {"x": kw["x"].index_fill(1, torch.tensor([40]), 1e8)}, ValueError,
+                          r"x's block \[0, 32:64\] reaches magnitude 1e\+08"),
+})
 OPS["ggml_repack"] = Op(lambda: {"W": ggml_blocks(), "type": Q4_0, "row": GGML_ROWS, "n": GGML_N, "inverse": False}, {
     "W": Arg((torch.uint8,), rank_free=True),
 }, {
@@ -323,7 +335,7 @@ def test_validation_matrix(op_name, case, over, expect):
 VALUE_CASES = {"g_idx negative", "g_idx past the groups", "g_idx int64 above 2^32", "perm past K (shuffled layout)",
                "perm past K", "perm negative", "perm not a permutation", "perm past N", "value above 2^bit - 1",
                "negative value", "expert past the last", "negative expert", "int64 expert that int32 would wrap",
-               "groups not contiguous"}
+               "groups not contiguous", "NaN", "scale beyond fp16"}
 SHAPE_CASES = [c for c in CASES if c[3] != "accepted" and c[1] not in VALUE_CASES]
 
 

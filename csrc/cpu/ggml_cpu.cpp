@@ -5,6 +5,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <string>
 #include <utility>
@@ -416,6 +417,36 @@ at::Tensor ggml_mul_mat_a8(const at::Tensor& W, const at::Tensor& X, int64_t typ
 
 at::Tensor ggml_mul_mat_repacked(const at::Tensor& W, const at::Tensor& X, int64_t type, int64_t row) {
   return ggml_mul_mat("ggml_mul_mat_repacked", W, X, type, row, /*repacked=*/true);
+}
+
+at::Tensor ggml_quantize(const at::Tensor& x, int64_t type) {
+  const auto info = check_ggml_quantize(x, type);
+  const int64_t m = x.size(0), n = x.size(1), row_bytes = n / info.block * info.bytes;
+  at::Tensor out = at::empty({m, row_bytes}, x.options().dtype(at::kByte));
+  if (out.numel() == 0) return out;
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ggml_quantize", [&] {
+    const scalar_t* src = x.const_data_ptr<scalar_t>();
+    parallel_for(m, row_grain(n), [&](int64_t r0, int64_t r1) {
+      std::vector<float> row(n);
+      for (int64_t r = r0; r < r1; ++r) {
+        at::vec::convert(src + r * n, row.data(), n);
+        // A weight with NaN or Inf has no Q8_0 form; llama.cpp's quantizer refuses it too.
+        const auto bad = std::find_if(row.begin(), row.end(), [](float v) { return !std::isfinite(v); });
+        TORCH_CHECK_VALUE(bad == row.end(), "ggml_quantize: x holds a non-finite value (", *bad, ") at [", r, ", ",
+                          bad - row.begin(), "]");
+        for (int64_t b = 0; b < n / info.block; ++b) {
+          const float* block = row.data() + b * info.block;
+          TORCH_CHECK_VALUE(ggml::encode_q8_0_block(block, dst + r * row_bytes + b * info.bytes),
+                            "ggml_quantize: x's block [", r, ", ", b * info.block, ":", (b + 1) * info.block,
+                            "] reaches magnitude ", *std::max_element(block, block + info.block, [](float a, float c) {
+                              return std::fabs(a) < std::fabs(c);
+                            }), ", beyond Q8_0's range (its fp16 scale amax / 127 overflows)");
+        }
+      }
+    });
+  });
+  return out;
 }
 
 at::Tensor ggml_repack(const at::Tensor& W, int64_t type, int64_t row, int64_t n, bool inverse) {

@@ -25,9 +25,11 @@
   X(ggml_mul_mat_id)
 
 // X(op): the CPU-only ops: GPTQ with int8 activations (for the VNNI dot
-// product) and the CPU kernels' repacked GGUF layout.
+// product), float weights into GGUF blocks (a load-time step) and the CPU
+// kernels' repacked GGUF layout.
 #define LOWBIT_CPU_ONLY_OPS(X) \
   X(gptq_gemm_a8)              \
+  X(ggml_quantize)             \
   X(ggml_repack)               \
   X(ggml_mul_mat_repacked)     \
   X(ggml_mul_mat_id_repacked)
@@ -65,6 +67,7 @@ namespace cpu {
 LOWBIT_DECLARE_BACKEND_OPS
 at::Tensor gptq_gemm_a8(const at::Tensor& a, const at::Tensor& b_q_weight, const at::Tensor& b_gptq_qzeros,
                         const at::Tensor& b_gptq_scales, const at::Tensor& b_g_idx, bool use_v2_format, int64_t bit);
+at::Tensor ggml_quantize(const at::Tensor& x, int64_t type);
 at::Tensor ggml_repack(const at::Tensor& W, int64_t type, int64_t row, int64_t n, bool inverse);
 at::Tensor ggml_mul_mat_repacked(const at::Tensor& W, const at::Tensor& X, int64_t type, int64_t row);
 at::Tensor ggml_mul_mat_id_repacked(const at::Tensor& W, const at::Tensor& X, const at::Tensor& ids, int64_t type,

@@ -54,6 +54,9 @@ TORCH_LIBRARY(lowbit, m) {
   m.def("ggml_mul_mat_repacked(Tensor W, Tensor X, int type, SymInt row) -> Tensor");
   // ggml_mul_mat_id of experts each in that layout (ggml_repack of its own rows).
   m.def("ggml_mul_mat_id_repacked(Tensor W, Tensor X, Tensor ids, int type, SymInt row) -> Tensor");
+  // The blocks of x [m, n] as type `type` (Q8_0), uint8 [m, n / 32 * 34],
+  // rounded as llama.cpp's quantizer rounds; CPU. Non-finite values raise.
+  m.def("ggml_quantize(Tensor x, int type) -> Tensor");
   // [elements per block, bytes per block] of a ggml type; raises for unknown ids.
   m.def("ggml_type_info(int type) -> int[]");
   m.def("ggml_type_name(int type) -> str");

@@ -177,5 +177,6 @@ for _op, _repacked in (("ggml_mul_mat_id", False), ("ggml_mul_mat_id_repacked", 
 
 # ---- ops that take a float input but are not differentiated -----------------------
 
-for _op, _names in (("gptq_dequantize", _GPTQ_WEIGHT), ("gptq_permute_cols", ("qweight", "qzeros", "scales", "perm"))):
+for _op, _names in (("gptq_dequantize", _GPTQ_WEIGHT), ("gptq_permute_cols", ("qweight", "qzeros", "scales", "perm")),
+                    ("ggml_quantize", ("x",))):
     torch.library.register_autograd(f"lowbit::{_op}", _no_backward, setup_context=_refusing(_op, _names))

@@ -33,7 +33,7 @@ SymInt = Union[int, torch.SymInt]
 __all__ = [
     "GGMLType", "cpu_bf16_kernel", "cpu_isa", "cpu_reads_repacked", "cpu_threads", "ggml_cpu_traits", "ggml_dequantize",
     "ggml_has_repacked_layout", "ggml_mul_mat_a8", "ggml_mul_mat_id", "ggml_mul_mat_id_repacked",
-    "ggml_mul_mat_repacked", "ggml_mul_mat_vec_a8", "ggml_repack", "ggml_type_info", "ggml_type_name",
+    "ggml_mul_mat_repacked", "ggml_mul_mat_vec_a8", "ggml_quantize", "ggml_repack", "ggml_type_info", "ggml_type_name",
     "gptq_dequantize", "gptq_gemm", "gptq_gemm_a8", "gptq_pack", "gptq_permute_cols", "gptq_permute_rows",
     "gptq_shuffle", "gptq_unpack",
 ]
@@ -476,6 +476,27 @@ def ggml_mul_mat_id(W: Tensor, X: Tensor, ids: Tensor, type: int, row: SymInt) -
 
 
 torch.library.register_fake("lowbit::ggml_mul_mat_id")(_ggml_mul_mat_id_fake("ggml_mul_mat_id"))
+
+
+def ggml_quantize(x: Tensor, type: int) -> Tensor:
+    """CPU: the float matrix x [m, n] as blocks of a ggml type, uint8 [m, n / 32 * 34]
+    for Q8_0 (the one type it writes): per 32 values d = amax / 127 stored as fp16 and
+    q = round(x / d), half away from zero, as llama.cpp's and gguf-py's quantizers
+    round. A NaN or Inf in x raises ValueError."""
+    return torch.ops.lowbit.ggml_quantize(x, type)
+
+
+@torch.library.register_fake("lowbit::ggml_quantize")
+def _ggml_quantize(x, type):
+    op = "ggml_quantize"
+    block, nbytes, name = _type_info(op, type)
+    _value(type == GGMLType.Q8_0, op, "type ", type, " (", name, "): lowbit writes Q8_0 (8) only")
+    _float_dtype(op, "x", x)
+    _contiguous(op, "x", x)
+    _dim(op, "x", x, 2)
+    _value(x.shape[1] % block == 0, op, "x's rows (n=", x.shape[1], ") are not a multiple of the ", name,
+           " block size ", block)
+    return x.new_empty((x.shape[0], x.shape[1] // block * nbytes), dtype=torch.uint8)
 
 
 def ggml_repack(W: Tensor, type: int, row: SymInt, n: SymInt, inverse: bool = False) -> Tensor:
