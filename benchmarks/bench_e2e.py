@@ -20,7 +20,8 @@ Per (file, library) it measures:
 lowbit: lowbit.load_gguf_model + model.generate (greedy; a streamer stamps
 each token), in the file's layout and with lowbit.repack_model; a 4-bit GPTQ
 checkpoint of the 1B model through lowbit.load_gptq_model, with fp32
-activations and with int8 ones (int8_activations, gptq_gemm_a8); on the shipped
+activations, with int8 ones (int8_activations, gptq_gemm_a8), and with int8
+ones and the fp16 embedding / tied head held as Q8_0 (float_tables); on the shipped
 file also with its projections unfused (load_gguf_model's fuse=False), and
 with lowbit.compiled_decoding (static cache, compiled decode steps;
 inductor calling the kernels from Python, and from generated C++; the 1B
@@ -83,6 +84,7 @@ VARIANTS = {
     "lowbit-repacked": "lowbit, repacked",
     "lowbit-gptq": "lowbit, GPTQ",
     "lowbit-gptq-a8": "lowbit, GPTQ, int8 activations",
+    "lowbit-gptq-a8-q8": "lowbit, GPTQ, int8 activations, Q8_0 tables",
     "lowbit-compiled": "lowbit, compiled decode",
     "lowbit-compiled-cpp": "lowbit, compiled decode, C++ wrapper",
     "llama": "llama.cpp, default buffers",
@@ -136,7 +138,8 @@ def _child_lowbit(spec):
     layout = {}
     t0 = time.perf_counter()
     if spec["variant"].startswith("lowbit-gptq"):
-        model = lowbit.load_gptq_model(spec["path"], int8_activations=spec["variant"] == "lowbit-gptq-a8")
+        model = lowbit.load_gptq_model(spec["path"], int8_activations=spec["variant"] != "lowbit-gptq",
+                                       float_tables="Q8_0" if spec["variant"].endswith("-q8") else None)
     else:
         model = lowbit.load_gguf_model(spec["path"], fuse=spec["variant"] != "lowbit-unfused")
         if spec["variant"].startswith("lowbit-compiled"):
@@ -452,7 +455,7 @@ def files(models, threads):
         q4km = llama_quantize(f16, os.path.join(cache, "random-llama-1b.Q4_K_M.gguf"), "Q4_K_M", threads)
         stem = os.path.join(cache, f"random-llama-1b-gptq-{GPTQ_BITS}bit-g{GPTQ_GROUP}")
         out.append(("random Llama 1.0B Q4_K_M", q4km, gguf_variants[:2] + ["lowbit-compiled-cpp"] + gguf_variants[2:]))
-        gptq_variants = ["lowbit-gptq", "lowbit-gptq-a8"]
+        gptq_variants = ["lowbit-gptq", "lowbit-gptq-a8", "lowbit-gptq-a8-q8"]
         out.append((GPTQ_LABEL, gptq_from_gguf(f16, stem), gptq_variants))
         out.append((GPTQ_ACT_ORDER_LABEL, gptq_from_gguf(f16, stem + "-act-order", act_order=True), gptq_variants))
     return out
@@ -633,7 +636,7 @@ def main():
         "peak RSS: the process's high-water RSS (VmHWM); above imports: over its RSS after importing its library "
         "(torch, transformers and lowbit; llama_cpp).",
     ]
-    for variant in ("lowbit-gptq", "lowbit-gptq-a8"):
+    for variant in ("lowbit-gptq", "lowbit-gptq-a8", "lowbit-gptq-a8-q8"):
         gptq = {s["file"]: s for s in summaries if s["variant"] == variant}
         if GPTQ_LABEL in gptq and GPTQ_ACT_ORDER_LABEL in gptq:
             plain, shuffled = gptq[GPTQ_LABEL], gptq[GPTQ_ACT_ORDER_LABEL]

@@ -165,6 +165,8 @@ def test_generate_command_prints_the_continuation(capsys):
     assert capsys.readouterr().out == out
     assert main(["generate", PATH, PROMPT, "--tokens", "4", "--int8-activations"]) == 1
     assert "--int8-activations is for GPTQ checkpoints" in capsys.readouterr().err
+    assert main(["generate", PATH, PROMPT, "--tokens", "4", "--float-tables", "Q8_0"]) == 1
+    assert "--float-tables is for GPTQ checkpoints" in capsys.readouterr().err
     question = "What is the capital of France?"
     assert main(["generate", PATH, question, "--tokens", "8", "--chat"]) == 0
     out, err = capsys.readouterr()

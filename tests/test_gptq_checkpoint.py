@@ -191,6 +191,58 @@ def test_load_gptq_model_keeps_the_float_tables_as_stored(tmp_path, tied, dtype,
     torch.testing.assert_close(logits(built, IDS), logits(fresh, IDS), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_load_gptq_model_holds_the_float_tables_as_q8_0(tmp_path, tied, dtype):
+    """float_tables="Q8_0": the token embedding and the unquantized LM head
+    are ggml_quantize's Q8_0 blocks of the checkpoint's tables (one table for
+    a tied head); the hidden states are those of the model whose embedding is
+    those blocks decoded, bit for bit, and the logits that model's final
+    hidden states through the Q8_0 matmul."""
+    config = GPTQConfig(bits=4, group_size=32, sym=False, checkpoint_format="gptq_v2")
+    model = tiny_llama()
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+    quantize(model, config)
+    model.model.embed_tokens.to(dtype)
+    model.lm_head.to(dtype)
+    lowbit.save_gptq(model, tmp_path / "ckpt", config)
+    tables = load_file(tmp_path / "ckpt" / "model.safetensors")
+
+    built = lowbit.load_gptq_model(tmp_path / "ckpt", float_tables="Q8_0")
+    embedding, head = built.model.embed_tokens, built.lm_head
+    assert (embedding.qtype, head.qtype) == (8, 8)
+    expect = {name: lowbit.ops.ggml_quantize(tables[name], 8)
+              for name in ("model.embed_tokens.weight", "lm_head.weight") if name in tables}
+    assert torch.equal(embedding.qweight, expect["model.embed_tokens.weight"])
+    assert torch.equal(head.qweight, expect["model.embed_tokens.weight" if tied else "lm_head.weight"])
+    assert (head.qweight.untyped_storage().data_ptr() == embedding.qweight.untyped_storage().data_ptr()) == tied
+
+    fresh = tiny_llama(seed=7)
+    if tied:
+        fresh.config.tie_word_embeddings = True
+        fresh.lm_head.weight = fresh.model.embed_tokens.weight
+    lowbit.replace_linear(fresh, tmp_path / "ckpt")
+    decoded = lowbit.ops.ggml_dequantize(embedding.qweight, 8, *fresh.model.embed_tokens.weight.shape, torch.float32)
+    with torch.no_grad():
+        fresh.model.embed_tokens.weight.copy_(decoded)
+        hidden = [m.model(IDS).last_hidden_state for m in (built, fresh)]
+        torch.testing.assert_close(hidden[0], hidden[1], rtol=0, atol=0)
+        want = lowbit.ops.ggml_mul_mat_a8(head.qweight, hidden[1].reshape(-1, hidden[1].shape[-1]), 8,
+                                          head.qweight.shape[0])
+        torch.testing.assert_close(built(IDS).logits.reshape(want.shape), want, rtol=1e-6, atol=1e-6)
+
+
+def test_load_gptq_model_refuses_an_unknown_table_type(tmp_path):
+    config = GPTQConfig(bits=4, group_size=32, sym=False, checkpoint_format="gptq_v2")
+    model = tiny_llama()
+    quantize(model, config)
+    lowbit.save_gptq(model, tmp_path / "ckpt", config)
+    with pytest.raises(ValueError, match=r"float_tables must be one of \['Q8_0'\] or None, got 'Q4_0'"):
+        lowbit.load_gptq_model(tmp_path / "ckpt", float_tables="Q4_0")
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the process's mappings from /proc")
 def test_load_gptq_reads_the_checkpoint_into_memory_of_its_own(tmp_path):
     """Loaded tensors are read into fresh, aligned memory, and no mapping of
@@ -277,6 +329,14 @@ def test_generate_command_runs_a_gptq_directory(tmp_path, capsys):
     with torch.no_grad():
         expect = int8_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
                                      pad_token_id=tokenizer.eos_token_id)
+    assert capsys.readouterr().out.strip() == tokenizer.decode(expect[0, 3:], skip_special_tokens=True).strip()
+    # --float-tables Q8_0: the loader's model with Q8_0 tables.
+    assert main(["generate", str(tmp_path / "ckpt"), "w1 w2 w3", "--tokens", "5", "--float-tables", "Q8_0"]) == 0
+    q8_model = lowbit.load_gptq_model(tmp_path / "ckpt", float_tables="Q8_0")
+    assert q8_model.lm_head.qtype == 8
+    with torch.no_grad():
+        expect = q8_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+                                   pad_token_id=tokenizer.eos_token_id)
     assert capsys.readouterr().out.strip() == tokenizer.decode(expect[0, 3:], skip_special_tokens=True).strip()
 
 

@@ -133,23 +133,25 @@ class _TimedStreamer:
         print(flush=True)
 
 
-def load_model_and_tokenizer(path: str, repack: bool = False, int8_activations: bool = False):
+def load_model_and_tokenizer(path: str, repack: bool = False, int8_activations: bool = False,
+                             float_tables: str | None = None):
     """A .gguf file's model and tokenizer (both from the file; `repack`: its
     layers in the CPU kernels' repacked layout), or a GPTQ checkpoint
-    directory's (the tokenizer saved beside the weights; `int8_activations`:
-    load_gptq_model's)."""
+    directory's (the tokenizer saved beside the weights; `int8_activations`
+    and `float_tables`: load_gptq_model's)."""
     from .gguf.model import load_gguf_model, load_gguf_tokenizer
     from .gptq.placing import load_gptq_model
 
     if path.endswith(".gguf"):
-        if int8_activations:
-            raise ValueError(f"{path}: --int8-activations is for GPTQ checkpoints (a GGUF file's types fix theirs)")
+        for flag, given in (("--int8-activations", int8_activations), ("--float-tables", float_tables)):
+            if given:
+                raise ValueError(f"{path}: {flag} is for GPTQ checkpoints (a GGUF file's types fix theirs)")
         return load_gguf_model(path, repack=repack), load_gguf_tokenizer(path)
     if repack:
         raise ValueError(f"{path}: --repack is for GGUF files")
     import transformers
 
-    model = load_gptq_model(path, int8_activations=int8_activations)
+    model = load_gptq_model(path, int8_activations=int8_activations, float_tables=float_tables)
     try:
         return model, transformers.AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
@@ -160,7 +162,7 @@ def cmd_generate(args) -> None:
     from .generation import compiled_decoding
 
     start = time.perf_counter()
-    model, tokenizer = load_model_and_tokenizer(args.path, args.repack, args.int8_activations)
+    model, tokenizer = load_model_and_tokenizer(args.path, args.repack, args.int8_activations, args.float_tables)
     compiled_decoding(model, args.compile)
     loaded = time.perf_counter() - start
     if args.chat:
@@ -212,6 +214,10 @@ def main(argv=None) -> int:
                           help="GPTQ: activations rounded to int8 per group for integer dot products "
                                "(GPTQLinear.int8_activations): faster on the CPU, about 2^-8 of the products' "
                                "magnitude from the float result")
+    generate.add_argument("--float-tables", choices=["Q8_0"],
+                          help="GPTQ: the float token embedding and LM head held as Q8_0 blocks, quantized at "
+                               "load as llama.cpp does (load_gptq_model's float_tables): about half their memory "
+                               "and the head's reads per token")
     generate.add_argument("--compile", action="store_true",
                           help="static KV cache and compiled decode steps (lowbit.compiled_decoding): faster "
                                "steps after a first one that compiles (about a minute on 2 cores)")

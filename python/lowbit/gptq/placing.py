@@ -26,7 +26,7 @@ __all__ = ["load_gptq_model", "place_gptq_checkpoint"]
 
 def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                     checkpoint_format: str | None = None, fuse: bool = True,
-                    int8_activations: bool = False) -> nn.Module:
+                    int8_activations: bool = False, float_tables: str | None = None) -> nn.Module:
     """The transformers model (AutoModelForCausalLM) of an HF GPTQ checkpoint
     directory, in eval mode on the CPU: its config.json builds the model, every
     quantized module becomes a GPTQLinear holding the checkpoint's tensors,
@@ -42,6 +42,12 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     `int8_activations` sets every GPTQLinear's (GPTQLinear: activations
     rounded to int8 per group for integer dot products, faster on the CPU;
     2-, 4- and 8-bit layers).
+    `float_tables="Q8_0"` holds those two tables as Q8_0 blocks instead,
+    quantized at load as llama.cpp's quantizer does (lowbit.ops.ggml_quantize):
+    about half their memory and half the head's reads per token, which is
+    what a 4-bit model's decode step spends most on after its layers, for
+    Q8_0's rounding (at most half a step of amax / 127 per 32 values), as
+    llama.cpp's files hold them; None keeps the checkpoint's bytes.
     Its forward calls run torch's ops on one thread and lowbit's kernels on
     torch's thread count (lowbit.kernel_threads).
     """
@@ -55,7 +61,7 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     model = on_meta(lambda: transformers.AutoModelForCausalLM.from_config(config), config, dtype)
-    place_gptq_checkpoint(model, directory, checkpoint_format)
+    place_gptq_checkpoint(model, directory, checkpoint_format, float_tables)
     rebuild_computed_buffers(model)
     if int8_activations:
         for module in model.modules():
@@ -67,12 +73,16 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     return checked(model, f"load_gptq_model: {directory}")
 
 
-def place_gptq_checkpoint(model: nn.Module, path: str, checkpoint_format: str | None = None) -> ReplaceReport:
+def place_gptq_checkpoint(model: nn.Module, path: str, checkpoint_format: str | None = None,
+                          float_tables: str | None = None) -> ReplaceReport:
     """replace_linear's GPTQ work: the checkpoint at `path` (a directory, or a
     .safetensors file beside its config) into `model`; `checkpoint_format`
     ("gptq" / "gptq_v2") overrides the config's. A model built on the meta
-    device takes the checkpoint's (CPU) tensors in its place. Act-order
-    layers hold their rows sorted by group (GPTQLinear.sort_rows)."""
+    device takes the checkpoint's (CPU) tensors in its place, its float token
+    embedding and LM head as GGUF tables (as load_gptq_model describes, with
+    its `float_tables`). Act-order layers hold their rows sorted by group
+    (GPTQLinear.sort_rows)."""
+    table_type = _table_type(float_tables)
     ckpt = _named_as_model(model, load_gptq(path, checkpoint_format))
     for layer in ckpt.modules.values():
         # The tensors are the loader's own: act-order rows sorted in place,
@@ -83,7 +93,7 @@ def place_gptq_checkpoint(model: nn.Module, path: str, checkpoint_format: str | 
     wanted += [n for n, _ in _persistent_buffers(model)]
     placed = set()
     in_experts = _place_gptq_experts(model, ckpt, report, placed)
-    _float_tables_in_place(model, ckpt, report, placed)
+    _float_tables_in_place(model, ckpt, report, placed, table_type)
     for name, layer in ckpt.modules.items():
         if name in in_experts:
             continue
@@ -124,28 +134,54 @@ def place_gptq_checkpoint(model: nn.Module, path: str, checkpoint_format: str | 
     return report
 
 
-def _float_tables_in_place(model: nn.Module, ckpt: GPTQCheckpoint, report: ReplaceReport, placed: set) -> None:
+# float_tables -> the ggml type the tables are held in (None: the checkpoint's own float type).
+TABLE_TYPES = {None: None, "Q8_0": 8}
+
+
+def _table_type(float_tables: str | None) -> int | None:
+    if float_tables not in TABLE_TYPES:
+        raise ValueError(f"float_tables must be one of {sorted(t for t in TABLE_TYPES if t)} or None, "
+                         f"got {float_tables!r}")
+    return TABLE_TYPES[float_tables]
+
+
+def _float_tables_in_place(model: nn.Module, ckpt: GPTQCheckpoint, report: ReplaceReport, placed: set,
+                           table_type: int | None = None) -> None:
     """In a model built on the meta device, the token embedding (a plain
     nn.Embedding) and the LM head (an unquantized, unbiased nn.Linear, tied
     to the embedding or not) over the checkpoint's own bytes, as the GGUF
     loader holds a file's (lowbit.gguf.model): a float32 copy of a 2-byte
-    table doubles a small model's memory and its head's reads per token."""
+    table doubles a small model's memory and its head's reads per token.
+    `table_type` (a ggml type id): each table quantized to it instead, one
+    copy for a tied pair."""
     # Imported here: lowbit.gguf imports lowbit.ops, which imports this package.
     from ..gguf import GGUFEmbedding, GGUFLinear
     from ..gguf.linear import FLOAT_QTYPES
 
     names = {id(p): n for n, p in model.named_parameters()}  # tied parameters: the first name, as HF saves them
-    views = {}  # one uint8 view per table: a tied head holds the embedding's
+    views = {}  # (bytes, type) per table: a tied head holds the embedding's
+
+    def held(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """A table's bytes and ggml type: the checkpoint's, or quantized to table_type."""
+        if table_type is None:
+            return tensor.contiguous().view(torch.uint8), FLOAT_QTYPES[tensor.dtype]
+        block = torch.ops.lowbit.ggml_type_info(table_type)[0]
+        if tensor.shape[1] % block:
+            raise GPTQCheckpointError(f"{ckpt.directory}: float_tables: a table's rows ({tensor.shape[1]} values) "
+                                      f"are not whole {torch.ops.lowbit.ggml_type_name(table_type)} blocks of {block}")
+        return torch.ops.lowbit.ggml_quantize(tensor.contiguous(), table_type), table_type
 
     def table(module: nn.Module | None, kind: type):
-        """(checkpoint name, bytes, GGUF float type) of the module's weight, or None."""
+        """(checkpoint name, bytes, ggml type) of the module's weight, or None."""
         if type(module) is not kind or not module.weight.is_meta:
             return None
         name = names.get(id(module.weight))
         tensor = ckpt.tensors.get(name)
         if tensor is None or tensor.dtype not in FLOAT_QTYPES or tuple(tensor.shape) != tuple(module.weight.shape):
             return None  # the general path loads or reports it
-        return name, views.setdefault(name, tensor.contiguous().view(torch.uint8)), FLOAT_QTYPES[tensor.dtype]
+        if name not in views:
+            views[name] = held(tensor)
+        return (name, *views[name])
 
     embedding, head = model.get_input_embeddings(), get_module(model, "lm_head")
     found = {}
