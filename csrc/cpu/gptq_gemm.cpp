@@ -9,6 +9,7 @@
 // activations on AVX512-BF16 CPUs a bf16 GEMM over two bf16 planes of W.
 // Accumulation is fp32 throughout.
 #include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <limits>
@@ -211,15 +212,26 @@ void dequant_rows(const GptqWeight& w, Isa isa, int64_t k0, int64_t k1, int64_t 
   }
 }
 
-// f(r0, r1) over [k0, k1) in parallel, in runs of whole packs (k0 is a pack's
-// first row) of about `rows_per_task` rows.
-template <int B, class F>
+// Which threads run a loop: lowbit's pool, or torch's OpenMP team. The
+// large-M paths decode on torch's team because their at::mm runs on it:
+// torch's threads keep spinning after each mm (OpenMP's default wait), so
+// a decode on the pool between two mms would share its cores with them and
+// take about twice as long.
+enum class Team { kPool, kTorch };
+
+// f(r0, r1) over [k0, k1) in parallel on `team`, in runs of whole packs (k0
+// is a pack's first row) of about `rows_per_task` rows.
+template <int B, Team team = Team::kPool, class F>
 void for_pack_rows(int64_t k0, int64_t k1, int64_t rows_per_task, F&& f) {
   constexpr int64_t kFields = gptq::Pack<B>::kFields;
   const int64_t grain = std::max<int64_t>(1, rows_per_task / kFields);
-  parallel_for((k1 - k0 + kFields - 1) / kFields, grain, [&](int64_t p0, int64_t p1) {
-    f(k0 + p0 * kFields, std::min(k1, k0 + p1 * kFields));
-  });
+  const int64_t packs = (k1 - k0 + kFields - 1) / kFields;
+  const auto packs_fn = [&](int64_t p0, int64_t p1) { f(k0 + p0 * kFields, std::min(k1, k0 + p1 * kFields)); };
+  if constexpr (team == Team::kTorch) {
+    at::parallel_for(0, packs, grain, packs_fn);
+  } else {
+    parallel_for(packs, grain, packs_fn);
+  }
 }
 
 // out[M, N] = a[M, K] @ W by decoding tiles of W into fp32 for at::mm. A
@@ -243,7 +255,7 @@ void gemm_dequant_mm(const at::Tensor& a, const GptqWeight& w, Isa isa, const at
     at::Tensor out_cols = out.narrow(1, n0, width);
     for (int64_t k0 = 0; k0 < K; k0 += rows) {
       const int64_t height = std::min(rows, K - k0);
-      for_pack_rows<B>(k0, k0 + height, 4096 / width, [&](int64_t k1, int64_t k2) {
+      for_pack_rows<B, Team::kTorch>(k0, k0 + height, 4096 / width, [&](int64_t k1, int64_t k2) {
         dequant_rows<B>(w, isa, k1, k2, n0, n0 + width, tile + (k1 - k0) * width, width);
       });
       const at::Tensor tile_t = tile_buf.narrow(0, 0, height * width).view({height, width});
@@ -281,7 +293,7 @@ void gemm_bf16x2_mm(const at::Tensor& a, const GptqWeight& w, const at::Tensor& 
     const int64_t simd_n1 = n0 + width / kAvx512DequantCols * kAvx512DequantCols;
     uint16_t* hi = tile;
     uint16_t* lo = tile + K * width;
-    for_pack_rows<B>(0, K, 4096 / width, [&](int64_t k0, int64_t k1) {
+    for_pack_rows<B, Team::kTorch>(0, K, 4096 / width, [&](int64_t k0, int64_t k1) {
 #if LOWBIT_X86_AVX512
       if (simd_n1 > n0) gptq_dequant_bf16x2_avx512bf16(B, w, k0, k1, n0, simd_n1, hi + k0 * width, lo + k0 * width, width);
 #endif
