@@ -28,7 +28,7 @@ def awkward_rows(rng, rows=16, n=256):
     x[1, 0] = 127.0  # ... (half away from zero: -16 and 15, not -16 and 14 as ties to even would)
     x[1, 32:64] = np.float32(127.0) * np.linspace(-1, 1, 32, dtype=np.float32)
     x[2, :32] = 0.0
-    x[3, :32] = np.float32(1e-40) * np.arange(32, dtype=np.float32)
+    x[3, :32] = np.float32(1e-40) * np.arange(32, dtype=np.float32)  # d rounds to 0 in fp16: q = 0
     x[4, 32:64] = 0.0
     x[4, 40] = -3.0
     x[5, :32] = np.float32(65504 * 127) * np.sign(rng.standard_normal(32)).astype(np.float32)
@@ -36,7 +36,7 @@ def awkward_rows(rng, rows=16, n=256):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_q8_0_blocks_are_gguf_py_s_bytes(seed):
+def test_q8_0_blocks_are_gguf_py_s_bytes(cpu_isa, seed):
     x = awkward_rows(np.random.default_rng(seed))
     got = ops.ggml_quantize(torch.from_numpy(x), Q8_0)
     assert got.dtype == torch.uint8 and got.shape == (16, 256 // 32 * 34)
@@ -44,7 +44,7 @@ def test_q8_0_blocks_are_gguf_py_s_bytes(seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_inputs_quantize_their_float32_values(dtype):
+def test_half_inputs_quantize_their_float32_values(cpu_isa, dtype):
     x = torch.randn(8, 128, generator=torch.Generator().manual_seed(3)).to(dtype)
     assert torch.equal(ops.ggml_quantize(x, Q8_0), ops.ggml_quantize(x.float(), Q8_0))
     assert np.array_equal(ops.ggml_quantize(x, Q8_0).numpy(), gguf_py_q8_0(x.float().numpy()))
@@ -85,7 +85,7 @@ def test_refuses_to_be_differentiated():
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_non_finite_values_raise_naming_where(bad):
+def test_non_finite_values_raise_naming_where(cpu_isa, bad):
     x = torch.randn(4, 64)
     x[2, 37] = bad
     with pytest.raises(ValueError, match=r"ggml_quantize: x holds a non-finite value \(.*\) at \[2, 37\]"):

@@ -112,19 +112,6 @@ LOWBIT_HD void quantize_act_block(const float* x, int8_t* q, float* d, float* su
   }
 }
 
-// One Q8_0 weight block (fp16 d, then 32 int8 q) of 32 finite floats, as
-// llama.cpp's quantize_row_q8_0_ref writes it: the activation rounding above.
-// False where d = amax / 127 overflows fp16 (amax beyond about 65504 * 127):
-// such a block has no Q8_0 form.
-LOWBIT_HD bool encode_q8_0_block(const float* x, uint8_t* block) {
-  float d = 0.0f, sum = 0.0f;
-  quantize_act_block<Act::Q8_0>(x, reinterpret_cast<int8_t*>(block + 2), &d, &sum);
-  const uint16_t h = fp32_to_fp16(d);  // d is fp16-exact already
-  block[0] = static_cast<uint8_t>(h & 0xff);
-  block[1] = static_cast<uint8_t>(h >> 8);
-  return (h & 0x7c00) != 0x7c00;
-}
-
 // sum(q_w[i] * q_x[i]) over n int8 pairs, as a plain loop. The sum is exact,
 // so a backend may pass block_dot its own packed-instruction version (the
 // CUDA backend uses __dp4a, n being a multiple of 4) without changing results.

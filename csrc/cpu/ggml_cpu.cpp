@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
@@ -67,6 +68,20 @@ int64_t row_chunk(int64_t n, int64_t M, int64_t rows) {
   return (chunk + 15) / 16 * 16;
 }
 
+// Activation blocks [b0, b1) of x (ActLayout<A>::kBlock elements each)
+// quantized by the active ISA's kernel or quantize_act_block: the same bytes.
+template <Act A>
+void quantize_blocks(Isa isa, const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, float* sum,
+                     int32_t* offset = nullptr, int16_t* isum = nullptr) {
+  using L = ggml::ActLayout<A>;
+#if LOWBIT_X86_SIMD
+  if (isa != Isa::kPortable) return ggml_quantize_acts_avx2(A, x, b0, b1, q, d, sum, offset, isum);
+#endif
+  for (int64_t b = b0; b < b1; ++b) {
+    ggml::quantize_act_block<A>(x + b * L::kBlock, q + b * L::kBlock, d + b, sum + b * (L::kBlock / L::kSumBlock));
+  }
+}
+
 // All M activation rows quantized once per call, in the format T pairs with,
 // with ActRow::offset where `offsets` asks for it, and ActRow::isum for Q8_K
 // and where `block_sums` asks for it (the SIMD ISAs only: their quantizer
@@ -88,16 +103,8 @@ struct QuantizedActs {
     const Isa isa = active_isa();
     if ((A == Act::Q8_K && isa != Isa::kPortable) || block_sums) isum.resize(sum.size());
     parallel_for(M * blocks, std::max<int64_t>(1, 2048 / L::kBlock), [&](int64_t b0, int64_t b1) {
-#if LOWBIT_X86_SIMD
-      if (isa != Isa::kPortable)
-        ggml_quantize_acts_avx2(A, x, b0, b1, q.data(), d.data(), sum.data(), offsets ? offset.data() : nullptr,
-                                isum.empty() ? nullptr : isum.data());
-      else
-#endif
-        for (int64_t b = b0; b < b1; ++b) {
-          ggml::quantize_act_block<A>(x + b * L::kBlock, q.data() + b * L::kBlock, d.data() + b,
-                                      sum.data() + b * kSums);
-        }
+      quantize_blocks<A>(isa, x, b0, b1, q.data(), d.data(), sum.data(), offsets ? offset.data() : nullptr,
+                         isum.empty() ? nullptr : isum.data());
     });
   }
 
@@ -107,6 +114,18 @@ struct QuantizedActs {
             isum.empty() ? nullptr : isum.data() + m * (n / L::kSumBlock)};
   }
 };
+
+// ggml_quantize's error for the block of `count` values at x[r, c:c+count]
+// whose scale came out non-finite: a NaN or Inf in it (llama.cpp's quantizer
+// refuses those too), or values whose d = amax / 127 overflows fp16.
+[[noreturn]] void throw_unquantizable(const float* v, int64_t r, int64_t c, int64_t count) {
+  const float* bad = std::find_if(v, v + count, [](float e) { return !std::isfinite(e); });
+  TORCH_CHECK_VALUE(bad == v + count, "ggml_quantize: x holds a non-finite value (", *bad, ") at [", r, ", ",
+                    c + (bad - v), "]");
+  const float* big = std::max_element(v, v + count, [](float a, float b) { return std::fabs(a) < std::fabs(b); });
+  TORCH_CHECK_VALUE(false, "ggml_quantize: x's block [", r, ", ", c, ":", c + count, "] reaches magnitude ", *big,
+                    ", beyond Q8_0's range (its fp16 scale amax / 127 overflows)");
+}
 
 // The portable kernel: out[:, r0:r1] of X @ W.T, each weight block decoded
 // once and dotted with every activation row.
@@ -421,27 +440,35 @@ at::Tensor ggml_mul_mat_repacked(const at::Tensor& W, const at::Tensor& X, int64
 
 at::Tensor ggml_quantize(const at::Tensor& x, int64_t type) {
   const auto info = check_ggml_quantize(x, type);
-  const int64_t m = x.size(0), n = x.size(1), row_bytes = n / info.block * info.bytes;
+  const int64_t m = x.size(0), n = x.size(1), blocks = n / info.block, row_bytes = blocks * info.bytes;
   at::Tensor out = at::empty({m, row_bytes}, x.options().dtype(at::kByte));
   if (out.numel() == 0) return out;
   uint8_t* dst = out.data_ptr<uint8_t>();
+  const Isa isa = active_isa();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ggml_quantize", [&] {
     const scalar_t* src = x.const_data_ptr<scalar_t>();
     parallel_for(m, row_grain(n), [&](int64_t r0, int64_t r1) {
-      std::vector<float> row(n);
+      // A Q8_0 weight block is a Q8_0 activation block (the rounding llama.cpp's
+      // quantizer and its activations share) with d stored as fp16.
+      std::vector<float> row(n), d(blocks), sum(blocks);
+      std::vector<int8_t> q(n);
       for (int64_t r = r0; r < r1; ++r) {
         at::vec::convert(src + r * n, row.data(), n);
-        // A weight with NaN or Inf has no Q8_0 form; llama.cpp's quantizer refuses it too.
-        const auto bad = std::find_if(row.begin(), row.end(), [](float v) { return !std::isfinite(v); });
-        TORCH_CHECK_VALUE(bad == row.end(), "ggml_quantize: x holds a non-finite value (", *bad, ") at [", r, ", ",
-                          bad - row.begin(), "]");
-        for (int64_t b = 0; b < n / info.block; ++b) {
-          const float* block = row.data() + b * info.block;
-          TORCH_CHECK_VALUE(ggml::encode_q8_0_block(block, dst + r * row_bytes + b * info.bytes),
-                            "ggml_quantize: x's block [", r, ", ", b * info.block, ":", (b + 1) * info.block,
-                            "] reaches magnitude ", *std::max_element(block, block + info.block, [](float a, float c) {
-                              return std::fabs(a) < std::fabs(c);
-                            }), ", beyond Q8_0's range (its fp16 scale amax / 127 overflows)");
+        quantize_blocks<Act::Q8_0>(isa, row.data(), 0, blocks, q.data(), d.data(), sum.data());
+        for (int64_t b = 0; b < blocks; ++b) {
+          const float* v = row.data() + b * info.block;
+          if (!std::isfinite(d[b])) throw_unquantizable(v, r, b * info.block, info.block);
+          const uint16_t h = fp32_to_fp16(d[b]);  // d is fp16-exact already
+          uint8_t* block = dst + r * row_bytes + b * info.bytes;
+          block[0] = static_cast<uint8_t>(h & 0xff);
+          block[1] = static_cast<uint8_t>(h >> 8);
+          // A scale that rounds to 0 (amax below fp16's range, 127 * 2^-25) decodes
+          // to zeros whatever q holds; q = 0 there, as gguf-py writes it.
+          if (h == 0) {
+            std::memset(block + 2, 0, info.block);
+          } else {
+            std::memcpy(block + 2, q.data() + b * info.block, info.block);
+          }
         }
       }
     });

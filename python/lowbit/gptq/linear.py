@@ -30,6 +30,10 @@ def _version(t: torch.Tensor) -> int:
 
 def in_order_g_idx(in_features: int, group_size: int, device=None) -> torch.Tensor:
     """int32 [in_features]: each input row's group without act-order."""
+    if device is not None and torch.device(device).type == "meta":
+        # Shape only: meta ops run through Python decompositions (about a
+        # millisecond here, for every layer a checkpoint loader builds).
+        return torch.empty(in_features, dtype=torch.int32, device="meta")
     g = in_features if group_size == -1 else group_size
     return (torch.arange(in_features, device=device) // g).to(torch.int32)
 
