@@ -234,13 +234,19 @@ def test_load_gptq_model_holds_the_float_tables_as_q8_0(tmp_path, tied, dtype):
         torch.testing.assert_close(built(IDS).logits.reshape(want.shape), want, rtol=1e-6, atol=1e-6)
 
 
-def test_load_gptq_model_refuses_an_unknown_table_type(tmp_path):
+def test_load_gptq_model_refuses_an_unknown_table_type_and_a_table_without_a_q8_0_form(tmp_path):
     config = GPTQConfig(bits=4, group_size=32, sym=False, checkpoint_format="gptq_v2")
     model = tiny_llama()
     quantize(model, config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[3, 5] = float("nan")
     lowbit.save_gptq(model, tmp_path / "ckpt", config)
     with pytest.raises(ValueError, match=r"float_tables must be one of \['Q8_0'\] or None, got 'Q4_0'"):
         lowbit.load_gptq_model(tmp_path / "ckpt", float_tables="Q4_0")
+    with pytest.raises(GPTQCheckpointError, match=r"ckpt: float_tables: tensor 'model.embed_tokens.weight': "
+                                                  r"ggml_quantize: x holds a non-finite value \(nan\) at \[3, 5\]"):
+        lowbit.load_gptq_model(tmp_path / "ckpt", float_tables="Q8_0")
+    lowbit.load_gptq_model(tmp_path / "ckpt")  # the checkpoint's bytes as they are
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the process's mappings from /proc")

@@ -161,15 +161,19 @@ def _float_tables_in_place(model: nn.Module, ckpt: GPTQCheckpoint, report: Repla
     names = {id(p): n for n, p in model.named_parameters()}  # tied parameters: the first name, as HF saves them
     views = {}  # (bytes, type) per table: a tied head holds the embedding's
 
-    def held(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def held(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
         """A table's bytes and ggml type: the checkpoint's, or quantized to table_type."""
         if table_type is None:
             return tensor.contiguous().view(torch.uint8), FLOAT_QTYPES[tensor.dtype]
         block = torch.ops.lowbit.ggml_type_info(table_type)[0]
+        where = f"{ckpt.directory}: float_tables: tensor {name!r}"
         if tensor.shape[1] % block:
-            raise GPTQCheckpointError(f"{ckpt.directory}: float_tables: a table's rows ({tensor.shape[1]} values) "
-                                      f"are not whole {torch.ops.lowbit.ggml_type_name(table_type)} blocks of {block}")
-        return torch.ops.lowbit.ggml_quantize(tensor.contiguous(), table_type), table_type
+            raise GPTQCheckpointError(f"{where}: its rows ({tensor.shape[1]} values) are not whole "
+                                      f"{torch.ops.lowbit.ggml_type_name(table_type)} blocks of {block}")
+        try:
+            return torch.ops.lowbit.ggml_quantize(tensor.contiguous(), table_type), table_type
+        except ValueError as e:  # NaN / Inf in the table, or values beyond the type's range
+            raise GPTQCheckpointError(f"{where}: {e}") from None
 
     def table(module: nn.Module | None, kind: type):
         """(checkpoint name, bytes, ggml type) of the module's weight, or None."""
@@ -180,7 +184,7 @@ def _float_tables_in_place(model: nn.Module, ckpt: GPTQCheckpoint, report: Repla
         if tensor is None or tensor.dtype not in FLOAT_QTYPES or tuple(tensor.shape) != tuple(module.weight.shape):
             return None  # the general path loads or reports it
         if name not in views:
-            views[name] = held(tensor)
+            views[name] = held(name, tensor)
         return (name, *views[name])
 
     embedding, head = model.get_input_embeddings(), get_module(model, "lm_head")
