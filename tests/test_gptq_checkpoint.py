@@ -158,6 +158,25 @@ def test_load_gptq_model_builds_the_model_from_the_directory(tmp_path, tied, lm_
     torch.testing.assert_close(built.model.rotary_emb.inv_freq, fresh.model.rotary_emb.inv_freq, rtol=0, atol=0)
 
 
+def tied_llama(tied, seed=0):
+    """tiny_llama, its LM head tied to its embedding where `tied`."""
+    model = tiny_llama(seed=seed)
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def tables_checkpoint(path, tied, dtype):
+    """A 4-bit checkpoint of tied_llama whose token embedding and LM head are `dtype`."""
+    config = GPTQConfig(bits=4, group_size=32, sym=False, checkpoint_format="gptq_v2")
+    model = tied_llama(tied)
+    quantize(model, config)
+    model.model.embed_tokens.to(dtype)
+    model.lm_head.to(dtype)
+    lowbit.save_gptq(model, path, config)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("dtype, qtype", [(torch.float16, 1), (torch.bfloat16, 30)])
 def test_load_gptq_model_keeps_the_float_tables_as_stored(tmp_path, tied, dtype, qtype):
@@ -165,15 +184,7 @@ def test_load_gptq_model_keeps_the_float_tables_as_stored(tmp_path, tied, dtype,
     bytes (GGUF F16 / BF16 tables, one table for a tied head): no float32
     copy anywhere in the model, and the logits of the same checkpoint loaded
     into float32 parameters, to fp32 summation order."""
-    config = GPTQConfig(bits=4, group_size=32, sym=False, checkpoint_format="gptq_v2")
-    model = tiny_llama()
-    if tied:
-        model.config.tie_word_embeddings = True
-        model.lm_head.weight = model.model.embed_tokens.weight
-    quantize(model, config)
-    model.model.embed_tokens.to(dtype)
-    model.lm_head.to(dtype)
-    lowbit.save_gptq(model, tmp_path / "ckpt", config)
+    tables_checkpoint(tmp_path / "ckpt", tied, dtype)
 
     built = lowbit.load_gptq_model(tmp_path / "ckpt")
     embedding, head = built.model.embed_tokens, built.lm_head
@@ -183,10 +194,7 @@ def test_load_gptq_model_keeps_the_float_tables_as_stored(tmp_path, tied, dtype,
     table = 512 * 128
     assert not [n for n, t in [*built.named_parameters(), *built.named_buffers()] if t.numel() >= table
                 and t.dtype.is_floating_point]
-    fresh = tiny_llama(seed=7)
-    if tied:
-        fresh.config.tie_word_embeddings = True
-        fresh.lm_head.weight = fresh.model.embed_tokens.weight
+    fresh = tied_llama(tied, seed=7)
     lowbit.replace_linear(fresh, tmp_path / "ckpt")
     torch.testing.assert_close(logits(built, IDS), logits(fresh, IDS), rtol=1e-5, atol=1e-6)
 
@@ -199,15 +207,7 @@ def test_load_gptq_model_holds_the_float_tables_as_q8_0(tmp_path, tied, dtype):
     a tied head); the hidden states are those of the model whose embedding is
     those blocks decoded, bit for bit, and the logits that model's final
     hidden states through the Q8_0 matmul."""
-    config = GPTQConfig(bits=4, group_size=32, sym=False, checkpoint_format="gptq_v2")
-    model = tiny_llama()
-    if tied:
-        model.config.tie_word_embeddings = True
-        model.lm_head.weight = model.model.embed_tokens.weight
-    quantize(model, config)
-    model.model.embed_tokens.to(dtype)
-    model.lm_head.to(dtype)
-    lowbit.save_gptq(model, tmp_path / "ckpt", config)
+    tables_checkpoint(tmp_path / "ckpt", tied, dtype)
     tables = load_file(tmp_path / "ckpt" / "model.safetensors")
 
     built = lowbit.load_gptq_model(tmp_path / "ckpt", float_tables="Q8_0")
@@ -219,10 +219,7 @@ def test_load_gptq_model_holds_the_float_tables_as_q8_0(tmp_path, tied, dtype):
     assert torch.equal(head.qweight, expect["model.embed_tokens.weight" if tied else "lm_head.weight"])
     assert (head.qweight.untyped_storage().data_ptr() == embedding.qweight.untyped_storage().data_ptr()) == tied
 
-    fresh = tiny_llama(seed=7)
-    if tied:
-        fresh.config.tie_word_embeddings = True
-        fresh.lm_head.weight = fresh.model.embed_tokens.weight
+    fresh = tied_llama(tied, seed=7)
     lowbit.replace_linear(fresh, tmp_path / "ckpt")
     decoded = lowbit.ops.ggml_dequantize(embedding.qweight, 8, *fresh.model.embed_tokens.weight.shape, torch.float32)
     with torch.no_grad():
