@@ -89,7 +89,6 @@ void quantize_blocks(Isa isa, const float* x, int64_t b0, int64_t b1, int8_t* q,
 template <Act A>
 struct QuantizedActs {
   using L = ggml::ActLayout<A>;
-  static constexpr int kSums = L::kBlock / L::kSumBlock;  // per block
   int64_t n;
   std::vector<int8_t> q;
   std::vector<float> d;

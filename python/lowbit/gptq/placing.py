@@ -165,15 +165,10 @@ def _float_tables_in_place(model: nn.Module, ckpt: GPTQCheckpoint, report: Repla
         """A table's bytes and ggml type: the checkpoint's, or quantized to table_type."""
         if table_type is None:
             return tensor.contiguous().view(torch.uint8), FLOAT_QTYPES[tensor.dtype]
-        block = torch.ops.lowbit.ggml_type_info(table_type)[0]
-        where = f"{ckpt.directory}: float_tables: tensor {name!r}"
-        if tensor.shape[1] % block:
-            raise GPTQCheckpointError(f"{where}: its rows ({tensor.shape[1]} values) are not whole "
-                                      f"{torch.ops.lowbit.ggml_type_name(table_type)} blocks of {block}")
         try:
             return torch.ops.lowbit.ggml_quantize(tensor.contiguous(), table_type), table_type
-        except ValueError as e:  # NaN / Inf in the table, or values beyond the type's range
-            raise GPTQCheckpointError(f"{where}: {e}") from None
+        except ValueError as e:  # rows not whole blocks, NaN / Inf, or values beyond the type's range
+            raise GPTQCheckpointError(f"{ckpt.directory}: float_tables: tensor {name!r}: {e}") from None
 
     def table(module: nn.Module | None, kind: type):
         """(checkpoint name, bytes, ggml type) of the module's weight, or None."""
