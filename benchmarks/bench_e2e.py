@@ -82,6 +82,7 @@ VARIANTS = {
     "lowbit": "lowbit, file layout",
     "lowbit-unfused": "lowbit, file layout, unfused",
     "lowbit-repacked": "lowbit, repacked",
+    "lowbit-pool": "lowbit, file layout, kernels on lowbit's pool in every call",
     "lowbit-gptq": "lowbit, GPTQ",
     "lowbit-gptq-a8": "lowbit, GPTQ, int8 activations",
     "lowbit-gptq-a8-q8": "lowbit, GPTQ, int8 activations, Q8_0 tables",
@@ -142,6 +143,8 @@ def _child_lowbit(spec):
                                        float_tables="Q8_0" if spec["variant"].endswith("-q8") else None)
     else:
         model = lowbit.load_gguf_model(spec["path"], fuse=spec["variant"] != "lowbit-unfused")
+        if spec["variant"] == "lowbit-pool":  # never torch's team (lowbit.threads.TORCH_TEAM_TOKENS)
+            lowbit.kernel_threads(model, torch_team_tokens=None)
         if spec["variant"].startswith("lowbit-compiled"):
             # One cache length for the warm-up and the timed runs: one compile.
             lowbit.compiled_decoding(model, max_cache_len=len(spec["prompt"]) + spec["new_tokens"] + 1,
@@ -194,7 +197,8 @@ def _child_llama(spec):
     llama_cpp.llama_log_set(keep, ctypes.c_void_p(0))
     _LOG_CALLBACK.append(keep)  # alive until the process ends: llama.cpp logs until then
     baseline, _ = _memory()
-    kwargs = dict(model_path=spec["path"], n_threads=spec["threads"], n_threads_batch=spec["threads"], n_ctx=N_CTX,
+    n_ctx = max(N_CTX, len(spec["prompt"]) + spec["new_tokens"] + 2)
+    kwargs = dict(model_path=spec["path"], n_threads=spec["threads"], n_threads_batch=spec["threads"], n_ctx=n_ctx,
                   verbose=False)
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(**kwargs) if spec["variant"] == "llama" else llama_without_extra_buffers(**kwargs)

@@ -86,8 +86,10 @@ def pool_calls():
             lambda: torch.ops.lowbit.gptq_unpack(layer.qweight, 4, 0)]
 
 
-@pytest.mark.parametrize("torch_threads", [1, 2])
+@pytest.mark.parametrize("torch_threads", [1, 2, 3])
 def test_pool_results_do_not_depend_on_the_thread_count(torch_threads):
+    """The same bits on any count of lowbit's threads, and on torch's team
+    (cpu_team("torch"), on torch's count) as on lowbit's pool."""
     calls = pool_calls()
     saved = torch.get_num_threads()
     try:
@@ -98,9 +100,25 @@ def test_pool_results_do_not_depend_on_the_thread_count(torch_threads):
             assert ops.cpu_threads(threads) == threads
             for i, call in enumerate(calls):
                 assert torch.equal(call(), serial[i]), f"call {i} differs on {threads} lowbit threads"
+        ops.cpu_threads(0)
+        assert ops.cpu_team("torch") == "torch"
+        for i, call in enumerate(calls):
+            assert torch.equal(call(), serial[i]), f"call {i} differs on torch's team"
     finally:
+        ops.cpu_team("pool")
         ops.cpu_threads(0)
         torch.set_num_threads(saved)
+
+
+def test_cpu_team_switches_and_refuses_unknown_teams():
+    assert ops.cpu_team() == "pool"  # the default
+    try:
+        assert ops.cpu_team("torch") == "torch" and ops.cpu_team() == "torch"
+        with pytest.raises(ValueError, match="^cpu_team: unknown team 'omp'; expected pool or torch"):
+            ops.cpu_team("omp")
+        assert ops.cpu_team() == "torch"  # a refused value changes nothing
+    finally:
+        ops.cpu_team("pool")
 
 
 def test_pool_works_in_a_forked_child():
@@ -203,6 +221,52 @@ def test_kernel_threads_gives_torch_threads_to_the_kernels():
         torch.set_num_threads(saved)
 
 
+def test_kernel_threads_runs_long_calls_on_torchs_team():
+    """A call over TORCH_TEAM_TOKENS tokens (batch x sequence) or more keeps
+    torch's threads and runs lowbit's kernels on them; shorter ones split;
+    the settings are restored after each call, also when it raises."""
+    from tiny_models import tiny_model
+
+    from lowbit.threads import TORCH_TEAM_TOKENS
+
+    model = tiny_model("llama", 0).eval()
+    seen = []
+    model.model.layers[0].mlp.register_forward_pre_hook(
+        lambda module, args: seen.append((torch.get_num_threads(), ops.cpu_threads(), ops.cpu_team())))
+    saved = torch.get_num_threads()
+    ids = torch.zeros(2, TORCH_TEAM_TOKENS // 2, dtype=torch.long)
+    try:
+        torch.set_num_threads(2)
+        lowbit.kernel_threads(model)
+        with torch.no_grad():
+            model(ids)
+            assert seen[-1] == (2, 0, "torch")
+            assert (torch.get_num_threads(), ops.cpu_threads(), ops.cpu_team()) == (2, 0, "pool")
+            model(ids[:, 1:])  # one token short
+            assert seen[-1] == (1, 2, "pool")
+            with pytest.raises(IndexError):
+                model(ids + 10 ** 6)
+            assert (torch.get_num_threads(), ops.cpu_threads(), ops.cpu_team()) == (2, 0, "pool")
+            ops.cpu_team("torch")  # a user's setting is restored, and a split call runs on the pool
+            model(ids[:1, :4])
+            assert seen[-1] == (1, 2, "pool") and ops.cpu_team() == "torch"
+            ops.cpu_team("pool")
+            lowbit.kernel_threads(model, torch_team_tokens=None)  # every call split
+            model(ids)
+            assert seen[-1] == (1, 2, "pool")
+            lowbit.kernel_threads(model, torch_team_tokens=4)
+            model(ids[:1, :4])
+            assert seen[-1] == (2, 0, "torch")
+            for bad in (0, -1, 2.0, True, "4"):
+                with pytest.raises(ValueError, match="^kernel_threads: torch_team_tokens must be a positive int"):
+                    lowbit.kernel_threads(model, torch_team_tokens=bad)
+            model(ids[:1, :4])  # a refused setting leaves the hooks as they were
+            assert seen[-1] == (2, 0, "torch")
+    finally:
+        ops.cpu_team("pool")
+        torch.set_num_threads(saved)
+
+
 def test_kernel_threads_runs_no_grad_calls_below_autograd():
     """Under no_grad a model's forward call dispatches every op below
     autograd (the same logits), and with grad mode on through it; the
@@ -249,11 +313,19 @@ def test_a_model_with_kernel_threads_pickles():
 
     from tiny_models import tiny_model
 
-    model = lowbit.kernel_threads(tiny_model("llama", 0))
+    model = lowbit.kernel_threads(tiny_model("llama", 0), torch_team_tokens=3)
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)
     again = torch.load(buffer, weights_only=False)
     ids = torch.tensor([[1, 2, 3]])
-    with torch.no_grad():
-        assert torch.equal(again(ids).logits, model(ids).logits)
+    seen = []
+    again.model.layers[0].mlp.register_forward_pre_hook(lambda module, args: seen.append(ops.cpu_team()))
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with torch.no_grad():
+            assert torch.equal(again(ids).logits, model(ids).logits)
+        assert seen == ["torch"]  # the copy keeps its threshold
+    finally:
+        torch.set_num_threads(saved)

@@ -85,6 +85,7 @@ def _calls():
         "cpu_isa": (None,),
         "cpu_bf16_kernel": (None,),
         "cpu_threads": (None,),
+        "cpu_team": (None,),
         "cpu_reads_repacked": (q4_0,),
     }
 

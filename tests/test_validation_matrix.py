@@ -364,7 +364,7 @@ def test_the_matrix_covers_every_op():
     declared = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("lowbit::")}
     # no tensors: test_scalar_ops_reject_bad_values
     declared -= {"ggml_type_info", "ggml_type_name", "ggml_has_repacked_layout", "ggml_cpu_traits", "cpu_isa",
-                 "cpu_bf16_kernel", "cpu_reads_repacked", "cpu_threads"}
+                 "cpu_bf16_kernel", "cpu_reads_repacked", "cpu_threads", "cpu_team"}
     assert declared <= set(OPS), declared - set(OPS)
     assert len(CASES) >= 200, len(CASES)
 
@@ -387,6 +387,8 @@ def test_scalar_ops_reject_bad_values():
     for bad in (-1, 1025):
         with pytest.raises(ValueError, match=f"^cpu_threads: threads must be 0 .* got {bad}"):
             ops.cpu_threads(bad)
+    with pytest.raises(ValueError, match="^cpu_team: unknown team 'omp'"):
+        ops.cpu_team("omp")
     for bad in (4, -1, 1000):
         with pytest.raises(ValueError, match=f"^cpu_reads_repacked: type {bad} is not a ggml weight type"):
             ops.cpu_reads_repacked(bad)

@@ -47,6 +47,17 @@ int64_t cpu_threads(std::optional<int64_t> threads) {
   return pool_threads_setting();
 }
 
+// Which threads run the CPU kernels ("pool": lowbit's own, the default;
+// "torch": torch's OpenMP team), after setting it to `team` if given.
+std::string cpu_team(std::optional<std::string> team) {
+  if (team) {
+    TORCH_CHECK_VALUE(*team == "pool" || *team == "torch", "cpu_team: unknown team '", *team,
+                      "'; expected pool or torch");
+    set_kernel_team(*team == "pool" ? Team::kPool : Team::kTorch);
+  }
+  return kernel_team() == Team::kPool ? "pool" : "torch";
+}
+
 bool ggml_has_repacked_layout(int64_t type) {
   return has_repacked_layout(checked_type("ggml_has_repacked_layout", type));
 }
@@ -77,6 +88,7 @@ TORCH_LIBRARY_IMPL(lowbit, CompositeImplicitAutograd, m) {
   m.impl("cpu_isa", &lowbit::cpu::cpu_isa);
   m.impl("cpu_bf16_kernel", &lowbit::cpu::cpu_bf16_kernel);
   m.impl("cpu_threads", &lowbit::cpu::cpu_threads);
+  m.impl("cpu_team", &lowbit::cpu::cpu_team);
   m.impl("cpu_reads_repacked", &lowbit::cpu::cpu_reads_repacked);
   m.impl("ggml_has_repacked_layout", &lowbit::cpu::ggml_has_repacked_layout);
   m.impl("ggml_cpu_traits", &lowbit::cpu::ggml_cpu_traits_op);

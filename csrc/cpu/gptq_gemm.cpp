@@ -212,15 +212,12 @@ void dequant_rows(const GptqWeight& w, Isa isa, int64_t k0, int64_t k1, int64_t 
   }
 }
 
-// Which threads run a loop: lowbit's pool, or torch's OpenMP team. The
+// f(r0, r1) over [k0, k1) in parallel on `team` (parallel.h), in runs of
+// whole packs (k0 is a pack's first row) of about `rows_per_task` rows. The
 // large-M paths decode on torch's team because their at::mm runs on it:
-// torch's threads keep spinning after each mm (OpenMP's default wait), so
-// a decode on the pool between two mms would share its cores with them and
+// torch's threads keep spinning after each mm (OpenMP's default wait), so a
+// decode on the pool between two mms would share its cores with them and
 // take about twice as long.
-enum class Team { kPool, kTorch };
-
-// f(r0, r1) over [k0, k1) in parallel on `team`, in runs of whole packs (k0
-// is a pack's first row) of about `rows_per_task` rows.
 template <int B, Team team = Team::kPool, class F>
 void for_pack_rows(int64_t k0, int64_t k1, int64_t rows_per_task, F&& f) {
   constexpr int64_t kFields = gptq::Pack<B>::kFields;

@@ -167,6 +167,12 @@ int64_t pool_threads_setting() { return g_threads.load(std::memory_order_relaxed
 
 void set_pool_threads(int64_t threads) { g_threads.store(threads, std::memory_order_relaxed); }
 
+std::atomic<Team> g_team{Team::kPool};
+
+Team kernel_team() { return g_team.load(std::memory_order_relaxed); }
+
+void set_kernel_team(Team team) { g_team.store(team, std::memory_order_relaxed); }
+
 TorchThreadsAtPool::TorchThreadsAtPool() {
   const int64_t threads = pool_threads(), torch_threads = at::get_num_threads();
   if (threads > torch_threads && !t_in_pool && !at::in_parallel_region() && !g_forked.load()) {
@@ -186,6 +192,13 @@ void run_chunks(int64_t n, int64_t chunk, ChunkFn fn, const void* ctx) {
   const int64_t threads = std::min(pool_threads(), count);
   if (threads <= 1 || count > kMaxChunks || t_in_pool || at::in_parallel_region()) {
     return run_serial(n, chunk, fn, ctx);
+  }
+  if (kernel_team() == Team::kTorch) {
+    // Chunk by chunk within each range torch's threads take.
+    at::parallel_for(0, count, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) fn(ctx, c * chunk, std::min(n, (c + 1) * chunk));
+    });
+    return;
   }
   Pool& p = pool();
   std::unique_lock<std::mutex> lock(p.post, std::try_to_lock);

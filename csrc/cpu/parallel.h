@@ -33,6 +33,16 @@ int64_t pool_threads();
 int64_t pool_threads_setting();
 void set_pool_threads(int64_t threads);
 
+// Which threads run a loop: lowbit's pool, or torch's OpenMP team
+// (at::parallel_for). set_kernel_team(Team::kTorch) sends run_chunks' jobs to
+// torch's team: for calls whose torch ops want every thread too
+// (lowbit.kernel_threads over a prompt), one team then runs everything,
+// where two on the same cores would take turns (OpenMP's threads keep
+// spinning after each region, the pool's between jobs).
+enum class Team { kPool, kTorch };
+Team kernel_team();
+void set_kernel_team(Team team);
+
 // For its lifetime, torch's own parallel ops (at::mm) run on pool_threads()
 // threads where torch's count is lower: lowbit.kernel_threads holds torch at
 // one thread during a model's forward and gives the others to the pool, so a

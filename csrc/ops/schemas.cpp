@@ -76,5 +76,8 @@ TORCH_LIBRARY(lowbit, m) {
   // The thread count of the CPU kernels' own pool (cpu/parallel.h), after
   // setting it to `threads` if given; 0 follows torch.get_num_threads().
   m.def("cpu_threads(int? threads=None) -> int");
+  // Which threads run the CPU kernels: "pool" (that pool, the default) or
+  // "torch" (torch's OpenMP team), after setting it to `team` if given.
+  m.def("cpu_team(str? team=None) -> str");
   m.def("cpu_reads_repacked(int type) -> bool");
 }

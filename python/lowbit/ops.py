@@ -31,8 +31,8 @@ Tensor = torch.Tensor
 SymInt = Union[int, torch.SymInt]
 
 __all__ = [
-    "GGMLType", "cpu_bf16_kernel", "cpu_isa", "cpu_reads_repacked", "cpu_threads", "ggml_cpu_traits", "ggml_dequantize",
-    "ggml_has_repacked_layout", "ggml_mul_mat_a8", "ggml_mul_mat_id", "ggml_mul_mat_id_repacked",
+    "GGMLType", "cpu_bf16_kernel", "cpu_isa", "cpu_reads_repacked", "cpu_team", "cpu_threads", "ggml_cpu_traits",
+    "ggml_dequantize", "ggml_has_repacked_layout", "ggml_mul_mat_a8", "ggml_mul_mat_id", "ggml_mul_mat_id_repacked",
     "ggml_mul_mat_repacked", "ggml_mul_mat_vec_a8", "ggml_quantize", "ggml_repack", "ggml_type_info", "ggml_type_name",
     "gptq_dequantize", "gptq_gemm", "gptq_gemm_a8", "gptq_pack", "gptq_permute_cols", "gptq_permute_rows",
     "gptq_shuffle", "gptq_unpack",
@@ -586,6 +586,15 @@ def cpu_threads(threads: Optional[int] = None) -> int:
     yet; a count set here holds apart from torch's (lowbit.kernel_threads runs a
     model's torch ops on one thread and its quantized matmuls on several)."""
     return torch.ops.lowbit.cpu_threads(threads)
+
+
+def cpu_team(team: Optional[str] = None) -> str:
+    """Which threads run lowbit's CPU kernels, after setting it to `team` if given:
+    "pool" (their own pool, the default: see cpu_threads) or "torch" (torch's
+    OpenMP threads, as torch's own ops: for calls whose torch ops want every thread
+    too; lowbit.kernel_threads sets it for a model's calls over a prompt). The
+    results are the same bit for bit."""
+    return torch.ops.lowbit.cpu_team(team)
 
 
 def cpu_reads_repacked(type: int) -> bool:

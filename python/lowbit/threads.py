@@ -10,7 +10,15 @@ each of its ops, a few hundred times per decoded token.
 
 kernel_threads(model) makes each forward call on CPU inputs run torch's ops
 on one thread and lowbit's kernels on the threads torch had: the matmuls,
-where the time goes, keep every thread, and nothing waits on a barrier.
+where the time goes, keep every thread, and nothing waits on a barrier. A
+call over TORCH_TEAM_TOKENS tokens or more (a long prompt) runs lowbit's
+kernels on torch's own threads instead (lowbit.ops.cpu_team("torch")): its
+attention, which grows with the square of the prompt's length, and its
+other torch ops want every thread too, and one team then runs everything,
+where two would take turns on the same cores. Its parallel regions are
+long, so a thread the OS has not scheduled stalls them for a smaller share
+of their time; shorter calls (decode steps, short prompts) make hundreds of
+short ones, which is what lowbit's pool is for.
 Under no_grad (generate) a forward call also runs below autograd
 (lowbit._frozen.below_autograd), which spares each op its autograd kernel.
 load_gguf_model, load_gptq_model and replace_linear set it;
@@ -27,26 +35,38 @@ __all__ = ["kernel_threads"]
 
 _HANDLES = "_lowbit_kernel_threads"
 
+# Calls over at least this many tokens (batch x sequence) run lowbit's kernels
+# on torch's team: there a 1B model's prompt runs 1.4x as fast as split, and
+# about proportionally slower beside a busy core (benchmarks/README.md).
+TORCH_TEAM_TOKENS = 1024
 
-def _on_cpu(args, kwargs) -> bool:
-    """Whether the call's first tensor argument (input_ids, inputs_embeds, x) is on the CPU."""
+
+def _first_tensor(args, kwargs) -> torch.Tensor | None:
+    """The call's first tensor argument (input_ids, inputs_embeds, x)."""
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
-            return value.device.type == "cpu"
-    return False
+            return value
+    return None
 
 
-def split_threads(args=(), kwargs=None):
-    """Before a call on CPU inputs: torch's ops on one thread, lowbit's kernels
-    on the threads torch had. Returns what to restore_threads after the call
-    (None where nothing changed: one thread, inputs elsewhere, or tracing
-    under torch.compile, whose graph's kernels run on torch's threads)."""
+def split_threads(args=(), kwargs=None, torch_team_tokens: int | None = TORCH_TEAM_TOKENS):
+    """Before a call on CPU inputs: torch's ops on one thread and lowbit's
+    kernels on the threads torch had, or, for torch_team_tokens tokens or more
+    (the first tensor's dimensions 0 and 1, batch and tokens, as input_ids and
+    inputs_embeds have them; None: never), lowbit's kernels on torch's team.
+    Returns what to restore_threads after the call (None where nothing
+    changed: one thread, inputs elsewhere, or tracing under torch.compile,
+    whose graph's kernels run on torch's threads)."""
     if torch.compiler.is_compiling():
         return None
-    threads = torch.get_num_threads()
-    if threads == 1 or not _on_cpu(args, kwargs or {}):
+    threads, first = torch.get_num_threads(), _first_tensor(args, kwargs or {})
+    if threads == 1 or first is None or first.device.type != "cpu":
         return None
-    saved = (threads, torch.ops.lowbit.cpu_threads())
+    saved = (threads, torch.ops.lowbit.cpu_threads(), torch.ops.lowbit.cpu_team())
+    if torch_team_tokens is not None and first.dim() >= 2 and first.shape[0] * first.shape[1] >= torch_team_tokens:
+        torch.ops.lowbit.cpu_team("torch")
+        return saved
+    torch.ops.lowbit.cpu_team("pool")
     if saved[1] == 0:  # lowbit follows torch's count: hold it at torch's
         torch.ops.lowbit.cpu_threads(threads)
     torch.set_num_threads(1)
@@ -57,6 +77,7 @@ def restore_threads(saved) -> None:
     if saved is not None:
         torch.set_num_threads(saved[0])
         torch.ops.lowbit.cpu_threads(saved[1])
+        torch.ops.lowbit.cpu_team(saved[2])
 
 
 class _KernelThreads:
@@ -64,15 +85,18 @@ class _KernelThreads:
     stack (a model may call itself: an assistant model, a nested forward).
     A class, not closures, so that a model with the hooks still pickles."""
 
-    def __init__(self):
+    torch_team_tokens = TORCH_TEAM_TOKENS
+
+    def __init__(self, torch_team_tokens: int | None = TORCH_TEAM_TOKENS):
         self.saved = []
+        self.torch_team_tokens = torch_team_tokens
 
     def __getstate__(self):
-        return {"saved": []}
+        return {"saved": [], "torch_team_tokens": self.torch_team_tokens}
 
     def before(self, module, args, kwargs):
         if not torch.compiler.is_compiling():
-            self.saved.append((split_threads(args, kwargs), below_autograd()))
+            self.saved.append((split_threads(args, kwargs, self.torch_team_tokens), below_autograd()))
 
     def after(self, module, args, kwargs, output):
         if not torch.compiler.is_compiling() and self.saved:
@@ -81,17 +105,23 @@ class _KernelThreads:
             restore_threads(threads)
 
 
-def kernel_threads(model: nn.Module, enable: bool = True) -> nn.Module:
+def kernel_threads(model: nn.Module, enable: bool = True,
+                   torch_team_tokens: int | None = TORCH_TEAM_TOKENS) -> nn.Module:
     """Runs each forward call of `model` on CPU inputs with torch's ops on one
-    thread and lowbit's kernels on torch's thread count, restoring both after
-    the call (also when it raises); enable=False removes that. Returns the model."""
+    thread and lowbit's kernels on torch's thread count, and each over
+    `torch_team_tokens` tokens or more (None: none) with lowbit's kernels on
+    torch's threads (see the module's notes), restoring the settings after the
+    call (also when it raises); enable=False removes that. Returns the model."""
+    if torch_team_tokens is not None and (isinstance(torch_team_tokens, bool) or not isinstance(torch_team_tokens, int)
+                                          or torch_team_tokens < 1):
+        raise ValueError(f"kernel_threads: torch_team_tokens must be a positive int or None, got {torch_team_tokens!r}")
     for handle in getattr(model, _HANDLES, ()):
         handle.remove()
     if hasattr(model, _HANDLES):
         delattr(model, _HANDLES)
     if not enable:
         return model
-    state = _KernelThreads()
+    state = _KernelThreads(torch_team_tokens)
     handles = (model.register_forward_pre_hook(state.before, with_kwargs=True),
                model.register_forward_hook(state.after, with_kwargs=True, always_call=True))
     setattr(model, _HANDLES, handles)
