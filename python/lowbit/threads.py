@@ -16,9 +16,10 @@ kernels on torch's own threads instead (lowbit.ops.cpu_team("torch")): its
 attention, which grows with the square of the prompt's length, and its
 other torch ops want every thread too, and one team then runs everything,
 where two would take turns on the same cores. Its parallel regions are
-long, so a thread the OS has not scheduled stalls them for a smaller share
-of their time; shorter calls (decode steps, short prompts) make hundreds of
-short ones, which is what lowbit's pool is for.
+long, so a thread the OS has not scheduled stalls a smaller share of their
+time than it would of a decode step's hundreds of short ones, though still
+more than on the pool (benchmarks/bench_long_prompt.py measures both):
+kernel_threads(model, torch_team_tokens=None) keeps every call on the pool.
 Under no_grad (generate) a forward call also runs below autograd
 (lowbit._frozen.below_autograd), which spares each op its autograd kernel.
 load_gguf_model, load_gptq_model and replace_linear set it;
@@ -36,8 +37,8 @@ __all__ = ["kernel_threads"]
 _HANDLES = "_lowbit_kernel_threads"
 
 # Calls over at least this many tokens (batch x sequence) run lowbit's kernels
-# on torch's team: there a 1B model's prompt runs 1.4x as fast as split, and
-# about proportionally slower beside a busy core (benchmarks/README.md).
+# on torch's team: from about here a prompt's attention is a large share of
+# its time (benchmarks/bench_long_prompt.py).
 TORCH_TEAM_TOKENS = 1024
 
 
