@@ -15,11 +15,9 @@ Results: benchmarks/results/<machine>-long-prompt.{txt,json,md}.
 """
 import argparse
 import os
-import statistics
-import sys
 
 from benchmarks import bench_e2e
-from benchmarks.bench_shared_cores import BUSY_LOOP, measure
+from benchmarks.bench_shared_cores import BUSY_LOOP, measure_rounds, median
 
 VARIANTS = ("lowbit", "lowbit-pool", "llama")
 NEW_TOKENS = 8  # the rate measured here is the prompt's
@@ -42,30 +40,20 @@ def main():
         raise SystemExit("bench_long_prompt: --models takes smollm2 and 1b, --tokens positive lengths")
     gguf = [(label, path) for label, path, variants in bench_e2e.files(models, args.threads) if "llama" in variants]
     cases = [(label, path, n, v) for label, path in gguf for n in lengths for v in VARIANTS]
-    records = {(c, busy): [] for c in cases for busy in (False, True)}
+    prompts = {n: bench_e2e.prompt_ids(n) for n in lengths}
     load_before = os.getloadavg()
-    for r in range(args.rounds):
-        for case in cases:
-            label, path, n, variant = case
-            for busy in (False, True):
-                spec = dict(variant=variant, path=path, threads=args.threads, prompt=bench_e2e.prompt_ids(n),
-                            new_tokens=NEW_TOKENS, reps=1)
-                rec = measure(spec, busy)
-                records[(case, busy)].append(rec)
-                what = rec.get("error") or f"{rec['prefill_tps']:.0f} tok/s"
-                print(f"round {r + 1}/{args.rounds}  {label}, {n} tokens, {bench_e2e.VARIANTS[variant]}, "
-                      f"{'beside a busy loop' if busy else 'alone'}: {what}", file=sys.stderr, flush=True)
+    records = measure_rounds(
+        cases, args.rounds,
+        lambda c: dict(variant=c[3], path=c[1], threads=args.threads, prompt=prompts[c[2]], new_tokens=NEW_TOKENS,
+                       reps=1),
+        lambda c: f"{c[0]}, {c[2]} tokens, {bench_e2e.VARIANTS[c[3]]}", lambda rec: f"{rec['prefill_tps']:.0f} tok/s")
     load_after = os.getloadavg()
-
-    def median(case, busy):
-        ok = [rec["prefill_tps"] for rec in records[(case, busy)] if "error" not in rec]
-        return statistics.median(ok) if ok else float("nan")
 
     rows, summary = [], []
     for case in cases:
         label, path, n, variant = case
-        alone, busy = median(case, False), median(case, True)
-        llama = median((label, path, n, "llama"), False)
+        alone, busy = median(records, case, False, "prefill_tps"), median(records, case, True, "prefill_tps")
+        llama = median(records, (label, path, n, "llama"), False, "prefill_tps")
         rows.append([label, str(n), bench_e2e.VARIANTS[variant], f"{alone:.1f}", f"{busy:.1f}",
                      f"{busy / alone:.2f}", f"{alone / llama:.2f}x"])
         summary.append(dict(file=label, prompt_tokens=n, variant=variant, prefill_alone=alone,

