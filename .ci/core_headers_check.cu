@@ -43,3 +43,11 @@ __global__ void ggml_core_check(const uint8_t* blocks, const float* x, float* ou
 #define LOWBIT_GGML_INSTANTIATE(name, id, block, bytes, sub, has_min, act) \
   template __global__ void ggml_core_check<lowbit::ggml::Type::name>(const uint8_t*, const float*, float*);
 LOWBIT_GGML_TYPES(LOWBIT_GGML_INSTANTIATE)
+
+#include "core/rotary.h"
+
+// The rotary embedding of one head of `dim` values.
+__global__ void rotary_core_check(const float* x, const float* cos, const float* sin, float* out, int dim) {
+  const int i = threadIdx.x, half = dim / 2;
+  if (i < dim) out[i] = lowbit::rotary::rotated(x[i], x[i < half ? i + half : i - half], cos[i], sin[i], i < half);
+}

@@ -18,11 +18,12 @@ Per (file, library) it measures:
                   for what it loads and runs
 
 lowbit: lowbit.load_gguf_model + model.generate (greedy; a streamer stamps
-each token), in the file's layout and with lowbit.repack_model; a 4-bit GPTQ
+each token; decode steps through lowbit.fast_decoding, which the loaders
+set), in the file's layout and with lowbit.repack_model; a 4-bit GPTQ
 checkpoint of the 1B model through lowbit.load_gptq_model, with fp32
 activations, with int8 ones (int8_activations, gptq_gemm_a8), and with int8
 ones and the fp16 embedding / tied head held as Q8_0 (float_tables); on the shipped
-file also with its projections unfused (load_gguf_model's fuse=False), and
+file also with transformers' own decode steps (fast_decoding(model, False)), and
 with lowbit.compiled_decoding (static cache, compiled decode steps;
 inductor calling the kernels from Python, and from generated C++; the 1B
 Q4_K_M file from generated C++), whose warm-up generate compiles (inductor's on-disk cache makes the later rounds'
@@ -80,7 +81,7 @@ RESULT_MARK = "E2E-RESULT "
 # Rows of the table, in the order each file's configurations run.
 VARIANTS = {
     "lowbit": "lowbit, file layout",
-    "lowbit-unfused": "lowbit, file layout, unfused",
+    "lowbit-transformers-steps": "lowbit, file layout, transformers' decode steps",
     "lowbit-repacked": "lowbit, repacked",
     "lowbit-pool": "lowbit, file layout, kernels on lowbit's pool in every call",
     "lowbit-gptq": "lowbit, GPTQ",
@@ -142,7 +143,9 @@ def _child_lowbit(spec):
         model = lowbit.load_gptq_model(spec["path"], int8_activations=spec["variant"] != "lowbit-gptq",
                                        float_tables="Q8_0" if spec["variant"].endswith("-q8") else None)
     else:
-        model = lowbit.load_gguf_model(spec["path"], fuse=spec["variant"] != "lowbit-unfused")
+        model = lowbit.load_gguf_model(spec["path"])
+        if spec["variant"] == "lowbit-transformers-steps":  # every call on the model's own forward
+            lowbit.fast_decoding(model, False)
         if spec["variant"] == "lowbit-pool":  # never torch's team (lowbit.threads.TORCH_TEAM_TOKENS)
             lowbit.kernel_threads(model, torch_team_tokens=None)
         if spec["variant"].startswith("lowbit-compiled"):
@@ -447,7 +450,7 @@ def files(models, threads):
     out = []
     if "smollm2" in models:
         out.append(("SmolLM2-135M Q4_1 (shipped)", shipped,
-                    gguf_variants[:1] + ["lowbit-unfused"] + gguf_variants[1:2]
+                    gguf_variants[:1] + ["lowbit-transformers-steps"] + gguf_variants[1:2]
                     + ["lowbit-compiled", "lowbit-compiled-cpp"] + gguf_variants[2:]))
     if "requant" in models:
         for ftype in REQUANT_TYPES:

@@ -268,6 +268,41 @@ def test_kernel_threads_runs_long_calls_on_torchs_team(two_torch_threads):
         assert seen[-1] == (2, 0, "torch")
 
 
+def test_kernel_threads_holds_the_split_through_generate(two_torch_threads):
+    """generate's own ops between forward calls (its logits processors) run
+    on torch's one thread too, its forward calls split as any other (a long
+    prompt on torch's team and threads), and everything is restored after
+    the call, also when it raises."""
+    from tiny_models import tiny_model
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    model = tiny_model("llama", 0).eval()
+    layer_seen, between = [], []
+
+    class Record(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            between.append((torch.get_num_threads(), ops.cpu_threads(), ops.cpu_team()))
+            return scores
+
+    model.model.layers[0].mlp.register_forward_pre_hook(
+        lambda module, args: layer_seen.append((torch.get_num_threads(), ops.cpu_threads(), ops.cpu_team())))
+    lowbit.kernel_threads(model, torch_team_tokens=8)
+    generate = lambda ids, **kw: model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                                                pad_token_id=0, logits_processor=LogitsProcessorList([Record()]), **kw)
+    with torch.no_grad():
+        generate(torch.tensor([[1, 2, 3, 4]]))
+        assert set(between) == {(1, 2, "pool")} and set(layer_seen) == {(1, 2, "pool")}
+        assert (torch.get_num_threads(), ops.cpu_threads(), ops.cpu_team()) == (2, 0, "pool")
+        layer_seen.clear()
+        generate(torch.arange(1, 11)[None])  # a 10-token prompt, over torch_team_tokens
+        assert layer_seen[0] == (2, 2, "torch") and set(layer_seen[1:]) == {(1, 2, "pool")}
+        with pytest.raises(IndexError):
+            generate(torch.tensor([[10 ** 6]]))
+        assert (torch.get_num_threads(), ops.cpu_threads(), ops.cpu_team()) == (2, 0, "pool")
+    lowbit.kernel_threads(model, False)
+    assert "generate" not in model.__dict__
+
+
 def test_kernel_threads_runs_no_grad_calls_below_autograd():
     """Under no_grad a model's forward call dispatches every op below
     autograd (the same logits), and with grad mode on through it; the

@@ -62,6 +62,7 @@ def _calls():
     repacked = torch.ops.lowbit.ggml_repack(W, GGMLType.Q4_0, ROWS, COLS)
     experts_repacked = torch.stack([torch.ops.lowbit.ggml_repack(e, GGMLType.Q4_0, ROWS, COLS) for e in experts])
     q4_0 = int(GGMLType.Q4_0)
+    g = torch.Generator().manual_seed(3)
     return {
         "gptq_gemm": (w["a"], w["qweight"], w["qzeros"], w["scales"], w["g_idx"], False, True, BITS),
         "gptq_gemm_a8": (w["a"], w["qweight"], w["qzeros"], w["scales"], w["g_idx"], True, BITS),
@@ -78,6 +79,9 @@ def _calls():
         "ggml_repack": (W, q4_0, ROWS, COLS, False),
         "ggml_mul_mat_repacked": (repacked, X, q4_0, ROWS),
         "ggml_mul_mat_id_repacked": (experts_repacked, X[:3], ids, q4_0, ROWS),
+        "rms_norm": (X, X[0], 1e-6),
+        "decode_attention": (*(torch.randn(*shape, generator=g) for shape in ((4, 32), (2, 32), (2, 32), (32,), (32,),
+                                                                               (2, 8, 32), (2, 8, 32))), 3, 0.125),
         "ggml_type_info": (int(GGMLType.Q4_K),),
         "ggml_type_name": (int(GGMLType.IQ4_XS),),
         "ggml_has_repacked_layout": (int(GGMLType.Q6_K),),

@@ -275,6 +275,42 @@ OPS["ggml_repack"] = Op(lambda: {"W": ggml_blocks(), "type": Q4_0, "row": GGML_R
 })
 
 
+def decode_attention():
+    """9 query heads on 3 key-value heads of 64 values, row 5 of a 16-row cache."""
+    g = torch.Generator().manual_seed(0)
+    heads = lambda *shape: torch.randn(*shape, generator=g)
+    return dict(q=heads(9, 64), k=heads(3, 64), v=heads(3, 64), cos=heads(64), sin=heads(64),
+                key_cache=heads(3, 16, 64), value_cache=heads(3, 16, 64), position=5, scale=0.125)
+
+
+OPS["rms_norm"] = Op(lambda: {"x": torch.randn(3, 96), "weight": torch.randn(96), "eps": 1e-6}, {
+    "x": Arg(FLOATS, contiguous=False, empty_ok=(0,), rank_free=True),
+    "weight": Arg(FLOATS, contiguous=False),
+}, {
+    "negative eps": (lambda kw: {"eps": -1e-6}, ValueError, "eps must be finite and non-negative"),
+    "NaN eps": (lambda kw: {"eps": float("nan")}, ValueError, "eps must be finite and non-negative"),
+    "weight of another length": (lambda kw: {"weight": kw["weight"][:95]}, ValueError, "weight must have x's last"),
+})
+OPS["decode_attention"] = Op(decode_attention, {
+    name: Arg(FLOATS) for name in ("q", "k", "v", "cos", "sin", "key_cache", "value_cache")
+}, {
+    "position past the cache": (lambda kw: {"position": 16}, ValueError, r"position must lie in \[0, 16\)"),
+    "negative position": (lambda kw: {"position": -1}, ValueError, "position must lie in"),
+    "heads not a multiple": (lambda kw: {"q": kw["q"][:8].contiguous()}, ValueError, "multiple of k's 3"),
+    "odd head size": (lambda kw: {k: v[..., :63].contiguous() if isinstance(v, torch.Tensor) else v
+                                  for k, v in kw.items()}, ValueError, "head size must be even"),
+    "v of another shape": (lambda kw: {"v": kw["v"][:2].contiguous()}, ValueError, "k and v must be"),
+    "cache of another head size": (lambda kw: {"key_cache": kw["key_cache"][..., :32].contiguous()}, ValueError,
+                                   "key_cache must be"),
+    "caches of other shapes": (lambda kw: {"value_cache": kw["value_cache"][:, :8].contiguous()}, ValueError,
+                               "value_cache must have key_cache's shape"),
+    "infinite scale": (lambda kw: {"scale": float("inf")}, ValueError, "scale must be finite"),
+    "caches sharing memory": (lambda kw: {"value_cache": kw["key_cache"]}, RuntimeError,
+                              "key_cache shares memory with value_cache"),
+    "k in the cache": (lambda kw: {"k": kw["key_cache"][:, 0]}, RuntimeError, "key_cache shares memory with k|k must"),
+})
+
+
 def strided_copy(t: torch.Tensor) -> torch.Tensor:
     """The same values in a non-contiguous tensor (every other element of a wider buffer)."""
     wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype) if t.dim() else None
@@ -335,7 +371,7 @@ def test_validation_matrix(op_name, case, over, expect):
 VALUE_CASES = {"g_idx negative", "g_idx past the groups", "g_idx int64 above 2^32", "perm past K (shuffled layout)",
                "perm past K", "perm negative", "perm not a permutation", "perm past N", "value above 2^bit - 1",
                "negative value", "expert past the last", "negative expert", "int64 expert that int32 would wrap",
-               "groups not contiguous", "NaN", "scale beyond fp16"}
+               "groups not contiguous", "NaN", "scale beyond fp16", "caches sharing memory", "k in the cache"}
 SHAPE_CASES = [c for c in CASES if c[3] != "accepted" and c[1] not in VALUE_CASES]
 
 

@@ -22,7 +22,9 @@
   X(ggml_dequantize)          \
   X(ggml_mul_mat_vec_a8)      \
   X(ggml_mul_mat_a8)          \
-  X(ggml_mul_mat_id)
+  X(ggml_mul_mat_id)          \
+  X(rms_norm)                 \
+  X(decode_attention)
 
 // X(op): the CPU-only ops: GPTQ with int8 activations (for the VNNI dot
 // product), float weights into GGUF blocks (a load-time step) and the CPU
@@ -60,7 +62,11 @@
   at::Tensor ggml_mul_mat_vec_a8(const at::Tensor& W, const at::Tensor& X, int64_t type, int64_t row);              \
   at::Tensor ggml_mul_mat_a8(const at::Tensor& W, const at::Tensor& X, int64_t type, int64_t row);                  \
   at::Tensor ggml_mul_mat_id(const at::Tensor& W, const at::Tensor& X, const at::Tensor& ids, int64_t type,         \
-                             int64_t row);
+                             int64_t row);                                                                          \
+  at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);                                   \
+  at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos, \
+                              const at::Tensor& sin, const at::Tensor& key_cache, const at::Tensor& value_cache,    \
+                              int64_t position, double scale);
 
 namespace lowbit {
 namespace cpu {

@@ -68,6 +68,20 @@ TORCH_LIBRARY(lowbit, m) {
   m.def("ggml_has_repacked_layout(int type) -> bool");
   m.def("ggml_cpu_traits(int type) -> int[]");
 
+  // A decode step's small ops. rms_norm: weight * (x / sqrt(mean(x^2) + eps))
+  // over the last dimension, normalised in fp32 and rounded to x's dtype
+  // before the scaling, as transformers' RMSNorm does.
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  // One new token's attention, batch 1: q [q_heads, dim], k and v
+  // [kv_heads, dim] its projections, cos and sin [dim] its rotary tables
+  // (rotate-half convention); the key rotated and the value are written to
+  // row `position` of key_cache and value_cache [kv_heads, capacity, dim],
+  // and each rotated query head attends (softmax(scale q.K^T) V, fp32) to
+  // rows [0, position] of key-value head h / (q_heads / kv_heads).
+  m.def(
+      "decode_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) key_cache, "
+      "Tensor(b!) value_cache, int position, float scale) -> Tensor");
+
   // The x86 vector ISA of the CPU kernels ("portable", "avx2", "avx512"),
   // chosen from the CPU's features at load (or LOWBIT_CPU_ISA); `force`
   // lowers it, for tests of every path and for benchmarks.

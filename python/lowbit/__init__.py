@@ -19,6 +19,7 @@ from .gguf import (GGUFEmbedding, GGUFError, GGUFExperts, GGUFFile, GGUFLinear, 
 from .gptq import GPTQLinear, GPTQTensors, load_gptq, load_gptq_model, quantize_rtn, save_gptq  # noqa: E402
 from .replace import ReplaceReport, replace_linear  # noqa: E402
 from .fusing import fuse_projections  # noqa: E402
+from .decoding import fast_decoding  # noqa: E402
 from .generation import compiled_decoding  # noqa: E402
 from .threads import kernel_threads  # noqa: E402
 
@@ -27,7 +28,8 @@ __all__ = [
     "GGUFEmbedding", "GGUFError", "GGUFExperts", "GGUFFile", "GGUFLinear", "GGUFTensor", "GPTQLinear", "GPTQTensors",
     "GGMLType", "ReplaceReport",
     "load_gguf", "load_gguf_model", "load_gguf_tokenizer", "load_gptq", "load_gptq_model", "quantize_rtn",
-    "repack_model", "replace_linear", "save_gptq", "kernel_threads", "compiled_decoding", "fuse_projections",
+    "repack_model", "replace_linear", "save_gptq", "kernel_threads", "compiled_decoding", "fast_decoding",
+    "fuse_projections",
 ]
 
 # Legacy module paths that stay importable (`import lowbit.tp`, `from

@@ -180,3 +180,46 @@ for _op, _repacked in (("ggml_mul_mat_id", False), ("ggml_mul_mat_id_repacked", 
 for _op, _names in (("gptq_dequantize", _GPTQ_WEIGHT), ("gptq_permute_cols", ("qweight", "qzeros", "scales", "perm")),
                     ("ggml_quantize", ("x",))):
     torch.library.register_autograd(f"lowbit::{_op}", _no_backward, setup_context=_refusing(_op, _names))
+
+
+# ---- rms_norm: y = weight * x r, r = rsqrt(mean(x^2) + eps) -----------------------
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
+
+
+def _rms_norm_backward(ctx, grad):
+    """In fp32; the rounding of x r to x's dtype counts as the identity."""
+    x, weight = ctx.saved_tensors
+    xf, gw = x.float(), grad.float() * weight.float()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
+    normed = xf * r
+    grad_x = r * (gw - normed * (gw * normed).mean(-1, keepdim=True))
+    grad_weight = (grad.float() * normed).reshape(-1, x.shape[-1]).sum(0)
+    return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
+
+
+torch.library.register_autograd("lowbit::rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
+
+
+
+# ---- decode_attention: writes its caches, so autograd cannot take a formula -------
+
+_DECODE_ATTENTION_ARGS = ("q", "k", "v", "cos", "sin", "key_cache", "value_cache")
+_LIB = torch.library.Library("lowbit", "IMPL")
+
+
+def _decode_attention_autograd(q, k, v, cos, sin, key_cache, value_cache, position, scale):
+    """Refuses inputs that require grad (an inference step); runs the op otherwise."""
+    if torch.is_grad_enabled():
+        for name, value in zip(_DECODE_ATTENTION_ARGS, (q, k, v, cos, sin, key_cache, value_cache)):
+            if value.requires_grad:
+                raise RuntimeError(f"decode_attention: not differentiable (an inference step that writes its caches "
+                                   f"in place), and {name} requires grad")
+    with torch._C._AutoDispatchBelowAutograd():
+        return ops.decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale)
+
+
+_LIB.impl("decode_attention", _decode_attention_autograd, "Autograd")

@@ -19,6 +19,7 @@ ranges, permutations, packed values) stay with the real kernels.
 from __future__ import annotations
 
 import enum
+import math
 from functools import lru_cache
 from typing import List, Optional, Tuple, Union
 
@@ -35,7 +36,7 @@ __all__ = [
     "ggml_dequantize", "ggml_has_repacked_layout", "ggml_mul_mat_a8", "ggml_mul_mat_id", "ggml_mul_mat_id_repacked",
     "ggml_mul_mat_repacked", "ggml_mul_mat_vec_a8", "ggml_quantize", "ggml_repack", "ggml_type_info", "ggml_type_name",
     "gptq_dequantize", "gptq_gemm", "gptq_gemm_a8", "gptq_pack", "gptq_permute_cols", "gptq_permute_rows",
-    "gptq_shuffle", "gptq_unpack",
+    "gptq_shuffle", "gptq_unpack", "decode_attention", "rms_norm",
 ]
 
 
@@ -533,6 +534,76 @@ def ggml_mul_mat_id_repacked(W: Tensor, X: Tensor, ids: Tensor, type: int, row: 
 
 torch.library.register_fake("lowbit::ggml_mul_mat_id_repacked")(
     _ggml_mul_mat_id_fake("ggml_mul_mat_id_repacked", repacked=True))
+
+
+# ---------------------------------------------------------------------------
+# A decode step's small ops (lowbit.decoding): fp32 math, any float dtype.
+# ---------------------------------------------------------------------------
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """transformers' RMSNorm over x's last dimension: x * rsqrt(mean(x^2) + eps)
+    in fp32, rounded to x's dtype, times weight (x's dtype); any shape."""
+    return torch.ops.lowbit.rms_norm(x, weight, eps)
+
+
+@torch.library.register_fake("lowbit::rms_norm")
+def _rms_norm(x, weight, eps):
+    op = "rms_norm"
+    _float_dtype(op, "x", x)
+    _runtime(weight.dtype == x.dtype, op, "weight must be ", _NAMES[x.dtype], " (x's dtype), got ",
+             _NAMES.get(weight.dtype, weight.dtype))
+    _same_device(op, "weight", weight, x)
+    _value(x.dim() >= 1, op, "x must have at least 1 dimension, got a scalar")
+    _dim(op, "weight", weight, 1)
+    _value(weight.shape[0] == x.shape[-1], op, "weight must have x's last dimension ", x.shape[-1], " entries, got ",
+           weight.shape[0])
+    _value(math.isfinite(eps) and eps >= 0, op, "eps must be finite and non-negative")
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, key_cache: Tensor,
+                     value_cache: Tensor, position: int, scale: float) -> Tensor:
+    """One new token's attention (batch 1), its key and value appended in place:
+    q [q_heads, dim], k and v [kv_heads, dim], cos and sin [dim] (the rotary tables
+    at `position`, rotate-half convention, as transformers' llama-family models
+    apply them). Writes k rotated and v to row `position` of key_cache and
+    value_cache [kv_heads, capacity, dim]; returns [q_heads, dim]: each query head,
+    rotated, attending with softmax(scale * q.K^T) V in fp32 to rows [0, position]
+    of key-value head h // (q_heads // kv_heads). All arguments contiguous, of one
+    float dtype and device; the caches share memory with no other argument."""
+    return torch.ops.lowbit.decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale)
+
+
+@torch.library.register_fake("lowbit::decode_attention")
+def _decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale):
+    op = "decode_attention"
+    _float_dtype(op, "q", q)
+    named = (("k", k), ("v", v), ("cos", cos), ("sin", sin), ("key_cache", key_cache), ("value_cache", value_cache))
+    for name, t in named:
+        _runtime(t.dtype == q.dtype, op, name, " must be ", _NAMES[q.dtype], " (q's dtype), got ",
+                 _NAMES.get(t.dtype, t.dtype))
+        _same_device(op, name, t, q)
+    for name, t, dim in (("q", q, 2), ("k", k, 2), ("v", v, 2), ("cos", cos, 1), ("sin", sin, 1),
+                         ("key_cache", key_cache, 3), ("value_cache", value_cache, 3)):
+        _dim(op, name, t, dim)
+    q_heads, dim, kv_heads, capacity = q.shape[0], q.shape[1], k.shape[0], key_cache.shape[1]
+    _value(dim > 0 and dim % 2 == 0, op, "q's head size must be even and positive, got ", dim)
+    _value(kv_heads > 0 and q_heads > 0 and q_heads % kv_heads == 0, op, "q's ", q_heads,
+           " heads must be a positive multiple of k's ", kv_heads)
+    _value(k.shape[1] == dim and v.shape == k.shape, op, "k and v must be [", kv_heads, ", ", dim, "], got ",
+           _shape(k), " and ", _shape(v))
+    _value(cos.shape[0] == dim and sin.shape[0] == dim, op, "cos and sin must have ", dim, " entries, got ",
+           cos.shape[0], " and ", sin.shape[0])
+    _value(key_cache.shape[0] == kv_heads and key_cache.shape[2] == dim, op, "key_cache must be [", kv_heads,
+           ", capacity, ", dim, "], got ", _shape(key_cache))
+    _value(value_cache.shape == key_cache.shape, op, "value_cache must have key_cache's shape ", _shape(key_cache),
+           ", got ", _shape(value_cache))
+    _value(0 <= position < capacity, op, "position must lie in [0, ", capacity, ") (the caches' capacity), got ",
+           position)
+    _value(math.isfinite(scale), op, "scale must be finite")
+    for name, t in (("q", q), *named):
+        _contiguous(op, name, t)
+    return torch.empty_like(q)
 
 
 # ---------------------------------------------------------------------------

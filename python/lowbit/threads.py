@@ -27,6 +27,8 @@ kernel_threads(model, False) removes it.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -50,28 +52,34 @@ def _first_tensor(args, kwargs) -> torch.Tensor | None:
     return None
 
 
-def split_threads(args=(), kwargs=None, torch_team_tokens: int | None = TORCH_TEAM_TOKENS):
+def split_threads(args=(), kwargs=None, torch_team_tokens: int | None = TORCH_TEAM_TOKENS,
+                  threads: int | None = None):
     """Before a call on CPU inputs: torch's ops on one thread and lowbit's
-    kernels on the threads torch had, or, for torch_team_tokens tokens or more
-    (the first tensor's dimensions 0 and 1, batch and tokens, as input_ids and
-    inputs_embeds have them; None: never), lowbit's kernels on torch's team.
+    kernels on `threads` (default: the threads torch has now), or, for
+    torch_team_tokens tokens or more (the first tensor's dimensions 0 and 1,
+    batch and tokens, as input_ids and inputs_embeds have them; None: never),
+    torch's ops on `threads` and lowbit's kernels on torch's team.
     Returns what to restore_threads after the call (None where nothing
-    changed: one thread, inputs elsewhere, or tracing under torch.compile,
+    changes: one thread, inputs elsewhere, or tracing under torch.compile,
     whose graph's kernels run on torch's threads)."""
     if torch.compiler.is_compiling():
         return None
-    threads, first = torch.get_num_threads(), _first_tensor(args, kwargs or {})
+    current, first = torch.get_num_threads(), _first_tensor(args, kwargs or {})
+    threads = current if threads is None else threads
     if threads == 1 or first is None or first.device.type != "cpu":
         return None
-    saved = (threads, torch.ops.lowbit.cpu_threads(), torch.ops.lowbit.cpu_team())
+    saved = (current, torch.ops.lowbit.cpu_threads(), torch.ops.lowbit.cpu_team())
     if torch_team_tokens is not None and first.dim() >= 2 and first.shape[0] * first.shape[1] >= torch_team_tokens:
         torch.ops.lowbit.cpu_team("torch")
+        if current != threads:
+            torch.set_num_threads(threads)
         return saved
     if saved[2] != "pool":
         torch.ops.lowbit.cpu_team("pool")
-    if saved[1] == 0:  # lowbit follows torch's count: hold it at torch's
+    if saved[1] == 0:  # lowbit follows torch's count: hold it at `threads`
         torch.ops.lowbit.cpu_threads(threads)
-    torch.set_num_threads(1)
+    if current != 1:
+        torch.set_num_threads(1)
     return saved
 
 
@@ -84,27 +92,55 @@ def restore_threads(saved) -> None:
 
 class _KernelThreads:
     """The hooks' state: the settings each running forward call replaced, a
-    stack (a model may call itself: an assistant model, a nested forward).
-    A class, not closures, so that a model with the hooks still pickles."""
+    stack (a model may call itself: an assistant model, a nested forward),
+    and the thread count of each running generate call. A class, not
+    closures, so that a model with the hooks still pickles."""
 
     torch_team_tokens = TORCH_TEAM_TOKENS
 
     def __init__(self, torch_team_tokens: int | None = TORCH_TEAM_TOKENS):
-        self.saved = []
+        self.saved, self.generating = [], []
         self.torch_team_tokens = torch_team_tokens
 
     def __getstate__(self):
-        return {"saved": [], "torch_team_tokens": self.torch_team_tokens}
+        return {"saved": [], "generating": [], "torch_team_tokens": self.torch_team_tokens}
 
     def before(self, module, args, kwargs):
         if not torch.compiler.is_compiling():
-            self.saved.append((split_threads(args, kwargs, self.torch_team_tokens), below_autograd()))
+            threads = self.generating[-1] if self.generating else None
+            self.saved.append((split_threads(args, kwargs, self.torch_team_tokens, threads), below_autograd()))
 
     def after(self, module, args, kwargs, output):
         if not torch.compiler.is_compiling() and self.saved:
             threads, guard = self.saved.pop()
             leave_autograd(guard)
             restore_threads(threads)
+
+
+class _ThreadedGenerate:
+    """model.generate with the thread split held for the whole call: the
+    ops generate runs between forward calls (its logits processing, the next
+    inputs) on torch's one thread too, not on a team of torch's threads that
+    would wait for cores lowbit's pool has just left spinning. Its forward
+    calls split as any other (a long prompt takes torch's team)."""
+
+    def __init__(self, model: nn.Module, state: _KernelThreads):
+        self.model, self.state = model, state
+
+    @property
+    def __signature__(self):
+        return inspect.signature(type(self.model).generate.__get__(self.model))
+
+    def __call__(self, *args, **kwargs):
+        saved = split_threads(args, kwargs, None)
+        if saved is not None:
+            self.state.generating.append(saved[0])
+        try:
+            return type(self.model).generate(self.model, *args, **kwargs)
+        finally:
+            if saved is not None:
+                self.state.generating.pop()
+                restore_threads(saved)
 
 
 def kernel_threads(model: nn.Module, enable: bool = True,
@@ -121,10 +157,14 @@ def kernel_threads(model: nn.Module, enable: bool = True,
         handle.remove()
     if hasattr(model, _HANDLES):
         delattr(model, _HANDLES)
+    if isinstance(model.__dict__.get("generate"), _ThreadedGenerate):
+        del model.generate
     if not enable:
         return model
     state = _KernelThreads(torch_team_tokens)
     handles = (model.register_forward_pre_hook(state.before, with_kwargs=True),
                model.register_forward_hook(state.after, with_kwargs=True, always_call=True))
     setattr(model, _HANDLES, handles)
+    if callable(getattr(type(model), "generate", None)):
+        model.generate = _ThreadedGenerate(model, state)
     return model

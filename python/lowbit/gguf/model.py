@@ -15,6 +15,7 @@ from torch import nn
 from .._placing import ReplaceReport, checked, get_module, load_tensor, on_meta, rebuild_computed_buffers
 from ..fusing import fuse_projections
 from ..moe import experts_dims
+from ..decoding import fast_decoding
 from ..threads import kernel_threads
 from .arch import (ARCHITECTURES, architecture, check_block_count, config_from_gguf, expert_modules, hf_name, hf_value,
                    rows_in_hf_order)
@@ -62,7 +63,8 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     32-element types to fp32 rounding; faster on AVX-512 VNNI CPUs and for
     most of those types on AVX2 ones), which copies their blocks out of the mapping.
     Its forward calls run torch's ops on one thread and lowbit's kernels on
-    torch's thread count (lowbit.kernel_threads).
+    torch's thread count (lowbit.kernel_threads), and a llama-family model's
+    decode steps skip transformers' per-layer machinery (lowbit.fast_decoding).
     """
     import transformers
 
@@ -85,6 +87,7 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     if repack:
         repack_model(model)
     kernel_threads(model)
+    fast_decoding(model)
     return checked(model, where)
 
 

@@ -17,6 +17,7 @@ from .._placing import ReplaceReport, checked, get_module, load_tensor, on_meta,
 from ..fusing import fuse_projections
 from ..moe import experts_dims, plain_experts
 from .checkpoint import GPTQCheckpoint, GPTQCheckpointError, check_layer_count, checkpoint_files, load_gptq
+from ..decoding import fast_decoding
 from ..threads import kernel_threads
 from .experts import EXPERT_LAYER, PROJECTIONS, GPTQExpert, GPTQExperts, current_name
 from .linear import GPTQLinear
@@ -49,7 +50,8 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     Q8_0's rounding (at most half a step of amax / 127 per 32 values), as
     llama.cpp's files hold them; None keeps the checkpoint's bytes.
     Its forward calls run torch's ops on one thread and lowbit's kernels on
-    torch's thread count (lowbit.kernel_threads).
+    torch's thread count (lowbit.kernel_threads), and a llama-family model's
+    decode steps skip transformers' per-layer machinery (lowbit.fast_decoding).
     """
     import transformers
 
@@ -70,6 +72,7 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     if fuse:
         fuse_projections(model)
     kernel_threads(model)
+    fast_decoding(model)
     return checked(model, f"load_gptq_model: {directory}")
 
 

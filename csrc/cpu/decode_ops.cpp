@@ -1,0 +1,255 @@
+// The decode-step ops on the CPU: rms_norm and decode_attention. A decode
+// step makes a few of each per layer on vectors of a few hundred values, so
+// they are written for low fixed cost: one pass, no temporaries beyond a
+// row of scores, torch's threads over rows or heads.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "../core/rotary.h"
+#include "../ops/backend_ops.h"
+#include "../ops/decode_checks.h"
+#include "isa.h"
+
+#if LOWBIT_X86_SIMD
+#include <immintrin.h>
+#endif
+
+namespace lowbit {
+namespace cpu {
+namespace {
+
+// Sum of a[i] * b[i] over n values, in 8 fp32 lanes the compiler can keep in
+// vector registers (a single running sum would serialise on its adds).
+template <typename A, typename B>
+[[gnu::always_inline]] inline float dot(const A* a, const B* b, int64_t n) {
+  float lanes[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) lanes[j] += static_cast<float>(a[i + j]) * static_cast<float>(b[i + j]);
+  }
+  for (; i < n; ++i) lanes[0] += static_cast<float>(a[i]) * static_cast<float>(b[i]);
+  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
+// e^x for x <= 0 (a softmax's exponents after its maximum is taken off),
+// within 2 ulp, in plain arithmetic the compiler vectorises (std::exp is a
+// library call per value): 2^n e^r, n = round(x / ln 2), |r| <= ln 2 / 2,
+// e^r by its degree-6 Taylor polynomial. Below -87 it returns about 1e-38
+// for what is 0 to the sum.
+[[gnu::always_inline]] inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float n = (x * 1.44269504f + kRound) - kRound;
+  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;  // ln 2 in two parts
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Rows are short: a task takes enough of them to outweigh its scheduling.
+constexpr int64_t kNormValuesPerTask = 16384;
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rms_norm(x, weight, eps);
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor out = at::empty_like(xc);
+  const int64_t n = x.size(-1), rows = n == 0 ? 0 : xc.numel() / n;
+  const float feps = static_cast<float>(eps);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = xc.const_data_ptr<scalar_t>();
+    const scalar_t* wp = wc.const_data_ptr<scalar_t>();
+    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    const int64_t grain = std::max<int64_t>(1, kNormValuesPerTask / std::max<int64_t>(n, 1));
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* row = xp + r * n;
+        const float inv = 1.0f / std::sqrt(dot(row, row, n) / static_cast<float>(n) + feps);
+        for (int64_t i = 0; i < n; ++i) {
+          // Normalised in fp32, rounded to x's dtype, then scaled: transformers' order.
+          const scalar_t normed = static_cast<scalar_t>(static_cast<float>(row[i]) * inv);
+          op[r * n + i] = static_cast<scalar_t>(static_cast<float>(wp[i]) * static_cast<float>(normed));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+namespace {
+
+// One key-value head's group of query heads (already rotated, fp32) against
+// its rows [0, keys): scores, softmax and the weighted sum of values, the
+// rows read once for the whole group. `scratch` holds groups * (keys + dim
+// + 1) values.
+template <typename T>
+[[gnu::always_inline]] inline void attend_group(const float* queries, const T* key_rows, const T* value_rows,
+                                                T* out, int64_t groups, int64_t keys, int64_t dim, float scale,
+                                                float* scratch) {
+  float* scores = scratch;                 // [groups, keys]
+  float* acc = scratch + groups * keys;    // [groups, dim]
+  for (int64_t p = 0; p < keys; ++p) {
+    for (int64_t j = 0; j < groups; ++j) scores[j * keys + p] = dot(queries + j * dim, key_rows + p * dim, dim) * scale;
+  }
+  std::fill(acc, acc + groups * dim, 0.0f);
+  float* totals = acc + groups * dim;      // [groups]
+  for (int64_t j = 0; j < groups; ++j) {
+    float* s = scores + j * keys;
+    const float top = *std::max_element(s, s + keys);
+    float total = 0.0f;
+    for (int64_t p = 0; p < keys; ++p) s[p] = exp_nonpositive(s[p] - top);
+    for (int64_t p = 0; p < keys; ++p) total += s[p];
+    totals[j] = total;
+  }
+  for (int64_t p = 0; p < keys; ++p) {
+    const T* row = value_rows + p * dim;
+    for (int64_t j = 0; j < groups; ++j) {
+      const float w = scores[j * keys + p];
+      float* a = acc + j * dim;
+      for (int64_t i = 0; i < dim; ++i) a[i] += w * static_cast<float>(row[i]);
+    }
+  }
+  for (int64_t j = 0; j < groups; ++j) {
+    for (int64_t i = 0; i < dim; ++i) out[j * dim + i] = static_cast<T>(acc[j * dim + i] / totals[j]);
+  }
+}
+
+#if LOWBIT_X86_SIMD
+// Sum of the 8 lanes of v.
+[[gnu::target("avx2,fma")]] inline float sum8(__m256 v) {
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
+}
+
+// attend_group for fp32 heads of a multiple of 32 values, with AVX2 + FMA:
+// each key row loaded once for up to 4 queries' dot products (independent
+// sums), each value row into 4 registers of sums per 32 values of a query.
+[[gnu::target("avx2,fma")]] void attend_group_avx2(const float* queries, const float* key_rows,
+                                                   const float* value_rows, float* out, int64_t groups, int64_t keys,
+                                                   int64_t dim, float scale, float* scratch) {
+  float* scores = scratch;
+  for (int64_t j0 = 0; j0 < groups; j0 += 4) {
+    const int64_t n = std::min<int64_t>(4, groups - j0);
+    for (int64_t p = 0; p < keys; ++p) {
+      __m256 sums[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      const float* key = key_rows + p * dim;
+      for (int64_t i = 0; i < dim; i += 8) {
+        const __m256 k8 = _mm256_loadu_ps(key + i);
+        for (int64_t j = 0; j < n; ++j) sums[j] = _mm256_fmadd_ps(_mm256_loadu_ps(queries + (j0 + j) * dim + i), k8, sums[j]);
+      }
+      for (int64_t j = 0; j < n; ++j) scores[(j0 + j) * keys + p] = sum8(sums[j]) * scale;
+    }
+  }
+  for (int64_t j = 0; j < groups; ++j) {
+    float* s = scores + j * keys;
+    const float top = *std::max_element(s, s + keys);
+    float total = 0.0f;
+    for (int64_t p = 0; p < keys; ++p) s[p] = exp_nonpositive(s[p] - top);
+    for (int64_t p = 0; p < keys; ++p) total += s[p];
+    const __m256 inv = _mm256_set1_ps(1.0f / total);
+    for (int64_t i0 = 0; i0 < dim; i0 += 32) {
+      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int64_t p = 0; p < keys; ++p) {
+        const __m256 w = _mm256_set1_ps(s[p]);
+        const float* row = value_rows + p * dim + i0;
+        for (int r = 0; r < 4; ++r) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * r), acc[r]);
+      }
+      for (int r = 0; r < 4; ++r) _mm256_storeu_ps(out + j * dim + i0 + 8 * r, _mm256_mul_ps(acc[r], inv));
+    }
+  }
+}
+#endif
+
+// Runs the AVX2 kernel where it applies (fp32, heads of a multiple of 32
+// values, cpu_isa at AVX2 or above); false where the portable loops must.
+template <typename T>
+bool attend_group_simd(const float*, const T*, const T*, T*, int64_t, int64_t, int64_t, float, float*) {
+  return false;
+}
+
+template <>
+bool attend_group_simd<float>(const float* queries, const float* key_rows, const float* value_rows, float* out,
+                              int64_t groups, int64_t keys, int64_t dim, float scale, float* scratch) {
+#if LOWBIT_X86_SIMD
+  if (dim % 32 == 0 && active_isa() >= Isa::kAvx2) {
+    attend_group_avx2(queries, key_rows, value_rows, out, groups, keys, dim, scale, scratch);
+    return true;
+  }
+#endif
+  return false;
+}
+
+}  // namespace
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                            const at::Tensor& sin, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            int64_t position, double scale) {
+  const auto d = check_decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale);
+  at::Tensor out = at::empty_like(q);
+  const int64_t dim = d.dim, half = dim / 2, groups = d.q_heads / d.kv_heads, keys = position + 1;
+  const float fscale = static_cast<float>(scale);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
+    const scalar_t* cp = cos.const_data_ptr<scalar_t>();
+    const scalar_t* sp = sin.const_data_ptr<scalar_t>();
+    scalar_t* kc = key_cache.mutable_data_ptr<scalar_t>();
+    scalar_t* vc = value_cache.mutable_data_ptr<scalar_t>();
+    auto rotate = [&](const scalar_t* x, int64_t i) {
+      const bool first = i < half;
+      return rotary::rotated(static_cast<float>(x[i]), static_cast<float>(x[first ? i + half : i - half]),
+                             static_cast<float>(cp[i]), static_cast<float>(sp[i]), first);
+    };
+    // The new token's key (rotated) and value, at row `position` of each head.
+    for (int64_t h = 0; h < d.kv_heads; ++h) {
+      const scalar_t* kh = k.const_data_ptr<scalar_t>() + h * dim;
+      const scalar_t* vh = v.const_data_ptr<scalar_t>() + h * dim;
+      scalar_t* krow = kc + (h * d.capacity + position) * dim;
+      scalar_t* vrow = vc + (h * d.capacity + position) * dim;
+      for (int64_t i = 0; i < dim; ++i) {
+        krow[i] = static_cast<scalar_t>(rotate(kh, i));
+        vrow[i] = vh[i];
+      }
+    }
+    const scalar_t* qp = q.const_data_ptr<scalar_t>();
+    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, d.kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> queries(groups * dim), scratch(groups * (keys + dim + 1));
+      for (int64_t h = begin; h < end; ++h) {
+        // Query heads h * groups .. (h + 1) * groups - 1 read key-value head h.
+        for (int64_t j = 0; j < groups; ++j) {
+          const scalar_t* head = qp + (h * groups + j) * dim;
+          for (int64_t i = 0; i < dim; ++i) queries[j * dim + i] = rotate(head, i);
+        }
+        const scalar_t* key_rows = kc + h * d.capacity * dim;
+        const scalar_t* value_rows = vc + h * d.capacity * dim;
+        scalar_t* heads_out = op + h * groups * dim;
+        if (attend_group_simd(queries.data(), key_rows, value_rows, heads_out, groups, keys, dim, fscale,
+                              scratch.data())) {
+          continue;
+        }
+        attend_group(queries.data(), key_rows, value_rows, heads_out, groups, keys, dim, fscale, scratch.data());
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace cpu
+}  // namespace lowbit

@@ -1,0 +1,80 @@
+// Argument checks of the decode-step ops (rms_norm, decode_attention), the
+// same on every backend and in their fake kernels (python/lowbit/ops.py).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
+
+#include <cmath>
+
+#include "checks.h"
+
+namespace lowbit {
+
+inline void check_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  constexpr const char* op = "rms_norm";
+  check_float_dtype(op, "x", x);
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), op, ": weight must be ", x.scalar_type(), " (x's dtype), got ",
+              weight.scalar_type());
+  check_same_device(op, "weight", weight, x);
+  TORCH_CHECK_VALUE(x.dim() >= 1, op, ": x must have at least 1 dimension, got a scalar");
+  check_dim(op, "weight", weight, 1);
+  TORCH_CHECK_VALUE(weight.size(0) == x.size(-1), op, ": weight must have x's last dimension ", x.size(-1),
+                    " entries, got ", weight.size(0));
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and non-negative");
+}
+
+struct DecodeAttentionDims {
+  int64_t q_heads, kv_heads, dim, capacity;
+};
+
+inline DecodeAttentionDims check_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  const at::Tensor& cos, const at::Tensor& sin,
+                                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                                  int64_t position, double scale) {
+  constexpr const char* op = "decode_attention";
+  check_float_dtype(op, "q", q);
+  const std::pair<const char*, const at::Tensor*> others[] = {
+      {"k", &k}, {"v", &v}, {"cos", &cos}, {"sin", &sin}, {"key_cache", &key_cache}, {"value_cache", &value_cache}};
+  for (const auto& [name, t] : others) {
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), op, ": ", name, " must be ", q.scalar_type(), " (q's dtype), got ",
+                t->scalar_type());
+    check_same_device(op, name, *t, q);
+  }
+  check_dim(op, "q", q, 2);
+  check_dim(op, "k", k, 2);
+  check_dim(op, "v", v, 2);
+  check_dim(op, "cos", cos, 1);
+  check_dim(op, "sin", sin, 1);
+  check_dim(op, "key_cache", key_cache, 3);
+  check_dim(op, "value_cache", value_cache, 3);
+  const int64_t q_heads = q.size(0), dim = q.size(1), kv_heads = k.size(0), capacity = key_cache.size(1);
+  TORCH_CHECK_VALUE(dim > 0 && dim % 2 == 0, op, ": q's head size must be even and positive, got ", dim);
+  TORCH_CHECK_VALUE(kv_heads > 0 && q_heads > 0 && q_heads % kv_heads == 0, op, ": q's ", q_heads,
+                    " heads must be a positive multiple of k's ", kv_heads);
+  TORCH_CHECK_VALUE(k.size(1) == dim && v.sizes() == k.sizes(), op, ": k and v must be [", kv_heads, ", ", dim,
+                    "], got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK_VALUE(cos.size(0) == dim && sin.size(0) == dim, op, ": cos and sin must have ", dim,
+                    " entries, got ", cos.size(0), " and ", sin.size(0));
+  TORCH_CHECK_VALUE(key_cache.size(0) == kv_heads && key_cache.size(2) == dim, op, ": key_cache must be [", kv_heads,
+                    ", capacity, ", dim, "], got ", key_cache.sizes());
+  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), op, ": value_cache must have key_cache's shape ",
+                    key_cache.sizes(), ", got ", value_cache.sizes());
+  TORCH_CHECK_VALUE(position >= 0 && position < capacity, op, ": position must lie in [0, ", capacity,
+                    ") (the caches' capacity), got ", position);
+  TORCH_CHECK_VALUE(std::isfinite(scale), op, ": scale must be finite");
+  const std::pair<const char*, const at::Tensor*> all[] = {{"q", &q}, {"k", &k}, {"v", &v}, {"cos", &cos},
+                                                           {"sin", &sin}, {"key_cache", &key_cache},
+                                                           {"value_cache", &value_cache}};
+  for (const auto& [name, t] : all) check_contiguous(op, name, *t);
+  // The caches are written: they may share memory with no other argument.
+  for (const auto& [cache_name, cache] : {all[5], all[6]}) {
+    for (const auto& [name, t] : all) {
+      TORCH_CHECK(t == cache || at::get_overlap_status(*cache, *t) == at::MemOverlapStatus::No, op, ": ", cache_name,
+                  " shares memory with ", name);
+    }
+  }
+  return {q_heads, kv_heads, dim, capacity};
+}
+
+}  // namespace lowbit

@@ -1,0 +1,203 @@
+"""Decode steps without transformers' per-layer machinery.
+
+A decode step of a small model is mostly host time: transformers runs each
+layer through a dozen module calls, builds an attention mask, applies the
+rotary embedding with a handful of ops per tensor and appends each token's
+keys and values to its cache by copying the whole cache (torch.cat).
+
+fast_decoding(model) lets a llama-family model (DECODER_LAYERS) run each
+decode call that needs none of that (one new token, batch 1, CPU, no
+gradients, a DynamicCache, no outputs beyond the logits and the cache) as
+one loop over its layers: the model's own modules for the norms' weights,
+the projections (lowbit's layers, LoRA adapters and all) and the rotary
+embedding, and per layer two lowbit ops for the rest, rms_norm and
+decode_attention (the rotation, the new key and value, and the attention
+in one call). Keys and values go into buffers that grow by doubling, whose
+first rows the model's DynamicCache holds as views, so a token costs a row
+of each rather than a copy of the cache. Results match the model's own
+forward to fp32 rounding (the attention sums in another order). Every
+other call (a prompt, a batch, a static cache, torch.compile, training)
+runs the model's own forward on the same cache, and so do the hooks of
+modules the step does not call (decoder layers, attention, MLP).
+load_gguf_model and load_gptq_model set it.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .fusing import ProjectionSlice
+
+__all__ = ["DECODER_LAYERS", "fast_decoding"]
+
+# The decoder layers a step reproduces: pre-norm attention (q, k and v
+# projections, an optional RMSNorm per head on q and k, the rotary
+# embedding, grouped-query attention, no sliding window) and a SiLU-gated
+# MLP, each added to the residual.
+DECODER_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+
+# The keyword arguments a served call may carry beyond input_ids, cache,
+# attention_mask and position_ids, with the values it may carry them with.
+_SERVED_VALUES = {"inputs_embeds": (None,), "labels": (None,), "output_attentions": (None, False),
+                  "output_hidden_states": (None, False), "return_dict": (None, True), "use_cache": (None, True),
+                  "logits_to_keep": (0, 1)}
+
+
+def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """transformers' RMSNorm (normalized in fp32, scaled in the input's dtype)."""
+    weight = norm.weight
+    if weight.dtype == x.dtype:
+        return torch.ops.lowbit.rms_norm(x, weight, norm.variance_epsilon)
+    return weight * F.rms_norm(x.float(), weight.shape, None, norm.variance_epsilon).to(x.dtype)
+
+
+def _projections(attn: nn.Module, h: torch.Tensor):
+    """q, k and v of h: one call of the fused layer where the three are its
+    untouched slices (lowbit.fusing), the three modules otherwise."""
+    modules = attn._modules
+    q, k, v = modules["q_proj"], modules["k_proj"], modules["v_proj"]
+    fused = modules.get("qkv_proj")
+    if fused is not None and type(q) is ProjectionSlice and type(k) is ProjectionSlice and type(v) is ProjectionSlice:
+        return fused(h).split((q.out_features, k.out_features, v.out_features), -1)
+    return q(h), k(h), v(h)
+
+
+def _mlp(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    modules = mlp._modules
+    gate, up, fused = modules["gate_proj"], modules["up_proj"], modules.get("gate_up_proj")
+    if fused is not None and type(gate) is ProjectionSlice and type(up) is ProjectionSlice:
+        gate_up = fused(h)
+        g, u = gate_up[..., :gate.out_features], gate_up[..., gate.out_features:]
+    else:
+        g, u = gate(h), up(h)
+    return modules["down_proj"](F.silu(g) * u)
+
+
+def _buffers(cache_layer, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value buffers [1, heads, capacity > n, dim] whose first n rows
+    are cache_layer's keys and values: those of the last step where its
+    tensors are still their first rows, new ones (the cache's rows copied
+    in, twice the room) where not, or where they are full."""
+    buffers = cache_layer.__dict__.get("_lowbit_buffers")
+    keys, values = cache_layer.keys, cache_layer.values
+    if buffers is not None:
+        key_buffer, value_buffer = buffers
+        if (key_buffer.shape[2] > n and keys.data_ptr() == key_buffer.data_ptr()
+                and values.data_ptr() == value_buffer.data_ptr() and keys.stride() == key_buffer.stride()
+                and values.stride() == value_buffer.stride() and keys.shape[:2] == key_buffer.shape[:2]):
+            return buffers
+    capacity = max(2 * n, n + 64)
+    buffers = tuple(t.new_empty(1, t.shape[1], capacity, t.shape[3]) for t in (keys, values))
+    buffers[0][:, :, :n] = keys
+    buffers[1][:, :, :n] = values
+    cache_layer._lowbit_buffers = buffers
+    return buffers
+
+
+def _servable_layer(layer: nn.Module) -> bool:
+    attn = getattr(layer, "self_attn", None)
+    return (type(layer).__name__ in DECODER_LAYERS and attn is not None
+            and getattr(attn, "sliding_window", None) is None)
+
+
+def _servable(model: nn.Module) -> bool:
+    config, inner = getattr(model, "config", None), getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if (getattr(config, "hidden_act", None) != "silu" or layers is None or len(layers) == 0
+            or not hasattr(model, "lm_head") or not hasattr(inner, "embed_tokens")
+            or not all(_servable_layer(layer) for layer in layers)):
+        return False
+    # A window over the whole model (Mistral's; Qwen2's only where it uses one).
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return False
+    # Every value of each head rotated (no partial rotary factor).
+    inv_freq = getattr(getattr(inner, "rotary_emb", None), "inv_freq", None)
+    return inv_freq is not None and all(2 * inv_freq.numel() == layer.self_attn.head_dim for layer in layers)
+
+
+class _DecodingForward:
+    """The model's forward: a decode step where one can serve the call, the
+    model's own forward otherwise. A class, not a closure, so that the model
+    still pickles."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    @property
+    def __signature__(self):
+        # generate reads the forward's parameters (logits_to_keep, cache).
+        return inspect.signature(type(self.model).forward.__get__(self.model))
+
+    def __call__(self, *args, **kwargs):
+        if not args:
+            served = self._served(kwargs)
+            if served is not None:
+                return self._step(kwargs["input_ids"], *served)
+        return type(self.model).forward(self.model, *args, **kwargs)
+
+    def _served(self, kwargs):
+        """(the cache, its length) where a decode step serves this call; None otherwise."""
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        input_ids, cache = kwargs.get("input_ids"), kwargs.get("cache")
+        if (input_ids is None or input_ids.shape != (1, 1) or type(cache) is not DynamicCache
+                or input_ids.device.type != "cpu" or torch.is_grad_enabled() or torch.compiler.is_compiling()):
+            return None
+        for name, value in kwargs.items():
+            if name not in ("input_ids", "cache", "attention_mask", "position_ids") and not any(
+                    value is v or (type(value) is type(v) and value == v) for v in _SERVED_VALUES.get(name, ())):
+                return None
+        layers, model_layers = cache.layers, self.model.model.layers
+        if len(layers) != len(model_layers) or not all(type(c) is DynamicLayer and c.is_initialized for c in layers):
+            return None
+        n = layers[0].keys.shape[-2]
+        if n == 0 or layers[0].keys.shape[0] != 1 or any(c.keys.shape[-2] != n for c in layers):
+            return None
+        mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+        if mask is not None and (mask.shape != (1, n + 1) or not bool(mask.all())):
+            return None
+        if positions is not None and (positions.numel() != 1 or int(positions) != n):
+            return None
+        if not all(_servable_layer(layer) for layer in model_layers):
+            return None
+        return cache, n
+
+    def _step(self, input_ids: torch.Tensor, cache, n: int):
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        model = self.model.model
+        x = model.embed_tokens(input_ids)
+        cos, sin = model.rotary_emb(x, torch.full((1, 1), n, dtype=torch.long))
+        cos, sin = cos.view(-1), sin.view(-1)
+        for layer, cache_layer in zip(model.layers, cache.layers):
+            modules = layer._modules
+            attn = modules["self_attn"]
+            q, k, v = (t.view(-1, attn.head_dim) for t in _projections(attn, _rms_norm(x, modules["input_layernorm"])))
+            q_norm = attn._modules.get("q_norm")
+            if q_norm is not None:
+                q, k = _rms_norm(q, q_norm), _rms_norm(k, attn._modules["k_norm"])
+            key_buffer, value_buffer = _buffers(cache_layer, n)
+            o = torch.ops.lowbit.decode_attention(q, k, v, cos, sin, key_buffer[0], value_buffer[0], n, attn.scaling)
+            cache_layer.keys, cache_layer.values = key_buffer[:, :, :n + 1], value_buffer[:, :, :n + 1]
+            x = x + attn._modules["o_proj"](o.view(1, 1, -1))
+            x = x + _mlp(modules["mlp"], _rms_norm(x, modules["post_attention_layernorm"]))
+        logits = self.model.lm_head(_rms_norm(x, model.norm))
+        return CausalLMOutputWithPast(logits=logits, cache=cache)
+
+
+def fast_decoding(model: nn.Module, enable: bool = True) -> bool:
+    """Serves `model`'s decode calls with one loop over its layers where it
+    can (see the module's notes); enable=False: every call on the model's
+    own forward again. Returns whether its decode calls are served: its
+    decoder layers are all of DECODER_LAYERS' kinds, with SiLU MLPs, whole
+    heads rotated and no sliding window."""
+    if isinstance(model.__dict__.get("forward"), _DecodingForward):
+        del model.forward
+    if not enable or not _servable(model):
+        return False
+    model.forward = _DecodingForward(model)
+    return True
