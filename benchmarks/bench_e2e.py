@@ -58,6 +58,7 @@ json,md,png} (with --models other than the default, <machine>-e2e-<models>.*).
 results under the system's temp directory.
 """
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -160,17 +161,19 @@ def _child_lowbit(spec):
     with torch.no_grad():
         model(prompt[:, :1])
     load_s = time.perf_counter() - t0
-    eos = model.config.eos_token_id
-    pad = eos[0] if isinstance(eos, list) else eos
+    # The end-of-sequence token switched off: a random model may pick it early,
+    # and every run makes exactly `new` decode steps, as llama.cpp's loop does
+    # (min_new_tokens would instead run a processor over the whole vocabulary
+    # each step, which is not decoding).
+    config = copy.deepcopy(model.generation_config)
+    config.update(eos_token_id=None, do_sample=False)
 
     def run(ids, new):
         clock = _Clock()
         t = time.perf_counter()
         with torch.no_grad():
-            # min_new_tokens: a random model may pick the end-of-sequence token
-            # early; every run makes exactly `new` decode steps.
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new + 1,
-                           min_new_tokens=new + 1, do_sample=False, streamer=clock, pad_token_id=pad)
+            config.max_new_tokens = new + 1
+            model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=clock)
         stamps = clock.times  # the prompt, then new + 1 tokens
         assert len(stamps) == new + 2, len(stamps)
         return stamps[1] - t, stamps[-1] - stamps[1]
@@ -630,7 +633,8 @@ def main():
     if args.quick:
         command = "python -m benchmarks.bench_e2e --quick"
     notes = [
-        f"Prompt: {prompt_len} tokens of the shipped held-out text; {new_tokens} greedy new tokens after its first; "
+        f"Prompt: {prompt_len} tokens of the shipped held-out text; {new_tokens} greedy new tokens after its first "
+        "(the end-of-sequence token switched off on both sides); "
         f"{args.threads} threads on every side; median of {rounds} rounds, each configuration in a fresh process "
         f"(each timing the median of {reps} generations after a warm-up one).",
         "load s: file to first-token-ready model (the load call, lowbit's repack_model in its repacked row, and one "

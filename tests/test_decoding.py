@@ -338,3 +338,13 @@ def test_a_model_with_fast_decoding_pickles(gguf_path):
     assert isinstance(again.__dict__["forward"], lowbit.decoding._DecodingForward)
     assert again.__dict__["forward"].model is again
     assert torch.equal(generate(again, ids).sequences, generate(model, ids).sequences)
+
+
+def test_hooks_of_the_projections_run_in_served_steps(gguf_path):
+    """A GGUFLinear with a hook goes through its module call; the others may not."""
+    model = lowbit.load_gguf_model(gguf_path)
+    seen = []
+    model.model.layers[1].self_attn.o_proj.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    out = generate(model, torch.tensor([[1, 7, 22, 5]]))
+    assert len(seen) == len(out.logits)  # the prompt's call, then one per decode step
+    assert seen[-1][-1] == model.config.hidden_size

@@ -62,6 +62,16 @@ template <typename A, typename B>
   return p * scale;
 }
 
+// A row of scores into exp(s - max(s)), in place; returns their sum (the
+// softmax's divisor).
+[[gnu::always_inline]] inline float exponentiate(float* s, int64_t keys) {
+  const float top = *std::max_element(s, s + keys);
+  float total = 0.0f;
+  for (int64_t p = 0; p < keys; ++p) s[p] = exp_nonpositive(s[p] - top);
+  for (int64_t p = 0; p < keys; ++p) total += s[p];
+  return total;
+}
+
 // Rows are short: a task takes enough of them to outweigh its scheduling.
 constexpr int64_t kNormValuesPerTask = 16384;
 
@@ -106,18 +116,13 @@ template <typename T>
   float* scores = scratch;                 // [groups, keys]
   float* acc = scratch + groups * keys;    // [groups, dim]
   for (int64_t p = 0; p < keys; ++p) {
-    for (int64_t j = 0; j < groups; ++j) scores[j * keys + p] = dot(queries + j * dim, key_rows + p * dim, dim) * scale;
+    for (int64_t j = 0; j < groups; ++j) {
+      scores[j * keys + p] = dot(queries + j * dim, key_rows + p * dim, dim) * scale;
+    }
   }
   std::fill(acc, acc + groups * dim, 0.0f);
   float* totals = acc + groups * dim;      // [groups]
-  for (int64_t j = 0; j < groups; ++j) {
-    float* s = scores + j * keys;
-    const float top = *std::max_element(s, s + keys);
-    float total = 0.0f;
-    for (int64_t p = 0; p < keys; ++p) s[p] = exp_nonpositive(s[p] - top);
-    for (int64_t p = 0; p < keys; ++p) total += s[p];
-    totals[j] = total;
-  }
+  for (int64_t j = 0; j < groups; ++j) totals[j] = exponentiate(scores + j * keys, keys);
   for (int64_t p = 0; p < keys; ++p) {
     const T* row = value_rows + p * dim;
     for (int64_t j = 0; j < groups; ++j) {
@@ -153,18 +158,16 @@ template <typename T>
       const float* key = key_rows + p * dim;
       for (int64_t i = 0; i < dim; i += 8) {
         const __m256 k8 = _mm256_loadu_ps(key + i);
-        for (int64_t j = 0; j < n; ++j) sums[j] = _mm256_fmadd_ps(_mm256_loadu_ps(queries + (j0 + j) * dim + i), k8, sums[j]);
+        for (int64_t j = 0; j < n; ++j) {
+          sums[j] = _mm256_fmadd_ps(_mm256_loadu_ps(queries + (j0 + j) * dim + i), k8, sums[j]);
+        }
       }
       for (int64_t j = 0; j < n; ++j) scores[(j0 + j) * keys + p] = sum8(sums[j]) * scale;
     }
   }
   for (int64_t j = 0; j < groups; ++j) {
     float* s = scores + j * keys;
-    const float top = *std::max_element(s, s + keys);
-    float total = 0.0f;
-    for (int64_t p = 0; p < keys; ++p) s[p] = exp_nonpositive(s[p] - top);
-    for (int64_t p = 0; p < keys; ++p) total += s[p];
-    const __m256 inv = _mm256_set1_ps(1.0f / total);
+    const __m256 inv = _mm256_set1_ps(1.0f / exponentiate(s, keys));
     for (int64_t i0 = 0; i0 < dim; i0 += 32) {
       __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
       for (int64_t p = 0; p < keys; ++p) {

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ._frozen import below_autograd, leave_autograd
 from .fusing import ProjectionSlice
 
 __all__ = ["DECODER_LAYERS", "fast_decoding"]
@@ -54,6 +55,23 @@ def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), weight.shape, None, norm.variance_epsilon).to(x.dtype)
 
 
+def _project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """module(x) for one token's x ([1, 1, in] -> [1, out] or [1, 1, out]).
+    A layer whose own class has a `matmul_op` (GGUFLinear: its forward is that
+    op on the flattened rows; not a subclass or a wrapper) and no bias or
+    hooks calls that op directly: the module call and its reshapes are a
+    good part of a small matvec's host time."""
+    matmul_op = type(module).__dict__.get("matmul_op")
+    if (matmul_op is not None and module.bias is None and not module._forward_hooks
+            and not module._forward_pre_hooks and not _global_hooks()):
+        return matmul_op(module, 1)(module._buffers["qweight"], x.view(1, -1), module.qtype, module.out_features)
+    return module(x)
+
+
+def _global_hooks() -> bool:
+    return bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+
+
 def _projections(attn: nn.Module, h: torch.Tensor):
     """q, k and v of h: one call of the fused layer where the three are its
     untouched slices (lowbit.fusing), the three modules otherwise."""
@@ -61,19 +79,19 @@ def _projections(attn: nn.Module, h: torch.Tensor):
     q, k, v = modules["q_proj"], modules["k_proj"], modules["v_proj"]
     fused = modules.get("qkv_proj")
     if fused is not None and type(q) is ProjectionSlice and type(k) is ProjectionSlice and type(v) is ProjectionSlice:
-        return fused(h).split((q.out_features, k.out_features, v.out_features), -1)
-    return q(h), k(h), v(h)
+        return _project(fused, h).split((q.out_features, k.out_features, v.out_features), -1)
+    return _project(q, h), _project(k, h), _project(v, h)
 
 
 def _mlp(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
     modules = mlp._modules
     gate, up, fused = modules["gate_proj"], modules["up_proj"], modules.get("gate_up_proj")
     if fused is not None and type(gate) is ProjectionSlice and type(up) is ProjectionSlice:
-        gate_up = fused(h)
+        gate_up = _project(fused, h)
         g, u = gate_up[..., :gate.out_features], gate_up[..., gate.out_features:]
     else:
-        g, u = gate(h), up(h)
-    return modules["down_proj"](F.silu(g) * u)
+        g, u = _project(gate, h), _project(up, h)
+    return _project(modules["down_proj"], F.silu(g) * u)
 
 
 def _buffers(cache_layer, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,7 +153,11 @@ class _DecodingForward:
         if not args:
             served = self._served(kwargs)
             if served is not None:
-                return self._step(kwargs["input_ids"], *served)
+                guard = below_autograd()  # no gradients here: the ops skip their autograd kernels
+                try:
+                    return self._step(kwargs["input_ids"], *served)
+                finally:
+                    leave_autograd(guard)
         return type(self.model).forward(self.model, *args, **kwargs)
 
     def _served(self, kwargs):
@@ -183,9 +205,9 @@ class _DecodingForward:
             key_buffer, value_buffer = _buffers(cache_layer, n)
             o = torch.ops.lowbit.decode_attention(q, k, v, cos, sin, key_buffer[0], value_buffer[0], n, attn.scaling)
             cache_layer.keys, cache_layer.values = key_buffer[:, :, :n + 1], value_buffer[:, :, :n + 1]
-            x = x + attn._modules["o_proj"](o.view(1, 1, -1))
+            x = x + _project(attn._modules["o_proj"], o.view(1, 1, -1))
             x = x + _mlp(modules["mlp"], _rms_norm(x, modules["post_attention_layernorm"]))
-        logits = self.model.lm_head(_rms_norm(x, model.norm))
+        logits = _project(self.model.lm_head, _rms_norm(x, model.norm)).view(1, 1, -1)
         return CausalLMOutputWithPast(logits=logits, cache=cache)
 
 

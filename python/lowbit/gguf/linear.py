@@ -113,15 +113,16 @@ class GGUFLinear(nn.Module):
         bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
         return cls.from_raw(rows, layers[0].qtype, layers[0].in_features, bias)
 
+    def matmul_op(self, rows: int):
+        """The op that multiplies `rows` activation rows by this layer's weight
+        as it is held (op(qweight, x [rows, in_features], qtype, out_features))."""
+        if self.repacked:
+            return torch.ops.lowbit.ggml_mul_mat_repacked
+        return torch.ops.lowbit.ggml_mul_mat_vec_a8 if rows <= VEC_MAX_M else torch.ops.lowbit.ggml_mul_mat_a8
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if self.repacked:
-            op = torch.ops.lowbit.ggml_mul_mat_repacked
-        elif x2.shape[0] <= VEC_MAX_M:
-            op = torch.ops.lowbit.ggml_mul_mat_vec_a8
-        else:
-            op = torch.ops.lowbit.ggml_mul_mat_a8
-        y = call_frozen(op, self._buffers["qweight"], x2, self.qtype, self.out_features)
+        y = call_frozen(self.matmul_op(x2.shape[0]), self._buffers["qweight"], x2, self.qtype, self.out_features)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
