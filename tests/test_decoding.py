@@ -139,6 +139,21 @@ def test_decode_attention_with_sharp_scores(device):
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
+def test_decode_attention_is_the_same_on_any_thread_count():
+    """Key-value heads are split over lowbit's pool: each computed the same whoever runs it."""
+    case = attention_case(12, 4, 64, 100, 70, torch.float32)
+    results = []
+    before = ops.cpu_threads()
+    try:
+        for threads in (1, 2, 3):
+            ops.cpu_threads(threads)
+            results.append(ops.decode_attention(**{k: v.clone() if isinstance(v, torch.Tensor) else v
+                                                   for k, v in case.items()}))
+    finally:
+        ops.cpu_threads(before)
+    assert all(torch.equal(r, results[0]) for r in results)
+
+
 def test_decode_attention_refuses_gradients_and_opchecks():
     case = attention_case(4, 2, 32, 16, 5, torch.float32)
     torch.library.opcheck(torch.ops.lowbit.decode_attention, tuple(case.values()))

@@ -1,10 +1,10 @@
 // The decode-step ops on the CPU: rms_norm and decode_attention. A decode
 // step makes a few of each per layer on vectors of a few hundred values, so
 // they are written for low fixed cost: one pass, no temporaries beyond a
-// row of scores, torch's threads over rows or heads.
+// row of scores, lowbit's pool (parallel.h) over rows or key-value heads,
+// as the matmuls around them.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -17,6 +17,7 @@
 #include "../ops/backend_ops.h"
 #include "../ops/decode_checks.h"
 #include "isa.h"
+#include "parallel.h"
 
 #if LOWBIT_X86_SIMD
 #include <immintrin.h>
@@ -88,7 +89,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     const scalar_t* wp = wc.const_data_ptr<scalar_t>();
     scalar_t* op = out.mutable_data_ptr<scalar_t>();
     const int64_t grain = std::max<int64_t>(1, kNormValuesPerTask / std::max<int64_t>(n, 1));
-    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    parallel_for(rows, grain, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* row = xp + r * n;
         const float inv = 1.0f / std::sqrt(dot(row, row, n) / static_cast<float>(n) + feps);
@@ -232,7 +233,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     }
     const scalar_t* qp = q.const_data_ptr<scalar_t>();
     scalar_t* op = out.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, d.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    parallel_for(d.kv_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> queries(groups * dim), scratch(groups * (keys + dim + 1));
       for (int64_t h = begin; h < end; ++h) {
         // Query heads h * groups .. (h + 1) * groups - 1 read key-value head h.

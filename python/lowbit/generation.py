@@ -8,10 +8,10 @@ calls or per-layer host work between the kernels of a step. The prefill
 stays eager (its length changes from prompt to prompt).
 
 The first generate call compiles (on a 2-core CPU about a minute for a
-30-layer model; inductor's cache on disk makes later processes faster), so
-it pays for long generations and servers, not for a few tokens, and on
-models whose decode step is mostly per-op host time (a 135M model) rather
-than weight reads (a 1B one, where the kernels take most of the step).
+30-layer model; inductor's cache on disk makes later processes faster).
+Without it, the loaders' llama-family models decode through
+lowbit.fast_decoding, an eager loop with most of the host time taken out
+already; benchmarks/bench_e2e.py measures both.
 """
 from __future__ import annotations
 
