@@ -20,7 +20,10 @@ long, so a thread the OS has not scheduled stalls a smaller share of their
 time than it would of a decode step's hundreds of short ones, though still
 more than on the pool (benchmarks/bench_long_prompt.py measures both):
 kernel_threads(model, torch_team_tokens=None) keeps every call on the pool.
-Under no_grad (generate) a forward call also runs below autograd
+A generate call holds the split from start to end, so that its own ops
+between forward calls (logits processors, the next inputs) do not wake a
+team of torch's threads beside lowbit's pool either. Under no_grad
+(generate) a forward call also runs below autograd
 (lowbit._frozen.below_autograd), which spares each op its autograd kernel.
 load_gguf_model, load_gptq_model and replace_linear set it;
 kernel_threads(model, False) removes it.
@@ -148,8 +151,10 @@ def kernel_threads(model: nn.Module, enable: bool = True,
     """Runs each forward call of `model` on CPU inputs with torch's ops on one
     thread and lowbit's kernels on torch's thread count, and each over
     `torch_team_tokens` tokens or more (None: none) with lowbit's kernels on
-    torch's threads (see the module's notes), restoring the settings after the
-    call (also when it raises); enable=False removes that. Returns the model."""
+    torch's threads (see the module's notes), and each generate call (if the
+    model has one) with that split held throughout, restoring the settings
+    after the call (also when it raises); enable=False removes that. Returns
+    the model."""
     if torch_team_tokens is not None and (isinstance(torch_team_tokens, bool) or not isinstance(torch_team_tokens, int)
                                           or torch_team_tokens < 1):
         raise ValueError(f"kernel_threads: torch_team_tokens must be a positive int or None, got {torch_team_tokens!r}")
