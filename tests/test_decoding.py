@@ -224,9 +224,13 @@ def test_served_steps_give_the_model_s_logits(arch, overrides, grad_mode):
             for a, b in zip(own.layers, served.layers):
                 torch.testing.assert_close(b.keys, a.keys, atol=1e-5, rtol=1e-5)
                 torch.testing.assert_close(b.values, a.values, atol=1e-5, rtol=1e-5)
+        # input_ids as the first positional argument, as the forward takes it
+        token = torch.tensor([[12]])
+        want = own_forward_logits(model, ids, own, token)
+        torch.testing.assert_close(model(token, cache=served).logits, want, atol=1e-5, rtol=1e-5)
         # the steps were served: the cache's tensors are views of the step's buffers
         assert all(layer.keys.data_ptr() == layer._lowbit_buffers[0].data_ptr() for layer in served.layers)
-        assert served.get_seq_length() == ids.shape[1] + 8
+        assert served.get_seq_length() == ids.shape[1] + 9
 
 
 @pytest.fixture(scope="module")

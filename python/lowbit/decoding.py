@@ -150,6 +150,8 @@ class _DecodingForward:
         return inspect.signature(type(self.model).forward.__get__(self.model))
 
     def __call__(self, *args, **kwargs):
+        if len(args) == 1 and "input_ids" not in kwargs:  # model(input_ids, ...), as the forward's first parameter
+            args, kwargs = (), {"input_ids": args[0], **kwargs}
         if not args:
             served = self._served(kwargs)
             if served is not None:
