@@ -9,19 +9,17 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
 #include "../core/rotary.h"
 #include "../ops/backend_ops.h"
 #include "../ops/decode_checks.h"
+#include "decode_kernels.h"
 #include "isa.h"
 #include "parallel.h"
 
-#if LOWBIT_X86_SIMD
-#include <immintrin.h>
-#endif
+#include "softmax.h"
 
 namespace lowbit {
 namespace cpu {
@@ -38,39 +36,6 @@ template <typename A, typename B>
   }
   for (; i < n; ++i) lanes[0] += static_cast<float>(a[i]) * static_cast<float>(b[i]);
   return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-}
-
-// e^x for x <= 0 (a softmax's exponents after its maximum is taken off),
-// within 2 ulp, in plain arithmetic the compiler vectorises (std::exp is a
-// library call per value): 2^n e^r, n = round(x / ln 2), |r| <= ln 2 / 2,
-// e^r by its degree-6 Taylor polynomial. Below -87 it returns about 1e-38
-// for what is 0 to the sum.
-[[gnu::always_inline]] inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float n = (x * 1.44269504f + kRound) - kRound;
-  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;  // ln 2 in two parts
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-// A row of scores into exp(s - max(s)), in place; returns their sum (the
-// softmax's divisor).
-[[gnu::always_inline]] inline float exponentiate(float* s, int64_t keys) {
-  const float top = *std::max_element(s, s + keys);
-  float total = 0.0f;
-  for (int64_t p = 0; p < keys; ++p) s[p] = exp_nonpositive(s[p] - top);
-  for (int64_t p = 0; p < keys; ++p) total += s[p];
-  return total;
 }
 
 // Rows are short: a task takes enough of them to outweigh its scheduling.
@@ -137,50 +102,6 @@ template <typename T>
   }
 }
 
-#if LOWBIT_X86_SIMD
-// Sum of the 8 lanes of v.
-[[gnu::target("avx2,fma")]] inline float sum8(__m256 v) {
-  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-  return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
-}
-
-// attend_group for fp32 heads of a multiple of 32 values, with AVX2 + FMA:
-// each key row loaded once for up to 4 queries' dot products (independent
-// sums), each value row into 4 registers of sums per 32 values of a query.
-[[gnu::target("avx2,fma")]] void attend_group_avx2(const float* queries, const float* key_rows,
-                                                   const float* value_rows, float* out, int64_t groups, int64_t keys,
-                                                   int64_t dim, float scale, float* scratch) {
-  float* scores = scratch;
-  for (int64_t j0 = 0; j0 < groups; j0 += 4) {
-    const int64_t n = std::min<int64_t>(4, groups - j0);
-    for (int64_t p = 0; p < keys; ++p) {
-      __m256 sums[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-      const float* key = key_rows + p * dim;
-      for (int64_t i = 0; i < dim; i += 8) {
-        const __m256 k8 = _mm256_loadu_ps(key + i);
-        for (int64_t j = 0; j < n; ++j) {
-          sums[j] = _mm256_fmadd_ps(_mm256_loadu_ps(queries + (j0 + j) * dim + i), k8, sums[j]);
-        }
-      }
-      for (int64_t j = 0; j < n; ++j) scores[(j0 + j) * keys + p] = sum8(sums[j]) * scale;
-    }
-  }
-  for (int64_t j = 0; j < groups; ++j) {
-    float* s = scores + j * keys;
-    const __m256 inv = _mm256_set1_ps(1.0f / exponentiate(s, keys));
-    for (int64_t i0 = 0; i0 < dim; i0 += 32) {
-      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-      for (int64_t p = 0; p < keys; ++p) {
-        const __m256 w = _mm256_set1_ps(s[p]);
-        const float* row = value_rows + p * dim + i0;
-        for (int r = 0; r < 4; ++r) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * r), acc[r]);
-      }
-      for (int r = 0; r < 4; ++r) _mm256_storeu_ps(out + j * dim + i0 + 8 * r, _mm256_mul_ps(acc[r], inv));
-    }
-  }
-}
-#endif
 
 // Runs the AVX2 kernel where it applies (fp32, heads of a multiple of 32
 // values, cpu_isa at AVX2 or above); false where the portable loops must.
@@ -194,7 +115,7 @@ bool attend_group_simd<float>(const float* queries, const float* key_rows, const
                               int64_t groups, int64_t keys, int64_t dim, float scale, float* scratch) {
 #if LOWBIT_X86_SIMD
   if (dim % 32 == 0 && active_isa() >= Isa::kAvx2) {
-    attend_group_avx2(queries, key_rows, value_rows, out, groups, keys, dim, scale, scratch);
+    decode_attend_group_avx2(queries, key_rows, value_rows, out, groups, keys, dim, scale, scratch);
     return true;
   }
 #endif
