@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -23,6 +24,7 @@
 #include "gptq_prepare.h"
 #include "isa.h"
 #include "parallel.h"
+#include "static_for.h"
 
 namespace lowbit {
 namespace cpu {
@@ -42,31 +44,47 @@ inline float round_even(float v) {
 // that every output it meets is NaN, as the float product would be. A group
 // whose amax is below 2^-64 is scaled by 2^64 first (exact), so that 127 /
 // amax cannot overflow: q is what unbounded fp32 exponents would give.
+// Every call quantizes its activations, so the loops are written for the
+// compiler's vectorizer: amax as the integer maximum of |a|'s bits (the
+// order of non-negative floats; Inf and NaN lie above every finite value),
+// q in row order into `run`, then moved into a8_byte order.
 template <int B>
 void quantize_rows(const float* a, const GptqWeight& w, int64_t m0, int64_t m1, int8_t* q, float* scale,
                    int32_t* sum) {
+  constexpr uint32_t kInfBits = 0x7f800000u;
   const int64_t gs = w.group_of.group_size, groups = w.group_of.count;
+  std::vector<int8_t> run(static_cast<size_t>(w.K));
   for (int64_t m = m0; m < m1; ++m) {
-    const float* row = a + m * w.K;
     for (int64_t g = 0; g < groups; ++g) {
-      const int64_t k0 = g * gs, k1 = std::min(w.K, k0 + gs);
-      float amax = 0.0f;
-      bool finite = true;
-      for (int64_t k = k0; k < k1; ++k) {
-        finite &= std::isfinite(row[k]);
-        amax = std::max(amax, std::fabs(row[k]));
-      }
+      const int64_t k0 = g * gs, n = std::min(w.K, k0 + gs) - k0;
+      const float* x = a + m * w.K + k0;
+      uint32_t amax_bits = 0;
+      for (int64_t i = 0; i < n; ++i) amax_bits = std::max(amax_bits, std::bit_cast<uint32_t>(x[i]) & 0x7fffffffu);
+      const bool finite = amax_bits < kInfBits;
+      const float amax = std::bit_cast<float>(amax_bits);
       const float pre = amax < 0x1p-64f ? 0x1p64f : 1.0f;
-      const float inv = finite && amax > 0.0f ? 127.0f / (amax * pre) : 0.0f;
+      const float inv = amax > 0.0f ? 127.0f / (amax * pre) : 0.0f;
+      int8_t* r = run.data() + k0;
       int32_t total = 0;
-      for (int64_t k = k0; k < k1; ++k) {
-        // |row[k] * inv| <= 127 (rounded): an exact int32 after rounding.
-        const int32_t v = finite ? static_cast<int32_t>(round_even(row[k] * pre * inv)) : 0;
-        q[m * w.K + a8_byte<B>(k)] = static_cast<int8_t>(v);
-        total += v;
+      if (finite) {
+        // |x * pre * inv| <= 127 (rounded): an exact int32 after rounding.
+        for (int64_t i = 0; i < n; ++i) {
+          const int32_t v = static_cast<int32_t>(round_even(x[i] * pre * inv));
+          r[i] = static_cast<int8_t>(v);
+          total += v;
+        }
+      } else {
+        std::fill(r, r + n, 0);
       }
       scale[m * groups + g] = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
       sum[m * groups + g] = total;
+    }
+    // K holds whole packs, and a8_byte(k0 + f) = k0 + a8_byte(f) for k0 a
+    // multiple of the pack: each byte moves by a compile-time offset.
+    constexpr int64_t F = B == 3 ? 1 : 32 / B;
+    int8_t* qrow = q + m * w.K;
+    for (int64_t k0 = 0; k0 < w.K; k0 += F) {
+      static_for<F>([&](auto f) { qrow[k0 + a8_byte<B>(f)] = run[k0 + f]; });
     }
   }
 }

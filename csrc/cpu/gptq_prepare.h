@@ -31,8 +31,12 @@ int64_t contiguous_group_size(const at::Tensor& g_idx, int64_t K) {
   const int32_t* g = g_idx.data_ptr<int32_t>();
   int64_t gs = 1;
   while (gs < K && g[gs] == 0) ++gs;
-  for (int64_t k = 0; k < K; ++k) {
-    if (g[k] != k / gs) return 0;
+  // Group by group, with no division per row: every call checks all K rows.
+  int32_t group = 0;
+  for (int64_t k0 = 0; k0 < K; k0 += gs, ++group) {
+    bool same = true;
+    for (int64_t k = k0; k < std::min(K, k0 + gs); ++k) same &= g[k] == group;
+    if (!same) return 0;
   }
   return gs;
 }
