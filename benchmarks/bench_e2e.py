@@ -21,8 +21,9 @@ lowbit: lowbit.load_gguf_model + model.generate (greedy; a streamer stamps
 each token; decode steps through lowbit.fast_decoding, which the loaders
 set), in the file's layout and with lowbit.repack_model; a 4-bit GPTQ
 checkpoint of the 1B model through lowbit.load_gptq_model, with fp32
-activations, with int8 ones (int8_activations, gptq_gemm_a8), and with int8
-ones and the fp16 embedding / tied head held as Q8_0 (float_tables); on the shipped
+activations, with int8 ones (int8_activations, gptq_gemm_a8), with int8
+ones and the fp16 embedding / tied head held as Q8_0 (float_tables), and
+with those and lowbit.repack_model (qweight in gptq_gemm_a8's panels); on the shipped
 file also with transformers' own decode steps (fast_decoding(model, False)), and
 with lowbit.compiled_decoding (static cache, compiled decode steps;
 inductor calling the kernels from Python, and from generated C++; the 1B
@@ -88,12 +89,14 @@ VARIANTS = {
     "lowbit-gptq": "lowbit, GPTQ",
     "lowbit-gptq-a8": "lowbit, GPTQ, int8 activations",
     "lowbit-gptq-a8-q8": "lowbit, GPTQ, int8 activations, Q8_0 tables",
+    "lowbit-gptq-a8-q8-repacked": "lowbit, GPTQ, int8 activations, Q8_0 tables, repacked",
     "lowbit-compiled": "lowbit, compiled decode",
     "lowbit-compiled-cpp": "lowbit, compiled decode, C++ wrapper",
     "llama": "llama.cpp, default buffers",
     "llama-plain": "llama.cpp, no extra buffers",
 }
 REFERENCE = "llama"  # the ratios are over llama.cpp with its default buffers, on the same file
+GPTQ_VARIANTS = [v for v in VARIANTS if v.startswith("lowbit-gptq")]
 
 
 def cache_dir():
@@ -142,7 +145,11 @@ def _child_lowbit(spec):
     t0 = time.perf_counter()
     if spec["variant"].startswith("lowbit-gptq"):
         model = lowbit.load_gptq_model(spec["path"], int8_activations=spec["variant"] != "lowbit-gptq",
-                                       float_tables="Q8_0" if spec["variant"].endswith("-q8") else None)
+                                       float_tables="Q8_0" if "-q8" in spec["variant"] else None)
+        if spec["variant"].endswith("-repacked"):
+            names = lowbit.repack_model(model)
+            linears = [m for m in model.modules() if isinstance(m, lowbit.GPTQLinear)]
+            layout = dict(repacked_layers=len(names), quantized_layers=len(linears))
     else:
         model = lowbit.load_gguf_model(spec["path"])
         if spec["variant"] == "lowbit-transformers-steps":  # every call on the model's own forward
@@ -156,7 +163,7 @@ def _child_lowbit(spec):
         if spec["variant"] == "lowbit-repacked":
             names = lowbit.repack_model(model)
             linears = [m for m in model.modules() if isinstance(m, lowbit.GGUFLinear)]
-            layout = dict(repacked_layers=len(names), gguf_linears=len(linears))
+            layout = dict(repacked_layers=len(names), quantized_layers=len(linears))
     load_call_s = time.perf_counter() - t0
     with torch.no_grad():
         model(prompt[:, :1])
@@ -465,9 +472,8 @@ def files(models, threads):
         q4km = llama_quantize(f16, os.path.join(cache, "random-llama-1b.Q4_K_M.gguf"), "Q4_K_M", threads)
         stem = os.path.join(cache, f"random-llama-1b-gptq-{GPTQ_BITS}bit-g{GPTQ_GROUP}")
         out.append(("random Llama 1.0B Q4_K_M", q4km, gguf_variants[:2] + ["lowbit-compiled-cpp"] + gguf_variants[2:]))
-        gptq_variants = ["lowbit-gptq", "lowbit-gptq-a8", "lowbit-gptq-a8-q8"]
-        out.append((GPTQ_LABEL, gptq_from_gguf(f16, stem), gptq_variants))
-        out.append((GPTQ_ACT_ORDER_LABEL, gptq_from_gguf(f16, stem + "-act-order", act_order=True), gptq_variants))
+        out.append((GPTQ_LABEL, gptq_from_gguf(f16, stem), GPTQ_VARIANTS))
+        out.append((GPTQ_ACT_ORDER_LABEL, gptq_from_gguf(f16, stem + "-act-order", act_order=True), GPTQ_VARIANTS))
     return out
 
 
@@ -493,7 +499,7 @@ def summarize(label, path, variant, records):
     if ok and "buffers" in ok[0]:
         s["llama_cpp_buffers"] = ok[0]["buffers"]
     if ok and "repacked_layers" in ok[0]:
-        s["repacked_layers"], s["gguf_linears"] = ok[0]["repacked_layers"], ok[0]["gguf_linears"]
+        s["repacked_layers"], s["quantized_layers"] = ok[0]["repacked_layers"], ok[0]["quantized_layers"]
     return s
 
 
@@ -505,7 +511,7 @@ def layout_note(s):
     """Which layout the weights ran in: lowbit's repacked layers; the size of
     llama.cpp's CPU_REPACK buffer (its repacked copies of the weights it takes)."""
     if "repacked_layers" in s:
-        return f"{s['repacked_layers']} of {s['gguf_linears']} layers"
+        return f"{s['repacked_layers']} of {s['quantized_layers']} layers"
     for line in s.get("llama_cpp_buffers", []):
         name, _, rest = line.partition("model buffer size =")
         if name.split()[-1] == "CPU_REPACK":
@@ -637,17 +643,17 @@ def main():
         "(the end-of-sequence token switched off on both sides); "
         f"{args.threads} threads on every side; median of {rounds} rounds, each configuration in a fresh process "
         f"(each timing the median of {reps} generations after a warm-up one).",
-        "load s: file to first-token-ready model (the load call, lowbit's repack_model in its repacked row, and one "
+        "load s: file to first-token-ready model (the load call, lowbit's repack_model in its repacked rows, and one "
         "one-token forward). warm-up s: the first generate call (the prompt and 8 new tokens; in the compiled rows "
         "it compiles the decode step, and only the first round may find inductor's on-disk cache empty: the JSON "
         "holds each round's). Ratios: over llama.cpp with its default buffers on the same file (the GPTQ rows: on "
         "the 1B Q4_K_M file); above 1, lowbit faster. layout: lowbit's layers in its repacked layout (repack_model "
-        "leaves Q6_K in the file's); the size of llama.cpp's CPU_REPACK buffer, its repacked copy of the weights "
+        "leaves Q6_K in the file's; GPTQ layers: gptq_gemm_a8's panels); the size of llama.cpp's CPU_REPACK buffer, its repacked copy of the weights "
         "whose type it takes. MB: the file (GPTQ: the checkpoint directory).",
         "peak RSS: the process's high-water RSS (VmHWM); above imports: over its RSS after importing its library "
         "(torch, transformers and lowbit; llama_cpp).",
     ]
-    for variant in ("lowbit-gptq", "lowbit-gptq-a8", "lowbit-gptq-a8-q8"):
+    for variant in GPTQ_VARIANTS:
         gptq = {s["file"]: s for s in summaries if s["variant"] == variant}
         if GPTQ_LABEL in gptq and GPTQ_ACT_ORDER_LABEL in gptq:
             plain, shuffled = gptq[GPTQ_LABEL], gptq[GPTQ_ACT_ORDER_LABEL]

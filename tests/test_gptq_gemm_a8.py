@@ -7,12 +7,16 @@ activations allows: each activation moves by at most half its group's step
 amax / 127, so |out - a @ W| <= sum_g amax_g / 254 * sum_{k in g} |W[k, n]|
 (plus fp32 summation, far smaller).
 """
+import pickle
+
 import numpy as np
 import pytest
 import torch
 
 import gptq_reference as ref
+import lowbit
 from lowbit.gptq import GPTQLinear
+from lowbit.gptq.packing import from_panels, to_panels
 
 ops = torch.ops.lowbit
 BITS = (2, 3, 4, 8)
@@ -208,3 +212,86 @@ def test_three_bit_layers_keep_fp32_activations():
     exact = layer(x)
     layer.int8_activations = True
     assert torch.equal(layer(x), exact)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_the_panel_layout_gives_the_same_bits_on_every_isa(bits, isa):
+    """b_q_weight as panels [N/64, rows, 64] (to_panels) is read to the same
+    bits as the checkpoint's layout, at every row count a kernel tiles."""
+    rng = np.random.default_rng(bits)
+    w = weight(rng, 512, 320, bits, 128)
+    panels = {**w, "qweight": to_panels(w["qweight"])}
+    assert panels["qweight"].shape == (5, 512 * bits // 32, 64)
+    assert torch.equal(from_panels(panels["qweight"]), w["qweight"])
+    a = torch.from_numpy(rng.standard_normal((9, 512)).astype(np.float32))
+    for name in ISAS:
+        ops.cpu_isa(name)
+        for rows in (1, 2, 5, 9):
+            assert torch.equal(run(a[:rows], panels, bits), run(a[:rows], w, bits)), (name, rows)
+
+
+def test_the_panel_layout_under_opcheck_compile_and_gradient():
+    rng = np.random.default_rng(5)
+    w = weight(rng, 256, 192, 4, 64)
+    args = (to_panels(w["qweight"]), w["qzeros"], w["scales"], w["g_idx"], True, 4)
+    a = torch.randn(3, 256)
+    torch.library.opcheck(ops.gptq_gemm_a8, (a, *args))
+    compiled = torch.compile(lambda x: ops.gptq_gemm_a8(x, *args) * 2, fullgraph=True)
+    assert torch.equal(compiled(a), ops.gptq_gemm_a8(a, *args) * 2)
+    x = a.clone().requires_grad_()
+    ops.gptq_gemm_a8(x, *args).sum().backward()
+    y = a.clone().requires_grad_()
+    ops.gptq_gemm_a8(y, w["qweight"], *args[1:]).sum().backward()
+    assert torch.equal(x.grad, y.grad)
+    with pytest.raises(ValueError, match="gptq_gemm: b_q_weight must be 2-D"):
+        ops.gptq_gemm(a, args[0], w["qzeros"], w["scales"], w["g_idx"], False, True, 4)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_a_repacked_gptq_linear(act_order):
+    """GPTQLinear.repack(): the same outputs bit for bit, the checkpoint's
+    tensors in its state dict, its layout wherever else it goes."""
+    torch.manual_seed(2)
+    linear = torch.nn.Linear(256, 192)
+    perm = torch.randperm(256) if act_order else None
+    layer = GPTQLinear.from_linear(linear, 4, 64, sym=False, checkpoint_format="gptq_v2", perm=perm)
+    checkpoint = {k: v.clone() for k, v in layer.state_dict().items()}
+    layer.int8_activations = True
+    x = torch.randn(2, 3, 256)
+    expect = layer(x)
+    assert layer.repack() is layer and layer.repacked and "repacked=True" in repr(layer)
+    assert layer.qweight.shape == (3, 32, 64) and layer.rows_sorted == act_order
+    assert torch.equal(layer(x), expect)
+    state = layer.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in checkpoint.items())
+    assert torch.equal(layer.checkpoint_qweight(), checkpoint["qweight"])
+    assert torch.equal(layer.dequantize(), GPTQLinear.from_linear(linear, 4, 64, sym=False, checkpoint_format="gptq_v2",
+                                                                  perm=perm).dequantize())
+    assert not layer.can_join(layer)
+    copy = pickle.loads(pickle.dumps(layer))
+    assert copy.repacked and torch.equal(copy(x), expect)
+    # load_state_dict reads the checkpoint's layout and repacks it.
+    other = GPTQLinear.from_linear(torch.nn.Linear(256, 192), 4, 64, sym=False, checkpoint_format="gptq_v2", perm=perm)
+    other.int8_activations = True
+    other_expect = other(x)
+    layer.load_state_dict(other.state_dict())
+    assert layer.repacked and torch.equal(layer(x), other_expect)
+    layer.int8_activations = False
+    with pytest.raises(RuntimeError, match="a repacked layer runs on gptq_gemm_a8"):
+        layer(x)
+    layer.int8_activations = True
+    assert not layer.unsort_rows().repacked and not layer.rows_sorted and torch.equal(layer(x), other_expect)
+    layer.repack().to("meta")
+    assert not layer.repacked and layer.qweight.shape == (32, 192)
+
+
+def test_repack_model_takes_the_gptq_layers_gptq_gemm_a8_multiplies():
+    torch.manual_seed(3)
+    make = lambda n, bits: GPTQLinear.from_linear(torch.nn.Linear(256, n), bits, 64, checkpoint_format="gptq_v2")
+    model = torch.nn.ModuleDict({"a": make(128, 4), "b": make(96, 4), "c": make(128, 3), "d": make(128, 2),
+                                 "e": make(128, 8)})
+    for name in "abcd":
+        model[name].int8_activations = True
+    assert lowbit.repack_model(model) == ["a", "d"]  # b: not whole panels, c: 3-bit, e: fp32 activations
+    with pytest.raises(ValueError, match="GPTQLinear.repack: the panel layout is gptq_gemm_a8's"):
+        model["b"].repack()

@@ -38,6 +38,8 @@ class Arg:
     contiguous: bool = True  # must be contiguous (else strides are accepted and give the same result)
     empty_ok: tuple = ()  # dims that may be empty (a valid empty call)
     rank_free: bool = False  # any rank is valid: activations [..., K], or raw GGUF bytes (only their count matters)
+    # One more leading dim is another valid layout: gptq_gemm_a8's panels [N/64, rows, 64] (with N = 64, [1, rows, 64]).
+    extra_dim_ok: bool = False
 
 
 @dataclass
@@ -114,11 +116,17 @@ OPS = {
     }),
     "gptq_gemm_a8": Op(gemm_a8, {
         "a": Arg(FLOATS, contiguous=False, empty_ok=(0,), rank_free=True),
-        "b_q_weight": Arg((I32,)), "b_gptq_qzeros": Arg((I32,)), "b_gptq_scales": Arg(FLOATS),
+        "b_q_weight": Arg((I32,), extra_dim_ok=True), "b_gptq_qzeros": Arg((I32,)), "b_gptq_scales": Arg(FLOATS),
         "b_g_idx": Arg((I32, torch.int64), contiguous=False, empty_ok=(0,)),
     }, {
         **BITS_CASES,
         "a has the wrong K": (lambda kw: {"a": torch.randn(3, K + 8)}, ValueError, "a must be"),
+        "panels of 32 columns": (lambda kw: {"b_q_weight": kw["b_q_weight"].view(-1, 2, 32).transpose(0, 1).contiguous()},
+                                 ValueError, "a 3-D b_q_weight is the panel layout"),
+        "panels wider than the scales": (lambda kw: {"b_q_weight": torch.cat([kw["b_q_weight"][None]] * 2)},
+                                         ValueError, "b_gptq_scales must be"),
+        "b_q_weight 4-D": (lambda kw: {"b_q_weight": kw["b_q_weight"][None, None]}, ValueError,
+                           "b_q_weight must be 2-D .* or the 3-D panel layout"),
         "g_idx past the groups": (lambda kw: {"b_g_idx": kw["b_g_idx"] + 1}, ValueError, "b_g_idx values must lie"),
         "groups not contiguous": (lambda kw: {"b_g_idx": kw["b_g_idx"].flip(0).contiguous()}, ValueError,
                                   "b_g_idx must put the rows in contiguous groups"),
@@ -331,7 +339,8 @@ def generated_cases():
                     yield op_name, f"{arg} {str(dtype)[6:]}", (lambda kw, a=arg, d=dtype: {a: kw[a].to(d)}), \
                         (RuntimeError, f"{arg} must be")
             if not spec.rank_free:
-                yield op_name, f"{arg} one more dim", (lambda kw, a=arg: {a: kw[a][None]}), (ValueError, arg)
+                yield op_name, f"{arg} one more dim", (lambda kw, a=arg: {a: kw[a][None]}), \
+                    ("accepted" if spec.extra_dim_ok else (ValueError, arg))
                 yield op_name, f"{arg} one fewer dim", \
                     (lambda kw, a=arg: {a: kw[a].flatten() if kw[a].dim() > 1 else kw[a][0]}), (ValueError, arg)
             yield op_name, f"{arg} non-contiguous", (lambda kw, a=arg: {a: strided_copy(kw[a])}), \

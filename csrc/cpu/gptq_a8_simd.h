@@ -43,13 +43,14 @@ struct A8Simd {
   template <int MT>
   static constexpr int kU = D::kRegisters >= 32 ? 4 : (MT == 1 ? 4 : MT == 2 ? 2 : 1);
 
-  // One group (packs words from word row q, rows N apart) of MT activation
-  // rows x U*L columns, added to out (rows N apart). x: row m0's dwords at
-  // the group's first pack, rows x_stride dwords apart.
+  // One group (packs words from word row q, rows q_stride apart) of MT
+  // activation rows x U*L columns, added to out (rows N apart). x: row m0's
+  // dwords at the group's first pack, rows x_stride dwords apart.
   template <int MT>
-  __attribute__((noinline)) static void group_tile(const int32_t* x, int64_t x_stride, const uint32_t* q, int64_t N,
-                                                   int64_t packs, int64_t ahead, const int32_t* z, const float* s,
-                                                   const float* d, const int32_t* a_sum, float* out) {
+  __attribute__((noinline)) static void group_tile(const int32_t* x, int64_t x_stride, const uint32_t* q,
+                                                   int64_t q_stride, int64_t N, int64_t packs, int64_t ahead,
+                                                   const int32_t* z, const float* s, const float* d,
+                                                   const int32_t* a_sum, float* out) {
     constexpr int U = kU<MT>;
     I acc[MT][U];
     for (int m = 0; m < MT; ++m)
@@ -58,7 +59,7 @@ struct A8Simd {
     for (int64_t p = 0; p < packs; ++p) {
       I words[U];
       for (int u = 0; u < U; ++u) {
-        const uint32_t* row = q + p * N + u * L;
+        const uint32_t* row = q + p * q_stride + u * L;
         __builtin_prefetch(row + ahead, 0, 2);  // the next group's rows, into L2
         words[u] = D::load(row);
       }
@@ -90,8 +91,18 @@ struct A8Simd {
   }
 
   static void run(const GptqActs8& x, int64_t M, const GptqWeight& w, int64_t n0, int64_t n1, float* out) {
+    // In the panel layout a panel's rows are one contiguous stream: the task
+    // takes its panels one after another (one stream at a time, prefetched
+    // two groups ahead), where the checkpoint's layout is read group by
+    // group across the task's columns (each group's rows prefetched while
+    // the group before it runs).
+    if (w.panel && n1 - n0 > w.panel) {
+      for (int64_t n = n0; n < n1; n += w.panel) run(x, M, w, n, std::min(n1, n + w.panel), out);
+      return;
+    }
     const int64_t gs = w.group_of.group_size;
-    const int64_t group_words = gs / F_ * w.N;
+    const int64_t group_words = gs / F_ * w.row_stride();
+    const int64_t ahead = w.panel ? 2 * group_words : group_words;
     for_group_row_tiles<B>(w, M, n0, n1, out, [&](auto mt, int64_t g, int64_t m0, const int32_t* z, const float* s) {
       constexpr int MT = decltype(mt)::value;
       const int64_t packs = std::min(gs, w.K - g * gs) / F_;  // the last group may be short
@@ -102,10 +113,9 @@ struct A8Simd {
         a_sum[m] = x.sum[(m0 + m) * x.groups + g];
       }
       const int32_t* xg = reinterpret_cast<const int32_t*>(x.q + m0 * w.K + g * gs);
-      const uint32_t* qg = w.qweight + g * group_words;
       for (int64_t n = n0; n < n1; n += kU<MT> * L) {
-        group_tile<MT>(xg, w.K / 4, qg + n, w.N, packs, group_words, z + (n - n0), s + (n - n0), d, a_sum,
-                       out + m0 * w.N + n);
+        group_tile<MT>(xg, w.K / 4, w.words(g * gs / F_, n), w.row_stride(), w.N, packs, ahead, z + (n - n0),
+                       s + (n - n0), d, a_sum, out + m0 * w.N + n);
       }
     });
   }

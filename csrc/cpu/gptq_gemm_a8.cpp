@@ -109,9 +109,13 @@ void a8_portable(const GptqActs8& x, int64_t M, const GptqWeight& w, int64_t n0,
         const int32_t qa = q[a8_byte<B>(k)];
         if (qa == 0) continue;
         const gptq::FieldLoc f = gptq::locate<B>(k);
-        const uint32_t* lo = w.qweight + f.lo * w.N + n0;
-        const uint32_t* hi = w.qweight + f.hi * w.N + n0;
-        for (int64_t i = 0; i < width; ++i) dot[i] += qa * static_cast<int32_t>(gptq::extract(lo[i], hi[i], f));
+        for (int64_t n = n0, end; n < n1; n = end) {  // runs of contiguous words
+          end = w.run_end(n, n1);
+          const uint32_t* lo = w.words(f.lo, n);
+          const uint32_t* hi = w.words(f.hi, n);
+          int32_t* dn = dot.data() + (n - n0);
+          for (int64_t i = 0; i < end - n; ++i) dn[i] += qa * static_cast<int32_t>(gptq::extract(lo[i], hi[i], f));
+        }
       }
       const float d = x.scale[m * x.groups + g];
       const int32_t a_sum = x.sum[m * x.groups + g];
@@ -126,7 +130,7 @@ void a8_portable(const GptqActs8& x, int64_t M, const GptqWeight& w, int64_t n0,
 at::Tensor gptq_gemm_a8(const at::Tensor& a, const at::Tensor& b_q_weight, const at::Tensor& b_gptq_qzeros,
                         const at::Tensor& b_gptq_scales, const at::Tensor& b_g_idx, bool use_v2_format, int64_t bit) {
   const auto [d, idx] =
-      check_gemm_args(a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, false, bit, "gptq_gemm_a8");
+      check_gemm_args(a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, false, bit, "gptq_gemm_a8", true);
   const PreparedWeight w = prepare(b_q_weight, b_gptq_qzeros, b_gptq_scales, idx, d, use_v2_format, bit);
   check_a8_groups(w.view.group_of.g_idx ? 0 : w.view.group_of.group_size);
   const at::Tensor a2 = a.reshape({-1, d.K}).to(at::kFloat).contiguous();

@@ -7,6 +7,8 @@
 
 #include <string.h>
 
+#include <algorithm>
+
 #include "../core/float_bits.h"
 #include "../core/gptq_format.h"
 
@@ -37,11 +39,21 @@ struct GroupParams {
 
 // A validated GPTQ weight in the form the kernels read it.
 struct GptqWeight {
-  const uint32_t* qweight;  // [K*bit/32, N]
+  const uint32_t* qweight;  // [rows, N], or panels [N / panel, rows, panel]
   int64_t K;
   int64_t N;
   GroupParams params;
   RowGroups group_of;
+  int64_t rows = 0;   // K*bit/32 packed rows
+  int64_t panel = 0;  // columns per panel; 0: the checkpoint's layout
+  // The words of packed row `row` from column n on, contiguous up to the end
+  // of n's panel; row_stride() words further on is the next row's.
+  const uint32_t* words(int64_t row, int64_t n) const {
+    return panel ? qweight + (n / panel * rows + row) * panel + n % panel : qweight + row * N + n;
+  }
+  int64_t row_stride() const { return panel ? panel : N; }
+  // The end of the contiguous run of columns from n, at most n1.
+  int64_t run_end(int64_t n, int64_t n1) const { return panel ? std::min(n1, (n / panel + 1) * panel) : n1; }
 };
 
 // Internal linkage for the readers: every ISA unit includes this header, and

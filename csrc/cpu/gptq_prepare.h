@@ -62,6 +62,8 @@ PreparedWeight prepare(const at::Tensor& qweight, const at::Tensor& qzeros, cons
                       GroupParams{reinterpret_cast<const uint32_t*>(qzeros.data_ptr<int32_t>()), scales.data_ptr(),
                                   scale_type, use_v2_format},
                       RowGroups{gi, group_size, d.groups}};
+  p.view.rows = qweight.size(qweight.dim() - 2);
+  p.view.panel = qweight.dim() == 3 ? kGptqPanelCols : 0;
   return p;
 }
 

@@ -46,26 +46,41 @@ struct GptqWeightNames {
 // vLLM's names (gptq_gemm, gptq_dequantize).
 constexpr GptqWeightNames kVllmWeightNames{"b_q_weight", "b_gptq_qzeros", "b_gptq_scales"};
 
-// Validates qweight [K*bit/32, N], qzeros [groups, N*bit/32], scales [groups, N]
+// The panel layout of a qweight (gptq_gemm_a8 reads it): [N/64, K*bit/32, 64],
+// each panel the checkpoint's rows of 64 consecutive columns, so that a run
+// of columns is one contiguous stream (csrc/README.md).
+constexpr int64_t kGptqPanelCols = 64;
+
+// Validates qweight [K*bit/32, N] (or, where `panels`, the panel layout
+// [N/64, K*bit/32, 64]), qzeros [groups, N*bit/32], scales [groups, N]
 // (dtypes, devices, contiguity, shapes consistent with `bit`).
 inline GptqDims check_gptq_weight(const char* op, const at::Tensor& qweight, const at::Tensor& qzeros,
                                   const at::Tensor& scales, int64_t bit,
-                                  const GptqWeightNames& names = kVllmWeightNames) {
+                                  const GptqWeightNames& names = kVllmWeightNames, bool panels = false) {
   check_bits(op, bit);
   check_dtype(op, names.qweight, qweight, at::kInt);
   check_dtype(op, names.qzeros, qzeros, at::kInt);
   check_float_dtype(op, names.scales, scales);
   check_same_device(op, names.qzeros, qzeros, qweight);
   check_same_device(op, names.scales, scales, qweight);
-  check_dim(op, names.qweight, qweight, 2);
+  const bool paneled = panels && qweight.dim() == 3;
+  if (paneled) {
+    TORCH_CHECK_VALUE(qweight.size(2) == kGptqPanelCols, op, ": a 3-D ", names.qweight, " is the panel layout [N/",
+                      kGptqPanelCols, ", K*bit/32, ", kGptqPanelCols, "], got shape ", qweight.sizes());
+  } else if (panels) {
+    TORCH_CHECK_VALUE(qweight.dim() == 2, op, ": ", names.qweight, " must be 2-D [K*bit/32, N] or the 3-D panel "
+                      "layout [N/", kGptqPanelCols, ", K*bit/32, ", kGptqPanelCols, "], got shape ", qweight.sizes());
+  } else {
+    check_dim(op, names.qweight, qweight, 2);
+  }
   check_dim(op, names.qzeros, qzeros, 2);
   check_dim(op, names.scales, scales, 2);
   check_contiguous(op, names.qweight, qweight);
   check_contiguous(op, names.qzeros, qzeros);
   check_contiguous(op, names.scales, scales);
 
-  const int64_t rows = qweight.size(0);
-  const int64_t N = qweight.size(1);
+  const int64_t rows = qweight.size(paneled ? 1 : 0);
+  const int64_t N = paneled ? qweight.size(0) * kGptqPanelCols : qweight.size(1);
   TORCH_CHECK_VALUE(rows > 0 && N > 0, op, ": ", names.qweight, " must be non-empty, got shape ", qweight.sizes());
   TORCH_CHECK_VALUE(rows % words_per_pack(bit) == 0, op, ": ", names.qweight, " has ", rows,
                     " rows, not a multiple of ", words_per_pack(bit), " as ", bit, "-bit packing needs");
@@ -123,8 +138,8 @@ struct GemmArgs {
 // of this file).
 inline GemmArgs check_gemm_args(const at::Tensor& a, const at::Tensor& b_q_weight, const at::Tensor& b_gptq_qzeros,
                                 const at::Tensor& b_gptq_scales, const at::Tensor& b_g_idx, bool use_exllama,
-                                int64_t bit, const char* op = "gptq_gemm") {
-  const GptqDims d = check_gptq_weight(op, b_q_weight, b_gptq_qzeros, b_gptq_scales, bit);
+                                int64_t bit, const char* op = "gptq_gemm", bool panels = false) {
+  const GptqDims d = check_gptq_weight(op, b_q_weight, b_gptq_qzeros, b_gptq_scales, bit, kVllmWeightNames, panels);
   check_float_dtype(op, "a", a);
   check_same_device(op, "a", a, b_q_weight);
   TORCH_CHECK_VALUE(a.dim() >= 1 && a.size(-1) == d.K, op, ": a must be [..., K=", d.K,

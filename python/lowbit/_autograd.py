@@ -14,7 +14,7 @@ than give no gradient silently.
 """
 import torch
 
-from .gptq.packing import fields_per_pack, words_per_pack
+from .gptq.packing import fields_per_pack, from_panels, words_per_pack
 
 ops = torch.ops.lowbit
 # Weights decoded per backward step: 4M fp32 values (16 MB), whole packs of K
@@ -68,8 +68,10 @@ def _gptq_setup(ctx, inputs, output):
 
 
 def _gptq_backward(ctx, grad):
-    qweight, qzeros, scales, g_idx = ctx.saved_tensors
-    use_exllama, use_v2_format, bit, dtype = ctx.flags
+    return _gptq_grad(grad, *ctx.saved_tensors, *ctx.flags)
+
+
+def _gptq_grad(grad, qweight, qzeros, scales, g_idx, use_exllama, use_v2_format, bit, dtype):
     K = qweight.shape[0] // words_per_pack(bit) * fields_per_pack(bit)
     groups = scales.shape[0]
     g = grad.reshape(-1, grad.shape[-1]).float()
@@ -102,7 +104,10 @@ def _gptq_a8_setup(ctx, inputs, output):
 
 
 def _gptq_a8_backward(ctx, grad):
-    return _gptq_backward(ctx, grad)[:7]
+    qweight, *rest = ctx.saved_tensors
+    if qweight.dim() == 3:  # the panel layout: the checkpoint's rows for gptq_dequantize
+        qweight = from_panels(qweight)
+    return _gptq_grad(grad, qweight, *rest, *ctx.flags)[:7]
 
 
 torch.library.register_autograd("lowbit::gptq_gemm_a8", _gptq_a8_backward, setup_context=_gptq_a8_setup)

@@ -25,7 +25,7 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
-from .gptq.packing import fields_per_pack, words_per_pack
+from .gptq.packing import PANEL_COLS, fields_per_pack, words_per_pack
 
 Tensor = torch.Tensor
 # A SymInt argument: an int, or a symbolic size while torch.compile traces.
@@ -109,7 +109,8 @@ def _bits(op, bit) -> None:
     _value(bit in (2, 3, 4, 8), op, "bit must be 2, 3, 4 or 8, got ", bit)
 
 
-def _gptq_weight(op, qweight, qzeros, scales, bit, names=("b_q_weight", "b_gptq_qzeros", "b_gptq_scales")):
+def _gptq_weight(op, qweight, qzeros, scales, bit, names=("b_q_weight", "b_gptq_qzeros", "b_gptq_scales"),
+                 panels=False):
     """check_gptq_weight: (K, N, groups)."""
     nq, nz, ns = names
     _bits(op, bit)
@@ -118,11 +119,20 @@ def _gptq_weight(op, qweight, qzeros, scales, bit, names=("b_q_weight", "b_gptq_
     _float_dtype(op, ns, scales)
     _same_device(op, nz, qzeros, qweight)
     _same_device(op, ns, scales, qweight)
-    for name, t in zip(names, (qweight, qzeros, scales)):
+    paneled = panels and qweight.dim() == 3
+    if paneled:
+        _value(qweight.shape[2] == PANEL_COLS, op, "a 3-D ", nq, " is the panel layout [N/", PANEL_COLS,
+               ", K*bit/32, ", PANEL_COLS, "], got shape ", _shape(qweight))
+    elif panels:
+        _value(qweight.dim() == 2, op, nq, " must be 2-D [K*bit/32, N] or the 3-D panel layout [N/", PANEL_COLS,
+               ", K*bit/32, ", PANEL_COLS, "], got shape ", _shape(qweight))
+    else:
+        _dim(op, nq, qweight, 2)
+    for name, t in zip(names[1:], (qzeros, scales)):
         _dim(op, name, t, 2)
     for name, t in zip(names, (qweight, qzeros, scales)):
         _contiguous(op, name, t)
-    rows, N = qweight.shape
+    rows, N = (qweight.shape[1], qweight.shape[0] * PANEL_COLS) if paneled else qweight.shape
     _value(rows > 0 and N > 0, op, nq, " must be non-empty, got shape ", _shape(qweight))
     _value(rows % words_per_pack(bit) == 0, op, nq, " has ", rows, " rows, not a multiple of ", words_per_pack(bit),
            " as ", bit, "-bit packing needs")
@@ -265,9 +275,9 @@ def gptq_gemm(a: Tensor, b_q_weight: Tensor, b_gptq_qzeros: Tensor, b_gptq_scale
                                       use_v2_format, bit)
 
 
-def _gemm_args(op, a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_exllama, bit):
+def _gemm_args(op, a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_exllama, bit, panels=False):
     """check_gemm_args (csrc/ops/gptq_checks.h): (K, N, groups)."""
-    K, N, groups = _gptq_weight(op, b_q_weight, b_gptq_qzeros, b_gptq_scales, bit)
+    K, N, groups = _gptq_weight(op, b_q_weight, b_gptq_qzeros, b_gptq_scales, bit, panels=panels)
     _float_dtype(op, "a", a)
     _same_device(op, "a", a, b_q_weight)
     _value(a.dim() >= 1 and a.shape[-1] == K, op, "a must be [..., K=", K, "] to match b_q_weight, got ", _shape(a))
@@ -299,14 +309,18 @@ def gptq_gemm_a8(a: Tensor, b_q_weight: Tensor, b_gptq_qzeros: Tensor, b_gptq_sc
     llama.cpp rounds them for its integer dot products); the matvec is bound by
     memory where gptq_gemm's fp32 one is bound by its instructions. CPU; the SIMD
     kernels (vpdpbusd on AVX-512 VNNI, vpmaddubsw on AVX2) take 2-, 4- and 8-bit
-    weights; 3-bit ones take a portable loop, slower than gptq_gemm's."""
+    weights; 3-bit ones take a portable loop, slower than gptq_gemm's.
+    b_q_weight may also be in the panel layout [N/64, K*bit/32, 64]
+    (lowbit.gptq.packing.to_panels: the checkpoint's rows of each 64 columns,
+    one contiguous stream), which gives the same bits and streams faster
+    from memory."""
     return torch.ops.lowbit.gptq_gemm_a8(a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_v2_format, bit)
 
 
 @torch.library.register_fake("lowbit::gptq_gemm_a8")
 def _gptq_gemm_a8(a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_v2_format, bit):
     op = "gptq_gemm_a8"
-    K, N, groups = _gemm_args(op, a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, False, bit)
+    K, N, groups = _gemm_args(op, a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, False, bit, panels=True)
     # Contiguous groups hold at least K / groups rows each (the values are checked on the CPU).
     _value(K // groups <= A8_MAX_GROUP_ROWS, op, "b_gptq_scales has groups of ", K // groups, " rows; at most ",
            A8_MAX_GROUP_ROWS, " keep the int32 sums exact")

@@ -1,11 +1,12 @@
-"""The CPU kernels' repacked layout across a model: which ggml types have
-it, which the active kernels read as it is, and repack_model, which puts
-every GGUFLinear and GGUFExperts that gains from it in it."""
+"""The CPU kernels' repacked layouts across a model: which ggml types have
+one, which the active kernels read as it is, and repack_model, which puts
+every GGUFLinear, GGUFExperts and GPTQLinear that gains from it in it."""
 import warnings
 
 import torch
 from torch import nn
 
+from ..gptq.linear import GPTQLinear
 from ..ops import GGMLType
 from .experts import GGUFExperts
 from .linear import GGUFLinear
@@ -40,9 +41,11 @@ def repack_model(model: nn.Module, skip_types=None, expert_skip_types=()) -> lis
     types repacked_by_default leaves out), and
     GGUFExperts.repack() of every GGUFExperts' such projections (but those
     in `expert_skip_types`: its short expert rows gain from the layout in
-    every type); returns their names (an expert projection's as
-    "<module>.gate", ".up", ".down"). It warns naming the types whose layout
-    the kernels would put back on every call, and leaves those as they are."""
+    every type), and GPTQLinear.repack() of every GPTQLinear that can_repack()
+    (int8_activations on the CPU); returns their names (an expert
+    projection's as "<module>.gate", ".up", ".down"). It warns naming the
+    types whose layout the kernels would put back on every call, and leaves
+    those as they are."""
     names, unread = [], set()
     if skip_types is None:
         skip_types = {t for t in GGMLType if not repacked_by_default(t)}
@@ -54,6 +57,9 @@ def repack_model(model: nn.Module, skip_types=None, expert_skip_types=()) -> lis
                 names.append(name)
             else:
                 unread.add(module.qtype)
+        elif isinstance(module, GPTQLinear) and (module.repacked or module.can_repack()):
+            module.repack()
+            names.append(name)
         elif isinstance(module, GGUFExperts) and module.gate_qweight.device.type == "cpu":
             names += [f"{name}.{p}" for p in module.repack(expert_skip_types)]
             unread.update(t for t in module.qtypes.values()

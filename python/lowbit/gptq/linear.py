@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .._frozen import call_frozen
-from .packing import fields_per_pack, words_per_pack
+from .packing import PANEL_COLS, fields_per_pack, from_panels, to_panels, words_per_pack
 from .config import BITS, FORMATS
 from .rtn import quantize_rtn
 
@@ -61,10 +61,17 @@ class GPTQLinear(nn.Module):
     faster. It needs groups of equal size, as every GPTQ checkpoint has them,
     and applies to 2-, 4- and 8-bit layers: 3-bit fields straddle words, no
     integer kernel reads them, and gptq_gemm's fp32 one is faster there.
+
+    `repack()` (such a layer on the CPU, out_features a multiple of 64; what
+    lowbit.repack_model does to every one) holds qweight in the panel layout
+    gptq_gemm_a8 streams fastest (packing.to_panels), its rows sorted by
+    group first: the same results bit for bit. state_dict(), dequantize() and
+    a move to another device still see the checkpoint's layout.
     """
 
-    # A class default, so that layers pickled without the attribute have it.
+    # Class defaults, so that layers pickled without the attributes have them.
     int8_activations = False
+    repacked = False
 
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, sym: bool = True,
                  desc_act: bool = False, checkpoint_format: str = "gptq", bias: bool = True,
@@ -145,7 +152,7 @@ class GPTQLinear(nn.Module):
         same = ("in_features", "bits", "group_size", "sym", "desc_act", "checkpoint_format", "int8_activations")
         return (type(other) is type(self) and self.out_features % JOIN_COLUMNS == 0
                 and other.out_features % JOIN_COLUMNS == 0 and all(getattr(other, a) == getattr(self, a) for a in same)
-                and other.rows_sorted == self.rows_sorted
+                and other.rows_sorted == self.rows_sorted and not (self.repacked or other.repacked)
                 and other.scales.dtype == self.scales.dtype and other.qweight.device == self.qweight.device
                 and (self.bias is None) == (other.bias is None) and torch.equal(other.g_idx, self.g_idx))
 
@@ -198,18 +205,56 @@ class GPTQLinear(nn.Module):
         return self
 
     def unsort_rows(self) -> GPTQLinear:
-        """qweight back in the checkpoint's row order, in place; returns self."""
+        """qweight back in the checkpoint's row order (and layout), in place;
+        returns self."""
+        self.unrepack()
         if self.rows_sorted:
             self.qweight = self.checkpoint_qweight()
             self.row_order = self.sorted_g_idx = self._sorted_key = None
         return self
 
+    def can_repack(self) -> bool:
+        """Whether repack() applies: a CPU layer whose CPU inputs gptq_gemm_a8
+        multiplies (int8_activations, 2, 4 or 8 bits) and whose out_features is
+        a multiple of the panel width."""
+        return (self.int8_activations and self.bits != 3 and self.out_features % PANEL_COLS == 0
+                and self.qweight.device.type == "cpu")
+
+    def repack(self) -> GPTQLinear:
+        """qweight's rows sorted by group (sort_rows) and held in the panel
+        layout, in place (see the class docstring); returns self."""
+        if not self.repacked:
+            if not self.can_repack():
+                raise ValueError(f"GPTQLinear.repack: the panel layout is gptq_gemm_a8's on the CPU; this layer has "
+                                 f"int8_activations={self.int8_activations}, bits={self.bits}, out_features="
+                                 f"{self.out_features} (a multiple of {PANEL_COLS} needed), qweight on "
+                                 f"{self.qweight.device}")
+            self.sort_rows()
+            self.qweight = to_panels(self.qweight)
+            self.repacked = True
+            if self.rows_sorted:  # the check per call follows the new buffer
+                self._sorted_key = self._key()
+            self._plan = None
+        return self
+
+    def unrepack(self) -> GPTQLinear:
+        """qweight back in the checkpoint's layout (its rows still sorted where
+        they were), in place; returns self."""
+        if self.repacked:
+            self.qweight = from_panels(self.qweight)
+            self.repacked = False
+            if self.rows_sorted:
+                self._sorted_key = self._key()
+            self._plan = None
+        return self
+
     def checkpoint_qweight(self, cols: slice = slice(None)) -> torch.Tensor:
-        """qweight's columns `cols` in the checkpoint's row order (a copy where
-        the rows are sorted)."""
+        """qweight's columns `cols` in the checkpoint's row order and layout (a
+        copy where the rows are sorted or repacked)."""
+        rows = from_panels(self.qweight) if self.repacked else self.qweight
         if not self.rows_sorted:
-            return self.qweight[:, cols]
-        return self._permuted_rows(cols, torch.argsort(self.row_order))
+            return rows[:, cols]
+        return self._permuted_rows(rows, cols, torch.argsort(self.row_order))
 
     def _sorted_form(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(qweight's rows sorted by group, the sorted g_idx, the order), or
@@ -217,11 +262,13 @@ class GPTQLinear(nn.Module):
         order = torch.argsort(self.g_idx, stable=True)
         if torch.equal(order, torch.arange(order.numel(), device=order.device)):
             return None
-        return self._permuted_rows(slice(None), order), self.g_idx[order].to(torch.int32), order
+        if self.repacked:
+            raise RuntimeError("GPTQLinear: g_idx of a repacked layer was changed in place to an order whose rows "
+                               "need sorting; call unrepack() before writing weights other than by load_state_dict")
+        return self._permuted_rows(self.qweight, slice(None), order), self.g_idx[order].to(torch.int32), order
 
-    def _permuted_rows(self, cols: slice, order: torch.Tensor) -> torch.Tensor:
-        return torch.ops.lowbit.gptq_permute_rows(self.qweight[:, cols].contiguous(), order.to(torch.int32),
-                                                  self.bits)
+    def _permuted_rows(self, rows: torch.Tensor, cols: slice, order: torch.Tensor) -> torch.Tensor:
+        return torch.ops.lowbit.gptq_permute_rows(rows[:, cols].contiguous(), order.to(torch.int32), self.bits)
 
     def _mark_sorted(self, order: torch.Tensor, sorted_g_idx: torch.Tensor) -> None:
         self.row_order, self.sorted_g_idx = order, sorted_g_idx
@@ -292,6 +339,10 @@ class GPTQLinear(nn.Module):
             x2 = x2.index_select(1, perm)
         buffers = self._buffers
         v2 = self.checkpoint_format == "gptq_v2"
+        if self.repacked and not (self.int8_activations and x2.device.type == "cpu"):
+            raise RuntimeError(f"GPTQLinear: a repacked layer runs on gptq_gemm_a8 (CPU inputs, int8_activations); "
+                               f"got {x2.device} inputs with int8_activations={self.int8_activations}: call "
+                               f"unrepack() first")
         if self.int8_activations and self.bits != 3 and x2.device.type == "cpu":
             y = call_frozen(torch.ops.lowbit.gptq_gemm_a8, x2, qweight, buffers["qzeros"], buffers["scales"], g_idx,
                             v2, self.bits)
@@ -310,6 +361,10 @@ class GPTQLinear(nn.Module):
         return w.t().to(dtype or self.scales.dtype)
 
     def _apply(self, fn, recurse=True):
+        # Only gptq_gemm_a8 on the CPU reads the panel layout: going anywhere
+        # else, qweight goes back to the checkpoint's layout first.
+        if self.repacked and fn(torch.empty(0, dtype=torch.int32)).device.type != "cpu":
+            self.unrepack()
         out = super()._apply(fn, recurse)
         if self.rows_sorted:  # moved: the check's key follows the buffers
             self._sorted_key = self._key()
@@ -322,19 +377,21 @@ class GPTQLinear(nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.rows_sorted:  # a state dict holds the checkpoint's order, whatever loads it
+        if self.rows_sorted or self.repacked:  # a state dict holds the checkpoint's order, whatever loads it
             destination[prefix + "qweight"] = self.checkpoint_qweight()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        sorted_ = self.rows_sorted
+        sorted_, repacked = self.rows_sorted, self.repacked
         self.unsort_rows()  # what is not loaded stays the checkpoint's
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if sorted_:
             self.sort_rows()
+        if repacked:
+            self.repack()
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group_size={self.group_size}, sym={self.sym}, desc_act={self.desc_act}, "
                 f"checkpoint_format={self.checkpoint_format!r}, bias={self.bias is not None}"
-                + (", rows_sorted=True" if self.rows_sorted else "")
+                + (", rows_sorted=True" if self.rows_sorted else "") + (", repacked=True" if self.repacked else "")
                 + (", int8_activations=True" if self.int8_activations else ""))
