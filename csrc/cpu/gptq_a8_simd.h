@@ -21,8 +21,8 @@
 
 #include <algorithm>
 
-#include "gptq_group_simd.h"
 #include "gptq_kernels.h"
+#include "row_tiles.h"
 
 namespace lowbit {
 namespace cpu {
@@ -44,12 +44,15 @@ struct A8Simd {
   static constexpr int kU = D::kRegisters >= 32 ? 4 : (MT == 1 ? 4 : MT == 2 ? 2 : 1);
 
   // One group (packs words from word row q, rows q_stride apart) of MT
-  // activation rows x U*L columns, added to out (rows N apart). x: row m0's
-  // dwords at the group's first pack, rows x_stride dwords apart.
+  // activation rows x U*L columns from column n, added to out (rows N
+  // apart). x: row m0's dwords at the group's first pack, rows x_stride
+  // dwords apart. The group's zeros and scales of those columns are
+  // converted from `params` in registers (a buffer of a task's columns,
+  // filled per group, cost a streamed matvec about a seventh of its time).
   template <int MT>
   __attribute__((noinline)) static void group_tile(const int32_t* x, int64_t x_stride, const uint32_t* q,
                                                    int64_t q_stride, int64_t N, int64_t packs, int64_t ahead,
-                                                   const int32_t* z, const float* s, const float* d,
+                                                   const GroupRow& params, int64_t n, const float* d,
                                                    const int32_t* a_sum, float* out) {
     constexpr int U = kU<MT>;
     I acc[MT][U];
@@ -75,17 +78,22 @@ struct A8Simd {
         }
       }
     }
-    // D::dot<B> may sum q_w - kOffset<B> (a signed byte) in place of q_w.
-    const I offset = D::set1(D::template kOffset<B>);
+    // The stored zero plus the format's addend; D::dot<B> may sum
+    // q_w - kOffset<B> (a signed byte) in place of q_w.
+    const I offset = D::set1(D::template kOffset<B> - params.zero_offset);
+    I zero[U];
+    F scale[U];
+    for (int u = 0; u < U; ++u) {
+      zero[u] = D::sub(D::template fields<B>(params.zeros, n + u * L), offset);
+      scale[u] = D::scales(params.scales, params.type, n + u * L);
+    }
     for (int m = 0; m < MT; ++m) {
       const F dm = D::set1_ps(d[m]);
       const I sum_m = D::set1(a_sum[m]);
       for (int u = 0; u < U; ++u) {
-        const I zero = D::sub(D::load(reinterpret_cast<const uint32_t*>(z + u * L)), offset);
-        const I r = D::sub(acc[m][u], D::mullo(zero, sum_m));
-        const F sd = D::mul(D::load_ps(s + u * L), dm);
+        const I r = D::sub(acc[m][u], D::mullo(zero[u], sum_m));
         float* o = out + m * N + u * L;
-        D::store_ps(o, D::fma(sd, D::cvt(r), D::load_ps(o)));
+        D::store_ps(o, D::fma(D::mul(scale[u], dm), D::cvt(r), D::load_ps(o)));
       }
     }
   }
@@ -103,21 +111,25 @@ struct A8Simd {
     const int64_t gs = w.group_of.group_size;
     const int64_t group_words = gs / F_ * w.row_stride();
     const int64_t ahead = w.panel ? 2 * group_words : group_words;
-    for_group_row_tiles<B>(w, M, n0, n1, out, [&](auto mt, int64_t g, int64_t m0, const int32_t* z, const float* s) {
-      constexpr int MT = decltype(mt)::value;
-      const int64_t packs = std::min(gs, w.K - g * gs) / F_;  // the last group may be short
-      float d[MT];
-      int32_t a_sum[MT];
-      for (int m = 0; m < MT; ++m) {
-        d[m] = x.scale[(m0 + m) * x.groups + g];
-        a_sum[m] = x.sum[(m0 + m) * x.groups + g];
-      }
-      const int32_t* xg = reinterpret_cast<const int32_t*>(x.q + m0 * w.K + g * gs);
-      for (int64_t n = n0; n < n1; n += kU<MT> * L) {
-        group_tile<MT>(xg, w.K / 4, w.words(g * gs / F_, n), w.row_stride(), w.N, packs, ahead, z + (n - n0),
-                       s + (n - n0), d, a_sum, out + m0 * w.N + n);
-      }
-    });
+    for (int64_t m = 0; m < M; ++m) std::fill(out + m * w.N + n0, out + m * w.N + n1, 0.0f);
+    for (int64_t g = 0; g < x.groups; ++g) {
+      const GroupRow params = group_row<B>(w, g);
+      for_row_tiles(M, [&](auto mt, int64_t m0) {
+        constexpr int MT = decltype(mt)::value;
+        const int64_t packs = std::min(gs, w.K - g * gs) / F_;  // the last group may be short
+        float d[MT];
+        int32_t a_sum[MT];
+        for (int m = 0; m < MT; ++m) {
+          d[m] = x.scale[(m0 + m) * x.groups + g];
+          a_sum[m] = x.sum[(m0 + m) * x.groups + g];
+        }
+        const int32_t* xg = reinterpret_cast<const int32_t*>(x.q + m0 * w.K + g * gs);
+        for (int64_t n = n0; n < n1; n += kU<MT> * L) {
+          group_tile<MT>(xg, w.K / 4, w.words(g * gs / F_, n), w.row_stride(), w.N, packs, ahead, params, n, d, a_sum,
+                         out + m0 * w.N + n);
+        }
+      });
+    }
   }
 };
 

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include <algorithm>
+#include <array>
 
 #include "../core/float_bits.h"
 #include "../core/gptq_format.h"
@@ -54,6 +55,40 @@ struct GptqWeight {
   int64_t row_stride() const { return panel ? panel : N; }
   // The end of the contiguous run of columns from n, at most n1.
   int64_t run_end(int64_t n, int64_t n1) const { return panel ? std::min(n1, (n / panel + 1) * panel) : n1; }
+};
+
+// Group g's zero points and scales as the checkpoint stores them, for the
+// kernels that convert a vector of columns in registers as they need it
+// (gptq_a8_simd.h): zeros[g] packed along N, scales[g] of `type`, and the
+// format's addend to a stored zero (1 for GPTQ v1, 0 for v2).
+struct GroupRow {
+  const uint32_t* zeros;
+  const void* scales;
+  ScaleType type;
+  int32_t zero_offset;
+};
+template <int B>
+inline GroupRow group_row(const GptqWeight& w, int64_t g) {
+  const int64_t scale_bytes = w.params.scale_type == ScaleType::kF32 ? 4 : 2;
+  return {w.params.qzeros + g * (w.N * B / 32), static_cast<const char*>(w.params.scales) + g * w.N * scale_bytes,
+          w.params.scale_type, w.params.v2_format ? 0 : 1};
+}
+
+// Lane i of a vector of L columns from column n (a multiple of L) of a row of
+// B-bit fields packed along N (2-, 4- and 8-bit): dword word[i] of the L*B
+// bits from n's, shifted right by shift[i].
+template <int B, int L>
+struct PackedLanes {
+  static constexpr std::array<int32_t, L> word = [] {
+    std::array<int32_t, L> a{};
+    for (int i = 0; i < L; ++i) a[i] = i * B / 32;
+    return a;
+  }();
+  static constexpr std::array<int32_t, L> shift = [] {
+    std::array<int32_t, L> a{};
+    for (int i = 0; i < L; ++i) a[i] = i * B % 32;
+    return a;
+  }();
 };
 
 // Internal linkage for the readers: every ISA unit includes this header, and

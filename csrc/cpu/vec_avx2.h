@@ -5,6 +5,9 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
+
+#include "gptq_kernels.h"
 
 namespace lowbit {
 namespace cpu {
@@ -98,6 +101,25 @@ struct A8Avx2 {
   static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  // The B-bit fields of columns n .. n+7 (n a multiple of 8) of a packed
+  // row: its B bytes from n's, loaded exactly (no read past the row).
+  template <int B>
+  static I fields(const uint32_t* row, int64_t n) {
+    using P = PackedLanes<B, kLanes>;
+    uint64_t bits = 0;
+    memcpy(&bits, reinterpret_cast<const uint8_t*>(row) + n * B / 8, B);
+    const I words = _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(_mm_cvtsi64_si128(static_cast<int64_t>(bits))),
+                                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P::word.data())));
+    const I f = _mm256_srlv_epi32(words, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P::shift.data())));
+    return _mm256_and_si256(f, _mm256_set1_epi32((1 << B) - 1));
+  }
+  // Columns n .. n+7 of a row of scales of `type`, in fp32 (exactly).
+  static F scales(const void* row, ScaleType type, int64_t n) {
+    if (type == ScaleType::kF32) return _mm256_loadu_ps(static_cast<const float*>(row) + n);
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + n));
+    if (type == ScaleType::kF16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
 };
 
 }  // namespace

@@ -6,6 +6,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "gptq_kernels.h"
+
 namespace lowbit {
 namespace cpu {
 // Internal linkage: each ISA's unit compiles its own copy under its target
@@ -83,6 +85,24 @@ struct A8Avx512 {
   static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  // The B-bit fields of columns n .. n+15 (n a multiple of 16) of a packed
+  // row: its 2B bytes from n's, loaded exactly (no read past the row).
+  template <int B>
+  static I fields(const uint32_t* row, int64_t n) {
+    using P = PackedLanes<B, kLanes>;
+    const __m128i bytes = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << (2 * B)) - 1u),
+                                               reinterpret_cast<const uint8_t*>(row) + n * B / 8);
+    const I words = _mm512_permutexvar_epi32(_mm512_loadu_si512(P::word.data()), _mm512_castsi128_si512(bytes));
+    const I f = _mm512_srlv_epi32(words, _mm512_loadu_si512(P::shift.data()));
+    return _mm512_and_si512(f, _mm512_set1_epi32((1 << B) - 1));
+  }
+  // Columns n .. n+15 of a row of scales of `type`, in fp32 (exactly).
+  static F scales(const void* row, ScaleType type, int64_t n) {
+    if (type == ScaleType::kF32) return _mm512_loadu_ps(static_cast<const float*>(row) + n);
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + n));
+    if (type == ScaleType::kF16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
 };
 
 }  // namespace
