@@ -146,10 +146,6 @@ def _child_lowbit(spec):
     if spec["variant"].startswith("lowbit-gptq"):
         model = lowbit.load_gptq_model(spec["path"], int8_activations=spec["variant"] != "lowbit-gptq",
                                        float_tables="Q8_0" if "-q8" in spec["variant"] else None)
-        if spec["variant"].endswith("-repacked"):
-            names = lowbit.repack_model(model)
-            linears = [m for m in model.modules() if isinstance(m, lowbit.GPTQLinear)]
-            layout = dict(repacked_layers=len(names), quantized_layers=len(linears))
     else:
         model = lowbit.load_gguf_model(spec["path"])
         if spec["variant"] == "lowbit-transformers-steps":  # every call on the model's own forward
@@ -160,10 +156,10 @@ def _child_lowbit(spec):
             # One cache length for the warm-up and the timed runs: one compile.
             lowbit.compiled_decoding(model, max_cache_len=len(spec["prompt"]) + spec["new_tokens"] + 1,
                                      cpp_wrapper=spec["variant"] == "lowbit-compiled-cpp")
-        if spec["variant"] == "lowbit-repacked":
-            names = lowbit.repack_model(model)
-            linears = [m for m in model.modules() if isinstance(m, lowbit.GGUFLinear)]
-            layout = dict(repacked_layers=len(names), quantized_layers=len(linears))
+    if spec["variant"].endswith("-repacked"):
+        names = lowbit.repack_model(model)
+        linears = [m for m in model.modules() if isinstance(m, (lowbit.GGUFLinear, lowbit.GPTQLinear))]
+        layout = dict(repacked_layers=len(names), quantized_layers=len(linears))
     load_call_s = time.perf_counter() - t0
     with torch.no_grad():
         model(prompt[:, :1])
