@@ -42,7 +42,8 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     instead of three; save_gptq writes them apart again).
     `int8_activations` sets every GPTQLinear's (GPTQLinear: activations
     rounded to int8 per group for integer dot products, faster on the CPU;
-    2-, 4- and 8-bit layers).
+    2-, 4- and 8-bit layers); lowbit.repack_model(model) then holds those
+    layers in the panel layout gptq_gemm_a8 streams fastest.
     `float_tables="Q8_0"` holds those two tables as Q8_0 blocks instead,
     quantized at load as llama.cpp's quantizer does (lowbit.ops.ggml_quantize):
     about half their memory and half the head's reads per token, which is
