@@ -69,11 +69,8 @@ template <int B, class Group>
 inline void for_groups(const GptqWeight& w, int64_t M, int64_t n0, int64_t n1, float* out, Group&& group) {
   for (int64_t m = 0; m < M; ++m) std::fill(out + m * w.N + n0, out + m * w.N + n1, 0.0f);
   const int64_t groups = (w.K + w.group_of.group_size - 1) / w.group_of.group_size;
-  // Per thread, kept: a task over panels calls this once per 64 columns.
-  thread_local std::vector<int32_t> z;
-  thread_local std::vector<float> s;
-  z.resize(n1 - n0);
-  s.resize(n1 - n0);
+  std::vector<int32_t> z(n1 - n0);
+  std::vector<float> s(n1 - n0);
   for (int64_t g = 0; g < groups; ++g) {
     read_group_simd<B>(w, g, n0, n1, z.data(), s.data());
     group(g, static_cast<const int32_t*>(z.data()), static_cast<const float*>(s.data()));

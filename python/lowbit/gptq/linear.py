@@ -230,23 +230,23 @@ class GPTQLinear(nn.Module):
                                  f"{self.out_features} (a multiple of {PANEL_COLS} needed), qweight on "
                                  f"{self.qweight.device}")
             self.sort_rows()
-            self.qweight = to_panels(self.qweight)
-            self.repacked = True
-            if self.rows_sorted:  # the check per call follows the new buffer
-                self._sorted_key = self._key()
-            self._plan = None
+            self._hold(to_panels(self.qweight), repacked=True)
         return self
 
     def unrepack(self) -> GPTQLinear:
         """qweight back in the checkpoint's layout (its rows still sorted where
         they were), in place; returns self."""
         if self.repacked:
-            self.qweight = from_panels(self.qweight)
-            self.repacked = False
-            if self.rows_sorted:
-                self._sorted_key = self._key()
-            self._plan = None
+            self._hold(from_panels(self.qweight), repacked=False)
         return self
+
+    def _hold(self, qweight: torch.Tensor, repacked: bool) -> None:
+        """qweight in the layout `repacked` says; the check per call of sorted
+        rows and the plan follow the new buffer."""
+        self.qweight, self.repacked = qweight, repacked
+        if self.rows_sorted:
+            self._sorted_key = self._key()
+        self._plan = None
 
     def checkpoint_qweight(self, cols: slice = slice(None)) -> torch.Tensor:
         """qweight's columns `cols` in the checkpoint's row order and layout (a
