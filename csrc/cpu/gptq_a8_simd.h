@@ -44,16 +44,16 @@ struct A8Simd {
   static constexpr int kU = D::kRegisters >= 32 ? 4 : (MT == 1 ? 4 : MT == 2 ? 2 : 1);
 
   // One group (packs words from word row q, rows q_stride apart) of MT
-  // activation rows x U*L columns from column n, added to out (rows N
-  // apart). x: row m0's dwords at the group's first pack, rows x_stride
+  // activation rows x U*L columns from column n, added to the fp32 sums
+  // `out`. x: row m0's dwords at the group's first pack, rows x_stride
   // dwords apart. The group's zeros and scales of those columns are
   // converted from `params` in registers (a buffer of a task's columns,
   // filled per group, cost a streamed matvec about a seventh of its time).
   template <int MT>
-  __attribute__((noinline)) static void group_tile(const int32_t* x, int64_t x_stride, const uint32_t* q,
-                                                   int64_t q_stride, int64_t N, int64_t packs, int64_t ahead,
-                                                   const GroupRow& params, int64_t n, const float* d,
-                                                   const int32_t* a_sum, float* out) {
+  __attribute__((always_inline)) static void add_group(const int32_t* x, int64_t x_stride, const uint32_t* q,
+                                                       int64_t q_stride, int64_t packs, int64_t ahead,
+                                                       const GroupRow& params, int64_t n, const float* d,
+                                                       const int32_t* a_sum, F (&out)[MT][kU<MT>]) {
     constexpr int U = kU<MT>;
     I acc[MT][U];
     for (int m = 0; m < MT; ++m)
@@ -63,7 +63,7 @@ struct A8Simd {
       I words[U];
       for (int u = 0; u < U; ++u) {
         const uint32_t* row = q + p * q_stride + u * L;
-        __builtin_prefetch(row + ahead, 0, 2);  // the next group's rows, into L2
+        __builtin_prefetch(row + ahead, 0, 2);  // the rows `ahead` words on, into L2
         words[u] = D::load(row);
       }
       for (int j = 0; j < S; ++j) {
@@ -92,25 +92,78 @@ struct A8Simd {
       const I sum_m = D::set1(a_sum[m]);
       for (int u = 0; u < U; ++u) {
         const I r = D::sub(acc[m][u], D::mullo(zero[u], sum_m));
-        float* o = out + m * N + u * L;
-        D::store_ps(o, D::fma(D::mul(scale[u], dm), D::cvt(r), D::load_ps(o)));
+        out[m][u] = D::fma(D::mul(scale[u], dm), D::cvt(r), out[m][u]);
       }
     }
   }
 
+  // add_group on out (MT rows N apart) in memory: one group of the
+  // checkpoint's layout, whose next group is rows N words away.
+  template <int MT>
+  __attribute__((noinline)) static void group_tile(const int32_t* x, int64_t x_stride, const uint32_t* q,
+                                                   int64_t q_stride, int64_t N, int64_t packs, int64_t ahead,
+                                                   const GroupRow& params, int64_t n, const float* d,
+                                                   const int32_t* a_sum, float* out) {
+    F sums[MT][kU<MT>];
+    for (int m = 0; m < MT; ++m)
+      for (int u = 0; u < kU<MT>; ++u) sums[m][u] = D::load_ps(out + m * N + u * L);
+    add_group<MT>(x, x_stride, q, q_stride, packs, ahead, params, n, d, a_sum, sums);
+    for (int m = 0; m < MT; ++m)
+      for (int u = 0; u < kU<MT>; ++u) D::store_ps(out + m * N + u * L, sums[m][u]);
+  }
+
+  // Every group of one panel's U*L columns from n against MT activation
+  // rows from m0, the fp32 sums held in registers from the first group to
+  // the last (group_tile's order of operations, so the same bits): the
+  // panel is read as one stream, with no loads and stores of the output
+  // between its groups. A group's zeros and scales lie rows of N columns
+  // apart, a stride the hardware prefetcher does not follow: they are
+  // fetched two groups ahead, as the weights are.
+  template <int MT>
+  __attribute__((noinline)) static void panel_tile(const GptqActs8& x, int64_t m0, const GptqWeight& w, int64_t n,
+                                                   float* out) {
+    constexpr int U = kU<MT>;
+    const int64_t gs = w.group_of.group_size;
+    const int64_t ahead = 2 * (gs / F_) * w.row_stride();
+    const int64_t scale_bytes = w.params.scale_type == ScaleType::kF32 ? 4 : 2;
+    F sums[MT][U];
+    for (int m = 0; m < MT; ++m)
+      for (int u = 0; u < U; ++u) sums[m][u] = D::set1_ps(0.0f);
+    for (int64_t g = 0; g < x.groups; ++g) {
+      if (g + 2 < x.groups) {
+        const GroupRow next = group_row<B>(w, g + 2);
+        __builtin_prefetch(reinterpret_cast<const char*>(next.zeros) + n * B / 8, 0, 3);
+        for (int64_t b = 0; b < U * L * scale_bytes; b += 64)
+          __builtin_prefetch(static_cast<const char*>(next.scales) + n * scale_bytes + b, 0, 3);
+      }
+      float d[MT];
+      int32_t a_sum[MT];
+      for (int m = 0; m < MT; ++m) {
+        d[m] = x.scale[(m0 + m) * x.groups + g];
+        a_sum[m] = x.sum[(m0 + m) * x.groups + g];
+      }
+      const int64_t packs = std::min(gs, w.K - g * gs) / F_;  // the last group may be short
+      add_group<MT>(reinterpret_cast<const int32_t*>(x.q + m0 * w.K + g * gs), w.K / 4, w.words(g * gs / F_, n),
+                    w.row_stride(), packs, ahead, group_row<B>(w, g), n, d, a_sum, sums);
+    }
+    for (int m = 0; m < MT; ++m)
+      for (int u = 0; u < U; ++u) D::store_ps(out + (m0 + m) * w.N + n + u * L, sums[m][u]);
+  }
+
   static void run(const GptqActs8& x, int64_t M, const GptqWeight& w, int64_t n0, int64_t n1, float* out) {
-    // In the panel layout a panel's rows are one contiguous stream: the task
-    // takes its panels one after another (one stream at a time, prefetched
-    // two groups ahead), where the checkpoint's layout is read group by
-    // group across the task's columns (each group's rows prefetched while
-    // the group before it runs).
-    if (w.panel && n1 - n0 > w.panel) {
-      for (int64_t n = n0; n < n1; n += w.panel) run(x, M, w, n, std::min(n1, n + w.panel), out);
+    // In the panel layout a panel's rows are one contiguous stream, which
+    // panel_tile reads start to end, one panel after another. The
+    // checkpoint's layout is read group by group across the task's columns
+    // (each group's rows prefetched while the group before it runs).
+    if (w.panel) {
+      for_row_tiles(M, [&](auto mt, int64_t m0) {
+        constexpr int MT = decltype(mt)::value;
+        for (int64_t n = n0; n < n1; n += kU<MT> * L) panel_tile<MT>(x, m0, w, n, out);
+      });
       return;
     }
     const int64_t gs = w.group_of.group_size;
-    const int64_t group_words = gs / F_ * w.row_stride();
-    const int64_t ahead = w.panel ? 2 * group_words : group_words;
+    const int64_t ahead = gs / F_ * w.row_stride();
     for (int64_t m = 0; m < M; ++m) std::fill(out + m * w.N + n0, out + m * w.N + n1, 0.0f);
     for (int64_t g = 0; g < x.groups; ++g) {
       const GroupRow params = group_row<B>(w, g);

@@ -90,8 +90,11 @@ struct A8Avx512 {
   template <int B>
   static I fields(const uint32_t* row, int64_t n) {
     using P = PackedLanes<B, kLanes>;
-    const __m128i bytes = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << (2 * B)) - 1u),
-                                               reinterpret_cast<const uint8_t*>(row) + n * B / 8);
+    const uint8_t* p = reinterpret_cast<const uint8_t*>(row) + n * B / 8;
+    __m128i bytes;
+    if constexpr (B == 2) bytes = _mm_loadu_si32(p);
+    else if constexpr (B == 4) bytes = _mm_loadu_si64(p);
+    else bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     const I words = _mm512_permutexvar_epi32(_mm512_loadu_si512(P::word.data()), _mm512_castsi128_si512(bytes));
     const I f = _mm512_srlv_epi32(words, _mm512_loadu_si512(P::shift.data()));
     return _mm512_and_si512(f, _mm512_set1_epi32((1 << B) - 1));
