@@ -8,8 +8,10 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace lowbit {
@@ -38,6 +40,21 @@ inline void check_dim(const char* op, const char* name, const at::Tensor& t, int
   TORCH_CHECK_VALUE(t.dim() == dim, op, ": ", name, " must be ", dim, "-D, got shape ", t.sizes());
 }
 
+// The least and greatest value of a non-empty CPU index vector, in one pass:
+// at::aminmax would cost two tensors, a dispatch and two reads back, a good
+// part of a small matvec's fixed cost (gptq_gemm checks g_idx every call).
+template <class T>
+inline std::pair<int64_t, int64_t> index_range(const at::Tensor& idx) {
+  const at::Tensor c = idx.contiguous();
+  const T* p = c.data_ptr<T>();
+  T lo = p[0], hi = p[0];
+  for (int64_t i = 1; i < c.numel(); ++i) {
+    lo = std::min(lo, p[i]);
+    hi = std::max(hi, p[i]);
+  }
+  return {lo, hi};
+}
+
 // Validates an int32/int64 index vector of length K (or empty) whose values
 // must lie in [0, upper), and returns it as a contiguous int32 tensor. Values
 // are inspected only for CPU tensors: device kernels must not sync with the
@@ -53,8 +70,7 @@ inline at::Tensor check_index_vector(const char* op, const char* name, const at:
                     idx.size(0));
   if (idx.is_cpu()) {
     // Check before narrowing to int32, so that large int64 values cannot wrap into range.
-    const auto [lo, hi] = at::aminmax(idx);
-    const int64_t lo_v = lo.item<int64_t>(), hi_v = hi.item<int64_t>();
+    const auto [lo_v, hi_v] = idx.scalar_type() == at::kInt ? index_range<int32_t>(idx) : index_range<int64_t>(idx);
     TORCH_CHECK_VALUE(lo_v >= 0 && hi_v < upper, op, ": ", name, " values must lie in [0, ", upper,
                       "), found min ", lo_v, " and max ", hi_v);
   } else if (idx.scalar_type() == at::kLong) {
