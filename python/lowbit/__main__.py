@@ -137,8 +137,8 @@ def load_model_and_tokenizer(path: str, repack: bool = False, int8_activations: 
                              float_tables: str | None = None):
     """A .gguf file's model and tokenizer (both from the file; `repack`: its
     layers in the CPU kernels' repacked layout), or a GPTQ checkpoint
-    directory's (the tokenizer saved beside the weights; `int8_activations`
-    and `float_tables`: load_gptq_model's)."""
+    directory's (the tokenizer saved beside the weights; `int8_activations`,
+    `float_tables` and `repack`: load_gptq_model's)."""
     from .gguf.model import load_gguf_model, load_gguf_tokenizer
     from .gptq.placing import load_gptq_model
 
@@ -147,11 +147,12 @@ def load_model_and_tokenizer(path: str, repack: bool = False, int8_activations: 
             if given:
                 raise ValueError(f"{path}: {flag} is for GPTQ checkpoints (a GGUF file's types fix theirs)")
         return load_gguf_model(path, repack=repack), load_gguf_tokenizer(path)
-    if repack:
-        raise ValueError(f"{path}: --repack is for GGUF files")
+    if repack and not int8_activations:
+        raise ValueError(f"{path}: --repack on a GPTQ checkpoint holds its layers in gptq_gemm_a8's panel layout, "
+                         f"which only --int8-activations layers read: pass both")
     import transformers
 
-    model = load_gptq_model(path, int8_activations=int8_activations, float_tables=float_tables)
+    model = load_gptq_model(path, int8_activations=int8_activations, float_tables=float_tables, repack=repack)
     try:
         return model, transformers.AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
@@ -209,7 +210,8 @@ def main(argv=None) -> int:
     generate.add_argument("--repack", action="store_true",
                           help="GGUF: the layers whose type has the CPU kernels' repacked layout in it (the "
                                "same results, for the 32-element types to fp32 rounding; faster where the CPU's "
-                               "kernels read it: torch.ops.lowbit.cpu_reads_repacked)")
+                               "kernels read it: torch.ops.lowbit.cpu_reads_repacked); GPTQ, with "
+                               "--int8-activations: the layers in gptq_gemm_a8's panel layout (the same results)")
     generate.add_argument("--int8-activations", action="store_true",
                           help="GPTQ: activations rounded to int8 per group for integer dot products "
                                "(GPTQLinear.int8_activations): faster on the CPU, about 2^-8 of the products' "

@@ -27,7 +27,8 @@ __all__ = ["load_gptq_model", "place_gptq_checkpoint"]
 
 def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                     checkpoint_format: str | None = None, fuse: bool = True,
-                    int8_activations: bool = False, float_tables: str | None = None) -> nn.Module:
+                    int8_activations: bool = False, float_tables: str | None = None,
+                    repack: bool = False) -> nn.Module:
     """The transformers model (AutoModelForCausalLM) of an HF GPTQ checkpoint
     directory, in eval mode on the CPU: its config.json builds the model, every
     quantized module becomes a GPTQLinear holding the checkpoint's tensors,
@@ -43,7 +44,8 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     `int8_activations` sets every GPTQLinear's (GPTQLinear: activations
     rounded to int8 per group for integer dot products, faster on the CPU;
     2-, 4- and 8-bit layers); lowbit.repack_model(model) then holds those
-    layers in the panel layout gptq_gemm_a8 streams fastest.
+    layers in the panel layout gptq_gemm_a8 streams fastest, and `repack`
+    does that here (it needs int8_activations).
     `float_tables="Q8_0"` holds those two tables as Q8_0 blocks instead,
     quantized at load as llama.cpp's quantizer does (lowbit.ops.ggml_quantize):
     about half their memory and half the head's reads per token, which is
@@ -56,6 +58,9 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     """
     import transformers
 
+    if repack and not int8_activations:
+        raise ValueError("load_gptq_model: repack holds GPTQ layers in gptq_gemm_a8's panel layout, which only "
+                         "int8_activations layers read: pass int8_activations=True as well")
     directory, _ = checkpoint_files(os.fspath(path))
     check_layer_count(directory)
     config = transformers.AutoConfig.from_pretrained(directory)
@@ -72,6 +77,10 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                 module.int8_activations = True
     if fuse:
         fuse_projections(model)
+    if repack:
+        from ..gguf.repacking import repack_model  # lowbit.gguf imports lowbit.ops, which imports this package
+
+        repack_model(model)
     kernel_threads(model)
     fast_decoding(model)
     return checked(model, f"load_gptq_model: {directory}")
