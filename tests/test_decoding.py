@@ -92,14 +92,30 @@ def test_loaded_gguf_models_generate_through_served_steps(gguf_path):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
 
 
-def test_gptq_models_generate_through_served_steps():
+@pytest.mark.parametrize("layout", ["unsorted", "sorted", "int8", "int8 panels"])
+def test_gptq_models_generate_through_served_steps(layout, monkeypatch):
+    """An act-order model's layers as a checkpoint holds them (the activations
+    permuted per call), with their rows sorted, with int8 activations and in
+    gptq_gemm_a8's panels: the steps call each layer's op directly."""
     from test_generation import act_order_gptq_model
 
     model = act_order_gptq_model(seed=2)
+    layers = [m for m in model.modules() if isinstance(m, lowbit.GPTQLinear)]
+    for m in layers:
+        if layout != "unsorted":
+            m.sort_rows()
+        m.int8_activations = layout.startswith("int8")
+        if layout == "int8 panels" and m.can_repack():
+            m.repack()
+    assert layout != "int8 panels" or any(m.repacked for m in layers)
     ids = torch.tensor([[1, 7, 22, 5, 63, 40, 9]])
     own = generate(model, ids)
+    calls = []
+    forward = lowbit.GPTQLinear.forward
+    monkeypatch.setattr(lowbit.GPTQLinear, "forward", lambda self, x: calls.append(x.shape) or forward(self, x))
     assert fast_decoding(model)
     served = generate(model, ids)
+    assert len(calls) == len(layers)  # the prompt's forward; no module call in a step
     assert torch.equal(served.sequences, own.sequences)
     for a, b in zip(served.logits, own.logits):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

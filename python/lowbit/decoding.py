@@ -57,15 +57,17 @@ def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
 
 def _project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """module(x) for one token's x ([1, 1, in] -> [1, out] or [1, 1, out]).
-    A layer whose own class has a `matmul_op` (GGUFLinear: its forward is that
-    op on the flattened rows; not a subclass or a wrapper) and no bias or
-    hooks calls that op directly: the module call and its reshapes are a
-    good part of a small matvec's host time."""
-    matmul_op = type(module).__dict__.get("matmul_op")
-    if (matmul_op is not None and module.bias is None and not module._forward_hooks
-            and not module._forward_pre_hooks and not _global_hooks()):
-        return matmul_op(module, 1)(module._buffers["qweight"], x.view(1, -1), module.qtype, module.out_features)
-    return module(x)
+    A layer whose own class has an `op_call` (GGUFLinear, GPTQLinear: their
+    forward is that op on the flattened rows, then the bias; not a subclass
+    or a wrapper) and no hooks gets that op called directly, below autograd
+    as the whole step is: the module call, its reshapes and its autograd
+    check are a good part of a small matvec's host time."""
+    op_call = type(module).__dict__.get("op_call")
+    if op_call is None or module._forward_hooks or module._forward_pre_hooks or _global_hooks():
+        return module(x)
+    op, args = op_call(module, x.view(1, -1))
+    y, bias = op(*args), module.bias
+    return y if bias is None else y + bias.to(y.dtype)
 
 
 def _global_hooks() -> bool:

@@ -113,16 +113,20 @@ class GGUFLinear(nn.Module):
         bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
         return cls.from_raw(rows, layers[0].qtype, layers[0].in_features, bias)
 
-    def matmul_op(self, rows: int):
-        """The op that multiplies `rows` activation rows by this layer's weight
-        as it is held (op(qweight, x [rows, in_features], qtype, out_features))."""
+    def op_call(self, x2: torch.Tensor) -> tuple:
+        """(op, args): op(*args) multiplies the rows x2 [rows, in_features] by
+        this layer's weight as it is held, without the bias (forward's call,
+        and lowbit.decoding's, which skips the module)."""
         if self.repacked:
-            return torch.ops.lowbit.ggml_mul_mat_repacked
-        return torch.ops.lowbit.ggml_mul_mat_vec_a8 if rows <= VEC_MAX_M else torch.ops.lowbit.ggml_mul_mat_a8
+            op = torch.ops.lowbit.ggml_mul_mat_repacked
+        else:
+            op = torch.ops.lowbit.ggml_mul_mat_vec_a8 if x2.shape[0] <= VEC_MAX_M else torch.ops.lowbit.ggml_mul_mat_a8
+        return op, (self._buffers["qweight"], x2, self.qtype, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        y = call_frozen(self.matmul_op(x2.shape[0]), self._buffers["qweight"], x2, self.qtype, self.out_features)
+        op, args = self.op_call(x2)
+        y = call_frozen(op, *args)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -332,23 +332,29 @@ class GPTQLinear(nn.Module):
                            torch.arange(1, q_rows, device=device) * cols])  # row 0, column 0
         return key, form, self.g_idx.clone(), where, torch.take(self.qweight, where)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def op_call(self, x2: torch.Tensor) -> tuple:
+        """(op, args): op(*args) multiplies the rows x2 [rows, in_features] by
+        this layer's weight, without the bias (forward's call, and
+        lowbit.decoding's, which skips the module)."""
         qweight, g_idx, perm = self._prepare()
-        x2 = x.reshape(-1, self.in_features)
         if perm is not None:
             x2 = x2.index_select(1, perm)
         buffers = self._buffers
         v2 = self.checkpoint_format == "gptq_v2"
-        if self.repacked and not (self.int8_activations and x2.device.type == "cpu"):
+        cpu = x2.device.type == "cpu"
+        if self.repacked and not (self.int8_activations and cpu):
             raise RuntimeError(f"GPTQLinear: a repacked layer runs on gptq_gemm_a8 (CPU inputs, int8_activations); "
                                f"got {x2.device} inputs with int8_activations={self.int8_activations}: call "
                                f"unrepack() first")
-        if self.int8_activations and self.bits != 3 and x2.device.type == "cpu":
-            y = call_frozen(torch.ops.lowbit.gptq_gemm_a8, x2, qweight, buffers["qzeros"], buffers["scales"], g_idx,
-                            v2, self.bits)
-        else:
-            y = call_frozen(torch.ops.lowbit.gptq_gemm, x2, qweight, buffers["qzeros"], buffers["scales"], g_idx,
-                            False, v2, self.bits)
+        if self.int8_activations and self.bits != 3 and cpu:
+            return torch.ops.lowbit.gptq_gemm_a8, (x2, qweight, buffers["qzeros"], buffers["scales"], g_idx, v2,
+                                                   self.bits)
+        return torch.ops.lowbit.gptq_gemm, (x2, qweight, buffers["qzeros"], buffers["scales"], g_idx, False, v2,
+                                            self.bits)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        op, args = self.op_call(x.reshape(-1, self.in_features))
+        y = call_frozen(op, *args)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
