@@ -54,6 +54,7 @@ class _CPlan(ctypes.Structure):  # struct ggml_cplan of the ggml that llama-cpp-
 
 
 _ToFloat = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+_FromFloat = _ToFloat  # (const float *, void *, int64_t k): the same C signature
 
 
 class _TypeTraits(ctypes.Structure):  # struct ggml_type_traits (ggml.h)
@@ -156,6 +157,18 @@ def dequantize(raw, qtype):
     to_float = _LIBS[0].ggml_get_type_traits(qtype).contents.to_float
     for r in range(raw.shape[0]):
         to_float(raw[r].ctypes.data, out[r].ctypes.data, n)
+    return out
+
+
+def quantize(x, qtype):
+    """ggml's own reference quantizer (its from_float_ref, quantize_row_*_ref)
+    of float32 x [rows, n] as raw blocks uint8 [rows, n / block * bytes]."""
+    block, nbytes = block_shape(qtype)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.zeros((x.shape[0], x.shape[1] // block * nbytes), dtype=np.uint8)
+    from_float = _FromFloat(_LIBS[0].ggml_get_type_traits(qtype).contents.from_float_ref)
+    for r in range(x.shape[0]):
+        from_float(x[r].ctypes.data, out[r].ctypes.data, x.shape[1])
     return out
 
 

@@ -1,14 +1,17 @@
 """ggml_quantize against gguf-py's quantizer (llama.cpp's quantize_row_q8_0_ref
-written in NumPy): the same bytes for every input, including ties at half a
-step, all-zero and subnormal blocks, and fp16 / bf16 inputs; its blocks
-decode back through ggml_dequantize within half a step; opcheck and
+written in NumPy) and, for Q6_K, llama.cpp's own quantize_row_q6_K_ref
+(tests/llama_cpp_peer.py): the same bytes for every input, including ties at
+half a step, all-zero and subnormal blocks, and fp16 / bf16 inputs; its
+blocks decode back through ggml_dequantize within half a step; opcheck and
 torch.compile; NaN / Inf and the types it does not write are refused."""
 import numpy as np
 import pytest
 import torch
 
+import llama_cpp_peer
+
 ops = torch.ops.lowbit
-Q8_0 = 8
+Q8_0, Q6_K = 8, 14
 
 
 def gguf_py_q8_0(x: np.ndarray) -> np.ndarray:
@@ -68,6 +71,7 @@ def test_opcheck_and_compile():
     x = torch.randn(6, 96)
     torch.library.opcheck(ops.ggml_quantize, (x, Q8_0))
     torch.library.opcheck(ops.ggml_quantize, (x.half(), Q8_0))
+    torch.library.opcheck(ops.ggml_quantize, (torch.randn(3, 512), Q6_K))
 
     @torch.compile(fullgraph=True, dynamic=True)
     def f(x):
@@ -99,7 +103,50 @@ def test_values_beyond_the_fp16_scale_raise():
         ops.ggml_quantize(x, Q8_0)
 
 
-@pytest.mark.parametrize("type_id, message", [(2, r"type 2 \(Q4_0\): lowbit writes Q8_0 \(8\) only"),
+@pytest.mark.skipif(llama_cpp_peer.available() is not None, reason=str(llama_cpp_peer.available()))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_q6_k_blocks_are_llama_cpp_s_bytes(seed):
+    """awkward_rows, heavy tails, sparse and one-hot rows, and magnitudes from
+    1e-20 to 1e6: every byte as llama.cpp's reference quantizer writes it, and
+    ggml_dequantize reads them as ggml's dequantize_row_q6_K does."""
+    rng = np.random.default_rng(seed)
+    x = np.concatenate([
+        awkward_rows(rng, 8, 512)[:, :512] / np.float32(65504),  # Q8_0's top magnitudes overflow Q6_K's d
+        rng.standard_t(2, (8, 512)).astype(np.float32),
+        (rng.standard_normal((8, 512)) * (rng.random((8, 512)) < 0.05)).astype(np.float32),
+        np.eye(8, 512, dtype=np.float32) * -3,
+        rng.standard_normal((8, 512)).astype(np.float32) * np.logspace(-20, 6, 8, dtype=np.float32)[:, None],
+    ])
+    got = ops.ggml_quantize(torch.from_numpy(x), Q6_K)
+    assert got.dtype == torch.uint8 and got.shape == (40, 512 // 256 * 210)
+    assert np.array_equal(got.numpy(), llama_cpp_peer.quantize(x, Q6_K))
+    back = ops.ggml_dequantize(got, Q6_K, 40, 512, torch.float32).numpy()
+    assert np.array_equal(back, llama_cpp_peer.dequantize(got.numpy(), Q6_K))
+
+
+def test_q6_k_blocks_decode_close_to_their_values():
+    x = torch.randn(12, 512, generator=torch.Generator().manual_seed(5)) * 5
+    back = ops.ggml_dequantize(ops.ggml_quantize(x, Q6_K), Q6_K, 12, 512, torch.float32)
+    # 6-bit levels over each 16 values' range: within a step of amax / 31 (the
+    # int8 sub-block scales and fp16 d add a little to half a step)
+    step = x.reshape(12, -1, 16).abs().amax(-1, keepdim=True) / 31
+    assert torch.all((back - x).reshape(12, -1, 16).abs() <= step)
+    assert torch.equal(ops.ggml_quantize(x.to(torch.bfloat16), Q6_K), ops.ggml_quantize(x.to(torch.bfloat16).float(), Q6_K))
+
+
+def test_q6_k_refuses_non_finite_values_and_partial_blocks():
+    x = torch.randn(2, 512)
+    x[1, 300] = float("nan")
+    with pytest.raises(ValueError, match=r"ggml_quantize: x holds a non-finite value \(nan\) at \[1, 300\]"):
+        ops.ggml_quantize(x, Q6_K)
+    x[1, 300] = 3e9  # d = amax / 4096 or so: beyond fp16
+    with pytest.raises(ValueError, match=r"x's block \[1, 256:512\] reaches magnitude 3e\+09, beyond Q6_K's range"):
+        ops.ggml_quantize(x, Q6_K)
+    with pytest.raises(ValueError, match=r"x's rows \(n=384\) are not a multiple of the Q6_K block size 256"):
+        ops.ggml_quantize(torch.randn(2, 384), Q6_K)
+
+
+@pytest.mark.parametrize("type_id, message", [(2, r"type 2 \(Q4_0\): lowbit writes Q8_0 \(8\) and Q6_K \(14\) only"),
                                               (99, "type 99 is not a ggml weight type")])
 def test_types_it_does_not_write_raise(type_id, message):
     for call in (lambda: ops.ggml_quantize(torch.randn(2, 64), type_id),

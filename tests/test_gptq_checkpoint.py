@@ -42,8 +42,8 @@ transformers = pytest.importorskip("transformers")
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def tiny_llama(seed=0, bias=False):
-    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+def tiny_llama(seed=0, bias=False, hidden_size=128):
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=hidden_size, intermediate_size=256, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                       tie_word_embeddings=False, attention_bias=bias, mlp_bias=bias)
     torch.manual_seed(seed)
@@ -231,6 +231,40 @@ def test_load_gptq_model_holds_the_float_tables_as_q8_0(tmp_path, tied, dtype):
         torch.testing.assert_close(built(IDS).logits.reshape(want.shape), want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_load_gptq_model_holds_the_float_tables_as_q6_k(tmp_path, tied):
+    """float_tables="Q6_K" (rows of whole 256-value blocks): ggml_quantize's
+    Q6_K blocks of each table, one for a tied pair, and the logits the Q6_K
+    head gives the final hidden states; 128-value rows are refused, naming
+    the table."""
+    config = GPTQConfig(bits=4, group_size=32, sym=False, checkpoint_format="gptq_v2")
+    model = tiny_llama(hidden_size=256)
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+    quantize(model, config)
+    lowbit.save_gptq(model, tmp_path / "ckpt", config)
+    tables = load_file(tmp_path / "ckpt" / "model.safetensors")
+    built = lowbit.load_gptq_model(tmp_path / "ckpt", float_tables="Q6_K")
+    embedding, head = built.model.embed_tokens, built.lm_head
+    assert (embedding.qtype, head.qtype) == (14, 14)
+    assert torch.equal(embedding.qweight, lowbit.ops.ggml_quantize(tables["model.embed_tokens.weight"], 14))
+    assert torch.equal(head.qweight, lowbit.ops.ggml_quantize(tables["model.embed_tokens.weight" if tied
+                                                                     else "lm_head.weight"], 14))
+    assert (head.qweight.untyped_storage().data_ptr() == embedding.qweight.untyped_storage().data_ptr()) == tied
+    with torch.no_grad():
+        hidden = built.model(IDS).last_hidden_state.reshape(-1, 256)
+        want = lowbit.ops.ggml_mul_mat_a8(head.qweight, hidden, 14, head.qweight.shape[0])
+        torch.testing.assert_close(built(IDS).logits.reshape(want.shape), want, rtol=1e-6, atol=1e-6)
+    narrow = tiny_llama()
+    quantize(narrow, config)
+    lowbit.save_gptq(narrow, tmp_path / "narrow", config)
+    with pytest.raises(GPTQCheckpointError, match=r"narrow: float_tables: tensor 'model.embed_tokens.weight': "
+                                                  r"ggml_quantize: x's rows \(n=128\) are not a multiple of the "
+                                                  r"Q6_K block size 256"):
+        lowbit.load_gptq_model(tmp_path / "narrow", float_tables="Q6_K")
+
+
 def test_load_gptq_model_refuses_an_unknown_table_type_and_a_table_without_a_q8_0_form(tmp_path):
     config = GPTQConfig(bits=4, group_size=32, sym=False, checkpoint_format="gptq_v2")
     model = tiny_llama()
@@ -238,7 +272,7 @@ def test_load_gptq_model_refuses_an_unknown_table_type_and_a_table_without_a_q8_
     with torch.no_grad():
         model.model.embed_tokens.weight[3, 5] = float("nan")
     lowbit.save_gptq(model, tmp_path / "ckpt", config)
-    with pytest.raises(ValueError, match=r"float_tables must be one of \['Q8_0'\] or None, got 'Q4_0'"):
+    with pytest.raises(ValueError, match=r"float_tables must be one of \['Q6_K', 'Q8_0'\] or None, got 'Q4_0'"):
         lowbit.load_gptq_model(tmp_path / "ckpt", float_tables="Q4_0")
     with pytest.raises(GPTQCheckpointError, match=r"ckpt: float_tables: tensor 'model.embed_tokens.weight': "
                                                   r"ggml_quantize: x holds a non-finite value \(nan\) at \[3, 5\]"):
@@ -348,6 +382,9 @@ def test_generate_command_runs_a_gptq_directory(tmp_path, capsys):
         expect = q8_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
                                    pad_token_id=tokenizer.eos_token_id)
     assert capsys.readouterr().out.strip() == tokenizer.decode(expect[0, 3:], skip_special_tokens=True).strip()
+    # --float-tables Q6_K: 128-value rows are not whole Q6_K blocks.
+    assert main(["generate", str(tmp_path / "ckpt"), "w1 w2 w3", "--tokens", "5", "--float-tables", "Q6_K"]) == 1
+    assert "are not a multiple of the Q6_K block size 256" in capsys.readouterr().err
 
 
 def test_load_gptq_model_repack_holds_the_int8_layers_in_panels(tmp_path):

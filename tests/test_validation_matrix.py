@@ -262,7 +262,7 @@ OPS["ggml_quantize"] = Op(lambda: {"x": torch.randn(GGML_ROWS, GGML_N), "type": 
     "x": Arg(FLOATS, empty_ok=(0, 1)),
 }, {
     "unknown type": (lambda kw: {"type": 99}, ValueError, "type 99 is not a ggml weight type"),
-    "type it does not write": (lambda kw: {"type": Q4_0}, ValueError, r"type 2 \(Q4_0\): lowbit writes Q8_0"),
+    "type it does not write": (lambda kw: {"type": Q4_0}, ValueError, r"type 2 \(Q4_0\): lowbit writes Q8_0 \(8\) and Q6_K"),
     "n not whole blocks": (lambda kw: {"x": kw["x"][:, :-16].contiguous()}, ValueError,
                            r"x's rows \(n=496\) are not a multiple of the Q8_0 block size 32"),
     "NaN": (lambda kw: {"x": kw["x"].index_fill(1, torch.tensor([5]), float("nan"))}, ValueError,

@@ -14,6 +14,7 @@
 
 #include "../core/ggml_blocks.h"
 #include "../core/ggml_q8.h"
+#include "../core/ggml_quantize.h"
 #include "../core/ggml_repack.h"
 #include "../ops/backend_ops.h"
 #include "../ops/dispatch.h"
@@ -115,15 +116,15 @@ struct QuantizedActs {
 };
 
 // ggml_quantize's error for the block of `count` values at x[r, c:c+count]
-// whose scale came out non-finite: a NaN or Inf in it (llama.cpp's quantizer
-// refuses those too), or values whose d = amax / 127 overflows fp16.
-[[noreturn]] void throw_unquantizable(const float* v, int64_t r, int64_t c, int64_t count) {
+// whose scale came out non-finite, or that holds a NaN or Inf (llama.cpp's
+// quantizer refuses those too): values whose fp16 block scale overflows.
+[[noreturn]] void throw_unquantizable(const float* v, int64_t r, int64_t c, int64_t count, const char* type) {
   const float* bad = std::find_if(v, v + count, [](float e) { return !std::isfinite(e); });
   TORCH_CHECK_VALUE(bad == v + count, "ggml_quantize: x holds a non-finite value (", *bad, ") at [", r, ", ",
                     c + (bad - v), "]");
   const float* big = std::max_element(v, v + count, [](float a, float b) { return std::fabs(a) < std::fabs(b); });
   TORCH_CHECK_VALUE(false, "ggml_quantize: x's block [", r, ", ", c, ":", c + count, "] reaches magnitude ", *big,
-                    ", beyond Q8_0's range (its fp16 scale amax / 127 overflows)");
+                    ", beyond ", type, "'s range (its fp16 block scale overflows)");
 }
 
 // The portable kernel: out[:, r0:r1] of X @ W.T, each weight block decoded
@@ -444,21 +445,33 @@ at::Tensor ggml_quantize(const at::Tensor& x, int64_t type) {
   if (out.numel() == 0) return out;
   uint8_t* dst = out.data_ptr<uint8_t>();
   const Isa isa = active_isa();
+  const bool q6_k = type == static_cast<int64_t>(ggml::Type::Q6_K);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ggml_quantize", [&] {
     const scalar_t* src = x.const_data_ptr<scalar_t>();
     parallel_for(m, row_grain(n), [&](int64_t r0, int64_t r1) {
-      // A Q8_0 weight block is a Q8_0 activation block (the rounding llama.cpp's
-      // quantizer and its activations share) with d stored as fp16.
       std::vector<float> row(n), d(blocks), sum(blocks);
       std::vector<int8_t> q(n);
       for (int64_t r = r0; r < r1; ++r) {
         at::vec::convert(src + r * n, row.data(), n);
+        uint8_t* out_row = dst + r * row_bytes;
+        if (q6_k) {
+          for (int64_t b = 0; b < blocks; ++b) {
+            const float* v = row.data() + b * info.block;
+            // A NaN or Inf would steer the scale search anywhere: refused first.
+            if (!std::all_of(v, v + info.block, [](float e) { return std::isfinite(e); }) ||
+                !std::isfinite(ggml::quantize_q6_k_block(v, out_row + b * info.bytes)))
+              throw_unquantizable(v, r, b * info.block, info.block, info.name);
+          }
+          continue;
+        }
+        // A Q8_0 weight block is a Q8_0 activation block (the rounding llama.cpp's
+        // quantizer and its activations share) with d stored as fp16.
         quantize_blocks<Act::Q8_0>(isa, row.data(), 0, blocks, q.data(), d.data(), sum.data());
         for (int64_t b = 0; b < blocks; ++b) {
           const float* v = row.data() + b * info.block;
-          if (!std::isfinite(d[b])) throw_unquantizable(v, r, b * info.block, info.block);
+          if (!std::isfinite(d[b])) throw_unquantizable(v, r, b * info.block, info.block, info.name);
           const uint16_t h = fp32_to_fp16(d[b]);  // d is fp16-exact already
-          uint8_t* block = dst + r * row_bytes + b * info.bytes;
+          uint8_t* block = out_row + b * info.bytes;
           block[0] = static_cast<uint8_t>(h & 0xff);
           block[1] = static_cast<uint8_t>(h >> 8);
           // A scale that rounds to 0 (amax below fp16's range, 127 * 2^-25) decodes

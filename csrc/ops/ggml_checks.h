@@ -96,13 +96,13 @@ inline std::pair<ggml::RuntimeInfo, at::ScalarType> check_ggml_dequantize(const 
 }
 
 // Validates ggml_quantize's x [m, n] (n whole blocks) and type (the types
-// lowbit writes: Q8_0); returns the type info.
+// lowbit writes: Q8_0 and Q6_K); returns the type info.
 inline ggml::RuntimeInfo check_ggml_quantize(const at::Tensor& x, int64_t type) {
   const char* op = "ggml_quantize";
   const ggml::RuntimeInfo info = ggml::runtime_info(type);
   TORCH_CHECK_VALUE(info.ok, op, ": type ", type, " is not a ggml weight type lowbit supports (unknown or removed id)");
-  TORCH_CHECK_VALUE(type == static_cast<int64_t>(ggml::Type::Q8_0), op, ": type ", type, " (", info.name,
-                    "): lowbit writes Q8_0 (8) only");
+  TORCH_CHECK_VALUE(type == static_cast<int64_t>(ggml::Type::Q8_0) || type == static_cast<int64_t>(ggml::Type::Q6_K),
+                    op, ": type ", type, " (", info.name, "): lowbit writes Q8_0 (8) and Q6_K (14) only");
   check_float_dtype(op, "x", x);
   check_contiguous(op, "x", x);
   check_dim(op, "x", x, 2);

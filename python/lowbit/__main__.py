@@ -216,10 +216,10 @@ def main(argv=None) -> int:
                           help="GPTQ: activations rounded to int8 per group for integer dot products "
                                "(GPTQLinear.int8_activations): faster on the CPU, about 2^-8 of the products' "
                                "magnitude from the float result")
-    generate.add_argument("--float-tables", choices=["Q8_0"],
-                          help="GPTQ: the float token embedding and LM head held as Q8_0 blocks, quantized at "
-                               "load as llama.cpp does (load_gptq_model's float_tables): about half their memory "
-                               "and the head's reads per token")
+    generate.add_argument("--float-tables", choices=["Q8_0", "Q6_K"],
+                          help="GPTQ: the float token embedding and LM head held as Q8_0 (or Q6_K) blocks, "
+                               "quantized at load as llama.cpp does (load_gptq_model's float_tables): about half "
+                               "(Q6_K: two fifths) of their memory and the head's reads per token")
     generate.add_argument("--compile", action="store_true",
                           help="static KV cache and compiled decode steps (lowbit.compiled_decoding): faster "
                                "steps after a first one that compiles (about a minute on 2 cores)")

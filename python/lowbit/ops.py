@@ -494,10 +494,13 @@ torch.library.register_fake("lowbit::ggml_mul_mat_id")(_ggml_mul_mat_id_fake("gg
 
 
 def ggml_quantize(x: Tensor, type: int) -> Tensor:
-    """CPU: the float matrix x [m, n] as blocks of a ggml type, uint8 [m, n / 32 * 34]
-    for Q8_0 (the one type it writes): per 32 values d = amax / 127 stored as fp16 and
-    q = round(x / d), half away from zero, as llama.cpp's and gguf-py's quantizers
-    round. A NaN or Inf in x raises ValueError."""
+    """CPU: the float matrix x [m, n] as blocks of a ggml type, the bytes llama.cpp's
+    reference quantizer writes: Q8_0, uint8 [m, n / 32 * 34] (per 32 values d = amax /
+    127 stored as fp16 and q = round(x / d), half away from zero, as gguf-py rounds),
+    or Q6_K, uint8 [m, n / 256 * 210] (per 16 values the scale of a least-squares
+    search weighted by x^2, quantized to int8 against the block's fp16 d; 6-bit
+    levels). A NaN or Inf in x, or a block beyond fp16's range for its scale,
+    raises ValueError."""
     return torch.ops.lowbit.ggml_quantize(x, type)
 
 
@@ -505,7 +508,8 @@ def ggml_quantize(x: Tensor, type: int) -> Tensor:
 def _ggml_quantize(x, type):
     op = "ggml_quantize"
     block, nbytes, name = _type_info(op, type)
-    _value(type == GGMLType.Q8_0, op, "type ", type, " (", name, "): lowbit writes Q8_0 (8) only")
+    _value(type in (GGMLType.Q8_0, GGMLType.Q6_K), op, "type ", type, " (", name,
+           "): lowbit writes Q8_0 (8) and Q6_K (14) only")
     _float_dtype(op, "x", x)
     _contiguous(op, "x", x)
     _dim(op, "x", x, 2)

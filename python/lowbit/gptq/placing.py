@@ -51,7 +51,9 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     about half their memory and half the head's reads per token, which is
     what a 4-bit model's decode step spends most on after its layers, for
     Q8_0's rounding (at most half a step of amax / 127 per 32 values), as
-    llama.cpp's files hold them; None keeps the checkpoint's bytes.
+    llama.cpp's files hold them; "Q6_K" (hidden sizes of whole 256-value
+    blocks) as llama.cpp's Q4_K_M files hold their output tensor, about a
+    fifth fewer bytes again for 6-bit levels; None keeps the checkpoint's bytes.
     Its forward calls run torch's ops on one thread and lowbit's kernels on
     torch's thread count (lowbit.kernel_threads), and a llama-family model's
     decode steps skip transformers' per-layer machinery (lowbit.fast_decoding).
@@ -148,7 +150,7 @@ def place_gptq_checkpoint(model: nn.Module, path: str, checkpoint_format: str | 
 
 
 # float_tables -> the ggml type the tables are held in (None: the checkpoint's own float type).
-TABLE_TYPES = {None: None, "Q8_0": 8}
+TABLE_TYPES = {None: None, "Q8_0": 8, "Q6_K": 14}
 
 
 def _table_type(float_tables: str | None) -> int | None:
