@@ -23,7 +23,8 @@ set), in the file's layout and with lowbit.repack_model; a 4-bit GPTQ
 checkpoint of the 1B model through lowbit.load_gptq_model, with fp32
 activations, with int8 ones (int8_activations, gptq_gemm_a8), with int8
 ones and the fp16 embedding / tied head held as Q8_0 (float_tables), and
-with those and lowbit.repack_model (qweight in gptq_gemm_a8's panels); on the shipped
+with those and lowbit.repack_model (qweight in gptq_gemm_a8's panels), also
+with the tables as Q6_K (the Q4_K_M file's output type); on the shipped
 file also with transformers' own decode steps (fast_decoding(model, False)), and
 with lowbit.compiled_decoding (static cache, compiled decode steps;
 inductor calling the kernels from Python, and from generated C++; the 1B
@@ -90,6 +91,7 @@ VARIANTS = {
     "lowbit-gptq-a8": "lowbit, GPTQ, int8 activations",
     "lowbit-gptq-a8-q8": "lowbit, GPTQ, int8 activations, Q8_0 tables",
     "lowbit-gptq-a8-q8-repacked": "lowbit, GPTQ, int8 activations, Q8_0 tables, repacked",
+    "lowbit-gptq-a8-q6k-repacked": "lowbit, GPTQ, int8 activations, Q6_K tables, repacked",
     "lowbit-compiled": "lowbit, compiled decode",
     "lowbit-compiled-cpp": "lowbit, compiled decode, C++ wrapper",
     "llama": "llama.cpp, default buffers",
@@ -97,6 +99,11 @@ VARIANTS = {
 }
 REFERENCE = "llama"  # the ratios are over llama.cpp with its default buffers, on the same file
 GPTQ_VARIANTS = [v for v in VARIANTS if v.startswith("lowbit-gptq")]
+
+
+def gptq_tables(variant):
+    """load_gptq_model's float_tables for a GPTQ variant ("-q8": Q8_0, "-q6k": Q6_K)."""
+    return "Q8_0" if "-q8" in variant else "Q6_K" if "-q6k" in variant else None
 
 
 def cache_dir():
@@ -145,7 +152,7 @@ def _child_lowbit(spec):
     t0 = time.perf_counter()
     if spec["variant"].startswith("lowbit-gptq"):
         model = lowbit.load_gptq_model(spec["path"], int8_activations=spec["variant"] != "lowbit-gptq",
-                                       float_tables="Q8_0" if "-q8" in spec["variant"] else None)
+                                       float_tables=gptq_tables(spec["variant"]))
     else:
         model = lowbit.load_gguf_model(spec["path"])
         if spec["variant"] == "lowbit-transformers-steps":  # every call on the model's own forward
