@@ -97,8 +97,8 @@ struct A8Simd {
     }
   }
 
-  // add_group on out (MT rows N apart) in memory: one group of the
-  // checkpoint's layout, whose next group is rows N words away.
+  // add_group on sums kept in out (MT rows N apart): the checkpoint's
+  // layout, read one group at a time across a task's columns.
   template <int MT>
   __attribute__((noinline)) static void group_tile(const int32_t* x, int64_t x_stride, const uint32_t* q,
                                                    int64_t q_stride, int64_t N, int64_t packs, int64_t ahead,
