@@ -26,58 +26,69 @@ inline int nearest_int_magic(float v) {
 
 inline int clamp_int(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
-// The scale of n values x quantized to levels l in [-nmax, nmax - 1] that
-// minimise sum x^2 (x - scale l)^2 over 19 trial reciprocals around
-// -nmax / max (max: the value of largest magnitude); L[i] = l + nmax.
-// llama.cpp's make_qx_quants with rmse_type 1 and no importance weights.
-inline float search_levels(int n, int nmax, const float* x, int8_t* L) {
-  float max = 0.0f, amax = 0.0f;
-  for (int i = 0; i < n; ++i) {
-    const float ax = fabsf(x[i]);
-    if (ax > amax) {
-      amax = ax;
-      max = x[i];
+// The scales of the 16 sub-blocks of 16 values of x (256 values), each
+// quantized to levels l in [-32, 31] that minimise sum x^2 (x - scale l)^2
+// over 19 trial reciprocals around -32 / max (max: the sub-block's value of
+// largest magnitude); L[16 s + i] = l + 32. llama.cpp's make_qx_quants
+// (nmax 32, rmse_type 1, no importance weights) for each sub-block: its
+// sums run in the same order, one lane per sub-block, so that the compiler
+// can vectorise across sub-blocks without reordering a sum.
+inline void search_sub_block_scales(const float* x, int8_t* L, float* scales) {
+  constexpr int kN = 16, kLanes = 16, kMax = 32;
+  float xt[kN][kLanes];  // xt[i][s]: value i of sub-block s
+  for (int s = 0; s < kLanes; ++s)
+    for (int i = 0; i < kN; ++i) xt[i][s] = x[kN * s + i];
+  float max[kLanes] = {}, amax[kLanes] = {};
+  for (int i = 0; i < kN; ++i)
+    for (int s = 0; s < kLanes; ++s) {
+      const float ax = fabsf(xt[i][s]);
+      max[s] = ax > amax[s] ? xt[i][s] : max[s];
+      amax[s] = ax > amax[s] ? ax : amax[s];
     }
-  }
-  if (amax < 1e-15f) {  // all zero
-    memset(L, 0, static_cast<size_t>(n));
-    return 0.0f;
-  }
-  // sum w x l and sum w l^2 (w = x^2) for the levels of reciprocal iscale.
-  const auto sums = [&](float iscale, float& sumlx, float& suml2) {
-    sumlx = suml2 = 0.0f;
-    for (int i = 0; i < n; ++i) {
-      const int l = clamp_int(nearest_int_magic(iscale * x[i]), -nmax, nmax - 1);
-      const float w = x[i] * x[i];
-      sumlx += w * x[i] * static_cast<float>(l);
-      suml2 += w * static_cast<float>(l) * static_cast<float>(l);
-    }
+  // sum w x l and sum w l^2 (w = x^2) per lane for the levels of reciprocals iscale.
+  const auto sums = [&](const float* iscale, float* sumlx, float* suml2) {
+    for (int s = 0; s < kLanes; ++s) sumlx[s] = suml2[s] = 0.0f;
+    for (int i = 0; i < kN; ++i)
+      for (int s = 0; s < kLanes; ++s) {
+        const float l = static_cast<float>(clamp_int(nearest_int_magic(iscale[s] * xt[i][s]), -kMax, kMax - 1));
+        const float w = xt[i][s] * xt[i][s];
+        sumlx[s] += w * xt[i][s] * l;
+        suml2[s] += w * l * l;
+      }
   };
-  const auto levels = [&](float iscale) {
-    for (int i = 0; i < n; ++i)
-      L[i] = static_cast<int8_t>(nmax + clamp_int(nearest_int_magic(iscale * x[i]), -nmax, nmax - 1));
-  };
-  float sumlx, suml2;
-  float iscale = static_cast<float>(-nmax) / max;
+  float iscale[kLanes], best_iscale[kLanes], sumlx[kLanes], suml2[kLanes], best[kLanes];
+  for (int s = 0; s < kLanes; ++s) best_iscale[s] = iscale[s] = static_cast<float>(-kMax) / max[s];
   sums(iscale, sumlx, suml2);
-  levels(iscale);
-  float scale = suml2 != 0.0f ? sumlx / suml2 : 0.0f;
-  float best = scale * sumlx;
+  for (int s = 0; s < kLanes; ++s) {
+    scales[s] = suml2[s] != 0.0f ? sumlx[s] / suml2[s] : 0.0f;
+    best[s] = scales[s] * sumlx[s];
+  }
   for (int is = -9; is <= 9; ++is) {
     if (is == 0) continue;
-    iscale = -(static_cast<float>(nmax) + 0.1f * static_cast<float>(is)) / max;
+    for (int s = 0; s < kLanes; ++s) iscale[s] = -(static_cast<float>(kMax) + 0.1f * static_cast<float>(is)) / max[s];
     sums(iscale, sumlx, suml2);
-    if (suml2 > 0.0f && sumlx * sumlx > best * suml2) {
-      levels(iscale);
-      scale = sumlx / suml2;
-      best = scale * sumlx;
+    for (int s = 0; s < kLanes; ++s) {
+      if (suml2[s] > 0.0f && sumlx[s] * sumlx[s] > best[s] * suml2[s]) {
+        best_iscale[s] = iscale[s];
+        scales[s] = sumlx[s] / suml2[s];
+        best[s] = scales[s] * sumlx[s];
+      }
     }
   }
-  return scale;
+  // The levels of each lane's best reciprocal; an all-zero sub-block (llama.cpp's
+  // GROUP_MAX_EPS) has scale 0 and levels 0.
+  for (int s = 0; s < kLanes; ++s) {
+    const bool zero = amax[s] < 1e-15f;
+    if (zero) scales[s] = 0.0f;
+    for (int i = 0; i < kN; ++i)
+      L[kN * s + i] = zero ? 0
+                           : static_cast<int8_t>(kMax + clamp_int(nearest_int_magic(best_iscale[s] * xt[i][s]),
+                                                                   -kMax, kMax - 1));
+  }
 }
 
 // One Q6_K block (210 bytes: ql[128], qh[64], int8 scales[16], fp16 d) of
-// the 256 values x: each 16-value sub-block's scale from search_levels,
+// the 256 values x: each 16-value sub-block's scale from search_sub_block_scales,
 // the scales quantized to int8 against d = max_scale / -128, the values
 // re-rounded to 6 bits against d * scale. Returns d as stored (fp32), for
 // the caller's range check (inf: x beyond fp16's range for d).
@@ -85,9 +96,9 @@ inline float quantize_q6_k_block(const float* x, uint8_t* out) {
   constexpr int kSub = 16, kSubs = 16;
   int8_t L[256];
   float scales[kSubs];
+  search_sub_block_scales(x, L, scales);
   float max_scale = 0.0f, max_abs_scale = 0.0f;
   for (int s = 0; s < kSubs; ++s) {
-    scales[s] = search_levels(kSub, 32, x + kSub * s, L + kSub * s);
     if (fabsf(scales[s]) > max_abs_scale) {
       max_abs_scale = fabsf(scales[s]);
       max_scale = scales[s];
@@ -109,7 +120,7 @@ inline float quantize_q6_k_block(const float* x, uint8_t* out) {
   }
   for (int s = 0; s < kSubs; ++s) {
     const float d = d_block * static_cast<float>(sc[s]);
-    if (d == 0.0f) continue;  // the sub-block keeps search_levels' levels
+    if (d == 0.0f) continue;  // the sub-block keeps the search's levels
     for (int i = 0; i < kSub; ++i)
       L[kSub * s + i] = static_cast<int8_t>(32 + clamp_int(nearest_int_magic(x[kSub * s + i] / d), -32, 31));
   }
