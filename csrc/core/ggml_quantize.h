@@ -10,6 +10,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
+
 #include "float_bits.h"
 
 namespace lowbit {
@@ -23,8 +25,6 @@ inline int nearest_int_magic(float v) {
   const uint32_t bits = float_to_bits(v + 12582912.0f);
   return static_cast<int>(bits & 0x007fffffu) - 0x00400000;
 }
-
-inline int clamp_int(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
 // The scales of the 16 sub-blocks of 16 values of x (256 values), each
 // quantized to levels l in [-32, 31] that minimise sum x^2 (x - scale l)^2
@@ -50,7 +50,7 @@ inline void search_sub_block_scales(const float* x, int8_t* L, float* scales) {
     for (int s = 0; s < kLanes; ++s) sumlx[s] = suml2[s] = 0.0f;
     for (int i = 0; i < kN; ++i)
       for (int s = 0; s < kLanes; ++s) {
-        const float l = static_cast<float>(clamp_int(nearest_int_magic(iscale[s] * xt[i][s]), -kMax, kMax - 1));
+        const float l = static_cast<float>(std::clamp(nearest_int_magic(iscale[s] * xt[i][s]), -kMax, kMax - 1));
         const float w = xt[i][s] * xt[i][s];
         sumlx[s] += w * xt[i][s] * l;
         suml2[s] += w * l * l;
@@ -82,7 +82,7 @@ inline void search_sub_block_scales(const float* x, int8_t* L, float* scales) {
     if (zero) scales[s] = 0.0f;
     for (int i = 0; i < kN; ++i)
       L[kN * s + i] = zero ? 0
-                           : static_cast<int8_t>(kMax + clamp_int(nearest_int_magic(best_iscale[s] * xt[i][s]),
+                           : static_cast<int8_t>(kMax + std::clamp(nearest_int_magic(best_iscale[s] * xt[i][s]),
                                                                    -kMax, kMax - 1));
   }
 }
@@ -122,7 +122,7 @@ inline float quantize_q6_k_block(const float* x, uint8_t* out) {
     const float d = d_block * static_cast<float>(sc[s]);
     if (d == 0.0f) continue;  // the sub-block keeps the search's levels
     for (int i = 0; i < kSub; ++i)
-      L[kSub * s + i] = static_cast<int8_t>(32 + clamp_int(nearest_int_magic(x[kSub * s + i] / d), -32, 31));
+      L[kSub * s + i] = static_cast<int8_t>(32 + std::clamp(nearest_int_magic(x[kSub * s + i] / d), -32, 31));
   }
   // Value j + l + 32 t (t < 4) of each half j of 128: low nibbles in ql[64 j / 2 ...],
   // two high bits at 2 t of qh[32 j / 128 + l].

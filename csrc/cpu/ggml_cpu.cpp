@@ -438,6 +438,47 @@ at::Tensor ggml_mul_mat_repacked(const at::Tensor& W, const at::Tensor& X, int64
   return ggml_mul_mat("ggml_mul_mat_repacked", W, X, type, row, /*repacked=*/true);
 }
 
+namespace {
+
+// Row r of ggml_quantize's output as Q8_0 blocks: a Q8_0 weight block is a
+// Q8_0 activation block (the rounding llama.cpp's quantizer and its
+// activations share) with d stored as fp16.
+void quantize_row_q8_0(Isa isa, const float* row, int64_t r, int64_t blocks, uint8_t* out) {
+  constexpr int64_t kBlock = 32, kBytes = 34;
+  std::vector<float> d(blocks), sum(blocks);
+  std::vector<int8_t> q(blocks * kBlock);
+  quantize_blocks<Act::Q8_0>(isa, row, 0, blocks, q.data(), d.data(), sum.data());
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* v = row + b * kBlock;
+    if (!std::isfinite(d[b])) throw_unquantizable(v, r, b * kBlock, kBlock, "Q8_0");
+    const uint16_t h = fp32_to_fp16(d[b]);  // d is fp16-exact already
+    uint8_t* block = out + b * kBytes;
+    block[0] = static_cast<uint8_t>(h & 0xff);
+    block[1] = static_cast<uint8_t>(h >> 8);
+    // A scale that rounds to 0 (amax below fp16's range, 127 * 2^-25) decodes
+    // to zeros whatever q holds; q = 0 there, as gguf-py writes it.
+    if (h == 0) {
+      std::memset(block + 2, 0, kBlock);
+    } else {
+      std::memcpy(block + 2, q.data() + b * kBlock, kBlock);
+    }
+  }
+}
+
+// Row r as Q6_K blocks (core/ggml_quantize.h). A NaN or Inf would steer the
+// scale search anywhere: a block holding one is refused before it is searched.
+void quantize_row_q6_k(const float* row, int64_t r, int64_t blocks, uint8_t* out) {
+  constexpr int64_t kBlock = 256, kBytes = 210;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* v = row + b * kBlock;
+    if (!std::all_of(v, v + kBlock, [](float e) { return std::isfinite(e); }) ||
+        !std::isfinite(ggml::quantize_q6_k_block(v, out + b * kBytes)))
+      throw_unquantizable(v, r, b * kBlock, kBlock, "Q6_K");
+  }
+}
+
+}  // namespace
+
 at::Tensor ggml_quantize(const at::Tensor& x, int64_t type) {
   const auto info = check_ggml_quantize(x, type);
   const int64_t m = x.size(0), n = x.size(1), blocks = n / info.block, row_bytes = blocks * info.bytes;
@@ -449,38 +490,13 @@ at::Tensor ggml_quantize(const at::Tensor& x, int64_t type) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ggml_quantize", [&] {
     const scalar_t* src = x.const_data_ptr<scalar_t>();
     parallel_for(m, row_grain(n), [&](int64_t r0, int64_t r1) {
-      std::vector<float> row(n), d(blocks), sum(blocks);
-      std::vector<int8_t> q(n);
+      std::vector<float> row(n);
       for (int64_t r = r0; r < r1; ++r) {
         at::vec::convert(src + r * n, row.data(), n);
-        uint8_t* out_row = dst + r * row_bytes;
         if (q6_k) {
-          for (int64_t b = 0; b < blocks; ++b) {
-            const float* v = row.data() + b * info.block;
-            // A NaN or Inf would steer the scale search anywhere: refused first.
-            if (!std::all_of(v, v + info.block, [](float e) { return std::isfinite(e); }) ||
-                !std::isfinite(ggml::quantize_q6_k_block(v, out_row + b * info.bytes)))
-              throw_unquantizable(v, r, b * info.block, info.block, info.name);
-          }
-          continue;
-        }
-        // A Q8_0 weight block is a Q8_0 activation block (the rounding llama.cpp's
-        // quantizer and its activations share) with d stored as fp16.
-        quantize_blocks<Act::Q8_0>(isa, row.data(), 0, blocks, q.data(), d.data(), sum.data());
-        for (int64_t b = 0; b < blocks; ++b) {
-          const float* v = row.data() + b * info.block;
-          if (!std::isfinite(d[b])) throw_unquantizable(v, r, b * info.block, info.block, info.name);
-          const uint16_t h = fp32_to_fp16(d[b]);  // d is fp16-exact already
-          uint8_t* block = out_row + b * info.bytes;
-          block[0] = static_cast<uint8_t>(h & 0xff);
-          block[1] = static_cast<uint8_t>(h >> 8);
-          // A scale that rounds to 0 (amax below fp16's range, 127 * 2^-25) decodes
-          // to zeros whatever q holds; q = 0 there, as gguf-py writes it.
-          if (h == 0) {
-            std::memset(block + 2, 0, info.block);
-          } else {
-            std::memcpy(block + 2, q.data() + b * info.block, info.block);
-          }
+          quantize_row_q6_k(row.data(), r, blocks, dst + r * row_bytes);
+        } else {
+          quantize_row_q8_0(isa, row.data(), r, blocks, dst + r * row_bytes);
         }
       }
     });
