@@ -34,4 +34,4 @@ PYTHONPATH="$work/python" python3 -m pytest -q -p no:cacheprovider -k "not compi
   tests/test_gguf_linear.py tests/test_gguf_fuzz.py tests/test_gptq_gemm.py tests/test_gptq_packing.py \
   tests/test_gptq_permute.py tests/test_gptq_validation.py tests/test_gptq_linear.py tests/test_validation_matrix.py \
   tests/test_edge_inputs.py tests/test_op_contracts.py tests/test_concurrency.py tests/test_autograd.py \
-  tests/test_gptq_gemm_a8.py tests/test_decode_ops.py tests/test_gguf_quantize.py "$@"
+  tests/test_gptq_gemm_a8.py tests/test_decode_ops.py tests/test_decoding.py tests/test_gguf_quantize.py "$@"

@@ -217,3 +217,191 @@ def test_hooks_of_the_projections_run_in_served_steps(gguf_path):
     out = generate(model, torch.tensor([[1, 7, 22, 5]]))
     assert len(seen) == len(out.logits)  # the prompt's call, then one per decode step
     assert seen[-1][-1] == model.config.hidden_size
+
+
+def python_loop_only(monkeypatch):
+    """Every step on the Python loop: the C++ step is never made."""
+    def refuse(*args):
+        raise lowbit.decoding._Unplannable("off")
+
+    monkeypatch.setattr(lowbit.decoding, "_StepPlan", refuse)
+
+
+def steps_of(model, ids, tokens):
+    """The logits and the cache's keys of `tokens` decoded one by one after `ids`."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache)
+        logits = [model(input_ids=torch.tensor([[t]]), cache=cache).logits for t in tokens]
+    return logits, [layer.keys for layer in cache.layers]
+
+
+def gptq_model(layout):
+    from test_generation import act_order_gptq_model
+
+    model = act_order_gptq_model(seed=2)
+    for m in model.modules():
+        if isinstance(m, lowbit.GPTQLinear):
+            if layout != "unsorted":
+                m.sort_rows()
+            m.int8_activations = layout.startswith("int8")
+            if layout == "int8 panels" and m.can_repack():
+                m.repack()
+    return model
+
+
+def partly_fused_gguf_model(path):
+    """q and k fused, v (of another type) apart, as in a Q4_K_M file."""
+    from lowbit.fusing import fuse_projections
+
+    model = lowbit.load_gguf_model(path, fuse=False)
+    for layer in model.model.layers:
+        v = layer.self_attn.v_proj
+        linear = torch.nn.Linear(v.in_features, v.out_features, bias=False)
+        linear.weight.data = v.dequantize()
+        layer.self_attn.v_proj = lowbit.GGUFLinear.from_linear(linear, 2)  # Q4_0
+    fused = fuse_projections(model)
+    assert any(name.endswith("self_attn.qk_proj") for name in fused)
+    return model
+
+
+def repacked_gguf_model(path):
+    """Every layer of a type with the repacked layout in it (repack_model
+    takes only those the active kernels read faster so)."""
+    model = lowbit.load_gguf_model(path)
+    layers = [m for m in model.modules()
+              if isinstance(m, lowbit.GGUFLinear) and torch.ops.lowbit.ggml_has_repacked_layout(m.qtype)]
+    assert layers
+    for m in layers:
+        m.repack()
+    return model
+
+
+STEP_MODELS = {
+    "float llama": lambda path: float_model("llama"),
+    "float qwen2 (biases)": lambda path: float_model("qwen2"),
+    "float qwen3 (q and k norms)": lambda path: float_model("qwen3"),
+    "gguf (fused)": lambda path: lowbit.load_gguf_model(path),
+    "gguf (unfused)": lambda path: lowbit.load_gguf_model(path, fuse=False),
+    "gguf (q and k fused)": partly_fused_gguf_model,
+    "gguf bf16": lambda path: lowbit.load_gguf_model(path, dtype=torch.bfloat16),
+    "gguf repacked": lambda path: repacked_gguf_model(path),
+    "gptq unsorted": lambda path: gptq_model("unsorted"),
+    "gptq sorted": lambda path: gptq_model("sorted"),
+    "gptq int8 panels": lambda path: gptq_model("int8 panels"),
+}
+
+
+@pytest.mark.parametrize("kind", list(STEP_MODELS))
+def test_the_cpp_step_gives_the_python_loop_s_results(kind, gguf_path, monkeypatch):
+    """Where every projection is a lowbit layer or an nn.Linear, a step is one
+    C++ call (DecodeStep) computing the Python loop's ops in its order: the
+    same bits."""
+    model = STEP_MODELS[kind](gguf_path)
+    assert fast_decoding(model)
+    ids, tokens = torch.tensor([[1, 7, 22, 5, 63, 40, 9]]), [3, 61, 17, 17, 2, 40, 8, 30]
+    cpp_logits, cpp_keys = steps_of(model, ids, tokens)
+    plan = model.forward._plan
+    assert isinstance(plan, lowbit.decoding._StepPlan)
+    assert plan.step.num_layers() == model.config.num_hidden_layers
+    with monkeypatch.context() as m:
+        python_loop_only(m)
+        py_logits, py_keys = steps_of(model, ids, tokens)
+        assert model.forward._plan is False
+    for a, b in zip(cpp_logits, py_logits):
+        assert torch.equal(a, b)
+    for a, b in zip(cpp_keys, py_keys):
+        assert torch.equal(a, b)
+    if model.dtype == torch.float32:  # the model's own forward sums in another order
+        fast_decoding(model, False)
+        own_logits, _ = steps_of(model, ids, tokens)
+        for a, b in zip(cpp_logits, own_logits):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_lora_and_hooks_keep_the_step_in_python(gguf_path):
+    peft = pytest.importorskip("peft")
+    import lowbit.lora
+
+    ids = torch.tensor([[1, 7, 22, 5]])
+    model = lowbit.load_gguf_model(gguf_path)
+    handle = model.model.layers[0].mlp.down_proj.register_forward_pre_hook(lambda module, args: None)
+    generate(model, ids)
+    assert model.forward._plan is False
+    handle.remove()
+    generate(model, ids)
+    assert isinstance(model.forward._plan, lowbit.decoding._StepPlan)
+    config = lowbit.lora.LoraConfig(r=4, target_modules=["o_proj"], init_lora_weights=False)
+    peft.get_peft_model(model, config).eval()
+    generate(model, ids)
+    assert model.forward._plan is False
+
+
+def test_the_cpp_step_follows_the_model_between_steps(gguf_path):
+    """A module put in a projection's place, or a hook added, between two
+    steps of one generation: the next step honours it."""
+    model = lowbit.load_gguf_model(gguf_path)
+    reference = lowbit.load_gguf_model(gguf_path)
+    fast_decoding(reference, False)
+    ids = torch.tensor([[1, 7, 22, 5]])
+    caches = [DynamicCache(config=m.config) for m in (model, reference)]
+    replacement = torch.nn.Linear(model.config.hidden_size, model.config.hidden_size, bias=False)
+    seen = []
+    with torch.no_grad():
+        for m, cache in zip((model, reference), caches):
+            m(input_ids=ids, cache=cache)
+            m(input_ids=torch.tensor([[9]]), cache=cache)
+        assert isinstance(model.forward._plan, lowbit.decoding._StepPlan)
+        for m in (model, reference):
+            m.model.layers[1].self_attn.o_proj = replacement
+        got, want = (m(input_ids=torch.tensor([[13]]), cache=c).logits for m, c in zip((model, reference), caches))
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        replacement.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+        model(input_ids=torch.tensor([[2]]), cache=caches[0])
+    assert len(seen) == 1
+
+
+def test_a_model_pickles_after_its_cpp_step_is_made(gguf_path):
+    model = lowbit.load_gguf_model(gguf_path)
+    ids = torch.tensor([[1, 7, 22, 5]])
+    first = generate(model, ids).sequences
+    assert isinstance(model.forward._plan, lowbit.decoding._StepPlan)
+    again = pickle.loads(pickle.dumps(model))
+    assert again.__dict__["forward"]._plan is None
+    assert torch.equal(generate(again, ids).sequences, first)
+
+
+def test_decode_step_refuses_what_it_cannot_run():
+    step = torch.classes.lowbit.DecodeStep()
+    w = torch.randn(8, 4)
+    with pytest.raises(RuntimeError, match="no operator aten::nonexistent"):
+        step.projection("aten::nonexistent", "", [w], 0, None, None)
+    with pytest.raises(RuntimeError, match="takes 3 arguments; got 1"):
+        step.projection("aten::linear", "", [w], 0, None, None)
+    with pytest.raises(RuntimeError, match="argument bias takes Tensor"):
+        step.projection("aten::linear", "", [w, 3], 0, None, None)
+    with pytest.raises(RuntimeError, match="x_index 5 is out of range"):
+        step.projection("aten::linear", "", [w, None], 5, None, None)
+    with pytest.raises(RuntimeError, match="argument other .x_index. is not a Tensor"):
+        step.projection("aten::mul", "Scalar", [w], 1, None, None)
+    with pytest.raises(RuntimeError, match="must return one tensor and write none"):
+        step.projection("aten::add_", "Tensor", [w, 1], 0, None, None)
+    p = step.projection("aten::linear", "", [w, None], 0, None, None)
+    norm = torch.ones(4)
+    with pytest.raises(RuntimeError, match="qkv is projection 7"):
+        step.layer(norm, 1e-5, [7], [4, 4, 4], None, None, 0.0, p, norm, 1e-5, [p], [4, 4], p, 4, 0.5)
+    with pytest.raises(RuntimeError, match="qkv holds 1 to 3 projections"):
+        step.layer(norm, 1e-5, [p, p, p, p], [4, 4, 4], None, None, 0.0, p, norm, 1e-5, [p], [4, 4], p, 4, 0.5)
+    with pytest.raises(RuntimeError, match="gate_up_sizes must be the equal widths"):
+        step.layer(norm, 1e-5, [p], [4, 4, 4], None, None, 0.0, p, norm, 1e-5, [p], [4, 5], p, 4, 0.5)
+    with pytest.raises(RuntimeError, match="head_dim 3 does not divide"):
+        step.layer(norm, 1e-5, [p], [4, 4, 4], None, None, 0.0, p, norm, 1e-5, [p], [4, 4], p, 3, 0.5)
+    with pytest.raises(RuntimeError, match="head.. was not called"):
+        step.run(torch.zeros(1, 1, 4), torch.ones(4), torch.zeros(4), [], [], [], 0)
+    step.layer(norm, 1e-5, [p, p, p], [8, 8, 8], None, None, 0.0, p, norm, 1e-5, [p, p], [8, 8], p, 4, 0.5)
+    step.head(norm, 1e-5, p)
+    keys = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(RuntimeError, match="1 layers take as many keys"):
+        step.run(torch.zeros(1, 1, 4), torch.ones(4), torch.zeros(4), [keys], [keys], [None], 3)
+    with pytest.raises(RuntimeError, match="layer 0's cache holds keys"):
+        step.run(torch.zeros(1, 1, 4), torch.ones(4), torch.zeros(4), [keys], [keys], [None, None], 5)

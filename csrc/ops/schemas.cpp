@@ -5,6 +5,8 @@
 // are Python (python/lowbit/ops.py).
 #include <torch/library.h>
 
+#include "decode_step.h"
+
 TORCH_LIBRARY(lowbit, m) {
   // a @ W for a GPTQ weight W[k, n] = scales[g, n] * (q[k, n] - zero[g, n]).
   // Argument names and order follow vLLM's op so callers can switch.
@@ -81,6 +83,14 @@ TORCH_LIBRARY(lowbit, m) {
   m.def(
       "decode_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) key_cache, "
       "Tensor(b!) value_cache, int position, float scale) -> Tensor");
+  // A whole decode step of a llama-family model in one C++ loop (decode_step.h).
+  m.class_<lowbit::DecodeStep>("DecodeStep")
+      .def(torch::init<>())
+      .def("projection", &lowbit::DecodeStep::projection)
+      .def("layer", &lowbit::DecodeStep::layer)
+      .def("head", &lowbit::DecodeStep::head)
+      .def("run", &lowbit::DecodeStep::run)
+      .def("num_layers", &lowbit::DecodeStep::num_layers);
 
   // The x86 vector ISA of the CPU kernels ("portable", "avx2", "avx512"),
   // chosen from the CPU's features at load (or LOWBIT_CPU_ISA); `force`

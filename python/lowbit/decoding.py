@@ -8,18 +8,25 @@ keys and values to its cache by copying the whole cache (torch.cat).
 fast_decoding(model) lets a llama-family model (DECODER_LAYERS) run each
 decode call that needs none of that (one new token, batch 1, CPU, no
 gradients, a DynamicCache, no outputs beyond the logits and the cache) as
-one loop over its layers: the model's own modules for the norms' weights,
-the projections (lowbit's layers, LoRA adapters and all) and the rotary
-embedding, and per layer two lowbit ops for the rest, rms_norm and
-decode_attention (the rotation, the new key and value, and the attention
-in one call). Keys and values go into buffers that grow by doubling, whose
-first rows the model's DynamicCache holds as views, so a token costs a row
-of each rather than a copy of the cache. Results match the model's own
-forward to fp32 rounding (the attention sums in another order). Every
-other call (a prompt, a batch, a static cache, torch.compile, training)
-runs the model's own forward on the same cache, and so do the hooks of
-modules the step does not call (decoder layers, attention, MLP).
-load_gguf_model and load_gptq_model set it.
+one loop over its layers, per layer two lowbit ops besides the projections:
+rms_norm and decode_attention (the rotation, the new key and value, and the
+attention in one call). Where every projection is a lowbit layer or an
+nn.Linear without hooks, the loop is C++ (torch.classes.lowbit.DecodeStep,
+described from the model's modules once per generation: at the first step
+after a call the step does not serve, such as the prompt's), so a step costs
+one call from Python; otherwise it is Python over the model's own modules
+(LoRA adapters, hooks and all). Keys and values go into buffers that grow by
+doubling, whose first rows the model's DynamicCache holds as views, so a
+token costs a row of each rather than a copy of the cache. Results match the
+model's own forward to fp32 rounding (the attention sums in another order).
+Every other call (a prompt, a batch, a static cache, torch.compile,
+training) runs the model's own forward on the same cache, and so do the
+hooks of modules the step does not call (decoder layers, attention, MLP).
+Within one generation the C++ step sees new tensor values, new modules in
+a projection's place and new hooks, but not a layer changed in its own
+state between two steps (a repack, a switch of int8_activations): those
+take effect from the next generation. load_gguf_model and load_gptq_model
+set it.
 """
 from __future__ import annotations
 
@@ -30,7 +37,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ._frozen import below_autograd, leave_autograd
-from .fusing import ProjectionSlice
+from .fusing import PROJECTION_GROUPS, ProjectionSlice
 
 __all__ = ["DECODER_LAYERS", "fast_decoding"]
 
@@ -117,6 +124,120 @@ def _buffers(cache_layer, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return buffers
 
 
+class _Unplannable(Exception):
+    """A model part the C++ step does not take (the Python loop runs the step)."""
+
+
+class _StepPlan:
+    """The C++ step of a model (DecodeStep) and what it was made from: the
+    modules in each projection's and norm's place (checked before each step:
+    a new module or a hook there sends the step back to Python)."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype):
+        self.step = torch.classes.lowbit.DecodeStep()
+        self.dtype = dtype
+        self.watched: list[tuple[dict, str, nn.Module]] = []
+        self.hooked: list[nn.Module] = []
+        inner = model.model
+        for layer in inner.layers:
+            self._layer(layer)
+        norm_weight, norm_eps = self._norm(inner, "norm")
+        self.step.head(norm_weight, norm_eps, self._projection(model, "lm_head"))
+        if not self.current(dtype):
+            raise _Unplannable("hooks")
+
+    def _watch(self, parent: nn.Module, name: str) -> nn.Module:
+        module = parent._modules.get(name)
+        if module is None:
+            raise _Unplannable(name)
+        self.watched.append((parent._modules, name, module))
+        return module
+
+    def _norm(self, parent: nn.Module, name: str) -> tuple[torch.Tensor, float]:
+        norm = self._watch(parent, name)
+        weight = norm._parameters.get("weight")
+        if weight is None or weight.dtype != self.dtype or not hasattr(norm, "variance_epsilon"):
+            raise _Unplannable(name)
+        return weight, float(norm.variance_epsilon)
+
+    def _projection(self, parent: nn.Module, name: str) -> int:
+        module = self._watch(parent, name)
+        self.hooked.append(module)
+        probe = torch.empty(1, module.in_features, dtype=self.dtype)
+        if type(module) is nn.Linear:
+            op, args, perm, bias = torch.ops.aten.linear.default, (probe, module.weight, module.bias), None, None
+        elif "op_template" in type(module).__dict__:
+            op, args, perm = module.op_template(probe)
+            bias = module.bias
+        else:
+            raise _Unplannable(name)
+        at = [i for i, a in enumerate(args) if a is probe]
+        if len(at) != 1:
+            raise _Unplannable(name)
+        op = op.default if isinstance(op, torch._ops.OpOverloadPacket) else op
+        name_, overload = op._schema.name, op._schema.overload_name
+        rest = [a for i, a in enumerate(args) if i != at[0]]
+        return self.step.projection(name_, overload, rest, at[0], perm, bias)
+
+    def _group(self, parent: nn.Module, names: tuple[str, ...]) -> tuple[list[int], list[int]]:
+        """The projections whose outputs, side by side, are those of `names`
+        (lowbit.fusing's fused layers where they stand for a run of them):
+        their ids, and each name's width."""
+        modules = [self._watch(parent, name) for name in names]
+        ids, i = [], 0
+        while i < len(modules):
+            part = modules[i]
+            if type(part) is not ProjectionSlice:
+                ids.append(self._projection(parent, names[i]))
+                i += 1
+                continue
+            outputs = part.outputs
+            run = modules[i:i + len(outputs.sizes)]
+            whole = len(run) == len(outputs.sizes) and all(
+                type(m) is ProjectionSlice and m.outputs is outputs and m.index == j for j, m in enumerate(run))
+            if not whole or parent._modules.get(part.fused_name) is not outputs.layer:
+                raise _Unplannable(names[i])
+            ids.append(self._projection(parent, part.fused_name))
+            i += len(run)
+        return ids, [m.out_features for m in modules]
+
+    def _layer(self, layer: nn.Module) -> None:
+        attn, mlp = self._watch(layer, "self_attn"), self._watch(layer, "mlp")
+        input_norm, input_eps = self._norm(layer, "input_layernorm")
+        post_norm, post_eps = self._norm(layer, "post_attention_layernorm")
+        qkv, qkv_sizes = self._group(attn, PROJECTION_GROUPS[0])
+        q_norm = k_norm = None
+        qk_eps = 0.0
+        if attn._modules.get("q_norm") is not None:
+            (q_norm, qk_eps), (k_norm, k_eps) = self._norm(attn, "q_norm"), self._norm(attn, "k_norm")
+            if k_eps != qk_eps:
+                raise _Unplannable("k_norm")
+        gate_up, gate_up_sizes = self._group(mlp, PROJECTION_GROUPS[1])
+        if gate_up_sizes[0] != gate_up_sizes[1]:
+            raise _Unplannable("up_proj")
+        self.step.layer(input_norm, input_eps, qkv, qkv_sizes, q_norm, k_norm, qk_eps,
+                        self._projection(attn, "o_proj"), post_norm, post_eps, gate_up, gate_up_sizes,
+                        self._projection(mlp, "down_proj"), attn.head_dim, float(attn.scaling))
+
+    def current(self, dtype: torch.dtype) -> bool:
+        """Whether the step still describes the model: the same modules in
+        place, no hooks on the projections, activations of the same dtype."""
+        return (dtype == self.dtype and not _global_hooks()
+                and all(d.get(name) is m for d, name, m in self.watched)
+                and not any(m._forward_hooks or m._forward_pre_hooks for m in self.hooked))
+
+    def run(self, x, cos, sin, cache, n: int):
+        layers = cache.layers
+        buffers = []
+        for c in layers:
+            buffers.extend(c.__dict__.get("_lowbit_buffers") or (None, None))
+        logits, keys, values, new = self.step.run(x, cos, sin, [c.keys for c in layers], [c.values for c in layers],
+                                                  buffers, n)
+        for i, c in enumerate(layers):
+            c.keys, c.values, c._lowbit_buffers = keys[i], values[i], (new[2 * i], new[2 * i + 1])
+        return logits
+
+
 def _servable_layer(layer: nn.Module) -> bool:
     attn = getattr(layer, "self_attn", None)
     return (type(layer).__name__ in DECODER_LAYERS and attn is not None
@@ -145,6 +266,13 @@ class _DecodingForward:
 
     def __init__(self, model: nn.Module):
         self.model = model
+        self._plan = None  # the C++ step (_StepPlan), False where the model has none, None until made
+
+    def __getstate__(self):
+        return {"model": self.model}  # the C++ step is made again after unpickling
+
+    def __setstate__(self, state):
+        self.__init__(state["model"])
 
     @property
     def __signature__(self):
@@ -162,6 +290,7 @@ class _DecodingForward:
                     return self._step(kwargs["input_ids"], *served)
                 finally:
                     leave_autograd(guard)
+        self._plan = None  # a call the step does not serve: the next step describes the model again
         return type(self.model).forward(self.model, *args, **kwargs)
 
     def _served(self, kwargs):
@@ -199,6 +328,15 @@ class _DecodingForward:
         x = model.embed_tokens(input_ids)
         cos, sin = model.rotary_emb(x, torch.full((1, 1), n, dtype=torch.long))
         cos, sin = cos.view(-1), sin.view(-1)
+        plan = self._plan
+        if plan is None or (plan is not False and not plan.current(x.dtype)):
+            try:
+                plan = _StepPlan(self.model, x.dtype)
+            except _Unplannable:
+                plan = False
+            self._plan = plan
+        if plan is not False:
+            return CausalLMOutputWithPast(logits=plan.run(x, cos, sin, cache, n), cache=cache)
         for layer, cache_layer in zip(model.layers, cache.layers):
             modules = layer._modules
             attn = modules["self_attn"]

@@ -117,11 +117,16 @@ class GGUFLinear(nn.Module):
         """(op, args): op(*args) multiplies the rows x2 [rows, in_features] by
         this layer's weight as it is held, without the bias (forward's call,
         and lowbit.decoding's, which skips the module)."""
+        return self.op_template(x2)[:2]
+
+    def op_template(self, x2: torch.Tensor) -> tuple:
+        """(op, args, perm) as GPTQLinear.op_template gives them: op_call's
+        call with x2 itself among args; no column order (perm None)."""
         if self.repacked:
             op = torch.ops.lowbit.ggml_mul_mat_repacked
         else:
             op = torch.ops.lowbit.ggml_mul_mat_vec_a8 if x2.shape[0] <= VEC_MAX_M else torch.ops.lowbit.ggml_mul_mat_a8
-        return op, (self._buffers["qweight"], x2, self.qtype, self.out_features)
+        return op, (self._buffers["qweight"], x2, self.qtype, self.out_features), None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)

@@ -336,9 +336,15 @@ class GPTQLinear(nn.Module):
         """(op, args): op(*args) multiplies the rows x2 [rows, in_features] by
         this layer's weight, without the bias (forward's call, and
         lowbit.decoding's, which skips the module)."""
+        op, args, perm = self.op_template(x2)
+        return op, args if perm is None else (x2.index_select(1, perm), *args[1:])
+
+    def op_template(self, x2: torch.Tensor) -> tuple:
+        """(op, args, perm): op_call's call with x2 itself as args[0], and the
+        column order the op reads it in (perm: x2[:, perm] takes its place;
+        None where x2 goes in as it is). lowbit.decoding's C++ step keeps the
+        template and puts each token's row in x2's place."""
         qweight, g_idx, perm = self._prepare()
-        if perm is not None:
-            x2 = x2.index_select(1, perm)
         buffers = self._buffers
         v2 = self.checkpoint_format == "gptq_v2"
         cpu = x2.device.type == "cpu"
@@ -348,9 +354,9 @@ class GPTQLinear(nn.Module):
                                f"unrepack() first")
         if self.int8_activations and self.bits != 3 and cpu:
             return torch.ops.lowbit.gptq_gemm_a8, (x2, qweight, buffers["qzeros"], buffers["scales"], g_idx, v2,
-                                                   self.bits)
+                                                   self.bits), perm
         return torch.ops.lowbit.gptq_gemm, (x2, qweight, buffers["qzeros"], buffers["scales"], g_idx, False, v2,
-                                            self.bits)
+                                            self.bits), perm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         op, args = self.op_call(x.reshape(-1, self.in_features))

@@ -1,0 +1,192 @@
+#include "decode_step.h"
+
+#include <ATen/core/stack.h>
+
+#include <algorithm>
+#include <numeric>
+#include <utility>
+
+namespace lowbit {
+namespace {
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("lowbit::rms_norm", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+  return op.call(x, weight, eps);
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                            const at::Tensor& sin, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            int64_t position, double scale) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("lowbit::decode_attention", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double)>();
+  return op.call(q, k, v, cos, sin, key_cache, value_cache, position, scale);
+}
+
+// The layer's key and value buffers [1, heads, capacity, dim] for a cache
+// holding n rows: last step's where the cache's tensors are still their
+// first n rows and a row is free, new ones (the rows copied in) otherwise.
+std::pair<at::Tensor, at::Tensor> buffers_for(const at::Tensor& keys, const at::Tensor& values,
+                                              const std::optional<at::Tensor>& key_buffer,
+                                              const std::optional<at::Tensor>& value_buffer, int64_t n) {
+  const auto same_view = [n](const at::Tensor& t, const std::optional<at::Tensor>& buffer) {
+    return buffer.has_value() && buffer->dim() == 4 && buffer->size(2) > n && t.data_ptr() == buffer->data_ptr() &&
+           t.strides() == buffer->strides() && t.sizes().slice(0, 2) == buffer->sizes().slice(0, 2) &&
+           t.scalar_type() == buffer->scalar_type();
+  };
+  if (same_view(keys, key_buffer) && same_view(values, value_buffer)) return {*key_buffer, *value_buffer};
+  const int64_t capacity = std::max(2 * n, n + 64);
+  const auto fresh = [n, capacity](const at::Tensor& t) {
+    at::Tensor buffer = t.new_empty({1, t.size(1), capacity, t.size(3)});
+    buffer.narrow(2, 0, n).copy_(t);
+    return buffer;
+  };
+  return {fresh(keys), fresh(values)};
+}
+
+}  // namespace
+
+int64_t DecodeStep::checked_id(int64_t id, const char* what) const {
+  TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(projections_.size()), "DecodeStep: ", what, " is projection ", id,
+              ", not one of the ", projections_.size(), " registered");
+  return id;
+}
+
+int64_t DecodeStep::projection(const std::string& op, const std::string& overload, std::vector<c10::IValue> args,
+                               int64_t x_index, std::optional<at::Tensor> perm, std::optional<at::Tensor> bias) {
+  const auto handle = c10::Dispatcher::singleton().findSchema({op, overload});
+  TORCH_CHECK(handle.has_value(), "DecodeStep.projection: no operator ", op, " (overload '", overload, "')");
+  const c10::FunctionSchema& schema = handle->schema();
+  const auto& formals = schema.arguments();
+  TORCH_CHECK(formals.size() == args.size() + 1, "DecodeStep.projection: ", op, " takes ", formals.size(),
+              " arguments; got ", args.size(), " besides the activation");
+  TORCH_CHECK(x_index >= 0 && x_index <= static_cast<int64_t>(args.size()), "DecodeStep.projection: x_index ",
+              x_index, " is out of range for ", op);
+  TORCH_CHECK(!schema.is_mutable() && schema.returns().size() == 1 &&
+                  schema.returns()[0].type()->kind() == c10::TypeKind::TensorType,
+              "DecodeStep.projection: ", op, " must return one tensor and write none of its arguments");
+  for (int64_t i = 0, j = 0; i < static_cast<int64_t>(formals.size()); ++i) {
+    const c10::TypePtr& type = formals[i].type();
+    if (i == x_index) {
+      TORCH_CHECK(type->kind() == c10::TypeKind::TensorType, "DecodeStep.projection: ", op, "'s argument ",
+                  formals[i].name(), " (x_index) is not a Tensor");
+      continue;
+    }
+    TORCH_CHECK(args[j].type()->isSubtypeOf(*type), "DecodeStep.projection: ", op, "'s argument ", formals[i].name(),
+                " takes ", type->str(), "; got ", args[j].type()->str());
+    ++j;
+  }
+  projections_.push_back(Projection{*handle, std::move(args), x_index, std::move(perm), std::move(bias)});
+  return static_cast<int64_t>(projections_.size()) - 1;
+}
+
+void DecodeStep::layer(at::Tensor input_norm, double input_eps, std::vector<int64_t> qkv,
+                       std::vector<int64_t> qkv_sizes, std::optional<at::Tensor> q_norm,
+                       std::optional<at::Tensor> k_norm, double qk_eps, int64_t o, at::Tensor post_norm,
+                       double post_eps, std::vector<int64_t> gate_up, std::vector<int64_t> gate_up_sizes,
+                       int64_t down, int64_t head_dim, double scale) {
+  const auto positive = [](const std::vector<int64_t>& sizes) {
+    return std::all_of(sizes.begin(), sizes.end(), [](int64_t s) { return s > 0; });
+  };
+  TORCH_CHECK(!qkv.empty() && qkv.size() <= 3, "DecodeStep.layer: qkv holds 1 to 3 projections; got ", qkv.size());
+  TORCH_CHECK(qkv_sizes.size() == 3 && positive(qkv_sizes),
+              "DecodeStep.layer: qkv_sizes must be the 3 positive widths of q, k and v; got ", qkv_sizes);
+  TORCH_CHECK(!gate_up.empty() && gate_up.size() <= 2, "DecodeStep.layer: gate_up holds 1 or 2 projections; got ",
+              gate_up.size());
+  TORCH_CHECK(gate_up_sizes.size() == 2 && positive(gate_up_sizes) && gate_up_sizes[0] == gate_up_sizes[1],
+              "DecodeStep.layer: gate_up_sizes must be the equal widths of gate and up; got ", gate_up_sizes);
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecodeStep.layer: q_norm and k_norm come together");
+  TORCH_CHECK(head_dim > 0 && qkv_sizes[0] % head_dim == 0 && qkv_sizes[1] % head_dim == 0 &&
+                  qkv_sizes[1] == qkv_sizes[2],
+              "DecodeStep.layer: head_dim ", head_dim, " does not divide the q, k and v widths ", qkv_sizes);
+  for (int64_t id : qkv) checked_id(id, "qkv");
+  for (int64_t id : gate_up) checked_id(id, "gate_up");
+  layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), input_eps, post_eps, qk_eps, scale,
+                          std::move(qkv), std::move(qkv_sizes), std::move(gate_up), std::move(gate_up_sizes),
+                          std::move(q_norm), std::move(k_norm), checked_id(o, "o"), checked_id(down, "down"),
+                          head_dim});
+}
+
+void DecodeStep::head(at::Tensor norm, double eps, int64_t lm_head) {
+  lm_head_ = checked_id(lm_head, "lm_head");
+  norm_ = std::move(norm);
+  norm_eps_ = eps;
+}
+
+at::Tensor DecodeStep::project(int64_t id, const at::Tensor& x) const {
+  const Projection& p = projections_[id];
+  torch::jit::Stack stack;
+  stack.reserve(p.args.size() + 1);
+  stack.insert(stack.end(), p.args.begin(), p.args.end());
+  stack.insert(stack.begin() + p.x_index, p.perm ? x.index_select(1, *p.perm) : x);
+  p.op.callBoxed(stack);
+  at::Tensor y = std::move(stack.front()).toTensor();
+  return p.bias ? y + p.bias->to(y.scalar_type()) : y;
+}
+
+std::vector<at::Tensor> DecodeStep::project_group(const std::vector<int64_t>& ids, const std::vector<int64_t>& sizes,
+                                                  const at::Tensor& x) const {
+  if (ids.size() == sizes.size()) {  // one projection each
+    std::vector<at::Tensor> out;
+    out.reserve(ids.size());
+    for (int64_t id : ids) out.push_back(project(id, x));
+    return out;
+  }
+  std::vector<at::Tensor> parts;
+  parts.reserve(ids.size());
+  for (int64_t id : ids) parts.push_back(project(id, x));
+  const at::Tensor joined = parts.size() == 1 ? parts.front() : at::cat(parts, -1);
+  TORCH_CHECK(joined.size(-1) == std::accumulate(sizes.begin(), sizes.end(), int64_t{0}),
+              "DecodeStep.run: projections give ", joined.size(-1), " outputs for widths ", sizes);
+  return joined.split_with_sizes(sizes, -1);
+}
+
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>> DecodeStep::run(
+    at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+    std::vector<std::optional<at::Tensor>> buffers, int64_t n) {
+  const size_t layers = layers_.size();
+  TORCH_CHECK(norm_.has_value(), "DecodeStep.run: head() was not called");
+  TORCH_CHECK(keys.size() == layers && values.size() == layers && buffers.size() == 2 * layers,
+              "DecodeStep.run: ", layers, " layers take as many keys and values and twice as many buffers; got ",
+              keys.size(), ", ", values.size(), " and ", buffers.size());
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.size(1) == 1, "DecodeStep.run: x must be one token's [1, 1, hidden]");
+  TORCH_CHECK(n >= 0, "DecodeStep.run: n must be >= 0; got ", n);
+  std::vector<at::Tensor> key_views, value_views, new_buffers;
+  key_views.reserve(layers);
+  value_views.reserve(layers);
+  new_buffers.reserve(2 * layers);
+  at::Tensor h = x.view({1, -1});
+  for (size_t i = 0; i < layers; ++i) {
+    const Layer& l = layers_[i];
+    TORCH_CHECK(keys[i].dim() == 4 && keys[i].size(0) == 1 && keys[i].size(2) == n && values[i].dim() == 4 &&
+                    values[i].sizes() == keys[i].sizes(),
+                "DecodeStep.run: layer ", i, "'s cache holds keys ", keys[i].sizes(), " and values ",
+                values[i].sizes(), ", not [1, heads, ", n, ", dim] each");
+    const at::Tensor normed = rms_norm(h, l.input_norm, l.input_eps);
+    const std::vector<at::Tensor> qkv = project_group(l.qkv, l.qkv_sizes, normed);
+    at::Tensor q = qkv[0].view({-1, l.head_dim}), k = qkv[1].view({-1, l.head_dim}), v = qkv[2].view({-1, l.head_dim});
+    if (l.q_norm) {
+      q = rms_norm(q, *l.q_norm, l.qk_eps);
+      k = rms_norm(k, *l.k_norm, l.qk_eps);
+    }
+    auto [key_buffer, value_buffer] = buffers_for(keys[i], values[i], buffers[2 * i], buffers[2 * i + 1], n);
+    const at::Tensor o =
+        decode_attention(q, k, v, cos, sin, key_buffer.select(0, 0), value_buffer.select(0, 0), n, l.scale);
+    h = h + project(l.o, o.view({1, -1}));
+    const at::Tensor post = rms_norm(h, l.post_norm, l.post_eps);
+    const std::vector<at::Tensor> gate_up = project_group(l.gate_up, l.gate_up_sizes, post);
+    h = h + project(l.down, at::silu(gate_up[0]) * gate_up[1]);
+    key_views.push_back(key_buffer.narrow(2, 0, n + 1));
+    value_views.push_back(value_buffer.narrow(2, 0, n + 1));
+    new_buffers.push_back(std::move(key_buffer));
+    new_buffers.push_back(std::move(value_buffer));
+  }
+  at::Tensor logits = project(lm_head_, rms_norm(h, *norm_, norm_eps_)).view({1, 1, -1});
+  return {std::move(logits), std::move(key_views), std::move(value_views), std::move(new_buffers)};
+}
+
+}  // namespace lowbit

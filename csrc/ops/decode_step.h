@@ -1,0 +1,87 @@
+// DecodeStep: a llama-family model's decode step (one token, batch 1) as one
+// C++ loop over its layers, for lowbit.decoding. From Python every op of a
+// step costs a few microseconds of host time whatever it computes, and a
+// small model's step makes some 25 per layer; here each is a dispatcher call.
+//
+// Python describes the model once (per generation): each projection as an
+// operator and its arguments with the activation's place left out (a
+// lowbit layer's op_template, aten::linear for nn.Linear), then each layer's
+// norms, projections and attention shape, then the final norm and the head.
+// run() computes what lowbit.decoding's Python step computes, op for op.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace lowbit {
+
+class DecodeStep : public torch::CustomClassHolder {
+ public:
+  // Registers op(args with x inserted at x_index) [+ bias] as a projection
+  // of rows x [1, in]; x is first gathered by `perm` where one is given
+  // (an act-order GPTQ layer's column order). Returns its id.
+  int64_t projection(const std::string& op, const std::string& overload, std::vector<c10::IValue> args,
+                     int64_t x_index, std::optional<at::Tensor> perm, std::optional<at::Tensor> bias);
+
+  // Appends a decoder layer: pre-norm attention over q, k and v, optional
+  // per-head q and k norms, then o; pre-norm SiLU-gated MLP, then down.
+  // qkv: the projections whose outputs side by side are [q | k | v] (one
+  // fused layer, three, or a fused pair and one), split by qkv_sizes; the
+  // same for gate_up, [gate | up] and gate_up_sizes.
+  void layer(at::Tensor input_norm, double input_eps, std::vector<int64_t> qkv, std::vector<int64_t> qkv_sizes,
+             std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm, double qk_eps, int64_t o,
+             at::Tensor post_norm, double post_eps, std::vector<int64_t> gate_up, std::vector<int64_t> gate_up_sizes,
+             int64_t down, int64_t head_dim, double scale);
+
+  // The final norm and the LM head's projection.
+  void head(at::Tensor norm, double eps, int64_t lm_head);
+
+  // One step from the token's embedding x [1, 1, hidden] at position n, with
+  // the rotary tables cos, sin [head_dim]. keys / values: each layer's cache
+  // tensors [1, kv_heads, n, head_dim]; buffers: per layer its key and value
+  // buffers from the last step (2 per layer, None where there are none).
+  // Buffers whose first n rows are the cache's tensors are written in place,
+  // others are made anew (the cache's rows copied in, twice the room).
+  // Returns (logits [1, 1, vocab], each layer's keys and values: the first
+  // n + 1 rows of its buffers, the buffers: 2 per layer).
+  std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>> run(
+      at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+      std::vector<std::optional<at::Tensor>> buffers, int64_t n);
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  struct Projection {
+    c10::OperatorHandle op;
+    std::vector<c10::IValue> args;  // without the activation
+    int64_t x_index;
+    std::optional<at::Tensor> perm, bias;
+  };
+  struct Layer {
+    at::Tensor input_norm, post_norm;
+    double input_eps, post_eps, qk_eps, scale;
+    std::vector<int64_t> qkv, qkv_sizes, gate_up, gate_up_sizes;
+    std::optional<at::Tensor> q_norm, k_norm;
+    int64_t o, down, head_dim;
+  };
+
+  at::Tensor project(int64_t id, const at::Tensor& x) const;
+  std::vector<at::Tensor> project_group(const std::vector<int64_t>& ids, const std::vector<int64_t>& sizes,
+                                        const at::Tensor& x) const;
+  int64_t checked_id(int64_t id, const char* what) const;
+
+  std::vector<Projection> projections_;
+  std::vector<Layer> layers_;
+  std::optional<at::Tensor> norm_;
+  double norm_eps_ = 0.0;
+  int64_t lm_head_ = -1;
+};
+
+}  // namespace lowbit
