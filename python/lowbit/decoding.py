@@ -136,21 +136,27 @@ class _StepPlan:
     def __init__(self, model: nn.Module, dtype: torch.dtype):
         self.step = torch.classes.lowbit.DecodeStep()
         self.dtype = dtype
-        self.watched: list[tuple[dict, str, nn.Module]] = []
-        self.hooked: list[nn.Module] = []
+        # Each watched module's parent's _modules, its name there, the module;
+        # and the projections' hook dicts: intact() compares them in bulk.
+        self.parents: list[dict] = []
+        self.names: list[str] = []
+        self.modules: list[nn.Module] = []
+        self.hook_dicts: list[dict] = []
         inner = model.model
-        for layer in inner.layers:
-            self._layer(layer)
+        for i in range(len(inner.layers)):
+            self._layer(self._watch(inner.layers, str(i)))
         norm_weight, norm_eps = self._norm(inner, "norm")
         self.step.head(norm_weight, norm_eps, self._projection(model, "lm_head"))
-        if not self.current(dtype):
+        if not self.intact():
             raise _Unplannable("hooks")
 
     def _watch(self, parent: nn.Module, name: str) -> nn.Module:
         module = parent._modules.get(name)
         if module is None:
             raise _Unplannable(name)
-        self.watched.append((parent._modules, name, module))
+        self.parents.append(parent._modules)
+        self.names.append(name)
+        self.modules.append(module)
         return module
 
     def _norm(self, parent: nn.Module, name: str) -> tuple[torch.Tensor, float]:
@@ -162,7 +168,7 @@ class _StepPlan:
 
     def _projection(self, parent: nn.Module, name: str) -> int:
         module = self._watch(parent, name)
-        self.hooked.append(module)
+        self.hook_dicts += [module._forward_hooks, module._forward_pre_hooks]
         probe = torch.empty(1, module.in_features, dtype=self.dtype)
         if type(module) is nn.Linear:
             op, args, perm, bias = torch.ops.aten.linear.default, (probe, module.weight, module.bias), None, None
@@ -219,12 +225,11 @@ class _StepPlan:
                         self._projection(attn, "o_proj"), post_norm, post_eps, gate_up, gate_up_sizes,
                         self._projection(mlp, "down_proj"), attn.head_dim, float(attn.scaling))
 
-    def current(self, dtype: torch.dtype) -> bool:
+    def intact(self) -> bool:
         """Whether the step still describes the model: the same modules in
-        place, no hooks on the projections, activations of the same dtype."""
-        return (dtype == self.dtype and not _global_hooks()
-                and all(d.get(name) is m for d, name, m in self.watched)
-                and not any(m._forward_hooks or m._forward_pre_hooks for m in self.hooked))
+        place (decoder layers, norms, projections), no hooks on the projections."""
+        return (not _global_hooks() and list(map(dict.get, self.parents, self.names)) == self.modules
+                and not any(self.hook_dicts))
 
     def run(self, x, cos, sin, cache, n: int):
         layers = cache.layers
@@ -294,7 +299,8 @@ class _DecodingForward:
         return type(self.model).forward(self.model, *args, **kwargs)
 
     def _served(self, kwargs):
-        """(the cache, its length) where a decode step serves this call; None otherwise."""
+        """(the cache, its length, whether the C++ step made for the model
+        still describes it) where a decode step serves this call; None otherwise."""
         from transformers import DynamicCache
         from transformers.cache_utils import DynamicLayer
 
@@ -317,11 +323,14 @@ class _DecodingForward:
             return None
         if positions is not None and (positions.numel() != 1 or int(positions) != n):
             return None
-        if not all(_servable_layer(layer) for layer in model_layers):
+        # An intact C++ step was made for these very layers, which were servable then.
+        plan = self._plan
+        intact = bool(plan) and plan.intact()
+        if not intact and not all(_servable_layer(layer) for layer in model_layers):
             return None
-        return cache, n
+        return cache, n, intact
 
-    def _step(self, input_ids: torch.Tensor, cache, n: int):
+    def _step(self, input_ids: torch.Tensor, cache, n: int, intact: bool):
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         model = self.model.model
@@ -329,7 +338,7 @@ class _DecodingForward:
         cos, sin = model.rotary_emb(x, torch.full((1, 1), n, dtype=torch.long))
         cos, sin = cos.view(-1), sin.view(-1)
         plan = self._plan
-        if plan is None or (plan is not False and not plan.current(x.dtype)):
+        if plan is None or (plan is not False and not (intact and plan.dtype == x.dtype)):
             try:
                 plan = _StepPlan(self.model, x.dtype)
             except _Unplannable:
