@@ -147,6 +147,7 @@ except (OSError, AttributeError):
 # GGUF metadata value types (gguf.GGUFValueType's numbering) by the struct
 # format of their payload; 8 and 9 are strings and arrays.
 _SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_U64 = struct.Struct("<Q")
 _STRING, _ARRAY = 8, 9
 SUPPORTED_VERSIONS = (2, 3)  # v1 had 32-bit counts and lengths; llama.cpp reads 2 and 3
 DEFAULT_ALIGNMENT = 32  # GGUF_DEFAULT_ALIGNMENT, when general.alignment is absent
@@ -197,7 +198,27 @@ class _Cursor:
             dtype = np.dtype("<" + _SCALAR_FORMATS[item_type])
             start = self.take(length * dtype.itemsize)
             return np.frombuffer(self.data, dtype, count=length, offset=start).tolist()
+        if item_type == _STRING:
+            return self.strings(length)
         return [self.value(item_type) for _ in range(length)]
+
+    def strings(self, length: int) -> list[str]:
+        """`length` strings in a row (a vocabulary, its merges): string()'s
+        reads and checks in one loop over locals, half the time a string."""
+        view, size, pos = self.view, self.size, self.pos
+        unpack = _U64.unpack_from
+        out = [""] * length
+        for i in range(length):
+            if pos + 8 > size:
+                raise ValueError(f"truncated: needs 8 bytes at offset {pos}, file has {size} bytes")
+            n = unpack(view, pos)[0]
+            pos += 8
+            if pos + n > size:
+                raise ValueError(f"truncated: needs {n} bytes at offset {pos}, file has {size} bytes")
+            out[i] = str(view[pos:pos + n], "utf-8")
+            pos += n
+        self.pos = pos
+        return out
 
 
 def _min_item_bytes(value_type: int) -> int:
