@@ -405,3 +405,31 @@ def test_decode_step_refuses_what_it_cannot_run():
         step.run(torch.zeros(1, 1, 4), torch.ones(4), torch.zeros(4), [keys], [keys], [None], 3)
     with pytest.raises(RuntimeError, match="layer 0's cache holds keys"):
         step.run(torch.zeros(1, 1, 4), torch.ones(4), torch.zeros(4), [keys], [keys], [None, None], 5)
+
+
+def test_threads_decode_one_model_through_the_cpp_step(gguf_path):
+    """Threads decoding their own caches on one model (a server's requests)
+    share its C++ step, and each prompt call makes a new one: every thread
+    gets the tokens it gets alone."""
+    import threading
+
+    model = lowbit.load_gguf_model(gguf_path)
+    prompts = [torch.tensor([[1 + i, 7, 22, 5 + i]]) for i in range(4)]
+    alone = [generate(model, p).sequences for p in prompts]
+    got, errors = [None] * len(prompts), []
+
+    def run(i):
+        try:
+            for _ in range(3):
+                got[i] = generate(model, prompts[i]).sequences
+        except Exception as e:  # reported below: an exception in a thread would pass unseen
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for a, b in zip(got, alone):
+        assert torch.equal(a, b)
