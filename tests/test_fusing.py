@@ -17,6 +17,7 @@ from torch import nn
 
 import lowbit
 from lowbit.fusing import ProjectionSlice, fuse_projections
+from lowbit.gguf.file import release_mapped
 from tiny_models import tiny_model, write_tiny_gguf
 
 pytest.importorskip("gguf")
@@ -293,6 +294,52 @@ def test_release_drops_copied_pages_and_the_bytes_stay_readable():
     assert before - mapped_kb(path) >= 0.9 * sum(p.numel() for p in parts) / 1024
     assert all(torch.equal(p, c) for p, c in zip(parts, copies))  # read again from the file
     f.release([copies[0]])  # not the file's bytes: nothing to drop
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the resident pages from /proc/self/smaps")
+def test_release_keeps_the_pages_written_in_place(tmp_path):
+    """The mapping is copy-on-write: a page written through a view holds the
+    only copy of what was written, and stays; the others go."""
+    from gguf_files import smollm2_gguf_path
+
+    path = tmp_path / "smollm2.gguf"
+    shutil.copyfile(smollm2_gguf_path(), path)
+    part = lowbit.load_gguf(path).tensors["blk.0.ffn_down.weight"].data
+    written, row = part.clone(), part.shape[0] // 2  # a row on a page wholly inside the tensor
+    written[row, :16] = torch.arange(16, dtype=torch.uint8)
+    part[row, :16] = written[row, :16]
+    before = mapped_kb(path)
+    release_mapped([part])
+    assert before - mapped_kb(path) >= 0.9 * part.numel() / 1024 - 8  # all but the written page (and the edges)
+    assert torch.equal(part, written)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the resident pages from /proc/self/smaps")
+def test_repacking_drops_the_file_pages_it_copied(tmp_path, monkeypatch):
+    """repack_model copies the layers it takes out of the mapping: their
+    pages leave memory, and the model's results stay those of the repacked
+    layers (a tied embedding reads its rows from the file again)."""
+    from gguf_files import smollm2_gguf_path
+    from lowbit.gguf.file import _MAPPINGS
+
+    path = tmp_path / "smollm2.gguf"
+    shutil.copyfile(smollm2_gguf_path(), path)
+    model = lowbit.load_gguf_model(path)
+    ids = torch.tensor([[1, 7, 22, 5, 63]])
+    layers = [m for m in model.modules() if isinstance(m, lowbit.GGUFLinear)]
+    mapped = [m for m in layers if any(lo <= m.qweight.data_ptr() < hi for lo, hi in _MAPPINGS.items())]
+    with torch.no_grad():
+        model(ids)  # every weight's pages read
+        before = mapped_kb(path)
+        assert lowbit.repack_model(model)
+        repacked = [m for m in mapped if m.repacked]
+        assert repacked
+        dropped = before - mapped_kb(path)
+        assert dropped >= 0.9 * sum(m.qweight.numel() for m in repacked) / 1024
+        monkeypatch.setattr(lowbit.gguf.linear, "release_mapped", lambda parts: None)
+        reference = lowbit.load_gguf_model(path)
+        lowbit.repack_model(reference)  # the same layers, their pages kept
+        assert torch.equal(model(ids).logits, reference(ids).logits)
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the resident pages from /proc/self/smaps")

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from .._frozen import call_frozen
+from .file import release_mapped
 from .linear import check_sizes
 
 
@@ -117,8 +118,10 @@ class GGUFExperts(nn.Module):
                                  f"{getattr(self, f'{name}_qweight').device}")
             if (not self.repacked[name] and torch.ops.lowbit.cpu_reads_repacked(qtype)  # and so has the layout
                     and qtype not in skip_types):
+                mapped = getattr(self, f"{name}_qweight")
                 setattr(self, f"{name}_qweight", self._reorder(name, inverse=False))
                 self.repacked[name] = True
+                release_mapped([mapped])  # a file's bytes, copied: their pages go
             if self.repacked[name]:
                 done.append(name)
         return done

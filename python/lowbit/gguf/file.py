@@ -20,6 +20,7 @@ import math
 import mmap
 import os
 import struct
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["GGUFError", "GGUFFile", "GGUFTensor", "load_gguf"]
+__all__ = ["GGUFError", "GGUFFile", "GGUFTensor", "load_gguf", "release_mapped"]
 
 MAX_DIMS = 4  # GGML_MAX_DIMS
 
@@ -104,21 +105,9 @@ class GGUFFile:
         return torch.from_numpy(self._mapping)[start:end].view(-1, row_bytes)  # a view: no bytes are read
 
     def release(self, parts: list[torch.Tensor]) -> None:
-        """Drops the resident pages of the mapping that lie wholly inside
-        `parts` (views of this file whose bytes now live in a copy, as a
-        joined layer's): read once to be copied, they would otherwise stay
-        in the process's memory beside the copy. Nothing is written through
-        the mapping, so any later read of those bytes reads the file again.
-        Parts that are copies of their own go with their last reference."""
-        if _MADVISE is None:
-            return
-        for p in parts:
-            if (offset := self._offset(p)) is None:
-                continue
-            start = self._mapping.ctypes.data + offset
-            first, last = -(-start // _PAGE) * _PAGE, (start + p.numel() * p.element_size()) // _PAGE * _PAGE
-            if last > first:
-                _MADVISE(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+        """release_mapped(parts): the pages of views whose bytes now live in a
+        copy (a joined layer's), read once to be copied."""
+        release_mapped(parts)
 
     def close(self) -> None:
         self.metadata = {}
@@ -135,7 +124,7 @@ class GGUFFile:
         return f"GGUFFile({self.path!r}, {len(self.tensors)} tensors, {len(self.metadata)} keys)"
 
 
-# madvise from the C library where there is one (Linux, macOS): GGUFFile.release.
+# madvise from the C library where there is one (Linux, macOS): release_mapped.
 _PAGE = mmap.PAGESIZE
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 try:
@@ -143,6 +132,60 @@ try:
     _MADVISE.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 except (OSError, AttributeError):
     _MADVISE = None
+
+# Every live file mapping's address range (start -> end), for release_mapped;
+# an entry goes with its mapping.
+_MAPPINGS: dict[int, int] = {}
+
+
+def _register_mapping(mapping: np.ndarray) -> None:
+    start = mapping.ctypes.data
+    _MAPPINGS[start] = start + mapping.nbytes
+    weakref.finalize(mapping, _MAPPINGS.pop, start, None)
+
+
+def release_mapped(parts: list[torch.Tensor]) -> None:
+    """Drops the resident pages of GGUF file mappings that lie wholly inside
+    `parts`, views whose bytes live in a copy now (a joined or repacked
+    layer's): read once to be copied, they would otherwise stay in the
+    process's memory beside the copy. Any later read of them (a tied
+    embedding's lookups) reads the file again. A page a write has made a
+    private copy of (the mapping is copy-on-write: a weight written in place)
+    is kept, as are all where the process cannot read its page flags
+    (/proc/self/pagemap); parts of no mapping are left alone."""
+    if _MADVISE is None:
+        return
+    for p in parts:
+        if p.device.type != "cpu" or not p.is_contiguous():
+            continue
+        start = p.data_ptr()
+        end = start + p.numel() * p.element_size()
+        if not any(lo <= start and end <= hi for lo, hi in _MAPPINGS.items()):
+            continue
+        first, last = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
+        for a, b in _unwritten_runs(first, last):
+            _MADVISE(ctypes.c_void_p(a), ctypes.c_size_t(b - a), _MADV_DONTNEED)
+
+
+def _unwritten_runs(first: int, last: int) -> list[tuple[int, int]]:
+    """The runs of pages in [first, last) holding no private copy: not
+    resident, or resident pages of the file (pagemap bit 61; bit 63 resident,
+    62 swapped, which only a private page can be)."""
+    pages = (last - first) // _PAGE
+    if pages <= 0:
+        return []
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(first // _PAGE * 8)
+            flags = np.frombuffer(f.read(pages * 8), dtype="<u8")
+    except OSError:
+        return []
+    if flags.size != pages:
+        return []
+    private = (((flags >> 63) & 1) & ~((flags >> 61) & 1) | ((flags >> 62) & 1)).astype(bool)
+    edges = np.diff(np.concatenate(([0], (~private).astype(np.int8), [0])))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    return [(first + int(a) * _PAGE, first + int(b) * _PAGE) for a, b in zip(starts, ends)]
 
 # GGUF metadata value types (gguf.GGUFValueType's numbering) by the struct
 # format of their payload; 8 and 9 are strings and arrays.
@@ -307,6 +350,7 @@ def load_gguf(path: str | os.PathLike) -> GGUFFile:
                             f"({follows}): tensor data must not overlap or leave gaps")
         tensors[info.name] = t
         expected, previous = expected + t.nbytes + -t.nbytes % alignment, info.name
+    _register_mapping(data)
     return GGUFFile(path, version, alignment, metadata, tensors, data)
 
 

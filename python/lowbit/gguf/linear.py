@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from .._frozen import call_frozen
+from .file import release_mapped
 
 # The ggml float weight types (F32, F16, BF16) of torch's dtypes.
 FLOAT_QTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
@@ -147,8 +148,10 @@ class GGUFLinear(nn.Module):
             raise ValueError(f"GGUFLinear.repack: the repacked layout is the CPU kernels'; qweight is on "
                              f"{self.qweight.device}")
         if not self.repacked:
+            mapped = self.qweight
             self.qweight = self._reorder(inverse=False)
             self.repacked = True
+            release_mapped([mapped])  # a file's bytes, copied: their pages go
         return self
 
     def unrepack(self) -> "GGUFLinear":
