@@ -130,15 +130,10 @@ at::Tensor DecodeStep::project(int64_t id, const at::Tensor& x) const {
 
 std::vector<at::Tensor> DecodeStep::project_group(const std::vector<int64_t>& ids, const std::vector<int64_t>& sizes,
                                                   const at::Tensor& x) const {
-  if (ids.size() == sizes.size()) {  // one projection each
-    std::vector<at::Tensor> out;
-    out.reserve(ids.size());
-    for (int64_t id : ids) out.push_back(project(id, x));
-    return out;
-  }
   std::vector<at::Tensor> parts;
   parts.reserve(ids.size());
   for (int64_t id : ids) parts.push_back(project(id, x));
+  if (parts.size() == sizes.size()) return parts;  // one projection each
   const at::Tensor joined = parts.size() == 1 ? parts.front() : at::cat(parts, -1);
   TORCH_CHECK(joined.size(-1) == std::accumulate(sizes.begin(), sizes.end(), int64_t{0}),
               "DecodeStep.run: projections give ", joined.size(-1), " outputs for widths ", sizes);
