@@ -4,6 +4,7 @@ generate gives its tokens, and every call a step cannot serve (batches,
 padding, extra outputs, a cache edited in between, LoRA on a fused
 projection, hooks) runs the model's own forward or honours what changed.
 Its ops alone: tests/test_decode_ops.py."""
+import os
 import pickle
 
 import pytest
@@ -250,6 +251,12 @@ def gptq_model(layout):
     return model
 
 
+def write_tiny_gguf(*args):
+    from tiny_models import write_tiny_gguf
+
+    return write_tiny_gguf(*args)
+
+
 def partly_fused_gguf_model(path):
     """q and k fused, v (of another type) apart, as in a Q4_K_M file."""
     from lowbit.fusing import fuse_projections
@@ -284,6 +291,10 @@ STEP_MODELS = {
     "gguf (fused)": lambda path: lowbit.load_gguf_model(path),
     "gguf (unfused)": lambda path: lowbit.load_gguf_model(path, fuse=False),
     "gguf (q and k fused)": partly_fused_gguf_model,
+    "gguf qwen2 (biases)": lambda path: lowbit.load_gguf_model(
+        write_tiny_gguf(os.path.join(os.path.dirname(path), "qwen2.gguf"), tiny_model("qwen2", seed=1), "qwen2")),
+    "gguf qwen3 (q and k norms)": lambda path: lowbit.load_gguf_model(
+        write_tiny_gguf(os.path.join(os.path.dirname(path), "qwen3.gguf"), tiny_model("qwen3", seed=1), "qwen3")),
     "gguf bf16": lambda path: lowbit.load_gguf_model(path, dtype=torch.bfloat16),
     "gguf repacked": lambda path: repacked_gguf_model(path),
     "gptq unsorted": lambda path: gptq_model("unsorted"),
