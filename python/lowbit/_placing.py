@@ -24,12 +24,26 @@ def get_module(model: nn.Module, name: str) -> nn.Module | None:
         return None
 
 
-def load_tensor(model: nn.Module, target: torch.Tensor, value: torch.Tensor) -> None:
+def tensor_holders(model: nn.Module) -> dict[int, tuple[torch.Tensor, list[tuple[nn.Module, str]]]]:
+    """Where the model holds each of its parameters and buffers, by id: the
+    tensor and its (module, name) places (a tied one has several), for
+    load_tensor calls in a row. Entries of modules replaced since stay,
+    holding what they held."""
+    holders: dict[int, tuple[torch.Tensor, list[tuple[nn.Module, str]]]] = {}
+    for module in model.modules():
+        for name, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is not None:
+                holders.setdefault(id(t), (t, []))[1].append((module, name))
+    return holders
+
+
+def load_tensor(model: nn.Module, target: torch.Tensor, value: torch.Tensor, holders: dict | None = None) -> None:
     """Copies `value` into the model's tensor `target`, or, where that tensor
     is on the meta device (a model built without memory), puts a CPU tensor
     of the target's dtype and kind (parameter or buffer) in its place wherever
     the model holds it, so tied parameters (an LM head tied to the embedding)
-    stay tied, as they do under copy_."""
+    stay tied, as they do under copy_. `holders`: tensor_holders(model) from
+    before, to find those places without a walk over the model per call."""
     if not target.is_meta:
         with torch.no_grad():
             target.copy_(value)
@@ -37,9 +51,10 @@ def load_tensor(model: nn.Module, target: torch.Tensor, value: torch.Tensor) -> 
     new = value.to(target.dtype)
     if isinstance(target, nn.Parameter):
         new = nn.Parameter(new, requires_grad=target.requires_grad)
-    holders = [(m, name) for m in model.modules()
-               for name, t in [*m._parameters.items(), *m._buffers.items()] if t is target]
-    for module, name in holders:
+    entry = None if holders is None else holders.get(id(target))
+    if entry is None or entry[0] is not target:
+        entry = tensor_holders(model).get(id(target), (target, []))
+    for module, name in entry[1]:
         setattr(module, name, new)
 
 

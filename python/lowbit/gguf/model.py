@@ -12,7 +12,8 @@ import warnings
 import torch
 from torch import nn
 
-from .._placing import ReplaceReport, checked, get_module, load_tensor, on_meta, rebuild_computed_buffers
+from .._placing import (ReplaceReport, checked, get_module, load_tensor, on_meta, rebuild_computed_buffers,
+                        tensor_holders)
 from ..fusing import fuse_projections
 from ..moe import experts_dims
 from ..decoding import fast_decoding
@@ -151,6 +152,7 @@ def place_gguf_tensors(model: nn.Module, f: GGUFFile, caller: str, consumed: tup
     wanted = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     placed = set()
     in_experts = set(_place_experts(model, f, report, placed))
+    holders = tensor_holders(model)
 
     # Linear weights first, so bias tensors find their (new) layers afterwards.
     tensors = sorted(f.tensors.values(), key=lambda t: not t.name.endswith(".weight"))
@@ -178,7 +180,7 @@ def place_gguf_tensors(model: nn.Module, f: GGUFFile, caller: str, consumed: tup
             target = getattr(module, attr)
             check_shape(path, t, name, tuple(target.shape))
             value = hf_value(t.name, t.dequantize(), f.metadata)
-            load_tensor(model, target, value)
+            load_tensor(model, target, value, holders)
             report.loaded.append(name)
         placed.add(name)
 

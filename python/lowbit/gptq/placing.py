@@ -13,7 +13,8 @@ import warnings
 import torch
 from torch import nn
 
-from .._placing import ReplaceReport, checked, get_module, load_tensor, on_meta, rebuild_computed_buffers
+from .._placing import (ReplaceReport, checked, get_module, load_tensor, on_meta, rebuild_computed_buffers,
+                        tensor_holders)
 from ..fusing import fuse_projections
 from ..moe import experts_dims, plain_experts
 from .checkpoint import GPTQCheckpoint, GPTQCheckpointError, check_layer_count, checkpoint_files, load_gptq
@@ -130,6 +131,7 @@ def place_gptq_checkpoint(model: nn.Module, path: str, checkpoint_format: str | 
         placed.update(f"{name}.{p}" for p in ("weight", "bias"))
     targets = dict(model.named_parameters())
     targets.update(_persistent_buffers(model))
+    holders = tensor_holders(model)
     for name, tensor in ckpt.tensors.items():
         target = targets.get(name)
         if target is None:
@@ -138,7 +140,7 @@ def place_gptq_checkpoint(model: nn.Module, path: str, checkpoint_format: str | 
         if tuple(target.shape) != tuple(tensor.shape):
             raise GPTQCheckpointError(f"{ckpt.directory}: tensor {name!r} has shape {tuple(tensor.shape)} but the "
                                       f"model's is {tuple(target.shape)}")
-        load_tensor(model, target, tensor)
+        load_tensor(model, target, tensor, holders)
         report.loaded.append(name)
         placed.add(name)
     if report.unplaced:
