@@ -14,7 +14,7 @@ import gguf_blocks as gb
 import gguf_files
 from gguf_files import (HIDDEN, N_HEAD, N_HEAD_KV, TOY_TENSORS, converter_permute, patched, raw_gguf, tensor_info_offsets,
                         truncated)
-from lowbit.gguf.file import GGUFError, load_gguf
+from lowbit.gguf.file import GGUFError, _Cursor, load_gguf
 from lowbit.gguf.arch import ARCHITECTURES, config_from_gguf, hf_name, unpermute_rows
 
 
@@ -216,6 +216,20 @@ def test_truncated(toy, tmp_path, where, expected):
     assert expected in load_error(truncated(toy.path, str(tmp_path / "t.gguf"), size))
 
 
+@pytest.mark.parametrize("first_copy", [1, 5, 13, 100, 777])
+def test_header_read_through_a_growing_copy(toy, tmp_path, monkeypatch, first_copy):
+    """The parser reads the header from a copy of the file's start that grows
+    as the reads need: with copies that end inside a key, a scalar, a token
+    or an array's count, it reads the same values, and cuts in the header are
+    still refused as truncated."""
+    expect = load_gguf(toy.path).metadata
+    monkeypatch.setattr(_Cursor, "FIRST_COPY", first_copy)
+    assert load_gguf(toy.path).metadata == expect
+    for where, message in TRUNCATIONS[:10]:
+        size = truncation_points(toy.path)[where]
+        assert message in load_error(truncated(toy.path, str(tmp_path / "t.gguf"), size)), where
+
+
 def test_truncated_in_data_names_the_tensor(toy, tmp_path):
     info = tensor_info_offsets(toy.path, "blk.0.attn_q.weight")
     message = load_error(truncated(toy.path, str(tmp_path / "t.gguf"), info["data"] + 100))
@@ -242,7 +256,7 @@ class NoGguf:
         if name.split(".")[0] == "gguf":
             raise ImportError("gguf-py is not installed")
 sys.meta_path.insert(0, NoGguf())
-from lowbit.gguf.file import GGUFError, load_gguf
+from lowbit.gguf.file import GGUFError, _Cursor, load_gguf
 with load_gguf({toy.path!r}) as f:
     print(len(f.tensors), f.tensors["blk.0.attn_q.weight"].type_name)
 try:
