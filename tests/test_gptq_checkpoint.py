@@ -197,6 +197,37 @@ def test_load_gptq_model_keeps_the_float_tables_as_stored(tmp_path, tied, dtype,
     fresh = tied_llama(tied, seed=7)
     lowbit.replace_linear(fresh, tmp_path / "ckpt")
     torch.testing.assert_close(logits(built, IDS), logits(fresh, IDS), rtol=1e-5, atol=1e-6)
+    # An untied embedding is only looked up in: it stays in the file, read row
+    # by row as tokens need it; a tied one is the head's weight, read whole.
+    checkpoint = str(tmp_path / "ckpt" / "model.safetensors")
+    assert (mapped_file(embedding.qweight) == checkpoint) == (not tied)
+    assert mapped_file(head.qweight) is None
+
+
+def mapped_file(t: torch.Tensor) -> str | None:
+    """The file whose mapping holds t's bytes (/proc/self/maps), if any."""
+    start, end = t.data_ptr(), t.data_ptr() + t.nbytes
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            lo, hi = (int(a, 16) for a in fields[0].split("-"))
+            if lo <= start and end <= hi:
+                return fields[5] if len(fields) > 5 and fields[5].startswith("/") else None
+    return None
+
+
+def test_mapped_embedding_writes_stay_in_memory(tmp_path):
+    """The file-mapped embedding of an untied checkpoint is copy-on-write: a
+    write to it changes the model, never the checkpoint."""
+    tables_checkpoint(tmp_path / "ckpt", False, torch.float16)
+    before = (tmp_path / "ckpt" / "model.safetensors").read_bytes()
+    built = lowbit.load_gptq_model(tmp_path / "ckpt")
+    embedding = built.model.embed_tokens
+    assert mapped_file(embedding.qweight) is not None
+    embedding.qweight.fill_(0)
+    with torch.no_grad():
+        assert not built.model.embed_tokens(IDS).any()
+    assert (tmp_path / "ckpt" / "model.safetensors").read_bytes() == before
 
 
 @pytest.mark.parametrize("tied", [False, True])

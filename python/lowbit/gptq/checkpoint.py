@@ -12,6 +12,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
@@ -81,8 +82,11 @@ HEADER_DTYPES = {"I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "
                  "U8": torch.uint8, "BOOL": torch.bool}
 
 
-def read_tensors(files: list[str]) -> dict[str, torch.Tensor]:
-    """Every tensor of the safetensors files, read into memory of its own.
+def read_tensors(files: list[str], mapped: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files, read into memory of its own,
+    but for those named in `mapped`: views of a copy-on-write mapping of
+    their file, whose pages are read only where they are used (a token
+    embedding's rows).
 
     safetensors checks each file's header against the file first. The data
     is then read with plain reads into fresh (aligned) allocations, not
@@ -95,6 +99,7 @@ def read_tensors(files: list[str]) -> dict[str, torch.Tensor]:
             with safe_open(file, framework="pt") as f, open(file, "rb") as raw:
                 header_bytes = int.from_bytes(raw.read(8), "little")
                 header = json.loads(raw.read(header_bytes))
+                mapping = None
                 for name in f.keys():
                     if name in tensors:
                         raise GPTQCheckpointError(f"{file}: tensor {name!r} appears in more than one shard")
@@ -104,10 +109,18 @@ def read_tensors(files: list[str]) -> dict[str, torch.Tensor]:
                         tensors[name] = f.get_tensor(name).clone()
                         continue
                     begin, end = info["data_offsets"]
-                    data = torch.empty(end - begin, dtype=torch.uint8)
-                    raw.seek(8 + header_bytes + begin)
-                    if raw.readinto(data.numpy()) != end - begin:
-                        raise GPTQCheckpointError(f"{file}: tensor {name!r} is truncated")
+                    start = 8 + header_bytes + begin
+                    if name in mapped and start % dtype.itemsize == 0:
+                        if mapping is None:
+                            mapping = torch.from_numpy(np.memmap(file, dtype=np.uint8, mode="c"))
+                        data = mapping[start:8 + header_bytes + end]
+                        if data.numel() != end - begin:
+                            raise GPTQCheckpointError(f"{file}: tensor {name!r} is truncated")
+                    else:
+                        data = torch.empty(end - begin, dtype=torch.uint8)
+                        raw.seek(start)
+                        if raw.readinto(data.numpy()) != end - begin:
+                            raise GPTQCheckpointError(f"{file}: tensor {name!r} is truncated")
                     tensors[name] = data.view(dtype).reshape(info["shape"])
         except GPTQCheckpointError:
             raise
@@ -116,15 +129,17 @@ def read_tensors(files: list[str]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_gptq(path: str | os.PathLike, checkpoint_format: str | None = None) -> GPTQCheckpoint:
+def load_gptq(path: str | os.PathLike, checkpoint_format: str | None = None,
+              mapped: frozenset[str] = frozenset()) -> GPTQCheckpoint:
     """Reads a GPTQ checkpoint (directory or single .safetensors file next to its
     config) into GPTQLinear modules, keyed by module name, plus the remaining
-    tensors. `checkpoint_format` overrides the config's "gptq" / "gptq_v2"."""
+    tensors. `checkpoint_format` overrides the config's "gptq" / "gptq_v2";
+    `mapped` names tensors left in the file (read_tensors)."""
     directory, files = checkpoint_files(path)
     config = read_config(directory)
     if checkpoint_format is not None:
         config = replace(config, checkpoint_format=checkpoint_format)
-    tensors = read_tensors(files)
+    tensors = read_tensors(files, mapped)
     ckpt = GPTQCheckpoint(config, directory)
     prefixes = sorted(n[: -len(".qweight")] for n in tensors if n.endswith(".qweight"))
     # qzeros and g_idx are GPTQ's own names (unlike "scales"): a module with them but no qweight lost its weight.

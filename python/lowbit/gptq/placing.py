@@ -36,9 +36,10 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     every other tensor is loaded as `dtype`, but for the token embedding and
     an unquantized LM head: a GGUFEmbedding and a GGUFLinear over the
     checkpoint's own fp16 / bf16 / fp32 bytes (one copy for both where the
-    head is tied to the embedding), so the model takes about its checkpoint's
-    size and the head's matvec reads 2-byte weights where the checkpoint has
-    them. `checkpoint_format` overrides the config's, as in replace_linear.
+    head is tied to the embedding; an untied embedding stays in the file,
+    its rows read as tokens use them), so the model takes at most its
+    checkpoint's size and the head's matvec reads 2-byte weights where the
+    checkpoint has them. `checkpoint_format` overrides the config's, as in replace_linear.
     `fuse` joins each decoder layer's q, k and v (and gate and up) GPTQLinears
     into one where they are quantized alike (lowbit.fusing: one gptq_gemm
     instead of three; save_gptq writes them apart again).
@@ -99,7 +100,7 @@ def place_gptq_checkpoint(model: nn.Module, path: str, checkpoint_format: str | 
     its `float_tables`). Act-order layers hold their rows sorted by group
     (GPTQLinear.sort_rows)."""
     table_type = _table_type(float_tables)
-    ckpt = _named_as_model(model, load_gptq(path, checkpoint_format))
+    ckpt = _named_as_model(model, load_gptq(path, checkpoint_format, _lookup_only_table(model, table_type)))
     for layer in ckpt.modules.values():
         # The tensors are the loader's own: act-order rows sorted in place,
         # one copy of the weights (GPTQLinear.sort_rows).
@@ -149,6 +150,18 @@ def place_gptq_checkpoint(model: nn.Module, path: str, checkpoint_format: str | 
     if missing:
         raise GPTQCheckpointError(f"replace_linear: {ckpt.directory} has no tensor for model parameters {missing}")
     return report
+
+
+def _lookup_only_table(model: nn.Module, table_type: int | None) -> frozenset[str]:
+    """The name of the token embedding's weight where the model only looks
+    rows up in it (built on the meta device, not tied to the LM head, kept in
+    the checkpoint's float type): left in the file, its pages are read as
+    tokens need them, not all at load."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    weight = getattr(embedding, "weight", None)
+    if table_type is not None or weight is None or not weight.is_meta or getattr(head, "weight", None) is weight:
+        return frozenset()
+    return frozenset(n for n, p in model.named_parameters() if p is weight)
 
 
 # float_tables -> the ggml type the tables are held in (None: the checkpoint's own float type).
