@@ -157,9 +157,11 @@ def _lookup_only_table(model: nn.Module, table_type: int | None) -> frozenset[st
     rows up in it (built on the meta device, not tied to the LM head, kept in
     the checkpoint's float type): left in the file, its pages are read as
     tokens need them, not all at load."""
+    if table_type is not None or not hasattr(model, "get_input_embeddings"):  # not a transformers model
+        return frozenset()
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     weight = getattr(embedding, "weight", None)
-    if table_type is not None or weight is None or not weight.is_meta or getattr(head, "weight", None) is weight:
+    if weight is None or not weight.is_meta or getattr(head, "weight", None) is weight:
         return frozenset()
     return frozenset(n for n, p in model.named_parameters() if p is weight)
 
