@@ -123,6 +123,31 @@ def test_lm_head_quantized_sharded_and_single_file(tmp_path):
     assert_same_logits(logits(fresh, IDS), logits(reference, IDS))
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_read_tensors_on_threads_reads_every_shard_exactly(tmp_path, threads):
+    """read_tensors reads the shards' tensors on up to torch's thread count:
+    every tensor of every shard comes back with safetensors' own bytes, dtype
+    and shape, whatever the thread count."""
+    from lowbit.gptq.checkpoint import checkpoint_files, read_tensors
+
+    config = GPTQConfig(bits=4, group_size=32, sym=False, checkpoint_format="gptq_v2")
+    model = tiny_llama()
+    quantize(model, config)
+    lowbit.save_gptq(model, tmp_path / "sharded", config, max_shard_bytes=100_000)
+    _, files = checkpoint_files(tmp_path / "sharded")
+    assert len(files) > 3
+    expect = {n: t for f in files for n, t in load_file(f).items()}
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = read_tensors(files)
+    finally:
+        torch.set_num_threads(saved)
+    assert sorted(got) == sorted(expect)
+    for name, tensor in expect.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
 @pytest.mark.parametrize("tied, lm_head, bias", [(False, False, True), (True, False, False), (False, True, False)])
 def test_load_gptq_model_builds_the_model_from_the_directory(tmp_path, tied, lm_head, bias):
     """load_gptq_model builds the model from config.json on the meta device:

@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -93,7 +94,7 @@ def read_tensors(files: list[str], mapped: frozenset[str] = frozenset()) -> dict
     taken as views of a mapping of the file: the kernels read those views
     25-35% slower (a 1B GPTQ model's decode), and a copy out of a mapping
     that the other tensors keep alive would hold the weights twice."""
-    tensors = {}
+    tensors, reads = {}, []
     for file in files:
         try:
             with safe_open(file, framework="pt") as f, open(file, "rb") as raw:
@@ -118,15 +119,44 @@ def read_tensors(files: list[str], mapped: frozenset[str] = frozenset()) -> dict
                             raise GPTQCheckpointError(f"{file}: tensor {name!r} is truncated")
                     else:
                         data = torch.empty(end - begin, dtype=torch.uint8)
-                        raw.seek(start)
-                        if raw.readinto(data.numpy()) != end - begin:
-                            raise GPTQCheckpointError(f"{file}: tensor {name!r} is truncated")
+                        reads.append((file, name, start, data))
                     tensors[name] = data.view(dtype).reshape(info["shape"])
         except GPTQCheckpointError:
             raise
         except Exception as e:  # safetensors raises its own error types for corrupt headers and data
             raise GPTQCheckpointError(f"{file}: unreadable safetensors file: {e}") from e
+    _read_all(reads)
     return tensors
+
+
+# Threads that read a checkpoint's tensors: a read from the page cache into
+# fresh memory is bound by the page faults it takes, which cores take in
+# parallel (a 1B checkpoint reads in 0.25 s on two threads, 0.34 s on one).
+READ_THREADS = 4
+
+
+def _read_all(reads: list[tuple[str, str, int, torch.Tensor]]) -> None:
+    """Fills each (file, tensor name, offset, uint8 tensor) with the file's
+    bytes at that offset, on up to READ_THREADS threads (no more than torch's)."""
+    def read(job):
+        file, name, start, data = job
+        try:
+            with open(file, "rb") as raw:  # buffered: readinto loops until the tensor is full or the file ends
+                raw.seek(start)
+                got = raw.readinto(data.numpy())
+        except OSError as e:
+            raise GPTQCheckpointError(f"{file}: unreadable safetensors file: {e}") from e
+        if got != data.numel():
+            raise GPTQCheckpointError(f"{file}: tensor {name!r} is truncated")
+
+    threads = min(READ_THREADS, torch.get_num_threads(), len(reads))
+    if threads <= 1:
+        for job in reads:
+            read(job)
+        return
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in pool.map(read, reads):  # the first error, in the tensors' order
+            pass
 
 
 def load_gptq(path: str | os.PathLike, checkpoint_format: str | None = None,
