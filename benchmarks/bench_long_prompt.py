@@ -1,4 +1,5 @@
-"""Prefill of long prompts, alone and on shared cores: lowbit as it loads
+"""Prefill of long prompts, alone and on shared cores, and decode at their
+length: lowbit as it loads
 (a call over lowbit.threads.TORCH_TEAM_TOKENS tokens or more runs its
 kernels on torch's threads, beside torch's own ops), lowbit with its kernels
 on their own pool in every call (torch's ops on one thread), and llama.cpp.
@@ -10,7 +11,8 @@ prompt from the shipped held-out text, `--threads` threads per library),
 once alone and once beside a process that keeps one core busy, as
 bench_shared_cores runs it; rounds interleave the configurations, and each
 reports its median. A prompt's attention grows with the square of its
-length: on the pool split torch's ops get one thread.
+length: on the pool split torch's ops get one thread. Decode is measured
+alone, over NEW_TOKENS steps that each attend to the whole prompt.
 Results: benchmarks/results/<machine>-long-prompt.{txt,json,md}.
 """
 import argparse
@@ -20,8 +22,9 @@ from benchmarks import bench_e2e
 from benchmarks.bench_shared_cores import BUSY_LOOP, measure_rounds, median
 
 VARIANTS = ("lowbit", "lowbit-pool", "llama")
-NEW_TOKENS = 8  # the rate measured here is the prompt's
-HEADERS = ["file", "prompt tokens", "library", "prefill alone", "beside busy", "ratio", "alone vs llama.cpp"]
+NEW_TOKENS = 32  # decode steps after the prompt
+HEADERS = ["file", "prompt tokens", "library", "prefill alone", "beside busy", "ratio", "alone vs llama.cpp",
+           "decode alone", "decode vs llama.cpp"]
 
 
 def main():
@@ -54,19 +57,22 @@ def main():
         label, path, n, variant = case
         alone, busy = median(records, case, False, "prefill_tps"), median(records, case, True, "prefill_tps")
         llama = median(records, (label, path, n, "llama"), False, "prefill_tps")
+        decode, llama_decode = (median(records, c, False, "decode_tps") for c in (case, (label, path, n, "llama")))
         rows.append([label, str(n), bench_e2e.VARIANTS[variant], f"{alone:.1f}", f"{busy:.1f}",
-                     f"{busy / alone:.2f}", f"{alone / llama:.2f}x"])
+                     f"{busy / alone:.2f}", f"{alone / llama:.2f}x", f"{decode:.1f}", f"{decode / llama_decode:.2f}x"])
         summary.append(dict(file=label, prompt_tokens=n, variant=variant, prefill_alone=alone,
-                            prefill_beside_busy=busy, ratio=busy / alone, vs_llama_cpp=alone / llama))
+                            prefill_beside_busy=busy, ratio=busy / alone, vs_llama_cpp=alone / llama,
+                            decode_alone=decode, decode_vs_llama_cpp=decode / llama_decode))
     info = machine()
     stem = os.path.join(RESULTS, f"{info['slug']}-long-prompt")
     cpus = os.cpu_count()
     lines = [f"machine: {info['name']} ({cpus} CPUs), {args.threads} threads per library; load average "
              f"{load_before[0]:.2f} at the start, {load_after[0]:.2f} at the end.",
-             f"prefill tokens/s (the prompt's first token out); median of {args.rounds} rounds, each configuration "
+             f"prefill tokens/s (the prompt's first token out); decode tokens/s: {NEW_TOKENS} greedy steps after "
+             f"it, each attending to the whole prompt; median of {args.rounds} rounds, each configuration "
              f"in a fresh process; busy: another process spinning ({BUSY_LOOP!r}).",
              f"ratio: beside busy / alone ({(cpus - 1) / cpus:.2f} is a proportional slowdown with one of {cpus} "
-             f"cores taken); alone vs llama.cpp: above 1, lowbit faster.",
+             f"cores taken); vs llama.cpp (alone): above 1, lowbit faster.",
              "Command: `python -m benchmarks.bench_long_prompt"
              + (f" --tokens {args.tokens}" if args.tokens != "2048" else "")
              + (f" --models {args.models}" if args.models != "smollm2,1b" else "")
@@ -76,7 +82,7 @@ def main():
         print()
         print("\n".join(lines))
     with open(stem + ".md", "w") as f:
-        f.write(f"# Prefill of long prompts, {info['name']}, {args.threads} threads\n\n")
+        f.write(f"# Long prompts: prefill, and decode at their length, {info['name']}, {args.threads} threads\n\n")
         f.write("| " + " | ".join(HEADERS) + " |\n|---|---:|---|" + "---:|" * (len(HEADERS) - 3) + "\n")
         f.writelines("| " + " | ".join(r) + " |\n" for r in rows)
         f.write("\n" + "\n\n".join(lines) + "\n")

@@ -105,6 +105,7 @@ def attention_case(q_heads, kv_heads, dim, capacity, position, dtype, spread=1.0
     (9, 3, 64, 256, 160),   # SmolLM2's heads, the fp32 SIMD path
     (4, 4, 32, 8, 0),       # no grouping, the first token
     (8, 2, 48, 40, 39),     # a head size the SIMD path leaves to the portable loops; the last row
+    (6, 2, 96, 200, 130),   # a head of 64 + 32 values over three blocks of value rows, keys short of 8
     (16, 2, 128, 2100, 2047),  # a long context
 ])
 def test_decode_attention_is_rotation_and_sdpa(device, dtype, q_heads, kv_heads, dim, capacity, position):

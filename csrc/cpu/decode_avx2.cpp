@@ -21,38 +21,125 @@
 namespace lowbit {
 namespace cpu {
 
-// decode_ops.cpp's attend_group for fp32 heads of a multiple of 32 values:
-// each key row loaded once for up to 4 queries' dot products (independent
-// sums), each value row into 4 registers of sums per 32 values of a query.
+// Lane r of the result: the sum of v[r]'s eight lanes.
+inline __m256 lane_sums8(const __m256 v[8]) {
+  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+// softmax.h's exp_nonpositive in eight lanes: the same steps, each an FMA
+// where the scalar form's multiply and add contract to one here.
+inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 round = _mm256_set1_ps(12582912.0f);
+  const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f), round), round);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+  for (const float c : {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f}) {
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  }
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// softmax.h's exponentiate in eight lanes: s into exp(s - max(s)), in
+// place; returns their sum.
+inline float exponentiate8(float* s, int64_t keys) {
+  __m256 max8 = _mm256_set1_ps(s[0]);
+  int64_t p = 0;
+  for (; p + 8 <= keys; p += 8) max8 = _mm256_max_ps(max8, _mm256_loadu_ps(s + p));
+  const __m128 half = _mm_max_ps(_mm256_castps256_ps128(max8), _mm256_extractf128_ps(max8, 1));
+  const __m128 quarter = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  float top = _mm_cvtss_f32(_mm_max_ss(quarter, _mm_movehdup_ps(quarter)));
+  for (; p < keys; ++p) top = std::max(top, s[p]);
+  const __m256 top8 = _mm256_set1_ps(top);
+  __m256 sum8 = _mm256_setzero_ps();
+  p = 0;
+  for (; p + 8 <= keys; p += 8) {
+    const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + p), top8));
+    _mm256_storeu_ps(s + p, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  float total = lane_sum(sum8);
+  for (; p < keys; ++p) total += (s[p] = exp_nonpositive(s[p] - top));
+  return total;
+}
+
+// sums[0, 8 R) += s[k] * rows[k, 0:8 R) over the rows k in order (row
+// stride dim), in R independent registers; `first`: sums start at zero.
+template <int R>
+inline void add_weighted_rows(const float* s, const float* rows, int64_t n, int64_t dim, float* sums, bool first) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + 8 * r);
+  for (int64_t k = 0; k < n; ++k) {
+    const __m256 w = _mm256_broadcast_ss(s + k);
+    const float* row = rows + k * dim;
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * r), acc[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(sums + 8 * r, acc[r]);
+}
+
+// Value rows per block: every query of the group and every 64 values of a
+// row take a block while it is in L1 (64 rows of 128 values: 32 KB). Each
+// sum still adds its rows in order, so blocks change no result.
+constexpr int64_t kValueBlock = 64;
+
+// decode_ops.cpp's attend_group for fp32 heads of a multiple of 32 values.
+// Every loop keeps eight independent sums, which an FMA's latency needs to
+// run at its throughput: the scores take blocks of eight keys (the block's
+// rows stay in L1 for every query of the group, and one horizontal
+// reduction per block gives its eight scores), the weighted sums of values
+// eight registers of a query's output (64 values) per pass over the rows.
 void decode_attend_group_avx2(const float* queries, const float* key_rows, const float* value_rows, float* out,
                               int64_t groups, int64_t keys, int64_t dim, float scale, float* scratch) {
-  float* scores = scratch;
-  for (int64_t j0 = 0; j0 < groups; j0 += 4) {
-    const int64_t n = std::min<int64_t>(4, groups - j0);
-    for (int64_t p = 0; p < keys; ++p) {
-      __m256 sums[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-      const float* key = key_rows + p * dim;
+  float* scores = scratch;                 // [groups, keys]
+  float* totals = scratch + groups * keys;  // [groups]: the softmax divisors
+  const __m256 vscale = _mm256_set1_ps(scale);
+  int64_t p = 0;
+  for (; p + 8 <= keys; p += 8) {
+    const float* block = key_rows + p * dim;
+    for (int64_t j = 0; j < groups; ++j) {
+      const float* q = queries + j * dim;
+      __m256 sums[8];
+      for (int r = 0; r < 8; ++r) sums[r] = _mm256_setzero_ps();
       for (int64_t i = 0; i < dim; i += 8) {
-        const __m256 k8 = _mm256_loadu_ps(key + i);
-        for (int64_t j = 0; j < n; ++j) {
-          sums[j] = _mm256_fmadd_ps(_mm256_loadu_ps(queries + (j0 + j) * dim + i), k8, sums[j]);
+        const __m256 q8 = _mm256_loadu_ps(q + i);
+        for (int r = 0; r < 8; ++r) sums[r] = _mm256_fmadd_ps(q8, _mm256_loadu_ps(block + r * dim + i), sums[r]);
+      }
+      _mm256_storeu_ps(scores + j * keys + p, _mm256_mul_ps(lane_sums8(sums), vscale));
+    }
+  }
+  for (; p < keys; ++p) {  // the last keys short of a block
+    const float* key = key_rows + p * dim;
+    for (int64_t j = 0; j < groups; ++j) {
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t i = 0; i < dim; i += 8) {
+        sum = _mm256_fmadd_ps(_mm256_loadu_ps(queries + j * dim + i), _mm256_loadu_ps(key + i), sum);
+      }
+      scores[j * keys + p] = lane_sum(sum) * scale;
+    }
+  }
+  for (int64_t j = 0; j < groups; ++j) totals[j] = exponentiate8(scores + j * keys, keys);
+  for (int64_t k0 = 0; k0 < keys; k0 += kValueBlock) {
+    const int64_t n = std::min(kValueBlock, keys - k0);
+    for (int64_t j = 0; j < groups; ++j) {
+      for (int64_t i0 = 0; i0 < dim; i0 += 64) {
+        const float* s = scores + j * keys + k0;
+        const float* rows = value_rows + k0 * dim + i0;
+        if (dim - i0 >= 64) {
+          add_weighted_rows<8>(s, rows, n, dim, out + j * dim + i0, k0 == 0);
+        } else {  // the last 32 values
+          add_weighted_rows<4>(s, rows, n, dim, out + j * dim + i0, k0 == 0);
         }
       }
-      for (int64_t j = 0; j < n; ++j) scores[(j0 + j) * keys + p] = lane_sum(sums[j]) * scale;
     }
   }
   for (int64_t j = 0; j < groups; ++j) {
-    float* s = scores + j * keys;
-    const __m256 inv = _mm256_set1_ps(1.0f / exponentiate(s, keys));
-    for (int64_t i0 = 0; i0 < dim; i0 += 32) {
-      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-      for (int64_t p = 0; p < keys; ++p) {
-        const __m256 w = _mm256_set1_ps(s[p]);
-        const float* row = value_rows + p * dim + i0;
-        for (int r = 0; r < 4; ++r) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * r), acc[r]);
-      }
-      for (int r = 0; r < 4; ++r) _mm256_storeu_ps(out + j * dim + i0 + 8 * r, _mm256_mul_ps(acc[r], inv));
-    }
+    const __m256 inv = _mm256_set1_ps(1.0f / totals[j]);
+    float* head = out + j * dim;
+    for (int64_t i = 0; i < dim; i += 8) _mm256_storeu_ps(head + i, _mm256_mul_ps(_mm256_loadu_ps(head + i), inv));
   }
 }
 
