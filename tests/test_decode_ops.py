@@ -2,10 +2,10 @@
 against its RMSNorm (fp32/bf16/fp16, any rank, strided rows, its gradient)
 and decode_attention against the rotation and scaled_dot_product_attention
 of its llama-family attention (grouped heads, the SIMD and portable head
-sizes, the first and last cache row, a long context, sharp scores), the
-cache rows it writes and those it must not, on every CPU ISA and on CUDA;
-opcheck, torch.compile and the refused gradient. Whole models:
-tests/test_decoding.py."""
+sizes, the first and last cache row, a long context, sharp scores, 16-bit
+heads as the fp32 sums rounded once), the cache rows it writes and those it
+must not, on every CPU ISA and on CUDA; opcheck, torch.compile and the
+refused gradient. Whole models: tests/test_decoding.py."""
 import pytest
 import torch
 from torch.nn import functional as F
@@ -122,6 +122,21 @@ def test_decode_attention_is_rotation_and_sdpa(device, dtype, q_heads, kv_heads,
     others = [p for p in range(capacity) if p != position]
     assert torch.equal(keys[:, others], before["key_cache"][:, others])
     assert torch.equal(values[:, others], before["value_cache"][:, others])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [64, 96, 48])
+def test_16_bit_heads_are_the_fp32_sums_rounded_once(dtype, dim):
+    """16-bit keys and values are read as the fp32 values they hold and summed
+    in fp32, the result rounded to the dtype once, as torch rounds: the fp32
+    op on the same values (the rotation left exact: cos 1, sin 0) rounded by
+    torch gives the same bits, on the SIMD and portable head sizes."""
+    case = attention_case(12, 4, dim, 150, 137, dtype)
+    case.update(cos=torch.ones(dim, dtype=dtype), sin=torch.zeros(dim, dtype=dtype))
+    wide = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+    got = ops.decode_attention(**case)
+    want = ops.decode_attention(**wide)
+    assert got.dtype == dtype and torch.equal(got, want.to(dtype))
 
 
 def test_decode_attention_with_sharp_scores(device):

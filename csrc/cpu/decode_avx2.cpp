@@ -1,11 +1,14 @@
-// decode_attention's fp32 kernel compiled for AVX2 + FMA (decode_kernels.h).
+// decode_attention's kernel for fp32, bf16 and fp16 rows, compiled for AVX2 +
+// FMA + F16C (decode_kernels.h).
 // Every non-SIMD header comes before the target pragma, so no inline
 // function shared with other units gets AVX2 code.
 #include <stdint.h>
 #include <string.h>
 
 #include <algorithm>
+#include <type_traits>
 
+#include "../core/float_bits.h"
 #include "../core/ggml_blocks.h"
 #include "decode_kernels.h"
 #include "isa.h"
@@ -20,6 +23,9 @@
 
 namespace lowbit {
 namespace cpu {
+// Internal linkage: a shared symbol could be replaced by another unit's copy
+// compiled for another ISA.
+namespace {
 
 // Lane r of the result: the sum of v[r]'s eight lanes.
 inline __m256 lane_sums8(const __m256 v[8]) {
@@ -67,16 +73,44 @@ inline float exponentiate8(float* s, int64_t keys) {
   return total;
 }
 
+// Eight values of a row of `format` as fp32.
+template <RowFormat F>
+struct Rows;
+
+template <>
+struct Rows<RowFormat::kF32> {
+  using T = float;
+  static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+};
+
+template <>
+struct Rows<RowFormat::kBF16> {
+  using T = uint16_t;
+  static __m256 load8(const uint16_t* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+};
+
+template <>
+struct Rows<RowFormat::kF16> {
+  using T = uint16_t;
+  static __m256 load8(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+};
+
 // sums[0, 8 R) += s[k] * rows[k, 0:8 R) over the rows k in order (row
 // stride dim), in R independent registers; `first`: sums start at zero.
-template <int R>
-inline void add_weighted_rows(const float* s, const float* rows, int64_t n, int64_t dim, float* sums, bool first) {
+template <int R, RowFormat F>
+inline void add_weighted_rows(const float* s, const typename Rows<F>::T* rows, int64_t n, int64_t dim, float* sums,
+                              bool first) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + 8 * r);
   for (int64_t k = 0; k < n; ++k) {
     const __m256 w = _mm256_broadcast_ss(s + k);
-    const float* row = rows + k * dim;
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * r), acc[r]);
+    const typename Rows<F>::T* row = rows + k * dim;
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(w, Rows<F>::load8(row + 8 * r), acc[r]);
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(sums + 8 * r, acc[r]);
 }
@@ -86,39 +120,43 @@ inline void add_weighted_rows(const float* s, const float* rows, int64_t n, int6
 // sum still adds its rows in order, so blocks change no result.
 constexpr int64_t kValueBlock = 64;
 
-// decode_ops.cpp's attend_group for fp32 heads of a multiple of 32 values.
+// decode_ops.cpp's attend_group for heads of a multiple of 32 values.
 // Every loop keeps eight independent sums, which an FMA's latency needs to
 // run at its throughput: the scores take blocks of eight keys (the block's
 // rows stay in L1 for every query of the group, and one horizontal
 // reduction per block gives its eight scores), the weighted sums of values
 // eight registers of a query's output (64 values) per pass over the rows.
-void decode_attend_group_avx2(const float* queries, const float* key_rows, const float* value_rows, float* out,
-                              int64_t groups, int64_t keys, int64_t dim, float scale, float* scratch) {
-  float* scores = scratch;                 // [groups, keys]
-  float* totals = scratch + groups * keys;  // [groups]: the softmax divisors
+// 16-bit rows are widened to fp32 as they are loaded.
+template <RowFormat F>
+void attend_group(const float* queries, const typename Rows<F>::T* key_rows, const typename Rows<F>::T* value_rows,
+                  typename Rows<F>::T* out, int64_t groups, int64_t keys, int64_t dim, float scale, float* scratch) {
+  float* scores = scratch;                  // [groups, keys]
+  float* totals = scores + groups * keys;   // [groups]: the softmax divisors
+  // [groups, dim]: the fp32 sums of 16-bit heads, rounded once at the end.
+  float* sums = F == RowFormat::kF32 ? reinterpret_cast<float*>(out) : totals + groups;
   const __m256 vscale = _mm256_set1_ps(scale);
   int64_t p = 0;
   for (; p + 8 <= keys; p += 8) {
-    const float* block = key_rows + p * dim;
+    const typename Rows<F>::T* block = key_rows + p * dim;
     for (int64_t j = 0; j < groups; ++j) {
       const float* q = queries + j * dim;
-      __m256 sums[8];
-      for (int r = 0; r < 8; ++r) sums[r] = _mm256_setzero_ps();
+      __m256 dots[8];
+      for (int r = 0; r < 8; ++r) dots[r] = _mm256_setzero_ps();
       for (int64_t i = 0; i < dim; i += 8) {
         const __m256 q8 = _mm256_loadu_ps(q + i);
-        for (int r = 0; r < 8; ++r) sums[r] = _mm256_fmadd_ps(q8, _mm256_loadu_ps(block + r * dim + i), sums[r]);
+        for (int r = 0; r < 8; ++r) dots[r] = _mm256_fmadd_ps(q8, Rows<F>::load8(block + r * dim + i), dots[r]);
       }
-      _mm256_storeu_ps(scores + j * keys + p, _mm256_mul_ps(lane_sums8(sums), vscale));
+      _mm256_storeu_ps(scores + j * keys + p, _mm256_mul_ps(lane_sums8(dots), vscale));
     }
   }
   for (; p < keys; ++p) {  // the last keys short of a block
-    const float* key = key_rows + p * dim;
+    const typename Rows<F>::T* key = key_rows + p * dim;
     for (int64_t j = 0; j < groups; ++j) {
-      __m256 sum = _mm256_setzero_ps();
+      __m256 dot = _mm256_setzero_ps();
       for (int64_t i = 0; i < dim; i += 8) {
-        sum = _mm256_fmadd_ps(_mm256_loadu_ps(queries + j * dim + i), _mm256_loadu_ps(key + i), sum);
+        dot = _mm256_fmadd_ps(_mm256_loadu_ps(queries + j * dim + i), Rows<F>::load8(key + i), dot);
       }
-      scores[j * keys + p] = lane_sum(sum) * scale;
+      scores[j * keys + p] = lane_sum(dot) * scale;
     }
   }
   for (int64_t j = 0; j < groups; ++j) totals[j] = exponentiate8(scores + j * keys, keys);
@@ -127,19 +165,43 @@ void decode_attend_group_avx2(const float* queries, const float* key_rows, const
     for (int64_t j = 0; j < groups; ++j) {
       for (int64_t i0 = 0; i0 < dim; i0 += 64) {
         const float* s = scores + j * keys + k0;
-        const float* rows = value_rows + k0 * dim + i0;
+        const typename Rows<F>::T* rows = value_rows + k0 * dim + i0;
         if (dim - i0 >= 64) {
-          add_weighted_rows<8>(s, rows, n, dim, out + j * dim + i0, k0 == 0);
+          add_weighted_rows<8, F>(s, rows, n, dim, sums + j * dim + i0, k0 == 0);
         } else {  // the last 32 values
-          add_weighted_rows<4>(s, rows, n, dim, out + j * dim + i0, k0 == 0);
+          add_weighted_rows<4, F>(s, rows, n, dim, sums + j * dim + i0, k0 == 0);
         }
       }
     }
   }
   for (int64_t j = 0; j < groups; ++j) {
-    const __m256 inv = _mm256_set1_ps(1.0f / totals[j]);
-    float* head = out + j * dim;
-    for (int64_t i = 0; i < dim; i += 8) _mm256_storeu_ps(head + i, _mm256_mul_ps(_mm256_loadu_ps(head + i), inv));
+    const float inv = 1.0f / totals[j];
+    float* head = sums + j * dim;
+    for (int64_t i = 0; i < dim; i += 8) {
+      _mm256_storeu_ps(head + i, _mm256_mul_ps(_mm256_loadu_ps(head + i), _mm256_set1_ps(inv)));
+    }
+    if constexpr (F != RowFormat::kF32) {
+      for (int64_t i = 0; i < dim; ++i) {
+        out[j * dim + i] = F == RowFormat::kBF16 ? fp32_to_bf16(head[i]) : fp32_to_fp16(head[i]);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void decode_attend_group_avx2(RowFormat format, const float* queries, const void* key_rows, const void* value_rows,
+                              void* out, int64_t groups, int64_t keys, int64_t dim, float scale, float* scratch) {
+  const auto run = [&](auto rows) {
+    constexpr RowFormat F = decltype(rows)::value;
+    using T = typename Rows<F>::T;
+    attend_group<F>(queries, static_cast<const T*>(key_rows), static_cast<const T*>(value_rows), static_cast<T*>(out),
+                    groups, keys, dim, scale, scratch);
+  };
+  switch (format) {
+    case RowFormat::kF32: return run(std::integral_constant<RowFormat, RowFormat::kF32>{});
+    case RowFormat::kBF16: return run(std::integral_constant<RowFormat, RowFormat::kBF16>{});
+    case RowFormat::kF16: return run(std::integral_constant<RowFormat, RowFormat::kF16>{});
   }
 }
 

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "../core/rotary.h"
@@ -103,20 +104,19 @@ template <typename T>
 }
 
 
-// Runs the AVX2 kernel where it applies (fp32, heads of a multiple of 32
-// values, cpu_isa at AVX2 or above); false where the portable loops must.
+// Runs the AVX2 kernel where it applies (heads of a multiple of 32 values,
+// cpu_isa at AVX2 or above); false where the portable loops must.
 template <typename T>
-bool attend_group_simd(const float*, const T*, const T*, T*, int64_t, int64_t, int64_t, float, float*) {
-  return false;
-}
-
-template <>
-bool attend_group_simd<float>(const float* queries, const float* key_rows, const float* value_rows, float* out,
-                              int64_t groups, int64_t keys, int64_t dim, float scale, float* scratch) {
+bool attend_group_simd(const float* queries, const T* key_rows, const T* value_rows, T* out, int64_t groups,
+                       int64_t keys, int64_t dim, float scale, float* scratch) {
 #if LOWBIT_X86_SIMD
-  if (dim % 32 == 0 && active_isa() >= Isa::kAvx2) {
-    decode_attend_group_avx2(queries, key_rows, value_rows, out, groups, keys, dim, scale, scratch);
-    return true;
+  constexpr bool f32 = std::is_same_v<T, float>, bf16 = std::is_same_v<T, at::BFloat16>;
+  if constexpr (f32 || bf16 || std::is_same_v<T, at::Half>) {  // not double
+    if (dim % 32 == 0 && active_isa() >= Isa::kAvx2) {
+      const RowFormat format = f32 ? RowFormat::kF32 : bf16 ? RowFormat::kBF16 : RowFormat::kF16;
+      decode_attend_group_avx2(format, queries, key_rows, value_rows, out, groups, keys, dim, scale, scratch);
+      return true;
+    }
   }
 #endif
   return false;
