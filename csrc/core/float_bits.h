@@ -59,13 +59,6 @@ LOWBIT_HD uint16_t fp32_to_fp16(float f) {
 // bfloat16 -> fp32 (exact).
 LOWBIT_HD float bf16_to_fp32(uint16_t b) { return bits_to_float(static_cast<uint32_t>(b) << 16); }
 
-// fp32 -> bfloat16, round to nearest even (as torch converts); NaN -> 0x7fc0.
-LOWBIT_HD uint16_t fp32_to_bf16(float f) {
-  if (f != f) return 0x7fc0u;
-  const uint32_t x = float_to_bits(f);
-  return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
-}
-
 // E8M0 scale of MXFP4, halved (2^(e-128)), as ggml applies it to the doubled
 // E2M1 values; e < 2 gives fp32 subnormals.
 LOWBIT_HD float e8m0_to_fp32_half(uint8_t e) {

@@ -6,11 +6,12 @@
 #include <string.h>
 
 #include <algorithm>
-#include <type_traits>
 
-#include "../core/float_bits.h"
 #include "../core/ggml_blocks.h"
+#include "../core/ggml_q8.h"
+#include "../core/ggml_types.h"
 #include "decode_kernels.h"
+#include "gptq_kernels.h"
 #include "isa.h"
 
 #if LOWBIT_X86_SIMD
@@ -18,8 +19,10 @@
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
+#include "ggml_act_quant_simd.h"
 #include "ggml_float_simd.h"
 #include "softmax.h"
+#include "vec_avx2.h"
 
 namespace lowbit {
 namespace cpu {
@@ -56,9 +59,7 @@ inline float exponentiate8(float* s, int64_t keys) {
   __m256 max8 = _mm256_set1_ps(s[0]);
   int64_t p = 0;
   for (; p + 8 <= keys; p += 8) max8 = _mm256_max_ps(max8, _mm256_loadu_ps(s + p));
-  const __m128 half = _mm_max_ps(_mm256_castps256_ps128(max8), _mm256_extractf128_ps(max8, 1));
-  const __m128 quarter = _mm_max_ps(half, _mm_movehl_ps(half, half));
-  float top = _mm_cvtss_f32(_mm_max_ss(quarter, _mm_movehdup_ps(quarter)));
+  float top = hmax_ps(max8);
   for (; p < keys; ++p) top = std::max(top, s[p]);
   const __m256 top8 = _mm256_set1_ps(top);
   __m256 sum8 = _mm256_setzero_ps();
@@ -73,44 +74,17 @@ inline float exponentiate8(float* s, int64_t keys) {
   return total;
 }
 
-// Eight values of a row of `format` as fp32.
-template <RowFormat F>
-struct Rows;
-
-template <>
-struct Rows<RowFormat::kF32> {
-  using T = float;
-  static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-};
-
-template <>
-struct Rows<RowFormat::kBF16> {
-  using T = uint16_t;
-  static __m256 load8(const uint16_t* p) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-  }
-};
-
-template <>
-struct Rows<RowFormat::kF16> {
-  using T = uint16_t;
-  static __m256 load8(const uint16_t* p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-};
-
-// sums[0, 8 R) += s[k] * rows[k, 0:8 R) over the rows k in order (row
-// stride dim), in R independent registers; `first`: sums start at zero.
-template <int R, RowFormat F>
-inline void add_weighted_rows(const float* s, const typename Rows<F>::T* rows, int64_t n, int64_t dim, float* sums,
+// sums[0, 8 R) += s[k] * rows[k, 0:8 R) over the rows k in order (rows of
+// T, `stride` bytes apart), in R independent registers; `first`: sums start at zero.
+template <int R, ggml::Type T>
+inline void add_weighted_rows(const float* s, const uint8_t* rows, int64_t n, int64_t stride, float* sums,
                               bool first) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + 8 * r);
   for (int64_t k = 0; k < n; ++k) {
     const __m256 w = _mm256_broadcast_ss(s + k);
-    const typename Rows<F>::T* row = rows + k * dim;
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(w, Rows<F>::load8(row + 8 * r), acc[r]);
+    const uint8_t* row = rows + k * stride;
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(w, load_float8<T>(row, 8 * r), acc[r]);
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(sums + 8 * r, acc[r]);
 }
@@ -126,35 +100,36 @@ constexpr int64_t kValueBlock = 64;
 // rows stay in L1 for every query of the group, and one horizontal
 // reduction per block gives its eight scores), the weighted sums of values
 // eight registers of a query's output (64 values) per pass over the rows.
-// 16-bit rows are widened to fp32 as they are loaded.
-template <RowFormat F>
-void attend_group(const float* queries, const typename Rows<F>::T* key_rows, const typename Rows<F>::T* value_rows,
-                  typename Rows<F>::T* out, int64_t groups, int64_t keys, int64_t dim, float scale, float* scratch) {
+// 16-bit rows are widened to fp32 as they are loaded (load_float8).
+template <ggml::Type T>
+void attend_group(const float* queries, const uint8_t* key_rows, const uint8_t* value_rows, uint8_t* out,
+                  int64_t groups, int64_t keys, int64_t dim, float scale, float* scratch) {
+  const int64_t stride = dim * ggml::TypeInfo<T>::kBytes;  // bytes per row
   float* scores = scratch;                  // [groups, keys]
   float* totals = scores + groups * keys;   // [groups]: the softmax divisors
   // [groups, dim]: the fp32 sums of 16-bit heads, rounded once at the end.
-  float* sums = F == RowFormat::kF32 ? reinterpret_cast<float*>(out) : totals + groups;
+  float* sums = T == ggml::Type::F32 ? reinterpret_cast<float*>(out) : totals + groups;
   const __m256 vscale = _mm256_set1_ps(scale);
   int64_t p = 0;
   for (; p + 8 <= keys; p += 8) {
-    const typename Rows<F>::T* block = key_rows + p * dim;
+    const uint8_t* block = key_rows + p * stride;
     for (int64_t j = 0; j < groups; ++j) {
       const float* q = queries + j * dim;
       __m256 dots[8];
       for (int r = 0; r < 8; ++r) dots[r] = _mm256_setzero_ps();
       for (int64_t i = 0; i < dim; i += 8) {
         const __m256 q8 = _mm256_loadu_ps(q + i);
-        for (int r = 0; r < 8; ++r) dots[r] = _mm256_fmadd_ps(q8, Rows<F>::load8(block + r * dim + i), dots[r]);
+        for (int r = 0; r < 8; ++r) dots[r] = _mm256_fmadd_ps(q8, load_float8<T>(block + r * stride, i), dots[r]);
       }
       _mm256_storeu_ps(scores + j * keys + p, _mm256_mul_ps(lane_sums8(dots), vscale));
     }
   }
   for (; p < keys; ++p) {  // the last keys short of a block
-    const typename Rows<F>::T* key = key_rows + p * dim;
+    const uint8_t* key = key_rows + p * stride;
     for (int64_t j = 0; j < groups; ++j) {
       __m256 dot = _mm256_setzero_ps();
       for (int64_t i = 0; i < dim; i += 8) {
-        dot = _mm256_fmadd_ps(_mm256_loadu_ps(queries + j * dim + i), Rows<F>::load8(key + i), dot);
+        dot = _mm256_fmadd_ps(_mm256_loadu_ps(queries + j * dim + i), load_float8<T>(key, i), dot);
       }
       scores[j * keys + p] = lane_sum(dot) * scale;
     }
@@ -165,43 +140,40 @@ void attend_group(const float* queries, const typename Rows<F>::T* key_rows, con
     for (int64_t j = 0; j < groups; ++j) {
       for (int64_t i0 = 0; i0 < dim; i0 += 64) {
         const float* s = scores + j * keys + k0;
-        const typename Rows<F>::T* rows = value_rows + k0 * dim + i0;
+        const uint8_t* rows = value_rows + k0 * stride + i0 * ggml::TypeInfo<T>::kBytes;
         if (dim - i0 >= 64) {
-          add_weighted_rows<8, F>(s, rows, n, dim, sums + j * dim + i0, k0 == 0);
+          add_weighted_rows<8, T>(s, rows, n, stride, sums + j * dim + i0, k0 == 0);
         } else {  // the last 32 values
-          add_weighted_rows<4, F>(s, rows, n, dim, sums + j * dim + i0, k0 == 0);
+          add_weighted_rows<4, T>(s, rows, n, stride, sums + j * dim + i0, k0 == 0);
         }
       }
     }
   }
   for (int64_t j = 0; j < groups; ++j) {
-    const float inv = 1.0f / totals[j];
+    const __m256 inv = _mm256_set1_ps(1.0f / totals[j]);
     float* head = sums + j * dim;
+    uint16_t* head16 = reinterpret_cast<uint16_t*>(out) + j * dim;
     for (int64_t i = 0; i < dim; i += 8) {
-      _mm256_storeu_ps(head + i, _mm256_mul_ps(_mm256_loadu_ps(head + i), _mm256_set1_ps(inv)));
-    }
-    if constexpr (F != RowFormat::kF32) {
-      for (int64_t i = 0; i < dim; ++i) {
-        out[j * dim + i] = F == RowFormat::kBF16 ? fp32_to_bf16(head[i]) : fp32_to_fp16(head[i]);
-      }
+      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(head + i), inv);
+      if constexpr (T == ggml::Type::F32) _mm256_storeu_ps(head + i, v);
+      if constexpr (T == ggml::Type::BF16) VecAvx2::store_bf16(head16 + i, v);
+      if constexpr (T == ggml::Type::F16) VecAvx2::store_f16(head16 + i, v);
     }
   }
 }
 
 }  // namespace
 
-void decode_attend_group_avx2(RowFormat format, const float* queries, const void* key_rows, const void* value_rows,
+void decode_attend_group_avx2(ggml::Type type, const float* queries, const void* key_rows, const void* value_rows,
                               void* out, int64_t groups, int64_t keys, int64_t dim, float scale, float* scratch) {
-  const auto run = [&](auto rows) {
-    constexpr RowFormat F = decltype(rows)::value;
-    using T = typename Rows<F>::T;
-    attend_group<F>(queries, static_cast<const T*>(key_rows), static_cast<const T*>(value_rows), static_cast<T*>(out),
-                    groups, keys, dim, scale, scratch);
-  };
-  switch (format) {
-    case RowFormat::kF32: return run(std::integral_constant<RowFormat, RowFormat::kF32>{});
-    case RowFormat::kBF16: return run(std::integral_constant<RowFormat, RowFormat::kBF16>{});
-    case RowFormat::kF16: return run(std::integral_constant<RowFormat, RowFormat::kF16>{});
+  const auto* k = static_cast<const uint8_t*>(key_rows);
+  const auto* v = static_cast<const uint8_t*>(value_rows);
+  auto* o = static_cast<uint8_t*>(out);
+  switch (type) {
+    case ggml::Type::F32: return attend_group<ggml::Type::F32>(queries, k, v, o, groups, keys, dim, scale, scratch);
+    case ggml::Type::BF16: return attend_group<ggml::Type::BF16>(queries, k, v, o, groups, keys, dim, scale, scratch);
+    case ggml::Type::F16: return attend_group<ggml::Type::F16>(queries, k, v, o, groups, keys, dim, scale, scratch);
+    default: return;  // decode_ops.cpp passes only these
   }
 }
 

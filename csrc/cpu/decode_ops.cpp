@@ -113,8 +113,8 @@ bool attend_group_simd(const float* queries, const T* key_rows, const T* value_r
   constexpr bool f32 = std::is_same_v<T, float>, bf16 = std::is_same_v<T, at::BFloat16>;
   if constexpr (f32 || bf16 || std::is_same_v<T, at::Half>) {  // not double
     if (dim % 32 == 0 && active_isa() >= Isa::kAvx2) {
-      const RowFormat format = f32 ? RowFormat::kF32 : bf16 ? RowFormat::kBF16 : RowFormat::kF16;
-      decode_attend_group_avx2(format, queries, key_rows, value_rows, out, groups, keys, dim, scale, scratch);
+      const ggml::Type type = f32 ? ggml::Type::F32 : bf16 ? ggml::Type::BF16 : ggml::Type::F16;
+      decode_attend_group_avx2(type, queries, key_rows, value_rows, out, groups, keys, dim, scale, scratch);
       return true;
     }
   }
