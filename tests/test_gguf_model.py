@@ -167,6 +167,13 @@ def test_generate_command_prints_the_continuation(capsys):
     assert "--int8-activations is for GPTQ checkpoints" in capsys.readouterr().err
     assert main(["generate", PATH, PROMPT, "--tokens", "4", "--float-tables", "Q8_0"]) == 1
     assert "--float-tables is for GPTQ checkpoints" in capsys.readouterr().err
+    # SmolLM2's tokenizer adds no BOS: an empty prompt would reach the model as no tokens at all.
+    assert main(["generate", PATH, "", "--tokens", "4"]) == 1
+    assert "the prompt '' tokenizes to no tokens" in capsys.readouterr().err
+    for tokens in ("0", "-3", "x"):
+        with pytest.raises(SystemExit):
+            main(["generate", PATH, PROMPT, "--tokens", tokens])
+        assert "argument --tokens" in capsys.readouterr().err
     question = "What is the capital of France?"
     assert main(["generate", PATH, question, "--tokens", "8", "--chat"]) == 0
     out, err = capsys.readouterr()

@@ -171,6 +171,9 @@ def cmd_generate(args) -> None:
                                             return_tensors="pt", return_dict=True)["input_ids"]
     else:
         ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    if ids.shape[1] == 0:  # a tokenizer that adds no BOS gives an empty prompt nothing to continue
+        raise ValueError(f"{args.path}: the prompt {args.prompt!r} tokenizes to no tokens (this tokenizer adds "
+                         "no BOS token): give some text")
     print(f"{args.path}: {type(model).__name__}, loaded in {loaded:.1f} s; prompt {ids.shape[1]} tokens", file=sys.stderr)
     streamer = _TimedStreamer(tokenizer)
     with torch.inference_mode():
@@ -185,6 +188,16 @@ def cmd_generate(args) -> None:
         decode += f" after a first step that compiled in {streamer.arrivals[2] - streamer.arrivals[1]:.1f} s"
     print(f"prefill {ids.shape[1] / prompt_s:.1f} tokens/s{decode} "
           f"({len(streamer.tokens)} new tokens, {torch.get_num_threads()} threads)", file=sys.stderr)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def main(argv=None) -> int:
@@ -205,7 +218,7 @@ def main(argv=None) -> int:
                                                     "checkpoint's model, with its speed")
     generate.add_argument("path", help="a .gguf file, or a GPTQ checkpoint directory with its tokenizer")
     generate.add_argument("prompt")
-    generate.add_argument("--tokens", type=int, default=32, help="new tokens at most (default 32)")
+    generate.add_argument("--tokens", type=positive_int, default=32, help="new tokens at most (default 32)")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the file's chat template")
     generate.add_argument("--repack", action="store_true",
                           help="GGUF: the layers whose type has the CPU kernels' repacked layout in it (the "
