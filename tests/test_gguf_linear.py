@@ -141,3 +141,12 @@ def test_embedding_dtype_follows_to_and_validates():
         lowbit.GGUFEmbedding(raw[:, :60], gb.type_id("Q8_0"), 64)
     with pytest.raises(ValueError, match=r"qweight must be uint8"):
         lowbit.GGUFEmbedding(raw.float(), gb.type_id("Q8_0"), 64)
+
+
+def test_inputs_of_another_width_are_refused_and_meta_inputs_give_shapes():
+    _, layer = reference_linear("Q8_0")
+    for shape in [(2, IN - 32), (4, IN // 2), (IN * 2,), ()]:
+        with pytest.raises(ValueError, match=rf"^GGUFLinear: input must be \[\.\.\., in_features={IN}\], got"):
+            layer(torch.randn(shape))
+    y = layer.to("meta")(torch.randn(3, 5, IN, device="meta"))
+    assert y.shape == (3, 5, OUT) and y.is_meta

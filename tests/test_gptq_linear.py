@@ -254,3 +254,15 @@ def test_constructor_validates():
 def test_default_g_idx():
     assert torch.equal(lowbit.GPTQLinear(IN, OUT, 4, -1).g_idx, torch.zeros(IN, dtype=torch.int32))
     assert torch.equal(lowbit.GPTQLinear(IN, OUT, 4, 64).g_idx, (torch.arange(IN) // 64).int())
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_inputs_of_another_width_are_refused_and_meta_inputs_give_shapes(act_order):
+    layer, _ = layer_and_linear(act_order=act_order)
+    # [4, 128] has as many elements as [2, 256]: a flattening reshape alone would accept it.
+    for shape in [(2, IN - 1), (4, IN // 2), (IN * 2,), ()]:
+        with pytest.raises(ValueError, match=rf"^GPTQLinear: input must be \[\.\.\., in_features={IN}\], got"):
+            layer(torch.randn(shape))
+    meta = layer.to("meta")  # shape inference, as accelerate's empty-weight models do
+    y = meta(torch.randn(3, 5, IN, device="meta"))
+    assert y.shape == (3, 5, OUT) and y.is_meta

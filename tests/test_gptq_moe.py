@@ -189,8 +189,9 @@ def test_damaged_experts_are_refused(saved, tmp_path):
 def test_expert_ids_out_of_range():
     model, _ = quantized(tiny_moe("qwen3moe"))
     experts = next(m for m in model.modules() if isinstance(m, lowbit.gptq.GPTQExperts))
-    with pytest.raises(IndexError, match=r"GPTQExperts: expert ids must lie in \[0, 4\), got 4"):
-        experts(torch.randn(2, 64), torch.tensor([[0, 4], [1, 2]]), torch.ones(2, 2))
+    for ids, got in (([[0, 4], [1, 2]], "0 .. 4"), ([[0, -1], [1, 2]], "-1 .. 2")):
+        with pytest.raises(IndexError, match=rf"GPTQExperts: expert ids must lie in \[0, 4\), got {got}"):
+            experts(torch.randn(2, 64), torch.tensor(ids), torch.ones(2, 2))
 
 
 def calibration(count, seed, seq=16):

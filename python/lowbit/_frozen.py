@@ -23,6 +23,19 @@ def call_frozen(op, *args):
         return op(*args)
 
 
+def linear_forward(layer, x: torch.Tensor) -> torch.Tensor:
+    """A quantized linear layer's forward: x [..., in_features] through
+    layer.op_call's op (rows flattened), plus the bias."""
+    if x.dim() == 0 or x.shape[-1] != layer.in_features:
+        raise ValueError(f"{type(layer).__name__}: input must be [..., in_features={layer.in_features}], "
+                         f"got {list(x.shape)}")
+    op, args = layer.op_call(x.reshape(-1, layer.in_features))
+    y = call_frozen(op, *args)
+    if layer.bias is not None:
+        y = y + layer.bias.to(y.dtype)
+    return y.reshape(*x.shape[:-1], layer.out_features)
+
+
 def below_autograd():
     """Where grad mode is off and torch.compile is not tracing: a guard,
     entered, that dispatches every op below autograd until leave_autograd;

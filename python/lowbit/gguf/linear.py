@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .._frozen import call_frozen
+from .._frozen import linear_forward
 from .file import release_mapped
 
 # The ggml float weight types (F32, F16, BF16) of torch's dtypes.
@@ -130,12 +130,7 @@ class GGUFLinear(nn.Module):
         return op, (self._buffers["qweight"], x2, self.qtype, self.out_features), None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        op, args = self.op_call(x2)
-        y = call_frozen(op, *args)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return linear_forward(self, x)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight [out_features, in_features]."""

@@ -66,10 +66,12 @@ class GPTQExperts(nn.Module):
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         k = top_k_index.shape[-1]
         chosen = top_k_index.reshape(-1)
+        if chosen.numel():
+            low, high = torch.stack(torch.aminmax(chosen)).tolist()
+            if low < 0 or high >= self.num_experts:
+                raise IndexError(f"GPTQExperts: expert ids must lie in [0, {self.num_experts}), got {low} .. {high}")
         order = torch.argsort(chosen, stable=True)  # (token, slot) pairs grouped by expert, in token order
         counts = torch.bincount(chosen, minlength=self.num_experts).tolist()
-        if len(counts) > self.num_experts:
-            raise IndexError(f"GPTQExperts: expert ids must lie in [0, {self.num_experts}), got {len(counts) - 1}")
         tokens, weights = order // k, top_k_weights.reshape(-1)[order]
         out = torch.zeros_like(hidden_states)
         start = 0

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from .._frozen import call_frozen
+from .._frozen import linear_forward
 from .packing import PANEL_COLS, fields_per_pack, from_panels, to_panels, words_per_pack
 from .config import BITS, FORMATS
 from .rtn import quantize_rtn
@@ -297,6 +297,8 @@ class GPTQLinear(nn.Module):
         costs more than a small layer's matmul. While torch.compile traces,
         the plan is taken as it stands.
         """
+        if self._buffers["g_idx"].is_meta:  # no values to plan from: the op's shapes are all a meta call has
+            return self.qweight, self.g_idx, None
         if self._buffers["row_order"] is not None:
             if not torch.compiler.is_compiling() and self._sorted_key != self._key():
                 raise RuntimeError("GPTQLinear: qweight or g_idx was changed in place after sort_rows(); load new "
@@ -359,11 +361,7 @@ class GPTQLinear(nn.Module):
                                             self.bits), perm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        op, args = self.op_call(x.reshape(-1, self.in_features))
-        y = call_frozen(op, *args)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return linear_forward(self, x)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The float weight [out_features, in_features] in `dtype` (default: the
