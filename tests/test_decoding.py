@@ -39,6 +39,8 @@ def own_forward_logits(model, ids, cache, token):
 @pytest.mark.parametrize("arch,overrides", [
     ("llama", {}), ("llama", dict(head_dim=32, hidden_size=128)),  # the fp32 SIMD attention
     ("qwen2", {}), ("qwen3", {}),
+    ("smollm3", {}),  # its fourth layer is NoPE: no rotation
+    ("granite", {}),  # embedding, residual, attention and logits multipliers
 ])
 @pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
 def test_served_steps_give_the_model_s_logits(arch, overrides, grad_mode):
@@ -295,6 +297,10 @@ STEP_MODELS = {
         write_tiny_gguf(os.path.join(os.path.dirname(path), "qwen2.gguf"), tiny_model("qwen2", seed=1), "qwen2")),
     "gguf qwen3 (q and k norms)": lambda path: lowbit.load_gguf_model(
         write_tiny_gguf(os.path.join(os.path.dirname(path), "qwen3.gguf"), tiny_model("qwen3", seed=1), "qwen3")),
+    "gguf smollm3 (NoPE layer)": lambda path: lowbit.load_gguf_model(
+        write_tiny_gguf(os.path.join(os.path.dirname(path), "smollm3.gguf"), tiny_model("smollm3", seed=1), "smollm3")),
+    "gguf granite (multipliers)": lambda path: lowbit.load_gguf_model(
+        write_tiny_gguf(os.path.join(os.path.dirname(path), "granite.gguf"), tiny_model("granite", seed=1), "granite")),
     "gguf bf16": lambda path: lowbit.load_gguf_model(path, dtype=torch.bfloat16),
     "gguf repacked": lambda path: repacked_gguf_model(path),
     "gptq unsorted": lambda path: gptq_model("unsorted"),
@@ -400,17 +406,23 @@ def test_decode_step_refuses_what_it_cannot_run():
     p = step.projection("aten::linear", "", [w, None], 0, None, None)
     norm = torch.ones(4)
     with pytest.raises(RuntimeError, match="qkv is projection 7"):
-        step.layer(norm, 1e-5, [7], [4, 4, 4], None, None, 0.0, p, norm, 1e-5, [p], [4, 4], p, 4, 0.5)
+        step.layer(norm, 1e-5, [7], [4, 4, 4], None, None, 0.0, p, norm, 1e-5, [p], [4, 4], p, 4, 0.5, True, 1.0)
     with pytest.raises(RuntimeError, match="qkv holds 1 to 3 projections"):
-        step.layer(norm, 1e-5, [p, p, p, p], [4, 4, 4], None, None, 0.0, p, norm, 1e-5, [p], [4, 4], p, 4, 0.5)
+        step.layer(norm, 1e-5, [p, p, p, p], [4, 4, 4], None, None, 0.0, p, norm, 1e-5, [p], [4, 4], p, 4, 0.5, True,
+                   1.0)
     with pytest.raises(RuntimeError, match="gate_up_sizes must be the equal widths"):
-        step.layer(norm, 1e-5, [p], [4, 4, 4], None, None, 0.0, p, norm, 1e-5, [p], [4, 5], p, 4, 0.5)
+        step.layer(norm, 1e-5, [p], [4, 4, 4], None, None, 0.0, p, norm, 1e-5, [p], [4, 5], p, 4, 0.5, True, 1.0)
     with pytest.raises(RuntimeError, match="head_dim 3 does not divide"):
-        step.layer(norm, 1e-5, [p], [4, 4, 4], None, None, 0.0, p, norm, 1e-5, [p], [4, 4], p, 3, 0.5)
+        step.layer(norm, 1e-5, [p], [4, 4, 4], None, None, 0.0, p, norm, 1e-5, [p], [4, 4], p, 3, 0.5, True, 1.0)
     with pytest.raises(RuntimeError, match="head.. was not called"):
         step.run(torch.zeros(1, 1, 4), torch.ones(4), torch.zeros(4), [], [], [], 0)
-    step.layer(norm, 1e-5, [p, p, p], [8, 8, 8], None, None, 0.0, p, norm, 1e-5, [p, p], [8, 8], p, 4, 0.5)
-    step.head(norm, 1e-5, p)
+    step.layer(norm, 1e-5, [p, p, p], [8, 8, 8], None, None, 0.0, p, norm, 1e-5, [p, p], [8, 8], p, 4, 0.5, True, 1.0)
+    with pytest.raises(RuntimeError, match="residual_scale must be finite"):
+        step.layer(norm, 1e-5, [p], [4, 4, 4], None, None, 0.0, p, norm, 1e-5, [p], [4, 4], p, 4, 0.5, True,
+                   float("inf"))
+    with pytest.raises(RuntimeError, match="logits_divisor must be finite and non-zero"):
+        step.head(norm, 1e-5, p, 0.0)
+    step.head(norm, 1e-5, p, 1.0)
     keys = torch.zeros(1, 2, 3, 4)
     with pytest.raises(RuntimeError, match="1 layers take as many keys"):
         step.run(torch.zeros(1, 1, 4), torch.ones(4), torch.zeros(4), [keys], [keys], [None], 3)

@@ -3,6 +3,7 @@
 #include <ATen/core/stack.h>
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <utility>
 
@@ -88,7 +89,7 @@ void DecodeStep::layer(at::Tensor input_norm, double input_eps, std::vector<int6
                        std::vector<int64_t> qkv_sizes, std::optional<at::Tensor> q_norm,
                        std::optional<at::Tensor> k_norm, double qk_eps, int64_t o, at::Tensor post_norm,
                        double post_eps, std::vector<int64_t> gate_up, std::vector<int64_t> gate_up_sizes,
-                       int64_t down, int64_t head_dim, double scale) {
+                       int64_t down, int64_t head_dim, double scale, bool rotary, double residual_scale) {
   const auto positive = [](const std::vector<int64_t>& sizes) {
     return std::all_of(sizes.begin(), sizes.end(), [](int64_t s) { return s > 0; });
   };
@@ -103,18 +104,22 @@ void DecodeStep::layer(at::Tensor input_norm, double input_eps, std::vector<int6
   TORCH_CHECK(head_dim > 0 && qkv_sizes[0] % head_dim == 0 && qkv_sizes[1] % head_dim == 0 &&
                   qkv_sizes[1] == qkv_sizes[2],
               "DecodeStep.layer: head_dim ", head_dim, " does not divide the q, k and v widths ", qkv_sizes);
+  TORCH_CHECK(std::isfinite(residual_scale), "DecodeStep.layer: residual_scale must be finite; got ", residual_scale);
   for (int64_t id : qkv) checked_id(id, "qkv");
   for (int64_t id : gate_up) checked_id(id, "gate_up");
   layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), input_eps, post_eps, qk_eps, scale,
                           std::move(qkv), std::move(qkv_sizes), std::move(gate_up), std::move(gate_up_sizes),
                           std::move(q_norm), std::move(k_norm), checked_id(o, "o"), checked_id(down, "down"),
-                          head_dim});
+                          head_dim, rotary, residual_scale});
 }
 
-void DecodeStep::head(at::Tensor norm, double eps, int64_t lm_head) {
+void DecodeStep::head(at::Tensor norm, double eps, int64_t lm_head, double logits_divisor) {
+  TORCH_CHECK(std::isfinite(logits_divisor) && logits_divisor != 0.0,
+              "DecodeStep.head: logits_divisor must be finite and non-zero; got ", logits_divisor);
   lm_head_ = checked_id(lm_head, "lm_head");
   norm_ = std::move(norm);
   norm_eps_ = eps;
+  logits_divisor_ = logits_divisor;
 }
 
 at::Tensor DecodeStep::project(int64_t id, const at::Tensor& x) const {
@@ -155,6 +160,10 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, std::ve
   value_views.reserve(layers);
   new_buffers.reserve(2 * layers);
   at::Tensor h = x.view({1, -1});
+  // A layer without rotation takes the identity's tables: q * 1 + rotate_half(q) * 0 is q exactly.
+  at::Tensor identity_cos, identity_sin;
+  // transformers' Granite layer adds residual + out * multiplier; a scale of 1 adds out itself.
+  const auto scaled = [](const at::Tensor& out, double s) { return s == 1.0 ? out : out * s; };
   for (size_t i = 0; i < layers; ++i) {
     const Layer& l = layers_[i];
     TORCH_CHECK(keys[i].dim() == 4 && keys[i].size(0) == 1 && keys[i].size(2) == n && values[i].dim() == 4 &&
@@ -169,18 +178,23 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, std::ve
       k = rms_norm(k, *l.k_norm, l.qk_eps);
     }
     auto [key_buffer, value_buffer] = buffers_for(keys[i], values[i], buffers[2 * i], buffers[2 * i + 1], n);
-    const at::Tensor o =
-        decode_attention(q, k, v, cos, sin, key_buffer.select(0, 0), value_buffer.select(0, 0), n, l.scale);
-    h = h + project(l.o, o.view({1, -1}));
+    if (!l.rotary && !identity_cos.defined()) {
+      identity_cos = at::ones_like(cos);
+      identity_sin = at::zeros_like(sin);
+    }
+    const at::Tensor o = decode_attention(q, k, v, l.rotary ? cos : identity_cos, l.rotary ? sin : identity_sin,
+                                          key_buffer.select(0, 0), value_buffer.select(0, 0), n, l.scale);
+    h = h + scaled(project(l.o, o.view({1, -1})), l.residual_scale);
     const at::Tensor post = rms_norm(h, l.post_norm, l.post_eps);
     const std::vector<at::Tensor> gate_up = project_group(l.gate_up, l.gate_up_sizes, post);
-    h = h + project(l.down, at::silu(gate_up[0]) * gate_up[1]);
+    h = h + scaled(project(l.down, at::silu(gate_up[0]) * gate_up[1]), l.residual_scale);
     key_views.push_back(key_buffer.narrow(2, 0, n + 1));
     value_views.push_back(value_buffer.narrow(2, 0, n + 1));
     new_buffers.push_back(std::move(key_buffer));
     new_buffers.push_back(std::move(value_buffer));
   }
   at::Tensor logits = project(lm_head_, rms_norm(h, *norm_, norm_eps_)).view({1, 1, -1});
+  if (logits_divisor_ != 1.0) logits = logits / logits_divisor_;
   return {std::move(logits), std::move(key_views), std::move(value_views), std::move(new_buffers)};
 }
 

@@ -34,14 +34,18 @@ class DecodeStep : public torch::CustomClassHolder {
   // per-head q and k norms, then o; pre-norm SiLU-gated MLP, then down.
   // qkv: the projections whose outputs side by side are [q | k | v] (one
   // fused layer, three, or a fused pair and one), split by qkv_sizes; the
-  // same for gate_up, [gate | up] and gate_up_sizes.
+  // same for gate_up, [gate | up] and gate_up_sizes. rotary: whether q and
+  // k are rotated (SmolLM3's NoPE layers are not); residual_scale
+  // multiplies o's and down's outputs before each is added (Granite's
+  // residual_multiplier; 1 elsewhere).
   void layer(at::Tensor input_norm, double input_eps, std::vector<int64_t> qkv, std::vector<int64_t> qkv_sizes,
              std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm, double qk_eps, int64_t o,
              at::Tensor post_norm, double post_eps, std::vector<int64_t> gate_up, std::vector<int64_t> gate_up_sizes,
-             int64_t down, int64_t head_dim, double scale);
+             int64_t down, int64_t head_dim, double scale, bool rotary, double residual_scale);
 
-  // The final norm and the LM head's projection.
-  void head(at::Tensor norm, double eps, int64_t lm_head);
+  // The final norm and the LM head's projection, whose logits are divided
+  // by logits_divisor (Granite's logits_scaling; 1 elsewhere).
+  void head(at::Tensor norm, double eps, int64_t lm_head, double logits_divisor);
 
   // One step from the token's embedding x [1, 1, hidden] at position n, with
   // the rotary tables cos, sin [head_dim]. keys / values: each layer's cache
@@ -70,6 +74,8 @@ class DecodeStep : public torch::CustomClassHolder {
     std::vector<int64_t> qkv, qkv_sizes, gate_up, gate_up_sizes;
     std::optional<at::Tensor> q_norm, k_norm;
     int64_t o, down, head_dim;
+    bool rotary;
+    double residual_scale;
   };
 
   at::Tensor project(int64_t id, const at::Tensor& x) const;
@@ -80,7 +86,7 @@ class DecodeStep : public torch::CustomClassHolder {
   std::vector<Projection> projections_;
   std::vector<Layer> layers_;
   std::optional<at::Tensor> norm_;
-  double norm_eps_ = 0.0;
+  double norm_eps_ = 0.0, logits_divisor_ = 1.0;
   int64_t lm_head_ = -1;
 };
 

@@ -44,14 +44,42 @@ __all__ = ["DECODER_LAYERS", "fast_decoding"]
 # The decoder layers a step reproduces: pre-norm attention (q, k and v
 # projections, an optional RMSNorm per head on q and k, the rotary
 # embedding, grouped-query attention, no sliding window) and a SiLU-gated
-# MLP, each added to the residual.
-DECODER_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+# MLP, each added to the residual. SmolLM3 leaves the rotation out of its
+# NoPE layers; Granite scales the embeddings, each sublayer's output and
+# the logits (_Scales).
+DECODER_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
+                  "SmolLM3DecoderLayer", "GraniteDecoderLayer")
 
 # The keyword arguments a served call may carry beyond input_ids, cache,
 # attention_mask and position_ids, with the values it may carry them with.
 _SERVED_VALUES = {"inputs_embeds": (None,), "labels": (None,), "output_attentions": (None, False),
                   "output_hidden_states": (None, False), "return_dict": (None, True), "use_cache": (None, True),
                   "logits_to_keep": (0, 1)}
+
+
+class _Scales:
+    """Granite's multipliers, as its modules apply them: the embeddings'
+    (GraniteModel), each sublayer output's before it is added to the residual
+    (GraniteDecoderLayer) and the logits' divisor (GraniteForCausalLM's
+    config.logits_scaling); 1 for the other served models."""
+
+    def __init__(self, model: nn.Module):
+        granite = type(model).__name__ == "GraniteForCausalLM"
+        self.embedding = float(model.model.embedding_multiplier) if granite else 1.0
+        self.logits_divisor = float(model.config.logits_scaling) if granite else 1.0
+
+    @staticmethod
+    def residual(layer: nn.Module) -> float:
+        return float(getattr(layer, "residual_multiplier", 1.0))
+
+
+def _rotary(attn: nn.Module) -> bool:
+    """Whether the layer rotates q and k (SmolLM3's use_rope is 0 in its NoPE layers)."""
+    return bool(getattr(attn, "use_rope", True))
+
+
+def _scaled(out: torch.Tensor, scale: float) -> torch.Tensor:
+    return out if scale == 1.0 else out * scale
 
 
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
@@ -146,7 +174,7 @@ class _StepPlan:
         for i in range(len(inner.layers)):
             self._layer(self._watch(inner.layers, str(i)))
         norm_weight, norm_eps = self._norm(inner, "norm")
-        self.step.head(norm_weight, norm_eps, self._projection(model, "lm_head"))
+        self.step.head(norm_weight, norm_eps, self._projection(model, "lm_head"), _Scales(model).logits_divisor)
         if not self.intact():
             raise _Unplannable("hooks")
 
@@ -223,7 +251,8 @@ class _StepPlan:
             raise _Unplannable("up_proj")
         self.step.layer(input_norm, input_eps, qkv, qkv_sizes, q_norm, k_norm, qk_eps,
                         self._projection(attn, "o_proj"), post_norm, post_eps, gate_up, gate_up_sizes,
-                        self._projection(mlp, "down_proj"), attn.head_dim, float(attn.scaling))
+                        self._projection(mlp, "down_proj"), attn.head_dim, float(attn.scaling), _rotary(attn),
+                        _Scales.residual(layer))
 
     def intact(self) -> bool:
         """Whether the step still describes the model: the same modules in
@@ -333,8 +362,8 @@ class _DecodingForward:
     def _step(self, input_ids: torch.Tensor, cache, n: int, intact: bool):
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
-        model = self.model.model
-        x = model.embed_tokens(input_ids)
+        model, scales = self.model.model, _Scales(self.model)
+        x = _scaled(model.embed_tokens(input_ids), scales.embedding)
         cos, sin = model.rotary_emb(x, torch.full((1, 1), n, dtype=torch.long))
         cos, sin = cos.view(-1), sin.view(-1)
         plan = self._plan
@@ -354,11 +383,17 @@ class _DecodingForward:
             if q_norm is not None:
                 q, k = _rms_norm(q, q_norm), _rms_norm(k, attn._modules["k_norm"])
             key_buffer, value_buffer = _buffers(cache_layer, n)
-            o = torch.ops.lowbit.decode_attention(q, k, v, cos, sin, key_buffer[0], value_buffer[0], n, attn.scaling)
+            rotary = _rotary(attn)
+            o = torch.ops.lowbit.decode_attention(q, k, v, cos if rotary else torch.ones_like(cos),
+                                                  sin if rotary else torch.zeros_like(sin), key_buffer[0],
+                                                  value_buffer[0], n, attn.scaling)
             cache_layer.keys, cache_layer.values = key_buffer[:, :, :n + 1], value_buffer[:, :, :n + 1]
-            x = x + _project(attn._modules["o_proj"], o.view(1, 1, -1))
-            x = x + _mlp(modules["mlp"], _rms_norm(x, modules["post_attention_layernorm"]))
+            residual = _Scales.residual(layer)
+            x = x + _scaled(_project(attn._modules["o_proj"], o.view(1, 1, -1)), residual)
+            x = x + _scaled(_mlp(modules["mlp"], _rms_norm(x, modules["post_attention_layernorm"])), residual)
         logits = _project(self.model.lm_head, _rms_norm(x, model.norm)).view(1, 1, -1)
+        if scales.logits_divisor != 1.0:
+            logits = logits / scales.logits_divisor
         return CausalLMOutputWithPast(logits=logits, cache=cache)
 
 
