@@ -19,6 +19,7 @@ whose norm on each sublayer's output scales a small rounding in a sublayer
 that nearly cancels up to the size of the rest."""
 import copy
 import functools
+import re
 import warnings
 
 import numpy as np
@@ -344,6 +345,19 @@ BAD_METADATA = {
 @pytest.mark.parametrize("arch, changes, key", BAD_METADATA.values(), ids=BAD_METADATA)
 def test_bad_metadata_is_a_gguf_error_naming_the_key(tmp_path, arch, changes, key):
     refused(tmp_path, arch, changes, key)
+
+
+@pytest.mark.parametrize("arch, changes, says", [
+    # Each size alone is a positive integer; the model they describe cannot be built.
+    ("smollm3", {"smollm3.embedding_length": 2**62}, "Storage size calculation overflowed"),
+    ("qwen2", {"qwen2.feed_forward_length": 2**62}, "Storage size calculation overflowed"),
+    ("llama", {"llama.embedding_length": 65}, "not a multiple of the number of attention heads"),
+])
+def test_metadata_that_makes_no_model_is_a_gguf_error(tmp_path, arch, changes, says):
+    path = write_tiny_gguf(tmp_path / f"{arch}.gguf", cached_tiny_model(arch), arch, extra_metadata=changes)
+    with pytest.raises(lowbit.GGUFError, match=rf"load_gguf_model: {re.escape(path)}: the config does not make a "
+                                               rf"model: .*{says}"):
+        lowbit.load_gguf_model(path)
 
 
 def _byte_level_alphabet() -> list[str]:

@@ -386,6 +386,24 @@ def test_load_gptq_model_names_what_is_wrong(tmp_path):
         lowbit.load_gptq_model(tmp_path / "ckpt")
 
 
+@pytest.mark.parametrize("changes, says", [
+    # A size whose byte count overflows: the model cannot even be built on the meta device.
+    ({"intermediate_size": 2**62}, "Storage size calculation overflowed"),
+    # Sizes transformers' config validation refuses (its own error type, not a ValueError).
+    ({"hidden_size": 130}, "not a multiple of the number of attention heads"),
+])
+def test_a_config_json_that_makes_no_model_is_a_checkpoint_error(tmp_path, changes, says):
+    config = GPTQConfig(bits=4, group_size=32, checkpoint_format="gptq")
+    model = tiny_llama()
+    quantize(model, config)
+    lowbit.save_gptq(model, tmp_path / "ckpt", config)
+    path = tmp_path / "ckpt" / "config.json"
+    content = json.loads(path.read_text())
+    path.write_text(json.dumps({**content, **changes}))
+    with pytest.raises(GPTQCheckpointError, match=rf"config.json: the config does not make a model: .*{says}"):
+        lowbit.load_gptq_model(tmp_path / "ckpt")
+
+
 def word_tokenizer(vocab_size):
     """A whitespace word-level tokenizer over the words w0 .. w{vocab_size - 2} and [UNK]."""
     from tokenizers import Tokenizer, models, pre_tokenizers

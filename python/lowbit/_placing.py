@@ -58,11 +58,22 @@ def load_tensor(model: nn.Module, target: torch.Tensor, value: torch.Tensor, hol
         setattr(module, name, new)
 
 
-def on_meta(build, config, dtype: torch.dtype) -> nn.Module:
-    """build() with every tensor on the meta device: no memory, no init."""
-    config.dtype = dtype
-    with torch.device("meta"):
-        return build().to(dtype)
+def on_meta(make_config, build, dtype: torch.dtype, where: str, error: type[Exception]) -> nn.Module:
+    """build(config) with every tensor on the meta device (no memory, no
+    init), config = make_config(). The config's values come from an untrusted
+    file: where its class refuses them (transformers' validators raise their
+    own error types) or the model cannot be built from them (sizes whose
+    byte counts overflow), that is `error`, naming `where`."""
+    try:
+        config = make_config()
+        config.dtype = dtype
+        with torch.device("meta"):
+            return build(config).to(dtype)
+    except error:
+        raise
+    except Exception as e:
+        reason = " ".join(str(e).split())  # one line: validators' messages nest theirs over several
+        raise error(f"{where}: the config does not make a model: {type(e).__name__}: {reason}") from e
 
 
 def rebuild_computed_buffers(model: nn.Module) -> None:

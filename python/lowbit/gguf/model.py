@@ -77,8 +77,8 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     # with as many as its config says, before any tensor is placed.
     check_block_count(f.metadata, f.tensors, where)
     model_class = getattr(transformers, spec.model_class)
-    config = model_class.config_class(**config_from_gguf(f.metadata, f.tensors, where))
-    model = on_meta(lambda: model_class(config), config, dtype)
+    kwargs = config_from_gguf(f.metadata, f.tensors, where)
+    model = on_meta(lambda: model_class.config_class(**kwargs), model_class, dtype, where, GGUFError)
     _embed_tokens_from_blocks(model, f, dtype, spec.scaled_embedding)
     place_gguf_tensors(model, f, "load_gguf_model", consumed=(ROPE_FREQS, TOKEN_EMBD, *ROPE_FACTORS))
     rebuild_computed_buffers(model)

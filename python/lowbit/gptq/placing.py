@@ -67,12 +67,16 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                          "int8_activations layers read: pass int8_activations=True as well")
     directory, _ = checkpoint_files(os.fspath(path))
     check_layer_count(directory)
-    config = transformers.AutoConfig.from_pretrained(directory)
-    # The quantization_config is lowbit's to read (place_gptq_checkpoint does); left
-    # on the config, transformers would look for a GPTQ backend of its own.
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = on_meta(lambda: transformers.AutoModelForCausalLM.from_config(config), config, dtype)
+    def make_config():
+        config = transformers.AutoConfig.from_pretrained(directory)
+        # The quantization_config is lowbit's to read (place_gptq_checkpoint does); left
+        # on the config, transformers would look for a GPTQ backend of its own.
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        return config
+
+    model = on_meta(make_config, transformers.AutoModelForCausalLM.from_config,
+                    dtype, os.path.join(directory, "config.json"), GPTQCheckpointError)
     place_gptq_checkpoint(model, directory, checkpoint_format, float_tables)
     rebuild_computed_buffers(model)
     if int8_activations:
