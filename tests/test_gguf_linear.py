@@ -150,3 +150,12 @@ def test_inputs_of_another_width_are_refused_and_meta_inputs_give_shapes():
             layer(torch.randn(shape))
     y = layer.to("meta")(torch.randn(3, 5, IN, device="meta"))
     assert y.shape == (3, 5, OUT) and y.is_meta
+
+
+def test_from_linear_refuses_non_finite_weights():
+    linear = torch.nn.Linear(IN, OUT)
+    with torch.no_grad():
+        linear.weight[2, 7] = float("inf")
+    with pytest.raises(ValueError, match=r"GGUFLinear.from_linear: linear.weight holds a non-finite value "
+                                         r"\(inf\) at \[2, 7\]"):
+        lowbit.GGUFLinear.from_linear(linear, gb.type_id("Q4_0"))

@@ -172,6 +172,31 @@ def test_bad_arguments_are_refused():
         quantize_linear(lin, H[:128, :128], 4)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_and_hessians_are_refused_where_they_are(value):
+    lin, H = linear(), hessian_of(correlated_inputs())
+    with torch.no_grad():
+        lin.weight[3, 5] = value
+    with pytest.raises(ValueError, match=rf"gptq_weight: weight holds a non-finite value \({value}\) at \[3, 5\]"):
+        quantize_linear(lin, H, 4)
+    H = H.clone()
+    H[7, 2] = value  # e.g. calibration activations that overflowed: no dampening makes that definite
+    with pytest.raises(ValueError, match=rf"gptq_weight: hessian holds a non-finite value \({value}\) at \[7, 2\]"):
+        gptq_weight(linear().weight, H, 4)
+
+
+def test_scales_beyond_their_dtype_are_refused():
+    """A group whose range needs a scale above fp16's 65504 would store inf:
+    refused, and float32 scales hold it."""
+    lin, H = linear(), hessian_of(correlated_inputs())
+    with torch.no_grad():
+        lin.weight[3, 200] = 2e6  # output 3, group 1 (of 128 columns)
+    with pytest.raises(ValueError, match=r"group 1 of output 3 needs a scale beyond torch.float16's range"):
+        quantize_linear(lin, H, 4)
+    layer = quantize_linear(lin, H, 4, dtype=torch.float32)
+    assert bool(torch.isfinite(layer.scales).all())
+
+
 # --- a small transformers Llama -------------------------------------------------------------------------------
 
 VOCAB, SEQ = 512, 32
@@ -208,6 +233,15 @@ def rtn_model(bits):
         if isinstance(module, torch.nn.Linear):
             model.model.layers.set_submodule(name, lowbit.GPTQLinear.from_linear(module, bits, 128))
     return model
+
+
+def test_quantize_names_the_module_it_refuses():
+    model = tiny_llama()
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"^quantize: model.layers.1.mlp.down_proj: gptq_weight: weight holds a "
+                                         r"non-finite value \(nan\) at \[0, 3\]"):
+        quantize(model, tokens(2, seed=1), 4, progress=False)
 
 
 @pytest.mark.parametrize("bits", [3, 4])

@@ -72,6 +72,17 @@ def test_quantize_rtn_v1_refuses_zero_point_zero():
     assert np.all(ref.unpack(t.qzeros.numpy(), 4, 1) == 0)
 
 
+def test_quantize_rtn_refuses_non_finite_weights_and_overflowing_scales():
+    w = torch.randn(32, 64)
+    w[4, 9] = float("nan")
+    with pytest.raises(ValueError, match=r"quantize_rtn: weight holds a non-finite value \(nan\) at \[4, 9\]"):
+        lowbit.quantize_rtn(w, 4, 32)
+    w[4, 9] = 1e6  # output 4, group 0: a scale of 1e6 / 7.5 is beyond fp16
+    with pytest.raises(ValueError, match=r"quantize_rtn: group 0 of output 4 needs a scale beyond torch.float16"):
+        lowbit.quantize_rtn(w, 4, 32)
+    assert bool(torch.isfinite(lowbit.quantize_rtn(w, 4, 32, scale_dtype=torch.float32).scales).all())
+
+
 def test_quantize_rtn_rejects_bad_arguments():
     w = torch.randn(32, 64)
     with pytest.raises(ValueError, match="bits"):

@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .._checks import check_finite
 from .._frozen import linear_forward
 from .file import release_mapped
 
@@ -87,6 +88,7 @@ class GGUFLinear(nn.Module):
         from gguf import GGMLQuantizationType
         from gguf import quants
 
+        check_finite(linear.weight.detach(), "GGUFLinear.from_linear: linear.weight")
         weight = linear.weight.detach().to(torch.float32).cpu().numpy()
         try:
             raw = quants.quantize(weight, GGMLQuantizationType(qtype))

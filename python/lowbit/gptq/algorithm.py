@@ -48,6 +48,8 @@ from .config import BITS, FORMATS, GPTQConfig
 from ..moe import experts_dims, plain_experts
 from .experts import EXPERT_LAYER, GPTQExpert, GPTQExperts
 from .linear import GPTQLinear
+from .._checks import check_finite
+from .rtn import check_scales
 
 BLOCK_SIZE = 128  # columns per lazy batch-update (the paper's B = 128)
 
@@ -89,6 +91,8 @@ def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_si
     """GPTQ of one weight [N, K] given the Hessian [K, K] of its inputs
     (the reference implementation's `fasterquant`, static_groups=False)."""
     _check_args(bits, group_size, damp_percent)
+    check_finite(weight, "gptq_weight: weight")
+    check_finite(hessian, "gptq_weight: hessian")  # else it reads as a Hessian no dampening makes definite
     W = weight.detach().to(torch.float32).clone()
     H = hessian.detach().to(device=W.device, dtype=torch.float64).clone()
     N, K = W.shape
@@ -114,6 +118,7 @@ def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_si
     U = _upper_cholesky_of_inverse(H).to(torch.float32)
     grid = _Grid(bits, sym, group_size, K, N, scale_dtype, W.device)
     Q = _quantize_columns(W, U, grid)
+    check_scales(grid.scales, "gptq_weight")  # the feedback can carry a group beyond the dtype too
     codes, weight_q = torch.empty_like(grid.codes), torch.empty_like(Q)
     codes[perm], weight_q[:, perm] = grid.codes, Q
     # Groups are formed in processing order: the j-th column processed
@@ -398,7 +403,10 @@ def _quantize_layer(layer: nn.Module, prefix: str, inputs, quantize_one) -> None
             else:
                 H = hessian.value()
             for name in group:
-                layer.set_submodule(name, quantize_one(linears[name], H))
+                try:
+                    layer.set_submodule(name, quantize_one(linears[name], H))
+                except ValueError as e:
+                    raise ValueError(f"quantize: {prefix}.{name}: {e}") from e
         if unreached:
             warnings.warn(f"quantize: no calibration token reached {len(unreached)} experts of {prefix} "
                           f"({', '.join(unreached[:4])}{', ...' if len(unreached) > 4 else ''}): rounded to nearest")

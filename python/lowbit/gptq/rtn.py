@@ -9,6 +9,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .._checks import check_finite
+
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 
 
@@ -21,6 +23,16 @@ class GPTQTensors(NamedTuple):
     group_size: int
     sym: bool
     checkpoint_format: str
+
+
+def check_scales(scales: torch.Tensor, what: str) -> None:
+    """Refuses scales [groups, N] that overflowed their storage dtype: a
+    group whose range is beyond it would dequantize to inf."""
+    bad = ~torch.isfinite(scales)
+    if bool(bad.any()):
+        group, column = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{what}: group {group} of output {column} needs a scale beyond {scales.dtype}'s range "
+                         f"(store float32 or bfloat16 scales)")
 
 
 def quantize_rtn(
@@ -45,6 +57,7 @@ def quantize_rtn(
         raise ValueError(f"quantize_rtn: checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {checkpoint_format!r}")
     if weight.dim() != 2:
         raise ValueError(f"quantize_rtn: weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
+    check_finite(weight, "quantize_rtn: weight")
     w = weight.detach().to(torch.float32).t()  # [K, N]
     K, N = w.shape
     G = K if group_size == -1 else group_size
@@ -70,6 +83,7 @@ def quantize_rtn(
         xmin = -xmax
     scale = (xmax - xmin) / maxq
     scale = torch.where(scale > 0, scale, torch.ones_like(scale)).to(scale_dtype)
+    check_scales(scale, "quantize_rtn")
     if sym:
         zero = torch.full_like(xmin, (maxq + 1) // 2)
     else:
