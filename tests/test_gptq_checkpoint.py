@@ -627,6 +627,11 @@ def tensor_cases():
     in_range = re.escape(f"g_idx values must lie in [0, {GROUPS})")
     for name, value in (("groups", GROUPS), ("negative", -1), ("2^40", 2**40)):
         yield pytest.param(replaced("g_idx", set_first(value)), {}, in_range, id=f"g_idx-value-{name}")
+    for kind in ("scales", "bias"):  # a NaN or inf there would make every output it touches NaN
+        for value in (float("nan"), float("inf")):
+            yield pytest.param(replaced(kind, lambda t, v=value: t.flatten().index_fill(0, torch.tensor([1]), v)
+                                        .reshape(t.shape)), {},
+                               re.escape(f"{kind} holds a non-finite value ({value}) at "), id=f"{kind}-{value}")
 
 
 TENSOR_CASES = list(tensor_cases())

@@ -296,7 +296,8 @@ def test_errors(checkpoints):
     (lambda t, m: t.update({f"{m}.qweight": t[f"{m}.qweight"].float()}), "qweight has dtype F32"),
     (lambda t, m: t.update({f"{m}.scales": t[f"{m}.scales"].to(torch.int32)}), "scales has dtype I32"),
     (lambda t, m: t.update({f"{m}.g_idx": t[f"{m}.g_idx"].float()}), "g_idx has dtype F32"),
-], ids=["act-order without g_idx", "float qweight", "int scales", "float g_idx"])
+    (lambda t, m: t[f"{m}.scales"].view(-1)[5:6].fill_(float("nan")), r"scales holds a non-finite value \(nan\)"),
+], ids=["act-order without g_idx", "float qweight", "int scales", "float g_idx", "NaN scale"])
 def test_sharded_loading_refuses_corrupt_modules(checkpoints, tmp_path, edit, pattern):
     # What load_gptq refuses, the sharded loader (which reads headers, then
     # slices) refuses too, naming the module.

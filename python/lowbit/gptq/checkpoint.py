@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from .._checks import check_finite
 from .packing import fields_per_pack, words_per_pack
 from .config import GPTQCheckpointError, GPTQConfig, ModuleQuant, check_regular_file, read_config, read_json
 from ..fusing import unfused_state_dict
@@ -238,12 +239,21 @@ def _module(name: str, q: ModuleQuant, config: GPTQConfig, t: dict[str, torch.Te
         raise GPTQCheckpointError(f"{where}: g_idx values must lie in [0, {groups}), found "
                                   f"[{int(g_idx.min())}, {int(g_idx.max())}]")
     try:
+        check_finite_floats(scales, bias)
         # The checkpoint's (memory-mapped) tensors themselves: a copy would
         # hold the weights twice while the file's other tensors keep it mapped.
         return GPTQLinear.from_tensors(qweight, qzeros, scales, g_idx, bias, q.bits, q.group_size, q.sym, q.desc_act,
                                        config.checkpoint_format)
     except ValueError as e:
         raise GPTQCheckpointError(f"{where}: {e}") from e
+
+
+def check_finite_floats(scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """A corrupt module's inf or NaN scales (or bias) would make every output
+    they touch NaN: refused, as a ValueError naming the first."""
+    check_finite(scales, "scales")
+    if bias is not None:
+        check_finite(bias, "bias")
 
 
 def _check_labelled_format(ckpt: GPTQCheckpoint) -> None:

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from .checkpoint import (HEADER_DTYPES, GPTQCheckpointError, check_module_tensors, checkpoint_files, hold_gptqmodel_zeros_as_v2,
-                         read_tensors, write_checkpoint)
+from .checkpoint import (HEADER_DTYPES, GPTQCheckpointError, check_finite_floats, check_module_tensors,
+                         checkpoint_files, hold_gptqmodel_zeros_as_v2, read_tensors, write_checkpoint)
 from .config import GPTQConfig, read_config
 from .linear import GPTQLinear
 from .packing import fields_per_pack, words_per_pack
@@ -256,6 +256,7 @@ class _Source:
     checkpoint_format: str
     has_bias: bool
     read: Callable[..., torch.Tensor | None]  # read(tensor, *index): that slice, None if absent
+    where: str = ""  # the checkpoint and module its errors name ("": the module's name alone)
 
     @property
     def fields(self) -> int:
@@ -323,7 +324,7 @@ def _checkpoint_source(path: str | os.PathLike, name: str) -> _Source:
             return f.get_slice(f"{name}.{tensor}")[index]
 
     return _Source(name, K, N, quant.bits, quant.group_size, quant.sym, config.checkpoint_format,
-                   "bias" in file_of, read)
+                   "bias" in file_of, read, where)
 
 
 def _check_rank(name: str, rank: int, world_size: int, group) -> None:
@@ -350,6 +351,10 @@ def _split(src: _Source, size: int, what: str, world_size: int) -> int:
 
 def _local_layer(src: _Source, in_features: int, out_features: int, has_bias: bool,
                  tensors: dict[str, torch.Tensor]) -> GPTQLinear:
+    try:
+        check_finite_floats(tensors["scales"], tensors.get("bias"))
+    except ValueError as e:
+        raise GPTQCheckpointError(f"{src.where or src.name}: {e}") from e
     layer = GPTQLinear(in_features, out_features, src.bits, src.group_size, src.sym, not _is_sorted(tensors["g_idx"]),
                        src.checkpoint_format, has_bias, tensors["scales"].dtype)
     with torch.no_grad():
