@@ -360,6 +360,18 @@ def test_metadata_that_makes_no_model_is_a_gguf_error(tmp_path, arch, changes, s
         lowbit.load_gguf_model(path)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("-inf")])
+def test_a_non_finite_float_tensor_is_a_gguf_error_naming_it(tmp_path, value):
+    """A corrupt norm would turn every output after it NaN: refused at load."""
+    model = tiny_model("llama", seed=0)
+    with torch.no_grad():
+        model.model.layers[1].post_attention_layernorm.weight[3] = value
+    path = write_tiny_gguf(tmp_path / "llama.gguf", model, "llama")
+    with pytest.raises(lowbit.GGUFError, match=rf"{re.escape(path)}: tensor 'blk.1.ffn_norm.weight' holds a "
+                                               rf"non-finite value \({value}\) at \[3\]"):
+        lowbit.load_gguf_model(path)
+
+
 def _byte_level_alphabet() -> list[str]:
     """GPT-2's byte-level alphabet: the character standing for each byte."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]

@@ -12,6 +12,7 @@ import warnings
 import torch
 from torch import nn
 
+from .._checks import check_finite
 from .._placing import (ReplaceReport, checked, get_module, load_tensor, on_meta, rebuild_computed_buffers,
                         tensor_holders)
 from ..fusing import fuse_projections
@@ -179,7 +180,12 @@ def place_gguf_tensors(model: nn.Module, f: GGUFFile, caller: str, consumed: tup
         else:
             target = getattr(module, attr)
             check_shape(path, t, name, tuple(target.shape))
-            value = hf_value(t.name, t.dequantize(), f.metadata)
+            value = t.dequantize()
+            try:  # a corrupt norm or bias would turn every output after it NaN
+                check_finite(value, f"tensor {t.name!r}")
+            except ValueError as e:
+                raise GGUFError(f"{path}: {e}") from e
+            value = hf_value(t.name, value, f.metadata)
             load_tensor(model, target, value, holders)
             report.loaded.append(name)
         placed.add(name)
