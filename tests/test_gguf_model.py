@@ -154,6 +154,34 @@ def test_load_gguf_model_repacked_is_the_same_model(models):
         assert torch.equal(got.argmax(-1), expect.argmax(-1))
 
 
+def test_generate_command_samples_with_a_seed_and_threads(capsys):
+    from lowbit.__main__ import main
+
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for seed in (1, 1, 2):
+            assert main(["generate", PATH, "Once upon a time", "--tokens", "12", "--temperature", "1.5",
+                         "--top-p", "0.95", "--seed", str(seed), "--threads", "1"]) == 0
+            out, err = capsys.readouterr()
+            assert "1 thread)" in err
+            runs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert runs[0] == runs[1]  # the same seed, the same text
+    assert runs[0] != runs[2]  # at temperature 1.5, 12 tokens from another seed differ
+    assert main(["generate", PATH, PROMPT, "--tokens", "4"]) == 0
+    greedy = capsys.readouterr().out
+    assert greedy.startswith(" Berlin")  # temperature 0 (the default) is greedy
+    for flag in (["--top-k", "5"], ["--top-p", "0.5"], ["--seed", "3"]):
+        assert main(["generate", PATH, PROMPT, *flag]) == 1
+        assert f"{flag[0]} is for sampling" in capsys.readouterr().err
+    for flag in (["--temperature", "-1"], ["--top-p", "0"], ["--top-p", "1.5"], ["--top-k", "0"], ["--threads", "0"]):
+        with pytest.raises(SystemExit):
+            main(["generate", PATH, PROMPT, *flag])
+        assert f"argument {flag[0]}" in capsys.readouterr().err
+
+
 def test_generate_command_prints_the_continuation(capsys):
     from lowbit.__main__ import main
 

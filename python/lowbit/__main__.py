@@ -4,10 +4,11 @@
     python -m lowbit inspect PATH                   quantization config and module table of a GPTQ
                                                     checkpoint (directory or .safetensors file)
     python -m lowbit convert-gptq SRC DST --to v2   rewrite a GPTQ checkpoint's zeros as v2 (or v1)
-    python -m lowbit generate PATH PROMPT           greedy continuation by a GGUF file's model (an
-                                                    architecture of lowbit.gguf.arch.ARCHITECTURES) or
-                                                    a GPTQ directory's, running their own quantized weights
-                                                    (--compile: compiled decode steps)
+    python -m lowbit generate PATH PROMPT           continuation by a GGUF file's model (an architecture
+                                                    of lowbit.gguf.arch.ARCHITECTURES) or a GPTQ
+                                                    directory's, running their own quantized weights:
+                                                    greedy, or sampled with --temperature (--top-k,
+                                                    --top-p, --seed); --threads, --compile
 """
 import argparse
 import sys
@@ -159,9 +160,27 @@ def load_model_and_tokenizer(path: str, repack: bool = False, int8_activations: 
         raise ValueError(f"{path}: no tokenizer beside the checkpoint ({e})") from e
 
 
+def sampling(args) -> dict:
+    """generate's keyword arguments for the sampling options: greedy at
+    temperature 0, where top-k and top-p have nothing to cut."""
+    if args.temperature == 0:
+        for flag, given in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed)):
+            if given is not None:
+                raise ValueError(f"{flag} is for sampling: pass --temperature above 0 as well")
+        return {"do_sample": False}
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    # transformers' own defaults (top_k 50) would cut what was not asked for: off unless given.
+    return {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k or 0,
+            "top_p": 1.0 if args.top_p is None else args.top_p}
+
+
 def cmd_generate(args) -> None:
     from .generation import compiled_decoding
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)  # before loading: the loaders give lowbit's kernels torch's count
+    options = sampling(args)
     start = time.perf_counter()
     model, tokenizer = load_model_and_tokenizer(args.path, args.repack, args.int8_activations, args.float_tables)
     compiled_decoding(model, args.compile)
@@ -177,8 +196,8 @@ def cmd_generate(args) -> None:
     print(f"{args.path}: {type(model).__name__}, loaded in {loaded:.1f} s; prompt {ids.shape[1]} tokens", file=sys.stderr)
     streamer = _TimedStreamer(tokenizer)
     with torch.inference_mode():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.tokens, do_sample=False,
-                       streamer=streamer, pad_token_id=tokenizer.eos_token_id)
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.tokens, streamer=streamer,
+                       pad_token_id=tokenizer.eos_token_id, **options)
     prompt_s = streamer.arrivals[1] - streamer.arrivals[0]
     # Compiled, the first decode step compiles: the rate counts the steps after it.
     first = 2 if args.compile else 1
@@ -186,8 +205,9 @@ def cmd_generate(args) -> None:
     decode = f", decode {steps / (streamer.arrivals[-1] - streamer.arrivals[first]):.1f} tokens/s" if steps > 0 else ""
     if args.compile and len(streamer.arrivals) > 2:
         decode += f" after a first step that compiled in {streamer.arrivals[2] - streamer.arrivals[1]:.1f} s"
+    threads = torch.get_num_threads()
     print(f"prefill {ids.shape[1] / prompt_s:.1f} tokens/s{decode} "
-          f"({len(streamer.tokens)} new tokens, {torch.get_num_threads()} threads)", file=sys.stderr)
+          f"({len(streamer.tokens)} new tokens, {threads} thread{'s' if threads != 1 else ''})", file=sys.stderr)
 
 
 def positive_int(text: str) -> int:
@@ -198,6 +218,19 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def number_in(low: float, high: float, low_open: bool = False):
+    """An argparse type: a finite float in [low, high] ((low, high] with low_open)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (low < value if low_open else low <= value) or not value <= high:
+            raise argparse.ArgumentTypeError(f"must lie in {'(' if low_open else '['}{low}, {high}], got {text}")
+        return value
+    return parse
 
 
 def main(argv=None) -> int:
@@ -213,13 +246,22 @@ def main(argv=None) -> int:
     convert.add_argument("--to", required=True, choices=sorted(GPTQ_FORMATS),
                          help="v1 ('gptq', stores zero-1) or v2 ('gptq_v2', stores the zero)")
     convert.set_defaults(run=cmd_convert_gptq)
-    generate = commands.add_parser("generate", help="greedy continuation of PROMPT by a GGUF file's model ("
+    generate = commands.add_parser("generate", help="continuation of PROMPT (greedy, or sampled with "
+                                                    "--temperature) by a GGUF file's model ("
                                                     + ", ".join(ARCHITECTURES) + ") or a GPTQ "
                                                     "checkpoint's model, with its speed")
     generate.add_argument("path", help="a .gguf file, or a GPTQ checkpoint directory with its tokenizer")
     generate.add_argument("prompt")
     generate.add_argument("--tokens", type=positive_int, default=32, help="new tokens at most (default 32)")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the file's chat template")
+    generate.add_argument("--temperature", type=number_in(0.0, 100.0), default=0.0,
+                          help="sample at this temperature (default 0: greedy)")
+    generate.add_argument("--top-k", type=positive_int, help="sample from the k most likely tokens only")
+    generate.add_argument("--top-p", type=number_in(0.0, 1.0, low_open=True),
+                          help="sample from the smallest set of tokens whose probabilities reach p")
+    generate.add_argument("--seed", type=int, help="the sampler's random seed (the same text for the same seed)")
+    generate.add_argument("--threads", type=positive_int,
+                          help="CPU threads (default: torch's, one per physical core)")
     generate.add_argument("--repack", action="store_true",
                           help="GGUF: the layers whose type has the CPU kernels' repacked layout in it (the "
                                "same results, for the 32-element types to fp32 rounding; faster where the CPU's "
