@@ -379,21 +379,24 @@ def _byte_level_alphabet() -> list[str]:
     return [chr(c) for c in printable] + [chr(256 + i) for i in range(len(others))]
 
 
-def write_tokenizer_gguf(path: str, arch: str) -> str:
+def write_tokenizer_gguf(path: str, arch: str, model: str = "gpt2", types=None, merges=("Ġ t", "h e", "Ġt he"),
+                         eos=None) -> str:
     """A GGUF file with a byte-level BPE tokenizer as llama.cpp's converter
-    writes one (tokens, types, merges, special ids, chat template)."""
+    writes one (tokens, types, merges, special ids, chat template); the
+    arguments replace parts of it."""
     import gguf
 
     tokens = _byte_level_alphabet() + ["Ġt", "he", "Ġthe", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(1)
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model(model)
     writer.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "smollm")
     writer.add_token_list(tokens)
-    writer.add_token_types([1] * (len(tokens) - 3) + [3] * 3)  # the last three are control tokens
-    writer.add_token_merges(["Ġ t", "h e", "Ġt he"])
+    # The last three are control tokens.
+    writer.add_token_types([1] * (len(tokens) - 3) + [3] * 3 if types is None else types)
+    writer.add_token_merges(list(merges))
     writer.add_bos_token_id(len(tokens) - 2)
-    writer.add_eos_token_id(len(tokens) - 1)
+    writer.add_eos_token_id(len(tokens) - 1 if eos is None else eos)
     writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
     writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), np.float32))
     writer.write_header_to_file()
@@ -401,6 +404,19 @@ def write_tokenizer_gguf(path: str, arch: str) -> str:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+@pytest.mark.parametrize("changes, says", [
+    (dict(types=[1, 1, 3]), r"metadata 'tokenizer.ggml.token_type': must be 262 integers, one per token"),
+    (dict(eos=262), r"metadata 'tokenizer.ggml.eos_token_id': token 262 is outside the 262 tokens"),
+    (dict(model="llama"), r"metadata 'tokenizer.ggml.scores': missing: a sentencepiece \('llama'\) vocabulary"),
+    # What only transformers' converter finds: a merge of three parts.
+    (dict(merges=["Ġ t h"]), r"transformers builds no tokenizer from its tokenizer.ggml.\* metadata: TypeError"),
+])
+def test_load_gguf_tokenizer_refuses_broken_tokenizer_metadata(tmp_path, changes, says):
+    path = write_tokenizer_gguf(str(tmp_path / "tokenizer.gguf"), "llama", **changes)
+    with pytest.raises(lowbit.GGUFError, match=rf"^load_gguf_tokenizer: {re.escape(path)}: {says}"):
+        lowbit.load_gguf_tokenizer(path)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gpt-oss", "phi3"])

@@ -19,8 +19,8 @@ from ..fusing import fuse_projections
 from ..moe import experts_dims
 from ..decoding import fast_decoding
 from ..threads import kernel_threads
-from .arch import (ARCHITECTURES, architecture, check_block_count, config_from_gguf, expert_modules, hf_name, hf_value,
-                   rows_in_hf_order)
+from .arch import (ARCHITECTURES, _Metadata, architecture, check_block_count, config_from_gguf, expert_modules,
+                   hf_name, hf_value, rows_in_hf_order)
 from .embedding import GGUFEmbedding
 from .experts import ClampedSwiGLU, GGUFExperts
 from .file import GGUFError, GGUFFile, GGUFTensor, load_gguf
@@ -120,13 +120,52 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     import transformers
 
     path = os.fspath(path)
+    where = f"load_gguf_tokenizer: {path}"
     directory, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
-    arch = load_gguf(path).metadata.get("general.architecture")
+    metadata = load_gguf(path).metadata
+    _check_tokenizer_metadata(metadata, where)
+    arch = metadata.get("general.architecture")
     spec = ARCHITECTURES.get(arch) if isinstance(arch, str) else None  # a list would be unhashable
     tokenizer_class = spec.tokenizer_class if spec else None
-    if tokenizer_class is None:
-        return transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    return getattr(transformers, tokenizer_class).from_pretrained(directory, gguf_file=name)
+    builder = transformers.AutoTokenizer if tokenizer_class is None else getattr(transformers, tokenizer_class)
+    try:
+        return builder.from_pretrained(directory, gguf_file=name)
+    except Exception as e:  # transformers' converter indexes and parses the metadata with no checks of its own
+        reason = " ".join(str(e).split())
+        raise GGUFError(f"{where}: transformers builds no tokenizer from its tokenizer.ggml.* metadata: "
+                        f"{type(e).__name__}: {reason}") from e
+
+
+# The special tokens transformers' converter looks up by id in the token list.
+_SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")
+
+
+def _check_tokenizer_metadata(metadata, where: str) -> None:
+    """The token list and what the converter indexes by it, checked first so
+    that the error names the key: a list of strings, per-token types and
+    scores as long as it, special token ids inside it (a negative one would
+    index from its end). A sentencepiece ("llama") vocabulary needs its scores."""
+    m = _Metadata(metadata, where)
+    key = "tokenizer.ggml.tokens"
+    tokens = m.get(key, list)
+    if not tokens or not all(isinstance(t, str) for t in tokens):
+        raise m.error(key, "must be a non-empty list of strings")
+    for field, kind in (("token_type", int), ("scores", float)):
+        key = f"tokenizer.ggml.{field}"
+        values = m.get(key, list, None)
+        if values is None:
+            if field == "scores" and m.get("tokenizer.ggml.model", str, None) == "llama":
+                raise m.error(key, "missing: a sentencepiece ('llama') vocabulary needs each token's score")
+            continue
+        if len(values) != len(tokens) or not all(isinstance(v, (int, float) if kind is float else int)
+                                                 and not isinstance(v, bool) for v in values):
+            raise m.error(key, f"must be {len(tokens)} {'numbers' if kind is float else 'integers'}, one per token "
+                               f"of tokenizer.ggml.tokens; got {len(values)} values")
+    for field in _SPECIAL_TOKEN_IDS:
+        key = f"tokenizer.ggml.{field}"
+        token = m.get(key, int, None, minimum=0)
+        if token is not None and token >= len(tokens):
+            raise m.error(key, f"token {token} is outside the {len(tokens)} tokens of tokenizer.ggml.tokens")
 
 
 def _apply_rope_freqs(model: nn.Module, f: GGUFFile) -> None:
