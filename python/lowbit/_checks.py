@@ -1,10 +1,12 @@
-"""Checks of values a quantizer is given."""
+"""Checks of tensor values: a weight or Hessian to quantize, a checkpoint's
+scales, norms and biases."""
 import torch
 
 
 def check_finite(t: torch.Tensor, what: str) -> None:
-    """Refuses a NaN or inf in `t` (a weight or Hessian to quantize), naming
-    the first: a grid over it would store inf or NaN scales."""
+    """Refuses a NaN or inf in `t`, naming the first: a quantizer's grid over
+    it would store inf or NaN scales, a loaded one would turn every output
+    it touches NaN."""
     bad = ~torch.isfinite(t)
     if bool(bad.any()):
         at = [int(i) for i in bad.nonzero()[0]]

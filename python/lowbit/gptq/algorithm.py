@@ -44,11 +44,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .._checks import check_finite
 from .config import BITS, FORMATS, GPTQConfig
 from ..moe import experts_dims, plain_experts
 from .experts import EXPERT_LAYER, GPTQExpert, GPTQExperts
 from .linear import GPTQLinear
-from .._checks import check_finite
 from .rtn import check_scales
 
 BLOCK_SIZE = 128  # columns per lazy batch-update (the paper's B = 128)

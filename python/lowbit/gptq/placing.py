@@ -67,6 +67,7 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                          "int8_activations layers read: pass int8_activations=True as well")
     directory, _ = checkpoint_files(os.fspath(path))
     check_layer_count(directory)
+
     def make_config():
         config = transformers.AutoConfig.from_pretrained(directory)
         # The quantization_config is lowbit's to read (place_gptq_checkpoint does); left
