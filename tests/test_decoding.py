@@ -28,6 +28,10 @@ def float_model(arch, **overrides):
     return model
 
 
+# Phi-3-mini's rotation of whole heads (the tiny phi3 rotates half of each, as Phi-4-mini does).
+FULL_ROTARY = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0}
+
+
 def own_forward_logits(model, ids, cache, token):
     fast_decoding(model, False)
     try:
@@ -41,6 +45,7 @@ def own_forward_logits(model, ids, cache, token):
     ("qwen2", {}), ("qwen3", {}),
     ("smollm3", {}),  # its fourth layer is NoPE: no rotation
     ("granite", {}),  # embedding, residual, attention and logits multipliers
+    ("phi3", dict(rope_parameters=FULL_ROTARY)),  # one qkv_proj and one gate_up_proj of its own
 ])
 @pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
 def test_served_steps_give_the_model_s_logits(arch, overrides, grad_mode):
@@ -198,6 +203,9 @@ def test_other_architectures_are_left_to_their_forward():
                  num_key_value_heads=2, head_dim=16)
     assert not fast_decoding(MistralForCausalLM(MistralConfig(sliding_window=8, **small)))
     assert fast_decoding(MistralForCausalLM(MistralConfig(sliding_window=None, **small)))
+    assert not fast_decoding(tiny_model("phi3", seed=0))  # half of each head rotated
+    assert not fast_decoding(tiny_model("phi3", seed=0, rope_parameters=FULL_ROTARY, sliding_window=8))
+    assert fast_decoding(tiny_model("phi3", seed=0, rope_parameters=FULL_ROTARY))
     half = tiny_model("llama", seed=0)  # a rotary embedding over half of each head
     half.model.rotary_emb.inv_freq = half.model.rotary_emb.inv_freq[:4]
     assert not fast_decoding(half)
@@ -301,6 +309,9 @@ STEP_MODELS = {
         write_tiny_gguf(os.path.join(os.path.dirname(path), "smollm3.gguf"), tiny_model("smollm3", seed=1), "smollm3")),
     "gguf granite (multipliers)": lambda path: lowbit.load_gguf_model(
         write_tiny_gguf(os.path.join(os.path.dirname(path), "granite.gguf"), tiny_model("granite", seed=1), "granite")),
+    "gguf phi3 (its own fused projections)": lambda path: lowbit.load_gguf_model(
+        write_tiny_gguf(os.path.join(os.path.dirname(path), "phi3.gguf"),
+                        tiny_model("phi3", seed=1, rope_parameters=FULL_ROTARY), "phi3")),
     "gguf bf16": lambda path: lowbit.load_gguf_model(path, dtype=torch.bfloat16),
     "gguf repacked": lambda path: repacked_gguf_model(path),
     "gptq unsorted": lambda path: gptq_model("unsorted"),

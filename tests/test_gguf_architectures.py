@@ -360,6 +360,17 @@ def test_metadata_that_makes_no_model_is_a_gguf_error(tmp_path, arch, changes, s
         lowbit.load_gguf_model(path)
 
 
+@pytest.mark.parametrize("window, expect", [(2047, 2047), (4096, None), (262144, None)])
+def test_a_phi3_window_as_long_as_the_context_is_no_window(tmp_path, window, expect):
+    """Phi-3.5-mini's files carry a window of 262144 over a context of 131072:
+    it masks nothing within the context, and the model gets none (a plain
+    cache its decode steps serve); a shorter one (Phi-3-mini-4k's 2047) stays."""
+    source = tiny_model("phi3", seed=0)  # a context of 4096
+    path = write_tiny_gguf(tmp_path / "phi3.gguf", source, "phi3",
+                           extra_metadata={"phi3.attention.sliding_window": window})
+    assert lowbit.load_gguf_model(path).config.sliding_window == expect
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("-inf")])
 def test_a_non_finite_float_tensor_is_a_gguf_error_naming_it(tmp_path, value):
     """A corrupt norm would turn every output after it NaN: refused at load."""

@@ -46,9 +46,10 @@ __all__ = ["DECODER_LAYERS", "fast_decoding"]
 # embedding, grouped-query attention, no sliding window) and a SiLU-gated
 # MLP, each added to the residual. SmolLM3 leaves the rotation out of its
 # NoPE layers; Granite scales the embeddings, each sublayer's output and
-# the logits (_Scales).
+# the logits (_Scales); Phi-3 holds q, k and v as one qkv_proj and gate and
+# up as one gate_up_proj (_native_qkv_sizes, _native_gate_up_sizes).
 DECODER_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
-                  "SmolLM3DecoderLayer", "GraniteDecoderLayer")
+                  "SmolLM3DecoderLayer", "GraniteDecoderLayer", "Phi3DecoderLayer")
 
 # The keyword arguments a served call may carry beyond input_ids, cache,
 # attention_mask and position_ids, with the values it may carry them with.
@@ -71,6 +72,23 @@ class _Scales:
     @staticmethod
     def residual(layer: nn.Module) -> float:
         return float(getattr(layer, "residual_multiplier", 1.0))
+
+
+def _native_qkv_sizes(attn: nn.Module) -> list[int] | None:
+    """Phi-3's attention: one qkv_proj, no q_proj; the widths of q, k and v
+    in its output. None for attention with q, k and v projections of its own."""
+    if "q_proj" in attn._modules:
+        return None
+    kv = attn.num_key_value_heads * attn.head_dim
+    return [attn.config.num_attention_heads * attn.head_dim, kv, kv]
+
+
+def _native_gate_up_sizes(mlp: nn.Module) -> list[int] | None:
+    """Phi-3's MLP: one gate_up_proj, gate's rows then up's; None otherwise."""
+    if "gate_proj" in mlp._modules:
+        return None
+    half = mlp._modules["gate_up_proj"].out_features // 2
+    return [half, half]
 
 
 def _rotary(attn: nn.Module) -> bool:
@@ -113,6 +131,9 @@ def _projections(attn: nn.Module, h: torch.Tensor):
     """q, k and v of h: one call of the fused layer where the three are its
     untouched slices (lowbit.fusing), the three modules otherwise."""
     modules = attn._modules
+    native = _native_qkv_sizes(attn)
+    if native is not None:
+        return _project(modules["qkv_proj"], h).split(native, -1)
     q, k, v = modules["q_proj"], modules["k_proj"], modules["v_proj"]
     fused = modules.get("qkv_proj")
     if fused is not None and type(q) is ProjectionSlice and type(k) is ProjectionSlice and type(v) is ProjectionSlice:
@@ -122,6 +143,10 @@ def _projections(attn: nn.Module, h: torch.Tensor):
 
 def _mlp(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
     modules = mlp._modules
+    native = _native_gate_up_sizes(mlp)
+    if native is not None:
+        g, u = _project(modules["gate_up_proj"], h).split(native, -1)
+        return _project(modules["down_proj"], F.silu(g) * u)
     gate, up, fused = modules["gate_proj"], modules["up_proj"], modules.get("gate_up_proj")
     if fused is not None and type(gate) is ProjectionSlice and type(up) is ProjectionSlice:
         gate_up = _project(fused, h)
@@ -239,14 +264,18 @@ class _StepPlan:
         attn, mlp = self._watch(layer, "self_attn"), self._watch(layer, "mlp")
         input_norm, input_eps = self._norm(layer, "input_layernorm")
         post_norm, post_eps = self._norm(layer, "post_attention_layernorm")
-        qkv, qkv_sizes = self._group(attn, PROJECTION_GROUPS[0])
+        qkv_sizes = _native_qkv_sizes(attn)
+        qkv, qkv_sizes = (([self._projection(attn, "qkv_proj")], qkv_sizes) if qkv_sizes is not None
+                          else self._group(attn, PROJECTION_GROUPS[0]))
         q_norm = k_norm = None
         qk_eps = 0.0
         if attn._modules.get("q_norm") is not None:
             (q_norm, qk_eps), (k_norm, k_eps) = self._norm(attn, "q_norm"), self._norm(attn, "k_norm")
             if k_eps != qk_eps:
                 raise _Unplannable("k_norm")
-        gate_up, gate_up_sizes = self._group(mlp, PROJECTION_GROUPS[1])
+        gate_up_sizes = _native_gate_up_sizes(mlp)
+        gate_up, gate_up_sizes = (([self._projection(mlp, "gate_up_proj")], gate_up_sizes)
+                                  if gate_up_sizes is not None else self._group(mlp, PROJECTION_GROUPS[1]))
         if gate_up_sizes[0] != gate_up_sizes[1]:
             raise _Unplannable("up_proj")
         self.step.layer(input_norm, input_eps, qkv, qkv_sizes, q_norm, k_norm, qk_eps,

@@ -323,6 +323,11 @@ def _phi3_extra(m, arch, tensors, config):
     if rope["rope_type"] == "longrope":
         rope.update(original_max_position_embeddings=original, **_longrope_factors(m, arch, tensors))
     window = m.get(f"{arch}.attention.sliding_window", int, 0, minimum=0)
+    # A window at least as long as the context (Phi-3.5-mini's and Phi-4-mini's
+    # 262144 over 131072) masks nothing a sequence within it reaches: none,
+    # so that the model's cache is transformers' plain one, which decode steps serve.
+    if window >= config["max_position_embeddings"]:
+        window = 0
     return {"rope_parameters": rope, "original_max_position_embeddings": original,
             "sliding_window": window if window > 0 else None}
 
