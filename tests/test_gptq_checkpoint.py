@@ -386,6 +386,21 @@ def test_load_gptq_model_names_what_is_wrong(tmp_path):
         lowbit.load_gptq_model(tmp_path / "ckpt")
 
 
+def test_a_non_finite_float_tensor_is_a_checkpoint_error_naming_it(tmp_path):
+    """A corrupt norm would turn every output after it NaN: refused at load."""
+    config = GPTQConfig(bits=4, group_size=32, checkpoint_format="gptq")
+    model = tiny_llama()
+    quantize(model, config)
+    lowbit.save_gptq(model, tmp_path / "ckpt", config)
+    file = next(f for f in os.listdir(tmp_path / "ckpt") if f.endswith(".safetensors"))
+    tensors = load_file(tmp_path / "ckpt" / file)
+    tensors["model.layers.1.input_layernorm.weight"][7] = float("inf")
+    save_file(tensors, tmp_path / "ckpt" / file, metadata={"format": "pt"})
+    with pytest.raises(GPTQCheckpointError, match=r"ckpt: tensor 'model.layers.1.input_layernorm.weight' holds a "
+                                                  r"non-finite value \(inf\) at \[7\]"):
+        lowbit.load_gptq_model(tmp_path / "ckpt")
+
+
 @pytest.mark.parametrize("changes, says", [
     # A size whose byte count overflows: the model cannot even be built on the meta device.
     ({"intermediate_size": 2**62}, "Storage size calculation overflowed"),

@@ -13,6 +13,7 @@ import warnings
 import torch
 from torch import nn
 
+from .._checks import check_finite
 from .._placing import (ReplaceReport, checked, get_module, load_tensor, on_meta, rebuild_computed_buffers,
                         tensor_holders)
 from ..fusing import fuse_projections
@@ -105,7 +106,8 @@ def place_gptq_checkpoint(model: nn.Module, path: str, checkpoint_format: str | 
     its `float_tables`). Act-order layers hold their rows sorted by group
     (GPTQLinear.sort_rows)."""
     table_type = _table_type(float_tables)
-    ckpt = _named_as_model(model, load_gptq(path, checkpoint_format, _lookup_only_table(model, table_type)))
+    mapped = _lookup_only_table(model, table_type)
+    ckpt = _named_as_model(model, load_gptq(path, checkpoint_format, mapped))
     for layer in ckpt.modules.values():
         # The tensors are the loader's own: act-order rows sorted in place,
         # one copy of the weights (GPTQLinear.sort_rows).
@@ -146,6 +148,11 @@ def place_gptq_checkpoint(model: nn.Module, path: str, checkpoint_format: str | 
         if tuple(target.shape) != tuple(tensor.shape):
             raise GPTQCheckpointError(f"{ckpt.directory}: tensor {name!r} has shape {tuple(tensor.shape)} but the "
                                       f"model's is {tuple(target.shape)}")
+        if tensor.is_floating_point() and name not in mapped:  # a mapped table's pages are read as tokens need them
+            try:  # a corrupt norm or bias would turn every output after it NaN
+                check_finite(tensor, f"tensor {name!r}")
+            except ValueError as e:
+                raise GPTQCheckpointError(f"{ckpt.directory}: {e}") from e
         load_tensor(model, target, tensor, holders)
         report.loaded.append(name)
         placed.add(name)
