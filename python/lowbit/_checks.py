@@ -3,11 +3,11 @@ scales, norms and biases."""
 import torch
 
 
-def check_finite(t: torch.Tensor, what: str) -> None:
-    """Refuses a NaN or inf in `t`, naming the first: a quantizer's grid over
-    it would store inf or NaN scales, a loaded one would turn every output
-    it touches NaN."""
+def check_finite(t: torch.Tensor, what: str, error: type[ValueError] = ValueError) -> None:
+    """Refuses a NaN or inf in `t` as `error` (a loader's file error), naming
+    the first: a quantizer's grid over it would store inf or NaN scales, a
+    loaded one would turn every output it touches NaN."""
     bad = ~torch.isfinite(t)
     if bool(bad.any()):
         at = [int(i) for i in bad.nonzero()[0]]
-        raise ValueError(f"{what} holds a non-finite value ({t[tuple(at)].item()}) at {at}")
+        raise error(f"{what} holds a non-finite value ({t[tuple(at)].item()}) at {at}")

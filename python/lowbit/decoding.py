@@ -404,6 +404,7 @@ class _DecodingForward:
             self._plan = plan
         if plan is not False:
             return CausalLMOutputWithPast(logits=plan.run(x, cos, sin, cache, n), cache=cache)
+        identity = None  # made for the first layer without rotation
         for layer, cache_layer in zip(model.layers, cache.layers):
             modules = layer._modules
             attn = modules["self_attn"]
@@ -412,10 +413,12 @@ class _DecodingForward:
             if q_norm is not None:
                 q, k = _rms_norm(q, q_norm), _rms_norm(k, attn._modules["k_norm"])
             key_buffer, value_buffer = _buffers(cache_layer, n)
-            rotary = _rotary(attn)
-            o = torch.ops.lowbit.decode_attention(q, k, v, cos if rotary else torch.ones_like(cos),
-                                                  sin if rotary else torch.zeros_like(sin), key_buffer[0],
-                                                  value_buffer[0], n, attn.scaling)
+            if _rotary(attn):
+                tables = cos, sin
+            else:  # the identity's tables: q * 1 + rotate_half(q) * 0 is q exactly
+                identity = identity or (torch.ones_like(cos), torch.zeros_like(sin))
+                tables = identity
+            o = torch.ops.lowbit.decode_attention(q, k, v, *tables, key_buffer[0], value_buffer[0], n, attn.scaling)
             cache_layer.keys, cache_layer.values = key_buffer[:, :, :n + 1], value_buffer[:, :, :n + 1]
             residual = _Scales.residual(layer)
             x = x + _scaled(_project(attn._modules["o_proj"], o.view(1, 1, -1)), residual)

@@ -220,10 +220,7 @@ def place_gguf_tensors(model: nn.Module, f: GGUFFile, caller: str, consumed: tup
             target = getattr(module, attr)
             check_shape(path, t, name, tuple(target.shape))
             value = t.dequantize()
-            try:  # a corrupt norm or bias would turn every output after it NaN
-                check_finite(value, f"tensor {t.name!r}")
-            except ValueError as e:
-                raise GGUFError(f"{path}: {e}") from e
+            check_finite(value, f"{path}: tensor {t.name!r}", GGUFError)  # a corrupt norm would turn all after it NaN
             value = hf_value(t.name, value, f.metadata)
             load_tensor(model, target, value, holders)
             report.loaded.append(name)

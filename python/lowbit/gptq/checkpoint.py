@@ -238,8 +238,8 @@ def _module(name: str, q: ModuleQuant, config: GPTQConfig, t: dict[str, torch.Te
     if g_idx is not None and g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
         raise GPTQCheckpointError(f"{where}: g_idx values must lie in [0, {groups}), found "
                                   f"[{int(g_idx.min())}, {int(g_idx.max())}]")
+    check_finite_floats(scales, bias, where)
     try:
-        check_finite_floats(scales, bias)
         # The checkpoint's (memory-mapped) tensors themselves: a copy would
         # hold the weights twice while the file's other tensors keep it mapped.
         return GPTQLinear.from_tensors(qweight, qzeros, scales, g_idx, bias, q.bits, q.group_size, q.sym, q.desc_act,
@@ -248,12 +248,12 @@ def _module(name: str, q: ModuleQuant, config: GPTQConfig, t: dict[str, torch.Te
         raise GPTQCheckpointError(f"{where}: {e}") from e
 
 
-def check_finite_floats(scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+def check_finite_floats(scales: torch.Tensor, bias: torch.Tensor | None, where: str) -> None:
     """A corrupt module's inf or NaN scales (or bias) would make every output
-    they touch NaN: refused, as a ValueError naming the first."""
-    check_finite(scales, "scales")
+    they touch NaN: refused, naming `where` (checkpoint and module) and the first."""
+    check_finite(scales, f"{where}: scales", GPTQCheckpointError)
     if bias is not None:
-        check_finite(bias, "bias")
+        check_finite(bias, f"{where}: bias", GPTQCheckpointError)
 
 
 def _check_labelled_format(ckpt: GPTQCheckpoint) -> None:

@@ -148,11 +148,10 @@ def place_gptq_checkpoint(model: nn.Module, path: str, checkpoint_format: str | 
         if tuple(target.shape) != tuple(tensor.shape):
             raise GPTQCheckpointError(f"{ckpt.directory}: tensor {name!r} has shape {tuple(tensor.shape)} but the "
                                       f"model's is {tuple(target.shape)}")
-        if tensor.is_floating_point() and name not in mapped:  # a mapped table's pages are read as tokens need them
-            try:  # a corrupt norm or bias would turn every output after it NaN
-                check_finite(tensor, f"tensor {name!r}")
-            except ValueError as e:
-                raise GPTQCheckpointError(f"{ckpt.directory}: {e}") from e
+        # A corrupt norm or bias would turn every output after it NaN; a
+        # mapped table is left unread, its pages read as tokens need them.
+        if tensor.is_floating_point() and name not in mapped:
+            check_finite(tensor, f"{ckpt.directory}: tensor {name!r}", GPTQCheckpointError)
         load_tensor(model, target, tensor, holders)
         report.loaded.append(name)
         placed.add(name)

@@ -351,10 +351,7 @@ def _split(src: _Source, size: int, what: str, world_size: int) -> int:
 
 def _local_layer(src: _Source, in_features: int, out_features: int, has_bias: bool,
                  tensors: dict[str, torch.Tensor]) -> GPTQLinear:
-    try:
-        check_finite_floats(tensors["scales"], tensors.get("bias"))
-    except ValueError as e:
-        raise GPTQCheckpointError(f"{src.where or src.name}: {e}") from e
+    check_finite_floats(tensors["scales"], tensors.get("bias"), src.where or src.name)
     layer = GPTQLinear(in_features, out_features, src.bits, src.group_size, src.sym, not _is_sorted(tensors["g_idx"]),
                        src.checkpoint_format, has_bias, tensors["scales"].dtype)
     with torch.no_grad():
