@@ -73,8 +73,12 @@ def rotary(position, dim, base=10000.0):
 
 
 def rotated(x, cos, sin):
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+    """transformers' apply_rotary_pos_emb: the first len(cos) values of each
+    head rotated (Phi-3's form, which passes the rest through)."""
+    dims = cos.shape[-1]
+    head, rest = x[..., :dims], x[..., dims:]
+    half = dims // 2
+    return torch.cat((head * cos + torch.cat((-head[..., half:], head[..., :half]), -1) * sin, rest), -1)
 
 
 def reference(q, k, v, cos, sin, key_cache, value_cache, position, scale):
@@ -90,10 +94,10 @@ def reference(q, k, v, cos, sin, key_cache, value_cache, position, scale):
     return out[:, 0], keys[::groups, position], values[::groups, position]
 
 
-def attention_case(q_heads, kv_heads, dim, capacity, position, dtype, spread=1.0, seed=0):
+def attention_case(q_heads, kv_heads, dim, capacity, position, dtype, spread=1.0, seed=0, rotated_dims=None):
     g = torch.Generator().manual_seed(seed)
     r = lambda *shape: (torch.randn(*shape, generator=g) * spread).to(dtype)
-    cos, sin = rotary(position, dim)
+    cos, sin = rotary(position, rotated_dims or dim)
     return dict(q=r(q_heads, dim), k=r(kv_heads, dim), v=torch.randn(kv_heads, dim, generator=g).to(dtype),
                 cos=cos.to(dtype), sin=sin.to(dtype), key_cache=r(kv_heads, capacity, dim),
                 value_cache=torch.randn(kv_heads, capacity, dim, generator=g).to(dtype), position=position,
@@ -107,9 +111,12 @@ def attention_case(q_heads, kv_heads, dim, capacity, position, dtype, spread=1.0
     (8, 2, 48, 40, 39),     # a head size the SIMD path leaves to the portable loops; the last row
     (6, 2, 96, 200, 130),   # a head of 64 + 32 values over three blocks of value rows, keys short of 8
     (16, 2, 128, 2100, 2047),  # a long context
+    (24, 8, (128, 96), 64, 40),  # Phi-4-mini's heads: the first 96 of 128 values rotated, the rest passed through
+    (4, 2, (64, 2), 16, 9),  # the fewest rotated values
 ])
 def test_decode_attention_is_rotation_and_sdpa(device, dtype, q_heads, kv_heads, dim, capacity, position):
-    case = attention_case(q_heads, kv_heads, dim, capacity, position, dtype)
+    dim, rotated_dims = dim if isinstance(dim, tuple) else (dim, dim)
+    case = attention_case(q_heads, kv_heads, dim, capacity, position, dtype, rotated_dims=rotated_dims)
     before = {name: case[name].clone() for name in ("key_cache", "value_cache")}
     on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
     out = ops.decode_attention(**on_device).cpu()

@@ -30,6 +30,10 @@ def float_model(arch, **overrides):
 
 # Phi-3-mini's rotation of whole heads (the tiny phi3 rotates half of each, as Phi-4-mini does).
 FULL_ROTARY = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0}
+# LongRoPE over half of each head, its original context shorter than the test's prompt.
+PHI3_LONGROPE = dict(max_position_embeddings=1024, original_max_position_embeddings=4, rope_parameters={
+    "rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+    "long_factor": [1.0, 3.0, 9.0, 27.0], "short_factor": [1.0, 1.5, 2.0, 4.0]})
 
 
 def own_forward_logits(model, ids, cache, token):
@@ -46,6 +50,8 @@ def own_forward_logits(model, ids, cache, token):
     ("smollm3", {}),  # its fourth layer is NoPE: no rotation
     ("granite", {}),  # embedding, residual, attention and logits multipliers
     ("phi3", dict(rope_parameters=FULL_ROTARY)),  # one qkv_proj and one gate_up_proj of its own
+    ("phi3", {}),  # half of each head rotated, as Phi-4-mini rotates 3/4
+    ("phi3", PHI3_LONGROPE),  # and LongRoPE's divisors, past the original context from the prompt on
 ])
 @pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
 def test_served_steps_give_the_model_s_logits(arch, overrides, grad_mode):
@@ -203,10 +209,10 @@ def test_other_architectures_are_left_to_their_forward():
                  num_key_value_heads=2, head_dim=16)
     assert not fast_decoding(MistralForCausalLM(MistralConfig(sliding_window=8, **small)))
     assert fast_decoding(MistralForCausalLM(MistralConfig(sliding_window=None, **small)))
-    assert not fast_decoding(tiny_model("phi3", seed=0))  # half of each head rotated
+    assert fast_decoding(tiny_model("phi3", seed=0))  # half of each head rotated, the rest passed through
     assert not fast_decoding(tiny_model("phi3", seed=0, rope_parameters=FULL_ROTARY, sliding_window=8))
     assert fast_decoding(tiny_model("phi3", seed=0, rope_parameters=FULL_ROTARY))
-    half = tiny_model("llama", seed=0)  # a rotary embedding over half of each head
+    half = tiny_model("llama", seed=0)  # Llama's layers rotate whole heads: tables over half of each do not fit
     half.model.rotary_emb.inv_freq = half.model.rotary_emb.inv_freq[:4]
     assert not fast_decoding(half)
 
@@ -312,6 +318,9 @@ STEP_MODELS = {
     "gguf phi3 (its own fused projections)": lambda path: lowbit.load_gguf_model(
         write_tiny_gguf(os.path.join(os.path.dirname(path), "phi3.gguf"),
                         tiny_model("phi3", seed=1, rope_parameters=FULL_ROTARY), "phi3")),
+    "gguf phi3 (half of each head rotated, LongRoPE)": lambda path: lowbit.load_gguf_model(
+        write_tiny_gguf(os.path.join(os.path.dirname(path), "phi3-longrope.gguf"),
+                        tiny_model("phi3", seed=1, **PHI3_LONGROPE), "phi3")),
     "gguf bf16": lambda path: lowbit.load_gguf_model(path, dtype=torch.bfloat16),
     "gguf repacked": lambda path: repacked_gguf_model(path),
     "gptq unsorted": lambda path: gptq_model("unsorted"),

@@ -129,17 +129,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             int64_t position, double scale) {
   const auto d = check_decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale);
   at::Tensor out = at::empty_like(q);
-  const int64_t dim = d.dim, half = dim / 2, groups = d.q_heads / d.kv_heads, keys = position + 1;
+  const int64_t dim = d.dim, groups = d.q_heads / d.kv_heads, keys = position + 1;
   const float fscale = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
     const scalar_t* cp = cos.const_data_ptr<scalar_t>();
     const scalar_t* sp = sin.const_data_ptr<scalar_t>();
     scalar_t* kc = key_cache.mutable_data_ptr<scalar_t>();
     scalar_t* vc = value_cache.mutable_data_ptr<scalar_t>();
+    const auto cos_at = [cp](int64_t i) { return static_cast<float>(cp[i]); };
+    const auto sin_at = [sp](int64_t i) { return static_cast<float>(sp[i]); };
     auto rotate = [&](const scalar_t* x, int64_t i) {
-      const bool first = i < half;
-      return rotary::rotated(static_cast<float>(x[i]), static_cast<float>(x[first ? i + half : i - half]),
-                             static_cast<float>(cp[i]), static_cast<float>(sp[i]), first);
+      return rotary::element([x](int64_t j) { return static_cast<float>(x[j]); }, cos_at, sin_at, i, d.rotated);
     };
     // The new token's key (rotated) and value, at row `position` of each head.
     for (int64_t h = 0; h < d.kv_heads; ++h) {

@@ -56,19 +56,21 @@ __global__ void rms_norm_kernel(const void* x, const void* weight, void* out, Fl
   }
 }
 
+// Element i of the head at `row` of x, its first `rotated` values rotated.
 __device__ float rotated_at(const void* x, const void* cos, const void* sin, Float kind, int64_t row, int64_t i,
-                            int64_t half) {
-  const bool first = i < half;
-  return rotary::rotated(load_float(x, kind, row + i), load_float(x, kind, row + (first ? i + half : i - half)),
-                         load_float(cos, kind, i), load_float(sin, kind, i), first);
+                            int64_t rotated) {
+  return rotary::element([=](int64_t j) { return load_float(x, kind, row + j); },
+                         [=](int64_t j) { return load_float(cos, kind, j); },
+                         [=](int64_t j) { return load_float(sin, kind, j); }, i, rotated);
 }
 
 // Block h: row `position` of key-value head h, the key rotated.
 __global__ void append_kernel(const void* k, const void* v, const void* cos, const void* sin, void* key_cache,
-                              void* value_cache, Float kind, int64_t dim, int64_t capacity, int64_t position) {
+                              void* value_cache, Float kind, int64_t dim, int64_t rotated, int64_t capacity,
+                              int64_t position) {
   const int64_t h = blockIdx.x, row = (h * capacity + position) * dim;
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
-    store_float(key_cache, kind, row + i, rotated_at(k, cos, sin, kind, h * dim, i, dim / 2));
+    store_float(key_cache, kind, row + i, rotated_at(k, cos, sin, kind, h * dim, i, rotated));
     store_float(value_cache, kind, row + i, load_float(v, kind, h * dim + i));
   }
 }
@@ -77,12 +79,12 @@ __global__ void append_kernel(const void* k, const void* v, const void* cos, con
 // scores go through `scores` [q_heads, keys] (global: any length fits).
 __global__ void attend_kernel(const void* q, const void* cos, const void* sin, const void* key_cache,
                               const void* value_cache, void* out, float* scores, Float kind, int64_t dim,
-                              int64_t capacity, int64_t keys, int64_t groups, float scale) {
+                              int64_t rotated, int64_t capacity, int64_t keys, int64_t groups, float scale) {
   extern __shared__ float query[];  // dim values, then kThreads for the reductions
   float* shared = query + dim;
   const int64_t h = blockIdx.x, kv = (h / groups) * capacity * dim;
   float* s = scores + h * keys;
-  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) query[i] = rotated_at(q, cos, sin, kind, h * dim, i, dim / 2);
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) query[i] = rotated_at(q, cos, sin, kind, h * dim, i, rotated);
   __syncthreads();
   float top = -INFINITY;
   for (int64_t p = threadIdx.x; p < keys; p += blockDim.x) {
@@ -133,13 +135,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const cudaStream_t stream = current_stream();
   append_kernel<<<static_cast<unsigned int>(d.kv_heads), 128, 0, stream>>>(
       k.const_data_ptr(), v.const_data_ptr(), cos.const_data_ptr(), sin.const_data_ptr(),
-      key_cache.mutable_data_ptr(), value_cache.mutable_data_ptr(), kind, d.dim, d.capacity, position);
+      key_cache.mutable_data_ptr(), value_cache.mutable_data_ptr(), kind, d.dim, d.rotated, d.capacity, position);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const size_t shared = static_cast<size_t>(d.dim + kThreads) * sizeof(float);
   attend_kernel<<<static_cast<unsigned int>(d.q_heads), kThreads, shared, stream>>>(
       q.const_data_ptr(), cos.const_data_ptr(), sin.const_data_ptr(), key_cache.const_data_ptr(),
       value_cache.const_data_ptr(), out.mutable_data_ptr(), scores.mutable_data_ptr<float>(), kind, d.dim,
-      d.capacity, keys, d.q_heads / d.kv_heads, static_cast<float>(scale));
+      d.rotated, d.capacity, keys, d.q_heads / d.kv_heads, static_cast<float>(scale));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }

@@ -26,6 +26,7 @@ inline void check_rms_norm(const at::Tensor& x, const at::Tensor& weight, double
 
 struct DecodeAttentionDims {
   int64_t q_heads, kv_heads, dim, capacity;
+  int64_t rotated;  // the leading values of each head that rotate: cos's length
 };
 
 inline DecodeAttentionDims check_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -54,8 +55,10 @@ inline DecodeAttentionDims check_decode_attention(const at::Tensor& q, const at:
                     " heads must be a positive multiple of k's ", kv_heads);
   TORCH_CHECK_VALUE(k.size(1) == dim && v.sizes() == k.sizes(), op, ": k and v must be [", kv_heads, ", ", dim,
                     "], got ", k.sizes(), " and ", v.sizes());
-  TORCH_CHECK_VALUE(cos.size(0) == dim && sin.size(0) == dim, op, ": cos and sin must have ", dim,
-                    " entries, got ", cos.size(0), " and ", sin.size(0));
+  const int64_t rotated = cos.size(0);
+  TORCH_CHECK_VALUE(sin.size(0) == rotated && rotated > 0 && rotated % 2 == 0 && rotated <= dim, op,
+                    ": cos and sin must have one even number of entries in [2, ", dim, "] (q's head size), got ",
+                    cos.size(0), " and ", sin.size(0));
   TORCH_CHECK_VALUE(key_cache.size(0) == kv_heads && key_cache.size(2) == dim, op, ": key_cache must be [", kv_heads,
                     ", capacity, ", dim, "], got ", key_cache.sizes());
   TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), op, ": value_cache must have key_cache's shape ",
@@ -74,7 +77,7 @@ inline DecodeAttentionDims check_decode_attention(const at::Tensor& q, const at:
                   " shares memory with ", name);
     }
   }
-  return {q_heads, kv_heads, dim, capacity};
+  return {q_heads, kv_heads, dim, capacity, rotated};
 }
 
 }  // namespace lowbit

@@ -48,7 +48,8 @@ class DecodeStep : public torch::CustomClassHolder {
   void head(at::Tensor norm, double eps, int64_t lm_head, double logits_divisor);
 
   // One step from the token's embedding x [1, 1, hidden] at position n, with
-  // the rotary tables cos, sin [head_dim]. keys / values: each layer's cache
+  // the rotary tables cos, sin [the rotated values of a head: head_dim, or
+  // fewer under a partial rotary factor]. keys / values: each layer's cache
   // tensors [1, kv_heads, n, head_dim]; buffers: per layer its key and value
   // buffers from the last step (2 per layer, None where there are none).
   // Buffers whose first n rows are the cache's tensors are written in place,

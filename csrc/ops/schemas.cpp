@@ -75,8 +75,9 @@ TORCH_LIBRARY(lowbit, m) {
   // before the scaling, as transformers' RMSNorm does.
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   // One new token's attention, batch 1: q [q_heads, dim], k and v
-  // [kv_heads, dim] its projections, cos and sin [dim] its rotary tables
-  // (rotate-half convention); the key rotated and the value are written to
+  // [kv_heads, dim] its projections, cos and sin [rotated] its rotary tables
+  // (rotate-half convention over each head's first `rotated` values, the
+  // rest passing through); the key rotated and the value are written to
   // row `position` of key_cache and value_cache [kv_heads, capacity, dim],
   // and each rotated query head attends (softmax(scale q.K^T) V, fp32) to
   // rows [0, position] of key-value head h / (q_heads / kv_heads).

@@ -50,6 +50,10 @@ __all__ = ["DECODER_LAYERS", "fast_decoding"]
 # up as one gate_up_proj (_native_qkv_sizes, _native_gate_up_sizes).
 DECODER_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
                   "SmolLM3DecoderLayer", "GraniteDecoderLayer", "Phi3DecoderLayer")
+# The layers whose rotation covers each head's first len(cos) values and
+# passes the rest through (a partial rotary factor: Phi-4-mini's 96 of 128),
+# as decode_attention does; the others rotate whole heads only.
+_PARTIAL_ROTARY_LAYERS = ("Phi3DecoderLayer",)
 
 # The keyword arguments a served call may carry beyond input_ids, cache,
 # attention_mask and position_ids, with the values it may carry them with.
@@ -317,9 +321,13 @@ def _servable(model: nn.Module) -> bool:
     # A window over the whole model (Mistral's; Qwen2's only where it uses one).
     if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
         return False
-    # Every value of each head rotated (no partial rotary factor).
+    # Every value of each head rotated, or the leading ones in a layer that rotates part of a head.
     inv_freq = getattr(getattr(inner, "rotary_emb", None), "inv_freq", None)
-    return inv_freq is not None and all(2 * inv_freq.numel() == layer.self_attn.head_dim for layer in layers)
+    if inv_freq is None:
+        return False
+    rotated = 2 * inv_freq.numel()
+    return all(rotated == layer.self_attn.head_dim or (
+        rotated < layer.self_attn.head_dim and type(layer).__name__ in _PARTIAL_ROTARY_LAYERS) for layer in layers)
 
 
 class _DecodingForward:
@@ -434,7 +442,8 @@ def fast_decoding(model: nn.Module, enable: bool = True) -> bool:
     can (see the module's notes); enable=False: every call on the model's
     own forward again. Returns whether its decode calls are served: its
     decoder layers are all of DECODER_LAYERS' kinds, with SiLU MLPs, whole
-    heads rotated and no sliding window."""
+    heads rotated (or their leading values, in Phi-3's layers) and no
+    sliding window."""
     if isinstance(model.__dict__.get("forward"), _DecodingForward):
         del model.forward
     if not enable or not _servable(model):

@@ -582,9 +582,11 @@ def _rms_norm(x, weight, eps):
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, key_cache: Tensor,
                      value_cache: Tensor, position: int, scale: float) -> Tensor:
     """One new token's attention (batch 1), its key and value appended in place:
-    q [q_heads, dim], k and v [kv_heads, dim], cos and sin [dim] (the rotary tables
-    at `position`, rotate-half convention, as transformers' llama-family models
-    apply them). Writes k rotated and v to row `position` of key_cache and
+    q [q_heads, dim], k and v [kv_heads, dim], cos and sin [rotated] (the rotary
+    tables at `position`, rotate-half convention, as transformers' llama-family
+    models apply them: the first `rotated` values of each head rotate, the rest,
+    where a partial rotary factor leaves any, pass through; rotated even, at most
+    dim). Writes k rotated and v to row `position` of key_cache and
     value_cache [kv_heads, capacity, dim]; returns [q_heads, dim]: each query head,
     rotated, attending with softmax(scale * q.K^T) V in fp32 to rows [0, position]
     of key-value head h // (q_heads // kv_heads). All arguments contiguous, of one
@@ -610,8 +612,10 @@ def _decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale
            " heads must be a positive multiple of k's ", kv_heads)
     _value(k.shape[1] == dim and v.shape == k.shape, op, "k and v must be [", kv_heads, ", ", dim, "], got ",
            _shape(k), " and ", _shape(v))
-    _value(cos.shape[0] == dim and sin.shape[0] == dim, op, "cos and sin must have ", dim, " entries, got ",
-           cos.shape[0], " and ", sin.shape[0])
+    rotated = cos.shape[0]
+    _value(sin.shape[0] == rotated and 0 < rotated <= dim and rotated % 2 == 0, op,
+           "cos and sin must have one even number of entries in [2, ", dim, "] (q's head size), got ", cos.shape[0],
+           " and ", sin.shape[0])
     _value(key_cache.shape[0] == kv_heads and key_cache.shape[2] == dim, op, "key_cache must be [", kv_heads,
            ", capacity, ", dim, "], got ", _shape(key_cache))
     _value(value_cache.shape == key_cache.shape, op, "value_cache must have key_cache's shape ", _shape(key_cache),
