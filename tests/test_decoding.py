@@ -52,6 +52,8 @@ def own_forward_logits(model, ids, cache, token):
     ("phi3", dict(rope_parameters=FULL_ROTARY)),  # one qkv_proj and one gate_up_proj of its own
     ("phi3", {}),  # half of each head rotated, as Phi-4-mini rotates 3/4
     ("phi3", PHI3_LONGROPE),  # and LongRoPE's divisors, past the original context from the prompt on
+    ("qwen3moe", {}), ("mixtral", {}),  # mixtures of experts: the blocks' own routing in the Python loop
+    ("qwen2moe", {}),  # and a shared expert
 ])
 @pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
 def test_served_steps_give_the_model_s_logits(arch, overrides, grad_mode):
@@ -135,6 +137,31 @@ def test_gptq_models_generate_through_served_steps(layout, monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "mixtral"])
+def test_gguf_mixtures_of_experts_generate_through_the_python_loop(arch, tmp_path, monkeypatch):
+    """A mixture-of-experts file's layers (GGUFExperts under the model's own
+    routing) decode through the Python loop, the C++ step declined, with the
+    tokens and logits of the model's own forward; each block runs once a step."""
+    from tiny_models import write_tiny_gguf
+
+    model = lowbit.load_gguf_model(write_tiny_gguf(tmp_path / f"{arch}.gguf", tiny_model(arch, seed=4), arch))
+    experts = [m for m in model.modules() if isinstance(m, lowbit.GGUFExperts)]
+    assert len(experts) == model.config.num_hidden_layers
+    ids = torch.tensor([[1, 7, 22, 5, 63, 40, 9]])
+    assert not fast_decoding(model, False)
+    own = generate(model, ids)
+    calls = []
+    forward = lowbit.GGUFExperts.forward
+    monkeypatch.setattr(lowbit.GGUFExperts, "forward", lambda self, *a: calls.append(a[0].shape) or forward(self, *a))
+    assert fast_decoding(model)
+    served = generate(model, ids)
+    assert model.forward._plan is False
+    assert calls == [(7, model.config.hidden_size)] * len(experts) + [(1, model.config.hidden_size)] * 11 * len(experts)
+    assert torch.equal(served.sequences, own.sequences)
+    for a, b in zip(served.logits, own.logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
 def test_calls_a_step_cannot_serve_run_the_model_s_forward():
     model = float_model("llama")
     assert fast_decoding(model)
@@ -202,7 +229,7 @@ def test_other_architectures_are_left_to_their_forward():
     model = tiny_model("gemma", seed=0)
     assert not fast_decoding(model)
     assert "forward" not in model.__dict__
-    assert not fast_decoding(tiny_model("qwen3moe", seed=0))
+    assert not fast_decoding(tiny_model("gpt-oss", seed=0))  # sinks, a window, its own experts
     from transformers import MistralConfig, MistralForCausalLM
 
     small = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,

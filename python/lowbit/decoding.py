@@ -47,9 +47,13 @@ __all__ = ["DECODER_LAYERS", "fast_decoding"]
 # MLP, each added to the residual. SmolLM3 leaves the rotation out of its
 # NoPE layers; Granite scales the embeddings, each sublayer's output and
 # the logits (_Scales); Phi-3 holds q, k and v as one qkv_proj and gate and
-# up as one gate_up_proj (_native_qkv_sizes, _native_gate_up_sizes).
+# up as one gate_up_proj (_native_qkv_sizes, _native_gate_up_sizes). The
+# mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE, Mixtral) put a sparse
+# block in the MLP's place, which the Python loop calls as it stands (its
+# router and experts); the C++ step declines them.
 DECODER_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
-                  "SmolLM3DecoderLayer", "GraniteDecoderLayer", "Phi3DecoderLayer")
+                  "SmolLM3DecoderLayer", "GraniteDecoderLayer", "Phi3DecoderLayer",
+                  "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer", "MixtralDecoderLayer")
 # The layers whose rotation covers each head's first len(cos) values and
 # passes the rest through (a partial rotary factor: Phi-4-mini's 96 of 128),
 # as decode_attention does; the others rotate whole heads only.
@@ -93,6 +97,12 @@ def _native_gate_up_sizes(mlp: nn.Module) -> list[int] | None:
         return None
     half = mlp._modules["gate_up_proj"].out_features // 2
     return [half, half]
+
+
+def _mixture_of_experts(mlp: nn.Module) -> bool:
+    """Whether the MLP is a sparse mixture-of-experts block (a router and
+    experts) rather than one gated MLP."""
+    return "experts" in mlp._modules
 
 
 def _rotary(attn: nn.Module) -> bool:
@@ -147,6 +157,8 @@ def _projections(attn: nn.Module, h: torch.Tensor):
 
 def _mlp(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
     modules = mlp._modules
+    if _mixture_of_experts(mlp):
+        return mlp(h)  # the block's own routing and experts: a handful of ops, as the model runs them
     native = _native_gate_up_sizes(mlp)
     if native is not None:
         g, u = _project(modules["gate_up_proj"], h).split(native, -1)
@@ -266,6 +278,8 @@ class _StepPlan:
 
     def _layer(self, layer: nn.Module) -> None:
         attn, mlp = self._watch(layer, "self_attn"), self._watch(layer, "mlp")
+        if _mixture_of_experts(mlp):
+            raise _Unplannable("mlp")  # routing is Python's: the loop runs the block's own forward
         input_norm, input_eps = self._norm(layer, "input_layernorm")
         post_norm, post_eps = self._norm(layer, "post_attention_layernorm")
         qkv_sizes = _native_qkv_sizes(attn)
@@ -441,9 +455,9 @@ def fast_decoding(model: nn.Module, enable: bool = True) -> bool:
     """Serves `model`'s decode calls with one loop over its layers where it
     can (see the module's notes); enable=False: every call on the model's
     own forward again. Returns whether its decode calls are served: its
-    decoder layers are all of DECODER_LAYERS' kinds, with SiLU MLPs, whole
-    heads rotated (or their leading values, in Phi-3's layers) and no
-    sliding window."""
+    decoder layers are all of DECODER_LAYERS' kinds, with SiLU MLPs (or
+    experts), whole heads rotated (or their leading values, in Phi-3's
+    layers) and no sliding window."""
     if isinstance(model.__dict__.get("forward"), _DecodingForward):
         del model.forward
     if not enable or not _servable(model):
