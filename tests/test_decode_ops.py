@@ -81,17 +81,18 @@ def rotated(x, cos, sin):
     return torch.cat((head * cos + torch.cat((-head[..., half:], head[..., :half]), -1) * sin, rest), -1)
 
 
-def reference(q, k, v, cos, sin, key_cache, value_cache, position, scale):
-    """transformers' rotation and SDPA (its keys and values repeated per group), in fp32."""
+def reference(q, k, v, cos, sin, key_cache, value_cache, position, scale, start=0):
+    """transformers' rotation and SDPA (its keys and values repeated per group)
+    over rows [start, position], in fp32."""
     f = lambda t: t.float()
     keys, values = f(key_cache).clone(), f(value_cache).clone()
     keys[:, position] = rotated(f(k), f(cos), f(sin))
     values[:, position] = f(v)
     groups = q.shape[0] // k.shape[0]
-    keys = keys[:, :position + 1].repeat_interleave(groups, 0)
-    values = values[:, :position + 1].repeat_interleave(groups, 0)
+    keys = keys[:, start:position + 1].repeat_interleave(groups, 0)
+    values = values[:, start:position + 1].repeat_interleave(groups, 0)
     out = F.scaled_dot_product_attention(rotated(f(q), f(cos), f(sin))[:, None], keys, values, scale=scale)
-    return out[:, 0], keys[::groups, position], values[::groups, position]
+    return out[:, 0], keys[::groups, -1], values[::groups, -1]
 
 
 def attention_case(q_heads, kv_heads, dim, capacity, position, dtype, spread=1.0, seed=0, rotated_dims=None):
@@ -129,6 +130,26 @@ def test_decode_attention_is_rotation_and_sdpa(device, dtype, q_heads, kv_heads,
     others = [p for p in range(capacity) if p != position]
     assert torch.equal(keys[:, others], before["key_cache"][:, others])
     assert torch.equal(values[:, others], before["value_cache"][:, others])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_heads,kv_heads,dim,capacity,position,start", [
+    (9, 3, 64, 256, 160, 100),  # a window of 61 rows, the SIMD path
+    (8, 2, 48, 40, 39, 35),     # the portable loops
+    (4, 4, 32, 8, 5, 5),        # the new row alone
+])
+def test_decode_attention_over_a_window(device, dtype, q_heads, kv_heads, dim, capacity, position, start):
+    """start > 0 (a sliding window): rows [start, position] are attended,
+    the older ones neither read nor written; poisoning them changes nothing."""
+    case = attention_case(q_heads, kv_heads, dim, capacity, position, dtype)
+    want, key_row, _ = reference(**case, start=start)
+    case["key_cache"][:, :start] = float("nan")
+    case["value_cache"][:, :start] = float("nan")
+    on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+    out = ops.decode_attention(**on_device, start=start).cpu()
+    torch.testing.assert_close(out.float(), want, **TOL[dtype])
+    torch.testing.assert_close(on_device["key_cache"].cpu()[:, position].float(), key_row, **TOL[dtype])
+    assert torch.isnan(on_device["key_cache"].cpu()[:, :start]).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -174,6 +195,7 @@ def test_decode_attention_is_the_same_on_any_thread_count():
 def test_decode_attention_refuses_gradients_and_opchecks():
     case = attention_case(4, 2, 32, 16, 5, torch.float32)
     torch.library.opcheck(torch.ops.lowbit.decode_attention, tuple(case.values()))
+    torch.library.opcheck(torch.ops.lowbit.decode_attention, (*case.values(), 3))
     q = case["q"].clone().requires_grad_()
     with pytest.raises(RuntimeError, match="^decode_attention: not differentiable.*q requires grad"):
         ops.decode_attention(**{**case, "q": q})

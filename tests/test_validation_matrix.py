@@ -304,6 +304,8 @@ OPS["decode_attention"] = Op(decode_attention, {
 }, {
     "position past the cache": (lambda kw: {"position": 16}, ValueError, r"position must lie in \[0, 16\)"),
     "negative position": (lambda kw: {"position": -1}, ValueError, "position must lie in"),
+    "window past the position": (lambda kw: {"start": 6}, ValueError, r"start must lie in \[0, 5\].*got 6"),
+    "negative window start": (lambda kw: {"start": -1}, ValueError, "start must lie in"),
     "heads not a multiple": (lambda kw: {"q": kw["q"][:8].contiguous()}, ValueError, "multiple of k's 3"),
     "odd head size": (lambda kw: {k: v[..., :63].contiguous() if isinstance(v, torch.Tensor) else v
                                   for k, v in kw.items()}, ValueError, "head size must be even"),

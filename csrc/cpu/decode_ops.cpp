@@ -126,10 +126,10 @@ bool attend_group_simd(const float* queries, const T* key_rows, const T* value_r
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                             const at::Tensor& sin, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                            int64_t position, double scale) {
-  const auto d = check_decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale);
+                            int64_t position, double scale, int64_t start) {
+  const auto d = check_decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale, start);
   at::Tensor out = at::empty_like(q);
-  const int64_t dim = d.dim, groups = d.q_heads / d.kv_heads, keys = position + 1;
+  const int64_t dim = d.dim, groups = d.q_heads / d.kv_heads, keys = position + 1 - start;
   const float fscale = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
     const scalar_t* cp = cos.const_data_ptr<scalar_t>();
@@ -162,8 +162,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
           const scalar_t* head = qp + (h * groups + j) * dim;
           for (int64_t i = 0; i < dim; ++i) queries[j * dim + i] = rotate(head, i);
         }
-        const scalar_t* key_rows = kc + h * d.capacity * dim;
-        const scalar_t* value_rows = vc + h * d.capacity * dim;
+        const scalar_t* key_rows = kc + (h * d.capacity + start) * dim;
+        const scalar_t* value_rows = vc + (h * d.capacity + start) * dim;
         scalar_t* heads_out = op + h * groups * dim;
         if (attend_group_simd(queries.data(), key_rows, value_rows, heads_out, groups, keys, dim, fscale,
                               scratch.data())) {

@@ -75,14 +75,15 @@ __global__ void append_kernel(const void* k, const void* v, const void* cos, con
   }
 }
 
-// Block h: query head h against rows [0, keys) of its key-value head; the
-// scores go through `scores` [q_heads, keys] (global: any length fits).
+// Block h: query head h against rows [start, start + keys) of its key-value
+// head; the scores go through `scores` [q_heads, keys] (global: any length fits).
 __global__ void attend_kernel(const void* q, const void* cos, const void* sin, const void* key_cache,
                               const void* value_cache, void* out, float* scores, Float kind, int64_t dim,
-                              int64_t rotated, int64_t capacity, int64_t keys, int64_t groups, float scale) {
+                              int64_t rotated, int64_t capacity, int64_t start, int64_t keys, int64_t groups,
+                              float scale) {
   extern __shared__ float query[];  // dim values, then kThreads for the reductions
   float* shared = query + dim;
-  const int64_t h = blockIdx.x, kv = (h / groups) * capacity * dim;
+  const int64_t h = blockIdx.x, kv = ((h / groups) * capacity + start) * dim;
   float* s = scores + h * keys;
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) query[i] = rotated_at(q, cos, sin, kind, h * dim, i, rotated);
   __syncthreads();
@@ -123,13 +124,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                             const at::Tensor& sin, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                            int64_t position, double scale) {
-  const auto d = check_decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale);
+                            int64_t position, double scale, int64_t start) {
+  const auto d = check_decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale, start);
   const c10::cuda::CUDAGuard guard(q.device());
   TORCH_CHECK_VALUE(d.dim <= 4096 && d.q_heads <= std::numeric_limits<int32_t>::max(),
                     "decode_attention: at most 4096 values per head on CUDA, got ", d.dim);
   at::Tensor out = at::empty_like(q);
-  const int64_t keys = position + 1;
+  const int64_t keys = position + 1 - start;
   at::Tensor scores = at::empty({d.q_heads, keys}, q.options().dtype(at::kFloat));
   const Float kind = float_kind(q.scalar_type());
   const cudaStream_t stream = current_stream();
@@ -141,7 +142,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   attend_kernel<<<static_cast<unsigned int>(d.q_heads), kThreads, shared, stream>>>(
       q.const_data_ptr(), cos.const_data_ptr(), sin.const_data_ptr(), key_cache.const_data_ptr(),
       value_cache.const_data_ptr(), out.mutable_data_ptr(), scores.mutable_data_ptr<float>(), kind, d.dim,
-      d.rotated, d.capacity, keys, d.q_heads / d.kv_heads, static_cast<float>(scale));
+      d.rotated, d.capacity, start, keys, d.q_heads / d.kv_heads, static_cast<float>(scale));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }

@@ -66,7 +66,7 @@
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);                                   \
   at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos, \
                               const at::Tensor& sin, const at::Tensor& key_cache, const at::Tensor& value_cache,    \
-                              int64_t position, double scale);
+                              int64_t position, double scale, int64_t start);
 
 namespace lowbit {
 namespace cpu {

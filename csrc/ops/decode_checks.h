@@ -32,7 +32,7 @@ struct DecodeAttentionDims {
 inline DecodeAttentionDims check_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   const at::Tensor& cos, const at::Tensor& sin,
                                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                                  int64_t position, double scale) {
+                                                  int64_t position, double scale, int64_t start) {
   constexpr const char* op = "decode_attention";
   check_float_dtype(op, "q", q);
   const std::pair<const char*, const at::Tensor*> others[] = {
@@ -65,6 +65,8 @@ inline DecodeAttentionDims check_decode_attention(const at::Tensor& q, const at:
                     key_cache.sizes(), ", got ", value_cache.sizes());
   TORCH_CHECK_VALUE(position >= 0 && position < capacity, op, ": position must lie in [0, ", capacity,
                     ") (the caches' capacity), got ", position);
+  TORCH_CHECK_VALUE(start >= 0 && start <= position, op, ": start must lie in [0, ", position,
+                    "] (position), got ", start);
   TORCH_CHECK_VALUE(std::isfinite(scale), op, ": scale must be finite");
   const std::pair<const char*, const at::Tensor*> all[] = {{"q", &q}, {"k", &k}, {"v", &v}, {"cos", &cos},
                                                            {"sin", &sin}, {"key_cache", &key_cache},

@@ -19,13 +19,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                             const at::Tensor& sin, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                            int64_t position, double scale) {
+                            int64_t position, double scale, int64_t start) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("lowbit::decode_attention", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double)>();
-  return op.call(q, k, v, cos, sin, key_cache, value_cache, position, scale);
+                            const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double, int64_t)>();
+  return op.call(q, k, v, cos, sin, key_cache, value_cache, position, scale, start);
 }
 
 // The layer's key and value buffers [1, heads, capacity, dim] for a cache
@@ -183,7 +183,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, std::ve
       identity_sin = at::zeros_like(sin);
     }
     const at::Tensor o = decode_attention(q, k, v, l.rotary ? cos : identity_cos, l.rotary ? sin : identity_sin,
-                                          key_buffer.select(0, 0), value_buffer.select(0, 0), n, l.scale);
+                                          key_buffer.select(0, 0), value_buffer.select(0, 0), n, l.scale, 0);
     h = h + scaled(project(l.o, o.view({1, -1})), l.residual_scale);
     const at::Tensor post = rms_norm(h, l.post_norm, l.post_eps);
     const std::vector<at::Tensor> gate_up = project_group(l.gate_up, l.gate_up_sizes, post);

@@ -580,7 +580,7 @@ def _rms_norm(x, weight, eps):
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, key_cache: Tensor,
-                     value_cache: Tensor, position: int, scale: float) -> Tensor:
+                     value_cache: Tensor, position: int, scale: float, start: int = 0) -> Tensor:
     """One new token's attention (batch 1), its key and value appended in place:
     q [q_heads, dim], k and v [kv_heads, dim], cos and sin [rotated] (the rotary
     tables at `position`, rotate-half convention, as transformers' llama-family
@@ -588,14 +588,15 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, 
     where a partial rotary factor leaves any, pass through; rotated even, at most
     dim). Writes k rotated and v to row `position` of key_cache and
     value_cache [kv_heads, capacity, dim]; returns [q_heads, dim]: each query head,
-    rotated, attending with softmax(scale * q.K^T) V in fp32 to rows [0, position]
-    of key-value head h // (q_heads // kv_heads). All arguments contiguous, of one
-    float dtype and device; the caches share memory with no other argument."""
-    return torch.ops.lowbit.decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale)
+    rotated, attending with softmax(scale * q.K^T) V in fp32 to rows [start, position]
+    of key-value head h // (q_heads // kv_heads) (start > 0: a sliding window,
+    the rows before it left unread). All arguments contiguous, of one float
+    dtype and device; the caches share memory with no other argument."""
+    return torch.ops.lowbit.decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale, start)
 
 
 @torch.library.register_fake("lowbit::decode_attention")
-def _decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale):
+def _decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale, start=0):
     op = "decode_attention"
     _float_dtype(op, "q", q)
     named = (("k", k), ("v", v), ("cos", cos), ("sin", sin), ("key_cache", key_cache), ("value_cache", value_cache))
@@ -622,6 +623,7 @@ def _decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale
            ", got ", _shape(value_cache))
     _value(0 <= position < capacity, op, "position must lie in [0, ", capacity, ") (the caches' capacity), got ",
            position)
+    _value(0 <= start <= position, op, "start must lie in [0, ", position, "] (position), got ", start)
     _value(math.isfinite(scale), op, "scale must be finite")
     for name, t in (("q", q), *named):
         _contiguous(op, name, t)
