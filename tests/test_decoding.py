@@ -54,6 +54,13 @@ def own_forward_logits(model, ids, cache, token):
     ("phi3", PHI3_LONGROPE),  # and LongRoPE's divisors, past the original context from the prompt on
     ("qwen3moe", {}), ("mixtral", {}),  # mixtures of experts: the blocks' own routing in the Python loop
     ("qwen2moe", {}),  # and a shared expert
+    # Gemma 3: a sliding window of 5 (the prompt and steps run past it) and a
+    # full layer, each with its own tables; norms after each sublayer, GELU,
+    # soft-capped logits
+    ("gemma3", {}),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1)),  # a window on layer 1 only
+    ("phi3", dict(sliding_window=4)),  # the config's window over every layer (Phi-3's, Mistral's)
+    ("llama", dict(hidden_act="gelu_pytorch_tanh")),  # another activation: the MLP's own module
 ])
 @pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
 def test_served_steps_give_the_model_s_logits(arch, overrides, grad_mode):
@@ -78,8 +85,9 @@ def test_served_steps_give_the_model_s_logits(arch, overrides, grad_mode):
         token = torch.tensor([[12]])
         want = own_forward_logits(model, ids, own, token)
         torch.testing.assert_close(model(token, cache=served).logits, want, atol=1e-5, rtol=1e-5)
-        # the steps were served: the cache's tensors are views of the step's buffers
-        assert all(layer.keys.data_ptr() == layer._lowbit_buffers[0].data_ptr() for layer in served.layers)
+        # the steps were served: the cache's tensors are views of the step's buffers (a window's: its last rows)
+        assert all(layer.keys.untyped_storage().data_ptr() == layer._lowbit_buffers[0].untyped_storage().data_ptr()
+                   for layer in served.layers)
         assert served.get_seq_length() == ids.shape[1] + 9
 
 
@@ -162,6 +170,33 @@ def test_gguf_mixtures_of_experts_generate_through_the_python_loop(arch, tmp_pat
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["gguf gemma3", "float phi3"])
+def test_windowed_models_decode_past_their_buffers(kind, tmp_path):
+    """100 new tokens through windows of 5 and 4 rows: each window's cache
+    moves along its buffer a row a step and into a new buffer when it
+    reaches the end; the tokens and logits stay those of the model's own
+    forward (a Gemma 3 file's through lowbit's layers, in the Python loop)."""
+    from tiny_models import write_tiny_gguf
+
+    if kind == "gguf gemma3":
+        path = write_tiny_gguf(tmp_path / "gemma3.gguf", tiny_model("gemma3", seed=5), "gemma3")
+        model = lowbit.load_gguf_model(path)
+    else:
+        model = float_model("phi3", sliding_window=4)
+    ids = torch.tensor([[1, 7, 22, 5, 63, 40, 9]])
+    run = lambda: model.generate(ids, max_new_tokens=100, min_new_tokens=100, do_sample=False, pad_token_id=0,
+                                 output_logits=True, return_dict_in_generate=True)
+    with torch.inference_mode():
+        assert fast_decoding(model)
+        served = run()
+        assert model.forward._plan is False
+        fast_decoding(model, False)
+        own = run()
+    assert torch.equal(served.sequences, own.sequences)
+    for a, b in zip(served.logits, own.logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
 def test_calls_a_step_cannot_serve_run_the_model_s_forward():
     model = float_model("llama")
     assert fast_decoding(model)
@@ -229,15 +264,16 @@ def test_other_architectures_are_left_to_their_forward():
     model = tiny_model("gemma", seed=0)
     assert not fast_decoding(model)
     assert "forward" not in model.__dict__
-    assert not fast_decoding(tiny_model("gpt-oss", seed=0))  # sinks, a window, its own experts
+    assert not fast_decoding(tiny_model("gpt-oss", seed=0))  # sinks, its own experts
+    assert not fast_decoding(tiny_model("gemma2", seed=0))  # soft-capped attention scores
+    assert not fast_decoding(tiny_model("gemma3", seed=0, use_bidirectional_attention=True))
     from transformers import MistralConfig, MistralForCausalLM
 
     small = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16)
-    assert not fast_decoding(MistralForCausalLM(MistralConfig(sliding_window=8, **small)))
+    assert fast_decoding(MistralForCausalLM(MistralConfig(sliding_window=8, **small)))
     assert fast_decoding(MistralForCausalLM(MistralConfig(sliding_window=None, **small)))
     assert fast_decoding(tiny_model("phi3", seed=0))  # half of each head rotated, the rest passed through
-    assert not fast_decoding(tiny_model("phi3", seed=0, rope_parameters=FULL_ROTARY, sliding_window=8))
     assert fast_decoding(tiny_model("phi3", seed=0, rope_parameters=FULL_ROTARY))
     half = tiny_model("llama", seed=0)  # Llama's layers rotate whole heads: tables over half of each do not fit
     half.model.rotary_emb.inv_freq = half.model.rotary_emb.inv_freq[:4]

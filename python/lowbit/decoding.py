@@ -43,17 +43,22 @@ __all__ = ["DECODER_LAYERS", "fast_decoding"]
 
 # The decoder layers a step reproduces: pre-norm attention (q, k and v
 # projections, an optional RMSNorm per head on q and k, the rotary
-# embedding, grouped-query attention, no sliding window) and a SiLU-gated
-# MLP, each added to the residual. SmolLM3 leaves the rotation out of its
-# NoPE layers; Granite scales the embeddings, each sublayer's output and
-# the logits (_Scales); Phi-3 holds q, k and v as one qkv_proj and gate and
-# up as one gate_up_proj (_native_qkv_sizes, _native_gate_up_sizes). The
-# mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE, Mixtral) put a sparse
-# block in the MLP's place, which the Python loop calls as it stands (its
-# router and experts); the C++ step declines them.
+# embedding, grouped-query attention, over a sliding window where the layer
+# has one) and a gated MLP, each added to the residual. SmolLM3 leaves the
+# rotation out of its NoPE layers; Granite scales the embeddings, each
+# sublayer's output and the logits (_Scales); Phi-3 holds q, k and v as one
+# qkv_proj and gate and up as one gate_up_proj (_native_qkv_sizes,
+# _native_gate_up_sizes). The mixture-of-experts layers (Qwen2-MoE,
+# Qwen3-MoE, Mixtral) put a sparse block in the MLP's place, which the
+# Python loop calls as it stands (its router and experts). Gemma 3 adds a norm after each sublayer, scales its
+# norms by 1 + weight, gates with GELU, has rotary tables per layer type
+# (sliding or full attention) and may soft-cap the logits. The C++ step
+# declines experts, Gemma 3 and sliding windows: the Python loop serves them.
 DECODER_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
                   "SmolLM3DecoderLayer", "GraniteDecoderLayer", "Phi3DecoderLayer",
-                  "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer", "MixtralDecoderLayer")
+                  "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer", "MixtralDecoderLayer", "Gemma3DecoderLayer")
+# The norms that scale by 1 + weight in fp32 before rounding (Gemma's).
+_ONE_PLUS_WEIGHT_NORMS = ("Gemma3RMSNorm",)
 # The layers whose rotation covers each head's first len(cos) values and
 # passes the rest through (a partial rotary factor: Phi-4-mini's 96 of 128),
 # as decode_attention does; the others rotate whole heads only.
@@ -115,11 +120,18 @@ def _scaled(out: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    """transformers' RMSNorm (normalized in fp32, scaled in the input's dtype)."""
+    """norm(x): transformers' llama-family RMSNorm (normalized in fp32, scaled
+    in the input's dtype) by lowbit's op; Gemma's, which scales by 1 + weight
+    in fp32, by the op with 1 + weight where x is fp32 (the same products);
+    any other norm by its own forward."""
     weight = norm.weight
-    if weight.dtype == x.dtype:
-        return torch.ops.lowbit.rms_norm(x, weight, norm.variance_epsilon)
-    return weight * F.rms_norm(x.float(), weight.shape, None, norm.variance_epsilon).to(x.dtype)
+    if hasattr(norm, "variance_epsilon"):
+        if weight.dtype == x.dtype:
+            return torch.ops.lowbit.rms_norm(x, weight, norm.variance_epsilon)
+        return weight * F.rms_norm(x.float(), weight.shape, None, norm.variance_epsilon).to(x.dtype)
+    if type(norm).__name__ in _ONE_PLUS_WEIGHT_NORMS and x.dtype == weight.dtype == torch.float32:
+        return torch.ops.lowbit.rms_norm(x, 1.0 + weight, norm.eps)
+    return norm(x)
 
 
 def _project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -162,35 +174,51 @@ def _mlp(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
     native = _native_gate_up_sizes(mlp)
     if native is not None:
         g, u = _project(modules["gate_up_proj"], h).split(native, -1)
-        return _project(modules["down_proj"], F.silu(g) * u)
-    gate, up, fused = modules["gate_proj"], modules["up_proj"], modules.get("gate_up_proj")
-    if fused is not None and type(gate) is ProjectionSlice and type(up) is ProjectionSlice:
-        gate_up = _project(fused, h)
-        g, u = gate_up[..., :gate.out_features], gate_up[..., gate.out_features:]
     else:
-        g, u = _project(gate, h), _project(up, h)
-    return _project(modules["down_proj"], F.silu(g) * u)
+        gate, up, fused = modules["gate_proj"], modules["up_proj"], modules.get("gate_up_proj")
+        if fused is not None and type(gate) is ProjectionSlice and type(up) is ProjectionSlice:
+            gate_up = _project(fused, h)
+            g, u = gate_up[..., :gate.out_features], gate_up[..., gate.out_features:]
+        else:
+            g, u = _project(gate, h), _project(up, h)
+    return _project(modules["down_proj"], (F.silu(g) if _silu(mlp) else _activation(mlp)(g)) * u)
 
 
-def _buffers(cache_layer, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Key and value buffers [1, heads, capacity > n, dim] whose first n rows
-    are cache_layer's keys and values: those of the last step where its
-    tensors are still their first rows, new ones (the cache's rows copied
-    in, twice the room) where not, or where they are full."""
+def _activation(mlp: nn.Module) -> nn.Module | None:
+    """The gated MLP's activation module (act_fn; Phi-3's activation_fn)."""
+    modules = mlp._modules
+    act = modules.get("act_fn")
+    return act if act is not None else modules.get("activation_fn")
+
+
+def _silu(mlp: nn.Module) -> bool:
+    """Whether the MLP gates with SiLU (transformers' SiLUActivation or torch's)."""
+    return type(_activation(mlp)).__name__ in ("SiLUActivation", "SiLU")
+
+
+def _buffers(cache_layer, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Key and value buffers [1, heads, capacity, dim] and the row `first`
+    where cache_layer's `rows` keys and values stand in them, row first +
+    rows free: those of the last step where its tensors are still rows of
+    them (a sliding window's move on by a row a step), new ones (the cache's
+    rows copied in at row 0, twice the room) where not, or where they are full."""
     buffers = cache_layer.__dict__.get("_lowbit_buffers")
     keys, values = cache_layer.keys, cache_layer.values
     if buffers is not None:
         key_buffer, value_buffer = buffers
-        if (key_buffer.shape[2] > n and keys.data_ptr() == key_buffer.data_ptr()
-                and values.data_ptr() == value_buffer.data_ptr() and keys.stride() == key_buffer.stride()
+        row_bytes = key_buffer.stride(2) * key_buffer.element_size()
+        offset = keys.data_ptr() - key_buffer.data_ptr()
+        first = offset // row_bytes
+        if (offset >= 0 and offset % row_bytes == 0 and first + rows < key_buffer.shape[2]
+                and values.data_ptr() - value_buffer.data_ptr() == offset and keys.stride() == key_buffer.stride()
                 and values.stride() == value_buffer.stride() and keys.shape[:2] == key_buffer.shape[:2]):
-            return buffers
-    capacity = max(2 * n, n + 64)
+            return key_buffer, value_buffer, first
+    capacity = max(2 * rows, rows + 64)
     buffers = tuple(t.new_empty(1, t.shape[1], capacity, t.shape[3]) for t in (keys, values))
-    buffers[0][:, :, :n] = keys
-    buffers[1][:, :, :n] = values
+    buffers[0][:, :, :rows] = keys
+    buffers[1][:, :, :rows] = values
     cache_layer._lowbit_buffers = buffers
-    return buffers
+    return *buffers, 0
 
 
 class _Unplannable(Exception):
@@ -280,6 +308,8 @@ class _StepPlan:
         attn, mlp = self._watch(layer, "self_attn"), self._watch(layer, "mlp")
         if _mixture_of_experts(mlp):
             raise _Unplannable("mlp")  # routing is Python's: the loop runs the block's own forward
+        if not _silu(mlp) or _window(layer) is not None or "pre_feedforward_layernorm" in layer._modules:
+            raise _Unplannable("layer")  # GELU, a window, Gemma's norms after each sublayer: the loop's
         input_norm, input_eps = self._norm(layer, "input_layernorm")
         post_norm, post_eps = self._norm(layer, "post_attention_layernorm")
         qkv_sizes = _native_qkv_sizes(attn)
@@ -320,28 +350,55 @@ class _StepPlan:
 
 
 def _servable_layer(layer: nn.Module) -> bool:
-    attn = getattr(layer, "self_attn", None)
-    return (type(layer).__name__ in DECODER_LAYERS and attn is not None
-            and getattr(attn, "sliding_window", None) is None)
+    """A decoder layer of DECODER_LAYERS' kinds whose attention is causal
+    without soft-capped scores and whose MLP is experts or gated by an
+    activation module."""
+    modules = layer._modules
+    attn, mlp = modules.get("self_attn"), modules.get("mlp")
+    return (type(layer).__name__ in DECODER_LAYERS and attn is not None and mlp is not None
+            and getattr(attn, "is_causal", True) and getattr(attn, "attn_logit_softcapping", None) is None
+            and (_mixture_of_experts(mlp) or _activation(mlp) is not None))
+
+
+def _window(layer: nn.Module) -> int | None:
+    """The layer's sliding window (each token attends to itself and the
+    window - 1 before it), None for none, as the models' masks take it: the
+    config's sliding_window on the layers its layer_types call sliding
+    (Qwen2, Qwen3, SmolLM3, Qwen2-MoE, Gemma 3), on every layer where it
+    has no layer_types (Mistral, Mixtral, Phi-3, Qwen3-MoE)."""
+    attn = layer._modules["self_attn"]
+    config = attn.config
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and layer_types[attn.layer_idx] != "sliding_attention":
+        return None
+    return getattr(config, "sliding_window", None)
+
+
+def _layer_rotary(model: nn.Module) -> bool:
+    """Whether the model's rotary embedding takes a layer type (Gemma 3's:
+    tables per sliding and full attention)."""
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    return rotary is not None and "layer_type" in inspect.signature(type(rotary).forward).parameters
 
 
 def _servable(model: nn.Module) -> bool:
-    config, inner = getattr(model, "config", None), getattr(model, "model", None)
+    inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
-    if (getattr(config, "hidden_act", None) != "silu" or layers is None or len(layers) == 0
-            or not hasattr(model, "lm_head") or not hasattr(inner, "embed_tokens")
+    if (layers is None or len(layers) == 0 or not hasattr(model, "lm_head") or not hasattr(inner, "embed_tokens")
             or not all(_servable_layer(layer) for layer in layers)):
         return False
-    # A window over the whole model (Mistral's; Qwen2's only where it uses one).
-    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
-        return False
     # Every value of each head rotated, or the leading ones in a layer that rotates part of a head.
-    inv_freq = getattr(getattr(inner, "rotary_emb", None), "inv_freq", None)
-    if inv_freq is None:
-        return False
-    rotated = 2 * inv_freq.numel()
-    return all(rotated == layer.self_attn.head_dim or (
-        rotated < layer.self_attn.head_dim and type(layer).__name__ in _PARTIAL_ROTARY_LAYERS) for layer in layers)
+    rotary = getattr(inner, "rotary_emb", None)
+    by_type = _layer_rotary(model)
+    for layer in layers:
+        attn = layer.self_attn
+        inv_freq = getattr(rotary, f"{getattr(attn, 'layer_type', None)}_inv_freq" if by_type else "inv_freq", None)
+        if inv_freq is None:
+            return False
+        rotated = 2 * inv_freq.numel()
+        if rotated != attn.head_dim and (rotated > attn.head_dim or type(layer).__name__ not in _PARTIAL_ROTARY_LAYERS):
+            return False
+    return True
 
 
 class _DecodingForward:
@@ -352,6 +409,7 @@ class _DecodingForward:
     def __init__(self, model: nn.Module):
         self.model = model
         self._plan = None  # the C++ step (_StepPlan), False where the model has none, None until made
+        self._layer_rotary = _layer_rotary(model)
 
     def __getstate__(self):
         return {"model": self.model}  # the C++ step is made again after unpickling
@@ -382,7 +440,7 @@ class _DecodingForward:
         """(the cache, its length, whether the C++ step made for the model
         still describes it) where a decode step serves this call; None otherwise."""
         from transformers import DynamicCache
-        from transformers.cache_utils import DynamicLayer
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
         input_ids, cache = kwargs.get("input_ids"), kwargs.get("cache")
         if (input_ids is None or input_ids.shape != (1, 1) or type(cache) is not DynamicCache
@@ -393,10 +451,19 @@ class _DecodingForward:
                     value is v or (type(value) is type(v) and value == v) for v in _SERVED_VALUES.get(name, ())):
                 return None
         layers, model_layers = cache.layers, self.model.model.layers
-        if len(layers) != len(model_layers) or not all(type(c) is DynamicLayer and c.is_initialized for c in layers):
+        if len(layers) != len(model_layers) or not all(c.is_initialized and c.keys.shape[0] == 1 for c in layers):
             return None
-        n = layers[0].keys.shape[-2]
-        if n == 0 or layers[0].keys.shape[0] != 1 or any(c.keys.shape[-2] != n for c in layers):
+        n = layers[0].get_seq_length()
+        for c, layer in zip(layers, model_layers):
+            rows = c.keys.shape[-2]
+            if type(c) is DynamicLayer:
+                if rows != n:
+                    return None
+            # A sliding window's cache: the last window - 1 rows, those the next token attends to.
+            elif (type(c) is not DynamicSlidingWindowLayer or c.record_past or c.cumulative_length != n
+                  or c.sliding_window != _window(layer) or rows != min(n, c.sliding_window - 1)):
+                return None
+        if n == 0:
             return None
         mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
         if mask is not None and (mask.shape != (1, n + 1) or not bool(mask.all())):
@@ -415,8 +482,13 @@ class _DecodingForward:
 
         model, scales = self.model.model, _Scales(self.model)
         x = _scaled(model.embed_tokens(input_ids), scales.embedding)
-        cos, sin = model.rotary_emb(x, torch.full((1, 1), n, dtype=torch.long))
-        cos, sin = cos.view(-1), sin.view(-1)
+        position = torch.full((1, 1), n, dtype=torch.long)
+        if self._layer_rotary:  # a table per layer type
+            tables = {kind: tuple(t.view(-1) for t in model.rotary_emb(x, position, kind))
+                      for kind in set(self.model.config.layer_types)}
+            cos = sin = None
+        else:
+            cos, sin = (t.view(-1) for t in model.rotary_emb(x, position))
         plan = self._plan
         if plan is None or (plan is not False and not (intact and plan.dtype == x.dtype)):
             try:
@@ -424,7 +496,7 @@ class _DecodingForward:
             except _Unplannable:
                 plan = False
             self._plan = plan
-        if plan is not False:
+        if plan is not False:  # made only for models of plain caches and one table
             return CausalLMOutputWithPast(logits=plan.run(x, cos, sin, cache, n), cache=cache)
         identity = None  # made for the first layer without rotation
         for layer, cache_layer in zip(model.layers, cache.layers):
@@ -434,20 +506,38 @@ class _DecodingForward:
             q_norm = attn._modules.get("q_norm")
             if q_norm is not None:
                 q, k = _rms_norm(q, q_norm), _rms_norm(k, attn._modules["k_norm"])
-            key_buffer, value_buffer = _buffers(cache_layer, n)
-            if _rotary(attn):
-                tables = cos, sin
-            else:  # the identity's tables: q * 1 + rotate_half(q) * 0 is q exactly
-                identity = identity or (torch.ones_like(cos), torch.zeros_like(sin))
-                tables = identity
-            o = torch.ops.lowbit.decode_attention(q, k, v, *tables, key_buffer[0], value_buffer[0], n, attn.scaling)
-            cache_layer.keys, cache_layer.values = key_buffer[:, :, :n + 1], value_buffer[:, :, :n + 1]
+            rows = cache_layer.keys.shape[-2]
+            key_buffer, value_buffer, first = _buffers(cache_layer, rows)
+            layer_tables = tables[attn.layer_type] if self._layer_rotary else (cos, sin)
+            if not _rotary(attn):  # the identity's tables: q * 1 + rotate_half(q) * 0 is q exactly
+                identity = identity or tuple(f(t) for f, t in zip((torch.ones_like, torch.zeros_like), layer_tables))
+                layer_tables = identity
+            row, window = first + rows, _window(layer)  # the new token's row; its window's first row:
+            start = first if window is None else max(first, row + 1 - window)
+            o = torch.ops.lowbit.decode_attention(q, k, v, *layer_tables, key_buffer[0], value_buffer[0], row,
+                                                  attn.scaling, start)
+            kept = first  # the cache's first row from now on
+            if cache_layer.is_sliding:  # a window's cache keeps the last window - 1 rows
+                kept = row + 1 - min(rows + 1, cache_layer.sliding_window - 1)
+                cache_layer.cumulative_length += 1
+            cache_layer.keys, cache_layer.values = key_buffer[:, :, kept:row + 1], value_buffer[:, :, kept:row + 1]
             residual = _Scales.residual(layer)
-            x = x + _scaled(_project(attn._modules["o_proj"], o.view(1, 1, -1)), residual)
-            x = x + _scaled(_mlp(modules["mlp"], _rms_norm(x, modules["post_attention_layernorm"])), residual)
+            out = _project(attn._modules["o_proj"], o.view(1, 1, -1))
+            sandwich = "pre_feedforward_layernorm" in modules  # Gemma 3: a norm after each sublayer too
+            if sandwich:
+                out = _rms_norm(out, modules["post_attention_layernorm"])
+            x = x + _scaled(out, residual)
+            out = _mlp(modules["mlp"], _rms_norm(x, modules["pre_feedforward_layernorm" if sandwich
+                                                            else "post_attention_layernorm"]))
+            if sandwich:
+                out = _rms_norm(out, modules["post_feedforward_layernorm"])
+            x = x + _scaled(out, residual)
         logits = _project(self.model.lm_head, _rms_norm(x, model.norm)).view(1, 1, -1)
         if scales.logits_divisor != 1.0:
             logits = logits / scales.logits_divisor
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        if cap is not None:  # Gemma's: cap * tanh(logits / cap), as its forward computes it
+            logits = torch.tanh(logits / cap) * cap
         return CausalLMOutputWithPast(logits=logits, cache=cache)
 
 
@@ -455,9 +545,9 @@ def fast_decoding(model: nn.Module, enable: bool = True) -> bool:
     """Serves `model`'s decode calls with one loop over its layers where it
     can (see the module's notes); enable=False: every call on the model's
     own forward again. Returns whether its decode calls are served: its
-    decoder layers are all of DECODER_LAYERS' kinds, with SiLU MLPs (or
-    experts), whole heads rotated (or their leading values, in Phi-3's
-    layers) and no sliding window."""
+    decoder layers are all of DECODER_LAYERS' kinds, with gated MLPs (or
+    experts), causal attention without soft-capped scores and whole heads
+    rotated (or their leading values, in Phi-3's layers)."""
     if isinstance(model.__dict__.get("forward"), _DecodingForward):
         del model.forward
     if not enable or not _servable(model):
