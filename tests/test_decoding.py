@@ -170,14 +170,18 @@ def test_gguf_mixtures_of_experts_generate_through_the_python_loop(arch, tmp_pat
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("loop", ["C++", "Python"])
 @pytest.mark.parametrize("kind", ["gguf gemma3", "float phi3"])
-def test_windowed_models_decode_past_their_buffers(kind, tmp_path):
+def test_windowed_models_decode_past_their_buffers(kind, loop, tmp_path, monkeypatch):
     """100 new tokens through windows of 5 and 4 rows: each window's cache
     moves along its buffer a row a step and into a new buffer when it
     reaches the end; the tokens and logits stay those of the model's own
-    forward (a Gemma 3 file's through lowbit's layers, in the Python loop)."""
+    forward (a Gemma 3 file's through lowbit's layers), in the C++ step and
+    in the Python loop."""
     from tiny_models import write_tiny_gguf
 
+    if loop == "Python":
+        python_loop_only(monkeypatch)
     if kind == "gguf gemma3":
         path = write_tiny_gguf(tmp_path / "gemma3.gguf", tiny_model("gemma3", seed=5), "gemma3")
         model = lowbit.load_gguf_model(path)
@@ -189,7 +193,7 @@ def test_windowed_models_decode_past_their_buffers(kind, tmp_path):
     with torch.inference_mode():
         assert fast_decoding(model)
         served = run()
-        assert model.forward._plan is False
+        assert (model.forward._plan is False) == (loop == "Python")
         fast_decoding(model, False)
         own = run()
     assert torch.equal(served.sequences, own.sequences)
@@ -384,6 +388,13 @@ STEP_MODELS = {
     "gguf phi3 (half of each head rotated, LongRoPE)": lambda path: lowbit.load_gguf_model(
         write_tiny_gguf(os.path.join(os.path.dirname(path), "phi3-longrope.gguf"),
                         tiny_model("phi3", seed=1, **PHI3_LONGROPE), "phi3")),
+    "gguf gemma3 (windows, norms after each sublayer, GELU, tables per layer type, soft-capped logits)":
+        lambda path: lowbit.load_gguf_model(write_tiny_gguf(os.path.join(os.path.dirname(path), "gemma3.gguf"),
+                                                            tiny_model("gemma3", seed=1), "gemma3")),
+    "float qwen2 (a window on one layer)": lambda path: float_model(
+        "qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    "float phi3 (a window on every layer, half of each head rotated)": lambda path: float_model(
+        "phi3", sliding_window=3),
     "gguf bf16": lambda path: lowbit.load_gguf_model(path, dtype=torch.bfloat16),
     "gguf repacked": lambda path: repacked_gguf_model(path),
     "gptq unsorted": lambda path: gptq_model("unsorted"),
@@ -499,7 +510,17 @@ def test_decode_step_refuses_what_it_cannot_run():
         step.layer(norm, 1e-5, [p], [4, 4, 4], None, None, 0.0, p, norm, 1e-5, [p], [4, 4], p, 3, 0.5, True, 1.0)
     with pytest.raises(RuntimeError, match="head.. was not called"):
         step.run(torch.zeros(1, 1, 4), torch.ones(4), torch.zeros(4), [], [], [], 0)
+    with pytest.raises(RuntimeError, match="layer_extras: no layer to extend"):
+        step.layer_extras(0, 0, None, None, 0.0)
+    with pytest.raises(RuntimeError, match="activation must be .silu. or .gelu_tanh.; got .relu."):
+        step.style(0.0, "relu", 0.0)
+    with pytest.raises(RuntimeError, match="softcap finite and >= 0"):
+        step.style(0.0, "silu", -1.0)
     step.layer(norm, 1e-5, [p, p, p], [8, 8, 8], None, None, 0.0, p, norm, 1e-5, [p, p], [8, 8], p, 4, 0.5, True, 1.0)
+    with pytest.raises(RuntimeError, match="window and table must be >= 0"):
+        step.layer_extras(-1, 0, None, None, 0.0)
+    with pytest.raises(RuntimeError, match="attn_out_norm and mlp_out_norm come together"):
+        step.layer_extras(0, 0, norm, None, 1e-6)
     with pytest.raises(RuntimeError, match="residual_scale must be finite"):
         step.layer(norm, 1e-5, [p], [4, 4, 4], None, None, 0.0, p, norm, 1e-5, [p], [4, 4], p, 4, 0.5, True,
                    float("inf"))
@@ -511,6 +532,15 @@ def test_decode_step_refuses_what_it_cannot_run():
         step.run(torch.zeros(1, 1, 4), torch.ones(4), torch.zeros(4), [keys], [keys], [None], 3)
     with pytest.raises(RuntimeError, match="layer 0's cache holds keys"):
         step.run(torch.zeros(1, 1, 4), torch.ones(4), torch.zeros(4), [keys], [keys], [None, None], 5)
+    with pytest.raises(RuntimeError, match="cos and sin must be one table"):
+        step.run(torch.zeros(1, 1, 4), torch.ones(4), torch.zeros(2, 4), [keys], [keys], [None, None], 3)
+    step.layer_extras(0, 1, None, None, 0.0)  # the second table of two
+    with pytest.raises(RuntimeError, match="layer 0 takes rotary table 1 of 1"):
+        step.run(torch.zeros(1, 1, 4), torch.ones(4), torch.zeros(4), [keys], [keys], [None, None], 3)
+    step.layer_extras(4, 0, None, None, 0.0)  # a window of 4: its cache may keep 3 rows of 5
+    with pytest.raises(RuntimeError, match=r"layer 0's cache holds keys .*\(or its window's last rows\)"):
+        step.run(torch.zeros(1, 1, 4), torch.ones(4), torch.zeros(4), [keys[:, :, :2]], [keys[:, :, :2]], [None, None],
+                 5)
 
 
 def test_threads_decode_one_model_through_the_cpp_step(gguf_path):

@@ -28,25 +28,40 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return op.call(q, k, v, cos, sin, key_cache, value_cache, position, scale, start);
 }
 
-// The layer's key and value buffers [1, heads, capacity, dim] for a cache
-// holding n rows: last step's where the cache's tensors are still their
-// first n rows and a row is free, new ones (the rows copied in) otherwise.
-std::pair<at::Tensor, at::Tensor> buffers_for(const at::Tensor& keys, const at::Tensor& values,
-                                              const std::optional<at::Tensor>& key_buffer,
-                                              const std::optional<at::Tensor>& value_buffer, int64_t n) {
-  const auto same_view = [n](const at::Tensor& t, const std::optional<at::Tensor>& buffer) {
-    return buffer.has_value() && buffer->dim() == 4 && buffer->size(2) > n && t.data_ptr() == buffer->data_ptr() &&
-           t.strides() == buffer->strides() && t.sizes().slice(0, 2) == buffer->sizes().slice(0, 2) &&
-           t.scalar_type() == buffer->scalar_type();
+// A layer's cache rows in its buffers [1, heads, capacity, dim]: the
+// buffers and the row where the cache's `rows` rows start.
+struct Buffers {
+  at::Tensor keys, values;
+  int64_t first;
+};
+
+// The layer's buffers for a cache holding `rows` rows: last step's where the
+// cache's tensors are still rows first .. first + rows - 1 of them (a
+// window's cache moves on a row a step) and a row is free after them, new
+// ones (the rows copied in at row 0) otherwise.
+Buffers buffers_for(const at::Tensor& keys, const at::Tensor& values, const std::optional<at::Tensor>& key_buffer,
+                    const std::optional<at::Tensor>& value_buffer, int64_t rows) {
+  // The row of `buffer` where view t starts; -1 where t is not such a view.
+  const auto first_row = [](const at::Tensor& t, const std::optional<at::Tensor>& buffer) -> int64_t {
+    if (!buffer.has_value() || buffer->dim() != 4 || t.strides() != buffer->strides() ||
+        t.sizes().slice(0, 2) != buffer->sizes().slice(0, 2) || t.scalar_type() != buffer->scalar_type()) {
+      return -1;
+    }
+    const auto offset = static_cast<const char*>(t.data_ptr()) - static_cast<const char*>(buffer->data_ptr());
+    const int64_t row_bytes = buffer->stride(2) * buffer->element_size();
+    return offset >= 0 && offset % row_bytes == 0 ? offset / row_bytes : -1;
   };
-  if (same_view(keys, key_buffer) && same_view(values, value_buffer)) return {*key_buffer, *value_buffer};
-  const int64_t capacity = std::max(2 * n, n + 64);
-  const auto fresh = [n, capacity](const at::Tensor& t) {
+  const int64_t first = first_row(keys, key_buffer);
+  if (first >= 0 && first == first_row(values, value_buffer) && first + rows < key_buffer->size(2)) {
+    return {*key_buffer, *value_buffer, first};
+  }
+  const int64_t capacity = std::max(2 * rows, rows + 64);
+  const auto fresh = [rows, capacity](const at::Tensor& t) {
     at::Tensor buffer = t.new_empty({1, t.size(1), capacity, t.size(3)});
-    buffer.narrow(2, 0, n).copy_(t);
+    buffer.narrow(2, 0, rows).copy_(t);
     return buffer;
   };
-  return {fresh(keys), fresh(values)};
+  return {fresh(keys), fresh(values), 0};
 }
 
 }  // namespace
@@ -113,6 +128,36 @@ void DecodeStep::layer(at::Tensor input_norm, double input_eps, std::vector<int6
                           head_dim, rotary, residual_scale});
 }
 
+void DecodeStep::layer_extras(int64_t window, int64_t table, std::optional<at::Tensor> attn_out_norm,
+                              std::optional<at::Tensor> mlp_out_norm, double out_eps) {
+  TORCH_CHECK(!layers_.empty(), "DecodeStep.layer_extras: no layer to extend");
+  TORCH_CHECK(window >= 0 && table >= 0, "DecodeStep.layer_extras: window and table must be >= 0; got ", window,
+              " and ", table);
+  TORCH_CHECK(attn_out_norm.has_value() == mlp_out_norm.has_value(),
+              "DecodeStep.layer_extras: attn_out_norm and mlp_out_norm come together");
+  Layer& l = layers_.back();
+  l.window = window;
+  l.table = table;
+  l.attn_out_norm = std::move(attn_out_norm);
+  l.mlp_out_norm = std::move(mlp_out_norm);
+  l.out_eps = out_eps;
+}
+
+void DecodeStep::style(double norm_offset, const std::string& activation, double softcap) {
+  TORCH_CHECK(activation == "silu" || activation == "gelu_tanh",
+              "DecodeStep.style: activation must be \"silu\" or \"gelu_tanh\"; got \"", activation, "\"");
+  TORCH_CHECK(std::isfinite(norm_offset) && std::isfinite(softcap) && softcap >= 0,
+              "DecodeStep.style: norm_offset must be finite and softcap finite and >= 0; got ", norm_offset, " and ",
+              softcap);
+  norm_offset_ = norm_offset;
+  gelu_tanh_ = activation == "gelu_tanh";
+  softcap_ = softcap;
+}
+
+at::Tensor DecodeStep::norm(const at::Tensor& x, const at::Tensor& weight, double eps) const {
+  return rms_norm(x, norm_offset_ == 0.0 ? weight : weight + norm_offset_, eps);
+}
+
 void DecodeStep::head(at::Tensor norm, double eps, int64_t lm_head, double logits_divisor) {
   TORCH_CHECK(std::isfinite(logits_divisor) && logits_divisor != 0.0,
               "DecodeStep.head: logits_divisor must be finite and non-zero; got ", logits_divisor);
@@ -155,6 +200,10 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, std::ve
               keys.size(), ", ", values.size(), " and ", buffers.size());
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.size(1) == 1, "DecodeStep.run: x must be one token's [1, 1, hidden]");
   TORCH_CHECK(n >= 0, "DecodeStep.run: n must be >= 0; got ", n);
+  TORCH_CHECK((cos.dim() == 1 || cos.dim() == 2) && sin.sizes() == cos.sizes(),
+              "DecodeStep.run: cos and sin must be one table [rotated] or several [tables, rotated] alike; got ",
+              cos.sizes(), " and ", sin.sizes());
+  const int64_t tables = cos.dim() == 2 ? cos.size(0) : 1;
   std::vector<at::Tensor> key_views, value_views, new_buffers;
   key_views.reserve(layers);
   value_views.reserve(layers);
@@ -166,35 +215,52 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, std::ve
   const auto scaled = [](const at::Tensor& out, double s) { return s == 1.0 ? out : out * s; };
   for (size_t i = 0; i < layers; ++i) {
     const Layer& l = layers_[i];
-    TORCH_CHECK(keys[i].dim() == 4 && keys[i].size(0) == 1 && keys[i].size(2) == n && values[i].dim() == 4 &&
-                    values[i].sizes() == keys[i].sizes(),
+    // A window's cache may keep only its last window - 1 rows; any other holds all n.
+    const int64_t rows = keys[i].dim() == 4 ? keys[i].size(2) : -1;
+    TORCH_CHECK(keys[i].dim() == 4 && keys[i].size(0) == 1 && values[i].sizes() == keys[i].sizes() &&
+                    (rows == n || (l.window > 0 && rows == std::min(n, l.window - 1))),
                 "DecodeStep.run: layer ", i, "'s cache holds keys ", keys[i].sizes(), " and values ",
-                values[i].sizes(), ", not [1, heads, ", n, ", dim] each");
-    const at::Tensor normed = rms_norm(h, l.input_norm, l.input_eps);
+                values[i].sizes(), ", not [1, heads, ", n, ", dim] each",
+                l.window > 0 ? " (or its window's last rows)" : "");
+    TORCH_CHECK(l.table < tables, "DecodeStep.run: layer ", i, " takes rotary table ", l.table, " of ", tables);
+    const at::Tensor normed = norm(h, l.input_norm, l.input_eps);
     const std::vector<at::Tensor> qkv = project_group(l.qkv, l.qkv_sizes, normed);
     at::Tensor q = qkv[0].view({-1, l.head_dim}), k = qkv[1].view({-1, l.head_dim}), v = qkv[2].view({-1, l.head_dim});
     if (l.q_norm) {
-      q = rms_norm(q, *l.q_norm, l.qk_eps);
-      k = rms_norm(k, *l.k_norm, l.qk_eps);
+      q = norm(q, *l.q_norm, l.qk_eps);
+      k = norm(k, *l.k_norm, l.qk_eps);
     }
-    auto [key_buffer, value_buffer] = buffers_for(keys[i], values[i], buffers[2 * i], buffers[2 * i + 1], n);
-    if (!l.rotary && !identity_cos.defined()) {
-      identity_cos = at::ones_like(cos);
-      identity_sin = at::zeros_like(sin);
+    auto [key_buffer, value_buffer, first] = buffers_for(keys[i], values[i], buffers[2 * i], buffers[2 * i + 1], rows);
+    at::Tensor layer_cos = cos.dim() == 2 ? cos[l.table] : cos, layer_sin = sin.dim() == 2 ? sin[l.table] : sin;
+    if (!l.rotary) {
+      if (!identity_cos.defined()) {
+        identity_cos = at::ones_like(layer_cos);
+        identity_sin = at::zeros_like(layer_sin);
+      }
+      layer_cos = identity_cos;
+      layer_sin = identity_sin;
     }
-    const at::Tensor o = decode_attention(q, k, v, l.rotary ? cos : identity_cos, l.rotary ? sin : identity_sin,
-                                          key_buffer.select(0, 0), value_buffer.select(0, 0), n, l.scale, 0);
-    h = h + scaled(project(l.o, o.view({1, -1})), l.residual_scale);
-    const at::Tensor post = rms_norm(h, l.post_norm, l.post_eps);
+    // The new token's row, and the first its window reaches.
+    const int64_t row = first + rows, start = l.window > 0 ? std::max(first, row + 1 - l.window) : first;
+    const at::Tensor o = decode_attention(q, k, v, layer_cos, layer_sin, key_buffer.select(0, 0),
+                                          value_buffer.select(0, 0), row, l.scale, start);
+    at::Tensor out = project(l.o, o.view({1, -1}));
+    if (l.attn_out_norm) out = norm(out, *l.attn_out_norm, l.out_eps);
+    h = h + scaled(out, l.residual_scale);
+    const at::Tensor post = norm(h, l.post_norm, l.post_eps);
     const std::vector<at::Tensor> gate_up = project_group(l.gate_up, l.gate_up_sizes, post);
-    h = h + scaled(project(l.down, at::silu(gate_up[0]) * gate_up[1]), l.residual_scale);
-    key_views.push_back(key_buffer.narrow(2, 0, n + 1));
-    value_views.push_back(value_buffer.narrow(2, 0, n + 1));
+    const at::Tensor gate = gelu_tanh_ ? at::gelu(gate_up[0], "tanh") : at::silu(gate_up[0]);
+    out = project(l.down, gate * gate_up[1]);
+    if (l.mlp_out_norm) out = norm(out, *l.mlp_out_norm, l.out_eps);
+    h = h + scaled(out, l.residual_scale);
+    key_views.push_back(key_buffer.narrow(2, first, rows + 1));
+    value_views.push_back(value_buffer.narrow(2, first, rows + 1));
     new_buffers.push_back(std::move(key_buffer));
     new_buffers.push_back(std::move(value_buffer));
   }
-  at::Tensor logits = project(lm_head_, rms_norm(h, *norm_, norm_eps_)).view({1, 1, -1});
+  at::Tensor logits = project(lm_head_, norm(h, *norm_, norm_eps_)).view({1, 1, -1});
   if (logits_divisor_ != 1.0) logits = logits / logits_divisor_;
+  if (softcap_ != 0.0) logits = at::tanh(logits / softcap_) * softcap_;
   return {std::move(logits), std::move(key_views), std::move(value_views), std::move(new_buffers)};
 }
 

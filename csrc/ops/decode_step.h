@@ -43,19 +43,36 @@ class DecodeStep : public torch::CustomClassHolder {
              at::Tensor post_norm, double post_eps, std::vector<int64_t> gate_up, std::vector<int64_t> gate_up_sizes,
              int64_t down, int64_t head_dim, double scale, bool rotary, double residual_scale);
 
+  // What the last layer appended has beyond a llama layer: a sliding
+  // window (each token attends to itself and the window - 1 rows before
+  // it; 0: none), the rotary tables it takes (a row of run's cos and sin
+  // where they are 2-D: Gemma 3's per layer type), and norms of o's and
+  // down's outputs before each is added (Gemma 3's post_attention and
+  // post_feedforward norms, its post_norm then being the pre-MLP one).
+  void layer_extras(int64_t window, int64_t table, std::optional<at::Tensor> attn_out_norm,
+                    std::optional<at::Tensor> mlp_out_norm, double out_eps);
+
+  // The whole step's: every norm scales by weight + norm_offset (Gemma's 1;
+  // 0 elsewhere), the MLPs gate with `activation` ("silu" or "gelu_tanh"),
+  // and logits are soft-capped as softcap * tanh(logits / softcap) (0: not).
+  void style(double norm_offset, const std::string& activation, double softcap);
+
   // The final norm and the LM head's projection, whose logits are divided
   // by logits_divisor (Granite's logits_scaling; 1 elsewhere).
   void head(at::Tensor norm, double eps, int64_t lm_head, double logits_divisor);
 
   // One step from the token's embedding x [1, 1, hidden] at position n, with
   // the rotary tables cos, sin [the rotated values of a head: head_dim, or
-  // fewer under a partial rotary factor]. keys / values: each layer's cache
-  // tensors [1, kv_heads, n, head_dim]; buffers: per layer its key and value
-  // buffers from the last step (2 per layer, None where there are none).
-  // Buffers whose first n rows are the cache's tensors are written in place,
-  // others are made anew (the cache's rows copied in, twice the room).
-  // Returns (logits [1, 1, vocab], each layer's keys and values: the first
-  // n + 1 rows of its buffers, the buffers: 2 per layer).
+  // fewer under a partial rotary factor], or [tables, rotated values] for
+  // layers taking tables of their own. keys / values: each layer's cache
+  // tensors [1, kv_heads, rows, head_dim], rows = n, or fewer for a window's
+  // cache that keeps only its last rows; buffers: per layer its key and
+  // value buffers from the last step (2 per layer, None where there are
+  // none). Buffers whose rows the cache's tensors are, with a row free after
+  // them, are written in place; others are made anew (the cache's rows
+  // copied in at row 0, twice the room). Returns (logits [1, 1, vocab], each
+  // layer's keys and values: its cache's rows and the new one, in its
+  // buffers, the buffers: 2 per layer).
   std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>> run(
       at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
       std::vector<std::optional<at::Tensor>> buffers, int64_t n);
@@ -77,9 +94,13 @@ class DecodeStep : public torch::CustomClassHolder {
     int64_t o, down, head_dim;
     bool rotary;
     double residual_scale;
+    int64_t window = 0, table = 0;
+    std::optional<at::Tensor> attn_out_norm, mlp_out_norm;
+    double out_eps = 0.0;
   };
 
   at::Tensor project(int64_t id, const at::Tensor& x) const;
+  at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps) const;
   std::vector<at::Tensor> project_group(const std::vector<int64_t>& ids, const std::vector<int64_t>& sizes,
                                         const at::Tensor& x) const;
   int64_t checked_id(int64_t id, const char* what) const;
@@ -87,7 +108,8 @@ class DecodeStep : public torch::CustomClassHolder {
   std::vector<Projection> projections_;
   std::vector<Layer> layers_;
   std::optional<at::Tensor> norm_;
-  double norm_eps_ = 0.0, logits_divisor_ = 1.0;
+  double norm_eps_ = 0.0, logits_divisor_ = 1.0, norm_offset_ = 0.0, softcap_ = 0.0;
+  bool gelu_tanh_ = false;
   int64_t lm_head_ = -1;
 };
 

@@ -90,6 +90,8 @@ TORCH_LIBRARY(lowbit, m) {
       .def(torch::init<>())
       .def("projection", &lowbit::DecodeStep::projection)
       .def("layer", &lowbit::DecodeStep::layer)
+      .def("layer_extras", &lowbit::DecodeStep::layer_extras)
+      .def("style", &lowbit::DecodeStep::style)
       .def("head", &lowbit::DecodeStep::head)
       .def("run", &lowbit::DecodeStep::run)
       .def("num_layers", &lowbit::DecodeStep::num_layers);

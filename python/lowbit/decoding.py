@@ -16,8 +16,9 @@ described from the model's modules once per generation: at the first step
 after a call the step does not serve, such as the prompt's), so a step costs
 one call from Python; otherwise it is Python over the model's own modules
 (LoRA adapters, hooks and all). Keys and values go into buffers that grow by
-doubling, whose first rows the model's DynamicCache holds as views, so a
-token costs a row of each rather than a copy of the cache. Results match the
+doubling, whose rows the model's DynamicCache holds as views, so a token
+costs a row of each rather than a copy of the cache (a sliding window's
+cache keeps its last rows: a view moving along its buffer). Results match the
 model's own forward to fp32 rounding (the attention sums in another order).
 Every other call (a prompt, a batch, a static cache, torch.compile,
 training) runs the model's own forward on the same cache, and so do the
@@ -30,6 +31,7 @@ set it.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -53,7 +55,7 @@ __all__ = ["DECODER_LAYERS", "fast_decoding"]
 # Python loop calls as it stands (its router and experts). Gemma 3 adds a norm after each sublayer, scales its
 # norms by 1 + weight, gates with GELU, has rotary tables per layer type
 # (sliding or full attention) and may soft-cap the logits. The C++ step
-# declines experts, Gemma 3 and sliding windows: the Python loop serves them.
+# declines experts (the Python loop serves them) and Gemma 3 in 16 bits.
 DECODER_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
                   "SmolLM3DecoderLayer", "GraniteDecoderLayer", "Phi3DecoderLayer",
                   "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer", "MixtralDecoderLayer", "Gemma3DecoderLayer")
@@ -196,6 +198,13 @@ def _silu(mlp: nn.Module) -> bool:
     return type(_activation(mlp)).__name__ in ("SiLUActivation", "SiLU")
 
 
+def _gelu_tanh(mlp: nn.Module) -> bool:
+    """Whether the MLP gates with torch's tanh GELU (transformers' GELUTanh)."""
+    act = getattr(_activation(mlp), "act", None)
+    return (type(_activation(mlp)).__name__ == "GELUTanh" and isinstance(act, functools.partial)
+            and act.func is F.gelu and act.keywords == {"approximate": "tanh"} and not act.args)
+
+
 def _buffers(cache_layer, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Key and value buffers [1, heads, capacity, dim] and the row `first`
     where cache_layer's `rows` keys and values stand in them, row first +
@@ -239,11 +248,17 @@ class _StepPlan:
         self.names: list[str] = []
         self.modules: list[nn.Module] = []
         self.hook_dicts: list[dict] = []
+        self.norm_offset: float | None = None  # 1 for Gemma's norms, 0 for the others; one kind per model
+        self.activation: str | None = None
+        # The layer types with rotary tables of their own (run's cos and sin rows), in their order there.
+        self.table_kinds = sorted(set(model.config.layer_types)) if _layer_rotary(model) else None
         inner = model.model
         for i in range(len(inner.layers)):
             self._layer(self._watch(inner.layers, str(i)))
         norm_weight, norm_eps = self._norm(inner, "norm")
         self.step.head(norm_weight, norm_eps, self._projection(model, "lm_head"), _Scales(model).logits_divisor)
+        softcap = getattr(model.config, "final_logit_softcapping", None) or 0.0
+        self.step.style(self.norm_offset, self.activation, softcap)
         if not self.intact():
             raise _Unplannable("hooks")
 
@@ -257,11 +272,20 @@ class _StepPlan:
         return module
 
     def _norm(self, parent: nn.Module, name: str) -> tuple[torch.Tensor, float]:
+        """A llama-family RMSNorm's weight and eps, or (fp32 only, where the
+        step's 1 + weight gives the same products) a Gemma one's."""
         norm = self._watch(parent, name)
         weight = norm._parameters.get("weight")
-        if weight is None or weight.dtype != self.dtype or not hasattr(norm, "variance_epsilon"):
+        if hasattr(norm, "variance_epsilon"):
+            offset, eps = 0.0, norm.variance_epsilon
+        elif type(norm).__name__ in _ONE_PLUS_WEIGHT_NORMS and self.dtype == torch.float32:
+            offset, eps = 1.0, norm.eps
+        else:
             raise _Unplannable(name)
-        return weight, float(norm.variance_epsilon)
+        if weight is None or weight.dtype != self.dtype or self.norm_offset not in (None, offset):
+            raise _Unplannable(name)
+        self.norm_offset = offset
+        return weight, float(eps)
 
     def _projection(self, parent: nn.Module, name: str) -> int:
         module = self._watch(parent, name)
@@ -308,10 +332,21 @@ class _StepPlan:
         attn, mlp = self._watch(layer, "self_attn"), self._watch(layer, "mlp")
         if _mixture_of_experts(mlp):
             raise _Unplannable("mlp")  # routing is Python's: the loop runs the block's own forward
-        if not _silu(mlp) or _window(layer) is not None or "pre_feedforward_layernorm" in layer._modules:
-            raise _Unplannable("layer")  # GELU, a window, Gemma's norms after each sublayer: the loop's
+        activation = "silu" if _silu(mlp) else "gelu_tanh" if _gelu_tanh(mlp) else None
+        if activation is None or self.activation not in (None, activation):
+            raise _Unplannable("act_fn")
+        self.activation = activation
         input_norm, input_eps = self._norm(layer, "input_layernorm")
-        post_norm, post_eps = self._norm(layer, "post_attention_layernorm")
+        attn_out_norm = mlp_out_norm = None
+        out_eps = 0.0
+        if "pre_feedforward_layernorm" in layer._modules:  # Gemma 3: norms after each sublayer too
+            (attn_out_norm, out_eps), (mlp_out_norm, mlp_out_eps) = (
+                self._norm(layer, "post_attention_layernorm"), self._norm(layer, "post_feedforward_layernorm"))
+            if mlp_out_eps != out_eps:
+                raise _Unplannable("post_feedforward_layernorm")
+            post_norm, post_eps = self._norm(layer, "pre_feedforward_layernorm")
+        else:
+            post_norm, post_eps = self._norm(layer, "post_attention_layernorm")
         qkv_sizes = _native_qkv_sizes(attn)
         qkv, qkv_sizes = (([self._projection(attn, "qkv_proj")], qkv_sizes) if qkv_sizes is not None
                           else self._group(attn, PROJECTION_GROUPS[0]))
@@ -330,6 +365,8 @@ class _StepPlan:
                         self._projection(attn, "o_proj"), post_norm, post_eps, gate_up, gate_up_sizes,
                         self._projection(mlp, "down_proj"), attn.head_dim, float(attn.scaling), _rotary(attn),
                         _Scales.residual(layer))
+        table = self.table_kinds.index(attn.layer_type) if self.table_kinds is not None else 0
+        self.step.layer_extras(_window(layer) or 0, table, attn_out_norm, mlp_out_norm, out_eps)
 
     def intact(self) -> bool:
         """Whether the step still describes the model: the same modules in
@@ -345,7 +382,12 @@ class _StepPlan:
         logits, keys, values, new = self.step.run(x, cos, sin, [c.keys for c in layers], [c.values for c in layers],
                                                   buffers, n)
         for i, c in enumerate(layers):
-            c.keys, c.values, c._lowbit_buffers = keys[i], values[i], (new[2 * i], new[2 * i + 1])
+            k, v = keys[i], values[i]
+            if c.is_sliding:  # a window's cache keeps its last window - 1 rows
+                first = max(0, k.shape[2] - (c.sliding_window - 1))
+                k, v = k[:, :, first:], v[:, :, first:]
+                c.cumulative_length += 1
+            c.keys, c.values, c._lowbit_buffers = k, v, (new[2 * i], new[2 * i + 1])
         return logits
 
 
@@ -496,7 +538,9 @@ class _DecodingForward:
             except _Unplannable:
                 plan = False
             self._plan = plan
-        if plan is not False:  # made only for models of plain caches and one table
+        if plan is not False:
+            if self._layer_rotary:  # the tables as rows, in the plan's order of layer types
+                cos, sin = (torch.stack([tables[kind][j] for kind in plan.table_kinds]) for j in (0, 1))
             return CausalLMOutputWithPast(logits=plan.run(x, cos, sin, cache, n), cache=cache)
         identity = None  # made for the first layer without rotation
         for layer, cache_layer in zip(model.layers, cache.layers):
