@@ -81,9 +81,11 @@ def rotated(x, cos, sin):
     return torch.cat((head * cos + torch.cat((-head[..., half:], head[..., :half]), -1) * sin, rest), -1)
 
 
-def reference(q, k, v, cos, sin, key_cache, value_cache, position, scale, start=0):
+def reference(q, k, v, cos, sin, key_cache, value_cache, position, scale, start=0, sinks=None):
     """transformers' rotation and SDPA (its keys and values repeated per group)
-    over rows [start, position], in fp32."""
+    over rows [start, position], in fp32; with sinks, gpt-oss's eager
+    attention: the softmax over the scores and each head's sink, the sink's
+    column dropped."""
     f = lambda t: t.float()
     keys, values = f(key_cache).clone(), f(value_cache).clone()
     keys[:, position] = rotated(f(k), f(cos), f(sin))
@@ -91,8 +93,13 @@ def reference(q, k, v, cos, sin, key_cache, value_cache, position, scale, start=
     groups = q.shape[0] // k.shape[0]
     keys = keys[:, start:position + 1].repeat_interleave(groups, 0)
     values = values[:, start:position + 1].repeat_interleave(groups, 0)
-    out = F.scaled_dot_product_attention(rotated(f(q), f(cos), f(sin))[:, None], keys, values, scale=scale)
-    return out[:, 0], keys[::groups, -1], values[::groups, -1]
+    if sinks is None:
+        out = F.scaled_dot_product_attention(rotated(f(q), f(cos), f(sin))[:, None], keys, values, scale=scale)[:, 0]
+    else:
+        scores = torch.einsum("hd,hpd->hp", rotated(f(q), f(cos), f(sin)), keys) * scale
+        probs = torch.softmax(torch.cat((scores, f(sinks)[:, None]), -1), -1)[:, :-1]
+        out = torch.einsum("hp,hpd->hd", probs, values)
+    return out, keys[::groups, -1], values[::groups, -1]
 
 
 def attention_case(q_heads, kv_heads, dim, capacity, position, dtype, spread=1.0, seed=0, rotated_dims=None):
@@ -152,6 +159,26 @@ def test_decode_attention_over_a_window(device, dtype, q_heads, kv_heads, dim, c
     assert torch.isnan(on_device["key_cache"].cpu()[:, :start]).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_heads,kv_heads,dim,capacity,position,start", [
+    (8, 2, 64, 40, 30, 0),     # the SIMD path
+    (6, 3, 48, 20, 12, 9),     # the portable loops, over a window
+])
+@pytest.mark.parametrize("spread", [0.3, 3.0])  # sinks below the scores, and above them (the divisor's largest term)
+def test_decode_attention_with_sinks(device, dtype, q_heads, kv_heads, dim, capacity, position, start, spread):
+    """gpt-oss's attention sinks: each head's logit joins its softmax's
+    maximum and divisor and nothing else."""
+    case = attention_case(q_heads, kv_heads, dim, capacity, position, dtype)
+    sinks = (torch.randn(q_heads, generator=torch.Generator().manual_seed(1)) * spread * 4).to(dtype)
+    want = reference(**case, start=start, sinks=sinks)[0]
+    on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+    out = ops.decode_attention(**on_device, start=start, sinks=sinks.to(device)).cpu()
+    torch.testing.assert_close(out.float(), want, **TOL[dtype])
+    without = ops.decode_attention(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in on_device.items()},
+                                   start=start).cpu()
+    assert not torch.allclose(out, without, **TOL[dtype])  # the sinks matter at these sizes
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dim", [64, 96, 48])
 def test_16_bit_heads_are_the_fp32_sums_rounded_once(dtype, dim):
@@ -196,6 +223,9 @@ def test_decode_attention_refuses_gradients_and_opchecks():
     case = attention_case(4, 2, 32, 16, 5, torch.float32)
     torch.library.opcheck(torch.ops.lowbit.decode_attention, tuple(case.values()))
     torch.library.opcheck(torch.ops.lowbit.decode_attention, (*case.values(), 3))
+    torch.library.opcheck(torch.ops.lowbit.decode_attention, (*case.values(), 0, torch.randn(4)))
+    with pytest.raises(RuntimeError, match="sinks requires grad"):
+        ops.decode_attention(**case, sinks=torch.randn(4, requires_grad=True))
     q = case["q"].clone().requires_grad_()
     with pytest.raises(RuntimeError, match="^decode_attention: not differentiable.*q requires grad"):
         ops.decode_attention(**{**case, "q": q})

@@ -305,6 +305,13 @@ OPS["decode_attention"] = Op(decode_attention, {
     "position past the cache": (lambda kw: {"position": 16}, ValueError, r"position must lie in \[0, 16\)"),
     "negative position": (lambda kw: {"position": -1}, ValueError, "position must lie in"),
     "window past the position": (lambda kw: {"start": 6}, ValueError, r"start must lie in \[0, 5\].*got 6"),
+    "sinks for other heads": (lambda kw: {"sinks": torch.zeros(3)}, ValueError,
+                              r"sinks must have one entry per query head \(9\), got 3"),
+    "sinks of another dtype": (lambda kw: {"sinks": torch.zeros(9, dtype=torch.float64)}, RuntimeError,
+                               "sinks must be Float"),
+    "sinks of two dims": (lambda kw: {"sinks": torch.zeros(9, 1)}, ValueError, "sinks"),
+    "sinks in the cache": (lambda kw: {"sinks": kw["key_cache"][0, 0, :9]}, RuntimeError,
+                           "key_cache shares memory with sinks"),
     "negative window start": (lambda kw: {"start": -1}, ValueError, "start must lie in"),
     "heads not a multiple": (lambda kw: {"q": kw["q"][:8].contiguous()}, ValueError, "multiple of k's 3"),
     "odd head size": (lambda kw: {k: v[..., :63].contiguous() if isinstance(v, torch.Tensor) else v
@@ -389,7 +396,8 @@ def test_validation_matrix(op_name, case, over, expect):
 VALUE_CASES = {"g_idx negative", "g_idx past the groups", "g_idx int64 above 2^32", "perm past K (shuffled layout)",
                "perm past K", "perm negative", "perm not a permutation", "perm past N", "value above 2^bit - 1",
                "negative value", "expert past the last", "negative expert", "int64 expert that int32 would wrap",
-               "groups not contiguous", "NaN", "scale beyond fp16", "caches sharing memory", "k in the cache"}
+               "groups not contiguous", "NaN", "scale beyond fp16", "caches sharing memory", "k in the cache",
+               "sinks in the cache"}
 SHAPE_CASES = [c for c in CASES if c[3] != "accepted" and c[1] not in VALUE_CASES]
 
 

@@ -54,13 +54,14 @@ inline __m256 exp_nonpositive8(__m256 x) {
 }
 
 // softmax.h's exponentiate in eight lanes: s into exp(s - max(s)), in
-// place; returns their sum.
-inline float exponentiate8(float* s, int64_t keys) {
+// place; returns their sum (the sink's exponent added, where there is one).
+inline float exponentiate8(float* s, int64_t keys, const float* sink) {
   __m256 max8 = _mm256_set1_ps(s[0]);
   int64_t p = 0;
   for (; p + 8 <= keys; p += 8) max8 = _mm256_max_ps(max8, _mm256_loadu_ps(s + p));
   float top = hmax_ps(max8);
   for (; p < keys; ++p) top = std::max(top, s[p]);
+  if (sink != nullptr) top = std::max(top, *sink);
   const __m256 top8 = _mm256_set1_ps(top);
   __m256 sum8 = _mm256_setzero_ps();
   p = 0;
@@ -71,7 +72,7 @@ inline float exponentiate8(float* s, int64_t keys) {
   }
   float total = lane_sum(sum8);
   for (; p < keys; ++p) total += (s[p] = exp_nonpositive(s[p] - top));
-  return total;
+  return sink != nullptr ? total + exp_nonpositive(*sink - top) : total;
 }
 
 // sums[0, 8 R) += s[k] * rows[k, 0:8 R) over the rows k in order (rows of
@@ -103,7 +104,7 @@ constexpr int64_t kValueBlock = 64;
 // 16-bit rows are widened to fp32 as they are loaded (load_float8).
 template <ggml::Type T>
 void attend_group(const float* queries, const uint8_t* key_rows, const uint8_t* value_rows, uint8_t* out,
-                  int64_t groups, int64_t keys, int64_t dim, float scale, float* scratch) {
+                  int64_t groups, int64_t keys, int64_t dim, float scale, const float* sinks, float* scratch) {
   const int64_t stride = dim * ggml::TypeInfo<T>::kBytes;  // bytes per row
   float* scores = scratch;                  // [groups, keys]
   float* totals = scores + groups * keys;   // [groups]: the softmax divisors
@@ -134,7 +135,9 @@ void attend_group(const float* queries, const uint8_t* key_rows, const uint8_t* 
       scores[j * keys + p] = lane_sum(dot) * scale;
     }
   }
-  for (int64_t j = 0; j < groups; ++j) totals[j] = exponentiate8(scores + j * keys, keys);
+  for (int64_t j = 0; j < groups; ++j) {
+    totals[j] = exponentiate8(scores + j * keys, keys, sinks != nullptr ? sinks + j : nullptr);
+  }
   for (int64_t k0 = 0; k0 < keys; k0 += kValueBlock) {
     const int64_t n = std::min(kValueBlock, keys - k0);
     for (int64_t j = 0; j < groups; ++j) {
@@ -165,14 +168,18 @@ void attend_group(const float* queries, const uint8_t* key_rows, const uint8_t* 
 }  // namespace
 
 void decode_attend_group_avx2(ggml::Type type, const float* queries, const void* key_rows, const void* value_rows,
-                              void* out, int64_t groups, int64_t keys, int64_t dim, float scale, float* scratch) {
+                              void* out, int64_t groups, int64_t keys, int64_t dim, float scale, const float* sinks,
+                              float* scratch) {
   const auto* k = static_cast<const uint8_t*>(key_rows);
   const auto* v = static_cast<const uint8_t*>(value_rows);
   auto* o = static_cast<uint8_t*>(out);
   switch (type) {
-    case ggml::Type::F32: return attend_group<ggml::Type::F32>(queries, k, v, o, groups, keys, dim, scale, scratch);
-    case ggml::Type::BF16: return attend_group<ggml::Type::BF16>(queries, k, v, o, groups, keys, dim, scale, scratch);
-    case ggml::Type::F16: return attend_group<ggml::Type::F16>(queries, k, v, o, groups, keys, dim, scale, scratch);
+    case ggml::Type::F32:
+      return attend_group<ggml::Type::F32>(queries, k, v, o, groups, keys, dim, scale, sinks, scratch);
+    case ggml::Type::BF16:
+      return attend_group<ggml::Type::BF16>(queries, k, v, o, groups, keys, dim, scale, sinks, scratch);
+    case ggml::Type::F16:
+      return attend_group<ggml::Type::F16>(queries, k, v, o, groups, keys, dim, scale, sinks, scratch);
     default: return;  // decode_ops.cpp passes only these
   }
 }

@@ -36,13 +36,16 @@ namespace {
 }
 
 // A row of scores into exp(s - max(s)), in place; returns their sum (the
-// softmax's divisor).
-[[gnu::always_inline]] inline float exponentiate(float* s, int64_t keys) {
-  const float top = *std::max_element(s, s + keys);
+// softmax's divisor). With a sink (gpt-oss's per-head logit, nullptr for
+// none) the maximum covers it too and its exponent joins the divisor only,
+// as a softmax over the scores and the sink whose sink column is dropped.
+[[gnu::always_inline]] inline float exponentiate(float* s, int64_t keys, const float* sink) {
+  float top = *std::max_element(s, s + keys);
+  if (sink != nullptr) top = std::max(top, *sink);
   float total = 0.0f;
   for (int64_t p = 0; p < keys; ++p) s[p] = exp_nonpositive(s[p] - top);
   for (int64_t p = 0; p < keys; ++p) total += s[p];
-  return total;
+  return sink != nullptr ? total + exp_nonpositive(*sink - top) : total;
 }
 
 }  // namespace

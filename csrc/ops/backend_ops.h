@@ -66,7 +66,8 @@
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);                                   \
   at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos, \
                               const at::Tensor& sin, const at::Tensor& key_cache, const at::Tensor& value_cache,    \
-                              int64_t position, double scale, int64_t start);
+                              int64_t position, double scale, int64_t start,                                        \
+                              const std::optional<at::Tensor>& sinks);
 
 namespace lowbit {
 namespace cpu {

@@ -32,7 +32,8 @@ struct DecodeAttentionDims {
 inline DecodeAttentionDims check_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   const at::Tensor& cos, const at::Tensor& sin,
                                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                                  int64_t position, double scale, int64_t start) {
+                                                  int64_t position, double scale, int64_t start,
+                                                  const std::optional<at::Tensor>& sinks) {
   constexpr const char* op = "decode_attention";
   check_float_dtype(op, "q", q);
   const std::pair<const char*, const at::Tensor*> others[] = {
@@ -68,6 +69,14 @@ inline DecodeAttentionDims check_decode_attention(const at::Tensor& q, const at:
   TORCH_CHECK_VALUE(start >= 0 && start <= position, op, ": start must lie in [0, ", position,
                     "] (position), got ", start);
   TORCH_CHECK_VALUE(std::isfinite(scale), op, ": scale must be finite");
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == q.scalar_type(), op, ": sinks must be ", q.scalar_type(), " (q's dtype), got ",
+                sinks->scalar_type());
+    check_same_device(op, "sinks", *sinks, q);
+    check_dim(op, "sinks", *sinks, 1);
+    TORCH_CHECK_VALUE(sinks->size(0) == q_heads, op, ": sinks must have one entry per query head (", q_heads,
+                      "), got ", sinks->size(0));
+  }
   const std::pair<const char*, const at::Tensor*> all[] = {{"q", &q}, {"k", &k}, {"v", &v}, {"cos", &cos},
                                                            {"sin", &sin}, {"key_cache", &key_cache},
                                                            {"value_cache", &value_cache}};
@@ -78,6 +87,8 @@ inline DecodeAttentionDims check_decode_attention(const at::Tensor& q, const at:
       TORCH_CHECK(t == cache || at::get_overlap_status(*cache, *t) == at::MemOverlapStatus::No, op, ": ", cache_name,
                   " shares memory with ", name);
     }
+    TORCH_CHECK(!sinks.has_value() || at::get_overlap_status(*cache, *sinks) == at::MemOverlapStatus::No, op, ": ",
+                cache_name, " shares memory with sinks");
   }
   return {q_heads, kv_heads, dim, capacity, rotated};
 }

@@ -24,8 +24,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("lowbit::decode_attention", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double, int64_t)>();
-  return op.call(q, k, v, cos, sin, key_cache, value_cache, position, scale, start);
+                            const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double, int64_t,
+                            const std::optional<at::Tensor>&)>();
+  return op.call(q, k, v, cos, sin, key_cache, value_cache, position, scale, start, std::nullopt);
 }
 
 // A layer's cache rows in its buffers [1, heads, capacity, dim]: the

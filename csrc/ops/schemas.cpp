@@ -81,10 +81,12 @@ TORCH_LIBRARY(lowbit, m) {
   // row `position` of key_cache and value_cache [kv_heads, capacity, dim],
   // and each rotated query head attends (softmax(scale q.K^T) V, fp32) to
   // rows [start, position] of key-value head h / (q_heads / kv_heads)
-  // (start > 0: a sliding window's rows, older ones left unread).
+  // (start > 0: a sliding window's rows, older ones left unread); sinks
+  // [q_heads] (gpt-oss's): each head's logit that joins its softmax's
+  // divisor and nothing else.
   m.def(
       "decode_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) key_cache, "
-      "Tensor(b!) value_cache, int position, float scale, int start=0) -> Tensor");
+      "Tensor(b!) value_cache, int position, float scale, int start=0, Tensor? sinks=None) -> Tensor");
   // A whole decode step of a llama-family model in one C++ loop (decode_step.h).
   m.class_<lowbit::DecodeStep>("DecodeStep")
       .def(torch::init<>())

@@ -212,19 +212,19 @@ torch.library.register_autograd("lowbit::rms_norm", _rms_norm_backward, setup_co
 
 # ---- decode_attention: writes its caches, so autograd cannot take a formula -------
 
-_DECODE_ATTENTION_ARGS = ("q", "k", "v", "cos", "sin", "key_cache", "value_cache")
+_DECODE_ATTENTION_ARGS = ("q", "k", "v", "cos", "sin", "key_cache", "value_cache", "sinks")
 _LIB = torch.library.Library("lowbit", "IMPL")
 
 
-def _decode_attention_autograd(q, k, v, cos, sin, key_cache, value_cache, position, scale, start=0):
+def _decode_attention_autograd(q, k, v, cos, sin, key_cache, value_cache, position, scale, start=0, sinks=None):
     """Refuses inputs that require grad (an inference step); runs the op otherwise."""
     if torch.is_grad_enabled():
-        for name, value in zip(_DECODE_ATTENTION_ARGS, (q, k, v, cos, sin, key_cache, value_cache)):
-            if value.requires_grad:
+        for name, value in zip(_DECODE_ATTENTION_ARGS, (q, k, v, cos, sin, key_cache, value_cache, sinks)):
+            if value is not None and value.requires_grad:
                 raise RuntimeError(f"decode_attention: not differentiable (an inference step that writes its caches "
                                    f"in place), and {name} requires grad")
     with torch._C._AutoDispatchBelowAutograd():
-        return ops.decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale, start)
+        return ops.decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale, start, sinks)
 
 
 _LIB.impl("decode_attention", _decode_attention_autograd, "Autograd")

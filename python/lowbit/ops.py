@@ -580,7 +580,8 @@ def _rms_norm(x, weight, eps):
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, key_cache: Tensor,
-                     value_cache: Tensor, position: int, scale: float, start: int = 0) -> Tensor:
+                     value_cache: Tensor, position: int, scale: float, start: int = 0,
+                     sinks: Optional[Tensor] = None) -> Tensor:
     """One new token's attention (batch 1), its key and value appended in place:
     q [q_heads, dim], k and v [kv_heads, dim], cos and sin [rotated] (the rotary
     tables at `position`, rotate-half convention, as transformers' llama-family
@@ -590,13 +591,17 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, 
     value_cache [kv_heads, capacity, dim]; returns [q_heads, dim]: each query head,
     rotated, attending with softmax(scale * q.K^T) V in fp32 to rows [start, position]
     of key-value head h // (q_heads // kv_heads) (start > 0: a sliding window,
-    the rows before it left unread). All arguments contiguous, of one float
-    dtype and device; the caches share memory with no other argument."""
-    return torch.ops.lowbit.decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale, start)
+    the rows before it left unread). sinks [q_heads] (gpt-oss's attention
+    sinks): each head's logit that joins its softmax's divisor, as a softmax
+    over the scores and the sink with the sink's column dropped. All arguments
+    contiguous (sinks need not be), of one float dtype and device; the caches
+    share memory with no other argument."""
+    return torch.ops.lowbit.decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale, start,
+                                             sinks)
 
 
 @torch.library.register_fake("lowbit::decode_attention")
-def _decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale, start=0):
+def _decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale, start=0, sinks=None):
     op = "decode_attention"
     _float_dtype(op, "q", q)
     named = (("k", k), ("v", v), ("cos", cos), ("sin", sin), ("key_cache", key_cache), ("value_cache", value_cache))
@@ -625,6 +630,13 @@ def _decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale
            position)
     _value(0 <= start <= position, op, "start must lie in [0, ", position, "] (position), got ", start)
     _value(math.isfinite(scale), op, "scale must be finite")
+    if sinks is not None:
+        _runtime(sinks.dtype == q.dtype, op, "sinks must be ", _NAMES[q.dtype], " (q's dtype), got ",
+                 _NAMES.get(sinks.dtype, sinks.dtype))
+        _same_device(op, "sinks", sinks, q)
+        _dim(op, "sinks", sinks, 1)
+        _value(sinks.shape[0] == q_heads, op, "sinks must have one entry per query head (", q_heads, "), got ",
+               sinks.shape[0])
     for name, t in (("q", q), *named):
         _contiguous(op, name, t)
     return torch.empty_like(q)
