@@ -61,6 +61,9 @@ def own_forward_logits(model, ids, cache, token):
     ("qwen2", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1)),  # a window on layer 1 only
     ("phi3", dict(sliding_window=4)),  # the config's window over every layer (Phi-3's, Mistral's)
     ("llama", dict(hidden_act="gelu_pytorch_tanh")),  # another activation: the MLP's own module
+    # gpt-oss: attention sinks, a window of 5 on one layer, YaRN tables holding each frequency once, biases,
+    # clamped SwiGLU experts
+    ("gpt-oss", {}),
 ])
 @pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
 def test_served_steps_give_the_model_s_logits(arch, overrides, grad_mode):
@@ -145,7 +148,7 @@ def test_gptq_models_generate_through_served_steps(layout, monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "mixtral", "gpt-oss"])
 def test_gguf_mixtures_of_experts_generate_through_the_python_loop(arch, tmp_path, monkeypatch):
     """A mixture-of-experts file's layers (GGUFExperts under the model's own
     routing) decode through the Python loop, the C++ step declined, with the
@@ -268,7 +271,6 @@ def test_other_architectures_are_left_to_their_forward():
     model = tiny_model("gemma", seed=0)
     assert not fast_decoding(model)
     assert "forward" not in model.__dict__
-    assert not fast_decoding(tiny_model("gpt-oss", seed=0))  # sinks, its own experts
     assert not fast_decoding(tiny_model("gemma2", seed=0))  # soft-capped attention scores
     assert not fast_decoding(tiny_model("gemma3", seed=0, use_bidirectional_attention=True))
     from transformers import MistralConfig, MistralForCausalLM

@@ -54,13 +54,23 @@ __all__ = ["DECODER_LAYERS", "fast_decoding"]
 # Qwen3-MoE, Mixtral) put a sparse block in the MLP's place, which the
 # Python loop calls as it stands (its router and experts). Gemma 3 adds a norm after each sublayer, scales its
 # norms by 1 + weight, gates with GELU, has rotary tables per layer type
-# (sliding or full attention) and may soft-cap the logits. The C++ step
-# declines experts (the Python loop serves them) and Gemma 3 in 16 bits.
+# (sliding or full attention) and may soft-cap the logits. gpt-oss adds
+# attention sinks (decode_attention's sinks), rotary tables that hold each
+# frequency once and experts whose block returns the router's scores too.
+# The C++ step declines experts (the Python loop serves them) and Gemma 3 in
+# 16 bits.
 DECODER_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
                   "SmolLM3DecoderLayer", "GraniteDecoderLayer", "Phi3DecoderLayer",
-                  "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer", "MixtralDecoderLayer", "Gemma3DecoderLayer")
+                  "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer", "MixtralDecoderLayer", "Gemma3DecoderLayer",
+                  "GptOssDecoderLayer")
 # The norms that scale by 1 + weight in fp32 before rounding (Gemma's).
 _ONE_PLUS_WEIGHT_NORMS = ("Gemma3RMSNorm",)
+# The norms that scale in fp32 before rounding (gpt-oss's): lowbit's op,
+# which rounds first, is theirs in fp32 only.
+_FP32_SCALING_NORMS = ("GptOssRMSNorm",)
+# The rotary embeddings whose tables hold each frequency once, for both
+# halves of a head (gpt-oss's): decode_attention takes them twice over.
+_HALF_TABLE_ROTARY = ("GptOssRotaryEmbedding",)
 # The layers whose rotation covers each head's first len(cos) values and
 # passes the rest through (a partial rotary factor: Phi-4-mini's 96 of 128),
 # as decode_attention does; the others rotate whole heads only.
@@ -127,7 +137,8 @@ def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     in fp32, by the op with 1 + weight where x is fp32 (the same products);
     any other norm by its own forward."""
     weight = norm.weight
-    if hasattr(norm, "variance_epsilon"):
+    if hasattr(norm, "variance_epsilon") and (type(norm).__name__ not in _FP32_SCALING_NORMS
+                                              or x.dtype == weight.dtype == torch.float32):
         if weight.dtype == x.dtype:
             return torch.ops.lowbit.rms_norm(x, weight, norm.variance_epsilon)
         return weight * F.rms_norm(x.float(), weight.shape, None, norm.variance_epsilon).to(x.dtype)
@@ -172,7 +183,8 @@ def _projections(attn: nn.Module, h: torch.Tensor):
 def _mlp(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
     modules = mlp._modules
     if _mixture_of_experts(mlp):
-        return mlp(h)  # the block's own routing and experts: a handful of ops, as the model runs them
+        out = mlp(h)  # the block's own routing and experts: a handful of ops, as the model runs them
+        return out[0] if isinstance(out, tuple) else out  # gpt-oss's block returns the router's scores too
     native = _native_gate_up_sizes(mlp)
     if native is not None:
         g, u = _project(modules["gate_up_proj"], h).split(native, -1)
@@ -276,7 +288,8 @@ class _StepPlan:
         step's 1 + weight gives the same products) a Gemma one's."""
         norm = self._watch(parent, name)
         weight = norm._parameters.get("weight")
-        if hasattr(norm, "variance_epsilon"):
+        if hasattr(norm, "variance_epsilon") and (type(norm).__name__ not in _FP32_SCALING_NORMS
+                                                  or self.dtype == torch.float32):
             offset, eps = 0.0, norm.variance_epsilon
         elif type(norm).__name__ in _ONE_PLUS_WEIGHT_NORMS and self.dtype == torch.float32:
             offset, eps = 1.0, norm.eps
@@ -332,6 +345,8 @@ class _StepPlan:
         attn, mlp = self._watch(layer, "self_attn"), self._watch(layer, "mlp")
         if _mixture_of_experts(mlp):
             raise _Unplannable("mlp")  # routing is Python's: the loop runs the block's own forward
+        if attn._parameters.get("sinks") is not None:
+            raise _Unplannable("sinks")
         activation = "silu" if _silu(mlp) else "gelu_tanh" if _gelu_tanh(mlp) else None
         if activation is None or self.activation not in (None, activation):
             raise _Unplannable("act_fn")
@@ -451,7 +466,8 @@ class _DecodingForward:
     def __init__(self, model: nn.Module):
         self.model = model
         self._plan = None  # the C++ step (_StepPlan), False where the model has none, None until made
-        self._layer_rotary = _layer_rotary(model)
+        # (tables per layer type, tables holding each frequency once) of its rotary embedding, None until read
+        self._tables: tuple[bool, bool] | None = None
 
     def __getstate__(self):
         return {"model": self.model}  # the C++ step is made again after unpickling
@@ -525,12 +541,17 @@ class _DecodingForward:
         model, scales = self.model.model, _Scales(self.model)
         x = _scaled(model.embed_tokens(input_ids), scales.embedding)
         position = torch.full((1, 1), n, dtype=torch.long)
-        if self._layer_rotary:  # a table per layer type
+        if self._tables is None:
+            self._tables = (_layer_rotary(self.model), type(model.rotary_emb).__name__ in _HALF_TABLE_ROTARY)
+        by_type, half = self._tables
+        if by_type:  # a table per layer type
             tables = {kind: tuple(t.view(-1) for t in model.rotary_emb(x, position, kind))
                       for kind in set(self.model.config.layer_types)}
             cos = sin = None
         else:
             cos, sin = (t.view(-1) for t in model.rotary_emb(x, position))
+            if half:
+                cos, sin = torch.cat((cos, cos)), torch.cat((sin, sin))
         plan = self._plan
         if plan is None or (plan is not False and not (intact and plan.dtype == x.dtype)):
             try:
@@ -539,7 +560,7 @@ class _DecodingForward:
                 plan = False
             self._plan = plan
         if plan is not False:
-            if self._layer_rotary:  # the tables as rows, in the plan's order of layer types
+            if by_type:  # the tables as rows, in the plan's order of layer types
                 cos, sin = (torch.stack([tables[kind][j] for kind in plan.table_kinds]) for j in (0, 1))
             return CausalLMOutputWithPast(logits=plan.run(x, cos, sin, cache, n), cache=cache)
         identity = None  # made for the first layer without rotation
@@ -552,14 +573,14 @@ class _DecodingForward:
                 q, k = _rms_norm(q, q_norm), _rms_norm(k, attn._modules["k_norm"])
             rows = cache_layer.keys.shape[-2]
             key_buffer, value_buffer, first = _buffers(cache_layer, rows)
-            layer_tables = tables[attn.layer_type] if self._layer_rotary else (cos, sin)
+            layer_tables = tables[attn.layer_type] if by_type else (cos, sin)
             if not _rotary(attn):  # the identity's tables: q * 1 + rotate_half(q) * 0 is q exactly
                 identity = identity or tuple(f(t) for f, t in zip((torch.ones_like, torch.zeros_like), layer_tables))
                 layer_tables = identity
             row, window = first + rows, _window(layer)  # the new token's row; its window's first row:
             start = first if window is None else max(first, row + 1 - window)
             o = torch.ops.lowbit.decode_attention(q, k, v, *layer_tables, key_buffer[0], value_buffer[0], row,
-                                                  attn.scaling, start)
+                                                  attn.scaling, start, attn._parameters.get("sinks"))
             kept = first  # the cache's first row from now on
             if cache_layer.is_sliding:  # a window's cache keeps the last window - 1 rows
                 kept = row + 1 - min(rows + 1, cache_layer.sliding_window - 1)
