@@ -81,11 +81,11 @@ def rotated(x, cos, sin):
     return torch.cat((head * cos + torch.cat((-head[..., half:], head[..., :half]), -1) * sin, rest), -1)
 
 
-def reference(q, k, v, cos, sin, key_cache, value_cache, position, scale, start=0, sinks=None):
+def reference(q, k, v, cos, sin, key_cache, value_cache, position, scale, start=0, sinks=None, softcap=0.0):
     """transformers' rotation and SDPA (its keys and values repeated per group)
     over rows [start, position], in fp32; with sinks, gpt-oss's eager
     attention: the softmax over the scores and each head's sink, the sink's
-    column dropped."""
+    column dropped; with a soft cap, Gemma 2's eager attention."""
     f = lambda t: t.float()
     keys, values = f(key_cache).clone(), f(value_cache).clone()
     keys[:, position] = rotated(f(k), f(cos), f(sin))
@@ -93,11 +93,16 @@ def reference(q, k, v, cos, sin, key_cache, value_cache, position, scale, start=
     groups = q.shape[0] // k.shape[0]
     keys = keys[:, start:position + 1].repeat_interleave(groups, 0)
     values = values[:, start:position + 1].repeat_interleave(groups, 0)
-    if sinks is None:
+    if sinks is None and not softcap:
         out = F.scaled_dot_product_attention(rotated(f(q), f(cos), f(sin))[:, None], keys, values, scale=scale)[:, 0]
     else:
         scores = torch.einsum("hd,hpd->hp", rotated(f(q), f(cos), f(sin)), keys) * scale
-        probs = torch.softmax(torch.cat((scores, f(sinks)[:, None]), -1), -1)[:, :-1]
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        if sinks is None:
+            probs = torch.softmax(scores, -1)
+        else:
+            probs = torch.softmax(torch.cat((scores, f(sinks)[:, None]), -1), -1)[:, :-1]
         out = torch.einsum("hp,hpd->hd", probs, values)
     return out, keys[::groups, -1], values[::groups, -1]
 
@@ -179,6 +184,19 @@ def test_decode_attention_with_sinks(device, dtype, q_heads, kv_heads, dim, capa
     assert not torch.allclose(out, without, **TOL[dtype])  # the sinks matter at these sizes
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_heads,kv_heads,dim,capacity,position", [(8, 4, 64, 50, 45), (4, 2, 48, 20, 19)])
+def test_decode_attention_with_a_soft_cap(device, dtype, q_heads, kv_heads, dim, capacity, position):
+    """Gemma 2's soft cap: scores far apart (spread 3) squeezed into
+    (-cap, cap) before the softmax, on the SIMD and the portable paths."""
+    case = attention_case(q_heads, kv_heads, dim, capacity, position, dtype, spread=3.0)
+    want = reference(**case, softcap=5.0)[0]
+    on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+    out = ops.decode_attention(**on_device, softcap=5.0).cpu()
+    torch.testing.assert_close(out.float(), want, **TOL[dtype])
+    assert not torch.allclose(out.float(), reference(**case)[0], **TOL[dtype])  # the cap matters here
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dim", [64, 96, 48])
 def test_16_bit_heads_are_the_fp32_sums_rounded_once(dtype, dim):
@@ -224,6 +242,7 @@ def test_decode_attention_refuses_gradients_and_opchecks():
     torch.library.opcheck(torch.ops.lowbit.decode_attention, tuple(case.values()))
     torch.library.opcheck(torch.ops.lowbit.decode_attention, (*case.values(), 3))
     torch.library.opcheck(torch.ops.lowbit.decode_attention, (*case.values(), 0, torch.randn(4)))
+    torch.library.opcheck(torch.ops.lowbit.decode_attention, (*case.values(), 2, None, 30.0))
     with pytest.raises(RuntimeError, match="sinks requires grad"):
         ops.decode_attention(**case, sinks=torch.randn(4, requires_grad=True))
     q = case["q"].clone().requires_grad_()

@@ -305,6 +305,8 @@ OPS["decode_attention"] = Op(decode_attention, {
     "position past the cache": (lambda kw: {"position": 16}, ValueError, r"position must lie in \[0, 16\)"),
     "negative position": (lambda kw: {"position": -1}, ValueError, "position must lie in"),
     "window past the position": (lambda kw: {"start": 6}, ValueError, r"start must lie in \[0, 5\].*got 6"),
+    "negative soft cap": (lambda kw: {"softcap": -1.0}, ValueError, "softcap must be finite and >= 0"),
+    "NaN soft cap": (lambda kw: {"softcap": float("nan")}, ValueError, "softcap must be finite and >= 0"),
     "sinks for other heads": (lambda kw: {"sinks": torch.zeros(3)}, ValueError,
                               r"sinks must have one entry per query head \(9\), got 3"),
     "sinks of another dtype": (lambda kw: {"sinks": torch.zeros(9, dtype=torch.float64)}, RuntimeError,

@@ -104,7 +104,8 @@ constexpr int64_t kValueBlock = 64;
 // 16-bit rows are widened to fp32 as they are loaded (load_float8).
 template <ggml::Type T>
 void attend_group(const float* queries, const uint8_t* key_rows, const uint8_t* value_rows, uint8_t* out,
-                  int64_t groups, int64_t keys, int64_t dim, float scale, const float* sinks, float* scratch) {
+                  int64_t groups, int64_t keys, int64_t dim, float scale, float softcap, const float* sinks,
+                  float* scratch) {
   const int64_t stride = dim * ggml::TypeInfo<T>::kBytes;  // bytes per row
   float* scores = scratch;                  // [groups, keys]
   float* totals = scores + groups * keys;   // [groups]: the softmax divisors
@@ -136,6 +137,7 @@ void attend_group(const float* queries, const uint8_t* key_rows, const uint8_t* 
     }
   }
   for (int64_t j = 0; j < groups; ++j) {
+    if (softcap > 0.0f) soft_cap(scores + j * keys, keys, softcap);
     totals[j] = exponentiate8(scores + j * keys, keys, sinks != nullptr ? sinks + j : nullptr);
   }
   for (int64_t k0 = 0; k0 < keys; k0 += kValueBlock) {
@@ -168,18 +170,18 @@ void attend_group(const float* queries, const uint8_t* key_rows, const uint8_t* 
 }  // namespace
 
 void decode_attend_group_avx2(ggml::Type type, const float* queries, const void* key_rows, const void* value_rows,
-                              void* out, int64_t groups, int64_t keys, int64_t dim, float scale, const float* sinks,
-                              float* scratch) {
+                              void* out, int64_t groups, int64_t keys, int64_t dim, float scale, float softcap,
+                              const float* sinks, float* scratch) {
   const auto* k = static_cast<const uint8_t*>(key_rows);
   const auto* v = static_cast<const uint8_t*>(value_rows);
   auto* o = static_cast<uint8_t*>(out);
   switch (type) {
     case ggml::Type::F32:
-      return attend_group<ggml::Type::F32>(queries, k, v, o, groups, keys, dim, scale, sinks, scratch);
+      return attend_group<ggml::Type::F32>(queries, k, v, o, groups, keys, dim, scale, softcap, sinks, scratch);
     case ggml::Type::BF16:
-      return attend_group<ggml::Type::BF16>(queries, k, v, o, groups, keys, dim, scale, sinks, scratch);
+      return attend_group<ggml::Type::BF16>(queries, k, v, o, groups, keys, dim, scale, softcap, sinks, scratch);
     case ggml::Type::F16:
-      return attend_group<ggml::Type::F16>(queries, k, v, o, groups, keys, dim, scale, sinks, scratch);
+      return attend_group<ggml::Type::F16>(queries, k, v, o, groups, keys, dim, scale, softcap, sinks, scratch);
     default: return;  // decode_ops.cpp passes only these
   }
 }

@@ -74,12 +74,13 @@ namespace {
 
 // One key-value head's group of query heads (already rotated, fp32) against
 // its rows [0, keys): scores, softmax and the weighted sum of values, the
-// rows read once for the whole group; `sinks`: the group's sink logits
-// (nullptr for none). `scratch` holds groups * (keys + dim + 1) values.
+// rows read once for the whole group; softcap > 0: the scores soft-capped;
+// `sinks`: the group's sink logits (nullptr for none). `scratch` holds
+// groups * (keys + dim + 1) values.
 template <typename T>
 [[gnu::always_inline]] inline void attend_group(const float* queries, const T* key_rows, const T* value_rows,
                                                 T* out, int64_t groups, int64_t keys, int64_t dim, float scale,
-                                                const float* sinks, float* scratch) {
+                                                float softcap, const float* sinks, float* scratch) {
   float* scores = scratch;                 // [groups, keys]
   float* acc = scratch + groups * keys;    // [groups, dim]
   for (int64_t p = 0; p < keys; ++p) {
@@ -90,6 +91,7 @@ template <typename T>
   std::fill(acc, acc + groups * dim, 0.0f);
   float* totals = acc + groups * dim;      // [groups]
   for (int64_t j = 0; j < groups; ++j) {
+    if (softcap > 0.0f) soft_cap(scores + j * keys, keys, softcap);
     totals[j] = exponentiate(scores + j * keys, keys, sinks != nullptr ? sinks + j : nullptr);
   }
   for (int64_t p = 0; p < keys; ++p) {
@@ -110,13 +112,14 @@ template <typename T>
 // cpu_isa at AVX2 or above); false where the portable loops must.
 template <typename T>
 bool attend_group_simd(const float* queries, const T* key_rows, const T* value_rows, T* out, int64_t groups,
-                       int64_t keys, int64_t dim, float scale, const float* sinks, float* scratch) {
+                       int64_t keys, int64_t dim, float scale, float softcap, const float* sinks, float* scratch) {
 #if LOWBIT_X86_SIMD
   constexpr bool f32 = std::is_same_v<T, float>, bf16 = std::is_same_v<T, at::BFloat16>;
   if constexpr (f32 || bf16 || std::is_same_v<T, at::Half>) {  // not double
     if (dim % 32 == 0 && active_isa() >= Isa::kAvx2) {
       const ggml::Type type = f32 ? ggml::Type::F32 : bf16 ? ggml::Type::BF16 : ggml::Type::F16;
-      decode_attend_group_avx2(type, queries, key_rows, value_rows, out, groups, keys, dim, scale, sinks, scratch);
+      decode_attend_group_avx2(type, queries, key_rows, value_rows, out, groups, keys, dim, scale, softcap, sinks,
+                               scratch);
       return true;
     }
   }
@@ -128,8 +131,11 @@ bool attend_group_simd(const float* queries, const T* key_rows, const T* value_r
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                             const at::Tensor& sin, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                            int64_t position, double scale, int64_t start, const std::optional<at::Tensor>& sinks) {
-  const auto d = check_decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale, start, sinks);
+                            int64_t position, double scale, int64_t start, const std::optional<at::Tensor>& sinks,
+                            double softcap) {
+  const auto d =
+      check_decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale, start, sinks, softcap);
+  const float fsoftcap = static_cast<float>(softcap);
   at::Tensor out = at::empty_like(q);
   // Each query head's sink logit, fp32 (transformers adds it in the scores' dtype, which holds it exactly).
   const at::Tensor sink_logits = sinks.has_value() ? sinks->to(at::kFloat).contiguous() : at::Tensor();
@@ -171,12 +177,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
         const scalar_t* value_rows = vc + (h * d.capacity + start) * dim;
         scalar_t* heads_out = op + h * groups * dim;
         const float* group_sinks = sp32 != nullptr ? sp32 + h * groups : nullptr;
-        if (attend_group_simd(queries.data(), key_rows, value_rows, heads_out, groups, keys, dim, fscale, group_sinks,
-                              scratch.data())) {
+        if (attend_group_simd(queries.data(), key_rows, value_rows, heads_out, groups, keys, dim, fscale, fsoftcap,
+                              group_sinks, scratch.data())) {
           continue;
         }
-        attend_group(queries.data(), key_rows, value_rows, heads_out, groups, keys, dim, fscale, group_sinks,
-                     scratch.data());
+        attend_group(queries.data(), key_rows, value_rows, heads_out, groups, keys, dim, fscale, fsoftcap,
+                     group_sinks, scratch.data());
       }
     });
   });

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include <algorithm>
+#include <cmath>
 
 namespace lowbit {
 namespace cpu {
@@ -33,6 +34,12 @@ namespace {
   float scale;
   memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
+}
+
+// Gemma 2's soft cap of a row of scores, in place: cap * tanh(s / cap),
+// each operation rounded as transformers' eager attention rounds it.
+inline void soft_cap(float* s, int64_t keys, float cap) {
+  for (int64_t p = 0; p < keys; ++p) s[p] = std::tanh(s[p] / cap) * cap;
 }
 
 // A row of scores into exp(s - max(s)), in place; returns their sum (the

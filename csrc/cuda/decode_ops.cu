@@ -80,7 +80,7 @@ __global__ void append_kernel(const void* k, const void* v, const void* cos, con
 __global__ void attend_kernel(const void* q, const void* cos, const void* sin, const void* key_cache,
                               const void* value_cache, void* out, float* scores, Float kind, int64_t dim,
                               int64_t rotated, int64_t capacity, int64_t start, int64_t keys, int64_t groups,
-                              float scale, const float* sinks) {
+                              float scale, float softcap, const float* sinks) {
   extern __shared__ float query[];  // dim values, then kThreads for the reductions
   float* shared = query + dim;
   const int64_t h = blockIdx.x, kv = ((h / groups) * capacity + start) * dim;
@@ -91,7 +91,8 @@ __global__ void attend_kernel(const void* q, const void* cos, const void* sin, c
   for (int64_t p = threadIdx.x; p < keys; p += blockDim.x) {
     float dot = 0.0f;
     for (int64_t i = 0; i < dim; ++i) dot += query[i] * load_float(key_cache, kind, kv + p * dim + i);
-    s[p] = dot * scale;
+    const float scaled = dot * scale;
+    s[p] = softcap > 0.0f ? tanhf(scaled / softcap) * softcap : scaled;  // Gemma 2's soft cap
     top = fmaxf(top, s[p]);
   }
   top = block_reduce<true>(top, shared);
@@ -126,8 +127,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                             const at::Tensor& sin, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                            int64_t position, double scale, int64_t start, const std::optional<at::Tensor>& sinks) {
-  const auto d = check_decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale, start, sinks);
+                            int64_t position, double scale, int64_t start, const std::optional<at::Tensor>& sinks,
+                            double softcap) {
+  const auto d =
+      check_decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale, start, sinks, softcap);
   const at::Tensor sink_logits = sinks.has_value() ? sinks->to(at::kFloat).contiguous() : at::Tensor();
   const c10::cuda::CUDAGuard guard(q.device());
   TORCH_CHECK_VALUE(d.dim <= 4096 && d.q_heads <= std::numeric_limits<int32_t>::max(),
@@ -146,7 +149,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       q.const_data_ptr(), cos.const_data_ptr(), sin.const_data_ptr(), key_cache.const_data_ptr(),
       value_cache.const_data_ptr(), out.mutable_data_ptr(), scores.mutable_data_ptr<float>(), kind, d.dim,
       d.rotated, d.capacity, start, keys, d.q_heads / d.kv_heads, static_cast<float>(scale),
-      sinks.has_value() ? sink_logits.const_data_ptr<float>() : nullptr);
+      static_cast<float>(softcap), sinks.has_value() ? sink_logits.const_data_ptr<float>() : nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }

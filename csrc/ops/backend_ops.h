@@ -67,7 +67,7 @@
   at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos, \
                               const at::Tensor& sin, const at::Tensor& key_cache, const at::Tensor& value_cache,    \
                               int64_t position, double scale, int64_t start,                                        \
-                              const std::optional<at::Tensor>& sinks);
+                              const std::optional<at::Tensor>& sinks, double softcap);
 
 namespace lowbit {
 namespace cpu {

@@ -33,7 +33,7 @@ inline DecodeAttentionDims check_decode_attention(const at::Tensor& q, const at:
                                                   const at::Tensor& cos, const at::Tensor& sin,
                                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
                                                   int64_t position, double scale, int64_t start,
-                                                  const std::optional<at::Tensor>& sinks) {
+                                                  const std::optional<at::Tensor>& sinks, double softcap) {
   constexpr const char* op = "decode_attention";
   check_float_dtype(op, "q", q);
   const std::pair<const char*, const at::Tensor*> others[] = {
@@ -69,6 +69,7 @@ inline DecodeAttentionDims check_decode_attention(const at::Tensor& q, const at:
   TORCH_CHECK_VALUE(start >= 0 && start <= position, op, ": start must lie in [0, ", position,
                     "] (position), got ", start);
   TORCH_CHECK_VALUE(std::isfinite(scale), op, ": scale must be finite");
+  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0, op, ": softcap must be finite and >= 0 (0: none)");
   if (sinks.has_value()) {
     TORCH_CHECK(sinks->scalar_type() == q.scalar_type(), op, ": sinks must be ", q.scalar_type(), " (q's dtype), got ",
                 sinks->scalar_type());

@@ -19,14 +19,14 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                             const at::Tensor& sin, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                            int64_t position, double scale, int64_t start) {
+                            int64_t position, double scale, int64_t start, double softcap) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("lowbit::decode_attention", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double, int64_t,
-                            const std::optional<at::Tensor>&)>();
-  return op.call(q, k, v, cos, sin, key_cache, value_cache, position, scale, start, std::nullopt);
+                            const std::optional<at::Tensor>&, double)>();
+  return op.call(q, k, v, cos, sin, key_cache, value_cache, position, scale, start, std::nullopt, softcap);
 }
 
 // A layer's cache rows in its buffers [1, heads, capacity, dim]: the
@@ -130,10 +130,12 @@ void DecodeStep::layer(at::Tensor input_norm, double input_eps, std::vector<int6
 }
 
 void DecodeStep::layer_extras(int64_t window, int64_t table, std::optional<at::Tensor> attn_out_norm,
-                              std::optional<at::Tensor> mlp_out_norm, double out_eps) {
+                              std::optional<at::Tensor> mlp_out_norm, double out_eps, double attn_softcap) {
   TORCH_CHECK(!layers_.empty(), "DecodeStep.layer_extras: no layer to extend");
   TORCH_CHECK(window >= 0 && table >= 0, "DecodeStep.layer_extras: window and table must be >= 0; got ", window,
               " and ", table);
+  TORCH_CHECK(std::isfinite(attn_softcap) && attn_softcap >= 0,
+              "DecodeStep.layer_extras: attn_softcap must be finite and >= 0; got ", attn_softcap);
   TORCH_CHECK(attn_out_norm.has_value() == mlp_out_norm.has_value(),
               "DecodeStep.layer_extras: attn_out_norm and mlp_out_norm come together");
   Layer& l = layers_.back();
@@ -142,6 +144,7 @@ void DecodeStep::layer_extras(int64_t window, int64_t table, std::optional<at::T
   l.attn_out_norm = std::move(attn_out_norm);
   l.mlp_out_norm = std::move(mlp_out_norm);
   l.out_eps = out_eps;
+  l.attn_softcap = attn_softcap;
 }
 
 void DecodeStep::style(double norm_offset, const std::string& activation, double softcap) {
@@ -244,7 +247,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, std::ve
     // The new token's row, and the first its window reaches.
     const int64_t row = first + rows, start = l.window > 0 ? std::max(first, row + 1 - l.window) : first;
     const at::Tensor o = decode_attention(q, k, v, layer_cos, layer_sin, key_buffer.select(0, 0),
-                                          value_buffer.select(0, 0), row, l.scale, start);
+                                          value_buffer.select(0, 0), row, l.scale, start, l.attn_softcap);
     at::Tensor out = project(l.o, o.view({1, -1}));
     if (l.attn_out_norm) out = norm(out, *l.attn_out_norm, l.out_eps);
     h = h + scaled(out, l.residual_scale);

@@ -46,11 +46,12 @@ class DecodeStep : public torch::CustomClassHolder {
   // What the last layer appended has beyond a llama layer: a sliding
   // window (each token attends to itself and the window - 1 rows before
   // it; 0: none), the rotary tables it takes (a row of run's cos and sin
-  // where they are 2-D: Gemma 3's per layer type), and norms of o's and
-  // down's outputs before each is added (Gemma 3's post_attention and
-  // post_feedforward norms, its post_norm then being the pre-MLP one).
+  // where they are 2-D: Gemma 3's per layer type), norms of o's and down's
+  // outputs before each is added (Gemma's post_attention and
+  // post_feedforward norms, its post_norm then being the pre-MLP one) and
+  // the attention scores' soft cap (Gemma 2's; 0: none).
   void layer_extras(int64_t window, int64_t table, std::optional<at::Tensor> attn_out_norm,
-                    std::optional<at::Tensor> mlp_out_norm, double out_eps);
+                    std::optional<at::Tensor> mlp_out_norm, double out_eps, double attn_softcap);
 
   // The whole step's: every norm scales by weight + norm_offset (Gemma's 1;
   // 0 elsewhere), the MLPs gate with `activation` ("silu" or "gelu_tanh"),
@@ -96,7 +97,7 @@ class DecodeStep : public torch::CustomClassHolder {
     double residual_scale;
     int64_t window = 0, table = 0;
     std::optional<at::Tensor> attn_out_norm, mlp_out_norm;
-    double out_eps = 0.0;
+    double out_eps = 0.0, attn_softcap = 0.0;
   };
 
   at::Tensor project(int64_t id, const at::Tensor& x) const;

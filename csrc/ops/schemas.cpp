@@ -83,10 +83,12 @@ TORCH_LIBRARY(lowbit, m) {
   // rows [start, position] of key-value head h / (q_heads / kv_heads)
   // (start > 0: a sliding window's rows, older ones left unread); sinks
   // [q_heads] (gpt-oss's): each head's logit that joins its softmax's
-  // divisor and nothing else.
+  // divisor and nothing else; softcap > 0 (Gemma 2's): the scaled scores
+  // soft-capped to softcap * tanh(s / softcap) first.
   m.def(
       "decode_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) key_cache, "
-      "Tensor(b!) value_cache, int position, float scale, int start=0, Tensor? sinks=None) -> Tensor");
+      "Tensor(b!) value_cache, int position, float scale, int start=0, Tensor? sinks=None, float softcap=0.0) "
+      "-> Tensor");
   // A whole decode step of a llama-family model in one C++ loop (decode_step.h).
   m.class_<lowbit::DecodeStep>("DecodeStep")
       .def(torch::init<>())

@@ -216,7 +216,8 @@ _DECODE_ATTENTION_ARGS = ("q", "k", "v", "cos", "sin", "key_cache", "value_cache
 _LIB = torch.library.Library("lowbit", "IMPL")
 
 
-def _decode_attention_autograd(q, k, v, cos, sin, key_cache, value_cache, position, scale, start=0, sinks=None):
+def _decode_attention_autograd(q, k, v, cos, sin, key_cache, value_cache, position, scale, start=0, sinks=None,
+                               softcap=0.0):
     """Refuses inputs that require grad (an inference step); runs the op otherwise."""
     if torch.is_grad_enabled():
         for name, value in zip(_DECODE_ATTENTION_ARGS, (q, k, v, cos, sin, key_cache, value_cache, sinks)):
@@ -224,7 +225,8 @@ def _decode_attention_autograd(q, k, v, cos, sin, key_cache, value_cache, positi
                 raise RuntimeError(f"decode_attention: not differentiable (an inference step that writes its caches "
                                    f"in place), and {name} requires grad")
     with torch._C._AutoDispatchBelowAutograd():
-        return ops.decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale, start, sinks)
+        return ops.decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale, start, sinks,
+                                    softcap)
 
 
 _LIB.impl("decode_attention", _decode_attention_autograd, "Autograd")

@@ -581,7 +581,7 @@ def _rms_norm(x, weight, eps):
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, key_cache: Tensor,
                      value_cache: Tensor, position: int, scale: float, start: int = 0,
-                     sinks: Optional[Tensor] = None) -> Tensor:
+                     sinks: Optional[Tensor] = None, softcap: float = 0.0) -> Tensor:
     """One new token's attention (batch 1), its key and value appended in place:
     q [q_heads, dim], k and v [kv_heads, dim], cos and sin [rotated] (the rotary
     tables at `position`, rotate-half convention, as transformers' llama-family
@@ -593,15 +593,17 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, 
     of key-value head h // (q_heads // kv_heads) (start > 0: a sliding window,
     the rows before it left unread). sinks [q_heads] (gpt-oss's attention
     sinks): each head's logit that joins its softmax's divisor, as a softmax
-    over the scores and the sink with the sink's column dropped. All arguments
+    over the scores and the sink with the sink's column dropped. softcap > 0
+    (Gemma 2's attention logit soft cap): the scaled scores become
+    softcap * tanh(score / softcap) before the softmax. All arguments
     contiguous (sinks need not be), of one float dtype and device; the caches
     share memory with no other argument."""
     return torch.ops.lowbit.decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale, start,
-                                             sinks)
+                                             sinks, softcap)
 
 
 @torch.library.register_fake("lowbit::decode_attention")
-def _decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale, start=0, sinks=None):
+def _decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale, start=0, sinks=None, softcap=0.0):
     op = "decode_attention"
     _float_dtype(op, "q", q)
     named = (("k", k), ("v", v), ("cos", cos), ("sin", sin), ("key_cache", key_cache), ("value_cache", value_cache))
@@ -630,6 +632,7 @@ def _decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale
            position)
     _value(0 <= start <= position, op, "start must lie in [0, ", position, "] (position), got ", start)
     _value(math.isfinite(scale), op, "scale must be finite")
+    _value(math.isfinite(softcap) and softcap >= 0, op, "softcap must be finite and >= 0 (0: none)")
     if sinks is not None:
         _runtime(sinks.dtype == q.dtype, op, "sinks must be ", _NAMES[q.dtype], " (q's dtype), got ",
                  _NAMES.get(sinks.dtype, sinks.dtype))
