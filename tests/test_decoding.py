@@ -58,6 +58,8 @@ def own_forward_logits(model, ids, cache, token):
     # full layer, each with its own tables; norms after each sublayer, GELU,
     # soft-capped logits
     ("gemma3", {}),
+    # the same without q and k norms, one table, soft-capped attention scores (a cap tight enough to matter)
+    ("gemma2", dict(attn_logit_softcapping=0.5)),
     ("qwen2", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1)),  # a window on layer 1 only
     ("phi3", dict(sliding_window=4)),  # the config's window over every layer (Phi-3's, Mistral's)
     ("llama", dict(hidden_act="gelu_pytorch_tanh")),  # another activation: the MLP's own module
@@ -271,7 +273,6 @@ def test_other_architectures_are_left_to_their_forward():
     model = tiny_model("gemma", seed=0)
     assert not fast_decoding(model)
     assert "forward" not in model.__dict__
-    assert not fast_decoding(tiny_model("gemma2", seed=0))  # soft-capped attention scores
     assert not fast_decoding(tiny_model("gemma3", seed=0, use_bidirectional_attention=True))
     from transformers import MistralConfig, MistralForCausalLM
 
@@ -393,6 +394,10 @@ STEP_MODELS = {
     "gguf gemma3 (windows, norms after each sublayer, GELU, tables per layer type, soft-capped logits)":
         lambda path: lowbit.load_gguf_model(write_tiny_gguf(os.path.join(os.path.dirname(path), "gemma3.gguf"),
                                                             tiny_model("gemma3", seed=1), "gemma3")),
+    "gguf gemma2 (soft-capped attention scores)":
+        lambda path: lowbit.load_gguf_model(write_tiny_gguf(
+            os.path.join(os.path.dirname(path), "gemma2.gguf"), tiny_model("gemma2", seed=1, attn_logit_softcapping=0.5),
+            "gemma2")),
     "float qwen2 (a window on one layer)": lambda path: float_model(
         "qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1),
     "float phi3 (a window on every layer, half of each head rotated)": lambda path: float_model(
@@ -513,16 +518,18 @@ def test_decode_step_refuses_what_it_cannot_run():
     with pytest.raises(RuntimeError, match="head.. was not called"):
         step.run(torch.zeros(1, 1, 4), torch.ones(4), torch.zeros(4), [], [], [], 0)
     with pytest.raises(RuntimeError, match="layer_extras: no layer to extend"):
-        step.layer_extras(0, 0, None, None, 0.0)
+        step.layer_extras(0, 0, None, None, 0.0, 0.0)
     with pytest.raises(RuntimeError, match="activation must be .silu. or .gelu_tanh.; got .relu."):
         step.style(0.0, "relu", 0.0)
     with pytest.raises(RuntimeError, match="softcap finite and >= 0"):
         step.style(0.0, "silu", -1.0)
     step.layer(norm, 1e-5, [p, p, p], [8, 8, 8], None, None, 0.0, p, norm, 1e-5, [p, p], [8, 8], p, 4, 0.5, True, 1.0)
     with pytest.raises(RuntimeError, match="window and table must be >= 0"):
-        step.layer_extras(-1, 0, None, None, 0.0)
+        step.layer_extras(-1, 0, None, None, 0.0, 0.0)
+    with pytest.raises(RuntimeError, match="attn_softcap must be finite and >= 0"):
+        step.layer_extras(0, 0, None, None, 0.0, float("inf"))
     with pytest.raises(RuntimeError, match="attn_out_norm and mlp_out_norm come together"):
-        step.layer_extras(0, 0, norm, None, 1e-6)
+        step.layer_extras(0, 0, norm, None, 1e-6, 0.0)
     with pytest.raises(RuntimeError, match="residual_scale must be finite"):
         step.layer(norm, 1e-5, [p], [4, 4, 4], None, None, 0.0, p, norm, 1e-5, [p], [4, 4], p, 4, 0.5, True,
                    float("inf"))
@@ -536,10 +543,10 @@ def test_decode_step_refuses_what_it_cannot_run():
         step.run(torch.zeros(1, 1, 4), torch.ones(4), torch.zeros(4), [keys], [keys], [None, None], 5)
     with pytest.raises(RuntimeError, match="cos and sin must be one table"):
         step.run(torch.zeros(1, 1, 4), torch.ones(4), torch.zeros(2, 4), [keys], [keys], [None, None], 3)
-    step.layer_extras(0, 1, None, None, 0.0)  # the second table of two
+    step.layer_extras(0, 1, None, None, 0.0, 0.0)  # the second table of two
     with pytest.raises(RuntimeError, match="layer 0 takes rotary table 1 of 1"):
         step.run(torch.zeros(1, 1, 4), torch.ones(4), torch.zeros(4), [keys], [keys], [None, None], 3)
-    step.layer_extras(4, 0, None, None, 0.0)  # a window of 4: its cache may keep 3 rows of 5
+    step.layer_extras(4, 0, None, None, 0.0, 0.0)  # a window of 4: its cache may keep 3 rows of 5
     with pytest.raises(RuntimeError, match=r"layer 0's cache holds keys .*\(or its window's last rows\)"):
         step.run(torch.zeros(1, 1, 4), torch.ones(4), torch.zeros(4), [keys[:, :, :2]], [keys[:, :, :2]], [None, None],
                  5)

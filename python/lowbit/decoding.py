@@ -51,20 +51,21 @@ __all__ = ["DECODER_LAYERS", "fast_decoding"]
 # sublayer's output and the logits (_Scales); Phi-3 holds q, k and v as one
 # qkv_proj and gate and up as one gate_up_proj (_native_qkv_sizes,
 # _native_gate_up_sizes). The mixture-of-experts layers (Qwen2-MoE,
-# Qwen3-MoE, Mixtral) put a sparse block in the MLP's place, which the
-# Python loop calls as it stands (its router and experts). Gemma 3 adds a norm after each sublayer, scales its
-# norms by 1 + weight, gates with GELU, has rotary tables per layer type
-# (sliding or full attention) and may soft-cap the logits. gpt-oss adds
-# attention sinks (decode_attention's sinks), rotary tables that hold each
-# frequency once and experts whose block returns the router's scores too.
-# The C++ step declines experts (the Python loop serves them) and Gemma 3 in
-# 16 bits.
+# Qwen3-MoE, Mixtral, gpt-oss) put a sparse block in the MLP's place, which
+# the Python loop calls as it stands (its router and experts). Gemma 2 and
+# 3 add a norm after each sublayer, scale their norms by 1 + weight, gate
+# with GELU and may soft-cap the logits; Gemma 2 soft-caps the attention
+# scores too (decode_attention's softcap), Gemma 3 has rotary tables per
+# layer type (sliding or full attention). gpt-oss adds attention sinks
+# (decode_attention's sinks) and rotary tables that hold each frequency
+# once. The C++ step declines experts and Gemma in 16 bits: the Python loop
+# serves them.
 DECODER_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
                   "SmolLM3DecoderLayer", "GraniteDecoderLayer", "Phi3DecoderLayer",
-                  "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer", "MixtralDecoderLayer", "Gemma3DecoderLayer",
-                  "GptOssDecoderLayer")
+                  "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer", "MixtralDecoderLayer", "Gemma2DecoderLayer",
+                  "Gemma3DecoderLayer", "GptOssDecoderLayer")
 # The norms that scale by 1 + weight in fp32 before rounding (Gemma's).
-_ONE_PLUS_WEIGHT_NORMS = ("Gemma3RMSNorm",)
+_ONE_PLUS_WEIGHT_NORMS = ("Gemma2RMSNorm", "Gemma3RMSNorm")
 # The norms that scale in fp32 before rounding (gpt-oss's): lowbit's op,
 # which rounds first, is theirs in fp32 only.
 _FP32_SCALING_NORMS = ("GptOssRMSNorm",)
@@ -381,7 +382,7 @@ class _StepPlan:
                         self._projection(mlp, "down_proj"), attn.head_dim, float(attn.scaling), _rotary(attn),
                         _Scales.residual(layer))
         table = self.table_kinds.index(attn.layer_type) if self.table_kinds is not None else 0
-        self.step.layer_extras(_window(layer) or 0, table, attn_out_norm, mlp_out_norm, out_eps)
+        self.step.layer_extras(_window(layer) or 0, table, attn_out_norm, mlp_out_norm, out_eps, _softcap(attn))
 
     def intact(self) -> bool:
         """Whether the step still describes the model: the same modules in
@@ -408,13 +409,16 @@ class _StepPlan:
 
 def _servable_layer(layer: nn.Module) -> bool:
     """A decoder layer of DECODER_LAYERS' kinds whose attention is causal
-    without soft-capped scores and whose MLP is experts or gated by an
-    activation module."""
+    and whose MLP is experts or gated by an activation module."""
     modules = layer._modules
     attn, mlp = modules.get("self_attn"), modules.get("mlp")
     return (type(layer).__name__ in DECODER_LAYERS and attn is not None and mlp is not None
-            and getattr(attn, "is_causal", True) and getattr(attn, "attn_logit_softcapping", None) is None
-            and (_mixture_of_experts(mlp) or _activation(mlp) is not None))
+            and getattr(attn, "is_causal", True) and (_mixture_of_experts(mlp) or _activation(mlp) is not None))
+
+
+def _softcap(attn: nn.Module) -> float:
+    """The attention scores' soft cap (Gemma 2's attn_logit_softcapping; 0: none)."""
+    return float(getattr(attn, "attn_logit_softcapping", None) or 0.0)
 
 
 def _window(layer: nn.Module) -> int | None:
@@ -580,7 +584,7 @@ class _DecodingForward:
             row, window = first + rows, _window(layer)  # the new token's row; its window's first row:
             start = first if window is None else max(first, row + 1 - window)
             o = torch.ops.lowbit.decode_attention(q, k, v, *layer_tables, key_buffer[0], value_buffer[0], row,
-                                                  attn.scaling, start, attn._parameters.get("sinks"))
+                                                  attn.scaling, start, attn._parameters.get("sinks"), _softcap(attn))
             kept = first  # the cache's first row from now on
             if cache_layer.is_sliding:  # a window's cache keeps the last window - 1 rows
                 kept = row + 1 - min(rows + 1, cache_layer.sliding_window - 1)
