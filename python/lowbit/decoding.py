@@ -355,7 +355,7 @@ class _StepPlan:
         input_norm, input_eps = self._norm(layer, "input_layernorm")
         attn_out_norm = mlp_out_norm = None
         out_eps = 0.0
-        if "pre_feedforward_layernorm" in layer._modules:  # Gemma 3: norms after each sublayer too
+        if "pre_feedforward_layernorm" in layer._modules:  # Gemma: norms after each sublayer too
             (attn_out_norm, out_eps), (mlp_out_norm, mlp_out_eps) = (
                 self._norm(layer, "post_attention_layernorm"), self._norm(layer, "post_feedforward_layernorm"))
             if mlp_out_eps != out_eps:
@@ -592,7 +592,7 @@ class _DecodingForward:
             cache_layer.keys, cache_layer.values = key_buffer[:, :, kept:row + 1], value_buffer[:, :, kept:row + 1]
             residual = _Scales.residual(layer)
             out = _project(attn._modules["o_proj"], o.view(1, 1, -1))
-            sandwich = "pre_feedforward_layernorm" in modules  # Gemma 3: a norm after each sublayer too
+            sandwich = "pre_feedforward_layernorm" in modules  # Gemma: a norm after each sublayer too
             if sandwich:
                 out = _rms_norm(out, modules["post_attention_layernorm"])
             x = x + _scaled(out, residual)
