@@ -2,7 +2,7 @@
 llama.cpp (llama-cpp-python's Llama) on the same GGUF file, the same prompt
 and the same threads.
 
-    python -m benchmarks.bench_e2e [--quick] [--models smollm2,requant,1b] [--threads 2] [--rounds 3]
+    python -m benchmarks.bench_e2e [--quick] [--models smollm2,requant,1b,moe] [--threads 2] [--rounds 3]
 
 Per (file, library) it measures:
   load s          file to first-token-ready model: the load call (lowbit's
@@ -47,6 +47,12 @@ Models (--models):
            and 4-bit GPTQ checkpoints (RTN, g128) of the same weights, with
            and without act-order, lowbit only (llama.cpp reads no GPTQ),
            against the Q4_K_M file
+  moe      a Qwen3-MoE of 2.5B parameters, 0.4B of them active per token,
+           with random weights (hidden 1024, 24 layers, 64 experts of 512
+           rows, 8 per token, 16 heads of 64, 4 KV heads, q and k norms,
+           SmolLM2's tokenizer), written as F16 by gguf-py and quantized
+           by llama.cpp to Q4_K_M; lowbit also with transformers' decode
+           steps
 Generated files are cached in $LOWBIT_BENCH_CACHE (default
 ~/.cache/lowbit-bench) and reused.
 
@@ -72,10 +78,15 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT_TOKENS, NEW_TOKENS, N_CTX = 128, 64, 512
 DEFAULT_MODELS = ("smollm2", "requant")
-MODELS = ("smollm2", "requant", "1b")
+MODELS = ("smollm2", "requant", "1b", "moe")
 REQUANT_TYPES = ("Q4_K_M", "Q6_K", "Q8_0")
-# The random Llama of about 1B parameters (config of --models 1b).
-BIG = dict(hidden=2048, layers=20, intermediate=5632, heads=32, kv_heads=8, std=0.02, seed=0)
+# The random Llama of about 1B parameters (config of --models 1b) and the
+# random Qwen3-MoE (--models moe): 64 experts, 8 of them per token.
+BIG = dict(arch="llama", name="random llama 1B", size_label="1B", hidden=2048, layers=20, intermediate=5632,
+           heads=32, kv_heads=8, std=0.02, seed=0)
+MOE = dict(arch="qwen3moe", name="random qwen3moe 2.5B-A0.4B", size_label="2.5B-A0.4B", hidden=1024, layers=24,
+           intermediate=3072, heads=16, kv_heads=4, experts=64, experts_used=8, expert_intermediate=512, std=0.02,
+           seed=1)
 GPTQ_BITS, GPTQ_GROUP = 4, 128
 GPTQ_LABEL = "random Llama 1.0B GPTQ 4-bit"
 GPTQ_ACT_ORDER_LABEL = "random Llama 1.0B GPTQ 4-bit act-order"
@@ -142,6 +153,9 @@ def _child_lowbit(spec):
     import torch
     import transformers  # noqa: F401
     from transformers import LlamaForCausalLM  # noqa: F401  (the model's code, before the baseline)
+
+    if "qwen3moe" in os.path.basename(spec["path"]):
+        from transformers import Qwen3MoeForCausalLM  # noqa: F401
 
     import lowbit
 
@@ -316,23 +330,30 @@ def llama_quantize(src, dst, ftype_name, threads):
     return _atomic(dst, write)
 
 
-def random_llama_gguf(dst, template):
-    """An F16 GGUF Llama of BIG's sizes with random weights (normal, std
-    BIG['std']; norms 1), the tokenizer and the other metadata copied from
-    `template` (SmolLM2's file)."""
+def random_gguf(dst, template, spec):
+    """An F16 GGUF model of `spec`'s architecture and sizes (BIG: a Llama;
+    MOE: a Qwen3-MoE) with random weights (normal, std spec['std']; norms 1,
+    the routers' rows F32), the tokenizer and the other metadata copied from
+    `template` (SmolLM2's file), its architecture's keys renamed."""
     if os.path.exists(dst):
         return dst
     import gguf
     import numpy as np
 
     reader = gguf.GGUFReader(template)
-    arch = reader.fields["general.architecture"].contents()
-    h, layers, ffn, heads, kv = (BIG[k] for k in ("hidden", "layers", "intermediate", "heads", "kv_heads"))
+    source_arch, arch = reader.fields["general.architecture"].contents(), spec["arch"]
+    h, layers, ffn, heads, kv = (spec[k] for k in ("hidden", "layers", "intermediate", "heads", "kv_heads"))
     head_dim = h // heads
     vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
     sizes = {f"{arch}.embedding_length": h, f"{arch}.block_count": layers, f"{arch}.feed_forward_length": ffn,
              f"{arch}.attention.head_count": heads, f"{arch}.attention.head_count_kv": kv,
-             f"{arch}.rope.dimension_count": head_dim, "general.file_type": 1}  # 1: mostly F16
+             f"{arch}.rope.dimension_count": head_dim, "general.file_type": 1,  # 1: mostly F16
+             "general.name": spec["name"], "general.size_label": spec["size_label"]}
+    experts = spec.get("experts")
+    if experts:
+        sizes.update({f"{arch}.expert_count": experts, f"{arch}.expert_used_count": spec["experts_used"],
+                      f"{arch}.expert_feed_forward_length": spec["expert_intermediate"],
+                      f"{arch}.attention.key_length": head_dim, f"{arch}.attention.value_length": head_dim})
 
     def write(tmp):
         print(f"writing {os.path.basename(dst)} (random weights) ...", file=sys.stderr, flush=True)
@@ -342,16 +363,16 @@ def random_llama_gguf(dst, template):
                 continue  # the header's own counts, and what GGUFWriter writes from `arch`
             vtype = field.types[0]
             sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-            value = sizes.get(key, field.contents())
-            if key == "general.name":
-                value = "random llama 1B"
-            elif key == "general.size_label":
-                value = "1B"
-            writer.add_key_value(key, value, vtype, sub)
-        rng = np.random.default_rng(BIG["seed"])
+            if key.startswith(source_arch + "."):
+                key = arch + key[len(source_arch):]
+            writer.add_key_value(key, sizes.pop(key, field.contents()), vtype, sub)
+        for key, value in sizes.items():  # the keys the template has no counterpart of
+            writer.add_key_value(key, value, gguf.GGUFValueType.UINT32 if isinstance(value, int)
+                                 else gguf.GGUFValueType.STRING)
+        rng = np.random.default_rng(spec["seed"])
 
-        def matrix(rows, cols):
-            return (rng.standard_normal((rows, cols), dtype=np.float32) * BIG["std"]).astype(np.float16)
+        def matrix(*shape, dtype=np.float16):
+            return (rng.standard_normal(shape, dtype=np.float32) * spec["std"]).astype(dtype)
 
         ones = np.ones(h, dtype=np.float32)
         writer.add_tensor("token_embd.weight", matrix(vocab, h))
@@ -363,9 +384,18 @@ def random_llama_gguf(dst, template):
             writer.add_tensor(b + "attn_v.weight", matrix(kv * head_dim, h))
             writer.add_tensor(b + "attn_output.weight", matrix(h, h))
             writer.add_tensor(b + "ffn_norm.weight", ones)
-            writer.add_tensor(b + "ffn_gate.weight", matrix(ffn, h))
-            writer.add_tensor(b + "ffn_up.weight", matrix(ffn, h))
-            writer.add_tensor(b + "ffn_down.weight", matrix(h, ffn))
+            if experts:
+                e_ffn = spec["expert_intermediate"]
+                writer.add_tensor(b + "attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
+                writer.add_tensor(b + "attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
+                writer.add_tensor(b + "ffn_gate_inp.weight", matrix(experts, h, dtype=np.float32))
+                writer.add_tensor(b + "ffn_gate_exps.weight", matrix(experts, e_ffn, h))
+                writer.add_tensor(b + "ffn_up_exps.weight", matrix(experts, e_ffn, h))
+                writer.add_tensor(b + "ffn_down_exps.weight", matrix(experts, h, e_ffn))
+            else:
+                writer.add_tensor(b + "ffn_gate.weight", matrix(ffn, h))
+                writer.add_tensor(b + "ffn_up.weight", matrix(ffn, h))
+                writer.add_tensor(b + "ffn_down.weight", matrix(h, ffn))
         writer.add_tensor("output_norm.weight", ones)  # no output.weight: the head is tied, as SmolLM2's
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -471,12 +501,17 @@ def files(models, threads):
             out.append((f"SmolLM2-135M {ftype} (from Q4_1)", llama_quantize(shipped, dst, ftype, threads),
                         gguf_variants))
     if "1b" in models:
-        f16 = random_llama_gguf(os.path.join(cache, "random-llama-1b.F16.gguf"), shipped)
+        f16 = random_gguf(os.path.join(cache, "random-llama-1b.F16.gguf"), shipped, BIG)
         q4km = llama_quantize(f16, os.path.join(cache, "random-llama-1b.Q4_K_M.gguf"), "Q4_K_M", threads)
         stem = os.path.join(cache, f"random-llama-1b-gptq-{GPTQ_BITS}bit-g{GPTQ_GROUP}")
         out.append(("random Llama 1.0B Q4_K_M", q4km, gguf_variants[:2] + ["lowbit-compiled-cpp"] + gguf_variants[2:]))
         out.append((GPTQ_LABEL, gptq_from_gguf(f16, stem), GPTQ_VARIANTS))
         out.append((GPTQ_ACT_ORDER_LABEL, gptq_from_gguf(f16, stem + "-act-order", act_order=True), GPTQ_VARIANTS))
+    if "moe" in models:
+        f16 = random_gguf(os.path.join(cache, "random-qwen3moe-2.5b-a0.4b.F16.gguf"), shipped, MOE)
+        q4km = llama_quantize(f16, os.path.join(cache, "random-qwen3moe-2.5b-a0.4b.Q4_K_M.gguf"), "Q4_K_M", threads)
+        out.append(("random Qwen3-MoE 2.5B-A0.4B Q4_K_M", q4km,
+                    gguf_variants[:1] + ["lowbit-transformers-steps"] + gguf_variants[1:]))
     return out
 
 
