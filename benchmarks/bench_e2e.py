@@ -179,8 +179,11 @@ def _child_lowbit(spec):
                                      cpp_wrapper=spec["variant"] == "lowbit-compiled-cpp")
     if spec["variant"].endswith("-repacked"):
         names = lowbit.repack_model(model)
-        linears = [m for m in model.modules() if isinstance(m, (lowbit.GGUFLinear, lowbit.GPTQLinear))]
-        layout = dict(repacked_layers=len(names), quantized_layers=len(linears))
+        # Each quantized layer, an experts module's three projections each counted as one.
+        quantized = sum(1 if isinstance(m, (lowbit.GGUFLinear, lowbit.GPTQLinear)) else 3
+                        for m in model.modules() if isinstance(m, (lowbit.GGUFLinear, lowbit.GPTQLinear,
+                                                                   lowbit.GGUFExperts)))
+        layout = dict(repacked_layers=len(names), quantized_layers=quantized)
     load_call_s = time.perf_counter() - t0
     with torch.no_grad():
         model(prompt[:, :1])
