@@ -150,13 +150,18 @@ def test_gptq_models_generate_through_served_steps(layout, monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "mixtral", "gpt-oss"])
-def test_gguf_mixtures_of_experts_generate_through_the_python_loop(arch, tmp_path, monkeypatch):
-    """A mixture-of-experts file's layers (GGUFExperts under the model's own
-    routing) decode through the Python loop, the C++ step declined, with the
-    tokens and logits of the model's own forward; each block runs once a step."""
+@pytest.mark.parametrize("arch,loop", [("qwen3moe", "C++"), ("mixtral", "C++"), ("qwen3moe", "Python"),
+                                       ("qwen2moe", "Python"), ("gpt-oss", "Python")])
+def test_gguf_mixtures_of_experts_generate_through_served_steps(arch, loop, tmp_path, monkeypatch):
+    """A mixture-of-experts file's layers (GGUFExperts) decode with the tokens
+    and logits of the model's own forward: Qwen3-MoE's and Mixtral's blocks in
+    the C++ step (its router and the experts' ops; the module runs for the
+    prompt only), the others (a shared expert; gpt-oss's sinks, biases and
+    GLU) in the Python loop, which calls each block once a step."""
     from tiny_models import write_tiny_gguf
 
+    if loop == "Python":
+        python_loop_only(monkeypatch)
     model = lowbit.load_gguf_model(write_tiny_gguf(tmp_path / f"{arch}.gguf", tiny_model(arch, seed=4), arch))
     experts = [m for m in model.modules() if isinstance(m, lowbit.GGUFExperts)]
     assert len(experts) == model.config.num_hidden_layers
@@ -168,8 +173,10 @@ def test_gguf_mixtures_of_experts_generate_through_the_python_loop(arch, tmp_pat
     monkeypatch.setattr(lowbit.GGUFExperts, "forward", lambda self, *a: calls.append(a[0].shape) or forward(self, *a))
     assert fast_decoding(model)
     served = generate(model, ids)
-    assert model.forward._plan is False
-    assert calls == [(7, model.config.hidden_size)] * len(experts) + [(1, model.config.hidden_size)] * 11 * len(experts)
+    assert (model.forward._plan is False) == (loop == "Python")
+    steps = 11 if loop == "Python" else 0
+    hidden = model.config.hidden_size
+    assert calls == [(7, hidden)] * len(experts) + [(1, hidden)] * steps * len(experts)
     assert torch.equal(served.sequences, own.sequences)
     for a, b in zip(served.logits, own.logits):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
@@ -358,6 +365,16 @@ def partly_fused_gguf_model(path):
     return model
 
 
+def repacked_experts_model(path):
+    """Every experts module in the repacked layout where the active kernels
+    read it so (ggml_mul_mat_id_repacked; Q8_0 on the AVX2 and AVX-512 kernels)."""
+    model = lowbit.load_gguf_model(path)
+    experts = [m for m in model.modules() if isinstance(m, lowbit.GGUFExperts)]
+    repacked = [m.repack() for m in experts]
+    assert experts and all(repacked) == bool(torch.ops.lowbit.cpu_reads_repacked(8))  # 8: Q8_0
+    return model
+
+
 def repacked_gguf_model(path):
     """Every layer of a type with the repacked layout in it (repack_model
     takes only those the active kernels read faster so)."""
@@ -396,12 +413,20 @@ STEP_MODELS = {
                                                             tiny_model("gemma3", seed=1), "gemma3")),
     "gguf gemma2 (soft-capped attention scores)":
         lambda path: lowbit.load_gguf_model(write_tiny_gguf(
-            os.path.join(os.path.dirname(path), "gemma2.gguf"), tiny_model("gemma2", seed=1, attn_logit_softcapping=0.5),
-            "gemma2")),
+            os.path.join(os.path.dirname(path), "gemma2.gguf"),
+            tiny_model("gemma2", seed=1, attn_logit_softcapping=0.5), "gemma2")),
     "float qwen2 (a window on one layer)": lambda path: float_model(
         "qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1),
     "float phi3 (a window on every layer, half of each head rotated)": lambda path: float_model(
         "phi3", sliding_window=3),
+    "gguf qwen3moe (experts and their router)": lambda path: lowbit.load_gguf_model(
+        write_tiny_gguf(os.path.join(os.path.dirname(path), "qwen3moe.gguf"), tiny_model("qwen3moe", seed=1),
+                        "qwen3moe")),
+    "gguf mixtral (experts, weights kept fp32)": lambda path: lowbit.load_gguf_model(
+        write_tiny_gguf(os.path.join(os.path.dirname(path), "mixtral.gguf"), tiny_model("mixtral", seed=1), "mixtral")),
+    "gguf qwen3moe repacked": lambda path: repacked_experts_model(
+        write_tiny_gguf(os.path.join(os.path.dirname(path), "qwen3moe-r.gguf"), tiny_model("qwen3moe", seed=2),
+                        "qwen3moe")),
     "gguf bf16": lambda path: lowbit.load_gguf_model(path, dtype=torch.bfloat16),
     "gguf repacked": lambda path: repacked_gguf_model(path),
     "gptq unsorted": lambda path: gptq_model("unsorted"),
@@ -550,6 +575,24 @@ def test_decode_step_refuses_what_it_cannot_run():
     with pytest.raises(RuntimeError, match=r"layer 0's cache holds keys .*\(or its window's last rows\)"):
         step.run(torch.zeros(1, 1, 4), torch.ones(4), torch.zeros(4), [keys[:, :, :2]], [keys[:, :, :2]], [None, None],
                  5)
+    # Experts: projections taking x and the ids, a layer without an MLP of its own.
+    ew = torch.zeros(4, 8, 34, dtype=torch.uint8)  # 4 experts of 8 Q8_0 rows of 32 values
+    with pytest.raises(RuntimeError, match="x_index and ids_index are both 1"):
+        step.expert_projection("lowbit::ggml_mul_mat_id", "", [ew, 8, 8], 1, 1)
+    with pytest.raises(RuntimeError, match="ids_index 5 is out of range"):
+        step.expert_projection("lowbit::ggml_mul_mat_id", "", [ew, 8, 8], 1, 5)
+    e = step.expert_projection("lowbit::ggml_mul_mat_id", "", [ew, 8, 8], 1, 2)
+    with pytest.raises(RuntimeError, match="the last layer must be one without an MLP"):
+        step.layer_experts(torch.zeros(4, 4), 2, True, True, e, e, e)
+    with pytest.raises(RuntimeError, match="gate_up is projection .*, an experts projection"):
+        step.layer(norm, 1e-5, [p], [4, 4, 4], None, None, 0.0, p, norm, 1e-5, [e], [4, 4], p, 4, 0.5, True, 1.0)
+    step.layer(norm, 1e-5, [p], [4, 4, 4], None, None, 0.0, p, norm, 1e-5, [], [], -1, 4, 0.5, True, 1.0)
+    with pytest.raises(RuntimeError, match="gate is projection .*, not an experts projection"):
+        step.layer_experts(torch.zeros(4, 4), 2, True, True, p, e, e)
+    with pytest.raises(RuntimeError, match="top_k in .1, experts."):
+        step.layer_experts(torch.zeros(4, 4), 5, True, True, e, e, e)
+    with pytest.raises(RuntimeError, match="layer 1 has no MLP"):
+        step.run(torch.zeros(1, 1, 4), torch.ones(4), torch.zeros(4), [keys] * 2, [keys] * 2, [None] * 4, 3)
 
 
 def test_threads_decode_one_model_through_the_cpp_step(gguf_path):

@@ -73,32 +73,66 @@ int64_t DecodeStep::checked_id(int64_t id, const char* what) const {
   return id;
 }
 
-int64_t DecodeStep::projection(const std::string& op, const std::string& overload, std::vector<c10::IValue> args,
-                               int64_t x_index, std::optional<at::Tensor> perm, std::optional<at::Tensor> bias) {
+namespace {
+
+// Operator `op` (overload `overload`) called with `args` and tensors
+// inserted at the places `inserted` names (e.g. {"x_index", 1}): checked to
+// take them, return one tensor and write none of its arguments.
+c10::OperatorHandle checked_operator(const char* method, const std::string& op, const std::string& overload,
+                                     const std::vector<c10::IValue>& args,
+                                     const std::vector<std::pair<const char*, int64_t>>& inserted) {
   const auto handle = c10::Dispatcher::singleton().findSchema({op, overload});
-  TORCH_CHECK(handle.has_value(), "DecodeStep.projection: no operator ", op, " (overload '", overload, "')");
+  TORCH_CHECK(handle.has_value(), method, ": no operator ", op, " (overload '", overload, "')");
   const c10::FunctionSchema& schema = handle->schema();
   const auto& formals = schema.arguments();
-  TORCH_CHECK(formals.size() == args.size() + 1, "DecodeStep.projection: ", op, " takes ", formals.size(),
-              " arguments; got ", args.size(), " besides the activation");
-  TORCH_CHECK(x_index >= 0 && x_index <= static_cast<int64_t>(args.size()), "DecodeStep.projection: x_index ",
-              x_index, " is out of range for ", op);
+  const auto count = static_cast<int64_t>(formals.size());
+  TORCH_CHECK(formals.size() == args.size() + inserted.size(), method, ": ", op, " takes ", formals.size(),
+              " arguments; got ", args.size(), " besides the activation", inserted.size() > 1 ? " and ids" : "");
+  for (const auto& [name, index] : inserted) {
+    TORCH_CHECK(index >= 0 && index < count, method, ": ", name, " ", index, " is out of range for ", op);
+    TORCH_CHECK(formals[index].type()->kind() == c10::TypeKind::TensorType, method, ": ", op, "'s argument ",
+                formals[index].name(), " (", name, ") is not a Tensor");
+  }
+  TORCH_CHECK(inserted.size() < 2 || inserted[0].second != inserted[1].second, method, ": x_index and ids_index are "
+              "both ", inserted[0].second);
   TORCH_CHECK(!schema.is_mutable() && schema.returns().size() == 1 &&
                   schema.returns()[0].type()->kind() == c10::TypeKind::TensorType,
-              "DecodeStep.projection: ", op, " must return one tensor and write none of its arguments");
-  for (int64_t i = 0, j = 0; i < static_cast<int64_t>(formals.size()); ++i) {
+              method, ": ", op, " must return one tensor and write none of its arguments");
+  const auto is_inserted = [&inserted](int64_t i) {
+    return std::any_of(inserted.begin(), inserted.end(), [i](const auto& p) { return p.second == i; });
+  };
+  for (int64_t i = 0, j = 0; i < count; ++i) {
+    if (is_inserted(i)) continue;
     const c10::TypePtr& type = formals[i].type();
-    if (i == x_index) {
-      TORCH_CHECK(type->kind() == c10::TypeKind::TensorType, "DecodeStep.projection: ", op, "'s argument ",
-                  formals[i].name(), " (x_index) is not a Tensor");
-      continue;
-    }
-    TORCH_CHECK(args[j].type()->isSubtypeOf(*type), "DecodeStep.projection: ", op, "'s argument ", formals[i].name(),
-                " takes ", type->str(), "; got ", args[j].type()->str());
+    TORCH_CHECK(args[j].type()->isSubtypeOf(*type), method, ": ", op, "'s argument ", formals[i].name(), " takes ",
+                type->str(), "; got ", args[j].type()->str());
     ++j;
   }
-  projections_.push_back(Projection{*handle, std::move(args), x_index, std::move(perm), std::move(bias)});
+  return *handle;
+}
+
+}  // namespace
+
+int64_t DecodeStep::projection(const std::string& op, const std::string& overload, std::vector<c10::IValue> args,
+                               int64_t x_index, std::optional<at::Tensor> perm, std::optional<at::Tensor> bias) {
+  const auto handle = checked_operator("DecodeStep.projection", op, overload, args, {{"x_index", x_index}});
+  projections_.push_back(Projection{handle, std::move(args), x_index, std::move(perm), std::move(bias)});
   return static_cast<int64_t>(projections_.size()) - 1;
+}
+
+int64_t DecodeStep::expert_projection(const std::string& op, const std::string& overload,
+                                      std::vector<c10::IValue> args, int64_t x_index, int64_t ids_index) {
+  const auto handle = checked_operator("DecodeStep.expert_projection", op, overload, args,
+                                       {{"x_index", x_index}, {"ids_index", ids_index}});
+  projections_.push_back(Projection{handle, std::move(args), x_index, std::nullopt, std::nullopt, ids_index});
+  return static_cast<int64_t>(projections_.size()) - 1;
+}
+
+int64_t DecodeStep::checked_kind(int64_t id, const char* what, bool experts) const {
+  checked_id(id, what);
+  TORCH_CHECK((projections_[id].ids_index >= 0) == experts, "DecodeStep: ", what, " is projection ", id, ", ",
+              experts ? "not an experts projection" : "an experts projection");
+  return id;
 }
 
 void DecodeStep::layer(at::Tensor input_norm, double input_eps, std::vector<int64_t> qkv,
@@ -112,21 +146,24 @@ void DecodeStep::layer(at::Tensor input_norm, double input_eps, std::vector<int6
   TORCH_CHECK(!qkv.empty() && qkv.size() <= 3, "DecodeStep.layer: qkv holds 1 to 3 projections; got ", qkv.size());
   TORCH_CHECK(qkv_sizes.size() == 3 && positive(qkv_sizes),
               "DecodeStep.layer: qkv_sizes must be the 3 positive widths of q, k and v; got ", qkv_sizes);
-  TORCH_CHECK(!gate_up.empty() && gate_up.size() <= 2, "DecodeStep.layer: gate_up holds 1 or 2 projections; got ",
-              gate_up.size());
-  TORCH_CHECK(gate_up_sizes.size() == 2 && positive(gate_up_sizes) && gate_up_sizes[0] == gate_up_sizes[1],
+  // No gate_up, no sizes and down -1: the MLP layer_experts gives.
+  const bool experts_mlp = gate_up.empty() && gate_up_sizes.empty() && down == -1;
+  TORCH_CHECK(experts_mlp || (!gate_up.empty() && gate_up.size() <= 2),
+              "DecodeStep.layer: gate_up holds 1 or 2 projections; got ", gate_up.size());
+  TORCH_CHECK(experts_mlp || (gate_up_sizes.size() == 2 && positive(gate_up_sizes) &&
+                              gate_up_sizes[0] == gate_up_sizes[1]),
               "DecodeStep.layer: gate_up_sizes must be the equal widths of gate and up; got ", gate_up_sizes);
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecodeStep.layer: q_norm and k_norm come together");
   TORCH_CHECK(head_dim > 0 && qkv_sizes[0] % head_dim == 0 && qkv_sizes[1] % head_dim == 0 &&
                   qkv_sizes[1] == qkv_sizes[2],
               "DecodeStep.layer: head_dim ", head_dim, " does not divide the q, k and v widths ", qkv_sizes);
   TORCH_CHECK(std::isfinite(residual_scale), "DecodeStep.layer: residual_scale must be finite; got ", residual_scale);
-  for (int64_t id : qkv) checked_id(id, "qkv");
-  for (int64_t id : gate_up) checked_id(id, "gate_up");
+  for (int64_t id : qkv) checked_kind(id, "qkv", false);
+  for (int64_t id : gate_up) checked_kind(id, "gate_up", false);
   layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), input_eps, post_eps, qk_eps, scale,
                           std::move(qkv), std::move(qkv_sizes), std::move(gate_up), std::move(gate_up_sizes),
-                          std::move(q_norm), std::move(k_norm), checked_id(o, "o"), checked_id(down, "down"),
-                          head_dim, rotary, residual_scale});
+                          std::move(q_norm), std::move(k_norm), checked_kind(o, "o", false),
+                          experts_mlp ? -1 : checked_kind(down, "down", false), head_dim, rotary, residual_scale});
 }
 
 void DecodeStep::layer_extras(int64_t window, int64_t table, std::optional<at::Tensor> attn_out_norm,
@@ -145,6 +182,17 @@ void DecodeStep::layer_extras(int64_t window, int64_t table, std::optional<at::T
   l.mlp_out_norm = std::move(mlp_out_norm);
   l.out_eps = out_eps;
   l.attn_softcap = attn_softcap;
+}
+
+void DecodeStep::layer_experts(at::Tensor router, int64_t top_k, bool normalize, bool weights_in_dtype,
+                               int64_t gate, int64_t up, int64_t down) {
+  TORCH_CHECK(!layers_.empty() && layers_.back().gate_up.empty() && !layers_.back().experts,
+              "DecodeStep.layer_experts: the last layer must be one without an MLP (gate_up empty, down -1)");
+  TORCH_CHECK(router.dim() == 2 && top_k > 0 && top_k <= router.size(0), "DecodeStep.layer_experts: router must be "
+              "[experts, hidden] and top_k in [1, experts]; got ", router.sizes(), " and ", top_k);
+  layers_.back().experts = Experts{std::move(router), top_k, checked_kind(gate, "gate", true),
+                                   checked_kind(up, "up", true), checked_kind(down, "down", true), normalize,
+                                   weights_in_dtype};
 }
 
 void DecodeStep::style(double norm_offset, const std::string& activation, double softcap) {
@@ -169,6 +217,30 @@ void DecodeStep::head(at::Tensor norm, double eps, int64_t lm_head, double logit
   norm_ = std::move(norm);
   norm_eps_ = eps;
   logits_divisor_ = logits_divisor;
+}
+
+at::Tensor DecodeStep::project_experts(int64_t id, const at::Tensor& x, const at::Tensor& ids) const {
+  const Projection& p = projections_[id];
+  torch::jit::Stack stack(p.args.begin(), p.args.end());
+  // Inserted in the order of their places, so that each lands where the schema has it.
+  const bool x_first = p.x_index < p.ids_index;
+  stack.insert(stack.begin() + (x_first ? p.x_index : p.ids_index), x_first ? x : ids);
+  stack.insert(stack.begin() + (x_first ? p.ids_index : p.x_index), x_first ? ids : x);
+  p.op.callBoxed(stack);
+  return std::move(stack.front()).toTensor();
+}
+
+// What the Qwen3-MoE / Mixtral sparse block computes for rows x [1, hidden],
+// op for op: its router (TopKRouter) and its experts (GGUFExperts.forward).
+at::Tensor DecodeStep::experts_mlp(const Experts& e, const at::Tensor& x) const {
+  const at::Tensor logits = at::linear(x, e.router);
+  const auto [top_values, top_ids] = at::softmax(logits, -1, at::kFloat).topk(e.top_k, -1);
+  at::Tensor weights = e.normalize ? top_values / top_values.sum(-1, true) : top_values;
+  if (e.weights_in_dtype) weights = weights.to(logits.scalar_type());
+  const at::Tensor gate = project_experts(e.gate, x, top_ids), up = project_experts(e.up, x, top_ids);
+  const at::Tensor act = gelu_tanh_ ? at::gelu(gate, "tanh") : at::silu(gate);
+  const at::Tensor down = project_experts(e.down, act * up, top_ids);
+  return (down * weights.unsqueeze(-1).to(down.scalar_type())).sum(1);
 }
 
 at::Tensor DecodeStep::project(int64_t id, const at::Tensor& x) const {
@@ -208,6 +280,10 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, std::ve
               "DecodeStep.run: cos and sin must be one table [rotated] or several [tables, rotated] alike; got ",
               cos.sizes(), " and ", sin.sizes());
   const int64_t tables = cos.dim() == 2 ? cos.size(0) : 1;
+  for (size_t i = 0; i < layers; ++i) {
+    TORCH_CHECK(layers_[i].experts || !layers_[i].gate_up.empty(), "DecodeStep.run: layer ", i,
+                " has no MLP (layer_experts was not called)");
+  }
   std::vector<at::Tensor> key_views, value_views, new_buffers;
   key_views.reserve(layers);
   value_views.reserve(layers);
@@ -252,9 +328,13 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, std::ve
     if (l.attn_out_norm) out = norm(out, *l.attn_out_norm, l.out_eps);
     h = h + scaled(out, l.residual_scale);
     const at::Tensor post = norm(h, l.post_norm, l.post_eps);
-    const std::vector<at::Tensor> gate_up = project_group(l.gate_up, l.gate_up_sizes, post);
-    const at::Tensor gate = gelu_tanh_ ? at::gelu(gate_up[0], "tanh") : at::silu(gate_up[0]);
-    out = project(l.down, gate * gate_up[1]);
+    if (l.experts) {
+      out = experts_mlp(*l.experts, post);
+    } else {
+      const std::vector<at::Tensor> gate_up = project_group(l.gate_up, l.gate_up_sizes, post);
+      const at::Tensor gate = gelu_tanh_ ? at::gelu(gate_up[0], "tanh") : at::silu(gate_up[0]);
+      out = project(l.down, gate * gate_up[1]);
+    }
     if (l.mlp_out_norm) out = norm(out, *l.mlp_out_norm, l.out_eps);
     h = h + scaled(out, l.residual_scale);
     key_views.push_back(key_buffer.narrow(2, first, rows + 1));

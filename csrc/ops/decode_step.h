@@ -30,8 +30,15 @@ class DecodeStep : public torch::CustomClassHolder {
   int64_t projection(const std::string& op, const std::string& overload, std::vector<c10::IValue> args,
                      int64_t x_index, std::optional<at::Tensor> perm, std::optional<at::Tensor> bias);
 
+  // Registers op(args with x inserted at x_index and the experts' ids at
+  // ids_index) as an experts projection: rows x [tokens, in] or [tokens,
+  // slots, in] times each (token, slot)'s expert (ggml_mul_mat_id). Returns its id.
+  int64_t expert_projection(const std::string& op, const std::string& overload, std::vector<c10::IValue> args,
+                            int64_t x_index, int64_t ids_index);
+
   // Appends a decoder layer: pre-norm attention over q, k and v, optional
-  // per-head q and k norms, then o; pre-norm SiLU-gated MLP, then down.
+  // per-head q and k norms, then o; pre-norm SiLU-gated MLP, then down
+  // (gate_up and gate_up_sizes empty and down -1: layer_experts gives it).
   // qkv: the projections whose outputs side by side are [q | k | v] (one
   // fused layer, three, or a fused pair and one), split by qkv_sizes; the
   // same for gate_up, [gate | up] and gate_up_sizes. rotary: whether q and
@@ -52,6 +59,14 @@ class DecodeStep : public torch::CustomClassHolder {
   // the attention scores' soft cap (Gemma 2's; 0: none).
   void layer_extras(int64_t window, int64_t table, std::optional<at::Tensor> attn_out_norm,
                     std::optional<at::Tensor> mlp_out_norm, double out_eps, double attn_softcap);
+
+  // The last layer's MLP as a mixture of experts (Qwen3-MoE's and
+  // Mixtral's blocks): router logits x router^T, their softmax in fp32, the
+  // top_k largest (renormalized to sum 1 where `normalize`; rounded to the
+  // logits' dtype where `weights_in_dtype`), then each chosen expert's
+  // down(act(gate) * up) (expert projections) weighted and summed over the slots.
+  void layer_experts(at::Tensor router, int64_t top_k, bool normalize, bool weights_in_dtype, int64_t gate,
+                     int64_t up, int64_t down);
 
   // The whole step's: every norm scales by weight + norm_offset (Gemma's 1;
   // 0 elsewhere), the MLPs gate with `activation` ("silu" or "gelu_tanh"),
@@ -83,9 +98,15 @@ class DecodeStep : public torch::CustomClassHolder {
  private:
   struct Projection {
     c10::OperatorHandle op;
-    std::vector<c10::IValue> args;  // without the activation
+    std::vector<c10::IValue> args;  // without the activation (and an experts projection's ids)
     int64_t x_index;
     std::optional<at::Tensor> perm, bias;
+    int64_t ids_index = -1;  // an experts projection's ids; -1 for a plain one
+  };
+  struct Experts {
+    at::Tensor router;
+    int64_t top_k, gate, up, down;
+    bool normalize, weights_in_dtype;
   };
   struct Layer {
     at::Tensor input_norm, post_norm;
@@ -98,9 +119,13 @@ class DecodeStep : public torch::CustomClassHolder {
     int64_t window = 0, table = 0;
     std::optional<at::Tensor> attn_out_norm, mlp_out_norm;
     double out_eps = 0.0, attn_softcap = 0.0;
+    std::optional<Experts> experts;
   };
 
   at::Tensor project(int64_t id, const at::Tensor& x) const;
+  at::Tensor project_experts(int64_t id, const at::Tensor& x, const at::Tensor& ids) const;
+  at::Tensor experts_mlp(const Experts& e, const at::Tensor& x) const;
+  int64_t checked_kind(int64_t id, const char* what, bool experts) const;
   at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps) const;
   std::vector<at::Tensor> project_group(const std::vector<int64_t>& ids, const std::vector<int64_t>& sizes,
                                         const at::Tensor& x) const;

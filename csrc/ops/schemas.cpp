@@ -95,6 +95,8 @@ TORCH_LIBRARY(lowbit, m) {
       .def("projection", &lowbit::DecodeStep::projection)
       .def("layer", &lowbit::DecodeStep::layer)
       .def("layer_extras", &lowbit::DecodeStep::layer_extras)
+      .def("expert_projection", &lowbit::DecodeStep::expert_projection)
+      .def("layer_experts", &lowbit::DecodeStep::layer_experts)
       .def("style", &lowbit::DecodeStep::style)
       .def("head", &lowbit::DecodeStep::head)
       .def("run", &lowbit::DecodeStep::run)

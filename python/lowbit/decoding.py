@@ -58,8 +58,9 @@ __all__ = ["DECODER_LAYERS", "fast_decoding"]
 # scores too (decode_attention's softcap), Gemma 3 has rotary tables per
 # layer type (sliding or full attention). gpt-oss adds attention sinks
 # (decode_attention's sinks) and rotary tables that hold each frequency
-# once. The C++ step declines experts and Gemma in 16 bits: the Python loop
-# serves them.
+# once. The C++ step computes Qwen3-MoE's and Mixtral's blocks over
+# GGUFExperts (their router and the experts' ops); it declines the other
+# experts and Gemma in 16 bits, which the Python loop serves.
 DECODER_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
                   "SmolLM3DecoderLayer", "GraniteDecoderLayer", "Phi3DecoderLayer",
                   "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer", "MixtralDecoderLayer", "Gemma2DecoderLayer",
@@ -344,11 +345,10 @@ class _StepPlan:
 
     def _layer(self, layer: nn.Module) -> None:
         attn, mlp = self._watch(layer, "self_attn"), self._watch(layer, "mlp")
-        if _mixture_of_experts(mlp):
-            raise _Unplannable("mlp")  # routing is Python's: the loop runs the block's own forward
         if attn._parameters.get("sinks") is not None:
             raise _Unplannable("sinks")
-        activation = "silu" if _silu(mlp) else "gelu_tanh" if _gelu_tanh(mlp) else None
+        experts = self._experts(mlp) if _mixture_of_experts(mlp) else None
+        activation = "silu" if _silu(experts or mlp) else "gelu_tanh" if _gelu_tanh(experts or mlp) else None
         if activation is None or self.activation not in (None, activation):
             raise _Unplannable("act_fn")
         self.activation = activation
@@ -372,17 +372,64 @@ class _StepPlan:
             (q_norm, qk_eps), (k_norm, k_eps) = self._norm(attn, "q_norm"), self._norm(attn, "k_norm")
             if k_eps != qk_eps:
                 raise _Unplannable("k_norm")
-        gate_up_sizes = _native_gate_up_sizes(mlp)
-        gate_up, gate_up_sizes = (([self._projection(mlp, "gate_up_proj")], gate_up_sizes)
-                                  if gate_up_sizes is not None else self._group(mlp, PROJECTION_GROUPS[1]))
-        if gate_up_sizes[0] != gate_up_sizes[1]:
-            raise _Unplannable("up_proj")
+        if experts is not None:  # the MLP layer_experts gives
+            gate_up, gate_up_sizes, down = [], [], -1
+        else:
+            gate_up_sizes = _native_gate_up_sizes(mlp)
+            gate_up, gate_up_sizes = (([self._projection(mlp, "gate_up_proj")], gate_up_sizes)
+                                      if gate_up_sizes is not None else self._group(mlp, PROJECTION_GROUPS[1]))
+            if gate_up_sizes[0] != gate_up_sizes[1]:
+                raise _Unplannable("up_proj")
+            down = self._projection(mlp, "down_proj")
         self.step.layer(input_norm, input_eps, qkv, qkv_sizes, q_norm, k_norm, qk_eps,
-                        self._projection(attn, "o_proj"), post_norm, post_eps, gate_up, gate_up_sizes,
-                        self._projection(mlp, "down_proj"), attn.head_dim, float(attn.scaling), _rotary(attn),
-                        _Scales.residual(layer))
+                        self._projection(attn, "o_proj"), post_norm, post_eps, gate_up, gate_up_sizes, down,
+                        attn.head_dim, float(attn.scaling), _rotary(attn), _Scales.residual(layer))
+        if experts is not None:
+            router, top_k, normalize, weights_in_dtype = self._router(mlp)
+            self.step.layer_experts(router, top_k, normalize, weights_in_dtype,
+                                    *(self._expert_projection(experts, name) for name in ("gate", "up", "down")))
         table = self.table_kinds.index(attn.layer_type) if self.table_kinds is not None else 0
         self.step.layer_extras(_window(layer) or 0, table, attn_out_norm, mlp_out_norm, out_eps, _softcap(attn))
+
+    # The sparse blocks whose router the step computes (softmax over the
+    # logits in fp32, the top k, renormalized): Qwen3-MoE's where its config
+    # says so, Mixtral's always; their weights rounded to the logits' dtype
+    # (Qwen3-MoE) or kept fp32 (Mixtral).
+    _ROUTERS = {"Qwen3MoeSparseMoeBlock": (None, True), "MixtralSparseMoeBlock": (True, False)}
+
+    def _experts(self, mlp: nn.Module) -> nn.Module:
+        """The block's GGUFExperts, where the step computes the block: a
+        router of _ROUTERS' and experts without biases or gpt-oss's GLU;
+        the block, its router and its experts watched without hooks."""
+        from .gguf.experts import GGUFExperts
+
+        if type(mlp).__name__ not in self._ROUTERS or (mlp.training and getattr(mlp, "jitter_noise", 0)):
+            raise _Unplannable("mlp")
+        router, experts = self._watch(mlp, "gate"), self._watch(mlp, "experts")
+        if type(experts) is not GGUFExperts or experts.glu is not None or experts.biased:
+            raise _Unplannable("experts")
+        for module in (mlp, router, experts):
+            self.hook_dicts += [module._forward_hooks, module._forward_pre_hooks]
+        return experts
+
+    def _router(self, mlp: nn.Module) -> tuple[torch.Tensor, int, bool, bool]:
+        normalize, weights_in_dtype = self._ROUTERS[type(mlp).__name__]
+        router = mlp._modules["gate"]
+        weight = router._parameters.get("weight")
+        if weight is None or weight.dtype != self.dtype:
+            raise _Unplannable("gate")
+        normalize = router.norm_topk_prob if normalize is None else normalize
+        return weight, int(router.top_k), bool(normalize), weights_in_dtype
+
+    def _expert_projection(self, experts: nn.Module, name: str) -> int:
+        x, ids = torch.empty(1, 1, dtype=self.dtype), torch.empty(1, 1, dtype=torch.long)
+        op, args = experts.op_template(name, x, ids)
+        at = [[i for i, a in enumerate(args) if a is probe] for probe in (x, ids)]
+        if any(len(places) != 1 for places in at):
+            raise _Unplannable(name)
+        op = op.default if isinstance(op, torch._ops.OpOverloadPacket) else op
+        rest = [a for i, a in enumerate(args) if i not in (at[0][0], at[1][0])]
+        return self.step.expert_projection(op._schema.name, op._schema.overload_name, rest, at[0][0], at[1][0])
 
     def intact(self) -> bool:
         """Whether the step still describes the model: the same modules in

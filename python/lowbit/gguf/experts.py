@@ -93,9 +93,15 @@ class GGUFExperts(nn.Module):
         return {"gate": (self.intermediate_size, self.hidden_size), "up": (self.intermediate_size, self.hidden_size),
                 "down": (self.hidden_size, self.intermediate_size)}
 
-    def _project(self, name: str, x: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
+    def op_template(self, name: str, x: torch.Tensor, top_k_index: torch.Tensor) -> tuple:
+        """(op, args): projection `name`'s call on x and the experts' ids, both
+        among args (without the bias); lowbit.decoding's C++ step takes it."""
         op = torch.ops.lowbit.ggml_mul_mat_id_repacked if self.repacked[name] else torch.ops.lowbit.ggml_mul_mat_id
-        y = call_frozen(op, getattr(self, f"{name}_qweight"), x, top_k_index, self.qtypes[name], self._shapes()[name][0])
+        return op, (getattr(self, f"{name}_qweight"), x, top_k_index, self.qtypes[name], self._shapes()[name][0])
+
+    def _project(self, name: str, x: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
+        op, args = self.op_template(name, x, top_k_index)
+        y = call_frozen(op, *args)
         return y + getattr(self, f"{name}_bias")[top_k_index].to(y.dtype) if self.biased else y
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
