@@ -187,26 +187,6 @@ def test_repack_keeps_the_results(pair):
     assert not any(packed.repacked.values()) and torch.equal(packed.gate_qweight, ours.gate_qweight)
 
 
-@pytest.mark.parametrize("intermediate", [96, 32])  # 6 tiles of rows per expert (gate, up), 2 (the fewest)
-def test_repack_is_each_expert_repacked_alone(intermediate):
-    """The experts, repacked in one call, are each expert's rows repacked on
-    their own; unrepack gives the file's bytes back."""
-    if not torch.ops.lowbit.cpu_reads_repacked(int(T.Q8_0)):
-        pytest.skip(f"the {torch.ops.lowbit.cpu_isa()} kernels read Q8_0's file layout")
-    rng = np.random.default_rng(8)
-    gate, up, down = (blocks(rng, shape, T.Q8_0)[0] for shape in (
-        (EXPERTS, intermediate, HIDDEN), (EXPERTS, intermediate, HIDDEN), (EXPERTS, HIDDEN, intermediate)))
-    experts = lowbit.GGUFExperts((gate, T.Q8_0), (up, T.Q8_0), (down, T.Q8_0), experts=EXPERTS, hidden_size=HIDDEN,
-                                 intermediate_size=intermediate, act_fn=torch.nn.SiLU())
-    files = {p: getattr(experts, f"{p}_qweight").clone() for p in ("gate", "up", "down")}
-    assert experts.repack() == ["gate", "up", "down"]
-    for p, rows, n in (("gate", intermediate, HIDDEN), ("up", intermediate, HIDDEN), ("down", HIDDEN, intermediate)):
-        alone = torch.stack([torch.ops.lowbit.ggml_repack(w, int(T.Q8_0), rows, n) for w in files[p]])
-        assert torch.equal(getattr(experts, f"{p}_qweight"), alone)
-    experts.unrepack()
-    assert all(torch.equal(getattr(experts, f"{p}_qweight"), files[p]) for p in files)
-
-
 def test_repacked_expert_matmul_equals_each_expert_repacked(cpu_isa):
     """ggml_mul_mat_id_repacked of experts each repacked = ggml_mul_mat_repacked
     of each expert alone, bit for bit (what each expert's own kernels give)."""

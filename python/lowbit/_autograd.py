@@ -15,13 +15,13 @@ than give no gradient silently.
 import torch
 
 from .gptq.packing import fields_per_pack, from_panels, words_per_pack
-from .ops import GGML_REPACK_ROWS
 
 ops = torch.ops.lowbit
 # Weights decoded per backward step: 4M fp32 values (16 MB), whole packs of K
 # rows for GPTQ and whole 16-row tiles for the repacked GGUF layout.
 TILE_VALUES = 1 << 22
 _PACK_ROWS = 32  # a whole pack of K rows at every GPTQ bit width
+_REPACK_ROWS = 16  # the repacked layout's tile (csrc/core/ggml_repack.h)
 
 
 def _tiles(total: int, width: int, multiple: int, at_least: int = 1):
@@ -129,7 +129,7 @@ def _grad_x(grad: torch.Tensor, W: torch.Tensor, type: int, rows: int, n: int, r
     """grad [P, rows] @ W [rows, n] in fp32, W decoded a tile at a time."""
     g = grad.float()
     out = g.new_zeros((g.shape[0], n))
-    for r0, r1 in _tiles(rows, n, GGML_REPACK_ROWS):
+    for r0, r1 in _tiles(rows, n, _REPACK_ROWS):
         out += g[:, r0:r1] @ _ggml_rows(W, type, n, repacked, r0, r1)
     return out
 

@@ -30,8 +30,6 @@ from .gptq.packing import PANEL_COLS, fields_per_pack, words_per_pack
 Tensor = torch.Tensor
 # A SymInt argument: an int, or a symbolic size while torch.compile traces.
 SymInt = Union[int, torch.SymInt]
-# The rows of a tile of ggml_repack's layout (csrc/core/ggml_repack.h's kRepackRows).
-GGML_REPACK_ROWS = 16
 
 __all__ = [
     "GGMLType", "cpu_bf16_kernel", "cpu_isa", "cpu_reads_repacked", "cpu_team", "cpu_threads", "ggml_cpu_traits",

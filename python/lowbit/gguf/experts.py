@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from .._frozen import call_frozen
-from ..ops import GGML_REPACK_ROWS
 from .file import release_mapped
 from .linear import check_sizes
 
@@ -146,17 +145,9 @@ class GGUFExperts(nn.Module):
         return self._reorder(name, inverse=True) if self.repacked[name] else getattr(self, f"{name}_qweight")
 
     def _reorder(self, name: str, inverse: bool) -> torch.Tensor:
-        """ggml_repack of all the experts' rows in one call, which is each
-        expert's own repacked: an expert's rows are the other projection's
-        row length (hidden or intermediate), a whole number of blocks of 32
-        values or more, so its tiles (GGML_REPACK_ROWS rows) never take
-        another expert's rows."""
+        """ggml_repack of each expert's own rows (its tiles never take another's)."""
         blocks, (rows, n) = getattr(self, f"{name}_qweight"), self._shapes()[name]
-        if rows % GGML_REPACK_ROWS:
-            raise ValueError(f"GGUFExperts.repack: {name}'s {rows} rows per expert are not whole tiles of "
-                             f"{GGML_REPACK_ROWS}")
-        whole = blocks.reshape(-1, blocks.shape[-1])
-        return torch.ops.lowbit.ggml_repack(whole, self.qtypes[name], whole.shape[0], n, inverse).view(blocks.shape)
+        return torch.stack([torch.ops.lowbit.ggml_repack(w, self.qtypes[name], rows, n, inverse) for w in blocks])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """The float weights {"gate", "up": [experts, intermediate, hidden], "down": [experts, hidden, intermediate]}."""
