@@ -133,20 +133,32 @@ def _scaled(out: torch.Tensor, scale: float) -> torch.Tensor:
     return out if scale == 1.0 else out * scale
 
 
+def _norm_form(norm: nn.Module, dtype: torch.dtype) -> tuple[float, float] | None:
+    """(offset, eps) with which lowbit's rms_norm op, given weight + offset,
+    computes `norm` on activations of `dtype`: transformers' llama-family
+    RMSNorm (normalized in fp32, scaled in the input's dtype) with offset 0;
+    gpt-oss's, which scales in fp32, the same in fp32 only; Gemma's, which
+    scales by 1 + weight in fp32, with offset 1 in fp32 only. None where the
+    op does not compute it."""
+    kind = type(norm).__name__
+    if hasattr(norm, "variance_epsilon") and (kind not in _FP32_SCALING_NORMS or dtype == torch.float32):
+        return 0.0, float(norm.variance_epsilon)
+    if kind in _ONE_PLUS_WEIGHT_NORMS and dtype == torch.float32:
+        return 1.0, float(norm.eps)
+    return None
+
+
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    """norm(x): transformers' llama-family RMSNorm (normalized in fp32, scaled
-    in the input's dtype) by lowbit's op; Gemma's, which scales by 1 + weight
-    in fp32, by the op with 1 + weight where x is fp32 (the same products);
-    any other norm by its own forward."""
-    weight = norm.weight
-    if hasattr(norm, "variance_epsilon") and (type(norm).__name__ not in _FP32_SCALING_NORMS
-                                              or x.dtype == weight.dtype == torch.float32):
-        if weight.dtype == x.dtype:
-            return torch.ops.lowbit.rms_norm(x, weight, norm.variance_epsilon)
-        return weight * F.rms_norm(x.float(), weight.shape, None, norm.variance_epsilon).to(x.dtype)
-    if type(norm).__name__ in _ONE_PLUS_WEIGHT_NORMS and x.dtype == weight.dtype == torch.float32:
-        return torch.ops.lowbit.rms_norm(x, 1.0 + weight, norm.eps)
-    return norm(x)
+    """norm(x): by lowbit's op where _norm_form says it computes it (a
+    llama-family weight of another dtype scaling the op's fp32 result), by
+    the norm's own forward otherwise."""
+    weight, form = norm.weight, _norm_form(norm, x.dtype)
+    if form is None or (form[0] and weight.dtype != x.dtype):
+        return norm(x)
+    offset, eps = form
+    if weight.dtype == x.dtype:
+        return torch.ops.lowbit.rms_norm(x, weight + offset if offset else weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
 def _project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -286,21 +298,14 @@ class _StepPlan:
         return module
 
     def _norm(self, parent: nn.Module, name: str) -> tuple[torch.Tensor, float]:
-        """A llama-family RMSNorm's weight and eps, or (fp32 only, where the
-        step's 1 + weight gives the same products) a Gemma one's."""
+        """The weight and eps of a norm the step's rms_norm computes
+        (_norm_form), its offset the same for every norm of the model."""
         norm = self._watch(parent, name)
-        weight = norm._parameters.get("weight")
-        if hasattr(norm, "variance_epsilon") and (type(norm).__name__ not in _FP32_SCALING_NORMS
-                                                  or self.dtype == torch.float32):
-            offset, eps = 0.0, norm.variance_epsilon
-        elif type(norm).__name__ in _ONE_PLUS_WEIGHT_NORMS and self.dtype == torch.float32:
-            offset, eps = 1.0, norm.eps
-        else:
+        weight, form = norm._parameters.get("weight"), _norm_form(norm, self.dtype)
+        if form is None or weight is None or weight.dtype != self.dtype or self.norm_offset not in (None, form[0]):
             raise _Unplannable(name)
-        if weight is None or weight.dtype != self.dtype or self.norm_offset not in (None, offset):
-            raise _Unplannable(name)
-        self.norm_offset = offset
-        return weight, float(eps)
+        self.norm_offset, eps = form
+        return weight, eps
 
     def _projection(self, parent: nn.Module, name: str) -> int:
         module = self._watch(parent, name)
