@@ -58,6 +58,7 @@ def own_forward_logits(model, ids, cache, token):
     # full layer, each with its own tables; norms after each sublayer, GELU,
     # soft-capped logits
     ("gemma3", {}),
+    ("gemma", {}),  # Gemma 1: the 1 + weight norms, GELU and scaled embeddings, no norms after the sublayers
     # the same without q and k norms, one table, soft-capped attention scores (a cap tight enough to matter)
     ("gemma2", dict(attn_logit_softcapping=0.5)),
     ("qwen2", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1)),  # a window on layer 1 only
@@ -281,14 +282,14 @@ def test_lora_on_a_fused_projection_is_honoured(gguf_path):
 
 
 def test_other_architectures_are_left_to_their_forward():
-    model = tiny_model("gemma", seed=0)
-    assert not fast_decoding(model)
-    assert "forward" not in model.__dict__
-    assert not fast_decoding(tiny_model("gemma3", seed=0, use_bidirectional_attention=True))
-    from transformers import MistralConfig, MistralForCausalLM
+    from transformers import MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM
 
     small = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16)
+    model = Olmo2ForCausalLM(Olmo2Config(eos_token_id=1, pad_token_id=0, **small))  # norms after the sublayers only
+    assert not fast_decoding(model)
+    assert "forward" not in model.__dict__
+    assert not fast_decoding(tiny_model("gemma3", seed=0, use_bidirectional_attention=True))
     assert fast_decoding(MistralForCausalLM(MistralConfig(sliding_window=8, **small)))
     assert fast_decoding(MistralForCausalLM(MistralConfig(sliding_window=None, **small)))
     assert fast_decoding(tiny_model("phi3", seed=0))  # half of each head rotated, the rest passed through
@@ -415,6 +416,8 @@ STEP_MODELS = {
     "gguf gemma3 (windows, norms after each sublayer, GELU, tables per layer type, soft-capped logits)":
         lambda path: lowbit.load_gguf_model(write_tiny_gguf(os.path.join(os.path.dirname(path), "gemma3.gguf"),
                                                             tiny_model("gemma3", seed=1), "gemma3")),
+    "gguf gemma (1 + weight norms, GELU, scaled embeddings)": lambda path: lowbit.load_gguf_model(
+        write_tiny_gguf(os.path.join(os.path.dirname(path), "gemma.gguf"), tiny_model("gemma", seed=1), "gemma")),
     "gguf gemma2 (soft-capped attention scores)":
         lambda path: lowbit.load_gguf_model(write_tiny_gguf(
             os.path.join(os.path.dirname(path), "gemma2.gguf"),

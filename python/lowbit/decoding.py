@@ -52,21 +52,21 @@ __all__ = ["DECODER_LAYERS", "fast_decoding"]
 # qkv_proj and gate and up as one gate_up_proj (_native_qkv_sizes,
 # _native_gate_up_sizes). The mixture-of-experts layers (Qwen2-MoE,
 # Qwen3-MoE, Mixtral, gpt-oss) put a sparse block in the MLP's place, which
-# the Python loop calls as it stands (its router and experts). Gemma 2 and
-# 3 add a norm after each sublayer, scale their norms by 1 + weight, gate
-# with GELU and may soft-cap the logits; Gemma 2 soft-caps the attention
-# scores too (decode_attention's softcap), Gemma 3 has rotary tables per
-# layer type (sliding or full attention). gpt-oss adds attention sinks
+# the Python loop calls as it stands (its router and experts). Gemma scales
+# its norms by 1 + weight and gates with GELU; Gemma 2 and 3 add a norm
+# after each sublayer and may soft-cap the logits; Gemma 2 soft-caps the
+# attention scores too (decode_attention's softcap), Gemma 3 has rotary
+# tables per layer type (sliding or full attention). gpt-oss adds attention sinks
 # (decode_attention's sinks) and rotary tables that hold each frequency
 # once. The C++ step computes Qwen3-MoE's and Mixtral's blocks over
 # GGUFExperts (their router and the experts' ops); it declines the other
 # experts and Gemma in 16 bits, which the Python loop serves.
 DECODER_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
                   "SmolLM3DecoderLayer", "GraniteDecoderLayer", "Phi3DecoderLayer",
-                  "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer", "MixtralDecoderLayer", "Gemma2DecoderLayer",
-                  "Gemma3DecoderLayer", "GptOssDecoderLayer")
+                  "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer", "MixtralDecoderLayer", "GemmaDecoderLayer",
+                  "Gemma2DecoderLayer", "Gemma3DecoderLayer", "GptOssDecoderLayer")
 # The norms that scale by 1 + weight in fp32 before rounding (Gemma's).
-_ONE_PLUS_WEIGHT_NORMS = ("Gemma2RMSNorm", "Gemma3RMSNorm")
+_ONE_PLUS_WEIGHT_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
 # The norms that scale in fp32 before rounding (gpt-oss's): lowbit's op,
 # which rounds first, is theirs in fp32 only.
 _FP32_SCALING_NORMS = ("GptOssRMSNorm",)
