@@ -64,28 +64,36 @@ LOWBIT_HD int repacked_offset(RepackedFields f, int r, int j) {
 // buffers): into the repacked layout, or back (`inverse`). Rows past the last
 // whole tile are copied as they are. A range of rows starting at a multiple
 // of kRepackRows and ending at one or at the weight's end is itself such a
-// weight, so callers may split the work at tile boundaries. Copies whole
-// fields and words (repacked_offset, unit by unit).
+// weight, so callers may split the work at tile boundaries. Goes tile by
+// tile and block by block, the layout's order: each field, then each word,
+// of the block's 16 rows (the places repacked_offset gives, found by adding
+// strides rather than by a call per unit, which cost a load its copy speed).
 template <Type T>
 LOWBIT_HD void repack_rows(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t row_bytes, bool inverse) {
   using I = TypeInfo<T>;
   constexpr RepackedFields f = repacked_fields(T);
-  static_assert((I::kBytes - f.bytes()) % 4 == 0 && f.at % 4 == 0, "whole words around the fields");
+  constexpr int kFieldBytes = f.bytes(), kWords = (I::kBytes - kFieldBytes) / 4;
+  static_assert((I::kBytes - kFieldBytes) % 4 == 0 && f.at % 4 == 0, "whole words around the fields");
   const int64_t tiled = rows / kRepackRows * kRepackRows;
   const int64_t blocks = row_bytes / I::kBytes;
-  for (int64_t r = 0; r < tiled; ++r) {
-    const int in_tile = static_cast<int>(r % kRepackRows);
-    const int64_t tile = (r - in_tile) * row_bytes;
+  // `size` bytes between byte `at` of the file's layout and `packed` of the repacked one.
+  const auto move = [&](int64_t at, int64_t packed, int size) {
+    const uint8_t* from = src + (inverse ? packed : at);
+    uint8_t* to = dst + (inverse ? at : packed);
+    for (int i = 0; i < size; ++i) to[i] = from[i];
+  };
+  for (int64_t t = 0; t < tiled; t += kRepackRows) {
     for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t plain = r * row_bytes + b * I::kBytes;
-      const int64_t packed = tile + b * kRepackRows * I::kBytes;
-      const auto unit = [&](int j, int size) {  // `size` bytes from byte j of the row's block
-        const int64_t p = packed + repacked_offset(f, in_tile, j);
-        const int64_t from = inverse ? p : plain + j, to = inverse ? plain + j : p;
-        for (int i = 0; i < size; ++i) dst[to + i] = src[from + i];
-      };
-      for (int h = 0; h < f.count; ++h) unit(f.at + f.size * h, f.size);
-      for (int q = 0; q < I::kBytes - f.bytes(); q += 4) unit(q < f.at ? q : q + f.bytes(), 4);
+      const int64_t plain = t * row_bytes + b * I::kBytes;               // row t's block b
+      const int64_t packed = t * row_bytes + b * kRepackRows * I::kBytes;  // the tile's block b
+      for (int h = 0; h < f.count; ++h)
+        for (int r = 0; r < kRepackRows; ++r)
+          move(plain + r * row_bytes + f.at + h * f.size, packed + (h * kRepackRows + r) * f.size, f.size);
+      for (int w = 0; w < kWords; ++w) {
+        const int j = 4 * w < f.at ? 4 * w : 4 * w + kFieldBytes;  // the word's byte in the file's block
+        const int64_t words = packed + kFieldBytes * kRepackRows + w * 4 * kRepackRows;
+        for (int r = 0; r < kRepackRows; ++r) move(plain + r * row_bytes + j, words + r * 4, 4);
+      }
     }
   }
   for (int64_t j = tiled * row_bytes; j < rows * row_bytes; ++j) dst[j] = src[j];
