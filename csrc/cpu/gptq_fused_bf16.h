@@ -273,6 +273,7 @@ struct FusedBf16 {
   struct Decoded {
     const uint32_t* q;  // the chunk's first words, at the tile's first column
     int64_t N;
+    int64_t ahead;  // words from a row to the same column of the next chunk's, prefetched
     struct Pack {
       Words x[U];
     };
@@ -282,7 +283,7 @@ struct FusedBf16 {
         __m512i raw[P::kWords];
         for (int w = 0; w < P::kWords; ++w) {
           const uint32_t* row = q + (p * P::kWords + w) * N + u * L;
-          __builtin_prefetch(row + kFusedPrefetchWords, 0, 2);  // read, locality 2: prefetcht1, into L2
+          __builtin_prefetch(row + ahead, 0, 2);  // read, locality 2: prefetcht1, into L2
           raw[w] = _mm512_loadu_si512(row);
           // Held in a register: GCC would fold this load into each shift
           // that reads it, 4 to 16 loads of a line still on its way from L2
@@ -385,11 +386,15 @@ struct FusedBf16 {
       for (int64_t k0 = g * gs; k0 < group_end; k0 += kChunkRows) {
         read_chunk(a, a16, w.K, k0, std::min(kChunkRows, group_end - k0), in);
         const uint32_t* q = w.qweight + k0 / P::kFields * P::kWords * N;
+        // A task's columns of a chunk's rows are short runs N * 4 bytes
+        // apart, too many streams for the hardware prefetcher: each tile
+        // prefetches its columns of the next chunk's rows.
+        const int64_t ahead = kChunkRows / P::kFields * P::kWords * N;
         if (M <= kDecodeMaxRows) {
           for_row_tiles(M, [&](auto mt, int64_t m0) {
             constexpr int MT = decltype(mt)::value, U = kU<MT>;
             for (int64_t n = n0; n < n1; n += U * L)
-              tile<MT, U, Planes>(Decoded<U>{q + n, N}, in, m0, z + (n - n0), s + (n - n0), out + n, N);
+              tile<MT, U, Planes>(Decoded<U>{q + n, N, ahead}, in, m0, z + (n - n0), s + (n - n0), out + n, N);
           });
           continue;
         }

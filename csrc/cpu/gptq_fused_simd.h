@@ -168,11 +168,13 @@ struct FusedSimd {
   static F levels() { return V::cvt(V::and_(V::iota(), V::set1_i(static_cast<int32_t>(P::kMask)))); }
 
   // One group (packs packs from word row q) of MT rows x U*L columns, added
-  // to out as s * partial sum. Never inlined: where GCC inlined it (3-bit,
+  // to out as s * partial sum; the same columns `ahead` words on (the next
+  // group's rows) are prefetched. Never inlined: where GCC inlined it (3-bit,
   // 3 rows) its register allocation in the larger caller was 10% slower.
   template <int MT>
   __attribute__((noinline)) static void group_tile(const GroupInputs& in, const uint32_t* q, int64_t N,
-                                                   int64_t packs, const int32_t* z, const float* s, float* out) {
+                                                   int64_t packs, int64_t ahead, const int32_t* z, const float* s,
+                                                   float* out) {
     constexpr int U = kU<MT>;
     F acc[MT][U];
     I zero[U];
@@ -185,7 +187,7 @@ struct FusedSimd {
       for (int w = 0; w < P::kWords; ++w)
         for (int u = 0; u < U; ++u) {
           const uint32_t* row = q + (p * P::kWords + w) * N + u * L;
-          __builtin_prefetch(row + kFusedPrefetchWords, 0, 2);  // read, locality 2: prefetcht1, into L2
+          __builtin_prefetch(row + ahead, 0, 2);  // read, locality 2: prefetcht1, into L2
           words[w][u] = V::load_i(row);
           if constexpr (kPinWords<MT>) asm("" : "+v"(words[w][u]));
         }
@@ -260,9 +262,13 @@ struct FusedSimd {
         }
       in.tables = scratch.tables.data();
     }
-    const uint32_t* qg = w.qweight + g * (gs / P::kFields) * P::kWords * w.N;
+    // A task's columns of a group's rows are short runs N * 4 bytes apart,
+    // too many streams for the hardware prefetcher: each tile prefetches its
+    // columns of the next group's rows, read after the rest of this group's.
+    const int64_t group_words = gs / P::kFields * P::kWords * w.N;
+    const uint32_t* qg = w.qweight + g * group_words;
     for (int64_t n = n0; n < n1; n += kU<MT> * L) {
-      group_tile<MT>(in, qg + n, w.N, packs, z + (n - n0), s + (n - n0), out + m0 * w.N + n);
+      group_tile<MT>(in, qg + n, w.N, packs, group_words, z + (n - n0), s + (n - n0), out + m0 * w.N + n);
     }
   }
 

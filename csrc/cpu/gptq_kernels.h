@@ -145,10 +145,6 @@ constexpr int64_t kAvx512FusedCols = 64;  // 4 vectors of 16 lanes
 // Activation rows that share each decoded weight in the SIMD fused kernels;
 // more take another pass (for_group_row_tiles in gptq_group_simd.h).
 constexpr int kFusedMaxRows = 4;
-// The fused kernels read many weight rows at once, more streams than the
-// hardware prefetcher follows, so each row is prefetched 1 KB ahead, into L2:
-// rows N * 4 bytes apart share L1 sets and would evict each other there.
-constexpr int64_t kFusedPrefetchWords = 256;
 
 // Activations for the AVX512-BF16 kernel: `planes` bf16 copies
 // of a [M, K] that sum to a exactly, [planes][M][K]: one plane for bf16
