@@ -46,6 +46,39 @@ def test_cpu_isa_reports_forces_and_validates():
         ops.cpu_isa("best")
 
 
+def test_cpu_float_gemm_libraries_agree():
+    """gptq_gemm's fp32 large-M path (M > 64) on oneDNN's GEMM and on torch's
+    BLAS: each within test_gptq_gemm's tolerance of the exact product (1e-5
+    of |a| @ |W|, fp32 sums in another order), over shapes that take row
+    tiles and column strips on BLAS (every tile a strip on oneDNN), act-order
+    included, and a refused name changes nothing."""
+    default = ops.cpu_float_gemm()
+    assert default in ("onednn", "blas")
+    rng = np.random.default_rng(9)
+    try:
+        for bits, K, n, act_order in ((2, 512, 96, False), (3, 384, 224, True), (4, 1024, 64, False),
+                                      (4, 256, 9000, False), (8, 640, 136, True), (2, 4096, 2048, False)):
+            c = ref.random_checkpoint(rng, K, n, bits, 128, False, "gptq_v2", act_order)
+            t = [torch.from_numpy(np.ascontiguousarray(c[k])) for k in ("qweight", "qzeros", "scales", "g_idx")]
+            W = ref.dequantize(c["qweight"], c["qzeros"], c["scales"], c["g_idx"], bits, "gptq_v2")
+            for M in (65, 300):
+                a = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
+                a64 = a.double().numpy()
+                expect, bound = a64 @ W, np.abs(a64) @ np.abs(W)
+                for library in ("onednn", "blas"):
+                    if library == "onednn" and default == "blas":
+                        continue  # a torch without oneDNN
+                    assert ops.cpu_float_gemm(library) == library
+                    out = ops.gptq_gemm(a, *t, False, True, bits)
+                    err = np.abs(out.double().numpy() - expect)
+                    assert np.all(err <= 1e-5 * bound), (bits, K, n, M, library)
+        with pytest.raises(ValueError, match="cpu_float_gemm: unknown library 'mkl'"):
+            ops.cpu_float_gemm("mkl")
+        assert ops.cpu_float_gemm() == "blas"
+    finally:
+        ops.cpu_float_gemm(default)
+
+
 def test_cpu_bf16_kernel_modes_agree():
     """The GPTQ kernels for bf16 activations (vdpbf16ps where the CPU has
     it, else the fp32 FMA one in every mode; past M = 64 the bf16 GEMM of

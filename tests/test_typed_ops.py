@@ -88,6 +88,7 @@ def _calls():
         "ggml_cpu_traits": (int(GGMLType.Q4_K),),
         "cpu_isa": (None,),
         "cpu_bf16_kernel": (None,),
+        "cpu_float_gemm": (None,),
         "cpu_threads": (None,),
         "cpu_team": (None,),
         "cpu_reads_repacked": (q4_0,),

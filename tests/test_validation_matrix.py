@@ -428,7 +428,7 @@ def test_the_matrix_covers_every_op():
     declared = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("lowbit::")}
     # no tensors: test_scalar_ops_reject_bad_values
     declared -= {"ggml_type_info", "ggml_type_name", "ggml_has_repacked_layout", "ggml_cpu_traits", "cpu_isa",
-                 "cpu_bf16_kernel", "cpu_reads_repacked", "cpu_threads", "cpu_team"}
+                 "cpu_bf16_kernel", "cpu_float_gemm", "cpu_reads_repacked", "cpu_threads", "cpu_team"}
     assert declared <= set(OPS), declared - set(OPS)
     assert len(CASES) >= 200, len(CASES)
 
@@ -448,6 +448,8 @@ def test_scalar_ops_reject_bad_values():
         ops.cpu_isa("sse9")
     with pytest.raises(ValueError, match="^cpu_bf16_kernel: unknown mode 'fast'"):
         ops.cpu_bf16_kernel("fast")
+    with pytest.raises(ValueError, match="^cpu_float_gemm: unknown library 'mkl'"):
+        ops.cpu_float_gemm("mkl")
     for bad in (-1, 1025):
         with pytest.raises(ValueError, match=f"^cpu_threads: threads must be 0 .* got {bad}"):
             ops.cpu_threads(bad)

@@ -1,6 +1,7 @@
 // The CPU kernels' switches and per-type facts as ops: the ISA in use, the
-// bf16 GPTQ kernel, the thread count, and the traits table (ggml_traits.h). They take no
-// tensor, so they register as composite kernels.
+// bf16 GPTQ kernel, the fp32 GEMM library, the thread count, and the traits
+// table (ggml_traits.h). They take no tensor, so they register as composite
+// kernels.
 #include <torch/library.h>
 
 #include <optional>
@@ -8,6 +9,7 @@
 #include <vector>
 
 #include "../core/ggml_types.h"
+#include "float_gemm.h"
 #include "ggml_traits.h"
 #include "isa.h"
 #include "parallel.h"
@@ -33,6 +35,13 @@ std::string cpu_isa(std::optional<std::string> force) {
 std::string cpu_bf16_kernel(std::optional<std::string> mode) {
   if (mode) set_bf16_kernel(*mode);
   return bf16_kernel_name(bf16_kernel());
+}
+
+// The fp32 GEMM library of gptq_gemm's large-M path (FloatGemm), after
+// setting it to `library` if given.
+std::string cpu_float_gemm(std::optional<std::string> library) {
+  if (library) set_float_gemm(*library);
+  return float_gemm_name(float_gemm());
 }
 
 // The CPU kernels' thread count, after setting it to `threads` if given: 0,
@@ -87,6 +96,7 @@ std::vector<int64_t> ggml_cpu_traits_op(int64_t type) {
 TORCH_LIBRARY_IMPL(lowbit, CompositeImplicitAutograd, m) {
   m.impl("cpu_isa", &lowbit::cpu::cpu_isa);
   m.impl("cpu_bf16_kernel", &lowbit::cpu::cpu_bf16_kernel);
+  m.impl("cpu_float_gemm", &lowbit::cpu::cpu_float_gemm);
   m.impl("cpu_threads", &lowbit::cpu::cpu_threads);
   m.impl("cpu_team", &lowbit::cpu::cpu_team);
   m.impl("cpu_reads_repacked", &lowbit::cpu::cpu_reads_repacked);

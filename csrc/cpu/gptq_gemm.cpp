@@ -4,9 +4,10 @@
 // W[k, n0:n1], in fp32, and on its SIMD form for whole packs of rows and
 // vectors of columns (gptq_dequant_simd.h). Small M fuses the decoding with
 // the dot products (every weight is decoded once and used M times from
-// registers/L1); large M decodes tiles of W and hands them to at::mm, whose
-// GEMM is faster than any loop we would write here: fp32, or for bf16
-// activations on AVX512-BF16 CPUs a bf16 GEMM over two bf16 planes of W.
+// registers/L1); large M decodes tiles of W and hands them to a GEMM that is
+// faster than any loop we would write here: fp32 (float_gemm.h: oneDNN's or
+// torch's BLAS), or for bf16 activations on AVX512-BF16 CPUs torch's bf16
+// GEMM over two bf16 planes of W.
 // Accumulation is fp32 throughout.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -21,6 +22,7 @@
 #include "../ops/dispatch.h"
 #include "../ops/gptq_checks.h"
 #include "../ops/backend_ops.h"
+#include "float_gemm.h"
 #include "gptq_kernels.h"
 #include "gptq_prepare.h"
 #include "isa.h"
@@ -31,7 +33,7 @@ namespace cpu {
 namespace {
 
 // Largest M handled by the portable fused kernel; beyond it dequantize +
-// at::mm wins, for every bit width (csrc/cpu/README.md, M thresholds).
+// the fp32 GEMM wins, for every bit width (csrc/cpu/README.md, M thresholds).
 constexpr int64_t kFusedMaxM = 8;
 // The same for the SIMD fused kernels, which decode several times faster.
 constexpr int64_t kSimdFusedMaxM = 64;
@@ -44,7 +46,7 @@ constexpr int64_t kSimdFusedMaxM = 64;
 constexpr int64_t kAmxFusedMaxM = 40;
 // Output columns per fused task: acc[kFusedMaxM][kTileN] stays in L1.
 constexpr int64_t kTileN = 64;
-// Bytes of fp32 weight tile decoded per at::mm call on the large-M path, and
+// Bytes of fp32 weight tile decoded per GEMM call on the large-M path, and
 // the fewest rows k a full-width tile may have before column strips are used.
 constexpr int64_t kTileBytes = 8 << 20;
 constexpr int64_t kMinTileRows = 256;
@@ -214,7 +216,7 @@ void dequant_rows(const GptqWeight& w, Isa isa, int64_t k0, int64_t k1, int64_t 
 
 // f(r0, r1) over [k0, k1) in parallel on `team` (parallel.h), in runs of
 // whole packs (k0 is a pack's first row) of about `rows_per_task` rows. The
-// large-M paths decode on torch's team because their at::mm runs on it:
+// large-M paths decode on torch's team because their GEMM runs on it:
 // torch's threads keep spinning after each mm (OpenMP's default wait), so a
 // decode on the pool between two mms would share its cores with them and
 // take about twice as long.
@@ -231,17 +233,19 @@ void for_pack_rows(int64_t k0, int64_t k1, int64_t rows_per_task, F&& f) {
   }
 }
 
-// out[M, N] = a[M, K] @ W by decoding tiles of W into fp32 for at::mm. A
-// tile spans all N columns and as many rows k as kTileBytes holds, summed
-// into out by addmm: out stays one contiguous operand. Only where that
-// leaves fewer than kMinTileRows rows (very wide N) do tiles become column
-// strips over all of K, whose results each cost a copy into out.
+// out[M, N] = a[M, K] @ W by decoding tiles of W into fp32 for the fp32
+// GEMM. On torch's BLAS a tile spans all N columns and as many rows k as
+// kTileBytes holds, summed into out by addmm: out stays one contiguous
+// operand; only where that leaves fewer than kMinTileRows rows (very wide
+// N) do tiles become column strips over all of K. oneDNN's GEMM returns a
+// new tensor, copied into out: there every tile is such a strip, copied
+// once, where row tiles' partial sums would each be added.
 template <int B>
 void gemm_dequant_mm(const at::Tensor& a, const GptqWeight& w, Isa isa, const at::Tensor& out) {
   constexpr int64_t kFields = gptq::Pack<B>::kFields;
   const int64_t K = w.K, N = w.N;
   int64_t rows = std::min(K, kTileBytes / (4 * N) / kFields * kFields), cols = N;
-  if (rows < std::min(K, kMinTileRows)) {
+  if (float_gemm() == FloatGemm::kOneDnn || rows < std::min(K, kMinTileRows)) {
     rows = K;
     cols = std::min(N, std::max<int64_t>(kTileN, kTileBytes / (4 * K) / kTileN * kTileN));
   }
@@ -258,7 +262,7 @@ void gemm_dequant_mm(const at::Tensor& a, const GptqWeight& w, Isa isa, const at
       const at::Tensor tile_t = tile_buf.narrow(0, 0, height * width).view({height, width});
       const at::Tensor a_k = a.narrow(1, k0, height);
       if (k0 == 0) {
-        at::mm_out(out_cols, a_k, tile_t);
+        float_mm_out(a_k, tile_t, out_cols);
       } else {
         out_cols.addmm_(a_k, tile_t);
       }

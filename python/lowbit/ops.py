@@ -32,7 +32,8 @@ Tensor = torch.Tensor
 SymInt = Union[int, torch.SymInt]
 
 __all__ = [
-    "GGMLType", "cpu_bf16_kernel", "cpu_isa", "cpu_reads_repacked", "cpu_team", "cpu_threads", "ggml_cpu_traits",
+    "GGMLType", "cpu_bf16_kernel", "cpu_float_gemm", "cpu_isa", "cpu_reads_repacked", "cpu_team", "cpu_threads",
+    "ggml_cpu_traits",
     "ggml_dequantize", "ggml_has_repacked_layout", "ggml_mul_mat_a8", "ggml_mul_mat_id", "ggml_mul_mat_id_repacked",
     "ggml_mul_mat_repacked", "ggml_mul_mat_vec_a8", "ggml_quantize", "ggml_repack", "ggml_type_info", "ggml_type_name",
     "gptq_dequantize", "gptq_gemm", "gptq_gemm_a8", "gptq_pack", "gptq_permute_cols", "gptq_permute_rows",
@@ -687,6 +688,13 @@ def cpu_bf16_kernel(mode: Optional[str] = None) -> str:
     """Which GPTQ kernel bf16 / fp16 activations take on AVX512-BF16 CPUs ("auto",
     "always" or "gemm"), after setting it to `mode` if given."""
     return torch.ops.lowbit.cpu_bf16_kernel(mode)
+
+
+def cpu_float_gemm(library: Optional[str] = None) -> str:
+    """The fp32 GEMM of gptq_gemm's large-M path on the CPU ("onednn", the default
+    where torch has oneDNN, or "blas": torch's at::mm), after setting it to
+    `library` if given."""
+    return torch.ops.lowbit.cpu_float_gemm(library)
 
 
 def cpu_threads(threads: Optional[int] = None) -> int:

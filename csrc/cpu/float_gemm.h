@@ -1,0 +1,26 @@
+// The fp32 GEMM of gptq_gemm's large-M path: oneDNN's, where torch is built
+// with it, or torch's BLAS (at::mm: MKL on x86 wheels). Both sum in fp32;
+// MKL's sgemm takes slower code paths on AMD CPUs, where oneDNN's runs
+// several times faster (csrc/cpu/README.md).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+
+namespace lowbit {
+namespace cpu {
+
+enum class FloatGemm : int { kOneDnn = 0, kBlas = 1 };
+// The library in use: oneDNN where torch has it, unless set otherwise.
+FloatGemm float_gemm();
+// Sets it by name ("onednn", "blas"); raises ValueError for another name,
+// or for "onednn" where torch has no oneDNN.
+void set_float_gemm(const std::string& name);
+const char* float_gemm_name(FloatGemm g);
+
+// a [M, k] @ b [k, n] into out [M, n] (any strides) by the library in use.
+void float_mm_out(const at::Tensor& a, const at::Tensor& b, at::Tensor out);
+
+}  // namespace cpu
+}  // namespace lowbit
