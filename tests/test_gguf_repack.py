@@ -103,6 +103,36 @@ def test_repacked_weights_ask_for_huge_pages():
         assert "hg" in vm_flags_at(inner)
 
 
+@pytest.mark.parametrize("name", REPACKED)
+@pytest.mark.parametrize("rows", [24, 7])
+def test_experts_are_each_repacked_as_a_weight_of_their_own(name, rows):
+    """W [experts, rows, row bytes]: each expert's rows reordered alone, its
+    tiles never reaching into the next expert's rows (rows not a multiple of
+    16), and back."""
+    t, n, experts = gb.type_id(name), N, 5
+    W = torch.from_numpy(blocks(name, experts * rows, n)).view(experts, rows, -1)
+    packed = ops.ggml_repack(W, t, rows, n)
+    assert packed.shape == W.shape
+    assert torch.equal(packed, torch.stack([ops.ggml_repack(w, t, rows, n) for w in W]))
+    assert torch.equal(ops.ggml_repack(packed, t, rows, n, True), W)
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel/mm/transparent_hugepage"),
+                    reason="transparent huge pages are a Linux kernel's")
+def test_experts_do_not_ask_for_huge_pages():
+    """Experts' rows are read a few experts at a time, in short runs: their
+    repacked copy keeps the allocator's pages (huge_pages.h's advice made a
+    mixture of experts slower to load, for no faster decode)."""
+    experts, rows, n = 8, 256, 8192  # 9.4 MB of Q4_K
+    t = gb.type_id("Q4_K")
+    W = torch.from_numpy(gb.random_blocks(np.random.default_rng(0), "Q4_K", experts * rows, n)).view(experts, rows, -1)
+    huge = 2 << 20
+    out = ops.ggml_repack(W, t, rows, n)
+    inner = (out.data_ptr() + huge - 1) // huge * huge
+    assert inner + huge <= out.data_ptr() + out.numel()
+    assert "hg" not in vm_flags_at(inner)
+
+
 def sums_in_block_order(qtype):
     """Whether the active kernels' repacked matmul of a type id sums each
     block's dot in int32 first (see the module's docstring)."""

@@ -279,6 +279,8 @@ OPS["ggml_repack"] = Op(lambda: {"W": ggml_blocks(), "type": Q4_0, "row": GGML_R
     "negative rows": (lambda kw: {"row": -1}, ValueError, "row must be non-negative"),
     "n not whole blocks": (lambda kw: {"n": GGML_N - 16}, ValueError, "n=496 is not a multiple"),
     "rows overflow": (lambda kw: {"row": 2**62}, ValueError, "overflow|W has"),
+    "experts of other rows": (lambda kw: {"W": kw["W"].view(2, GGML_ROWS // 2, -1)}, ValueError,
+                              "has 6 rows per expert, but row=12"),
     "type without a repacked layout": NO_LAYOUT,
 })
 

@@ -505,22 +505,34 @@ at::Tensor ggml_quantize(const at::Tensor& x, int64_t type) {
 }
 
 at::Tensor ggml_repack(const at::Tensor& W, int64_t type, int64_t row, int64_t n, bool inverse) {
-  const auto info = check_ggml_weight("ggml_repack", W, type, "row", row, n);
+  // W [experts, row, row bytes]: each expert's rows a weight of their own.
+  const int64_t experts = W.dim() == 3 ? W.size(0) : 1;
+  TORCH_CHECK_VALUE(W.dim() != 3 || W.size(1) == row, "ggml_repack: W [experts, rows, row bytes] has ", W.size(1),
+                    " rows per expert, but row=", row);
+  const auto info = check_ggml_weight("ggml_repack", W, type, "row", experts * row, n);
   check_ggml_repacked_type("ggml_repack", type);
   at::Tensor out = at::empty_like(W);
   if (out.numel() == 0) return out;
   const int64_t row_bytes = n / info.block * info.bytes;
   const uint8_t* src = W.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  advise_huge_pages(dst, out.numel());  // a model's weight, streamed by every matvec
+  // A dense weight is streamed whole by every matvec (huge_pages.h). An
+  // expert's rows are read a few experts at a time, in runs of its own size,
+  // and asking huge pages for all of them made loading a mixture-of-experts
+  // file several times slower on the benchmarks' VM, for no faster decode.
+  if (experts == 1) advise_huge_pages(dst, out.numel());
   dispatch_ggml_type(type, [&](auto t) {
     constexpr ggml::Type T = decltype(t)::value;
     if constexpr (has_repacked_layout(T)) {
-      // Tasks of whole tiles, each a weight of its own (see repack_rows).
+      // Tasks of whole tiles of one expert, each a weight of its own (see repack_rows).
       const int64_t tiles = (row + ggml::kRepackRows - 1) / ggml::kRepackRows;
-      parallel_for(tiles, std::max<int64_t>(1, row_grain(n) / ggml::kRepackRows), [&](int64_t t0, int64_t t1) {
-        const int64_t r0 = t0 * ggml::kRepackRows, r1 = std::min(row, t1 * ggml::kRepackRows);
-        ggml::repack_rows<T>(src + r0 * row_bytes, dst + r0 * row_bytes, r1 - r0, row_bytes, inverse);
+      parallel_for(experts * tiles, std::max<int64_t>(1, row_grain(n) / ggml::kRepackRows), [&](int64_t t0, int64_t t1) {
+        for (int64_t e = t0 / tiles; e * tiles < t1; ++e) {
+          const int64_t r0 = (std::max(t0, e * tiles) - e * tiles) * ggml::kRepackRows;
+          const int64_t r1 = std::min(row, (std::min(t1, (e + 1) * tiles) - e * tiles) * ggml::kRepackRows);
+          const int64_t at = (e * row + r0) * row_bytes;
+          ggml::repack_rows<T>(src + at, dst + at, r1 - r0, row_bytes, inverse);
+        }
       });
     }
   });

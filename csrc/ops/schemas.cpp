@@ -50,8 +50,9 @@ TORCH_LIBRARY(lowbit, m) {
   // ggml_mul_mat_a8 computes each.
   m.def("ggml_mul_mat_id(Tensor W, Tensor X, Tensor ids, int type, SymInt row) -> Tensor");
   // The CPU kernels' interleaved layout of a weight (core/ggml_repack.h):
-  // W [row, n] reordered into it (or back, `inverse`), same size and shape;
-  // and ggml_mul_mat_a8 of a weight in it (the same results, bit for bit).
+  // W [row, n] reordered into it (or back, `inverse`), same size and shape,
+  // or W [experts, row, row bytes] each expert's rows as a weight of their
+  // own; and ggml_mul_mat_a8 of a weight in it (the same results, bit for bit).
   m.def("ggml_repack(Tensor W, int type, SymInt row, SymInt n, bool inverse=False) -> Tensor");
   m.def("ggml_mul_mat_repacked(Tensor W, Tensor X, int type, SymInt row) -> Tensor");
   // ggml_mul_mat_id of experts each in that layout (ggml_repack of its own rows).

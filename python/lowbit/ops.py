@@ -521,15 +521,19 @@ def _ggml_quantize(x, type):
 
 def ggml_repack(W: Tensor, type: int, row: SymInt, n: SymInt, inverse: bool = False) -> Tensor:
     """CPU: the blocks W of a [row, n] weight reordered into the CPU kernels' repacked
-    layout (or back, `inverse`): same bytes, size and shape. For the types
-    ggml_has_repacked_layout names; others are refused."""
+    layout (or back, `inverse`): same bytes, size and shape; W [experts, row, row bytes]
+    (ggml_mul_mat_id's) reorders each expert's rows as a weight of its own. For the
+    types ggml_has_repacked_layout names; others are refused."""
     return torch.ops.lowbit.ggml_repack(W, type, row, n, inverse)
 
 
 @torch.library.register_fake("lowbit::ggml_repack")
 def _ggml_repack(W, type, row, n, inverse=False):
     op = "ggml_repack"
-    _ggml_weight(op, W, type, "row", row, n)
+    experts = W.shape[0] if W.dim() == 3 else 1
+    _value(W.dim() != 3 or W.shape[1] == row, op, "W [experts, rows, row bytes] has ", W.shape[1] if W.dim() == 3
+           else 0, " rows per expert, but row=", row)
+    _ggml_weight(op, W, type, "row", experts * row, n)
     _ggml_repacked_type(op, type)
     return torch.empty_like(W)
 

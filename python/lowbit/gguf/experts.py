@@ -147,7 +147,7 @@ class GGUFExperts(nn.Module):
     def _reorder(self, name: str, inverse: bool) -> torch.Tensor:
         """ggml_repack of each expert's own rows (its tiles never take another's)."""
         blocks, (rows, n) = getattr(self, f"{name}_qweight"), self._shapes()[name]
-        return torch.stack([torch.ops.lowbit.ggml_repack(w, self.qtypes[name], rows, n, inverse) for w in blocks])
+        return torch.ops.lowbit.ggml_repack(blocks, self.qtypes[name], rows, n, inverse)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """The float weights {"gate", "up": [experts, intermediate, hidden], "down": [experts, hidden, intermediate]}."""
