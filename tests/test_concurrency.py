@@ -149,7 +149,7 @@ def test_pool_works_in_a_forked_child():
 
 def test_gptq_gemm_hands_its_large_m_gemm_the_pools_threads():
     """Under kernel_threads' split (torch on one thread, lowbit's pool on
-    two), gptq_gemm's large-M path runs at::mm on the pool's two threads:
+    two), gptq_gemm's large-M path runs its GEMM on the pool's two threads:
     OpenMP starts its worker thread for that call (a fresh process, whose
     torch never ran a parallel region before), and torch's count is back at
     one after it. With a pool of one, nothing is started."""

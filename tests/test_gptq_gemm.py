@@ -137,17 +137,26 @@ def test_gemm_batch_dims_and_strided_input(device):
     assert empty.shape == (0, 3, N)
 
 
-@pytest.mark.parametrize("bigK, bigN", [(32768, N), (512, 16384 + N)], ids=["row_tiles", "column_strips"])
-def test_gemm_large_m_decodes_w_in_tiles(bigK, bigN):
+@pytest.mark.parametrize("library", ["onednn", "blas"])
+@pytest.mark.parametrize("bigK, bigN", [(32768, N), (512, 16384 + N)], ids=["tall", "wide"])
+def test_gemm_large_m_decodes_w_in_tiles(bigK, bigN, library):
     """M = 80 is past every fused kernel, so W is decoded in 8 MB tiles for
-    at::mm: a tall W in row tiles (21840 rows, not a multiple of the group)
-    summed by addmm, a wide one in column strips (the last one partial)."""
+    the fp32 GEMM: on torch's BLAS a tall W in row tiles (21840 rows, not a
+    multiple of the group) summed by addmm, a wide one in column strips (the
+    last one partial); on oneDNN's, both in column strips over all of K."""
+    default = torch.ops.lowbit.cpu_float_gemm()
+    if library == "onednn" and default != "onednn":
+        pytest.skip("this torch has no oneDNN")
     rng = np.random.default_rng(3)
     ckpt = ref.random_checkpoint(rng, bigK, bigN, 2, 128, False, "gptq_v2", False)
     W = ref.dequantize(ckpt["qweight"], ckpt["qzeros"], ckpt["scales"], ckpt["g_idx"], 2, "gptq_v2")
     t = as_torch(ckpt, "cpu")
     a = torch.randn(80, bigK)
-    out = torch.ops.lowbit.gptq_gemm(a, t["qweight"], t["qzeros"], t["scales"], t["g_idx"], False, True, 2)
+    try:
+        torch.ops.lowbit.cpu_float_gemm(library)
+        out = torch.ops.lowbit.gptq_gemm(a, t["qweight"], t["qzeros"], t["scales"], t["g_idx"], False, True, 2)
+    finally:
+        torch.ops.lowbit.cpu_float_gemm(default)
     a64 = a.double().numpy()
     # K = 32768 terms: the fp32 bound scales with K (see module docstring).
     err = np.abs(out.double().numpy() - a64 @ W)
