@@ -14,6 +14,9 @@ size and the file layout's within fp32 rounding. The file-layout ops are
 themselves checked against gguf-py (test_gguf_ops.py)."""
 import copy
 import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -122,15 +125,27 @@ def test_experts_are_each_repacked_as_a_weight_of_their_own(name, rows):
 def test_experts_do_not_ask_for_huge_pages():
     """Experts' rows are read a few experts at a time, in short runs: their
     repacked copy keeps the allocator's pages (huge_pages.h's advice made a
-    mixture of experts slower to load, for no faster decode)."""
-    experts, rows, n = 8, 256, 8192  # 9.4 MB of Q4_K
-    t = gb.type_id("Q4_K")
-    W = torch.from_numpy(gb.random_blocks(np.random.default_rng(0), "Q4_K", experts * rows, n)).view(experts, rows, -1)
-    huge = 2 << 20
-    out = ops.ggml_repack(W, t, rows, n)
-    inner = (out.data_ptr() + huge - 1) // huge * huge
-    assert inner + huge <= out.data_ptr() + out.numel()
-    assert "hg" not in vm_flags_at(inner)
+    mixture of experts slower to load, for no faster decode). In a fresh
+    process, whose memory no earlier repack has advised."""
+    script = textwrap.dedent("""
+        import numpy as np, torch
+        import gguf_blocks as gb
+        from lowbit import ops
+        from test_gguf_repack import vm_flags_at
+        experts, rows, n = 8, 256, 8192  # 9.4 MB of Q4_K
+        raw = gb.random_blocks(np.random.default_rng(0), "Q4_K", experts * rows, n)
+        out = ops.ggml_repack(torch.from_numpy(raw).view(experts, rows, -1), gb.type_id("Q4_K"), rows, n)
+        huge = 2 << 20
+        inner = (out.data_ptr() + huge - 1) // huge * huge
+        assert inner + huge <= out.data_ptr() + out.numel()
+        print("hg" in vm_flags_at(inner))
+    """)
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([os.path.join(os.path.dirname(here), "python"), here, os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False"]
 
 
 def sums_in_block_order(qtype):
