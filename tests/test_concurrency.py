@@ -70,7 +70,7 @@ def test_one_gguf_file_loads_in_several_processes(tmp_path):
 def pool_calls():
     """Calls of every CPU op that splits its work over the pool, at sizes of
     many chunks (matvec, batch, dequantization, GPTQ's fused and tiled paths,
-    packing)."""
+    packing, float weights on the GEMM library)."""
     torch.manual_seed(1)
     raw = torch.from_numpy(gb.random_blocks(np.random.default_rng(1), "Q4_K", 1024, 2048))
     q4k = gb.type_id("Q4_K")
@@ -78,12 +78,14 @@ def pool_calls():
     layer = lowbit.GPTQLinear.from_linear(torch.nn.Linear(2048, 768), 4, 128, False, "gptq_v2",
                                           perm=torch.randperm(2048))
     big = torch.randn(96, 2048)
+    f16 = torch.randn(1100, 2048).half().view(torch.uint8)
     return [lambda: torch.ops.lowbit.ggml_mul_mat_vec_a8(raw, x1, q4k, 1024),
             lambda: torch.ops.lowbit.ggml_mul_mat_a8(raw, x9, q4k, 1024),
             lambda: torch.ops.lowbit.ggml_dequantize(raw, q4k, 1024, 2048, torch.float32),
             lambda: torch.ops.lowbit.ggml_repack(raw, q4k, 1024, 2048, False),
             lambda: layer(x1), lambda: layer(big),
-            lambda: torch.ops.lowbit.gptq_unpack(layer.qweight, 4, 0)]
+            lambda: torch.ops.lowbit.gptq_unpack(layer.qweight, 4, 0),
+            lambda: torch.ops.lowbit.ggml_mul_mat_a8(f16, big, gb.type_id("F16"), 1100)]
 
 
 @pytest.mark.parametrize("torch_threads", [1, 2, 3])

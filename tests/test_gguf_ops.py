@@ -174,6 +174,34 @@ def test_float_weights_of_any_shape(device, qtype, M, rows, n):
         assert np.all(err <= bound), f"{op}: max error over bound {np.max(err / bound):.3g}"
 
 
+@pytest.mark.parametrize("qtype", sorted(gb.FLOAT_TYPES))
+def test_float_weights_at_large_m_on_both_gemm_libraries(qtype):
+    """Above 16 activation rows, float weights go to the fp32 GEMM library
+    (cpu_float_gemm): F16 / BF16 rows widened in strips of about 8 MB of fp32
+    (1024 rows of 2048 here: three strips, the last partial), F32 rows as
+    they are. Every output within fp32 rounding of the exact product, on
+    oneDNN's GEMM and on torch's BLAS alike, at row counts a strip does not
+    divide."""
+    default = ops.cpu_float_gemm()
+    rng = np.random.default_rng(gb.type_id(qtype))
+    try:
+        for rows, n, M in ((2100, 2048, 17), (70, 13, 40)):
+            raw = gb.random_blocks(rng, qtype, rows, n)
+            W = gb.dequantize(raw, qtype).astype(np.float64)
+            x = rng.standard_normal((M, n)).astype(np.float32)
+            expect = x.astype(np.float64) @ W.T
+            bound = 1e-6 * n * (np.abs(x.astype(np.float64)) @ np.abs(W).T) + 1e-30
+            for library in ("onednn", "blas"):
+                if library == "onednn" and default == "blas":
+                    continue  # a torch without oneDNN
+                assert ops.cpu_float_gemm(library) == library
+                got = ops.ggml_mul_mat_a8(torch.from_numpy(raw), torch.from_numpy(x), gb.type_id(qtype), rows)
+                err = np.abs(got.double().numpy() - expect)
+                assert np.all(err <= bound), (rows, n, M, library, np.max(err / bound))
+    finally:
+        ops.cpu_float_gemm(default)
+
+
 def test_q8_0_activations_are_quantized_like_llama_cpp():
     """With Q8_0 weights the a8 product is sum_b d_w * d_x * sum(q_w * q_x),
     where (q_x, d_x) is llama.cpp's Q8_0 quantization of x (gguf-py has the

@@ -1,7 +1,7 @@
-// The fp32 GEMM of gptq_gemm's large-M path: oneDNN's, where torch is built
-// with it, or torch's BLAS (at::mm: MKL on x86 wheels). Both sum in fp32;
-// MKL's sgemm takes slower code paths on AMD CPUs, where oneDNN's runs
-// several times faster (csrc/cpu/README.md).
+// The fp32 GEMM of the large-M paths of gptq_gemm and of the GGUF float
+// weights: oneDNN's, where torch is built with it, or torch's BLAS (at::mm:
+// MKL on x86 wheels). Both sum in fp32; MKL's sgemm takes slower code paths
+// on AMD CPUs, where oneDNN's runs several times faster (csrc/cpu/README.md).
 #pragma once
 
 #include <ATen/ATen.h>

@@ -2,6 +2,7 @@
 // activations and integer dot products. One template per family, instantiated
 // for every type of the table in core/ggml_types.h.
 #include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
@@ -19,6 +20,7 @@
 #include "../ops/backend_ops.h"
 #include "../ops/dispatch.h"
 #include "../ops/ggml_checks.h"
+#include "float_gemm.h"
 #include "ggml_kernels.h"
 #include "huge_pages.h"
 #include "isa.h"
@@ -55,6 +57,33 @@ void dequantize_row(const uint8_t* row, int64_t n, float* out) {
 
 // Rows per parallel task: about 64k weights each, so small matrices stay serial.
 int64_t row_grain(int64_t n) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, n)); }
+
+// Decodes rows [r0, r1) of W (n weights each) into dst, of dtype out_type:
+// the SIMD kernel of the active ISA where the type has one (bit-exact with
+// the portable loop), straight into the output dtype.
+void dequantize_rows(int64_t type, const uint8_t* W, int64_t r0, int64_t r1, int64_t n, uint8_t* dst,
+                     at::ScalarType out_type) {
+#if LOWBIT_X86_SIMD
+  const Isa isa = active_isa();
+  const OutDtype simd_dtype = out_type == at::kFloat ? OutDtype::kF32 : out_type == at::kHalf ? OutDtype::kF16 : OutDtype::kBF16;
+#if LOWBIT_X86_AVX512
+  if (isa == Isa::kAvx512 && ggml_dequantize_avx512(type, W, r0, r1, n, dst, simd_dtype)) return;
+#endif
+  if (isa == Isa::kAvx2 && ggml_dequantize_avx2(type, W, r0, r1, n, dst, simd_dtype)) return;
+#endif
+  // Portable: one fp32 row at a time, then rounded once to the output dtype.
+  std::vector<float> row(n);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_type, "ggml_dequantize", [&] {
+    dispatch_ggml_type(type, [&](auto t) {
+      constexpr ggml::Type T = decltype(t)::value;
+      const int64_t row_bytes = n / TypeInfo<T>::kBlock * TypeInfo<T>::kBytes;
+      for (int64_t r = r0; r < r1; ++r) {
+        dequantize_row<T>(W + r * row_bytes, n, row.data());
+        at::vec::convert(row.data(), reinterpret_cast<scalar_t*>(dst) + (r - r0) * n, n);
+      }
+    });
+  });
+}
 
 // Rows per matmul chunk, in whole tiles of the SIMD kernels (4 rows; 16 for
 // the AVX-512 GEMM). Batches are compute-bound and take small chunks handed
@@ -235,10 +264,41 @@ void mul_mat_quantized(const uint8_t* W, int64_t rows, int64_t n, const float* X
   });
 }
 
+// Float weights at M > kFloatFmaMaxM take the fp32 GEMM library
+// (float_gemm.h), several times the FMA loop's rate there: F32 rows are its
+// operand as they are; F16 and BF16 rows are widened to fp32 in strips of
+// about kFloatStripBytes, each multiplied into its columns of out.
+constexpr int64_t kFloatFmaMaxM = 16;
+constexpr int64_t kFloatStripBytes = 8 << 20;
+
+template <ggml::Type T>
+void mul_mat_float_gemm(const uint8_t* W, int64_t rows, int64_t n, const float* X, int64_t M, float* out) {
+  const TorchThreadsAtPool threads;
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  const at::Tensor x = at::from_blob(const_cast<float*>(X), {M, n}, f32);
+  const at::Tensor y = at::from_blob(out, {M, rows}, f32);
+  if constexpr (T == ggml::Type::F32) {
+    float_mm_out(x, at::from_blob(const_cast<uint8_t*>(W), {rows, n}, f32).t(), y);
+    return;
+  }
+  const int64_t strip = std::min(rows, std::max<int64_t>(64, kFloatStripBytes / (4 * n) / 64 * 64));
+  const at::Tensor tile = at::empty({strip, n}, f32);
+  uint8_t* dst = static_cast<uint8_t*>(tile.data_ptr());
+  for (int64_t r0 = 0; r0 < rows; r0 += strip) {
+    const int64_t height = std::min(strip, rows - r0);
+    // On torch's team, whose threads run the GEMM (gptq_gemm.cpp's for_pack_rows).
+    at::parallel_for(0, height, row_grain(n), [&](int64_t a, int64_t b) {
+      dequantize_rows(static_cast<int64_t>(T), W, r0 + a, r0 + b, n, dst + a * n * 4, at::kFloat);
+    });
+    float_mm_out(x, tile.narrow(0, 0, height).t(), y.narrow(1, r0, height));
+  }
+}
+
 // Float weight types (F32, F16, BF16) multiply fp32 activations directly,
-// in runs of whole 4-row tiles of the SIMD kernel.
+// in runs of whole 4-row tiles of the SIMD kernel, up to kFloatFmaMaxM rows.
 template <ggml::Type T>
 void mul_mat_float(const uint8_t* W, int64_t rows, int64_t n, const float* X, int64_t M, float* out) {
+  if (M > kFloatFmaMaxM) return mul_mat_float_gemm<T>(W, rows, n, X, M, out);
   const Isa isa = active_isa();
   const int64_t parts = kChunksPerThread * pool_threads();
   const int64_t chunk = std::max(row_grain(n), (rows + parts - 1) / parts);
@@ -398,30 +458,9 @@ at::Tensor ggml_dequantize(const at::Tensor& W, int64_t type, int64_t m, int64_t
   at::Tensor out = at::empty({m, n}, W.options().dtype(out_type));
   if (out.numel() == 0) return out;
   const uint8_t* w = W.data_ptr<uint8_t>();
-  const int64_t row_bytes = n / info.block * info.bytes;
-  const Isa isa = active_isa();
-  const OutDtype simd_dtype = out_type == at::kFloat ? OutDtype::kF32 : out_type == at::kHalf ? OutDtype::kF16 : OutDtype::kBF16;
-  const int64_t elem = out.element_size();
   uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
   parallel_for(m, row_grain(n), [&](int64_t r0, int64_t r1) {
-    // The SIMD kernel of the active ISA where the type has one (bit-exact
-    // with the portable loop), straight into the output dtype.
-#if LOWBIT_X86_SIMD
-#if LOWBIT_X86_AVX512
-    if (isa == Isa::kAvx512 && ggml_dequantize_avx512(type, w, r0, r1, n, dst + r0 * n * elem, simd_dtype)) return;
-#endif
-    if (isa == Isa::kAvx2 && ggml_dequantize_avx2(type, w, r0, r1, n, dst + r0 * n * elem, simd_dtype)) return;
-#endif
-    // Portable: one fp32 row at a time, then rounded once to the output dtype.
-    std::vector<float> row(n);
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_type, "ggml_dequantize", [&] {
-      dispatch_ggml_type(type, [&](auto t) {
-        for (int64_t r = r0; r < r1; ++r) {
-          dequantize_row<decltype(t)::value>(w + r * row_bytes, n, row.data());
-          at::vec::convert(row.data(), reinterpret_cast<scalar_t*>(dst) + r * n, n);
-        }
-      });
-    });
+    dequantize_rows(type, w, r0, r1, n, dst + r0 * n * out.element_size(), out_type);
   });
   return out;
 }

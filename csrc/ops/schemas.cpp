@@ -108,8 +108,9 @@ TORCH_LIBRARY(lowbit, m) {
   // lowers it, for tests of every path and for benchmarks.
   m.def("cpu_isa(str? force=None) -> str");
   m.def("cpu_bf16_kernel(str? mode=None) -> str");
-  // The fp32 GEMM of gptq_gemm's large-M path ("onednn" where torch has it,
-  // or "blas", torch's at::mm), after setting it to `library` if given.
+  // The fp32 GEMM of gptq_gemm's and of the GGUF float weights' large-M paths
+  // ("onednn" where torch has it, or "blas", torch's at::mm), after setting
+  // it to `library` if given.
   m.def("cpu_float_gemm(str? library=None) -> str");
   // The thread count of the CPU kernels' own pool (cpu/parallel.h), after
   // setting it to `threads` if given; 0 follows torch.get_num_threads().

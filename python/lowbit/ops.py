@@ -695,9 +695,9 @@ def cpu_bf16_kernel(mode: Optional[str] = None) -> str:
 
 
 def cpu_float_gemm(library: Optional[str] = None) -> str:
-    """The fp32 GEMM of gptq_gemm's large-M path on the CPU ("onednn", the default
-    where torch has oneDNN, or "blas": torch's at::mm), after setting it to
-    `library` if given."""
+    """The fp32 GEMM of the CPU's large-M paths, gptq_gemm's and the GGUF float
+    weights' ("onednn", the default where torch has oneDNN, or "blas": torch's
+    at::mm), after setting it to `library` if given."""
     return torch.ops.lowbit.cpu_float_gemm(library)
 
 
