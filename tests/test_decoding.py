@@ -602,6 +602,33 @@ def test_decode_step_refuses_what_it_cannot_run():
         step.run(torch.zeros(1, 1, 4), torch.ones(4), torch.zeros(4), [keys] * 2, [keys] * 2, [None] * 4, 3)
 
 
+def test_decode_step_writes_only_into_buffers_of_its_own_layout():
+    """Buffers handed back that the step did not make (an expanded view whose
+    rows share one address, a transposed one), with the cache a view of
+    them: not written into; the step copies the cache into new buffers and
+    gives the logits it gives with none."""
+    torch.manual_seed(0)
+    step = torch.classes.lowbit.DecodeStep()
+    D = 4
+
+    def lin(o, i):
+        return step.projection("aten::linear", "", [torch.randn(o, i), None], 0, None, None)
+
+    q, k, v, o, g, u, d, lm = lin(D, 4), lin(D, 4), lin(D, 4), lin(4, D), lin(8, 4), lin(8, 4), lin(4, 8), lin(10, 4)
+    step.layer(torch.ones(4), 1e-6, [q, k, v], [D, D, D], None, None, 1e-6, o, torch.ones(4), 1e-6, [g, u], [8, 8],
+               d, D, 0.5, True, 1.0)
+    step.head(torch.ones(4), 1e-6, lm, 1.0)
+    x, cos, sin = torch.randn(1, 1, 4), torch.ones(D), torch.zeros(D)
+    shared = torch.randn(1, 1, 1, D).expand(1, 1, 8, D)  # stride 0 along the rows
+    transposed = torch.randn(1, 1, D, 8).transpose(2, 3)
+    for buffer in (shared, transposed):
+        before = buffer.clone()
+        keys = buffer[:, :, :2]
+        expect = step.run(x, cos, sin, [keys], [keys.clone()], [None, None], 2)[0]
+        got = step.run(x, cos, sin, [keys], [keys.clone()], [buffer, buffer], 2)[0]
+        assert torch.equal(got, expect) and torch.equal(buffer, before)
+
+
 def test_threads_decode_one_model_through_the_cpp_step(gguf_path):
     """Threads decoding their own caches on one model (a server's requests)
     share its C++ step, and each prompt call makes a new one: every thread

@@ -42,9 +42,11 @@ struct Buffers {
 // ones (the rows copied in at row 0) otherwise.
 Buffers buffers_for(const at::Tensor& keys, const at::Tensor& values, const std::optional<at::Tensor>& key_buffer,
                     const std::optional<at::Tensor>& value_buffer, int64_t rows) {
-  // The row of `buffer` where view t starts; -1 where t is not such a view.
+  // The row of `buffer` where view t starts; -1 where t is not such a view
+  // or the buffer is not one of ours (contiguous, a row a step written in).
   const auto first_row = [](const at::Tensor& t, const std::optional<at::Tensor>& buffer) -> int64_t {
-    if (!buffer.has_value() || buffer->dim() != 4 || t.strides() != buffer->strides() ||
+    if (!buffer.has_value() || buffer->dim() != 4 || !buffer->is_contiguous() || buffer->numel() == 0 ||
+        t.strides() != buffer->strides() ||
         t.sizes().slice(0, 2) != buffer->sizes().slice(0, 2) || t.scalar_type() != buffer->scalar_type()) {
       return -1;
     }
