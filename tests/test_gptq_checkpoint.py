@@ -36,6 +36,7 @@ import lowbit
 from gptq_checkpoints import make_checkpoint, tensors as checkpoint_tensors, tree_hashes
 from lowbit.gptq import GPTQCheckpointError, GPTQConfig, GPTQConfigError
 from lowbit.gptq.checkpoint import check_layer_count, write_checkpoint
+from lowbit.gptq.config import parse_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -686,6 +687,10 @@ CONFIG_CASES += [
     pytest.param("dynamic", {".*": {"sym": "no"}}, r"dynamic rule .*: sym must be true or false",
                  id="dynamic-sym='no'"),
     pytest.param("dynamic", {"(": {}}, r"dynamic rule '\(' is not a valid regex", id="dynamic-bad-regex"),
+    pytest.param("dynamic", {"((a{1000}){1000}){1000}": {}}, r"dynamic rule .* repeats more than 10000 times",
+                 id="dynamic-nested-repeats"),
+    pytest.param("dynamic", {"+:" + "a" * 1001: {}}, r"dynamic rule .* is 1001 characters long",
+                 id="dynamic-long-rule"),
 ]
 
 
@@ -694,6 +699,15 @@ def test_bad_config_values_name_the_key(checkpoint, key, value, says):
     edit_config(checkpoint, **{key: value})
     with pytest.raises(GPTQConfigError, match=f"^{re.escape(str(checkpoint / 'quantize_config.json'))}: {says}"):
         load(checkpoint)
+
+
+@pytest.mark.parametrize("rule", [r"-:.*\.layers\.\d{1,2}\.mlp\..*", r"+:.*\.(\d{2}){1,3}\..*", r".*\{9{0,9}\}.*",
+                                  r"[{]123456}[\]{]{99}", "a" * 1000])
+def test_dynamic_rules_within_the_size_bounds_are_compiled(rule):
+    """Counted repeats whose bounds multiply to at most 10000 (escaped braces and braces in a class are
+    characters, not repeats) and rules of up to 1000 characters are taken."""
+    config = parse_config({"bits": 4, "group_size": 128, "dynamic": {rule: {"bits": 8}}}, "q.json")
+    assert rule in config.dynamic
 
 
 # Valid configs that contradict the tensors (group_size 512 > in_features is a legitimate single group, so

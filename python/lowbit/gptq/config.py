@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import stat
 import time
 from dataclasses import dataclass, field, replace
@@ -26,6 +27,12 @@ OVERRIDABLE = ("bits", "group_size", "desc_act", "sym")  # what a `dynamic` rule
 # calls together. A legitimate rule takes microseconds per name; a checkpoint's
 # rules are untrusted, and a backtracking one can run for hours on one name.
 RULE_MATCH_SECONDS = 5.0
+# Compiling comes before that budget, and the `regex` module expands counted
+# repeats: nested ones take memory in their product (((a{1000}){1000}){1000}
+# exhausts any machine). Rules name module paths; none needs more than these.
+RULE_MAX_CHARS = 1000
+RULE_MAX_REPEATS = 10_000  # the product of a rule's counted-repeat bounds
+_COUNTED_REPEAT = re.compile(r"\{(\d*)(?:,(\d*))?\}")
 
 
 class GPTQConfigError(ValueError):
@@ -130,10 +137,43 @@ def _rule_pattern(key: str, source: str = ""):
     if regex is None:
         raise GPTQConfigError(f"{where}: dynamic rules need the `regex` package (pip install regex), which "
                               "bounds how long a checkpoint's pattern may run")
+    pattern = key[2:] if key[:2] in ("-:", "+:") else key
+    _check_rule_size(pattern, key, where)
     try:
-        return regex.compile(key[2:] if key[:2] in ("-:", "+:") else key)
+        return regex.compile(pattern)
     except regex.error as e:
         raise GPTQConfigError(f"{where}: dynamic rule {key!r} is not a valid regex: {e}") from e
+
+
+def _check_rule_size(pattern: str, key: str, where: str) -> None:
+    """Refuses a rule longer than RULE_MAX_CHARS, or whose counted repeats
+    ({m}, {m,n}, {m,}) multiply to more than RULE_MAX_REPEATS, before it is
+    compiled. Escaped characters and character classes hold no repeats."""
+    if len(pattern) > RULE_MAX_CHARS:
+        raise GPTQConfigError(f"{where}: dynamic rule {key[:80]!r}... is {len(pattern)} characters long, more than "
+                              f"the {RULE_MAX_CHARS} a module-name pattern needs")
+    product, i, in_class = 1, 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            i += 2 if pattern[i + 1:i + 2] == "]" else 1  # a "]" first in a class is literal
+            continue
+        elif c == "{" and (m := _COUNTED_REPEAT.match(pattern, i)):
+            low, high = m.group(1), m.group(2)
+            product *= max(1, int(high if high else low or 0))
+            if product > RULE_MAX_REPEATS:
+                raise GPTQConfigError(f"{where}: dynamic rule {key!r} repeats more than {RULE_MAX_REPEATS} times "
+                                      "in its counted repeats together (compiling it would take memory in "
+                                      "their product)")
+            i = m.end()
+            continue
+        i += 1
 
 
 def parse_config(raw: dict[str, Any], source: str = "") -> GPTQConfig:
