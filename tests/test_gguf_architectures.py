@@ -251,6 +251,15 @@ def test_load_gguf_model_refuses_bad_files(tmp_path):
                             extra_tensors={"rope_freqs.weight": wrong})
     with pytest.raises(ValueError, match=r"llama.gguf: rope_freqs.weight has shape \(5,\), the model's rotary embedding \(8,\)"):
         lowbit.load_gguf_model(path)
+    # Divisors that would make NaN or inf rotation tables (whose logits stay finite).
+    for value, says in ((np.nan, "a non-finite value"), (0.0, r"0.0 at \[3\], where every value must be > 0"),
+                        (-2.0, r"-2.0 at \[3\]")):
+        bad = np.ones(8, dtype=np.float32)
+        bad[3] = value
+        path = write_model_gguf(str(tmp_path / "freqs.gguf"), tiny_model("llama", seed=0), "llama",
+                                extra_tensors={"rope_freqs.weight": bad})
+        with pytest.raises(ValueError, match=rf"load_gguf_model: .*freqs.gguf: rope_freqs.weight holds {says}"):
+            lowbit.load_gguf_model(path)
 
 
 @functools.cache

@@ -687,6 +687,9 @@ def test_phi3_config_from_gguf():
     with pytest.raises(GGUFError, match="'phi3.rope.scaling.type': longrope, but the file has no "
                                         "rope_factors_short.weight"):
         config_from_gguf(metadata, {"rope_factors_long.weight": _Tensor(long)})
+    for bad in (float("inf"), 0.0):
+        with pytest.raises(GGUFError, match=r"rope_factors_short.weight holds .* at \[5\]"):
+            config_from_gguf(metadata, {**tensors, "rope_factors_short.weight": _Tensor([1.0] * 5 + [bad] + [1.0] * 42)})
     with pytest.raises(GGUFError, match=r"'phi3.attention.key_length': phi3 heads have 128 dimensions, "
                                         r"not hidden / heads = 96"):
         config_from_gguf({**phi3_metadata(32, 32, 96), "phi3.attention.key_length": 128}, [])

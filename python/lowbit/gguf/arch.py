@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .._checks import check_positive
 from .file import GGUFError
 
 __all__ = ["Architecture", "ARCHITECTURES", "EXPERT_TENSORS", "architecture", "check_architecture", "hf_name",
@@ -341,7 +342,9 @@ def _longrope_factors(m, arch, tensors) -> dict:
         t = tensors.get(f"rope_factors_{kind}.weight")
         if t is None:
             raise m.error(f"{arch}.rope.scaling.type", f"longrope, but the file has no rope_factors_{kind}.weight")
-        factors[f"{kind}_factor"] = t.dequantize().reshape(-1).tolist()
+        values = t.dequantize().reshape(-1)
+        check_positive(values, f"{m.where}: rope_factors_{kind}.weight", GGUFError)
+        factors[f"{kind}_factor"] = values.tolist()
     attention = m.get(f"{arch}.rope.scaling.attn_factor", float, None, positive=True)
     if attention is not None:
         factors["attention_factor"] = attention

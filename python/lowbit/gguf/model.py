@@ -12,7 +12,7 @@ import warnings
 import torch
 from torch import nn
 
-from .._checks import check_finite
+from .._checks import check_finite, check_positive
 from .._placing import (ReplaceReport, checked, get_module, load_tensor, on_meta, rebuild_computed_buffers,
                         tensor_holders)
 from ..fusing import fuse_projections
@@ -177,7 +177,9 @@ def _apply_rope_freqs(model: nn.Module, f: GGUFFile) -> None:
     if freqs.shape != tuple(rotary.inv_freq.shape):  # one divisor per frequency
         raise ValueError(f"load_gguf_model: {f.path}: {ROPE_FREQS} has shape {freqs.shape}, "
                          f"the model's rotary embedding {tuple(rotary.inv_freq.shape)}")
-    rotary.inv_freq = rotary.inv_freq / freqs.dequantize()
+    divisors = freqs.dequantize()
+    check_positive(divisors, f"load_gguf_model: {f.path}: {ROPE_FREQS}")
+    rotary.inv_freq = rotary.inv_freq / divisors
     rotary.original_inv_freq = rotary.inv_freq.clone()
 
 
