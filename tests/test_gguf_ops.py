@@ -275,6 +275,9 @@ BAD = {
                       "ggml_dequantize: m must be non-negative, got -1"),
     "overflowing shape": (lambda W, x: ops.ggml_dequantize(W, 2, 2**62, 2**10, None), ValueError,
                           "ggml_dequantize: .* overflow int64"),
+    # 4 * (2^62 + 1) bytes wrap to 4: refused before the byte count is compared.
+    "overflowing F32 row": (lambda W, x: ops.ggml_dequantize(torch.zeros(4, dtype=torch.uint8), 0, 1, 2**62 + 1, None),
+                            ValueError, r"ggml_dequantize: n=4611686018427387905 F32 weights per row overflow int64"),
     "dequantize bad dtype": (lambda W, x: ops.ggml_dequantize(W, 2, ROWS, N, torch.int32), RuntimeError,
                              "ggml_dequantize: dtype must be float32, float16 or bfloat16"),
 }

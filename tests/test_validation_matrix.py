@@ -204,6 +204,9 @@ OPS = {
         "negative n": (lambda kw: {"n": -32}, ValueError, "n must be non-negative"),
         "m * n overflows": (lambda kw: {"m": 2**62, "n": 2**10}, ValueError, "overflow"),
         "row bytes overflow": (lambda kw: {"m": 1, "n": 2**63 - 2**5}, ValueError, "overflow|W has"),
+        # 4 * (2^62 + 1) wraps to 4 bytes: refused before the byte count is compared.
+        "F32 row bytes wrap": (lambda kw: {"W": torch.zeros(4, dtype=torch.uint8), "type": 0, "m": 1, "n": 2**62 + 1},
+                               ValueError, "n=4611686018427387905 F32 weights per row overflow int64"),
         "integer dtype": (lambda kw: {"dtype": I32}, RuntimeError, "dtype must be float32, float16 or bfloat16"),
     }),
 }

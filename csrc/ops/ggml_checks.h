@@ -28,8 +28,9 @@ inline ggml::RuntimeInfo check_ggml_weight(const char* op, const at::Tensor& W, 
   TORCH_CHECK_VALUE(cols >= 0, op, ": n must be non-negative, got ", cols);
   TORCH_CHECK_VALUE(cols % info.block == 0, op, ": n=", cols, " is not a multiple of the ", info.name,
                     " block size ", info.block);
-  const int64_t row_bytes = cols / info.block * info.bytes;
-  int64_t total = 0;
+  int64_t row_bytes = 0, total = 0;
+  TORCH_CHECK_VALUE(!c10::mul_overflows(cols / info.block, static_cast<int64_t>(info.bytes), &row_bytes), op,
+                    ": n=", cols, " ", info.name, " weights per row overflow int64 in bytes");
   TORCH_CHECK_VALUE(!c10::mul_overflows(rows, row_bytes, &total), op, ": ", rows, " rows of ", row_bytes,
                     " bytes overflow int64");
   TORCH_CHECK_VALUE(W.numel() == total, op, ": W has ", W.numel(), " bytes but ", rows, " rows of ", cols, " ",

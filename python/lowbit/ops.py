@@ -204,6 +204,7 @@ def _ggml_weight(op, W, type, rows_name, rows, cols) -> tuple[int, int, str]:
     _value(cols >= 0, op, "n must be non-negative, got ", cols)
     _value(cols % block == 0, op, "n=", cols, " is not a multiple of the ", name, " block size ", block)
     row_bytes = cols // block * nbytes
+    _value(row_bytes < 2**63, op, "n=", cols, " ", name, " weights per row overflow int64 in bytes")
     total = rows * row_bytes
     _value(total < 2**63, op, rows, " rows of ", row_bytes, " bytes overflow int64")
     _value(W.numel() == total, op, "W has ", W.numel(), " bytes but ", rows, " rows of ", cols, " ", name,
