@@ -49,9 +49,9 @@ def test_cpu_isa_reports_forces_and_validates():
 def test_cpu_float_gemm_libraries_agree():
     """gptq_gemm's fp32 large-M path (M > 64) on oneDNN's GEMM and on torch's
     BLAS: each within test_gptq_gemm's tolerance of the exact product (1e-5
-    of |a| @ |W|, fp32 sums in another order), over shapes that take row
-    tiles and column strips on BLAS (every tile a strip on oneDNN), act-order
-    included, and a refused name changes nothing."""
+    of |a| @ |W|, fp32 sums in another order), over shapes of one column
+    strip and of many, act-order included, and a refused name changes
+    nothing."""
     default = ops.cpu_float_gemm()
     assert default in ("onednn", "blas")
     rng = np.random.default_rng(9)

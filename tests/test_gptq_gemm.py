@@ -139,11 +139,11 @@ def test_gemm_batch_dims_and_strided_input(device):
 
 @pytest.mark.parametrize("library", ["onednn", "blas"])
 @pytest.mark.parametrize("bigK, bigN", [(32768, N), (512, 16384 + N)], ids=["tall", "wide"])
-def test_gemm_large_m_decodes_w_in_tiles(bigK, bigN, library):
-    """M = 80 is past every fused kernel, so W is decoded in 8 MB tiles for
-    the fp32 GEMM: on torch's BLAS a tall W in row tiles (21840 rows, not a
-    multiple of the group) summed by addmm, a wide one in column strips (the
-    last one partial); on oneDNN's, both in column strips over all of K."""
+def test_gemm_large_m_decodes_w_in_strips(bigK, bigN, library):
+    """M = 80 is past every fused kernel, so W is decoded in column strips
+    over all of K for the fp32 GEMM, on either library: about 2 MB of fp32
+    each, and at least 64 columns (8 MB for the tall W), the last one
+    partial."""
     default = torch.ops.lowbit.cpu_float_gemm()
     if library == "onednn" and default != "onednn":
         pytest.skip("this torch has no oneDNN")

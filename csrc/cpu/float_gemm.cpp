@@ -3,6 +3,8 @@
 #include <ATen/Context.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <omp.h>
+
 #include <atomic>
 #include <optional>
 #include <vector>
@@ -45,7 +47,25 @@ void set_float_gemm(const std::string& name) {
 
 const char* float_gemm_name(FloatGemm g) { return g == FloatGemm::kOneDnn ? "onednn" : "blas"; }
 
+namespace {
+
+// For its lifetime the calling thread's OpenMP thread count (a per-thread
+// setting, read by oneDNN and MKL when they are called) is one.
+class OneOpenMpThread {
+ public:
+  OneOpenMpThread() : saved_(omp_get_max_threads()) { omp_set_num_threads(1); }
+  ~OneOpenMpThread() { omp_set_num_threads(saved_); }
+  OneOpenMpThread(const OneOpenMpThread&) = delete;
+  OneOpenMpThread& operator=(const OneOpenMpThread&) = delete;
+
+ private:
+  int saved_;
+};
+
+}  // namespace
+
 void float_mm_out(const at::Tensor& a, const at::Tensor& b, at::Tensor out) {
+  const OneOpenMpThread one;
   if (float_gemm() == FloatGemm::kBlas) {
     at::mm_out(out, a, b);
     return;

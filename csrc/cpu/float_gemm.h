@@ -19,7 +19,11 @@ FloatGemm float_gemm();
 void set_float_gemm(const std::string& name);
 const char* float_gemm_name(FloatGemm g);
 
-// a [M, k] @ b [k, n] into out [M, n] (any strides) by the library in use.
+// a [M, k] @ b [k, n] into out [M, n] (any strides) by the library in use,
+// on the calling thread alone (its OpenMP thread count is one for the call).
+// Callers run strips of a product as tasks of lowbit's pool: on shared cores
+// an OpenMP team's barriers each wait for a descheduled thread, where the
+// pool's other threads take its strips.
 void float_mm_out(const at::Tensor& a, const at::Tensor& b, at::Tensor out);
 
 }  // namespace cpu

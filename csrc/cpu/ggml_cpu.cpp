@@ -2,7 +2,6 @@
 // activations and integer dot products. One template per family, instantiated
 // for every type of the table in core/ggml_types.h.
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
@@ -265,33 +264,29 @@ void mul_mat_quantized(const uint8_t* W, int64_t rows, int64_t n, const float* X
 }
 
 // Float weights at M > kFloatFmaMaxM take the fp32 GEMM library
-// (float_gemm.h), several times the FMA loop's rate there: F32 rows are its
-// operand as they are; F16 and BF16 rows are widened to fp32 in strips of
-// about kFloatStripBytes, each multiplied into its columns of out.
+// (float_gemm.h), several times the FMA loop's rate there, in strips of
+// output columns as pool tasks: each widens its rows of W to fp32 (F16,
+// BF16; F32 rows are the operand as they are), about kFloatStripBytes of
+// them, and multiplies them on its own thread.
 constexpr int64_t kFloatFmaMaxM = 16;
-constexpr int64_t kFloatStripBytes = 8 << 20;
+constexpr int64_t kFloatStripBytes = 2 << 20;
 
 template <ggml::Type T>
 void mul_mat_float_gemm(const uint8_t* W, int64_t rows, int64_t n, const float* X, int64_t M, float* out) {
-  const TorchThreadsAtPool threads;
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   const at::Tensor x = at::from_blob(const_cast<float*>(X), {M, n}, f32);
   const at::Tensor y = at::from_blob(out, {M, rows}, f32);
-  if constexpr (T == ggml::Type::F32) {
-    float_mm_out(x, at::from_blob(const_cast<uint8_t*>(W), {rows, n}, f32).t(), y);
-    return;
-  }
-  const int64_t strip = std::min(rows, std::max<int64_t>(64, kFloatStripBytes / (4 * n) / 64 * 64));
-  const at::Tensor tile = at::empty({strip, n}, f32);
-  uint8_t* dst = static_cast<uint8_t*>(tile.data_ptr());
-  for (int64_t r0 = 0; r0 < rows; r0 += strip) {
-    const int64_t height = std::min(strip, rows - r0);
-    // On torch's team, whose threads run the GEMM (gptq_gemm.cpp's for_pack_rows).
-    at::parallel_for(0, height, row_grain(n), [&](int64_t a, int64_t b) {
-      dequantize_rows(static_cast<int64_t>(T), W, r0 + a, r0 + b, n, dst + a * n * 4, at::kFloat);
-    });
-    float_mm_out(x, tile.narrow(0, 0, height).t(), y.narrow(1, r0, height));
-  }
+  const int64_t strip = std::max<int64_t>(16, kFloatStripBytes / (4 * n) / 16 * 16);
+  parallel_chunks(rows, strip, [&](int64_t r0, int64_t r1) {
+    at::Tensor w;
+    if constexpr (T == ggml::Type::F32) {
+      w = at::from_blob(const_cast<uint8_t*>(W) + r0 * n * 4, {r1 - r0, n}, f32);
+    } else {
+      w = at::empty({r1 - r0, n}, f32);
+      dequantize_rows(static_cast<int64_t>(T), W, r0, r1, n, static_cast<uint8_t*>(w.data_ptr()), at::kFloat);
+    }
+    float_mm_out(x, w.t(), y.narrow(1, r0, r1 - r0));
+  });
 }
 
 // Float weight types (F32, F16, BF16) multiply fp32 activations directly,

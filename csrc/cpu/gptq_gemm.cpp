@@ -46,10 +46,8 @@ constexpr int64_t kSimdFusedMaxM = 64;
 constexpr int64_t kAmxFusedMaxM = 40;
 // Output columns per fused task: acc[kFusedMaxM][kTileN] stays in L1.
 constexpr int64_t kTileN = 64;
-// Bytes of fp32 weight tile decoded per GEMM call on the large-M path, and
-// the fewest rows k a full-width tile may have before column strips are used.
-constexpr int64_t kTileBytes = 8 << 20;
-constexpr int64_t kMinTileRows = 256;
+// Bytes of fp32 weight strip decoded per GEMM call on the large-M path.
+constexpr int64_t kTileBytes = 2 << 20;
 // The same for the bf16 GEMM path's column strips, [2K, width] bf16: 16 MB
 // is fastest at both benchmark shapes (8 and 32 MB each lose at one).
 constexpr int64_t kBf16TileBytes = 16 << 20;
@@ -216,7 +214,7 @@ void dequant_rows(const GptqWeight& w, Isa isa, int64_t k0, int64_t k1, int64_t 
 
 // f(r0, r1) over [k0, k1) in parallel on `team` (parallel.h), in runs of
 // whole packs (k0 is a pack's first row) of about `rows_per_task` rows. The
-// large-M paths decode on torch's team because their GEMM runs on it:
+// bf16 GEMM path decodes on torch's team because its GEMM runs on it:
 // torch's threads keep spinning after each mm (OpenMP's default wait), so a
 // decode on the pool between two mms would share its cores with them and
 // take about twice as long.
@@ -233,41 +231,18 @@ void for_pack_rows(int64_t k0, int64_t k1, int64_t rows_per_task, F&& f) {
   }
 }
 
-// out[M, N] = a[M, K] @ W by decoding tiles of W into fp32 for the fp32
-// GEMM. On torch's BLAS a tile spans all N columns and as many rows k as
-// kTileBytes holds, summed into out by addmm: out stays one contiguous
-// operand; only where that leaves fewer than kMinTileRows rows (very wide
-// N) do tiles become column strips over all of K. oneDNN's GEMM returns a
-// new tensor, copied into out: there every tile is such a strip, copied
-// once, where row tiles' partial sums would each be added.
+// out[M, N] = a[M, K] @ W by decoding W into fp32 for the fp32 GEMM, in
+// column strips over all of K (about kTileBytes each) as pool tasks: each
+// decodes its strip and multiplies it on its own thread (float_gemm.h).
 template <int B>
 void gemm_dequant_mm(const at::Tensor& a, const GptqWeight& w, Isa isa, const at::Tensor& out) {
-  constexpr int64_t kFields = gptq::Pack<B>::kFields;
   const int64_t K = w.K, N = w.N;
-  int64_t rows = std::min(K, kTileBytes / (4 * N) / kFields * kFields), cols = N;
-  if (float_gemm() == FloatGemm::kOneDnn || rows < std::min(K, kMinTileRows)) {
-    rows = K;
-    cols = std::min(N, std::max<int64_t>(kTileN, kTileBytes / (4 * K) / kTileN * kTileN));
-  }
-  at::Tensor tile_buf = at::empty({rows * cols}, a.options());
-  float* tile = tile_buf.data_ptr<float>();
-  for (int64_t n0 = 0; n0 < N; n0 += cols) {
-    const int64_t width = std::min(cols, N - n0);
-    at::Tensor out_cols = out.narrow(1, n0, width);
-    for (int64_t k0 = 0; k0 < K; k0 += rows) {
-      const int64_t height = std::min(rows, K - k0);
-      for_pack_rows<B, Team::kTorch>(k0, k0 + height, 4096 / width, [&](int64_t k1, int64_t k2) {
-        dequant_rows<B>(w, isa, k1, k2, n0, n0 + width, tile + (k1 - k0) * width, width);
-      });
-      const at::Tensor tile_t = tile_buf.narrow(0, 0, height * width).view({height, width});
-      const at::Tensor a_k = a.narrow(1, k0, height);
-      if (k0 == 0) {
-        float_mm_out(a_k, tile_t, out_cols);
-      } else {
-        out_cols.addmm_(a_k, tile_t);
-      }
-    }
-  }
+  const int64_t cols = std::max<int64_t>(kTileN, kTileBytes / (4 * K) / kTileN * kTileN);
+  parallel_chunks(N, cols, [&](int64_t n0, int64_t n1) {
+    at::Tensor tile = at::empty({K, n1 - n0}, a.options());
+    dequant_rows<B>(w, isa, 0, K, n0, n1, tile.data_ptr<float>(), n1 - n0);
+    float_mm_out(a, tile, out.narrow(1, n0, n1 - n0));
+  });
 }
 
 // out[M, N] = a[M, K] @ W for bf16 activations a on AVX512-BF16 CPUs, whose
@@ -355,7 +330,6 @@ at::Tensor gptq_gemm(const at::Tensor& a, const at::Tensor& b_q_weight, const at
         out = at::empty({M, d.N}, a.options());
         gemm_bf16x2_mm<B>(a2.to(at::kBFloat16), w.view, out);
       } else {
-        const TorchThreadsAtPool threads;
         gemm_dequant_mm<B>(a2, w.view, isa, out);
       }
     });
