@@ -56,9 +56,9 @@ __all__ = ["DECODER_LAYERS", "fast_decoding"]
 # its norms by 1 + weight and gates with GELU; Gemma 2 and 3 add a norm
 # after each sublayer and may soft-cap the logits; Gemma 2 soft-caps the
 # attention scores too (decode_attention's softcap), Gemma 3 has rotary
-# tables per layer type (sliding or full attention). gpt-oss adds attention sinks
-# (decode_attention's sinks) and rotary tables that hold each frequency
-# once. The C++ step computes Qwen3-MoE's and Mixtral's blocks over
+# tables per layer type (sliding or full attention). gpt-oss adds attention
+# sinks (decode_attention's sinks) and rotary tables that hold each
+# frequency once. The C++ step computes Qwen3-MoE's and Mixtral's blocks over
 # GGUFExperts (their router and the experts' ops); it declines the other
 # experts and Gemma in 16 bits, which the Python loop serves.
 DECODER_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
