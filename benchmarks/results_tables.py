@@ -449,8 +449,11 @@ def shared_cores_lines(slug):
     path = os.path.join(RESULTS, f"{slug}-shared-cores.md")
     if not os.path.exists(path):
         return []
-    cells = "; ".join(f"{r['library']} {r['ratio']}" for r in md_rows(path))
-    return [f"Decode beside a process that keeps one of the two cores busy, over decode alone "
+    def ratio(r, step):
+        return float(r[f"{step} beside busy"]) / float(r[f"{step} alone"])
+
+    cells = "; ".join(f"{r['library']} {ratio(r, 'prefill'):.2f} / {ratio(r, 'decode'):.2f}" for r in md_rows(path))
+    return [f"Prefill / decode beside a process that keeps one of the two cores busy, over each alone "
             f"(`python -m benchmarks.bench_shared_cores`; 0.50 is proportional): {cells}.", ""]
 
 

@@ -3,6 +3,7 @@ architecture plumbing (lowbit.gguf.arch), on small written files and SmolLM2-135
 import os
 import subprocess
 import sys
+import textwrap
 from collections import Counter
 
 import gguf
@@ -178,6 +179,32 @@ def test_missing_empty_and_directory(tmp_path):
     load_error(str(tmp_path))
 
 
+def test_pipes_and_devices_are_refused_before_reading(tmp_path):
+    """A named pipe would block the reader forever and a device never ends:
+    each is refused as no regular file, by every loader that opens a GGUF
+    file (load_gguf, the tokenizer's, replace_linear's), within seconds."""
+    pipe = tmp_path / "pipe.gguf"
+    os.mkfifo(pipe)
+    device = tmp_path / "zero.gguf"
+    os.symlink("/dev/zero", device)
+    script = textwrap.dedent(f"""
+        import torch, lowbit
+        for path in ({str(pipe)!r}, {str(device)!r}):
+            for load in (lowbit.load_gguf, lowbit.load_gguf_tokenizer,
+                         lambda p: lowbit.replace_linear(torch.nn.Linear(2, 2), p)):
+                try:
+                    load(path)
+                except lowbit.GGUFError as e:
+                    print(e)
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(root, "python"), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [f"{pipe}: the GGUF file is not a regular file"] * 3 + \
+        [f"{device}: the GGUF file is not a regular file"] * 3
+
+
 def truncation_points(path) -> dict[str, int]:
     """File sizes that cut the toy file inside each part of its layout."""
     info = tensor_info_offsets(path, "blk.0.attn_q.weight")
@@ -251,6 +278,7 @@ def test_loads_without_gguf_py(toy, tmp_path):
                           "I", 15)
     script = f"""
 import sys
+import textwrap
 class NoGguf:
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] == "gguf":

@@ -1,5 +1,8 @@
-"""Checks of tensor values: a weight or Hessian to quantize, a checkpoint's
-scales, norms and biases."""
+"""Checks of inputs: tensor values (a weight or Hessian to quantize, a
+checkpoint's scales, norms and biases) and the files a loader opens."""
+import os
+import stat
+
 import torch
 
 
@@ -22,3 +25,15 @@ def check_positive(t: torch.Tensor, what: str, error: type[ValueError] = ValueEr
     if bool(bad.any()):
         at = [int(i) for i in bad.nonzero()[0]]
         raise error(f"{what} holds {t[tuple(at)].item()} at {at}, where every value must be > 0")
+
+
+def check_regular_file(path: str, what: str = "file", error: type[ValueError] = ValueError) -> None:
+    """Refuses anything but a regular file (after symlinks) before it is opened,
+    as `error` naming it: reading a named pipe blocks forever, and a device
+    such as /dev/zero never ends."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise error(f"{path}: cannot read the {what}: {e}") from e
+    if not stat.S_ISREG(mode):
+        raise error(f"{path}: the {what} is not a regular file")

@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._checks import check_regular_file
+
 __all__ = ["GGUFError", "GGUFFile", "GGUFTensor", "load_gguf", "release_mapped"]
 
 MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -344,6 +346,7 @@ def _parse(data: np.ndarray, path: str) -> tuple[int, dict[str, Any], list[_Tens
 def load_gguf(path: str | os.PathLike) -> GGUFFile:
     """Parse and validate a GGUF file; raises GGUFError for any problem with it."""
     path = os.fspath(path)
+    check_regular_file(path, "GGUF file", GGUFError)
     try:
         # "c": copy-on-write map, so views are writable (torch.from_numpy wants
         # that) and nothing is ever written back to the file.

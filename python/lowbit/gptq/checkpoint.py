@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 
 from .._checks import check_finite
 from .packing import fields_per_pack, words_per_pack
-from .config import GPTQCheckpointError, GPTQConfig, ModuleQuant, check_regular_file, read_config, read_json
+from .._checks import check_regular_file
+from .config import GPTQCheckpointError, GPTQConfig, ModuleQuant, read_config, read_json
 from ..fusing import unfused_state_dict
 from .linear import GPTQLinear
 
@@ -57,7 +58,7 @@ def checkpoint_files(path: str | os.PathLike) -> tuple[str, list[str]]:
     else:
         raise GPTQCheckpointError(f"{path}: no such file or directory")
     for file in files:
-        check_regular_file(file, "safetensors file")
+        check_regular_file(file, "safetensors file", GPTQCheckpointError)
     return path, files
 
 
@@ -425,7 +426,7 @@ def _copy_other_files(src: str, tmp: str) -> None:
         return [n for n in names if os.path.realpath(os.path.join(directory, n)) == tmp_path]
 
     def copy(source: str, target: str) -> None:
-        check_regular_file(source)
+        check_regular_file(source, "file", GPTQCheckpointError)
         shutil.copy2(source, target)
 
     names = os.listdir(src)

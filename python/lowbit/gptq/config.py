@@ -6,10 +6,11 @@ import functools
 import json
 import os
 import re
-import stat
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+from .._checks import check_regular_file
 
 try:  # matches with a time limit, which `re` cannot
     import regex
@@ -43,21 +44,10 @@ class GPTQCheckpointError(ValueError):
     """A GPTQ checkpoint is missing tensors, has wrong shapes or dtypes, or is unreadable."""
 
 
-def check_regular_file(path: str, what: str = "file") -> None:
-    """Refuses anything but a regular file (after symlinks) before it is opened:
-    reading a named pipe blocks forever, and a device such as /dev/zero never ends."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as e:
-        raise GPTQCheckpointError(f"{path}: cannot read the {what}: {e}") from e
-    if not stat.S_ISREG(mode):
-        raise GPTQCheckpointError(f"{path}: the {what} is not a regular file")
-
-
 def read_json(path: str, what: str, error: type = GPTQCheckpointError) -> Any:
     """The JSON content of `path`, a regular file (checked first); `error`
     naming the file if it cannot be read or parsed."""
-    check_regular_file(path, what)
+    check_regular_file(path, what, GPTQCheckpointError)
     try:
         with open(path) as f:
             return json.load(f)
