@@ -673,6 +673,19 @@ def test_gemma3_config_from_gguf():
         config_from_gguf({**metadata, "gemma3.attention.sliding_window_pattern": [True, True, False]}, [])
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3"])
+def test_a_window_of_one_is_refused(arch):
+    """transformers' sliding cache keeps a step's last window - 1 rows as
+    rows[-0:], every row: with a window of 1 decoding would attend to all
+    past tokens where the full forward attends to each token alone."""
+    if arch == "phi3":
+        metadata = phi3_metadata(32, 32, 96, **{"attention.sliding_window": 1})
+    else:
+        metadata = gemma_metadata(arch, 26, 2304, 8, 4, 256, **{"attention.sliding_window": 1})
+    with pytest.raises(GGUFError, match=f"'{arch}.attention.sliding_window': a window of 1 .* is not supported"):
+        config_from_gguf(metadata, [])
+
+
 class _Tensor:
     """A stand-in for a GGUFTensor's dequantize()."""
 
