@@ -402,6 +402,43 @@ def test_a_non_finite_float_tensor_is_a_checkpoint_error_naming_it(tmp_path):
         lowbit.load_gptq_model(tmp_path / "ckpt")
 
 
+def test_an_integer_tensor_for_a_float_parameter_is_a_checkpoint_error(tmp_path):
+    """An int32 norm would load as floats of its integers, silently: refused."""
+    config = GPTQConfig(bits=4, group_size=32, checkpoint_format="gptq")
+    model = tiny_llama()
+    quantize(model, config)
+    lowbit.save_gptq(model, tmp_path / "ckpt", config)
+    file = next(f for f in os.listdir(tmp_path / "ckpt") if f.endswith(".safetensors"))
+    tensors = load_file(tmp_path / "ckpt" / file)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int32)
+    save_file(tensors, tmp_path / "ckpt" / file, metadata={"format": "pt"})
+    with pytest.raises(GPTQCheckpointError, match=r"ckpt: tensor 'model.norm.weight' is torch.int32, where the "
+                                                  r"model's is torch.float32"):
+        lowbit.load_gptq_model(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"rms_norm_eps": -1.0}, "rms_norm_eps must be a finite number > 0, got -1.0"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a finite number > 0, got nan"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}}, r"\.rope_theta must be a finite number > 0, got 0"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 0.0}}, r"\.factor must be a finite number > 0, got 0.0"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": -2.0}}, r"\.factor must be a finite number > 0, got -2.0"),
+    ({"sliding_window": 1}, "sliding_window 1 .* is not supported"),
+])
+def test_config_values_that_would_give_wrong_logits_are_refused(tmp_path, changes, says):
+    """transformers takes these (a rope factor of 0 only warns); the model would
+    give NaN or wrong logits. Refused, naming config.json and the key."""
+    config = GPTQConfig(bits=4, group_size=32, checkpoint_format="gptq")
+    model = tiny_llama()
+    quantize(model, config)
+    lowbit.save_gptq(model, tmp_path / "ckpt", config)
+    path = tmp_path / "ckpt" / "config.json"
+    content = json.loads(path.read_text())
+    path.write_text(json.dumps({**content, **changes}))
+    with pytest.raises(GPTQCheckpointError, match=rf"config.json: (rope_parameters|rope_scaling)?.*{says}"):
+        lowbit.load_gptq_model(tmp_path / "ckpt")
+
+
 @pytest.mark.parametrize("changes, says", [
     # A size whose byte count overflows: the model cannot even be built on the meta device.
     ({"intermediate_size": 2**62}, "Storage size calculation overflowed"),

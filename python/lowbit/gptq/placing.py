@@ -7,6 +7,7 @@ embedding and LM head stay the checkpoint's bytes (the GGUF float types)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import warnings
 
@@ -75,6 +76,7 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         # on the config, transformers would look for a GPTQ backend of its own.
         if hasattr(config, "quantization_config"):
             del config.quantization_config
+        check_config_values(config.to_dict(), os.path.join(directory, "config.json"))
         return config
 
     model = on_meta(make_config, transformers.AutoModelForCausalLM.from_config,
@@ -94,6 +96,48 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     kernel_threads(model)
     fast_decoding(model)
     return checked(model, f"load_gptq_model: {directory}")
+
+
+# Config values that must be finite and > 0 where a config.json has them:
+# transformers takes any number (a linear rope factor of 0 only warns), and
+# a norm's epsilon below 0 or a rotary base of 0 gives NaN or wrong logits.
+# The rotary keys are read at the top level and in rope_parameters /
+# rope_scaling (per layer type too), as transformers nests them.
+POSITIVE_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
+POSITIVE_ROPE_KEYS = ("rope_theta", "factor", "attention_factor", "beta_fast", "beta_slow", "low_freq_factor",
+                      "high_freq_factor", "original_max_position_embeddings", "partial_rotary_factor")
+
+
+def check_config_values(config: dict, where: str) -> None:
+    """Refuses, naming `where` and the key, a value of POSITIVE_KEYS or of the
+    rotary keys that is not a finite number > 0, LongRoPE factors that are
+    not, and an attention window of 1 (transformers' sliding cache would keep
+    every row: lowbit.gguf.arch._sliding_window)."""
+    def positive(key, value):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+        if not ok:
+            raise GPTQCheckpointError(f"{where}: {key} must be a finite number > 0, got {value!r}")
+
+    def rope(prefix, params):
+        if not isinstance(params, dict):
+            return
+        for key, value in params.items():
+            if key in POSITIVE_ROPE_KEYS and value is not None:
+                positive(f"{prefix}.{key}", value)
+            elif key in ("long_factor", "short_factor") and value is not None:
+                for i, v in enumerate(value if isinstance(value, list) else [value]):
+                    positive(f"{prefix}.{key}[{i}]", v)
+            elif isinstance(value, dict):
+                rope(f"{prefix}.{key}", value)
+
+    for key in POSITIVE_KEYS + POSITIVE_ROPE_KEYS:
+        if config.get(key) is not None:
+            positive(key, config[key])
+    for key in ("rope_parameters", "rope_scaling"):
+        rope(key, config.get(key))
+    if config.get("sliding_window") == 1:
+        raise GPTQCheckpointError(f"{where}: sliding_window 1 (each token attending to itself alone) is not "
+                                  "supported: transformers' sliding cache would keep every row")
 
 
 def place_gptq_checkpoint(model: nn.Module, path: str, checkpoint_format: str | None = None,
@@ -148,6 +192,10 @@ def place_gptq_checkpoint(model: nn.Module, path: str, checkpoint_format: str | 
         if tuple(target.shape) != tuple(tensor.shape):
             raise GPTQCheckpointError(f"{ckpt.directory}: tensor {name!r} has shape {tuple(tensor.shape)} but the "
                                       f"model's is {tuple(target.shape)}")
+        if target.is_floating_point() != tensor.is_floating_point():
+            raise GPTQCheckpointError(f"{ckpt.directory}: tensor {name!r} is {tensor.dtype}, where the model's "
+                                      f"is {target.dtype}: a float tensor is stored as floats, an integer one as "
+                                      "integers")
         # A corrupt norm or bias would turn every output after it NaN; a
         # mapped table is left unread, its pages read as tokens need them.
         if tensor.is_floating_point() and name not in mapped:
