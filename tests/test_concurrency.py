@@ -232,6 +232,10 @@ def test_kernel_threads_gives_torch_threads_to_the_kernels(two_torch_threads):
         torch.set_num_threads(1)
         model(torch.tensor([[1]]))
         assert seen[-1] == (1, 0)
+        # More threads than the pool takes (1024): the pool runs on its most, torch's count is restored.
+        torch.set_num_threads(2000)
+        model(torch.tensor([[1]]))
+        assert seen[-1] == (1, 1024) and (torch.get_num_threads(), ops.cpu_threads()) == (2000, 0)
         torch.set_num_threads(2)
         lowbit.kernel_threads(model, False)
         model(torch.tensor([[1]]))

@@ -198,6 +198,9 @@ def test_generate_command_prints_the_continuation(capsys):
     # SmolLM2's tokenizer adds no BOS: an empty prompt would reach the model as no tokens at all.
     assert main(["generate", PATH, "", "--tokens", "4"]) == 1
     assert "the prompt '' tokenizes to no tokens" in capsys.readouterr().err
+    # Bytes the locale cannot decode reach argv as lone surrogates (here b"ab\xff\xfe"), which no tokenizer takes.
+    assert main(["generate", PATH, "ab\udcff\udcfe", "--tokens", "4"]) == 1
+    assert "the prompt is not UTF-8 text: byte b'\\xff' at character 2" in capsys.readouterr().err
     for tokens in ("0", "-3", "x"):
         with pytest.raises(SystemExit):
             main(["generate", PATH, PROMPT, "--tokens", tokens])

@@ -37,7 +37,7 @@ std::string cpu_bf16_kernel(std::optional<std::string> mode) {
   return bf16_kernel_name(bf16_kernel());
 }
 
-// The fp32 GEMM library of gptq_gemm's large-M path (FloatGemm), after
+// The fp32 GEMM library of the large-M paths (FloatGemm), after
 // setting it to `library` if given.
 std::string cpu_float_gemm(std::optional<std::string> library) {
   if (library) set_float_gemm(*library);
@@ -49,8 +49,8 @@ std::string cpu_float_gemm(std::optional<std::string> library) {
 // model can run its small torch ops on one thread and its matmuls on several.
 int64_t cpu_threads(std::optional<int64_t> threads) {
   if (threads) {
-    TORCH_CHECK_VALUE(*threads >= 0 && *threads <= 1024, "cpu_threads: threads must be 0 (torch's count) to 1024, got ",
-                      *threads);
+    TORCH_CHECK_VALUE(*threads >= 0 && *threads <= kMaxPoolThreads, "cpu_threads: threads must be 0 (torch's count) to ",
+                      kMaxPoolThreads, ", got ", *threads);
     set_pool_threads(*threads);
   }
   return pool_threads_setting();

@@ -160,7 +160,7 @@ std::atomic<int64_t> g_threads{0};
 
 int64_t pool_threads() {
   const int64_t set = g_threads.load(std::memory_order_relaxed);
-  return set > 0 ? set : std::max(1, at::get_num_threads());
+  return set > 0 ? set : std::clamp<int64_t>(at::get_num_threads(), 1, kMaxPoolThreads);
 }
 
 int64_t pool_threads_setting() { return g_threads.load(std::memory_order_relaxed); }

@@ -28,7 +28,9 @@ using ChunkFn = void (*)(const void* ctx, int64_t begin, int64_t end);
 void run_chunks(int64_t n, int64_t chunk, ChunkFn fn, const void* ctx);
 
 // How many threads (the caller included) take chunks: set_pool_threads's
-// count, or torch's (at::get_num_threads()) while that is 0, the default.
+// count, or torch's (at::get_num_threads()) while that is 0, the default,
+// at most kMaxPoolThreads.
+constexpr int64_t kMaxPoolThreads = 1024;
 int64_t pool_threads();
 int64_t pool_threads_setting();
 void set_pool_threads(int64_t threads);

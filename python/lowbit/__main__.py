@@ -181,6 +181,11 @@ def cmd_generate(args) -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)  # before loading: the loaders give lowbit's kernels torch's count
     options = sampling(args)
+    try:  # bytes the locale could not decode reach Python as lone surrogates, which no tokenizer takes
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the prompt is not UTF-8 text: byte {args.prompt[e.start].encode('utf-8', 'surrogateescape')!r} "
+                         f"at character {e.start}") from None
     start = time.perf_counter()
     model, tokenizer = load_model_and_tokenizer(args.path, args.repack, args.int8_activations, args.float_tables)
     compiled_decoding(model, args.compile)

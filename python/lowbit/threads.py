@@ -45,6 +45,8 @@ _HANDLES = "_lowbit_kernel_threads"
 # on torch's team: from about here a prompt's attention is a large share of
 # its time (benchmarks/bench_long_prompt.py).
 TORCH_TEAM_TOKENS = 1024
+# The most threads lowbit.ops.cpu_threads takes (parallel.h's kMaxPoolThreads).
+MAX_POOL_THREADS = 1024
 
 
 def _first_tensor(args, kwargs) -> torch.Tensor | None:
@@ -79,8 +81,8 @@ def split_threads(args=(), kwargs=None, torch_team_tokens: int | None = TORCH_TE
         return saved
     if saved[2] != "pool":
         torch.ops.lowbit.cpu_team("pool")
-    if saved[1] == 0:  # lowbit follows torch's count: hold it at `threads`
-        torch.ops.lowbit.cpu_threads(threads)
+    if saved[1] == 0:  # lowbit follows torch's count: hold it at `threads`, within cpu_threads' range
+        torch.ops.lowbit.cpu_threads(min(threads, MAX_POOL_THREADS))
     if current != 1:
         torch.set_num_threads(1)
     return saved
