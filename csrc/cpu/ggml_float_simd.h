@@ -2,8 +2,9 @@
 // to fp32 as it is loaded and multiplied with FMA, no copy of W. Included in
 // ggml_avx2.cpp inside its target pragma region; the AVX-512 CPUs run it too,
 // since a matvec over 2- or 4-byte weights is bound by memory, not by the
-// vector width. Sums run in fp32 over eight lanes per row, added across lanes
-// at the end of the row: the same for any thread count.
+// vector width. Sums run in fp32 over eight lanes per row (several partial
+// sums in the matvec, added in a fixed order), added across lanes at the end
+// of the row: the same for any thread count.
 #pragma once
 
 #include <immintrin.h>
@@ -62,10 +63,41 @@ inline void float_tile(const uint8_t* row0, int64_t row_bytes, int64_t n, const 
   }
 }
 
-// out[m * rows + r] for r in [r0, r1), m < M: tiles of 4 rows x 2 activation rows.
+// The longest rows the matvec takes one at a time: their fp32 activation
+// row (24 KB) stays in L1 while it meets every weight row.
+constexpr int64_t kMatvecRowMaxN = 6144;
+
+// One activation row x against rows [r0, r1), each row alone over 8
+// accumulators (FMA latency): W is read as one run in the order it lies in
+// memory, which the prefetchers follow better than the four interleaved
+// streams of 4-row tiles where rows are short.
+template <ggml::Type T>
+void float_matvec_rows(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const float* x, float* out) {
+  constexpr int U = 8;
+  const int64_t row_bytes = n * ggml::TypeInfo<T>::kBytes;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = W + r * row_bytes;
+    __m256 acc[U];
+    for (int u = 0; u < U; ++u) acc[u] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 * U <= n; i += 8 * U)
+      for (int u = 0; u < U; ++u)
+        acc[u] = _mm256_fmadd_ps(load_float8<T>(row, i + 8 * u), _mm256_loadu_ps(x + i + 8 * u), acc[u]);
+    for (; i + 8 <= n; i += 8) acc[0] = _mm256_fmadd_ps(load_float8<T>(row, i), _mm256_loadu_ps(x + i), acc[0]);
+    for (int u = U / 2; u > 0; u /= 2)
+      for (int v = 0; v < u; ++v) acc[v] = _mm256_add_ps(acc[v], acc[v + u]);
+    float s = lane_sum(acc[0]);
+    for (; i < n; ++i) s += ggml::Codec<T>::value(row + i * ggml::TypeInfo<T>::kBytes) * x[i];
+    out[r] = s;
+  }
+}
+
+// out[m * rows + r] for r in [r0, r1), m < M: one activation row of short
+// rows by float_matvec_rows, else tiles of 4 rows x 2 activation rows.
 template <ggml::Type T>
 void mul_mat_float_rows(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const float* X, int64_t M, float* out,
                         int64_t rows) {
+  if (M == 1 && n <= kMatvecRowMaxN) return float_matvec_rows<T>(W, r0, r1, n, X, out);
   const int64_t row_bytes = n * ggml::TypeInfo<T>::kBytes;
   int64_t r = r0;
   for (; r + 4 <= r1; r += 4) {
