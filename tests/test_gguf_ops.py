@@ -159,11 +159,11 @@ def test_mul_mat_a8_within_documented_tolerance(device, qtype, op, M):
 @pytest.mark.parametrize("M", [1, 2, 5, 7])
 @pytest.mark.parametrize("qtype", sorted(gb.FLOAT_TYPES))
 def test_float_weights_of_any_shape(device, qtype, M, rows, n):
-    """Float weights need no blocks: rows of any length (n % 8 != 0 leaves
-    the SIMD kernels a scalar tail, 600 = 9 x 64 + 16 + 8 takes the matvec's
-    unrolled, single-vector and scalar steps on AVX-512) and any row count
-    (not whole 4-row tiles), at batch sizes that leave passes of 2 and 1
-    activation rows after those of 4 (AVX-512) or 2, within fp32 rounding."""
+    """Float weights need no blocks: rows of any length (13: one vector of 8
+    and a scalar tail; 600 = 9 x 64 + 3 x 8: the matvec's unrolled and
+    single-vector steps) and any row count (not whole 4-row tiles), at batch
+    sizes that leave one activation row after the passes of 2, within fp32
+    rounding."""
     rng = np.random.default_rng([M, rows, n])
     raw = gb.random_blocks(rng, qtype, rows, n)
     W = gb.dequantize(raw, qtype).astype(np.float64)
