@@ -387,34 +387,44 @@ def test_load_gptq_model_names_what_is_wrong(tmp_path):
         lowbit.load_gptq_model(tmp_path / "ckpt")
 
 
-def test_a_non_finite_float_tensor_is_a_checkpoint_error_naming_it(tmp_path):
-    """A corrupt norm would turn every output after it NaN: refused at load."""
+def saved_tiny_llama(tmp_path):
+    """The directory of a 4-bit g32 GPTQ (v1) checkpoint of tiny_llama() that lowbit saved."""
     config = GPTQConfig(bits=4, group_size=32, checkpoint_format="gptq")
     model = tiny_llama()
     quantize(model, config)
     lowbit.save_gptq(model, tmp_path / "ckpt", config)
-    file = next(f for f in os.listdir(tmp_path / "ckpt") if f.endswith(".safetensors"))
-    tensors = load_file(tmp_path / "ckpt" / file)
-    tensors["model.layers.1.input_layernorm.weight"][7] = float("inf")
-    save_file(tensors, tmp_path / "ckpt" / file, metadata={"format": "pt"})
+    return tmp_path / "ckpt"
+
+
+def edit_saved_tensors(directory, edit):
+    file = directory / next(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def edit_saved_config(directory, changes):
+    path = directory / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def test_a_non_finite_float_tensor_is_a_checkpoint_error_naming_it(tmp_path):
+    """A corrupt norm would turn every output after it NaN: refused at load."""
+    directory = saved_tiny_llama(tmp_path)
+    edit_saved_tensors(directory, lambda t: t["model.layers.1.input_layernorm.weight"].index_fill_(0, torch.tensor([7]),
+                                                                                                  float("inf")))
     with pytest.raises(GPTQCheckpointError, match=r"ckpt: tensor 'model.layers.1.input_layernorm.weight' holds a "
                                                   r"non-finite value \(inf\) at \[7\]"):
-        lowbit.load_gptq_model(tmp_path / "ckpt")
+        lowbit.load_gptq_model(directory)
 
 
 def test_an_integer_tensor_for_a_float_parameter_is_a_checkpoint_error(tmp_path):
     """An int32 norm would load as floats of its integers, silently: refused."""
-    config = GPTQConfig(bits=4, group_size=32, checkpoint_format="gptq")
-    model = tiny_llama()
-    quantize(model, config)
-    lowbit.save_gptq(model, tmp_path / "ckpt", config)
-    file = next(f for f in os.listdir(tmp_path / "ckpt") if f.endswith(".safetensors"))
-    tensors = load_file(tmp_path / "ckpt" / file)
-    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int32)
-    save_file(tensors, tmp_path / "ckpt" / file, metadata={"format": "pt"})
+    directory = saved_tiny_llama(tmp_path)
+    edit_saved_tensors(directory, lambda t: t.update({"model.norm.weight": t["model.norm.weight"].to(torch.int32)}))
     with pytest.raises(GPTQCheckpointError, match=r"ckpt: tensor 'model.norm.weight' is torch.int32, where the "
                                                   r"model's is torch.float32"):
-        lowbit.load_gptq_model(tmp_path / "ckpt")
+        lowbit.load_gptq_model(directory)
 
 
 @pytest.mark.parametrize("changes, says", [
@@ -428,15 +438,10 @@ def test_an_integer_tensor_for_a_float_parameter_is_a_checkpoint_error(tmp_path)
 def test_config_values_that_would_give_wrong_logits_are_refused(tmp_path, changes, says):
     """transformers takes these (a rope factor of 0 only warns); the model would
     give NaN or wrong logits. Refused, naming config.json and the key."""
-    config = GPTQConfig(bits=4, group_size=32, checkpoint_format="gptq")
-    model = tiny_llama()
-    quantize(model, config)
-    lowbit.save_gptq(model, tmp_path / "ckpt", config)
-    path = tmp_path / "ckpt" / "config.json"
-    content = json.loads(path.read_text())
-    path.write_text(json.dumps({**content, **changes}))
+    directory = saved_tiny_llama(tmp_path)
+    edit_saved_config(directory, changes)
     with pytest.raises(GPTQCheckpointError, match=rf"config.json: (rope_parameters|rope_scaling)?.*{says}"):
-        lowbit.load_gptq_model(tmp_path / "ckpt")
+        lowbit.load_gptq_model(directory)
 
 
 @pytest.mark.parametrize("changes, says", [
@@ -446,15 +451,10 @@ def test_config_values_that_would_give_wrong_logits_are_refused(tmp_path, change
     ({"hidden_size": 130}, "not a multiple of the number of attention heads"),
 ])
 def test_a_config_json_that_makes_no_model_is_a_checkpoint_error(tmp_path, changes, says):
-    config = GPTQConfig(bits=4, group_size=32, checkpoint_format="gptq")
-    model = tiny_llama()
-    quantize(model, config)
-    lowbit.save_gptq(model, tmp_path / "ckpt", config)
-    path = tmp_path / "ckpt" / "config.json"
-    content = json.loads(path.read_text())
-    path.write_text(json.dumps({**content, **changes}))
+    directory = saved_tiny_llama(tmp_path)
+    edit_saved_config(directory, changes)
     with pytest.raises(GPTQCheckpointError, match=rf"config.json: the config does not make a model: .*{says}"):
-        lowbit.load_gptq_model(tmp_path / "ckpt")
+        lowbit.load_gptq_model(directory)
 
 
 def word_tokenizer(vocab_size):
