@@ -49,7 +49,9 @@ def test_equals_each_experts_matmul(device, name, tokens, slots, per_slot):
     got = ops.ggml_mul_mat_id(W, x, ids, gb.type_id(name), ROWS)
     want = each_expert_alone(W, x, ids, gb.type_id(name))
     assert got.shape == (tokens, slots, ROWS) and got.dtype == x.dtype
-    if device == "cpu":  # each expert's pairs are a batch of its rows: each row its own matvec's, bit for bit
+    if device == "cpu" and name not in gb.FLOAT_TYPES:
+        # Each expert's pairs are a batch of its rows: each row its own matvec's, bit for bit. (The float
+        # types' matvec sums a row over more partial sums than a batch's tiles do: fp32 rounding apart.)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     else:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
