@@ -400,10 +400,10 @@ def _byte_level_alphabet() -> list[str]:
 
 
 def write_tokenizer_gguf(path: str, arch: str, model: str = "gpt2", types=None, merges=("Ġ t", "h e", "Ġt he"),
-                         eos=None) -> str:
+                         eos=None, embd_rows=None, extra=None) -> str:
     """A GGUF file with a byte-level BPE tokenizer as llama.cpp's converter
     writes one (tokens, types, merges, special ids, chat template); the
-    arguments replace parts of it."""
+    arguments replace parts of it, `extra` adds {key: (value, GGUFValueType name)}."""
     import gguf
 
     tokens = _byte_level_alphabet() + ["Ġt", "he", "Ġthe", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -418,7 +418,9 @@ def write_tokenizer_gguf(path: str, arch: str, model: str = "gpt2", types=None, 
     writer.add_bos_token_id(len(tokens) - 2)
     writer.add_eos_token_id(len(tokens) - 1 if eos is None else eos)
     writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
-    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), np.float32))
+    for key, (value, kind) in (extra or {}).items():
+        writer.add_key_value(key, value, getattr(gguf.GGUFValueType, kind))
+    writer.add_tensor("token_embd.weight", np.zeros((embd_rows or len(tokens), 8), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -430,6 +432,14 @@ def write_tokenizer_gguf(path: str, arch: str, model: str = "gpt2", types=None, 
     (dict(types=[1, 1, 3]), r"metadata 'tokenizer.ggml.token_type': must be 262 integers, one per token"),
     (dict(eos=262), r"metadata 'tokenizer.ggml.eos_token_id': token 262 is outside the 262 tokens"),
     (dict(model="llama"), r"metadata 'tokenizer.ggml.scores': missing: a sentencepiece \('llama'\) vocabulary"),
+    # A string where llama.cpp reads a bool: "false" would add a BOS token.
+    (dict(extra={"tokenizer.ggml.add_bos_token": ("false", "STRING")}),
+     r"metadata 'tokenizer.ggml.add_bos_token': expected a boolean, got str 'false'"),
+    (dict(extra={"tokenizer.chat_template": (7, "UINT32")}), r"metadata 'tokenizer.chat_template': expected a string"),
+    # A token list that is not the model's vocabulary: ids past the embedding, or rows no token names.
+    (dict(embd_rows=300), r"tokenizer.ggml.tokens has 262 tokens, token_embd.weight 300 rows"),
+    (dict(extra={"llama.vocab_size": (300, "UINT32")}),
+     r"metadata 'tokenizer.ggml.tokens': 262 tokens, but llama.vocab_size is 300"),
     # What only transformers' converter finds: a merge of three parts.
     (dict(merges=["Ġ t h"]), r"transformers builds no tokenizer from its tokenizer.ggml.\* metadata: TypeError"),
 ])

@@ -9,6 +9,7 @@ differ by 1.5% (relative L2, measured). The test allows 5%, and requires the
 same top-1 token at every prompt position and the same greedy continuation.
 """
 import copy
+import re
 import os
 
 import numpy as np
@@ -176,7 +177,8 @@ def test_generate_command_samples_with_a_seed_and_threads(capsys):
     for flag in (["--top-k", "5"], ["--top-p", "0.5"], ["--seed", "3"]):
         assert main(["generate", PATH, PROMPT, *flag]) == 1
         assert f"{flag[0]} is for sampling" in capsys.readouterr().err
-    for flag in (["--temperature", "-1"], ["--top-p", "0"], ["--top-p", "1.5"], ["--top-k", "0"], ["--threads", "0"]):
+    for flag in (["--temperature", "-1"], ["--top-p", "0"], ["--top-p", "1.5"], ["--top-k", "0"], ["--threads", "0"],
+                 ["--threads", "1025"], ["--seed", "-1"], ["--seed", str(2**64)]):
         with pytest.raises(SystemExit):
             main(["generate", PATH, PROMPT, *flag])
         assert f"argument {flag[0]}" in capsys.readouterr().err
@@ -205,9 +207,31 @@ def test_generate_command_prints_the_continuation(capsys):
         with pytest.raises(SystemExit):
             main(["generate", PATH, PROMPT, "--tokens", tokens])
         assert "argument --tokens" in capsys.readouterr().err
+    assert main(["generate", PATH, PROMPT, "--tokens", "8181"]) == 1  # 12 + 8181 > SmolLM2's 8192 positions
+    assert "--tokens 8181 after a prompt of 12 tokens exceeds the model's context of 8192" in capsys.readouterr().err
     question = "What is the capital of France?"
     assert main(["generate", PATH, question, "--tokens", "8", "--chat"]) == 0
     out, err = capsys.readouterr()
     chat = lowbit.load_gguf_tokenizer(PATH).apply_chat_template([{"role": "user", "content": question}],
                                                                 add_generation_prompt=True, return_dict=True)["input_ids"]
     assert f"prompt {len(chat)} tokens" in err and out.strip()  # the question went in through the chat template
+
+
+@pytest.mark.parametrize("template, says", [
+    ("{{ raise_exception('no system role') }}", "its chat template does not render: TemplateError: no system role"),
+    ("{% for m in messages %}{{ m.content", "its chat template does not render: TemplateSyntaxError"),
+    ("{{ 'x' * 5000 }}", "its chat template renders 5000 characters, more than 4096"),
+    (None, "--chat needs a chat template, and this tokenizer has none"),
+])
+def test_chat_prompt_refuses_templates_that_do_not_render(template, says):
+    """The chat template comes from the file: what it raises, or text too long
+    for the model's context, is an error naming the file, not a traceback."""
+    from lowbit.__main__ import chat_prompt
+
+    tokenizer = lowbit.load_gguf_tokenizer(PATH)
+    expect = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                           return_dict=True)["input_ids"]
+    assert chat_prompt(PATH, tokenizer, "hi", 4096)[0].tolist() == list(expect)  # the template's own ids
+    tokenizer.chat_template = template
+    with pytest.raises(ValueError, match=re.escape(f"{PATH}: {says}")):
+        chat_prompt(PATH, tokenizer, "hi", 4096)

@@ -512,6 +512,10 @@ def test_generate_command_runs_a_gptq_directory(tmp_path, capsys):
     # --float-tables Q6_K: 128-value rows are not whole Q6_K blocks.
     assert main(["generate", str(tmp_path / "ckpt"), "w1 w2 w3", "--tokens", "5", "--float-tables", "Q6_K"]) == 1
     assert "are not a multiple of the Q6_K block size 256" in capsys.readouterr().err
+    # A tokenizer with tokens past the model's 512 embedding rows.
+    word_tokenizer(600).save_pretrained(tmp_path / "ckpt")
+    assert main(["generate", str(tmp_path / "ckpt"), "w1 w2 w3", "--tokens", "5"]) == 1
+    assert "the tokenizer has 600 tokens, the model's vocabulary 512" in capsys.readouterr().err
 
 
 def test_load_gptq_model_repack_holds_the_int8_layers_in_panels(tmp_path):

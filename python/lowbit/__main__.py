@@ -21,11 +21,13 @@ from .gguf.file import GGUFFile, load_gguf
 from .gptq.checkpoint import load_gptq
 from .gptq.convert import convert_checkpoint
 from .gptq.linear import GPTQLinear
+from .threads import MAX_POOL_THREADS
 
 GPTQ_FORMATS = {"v1": "gptq", "v2": "gptq_v2"}  # --to choices -> checkpoint_format
 
 MAX_LIST_ITEMS = 8  # longer arrays (token lists, merges) print as "[N items]"
 MAX_VALUE_CHARS = 100  # long strings (chat templates) are cut to keep one line per key
+MAX_CHARS_PER_TOKEN = 64  # a chat prompt longer than this per context position is refused untokenized
 
 
 def format_value(value) -> str:
@@ -155,9 +157,34 @@ def load_model_and_tokenizer(path: str, repack: bool = False, int8_activations: 
 
     model = load_gptq_model(path, int8_activations=int8_activations, float_tables=float_tables, repack=repack)
     try:
-        return model, transformers.AutoTokenizer.from_pretrained(path)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: no tokenizer beside the checkpoint ({e})") from e
+    vocab = model.config.vocab_size  # the embedding's rows; a tokenizer may have fewer (padding), never more
+    if len(tokenizer) > vocab:
+        raise ValueError(f"{path}: the tokenizer has {len(tokenizer)} tokens, the model's vocabulary {vocab}")
+    return model, tokenizer
+
+
+def chat_prompt(path: str, tokenizer, prompt: str, max_chars: int) -> torch.Tensor:
+    """The prompt in the checkpoint's chat template, as token ids. The
+    template comes from the file: its errors name the file, and a rendering
+    longer than `max_chars` is refused before it is tokenized."""
+    import jinja2
+
+    template = tokenizer.chat_template
+    if not isinstance(template, str):
+        raise ValueError(f"{path}: --chat needs a chat template, and this tokenizer has "
+                         f"{'none' if template is None else 'several, or one that is not text'}")
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False)
+    except (jinja2.TemplateError, RecursionError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: its chat template does not render: {type(e).__name__}: {e}") from None
+    if not isinstance(text, str) or len(text) > max_chars:
+        raise ValueError(f"{path}: its chat template renders {len(text)} characters, more than {max_chars}")
+    # The template writes its own special tokens (BOS): the tokenizer adds none.
+    return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
 
 
 def sampling(args) -> dict:
@@ -190,14 +217,18 @@ def cmd_generate(args) -> None:
     model, tokenizer = load_model_and_tokenizer(args.path, args.repack, args.int8_activations, args.float_tables)
     compiled_decoding(model, args.compile)
     loaded = time.perf_counter() - start
-    if args.chat:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)["input_ids"]
+    context = model.config.max_position_embeddings
+    if args.chat:  # a template's text beyond MAX_CHARS_PER_TOKEN per position of the context cannot fit it
+        ids = chat_prompt(args.path, tokenizer, args.prompt, MAX_CHARS_PER_TOKEN * context)
     else:
         ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     if ids.shape[1] == 0:  # a tokenizer that adds no BOS gives an empty prompt nothing to continue
         raise ValueError(f"{args.path}: the prompt {args.prompt!r} tokenizes to no tokens (this tokenizer adds "
                          "no BOS token): give some text")
+    # Positions past the context are ones the model was not trained for (and --compile sizes its cache by them).
+    if ids.shape[1] + args.tokens > context:
+        raise ValueError(f"--tokens {args.tokens} after a prompt of {ids.shape[1]} tokens exceeds the "
+                         f"model's context of {context} positions")
     print(f"{args.path}: {type(model).__name__}, loaded in {loaded:.1f} s; prompt {ids.shape[1]} tokens", file=sys.stderr)
     streamer = _TimedStreamer(tokenizer)
     with torch.inference_mode():
@@ -215,14 +246,17 @@ def cmd_generate(args) -> None:
           f"({len(streamer.tokens)} new tokens, {threads} thread{'s' if threads != 1 else ''})", file=sys.stderr)
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def int_in(low: int, high: int):
+    """An argparse type: a whole number in [low, high]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must lie in [{low}, {high}], got {value}")
+        return value
+    return parse
 
 
 def number_in(low: float, high: float, low_open: bool = False):
@@ -257,15 +291,15 @@ def main(argv=None) -> int:
                                                     "checkpoint's model, with its speed")
     generate.add_argument("path", help="a .gguf file, or a GPTQ checkpoint directory with its tokenizer")
     generate.add_argument("prompt")
-    generate.add_argument("--tokens", type=positive_int, default=32, help="new tokens at most (default 32)")
+    generate.add_argument("--tokens", type=int_in(1, 2**31 - 1), default=32, help="new tokens at most (default 32)")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the file's chat template")
     generate.add_argument("--temperature", type=number_in(0.0, 100.0), default=0.0,
                           help="sample at this temperature (default 0: greedy)")
-    generate.add_argument("--top-k", type=positive_int, help="sample from the k most likely tokens only")
+    generate.add_argument("--top-k", type=int_in(1, 2**31 - 1), help="sample from the k most likely tokens only")
     generate.add_argument("--top-p", type=number_in(0.0, 1.0, low_open=True),
                           help="sample from the smallest set of tokens whose probabilities reach p")
-    generate.add_argument("--seed", type=int, help="the sampler's random seed (the same text for the same seed)")
-    generate.add_argument("--threads", type=positive_int,
+    generate.add_argument("--seed", type=int_in(0, 2**64 - 1), help="the sampler's random seed (the same text for the same seed)")
+    generate.add_argument("--threads", type=int_in(1, MAX_POOL_THREADS),
                           help="CPU threads (default: torch's, one per physical core)")
     generate.add_argument("--repack", action="store_true",
                           help="GGUF: the layers whose type has the CPU kernels' repacked layout in it (the "

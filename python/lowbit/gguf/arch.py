@@ -34,7 +34,7 @@ __all__ = ["Architecture", "ARCHITECTURES", "EXPERT_TENSORS", "architecture", "c
            "check_block_count"]
 
 _REQUIRED = object()  # _Metadata.get's default: the key must be there
-_KINDS = {int: "an integer", float: "a number", str: "a string", list: "an array"}
+_KINDS = {int: "an integer", float: "a number", str: "a string", list: "an array", bool: "a boolean"}
 
 
 class _Metadata:
@@ -56,7 +56,7 @@ class _Metadata:
             positive: bool = False) -> Any:
         """metadata[key], else `default` (none given: the key is required), of
         `kind`: int (not a bool), float (an int or a float, finite; returned
-        as a float), str or list; a number at least `minimum`, above 0 where `positive`."""
+        as a float), str, bool or list; a number at least `minimum`, above 0 where `positive`."""
         if key not in self.metadata:
             if default is _REQUIRED:
                 raise self.error(key, "missing")
@@ -575,14 +575,21 @@ def config_from_gguf(metadata: Mapping[str, Any], tensors: Iterable[str] | Mappi
 
 
 def _vocab_size(m: _Metadata, arch: str) -> int:
-    if f"{arch}.vocab_size" in m:
-        return m.get(f"{arch}.vocab_size", int, positive=True)
+    """{arch}.vocab_size, else the token list's length; where the file has
+    both they must agree (as llama.cpp requires: a token past the embedding's
+    rows, or rows no token reaches, would mislead silently)."""
+    size = m.get(f"{arch}.vocab_size", int, None, positive=True)
     if "tokenizer.ggml.tokens" in m:
         tokens = m.get("tokenizer.ggml.tokens", list)
         if not tokens:
             raise m.error("tokenizer.ggml.tokens", "empty")
+        if size is not None and size != len(tokens):
+            raise m.error("tokenizer.ggml.tokens", f"{len(tokens)} tokens, but {arch}.vocab_size is {size}")
         return len(tokens)
-    raise m.error(f"{arch}.vocab_size", "missing, as is tokenizer.ggml.tokens (one of them gives the vocabulary size)")
+    if size is None:
+        raise m.error(f"{arch}.vocab_size", "missing, as is tokenizer.ggml.tokens (one of them gives the vocabulary "
+                                            "size)")
+    return size
 
 
 def _head_dim(m: _Metadata, arch: str, hidden: int, n_head: int, partial_rotary: bool) -> int:

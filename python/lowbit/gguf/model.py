@@ -19,8 +19,8 @@ from ..fusing import fuse_projections
 from ..moe import experts_dims
 from ..decoding import fast_decoding
 from ..threads import kernel_threads
-from .arch import (ARCHITECTURES, _Metadata, architecture, check_block_count, config_from_gguf, expert_modules,
-                   hf_name, hf_value, rows_in_hf_order)
+from .arch import (ARCHITECTURES, _Metadata, _vocab_size, architecture, check_block_count, config_from_gguf,
+                   expert_modules, hf_name, hf_value, rows_in_hf_order)
 from .embedding import GGUFEmbedding
 from .experts import ClampedSwiGLU, GGUFExperts
 from .file import GGUFError, GGUFFile, GGUFTensor, load_gguf
@@ -122,8 +122,13 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     path = os.fspath(path)
     where = f"load_gguf_tokenizer: {path}"
     directory, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
-    metadata = load_gguf(path).metadata
+    f = load_gguf(path)
+    metadata = f.metadata
     _check_tokenizer_metadata(metadata, where)
+    embd = f.tensors.get(TOKEN_EMBD)
+    tokens = len(metadata["tokenizer.ggml.tokens"])
+    if embd is not None and embd.shape[0] != tokens:  # the model's vocabulary is the embedding's rows
+        raise GGUFError(f"{where}: tokenizer.ggml.tokens has {tokens} tokens, {TOKEN_EMBD} {embd.shape[0]} rows")
     arch = metadata.get("general.architecture")
     spec = ARCHITECTURES.get(arch) if isinstance(arch, str) else None  # a list would be unhashable
     tokenizer_class = spec.tokenizer_class if spec else None
@@ -166,6 +171,12 @@ def _check_tokenizer_metadata(metadata, where: str) -> None:
         token = m.get(key, int, None, minimum=0)
         if token is not None and token >= len(tokens):
             raise m.error(key, f"token {token} is outside the {len(tokens)} tokens of tokenizer.ggml.tokens")
+    for field in ("add_bos_token", "add_eos_token", "add_space_prefix"):  # a string "false" would read as true
+        m.get(f"tokenizer.ggml.{field}", bool, None)
+    m.get("tokenizer.chat_template", str, None)
+    arch = metadata.get("general.architecture")
+    if isinstance(arch, str):
+        _vocab_size(m, arch)  # the token list against {arch}.vocab_size
 
 
 def _apply_rope_freqs(model: nn.Module, f: GGUFFile) -> None:
