@@ -250,6 +250,38 @@ def test_non_regular_extra_files_are_refused(tmp_path):
     assert os.listdir(tmp_path) == ["src"]
 
 
+@pytest.mark.parametrize("target", [".", "..", "/"])
+def test_links_to_a_directory_holding_them_are_refused(tmp_path, target):
+    """A link to the checkpoint itself or above it would copy the tree into itself until paths overflow."""
+    make_checkpoint(tmp_path / "src")
+    (tmp_path / "src" / "sub").mkdir()
+    link = tmp_path / "src" / "sub" / "loop"
+    os.symlink(target, link)
+    with pytest.raises(GPTQCheckpointError, match=re.escape(f"{link}: a link to ")):
+        convert_checkpoint(tmp_path / "src", tmp_path / "dst")
+    assert os.listdir(tmp_path) == ["src"]
+
+
+def test_config_json_must_be_an_object(tmp_path):
+    make_checkpoint(tmp_path / "src")
+    config = tmp_path / "src" / "config.json"
+    quant = json.loads(config.read_text())["quantization_config"]
+    (tmp_path / "src" / "quantize_config.json").write_text(json.dumps(quant))  # the config read_config takes
+    config.write_text("[1, 2]")
+    with pytest.raises(GPTQCheckpointError, match=re.escape(f"{config}: the config must be a JSON object, got list")):
+        convert_checkpoint(tmp_path / "src", tmp_path / "dst")
+
+
+def test_output_directory_mode_follows_the_umask(tmp_path):
+    make_checkpoint(tmp_path / "src")
+    old = os.umask(0o022)
+    try:
+        convert_checkpoint(tmp_path / "src", tmp_path / "dst")
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "dst").st_mode & 0o777 == 0o755
+
+
 # --- the format label check in load_gptq --------------------------------------------------------
 
 

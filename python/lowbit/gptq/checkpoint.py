@@ -7,7 +7,7 @@ import json
 import math
 import os
 import shutil
-import tempfile
+import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -18,9 +18,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .._checks import check_finite
+from .._checks import check_finite, check_regular_file
 from .packing import fields_per_pack, words_per_pack
-from .._checks import check_regular_file
 from .config import GPTQCheckpointError, GPTQConfig, ModuleQuant, read_config, read_json
 from ..fusing import unfused_state_dict
 from .linear import GPTQLinear
@@ -396,7 +395,9 @@ def write_checkpoint(directory: str | os.PathLike, tensors: dict[str, torch.Tens
     tmp = None
     try:
         os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.", dir=parent)
+        # Not mkdtemp, whose 0700 would become the checkpoint's: os.mkdir's mode follows the umask.
+        tmp = os.path.join(parent, f".{os.path.basename(directory)}.{uuid.uuid4().hex}")
+        os.mkdir(tmp)
         if copy_from is not None:
             _copy_other_files(copy_from, tmp)
         _write_shards(tmp, tensors, max_shard_bytes)
@@ -423,6 +424,12 @@ def _copy_other_files(src: str, tmp: str) -> None:
     tmp_path = os.path.realpath(tmp)
 
     def skipped(directory: str, names: list[str]) -> list[str]:
+        for name in names:  # a link to a directory that holds it would be copied into itself forever
+            path = os.path.join(directory, name)
+            target = os.path.realpath(path)
+            if os.path.islink(path) and os.path.isdir(path) and \
+                    os.path.commonpath([target, os.path.realpath(directory)]) == target:
+                raise GPTQCheckpointError(f"{path}: a link to {target}, which holds the link: its copy would never end")
         return [n for n in names if os.path.realpath(os.path.join(directory, n)) == tmp_path]
 
     def copy(source: str, target: str) -> None:
