@@ -137,6 +137,12 @@ def test_embedding_dtype_follows_to_and_validates():
         table(torch.tensor([2, 10]))
     with pytest.raises(IndexError, match=r"got -1 .. 3"):
         table(torch.tensor([-1, 3]))
+    # Compiled, the gather's own bounds assertion refuses both ends (a negative id would wrap around).
+    compiled = torch.compile(table, fullgraph=True)
+    assert torch.equal(compiled(torch.tensor([2, 9])), table(torch.tensor([2, 9])))
+    for ids in ([2, 10], [-1, 3]):
+        with pytest.raises(Exception, match="out of bounds"):
+            compiled(torch.tensor(ids))
     with pytest.raises(ValueError, match=r"qweight must be uint8 \[rows, 68\] for dimension 64"):
         lowbit.GGUFEmbedding(raw[:, :60], gb.type_id("Q8_0"), 64)
     with pytest.raises(ValueError, match=r"qweight must be uint8"):

@@ -41,8 +41,11 @@ class GGUFEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         # A compiled graph bounds-checks the gather itself (inductor asserts
-        # its indirect indices); a host-side check would break the graph.
-        if flat.numel() and not torch.compiler.is_compiling():
+        # its indirect indices below the size); a host-side check would break
+        # the graph. Negative ids, which it would wrap around, go past the end.
+        if torch.compiler.is_compiling():
+            flat = torch.where(flat < 0, self.num_embeddings, flat)
+        elif flat.numel():
             low, high = torch.stack(torch.aminmax(flat)).tolist()  # one pass, one device sync
             if low < 0 or high >= self.num_embeddings:
                 raise IndexError(f"GGUFEmbedding: token ids must lie in [0, {self.num_embeddings}), "
