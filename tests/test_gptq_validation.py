@@ -68,6 +68,8 @@ GEMM_CASES = {
     "g_idx int64 wraps": (lambda c: {"b_g_idx": c["g_idx"].long() + 2**32}, ValueError, "b_g_idx values must lie"),
     "perm out of range": (lambda c: {"use_exllama": True, "b_g_idx": torch.full((K,), K, dtype=I32)}, ValueError,
                           r"b_g_idx values must lie in \[0, 256\)"),
+    "perm repeats a row": (lambda c: {"use_exllama": True, "b_g_idx": torch.zeros(K, dtype=I32)}, ValueError,
+                           "b_g_idx is not a permutation: value 0 appears twice"),
     "uneven groups": (lambda c: {"b_g_idx": torch.empty(0, dtype=I32), "b_gptq_scales": c["scales"][:7].contiguous(),
                                  "b_gptq_qzeros": c["qzeros"][:7].contiguous()}, ValueError,
                       "K=256 is not a multiple of the 7 groups"),

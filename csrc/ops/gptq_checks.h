@@ -151,6 +151,8 @@ inline GemmArgs check_gemm_args(const at::Tensor& a, const at::Tensor& b_q_weigh
   if (use_exllama || idx.numel() == 0) {
     check_even_groups(op, d, use_exllama ? "as shuffled (use_exllama) weights need" : "so b_g_idx must be given");
   }
+  // A repeated row would read one activation twice and drop another.
+  if (use_exllama) check_permutation(op, "b_g_idx", idx);
   return {d, idx};
 }
 
