@@ -245,6 +245,14 @@ def test_decode_attention_refuses_gradients_and_opchecks():
     torch.library.opcheck(torch.ops.lowbit.decode_attention, (*case.values(), 2, None, 30.0))
     with pytest.raises(RuntimeError, match="sinks requires grad"):
         ops.decode_attention(**case, sinks=torch.randn(4, requires_grad=True))
+    # Strided sinks of their own storage are taken; a strided view of a cache, which the op writes, is not.
+    sinks = torch.randn(8)
+    fresh = lambda: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+    assert torch.equal(ops.decode_attention(**fresh(), sinks=sinks[::2]),
+                       ops.decode_attention(**fresh(), sinks=sinks[::2].contiguous()))
+    shared = fresh()
+    with pytest.raises(RuntimeError, match="value_cache shares memory with sinks"):
+        ops.decode_attention(**shared, sinks=shared["value_cache"].view(-1)[:8:2])
     q = case["q"].clone().requires_grad_()
     with pytest.raises(RuntimeError, match="^decode_attention: not differentiable.*q requires grad"):
         ops.decode_attention(**{**case, "q": q})
