@@ -83,6 +83,24 @@ def test_quantize_rtn_refuses_non_finite_weights_and_overflowing_scales():
     assert bool(torch.isfinite(lowbit.quantize_rtn(w, 4, 32, scale_dtype=torch.float32).scales).all())
 
 
+@pytest.mark.parametrize("sym", [True, False])
+def test_quantize_rtn_keeps_ranges_below_fp16_scales(sym):
+    """A group whose range is too small for an fp16 scale takes the smallest normal one (not 0, which
+    divided to NaN codes): its weights dequantize to within half that scale, the others as before."""
+    w = torch.randn(32, 64)
+    w[0, :32] = 1e-8 * torch.randn(32)  # a scale of about 5e-9: 0 in fp16
+    t = lowbit.quantize_rtn(w, 4, 32, sym=sym)
+    assert t.scales[0, 0] == torch.finfo(torch.float16).tiny
+    layer = lowbit.GPTQLinear.from_tensors(t.qweight, t.qzeros, t.scales, t.g_idx, None, 4, 32, sym=sym,
+                                           checkpoint_format=t.checkpoint_format)
+    W = layer.dequantize(torch.float32)
+    assert torch.isfinite(W).all()
+    assert (W[0, :32] - w[0, :32]).abs().max() <= torch.finfo(torch.float16).tiny
+    other = w.clone()
+    other[0] = 1.0
+    assert torch.equal(t.scales[:, 1:], lowbit.quantize_rtn(other, 4, 32, sym=sym).scales[:, 1:])
+
+
 def test_quantize_rtn_rejects_bad_arguments():
     w = torch.randn(32, 64)
     with pytest.raises(ValueError, match="bits"):
