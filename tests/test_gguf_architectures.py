@@ -432,6 +432,8 @@ def write_tokenizer_gguf(path: str, arch: str, model: str = "gpt2", types=None, 
     (dict(types=[1, 1, 3]), r"metadata 'tokenizer.ggml.token_type': must be 262 integers, one per token"),
     (dict(eos=262), r"metadata 'tokenizer.ggml.eos_token_id': token 262 is outside the 262 tokens"),
     (dict(model="llama"), r"metadata 'tokenizer.ggml.scores': missing: a sentencepiece \('llama'\) vocabulary"),
+    (dict(extra={"tokenizer.ggml.scores": ([0.0] * 261 + [float("nan")], "ARRAY")}),
+     r"metadata 'tokenizer.ggml.scores': must be finite"),
     # A string where llama.cpp reads a bool: "false" would add a BOS token.
     (dict(extra={"tokenizer.ggml.add_bos_token": ("false", "STRING")}),
      r"metadata 'tokenizer.ggml.add_bos_token': expected a boolean, got str 'false'"),

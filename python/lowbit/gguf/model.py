@@ -6,6 +6,7 @@ a model needs about its file's size in memory, not its float size;
 load_gguf_tokenizer builds the file's tokenizer."""
 from __future__ import annotations
 
+import math
 import os
 import warnings
 
@@ -166,6 +167,8 @@ def _check_tokenizer_metadata(metadata, where: str) -> None:
                                                  and not isinstance(v, bool) for v in values):
             raise m.error(key, f"must be {len(tokens)} {'numbers' if kind is float else 'integers'}, one per token "
                                f"of tokenizer.ggml.tokens; got {len(values)} values")
+        if kind is float and not all(map(math.isfinite, values)):  # a NaN score orders no merge
+            raise m.error(key, "must be finite, one per token; holds NaN or infinity")
     for field in _SPECIAL_TOKEN_IDS:
         key = f"tokenizer.ggml.{field}"
         token = m.get(key, int, None, minimum=0)
