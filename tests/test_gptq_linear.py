@@ -240,6 +240,21 @@ def test_compile():
         torch.testing.assert_close(compiled(x), layer(x))
 
 
+@pytest.mark.parametrize("eager_first", [True, False])
+def test_compiled_act_order_layer_follows_new_weights(eager_first):
+    """An act-order layer whose rows are not sorted, compiled with fullgraph, computes with the weights it
+    holds at each call (new ones loaded in place included), not a sorted copy planned before."""
+    layer, _ = layer_and_linear(act_order=True, seed=1)
+    other, _ = layer_and_linear(act_order=True, seed=2)
+    x = torch.randn(3, IN)
+    if eager_first:
+        layer(x)
+    compiled = torch.compile(layer, fullgraph=True)
+    torch.testing.assert_close(compiled(x), layer(x))
+    layer.load_state_dict(other.state_dict())
+    torch.testing.assert_close(compiled(x), other(x))
+
+
 def test_constructor_validates():
     with pytest.raises(ValueError, match="bits must be one of"):
         lowbit.GPTQLinear(IN, OUT, 5, 128)

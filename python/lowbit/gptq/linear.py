@@ -295,7 +295,9 @@ class GPTQLinear(nn.Module):
         N / 16 + rows cache lines, where a diagonal through every row and
         column would be max(N, rows) scattered ones, a read from memory that
         costs more than a small layer's matmul. While torch.compile traces,
-        the plan is taken as it stands.
+        which could not redo that check per call, an act-order layer whose
+        rows are not sorted runs on its own buffers: the op takes any g_idx
+        (slower: sort_rows() first, as the checkpoint loaders do).
         """
         if self._buffers["g_idx"].is_meta:  # no values to plan from: the op's shapes are all a meta call has
             return self.qweight, self.g_idx, None
@@ -304,8 +306,10 @@ class GPTQLinear(nn.Module):
                 raise RuntimeError("GPTQLinear: qweight or g_idx was changed in place after sort_rows(); load new "
                                    "weights with load_state_dict (or call unsort_rows() before writing them)")
             return self._buffers["qweight"], self._buffers["sorted_g_idx"], self._buffers["row_order"]
+        if torch.compiler.is_compiling():
+            return self.qweight, self.g_idx, None
         plan = self._plan
-        if plan is None or not (torch.compiler.is_compiling() or self._still_valid(plan)):
+        if plan is None or not self._still_valid(plan):
             plan = self._plan = self._new_plan()
         return plan[1] if plan[1] is not None else (self.qweight, self.g_idx, None)
 
