@@ -438,10 +438,10 @@ def write_tokenizer_gguf(path: str, arch: str, model: str = "gpt2", types=None, 
     (dict(extra={"tokenizer.ggml.add_bos_token": ("false", "STRING")}),
      r"metadata 'tokenizer.ggml.add_bos_token': expected a boolean, got str 'false'"),
     (dict(extra={"tokenizer.chat_template": (7, "UINT32")}), r"metadata 'tokenizer.chat_template': expected a string"),
-    # A token list that is not the model's vocabulary: ids past the embedding, or rows no token names.
-    (dict(embd_rows=300), r"tokenizer.ggml.tokens has 262 tokens, token_embd.weight 300 rows"),
-    (dict(extra={"llama.vocab_size": (300, "UINT32")}),
-     r"metadata 'tokenizer.ggml.tokens': 262 tokens, but llama.vocab_size is 300"),
+    # A token list longer than the model's vocabulary: its last ids would index past the embedding.
+    (dict(embd_rows=200), r"tokenizer.ggml.tokens has 262 tokens, token_embd.weight only 200 rows"),
+    (dict(extra={"llama.vocab_size": (200, "UINT32")}),
+     r"metadata 'tokenizer.ggml.tokens': 262 tokens, more than llama.vocab_size 200"),
     # What only transformers' converter finds: a merge of three parts.
     (dict(merges=["Ġ t h"]), r"transformers builds no tokenizer from its tokenizer.ggml.\* metadata: TypeError"),
 ])

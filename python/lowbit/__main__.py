@@ -181,7 +181,7 @@ def chat_prompt(path: str, tokenizer, prompt: str, max_chars: int) -> torch.Tens
                                              tokenize=False)
     except (jinja2.TemplateError, RecursionError, TypeError, ValueError) as e:
         raise ValueError(f"{path}: its chat template does not render: {type(e).__name__}: {e}") from None
-    if not isinstance(text, str) or len(text) > max_chars:
+    if len(text) > max_chars:
         raise ValueError(f"{path}: its chat template renders {len(text)} characters, more than {max_chars}")
     # The template writes its own special tokens (BOS): the tokenizer adds none.
     return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
@@ -298,7 +298,8 @@ def main(argv=None) -> int:
     generate.add_argument("--top-k", type=int_in(1, 2**31 - 1), help="sample from the k most likely tokens only")
     generate.add_argument("--top-p", type=number_in(0.0, 1.0, low_open=True),
                           help="sample from the smallest set of tokens whose probabilities reach p")
-    generate.add_argument("--seed", type=int_in(0, 2**64 - 1), help="the sampler's random seed (the same text for the same seed)")
+    generate.add_argument("--seed", type=int_in(0, 2**64 - 1),
+                          help="the sampler's random seed (the same text for the same seed)")
     generate.add_argument("--threads", type=int_in(1, MAX_POOL_THREADS),
                           help="CPU threads (default: torch's, one per physical core)")
     generate.add_argument("--repack", action="store_true",

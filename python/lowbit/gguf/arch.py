@@ -575,17 +575,18 @@ def config_from_gguf(metadata: Mapping[str, Any], tensors: Iterable[str] | Mappi
 
 
 def _vocab_size(m: _Metadata, arch: str) -> int:
-    """{arch}.vocab_size, else the token list's length; where the file has
-    both they must agree (as llama.cpp requires: a token past the embedding's
-    rows, or rows no token reaches, would mislead silently)."""
+    """{arch}.vocab_size, else the token list's length. A token list longer
+    than {arch}.vocab_size is refused: its last tokens would index past the
+    embedding (a shorter one leaves padding rows, as HF vocabularies do)."""
     size = m.get(f"{arch}.vocab_size", int, None, positive=True)
     if "tokenizer.ggml.tokens" in m:
         tokens = m.get("tokenizer.ggml.tokens", list)
         if not tokens:
             raise m.error("tokenizer.ggml.tokens", "empty")
-        if size is not None and size != len(tokens):
-            raise m.error("tokenizer.ggml.tokens", f"{len(tokens)} tokens, but {arch}.vocab_size is {size}")
-        return len(tokens)
+        if size is None:
+            return len(tokens)
+        if len(tokens) > size:
+            raise m.error("tokenizer.ggml.tokens", f"{len(tokens)} tokens, more than {arch}.vocab_size {size}")
     if size is None:
         raise m.error(f"{arch}.vocab_size", "missing, as is tokenizer.ggml.tokens (one of them gives the vocabulary "
                                             "size)")

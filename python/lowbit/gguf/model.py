@@ -128,8 +128,8 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     _check_tokenizer_metadata(metadata, where)
     embd = f.tensors.get(TOKEN_EMBD)
     tokens = len(metadata["tokenizer.ggml.tokens"])
-    if embd is not None and embd.shape[0] != tokens:  # the model's vocabulary is the embedding's rows
-        raise GGUFError(f"{where}: tokenizer.ggml.tokens has {tokens} tokens, {TOKEN_EMBD} {embd.shape[0]} rows")
+    if embd is not None and embd.shape[0] < tokens:  # ids past the embedding's rows (fewer tokens: padding rows)
+        raise GGUFError(f"{where}: tokenizer.ggml.tokens has {tokens} tokens, {TOKEN_EMBD} only {embd.shape[0]} rows")
     arch = metadata.get("general.architecture")
     spec = ARCHITECTURES.get(arch) if isinstance(arch, str) else None  # a list would be unhashable
     tokenizer_class = spec.tokenizer_class if spec else None
