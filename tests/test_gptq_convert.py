@@ -280,6 +280,7 @@ def test_output_directory_mode_follows_the_umask(tmp_path):
     finally:
         os.umask(old)
     assert os.stat(tmp_path / "dst").st_mode & 0o777 == 0o755
+    assert {os.stat(tmp_path / "dst" / f).st_mode & 0o777 for f in os.listdir(tmp_path / "dst")} == {0o644}
 
 
 # --- the format label check in load_gptq --------------------------------------------------------

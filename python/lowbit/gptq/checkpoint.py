@@ -473,13 +473,21 @@ def _write_shards(directory: str, tensors: dict[str, torch.Tensor], max_shard_by
         current[name] = t
         size += nbytes
     shards.append(current)
+    umask = os.umask(0o022)
+    os.umask(umask)
+
+    def save(shard: dict[str, torch.Tensor], file: str) -> None:
+        path = os.path.join(directory, file)
+        save_file(shard, path, metadata={"format": "pt"})
+        os.chmod(path, 0o666 & ~umask)  # safetensors writes 0600 whatever the umask
+
     if len(shards) == 1:
-        save_file(shards[0], os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+        save(shards[0], "model.safetensors")
         return
     weight_map = {}
     for i, shard in enumerate(shards, 1):
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(directory, file), metadata={"format": "pt"})
+        save(shard, file)
         weight_map.update({name: file for name in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     with open(os.path.join(directory, INDEX_FILE), "w") as f:
