@@ -245,6 +245,18 @@ def test_row_shards_one_group():
     assert_matches(out, layer(x), "group_size -1 row shards")
 
 
+def test_one_row_shard_keeps_a_short_last_group():
+    """world_size 1: the single shard is the whole layer, a short last group (K % group_size != 0) included;
+    more ranks would split a group and are refused."""
+    linear = nn.Linear(96, HIDDEN)
+    layer = GPTQLinear.from_linear(linear, 4, 64, sym=False, checkpoint_format="gptq_v2")
+    row = RowParallelGPTQLinear.from_layer(layer, 0, 1)
+    x = torch.randn(3, 96)
+    assert_matches(row.local(x) + row.bias, layer(x), "one row shard")
+    with pytest.raises(ValueError, match="not a whole number of groups of 64"):
+        RowParallelGPTQLinear.from_layer(layer, 0, 2)
+
+
 def test_checkpoint_shards_equal_layer_shards(checkpoints):
     case = checkpoints[1]  # 3-bit: the straddling packing
     mlp, prefix = case["mlps"][0], PREFIXES[0]

@@ -378,7 +378,7 @@ def _row_shard(src: _Source, rank: int, world_size: int) -> GPTQLinear:
     bias (a row-parallel layer adds it once, after the reduction)."""
     K, G = src.in_features, src.rows_per_group
     k = _split(src, K, "input features (rows)", world_size)
-    if src.group_size != -1 and k % G:
+    if src.group_size != -1 and k % G and world_size > 1:  # one rank may keep a short last group
         raise ValueError(f"{src.name}: each rank would hold {k} of the {K} input rows, which is not a whole number "
                          f"of groups of {G}; row-parallel sharding needs (K / world_size) % group_size == 0")
     g_idx = src.g_idx()
@@ -391,7 +391,7 @@ def _row_shard(src: _Source, rank: int, world_size: int) -> GPTQLinear:
                          f"{G}), so row shards would not own whole groups")
     rows = slice(rank * k, (rank + 1) * k)
     packed = slice(rank * k // src.fields * src.words, (rank + 1) * k // src.fields * src.words)
-    groups = slice(0, 1) if src.group_size == -1 else slice(rank * k // G, (rank + 1) * k // G)
+    groups = slice(0, 1) if src.group_size == -1 else slice(rank * k // G, -(-(rank + 1) * k // G))
     tensors = {"qweight": src.read("qweight", packed), "qzeros": src.read("qzeros", groups),
                "scales": src.read("scales", groups), "g_idx": g_idx[rows] - g_idx[rows][0]}
     return _local_layer(src, k, src.out_features, False, tensors)
