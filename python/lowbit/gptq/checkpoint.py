@@ -65,7 +65,7 @@ def _index_shards(index: str) -> list[str]:
     """The shard files a model.safetensors.index.json names, each checked to be
     a .safetensors path inside the index's directory."""
     content = read_json(index, "shard index")
-    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    weight_map = content.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise GPTQCheckpointError(f"{index}: weight_map must be a non-empty JSON object of tensor name -> shard "
                                   f"file, got {type(weight_map).__name__}")
@@ -352,7 +352,7 @@ def check_layer_count(directory: str | os.PathLike) -> None:
     if not os.path.lexists(path):
         return
     content = read_json(path, "config")
-    count = content.get("num_hidden_layers") if isinstance(content, dict) else None
+    count = content.get("num_hidden_layers")
     if count is None:
         return
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:

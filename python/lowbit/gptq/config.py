@@ -44,15 +44,18 @@ class GPTQCheckpointError(ValueError):
     """A GPTQ checkpoint is missing tensors, has wrong shapes or dtypes, or is unreadable."""
 
 
-def read_json(path: str, what: str, error: type = GPTQCheckpointError) -> Any:
-    """The JSON content of `path`, a regular file (checked first); `error`
-    naming the file if it cannot be read or parsed."""
+def read_json(path: str, what: str, error: type = GPTQCheckpointError) -> dict[str, Any]:
+    """The JSON object in `path`, a regular file (checked first); `error`
+    naming the file if it cannot be read or parsed, or holds no object."""
     check_regular_file(path, what, GPTQCheckpointError)
     try:
         with open(path) as f:
-            return json.load(f)
+            content = json.load(f)
     except (OSError, ValueError) as e:
         raise error(f"{path}: unreadable {what}: {e}") from e
+    if not isinstance(content, dict):
+        raise error(f"{path}: the {what} must be a JSON object, got {type(content).__name__}")
+    return content
 
 
 @dataclass(frozen=True)
@@ -231,8 +234,6 @@ def read_config(directory: str | os.PathLike) -> GPTQConfig:
             continue
         raw = read_json(path, "config", GPTQConfigError)
         if name == "config.json":
-            if not isinstance(raw, dict):
-                raise GPTQConfigError(f"{path}: config.json must be a JSON object, got {type(raw).__name__}")
             raw = raw.get("quantization_config")
             if raw is None:
                 continue

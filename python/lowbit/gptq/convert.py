@@ -135,8 +135,6 @@ def _converted_config(src: str, config: GPTQConfig, to: str) -> dict[str, Any]:
     read_config used, so keys like `meta` survive) relabelled `to`."""
     path = os.path.join(src, "config.json")
     content = read_json(path, "config") if os.path.lexists(path) else {}
-    if not isinstance(content, dict):
-        raise GPTQCheckpointError(f"{path}: the config must be a JSON object, got {type(content).__name__}")
     raw = read_json(config.source, "config")
     quant = dict(raw["quantization_config"] if os.path.basename(config.source) == "config.json" else raw)
     quant["checkpoint_format"] = to

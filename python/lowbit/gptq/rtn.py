@@ -82,12 +82,11 @@ def quantize_rtn(
         xmax = torch.maximum(xmin.abs(), xmax)
         xmin = -xmax
     scale = (xmax - xmin) / maxq
-    stored = scale.to(scale_dtype)
-    check_scales(stored, "quantize_rtn")
-    # An all-zero group takes scale 1; a range too small for the storage dtype, which would round to 0
-    # (and divide to NaN codes), takes its smallest normal scale, as lowbit's GPTQ does.
-    scale = torch.where(scale == 0, 1.0, torch.where(stored > 0, stored, torch.finfo(scale_dtype).tiny))
-    scale = scale.to(scale_dtype)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale)).to(scale_dtype)
+    check_scales(scale, "quantize_rtn")
+    # A range too small for the storage dtype rounds to 0 (which would divide to NaN codes):
+    # the smallest normal scale instead, as lowbit's GPTQ does.
+    scale = torch.where(scale > 0, scale, torch.finfo(scale_dtype).tiny)
     if sym:
         zero = torch.full_like(xmin, (maxq + 1) // 2)
     else:
