@@ -622,10 +622,44 @@ def test_config_sources_in_order(checkpoint):
     assert lowbit.gptq.read_config(checkpoint).source.endswith("quantize_config.json")
     os.remove(checkpoint / "quantize_config.json")
     assert lowbit.gptq.read_config(checkpoint).source.endswith("config.json")
+    config = json.loads((checkpoint / "config.json").read_text())
+    del config["quantization_config"]  # not to disagree with the quant_config.json below
+    (checkpoint / "config.json").write_text(json.dumps(config))
     (checkpoint / "quant_config.json").write_text(json.dumps({"bits": 8, "group_size": 128, "format": "gptq_v2",
                                                               "true_sequential": True, "meta": {"damp_percent": 0.1}}))
     config = lowbit.gptq.read_config(checkpoint)
     assert config.source.endswith("quant_config.json") and config.bits == 8 and config.checkpoint_format == "gptq_v2"
+
+
+@pytest.mark.parametrize("key, value", [("bits", 8), ("group_size", 64), ("desc_act", True), ("sym", False),
+                                        ("checkpoint_format", "gptq"), ("format", "gptq"),
+                                        ("lm_head", True), ("dynamic", {"-:.*down_proj": {}})])
+def test_config_files_that_disagree_are_refused(checkpoint, key, value):
+    """quantize_config.json is what lowbit (and AutoGPTQ, GPTQModel) read; transformers reads config.json: a
+    checkpoint whose two configs disagree is refused, naming both, not read by one of them."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    quant = config["quantization_config"]
+    if key == "format":  # GPTQModel's quant_config.json name for it, read where checkpoint_format is absent
+        del quant["checkpoint_format"]
+    quant[key] = (not quant[key]) if isinstance(value, bool) and key in quant else value
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    shown = "checkpoint_format" if key == "format" else key
+    with pytest.raises(GPTQConfigError, match=f"quantize_config.json and .*config.json disagree on {shown}: "):
+        lowbit.gptq.read_config(checkpoint)
+    with pytest.raises(GPTQConfigError, match="disagree"):
+        lowbit.replace_linear(tiny_llama(bias=True), checkpoint)
+
+
+def test_config_files_agree_where_both_give_a_key(checkpoint):
+    """A key one file leaves out (but `dynamic`: none is no rules), an empty `dynamic` against none, and keys that say how the checkpoint was made
+    (damp_percent, meta) are no disagreement."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    quant = config["quantization_config"]
+    for key in ("desc_act", "sym", "checkpoint_format", "lm_head"):
+        quant.pop(key, None)
+    quant.update(dynamic={}, damp_percent=0.5, meta={"quantizer": "other"})
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    assert lowbit.gptq.read_config(checkpoint).source.endswith("quantize_config.json")
 
 
 # --- the corruption matrix ---------------------------------------------------------------------

@@ -22,6 +22,8 @@ CONFIG_SOURCES = ("quantize_config.json", "quant_config.json", "config.json")
 FORMATS = ("gptq", "gptq_v2")
 BITS = (2, 3, 4, 8)
 OVERRIDABLE = ("bits", "group_size", "desc_act", "sym")  # what a `dynamic` rule may change
+# The keys that decide how the tensors read: a directory's config files must agree on them.
+READING_KEYS = OVERRIDABLE + ("checkpoint_format", "lm_head", "dynamic")
 # Other keys (true_sequential, static_groups, meta, damp_percent, ...) describe
 # how a checkpoint was made, not how to read it, and are ignored.
 # The seconds one config's `dynamic` rules may spend matching module names, all
@@ -226,9 +228,13 @@ def _validate(q: ModuleQuant, where: str) -> None:
 
 def read_config(directory: str | os.PathLike) -> GPTQConfig:
     """The quantization config of a checkpoint directory, from the first of
-    quantize_config.json, quant_config.json, config.json["quantization_config"]."""
+    quantize_config.json, quant_config.json, config.json["quantization_config"].
+    Every other of those files that the directory has must agree with it on
+    READING_KEYS (where both give one; no `dynamic` is no rules): a checkpoint whose files disagree
+    reads as garbage in whichever library takes the other file, so it is
+    refused naming both files and the key."""
     directory = os.fspath(directory)
-    for name in CONFIG_SOURCES:
+    for index, name in enumerate(CONFIG_SOURCES):
         path = os.path.join(directory, name)
         if not os.path.lexists(path):
             continue
@@ -239,6 +245,42 @@ def read_config(directory: str | os.PathLike) -> GPTQConfig:
                 continue
         if not isinstance(raw, dict):
             raise GPTQConfigError(f"{path}: the quantization config must be a JSON object")
+        for other_path, other in _later_configs(directory, CONFIG_SOURCES[index + 1:]):
+            for key in READING_KEYS:
+                mine, theirs = _reading_value(raw, key), _reading_value(other, key)
+                if mine is not None and theirs is not None and mine != theirs:
+                    raise GPTQConfigError(f"{path} and {other_path} disagree on {key}: {mine!r} against "
+                                          f"{theirs!r}; a checkpoint's config files must describe the same "
+                                          "quantization")
         return parse_config(raw, path)
     raise GPTQConfigError(f"{directory}: no GPTQ config ({', '.join(CONFIG_SOURCES[:2])} or config.json "
                           "with quantization_config)")
+
+
+def _later_configs(directory: str, names: tuple[str, ...]) -> list[tuple[str, dict[str, Any]]]:
+    """(path, quantization config) of each of `names` in `directory` that
+    holds one; a file that cannot be read as one is left to the readers of
+    that file to refuse (config.json: the model's config)."""
+    found = []
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            raw = read_json(path, "config", GPTQConfigError) if os.path.lexists(path) else None
+        except GPTQConfigError:
+            continue
+        if name == "config.json" and raw is not None:
+            raw = raw.get("quantization_config")
+        if isinstance(raw, dict):
+            found.append((path, raw))
+    return found
+
+
+def _reading_value(raw: dict[str, Any], key: str) -> Any:
+    """raw's value for one of READING_KEYS, None where it gives none (the
+    format under either of its names; `dynamic` always gives one: no rules
+    where it has none)."""
+    if key == "checkpoint_format":
+        return raw.get("checkpoint_format", raw.get("format"))
+    if key == "dynamic":
+        return raw.get("dynamic") or {}
+    return raw.get(key)
