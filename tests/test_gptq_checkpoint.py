@@ -372,6 +372,58 @@ def test_load_gptq_model_in_half_precision(tmp_path):
     assert ((got - expect).norm() / expect.norm()).item() < 0.02  # bf16 activations and norms
 
 
+def starcoder(n_positions=64):
+    """A tiny GPTBigCode (StarCoder) model: its base model owns a computed buffer (the causal mask) beside its
+    loaded weights."""
+    config = transformers.GPTBigCodeConfig(vocab_size=64, n_embd=64, n_layer=2, n_head=4, n_positions=n_positions,
+                                           n_inner=128, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPTBigCodeForCausalLM(config).eval()
+
+
+def test_load_gptq_model_keeps_the_weights_of_a_module_with_a_computed_buffer(tmp_path):
+    """The mask is built from the config; the loaded weights around it stay (the module was once rebuilt
+    whole from its config: random weights, no GPTQ layers)."""
+    config = GPTQConfig(bits=4, group_size=32, checkpoint_format="gptq")
+    model = starcoder()
+    reference = quantize(model, config)
+    lowbit.save_gptq(model, tmp_path / "ckpt", config)
+    built = lowbit.load_gptq_model(tmp_path / "ckpt")
+    assert sum(isinstance(m, lowbit.GPTQLinear) for m in built.modules()) == 8
+    assert torch.equal(built.transformer.bias, reference.transformer.bias)
+    assert_same_logits(logits(built, IDS % 64), logits(reference, IDS % 64))
+
+
+def test_load_gptq_model_refuses_computed_buffers_past_the_limit(tmp_path):
+    """n_positions is the config's to say, but its mask takes n_positions^2 bytes: refused before it is built."""
+    config = GPTQConfig(bits=4, group_size=32, checkpoint_format="gptq")
+    model = starcoder()
+    quantize(model, config)
+    lowbit.save_gptq(model, tmp_path / "ckpt", config)
+    positions = 33_000  # a 1.01 GiB mask
+    edit_tensors(tmp_path / "ckpt", lambda t: t.update({"transformer.wpe.weight": torch.zeros(positions, 64)}))
+    raw = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    raw["n_positions"] = positions
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(GPTQCheckpointError, match="1039 MiB of computed buffers .* more than the 1024 MiB"):
+        lowbit.load_gptq_model(tmp_path / "ckpt")
+
+
+def test_load_gptq_model_names_a_computed_buffer_it_cannot_build(tmp_path):
+    """GPT-Neo's attention needs more than its config to be built: its mask stays unfilled, which is a
+    GPTQCheckpointError naming the tensors, not a TypeError."""
+    config = transformers.GPTNeoConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4,
+                                       attention_types=[[["global", "local"], 1]], max_position_embeddings=64,
+                                       bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPTNeoForCausalLM(config).eval()
+    gptq = GPTQConfig(bits=4, group_size=32, checkpoint_format="gptq")
+    quantize(model, gptq)
+    lowbit.save_gptq(model, tmp_path / "ckpt", gptq)
+    with pytest.raises(GPTQCheckpointError, match=re.escape("no value for ['transformer.h.0.attn.attention.bias'")):
+        lowbit.load_gptq_model(tmp_path / "ckpt")
+
+
 def test_load_gptq_model_names_what_is_wrong(tmp_path):
     with pytest.raises(GPTQCheckpointError, match="nowhere: no such file or directory"):
         lowbit.load_gptq_model(tmp_path / "nowhere")

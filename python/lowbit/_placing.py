@@ -4,6 +4,7 @@ and filling a model's modules and tensors, and building a model on the meta
 device, so that no float copy of a quantized weight is made."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -76,19 +77,67 @@ def on_meta(make_config, build, dtype: torch.dtype, where: str, error: type[Exce
         raise error(f"{where}: the config does not make a model: {type(e).__name__}: {reason}") from e
 
 
-def rebuild_computed_buffers(model: nn.Module) -> None:
-    """Rotary embeddings hold computed (non-persistent) inverse frequencies,
-    which no checkpoint stores and the meta build left empty: build each such
-    module again on the CPU from its config."""
-    for name, module in list(model.named_modules()):
-        if name and hasattr(module, "config") and any(b.is_meta for b in module.buffers(recurse=False)):
-            model.set_submodule(name, type(module)(config=module.config))
+# The most bytes a model's computed buffers (rotary frequencies, causal masks)
+# may take: real architectures' come to megabytes (StarCoder's 8192-position
+# mask: 64 MiB); a config asking for more is refused before they are built.
+COMPUTED_BUFFER_LIMIT = 1 << 30
 
 
-def checked(model: nn.Module, where: str) -> nn.Module:
-    """The model in eval mode, once no tensor of it is left on the meta device."""
+def rebuild_computed_buffers(model: nn.Module, where: str, error: type[Exception]) -> None:
+    """Fills the buffers that modules compute from their config (rotary
+    inverse frequencies, causal masks), which no checkpoint stores and the
+    meta build left empty: each module owning such a buffer is built again
+    from its config with its parameters on the meta device, and takes the
+    place of one without parameters (a rotary embedding); one holding loaded
+    weights takes only those buffers from it. A module that cannot
+    be built from its config alone keeps them empty, for `checked` to report.
+    More than COMPUTED_BUFFER_LIMIT bytes of them is `error`, naming `where`."""
+    owners = [(name, m) for name, m in model.named_modules()
+              if name and hasattr(m, "config") and any(b.is_meta for b in m.buffers(recurse=False))]
+    nbytes = sum(b.numel() * b.element_size() for _, m in owners for b in m.buffers() if b.is_meta)
+    if nbytes > COMPUTED_BUFFER_LIMIT:
+        raise error(f"{where}: the config makes {nbytes / 2**20:.0f} MiB of computed buffers (rotary tables, "
+                    f"masks), more than the {COMPUTED_BUFFER_LIMIT >> 20} MiB lowbit builds")
+    for name, module in owners:
+        try:
+            with _parameters_on_meta():
+                fresh = type(module)(config=module.config)
+        except Exception:  # needs more than its config (a layer index, ...): left for checked()
+            continue
+        if next(module.parameters(), None) is None:  # nothing loaded (a rotary embedding): the new one whole
+            model.set_submodule(name, fresh)
+            continue
+        computed = dict(fresh.named_buffers())
+        for name, buffer in list(module.named_buffers()):
+            new = computed.get(name)
+            if buffer.is_meta and new is not None and not new.is_meta and new.shape == buffer.shape:
+                owner, _, leaf = name.rpartition(".")
+                module.get_submodule(owner)._buffers[leaf] = new
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Modules built inside put their parameters on the meta device (no
+    memory, no initialisation) and their buffers on the CPU."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def checked(model: nn.Module, where: str, error: type[Exception]) -> nn.Module:
+    """The model in eval mode, once no tensor of it is left on the meta
+    device; `error` naming `where` and the tensors otherwise."""
     still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if still_meta:
-        raise RuntimeError(f"{where}: no value for {still_meta} (this {type(model).__name__} has tensors "
-                           f"that neither the checkpoint nor lowbit fills)")
+        raise error(f"{where}: no value for {still_meta[:8]}{' ...' if len(still_meta) > 8 else ''} (this "
+                    f"{type(model).__name__} has tensors that neither the checkpoint nor lowbit fills)")
     return model.eval()

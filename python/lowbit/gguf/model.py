@@ -83,7 +83,7 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     model = on_meta(lambda: model_class.config_class(**kwargs), model_class, dtype, where, GGUFError)
     _embed_tokens_from_blocks(model, f, dtype, spec.scaled_embedding)
     place_gguf_tensors(model, f, "load_gguf_model", consumed=(ROPE_FREQS, TOKEN_EMBD, *ROPE_FACTORS))
-    rebuild_computed_buffers(model)
+    rebuild_computed_buffers(model, where, GGUFError)
     _apply_rope_freqs(model, f)
     if fuse:
         fuse_projections(model, f)
@@ -91,7 +91,7 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         repack_model(model)
     kernel_threads(model)
     fast_decoding(model)
-    return checked(model, where)
+    return checked(model, where, GGUFError)
 
 
 def _embed_tokens_from_blocks(model: nn.Module, f: GGUFFile, dtype: torch.dtype, scaled: bool) -> None:

@@ -82,7 +82,7 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     model = on_meta(make_config, transformers.AutoModelForCausalLM.from_config,
                     dtype, os.path.join(directory, "config.json"), GPTQCheckpointError)
     place_gptq_checkpoint(model, directory, checkpoint_format, float_tables)
-    rebuild_computed_buffers(model)
+    rebuild_computed_buffers(model, f"load_gptq_model: {directory}", GPTQCheckpointError)
     if int8_activations:
         for module in model.modules():
             if isinstance(module, GPTQLinear):
@@ -95,7 +95,7 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         repack_model(model)
     kernel_threads(model)
     fast_decoding(model)
-    return checked(model, f"load_gptq_model: {directory}")
+    return checked(model, f"load_gptq_model: {directory}", GPTQCheckpointError)
 
 
 # Config values that must be finite and > 0 where a config.json has them:
