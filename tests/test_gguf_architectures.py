@@ -223,6 +223,29 @@ def test_load_gguf_model_applies_rope_freqs(tmp_path):
     assert ((got - logits[False]).norm() / got.norm()).item() > 1e-3  # measured 6e-3
 
 
+def test_rope_freqs_where_the_rotary_embedding_has_no_single_table_is_refused(tmp_path):
+    source = tiny_model("gemma3", seed=0)
+    factors = np.ones(source.config.head_dim // 2, dtype=np.float32)
+    path = write_model_gguf(str(tmp_path / "gemma3.gguf"), source, "gemma3",
+                            extra_tensors={"rope_freqs.weight": factors})
+    with pytest.raises(lowbit.GGUFError, match=re.escape(f"{path}: rope_freqs.weight: the Gemma3ForCausalLM's rotary "
+                                                         "embedding has no single frequency table")):
+        lowbit.load_gguf_model(path)
+
+
+@pytest.mark.parametrize("arch, name, module", [
+    ("llama", "blk.1.attn_q.bias", "model.layers.1.self_attn.q_proj"),  # attention_bias is read from blk.0
+    ("qwen2", "blk.0.attn_output.bias", "model.layers.0.self_attn.o_proj"),  # qwen2's o_proj has none
+])
+def test_a_bias_of_a_layer_built_without_one_is_refused(tmp_path, arch, name, module):
+    source = tiny_model(arch, seed=0, **({"attention_bias": False} if arch == "llama" else {}))
+    path = write_model_gguf(str(tmp_path / f"{arch}.gguf"), source, arch,
+                            extra_tensors={name: np.zeros(source.config.hidden_size, np.float32)})
+    with pytest.raises(lowbit.GGUFError, match=re.escape(f"{path}: tensor {name!r} is a bias of {module}, which the "
+                                                         "model has none of")):
+        lowbit.load_gguf_model(path)
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "gemma2"])
 def test_load_gguf_model_in_bf16(tmp_path, arch):
     source = tiny_model(arch, seed=0)

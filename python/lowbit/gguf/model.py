@@ -188,8 +188,11 @@ def _apply_rope_freqs(model: nn.Module, f: GGUFFile) -> None:
     if freqs is None:
         return
     rotary = model.model.rotary_emb
+    if not isinstance(getattr(rotary, "inv_freq", None), torch.Tensor):  # gemma3's: one table per layer type
+        raise GGUFError(f"load_gguf_model: {f.path}: {ROPE_FREQS}: the {type(model).__name__}'s rotary embedding "
+                        "has no single frequency table for its divisors")
     if freqs.shape != tuple(rotary.inv_freq.shape):  # one divisor per frequency
-        raise ValueError(f"load_gguf_model: {f.path}: {ROPE_FREQS} has shape {freqs.shape}, "
+        raise GGUFError(f"load_gguf_model: {f.path}: {ROPE_FREQS} has shape {freqs.shape}, "
                          f"the model's rotary embedding {tuple(rotary.inv_freq.shape)}")
     divisors = freqs.dequantize()
     check_positive(divisors, f"load_gguf_model: {f.path}: {ROPE_FREQS}")
@@ -234,6 +237,9 @@ def place_gguf_tensors(model: nn.Module, f: GGUFFile, caller: str, consumed: tup
             report.replaced.append(module_name)
         else:
             target = getattr(module, attr)
+            if target is None:  # a bias of a layer built without one (llama's attention_bias comes from blk.0)
+                raise GGUFError(f"{caller}: {path}: tensor {t.name!r} is a {attr} of {module_name}, which the "
+                                "model has none of")
             check_shape(path, t, name, tuple(target.shape))
             value = t.dequantize()
             check_finite(value, f"{path}: tensor {t.name!r}", GGUFError)  # a corrupt norm would turn all after it NaN
