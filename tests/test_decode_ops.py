@@ -54,6 +54,17 @@ def test_rms_norm_gradient_is_transformers_gradient():
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
+def test_rms_norm_gradient_of_empty_rows():
+    x = torch.randn(3, 0, requires_grad=True)
+    w = torch.randn(0, requires_grad=True)
+    got = torch.autograd.grad(ops.rms_norm(x, w, 1e-6).sum(), (x, w))
+    assert got[0].shape == (3, 0) and got[1].shape == (0,)
+    torch.library.opcheck(torch.ops.lowbit.rms_norm, (x, w, 1e-6))
+    v = torch.randn(16, requires_grad=True)  # one row, no batch dimensions
+    want = torch.autograd.grad(LlamaRMSNorm(16, eps=1e-6)(v).sum(), v)[0]
+    torch.testing.assert_close(torch.autograd.grad(ops.rms_norm(v, torch.ones(16), 1e-6).sum(), v)[0], want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_opcheck_and_compile(dtype):
     x = torch.randn(4, 64, dtype=dtype, requires_grad=True)
@@ -258,6 +269,23 @@ def test_decode_attention_refuses_gradients_and_opchecks():
         ops.decode_attention(**{**case, "q": q})
     with torch.no_grad():
         assert not ops.decode_attention(**{**case, "q": q}).requires_grad
+
+
+def test_decode_attention_counts_its_cache_writes_for_autograd():
+    """A product that saved a cache for backward must refuse once the op wrote into that cache (the op runs
+    below autograd, which would count no write): a silently wrong gradient otherwise."""
+    case = attention_case(4, 2, 32, 16, 5, torch.float32)
+    before = (case["key_cache"]._version, case["value_cache"]._version)
+    ops.decode_attention(**case)
+    assert (case["key_cache"]._version, case["value_cache"]._version) == (before[0] + 1, before[1] + 1)
+    w = torch.randn_like(case["key_cache"], requires_grad=True)
+    product = w * case["key_cache"]  # saves key_cache for w's gradient
+    ops.decode_attention(**{**case, "position": 6})
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        product.sum().backward()
+    with torch.inference_mode():  # inference tensors count no versions: the op still runs
+        fresh = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+        ops.decode_attention(**fresh)
 
 
 def test_decode_attention_under_torch_compile_writes_the_caches():

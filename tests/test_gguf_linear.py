@@ -124,6 +124,13 @@ def test_embedding_rows_are_the_dequantized_rows(name):
     assert torch.equal(torch.compile(table)(ids), got)
 
 
+def test_embedding_on_the_meta_device_gives_shapes():
+    """As GGUFLinear and GPTQLinear do: meta ids have no values for the range check."""
+    table = lowbit.GGUFEmbedding(torch.empty(10, 144, dtype=torch.uint8, device="meta"), gb.type_id("Q4_K"), 256)
+    out = table(torch.zeros(2, 3, dtype=torch.long, device="meta"))
+    assert out.is_meta and out.shape == (2, 3, 256) and out.dtype == torch.float32
+
+
 def test_embedding_dtype_follows_to_and_validates():
     rng = np.random.default_rng(0)
     raw = torch.from_numpy(gb.random_blocks(rng, "Q8_0", 10, 64))

@@ -202,7 +202,8 @@ def _rms_norm_backward(ctx, grad):
     r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
     normed = xf * r
     grad_x = r * (gw - normed * (gw * normed).mean(-1, keepdim=True))
-    grad_weight = (grad.float() * normed).reshape(-1, x.shape[-1]).sum(0)
+    products = grad.float() * normed
+    grad_weight = products.flatten(0, -2).sum(0) if products.dim() > 1 else products  # a last dim of 0 too
     return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
 
 
@@ -225,8 +226,12 @@ def _decode_attention_autograd(q, k, v, cos, sin, key_cache, value_cache, positi
                 raise RuntimeError(f"decode_attention: not differentiable (an inference step that writes its caches "
                                    f"in place), and {name} requires grad")
     with torch._C._AutoDispatchBelowAutograd():
-        return ops.decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale, start, sinks,
-                                    softcap)
+        out = ops.decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale, start, sinks,
+                                   softcap)
+    # Below autograd nothing counts the caches' writes: a graph that saved
+    # them for backward must see that they changed and refuse.
+    torch.autograd.graph.increment_version([t for t in (key_cache, value_cache) if not t.is_inference()])
+    return out
 
 
 _LIB.impl("decode_attention", _decode_attention_autograd, "Autograd")
