@@ -255,6 +255,35 @@ def test_compiled_act_order_layer_follows_new_weights(eager_first):
     torch.testing.assert_close(compiled(x), other(x))
 
 
+def test_compiled_int8_act_order_layer_with_unsorted_rows_runs():
+    """gptq_gemm_a8 needs contiguous groups: traced over its own unsorted rows, the layer runs gptq_gemm (fp32
+    activations), which the int8 products of eager approximate; sorted, compiled and eager are the same."""
+    layer, _ = layer_and_linear(act_order=True)
+    x = torch.randn(3, IN)
+    exact = layer(x)
+    layer.int8_activations = True
+    compiled = torch.compile(layer, fullgraph=True)
+    torch.testing.assert_close(compiled(x), exact)
+    torch.testing.assert_close(compiled(x), layer(x), rtol=0.02, atol=0.02)  # eager: int8 activations
+    layer.sort_rows()
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(layer, fullgraph=True)(x), layer(x))
+
+
+def test_a_layer_run_in_inference_mode_trains_after():
+    """The sorted copy an unsorted act-order layer plans in inference mode is an ordinary tensor: a later call
+    that saves it for backward works."""
+    layer, linear = layer_and_linear(act_order=True)
+    x = torch.randn(3, IN)
+    with torch.inference_mode():
+        layer(x)
+    xg = x.clone().requires_grad_()
+    layer(xg).sum().backward()
+    want = xg.detach().clone().requires_grad_()
+    torch.nn.functional.linear(want, layer.dequantize(torch.float32)).sum().backward()
+    torch.testing.assert_close(xg.grad, want.grad)
+
+
 def test_constructor_validates():
     with pytest.raises(ValueError, match="bits must be one of"):
         lowbit.GPTQLinear(IN, OUT, 5, 128)

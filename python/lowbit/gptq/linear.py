@@ -296,8 +296,9 @@ class GPTQLinear(nn.Module):
         column would be max(N, rows) scattered ones, a read from memory that
         costs more than a small layer's matmul. While torch.compile traces,
         which could not redo that check per call, an act-order layer whose
-        rows are not sorted runs on its own buffers: the op takes any g_idx
-        (slower: sort_rows() first, as the checkpoint loaders do).
+        rows are not sorted runs on its own buffers: gptq_gemm takes any
+        g_idx (slower, and with fp32 activations where the layer has
+        int8_activations: sort_rows() first, as the checkpoint loaders do).
         """
         if self._buffers["g_idx"].is_meta:  # no values to plan from: the op's shapes are all a meta call has
             return self.qweight, self.g_idx, None
@@ -326,6 +327,7 @@ class GPTQLinear(nn.Module):
         return (self._key() == key and torch.equal(self._buffers["g_idx"], g_idx)
                 and torch.equal(torch.take(self._buffers["qweight"], where), sample))
 
+    @torch.inference_mode(False)  # a plan made in inference mode must serve a later call that saves for backward
     def _new_plan(self) -> tuple:
         """(key, (sorted qweight, sorted g_idx, perm) or None when g_idx is in
         order, g_idx copy, sampled qweight positions, their words)."""
@@ -358,7 +360,10 @@ class GPTQLinear(nn.Module):
             raise RuntimeError(f"GPTQLinear: a repacked layer runs on gptq_gemm_a8 (CPU inputs, int8_activations); "
                                f"got {x2.device} inputs with int8_activations={self.int8_activations}: call "
                                f"unrepack() first")
-        if self.int8_activations and self.bits != 3 and cpu:
+        # gptq_gemm_a8 needs contiguous groups, which a traced act-order layer
+        # with unsorted rows (_prepare) does not give it: gptq_gemm takes any.
+        unsorted = self.desc_act and perm is None and not self.rows_sorted and torch.compiler.is_compiling()
+        if self.int8_activations and self.bits != 3 and cpu and not unsorted:
             return torch.ops.lowbit.gptq_gemm_a8, (x2, qweight, buffers["qzeros"], buffers["scales"], g_idx, v2,
                                                    self.bits), perm
         return torch.ops.lowbit.gptq_gemm, (x2, qweight, buffers["qzeros"], buffers["scales"], g_idx, False, v2,
