@@ -486,6 +486,8 @@ def test_an_integer_tensor_for_a_float_parameter_is_a_checkpoint_error(tmp_path)
     ({"rope_scaling": {"rope_type": "linear", "factor": 0.0}}, r"\.factor must be a finite number > 0, got 0.0"),
     ({"rope_scaling": {"rope_type": "linear", "factor": -2.0}}, r"\.factor must be a finite number > 0, got -2.0"),
     ({"sliding_window": 1}, "sliding_window 1 .* is not supported"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads 3 does not divide num_attention_heads 4"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads 0 does not divide num_attention_heads 4"),
 ])
 def test_config_values_that_would_give_wrong_logits_are_refused(tmp_path, changes, says):
     """transformers takes these (a rope factor of 0 only warns); the model would

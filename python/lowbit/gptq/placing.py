@@ -111,7 +111,7 @@ POSITIVE_ROPE_KEYS = ("rope_theta", "factor", "attention_factor", "beta_fast", "
 def check_config_values(config: dict, where: str) -> None:
     """Refuses, naming `where` and the key, a value of POSITIVE_KEYS or of the
     rotary keys that is not a finite number > 0, LongRoPE factors that are
-    not, and an attention window of 1 (transformers' sliding cache would keep
+    not, KV heads that do not divide the attention heads, and an attention window of 1 (transformers' sliding cache would keep
     every row: lowbit.gguf.arch._sliding_window)."""
     def positive(key, value):
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
@@ -133,6 +133,11 @@ def check_config_values(config: dict, where: str) -> None:
     for key in POSITIVE_KEYS + POSITIVE_ROPE_KEYS:
         if config.get(key) is not None:
             positive(key, config[key])
+    heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads <= 0 or heads % kv_heads):
+        # transformers builds the model and fails in its first forward: each KV head serves a whole set of heads.
+        raise GPTQCheckpointError(f"{where}: num_key_value_heads {kv_heads} does not divide num_attention_heads "
+                                  f"{heads}")
     for key in ("rope_parameters", "rope_scaling"):
         rope(key, config.get(key))
     if config.get("sliding_window") == 1:
