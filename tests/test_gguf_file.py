@@ -152,6 +152,25 @@ def test_inspect(toy):
     assert lines[-1] == f"total: {len(TOY_TENSORS)} tensors, {total_bytes} bytes, {average:.2f} bits per weight"
 
 
+def test_inspect_escapes_control_characters_of_the_file(tmp_path):
+    """A key or tensor name with a newline or a terminal escape prints as one escaped line, forging no row."""
+    path = str(tmp_path / "escapes.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_key_value("general.name\x1b[2J\nfake.key", "v", gguf.GGUFValueType.STRING)
+    writer.add_tensor("blk.0\x1b]0;title\x07\nFAKE", np.zeros(32, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    result = run_cli("inspect", path)
+    assert result.returncode == 0, result.stderr
+    assert not any(c in result.stdout for c in "\x1b\x07")
+    lines = result.stdout.splitlines()
+    assert "general.name\\x1b[2J\\nfake.key = 'v'" in lines
+    assert not any(line.startswith(("fake.key", "FAKE")) for line in lines)
+    assert any(line.startswith("blk.0\\x1b]0;title\\x07\\nFAKE ") for line in lines)
+
+
 def test_inspect_error_exit(toy, tmp_path):
     bad = patched(toy.path, str(tmp_path / "bad.gguf"), 0, "4s", b"GGUX")
     result = run_cli("inspect", bad)

@@ -39,6 +39,13 @@ def format_value(value) -> str:
     return text
 
 
+def printable(name: str) -> str:
+    """A key or name from the file as one line of plain text: control
+    characters (a newline forging a row, a terminal escape) escaped as repr
+    escapes them."""
+    return name if name.isprintable() else repr(name)[1:-1]
+
+
 def format_shape(shape) -> str:
     return "x".join(str(d) for d in shape)
 
@@ -48,10 +55,10 @@ def print_inspect(f: GGUFFile) -> None:
           f"{len(f.metadata)} metadata keys, {len(f.tensors)} tensors")
     print()
     for key, value in f.metadata.items():
-        print(f"{key} = {format_value(value)}")
+        print(f"{printable(key)} = {format_value(value)}")
     print()
     header = ("name", "type", "shape", "bytes", "bpw")
-    rows = [(t.name, t.type_name, format_shape(t.shape), str(t.nbytes), f"{t.bits_per_weight:.2f}")
+    rows = [(printable(t.name), t.type_name, format_shape(t.shape), str(t.nbytes), f"{t.bits_per_weight:.2f}")
             for t in f.tensors.values()]
     print_table(header, rows, left_columns=2)  # name and type left-aligned, numbers right-aligned
     total_bytes = sum(t.nbytes for t in f.tensors.values())
@@ -87,7 +94,7 @@ def print_gptq_inspect(path: str) -> None:
         print(f"  {key} = {format_value(value)}")
     print()
     header = ("name", "bits", "group", "act-order", "sym", "format", "shape", "bytes", "bpw")
-    rows = [(name, str(m.bits), str(m.group_size), "yes" if has_act_order(m) else "no", "yes" if m.sym else "no",
+    rows = [(printable(name), str(m.bits), str(m.group_size), "yes" if has_act_order(m) else "no", "yes" if m.sym else "no",
              m.checkpoint_format, f"{m.out_features}x{m.in_features}", str(quant_bytes(m)),
              f"{8 * quant_bytes(m) / (m.in_features * m.out_features):.2f}")
             for name, m in ckpt.modules.items()]
