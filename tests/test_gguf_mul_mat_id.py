@@ -112,6 +112,27 @@ def test_opcheck_and_compile():
         torch.testing.assert_close(f(x, ids), torch.relu(ops.ggml_mul_mat_id(W, x, ids, t, ROWS)).sum(dim=1))
 
 
+@pytest.mark.parametrize("per_slot", [False, True])
+def test_gradient_opcheck_and_compiled_backward(per_slot):
+    """The backward groups pairs by expert from the ids' values in eager; traced, it has none to group by and
+    runs every expert over every pair, masked: the same gradient, and opcheck's traced backward passes."""
+    W = experts_blocks("Q8_0")
+    t = gb.type_id("Q8_0")
+    packed = torch.stack([ops.ggml_repack(w, t, ROWS, N) for w in W])
+    ids = torch.tensor([[0, 2], [2, 2], [1, 0]], dtype=torch.int32)
+    x = torch.randn((3, 2, N) if per_slot else (3, N), requires_grad=True)
+    for op, weight in ((ops.ggml_mul_mat_id, W), (ops.ggml_mul_mat_id_repacked, packed)):
+        torch.library.opcheck(op, (weight, x, ids, t, ROWS))
+
+        def step(x):
+            return op(weight, x, ids, t, ROWS).square().sum()
+
+        eager = torch.autograd.grad(step(x), x)[0]
+        torch._dynamo.reset()
+        compiled = torch.autograd.grad(torch.compile(step, fullgraph=True)(x), x)[0]
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
 def test_empty_calls():
     W = experts_blocks("Q8_0")
     t = gb.type_id("Q8_0")

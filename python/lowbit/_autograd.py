@@ -160,16 +160,20 @@ def _ggml_id_setup(ctx, inputs, output):
 
 def _ggml_id_backward(repacked):
     def backward(ctx, grad):
-        """Each expert's pairs at once: grad [pairs of e, row] @ W[e]."""
+        """Each expert's pairs at once: grad [pairs of e, row] @ W[e] (traced: every pair, masked)."""
         W, ids = ctx.saved_tensors
-        type, row, x_shape, dtype = ctx.args
+        qtype, row, x_shape, dtype = ctx.args
         n, tokens, slots = x_shape[-1], ids.shape[0], ids.shape[1]
         flat = ids.reshape(-1).long()
         g = grad.reshape(-1, row)
         per_pair = g.new_zeros((tokens * slots, n), dtype=torch.float32)
-        for e in torch.unique(flat).tolist():
-            pairs = (flat == e).nonzero().squeeze(1)
-            per_pair[pairs] = _grad_x(g[pairs], W[e], type, row, n, repacked)
+        if type(flat) is torch.Tensor and not torch.compiler.is_compiling():  # values to group the pairs by
+            for e in torch.unique(flat).tolist():
+                pairs = (flat == e).nonzero().squeeze(1)
+                per_pair[pairs] = _grad_x(g[pairs], W[e], qtype, row, n, repacked)
+        else:  # traced: no shapes that hang on values; every expert over every pair (experts times the work)
+            for e in range(W.shape[0]):
+                per_pair = torch.where((flat == e).unsqueeze(1), _grad_x(g, W[e], qtype, row, n, repacked), per_pair)
         if len(x_shape) == 3:
             return None, per_pair.reshape(x_shape).to(dtype), None, None, None
         return None, per_pair.reshape(tokens, slots, n).sum(1).to(dtype), None, None, None
