@@ -325,6 +325,51 @@ def test_sharded_loading_refuses_corrupt_modules(checkpoints, tmp_path, edit, pa
         ColumnParallelGPTQLinear.from_checkpoint(corrupt, gate, 0, 2)
 
 
+def test_row_shards_check_the_bias_and_hold_it_as_the_layer_does(checkpoints, tmp_path):
+    """The bias a row-parallel layer adds after its reduction: refused where not finite, as load_gptq refuses it,
+    and rounded to the scales' dtype, as load_gptq and the column shards hold it."""
+    from safetensors.torch import load_file, save_file
+
+    src, down = checkpoints[2]["reordered"], f"{PREFIXES[0]}.down_proj"  # 4-bit, biases
+    for name, change in (("nan", lambda b: b.index_fill(0, torch.tensor([3]), float("nan"))),
+                         ("fp32", lambda b: (b.float() + 1e-4))):
+        edited = tmp_path / name
+        shutil.copytree(src, edited)
+        tensors = load_file(edited / "model.safetensors")
+        tensors[f"{down}.bias"] = change(tensors[f"{down}.bias"])
+        save_file({k: v.contiguous() for k, v in tensors.items()}, edited / "model.safetensors")
+        if name == "nan":
+            with pytest.raises(GPTQCheckpointError, match=rf"module '{down}': bias holds a non-finite value \(nan\)"):
+                RowParallelGPTQLinear.from_checkpoint(edited, down, 0, 1)
+            continue
+        whole = load_gptq(edited).modules[down]
+        row = RowParallelGPTQLinear.from_checkpoint(edited, down, 0, 1)
+        assert row.bias.dtype == whole.bias.dtype == whole.scales.dtype
+        x = torch.randn(3, INTER)
+        torch.testing.assert_close(row(x), whole(x))
+
+
+def test_sequential_layer_refuses_inputs_of_another_width():
+    layer = make_sequential(act_order(INTER, HIDDEN, 4, seed=0))
+    for width in (INTER + 16, INTER - 16):  # wider ones would be gathered from, narrower ones read past
+        with pytest.raises(ValueError, match=f"SequentialGPTQLinear: input has {width} features, expected {INTER}"):
+            layer(torch.randn(2, width))
+
+
+def test_reorderings_keep_int8_activations():
+    """They compute what the layer computes: with its int8 activations too."""
+    layer = act_order(INTER, HIDDEN, 4, seed=0)
+    layer.int8_activations = True
+    x = torch.randn(3, INTER)
+    perm = torch.randperm(INTER, generator=torch.Generator().manual_seed(0))
+    flip = torch.arange(HIDDEN).flip(0)
+    for copy, run, want in ((make_sequential(layer), lambda c: c(x), layer(x)),
+                            (permute_inputs(layer, perm), lambda c: c(x[..., perm]), layer(x)),
+                            (permute_outputs(layer, flip), lambda c: c(x), layer(x)[..., flip])):
+        assert copy.int8_activations
+        torch.testing.assert_close(run(copy), want)
+
+
 def test_layer_errors():
     layer = act_order(INTER, HIDDEN, 4, seed=0)
     with torch.no_grad():

@@ -98,6 +98,7 @@ def _copy(layer: GPTQLinear, cls: type[GPTQLinear] | None = None, **tensors: tor
             source = tensors.get(name, state.get(name))
             if source is not None:
                 buffer.copy_(source)
+    new.int8_activations = layer.int8_activations  # how it multiplies, which the copy computes the same as
     return new
 
 
@@ -126,6 +127,8 @@ class SequentialGPTQLinear(GPTQLinear):
         self.register_buffer("input_perm", torch.arange(self.in_features, device=self.qweight.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:  # the gather would take any width
+            raise ValueError(f"SequentialGPTQLinear: input has {x.shape[-1]} features, expected {self.in_features}")
         return super().forward(x.index_select(-1, self.input_perm))
 
 
@@ -307,6 +310,8 @@ def _checkpoint_source(path: str | os.PathLike, name: str) -> _Source:
     if quant is None:
         raise GPTQCheckpointError(f"{where}: has a qweight but the config's dynamic rules exclude it")
     fields, words = fields_per_pack(quant.bits), words_per_pack(quant.bits)
+    if len(shapes["qweight"]) != 2:
+        raise GPTQCheckpointError(f"{where}: qweight has shape {shapes['qweight']}, expected 2 dimensions")
     rows, N = shapes["qweight"]
     K = rows // words * fields
     groups = 1 if quant.group_size == -1 else math.ceil(K / quant.group_size)
@@ -446,7 +451,12 @@ class RowParallelGPTQLinear(nn.Module):
     @classmethod
     def _from_source(cls, src: _Source, rank: int, world_size: int, group) -> RowParallelGPTQLinear:
         _check_rank(src.name, rank, world_size, group)
-        return cls(_row_shard(src, rank, world_size), src.read("bias", slice(None)), rank, world_size, group)
+        local = _row_shard(src, rank, world_size)
+        bias = src.read("bias", slice(None))
+        if bias is not None:  # checked and held as the unsharded layer holds it: in the scales' dtype
+            check_finite_floats(local.scales, bias, src.where or src.name)
+            bias = bias.to(local.scales.dtype)
+        return cls(local, bias, rank, world_size, group)
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, module_name: str, rank: int, world_size: int,
