@@ -194,6 +194,22 @@ def test_expert_ids_out_of_range():
             experts(torch.randn(2, 64), torch.tensor(ids), torch.ones(2, 2))
 
 
+@pytest.mark.parametrize("hidden, ids, weights, says", [
+    ((2, 64), (2, 2), (2, 3), r"top_k_weights must have top_k_index's shape \[2, 2\], got \[2, 3\]"),
+    ((2, 64), (2, 2), (4,), r"top_k_weights must have top_k_index's shape \[2, 2\], got \[4\]"),
+    ((3, 64), (2, 2), (2, 2), r"hidden_states must be \[tokens, hidden\] and top_k_index \[tokens, k\], got \[3, 64\]"),
+    ((1, 2, 64), (2, 2), (2, 2), r"hidden_states must be \[tokens, hidden\]"),
+])
+def test_routing_of_other_shapes_is_refused(hidden, ids, weights, says):
+    """Rows and weights pair up by position: a routing whose shapes disagree would mix them silently."""
+    model, _ = quantized(tiny_moe("qwen3moe"))
+    experts = next(m for m in model.modules() if isinstance(m, lowbit.gptq.GPTQExperts))
+    with pytest.raises(ValueError, match=f"GPTQExperts: {says}"):
+        experts(torch.randn(hidden), torch.zeros(ids, dtype=torch.long), torch.ones(weights))
+    with pytest.raises(ValueError, match="GPTQExperts: top_k_index must hold integer expert ids, got torch.float32"):
+        experts(torch.randn(2, 64), torch.zeros(2, 2), torch.ones(2, 2))
+
+
 def calibration(count, seed, seq=16):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 96, (2, seq), generator=g) for _ in range(count)]

@@ -64,6 +64,15 @@ class GPTQExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        # The routing's shapes decide which rows and weights pair up: checked, never broadcast or reshaped into place.
+        if hidden_states.dim() != 2 or top_k_index.dim() != 2 or top_k_index.shape[0] != hidden_states.shape[0]:
+            raise ValueError(f"GPTQExperts: hidden_states must be [tokens, hidden] and top_k_index [tokens, k], got "
+                             f"{list(hidden_states.shape)} and {list(top_k_index.shape)}")
+        if top_k_index.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            raise ValueError(f"GPTQExperts: top_k_index must hold integer expert ids, got {top_k_index.dtype}")
+        if top_k_weights.shape != top_k_index.shape:
+            raise ValueError(f"GPTQExperts: top_k_weights must have top_k_index's shape {list(top_k_index.shape)}, "
+                             f"got {list(top_k_weights.shape)}")
         k = top_k_index.shape[-1]
         chosen = top_k_index.reshape(-1)
         if chosen.numel():
