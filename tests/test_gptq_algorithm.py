@@ -148,6 +148,23 @@ def test_matches_the_unblocked_obq_reference(sym, desc_act):
     assert bool((r.weight[:, 5] == 0).all())  # a dead input's weights are zeroed, then quantize to exactly 0
 
 
+@pytest.mark.parametrize("factor", [2.0**-260, 2.0**260, 1e-80, 1e80])
+def test_any_positive_factor_of_the_hessian_gives_the_same_quantization(factor):
+    """Damping is relative to mean(diag(H)), so c H quantizes as H does: bit for bit for a power of 2, up to
+    c H's own rounding otherwise, even where c H's inverse factors would leave float32's range (codes of
+    -2^31 and an infinite weight, unrefused, once)."""
+    x, lin = correlated_inputs(seed=2), linear(seed=2)
+    H = hessian_of(x)
+    want = gptq_weight(lin.weight, H, 4, 64, False)
+    got = gptq_weight(lin.weight, H * factor, 4, 64, False)
+    if math.frexp(factor)[0] == 0.5:
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    else:
+        assert torch.isfinite(got.weight).all()
+        assert (got.codes != want.codes).float().mean() < 0.002  # a rounding tie may go the other way
+
+
 def test_v1_refuses_a_zero_point_of_0():
     x = correlated_inputs()
     lin = linear()

@@ -105,6 +105,10 @@ def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_si
     dead = H.diagonal() == 0
     H.diagonal()[dead] = 1
     W[:, dead] = 0
+    # Any positive factor of H gives the same quantization, but U is taken in
+    # float32: H brought to a mean diagonal near 1 by a power of 4, which
+    # scales every step of the Cholesky factors by a power of 2, exactly.
+    H.mul_(4.0 ** -(int(torch.frexp(H.diagonal().mean()).exponent) // 2))
     # Act-order: quantize the columns with the largest activations first,
     # while many columns are still left to absorb their error.
     # (Stable, so that equal activations keep their order: an expert that no
