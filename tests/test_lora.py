@@ -62,6 +62,41 @@ def test_adapter_gradients_equal_those_over_the_dequantized_linear(kind, tol):
     assert not any(p.requires_grad for n, p in ours.named_parameters() if "lora_" not in n)
 
 
+@pytest.mark.parametrize("kind", ["gptq", "F16"])
+def test_mixed_batch_adapters_are_peft_s(kind):
+    """PEFT's adapter_names: each row of the batch through its own adapter ("__base__": none), as over
+    nn.Linear; the model keeps working after."""
+    layer = quantized_layer(kind)
+    dense = torch.nn.Linear(256, 96, bias=layer.bias is not None)
+    with torch.no_grad():
+        dense.weight.copy_(layer.dequantize(torch.float32))
+        if layer.bias is not None:
+            dense.bias.copy_(layer.bias)
+    models = []
+    for base, config in ((layer, lora_config), (dense, peft.LoraConfig)):
+        torch.manual_seed(1)
+        model = peft.get_peft_model(torch.nn.Sequential(base, torch.nn.LayerNorm(96)),
+                                    config(r=4, lora_alpha=8, target_modules=["0"], init_lora_weights=False))
+        torch.manual_seed(2)
+        model.add_adapter("other", config(r=4, lora_alpha=8, target_modules=["0"], init_lora_weights=False))
+        models.append(model.eval())
+    x = torch.randn(4, 256)
+    names = ["default", "other", "__base__", "default"]
+    with torch.no_grad():
+        ours, theirs = (m(x, adapter_names=names) for m in models)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        for i, name in enumerate(names):  # each row as the whole batch through its adapter gives it
+            alone = models[0]
+            if name == "__base__":
+                with alone.disable_adapter():
+                    torch.testing.assert_close(ours[i], alone(x[i:i + 1])[0])
+            else:
+                alone.set_adapter(name)
+                torch.testing.assert_close(ours[i], alone(x[i:i + 1])[0])
+        models[0].set_adapter("default")
+        torch.testing.assert_close(models[0](x), models[1](x), rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(params=["gguf", "gptq"])
 def model_path(request, tmp_path):
     model = tiny_models.tiny_model("llama", 0, num_hidden_layers=2)

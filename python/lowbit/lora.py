@@ -33,7 +33,8 @@ __all__ = ["LoraConfig", "QuantizedLoraLinear", "load_adapter", "register"]
 
 class QuantizedLoraLinear(nn.Module, LoraLayer):
     """LoRA over a GGUFLinear or GPTQLinear: base(x) + B(A(dropout(x))) * scaling
-    for each active adapter, the adapters in their own dtype."""
+    for each active adapter, the adapters in their own dtype; with PEFT's
+    `adapter_names` (one per row of the batch), each row's own adapter."""
 
     def __init__(self, base_layer: nn.Module, adapter_name: str, config: peft.LoraConfig, r: int = 0,
                  lora_alpha: int = 1, **kwargs):
@@ -49,6 +50,10 @@ class QuantizedLoraLinear(nn.Module, LoraLayer):
         return module.in_features, module.out_features
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        self._check_forward_args(x, *args, **kwargs)
+        adapter_names = kwargs.pop("adapter_names", None)
+        if adapter_names is not None and not self.disable_adapters:  # each row its own adapter (or "__base__")
+            return self._mixed_batch_forward(x, *args, adapter_names=adapter_names, **kwargs)
         result = self.base_layer(x, *args, **kwargs)
         if self.disable_adapters:
             return result
