@@ -257,6 +257,41 @@ def test_one_row_shard_keeps_a_short_last_group():
         RowParallelGPTQLinear.from_layer(layer, 0, 2)
 
 
+@pytest.mark.parametrize("bits, offset", [(2, 0x55555555), (4, 0x11111111), (8, 0x01010101)])
+def test_reorder_checkpoint_of_gptqmodel_v1_zeros(tmp_path, bits, offset):
+    """GPTQModel writes v1 zeros by subtracting `offset` from each packed word, so a zero point of 0 borrows from
+    the next field: the reordered columns must carry their zero points, not fields of those words."""
+    from safetensors.torch import load_file, save_file
+
+    group_size, sym, _, _ = CASES[bits]
+    save_gptq(model_of([act_order_mlp(bits, seed=3)]), tmp_path / "v2", GPTQConfig(bits, group_size, True, sym,
+                                                                                   "gptq_v2"))
+    tensors = load_file(tmp_path / "v2" / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("gate_proj.qzeros", "up_proj.qzeros"))]:
+        zeros = torch.ops.lowbit.gptq_unpack(tensors[name], bits, 1)
+        zeros[:, ::3] = 0  # zero points of 0 throughout
+        tensors[name] = torch.ops.lowbit.gptq_pack(zeros, bits, 1)
+    save_file(tensors, tmp_path / "v2" / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(".qzeros")]:
+        words = (tensors[name].long() - offset) & 0xFFFFFFFF
+        tensors[name] = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    shutil.copytree(tmp_path / "v2", tmp_path / "v1")
+    save_file(tensors, tmp_path / "v1" / "model.safetensors")
+    for config in ("config.json", "quantize_config.json"):
+        content = json.loads((tmp_path / "v1" / config).read_text())
+        (content["quantization_config"] if config == "config.json" else content)["checkpoint_format"] = "gptq"
+        (tmp_path / "v1" / config).write_text(json.dumps(content))
+    reorder_checkpoint(tmp_path / "v1", tmp_path / "v1-tp")
+    with pytest.warns(UserWarning, match="as GPTQModel writes them"):
+        reordered = load_gptq(tmp_path / "v1-tp").modules
+    truth = load_gptq(tmp_path / "v2").modules
+    parts = ("gate_proj", "up_proj", "down_proj")
+    x = inputs(bits)[1]
+    with torch.no_grad():
+        want = SwiGLU(*(truth[f"{PREFIXES[0]}.{p}"] for p in parts))(x)
+        assert_matches(SwiGLU(*(reordered[f"{PREFIXES[0]}.{p}"] for p in parts))(x), want, f"{bits}-bit")
+
+
 def test_checkpoint_shards_equal_layer_shards(checkpoints):
     case = checkpoints[1]  # 3-bit: the straddling packing
     mlp, prefix = case["mlps"][0], PREFIXES[0]

@@ -308,6 +308,15 @@ def v1_zeros_as_v2(qzeros: torch.Tensor, bits: int) -> tuple[torch.Tensor, bool]
     return torch.ops.lowbit.gptq_unpack(words, bits, 1), True
 
 
+def v2_zeros_as_gptqmodel_v1(zeros: torch.Tensor, bits: int) -> torch.Tensor:
+    """The v1 qzeros words GPTQModel writes for the v2 zero points `zeros`
+    [groups, N]: the inverse of v1_zeros_as_v2's GPTQModel reading."""
+    if bits == 3:
+        return torch.ops.lowbit.gptq_pack((zeros - 1) % 8, bits, 1)
+    words = (torch.ops.lowbit.gptq_pack(zeros, bits, 1).long() - GPTQMODEL_V1_OFFSETS[bits]) & 0xFFFFFFFF
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
 def gptqmodel_warning(where: str, modules: list[str]) -> str:
     """What load_gptq and convert_checkpoint say of modules read by v1_zeros_as_v2 as GPTQModel's."""
     named = ", ".join(modules[:5]) + (", ..." if len(modules) > 5 else "")

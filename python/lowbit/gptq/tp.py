@@ -32,7 +32,8 @@ from safetensors import safe_open
 from torch import nn
 
 from .checkpoint import (HEADER_DTYPES, GPTQCheckpointError, check_finite_floats, check_module_tensors,
-                         checkpoint_files, hold_gptqmodel_zeros_as_v2, read_tensors, write_checkpoint)
+                         checkpoint_files, hold_gptqmodel_zeros_as_v2, read_tensors, v1_zeros_as_v2,
+                         v2_zeros_as_gptqmodel_v1, write_checkpoint)
 from .config import GPTQConfig, read_config
 from .linear import GPTQLinear
 from .packing import fields_per_pack, words_per_pack
@@ -199,8 +200,18 @@ def _reorder_mlp(tensors: dict[str, torch.Tensor], prefix: str, config: GPTQConf
         return
     perm = group_order(down["g_idx"])
     for part in ("gate_proj", "up_proj"):
-        name = names[part]
-        permuted = _permuted_cols(_module_tensors(tensors, name), perm, _module_bits(config, name))
+        name, bits = names[part], _module_bits(config, names[part])
+        module = _module_tensors(tensors, name)
+        # GPTQModel's v1 words carry between fields: their columns move as the zero points they encode.
+        gptqmodel = False
+        if config.checkpoint_format == "gptq":
+            zeros, gptqmodel = v1_zeros_as_v2(module["qzeros"], bits)
+        if gptqmodel:
+            module["qzeros"] = torch.ops.lowbit.gptq_pack(zeros, bits, 1)
+        permuted = _permuted_cols(module, perm, bits)
+        if gptqmodel:
+            permuted["qzeros"] = v2_zeros_as_gptqmodel_v1(torch.ops.lowbit.gptq_unpack(permuted["qzeros"], bits, 1),
+                                                          bits)
         tensors.update({f"{name}.{k}": v for k, v in permuted.items()})
     permuted = _permuted_rows(down, perm, _module_bits(config, names["down_proj"]))
     tensors.update({f"{names['down_proj']}.{k}": v for k, v in permuted.items()})
