@@ -23,6 +23,7 @@ from torch import nn
 from lowbit.gptq import GPTQCheckpointError, GPTQConfig, GPTQLinear, load_gptq, save_gptq
 from lowbit.gptq.tp import (ColumnParallelGPTQLinear, NaiveTPMLP, RowParallelGPTQLinear, SequentialGPTQLinear,
                        TPAwareMLP, make_sequential, permute_inputs, permute_outputs, reorder_checkpoint, tp_aware)
+from lowbit.gptq.tp import MLP_PARTS
 
 HIDDEN, INTER = 256, 512
 # (bits, group_size, sym, checkpoint_format, bias): every bit width, both
@@ -290,6 +291,36 @@ def test_reorder_checkpoint_of_gptqmodel_v1_zeros(tmp_path, bits, offset):
     with torch.no_grad():
         want = SwiGLU(*(truth[f"{PREFIXES[0]}.{p}"] for p in parts))(x)
         assert_matches(SwiGLU(*(reordered[f"{PREFIXES[0]}.{p}"] for p in parts))(x), want, f"{bits}-bit")
+
+
+def test_sharded_loading_reads_a_mislabelled_format_as_load_gptq_does(checkpoints, tmp_path):
+    """A symmetric checkpoint labelled v1 whose words all hold v2 zero points: load_gptq reads the words' format
+    (with a warning), and the sharded loaders decide the same for the whole checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    case = checkpoints[3]  # 8-bit, symmetric, labelled "gptq"
+    tensors = load_file(f"{case['reordered']}/model.safetensors")
+    for name in [n for n in tensors if n.endswith(".qzeros")]:  # the same zero points, written as v2 fields
+        tensors[name] = torch.ops.lowbit.gptq_pack(torch.ops.lowbit.gptq_unpack(tensors[name], 8, 1) + 1, 8, 1)
+    shutil.copytree(case["reordered"], tmp_path / "mislabelled")
+    save_file(tensors, tmp_path / "mislabelled" / "model.safetensors")
+    prefix = PREFIXES[0]
+    with pytest.warns(UserWarning, match="the config says checkpoint_format='gptq' but all .* store gptq_v2"):
+        TPAwareMLP.from_checkpoint(tmp_path / "mislabelled", prefix, 0, 1)
+    with pytest.warns(UserWarning, match="store gptq_v2"):
+        whole = load_gptq(tmp_path / "mislabelled").modules
+    mlp = SwiGLU(*(whole[f"{prefix}.{p}"] for p in MLP_PARTS))
+    for world_size in (1, 2):
+        columns = [ColumnParallelGPTQLinear.from_checkpoint(tmp_path / "mislabelled", f"{prefix}.gate_proj", r,
+                                                            world_size) for r in range(world_size)]
+        rows = [RowParallelGPTQLinear.from_checkpoint(tmp_path / "mislabelled", f"{prefix}.down_proj", r,
+                                                      world_size) for r in range(world_size)]
+        x, h = case["xs"][1], torch.randn(5, INTER)
+        with torch.no_grad():
+            assert_matches(torch.cat([c(x) for c in columns], -1), mlp.gate_proj(x), "column shards")
+            k = INTER // world_size
+            assert_matches(sum(r.local(h[:, i * k:(i + 1) * k]) for i, r in enumerate(rows)), mlp.down_proj(h),
+                           "row shards")
 
 
 def test_checkpoint_shards_equal_layer_shards(checkpoints):

@@ -257,32 +257,37 @@ def check_finite_floats(scales: torch.Tensor, bias: torch.Tensor | None, where: 
 
 
 def _check_labelled_format(ckpt: GPTQCheckpoint) -> None:
-    """Symmetric checkpoints show their zero format: every stored zero is
-    2^(bits-1) - 1 in v1 and 2^(bits-1) in v2. A checkpoint whose words say
-    the other format than its label (a known GPTQModel-era mislabelling) is
-    loaded as what its words say, with a loud warning naming the evidence."""
-    label = ckpt.config.checkpoint_format
-    evidence = []
-    for name, layer in ckpt.modules.items():
-        if not layer.sym:
-            continue
-        zeros = torch.ops.lowbit.gptq_unpack(layer.qzeros, layer.bits, 1)
-        other = 2 ** (layer.bits - 1) - (1 if label == "gptq_v2" else 0)
-        if bool((zeros == other).all()):
-            evidence.append((name, layer))
-    if not evidence or len(evidence) != sum(layer.sym for layer in ckpt.modules.values()):
-        return
-    actual = "gptq" if label == "gptq_v2" else "gptq_v2"
-    name, layer = evidence[0]
-    word = int(layer.qzeros.flatten()[0]) & 0xFFFFFFFF
-    warnings.warn(
-        f"{ckpt.directory}: the config says checkpoint_format={label!r} but all {len(evidence)} symmetric modules "
-        f"store {actual} zero points (e.g. {name}.qzeros words 0x{word:08X} for {layer.bits}-bit); loading it as "
-        f"{actual!r}. Pass checkpoint_format={label!r} to force the label.",
-        stacklevel=3,
-    )
+    """Each module held in the format its checkpoint's words say (stored_format)."""
+    symmetric = {name: (layer.qzeros, layer.bits) for name, layer in ckpt.modules.items() if layer.sym}
+    actual = stored_format(ckpt.config.checkpoint_format, symmetric, ckpt.directory, stacklevel=4)
     for layer in ckpt.modules.values():
         layer.checkpoint_format = actual
+
+
+def stored_format(label: str, symmetric: dict[str, tuple[torch.Tensor, int]], where: str,
+                  stacklevel: int = 2) -> str:
+    """The zero format a checkpoint stores, from its symmetric modules' (name ->
+    (qzeros, bits)) words: every stored zero is 2^(bits-1) - 1 in v1 and
+    2^(bits-1) in v2. A checkpoint whose words all say the other format than
+    its label (a known GPTQModel-era mislabelling) is read as what its words
+    say, with a loud warning naming the evidence; `label` otherwise."""
+    evidence = []
+    for name, (qzeros, bits) in symmetric.items():
+        zeros = torch.ops.lowbit.gptq_unpack(qzeros, bits, 1)
+        if bool((zeros == 2 ** (bits - 1) - (1 if label == "gptq_v2" else 0)).all()):
+            evidence.append((name, qzeros, bits))
+    if not evidence or len(evidence) != len(symmetric):
+        return label
+    actual = "gptq" if label == "gptq_v2" else "gptq_v2"
+    name, qzeros, bits = evidence[0]
+    word = int(qzeros.flatten()[0]) & 0xFFFFFFFF
+    warnings.warn(
+        f"{where}: the config says checkpoint_format={label!r} but all {len(evidence)} symmetric modules "
+        f"store {actual} zero points (e.g. {name}.qzeros words 0x{word:08X} for {bits}-bit); loading it as "
+        f"{actual!r}. Pass checkpoint_format={label!r} to force the label.",
+        stacklevel=stacklevel,
+    )
+    return actual
 
 
 # GPTQModel keeps v2 zeros and writes 2-, 4- and 8-bit v1 by subtracting this

@@ -18,6 +18,7 @@ communicate nothing. Loaders build CPU modules; move them with `.to(device)`.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -32,8 +33,8 @@ from safetensors import safe_open
 from torch import nn
 
 from .checkpoint import (HEADER_DTYPES, GPTQCheckpointError, check_finite_floats, check_module_tensors,
-                         checkpoint_files, hold_gptqmodel_zeros_as_v2, read_tensors, v1_zeros_as_v2,
-                         v2_zeros_as_gptqmodel_v1, write_checkpoint)
+                         checkpoint_files, hold_gptqmodel_zeros_as_v2, read_tensors, stored_format,
+                         v1_zeros_as_v2, v2_zeros_as_gptqmodel_v1, write_checkpoint)
 from .config import GPTQConfig, read_config
 from .linear import GPTQLinear
 from .packing import fields_per_pack, words_per_pack
@@ -339,8 +340,29 @@ def _checkpoint_source(path: str | os.PathLike, name: str) -> _Source:
         with safe_open(file_of[tensor], framework="pt") as f:
             return f.get_slice(f"{name}.{tensor}")[index]
 
-    return _Source(name, K, N, quant.bits, quant.group_size, quant.sym, config.checkpoint_format,
+    # Keyed by the files' sizes and times too: a checkpoint rewritten in place is read again.
+    versions = tuple((file, os.stat(file).st_mtime_ns, os.stat(file).st_size) for file in (*files, config.source))
+    return _Source(name, K, N, quant.bits, quant.group_size, quant.sym, _stored_format(directory, versions),
                    "bias" in file_of, read, where)
+
+
+@functools.lru_cache(maxsize=8)
+def _stored_format(directory: str, versions: tuple[tuple[str, int, int], ...]) -> str:
+    """The zero format the checkpoint's words say (stored_format, as load_gptq
+    decides it for the whole checkpoint), from every symmetric module's
+    qzeros: read once per checkpoint, however many shards are loaded.
+    `versions`: (path, mtime, size) of its weight files, then its config."""
+    config = read_config(directory)
+    files = [path for path, _, _ in versions[:-1]]
+    symmetric = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                name = key.removesuffix(".qzeros")
+                quant = config.for_module(name) if key.endswith(".qzeros") else None
+                if quant is not None and quant.sym:
+                    symmetric[name] = (f.get_tensor(key), quant.bits)
+    return stored_format(config.checkpoint_format, symmetric, directory, stacklevel=6)
 
 
 def _check_rank(name: str, rank: int, world_size: int, group) -> None:
