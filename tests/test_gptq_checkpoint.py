@@ -372,6 +372,26 @@ def test_load_gptq_model_in_half_precision(tmp_path):
     assert ((got - expect).norm() / expect.norm()).item() < 0.02  # bf16 activations and norms
 
 
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3"])
+def test_load_gptq_model_of_a_scaled_embedding(tmp_path, arch, tied):
+    """Gemma's embedding scales its rows by sqrt(hidden_size), a buffer no checkpoint stores: the model loads and
+    gives the source model's logits (it was refused: the tied head took the table, the scale stayed empty)."""
+    from tiny_models import tiny_model
+
+    model = tiny_model(arch, 0, tie_word_embeddings=tied)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            model.set_submodule(name, lowbit.GPTQLinear.from_linear(module, 4, 32, sym=False,
+                                                                    checkpoint_format="gptq_v2"))
+    lowbit.save_gptq(model, tmp_path / "ckpt", GPTQConfig(bits=4, group_size=32, sym=False,
+                                                          checkpoint_format="gptq_v2"))
+    built = lowbit.load_gptq_model(tmp_path / "ckpt")
+    assert isinstance(built.get_input_embeddings(), lowbit.GGUFEmbedding)
+    ids = IDS % model.config.vocab_size
+    torch.testing.assert_close(logits(built, ids), logits(model, ids), rtol=1e-5, atol=1e-5)
+
+
 def starcoder(n_positions=64):
     """A tiny GPTBigCode (StarCoder) model: its base model owns a computed buffer (the causal mask) beside its
     loaded weights."""

@@ -266,9 +266,9 @@ def _float_tables_in_place(model: nn.Module, ckpt: GPTQCheckpoint, report: Repla
         except ValueError as e:  # rows not whole blocks, NaN / Inf, or values beyond the type's range
             raise GPTQCheckpointError(f"{ckpt.directory}: float_tables: tensor {name!r}: {e}") from None
 
-    def table(module: nn.Module | None, kind: type):
+    def table(module: nn.Module | None, kinds: tuple[type, ...]):
         """(checkpoint name, bytes, ggml type) of the module's weight, or None."""
-        if type(module) is not kind or not module.weight.is_meta:
+        if type(module) not in kinds or not module.weight.is_meta:
             return None
         name = names.get(id(module.weight))
         tensor = ckpt.tensors.get(name)
@@ -279,11 +279,15 @@ def _float_tables_in_place(model: nn.Module, ckpt: GPTQCheckpoint, report: Repla
         return (name, *views[name])
 
     embedding, head = model.get_input_embeddings(), get_module(model, "lm_head")
+    # Gemma's ScaledWordEmbedding multiplies its rows by sqrt(hidden_size), a
+    # computed buffer the meta build left empty: the GGUFEmbedding scales them.
+    scaled = isinstance(embedding, nn.Embedding) and hasattr(embedding, "embed_scale")
     found = {}
-    if (t := table(embedding, nn.Embedding)) and embedding.max_norm is None:
+    if (t := table(embedding, (type(embedding) if scaled else nn.Embedding,))) and embedding.max_norm is None:
         found[t[0].rpartition(".")[0]] = t[0]
-        model.set_input_embeddings(GGUFEmbedding(t[1], t[2], embedding.embedding_dim, embedding.weight.dtype))
-    if "lm_head" not in ckpt.modules and (t := table(head, nn.Linear)) and head.bias is None:
+        scale = model.config.hidden_size ** 0.5 if scaled else None
+        model.set_input_embeddings(GGUFEmbedding(t[1], t[2], embedding.embedding_dim, embedding.weight.dtype, scale))
+    if "lm_head" not in ckpt.modules and (t := table(head, (nn.Linear,))) and head.bias is None:
         found["lm_head"] = t[0]
         model.set_submodule("lm_head", GGUFLinear.from_raw(t[1], t[2], head.in_features))
     report.replaced += found
