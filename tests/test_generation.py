@@ -52,6 +52,16 @@ def test_compiled_decoding_gives_the_eager_tokens(path, two_threads):
     assert torch.equal(generate(model, ids), eager)
 
 
+@pytest.mark.parametrize("arch, types", [("gemma2", "sliding_attention"), ("gemma3", "sliding_attention")])
+def test_compiled_decoding_refuses_sliding_window_layers(tmp_path, arch, types):
+    """transformers' static sliding-window cache guards each step on the tokens seen: a recompile per token until
+    torch.compile's limit fails the generation. Refused at once, the model unchanged."""
+    model = lowbit.load_gguf_model(write_tiny_gguf(tmp_path / f"{arch}.gguf", tiny_model(arch, seed=0), arch))
+    with pytest.raises(ValueError, match=f"compiled_decoding: .* has {types} layers, whose static cache recompiles"):
+        lowbit.compiled_decoding(model)
+    assert model.generation_config.cache_implementation is None and not hasattr(model, "_compiled_call")
+
+
 def test_compiled_embedding_still_checks_token_ids(path):
     table = lowbit.load_gguf_model(path).model.embed_tokens
     compiled = torch.compile(table, fullgraph=True)

@@ -69,6 +69,14 @@ def compiled_decoding(model: nn.Module, enable: bool = True, max_cache_len: int 
         config.compile_config = None
         config.max_cache_len = None
         return model
+    windowed = _windowed_layer_types(model.config)
+    if windowed:
+        # transformers' static sliding-window layers guard each compiled step
+        # on how many tokens they have seen: a recompile per step, then a
+        # failure once torch.compile's recompile limit is reached.
+        raise ValueError(f"compiled_decoding: {type(model).__name__} has {', '.join(sorted(windowed))} layers, whose "
+                         "static cache recompiles the step for every token; decode it eagerly (the loaders' fast "
+                         "decode steps)")
     # On CUDA, CUDA graphs take the launch overhead away too; inductor's CPU
     # code has no such mode. (torch.compile takes a mode or options, not both.)
     if cpp_wrapper:
@@ -86,3 +94,14 @@ def compiled_decoding(model: nn.Module, enable: bool = True, max_cache_len: int 
     model._compiled_call = _ThreadedStep(torch.compile(model.__call__, **compile_config.to_dict()))
     model._last_compile_config = compile_config
     return model
+
+
+def _windowed_layer_types(config) -> set[str]:
+    """The attention layer types of the model's config that see a window of
+    the past (sliding or chunked), as transformers' static cache reads them."""
+    text = config.get_text_config(decoder=True)
+    types = getattr(text, "layer_types", None)
+    if types is None:  # every layer alike, as transformers infers it
+        types = (["sliding_attention"] if getattr(text, "sliding_window", None) is not None
+                 else ["chunked_attention"] if getattr(text, "attention_chunk_size", None) is not None else [])
+    return {t for t in types if t in ("sliding_attention", "chunked_attention", "hybrid_sliding")}
