@@ -318,6 +318,30 @@ def test_hooks_of_the_projections_run_in_served_steps(gguf_path):
     assert seen[-1][-1] == model.config.hidden_size
 
 
+@pytest.mark.parametrize("where", ["layers.0", "layers.0.self_attn", "layers.0.mlp", "layers.1.input_layernorm",
+                                   "layers.0.self_attn.o_proj", "norm", ""])
+@pytest.mark.parametrize("after_a_step", [False, True])
+def test_hooks_on_modules_a_step_skips_are_honoured(gguf_path, where, after_a_step):
+    """A hook that steers a decoder layer, its attention or MLP, a norm or the model (added before generating or
+    after the step was made): every call runs it, and the tokens are those of the model's own forward."""
+    models = [lowbit.load_gguf_model(gguf_path) for _ in range(2)]
+    fast_decoding(models[1], False)
+    ids = torch.tensor([[1, 7, 22, 5]])
+    if after_a_step:
+        generate(models[0], ids)
+        assert isinstance(models[0].forward._plan, lowbit.decoding._StepPlan)
+    calls = []
+    for model in models:
+        module = model.model.get_submodule(where)
+        module.register_forward_hook(lambda m, args, out, calls=calls: calls.append(1) or (
+            (out[0] + 3.0, *out[1:]) if isinstance(out, tuple) else out + 3.0 if torch.is_tensor(out) else None))
+    served, own = (generate(m, ids) for m in models)
+    assert torch.equal(served.sequences, own.sequences)
+    assert len(calls) == 2 * len(own.logits)  # the prompt's call and each step's, on both models
+    for a, b in zip(served.logits, own.logits):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+
+
 def python_loop_only(monkeypatch):
     """Every step on the Python loop: the C++ step is never made."""
     def refuse(*args):
@@ -477,7 +501,7 @@ def test_lora_and_hooks_keep_the_step_in_python(gguf_path):
     model = lowbit.load_gguf_model(gguf_path)
     handle = model.model.layers[0].mlp.down_proj.register_forward_pre_hook(lambda module, args: None)
     generate(model, ids)
-    assert model.forward._plan is False
+    assert model.forward._plan is None  # a hooked model runs its own forward
     handle.remove()
     generate(model, ids)
     assert isinstance(model.forward._plan, lowbit.decoding._StepPlan)

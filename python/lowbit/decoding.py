@@ -11,18 +11,19 @@ gradients, a DynamicCache, no outputs beyond the logits and the cache) as
 one loop over its layers, per layer two lowbit ops besides the projections:
 rms_norm and decode_attention (the rotation, the new key and value, and the
 attention in one call). Where every projection is a lowbit layer or an
-nn.Linear without hooks, the loop is C++ (torch.classes.lowbit.DecodeStep,
+nn.Linear, the loop is C++ (torch.classes.lowbit.DecodeStep,
 described from the model's modules once per generation: at the first step
 after a call the step does not serve, such as the prompt's), so a step costs
 one call from Python; otherwise it is Python over the model's own modules
-(LoRA adapters, hooks and all). Keys and values go into buffers that grow by
+(LoRA adapters and all). Keys and values go into buffers that grow by
 doubling, whose rows the model's DynamicCache holds as views, so a token
 costs a row of each rather than a copy of the cache (a sliding window's
 cache keeps its last rows: a view moving along its buffer). Results match the
 model's own forward to fp32 rounding (the attention sums in another order).
 Every other call (a prompt, a batch, a static cache, torch.compile,
-training) runs the model's own forward on the same cache, and so do the
-hooks of modules the step does not call (decoder layers, attention, MLP).
+training, a forward hook on any module below the model: a layer, its
+attention, MLP, norms or projections) runs the model's own forward on the
+same cache.
 Within one generation the C++ step sees new tensor values, new modules in
 a projection's place and new hooks, but not a layer changed in its own
 state between two steps (a repack, a switch of int8_activations): those
@@ -180,6 +181,14 @@ def _global_hooks() -> bool:
     return bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
 
 
+def _skipped_hooks(model: nn.Module) -> bool:
+    """Whether a forward hook would see a module the decode step runs
+    without calling it (anything below model.model, the head): then the
+    model's own forward serves the call, hooks and all."""
+    return _global_hooks() or any(m._forward_hooks or m._forward_pre_hooks
+                                  for part in (model.model, model.lm_head) for m in part.modules())
+
+
 def _projections(attn: nn.Module, h: torch.Tensor):
     """q, k and v of h: one call of the fused layer where the three are its
     untouched slices (lowbit.fusing), the three modules otherwise."""
@@ -269,7 +278,8 @@ class _StepPlan:
         self.step = torch.classes.lowbit.DecodeStep()
         self.dtype = dtype
         # Each watched module's parent's _modules, its name there, the module;
-        # and the projections' hook dicts: intact() compares them in bulk.
+        # and the hook dicts of those (and the model below the head) whose
+        # forward the step skips: intact() compares them in bulk.
         self.parents: list[dict] = []
         self.names: list[str] = []
         self.modules: list[nn.Module] = []
@@ -279,6 +289,7 @@ class _StepPlan:
         # The layer types with rotary tables of their own (run's cos and sin rows), in their order there.
         self.table_kinds = sorted(set(model.config.layer_types)) if _layer_rotary(model) else None
         inner = model.model
+        self.hook_dicts += [inner._forward_hooks, inner._forward_pre_hooks]
         for i in range(len(inner.layers)):
             self._layer(self._watch(inner.layers, str(i)))
         norm_weight, norm_eps = self._norm(inner, "norm")
@@ -295,6 +306,7 @@ class _StepPlan:
         self.parents.append(parent._modules)
         self.names.append(name)
         self.modules.append(module)
+        self.hook_dicts += [module._forward_hooks, module._forward_pre_hooks]  # the step skips its forward
         return module
 
     def _norm(self, parent: nn.Module, name: str) -> tuple[torch.Tensor, float]:
@@ -309,7 +321,6 @@ class _StepPlan:
 
     def _projection(self, parent: nn.Module, name: str) -> int:
         module = self._watch(parent, name)
-        self.hook_dicts += [module._forward_hooks, module._forward_pre_hooks]
         probe = torch.empty(1, module.in_features, dtype=self.dtype)
         if type(module) is nn.Linear:
             op, args, perm, bias = torch.ops.aten.linear.default, (probe, module.weight, module.bias), None, None
@@ -413,8 +424,6 @@ class _StepPlan:
         router, experts = self._watch(mlp, "gate"), self._watch(mlp, "experts")
         if type(experts) is not GGUFExperts or experts.glu is not None or experts.biased:
             raise _Unplannable("experts")
-        for module in (mlp, router, experts):
-            self.hook_dicts += [module._forward_hooks, module._forward_pre_hooks]
         return experts
 
     def _router(self, mlp: nn.Module) -> tuple[torch.Tensor, int, bool, bool]:
@@ -438,7 +447,7 @@ class _StepPlan:
 
     def intact(self) -> bool:
         """Whether the step still describes the model: the same modules in
-        place (decoder layers, norms, projections), no hooks on the projections."""
+        place (decoder layers, norms, projections), no hooks on them."""
         return (not _global_hooks() and list(map(dict.get, self.parents, self.names)) == self.modules
                 and not any(self.hook_dicts))
 
@@ -587,7 +596,7 @@ class _DecodingForward:
         # An intact C++ step was made for these very layers, which were servable then.
         plan = self._plan
         intact = bool(plan) and plan.intact()
-        if not intact and not all(_servable_layer(layer) for layer in model_layers):
+        if not intact and (not all(_servable_layer(layer) for layer in model_layers) or _skipped_hooks(self.model)):
             return None
         return cache, n, intact
 
