@@ -242,6 +242,48 @@ def test_kernel_threads_gives_torch_threads_to_the_kernels(two_torch_threads):
         assert seen[-1] == (2, 0)
 
 
+def test_kernel_threads_calls_on_two_threads_restore_their_own(two_torch_threads):
+    """A's call enters, B's enters, A's returns, B's returns: each thread leaves its own settings and autograd
+    state (one stack for all threads had A pop B's entry, leaving B's thread below autograd for good and
+    lowbit's thread count pinned)."""
+    import threading
+
+    from tiny_models import tiny_model
+
+    model = lowbit.kernel_threads(tiny_model("llama", 0).eval())
+    a_in, b_in, a_done = threading.Event(), threading.Event(), threading.Event()
+
+    def pause(module, args):
+        if threading.current_thread().name == "A":
+            a_in.set()
+            assert b_in.wait(30)
+        else:
+            b_in.set()
+            assert a_done.wait(30)
+
+    model.model.layers[0].mlp.register_forward_pre_hook(pause)
+    after = {}
+
+    def call(name):
+        torch.set_num_threads(2)
+        if name == "B":
+            assert a_in.wait(30)
+        with torch.no_grad():
+            model(torch.tensor([[1, 2, 3]]))
+        if name == "A":
+            a_done.set()
+        x = torch.ones(2, requires_grad=True)
+        after[name] = ((x * 2).requires_grad, torch.get_num_threads())
+
+    threads = [threading.Thread(target=call, args=(name,), name=name) for name in "AB"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert after == {"A": (True, 2), "B": (True, 2)}
+    assert (ops.cpu_threads(), ops.cpu_team()) == (0, "pool")
+
+
 def test_kernel_threads_runs_long_calls_on_torchs_team(two_torch_threads):
     """A call over TORCH_TEAM_TOKENS tokens (batch x sequence) or more keeps
     torch's threads and runs lowbit's kernels on them; shorter ones split;

@@ -31,6 +31,7 @@ kernel_threads(model, False) removes it.
 from __future__ import annotations
 
 import inspect
+import threading
 
 import torch
 from torch import nn
@@ -57,6 +58,14 @@ def _first_tensor(args, kwargs) -> torch.Tensor | None:
     return None
 
 
+# lowbit's pool settings (cpu_threads, cpu_team) are the process's; torch's
+# thread count is the calling thread's. The first split call of any thread
+# saves the process's settings and the last one out restores them, so calls
+# on several threads never restore one another's changes.
+_SETTINGS_LOCK = threading.Lock()
+_SPLIT_CALLS = [0, None]  # split calls running, the settings before the first of them
+
+
 def split_threads(args=(), kwargs=None, torch_team_tokens: int | None = TORCH_TEAM_TOKENS,
                   threads: int | None = None):
     """Before a call on CPU inputs: torch's ops on one thread and lowbit's
@@ -73,42 +82,59 @@ def split_threads(args=(), kwargs=None, torch_team_tokens: int | None = TORCH_TE
     threads = current if threads is None else threads
     if threads == 1 or first is None or first.device.type != "cpu":
         return None
-    saved = (current, torch.ops.lowbit.cpu_threads(), torch.ops.lowbit.cpu_team())
+    with _SETTINGS_LOCK:
+        if _SPLIT_CALLS[0] == 0:
+            _SPLIT_CALLS[1] = (torch.ops.lowbit.cpu_threads(), torch.ops.lowbit.cpu_team())
+        _SPLIT_CALLS[0] += 1
+        pool_threads = _SPLIT_CALLS[1][0]
     if torch_team_tokens is not None and first.dim() >= 2 and first.shape[0] * first.shape[1] >= torch_team_tokens:
         torch.ops.lowbit.cpu_team("torch")
         if current != threads:
             torch.set_num_threads(threads)
-        return saved
-    if saved[2] != "pool":
-        torch.ops.lowbit.cpu_team("pool")
-    if saved[1] == 0:  # lowbit follows torch's count: hold it at `threads`, within cpu_threads' range
+        return current
+    torch.ops.lowbit.cpu_team("pool")
+    if pool_threads == 0:  # lowbit follows torch's count: hold it at `threads`, within cpu_threads' range
         torch.ops.lowbit.cpu_threads(min(threads, MAX_POOL_THREADS))
     if current != 1:
         torch.set_num_threads(1)
-    return saved
+    return current
 
 
 def restore_threads(saved) -> None:
     if saved is not None:
-        torch.set_num_threads(saved[0])
-        torch.ops.lowbit.cpu_threads(saved[1])
-        torch.ops.lowbit.cpu_team(saved[2])
+        torch.set_num_threads(saved)
+        with _SETTINGS_LOCK:
+            _SPLIT_CALLS[0] -= 1
+            if _SPLIT_CALLS[0] == 0:
+                torch.ops.lowbit.cpu_threads(_SPLIT_CALLS[1][0])
+                torch.ops.lowbit.cpu_team(_SPLIT_CALLS[1][1])
 
 
 class _KernelThreads:
-    """The hooks' state: the settings each running forward call replaced, a
-    stack (a model may call itself: an assistant model, a nested forward),
-    and the thread count of each running generate call. A class, not
-    closures, so that a model with the hooks still pickles."""
+    """The hooks' state, per thread: the settings each running forward call
+    replaced, a stack (a model may call itself: an assistant model, a nested
+    forward), and the thread count of each running generate call. A class,
+    not closures, so that a model with the hooks still pickles."""
 
     torch_team_tokens = TORCH_TEAM_TOKENS
 
     def __init__(self, torch_team_tokens: int | None = TORCH_TEAM_TOKENS):
-        self.saved, self.generating = [], []
         self.torch_team_tokens = torch_team_tokens
+        self._threads = threading.local()
 
     def __getstate__(self):
-        return {"saved": [], "generating": [], "torch_team_tokens": self.torch_team_tokens}
+        return {"torch_team_tokens": self.torch_team_tokens}
+
+    def __setstate__(self, state):
+        self.__init__(state["torch_team_tokens"])
+
+    @property
+    def saved(self) -> list:
+        return self._threads.__dict__.setdefault("saved", [])
+
+    @property
+    def generating(self) -> list:
+        return self._threads.__dict__.setdefault("generating", [])
 
     def before(self, module, args, kwargs):
         if not torch.compiler.is_compiling():
@@ -116,8 +142,9 @@ class _KernelThreads:
             self.saved.append((split_threads(args, kwargs, self.torch_team_tokens, threads), below_autograd()))
 
     def after(self, module, args, kwargs, output):
-        if not torch.compiler.is_compiling() and self.saved:
-            threads, guard = self.saved.pop()
+        saved = self.saved
+        if not torch.compiler.is_compiling() and saved:
+            threads, guard = saved.pop()
             leave_autograd(guard)
             restore_threads(threads)
 
@@ -139,7 +166,7 @@ class _ThreadedGenerate:
     def __call__(self, *args, **kwargs):
         saved = split_threads(args, kwargs, None)
         if saved is not None:
-            self.state.generating.append(saved[0])
+            self.state.generating.append(saved)
         try:
             return type(self.model).generate(self.model, *args, **kwargs)
         finally:
