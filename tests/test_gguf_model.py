@@ -182,6 +182,9 @@ def test_generate_command_samples_with_a_seed_and_threads(capsys):
         with pytest.raises(SystemExit):
             main(["generate", PATH, PROMPT, *flag])
         assert f"argument {flag[0]}" in capsys.readouterr().err
+    for tiny in ("1e-38", "1e-7"):  # logits over it leave float32: NaN probabilities in torch.multinomial
+        assert main(["generate", PATH, PROMPT, "--temperature", tiny]) == 1
+        assert f"--temperature must be 0 (greedy) or at least 1e-06, got {float(tiny):g}" in capsys.readouterr().err
 
 
 def test_generate_command_prints_the_continuation(capsys):

@@ -549,7 +549,13 @@ def test_generate_command_runs_a_gptq_directory(tmp_path, capsys):
     quantize(model, config)
     lowbit.save_gptq(model, tmp_path / "ckpt", config)
     assert main(["generate", str(tmp_path / "ckpt"), "w1 w2 w3", "--tokens", "5"]) == 1
-    assert "no tokenizer beside the checkpoint" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no tokenizer beside the checkpoint (none of tokenizer.json, " in err and len(err.splitlines()) == 1
+    (tmp_path / "ckpt" / "tokenizer_config.json").write_text("[1, 2")  # there, but broken: one line saying so
+    assert main(["generate", str(tmp_path / "ckpt"), "w1 w2 w3", "--tokens", "5"]) == 1
+    err = capsys.readouterr().err
+    assert "the tokenizer beside the checkpoint does not load: " in err and len(err.splitlines()) == 1
+    os.remove(tmp_path / "ckpt" / "tokenizer_config.json")
 
     tokenizer = word_tokenizer(512)
     tokenizer.save_pretrained(tmp_path / "ckpt")

@@ -11,6 +11,7 @@
                                                     --top-p, --seed); --threads, --compile
 """
 import argparse
+import os
 import sys
 import time
 
@@ -27,6 +28,9 @@ GPTQ_FORMATS = {"v1": "gptq", "v2": "gptq_v2"}  # --to choices -> checkpoint_for
 
 MAX_LIST_ITEMS = 8  # longer arrays (token lists, merges) print as "[N items]"
 MAX_VALUE_CHARS = 100  # long strings (chat templates) are cut to keep one line per key
+# Files a checkpoint directory's tokenizer is read from (AutoTokenizer needs one of them).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+MIN_TEMPERATURE = 1e-6  # logits of a few thousand over it stay far inside float32's range
 MAX_CHARS_PER_TOKEN = 64  # a chat prompt longer than this per context position is refused untokenized
 
 
@@ -163,10 +167,13 @@ def load_model_and_tokenizer(path: str, repack: bool = False, int8_activations: 
     import transformers
 
     model = load_gptq_model(path, int8_activations=int8_activations, float_tables=float_tables, repack=repack)
+    if not any(os.path.exists(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        raise ValueError(f"{path}: no tokenizer beside the checkpoint (none of {', '.join(TOKENIZER_FILES)})")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: no tokenizer beside the checkpoint ({e})") from e
+        reason = " ".join(str(e).split())  # one line: transformers' messages run over several
+        raise ValueError(f"{path}: the tokenizer beside the checkpoint does not load: {reason}") from e
     vocab = model.config.vocab_size  # the embedding's rows; a tokenizer may have fewer (padding), never more
     if len(tokenizer) > vocab:
         raise ValueError(f"{path}: the tokenizer has {len(tokenizer)} tokens, the model's vocabulary {vocab}")
@@ -202,6 +209,8 @@ def sampling(args) -> dict:
             if given is not None:
                 raise ValueError(f"{flag} is for sampling: pass --temperature above 0 as well")
         return {"do_sample": False}
+    if args.temperature < MIN_TEMPERATURE:  # logits / T past float32's range: NaN probabilities
+        raise ValueError(f"--temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {args.temperature:g}")
     if args.seed is not None:
         torch.manual_seed(args.seed)
     # transformers' own defaults (top_k 50) would cut what was not asked for: off unless given.
