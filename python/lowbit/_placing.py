@@ -108,10 +108,10 @@ def rebuild_computed_buffers(model: nn.Module, where: str, error: type[Exception
             model.set_submodule(name, fresh)
             continue
         computed = dict(fresh.named_buffers())
-        for name, buffer in list(module.named_buffers()):
-            new = computed.get(name)
+        for buffer_name, buffer in list(module.named_buffers()):
+            new = computed.get(buffer_name)
             if buffer.is_meta and new is not None and not new.is_meta and new.shape == buffer.shape:
-                owner, _, leaf = name.rpartition(".")
+                owner, _, leaf = buffer_name.rpartition(".")
                 module.get_submodule(owner)._buffers[leaf] = new
 
 

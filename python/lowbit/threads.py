@@ -58,10 +58,10 @@ def _first_tensor(args, kwargs) -> torch.Tensor | None:
     return None
 
 
-# lowbit's pool settings (cpu_threads, cpu_team) are the process's; torch's
-# thread count is the calling thread's. The first split call of any thread
-# saves the process's settings and the last one out restores them, so calls
-# on several threads never restore one another's changes.
+# lowbit's pool settings (cpu_threads, cpu_team) are the process's: the first
+# split call running on any thread saves them and the last one out restores
+# them, so calls on several threads never restore one another's changes.
+# Each call restores torch's thread count itself.
 _SETTINGS_LOCK = threading.Lock()
 _SPLIT_CALLS = [0, None]  # split calls running, the settings before the first of them
 
