@@ -57,7 +57,10 @@ Generated files are cached in $LOWBIT_BENCH_CACHE (default
 ~/.cache/lowbit-bench) and reused.
 
 Each measurement runs in a fresh child process (`--child SPEC`, one JSON line
-on stdout) so that load time and memory are per library. The configurations
+on stdout) so that load time and memory are per library, in a user's
+environment: without benchmarks.common's THP_MEM_ALLOC_ENABLE, which puts
+torch's large tensors on huge pages (a repacked mixture of experts' load
+then costs several times longer in huge-page faults). The configurations
 take turns in rounds (each once per round, the order fixed), and each
 reports its median over the rounds: load from elsewhere on a shared machine
 lands on every side alike. Results: benchmarks/results/<machine>-e2e.{txt,
@@ -287,8 +290,9 @@ def child(spec):
 
 def run_child(spec):
     """child(spec) in a fresh process; its record, or {"error": why}."""
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     done = subprocess.run([sys.executable, "-m", "benchmarks.bench_e2e", "--child", json.dumps(spec)],
-                          capture_output=True, text=True, cwd=ROOT)
+                          capture_output=True, text=True, cwd=ROOT, env=env)
     for line in done.stdout.splitlines():
         if line.startswith(RESULT_MARK):
             return json.loads(line[len(RESULT_MARK):])
