@@ -244,8 +244,8 @@ def test_kernel_threads_gives_torch_threads_to_the_kernels(two_torch_threads):
 
 def test_kernel_threads_calls_on_two_threads_restore_their_own(two_torch_threads):
     """A's call enters, B's enters, A's returns, B's returns: each thread leaves its own settings and autograd
-    state (one stack for all threads had A pop B's entry, leaving B's thread below autograd for good and
-    lowbit's thread count pinned)."""
+    state (with one stack for all threads A would pop B's entry, leaving B's thread below autograd for good
+    and lowbit's thread count pinned)."""
     import threading
 
     from tiny_models import tiny_model

@@ -151,8 +151,7 @@ def test_matches_the_unblocked_obq_reference(sym, desc_act):
 @pytest.mark.parametrize("factor", [2.0**-260, 2.0**260, 1e-80, 1e80])
 def test_any_positive_factor_of_the_hessian_gives_the_same_quantization(factor):
     """Damping is relative to mean(diag(H)), so c H quantizes as H does: bit for bit for a power of 2, up to
-    c H's own rounding otherwise, even where c H's inverse factors would leave float32's range (codes of
-    -2^31 and an infinite weight, unrefused, once)."""
+    c H's own rounding otherwise, even where c H's inverse factors would leave float32's range."""
     x, lin = correlated_inputs(seed=2), linear(seed=2)
     H = hessian_of(x)
     want = gptq_weight(lin.weight, H, 4, 64, False)

@@ -376,7 +376,7 @@ def test_load_gptq_model_in_half_precision(tmp_path):
 @pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3"])
 def test_load_gptq_model_of_a_scaled_embedding(tmp_path, arch, tied):
     """Gemma's embedding scales its rows by sqrt(hidden_size), a buffer no checkpoint stores: the model loads and
-    gives the source model's logits (it was refused: the tied head took the table, the scale stayed empty)."""
+    gives the source model's logits (the tied head must not take the table and leave the scale empty)."""
     from tiny_models import tiny_model
 
     model = tiny_model(arch, 0, tie_word_embeddings=tied)
@@ -402,8 +402,8 @@ def starcoder(n_positions=64):
 
 
 def test_load_gptq_model_keeps_the_weights_of_a_module_with_a_computed_buffer(tmp_path):
-    """The mask is built from the config; the loaded weights around it stay (the module was once rebuilt
-    whole from its config: random weights, no GPTQ layers)."""
+    """The mask is built from the config; the loaded weights around it stay (rebuilding the module whole from
+    its config would give random weights and no GPTQ layers)."""
     config = GPTQConfig(bits=4, group_size=32, checkpoint_format="gptq")
     model = starcoder()
     reference = quantize(model, config)
