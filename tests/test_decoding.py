@@ -319,7 +319,7 @@ def test_hooks_of_the_projections_run_in_served_steps(gguf_path):
 
 
 @pytest.mark.parametrize("where", ["layers.0", "layers.0.self_attn", "layers.0.mlp", "layers.1.input_layernorm",
-                                   "layers.0.self_attn.o_proj", "norm", ""])
+                                   "layers.0.self_attn.o_proj", "layers.1.mlp.act_fn", "norm", ""])
 @pytest.mark.parametrize("after_a_step", [False, True])
 def test_hooks_on_modules_a_step_skips_are_honoured(gguf_path, where, after_a_step):
     """A hook that steers a decoder layer, its attention or MLP, a norm or the model (added before generating or
@@ -340,6 +340,25 @@ def test_hooks_on_modules_a_step_skips_are_honoured(gguf_path, where, after_a_st
     assert len(calls) == 2 * len(own.logits)  # the prompt's call and each step's, on both models
     for a, b in zip(served.logits, own.logits):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("where", ["layers.0.mlp.act_fn", "layers.1.post_attention_layernorm", "layers.0"])
+def test_a_hook_added_between_two_steps_is_honoured(gguf_path, where):
+    """Within one generation the C++ step is made once: a hook added on a module it computes without calling
+    (an activation, a norm, a layer) sends the next step to the model's own forward."""
+    models = [lowbit.load_gguf_model(gguf_path) for _ in range(2)]
+    fast_decoding(models[1], False)
+    caches = [DynamicCache(config=m.config) for m in models]
+    with torch.no_grad():
+        for m, cache in zip(models, caches):
+            m(input_ids=torch.tensor([[1, 7, 22, 5]]), cache=cache)
+            m(input_ids=torch.tensor([[9]]), cache=cache)
+        assert isinstance(models[0].forward._plan, lowbit.decoding._StepPlan)
+        for m in models:
+            m.model.get_submodule(where).register_forward_hook(
+                lambda module, args, out: (out[0] * 2, *out[1:]) if isinstance(out, tuple) else out * 2)
+        got, want = (m(input_ids=torch.tensor([[13]]), cache=c).logits for m, c in zip(models, caches))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def python_loop_only(monkeypatch):

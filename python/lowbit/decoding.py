@@ -368,6 +368,8 @@ class _StepPlan:
         if activation is None or self.activation not in (None, activation):
             raise _Unplannable("act_fn")
         self.activation = activation
+        act_fn = _activation(experts or mlp)
+        self.hook_dicts += [act_fn._forward_hooks, act_fn._forward_pre_hooks]  # the step computes it
         input_norm, input_eps = self._norm(layer, "input_layernorm")
         attn_out_norm = mlp_out_norm = None
         out_eps = 0.0
