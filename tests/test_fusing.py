@@ -171,6 +171,21 @@ def test_only_projections_that_can_join_are_fused():
             assert torch.equal(got(x), want(x))
 
 
+def test_joined_refuses_layers_that_cannot_join():
+    """joined is public: layers that can_join refuses (another type, a repacked one, another act-order g_idx)
+    would compute wrong rows silently."""
+    Q8_0, Q4_0, Q4_1 = (int(t) for t in (lowbit.GGMLType.Q8_0, lowbit.GGMLType.Q4_0, lowbit.GGMLType.Q4_1))
+    for layers in ([quantized(32, Q4_0), quantized(32, Q4_1)], [quantized(32, Q8_0), quantized(32, Q8_0).repack()],
+                   []):
+        with pytest.raises(ValueError, match="GGUFLinear.joined: layers must be one or more GGUFLinears that "
+                                             "can_join the first"):
+            lowbit.GGUFLinear.joined(layers)
+    torch.manual_seed(0)
+    gptq = [lowbit.GPTQLinear.from_linear(nn.Linear(64, 64), 4, 32, perm=torch.randperm(64)) for _ in range(2)]
+    with pytest.raises(ValueError, match="GPTQLinear.joined: layers must be one or more GPTQLinears that can_join"):
+        lowbit.GPTQLinear.joined(gptq)
+
+
 def test_file_rows_back_to_back_join_without_a_copy(qwen2_path):
     f = lowbit.load_gguf(qwen2_path)
     tensors = list(f.tensors.values())

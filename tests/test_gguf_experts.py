@@ -183,6 +183,12 @@ def test_repack_keeps_the_results(pair):
     for p, w in ours.dequantize().items():
         torch.testing.assert_close(packed.dequantize()[p], w, rtol=0, atol=0)
     assert not torch.equal(packed.gate_qweight, ours.gate_qweight) or "gate" not in read
+    packed.load_state_dict({}, strict=False)  # nothing loaded: the repacked bytes stay as they were
+    with torch.no_grad():
+        assert torch.equal(packed(x, index, weights), got)
+    packed.load_state_dict(ours.state_dict())  # the file's layout, loaded into a repacked module
+    with torch.no_grad():
+        assert [p for p, on in packed.repacked.items() if on] == read and torch.equal(packed(x, index, weights), got)
     packed.unrepack()
     assert not any(packed.repacked.values()) and torch.equal(packed.gate_qweight, ours.gate_qweight)
 

@@ -322,6 +322,19 @@ def test_gguf_linear_state_dict_and_moves_keep_the_file_layout():
         moved.repack()
 
 
+def test_a_partial_or_failed_load_leaves_a_repacked_layer_as_it_was():
+    """What a state dict leaves out (strict=False), or a load that fails, keeps the repacked bytes as they were
+    (not repacked a second time: NaN outputs)."""
+    packed = layer().repack()
+    x = torch.randn(2, N)
+    want = packed(x)
+    packed.load_state_dict({"bias": packed.bias.clone()}, strict=False)
+    assert packed.repacked and torch.equal(packed(x), want)
+    with pytest.raises(RuntimeError, match="size mismatch for qweight"):
+        packed.load_state_dict({"qweight": torch.zeros(5, 5, dtype=torch.uint8), "bias": packed.bias.clone()})
+    assert packed.repacked and torch.equal(packed(x), want)
+
+
 # The types whose layout the AVX2 kernels read as it is (the others' rows go back per call).
 AVX2_READS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "IQ4_XS"]
 

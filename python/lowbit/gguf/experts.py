@@ -172,10 +172,16 @@ class GGUFExperts(nn.Module):
                 destination[f"{prefix}{name}_qweight"] = self.file_layout_qweight(name)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        for name in PROJECTIONS:  # the file's layout was copied in
-            if self.repacked[name]:
+        # A state dict holds the file's layout: loaded into the file's layout,
+        # so that what it leaves out (strict=False) or fails to load stays as it was.
+        repacked = [name for name in PROJECTIONS if self.repacked[name]]
+        self.unrepack()
+        try:
+            super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        finally:
+            for name in repacked:
                 setattr(self, f"{name}_qweight", self._reorder(name, inverse=False))
+                self.repacked[name] = True
 
     def extra_repr(self) -> str:
         repacked = [name for name in PROJECTIONS if self.repacked[name]]

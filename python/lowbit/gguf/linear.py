@@ -109,6 +109,9 @@ class GGUFLinear(nn.Module):
         """One layer over the rows of `layers` (which can_join), in order:
         back_to_back(qweights) where it gives them as one view (a file's
         mapping: no copy), else a concatenated copy."""
+        if not layers or not all(layers[0].can_join(layer) for layer in layers[1:]):
+            raise ValueError("GGUFLinear.joined: layers must be one or more GGUFLinears that can_join the first "
+                             "(the same type, input size, device and bias dtype, none repacked)")
         qweights = [layer.qweight for layer in layers]
         rows = back_to_back(qweights) if back_to_back is not None else None
         if rows is None:
@@ -186,10 +189,15 @@ class GGUFLinear(nn.Module):
             destination[prefix + "qweight"] = self.file_layout_qweight()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if self.repacked:  # the file's layout was copied in
-            self.repacked = False
-            self.repack()
+        # A state dict holds the file's layout: loaded into the file's layout,
+        # so that what it leaves out (strict=False) or fails to load stays as it was.
+        repacked = self.repacked
+        self.unrepack()
+        try:
+            super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        finally:
+            if repacked:
+                self.repack()
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}, "

@@ -161,6 +161,9 @@ class GPTQLinear(nn.Module):
         """One layer whose output columns are those of `layers` (which
         can_join), in order; a new copy of their tensors (back_to_back, a
         GGUF file's join, has nothing to offer GPTQ's column-major packing)."""
+        if not layers or not all(layers[0].can_join(layer) for layer in layers[1:]):
+            raise ValueError("GPTQLinear.joined: layers must be one or more GPTQLinears that can_join the first "
+                             "(the same quantization, g_idx, row order, device and bias, none repacked)")
         first = layers[0]
         joined = {name: torch.cat([getattr(layer, name) for layer in layers], dim=-1)
                   for name in ("qweight", "qzeros", "scales")}
