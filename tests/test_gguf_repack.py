@@ -364,6 +364,22 @@ def test_repack_model_on_avx2_takes_the_types_its_kernels_read():
         ops.cpu_isa(isa)
 
 
+def test_repack_model_skip_types_are_ggml_types():
+    """Types by GGMLType, id or name; anything else is refused, not skipped by nothing."""
+    for skip in (["Q4_0"], [gb.type_id("Q4_0")], [lowbit.GGMLType.Q4_0]):
+        model = torch.nn.ModuleDict({"a": layer("Q4_0")})
+        assert lowbit.repack_model(model, skip_types=skip) == [] and not model["a"].repacked
+    model = torch.nn.ModuleDict({"a": layer("Q4_0")})
+    for skip, says in ((2, "skip_types must be a collection of ggml types, got 2"),
+                       ({"bogus"}, "skip_types holds 'bogus', not a ggml type"), ([True], "skip_types holds True"),
+                       ([9999], "skip_types holds 9999")):
+        with pytest.raises(ValueError, match=f"repack_model: {says}"):
+            lowbit.repack_model(model, skip_types=skip)
+    with pytest.raises(ValueError, match="repack_model: expert_skip_types holds 'Q9'"):
+        lowbit.repack_model(model, expert_skip_types=["Q9"])
+    assert not model["a"].repacked
+
+
 @pytest.mark.skipif(torch.ops.lowbit.cpu_isa("best") != "avx512", reason="repack_model repacks where AVX-512 VNNI kernels run")
 def test_repack_model_takes_the_layers_with_a_layout():
     model = torch.nn.ModuleDict({"a": layer("Q4_0"), "k": lowbit.GGUFLinear(N, 16, gb.type_id("TQ2_0")),

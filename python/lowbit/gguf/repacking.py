@@ -47,8 +47,9 @@ def repack_model(model: nn.Module, skip_types=None, expert_skip_types=()) -> lis
     types whose layout the kernels would put back on every call, and leaves
     those as they are."""
     names, unread = [], set()
-    if skip_types is None:
-        skip_types = {t for t in GGMLType if not repacked_by_default(t)}
+    skip_types = ({t for t in GGMLType if not repacked_by_default(t)} if skip_types is None
+                  else _type_ids(skip_types, "skip_types"))
+    expert_skip_types = _type_ids(expert_skip_types, "expert_skip_types")
     for name, module in model.named_modules():
         if (isinstance(module, GGUFLinear) and module.qweight.device.type == "cpu"
                 and has_repacked_layout(module.qtype) and module.qtype not in skip_types):
@@ -71,4 +72,19 @@ def repack_model(model: nn.Module, skip_types=None, expert_skip_types=()) -> lis
     return names
 
 
-
+def _type_ids(types, argument: str) -> set[int]:
+    """The ggml type ids of `types` (GGMLTypes, their ids or their names), or
+    ValueError naming `argument`: anything else would be skipped by nothing."""
+    try:
+        items = list(types)
+    except TypeError:
+        raise ValueError(f"repack_model: {argument} must be a collection of ggml types, got {types!r}") from None
+    ids = set()
+    for t in items:
+        if isinstance(t, str) and t in GGMLType.__members__:
+            ids.add(int(GGMLType[t]))
+        elif isinstance(t, int) and not isinstance(t, bool) and t in {int(g) for g in GGMLType}:
+            ids.add(int(t))
+        else:
+            raise ValueError(f"repack_model: {argument} holds {t!r}, not a ggml type (a GGMLType, its id or its name)")
+    return ids
