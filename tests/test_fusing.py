@@ -135,6 +135,21 @@ def test_slices_under_torch_compile_and_autograd(qwen2_path):
     torch.testing.assert_close(*grads, rtol=1e-5, atol=1e-5 * grads[1].abs().max().item())
 
 
+def test_a_slice_run_without_autograd_does_not_serve_one_with_it(qwen2_path):
+    """q computed under no_grad, then k on the same input with grad: k records its graph (a part of the
+    no_grad result would have no grad_fn: its gradient silently missing)."""
+    fused, plain = attention_pair(qwen2_path)
+    leaf = torch.randn(1, 3, 64, requires_grad=True)
+    outs = {}
+    for name, attn in (("fused", fused), ("plain", plain)):
+        with torch.no_grad():
+            attn.q_proj(leaf)
+        k = attn.k_proj(leaf)
+        assert k.requires_grad
+        outs[name] = torch.autograd.grad(k.sum(), leaf)[0]
+    torch.testing.assert_close(outs["fused"], outs["plain"], rtol=1e-5, atol=1e-5)
+
+
 def test_a_copy_keeps_its_slices_on_its_own_fused_layer(qwen2_path):
     model = lowbit.load_gguf_model(qwen2_path)
     twin = copy.deepcopy(model)

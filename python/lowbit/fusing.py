@@ -42,14 +42,15 @@ class FusedOutputs:
 
     def __init__(self, layer: nn.Module, sizes: Sequence[int]):
         self.layer, self.sizes = layer, tuple(sizes)
-        self.latest = None  # (input, version, parts)
+        self.latest = None  # (input, (version, grad mode), parts)
 
     def take(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Part `index` of layer(x): the parts of one call, each taken once."""
         latest = self.latest
         # Inference tensors and traced graphs have no version counters (nor
         # can torch.compile guard on one): there the input's identity decides.
-        version = None if torch.compiler.is_compiling() or x.is_inference() else x._version
+        # A result made without autograd serves no call that records a graph (nor the other way round).
+        version = (None if torch.compiler.is_compiling() or x.is_inference() else x._version, torch.is_grad_enabled())
         if latest is None or latest[0] is not x or latest[1] != version or latest[2][index] is None:
             latest = self.latest = (x, version, list(self.layer(x).split(self.sizes, dim=-1)))
         parts = latest[2]
