@@ -246,6 +246,19 @@ def test_a_bias_of_a_layer_built_without_one_is_refused(tmp_path, arch, name, mo
         lowbit.load_gguf_model(path)
 
 
+def test_replace_linear_takes_any_path_spelling_of_a_gguf_file(tmp_path):
+    """A bytes path and an upper-case .GGUF are the GGUF file still (not a GPTQ checkpoint); a checkpoint_format,
+    which only GPTQ checkpoints have, is refused rather than ignored."""
+    source = tiny_model("llama", seed=0)
+    path = write_model_gguf(str(tmp_path / "upper.GGUF"), source, "llama")
+    for spelling in (path, path.encode()):
+        model = tiny_model("llama", seed=1)
+        lowbit.replace_linear(model, spelling)
+        assert isinstance(model.model.layers[0].self_attn.q_proj, lowbit.GGUFLinear)
+    with pytest.raises(ValueError, match="replace_linear: checkpoint_format is a GPTQ checkpoint's; .* is a GGUF"):
+        lowbit.replace_linear(tiny_model("llama", seed=1), path, checkpoint_format="gptq_v2")
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "gemma2"])
 def test_load_gguf_model_in_bf16(tmp_path, arch):
     source = tiny_model(arch, seed=0)

@@ -107,6 +107,22 @@ def test_empty_sizes_are_refused(build, message):
         build()
 
 
+@pytest.mark.parametrize("build, message", [
+    (lambda: lowbit.GGUFLinear.from_raw(_blocks(8, 288), Q4_0, 512, torch.zeros(7)),
+     r"from_raw: bias must be a float tensor \[8\] \(one per row\), got torch.float32 \(7,\)"),
+    (lambda: lowbit.GGUFLinear.from_raw(_blocks(8, 288), Q4_0, 512, torch.zeros(8, 1)), r"got torch.float32 \(8, 1\)"),
+    (lambda: lowbit.GGUFLinear.from_raw(_blocks(8, 288), Q4_0, 512, torch.zeros(8, dtype=torch.int32)),
+     r"bias must be a float tensor \[8\] \(one per row\), got torch.int32"),
+    (lambda: lowbit.GGUFLinear.from_raw(torch.zeros((), dtype=torch.uint8), Q4_0, 512),
+     r"from_raw: qweight must be 2-D \[out_features, row_bytes\], got \(\)"),
+    (lambda: lowbit.GGUFEmbedding(_blocks(8, 288), Q4_0, 512, dtype=torch.int32),
+     "GGUFEmbedding: dtype must be float32, float16 or bfloat16, got torch.int32"),
+], ids=["bias length", "bias 2-D", "integer bias", "0-d qweight", "integer embedding dtype"])
+def test_construction_checks_what_forward_would_fail_on(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
 # --- GGUFEmbedding ---------------------------------------------------------------------------
 
 

@@ -47,8 +47,10 @@ def replace_linear(model: nn.Module, path: str | os.PathLike, checkpoint_format:
     load_gptq_model build models that way). The model's forward calls then
     give torch's threads to lowbit's kernels (lowbit.kernel_threads).
     """
-    path = os.fspath(path)
-    if path.endswith(".gguf"):
+    path = os.fsdecode(path)
+    if path.lower().endswith(".gguf"):
+        if checkpoint_format is not None:
+            raise ValueError(f"replace_linear: checkpoint_format is a GPTQ checkpoint's; {path} is a GGUF file")
         report = place_gguf_tensors(model, load_gguf(path), "replace_linear")
     else:
         report = place_gptq_checkpoint(model, path, checkpoint_format)

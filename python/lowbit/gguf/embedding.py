@@ -23,6 +23,8 @@ class GGUFEmbedding(nn.Module):
                  embed_scale: float | None = None):
         super().__init__()
         check_sizes("GGUFEmbedding", embedding_dim=embedding_dim)
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):  # what ggml_dequantize writes
+            raise ValueError(f"GGUFEmbedding: dtype must be float32, float16 or bfloat16, got {dtype}")
         block, type_size = torch.ops.lowbit.ggml_type_info(qtype)
         if embedding_dim % block or qweight.dtype != torch.uint8 or qweight.dim() != 2 \
                 or qweight.shape[1] != embedding_dim // block * type_size:

@@ -70,6 +70,12 @@ class GGUFLinear(nn.Module):
     def from_raw(cls, qweight: torch.Tensor, qtype: int, in_features: int,
                  bias: Optional[torch.Tensor] = None) -> "GGUFLinear":
         """A layer over existing block bytes [out_features, row_bytes] (e.g. a GGUF tensor's data)."""
+        if qweight.dim() != 2:
+            raise ValueError(f"GGUFLinear.from_raw: qweight must be 2-D [out_features, row_bytes], got "
+                             f"{tuple(qweight.shape)}")
+        if bias is not None and (bias.shape != (qweight.shape[0],) or not bias.dtype.is_floating_point):
+            raise ValueError(f"GGUFLinear.from_raw: bias must be a float tensor [{qweight.shape[0]}] (one per row), "
+                             f"got {bias.dtype} {tuple(bias.shape)}")
         # Built on the meta device: a zero-filled qweight the size of the
         # blocks would be allocated only to be replaced.
         layer = cls(in_features, qweight.shape[0], qtype, bias=bias is not None,
