@@ -32,17 +32,23 @@ def quantized_layer(kind):
     return lowbit.GGUFLinear.from_linear(linear, gb.type_id(kind))
 
 
+def dense_twin(layer):
+    """nn.Linear holding the quantized layer's dequantized weight (and bias)."""
+    dense = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+    with torch.no_grad():
+        dense.weight.copy_(layer.dequantize(torch.float32))
+        if layer.bias is not None:
+            dense.bias.copy_(layer.bias)
+    return dense
+
+
 @pytest.mark.parametrize("kind, tol", [("gptq", 1e-5), ("F16", 1e-5), ("Q4_0", 3e-2), ("Q8_0", 1e-2)])
 def test_adapter_gradients_equal_those_over_the_dequantized_linear(kind, tol):
     """The same adapter over the quantized layer and over nn.Linear(dequantized
     W): equal gradients, to fp32 rounding where the layer's forward is exact
     (GPTQ, F16) and to its 8-bit activation rounding otherwise (stated tol)."""
     layer = quantized_layer(kind)
-    dense = torch.nn.Linear(256, 96, bias=layer.bias is not None)
-    with torch.no_grad():
-        dense.weight.copy_(layer.dequantize(torch.float32))
-        if layer.bias is not None:
-            dense.bias.copy_(layer.bias)
+    dense = dense_twin(layer)
     # A norm after the layer: PEFT needs a model with a parameter of its own.
     torch.manual_seed(1)
     ours = peft.get_peft_model(torch.nn.Sequential(layer, torch.nn.LayerNorm(96)), lora_config())
@@ -67,11 +73,7 @@ def test_mixed_batch_adapters_are_peft_s(kind):
     """PEFT's adapter_names: each row of the batch through its own adapter ("__base__": none), as over
     nn.Linear; the model keeps working after."""
     layer = quantized_layer(kind)
-    dense = torch.nn.Linear(256, 96, bias=layer.bias is not None)
-    with torch.no_grad():
-        dense.weight.copy_(layer.dequantize(torch.float32))
-        if layer.bias is not None:
-            dense.bias.copy_(layer.bias)
+    dense = dense_twin(layer)
     models = []
     for base, config in ((layer, lora_config), (dense, peft.LoraConfig)):
         torch.manual_seed(1)
