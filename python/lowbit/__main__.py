@@ -98,7 +98,8 @@ def print_gptq_inspect(path: str) -> None:
         print(f"  {key} = {format_value(value)}")
     print()
     header = ("name", "bits", "group", "act-order", "sym", "format", "shape", "bytes", "bpw")
-    rows = [(printable(name), str(m.bits), str(m.group_size), "yes" if has_act_order(m) else "no", "yes" if m.sym else "no",
+    rows = [(printable(name), str(m.bits), str(m.group_size), "yes" if has_act_order(m) else "no",
+             "yes" if m.sym else "no",
              m.checkpoint_format, f"{m.out_features}x{m.in_features}", str(quant_bytes(m)),
              f"{8 * quant_bytes(m) / (m.in_features * m.out_features):.2f}")
             for name, m in ckpt.modules.items()]

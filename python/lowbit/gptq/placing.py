@@ -111,8 +111,9 @@ POSITIVE_ROPE_KEYS = ("rope_theta", "factor", "attention_factor", "beta_fast", "
 def check_config_values(config: dict, where: str) -> None:
     """Refuses, naming `where` and the key, a value of POSITIVE_KEYS or of the
     rotary keys that is not a finite number > 0, LongRoPE factors that are
-    not, KV heads that do not divide the attention heads, and an attention window of 1 (transformers' sliding cache would keep
-    every row: lowbit.gguf.arch._sliding_window)."""
+    not, KV heads that do not divide the attention heads, and an attention
+    window of 1 (transformers' sliding cache would keep every row:
+    lowbit.gguf.arch._sliding_window)."""
     def positive(key, value):
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
         if not ok:
