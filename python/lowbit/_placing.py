@@ -94,7 +94,8 @@ def rebuild_computed_buffers(model: nn.Module, where: str, error: type[Exception
     More than COMPUTED_BUFFER_LIMIT bytes of them is `error`, naming `where`."""
     owners = [(name, m) for name, m in model.named_modules()
               if name and hasattr(m, "config") and any(b.is_meta for b in m.buffers(recurse=False))]
-    nbytes = sum(b.numel() * b.element_size() for _, m in owners for b in m.buffers() if b.is_meta)
+    empty = {id(b): b for _, m in owners for b in m.buffers() if b.is_meta}  # an owner's owners see them too
+    nbytes = sum(b.numel() * b.element_size() for b in empty.values())
     if nbytes > COMPUTED_BUFFER_LIMIT:
         raise error(f"{where}: the config makes {nbytes / 2**20:.0f} MiB of computed buffers (rotary tables, "
                     f"masks), more than the {COMPUTED_BUFFER_LIMIT >> 20} MiB lowbit builds")

@@ -177,7 +177,7 @@ def parse_config(raw: dict[str, Any], source: str = "") -> GPTQConfig:
     method = raw.get("quant_method", "gptq")
     if method != "gptq":
         raise GPTQConfigError(f"{where}: quant_method is {method!r}, not 'gptq'")
-    key = "checkpoint_format" if "checkpoint_format" in raw else "format"  # GPTQModel's quant_config.json: "format"
+    key = _format_key(raw)
     fmt = raw.get(key, "gptq")
     if fmt not in FORMATS:
         raise GPTQConfigError(f"{where}: {key} {fmt!r} is not supported (expected one of {FORMATS})")
@@ -275,12 +275,17 @@ def _later_configs(directory: str, names: tuple[str, ...]) -> list[tuple[str, di
     return found
 
 
+def _format_key(raw: dict[str, Any]) -> str:
+    """The key a quantization config gives its zero format under (GPTQModel's quant_config.json: "format")."""
+    return "checkpoint_format" if "checkpoint_format" in raw else "format"
+
+
 def _reading_value(raw: dict[str, Any], key: str) -> Any:
     """raw's value for one of READING_KEYS, None where it gives none (the
     format under either of its names; `dynamic` always gives one: no rules
     where it has none)."""
     if key == "checkpoint_format":
-        return raw.get("checkpoint_format", raw.get("format"))
+        return raw.get(_format_key(raw))
     if key == "dynamic":
         return raw.get("dynamic") or {}
     return raw.get(key)
