@@ -10,6 +10,7 @@ same top-1 token at every prompt position and the same greedy continuation.
 """
 import copy
 import re
+import time
 import os
 
 import numpy as np
@@ -238,3 +239,30 @@ def test_chat_prompt_refuses_templates_that_do_not_render(template, says):
     tokenizer.chat_template = template
     with pytest.raises(ValueError, match=re.escape(f"{PATH}: {says}")):
         chat_prompt(PATH, tokenizer, "hi", 4096)
+
+
+@pytest.mark.parametrize("template, says", [
+    # 10^10 iterations: the child is killed at the time limit.
+    ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}", "did not finish in 2 s"),
+    # 10 GB of text: the child's address-space limit refuses it before it is written.
+    ("{{ 'x' * 10000000000 }}", "MemoryError"),
+])
+def test_chat_prompt_bounds_what_a_template_may_spend(template, says):
+    """A template is a program the file sizes: one that loops for hours or
+    builds gigabytes of text is refused in seconds, the caller's memory
+    untouched, and the next template renders as before."""
+    import resource
+
+    from lowbit.__main__ import chat_prompt
+
+    tokenizer = lowbit.load_gguf_tokenizer(PATH)
+    expect = chat_prompt(PATH, tokenizer, "hi", 4096)
+    tokenizer.chat_template, good = template, tokenizer.chat_template
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=re.escape(f"{PATH}: its chat template does not render: {says}")):
+        chat_prompt(PATH, tokenizer, "hi", 4096, seconds=2)
+    assert time.monotonic() - start < 30
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 100_000  # KiB: the 10 GB stayed in the child
+    tokenizer.chat_template = good
+    assert torch.equal(chat_prompt(PATH, tokenizer, "hi", 4096), expect)

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from ._bounded import BoundedError, run_bounded
 from .gguf.arch import ARCHITECTURES
 from .gguf.file import GGUFFile, load_gguf
 from .gptq.checkpoint import load_gptq
@@ -32,6 +33,8 @@ MAX_VALUE_CHARS = 100  # long strings (chat templates) are cut to keep one line 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 MIN_TEMPERATURE = 1e-6  # logits of a few thousand over it stay far inside float32's range
 MAX_CHARS_PER_TOKEN = 64  # a chat prompt longer than this per context position is refused untokenized
+TEMPLATE_SECONDS = 10  # a chat template renders in milliseconds: one looping for longer is refused
+TEMPLATE_BYTES = 1 << 30  # the memory a chat template's rendering may take
 
 
 def format_value(value) -> str:
@@ -181,23 +184,29 @@ def load_model_and_tokenizer(path: str, repack: bool = False, int8_activations: 
     return model, tokenizer
 
 
-def chat_prompt(path: str, tokenizer, prompt: str, max_chars: int) -> torch.Tensor:
+def chat_prompt(path: str, tokenizer, prompt: str, max_chars: int,
+                seconds: float = TEMPLATE_SECONDS) -> torch.Tensor:
     """The prompt in the checkpoint's chat template, as token ids. The
-    template comes from the file: its errors name the file, and a rendering
-    longer than `max_chars` is refused before it is tokenized."""
-    import jinja2
-
+    template comes from the file: it renders in a child process under
+    `seconds` and TEMPLATE_BYTES (lowbit._bounded), its errors name the
+    file, and a rendering longer than `max_chars` is refused before it is
+    tokenized."""
     template = tokenizer.chat_template
     if not isinstance(template, str):
         raise ValueError(f"{path}: --chat needs a chat template, and this tokenizer has "
                          f"{'none' if template is None else 'several, or one that is not text'}")
-    try:
+
+    def render():
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                              tokenize=False)
-    except (jinja2.TemplateError, RecursionError, TypeError, ValueError) as e:
-        raise ValueError(f"{path}: its chat template does not render: {type(e).__name__}: {e}") from None
-    if len(text) > max_chars:
-        raise ValueError(f"{path}: its chat template renders {len(text)} characters, more than {max_chars}")
+        return text if len(text) <= max_chars else len(text)  # only the length of a text too long comes back
+
+    try:
+        text = run_bounded(render, seconds, TEMPLATE_BYTES)
+    except BoundedError as e:
+        raise ValueError(f"{path}: its chat template does not render: {e}") from None
+    if not isinstance(text, str):
+        raise ValueError(f"{path}: its chat template renders {text} characters, more than {max_chars}")
     # The template writes its own special tokens (BOS): the tokenizer adds none.
     return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
 
