@@ -1,6 +1,7 @@
 """GGUF file loading (lowbit.gguf.file), `python -m lowbit inspect`, and the
 architecture plumbing (lowbit.gguf.arch), on small written files and SmolLM2-135M."""
 import os
+import struct
 import subprocess
 import sys
 import textwrap
@@ -431,6 +432,26 @@ def test_huge_array_length(toy, tmp_path):
     for length in (2**62, os.path.getsize(toy.path) // 8):
         message = load_error(patched(toy.path, str(tmp_path / "a.gguf"), at, "Q", length))
         assert f"claims {length} items" in message
+
+
+def test_metadata_arrays_are_bounded_in_all(tmp_path, monkeypatch):
+    """Arrays become Python lists of up to 8 times their bytes: the items of
+    all arrays together are bounded (a hostile file of many arrays, each one
+    within the file, cannot take 8 times its size), each array checked before
+    it is read."""
+    def arrays(path, lengths):
+        out = bytearray(b"GGUF" + struct.pack("<IQQ", 3, 0, len(lengths)))
+        for i, length in enumerate(lengths):
+            key = f"a{i}".encode()
+            out += struct.pack("<Q", len(key)) + key + struct.pack("<IIQ", 9, 0, length) + bytes(length)  # u8 items
+        open(path, "wb").write(out)
+        return path
+
+    monkeypatch.setattr(_Cursor, "MAX_ARRAY_ITEMS", 1000)
+    assert load_gguf(arrays(str(tmp_path / "a.gguf"), [600, 400])).metadata["a1"] == [0] * 400
+    message = load_error(arrays(str(tmp_path / "b.gguf"), [600, 401]))
+    assert "metadata arrays hold more than 1000 items in all (the array at offset" in message
+    assert "claims 401" in message
 
 
 def test_only_gguf_error_escapes(toy, tmp_path):

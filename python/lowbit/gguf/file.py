@@ -209,12 +209,14 @@ class _Cursor:
     three quarters of the time)."""
 
     FIRST_COPY = 1 << 20
+    MAX_ARRAY_ITEMS = 1 << 25  # about 1 GiB as Python lists
 
     def __init__(self, data: np.ndarray):
         self.data = data
         self.size = data.size
         self.pos = 0
         self.head = b""
+        self.array_items = 0
 
     def reach(self, start: int, n: int) -> bytes:
         """The header copy, holding the n bytes at start."""
@@ -254,6 +256,11 @@ class _Cursor:
         if self.pos + length * _min_item_bytes(item_type) > self.size:
             raise ValueError(f"truncated: array at offset {at} claims {length} items, "
                              f"more than the {self.size}-byte file can hold")
+        # Each item becomes a Python object of up to 8 times its bytes in the file.
+        self.array_items += length
+        if self.array_items > self.MAX_ARRAY_ITEMS:
+            raise ValueError(f"metadata arrays hold more than {self.MAX_ARRAY_ITEMS} items in all (the array at "
+                             f"offset {at} claims {length}): a vocabulary and its scores hold a few million at most")
         if item_type in _SCALAR_FORMATS:  # one NumPy read for the whole array
             dtype = np.dtype("<" + _SCALAR_FORMATS[item_type])
             start = self.take(length * dtype.itemsize)
