@@ -651,6 +651,9 @@ def test_config_errors():
         config_from_gguf({k: v for k, v in qwen_metadata("qwen2").items() if k != "tokenizer.ggml.tokens"}, [])
     with pytest.raises(GGUFError, match="'llama.rope.dimension_count': 64, but heads have 128 dimensions"):
         config_from_gguf({**SYNTHETIC_LLAMA, "llama.rope.dimension_count": 64}, [])
+    with pytest.raises(GGUFError, match="'llama.attention.value_length': 64, but key heads have 128 dimensions"):
+        config_from_gguf({**SYNTHETIC_LLAMA, "llama.attention.value_length": 64}, [])
+    assert config_from_gguf({**SYNTHETIC_LLAMA, "llama.attention.value_length": 128}, [])["head_dim"] == 128
     with pytest.raises(GGUFError, match="'llama.rope.scaling.type': 'longrope' is not supported"):
         config_from_gguf({**SYNTHETIC_LLAMA, "llama.rope.scaling.type": "longrope",
                           "llama.rope.scaling.factor": 2.0}, [])

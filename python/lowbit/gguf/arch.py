@@ -594,14 +594,18 @@ def _vocab_size(m: _Metadata, arch: str) -> int:
 
 
 def _head_dim(m: _Metadata, arch: str, hidden: int, n_head: int, partial_rotary: bool) -> int:
-    """llama.cpp's head size: attention.key_length, else embedding / heads.
-    The rotated part (rope.dimension_count) must be the whole head where the
+    """llama.cpp's head size: attention.key_length, else embedding / heads,
+    and attention.value_length the same where given. The rotated part (rope.dimension_count) must be the whole head where the
     transformers class rotates every dimension."""
     key = f"{arch}.attention.key_length"
     if key not in m and hidden % n_head:
         raise m.error(f"{arch}.attention.head_count", f"{n_head} heads do not divide {arch}.embedding_length "
                                                       f"{hidden}, and no {key} gives the head size")
     head_dim = m.get(key, int, hidden // n_head, positive=True)
+    value = m.get(f"{arch}.attention.value_length", int, head_dim, positive=True)
+    if value != head_dim:  # transformers' classes give keys and values one head size
+        raise m.error(f"{arch}.attention.value_length", f"{value}, but key heads have {head_dim} dimensions; "
+                                                        f"values of another size are not supported for {arch}")
     rotated = m.get(f"{arch}.rope.dimension_count", int, head_dim, positive=True)
     if rotated > head_dim or rotated % 2 or (rotated != head_dim and not partial_rotary):
         raise m.error(f"{arch}.rope.dimension_count", f"{rotated}, but heads have {head_dim} dimensions; partial "
