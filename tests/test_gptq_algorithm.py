@@ -211,6 +211,12 @@ def test_scales_beyond_their_dtype_are_refused():
         quantize_linear(lin, H, 4)
     layer = quantize_linear(lin, H, 4, dtype=torch.float32)
     assert bool(torch.isfinite(layer.scales).all())
+    # A range beyond float32 itself names no dtype to store instead.
+    with torch.no_grad():
+        lin.weight[3, 200] = 3e38
+    with pytest.raises(ValueError, match=r"group 1 of output 3 needs a scale beyond torch.float32's range \(the "
+                                         r"group's weights span more than float32 holds\)"):
+        quantize_linear(lin, H, 4, dtype=torch.float32)
 
 
 # --- a small transformers Llama -------------------------------------------------------------------------------

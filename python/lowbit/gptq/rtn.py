@@ -31,8 +31,10 @@ def check_scales(scales: torch.Tensor, what: str) -> None:
     bad = ~torch.isfinite(scales)
     if bool(bad.any()):
         group, column = (int(i) for i in bad.nonzero()[0])
+        remedy = ("store float32 or bfloat16 scales" if scales.dtype == torch.float16
+                  else "the group's weights span more than float32 holds")
         raise ValueError(f"{what}: group {group} of output {column} needs a scale beyond {scales.dtype}'s range "
-                         f"(store float32 or bfloat16 scales)")
+                         f"({remedy})")
 
 
 def quantize_rtn(
