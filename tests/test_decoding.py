@@ -641,6 +641,8 @@ def test_decode_step_refuses_what_it_cannot_run():
         step.layer_experts(torch.zeros(4, 4), 2, True, True, p, e, e)
     with pytest.raises(RuntimeError, match="top_k in .1, experts."):
         step.layer_experts(torch.zeros(4, 4), 5, True, True, e, e, e)
+    with pytest.raises(RuntimeError, match="lm_head is projection .*, an experts projection"):
+        step.head(torch.ones(4), 1e-5, e, 1.0)  # run would call it without its ids
     with pytest.raises(RuntimeError, match="layer 1 has no MLP"):
         step.run(torch.zeros(1, 1, 4), torch.ones(4), torch.zeros(4), [keys] * 2, [keys] * 2, [None] * 4, 3)
 

@@ -31,7 +31,10 @@ def awkward_rows(rng, rows=16, n=256):
     x[1, 0] = 127.0  # ... (half away from zero: -16 and 15, not -16 and 14 as ties to even would)
     x[1, 32:64] = np.float32(127.0) * np.linspace(-1, 1, 32, dtype=np.float32)
     x[2, :32] = 0.0
-    x[3, :32] = np.float32(1e-40) * np.arange(32, dtype=np.float32)  # d rounds to 0 in fp16: q = 0
+    x[3, :32] = np.float32(1e-40) * np.arange(32, dtype=np.float32)  # 1 / d overflows: q = 0
+    # d rounds to 0 in fp16 but 1 / d does not overflow: q is still round(x / d).
+    for block, amax in enumerate((1e-36, 1e-30, 1e-20, 1e-10, 4e-6)):
+        x[3, 32 * (block + 1):32 * (block + 2)] = np.float32(amax) * np.linspace(-1, 1, 32, dtype=np.float32)
     x[4, 32:64] = 0.0
     x[4, 40] = -3.0
     x[5, :32] = np.float32(65504 * 127) * np.sign(rng.standard_normal(32)).astype(np.float32)
@@ -142,6 +145,14 @@ def test_q6_k_refuses_non_finite_values_and_partial_blocks():
     x[1, 300] = 3e9  # d = amax / 4096 or so: beyond fp16
     with pytest.raises(ValueError, match=r"x's block \[1, 256:512\] reaches magnitude 3e\+09, beyond Q6_K's range"):
         ops.ggml_quantize(x, Q6_K)
+    # Past ~1.8e19 the scale search's weights x^2 overflow: every such block is refused, not written as zeros.
+    x[1, 300] = 0.0
+    for value in (1e20, 3e38):
+        x[1, 288:304] = value  # one sub-block of 16 values
+        with pytest.raises(ValueError, match=r"x's block \[1, 256:512\] reaches magnitude .*, beyond Q6_K's range"):
+            ops.ggml_quantize(x, Q6_K)
+        with pytest.raises(ValueError, match=r"beyond Q6_K's range"):
+            ops.ggml_quantize(torch.full((1, 256), value), Q6_K)
     with pytest.raises(ValueError, match=r"x's rows \(n=384\) are not a multiple of the Q6_K block size 256"):
         ops.ggml_quantize(torch.randn(2, 384), Q6_K)
 

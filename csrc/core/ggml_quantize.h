@@ -91,7 +91,8 @@ inline void search_sub_block_scales(const float* x, int8_t* L, float* scales) {
 // the 256 values x: each 16-value sub-block's scale from search_sub_block_scales,
 // the scales quantized to int8 against d = max_scale / -128, the values
 // re-rounded to 6 bits against d * scale. Returns d as stored (fp32), for
-// the caller's range check (inf: x beyond fp16's range for d).
+// the caller's range check (inf or NaN: x beyond fp16's range for d, or
+// beyond the search's).
 inline float quantize_q6_k_block(const float* x, uint8_t* out) {
   constexpr int kSub = 16, kSubs = 16;
   int8_t L[256];
@@ -99,6 +100,9 @@ inline float quantize_q6_k_block(const float* x, uint8_t* out) {
   search_sub_block_scales(x, L, scales);
   float max_scale = 0.0f, max_abs_scale = 0.0f;
   for (int s = 0; s < kSubs; ++s) {
+    // |x| past ~1.8e19 overflows the search's weights x^2: its scale is
+    // NaN, which no comparison would pick, so the block is refused here.
+    if (scales[s] != scales[s]) return scales[s];
     if (fabsf(scales[s]) > max_abs_scale) {
       max_abs_scale = fabsf(scales[s]);
       max_scale = scales[s];

@@ -489,9 +489,13 @@ void quantize_row_q8_0(Isa isa, const float* row, int64_t r, int64_t blocks, uin
     uint8_t* block = out + b * kBytes;
     block[0] = static_cast<uint8_t>(h & 0xff);
     block[1] = static_cast<uint8_t>(h >> 8);
-    // A scale that rounds to 0 (amax below fp16's range, 127 * 2^-25) decodes
-    // to zeros whatever q holds; q = 0 there, as gguf-py writes it.
-    if (h == 0) {
+    // A scale that rounds to 0 in fp16 (amax below 127 * 2^-25) decodes to
+    // zeros whatever q holds; q is still round(x / d), as llama.cpp writes
+    // it, but where its 1 / d overflows (amax below about 127 * 2^-128) it
+    // writes q = 0, as gguf-py does.
+    float amax = 0.0f;
+    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
+    if (std::isinf(1.0f / (amax / 127.0f))) {
       std::memset(block + 2, 0, kBlock);
     } else {
       std::memcpy(block + 2, q.data() + b * kBlock, kBlock);

@@ -215,7 +215,7 @@ at::Tensor DecodeStep::norm(const at::Tensor& x, const at::Tensor& weight, doubl
 void DecodeStep::head(at::Tensor norm, double eps, int64_t lm_head, double logits_divisor) {
   TORCH_CHECK(std::isfinite(logits_divisor) && logits_divisor != 0.0,
               "DecodeStep.head: logits_divisor must be finite and non-zero; got ", logits_divisor);
-  lm_head_ = checked_id(lm_head, "lm_head");
+  lm_head_ = checked_kind(lm_head, "lm_head", false);
   norm_ = std::move(norm);
   norm_eps_ = eps;
   logits_divisor_ = logits_divisor;
