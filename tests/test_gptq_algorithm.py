@@ -201,6 +201,27 @@ def test_non_finite_weights_and_hessians_are_refused_where_they_are(value):
         gptq_weight(linear().weight, H, 4)
 
 
+def test_hessians_at_float64_s_extremes_quantize_as_their_unit_scaled_self():
+    """Any power-of-2 factor of H gives the same codes: one whose diagonal is
+    subnormal or whose diagonal sum overflows float64 is brought near 1 first."""
+    lin, H = linear(), hessian_of(correlated_inputs()).double()
+    # Integers on the diagonal stay exact as subnormals of 2^-1040.
+    diagonal = torch.diag(torch.randint(1, 1024, (K,), generator=torch.Generator().manual_seed(0)).double())
+    for H, factor in ((diagonal, 2.0**-1040), (H, 2.0**1015 / float(H.diagonal().max()))):
+        expect = gptq_weight(lin.weight, H, 4, desc_act=True)
+        got = gptq_weight(lin.weight, H * factor, 4, desc_act=True)
+        assert torch.equal(got.codes, expect.codes) and torch.equal(got.scales, expect.scales)
+        assert torch.equal(got.g_idx, expect.g_idx)
+
+
+@pytest.mark.parametrize("shape", [(1, N, K), (N, 0), (K,)])
+def test_weights_that_are_not_a_matrix_of_inputs_are_refused(shape):
+    with pytest.raises(ValueError, match=r"gptq_weight: weight must be 2-D \[out, in\] with in > 0"):
+        gptq_weight(torch.zeros(shape), torch.eye(K), 4, -1)
+    with pytest.raises(ValueError, match=r"quantize_rtn: weight must be 2-D \[out, in\] with in > 0"):
+        lowbit.quantize_rtn(torch.zeros(shape), 4, -1)
+
+
 def test_scales_beyond_their_dtype_are_refused():
     """A group whose range needs a scale above fp16's 65504 would store inf:
     refused, and float32 scales hold it."""

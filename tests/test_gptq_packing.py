@@ -101,6 +101,20 @@ def test_quantize_rtn_keeps_ranges_below_fp16_scales(sym):
     assert torch.equal(t.scales[:, 1:], lowbit.quantize_rtn(other, 4, 32, sym=sym).scales[:, 1:])
 
 
+def test_from_tensors_refuses_g_idx_that_int32_would_not_hold():
+    """g_idx is stored as int32: a value beyond it, or a float, would narrow
+    to another, valid-looking group id."""
+    t = lowbit.quantize_rtn(torch.randn(32, 64), 4, 32)
+    make = lambda g_idx: lowbit.GPTQLinear.from_tensors(t.qweight, t.qzeros, t.scales, g_idx, None, 4, 32)
+    assert torch.equal(make(t.g_idx.long()).g_idx, t.g_idx)
+    wrapped = t.g_idx.long()
+    wrapped[0] = 2**32 + 1  # int32 1
+    with pytest.raises(ValueError, match=r"from_tensors: g_idx holds 4294967297, beyond int32"):
+        make(wrapped)
+    with pytest.raises(ValueError, match=r"from_tensors: g_idx must hold integers, got torch.float32"):
+        make(t.g_idx.float() + 0.5)
+
+
 def test_quantize_rtn_rejects_bad_arguments():
     w = torch.randn(32, 64)
     with pytest.raises(ValueError, match="bits"):

@@ -91,6 +91,8 @@ def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_si
     """GPTQ of one weight [N, K] given the Hessian [K, K] of its inputs
     (the reference implementation's `fasterquant`, static_groups=False)."""
     _check_args(bits, group_size, damp_percent)
+    if weight.dim() != 2 or weight.shape[1] == 0:
+        raise ValueError(f"gptq_weight: weight must be 2-D [out, in] with in > 0, got shape {tuple(weight.shape)}")
     check_finite(weight, "gptq_weight: weight")
     check_finite(hessian, "gptq_weight: hessian")  # else it reads as a Hessian no dampening makes definite
     W = weight.detach().to(torch.float32).clone()
@@ -108,7 +110,11 @@ def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_si
     # Any positive factor of H gives the same quantization, but U is taken in
     # float32: H brought to a mean diagonal near 1 by a power of 4, which
     # scales every step of the Cholesky factors by a power of 2, exactly.
-    H.mul_(4.0 ** -(int(torch.frexp(H.diagonal().mean()).exponent) // 2))
+    # (The largest diagonal value where the mean's sum overflows; the power
+    # applied as two powers of 2, as 4^515 is beyond float64.)
+    mean = H.diagonal().mean()
+    half = -(int(torch.frexp(mean if torch.isfinite(mean) else H.diagonal().max()).exponent) // 2)
+    H.mul_(2.0**half).mul_(2.0**half)
     # Act-order: quantize the columns with the largest activations first,
     # while many columns are still left to absorb their error.
     # (Stable, so that equal activations keep their order: an expert that no

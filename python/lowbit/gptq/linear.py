@@ -131,6 +131,14 @@ class GPTQLinear(nn.Module):
         in_features = qweight.shape[0] // words_per_pack(bits) * fields_per_pack(bits)
         layer = cls(in_features, qweight.shape[1], bits, group_size, sym, desc_act, checkpoint_format,
                     bias is not None, scales.dtype, device="meta")
+        if g_idx is not None:
+            if g_idx.is_floating_point() or g_idx.is_complex() or g_idx.dtype == torch.bool:
+                raise ValueError(f"GPTQLinear.from_tensors: g_idx must hold integers, got {g_idx.dtype}")
+            if g_idx.dtype != torch.int32 and g_idx.numel() and g_idx.device.type != "meta":
+                low, high = int(g_idx.min()), int(g_idx.max())
+                if low < -2**31 or high >= 2**31:  # would wrap to a valid-looking group id
+                    raise ValueError(f"GPTQLinear.from_tensors: g_idx holds {low if low < -2**31 else high}, "
+                                     "beyond int32")
         g_idx = in_order_g_idx(in_features, group_size, qweight.device) if g_idx is None else g_idx.to(torch.int32)
         given = {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}
         if bias is not None:

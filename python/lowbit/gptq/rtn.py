@@ -57,8 +57,8 @@ def quantize_rtn(
         raise ValueError(f"quantize_rtn: bits must be 2, 3, 4 or 8, got {bits}")
     if checkpoint_format not in CHECKPOINT_FORMATS:
         raise ValueError(f"quantize_rtn: checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {checkpoint_format!r}")
-    if weight.dim() != 2:
-        raise ValueError(f"quantize_rtn: weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
+    if weight.dim() != 2 or weight.shape[1] == 0:
+        raise ValueError(f"quantize_rtn: weight must be 2-D [out, in] with in > 0, got shape {tuple(weight.shape)}")
     check_finite(weight, "quantize_rtn: weight")
     w = weight.detach().to(torch.float32).t()  # [K, N]
     K, N = w.shape
