@@ -517,6 +517,71 @@ def test_load_gguf_tokenizer_reads_files_transformers_does_not(tmp_path, arch):
                           transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="llama.gguf"))
 
 
+def write_sentencepiece_gguf(path: str, arch: str, embd_rows: int | None = None) -> str:
+    """A GGUF file with a sentencepiece ("llama") vocabulary as Gemma's
+    converter writes one: its special tokens first, then scored pieces."""
+    import gguf
+
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "▁", "t", "h", "e", "m", "▁t", "he", "▁the"]
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(1)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3, 2, 3] + [1] * (len(tokens) - 5))
+    writer.add_token_scores([0.0] * 5 + [-float(i) for i in range(len(tokens) - 5)])
+    for add, token in ((writer.add_pad_token_id, 0), (writer.add_eos_token_id, 1), (writer.add_bos_token_id, 2),
+                       (writer.add_unk_token_id, 3)):
+        add(token)
+    writer.add_tensor("token_embd.weight", np.zeros((embd_rows or len(tokens), 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_load_gguf_tokenizer_reads_gemma_files(tmp_path):
+    """transformers' GGUF support knows gemma2 and gemma3 files but not
+    gemma's (AutoTokenizer refuses them): their vocabulary is the same kind,
+    and lowbit builds the GemmaTokenizer AutoTokenizer builds for a gemma2 file."""
+    path = write_sentencepiece_gguf(str(tmp_path / "gemma.gguf"), "gemma")
+    write_sentencepiece_gguf(str(tmp_path / "gemma2.gguf"), "gemma2")
+    got = lowbit.load_gguf_tokenizer(path)
+    expect = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="gemma2.gguf")
+    assert type(got) is type(expect) is transformers.GemmaTokenizer
+    text = "the theme <mask> then"
+    assert got(text).input_ids == expect(text).input_ids == [2, 6, 11, 12, 9, 8, 5, 4, 12, 3]
+    assert (got.bos_token, got.eos_token, got.pad_token) == ("<bos>", "<eos>", "<pad>")
+
+
+def test_load_gguf_tokenizer_reads_the_file_alone(tmp_path):
+    """A tokenizer.json or tokenizer_config.json beside the file (where
+    convert_hf_to_gguf.py writes it: the HF model's directory) is not the
+    file's tokenizer: the file's metadata alone builds it."""
+    import tokenizers
+
+    path = write_tokenizer_gguf(str(tmp_path / "model.gguf"), "llama")
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    expect = lowbit.load_gguf_tokenizer(write_tokenizer_gguf(str(clean / "model.gguf"), "llama"))
+    foreign = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    foreign.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": null, "eos_token": null, "chat_template": "x"}')
+    got = lowbit.load_gguf_tokenizer(path)
+    assert_same_tokenizer(got, expect)
+    assert len(got) == 262 and got.name_or_path == str(tmp_path)
+
+
+def test_load_gguf_tokenizer_refuses_tokens_the_embedding_does_not_hold(tmp_path):
+    """A class that adds special tokens the file's list lacks (GemmaTokenizer:
+    <pad>, <mask>, ...) would give ids past the embedding's rows."""
+    path = write_tokenizer_gguf(str(tmp_path / "gemma2.gguf"), "gemma2", model="llama",
+                                extra={"tokenizer.ggml.scores": ([0.0] * 262, "ARRAY")})
+    with pytest.raises(lowbit.GGUFError, match=r"transformers' GemmaTokenizer holds 26\d tokens \(the file's 262 and "
+                                               r"those it adds\), token_embd.weight only 262 rows"):
+        lowbit.load_gguf_tokenizer(path)
+
+
 def assert_same_tokenizer(got, expect):
     """Same class, ids, text back, chat prompt and special tokens."""
     assert type(got) is type(expect)

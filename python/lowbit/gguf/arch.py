@@ -256,16 +256,19 @@ def _query_pre_attn_scalar(config: dict, largest_layers: int) -> int:
     return config["head_dim"]
 
 
-def _sliding_window(m, arch, default=_REQUIRED, positive=False) -> int:
-    """attention.sliding_window (0: none, where not `positive`). A window of 1
-    is refused: transformers' sliding cache keeps a step's last window - 1
-    rows as rows[-0:], every row, so decoding would attend to all of them."""
+def _sliding_window(m, arch, config, default=_REQUIRED, positive=False) -> int:
+    """attention.sliding_window (0: none, where not `positive`), at most the
+    context length: a longer window masks nothing a sequence within the
+    context reaches (and a u64 one past int64 would overflow transformers'
+    cache). A window of 1 is refused: transformers' sliding cache keeps a
+    step's last window - 1 rows as rows[-0:], every row, so decoding would
+    attend to all of them."""
     key = f"{arch}.attention.sliding_window"
     window = m.get(key, int, default, minimum=None if positive else 0, positive=positive)
     if window == 1:
         raise m.error(key, "a window of 1 (each token attending to itself alone) is not supported: transformers' "
                       "sliding cache would keep every row")
-    return window
+    return min(window, config["max_position_embeddings"])
 
 
 def _gemma_extra(m, arch, tensors, config):
@@ -276,7 +279,7 @@ def _gemma2_extra(m, arch, tensors, config):
     layers = config["num_hidden_layers"]
     return {
         "hidden_activation": "gelu_pytorch_tanh",
-        "sliding_window": _sliding_window(m, arch, 4096, positive=True),
+        "sliding_window": _sliding_window(m, arch, config, 4096, positive=True),
         "layer_types": _layer_types(m, arch, layers, 2),
         "attn_logit_softcapping": m.get(f"{arch}.attn_logit_softcapping", float, 50.0, positive=True),
         "final_logit_softcapping": m.get(f"{arch}.final_logit_softcapping", float, 30.0, positive=True),
@@ -286,7 +289,7 @@ def _gemma2_extra(m, arch, tensors, config):
 
 def _gemma3_extra(m, arch, tensors, config):
     layers = config["num_hidden_layers"]
-    window = _sliding_window(m, arch, 0)
+    window = _sliding_window(m, arch, config, 0)
     layer_types = _layer_types(m, arch, layers, 6) if window > 0 else ["full_attention"] * layers
     # Sliding layers rotate with their own base and no scaling (llama.cpp's
     # rope_freq_base_train_swa, default 10000, and freq_scale_train_swa 1).
@@ -317,7 +320,7 @@ def _gpt_oss_extra(m, arch, tensors, config):
                       "every layer alike")
     return {**_experts_config(m, arch, "num_local_experts", "num_experts_per_tok"),
             "intermediate_size": m.get(f"{arch}.expert_feed_forward_length", int, positive=True),
-            "sliding_window": _sliding_window(m, arch, positive=True),
+            "sliding_window": _sliding_window(m, arch, config, positive=True),
             "layer_types": _layer_types(m, arch, config["num_hidden_layers"], 2),
             "rope_parameters": rope, "swiglu_alpha": 1.702, "swiglu_limit": 7.0, **_attention_bias(tensors)}
 
@@ -335,7 +338,7 @@ def _phi3_extra(m, arch, tensors, config):
                      positive=True)
     if rope["rope_type"] == "longrope":
         rope.update(original_max_position_embeddings=original, **_longrope_factors(m, arch, tensors))
-    window = _sliding_window(m, arch, 0)
+    window = _sliding_window(m, arch, config, 0)
     # A window at least as long as the context (Phi-3.5-mini's and Phi-4-mini's
     # 262144 over 131072) masks nothing a sequence within it reaches: none,
     # so that the model's cache is transformers' plain one, which decode steps serve.
@@ -376,8 +379,8 @@ ARCHITECTURES: dict[str, Architecture] = {
                             extra_config=_granite_extra),
     "qwen2": Architecture("Qwen2ForCausalLM", _LLAMA_BLOCK, "Qwen2Tokenizer"),
     "qwen3": Architecture("Qwen3ForCausalLM", _LLAMA_BLOCK, "Qwen2Tokenizer", extra_config=_qwen3_extra),
-    "gemma": Architecture("GemmaForCausalLM", _LLAMA_BLOCK, norm_offset=1.0, scaled_embedding=True,
-                          extra_config=_gemma_extra),
+    "gemma": Architecture("GemmaForCausalLM", _LLAMA_BLOCK, "GemmaTokenizer", norm_offset=1.0,
+                          scaled_embedding=True, extra_config=_gemma_extra),
     "gemma2": Architecture("Gemma2ForCausalLM", _GEMMA2_BLOCK, norm_offset=1.0, scaled_embedding=True,
                            extra_config=_gemma2_extra),
     "gemma3": Architecture("Gemma3ForCausalLM", _GEMMA2_BLOCK, norm_offset=1.0, scaled_embedding=True,
