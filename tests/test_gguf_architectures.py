@@ -540,6 +540,22 @@ def write_sentencepiece_gguf(path: str, arch: str, embd_rows: int | None = None)
     return path
 
 
+def test_load_gguf_tokenizer_bounds_the_converter_s_work(tmp_path, monkeypatch):
+    """transformers' converter spends time growing with each token's length
+    squared: a vocabulary past MAX_TOKEN_WORK is refused before it runs."""
+    import lowbit.gguf.model
+
+    path = write_tokenizer_gguf(str(tmp_path / "tokenizer.gguf"), "llama")
+    tokens = lowbit.load_gguf(path).metadata["tokenizer.ggml.tokens"]
+    work = sum(len(t) ** 2 for t in tokens)
+    monkeypatch.setattr(lowbit.gguf.model, "MAX_TOKEN_WORK", work - 1)
+    with pytest.raises(lowbit.GGUFError, match=rf"'tokenizer.ggml.tokens': its tokens' squared lengths sum to {work}, "
+                                               rf"more than {work - 1} \(the longest token has 13 characters"):
+        lowbit.load_gguf_tokenizer(path)
+    monkeypatch.setattr(lowbit.gguf.model, "MAX_TOKEN_WORK", work)
+    assert len(lowbit.load_gguf_tokenizer(path)) == len(tokens)
+
+
 def test_load_gguf_tokenizer_reads_gemma_files(tmp_path):
     """transformers' GGUF support knows gemma2 and gemma3 files but not
     gemma's (AutoTokenizer refuses them): their vocabulary is the same kind,

@@ -1,6 +1,7 @@
 """GGUF file loading (lowbit.gguf.file), `python -m lowbit inspect`, and the
 architecture plumbing (lowbit.gguf.arch), on small written files and SmolLM2-135M."""
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import gguf_blocks as gb
 import gguf_files
 from gguf_files import (HIDDEN, N_HEAD, N_HEAD_KV, TOY_TENSORS, converter_permute, patched, raw_gguf, tensor_info_offsets,
                         truncated)
+import lowbit.gguf.file
 from lowbit.gguf.file import GGUFError, _Cursor, load_gguf
 from lowbit.gguf.arch import ARCHITECTURES, config_from_gguf, hf_name, unpermute_rows
 
@@ -178,6 +180,14 @@ def test_inspect_error_exit(toy, tmp_path):
     assert result.returncode == 1
     assert result.stderr.startswith("error: ") and bad in result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_inspect_takes_gguf_in_any_case(toy, tmp_path):
+    """A .GGUF file is a GGUF file to the CLI, as to replace_linear."""
+    upper = str(tmp_path / "TOY.GGUF")
+    shutil.copy(toy.path, upper)
+    result = run_cli("inspect", upper)
+    assert result.returncode == 0 and "token_embd.weight" in result.stdout, result.stderr
 
 
 # --- corrupt files ------------------------------------------------------------------------------
@@ -452,6 +462,18 @@ def test_metadata_arrays_are_bounded_in_all(tmp_path, monkeypatch):
     message = load_error(arrays(str(tmp_path / "b.gguf"), [600, 401]))
     assert "metadata arrays hold more than 1000 items in all (the array at offset" in message
     assert "claims 401" in message
+
+
+@pytest.mark.parametrize("what", ["tensors", "metadata keys"])
+def test_tensor_and_key_counts_are_bounded(toy, monkeypatch, what):
+    """Each tensor or key becomes Python objects of about 1.5 KiB: a count no
+    model reaches (a million one-byte tensors) is refused before any is read."""
+    f = load_gguf(toy.path)
+    count = len(f.tensors) if what == "tensors" else len(f.metadata)
+    monkeypatch.setattr(lowbit.gguf.file, "MAX_ENTRIES", count - 1)
+    assert f"{count} {what}, more than {count - 1}" in load_error(toy.path)
+    monkeypatch.setattr(lowbit.gguf.file, "MAX_ENTRIES", max(len(f.tensors), len(f.metadata)))
+    load_gguf(toy.path)
 
 
 def test_only_gguf_error_escapes(toy, tmp_path):

@@ -115,7 +115,7 @@ def print_gptq_inspect(path: str) -> None:
 
 
 def cmd_inspect(args) -> None:
-    if args.path.endswith(".gguf"):
+    if args.path.lower().endswith(".gguf"):
         with load_gguf(args.path) as f:
             print_inspect(f)
     else:
@@ -160,7 +160,7 @@ def load_model_and_tokenizer(path: str, repack: bool = False, int8_activations: 
     from .gguf.model import load_gguf_model, load_gguf_tokenizer
     from .gptq.placing import load_gptq_model
 
-    if path.endswith(".gguf"):
+    if path.lower().endswith(".gguf"):
         for flag, given in (("--int8-activations", int8_activations), ("--float-tables", float_tables)):
             if given:
                 raise ValueError(f"{path}: {flag} is for GPTQ checkpoints (a GGUF file's types fix theirs)")

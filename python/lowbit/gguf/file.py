@@ -33,6 +33,7 @@ from .._checks import check_regular_file
 __all__ = ["GGUFError", "GGUFFile", "GGUFTensor", "load_gguf", "release_mapped"]
 
 MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_ENTRIES = 1 << 16  # tensors, and metadata keys, of one file
 
 
 class GGUFError(ValueError):
@@ -325,6 +326,10 @@ def _parse(data: np.ndarray, path: str) -> tuple[int, dict[str, Any], list[_Tens
     if version not in SUPPORTED_VERSIONS:
         raise ValueError(f"GGUF version {version} is not supported (versions 2 and 3 are)")
     n_tensors, n_kv = c.scalar("Q"), c.scalar("Q")
+    # Each becomes Python objects of about 1.5 KiB: a count no model reaches is refused before any is read.
+    for what, count in (("tensors", n_tensors), ("metadata keys", n_kv)):
+        if count > MAX_ENTRIES:
+            raise ValueError(f"{count} {what}, more than {MAX_ENTRIES} (models hold a few thousand at most)")
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key = c.string()

@@ -153,6 +153,7 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     return tokenizer
 
 
+MAX_TOKEN_WORK = 1 << 32  # sum of squared token lengths: a real vocabulary's is about 10^7
 # The special tokens transformers' converter looks up by id in the token list.
 _SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")
 
@@ -167,6 +168,14 @@ def _check_tokenizer_metadata(metadata, where: str) -> None:
     tokens = m.get(key, list)
     if not tokens or not all(isinstance(t, str) for t in tokens):
         raise m.error(key, "must be a non-empty list of strings")
+    # transformers' converter derives a sentencepiece vocabulary's merges by
+    # trying every split of every token: time growing with each token's
+    # length squared, minutes for one token of a megabyte.
+    work = sum(len(t) ** 2 for t in tokens)
+    if work > MAX_TOKEN_WORK:
+        longest = max(tokens, key=len)
+        raise m.error(key, f"its tokens' squared lengths sum to {work}, more than {MAX_TOKEN_WORK} (the longest "
+                           f"token has {len(longest)} characters; a vocabulary's have tens)")
     for field, kind in (("token_type", int), ("scores", float)):
         key = f"tokenizer.ggml.{field}"
         values = m.get(key, list, None)
