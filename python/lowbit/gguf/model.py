@@ -274,7 +274,7 @@ def place_gguf_tensors(model: nn.Module, f: GGUFFile, caller: str, consumed: tup
     _tie_lm_head(model, f, report, placed)
     missing = [n for n in wanted if n not in placed]
     if missing:
-        raise ValueError(f"{caller}: {path} has no tensor for model parameters {missing}")
+        raise GGUFError(f"{caller}: {path} has no tensor for model parameters {missing}")
     return report
 
 
