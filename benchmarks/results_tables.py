@@ -98,7 +98,7 @@ def support_block():
     out.append("SIMD: the ISA's own kernels (levels cut out in vector registers; \"scalar decode\": levels "
                "from the portable codec, dot products in SIMD). **R**: that ISA reads lowbit's repacked layout as "
                "it is (`torch.ops.lowbit.cpu_reads_repacked`); elsewhere a repacked weight is put back "
-               "per call. compiled: the CUDA kernels are compile-checked only and have not yet run on a GPU.")
+               "per call. compiled: the CUDA kernels are compile-checked only, not run on a GPU.")
     out.append("")
     archs = []
     for arch, cls, experts in architectures():

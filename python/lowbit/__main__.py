@@ -329,9 +329,9 @@ def main(argv=None) -> int:
     generate.add_argument("--threads", type=int_in(1, MAX_POOL_THREADS),
                           help="CPU threads (default: torch's, one per physical core)")
     generate.add_argument("--repack", action="store_true",
-                          help="GGUF: the layers whose type has the CPU kernels' repacked layout in it (the "
-                               "same results, for the 32-element types to fp32 rounding; faster where the CPU's "
-                               "kernels read it: torch.ops.lowbit.cpu_reads_repacked); GPTQ, with "
+                          help="GGUF: the layers of the types the CPU kernels read repacked "
+                               "(torch.ops.lowbit.cpu_reads_repacked; lowbit.repack_model leaves Q6_K layers out) "
+                               "in that layout (the same results, for the 32-element types to fp32 rounding); GPTQ, with "
                                "--int8-activations: the layers in gptq_gemm_a8's panel layout (the same results)")
     generate.add_argument("--int8-activations", action="store_true",
                           help="GPTQ: activations rounded to int8 per group for integer dot products "
@@ -343,7 +343,8 @@ def main(argv=None) -> int:
                                "(Q6_K: two fifths) of their memory and the head's reads per token")
     generate.add_argument("--compile", action="store_true",
                           help="static KV cache and compiled decode steps (lowbit.compiled_decoding): faster "
-                               "steps after a first one that compiles (about a minute on 2 cores)")
+                               "steps after a first one that compiles (about a minute on 2 cores); not for "
+                               "models with sliding-window layers (Gemma 2 and 3, gpt-oss)")
     generate.set_defaults(run=cmd_generate)
     args = parser.parse_args(argv)
     try:

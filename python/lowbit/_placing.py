@@ -13,6 +13,8 @@ from torch import nn
 
 @dataclass
 class ReplaceReport:
+    """What replace_linear (and the loaders) did with a checkpoint's tensors, by name."""
+
     replaced: list[str] = field(default_factory=list)  # modules now lowbit layers
     loaded: list[str] = field(default_factory=list)  # parameters loaded as plain tensors
     unplaced: list[str] = field(default_factory=list)  # checkpoint tensors with no place in the model

@@ -678,7 +678,7 @@ def fast_decoding(model: nn.Module, enable: bool = True) -> bool:
     can (see the module's notes); enable=False: every call on the model's
     own forward again. Returns whether its decode calls are served: its
     decoder layers are all of DECODER_LAYERS' kinds, with gated MLPs (or
-    experts), causal attention without soft-capped scores and whole heads
+    experts), causal attention (soft-capped scores too) and whole heads
     rotated (or their leading values, in Phi-3's layers)."""
     if isinstance(model.__dict__.get("forward"), _DecodingForward):
         del model.forward

@@ -5,7 +5,9 @@ model.generate keeps its keys and values in a static cache (shapes that do
 not change from step to step) and runs each decode step as one graph,
 torch.compile(fullgraph=True) with lowbit's ops in it: no Python, module
 calls or per-layer host work between the kernels of a step. The prefill
-stays eager (its length changes from prompt to prompt).
+stays eager (its length changes from prompt to prompt). Models with
+sliding-window layers (Gemma 2 and 3, gpt-oss) are refused: transformers'
+static sliding cache would recompile the step for every token.
 
 The first generate call compiles (on a 2-core CPU about a minute for a
 30-layer model; inductor's cache on disk makes later processes faster).
@@ -50,6 +52,7 @@ def compiled_decoding(model: nn.Module, enable: bool = True, max_cache_len: int 
                       cpp_wrapper: bool = False) -> nn.Module:
     """model.generate with a static KV cache and its decode steps compiled
     (enable=False: the dynamic cache and eager steps again). Returns the model.
+    A model with sliding-window layers raises ValueError (see the module's notes).
 
     max_cache_len: the cache's length, at least; each generate call needs
     prompt + new tokens, and a longer call than any before recompiles (the

@@ -126,6 +126,9 @@ def _no_extra(m, arch: str, tensors, config: dict) -> dict:
 
 @dataclass(frozen=True)
 class Architecture:
+    """How a GGUF architecture becomes a transformers model: its class, its
+    tensor names, and what llama.cpp's converter changed on the way."""
+
     model_class: str  # the transformers class
     block: Mapping[str, str]  # a decoder layer's GGUF tensors -> modules under model.layers.N
     # The class AutoTokenizer picks for the file, named so that loading skips

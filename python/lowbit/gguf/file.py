@@ -42,6 +42,9 @@ class GGUFError(ValueError):
 
 @dataclass(frozen=True, eq=False)  # eq would compare tensors
 class GGUFTensor:
+    """One tensor of a GGUF file: its name, ggml type, shape and raw block
+    bytes (a view of the memory-mapped file)."""
+
     name: str
     type: int  # ggml type id
     type_name: str

@@ -51,8 +51,9 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
 
     Every linear layer the file has a quantized weight for is a GGUFLinear
     over the file's blocks (memory-mapped, so loading reads no weight
-    bytes), a mixture-of-experts layer's experts a GGUFExperts (a GGUFLinear
-    per expert and projection over the same mapping), the token embedding a
+    bytes), a mixture-of-experts layer's experts a GGUFExperts (the file's
+    3-D expert tensors over the same mapping, one ggml_mul_mat_id per
+    projection), the token embedding a
     GGUFEmbedding over its blocks (rows dequantized as they are looked up);
     norms, biases and routers are dequantized to `dtype`. Move it
     with `.to(device)`. Unlike transformers' own GGUF loading, no float copy
@@ -62,10 +63,12 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     (lowbit.fusing: `qkv_proj`, `gate_up_proj`, with a ProjectionSlice in
     each projection's place): one matmul instead of two or three, over the
     file's own bytes where it stores them back to back.
-    `repack` reorders the layers of the types that have one into the CPU
-    kernels' interleaved layout (GGUFLinear.repack: the same results, for the
-    32-element types to fp32 rounding; faster on AVX-512 VNNI CPUs and for
-    most of those types on AVX2 ones), which copies their blocks out of the mapping.
+    `repack` is lowbit.repack_model: the layers of the types the active CPU
+    kernels read repacked (but Q6_K ones, which run as fast in the file's
+    layout) in the kernels' interleaved layout (GGUFLinear.repack: the same
+    results, for the 32-element types to fp32 rounding; faster on AVX-512
+    VNNI CPUs and for most of those types on AVX2 ones), which copies their
+    blocks out of the mapping.
     Its forward calls run torch's ops on one thread and lowbit's kernels on
     torch's thread count (lowbit.kernel_threads), and a llama-family model's
     decode steps skip transformers' per-layer machinery (lowbit.fast_decoding).

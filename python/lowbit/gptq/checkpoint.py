@@ -30,6 +30,9 @@ QUANT_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
 
 @dataclass
 class GPTQCheckpoint:
+    """An HF GPTQ checkpoint as load_gptq reads it: its quantization config,
+    its quantized Linears as GPTQLinear and every other tensor."""
+
     config: GPTQConfig
     directory: str
     modules: dict[str, GPTQLinear] = field(default_factory=dict)  # quantized Linears by module name
@@ -532,7 +535,8 @@ def save_gptq(model: torch.nn.Module, directory: str | os.PathLike, config: GPTQ
     """Writes `model` (its GPTQLinear layers hold the checkpoint tensors under
     their checkpoint names) as an HF GPTQ directory: config.json with
     `quantization_config` (the model's HF config too, if it has one),
-    quantize_config.json, and safetensors, sharded above `max_shard_bytes`."""
+    quantize_config.json, and safetensors, sharded above `max_shard_bytes`.
+    `directory` must not exist (FileExistsError): it is written whole, then renamed into place."""
     tensors, seen = {}, set()
     for name, t in _float_tables_as_weights(model).items():
         # Tied weights (an LM head sharing the embedding) appear twice; like HF, keep the first.

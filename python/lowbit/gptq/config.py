@@ -71,6 +71,9 @@ class ModuleQuant:
 
 @dataclass(frozen=True)
 class GPTQConfig:
+    """A checkpoint's quantization_config (the HF / GPTQModel keys): how its
+    weights are quantized and stored."""
+
     bits: int
     group_size: int
     desc_act: bool = False

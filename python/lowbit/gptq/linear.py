@@ -59,8 +59,9 @@ class GPTQLinear(nn.Module):
     activations, for integer dot products that leave a matvec bound by memory
     (the fp32 kernel is bound by its instructions) and prefill several times
     faster. It needs groups of equal size, as every GPTQ checkpoint has them,
-    and applies to 2-, 4- and 8-bit layers: 3-bit fields straddle words, no
-    integer kernel reads them, and gptq_gemm's fp32 one is faster there.
+    and applies to 2-, 4- and 8-bit layers: 3-bit fields straddle words,
+    which only gptq_gemm_a8's portable loop reads, and gptq_gemm's SIMD fp32
+    kernel is faster there.
 
     `repack()` (such a layer on the CPU, out_features a multiple of 64; what
     lowbit.repack_model does to every one) holds qweight in the panel layout

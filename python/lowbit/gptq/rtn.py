@@ -15,6 +15,8 @@ CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 
 
 class GPTQTensors(NamedTuple):
+    """One quantized weight as a GPTQ checkpoint stores it (quantize_rtn's result)."""
+
     qweight: torch.Tensor  # int32 [K*bits/32, N], packed along K
     qzeros: torch.Tensor  # int32 [groups, N*bits/32], packed along N, stored per checkpoint_format
     scales: torch.Tensor  # [groups, N]
