@@ -435,6 +435,16 @@ def _byte_level_alphabet() -> list[str]:
     return [chr(c) for c in printable] + [chr(256 + i) for i in range(len(others))]
 
 
+def _with_embedding(writer, path: str, rows: int) -> str:
+    """Finishes a tokenizer file: a token embedding of `rows` rows, then the file written."""
+    writer.add_tensor("token_embd.weight", np.zeros((rows, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def write_tokenizer_gguf(path: str, arch: str, model: str = "gpt2", types=None, merges=("Ġ t", "h e", "Ġt he"),
                          eos=None, embd_rows=None, extra=None) -> str:
     """A GGUF file with a byte-level BPE tokenizer as llama.cpp's converter
@@ -456,12 +466,7 @@ def write_tokenizer_gguf(path: str, arch: str, model: str = "gpt2", types=None, 
     writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
     for key, (value, kind) in (extra or {}).items():
         writer.add_key_value(key, value, getattr(gguf.GGUFValueType, kind))
-    writer.add_tensor("token_embd.weight", np.zeros((embd_rows or len(tokens), 8), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return _with_embedding(writer, path, embd_rows or len(tokens))
 
 
 @pytest.mark.parametrize("changes, says", [
@@ -532,12 +537,7 @@ def write_sentencepiece_gguf(path: str, arch: str, embd_rows: int | None = None)
     for add, token in ((writer.add_pad_token_id, 0), (writer.add_eos_token_id, 1), (writer.add_bos_token_id, 2),
                        (writer.add_unk_token_id, 3)):
         add(token)
-    writer.add_tensor("token_embd.weight", np.zeros((embd_rows or len(tokens), 8), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return _with_embedding(writer, path, embd_rows or len(tokens))
 
 
 def test_load_gguf_tokenizer_bounds_the_converter_s_work(tmp_path, monkeypatch):
