@@ -4,6 +4,7 @@ generate gives its tokens, and every call a step cannot serve (batches,
 padding, extra outputs, a cache edited in between, LoRA on a fused
 projection, hooks) runs the model's own forward or honours what changed.
 Its ops alone: tests/test_decode_ops.py."""
+import copy
 import os
 import pickle
 
@@ -378,10 +379,10 @@ def steps_of(model, ids, tokens):
     return logits, [layer.keys for layer in cache.layers]
 
 
-def gptq_model(layout):
+def gptq_model(layout, seed=2):
     from test_generation import act_order_gptq_model
 
-    model = act_order_gptq_model(seed=2)
+    model = act_order_gptq_model(seed=seed)
     for m in model.modules():
         if isinstance(m, lowbit.GPTQLinear):
             if layout != "unsorted":
@@ -552,6 +553,28 @@ def test_the_cpp_step_follows_the_model_between_steps(gguf_path):
         replacement.register_forward_hook(lambda module, args, out: seen.append(out.shape))
         model(input_ids=torch.tensor([[2]]), cache=caches[0])
     assert len(seen) == 1
+
+
+@pytest.mark.parametrize("kind", ["gguf repacked", "gptq rows sorted"])
+def test_the_cpp_step_follows_weights_load_state_dict_replaces(kind, gguf_path, tmp_path):
+    """load_state_dict puts new tensors into a repacked GGUF layer or an
+    act-order GPTQ layer with sorted rows (the file's order undone, then
+    redone): the next step of the same generation multiplies by them."""
+    if kind == "gguf repacked":
+        model = repacked_gguf_model(gguf_path)
+        other = repacked_gguf_model(write_tiny_gguf(tmp_path / "other.gguf", tiny_model("llama", seed=1), "llama"))
+    else:
+        model, other = (fast_decoding(m) and m for m in (gptq_model("sorted"), gptq_model("sorted", seed=3)))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 7, 22, 5]]), cache=cache)
+        model(input_ids=torch.tensor([[9]]), cache=cache)
+        assert isinstance(model.forward._plan, lowbit.decoding._StepPlan)
+        model.load_state_dict(other.state_dict())
+        token, before = torch.tensor([[13]]), copy.deepcopy(cache)
+        got = model(input_ids=token, cache=cache).logits
+        want = own_forward_logits(model, token, before, token)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_a_model_pickles_after_its_cpp_step_is_made(gguf_path):

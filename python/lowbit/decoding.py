@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 
 import torch
 from torch import nn
@@ -271,8 +272,10 @@ class _Unplannable(Exception):
 
 class _StepPlan:
     """The C++ step of a model (DecodeStep) and what it was made from: the
-    modules in each projection's and norm's place (checked before each step:
-    a new module or a hook there sends the step back to Python)."""
+    modules in each projection's and norm's place and their tensors (checked
+    before each step: a new module, a tensor replaced in one, as
+    load_state_dict replaces a repacked or sorted layer's, or a hook there
+    makes the step again or sends it back to Python)."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype):
         self.step = torch.classes.lowbit.DecodeStep()
@@ -284,6 +287,11 @@ class _StepPlan:
         self.names: list[str] = []
         self.modules: list[nn.Module] = []
         self.hook_dicts: list[dict] = []
+        # Each watched module's _parameters and _buffers, a name there and the
+        # tensor it held (kept alive here: the step holds the same storage).
+        self.tensor_dicts: list[dict] = []
+        self.tensor_names: list[str] = []
+        self.tensors: list[torch.Tensor | None] = []
         self.norm_offset: float | None = None  # 1 for Gemma's norms, 0 for the others; one kind per model
         self.activation: str | None = None
         # The layer types with rotary tables of their own (run's cos and sin rows), in their order there.
@@ -307,6 +315,11 @@ class _StepPlan:
         self.names.append(name)
         self.modules.append(module)
         self.hook_dicts += [module._forward_hooks, module._forward_pre_hooks]  # the step skips its forward
+        for tensors in (module._parameters, module._buffers):
+            for key, tensor in tensors.items():
+                self.tensor_dicts.append(tensors)
+                self.tensor_names.append(key)
+                self.tensors.append(tensor)
         return module
 
     def _norm(self, parent: nn.Module, name: str) -> tuple[torch.Tensor, float]:
@@ -449,9 +462,11 @@ class _StepPlan:
 
     def intact(self) -> bool:
         """Whether the step still describes the model: the same modules in
-        place (decoder layers, norms, projections), no hooks on them."""
+        place (decoder layers, norms, projections) holding the same tensors,
+        no hooks on them."""
         return (not _global_hooks() and list(map(dict.get, self.parents, self.names)) == self.modules
-                and not any(self.hook_dicts))
+                and not any(self.hook_dicts)
+                and all(map(operator.is_, map(dict.get, self.tensor_dicts, self.tensor_names), self.tensors)))
 
     def run(self, x, cos, sin, cache, n: int):
         layers = cache.layers
