@@ -159,3 +159,43 @@ def test_lora_trains_under_torch_compile():
     for n, p in model.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(compiled[n], p.grad, rtol=1e-4, atol=1e-5 * p.grad.abs().max().item())
+
+
+def test_a_regex_adapts_the_model_s_own_projections_not_the_fused_layers(model_path):
+    """A regex matching both the fused layers (qkv_proj, gate_up_proj) and
+    their slices adapts the projections the model has without fusing, as PEFT
+    would there: the same adapter names, each one trained, the same outputs."""
+    kind, path = model_path
+    models = []
+    for fuse in (True, False):
+        base = lowbit.load_gguf_model(path, fuse=fuse) if kind == "gguf" else lowbit.load_gptq_model(path, fuse=fuse)
+        torch.manual_seed(0)
+        models.append(peft.get_peft_model(base, lora_config(target_modules=r".*_proj")))
+    fused, unfused = models
+    assert kind == "gptq" or any(getattr(m, "fused_from", None) for m in fused.modules())  # act-order q, k, v apart
+    names = [sorted(n for n, p in m.named_parameters() if p.requires_grad) for m in models]
+    assert names[0] == names[1] and len(names[0]) == 2 * 2 * len(TARGETS)  # lora_A and lora_B, 2 layers
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    fused(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in fused.parameters() if p.requires_grad)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(input_ids=ids).logits, unfused(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_fused_layer_named_as_a_target_is_refused(tmp_path):
+    """Named, a fused layer would take an adapter of its own, which the model
+    without fusing has no module for."""
+    path = tiny_models.write_tiny_gguf(tmp_path / "tiny.gguf", tiny_models.tiny_model("llama", 0), "llama")
+    with pytest.raises(ValueError, match=r"mlp.gate_up_proj is lowbit's fused layer of gate_proj, up_proj "
+                                         r"\(lowbit.fusing\): name those in target_modules"):
+        peft.get_peft_model(lowbit.load_gguf_model(path), lora_config(target_modules=["gate_up_proj"]))
+
+
+@pytest.mark.parametrize("config, says", [
+    (dict(target_modules="all-linear"), r"target_modules='all-linear' picks torch.nn.Linear modules"),
+    (dict(target_modules=TARGETS, init_lora_weights="pissa"), r"init_lora_weights='pissa' decomposes the base weight"),
+])
+def test_targets_and_inits_lowbit_cannot_adapt_are_refused(model_path, config, says):
+    kind, path = model_path
+    with pytest.raises(ValueError, match=says):
+        peft.get_peft_model(load(kind, path), lora_config(**config))

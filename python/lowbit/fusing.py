@@ -135,6 +135,7 @@ def fuse_projections(model: nn.Module, mapped: GGUFFile | None = None) -> list[s
                 layers = [parent._modules[n] for n in names]
                 fused = type(layers[0]).joined(layers, mapped.back_to_back if mapped is not None else None)
                 outputs = FusedOutputs(fused, [layer.out_features for layer in layers])
+                fused.fused_from = tuple(names)  # what it stands for (lowbit.lora leaves it to its slices)
                 parent.add_module(name, fused)
                 for index, n in enumerate(names):
                     parent.add_module(n, ProjectionSlice(outputs, index, name))

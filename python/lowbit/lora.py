@@ -14,6 +14,11 @@ your own). Gradients reach the adapters and every layer below through
 lowbit's autograd (python/lowbit/_autograd.py). Merging an adapter into a
 quantized base is refused: it would need re-quantization, which moves the
 weights away from those the adapter was trained against.
+
+The model's own projections take adapters: a fused layer (lowbit.fusing's
+qkv_proj, gate_up_proj) that a regex matches gets none (its slices q_proj,
+k_proj, ... take theirs, as in the model without fusing, so adapters move
+between the two), and naming one in target_modules is refused.
 """
 from __future__ import annotations
 
@@ -30,6 +35,9 @@ from .gptq.linear import GPTQLinear
 
 __all__ = ["LoraConfig", "QuantizedLoraLinear", "load_adapter", "register"]
 
+# init_lora_weights values that read the base layer's float weight.
+BASE_WEIGHT_INITS = ("pissa", "olora", "corda", "loftq")
+
 
 class QuantizedLoraLinear(nn.Module, LoraLayer):
     """LoRA over a GGUFLinear or GPTQLinear: base(x) + B(A(dropout(x))) * scaling
@@ -43,8 +51,23 @@ class QuantizedLoraLinear(nn.Module, LoraLayer):
         if config.use_dora:
             raise ValueError(f"{type(self).__name__}: DoRA needs the base weight's norm per column, which lowbit's "
                              "quantized layers do not keep; use plain LoRA")
+        init = config.init_lora_weights
+        if isinstance(init, str) and init.startswith(BASE_WEIGHT_INITS):
+            raise ValueError(f"{type(self).__name__}: init_lora_weights={init!r} decomposes the base weight, which "
+                             "lowbit's quantized layers hold as blocks; use True, False or 'gaussian'")
+        # A fused layer stands for its slices, which take the adapters.
+        self.fused_from = getattr(base_layer, "fused_from", None)
+        if self.fused_from and not isinstance(config.target_modules, str):
+            key = kwargs.get("target_name", "")
+            raise ValueError(f"{type(self).__name__}: {key or 'the target'} is lowbit's fused layer of "
+                             f"{', '.join(self.fused_from)} (lowbit.fusing): name those in target_modules (an adapter "
+                             "on them is the model's own), or load the model with fuse=False")
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config)
+
+    def update_layer(self, adapter_name: str, *args, **kwargs) -> None:
+        if not self.fused_from:  # a fused layer a regex matched takes no adapter (see the module's notes)
+            super().update_layer(adapter_name, *args, **kwargs)
 
     def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
         return module.in_features, module.out_features
@@ -80,6 +103,10 @@ class QuantizedLoraLinear(nn.Module, LoraLayer):
 
 def register(config: peft.LoraConfig) -> peft.LoraConfig:
     """`config` with lowbit's quantized layers registered as LoRA targets."""
+    if config.target_modules == peft.utils.constants.INCLUDE_LINEAR_LAYERS_SHORTHAND:
+        raise ValueError("lowbit.lora: target_modules='all-linear' picks torch.nn.Linear modules, which lowbit's "
+                         "quantized layers are not: name them (e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj', "
+                         "'gate_proj', 'up_proj', 'down_proj'])")
     config._register_custom_module({GGUFLinear: QuantizedLoraLinear, GPTQLinear: QuantizedLoraLinear,
                                     ProjectionSlice: QuantizedLoraLinear})
     return config
