@@ -5,6 +5,7 @@ does (each output row is its own dot product either way), whatever order
 and inputs the slices are called with, under torch.compile and autograd."""
 import copy
 import gc
+import io
 import os
 import shutil
 import sys
@@ -213,6 +214,23 @@ def test_file_rows_back_to_back_join_without_a_copy(qwen2_path):
     assert f.back_to_back([b.data, a.data]) is None  # out of order
     assert f.back_to_back([a.data, b.data.clone()]) is None  # not the file's bytes
     assert f.back_to_back([a.data[:, :-1], b.data[:, :-1]]) is None  # not whole rows
+    # Its storage holds its own bytes: torch.save and deepcopy copy those, not the whole file.
+    assert joined.untyped_storage().nbytes() == a.nbytes + b.nbytes
+
+
+def test_a_fused_model_saves_and_copies_about_its_file_s_bytes(qwen2_path):
+    """Layers joined as views of the mapping hold only their own bytes: a
+    fused model's state dict is about its file's size, not the file once per
+    joined layer."""
+    model = lowbit.load_gguf_model(qwen2_path)
+    assert any(getattr(m, "fused_from", None) for m in model.modules())
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    assert buffer.tell() < 1.1 * os.path.getsize(qwen2_path)
+    copied = copy.deepcopy(model)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in copied.state_dict().values() if t.device.type == "cpu"}
+    assert sum(storages.values()) < 1.1 * os.path.getsize(qwen2_path)
 
 
 def act_order_gptq_llama(bits):

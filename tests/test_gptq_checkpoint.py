@@ -228,6 +228,8 @@ def test_load_gptq_model_keeps_the_float_tables_as_stored(tmp_path, tied, dtype,
     checkpoint = str(tmp_path / "ckpt" / "model.safetensors")
     assert (mapped_file(embedding.qweight) == checkpoint) == (not tied)
     assert mapped_file(head.qweight) is None
+    # Its storage holds its own bytes: torch.save and deepcopy copy those, not the whole file.
+    assert embedding.qweight.untyped_storage().nbytes() == embedding.qweight.nbytes
 
 
 def mapped_file(t: torch.Tensor) -> str | None:

@@ -108,7 +108,10 @@ class GGUFFile:
                     or self._offset(p) != end):
                 return None
             end += p.numel()
-        return torch.from_numpy(self._mapping)[start:end].view(-1, row_bytes)  # a view: no bytes are read
+        # A view with a storage of its own bytes (no bytes are read): a view
+        # of the whole mapping would make torch.save, deepcopy and safetensors
+        # copy the whole file once per joined layer.
+        return torch.from_numpy(self._mapping[start:end]).view(-1, row_bytes)
 
     def release(self, parts: list[torch.Tensor]) -> None:
         """release_mapped(parts): the pages of views whose bytes now live in a

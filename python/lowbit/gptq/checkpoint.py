@@ -117,8 +117,9 @@ def read_tensors(files: list[str], mapped: frozenset[str] = frozenset()) -> dict
                     start = 8 + header_bytes + begin
                     if name in mapped and start % dtype.itemsize == 0:
                         if mapping is None:
-                            mapping = torch.from_numpy(np.memmap(file, dtype=np.uint8, mode="c"))
-                        data = mapping[start:8 + header_bytes + end]
+                            mapping = np.memmap(file, dtype=np.uint8, mode="c")
+                        # A storage of the tensor's own bytes: torch.save and deepcopy copy what it holds.
+                        data = torch.from_numpy(mapping[start:8 + header_bytes + end])
                         if data.numel() != end - begin:
                             raise GPTQCheckpointError(f"{file}: tensor {name!r} is truncated")
                     else:
