@@ -723,3 +723,16 @@ def test_threads_decode_one_model_through_the_cpp_step(gguf_path):
     assert not errors
     for a, b in zip(got, alone):
         assert torch.equal(a, b)
+
+
+def test_a_double_model_generates_through_its_own_forward(gguf_path):
+    """model.double(): the layers multiply float64 activations as float32 and
+    the decode step (whose ops take float32, float16 and bfloat16) leaves its
+    calls to the model's own forward: the fp32 model's tokens."""
+    model = lowbit.load_gguf_model(gguf_path)
+    ids = torch.tensor([[1, 7, 22, 5]])
+    want = generate(model, ids).sequences
+    model.double()
+    assert torch.equal(generate(model, ids).sequences, want)
+    with torch.no_grad():
+        assert model(ids).logits.dtype == torch.float64

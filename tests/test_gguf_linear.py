@@ -154,6 +154,8 @@ def test_embedding_dtype_follows_to_and_validates():
     assert table(torch.tensor([1])).dtype == torch.bfloat16
     table = table.to(torch.float16)  # as a float weight would; the blocks stay uint8
     assert table(torch.tensor([1])).dtype == torch.float16 and table.qweight.dtype == torch.uint8
+    rows = table.to(torch.float32)(torch.tensor([1, 4]))
+    assert torch.equal(table.double()(torch.tensor([1, 4])), rows.double())  # model.double(): the rows exactly
     assert set(table.state_dict()) == {"qweight"}
     assert table(torch.zeros(0, dtype=torch.long)).shape == (0, 64)
     with pytest.raises(IndexError, match=r"token ids must lie in \[0, 10\), got 2 .. 10"):

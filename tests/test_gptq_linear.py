@@ -221,15 +221,22 @@ def test_state_dict_is_the_checkpoint():
 
 
 def test_dtypes_and_to():
+    """model.to(dtype) leaves the checkpoint's scales and bias as stored (fp16
+    scales rounded to bf16 would change every weight): the layer's weight is
+    the same, its outputs follow the input's dtype, float64 included."""
     layer, _ = layer_and_linear(act_order=True)
     x = torch.randn(4, IN)
     y32 = layer(x)
-    layer = layer.to(torch.bfloat16)
-    assert layer.qweight.dtype == torch.int32 and layer.scales.dtype == torch.bfloat16
-    for dtype in (torch.float16, torch.bfloat16):
+    weight, scales, bias = layer.dequantize(), layer.scales.clone(), layer.bias.clone()
+    for dtype in (torch.bfloat16, torch.float64, torch.float32):
+        layer = layer.to(dtype)
+        assert layer.qweight.dtype == torch.int32 and torch.equal(layer.scales, scales) and torch.equal(layer.bias, bias)
+        assert layer.scales.dtype == layer.bias.dtype == torch.float16 and torch.equal(layer.dequantize(), weight)
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
         y = layer(x.to(dtype))
         assert y.dtype == dtype
         torch.testing.assert_close(y.float(), y32, rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(layer(x.double()), y32.double(), rtol=1e-6, atol=1e-6)  # multiplied as float32
 
 
 def test_compile():

@@ -25,12 +25,14 @@ def call_frozen(op, *args):
 
 def linear_forward(layer, x: torch.Tensor) -> torch.Tensor:
     """A quantized linear layer's forward: x [..., in_features] through
-    layer.op_call's op (rows flattened), plus the bias."""
+    layer.op_call's op (rows flattened), plus the bias. float64 inputs (a
+    model.double()) are multiplied as float32, as the ops accumulate."""
     if x.dim() == 0 or x.shape[-1] != layer.in_features:
         raise ValueError(f"{type(layer).__name__}: input must be [..., in_features={layer.in_features}], "
                          f"got {list(x.shape)}")
-    op, args = layer.op_call(x.reshape(-1, layer.in_features))
-    y = call_frozen(op, *args)
+    x2 = x.reshape(-1, layer.in_features)
+    op, args = layer.op_call(x2.float() if x2.dtype == torch.float64 else x2)
+    y = call_frozen(op, *args).to(x.dtype)
     if layer.bias is not None:
         y = y + layer.bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], layer.out_features)

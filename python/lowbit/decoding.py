@@ -80,6 +80,7 @@ _HALF_TABLE_ROTARY = ("GptOssRotaryEmbedding",)
 # as decode_attention does; the others rotate whole heads only.
 _PARTIAL_ROTARY_LAYERS = ("Phi3DecoderLayer",)
 
+STEP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the step's ops take
 # The keyword arguments a served call may carry beyond input_ids, cache,
 # attention_mask and position_ids, with the values it may carry them with.
 _SERVED_VALUES = {"inputs_embeds": (None,), "labels": (None,), "output_attentions": (None, False),
@@ -591,7 +592,9 @@ class _DecodingForward:
                     value is v or (type(value) is type(v) and value == v) for v in _SERVED_VALUES.get(name, ())):
                 return None
         layers, model_layers = cache.layers, self.model.model.layers
-        if len(layers) != len(model_layers) or not all(c.is_initialized and c.keys.shape[0] == 1 for c in layers):
+        # rms_norm and decode_attention take float32, float16 and bfloat16 (not a model.double()'s float64).
+        if len(layers) != len(model_layers) or not all(c.is_initialized and c.keys.shape[0] == 1 and c.keys.dtype
+                                                         in STEP_DTYPES for c in layers):
             return None
         n = layers[0].get_seq_length()
         for c, layer in zip(layers, model_layers):

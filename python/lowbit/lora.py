@@ -18,7 +18,8 @@ weights away from those the adapter was trained against.
 The model's own projections take adapters: a fused layer (lowbit.fusing's
 qkv_proj, gate_up_proj) that a regex matches gets none (its slices q_proj,
 k_proj, ... take theirs, as in the model without fusing, so adapters move
-between the two), and naming one in target_modules is refused.
+between the two), and naming one in target_modules is refused. A quantized
+layer holds blocks, not parameters: in `modules_to_save` it trains nothing.
 """
 from __future__ import annotations
 

@@ -52,17 +52,23 @@ class GGUFEmbedding(nn.Module):
             if low < 0 or high >= self.num_embeddings:
                 raise IndexError(f"GGUFEmbedding: token ids must lie in [0, {self.num_embeddings}), "
                                  f"got {low} .. {high}")
-        rows = self.qweight.index_select(0, flat)
-        out = torch.ops.lowbit.ggml_dequantize(rows, self.qtype, rows.shape[0], self.embedding_dim,
-                                               self.out_dtype.dtype)
+        out = self._decoded(self.qweight.index_select(0, flat))
         if self.embed_scale is not None:
             out = out * self.embed_scale.to(out.dtype)
         return out.reshape(*ids.shape, self.embedding_dim)
 
     def dequantize(self) -> torch.Tensor:
         """The whole float table [num_embeddings, embedding_dim]."""
-        return torch.ops.lowbit.ggml_dequantize(self.qweight, self.qtype, self.num_embeddings, self.embedding_dim,
-                                                self.out_dtype.dtype)
+        return self._decoded(self.qweight)
+
+    def _decoded(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` of blocks as floats of the output dtype: ggml_dequantize
+        writes float32, float16 and bfloat16; float64 (model.double()) is
+        their float32 values, exactly."""
+        dtype = self.out_dtype.dtype
+        written = dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
+        out = torch.ops.lowbit.ggml_dequantize(rows, self.qtype, rows.shape[0], self.embedding_dim, written)
+        return out.to(dtype)
 
     def extra_repr(self) -> str:
         scale = "" if self.embed_scale is None else f", embed_scale={self.embed_scale.item():g}"

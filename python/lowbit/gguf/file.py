@@ -362,7 +362,13 @@ def _parse(data: np.ndarray, path: str) -> tuple[int, dict[str, Any], list[_Tens
 
 
 def load_gguf(path: str | os.PathLike) -> GGUFFile:
-    """Parse and validate a GGUF file; raises GGUFError for any problem with it."""
+    """Parse and validate a GGUF file; raises GGUFError for any problem with it.
+
+    Its tensors are views of the file's pages, read as they are used (as
+    llama.cpp maps a file): the file must not change while they are in use.
+    Deleting it or renaming a new file over it is safe; writing into it
+    changes the tensors, and truncating it ends the process (SIGBUS) at
+    the next read of a page past the new end."""
     path = os.fspath(path)
     check_regular_file(path, "GGUF file", GGUFError)
     try:

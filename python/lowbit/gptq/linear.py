@@ -396,7 +396,13 @@ class GPTQLinear(nn.Module):
         # else, qweight goes back to the checkpoint's layout first.
         if self.repacked and fn(torch.empty(0, dtype=torch.int32)).device.type != "cpu":
             self.unrepack()
+        # The checkpoint's scales and bias keep their dtype through model.to(dtype)
+        # (fp16 scales rounded to bf16 would change every weight); only their device follows.
+        stored = {name: self._buffers[name] for name in ("scales", "bias") if self._buffers.get(name) is not None}
         out = super()._apply(fn, recurse)
+        for name, tensor in stored.items():
+            if self._buffers[name].dtype != tensor.dtype:
+                self._buffers[name] = tensor.to(self._buffers[name].device)
         if self.rows_sorted:  # moved: the check's key follows the buffers
             self._sorted_key = self._key()
         return out
