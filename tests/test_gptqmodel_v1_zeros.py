@@ -23,9 +23,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import gptq_reference as ref
-from lowbit.gptq.checkpoint import load_gptq, write_checkpoint
+from lowbit.gptq.checkpoint import load_gptq, save_gptq, write_checkpoint
+from lowbit.gptq.config import read_config
 from lowbit.gptq.convert import convert_checkpoint
 
 GPTQMODEL_VERSION = "7.7.0"  # the Makefile's GPTQMODEL_PKG
@@ -91,6 +93,16 @@ def test_hand_built_4bit_word(tmp_path, zeros):
     with pytest.warns(UserWarning, match=rf"{re.escape(str(tmp_path / 'src'))}: 1 modules \({MODULE}\) .*{WARNING}"):
         convert_checkpoint(tmp_path / "src", tmp_path / "v2")
     assert int(load_gptq(tmp_path / "v2").modules[MODULE].qzeros[0, 0]) == int(as_int32([v2_word])[0])
+
+    # Saved again under its v1 label, the words are GPTQModel's again: the same zeros to any reader.
+    model = torch.nn.Module()
+    model.add_module(MODULE, layer)
+    save_gptq(model, tmp_path / "saved", read_config(str(tmp_path / "src")))
+    saved = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    assert int(saved[f"{MODULE}.qzeros"][0, 0]) == int(as_int32([v1_word])[0])
+    with pytest.warns(UserWarning, match=WARNING):
+        again = load_gptq(tmp_path / "saved").modules[MODULE]
+    assert torch.equal(again.dequantize(torch.float64), layer.dequantize(torch.float64))
 
 
 # --- against GPTQModel's own code --------------------------------------------------------------

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from .._checks import check_finite, check_regular_file
 from .packing import fields_per_pack, words_per_pack
 from .config import GPTQCheckpointError, GPTQConfig, ModuleQuant, read_config, read_json
-from ..fusing import unfused_state_dict
+from ..fusing import ProjectionSlice, unfused_state_dict
 from .linear import GPTQLinear
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -545,7 +545,26 @@ def save_gptq(model: torch.nn.Module, directory: str | os.PathLike, config: GPTQ
         if key not in seen:
             seen.add(key)
             tensors[name] = t
+    _zeros_as_labelled(model, tensors, config.checkpoint_format)
     hf_config = getattr(model, "config", None)
     content = hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}
     content["quantization_config"] = config.to_dict()
     write_checkpoint(directory, tensors, content, max_shard_bytes=max_shard_bytes)
+
+
+def _zeros_as_labelled(model: torch.nn.Module, tensors: dict[str, torch.Tensor], label: str) -> None:
+    """Each layer's qzeros in `tensors` written in the zero format `label`
+    says, where the layer holds the other one (a GPTQModel v1 module read as
+    exact v2 zeros, a mislabelled checkpoint read as its words say): v1 as
+    GPTQModel writes it (v2_zeros_as_gptqmodel_v1), which reads back as the
+    same zeros."""
+    for name, module in model.named_modules():
+        layer = module.outputs.layer if isinstance(module, ProjectionSlice) else module
+        key = f"{name}.qzeros" if name else "qzeros"
+        if not isinstance(layer, GPTQLinear) or layer.checkpoint_format == label or key not in tensors:
+            continue
+        if label == "gptq":
+            zeros = torch.ops.lowbit.gptq_unpack(tensors[key], layer.bits, 1)
+            tensors[key] = v2_zeros_as_gptqmodel_v1(zeros, layer.bits)
+        else:
+            tensors[key] = torch.ops.lowbit.gptq_pack(v1_zeros_as_v2(tensors[key], layer.bits)[0], layer.bits, 1)
