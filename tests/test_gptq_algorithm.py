@@ -325,6 +325,17 @@ def test_llama_lm_head_v1_and_dict_batches(tmp_path):
     assert torch.equal(logits(fresh, held_out), logits(model, held_out))
 
 
+def test_a_tied_lm_head_is_not_quantized():
+    """A quantized head beside tie_word_embeddings: vLLM would load the
+    embedding as the head and skip the quantized one (GPTQModel refuses it)."""
+    model = tiny_llama()
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.get_input_embeddings().weight
+    with pytest.raises(ValueError, match=r"quantize: lm_head=True, but the LM head is tied to the token embedding"):
+        quantize(model, tokens(1, seed=1), 4, group_size=64, lm_head=True)
+    assert not any(isinstance(m, lowbit.GPTQLinear) for m in model.modules())  # refused before any layer
+
+
 @pytest.mark.parametrize("arch", ["gemma3", "gemma2"])
 def test_each_layer_is_calibrated_with_its_own_mask_and_rotation(arch):
     """Gemma 2/3 give each layer type its own attention mask (a sliding

@@ -833,6 +833,8 @@ BAD_CONFIG_VALUES = {
     "sym": (("false", 1), "sym must be true or false"),
     "desc_act": (("true", 0), "desc_act must be true or false"),
     "lm_head": (("false",), "lm_head must be true or false"),
+    # GPTQModel rotates such a checkpoint's down_proj inputs at run time.
+    "rotation": (("hadamard", "random"), "rotation .* is not supported: GPTQModel rotates"),
 }
 CONFIG_CASES = [pytest.param(key, value, says, id=f"{key}={value!r}")
                 for key, (values, says) in BAD_CONFIG_VALUES.items() for value in values]
@@ -856,6 +858,19 @@ def test_bad_config_values_name_the_key(checkpoint, key, value, says):
     edit_config(checkpoint, **{key: value})
     with pytest.raises(GPTQConfigError, match=f"^{re.escape(str(checkpoint / 'quantize_config.json'))}: {says}"):
         load(checkpoint)
+
+
+def test_format_keys_that_disagree_are_refused(checkpoint):
+    """GPTQModel reads "format" where it is given, vLLM "checkpoint_format" alone: one file giving both,
+    differently, reads as garbage in one of them."""
+    stored = json.loads((checkpoint / "quantize_config.json").read_text()).get("checkpoint_format", "gptq")
+    other = "gptq" if stored == "gptq_v2" else "gptq_v2"
+    edit_config(checkpoint, checkpoint_format=stored, format=other)
+    with pytest.raises(GPTQConfigError, match=rf"quantize_config.json: checkpoint_format '{stored}' and format "
+                                              rf"'{other}' disagree"):
+        load(checkpoint)
+    edit_config(checkpoint, format=stored)
+    load(checkpoint)
 
 
 @pytest.mark.parametrize("rule", [r"-:.*\.layers\.\d{1,2}\.mlp\..*", r"+:.*\.(\d{2}){1,3}\..*", r".*\{9{0,9}\}.*",

@@ -296,6 +296,11 @@ def quantize(model: nn.Module, calibration_batches: Iterable[Any], bits: int, gr
     decoder = getattr(model, "model", None)
     if not isinstance(getattr(decoder, "layers", None), nn.ModuleList):
         raise ValueError("quantize: expected an HF causal LM with decoder layers at model.model.layers")
+    if lm_head and (getattr(model.config, "tie_word_embeddings", False)
+                    or getattr(getattr(model, "lm_head", None), "weight", None) is model.get_input_embeddings().weight):
+        # vLLM loads such a checkpoint's head as the embedding, skipping the quantized one; GPTQModel refuses it.
+        raise ValueError("quantize: lm_head=True, but the LM head is tied to the token embedding "
+                         "(tie_word_embeddings): untie it first (its own weight and tie_word_embeddings=False)")
 
     def quantize_one(linear: nn.Linear, hessian: torch.Tensor) -> GPTQLinear:
         return quantize_linear(linear, hessian, bits, group_size, sym, desc_act, checkpoint_format, damp_percent)

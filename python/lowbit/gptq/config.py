@@ -25,7 +25,8 @@ OVERRIDABLE = ("bits", "group_size", "desc_act", "sym")  # what a `dynamic` rule
 # The keys that decide how the tensors read: a directory's config files must agree on them.
 READING_KEYS = OVERRIDABLE + ("checkpoint_format", "lm_head", "dynamic")
 # Other keys (true_sequential, static_groups, meta, damp_percent, ...) describe
-# how a checkpoint was made, not how to read it, and are ignored.
+# how a checkpoint was made, not how to read it, and are ignored; a rotation
+# changes how it is run, and is refused (parse_config).
 # The seconds one config's `dynamic` rules may spend matching module names, all
 # calls together. A legitimate rule takes microseconds per name; a checkpoint's
 # rules are untrusted, and a backtracking one can run for hours on one name.
@@ -180,6 +181,14 @@ def parse_config(raw: dict[str, Any], source: str = "") -> GPTQConfig:
     method = raw.get("quant_method", "gptq")
     if method != "gptq":
         raise GPTQConfigError(f"{where}: quant_method is {method!r}, not 'gptq'")
+    if "checkpoint_format" in raw and "format" in raw and raw["checkpoint_format"] != raw["format"]:
+        # GPTQModel reads "format" first, vLLM "checkpoint_format" alone: readers would disagree.
+        raise GPTQConfigError(f"{where}: checkpoint_format {raw['checkpoint_format']!r} and format "
+                              f"{raw['format']!r} disagree")
+    if raw.get("rotation"):
+        raise GPTQConfigError(f"{where}: rotation {raw['rotation']!r} is not supported: GPTQModel rotates such a "
+                              "model's down_proj inputs at run time (an online Hadamard transform) to match its "
+                              "weights")
     key = _format_key(raw)
     fmt = raw.get(key, "gptq")
     if fmt not in FORMATS:
