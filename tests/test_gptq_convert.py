@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -300,6 +301,11 @@ def test_load_warns_on_mislabelled(tmp_path, label, stored, word):
         loaded = load_gptq(dst)
     assert all(m.checkpoint_format == stored for m in loaded.modules.values())
     assert same_outputs(model, loaded)
+    # The label the warning says to pass is read as given, without a warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        forced = load_gptq(dst, checkpoint_format=label)
+    assert all(m.checkpoint_format == label for m in forced.modules.values())
 
 
 # --- command line -------------------------------------------------------------------------------

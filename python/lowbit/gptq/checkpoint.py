@@ -168,8 +168,9 @@ def load_gptq(path: str | os.PathLike, checkpoint_format: str | None = None,
               mapped: frozenset[str] = frozenset()) -> GPTQCheckpoint:
     """Reads a GPTQ checkpoint (directory or single .safetensors file next to its
     config) into GPTQLinear modules, keyed by module name, plus the remaining
-    tensors. `checkpoint_format` overrides the config's "gptq" / "gptq_v2";
-    `mapped` names tensors left in the file (read_tensors)."""
+    tensors. `checkpoint_format` overrides the config's "gptq" / "gptq_v2"
+    (and stored_format's reading of the words); `mapped` names tensors left
+    in the file (read_tensors)."""
     directory, files = checkpoint_files(path)
     config = read_config(directory)
     if checkpoint_format is not None:
@@ -191,7 +192,8 @@ def load_gptq(path: str | os.PathLike, checkpoint_format: str | None = None,
                                       "rules exclude it from quantization")
         parts = {k: tensors.pop(f"{prefix}.{k}", None) for k in (*QUANT_TENSORS, "bias")}
         ckpt.modules[prefix] = _module(prefix, quant, config, parts, directory)
-    _check_labelled_format(ckpt)
+    if checkpoint_format is None:  # a format the caller gives is read as given
+        _check_labelled_format(ckpt)
     _read_gptqmodel_v1_zeros(ckpt)
     ckpt.tensors = tensors
     return ckpt
