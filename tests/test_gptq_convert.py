@@ -114,6 +114,23 @@ def test_config_keys_kept(tmp_path):
     assert read_json(tmp_path / "dst" / "quantize_config.json") == expected
 
 
+def test_each_config_file_keeps_its_own_keys(tmp_path):
+    """config.json's quantization_config may hold keys quantize_config.json
+    does not (HF's modules_in_block_to_quantize decides which Linears
+    transformers quantizes) and the other way round: each file keeps its own."""
+    src = tmp_path / "src"
+    make_checkpoint(src)
+    content = read_json(src / "config.json")
+    content["quantization_config"].update(modules_in_block_to_quantize=[["self_attn.q_proj"]], use_exllama=False)
+    (src / "config.json").write_text(json.dumps(content))
+    quantize = dict(read_json(src / "quantize_config.json"), meta={"quantizer": ["gptqmodel:4.0"]})
+    (src / "quantize_config.json").write_text(json.dumps(quantize))
+    convert_checkpoint(src, tmp_path / "dst")
+    out = read_json(tmp_path / "dst" / "config.json")["quantization_config"]
+    assert out == dict(content["quantization_config"], checkpoint_format="gptq_v2")
+    assert read_json(tmp_path / "dst" / "quantize_config.json") == dict(quantize, checkpoint_format="gptq_v2")
+
+
 # --- refusals -----------------------------------------------------------------------------------
 
 

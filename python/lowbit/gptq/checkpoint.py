@@ -402,11 +402,13 @@ def check_layer_count(directory: str | os.PathLike) -> None:
 
 
 def write_checkpoint(directory: str | os.PathLike, tensors: dict[str, torch.Tensor], config: dict[str, Any],
-                     copy_from: str | None = None, max_shard_bytes: int | None = None) -> None:
+                     copy_from: str | None = None, max_shard_bytes: int | None = None,
+                     quantize_config: dict[str, Any] | None = None) -> None:
     """Writes a checkpoint directory atomically: everything goes to a temporary
     directory beside `directory`, which is renamed into place at the end, so an
     interrupted write leaves no `directory`. `config` is the full config.json
-    content (with "quantization_config"); quantize_config.json gets that part.
+    content (with "quantization_config"); quantize_config.json gets
+    `quantize_config`, by default that part.
     Files of `copy_from` other than weights and configs are copied along."""
     directory = os.path.abspath(os.fspath(directory))
     if os.path.exists(directory):
@@ -424,7 +426,7 @@ def write_checkpoint(directory: str | os.PathLike, tensors: dict[str, torch.Tens
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
         with open(os.path.join(tmp, "quantize_config.json"), "w") as f:
-            json.dump(config["quantization_config"], f, indent=2)
+            json.dump(config["quantization_config"] if quantize_config is None else quantize_config, f, indent=2)
         _sync_tree(tmp)  # the data is on disk before the name appears
         os.rename(tmp, directory)
     except BaseException as e:
@@ -434,6 +436,19 @@ def write_checkpoint(directory: str | os.PathLike, tensors: dict[str, torch.Tens
         if isinstance(e, (OSError, SafetensorError)):
             raise GPTQCheckpointError(f"{directory}: cannot write the checkpoint: {e}") from e
         raise
+
+
+def source_configs(directory: str, config: GPTQConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(config.json's content, the quantize config) of the checkpoint whose
+    config read_config gave, each file's keys kept as written (config.json's
+    quantization_config may hold keys the quantize config file does not, and
+    the other way round): what a rewrite of the checkpoint writes back."""
+    path = os.path.join(directory, "config.json")
+    content = read_json(path, "config") if os.path.lexists(path) else {}
+    raw = read_json(config.source, "config")
+    quantize = dict(raw["quantization_config"] if os.path.basename(config.source) == "config.json" else raw)
+    content["quantization_config"] = dict(content.get("quantization_config") or quantize)
+    return content, quantize
 
 
 def _copy_other_files(src: str, tmp: str) -> None:

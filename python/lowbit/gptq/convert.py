@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from .checkpoint import (GPTQCheckpointError, checkpoint_files, gptqmodel_warning, read_tensors, v1_zeros_as_v2,
-                         write_checkpoint)
-from .config import FORMATS, GPTQConfig, read_config, read_json
+from .checkpoint import (GPTQCheckpointError, checkpoint_files, gptqmodel_warning, read_tensors, source_configs,
+                         v1_zeros_as_v2, write_checkpoint)
+from .config import FORMATS, GPTQConfig, read_config
 
 MAX_NAMED_MODULES = 5  # refusals name this many modules, then give the count
 
@@ -71,8 +71,13 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str =
             warnings.warn(gptqmodel_warning(src, by_gptqmodel), stacklevel=2)
     for prefix, (bits, z) in converted.items():
         tensors[f"{prefix}.qzeros"] = torch.ops.lowbit.gptq_pack(z, bits, 1)
-    write_checkpoint(dst, tensors, _converted_config(src, config, to), copy_from=src,
-                     max_shard_bytes=_largest_shard_bytes(files) if len(files) > 1 else None)
+    content, quantize = source_configs(src, config)
+    for quant in (content["quantization_config"], quantize):
+        quant["checkpoint_format"] = to
+        if "format" in quant:  # newer GPTQModel writes the format under both keys
+            quant["format"] = to
+    write_checkpoint(dst, tensors, content, copy_from=src,
+                     max_shard_bytes=_largest_shard_bytes(files) if len(files) > 1 else None, quantize_config=quantize)
     return {"source": src, "destination": dst, "from": config.checkpoint_format, "to": to,
             "modules": len(zeros), "tensors": len(tensors), "shards": len(checkpoint_files(dst)[1])}
 
@@ -127,21 +132,6 @@ def _check_v1_representable(src: str, zeros: dict[str, tuple[int, torch.Tensor]]
         raise ValueError(f"{src}: cannot convert 'gptq_v2' to 'gptq': {len(bad)} of {len(zeros)} modules have zero "
                          f"points of 0, which v1 ('gptq') cannot store (it keeps zero-1) ({named}); nothing was "
                          "written")
-
-
-def _converted_config(src: str, config: GPTQConfig, to: str) -> dict[str, Any]:
-    """config.json content for the output: the source's config.json (if any)
-    with quantization_config = the source's quantization config (from the file
-    read_config used, so keys like `meta` survive) relabelled `to`."""
-    path = os.path.join(src, "config.json")
-    content = read_json(path, "config") if os.path.lexists(path) else {}
-    raw = read_json(config.source, "config")
-    quant = dict(raw["quantization_config"] if os.path.basename(config.source) == "config.json" else raw)
-    quant["checkpoint_format"] = to
-    if "format" in quant:  # newer GPTQModel writes the format under both keys
-        quant["format"] = to
-    content["quantization_config"] = quant
-    return content
 
 
 def _largest_shard_bytes(files: list[str]) -> int:

@@ -19,7 +19,6 @@ communicate nothing. Loaders build CPU modules; move them with `.to(device)`.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import warnings
@@ -33,8 +32,8 @@ from safetensors import safe_open
 from torch import nn
 
 from .checkpoint import (HEADER_DTYPES, GPTQCheckpointError, check_finite_floats, check_module_tensors,
-                         checkpoint_files, hold_gptqmodel_zeros_as_v2, read_tensors, stored_format,
-                         v1_zeros_as_v2, v2_zeros_as_gptqmodel_v1, write_checkpoint)
+                         checkpoint_files, hold_gptqmodel_zeros_as_v2, read_tensors, source_configs,
+                         stored_format, v1_zeros_as_v2, v2_zeros_as_gptqmodel_v1, write_checkpoint)
 from .config import GPTQConfig, read_config
 from .linear import GPTQLinear
 from .packing import fields_per_pack, words_per_pack
@@ -218,20 +217,6 @@ def _reorder_mlp(tensors: dict[str, torch.Tensor], prefix: str, config: GPTQConf
     tensors.update({f"{names['down_proj']}.{k}": v for k, v in permuted.items()})
 
 
-def _config_content(directory: str, config: GPTQConfig) -> dict:
-    """config.json's content with the quantization config, as write_checkpoint
-    takes it, keeping every key of the source files."""
-    content = {}
-    path = os.path.join(directory, "config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            content = json.load(f)
-    if os.path.basename(config.source) != "config.json":
-        with open(config.source) as f:
-            content["quantization_config"] = json.load(f)
-    return content
-
-
 def reorder_checkpoint(src: str | os.PathLike, dst: str | os.PathLike,
                        mlp_prefixes: Sequence[str] | None = None) -> list[str]:
     """Writes `dst`: the GPTQ checkpoint `src` with Algorithm 3 (`tp_aware`)
@@ -250,7 +235,8 @@ def reorder_checkpoint(src: str | os.PathLike, dst: str | os.PathLike,
                          f"{'/'.join(MLP_PARTS)} modules")
     for prefix in prefixes:
         _reorder_mlp(tensors, prefix, config)
-    write_checkpoint(dst, tensors, _config_content(directory, config), copy_from=directory)
+    content, quantize = source_configs(directory, config)
+    write_checkpoint(dst, tensors, content, copy_from=directory, quantize_config=quantize)
     return prefixes
 
 
