@@ -325,6 +325,24 @@ def test_llama_lm_head_v1_and_dict_batches(tmp_path):
     assert torch.equal(logits(fresh, held_out), logits(model, held_out))
 
 
+def test_padding_adds_nothing_to_the_hessians():
+    """Positions the attention mask leaves out (left padding) do not reach a
+    Hessian: calibrations that differ only in the padded tokens' ids give the
+    same checkpoint, LM head included (GPTQModel drops them the same way)."""
+    ids = tokens(2, seed=1)
+    mask = torch.ones_like(ids[0])
+    mask[1, :5] = 0
+    results = []
+    for pad in (0, 7):
+        padded = [t.clone() for t in ids]
+        padded[0][1, :5] = pad
+        model = tiny_llama()
+        quantize(model, [{"input_ids": t, "attention_mask": mask} for t in padded], 4, group_size=64, lm_head=True)
+        results.append({n: t for n, t in model.state_dict().items() if n.endswith(("qweight", "qzeros", "scales"))})
+    assert results[0].keys() == results[1].keys() and "lm_head.qweight" in results[0]
+    assert all(torch.equal(results[0][n], results[1][n]) for n in results[0])
+
+
 def test_a_tied_lm_head_is_not_quantized():
     """A quantized head beside tie_word_embeddings: vLLM would load the
     embedding as the head and skip the quantized one (GPTQModel refuses it)."""

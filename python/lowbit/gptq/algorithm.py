@@ -286,7 +286,9 @@ def quantize(model: nn.Module, calibration_batches: Iterable[Any], bits: int, gr
 
     `calibration_batches` are token id tensors [batch, seq] or dicts of
     model(**batch) keyword arguments (input_ids, attention_mask), read once
-    (a generator will do). Work happens on the model's device; besides the
+    (a generator will do); positions an attention_mask [batch, seq] masks
+    (padding) add nothing to a Hessian (but for experts', whose inputs are
+    the tokens routed to them). Work happens on the model's device; besides the
     model it holds one layer's inputs for all batches and one Hessian.
     A refusal raised midway (a v1 zero point of 0) leaves the Linears before
     it quantized.
@@ -309,13 +311,13 @@ def quantize(model: nn.Module, calibration_batches: Iterable[Any], bits: int, gr
     model.eval()
     try:
         with torch.no_grad():
-            hidden, extras = _layer_inputs(model, decoder.layers, calibration_batches)
+            hidden, extras, kept = _layer_inputs(model, decoder.layers, calibration_batches)
             for index, layer in enumerate(tqdm(decoder.layers, desc="GPTQ layers", disable=not progress)):
                 inputs = [_with_hidden(args, kwargs, h) for h, (args, kwargs) in zip(hidden, extras[index])]
-                _quantize_layer(layer, f"model.layers.{index}", inputs, quantize_one)
+                _quantize_layer(layer, f"model.layers.{index}", inputs, kept, quantize_one)
                 hidden = [_run(layer, args, kwargs) for args, kwargs in inputs]
             if lm_head:
-                _quantize_lm_head(model, decoder.norm, hidden, quantize_one)
+                _quantize_lm_head(model, decoder.norm, hidden, kept, quantize_one)
     finally:
         model.train(training)
     return GPTQConfig(bits=bits, group_size=group_size, desc_act=desc_act, sym=sym,
@@ -330,15 +332,16 @@ class _StageInputsIn(Exception):
     """Stops a decoder layer's forward once a stage's Linear has its input."""
 
 
-def _layer_inputs(model: nn.Module, layers: nn.ModuleList, batches: Iterable[Any]) -> tuple[list, list]:
+def _layer_inputs(model: nn.Module, layers: nn.ModuleList, batches: Iterable[Any]) -> tuple[list, list, list]:
     """(the first decoder layer's hidden states per calibration batch, per
     layer and batch the (args, kwargs) the float model gives that layer with
-    its hidden states left out: None). Each layer's own, as masks and rotary
+    its hidden states left out: None, per batch its attention_mask [batch,
+    seq] as bools where it gives one). Each layer's own, as masks and rotary
     embeddings can differ by layer type (Gemma 2/3's sliding and global
     layers, Qwen2's sliding-window ones); they do not depend on the weights,
     so one forward of the float model finds them; only the first layer's
     hidden states are kept."""
-    hidden, extras = [], [[] for _ in layers]
+    hidden, extras, kept = [], [[] for _ in layers], []
 
     def capture(index, module, args, kwargs):
         h, args, kwargs = (args[0], (None, *args[1:]), kwargs) if args else (
@@ -354,6 +357,8 @@ def _layer_inputs(model: nn.Module, layers: nn.ModuleList, batches: Iterable[Any
     try:
         for batch in batches:
             kwargs = dict(batch) if isinstance(batch, Mapping) else {"input_ids": batch}
+            mask = kwargs.get("attention_mask")
+            kept.append(mask.bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
             try:
                 # No KV cache: each layer will run again on the same inputs.
                 model(**kwargs, use_cache=False)
@@ -366,7 +371,13 @@ def _layer_inputs(model: nn.Module, layers: nn.ModuleList, batches: Iterable[Any
         raise ValueError("quantize: calibration_batches is empty")
     if any(len(e) != len(hidden) for e in extras):
         raise ValueError("quantize: the model's forward did not run every decoder layer once per batch")
-    return hidden, extras
+    return hidden, extras, kept
+
+
+def _kept_rows(x: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+    """A Linear's input [batch, seq, in] without the positions the batch's
+    attention mask leaves out (padding); any other input as it is."""
+    return x if kept is None or x.shape[:-1] != kept.shape else x[kept]
 
 
 def _run(layer: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -380,7 +391,7 @@ def _with_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple
     return args, {**kwargs, "hidden_states": hidden}
 
 
-def _quantize_layer(layer: nn.Module, prefix: str, inputs, quantize_one) -> None:
+def _quantize_layer(layer: nn.Module, prefix: str, inputs, kept: list, quantize_one) -> None:
     """Quantizes the Linears of one decoder layer, stage after stage, each
     from inputs that went through the stages quantized before it. A stage is
     one Linear group (Linears sharing an input share its Hessian), or every
@@ -394,15 +405,18 @@ def _quantize_layer(layer: nn.Module, prefix: str, inputs, quantize_one) -> None
         # that call starts: the rest of the layer's forward is skipped.
         stop = len(stage) == 1 and stage[0][0] not in repeated
 
+        batch = [None]  # the attention mask of the batch running
+
         def add(h: Hessian, x: torch.Tensor) -> None:
-            h.add(x)
+            h.add(_kept_rows(x, batch[0]))
             if stop:
                 raise _StageInputsIn
 
         hooks = [linears[group[0]].register_forward_pre_hook(lambda module, args, h=h: add(h, args[0]))
                  for group, h in zip(stage, hessians)]
         try:
-            for args, kwargs in inputs:
+            for (args, kwargs), mask in zip(inputs, kept):
+                batch[0] = mask
                 try:
                     _run(layer, args, kwargs)
                 except _StageInputsIn:
@@ -510,10 +524,10 @@ def _groups_by_input(layer: nn.Module, linears: dict[str, nn.Linear], sample, pr
     return groups
 
 
-def _quantize_lm_head(model: nn.Module, norm: nn.Module, hidden, quantize_one) -> None:
+def _quantize_lm_head(model: nn.Module, norm: nn.Module, hidden, kept: list, quantize_one) -> None:
     """The LM head reads the final norm of the last layer's outputs."""
     head = model.lm_head
     hessian = Hessian(head.in_features, head.weight.device)
-    for h in hidden:
-        hessian.add(norm(h))
+    for h, mask in zip(hidden, kept):
+        hessian.add(_kept_rows(norm(h), mask))
     model.lm_head = quantize_one(head, hessian.value())
