@@ -241,6 +241,32 @@ def test_chat_prompt_refuses_templates_that_do_not_render(template, says):
         chat_prompt(PATH, tokenizer, "hi", 4096)
 
 
+def test_an_interrupted_render_leaves_no_child():
+    """Ctrl-C (any exception) while the child renders: the child is killed
+    and reaped, and the interrupt is what the caller sees."""
+    import signal
+
+    from lowbit._bounded import run_bounded
+
+    def spin():
+        while True:
+            pass
+
+    def interrupt(*args):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_bounded(spin, 60, 1 << 28)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    with pytest.raises(ChildProcessError):
+        os.waitpid(-1, os.WNOHANG)  # no child of this process is left, running or unreaped
+
+
 @pytest.mark.parametrize("template, says", [
     # 10^10 iterations: the child is killed at the time limit.
     ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}", "did not finish in 2 s"),

@@ -4,7 +4,6 @@ cannot hang or exhaust the caller: in a forked child, under a time limit
 and an address-space limit, its result sent back pickled."""
 import os
 import pickle
-import resource
 import select
 import signal
 import time
@@ -33,9 +32,10 @@ def run_bounded(fn, seconds: float, extra_bytes: int):
         os.close(read_end)
         _child(fn, write_end, extra_bytes)
     os.close(write_end)
+    data = None
     try:
         data = _read_until(read_end, time.monotonic() + seconds)
-    finally:
+    finally:  # at the deadline, or interrupted (Ctrl-C): the child goes too
         os.close(read_end)
         if data is None:
             os.kill(pid, signal.SIGKILL)
@@ -53,6 +53,8 @@ def run_bounded(fn, seconds: float, extra_bytes: int):
 def _child(fn, write_end: int, extra_bytes: int) -> None:
     """Runs fn under the address-space limit, writes (ok, result or message)
     and exits without the parent's atexit handlers or buffered output."""
+    import resource  # Unix's, as fork is
+
     try:
         try:
             with open("/proc/self/statm") as f:
