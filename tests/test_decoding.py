@@ -555,16 +555,19 @@ def test_the_cpp_step_follows_the_model_between_steps(gguf_path):
     assert len(seen) == 1
 
 
-@pytest.mark.parametrize("kind", ["gguf repacked", "gptq rows sorted"])
+@pytest.mark.parametrize("kind", ["gguf repacked", "gptq rows sorted", "gptq rows unsorted"])
 def test_the_cpp_step_follows_weights_load_state_dict_replaces(kind, gguf_path, tmp_path):
     """load_state_dict puts new tensors into a repacked GGUF layer or an
     act-order GPTQ layer with sorted rows (the file's order undone, then
-    redone): the next step of the same generation multiplies by them."""
+    redone), or copies into an unsorted one's buffers, whose step runs on a
+    private sorted copy: the next step of the same generation multiplies by
+    the new weights."""
     if kind == "gguf repacked":
         model = repacked_gguf_model(gguf_path)
         other = repacked_gguf_model(write_tiny_gguf(tmp_path / "other.gguf", tiny_model("llama", seed=1), "llama"))
     else:
-        model, other = (fast_decoding(m) and m for m in (gptq_model("sorted"), gptq_model("sorted", seed=3)))
+        layout = kind.rpartition(" ")[2]
+        model, other = (fast_decoding(m) and m for m in (gptq_model(layout), gptq_model(layout, seed=3)))
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=torch.tensor([[1, 7, 22, 5]]), cache=cache)

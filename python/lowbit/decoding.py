@@ -293,6 +293,10 @@ class _StepPlan:
         self.tensor_dicts: list[dict] = []
         self.tensor_names: list[str] = []
         self.tensors: list[torch.Tensor | None] = []
+        # Layers whose template holds a private copy of their rows (act-order
+        # GPTQ layers with unsorted rows), each with that copy's plan: checked
+        # as the layer's own forward checks it (a write in place changes no tensor).
+        self.copies: list[tuple[nn.Module, tuple]] = []
         self.norm_offset: float | None = None  # 1 for Gemma's norms, 0 for the others; one kind per model
         self.activation: str | None = None
         # The layer types with rotary tables of their own (run's cos and sin rows), in their order there.
@@ -341,6 +345,9 @@ class _StepPlan:
         elif "op_template" in type(module).__dict__:
             op, args, perm = module.op_template(probe)
             bias = module.bias
+            copy = module.private_copy() if hasattr(module, "private_copy") else None
+            if copy is not None:
+                self.copies.append((module, copy))
         else:
             raise _Unplannable(name)
         at = [i for i, a in enumerate(args) if a is probe]
@@ -467,7 +474,8 @@ class _StepPlan:
         no hooks on them."""
         return (not _global_hooks() and list(map(dict.get, self.parents, self.names)) == self.modules
                 and not any(self.hook_dicts)
-                and all(map(operator.is_, map(dict.get, self.tensor_dicts, self.tensor_names), self.tensors)))
+                and all(map(operator.is_, map(dict.get, self.tensor_dicts, self.tensor_names), self.tensors))
+                and all(module.copy_current(copy) for module, copy in self.copies))
 
     def run(self, x, cos, sin, cache, n: int):
         layers = cache.layers

@@ -326,6 +326,16 @@ class GPTQLinear(nn.Module):
             plan = self._plan = self._new_plan()
         return plan[1] if plan[1] is not None else (self.qweight, self.g_idx, None)
 
+    def private_copy(self) -> tuple | None:
+        """The plan whose private sorted copy of the rows this layer runs on
+        (act-order, rows unsorted), or None where it runs on its own buffers;
+        copy_current(plan) says whether it still holds the rows it copied."""
+        plan = self._plan
+        return plan if plan is not None and plan[1] is not None and self._buffers["row_order"] is None else None
+
+    def copy_current(self, plan: tuple) -> bool:
+        return self._plan is plan and self._still_valid(plan)
+
     def _key(self) -> tuple:
         # Read from _buffers directly: nn.Module's attribute lookup is a cost per call here.
         q, g = self._buffers["qweight"], self._buffers["g_idx"]
