@@ -570,11 +570,18 @@ def test_load_gguf_tokenizer_reads_gemma_files(tmp_path):
     assert (got.bos_token, got.eos_token, got.pad_token) == ("<bos>", "<eos>", "<pad>")
 
 
-def test_load_gguf_tokenizer_reads_the_file_alone(tmp_path):
+def test_load_gguf_tokenizer_reads_the_file_alone(tmp_path, monkeypatch):
     """A tokenizer.json or tokenizer_config.json beside the file (where
     convert_hf_to_gguf.py writes it: the HF model's directory) is not the
-    file's tokenizer: the file's metadata alone builds it."""
+    file's tokenizer: the file's metadata alone builds it (with no link to
+    it, which not every file system or user may make)."""
+    import os
+
     import tokenizers
+
+    def refuse(*args, **kwargs):
+        raise PermissionError("no links here")
+    monkeypatch.setattr(os, "symlink", refuse)
 
     path = write_tokenizer_gguf(str(tmp_path / "model.gguf"), "llama")
     clean = tmp_path / "clean"

@@ -761,6 +761,9 @@ def test_a_window_past_the_context_is_the_context(arch, window):
     assert config_from_gguf(metadata, [])["sliding_window"] == 8192
     smaller = gemma_metadata(arch, 26, 2304, 8, 4, 256, **{"attention.sliding_window": 4096})
     assert config_from_gguf(smaller, [])["sliding_window"] == 4096
+    # A context of one position makes any window one of 1, refused as such.
+    with pytest.raises(GGUFError, match=f"'{arch}.attention.sliding_window': a window of 1"):
+        config_from_gguf({**metadata, f"{arch}.context_length": 1}, [])
 
 
 class _Tensor:

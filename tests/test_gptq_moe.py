@@ -11,6 +11,7 @@ dequantized weights in fp32: 1e-4 of the largest logit, as
 test_gptq_checkpoint.py); then the checkpoint's experts are damaged."""
 import copy
 import os
+import warnings
 
 import pytest
 import torch
@@ -298,6 +299,28 @@ def test_each_expert_is_calibrated_on_the_tokens_routed_to_it():
             got = getattr(expert, proj)
             for t in ("qweight", "qzeros", "scales", "g_idx"):
                 assert torch.equal(getattr(got, t), getattr(want, t)), (e, proj, t)
+
+
+def test_padding_leaves_the_shared_expert_s_hessians():
+    """Qwen2-MoE's shared expert takes the tokens flattened [batch * seq,
+    hidden]: the positions the attention mask leaves out reach its Hessians
+    no more than the attention's (routed experts take what the router sends)."""
+    ids = torch.randint(5, 60, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    results = []
+    for pad in (0, 7):
+        model = tiny_moe("qwen2moe", seed=3)
+        padded = ids.clone()
+        padded[1, :5] = pad
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # experts no token reaches
+            quantize(model, [{"input_ids": padded, "attention_mask": mask}], 4, group_size=32, progress=False)
+        results.append({n: t for n, t in model.state_dict().items() if n.endswith("qweight")})
+    # The first layer's (the routed experts' rounding reaches the next layer's inputs).
+    dense = [n for n in results[0] if "layers.0." in n and ("shared_expert." in n or "self_attn" in n)]
+    assert len(dense) == 3 + 4  # shared gate, up and down; q, k, v, o
+    assert all(torch.equal(results[0][n], results[1][n]) for n in dense)
 
 
 def test_experts_no_token_reaches_are_rounded_to_nearest():

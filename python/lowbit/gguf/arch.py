@@ -267,11 +267,12 @@ def _sliding_window(m, arch, config, default=_REQUIRED, positive=False) -> int:
     step's last window - 1 rows as rows[-0:], every row, so decoding would
     attend to all of them."""
     key = f"{arch}.attention.sliding_window"
-    window = m.get(key, int, default, minimum=None if positive else 0, positive=positive)
+    window = min(m.get(key, int, default, minimum=None if positive else 0, positive=positive),
+                 config["max_position_embeddings"])
     if window == 1:
         raise m.error(key, "a window of 1 (each token attending to itself alone) is not supported: transformers' "
                       "sliding cache would keep every row")
-    return min(window, config["max_position_embeddings"])
+    return window
 
 
 def _gemma_extra(m, arch, tensors, config):

@@ -137,19 +137,18 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     spec = ARCHITECTURES.get(arch) if isinstance(arch, str) else None  # a list would be unhashable
     tokenizer_class = spec.tokenizer_class if spec else None
     builder = transformers.AutoTokenizer if tokenizer_class is None else getattr(transformers, tokenizer_class)
-    # from_pretrained reads a tokenizer.json or tokenizer_config.json beside
-    # the file before the file (convert_hf_to_gguf.py writes into the HF
-    # model's directory): the file goes in alone, through a private link.
+    # from_pretrained reads a tokenizer.json or tokenizer_config.json in its
+    # directory before the file (convert_hf_to_gguf.py writes into the HF
+    # model's directory): it is given an empty one, and the file's absolute path.
+    directory = os.path.dirname(os.path.abspath(path))
     with tempfile.TemporaryDirectory() as alone:
-        directory, name = os.path.split(os.path.abspath(path))
-        os.symlink(os.path.join(directory, name), os.path.join(alone, name))
         try:
-            tokenizer = builder.from_pretrained(alone, gguf_file=name)
+            tokenizer = builder.from_pretrained(alone, gguf_file=os.path.abspath(path))
         except Exception as e:  # transformers' converter indexes and parses the metadata with no checks of its own
             reason = " ".join(str(e).replace(alone, directory).split())
             raise GGUFError(f"{where}: transformers builds no tokenizer from its tokenizer.ggml.* metadata: "
                             f"{type(e).__name__}: {reason}") from e
-    tokenizer.name_or_path = directory  # not the link's directory, which is gone
+    tokenizer.name_or_path = tokenizer.init_kwargs["name_or_path"] = directory  # not the empty one, which is gone
     if embd is not None and len(tokenizer) > embd.shape[0]:  # special tokens the class adds past the file's list
         raise GGUFError(f"{where}: transformers' {type(tokenizer).__name__} holds {len(tokenizer)} tokens "
                         f"(the file's {tokens} and those it adds), {TOKEN_EMBD} only {embd.shape[0]} rows")

@@ -375,9 +375,14 @@ def _layer_inputs(model: nn.Module, layers: nn.ModuleList, batches: Iterable[Any
 
 
 def _kept_rows(x: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
-    """A Linear's input [batch, seq, in] without the positions the batch's
-    attention mask leaves out (padding); any other input as it is."""
-    return x if kept is None or x.shape[:-1] != kept.shape else x[kept]
+    """A Linear's input [batch, seq, in] (or [batch * seq, in], as Qwen2-MoE's
+    shared expert takes it) without the positions the batch's attention mask
+    leaves out (padding); any other input (routed experts') as it is."""
+    if kept is None:
+        return x
+    if x.shape[:-1] == kept.shape:
+        return x[kept]
+    return x[kept.reshape(-1)] if x.shape[:-1] == (kept.numel(),) else x
 
 
 def _run(layer: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
