@@ -182,13 +182,15 @@ def test_a_regex_adapts_the_model_s_own_projections_not_the_fused_layers(model_p
         torch.testing.assert_close(fused(input_ids=ids).logits, unfused(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
 
 
-def test_a_fused_layer_named_as_a_target_is_refused(tmp_path):
-    """Named, a fused layer would take an adapter of its own, which the model
-    without fusing has no module for."""
+@pytest.mark.parametrize("targets", [["gate_up_proj"], r".*\.gate_up_proj", r".*(gate_up|down)_proj"])
+def test_a_fused_layer_targeted_without_its_slices_is_refused(tmp_path, targets):
+    """Named, or matched by a regex that none of its slices matches, a fused
+    layer would take an adapter of its own, which the model without fusing
+    has no module for (and which its slices' calls would skip)."""
     path = tiny_models.write_tiny_gguf(tmp_path / "tiny.gguf", tiny_models.tiny_model("llama", 0), "llama")
     with pytest.raises(ValueError, match=r"mlp.gate_up_proj is lowbit's fused layer of gate_proj, up_proj "
                                          r"\(lowbit.fusing\): name those in target_modules"):
-        peft.get_peft_model(lowbit.load_gguf_model(path), lora_config(target_modules=["gate_up_proj"]))
+        peft.get_peft_model(lowbit.load_gguf_model(path), lora_config(target_modules=targets))
 
 
 @pytest.mark.parametrize("config, says", [

@@ -16,14 +16,16 @@ quantized base is refused: it would need re-quantization, which moves the
 weights away from those the adapter was trained against.
 
 The model's own projections take adapters: a fused layer (lowbit.fusing's
-qkv_proj, gate_up_proj) that a regex matches gets none (its slices q_proj,
-k_proj, ... take theirs, as in the model without fusing, so adapters move
-between the two), and naming one in target_modules is refused. A quantized
+qkv_proj, gate_up_proj) that a regex matches with its slices gets none (the
+slices q_proj, k_proj, ... take theirs, as in the model without fusing, so
+adapters move between the two); one named in target_modules, or matched by
+a regex without its slices, is refused. A quantized
 layer holds blocks, not parameters: in `modules_to_save` it trains nothing.
 """
 from __future__ import annotations
 
 import os
+import re
 
 import peft
 import torch
@@ -58,8 +60,11 @@ class QuantizedLoraLinear(nn.Module, LoraLayer):
                              "lowbit's quantized layers hold as blocks; use True, False or 'gaussian'")
         # A fused layer stands for its slices, which take the adapters.
         self.fused_from = getattr(base_layer, "fused_from", None)
-        if self.fused_from and not isinstance(config.target_modules, str):
-            key = kwargs.get("target_name", "")
+        key = kwargs.get("target_name", "")
+        parent = key.rpartition(".")[0]
+        # Named, or matched by a regex that none of its slices matches: the adapter would be its own alone.
+        if self.fused_from and (not isinstance(config.target_modules, str) or not any(
+                re.fullmatch(config.target_modules, f"{parent}.{name}" if parent else name) for name in self.fused_from)):
             raise ValueError(f"{type(self).__name__}: {key or 'the target'} is lowbit's fused layer of "
                              f"{', '.join(self.fused_from)} (lowbit.fusing): name those in target_modules (an adapter "
                              "on them is the model's own), or load the model with fuse=False")
