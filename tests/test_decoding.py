@@ -728,11 +728,12 @@ def test_threads_decode_one_model_through_the_cpp_step(gguf_path):
         assert torch.equal(a, b)
 
 
-def test_a_double_model_generates_through_its_own_forward(gguf_path):
-    """model.double(): the layers multiply float64 activations as float32 and
-    the decode step (whose ops take float32, float16 and bfloat16) leaves its
-    calls to the model's own forward: the fp32 model's tokens."""
-    model = lowbit.load_gguf_model(gguf_path)
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+def test_a_double_model_generates_through_its_own_forward(arch, tmp_path):
+    """model.double(): the layers (experts too) multiply float64 activations
+    as float32 and the decode step (whose ops take float32, float16 and
+    bfloat16) leaves its calls to the model's own forward: the fp32 model's tokens."""
+    model = lowbit.load_gguf_model(write_tiny_gguf(tmp_path / f"{arch}.gguf", tiny_model(arch, seed=0), arch))
     ids = torch.tensor([[1, 7, 22, 5]])
     want = generate(model, ids).sequences
     model.double()

@@ -100,8 +100,9 @@ class GGUFExperts(nn.Module):
         return op, (getattr(self, f"{name}_qweight"), x, top_k_index, self.qtypes[name], self._shapes()[name][0])
 
     def _project(self, name: str, x: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
-        op, args = self.op_template(name, x, top_k_index)
-        y = call_frozen(op, *args)
+        # float64 (a model.double()) is multiplied as float32, as linear_forward does.
+        op, args = self.op_template(name, x.float() if x.dtype == torch.float64 else x, top_k_index)
+        y = call_frozen(op, *args).to(x.dtype)
         return y + getattr(self, f"{name}_bias")[top_k_index].to(y.dtype) if self.biased else y
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
