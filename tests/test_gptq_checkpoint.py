@@ -871,6 +871,12 @@ def test_format_keys_that_disagree_are_refused(checkpoint):
         load(checkpoint)
     edit_config(checkpoint, format=stored)
     load(checkpoint)
+    # Said by config.json alone (quantize_config.json, read first, silent on it): refused all the same.
+    content = json.loads((checkpoint / "config.json").read_text())
+    content["quantization_config"]["rotation"] = "hadamard"
+    (checkpoint / "config.json").write_text(json.dumps(content))
+    with pytest.raises(GPTQConfigError, match=r"config.json: rotation 'hadamard' is not supported"):
+        load(checkpoint)
 
 
 @pytest.mark.parametrize("rule", [r"-:.*\.layers\.\d{1,2}\.mlp\..*", r"+:.*\.(\d{2}){1,3}\..*", r".*\{9{0,9}\}.*",

@@ -181,14 +181,7 @@ def parse_config(raw: dict[str, Any], source: str = "") -> GPTQConfig:
     method = raw.get("quant_method", "gptq")
     if method != "gptq":
         raise GPTQConfigError(f"{where}: quant_method is {method!r}, not 'gptq'")
-    if "checkpoint_format" in raw and "format" in raw and raw["checkpoint_format"] != raw["format"]:
-        # GPTQModel reads "format" first, vLLM "checkpoint_format" alone: readers would disagree.
-        raise GPTQConfigError(f"{where}: checkpoint_format {raw['checkpoint_format']!r} and format "
-                              f"{raw['format']!r} disagree")
-    if raw.get("rotation"):
-        raise GPTQConfigError(f"{where}: rotation {raw['rotation']!r} is not supported: GPTQModel rotates such a "
-                              "model's down_proj inputs at run time (an online Hadamard transform) to match its "
-                              "weights")
+    _check_readable(raw, where)
     key = _format_key(raw)
     fmt = raw.get(key, "gptq")
     if fmt not in FORMATS:
@@ -257,7 +250,9 @@ def read_config(directory: str | os.PathLike) -> GPTQConfig:
                 continue
         if not isinstance(raw, dict):
             raise GPTQConfigError(f"{path}: the quantization config must be a JSON object")
+        _check_readable(raw, path)
         for other_path, other in _later_configs(directory, CONFIG_SOURCES[index + 1:]):
+            _check_readable(other, other_path)
             for key in READING_KEYS:
                 mine, theirs = _reading_value(raw, key), _reading_value(other, key)
                 if mine is not None and theirs is not None and mine != theirs:
@@ -267,6 +262,19 @@ def read_config(directory: str | os.PathLike) -> GPTQConfig:
         return parse_config(raw, path)
     raise GPTQConfigError(f"{directory}: no GPTQ config ({', '.join(CONFIG_SOURCES[:2])} or config.json "
                           "with quantization_config)")
+
+
+def _check_readable(raw: dict[str, Any], where: str) -> None:
+    """Refuses what any of a checkpoint's config files may say that other
+    readers take differently: format keys that disagree, a rotation."""
+    if "checkpoint_format" in raw and "format" in raw and raw["checkpoint_format"] != raw["format"]:
+        # GPTQModel reads "format" first, vLLM "checkpoint_format" alone: readers would disagree.
+        raise GPTQConfigError(f"{where}: checkpoint_format {raw['checkpoint_format']!r} and format "
+                              f"{raw['format']!r} disagree")
+    if raw.get("rotation"):
+        raise GPTQConfigError(f"{where}: rotation {raw['rotation']!r} is not supported: GPTQModel rotates such a "
+                              "model's down_proj inputs at run time (an online Hadamard transform) to match its "
+                              "weights")
 
 
 def _later_configs(directory: str, names: tuple[str, ...]) -> list[tuple[str, dict[str, Any]]]:
