@@ -574,7 +574,9 @@ def _zeros_as_labelled(model: torch.nn.Module, tensors: dict[str, torch.Tensor],
     says, where the layer holds the other one (a GPTQModel v1 module read as
     exact v2 zeros, a mislabelled checkpoint read as its words say): v1 as
     GPTQModel writes it (v2_zeros_as_gptqmodel_v1), which reads back as the
-    same zeros."""
+    same zeros; a zero of 0 so written is warned about (readers other than
+    GPTQModel read its word 2^bits off, as convert_checkpoint says)."""
+    zero_of_zero = []
     for name, module in model.named_modules():
         layer = module.outputs.layer if isinstance(module, ProjectionSlice) else module
         key = f"{name}.qzeros" if name else "qzeros"
@@ -583,5 +585,12 @@ def _zeros_as_labelled(model: torch.nn.Module, tensors: dict[str, torch.Tensor],
         if label == "gptq":
             zeros = torch.ops.lowbit.gptq_unpack(tensors[key], layer.bits, 1)
             tensors[key] = v2_zeros_as_gptqmodel_v1(zeros, layer.bits)
+            if bool((zeros == 0).any()):
+                zero_of_zero.append(name)
         else:
             tensors[key] = torch.ops.lowbit.gptq_pack(v1_zeros_as_v2(tensors[key], layer.bits)[0], layer.bits, 1)
+    if zero_of_zero:
+        named = ", ".join(zero_of_zero[:5]) + (", ..." if len(zero_of_zero) > 5 else "")
+        warnings.warn(f"save_gptq: {len(zero_of_zero)} modules ({named}) have zero points of 0, written in v1 "
+                      "('gptq') as GPTQModel writes them; vLLM and exllama read those words 2^bits off: save them "
+                      "with checkpoint_format 'gptq_v2'", stacklevel=3)
