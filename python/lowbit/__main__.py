@@ -330,7 +330,7 @@ def main(argv=None) -> int:
                           help="CPU threads (default: torch's, one per physical core)")
     generate.add_argument("--repack", action="store_true",
                           help="GGUF: the layers of the types the CPU kernels read repacked "
-                               "(torch.ops.lowbit.cpu_reads_repacked; lowbit.repack_model leaves Q6_K layers out) "
+                               "(torch.ops.lowbit.cpu_reads_repacked; lowbit.repack_model leaves dense Q6_K layers out) "
                                "in that layout (the same results, for the 32-element types to fp32 rounding); GPTQ, with "
                                "--int8-activations: the layers in gptq_gemm_a8's panel layout (the same results)")
     generate.add_argument("--int8-activations", action="store_true",
