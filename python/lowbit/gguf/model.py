@@ -65,10 +65,10 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     file's own bytes where it stores them back to back.
     `repack` is lowbit.repack_model: the layers of the types the active CPU
     kernels read repacked (but dense Q6_K ones, which run as fast in the
-    file's layout; experts take every type) in the kernels' interleaved layout (GGUFLinear.repack: the same
-    results, for the 32-element types to fp32 rounding; faster on AVX-512
-    VNNI CPUs and for most of those types on AVX2 ones), which copies their
-    blocks out of the mapping.
+    file's layout; experts take every type) in the kernels' interleaved
+    layout (GGUFLinear.repack: the same results, for the 32-element types to
+    fp32 rounding; faster on AVX-512 VNNI CPUs and for most of those types
+    on AVX2 ones), which copies their blocks out of the mapping.
     Its forward calls run torch's ops on one thread and lowbit's kernels on
     torch's thread count (lowbit.kernel_threads), and a llama-family model's
     decode steps skip transformers' per-layer machinery (lowbit.fast_decoding).
