@@ -256,6 +256,10 @@ def test_one_row_shard_keeps_a_short_last_group():
     assert_matches(row.local(x) + row.bias, layer(x), "one row shard")
     with pytest.raises(ValueError, match="not a whole number of groups of 64"):
         RowParallelGPTQLinear.from_layer(layer, 0, 2)
+    # model.to(dtype) keeps the checkpoint's scales and the bias as stored, as GPTQLinear does.
+    bias, scales = row.bias.clone(), row.local.scales.clone()
+    row = row.to(torch.bfloat16)
+    assert torch.equal(row.bias, bias) and torch.equal(row.local.scales, scales) and bias.dtype == torch.float16
 
 
 @pytest.mark.parametrize("bits, offset", [(2, 0x55555555), (4, 0x11111111), (8, 0x01010101)])

@@ -38,6 +38,18 @@ def in_order_g_idx(in_features: int, group_size: int, device=None) -> torch.Tens
     return (torch.arange(in_features, device=device) // g).to(torch.int32)
 
 
+def applied_as_stored(module: nn.Module, names: tuple[str, ...], apply):
+    """apply() (a module's _apply), the checkpoint tensors among its buffers
+    `names` keeping their dtype through model.to(dtype) (fp16 scales rounded
+    to bf16 would change every weight): only their device follows."""
+    stored = {name: module._buffers[name] for name in names if module._buffers.get(name) is not None}
+    out = apply()
+    for name, tensor in stored.items():
+        if module._buffers[name].dtype != tensor.dtype:
+            module._buffers[name] = tensor.to(module._buffers[name].device)
+    return out
+
+
 class GPTQLinear(nn.Module):
     """y = x @ W.T + b for a GPTQ weight W.
 
@@ -406,13 +418,7 @@ class GPTQLinear(nn.Module):
         # else, qweight goes back to the checkpoint's layout first.
         if self.repacked and fn(torch.empty(0, dtype=torch.int32)).device.type != "cpu":
             self.unrepack()
-        # The checkpoint's scales and bias keep their dtype through model.to(dtype)
-        # (fp16 scales rounded to bf16 would change every weight); only their device follows.
-        stored = {name: self._buffers[name] for name in ("scales", "bias") if self._buffers.get(name) is not None}
-        out = super()._apply(fn, recurse)
-        for name, tensor in stored.items():
-            if self._buffers[name].dtype != tensor.dtype:
-                self._buffers[name] = tensor.to(self._buffers[name].device)
+        out = applied_as_stored(self, ("scales", "bias"), lambda: super(GPTQLinear, self)._apply(fn, recurse))
         if self.rows_sorted:  # moved: the check's key follows the buffers
             self._sorted_key = self._key()
         return out
