@@ -19,8 +19,8 @@ The model's own projections take adapters: a fused layer (lowbit.fusing's
 qkv_proj, gate_up_proj) that a regex matches with its slices gets none (the
 slices q_proj, k_proj, ... take theirs, as in the model without fusing, so
 adapters move between the two); one named in target_modules, or matched by
-a regex without its slices, is refused. A quantized
-layer holds blocks, not parameters: in `modules_to_save` it trains nothing.
+a regex without its slices, is refused. A quantized layer holds blocks, not
+parameters: in `modules_to_save` it trains nothing.
 """
 from __future__ import annotations
 
