@@ -212,6 +212,21 @@ def test_reorder_checkpoint(checkpoints, tmp_path):
         reorder_checkpoint(case["original"], tmp_path / "one")
 
 
+def test_reorder_checkpoint_keeps_each_config_file_s_keys(checkpoints, tmp_path):
+    """config.json's quantization_config and quantize_config.json keep their own keys (HF reads
+    modules_in_block_to_quantize from config.json alone)."""
+    src = tmp_path / "src"
+    shutil.copytree(checkpoints[0]["original"], src)
+    content = json.loads((src / "config.json").read_text())
+    content["quantization_config"]["modules_in_block_to_quantize"] = [["mlp.gate_proj"]]
+    (src / "config.json").write_text(json.dumps(content))
+    quantize = dict(json.loads((src / "quantize_config.json").read_text()), meta={"quantizer": ["gptqmodel:4.0"]})
+    (src / "quantize_config.json").write_text(json.dumps(quantize))
+    reorder_checkpoint(src, tmp_path / "dst")
+    assert json.loads((tmp_path / "dst" / "config.json").read_text()) == content
+    assert json.loads((tmp_path / "dst" / "quantize_config.json").read_text()) == quantize
+
+
 # ---------------------------------------------------------------------------
 # Single process: shard arithmetic without communication
 # ---------------------------------------------------------------------------
