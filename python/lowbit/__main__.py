@@ -19,7 +19,7 @@ import torch
 
 from ._bounded import BoundedError, run_bounded
 from .gguf.arch import ARCHITECTURES
-from .gguf.file import GGUFFile, load_gguf
+from .gguf.file import GGUFFile, is_gguf_path, load_gguf
 from .gptq.checkpoint import load_gptq
 from .gptq.convert import convert_checkpoint
 from .gptq.linear import GPTQLinear
@@ -115,7 +115,7 @@ def print_gptq_inspect(path: str) -> None:
 
 
 def cmd_inspect(args) -> None:
-    if args.path.lower().endswith(".gguf"):
+    if is_gguf_path(args.path):
         with load_gguf(args.path) as f:
             print_inspect(f)
     else:
@@ -160,7 +160,7 @@ def load_model_and_tokenizer(path: str, repack: bool = False, int8_activations: 
     from .gguf.model import load_gguf_model, load_gguf_tokenizer
     from .gptq.placing import load_gptq_model
 
-    if path.lower().endswith(".gguf"):
+    if is_gguf_path(path):
         for flag, given in (("--int8-activations", int8_activations), ("--float-tables", float_tables)):
             if given:
                 raise ValueError(f"{path}: {flag} is for GPTQ checkpoints (a GGUF file's types fix theirs)")
@@ -330,8 +330,9 @@ def main(argv=None) -> int:
                           help="CPU threads (default: torch's, one per physical core)")
     generate.add_argument("--repack", action="store_true",
                           help="GGUF: the layers of the types the CPU kernels read repacked "
-                               "(torch.ops.lowbit.cpu_reads_repacked; lowbit.repack_model leaves dense Q6_K layers out) "
-                               "in that layout (the same results, for the 32-element types to fp32 rounding); GPTQ, with "
+                               "(torch.ops.lowbit.cpu_reads_repacked; lowbit.repack_model leaves dense Q6_K "
+                               "layers out) in that layout (the same results, for the 32-element types to fp32 "
+                               "rounding); GPTQ, with "
                                "--int8-activations: the layers in gptq_gemm_a8's panel layout (the same results)")
     generate.add_argument("--int8-activations", action="store_true",
                           help="GPTQ: activations rounded to int8 per group for integer dot products "

@@ -23,15 +23,20 @@ def call_frozen(op, *args):
         return op(*args)
 
 
+def op_input(x: torch.Tensor) -> torch.Tensor:
+    """x as the matmul ops take it: float64 (a model.double()) as float32,
+    as the ops accumulate; the caller casts the result back to x's dtype."""
+    return x.float() if x.dtype == torch.float64 else x
+
+
 def linear_forward(layer, x: torch.Tensor) -> torch.Tensor:
     """A quantized linear layer's forward: x [..., in_features] through
-    layer.op_call's op (rows flattened), plus the bias. float64 inputs (a
-    model.double()) are multiplied as float32, as the ops accumulate."""
+    layer.op_call's op (rows flattened; op_input), plus the bias."""
     if x.dim() == 0 or x.shape[-1] != layer.in_features:
         raise ValueError(f"{type(layer).__name__}: input must be [..., in_features={layer.in_features}], "
                          f"got {list(x.shape)}")
     x2 = x.reshape(-1, layer.in_features)
-    op, args = layer.op_call(x2.float() if x2.dtype == torch.float64 else x2)
+    op, args = layer.op_call(op_input(x2))
     y = call_frozen(op, *args).to(x.dtype)
     if layer.bias is not None:
         y = y + layer.bias.to(y.dtype)

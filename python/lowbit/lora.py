@@ -63,8 +63,9 @@ class QuantizedLoraLinear(nn.Module, LoraLayer):
         key = kwargs.get("target_name", "")
         parent = key.rpartition(".")[0]
         # Named, or matched by a regex that none of its slices matches: the adapter would be its own alone.
-        if self.fused_from and (not isinstance(config.target_modules, str) or not any(
-                re.fullmatch(config.target_modules, f"{parent}.{name}" if parent else name) for name in self.fused_from)):
+        slices = [f"{parent}.{name}" if parent else name for name in self.fused_from or ()]
+        if self.fused_from and (not isinstance(config.target_modules, str)
+                                or not any(re.fullmatch(config.target_modules, s) for s in slices)):
             raise ValueError(f"{type(self).__name__}: {key or 'the target'} is lowbit's fused layer of "
                              f"{', '.join(self.fused_from)} (lowbit.fusing): name those in target_modules (an adapter "
                              "on them is the model's own), or load the model with fuse=False")

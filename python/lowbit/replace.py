@@ -9,7 +9,7 @@ import os
 from torch import nn
 
 from ._placing import ReplaceReport
-from .gguf.file import load_gguf
+from .gguf.file import is_gguf_path, load_gguf
 from .gguf.model import place_gguf_tensors
 from .gptq.placing import place_gptq_checkpoint
 from .threads import kernel_threads
@@ -48,7 +48,7 @@ def replace_linear(model: nn.Module, path: str | os.PathLike, checkpoint_format:
     give torch's threads to lowbit's kernels (lowbit.kernel_threads).
     """
     path = os.fsdecode(path)
-    if path.lower().endswith(".gguf"):
+    if is_gguf_path(path):
         if checkpoint_format is not None:
             raise ValueError(f"replace_linear: checkpoint_format is a GPTQ checkpoint's; {path} is a GGUF file")
         report = place_gguf_tensors(model, load_gguf(path), "replace_linear")

@@ -602,7 +602,8 @@ def _vocab_size(m: _Metadata, arch: str) -> int:
 
 def _head_dim(m: _Metadata, arch: str, hidden: int, n_head: int, partial_rotary: bool) -> int:
     """llama.cpp's head size: attention.key_length, else embedding / heads,
-    and attention.value_length the same where given. The rotated part (rope.dimension_count) must be the whole head where the
+    and attention.value_length the same where given. The rotated part
+    (rope.dimension_count) must be the whole head where the
     transformers class rotates every dimension."""
     key = f"{arch}.attention.key_length"
     if key not in m and hidden % n_head:

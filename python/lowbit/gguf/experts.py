@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._frozen import call_frozen
+from .._frozen import call_frozen, op_input
 from .file import release_mapped
 from .linear import check_sizes
 
@@ -100,8 +100,7 @@ class GGUFExperts(nn.Module):
         return op, (getattr(self, f"{name}_qweight"), x, top_k_index, self.qtypes[name], self._shapes()[name][0])
 
     def _project(self, name: str, x: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
-        # float64 (a model.double()) is multiplied as float32, as linear_forward does.
-        op, args = self.op_template(name, x.float() if x.dtype == torch.float64 else x, top_k_index)
+        op, args = self.op_template(name, op_input(x), top_k_index)
         y = call_frozen(op, *args).to(x.dtype)
         return y + getattr(self, f"{name}_bias")[top_k_index].to(y.dtype) if self.biased else y
 

@@ -361,6 +361,12 @@ def _parse(data: np.ndarray, path: str) -> tuple[int, dict[str, Any], list[_Tens
     return version, metadata, infos, alignment, c.pos + (-c.pos % alignment)
 
 
+def is_gguf_path(path: str | os.PathLike) -> bool:
+    """Whether `path` names a GGUF file (a .gguf suffix in any case), as
+    replace_linear and the command line tell it from a GPTQ checkpoint."""
+    return os.fsdecode(path).lower().endswith(".gguf")
+
+
 def load_gguf(path: str | os.PathLike) -> GGUFFile:
     """Parse and validate a GGUF file; raises GGUFError for any problem with it.
 
