@@ -11,6 +11,7 @@ exactly.
 """
 import json
 import shutil
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -340,6 +341,23 @@ def test_sharded_loading_reads_a_mislabelled_format_as_load_gptq_does(checkpoint
             k = INTER // world_size
             assert_matches(sum(r.local(h[:, i * k:(i + 1) * k]) for i, r in enumerate(rows)), mlp.down_proj(h),
                            "row shards")
+
+    # The format the warning advises forcing is read as given, without a warning, as load_gptq reads it.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        forced = load_gptq(tmp_path / "mislabelled", checkpoint_format="gptq").modules
+        column = ColumnParallelGPTQLinear.from_checkpoint(tmp_path / "mislabelled", f"{prefix}.gate_proj", 0, 1,
+                                                          checkpoint_format="gptq")
+        mlp = TPAwareMLP.from_checkpoint(tmp_path / "mislabelled", prefix, 0, 1, checkpoint_format="gptq")
+    x = case["xs"][1]
+    with torch.no_grad():
+        want = forced[f"{prefix}.gate_proj"](x)
+        assert not torch.allclose(want, whole[f"{prefix}.gate_proj"](x))  # the forced label reads other zeros
+        assert torch.equal(column(x), want)
+        assert torch.equal(mlp(x), SwiGLU(*(forced[f"{prefix}.{p}"] for p in MLP_PARTS))(x))
+    with pytest.raises(ValueError, match="checkpoint_format must be one of"):
+        RowParallelGPTQLinear.from_checkpoint(tmp_path / "mislabelled", f"{prefix}.down_proj", 0, 1,
+                                              checkpoint_format="v1")
 
 
 def test_checkpoint_shards_equal_layer_shards(checkpoints):

@@ -34,7 +34,7 @@ from torch import nn
 from .checkpoint import (HEADER_DTYPES, GPTQCheckpointError, check_finite_floats, check_module_tensors,
                          checkpoint_files, hold_gptqmodel_zeros_as_v2, read_tensors, source_configs,
                          stored_format, v1_zeros_as_v2, v2_zeros_as_gptqmodel_v1, write_checkpoint)
-from .config import GPTQConfig, read_config
+from .config import FORMATS, GPTQConfig, read_config
 from .linear import GPTQLinear, applied_as_stored
 from .packing import fields_per_pack, words_per_pack
 
@@ -289,8 +289,11 @@ def _layer_source(layer: GPTQLinear, name: str) -> _Source:
                    layer.checkpoint_format, layer.bias is not None, read)
 
 
-def _checkpoint_source(path: str | os.PathLike, name: str) -> _Source:
-    """Reads only headers now; `read` opens the file and takes a slice later."""
+def _checkpoint_source(path: str | os.PathLike, name: str, checkpoint_format: str | None) -> _Source:
+    """Reads only headers now; `read` opens the file and takes a slice later.
+    `checkpoint_format` overrides the config's and the words' reading, as in load_gptq."""
+    if checkpoint_format is not None and checkpoint_format not in FORMATS:
+        raise ValueError(f"{name}: checkpoint_format must be one of {FORMATS}, got {checkpoint_format!r}")
     directory, files = checkpoint_files(path)
     config = read_config(directory)
     where = f"{directory}: module {name!r}"
@@ -328,8 +331,8 @@ def _checkpoint_source(path: str | os.PathLike, name: str) -> _Source:
 
     # Keyed by the files' sizes and times too: a checkpoint rewritten in place is read again.
     versions = tuple((file, os.stat(file).st_mtime_ns, os.stat(file).st_size) for file in (*files, config.source))
-    return _Source(name, K, N, quant.bits, quant.group_size, quant.sym, _stored_format(directory, versions),
-                   "bias" in file_of, read, where)
+    fmt = checkpoint_format if checkpoint_format is not None else _stored_format(directory, versions)
+    return _Source(name, K, N, quant.bits, quant.group_size, quant.sym, fmt, "bias" in file_of, read, where)
 
 
 @functools.lru_cache(maxsize=8)
@@ -436,10 +439,12 @@ class ColumnParallelGPTQLinear(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, module_name: str, rank: int, world_size: int,
-                        group=None) -> ColumnParallelGPTQLinear:
-        """Reads only this rank's columns of `module_name` from a GPTQ checkpoint."""
+                        group=None, checkpoint_format: str | None = None) -> ColumnParallelGPTQLinear:
+        """Reads only this rank's columns of `module_name` from a GPTQ checkpoint;
+        `checkpoint_format` ("gptq" / "gptq_v2") overrides the config's, as in load_gptq."""
         _check_rank(module_name, rank, world_size, group)
-        return cls(_column_shard(_checkpoint_source(path, module_name), rank, world_size), rank, world_size, group)
+        src = _checkpoint_source(path, module_name, checkpoint_format)
+        return cls(_column_shard(src, rank, world_size), rank, world_size, group)
 
     @classmethod
     def from_layer(cls, layer: GPTQLinear, rank: int, world_size: int, group=None,
@@ -479,9 +484,10 @@ class RowParallelGPTQLinear(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, module_name: str, rank: int, world_size: int,
-                        group=None) -> RowParallelGPTQLinear:
-        """Reads only this rank's rows (and their groups) of `module_name` from a GPTQ checkpoint."""
-        return cls._from_source(_checkpoint_source(path, module_name), rank, world_size, group)
+                        group=None, checkpoint_format: str | None = None) -> RowParallelGPTQLinear:
+        """Reads only this rank's rows (and their groups) of `module_name` from a
+        GPTQ checkpoint; `checkpoint_format` as in ColumnParallelGPTQLinear."""
+        return cls._from_source(_checkpoint_source(path, module_name, checkpoint_format), rank, world_size, group)
 
     @classmethod
     def from_layer(cls, layer: GPTQLinear, rank: int, world_size: int, group=None,
@@ -518,10 +524,11 @@ class TPAwareMLP(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, prefix: str, rank: int, world_size: int,
-                        group=None) -> TPAwareMLP:
+                        group=None, checkpoint_format: str | None = None) -> TPAwareMLP:
         column = lambda part: ColumnParallelGPTQLinear.from_checkpoint(path, f"{prefix}.{part}", rank, world_size,
-                                                                       group)
-        down = RowParallelGPTQLinear.from_checkpoint(path, f"{prefix}.down_proj", rank, world_size, group)
+                                                                       group, checkpoint_format)
+        down = RowParallelGPTQLinear.from_checkpoint(path, f"{prefix}.down_proj", rank, world_size, group,
+                                                     checkpoint_format)
         return cls(column("gate_proj"), column("up_proj"), down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -543,14 +550,14 @@ class NaiveTPMLP(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, prefix: str, rank: int, world_size: int,
-                        group=None) -> NaiveTPMLP:
+                        group=None, checkpoint_format: str | None = None) -> NaiveTPMLP:
         column = lambda part: ColumnParallelGPTQLinear.from_checkpoint(path, f"{prefix}.{part}", rank, world_size,
-                                                                       group)
+                                                                       group, checkpoint_format)
         name = f"{prefix}.down_proj"
         _check_rank(name, rank, world_size, group)
         # Algorithm 1 permutes rows across the whole tensor, so every rank reads
         # all of down_proj (the one column shard of a world of one).
-        down = make_sequential(_column_shard(_checkpoint_source(path, name), 0, 1))
+        down = make_sequential(_column_shard(_checkpoint_source(path, name, checkpoint_format), 0, 1))
         k = down.in_features // world_size
         return cls(column("gate_proj"), column("up_proj"),
                    RowParallelGPTQLinear.from_layer(down, rank, world_size, group, name),
