@@ -345,3 +345,50 @@ def smollm2_gguf_path() -> str | None:
         return None
     path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
     return path if os.path.isfile(path) else None
+
+
+def byte_level_alphabet() -> list[str]:
+    """GPT-2's byte-level alphabet: the character standing for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return [chr(c) for c in printable] + [chr(256 + i) for i in range(len(others))]
+
+
+def with_embedding(writer, path: str, rows: int) -> str:
+    """Finishes a tokenizer file: a token embedding of `rows` rows, then the file written."""
+    writer.add_tensor("token_embd.weight", np.zeros((rows, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_tokenizer_gguf(path: str, arch: str, model: str = "gpt2", types=None, merges=("Ġ t", "h e", "Ġt he"),
+                         eos=None, embd_rows=None, extra=None, pre="by arch", words=("Ġt", "he", "Ġthe")) -> str:
+    """A GGUF file with a byte-level BPE tokenizer as llama.cpp's converter
+    writes one (tokens, types, merges, special ids, chat template); the
+    arguments replace parts of it (`words`: the tokens past the byte alphabet
+    but for the three special ones; `pre`: tokenizer.ggml.pre, "by arch" for
+    qwen2 in qwen files and smollm in others, None to leave it out, a list
+    written as an array), `extra` adds {key: (value, GGUFValueType name)}."""
+    tokens = byte_level_alphabet() + [*words, "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(1)
+    writer.add_tokenizer_model(model)
+    if pre == "by arch":
+        pre = "qwen2" if arch.startswith("qwen") else "smollm"
+    if isinstance(pre, str):
+        writer.add_tokenizer_pre(pre)
+    elif pre is not None:
+        writer.add_array("tokenizer.ggml.pre", pre)
+    writer.add_token_list(tokens)
+    # The last three are control tokens.
+    writer.add_token_types([1] * (len(tokens) - 3) + [3] * 3 if types is None else types)
+    writer.add_token_merges(list(merges))
+    writer.add_bos_token_id(len(tokens) - 2)
+    writer.add_eos_token_id(len(tokens) - 1 if eos is None else eos)
+    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    for key, (value, kind) in (extra or {}).items():
+        writer.add_key_value(key, value, getattr(gguf.GGUFValueType, kind))
+    return with_embedding(writer, path, embd_rows or len(tokens))

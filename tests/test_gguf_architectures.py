@@ -29,7 +29,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants
 
 import lowbit
-from gguf_files import write_model_gguf
+from gguf_files import with_embedding, write_model_gguf, write_tokenizer_gguf
 from lowbit.fusing import ProjectionSlice
 from lowbit.gguf.arch import ARCHITECTURES
 
@@ -428,47 +428,6 @@ def test_a_non_finite_float_tensor_is_a_gguf_error_naming_it(tmp_path, value):
         lowbit.load_gguf_model(path)
 
 
-def _byte_level_alphabet() -> list[str]:
-    """GPT-2's byte-level alphabet: the character standing for each byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return [chr(c) for c in printable] + [chr(256 + i) for i in range(len(others))]
-
-
-def _with_embedding(writer, path: str, rows: int) -> str:
-    """Finishes a tokenizer file: a token embedding of `rows` rows, then the file written."""
-    writer.add_tensor("token_embd.weight", np.zeros((rows, 8), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-def write_tokenizer_gguf(path: str, arch: str, model: str = "gpt2", types=None, merges=("Ġ t", "h e", "Ġt he"),
-                         eos=None, embd_rows=None, extra=None) -> str:
-    """A GGUF file with a byte-level BPE tokenizer as llama.cpp's converter
-    writes one (tokens, types, merges, special ids, chat template); the
-    arguments replace parts of it, `extra` adds {key: (value, GGUFValueType name)}."""
-    import gguf
-
-    tokens = _byte_level_alphabet() + ["Ġt", "he", "Ġthe", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(1)
-    writer.add_tokenizer_model(model)
-    writer.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "smollm")
-    writer.add_token_list(tokens)
-    # The last three are control tokens.
-    writer.add_token_types([1] * (len(tokens) - 3) + [3] * 3 if types is None else types)
-    writer.add_token_merges(list(merges))
-    writer.add_bos_token_id(len(tokens) - 2)
-    writer.add_eos_token_id(len(tokens) - 1 if eos is None else eos)
-    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
-    for key, (value, kind) in (extra or {}).items():
-        writer.add_key_value(key, value, getattr(gguf.GGUFValueType, kind))
-    return _with_embedding(writer, path, embd_rows or len(tokens))
-
-
 @pytest.mark.parametrize("changes, says", [
     (dict(types=[1, 1, 3]), r"metadata 'tokenizer.ggml.token_type': must be 262 integers, one per token"),
     (dict(eos=262), r"metadata 'tokenizer.ggml.eos_token_id': token 262 is outside the 262 tokens"),
@@ -537,7 +496,7 @@ def write_sentencepiece_gguf(path: str, arch: str, embd_rows: int | None = None)
     for add, token in ((writer.add_pad_token_id, 0), (writer.add_eos_token_id, 1), (writer.add_bos_token_id, 2),
                        (writer.add_unk_token_id, 3)):
         add(token)
-    return _with_embedding(writer, path, embd_rows or len(tokens))
+    return with_embedding(writer, path, embd_rows or len(tokens))
 
 
 def test_load_gguf_tokenizer_bounds_the_converter_s_work(tmp_path, monkeypatch):
@@ -603,6 +562,32 @@ def test_load_gguf_tokenizer_refuses_tokens_the_embedding_does_not_hold(tmp_path
     with pytest.raises(lowbit.GGUFError, match=r"transformers' GemmaTokenizer holds 26\d tokens \(the file's 262 and "
                                                r"those it adds\), token_embd.weight only 262 rows"):
         lowbit.load_gguf_tokenizer(path)
+
+
+@pytest.mark.parametrize("pre, warns", [
+    ("smollm", False), ("gpt-2", False), ("qwen2", False), ("llama-bpe", False),
+    ("made-up", "tokenizer.ggml.pre 'made-up'"), (None, "has no tokenizer.ggml.pre"),
+    (["smollm"], "tokenizer.ggml.pre \"\\['smollm'\\]\""),
+])
+def test_load_gguf_tokenizer_warns_of_a_split_it_does_not_know(tmp_path, pre, warns):
+    """A byte-level vocabulary's tokenizer.ggml.pre names llama.cpp's split of
+    its text: one lowbit sets (smollm: digits isolated), one transformers sets
+    (qwen2, llama-bpe) and GPT-2's are silent; any other name (or none) is
+    split as GPT-2 with a warning that the ids may differ from llama.cpp's."""
+    path = write_tokenizer_gguf(str(tmp_path / "tokenizer.gguf"), "llama", pre=pre, words=("Ġ1", "12"),
+                                merges=("Ġ 1", "1 2"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tokenizer = lowbit.load_gguf_tokenizer(path)
+    said = [str(w.message) for w in caught if "split" in str(w.message)]
+    if warns:
+        assert len(said) == 1 and re.search(rf"{re.escape(path)}: {warns}: its text is split as GPT-2 splits it", said[0])
+    else:
+        assert not said
+    digits = tokenizer.convert_ids_to_tokens(tokenizer(" 12", add_special_tokens=False).input_ids)
+    # llama.cpp's splits of " 12": each digit alone, up to three digits together, GPT-2's " 12" whole.
+    splits = {"smollm": ["Ġ", "1", "2"], "qwen2": ["Ġ", "1", "2"], "llama-bpe": ["Ġ", "12"]}
+    assert digits == splits.get(pre if isinstance(pre, str) else None, ["Ġ1", "2"])
 
 
 def assert_same_tokenizer(got, expect):

@@ -27,6 +27,7 @@ from .embedding import GGUFEmbedding
 from .experts import ClampedSwiGLU, GGUFExperts
 from .file import GGUFError, GGUFFile, GGUFTensor, load_gguf
 from .linear import GGUFLinear
+from .pre_tokenizer import split_as_llama_cpp
 from .repacking import repack_model
 
 __all__ = ["load_gguf_model", "load_gguf_tokenizer", "place_gguf_tensors"]
@@ -149,6 +150,7 @@ def load_gguf_tokenizer(path: str | os.PathLike):
             raise GGUFError(f"{where}: transformers builds no tokenizer from its tokenizer.ggml.* metadata: "
                             f"{type(e).__name__}: {reason}") from e
     tokenizer.name_or_path = tokenizer.init_kwargs["name_or_path"] = directory  # not the empty one, which is gone
+    split_as_llama_cpp(tokenizer, metadata, where)
     if embd is not None and len(tokenizer) > embd.shape[0]:  # special tokens the class adds past the file's list
         raise GGUFError(f"{where}: transformers' {type(tokenizer).__name__} holds {len(tokenizer)} tokens "
                         f"(the file's {tokens} and those it adds), {TOKEN_EMBD} only {embd.shape[0]} rows")
