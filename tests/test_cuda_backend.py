@@ -299,6 +299,43 @@ def test_ggml_matmul_matches_cpu(name):
                         f"{op} M={M} n={n} {dtype}: |cuda-cpu| {err[worst]:.3g} > {bound[worst]:.3g} at {worst}")
 
 
+def mul_mat_id_case(name, experts, rows, n, tokens, slots, per_slot, ids_dtype, seed=0):
+    """W [experts, rows, row_bytes], X [tokens, n] or [tokens, slots, n], ids [tokens, slots] (distinct experts
+    per token, as a router's top-k), and each pair's |CUDA - CPU| bound [tokens, slots, rows]."""
+    raw = ggml_blocks(name, experts * rows, n, seed=seed)
+    W = ops.ggml_dequantize(raw, GGML_TYPES[name], experts * rows, n, torch.float32).view(experts, rows, n)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:slots] for _ in range(tokens)]).to(ids_dtype)
+    x = torch.randn(tokens, *((slots,) if per_slot else ()), n, generator=g)
+    rows_x = (x if per_slot else x[:, None].expand(tokens, slots, n)).reshape(-1, n)
+    raw = raw.view(experts, rows, -1)
+    per_expert = [a8_tolerance(name, rows_x, W[e], raw[e]) for e in range(experts)]  # [pairs, rows] each
+    tol = np.stack(per_expert)[ids.reshape(-1).numpy(), np.arange(tokens * slots)].reshape(tokens, slots, rows)
+    return raw, x, ids, tol
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "Q4_1", "IQ4_XS", "Q6_K", "F16"])
+@pytest.mark.parametrize("per_slot, ids_dtype", [(False, torch.int32), (True, torch.int64)])
+def test_ggml_mul_mat_id_matches_cpu(name, per_slot, ids_dtype):
+    raw, x, ids, tol = mul_mat_id_case(name, 6, 40, 512, 13, 3, per_slot, ids_dtype)
+    for dtype in DTYPES:
+        X = x.to(dtype)
+        got = ops.ggml_mul_mat_id(cuda(raw), cuda(X), cuda(ids), GGML_TYPES[name], 40)
+        expect = ops.ggml_mul_mat_id(raw, X, ids, GGML_TYPES[name], 40)
+        assert got.is_cuda and got.dtype == dtype and got.shape == expect.shape == (13, 3, 40)
+        g64, e64 = got.double().cpu().numpy(), expect.double().numpy()
+        bound = tol + 2 * OUT_ROUNDING[dtype] * np.abs(e64) + 1e-30
+        assert np.all(np.where(g64 == e64, 0.0, np.abs(g64 - e64)) <= bound), f"{name} {dtype}"
+
+
+def test_ggml_mul_mat_id_past_the_grid_s_y_limit():
+    """More (token, slot) pairs than a grid's y dimension holds (65535)."""
+    raw, x, ids, tol = mul_mat_id_case("Q8_0", 8, 8, 256, 8200, 8, True, torch.int32)
+    got = ops.ggml_mul_mat_id(cuda(raw), cuda(x), cuda(ids), GGML_TYPES["Q8_0"], 8).cpu()
+    expect = ops.ggml_mul_mat_id(raw, x, ids, GGML_TYPES["Q8_0"], 8)
+    err = np.abs(got.double().numpy() - expect.double().numpy())
+    assert ids.numel() > 65535 and np.all(err <= tol + 1e-30)
+
 def test_ggml_matmul_empty_and_zero():
     raw = ggml_blocks("Q4_K", 5, 512)
     out = ops.ggml_mul_mat_a8(cuda(raw), torch.zeros(2, 512, device="cuda"), GGML_TYPES["Q4_K"], 5)
@@ -617,4 +654,24 @@ def test_sanitize_ggml_kernels(name):
         x = torch.randn(M, 512, device="cuda", dtype=torch.float16)
         ops.ggml_mul_mat_vec_a8(raw, x, t, 5)
         ops.ggml_mul_mat_a8(raw, x, t, 5)
+    experts = cuda(ggml_blocks(name, 3 * 5, 512).view(3, 5, -1))
+    ids = torch.tensor([[0, 2], [1, 0], [2, 2]], device="cuda", dtype=I32)
+    ops.ggml_mul_mat_id(experts, torch.randn(3, 512, device="cuda"), ids, t, 5)
+    ops.ggml_mul_mat_id(experts, torch.randn(3, 2, 512, device="cuda", dtype=torch.bfloat16), ids.long(), t, 5)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sanitize_decode_kernels(dtype):
+    """rms_norm and decode_attention (shared memory, block reductions) on
+    small shapes: head sizes short of a warp and past a block, grouped
+    heads, a window, sinks and a softcap."""
+    for rows, n in ((1, 7), (3, 576), (2, 2049)):
+        ops.rms_norm(torch.randn(rows, n, device="cuda", dtype=dtype), torch.randn(n, device="cuda", dtype=dtype), 1e-6)
+    for q_heads, kv_heads, dim, capacity, position, start in ((9, 3, 64, 40, 33, 0), (4, 2, 24, 8, 7, 3),
+                                                              (2, 1, 1040, 5, 4, 0)):
+        c = lambda *shape: torch.randn(*shape, device="cuda", dtype=dtype)
+        ops.decode_attention(c(q_heads, dim), c(kv_heads, dim), c(kv_heads, dim), c(dim), c(dim),
+                             c(kv_heads, capacity, dim), c(kv_heads, capacity, dim), position, dim ** -0.5, start,
+                             c(q_heads), 30.0)
     torch.cuda.synchronize()

@@ -48,7 +48,8 @@ __global__ void rms_norm_kernel(const void* x, const void* weight, void* out, Fl
     const float v = load_float(x, kind, base + i);
     sum += v * v;
   }
-  const float inv = rsqrtf(block_reduce<false>(sum, shared) / static_cast<float>(n) + eps);
+  // 1 / sqrtf, both IEEE-rounded as the CPU kernel computes it (rsqrtf is approximate).
+  const float inv = 1.0f / sqrtf(block_reduce<false>(sum, shared) / static_cast<float>(n) + eps);
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
     // Normalised in fp32, rounded to x's dtype, then scaled (transformers' order).
     const float normed = rounded(kind, load_float(x, kind, base + i) * inv);
