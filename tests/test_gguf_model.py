@@ -134,6 +134,17 @@ def test_load_gguf_model_is_the_replaced_model(models):
     assert max(t.numel() for t in [*built.parameters(), *built.buffers()] if t.is_floating_point()) == 576
 
 
+def test_save_pretrained_is_refused_naming_the_file(models, tmp_path):
+    """A GGUF model's save_pretrained would write its blocks under the float
+    model's config (nothing loads that): refused, from load_gguf_model and
+    replace_linear alike."""
+    model = models[0]
+    for m in (model, lowbit.load_gguf_model(PATH)):
+        with pytest.raises(NotImplementedError, match=r"save_pretrained: this model's GGUF layers .* the GGUF file "
+                                                      r"it was loaded from is its checkpoint"):
+            m.save_pretrained(tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
 @pytest.mark.skipif(torch.ops.lowbit.cpu_isa("best") != "avx512", reason="repack=True repacks where AVX-512 VNNI kernels run")
 def test_load_gguf_model_repacked_is_the_same_model(models):
     """repack=True puts every layer (the file's Q4_1 and Q8_0 ones) in the

@@ -343,6 +343,31 @@ def test_padding_adds_nothing_to_the_hessians():
     assert all(torch.equal(results[0][n], results[1][n]) for n in results[0])
 
 
+def test_save_pretrained_of_a_quantized_model_points_to_save_gptq(tmp_path):
+    """transformers' save_pretrained would write the GPTQ tensors under the
+    float model's config (a directory nothing loads): refused, naming
+    save_gptq, which writes it; the model still pickles."""
+    model = tiny_llama()
+    config = quantize(model, tokens(1, seed=1), 4, group_size=64)
+    with pytest.raises(NotImplementedError, match=r"save_pretrained: .*lowbit.save_gptq\(model, directory, config\)"):
+        model.save_pretrained(tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    lowbit.save_gptq(model, tmp_path / "ckpt", config)
+    fresh = tiny_llama(seed=1)
+    lowbit.replace_linear(fresh, tmp_path / "ckpt")
+    copied = torch.load(_saved(model, tmp_path / "model.pt"), weights_only=False)
+    held_out = torch.cat(tokens(1, seed=2))
+    assert torch.equal(logits(fresh, held_out), logits(model, held_out))
+    assert torch.equal(logits(copied, held_out), logits(model, held_out))
+    for loaded in (copied, fresh, lowbit.load_gptq_model(tmp_path / "ckpt")):  # and what replace_linear fills
+        with pytest.raises(NotImplementedError, match="save_gptq"):
+            loaded.save_pretrained(tmp_path / "hf")
+
+
+def _saved(model, path):
+    torch.save(model, path)
+    return path
+
 def test_a_tied_lm_head_is_not_quantized():
     """A quantized head beside tie_word_embeddings: vLLM would load the
     embedding as the head and skip the quantized one (GPTQModel refuses it)."""

@@ -20,6 +20,32 @@ class ReplaceReport:
     unplaced: list[str] = field(default_factory=list)  # checkpoint tensors with no place in the model
 
 
+class _SavePretrainedRefused:
+    """A transformers model's save_pretrained (and so push_to_hub) once
+    lowbit's layers hold its weights: transformers would write their tensors
+    under the float model's config, a directory that nothing loads. A class,
+    not a closure, so that the model still pickles (torch.save)."""
+
+    def __init__(self, advice: str):
+        self.advice = advice
+
+    def __call__(self, *args, **kwargs):
+        raise NotImplementedError(f"save_pretrained: {self.advice}")
+
+
+GPTQ_SAVE_ADVICE = ("this model's GPTQ layers would be written under a float model's config, which nothing loads; "
+                    "lowbit.save_gptq(model, directory, config) writes the HF GPTQ directory that lowbit, vLLM and "
+                    "GPTQModel load")
+GGUF_SAVE_ADVICE = ("this model's GGUF layers would be written under a float model's config, which nothing loads; "
+                    "lowbit writes no GGUF files: the GGUF file it was loaded from is its checkpoint")
+
+
+def refuse_save_pretrained(model: nn.Module, advice: str) -> None:
+    """Makes `model.save_pretrained` (a transformers model's) raise `advice`."""
+    if callable(getattr(model, "save_pretrained", None)):
+        model.save_pretrained = _SavePretrainedRefused(advice)
+
+
 def get_module(model: nn.Module, name: str) -> nn.Module | None:
     try:
         return model.get_submodule(name) if name else None

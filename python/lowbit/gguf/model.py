@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from .._checks import check_finite, check_positive
-from .._placing import (ReplaceReport, checked, get_module, load_tensor, on_meta, rebuild_computed_buffers,
-                        tensor_holders)
+from .._placing import (GGUF_SAVE_ADVICE, ReplaceReport, checked, get_module, load_tensor, on_meta,
+                        rebuild_computed_buffers, refuse_save_pretrained, tensor_holders)
 from ..fusing import fuse_projections
 from ..moe import experts_dims
 from ..decoding import fast_decoding
@@ -279,6 +279,7 @@ def place_gguf_tensors(model: nn.Module, f: GGUFFile, caller: str, consumed: tup
     missing = [n for n in wanted if n not in placed]
     if missing:
         raise GGUFError(f"{caller}: {path} has no tensor for model parameters {missing}")
+    refuse_save_pretrained(model, GGUF_SAVE_ADVICE)
     return report
 
 

@@ -45,6 +45,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .._checks import check_finite
+from .._placing import GPTQ_SAVE_ADVICE, refuse_save_pretrained
 from .config import BITS, FORMATS, GPTQConfig
 from ..moe import experts_dims, plain_experts
 from .experts import EXPERT_LAYER, GPTQExpert, GPTQExperts
@@ -320,6 +321,7 @@ def quantize(model: nn.Module, calibration_batches: Iterable[Any], bits: int, gr
                 _quantize_lm_head(model, decoder.norm, hidden, kept, quantize_one)
     finally:
         model.train(training)
+    refuse_save_pretrained(model, GPTQ_SAVE_ADVICE)
     return GPTQConfig(bits=bits, group_size=group_size, desc_act=desc_act, sym=sym,
                       checkpoint_format=checkpoint_format, lm_head=lm_head)
 

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from .._checks import check_finite
-from .._placing import (ReplaceReport, checked, get_module, load_tensor, on_meta, rebuild_computed_buffers,
-                        tensor_holders)
+from .._placing import (GPTQ_SAVE_ADVICE, ReplaceReport, checked, get_module, load_tensor, on_meta,
+                        rebuild_computed_buffers, refuse_save_pretrained, tensor_holders)
 from ..fusing import fuse_projections
 from ..moe import experts_dims, plain_experts
 from .checkpoint import GPTQCheckpoint, GPTQCheckpointError, check_layer_count, checkpoint_files, load_gptq
@@ -214,6 +214,7 @@ def place_gptq_checkpoint(model: nn.Module, path: str, checkpoint_format: str | 
     missing = [n for n in wanted if n not in placed]
     if missing:
         raise GPTQCheckpointError(f"replace_linear: {ckpt.directory} has no tensor for model parameters {missing}")
+    refuse_save_pretrained(model, GPTQ_SAVE_ADVICE)
     return report
 
 
