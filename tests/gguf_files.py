@@ -258,7 +258,7 @@ def write_model_gguf(path: str, model, arch: str, qtype: T = T.Q8_0, extra_metad
         writer.add_sliding_window(config.sliding_window or 0)
         if rope["rope_type"] == "longrope":
             scale = config.max_position_embeddings / config.original_max_position_embeddings
-            writer.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
+            # No rope.scaling.type, as llama.cpp's converter writes it: the factor tensors say LongRoPE.
             writer.add_rope_scaling_attn_factors(
                 math.sqrt(1 + math.log(scale) / math.log(config.original_max_position_embeddings)) if scale > 1 else 1.0)
             writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))

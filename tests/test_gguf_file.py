@@ -681,6 +681,21 @@ def test_config_errors():
                           "llama.rope.scaling.factor": 2.0}, [])
 
 
+@pytest.mark.parametrize("keys, scaling", [
+    ({"llama.rope.scaling.factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
+    ({"llama.rope.scale_linear": 4.0}, {"rope_type": "linear", "factor": 4.0}),  # older converters' key
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scale_linear": 2.0}, {"rope_type": "linear", "factor": 2.0}),
+    ({"llama.rope.scaling.factor": 1.0}, None),
+    ({"llama.rope.scaling.factor": 0.0}, None),  # llama.cpp: a factor of 0 is none
+    ({}, None),
+])
+def test_rope_scaling_without_a_type_is_linear_as_llama_cpp_reads_it(keys, scaling):
+    """llama.cpp's default rope.scaling.type is linear, with the factor from
+    rope.scaling.factor or, in older files, rope.scale_linear."""
+    config = config_from_gguf({**SYNTHETIC_LLAMA, **keys}, [])
+    assert config.get("rope_scaling") == (None if scaling is None else {**scaling, "rope_theta": config["rope_theta"]})
+
+
 def gemma_metadata(arch, layers, hidden, heads, kv_heads, head_dim, **keys):
     """Keys as convert_hf_to_gguf.py writes them for Gemma 2 / 3 models."""
     return {"general.architecture": arch, f"{arch}.block_count": layers, f"{arch}.embedding_length": hidden,
@@ -803,6 +818,9 @@ def test_phi3_config_from_gguf():
         "original_max_position_embeddings": 4096, "long_factor": long, "short_factor": short,
         "attention_factor": pytest.approx(1.19)}
     assert config["sliding_window"] is None
+    # llama.cpp's converter writes no rope.scaling.type beside the factors: the tensors say LongRoPE.
+    untyped = {k: v for k, v in metadata.items() if k != "phi3.rope.scaling.type"}
+    assert config_from_gguf(untyped, tensors)["rope_parameters"] == config["rope_parameters"]
     with pytest.raises(ValueError, match="needs its tensors' values"):
         config_from_gguf(metadata, list(tensors))
     with pytest.raises(GGUFError, match="'phi3.rope.scaling.type': longrope, but the file has no "

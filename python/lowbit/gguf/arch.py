@@ -340,8 +340,11 @@ def _phi3_extra(m, arch, tensors, config):
     rope["partial_rotary_factor"] = m.get(f"{arch}.rope.dimension_count", int, head, positive=True) / head
     original = m.get(f"{arch}.rope.scaling.original_context_length", int, config["max_position_embeddings"],
                      positive=True)
-    if rope["rope_type"] == "longrope":
-        rope.update(original_max_position_embeddings=original, **_longrope_factors(m, arch, tensors))
+    # llama.cpp's converter writes a LongRoPE model's factors with no rope.scaling.type: the tensors say it.
+    if rope["rope_type"] == "longrope" or (f"{arch}.rope.scaling.type" not in m
+                                           and "rope_factors_long.weight" in tensors):
+        rope.update(rope_type="longrope", original_max_position_embeddings=original,
+                    **_longrope_factors(m, arch, tensors))
     window = _sliding_window(m, arch, config, 0)
     # A window at least as long as the context (Phi-3.5-mini's and Phi-4-mini's
     # 262144 over 131072) masks nothing a sequence within it reaches: none,
@@ -626,14 +629,20 @@ def _rope_scaling(m: _Metadata, arch: str) -> dict[str, Any] | None:
     none, linear and yarn, and phi3's longrope, the ones llama.cpp's
     converter writes for these architectures), or None without scaling."""
     key = f"{arch}.rope.scaling.type"
-    kind = m.get(key, str, "none")
+    # The factor's key, or the key older converters wrote it under, as llama.cpp reads them.
+    factor_key = next((k for k in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear") if k in m),
+                      f"{arch}.rope.scaling.factor")
+    if key not in m:  # llama.cpp's default type is linear: a factor alone scales (one of 0 or 1 does not)
+        factor = m.get(factor_key, float, 0.0, minimum=0.0)
+        return None if factor in (0.0, 1.0) else {"rope_type": "linear", "factor": factor}
+    kind = m.get(key, str)
     if kind == "none":
         return None
     if kind == "longrope" and arch == "phi3":  # its factors are tensors (_longrope_factors)
         return {"rope_type": "longrope"}
     if kind not in ("linear", "yarn"):
         raise m.error(key, f"{kind!r} is not supported (none, linear, yarn{', longrope' if arch == 'phi3' else ''})")
-    factor = m.get(f"{arch}.rope.scaling.factor", float, positive=True)
+    factor = m.get(factor_key, float, positive=True)
     if kind == "linear":
         return {"rope_type": "linear", "factor": factor}
     # llama.cpp's corrections range is whole dimensions (floor / ceil):
