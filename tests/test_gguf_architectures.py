@@ -405,6 +405,21 @@ def test_metadata_that_makes_no_model_is_a_gguf_error(tmp_path, arch, changes, s
         lowbit.load_gguf_model(path)
 
 
+def test_a_part_of_a_split_file_is_refused(tmp_path):
+    """One part of a file llama.cpp's gguf-split cut holds only some of the
+    tensors (a head missing from the first part would read as tied to the
+    embedding): refused before a model is built or filled from it."""
+    model = cached_tiny_model("llama")
+    split = {"split.count": 2, "split.no": 0}
+    path = write_tiny_gguf(tmp_path / "part.gguf", model, "llama", extra_metadata=split)
+    says = r"metadata 'split.count': the file is part 1 of a model split into 2 files"
+    with pytest.raises(lowbit.GGUFError, match=rf"^load_gguf_model: {re.escape(path)}: {says}"):
+        lowbit.load_gguf_model(path)
+    with pytest.raises(lowbit.GGUFError, match=rf"^replace_linear: {re.escape(path)}: {says}"):
+        lowbit.replace_linear(copy.deepcopy(model), path)
+    whole = write_tiny_gguf(tmp_path / "whole.gguf", model, "llama", extra_metadata={"split.count": 1})
+    assert isinstance(lowbit.load_gguf_model(whole), type(model))
+
 @pytest.mark.parametrize("window, expect", [(2047, 2047), (4096, None), (262144, None)])
 def test_a_phi3_window_as_long_as_the_context_is_no_window(tmp_path, window, expect):
     """Phi-3.5-mini's files carry a window of 262144 over a context of 131072:

@@ -426,6 +426,19 @@ def architecture(metadata: Mapping[str, Any], where: str) -> Architecture:
     return spec.with_experts if spec.with_experts is not None and experts > 0 else spec
 
 
+def check_not_split(metadata: Mapping[str, Any], where: str) -> None:
+    """A model from one part of a file llama.cpp's gguf-split cut (split.count
+    parts, split.no numbered from 0) would miss the tensors the other parts
+    hold (a head missing from the first reads as tied to the embedding)."""
+    m = _Metadata(metadata, where)
+    count = m.get("split.count", int, 1, minimum=0)
+    if count > 1:
+        part = m.get("split.no", int, 0, minimum=0)
+        raise m.error("split.count", f"the file is part {part + 1} of a model split into {count} files, which "
+                                     "spreads its tensors over them; merge them into one file first (llama.cpp's "
+                                     "llama-gguf-split --merge FIRST_PART OUT.gguf)")
+
+
 def check_block_count(metadata: Mapping[str, Any], names: Iterable[str], where: str) -> int:
     """The file's block_count, refused unless the blk.N tensors (`names`)
     are exactly layers 0 .. block_count - 1, before a model is built from

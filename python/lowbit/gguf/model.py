@@ -21,8 +21,8 @@ from ..fusing import fuse_projections
 from ..moe import experts_dims
 from ..decoding import fast_decoding
 from ..threads import kernel_threads
-from .arch import (ARCHITECTURES, _Metadata, _vocab_size, architecture, check_block_count, config_from_gguf,
-                   expert_modules, hf_name, hf_value, rows_in_hf_order)
+from .arch import (ARCHITECTURES, _Metadata, _vocab_size, architecture, check_block_count, check_not_split,
+                   config_from_gguf, expert_modules, hf_name, hf_value, rows_in_hf_order)
 from .embedding import GGUFEmbedding
 from .experts import ClampedSwiGLU, GGUFExperts
 from .file import GGUFError, GGUFFile, GGUFTensor, load_gguf
@@ -79,6 +79,7 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     path = os.fspath(path)
     where = f"load_gguf_model: {path}"
     f = load_gguf(path)
+    check_not_split(f.metadata, where)
     spec = architecture(f.metadata, where)
     # The layer count against the file's layers first: the model is built
     # with as many as its config says, before any tensor is placed.
@@ -230,6 +231,7 @@ def place_gguf_tensors(model: nn.Module, f: GGUFFile, caller: str, consumed: tup
     uses itself (`consumed`). A model built on the meta device gets the
     file's float tensors as new parameters."""
     path = f.path
+    check_not_split(f.metadata, f"{caller}: {path}")
     spec = architecture(f.metadata, f"{caller}: {path}")
     report = ReplaceReport()
     wanted = [n for n, _ in model.named_parameters(remove_duplicate=False)]
