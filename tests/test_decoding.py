@@ -189,9 +189,11 @@ def test_gguf_mixtures_of_experts_generate_through_served_steps(arch, loop, tmp_
 def test_windowed_models_decode_past_their_buffers(kind, loop, tmp_path, monkeypatch):
     """100 new tokens through windows of 5 and 4 rows: each window's cache
     moves along its buffer a row a step and into a new buffer when it
-    reaches the end; the tokens and logits stay those of the model's own
-    forward (a Gemma 3 file's through lowbit's layers), in the C++ step and
-    in the Python loop."""
+    reaches the end; the tokens stay those of the model's own forward (a
+    Gemma 3 file's through lowbit's layers) and the logits those of its
+    forward over the whole sequence at once, without a cache, in the C++
+    step and in the Python loop. (transformers' own cached steps drift from
+    that by 1e-2 after about 90 tokens for the Gemma 3 file.)"""
     from tiny_models import write_tiny_gguf
 
     if loop == "Python":
@@ -210,9 +212,10 @@ def test_windowed_models_decode_past_their_buffers(kind, loop, tmp_path, monkeyp
         assert (model.forward._plan is False) == (loop == "Python")
         fast_decoding(model, False)
         own = run()
-    assert torch.equal(served.sequences, own.sequences)
-    for a, b in zip(served.logits, own.logits):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        whole = model(served.sequences[:, :-1], use_cache=False).logits[0, ids.shape[1] - 1:]
+    assert torch.equal(served.sequences, own.sequences) and len(served.logits) == len(whole) == 100
+    for a, b in zip(served.logits, whole):
+        torch.testing.assert_close(a[0], b, atol=1e-4, rtol=1e-4)
 
 
 def test_calls_a_step_cannot_serve_run_the_model_s_forward():
