@@ -380,6 +380,56 @@ def test_kernel_threads_runs_no_grad_calls_below_autograd():
     assert seen[-1] is False and with_grad.grad_fn is not None and torch.equal(with_grad.detach(), logits)
 
 
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_an_interrupted_call_restores_threads_and_autograd(two_torch_threads, interrupt):
+    """An interrupt inside a forward or generate call (Ctrl-C; torch's
+    always-called forward hooks run for Exceptions only) leaves torch's
+    thread count, lowbit's pool and autograd as they were: a later training
+    step gets its gradients, and a later change of torch's count is lowbit's too."""
+    import lowbit.threads
+    from tiny_models import tiny_model
+
+    model = lowbit.kernel_threads(tiny_model("llama", 0).eval())
+    below = lambda: torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.AutogradFunctionality)
+
+    def stop(module, args):
+        raise interrupt()
+    handle = model.model.layers[1].register_forward_pre_hook(stop)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        with pytest.raises(interrupt):
+            model(ids)
+        with pytest.raises(interrupt):
+            model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    handle.remove()
+    assert not below() and lowbit.threads._SPLIT_CALLS[0] == 0
+    assert (torch.get_num_threads(), ops.cpu_threads()) == (2, 0)
+    model.train()
+    assert model(ids, labels=ids).loss.requires_grad
+
+
+def test_a_loaded_model_is_freed_when_dropped(tmp_path):
+    """The forward and generate lowbit puts on a loaded model refer back to it
+    weakly: `del model` frees it (and its file's mapping) at once, with no
+    cycle left for the garbage collector to find."""
+    import gc
+    import weakref
+
+    from tiny_models import tiny_model, write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_model("llama", 0), "llama")
+    model = lowbit.load_gguf_model(path)
+    assert type(model.__dict__["forward"]).__name__ == "_DecodingForward" and "generate" in model.__dict__
+    with torch.no_grad():
+        model.generate(torch.tensor([[1, 2]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    dropped = weakref.ref(model)
+    gc.disable()
+    try:
+        del model
+        assert dropped() is None
+    finally:
+        gc.enable()
+
 def test_loaded_models_give_torch_threads_to_the_kernels(tmp_path, two_torch_threads):
     from tiny_models import tiny_model, write_tiny_gguf
 

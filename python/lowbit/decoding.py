@@ -42,6 +42,7 @@ from torch.nn import functional as F
 
 from ._frozen import below_autograd, leave_autograd
 from .fusing import PROJECTION_GROUPS, ProjectionSlice
+from .threads import _STATE, ThreadedForward, _ModelRef, split_call
 
 __all__ = ["DECODER_LAYERS", "fast_decoding"]
 
@@ -549,22 +550,17 @@ def _servable(model: nn.Module) -> bool:
     return True
 
 
-class _DecodingForward:
+class _DecodingForward(_ModelRef):
     """The model's forward: a decode step where one can serve the call, the
-    model's own forward otherwise. A class, not a closure, so that the model
-    still pickles."""
+    model's own forward otherwise, within kernel_threads' split where the
+    model has one. A class, not a closure, so that the model still pickles
+    (the C++ step is made again after unpickling)."""
 
     def __init__(self, model: nn.Module):
-        self.model = model
+        super().__init__(model)
         self._plan = None  # the C++ step (_StepPlan), False where the model has none, None until made
         # (tables per layer type, tables holding each frequency once) of its rotary embedding, None until read
         self._tables: tuple[bool, bool] | None = None
-
-    def __getstate__(self):
-        return {"model": self.model}  # the C++ step is made again after unpickling
-
-    def __setstate__(self, state):
-        self.__init__(state["model"])
 
     @property
     def __signature__(self):
@@ -572,6 +568,9 @@ class _DecodingForward:
         return inspect.signature(type(self.model).forward.__get__(self.model))
 
     def __call__(self, *args, **kwargs):
+        return split_call(self.model, args, kwargs, lambda: self._forward(args, kwargs))
+
+    def _forward(self, args, kwargs):
         if len(args) == 1 and "input_ids" not in kwargs:  # model(input_ids, ...), as the forward's first parameter
             args, kwargs = (), {"input_ids": args[0], **kwargs}
         if not args:
@@ -709,6 +708,10 @@ def fast_decoding(model: nn.Module, enable: bool = True) -> bool:
     if isinstance(model.__dict__.get("forward"), _DecodingForward):
         del model.forward
     if not enable or not _servable(model):
+        if _STATE in model.__dict__ and "forward" not in model.__dict__:  # kernel_threads' split stays
+            model.forward = ThreadedForward(model)
         return False
+    if isinstance(model.__dict__.get("forward"), ThreadedForward):
+        del model.forward  # the decode step's forward splits its calls itself
     model.forward = _DecodingForward(model)
     return True

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import weakref
 
 import torch
 from torch import nn
@@ -40,7 +41,7 @@ from ._frozen import below_autograd, leave_autograd
 
 __all__ = ["kernel_threads"]
 
-_HANDLES = "_lowbit_kernel_threads"
+_STATE = "_lowbit_kernel_threads"  # the model's _KernelThreads
 
 # Calls over at least this many tokens (batch x sequence) run lowbit's kernels
 # on torch's team: from about here a prompt's attention is a large share of
@@ -111,12 +112,9 @@ def restore_threads(saved) -> None:
 
 
 class _KernelThreads:
-    """The hooks' state, per thread: the settings each running forward call
-    replaced, a stack (a model may call itself: an assistant model, a nested
-    forward), and the thread count of each running generate call. A class,
-    not closures, so that a model with the hooks still pickles."""
-
-    torch_team_tokens = TORCH_TEAM_TOKENS
+    """A model's split (the model's attribute _STATE): per thread, the thread
+    count of each running generate call. A class, not closures, so that the
+    model still pickles."""
 
     def __init__(self, torch_team_tokens: int | None = TORCH_TEAM_TOKENS):
         self.torch_team_tokens = torch_team_tokens
@@ -129,49 +127,91 @@ class _KernelThreads:
         self.__init__(state["torch_team_tokens"])
 
     @property
-    def saved(self) -> list:
-        return self._threads.__dict__.setdefault("saved", [])
-
-    @property
     def generating(self) -> list:
         return self._threads.__dict__.setdefault("generating", [])
 
-    def before(self, module, args, kwargs):
-        if not torch.compiler.is_compiling():
-            threads = self.generating[-1] if self.generating else None
-            self.saved.append((split_threads(args, kwargs, self.torch_team_tokens, threads), below_autograd()))
-
-    def after(self, module, args, kwargs, output):
-        saved = self.saved
-        if not torch.compiler.is_compiling() and saved:
-            threads, guard = saved.pop()
-            leave_autograd(guard)
+    def run(self, args, kwargs, call):
+        """call() within the split for a forward call on `args` and `kwargs`,
+        everything restored however it ends: an interrupt (KeyboardInterrupt,
+        SystemExit) too, which torch's always-called forward hooks miss."""
+        if torch.compiler.is_compiling():
+            return call()
+        threads = split_threads(args, kwargs, self.torch_team_tokens, self.generating[-1] if self.generating else None)
+        try:
+            guard = below_autograd()
+            try:
+                return call()
+            finally:
+                leave_autograd(guard)
+        finally:
             restore_threads(threads)
 
 
-class _ThreadedGenerate:
+def split_call(model: nn.Module, args, kwargs, call):
+    """call() (the model's forward on `args`, `kwargs`) within the model's
+    split where kernel_threads set one, as it is otherwise."""
+    state = model.__dict__.get(_STATE)
+    return call() if state is None else state.run(args, kwargs, call)
+
+
+class _ModelRef:
+    """A model's own attribute that refers back to the model weakly, so that
+    `del model` frees it at once (no reference cycle for the garbage
+    collector to find); it pickles and deep-copies with the model."""
+
+    def __init__(self, model: nn.Module):
+        self._model = weakref.ref(model)
+
+    def __getstate__(self):
+        return {"model": self.model}
+
+    def __setstate__(self, state):
+        self.__init__(state["model"])
+
+    @property
+    def model(self) -> nn.Module:
+        model = self._model()
+        if model is None:
+            raise ReferenceError(f"{type(self).__name__}: the model it belonged to is gone")
+        return model
+
+
+class ThreadedForward(_ModelRef):
+    """model.forward where no decode step serves the model (lowbit.decoding):
+    its own forward within the split."""
+
+    @property
+    def __signature__(self):
+        return inspect.signature(type(self.model).forward.__get__(self.model))
+
+    def __call__(self, *args, **kwargs):
+        model = self.model
+        return split_call(model, args, kwargs, lambda: type(model).forward(model, *args, **kwargs))
+
+
+class _ThreadedGenerate(_ModelRef):
     """model.generate with the thread split held for the whole call: the
     ops generate runs between forward calls (its logits processing, the next
     inputs) on torch's one thread too, not on a team of torch's threads that
     would wait for cores lowbit's pool has just left spinning. Its forward
     calls split as any other (a long prompt takes torch's team)."""
 
-    def __init__(self, model: nn.Module, state: _KernelThreads):
-        self.model, self.state = model, state
-
     @property
     def __signature__(self):
         return inspect.signature(type(self.model).generate.__get__(self.model))
 
     def __call__(self, *args, **kwargs):
+        model = self.model
+        state = model.__dict__.get(_STATE)
         saved = split_threads(args, kwargs, None)
-        if saved is not None:
-            self.state.generating.append(saved)
+        if saved is not None and state is not None:
+            state.generating.append(saved)
         try:
-            return type(self.model).generate(self.model, *args, **kwargs)
+            return type(model).generate(model, *args, **kwargs)
         finally:
             if saved is not None:
-                self.state.generating.pop()
+                if state is not None:
+                    state.generating.pop()
                 restore_threads(saved)
 
 
@@ -182,23 +222,20 @@ def kernel_threads(model: nn.Module, enable: bool = True,
     `torch_team_tokens` tokens or more (None: none) with lowbit's kernels on
     torch's threads (see the module's notes), and each generate call (if the
     model has one) with that split held throughout, restoring the settings
-    after the call (also when it raises); enable=False removes that. Returns
-    the model."""
+    however the call ends (an exception, an interrupt); enable=False removes
+    that. Returns the model."""
     if torch_team_tokens is not None and (isinstance(torch_team_tokens, bool) or not isinstance(torch_team_tokens, int)
                                           or torch_team_tokens < 1):
         raise ValueError(f"kernel_threads: torch_team_tokens must be a positive int or None, got {torch_team_tokens!r}")
-    for handle in getattr(model, _HANDLES, ()):
-        handle.remove()
-    if hasattr(model, _HANDLES):
-        delattr(model, _HANDLES)
-    if isinstance(model.__dict__.get("generate"), _ThreadedGenerate):
-        del model.generate
+    model.__dict__.pop(_STATE, None)
+    for name, kind in (("forward", ThreadedForward), ("generate", _ThreadedGenerate)):
+        if isinstance(model.__dict__.get(name), kind):
+            delattr(model, name)
     if not enable:
         return model
-    state = _KernelThreads(torch_team_tokens)
-    handles = (model.register_forward_pre_hook(state.before, with_kwargs=True),
-               model.register_forward_hook(state.after, with_kwargs=True, always_call=True))
-    setattr(model, _HANDLES, handles)
+    model.__dict__[_STATE] = _KernelThreads(torch_team_tokens)
+    if "forward" not in model.__dict__:  # a decode step's forward (lowbit.decoding) splits its calls itself
+        model.forward = ThreadedForward(model)
     if callable(getattr(type(model), "generate", None)):
-        model.generate = _ThreadedGenerate(model, state)
+        model.generate = _ThreadedGenerate(model)
     return model
