@@ -374,6 +374,34 @@ def test_load_gptq_model_in_half_precision(tmp_path):
     assert ((got - expect).norm() / expect.norm()).item() < 0.02  # bf16 activations and norms
 
 
+def test_zero_biases_of_bias_free_layers_are_dropped(tmp_path):
+    """AutoGPTQ and GPTQ-for-LLaMa build every quantized layer with a bias,
+    so their Llama checkpoints carry all-zero ones the model has no place
+    for: dropped (as vLLM does), the same model as without them; a bias
+    that is not zero is still refused."""
+    config = GPTQConfig(bits=4, group_size=32, sym=True, checkpoint_format="gptq")
+    model = tiny_llama()
+    quantize(model, config)
+    lowbit.save_gptq(model, tmp_path / "plain", config)
+    shutil.copytree(tmp_path / "plain", tmp_path / "zero-biases")
+    file = tmp_path / "zero-biases" / "model.safetensors"
+    tensors = load_file(file)
+    for name in [n for n in tensors if n.endswith(".qweight")]:
+        tensors[name.replace(".qweight", ".bias")] = torch.zeros(tensors[name.replace(".qweight", ".scales")].shape[1],
+                                                                 dtype=torch.float16)
+    save_file(tensors, file, metadata={"format": "pt"})
+    built = lowbit.load_gptq_model(tmp_path / "zero-biases")
+    assert built.model.layers[0].mlp.down_proj.bias is None
+    torch.testing.assert_close(logits(built, IDS), logits(lowbit.load_gptq_model(tmp_path / "plain"), IDS), rtol=0, atol=0)
+    fresh = tiny_llama(seed=3)
+    lowbit.replace_linear(fresh, tmp_path / "zero-biases")
+    torch.testing.assert_close(logits(fresh, IDS), logits(built, IDS), rtol=1e-5, atol=1e-6)
+    tensors["model.layers.0.mlp.down_proj.bias"][3] = 0.5
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(GPTQCheckpointError, match=r"module 'model.layers.0.mlp.down_proj': the checkpoint has a bias, "
+                                                  r"the model has none"):
+        lowbit.load_gptq_model(tmp_path / "zero-biases")
+
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3"])
 def test_load_gptq_model_of_a_scaled_embedding(tmp_path, arch, tied):

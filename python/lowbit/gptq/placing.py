@@ -179,6 +179,8 @@ def place_gptq_checkpoint(model: nn.Module, path: str, checkpoint_format: str | 
             raise GPTQCheckpointError(f"{ckpt.directory}: module {name!r} is [{layer.out_features} x "
                                       f"{layer.in_features}] in the checkpoint but Linear({module.in_features}, "
                                       f"{module.out_features}) in the model")
+        if module.bias is None and layer.bias is not None and not bool(layer.bias.any()):
+            layer.bias = None  # AutoGPTQ and GPTQ-for-LLaMa write zero biases for bias-free Linears (vLLM skips them)
         if (module.bias is None) != (layer.bias is None):
             raise GPTQCheckpointError(f"{ckpt.directory}: module {name!r}: the checkpoint "
                                       f"{'has no' if layer.bias is None else 'has a'} bias, the model "
