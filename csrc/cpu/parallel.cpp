@@ -87,6 +87,11 @@ struct Pool {
     t_in_pool = true;
     uint64_t seen = 0;
     for (;;) {
+      // A helper past the jobs' count (left from a call on more threads)
+      // sleeps until a job takes it: spinning, it would take the cores of
+      // the helpers at work.
+      for (int64_t h = helpers.load(std::memory_order_acquire); index >= h; h = helpers.load(std::memory_order_acquire))
+        helpers.wait(h, std::memory_order_acquire);
       uint64_t s = state.load(std::memory_order_acquire);
       auto since = std::chrono::steady_clock::now();
       for (int polls = 0; (s >> 32) == seen || (s & 0xffffffffu) == kClosed; s = state.load(std::memory_order_acquire)) {
@@ -116,12 +121,13 @@ struct Pool {
     n.store(total, std::memory_order_relaxed);
     chunk.store(size, std::memory_order_relaxed);
     chunks.store(count, std::memory_order_relaxed);
-    helpers.store(threads - 1, std::memory_order_relaxed);
+    const int64_t before = helpers.exchange(threads - 1, std::memory_order_release);
     done.store(0, std::memory_order_relaxed);
     failed.store(false, std::memory_order_relaxed);
     error = nullptr;
     state.store(gen << 32, std::memory_order_seq_cst);
     if (sleepers.load(std::memory_order_seq_cst) > 0) state.notify_all();
+    if (threads - 1 > before) helpers.notify_all();  // helpers asleep past the last job's count
     claim_chunks(gen);
     // Every chunk is claimed; wait for the ones helpers still run.
     for (int polls = 0; done.load(std::memory_order_acquire) < count; ++polls) {
