@@ -152,8 +152,9 @@ void run_serial(int64_t n, int64_t chunk, ChunkFn fn, const void* ctx) {
 
 // A forked child has none of the parent's threads. Of lowbit's, it starts a
 // new pool (the old one, possibly mid-job in another thread, is left alone).
-// GNU OpenMP's hang the child's next parallel region of more than one
-// thread: torch runs a child's ops on one, and TorchThreadsAtPool leaves it so.
+// GNU OpenMP hangs the child's next parallel region of more than one thread
+// (torch's own ops' too, where the parent ran one): TorchThreadsAtPool does
+// not raise torch's count there.
 std::atomic<bool> g_forked{false};
 const int g_fork_hook = pthread_atfork(nullptr, nullptr, [] {
   g_forked.store(true);
