@@ -362,3 +362,57 @@ def test_quantize_refuses_experts_it_cannot_compute():
     with pytest.raises(ValueError, match=r"quantize: model.layers.0.mlp.experts \(GptOssExperts, parameters .*\) is not "
                                          r"an experts module GPTQExperts computes"):
         quantize(model, calibration(1, seed=0), CONFIG.bits, CONFIG.group_size, progress=False)
+
+
+def _with_experts_of(model, make):
+    """`model` with each experts module's class swapped for make(class)."""
+    for module in model.modules():
+        if isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter):
+            module.__class__ = make(type(module))
+    return model
+
+
+def clamping(base):
+    """DeepSeek-V4's gate: gate and up clamped before act_fn(gate) * up."""
+    return type("ClampingExperts", (base,), {"_apply_gate": lambda self, gate_up: (
+        lambda gate, up: self.act_fn(gate.clamp(max=7.0)) * up.clamp(-7.0, 7.0))(*gate_up.chunk(2, dim=-1))})
+
+
+def plainly_gating(base):
+    """A class of its own with the plain gate written out (as some transformers classes have it)."""
+    return type("PlainGateExperts", (base,), {"_apply_gate": lambda self, gate_up: (
+        lambda gate, up: self.act_fn(gate) * up)(*gate_up.chunk(2, dim=-1))})
+
+
+class TwoInputSwiGLU(torch.nn.Module):
+    def forward(self, gate, up):
+        return torch.nn.functional.silu(gate) * up
+
+
+@pytest.mark.parametrize("kind", ["clamped gate", "two-input act_fn"])
+def test_experts_of_another_gate_are_refused(saved, kind):
+    """Experts whose gate is not act_fn(gate) * up (DeepSeek-V4's clamps it,
+    Inkling 2's act_fn takes gate and up): quantizing or loading them as
+    GPTQExperts would compute something else, so both refuse; the same
+    experts with the plain gate written out load."""
+    directory, _ = saved
+    arch = {"Qwen3MoeForCausalLM": "qwen3moe", "Qwen2MoeForCausalLM": "qwen2moe", "MixtralForCausalLM": "mixtral"}[
+        type(saved[1]).__name__]
+
+    def other(model):
+        if kind == "clamped gate":
+            return _with_experts_of(model, clamping)
+        for module in model.modules():
+            if isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter):
+                module.act_fn = TwoInputSwiGLU()
+        return model
+    if kind == "clamped gate":  # (the two-input act_fn makes no model that runs, to calibrate with)
+        with pytest.raises(ValueError, match=r"is not an experts module GPTQExperts computes"):
+            quantize(other(tiny_moe(arch)), calibration(1, seed=0), CONFIG.bits, CONFIG.group_size, progress=False)
+    with pytest.raises(GPTQCheckpointError, match=r"mlp.experts: the model's \w+ is not an experts module GPTQExperts "
+                                                  r"computes"):
+        lowbit.replace_linear(other(tiny_moe(arch)), directory)
+    plain = _with_experts_of(tiny_moe(arch), plainly_gating)
+    lowbit.replace_linear(plain, directory)
+    assert sum(isinstance(m, lowbit.gptq.GPTQExperts) for m in plain.modules()) == 2
+
