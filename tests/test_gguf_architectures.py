@@ -355,8 +355,9 @@ BAD_METADATA = {
     "rotary dimensions a string": ("llama", {"llama.rope.dimension_count": "16"}, "llama.rope.dimension_count"),
     "rope base a string": ("llama", {"llama.rope.freq_base": "1e4"}, "llama.rope.freq_base"),
     "rope base 0": ("llama", {"llama.rope.freq_base": 0.0}, "llama.rope.freq_base"),
-    "rope scaling without its factor": ("llama", {"llama.rope.scaling.type": "linear"}, "llama.rope.scaling.factor"),
-    "rope scaling factor 0": ("llama", {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 0.0},
+    # (linear scaling without a factor, or with one of 0, is none: llama.cpp's reading)
+    "rope scaling without its factor": ("llama", {"llama.rope.scaling.type": "yarn"}, "llama.rope.scaling.factor"),
+    "rope scaling factor 0": ("llama", {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 0.0},
                               "llama.rope.scaling.factor"),
     "yarn without its original context": ("llama", {"llama.rope.scaling.type": "yarn",
                                                     "llama.rope.scaling.factor": 4.0},
@@ -417,6 +418,10 @@ def test_a_part_of_a_split_file_is_refused(tmp_path):
         lowbit.load_gguf_model(path)
     with pytest.raises(lowbit.GGUFError, match=rf"^replace_linear: {re.escape(path)}: {says}"):
         lowbit.replace_linear(copy.deepcopy(model), path)
+    bad = write_tiny_gguf(tmp_path / "bad.gguf", model, "llama", extra_metadata={"split.count": 3, "split.no": 7})
+    with pytest.raises(lowbit.GGUFError, match=r"metadata 'split.no': 7, but parts are numbered from 0 to "
+                                               r"split.count - 1 = 2"):
+        lowbit.load_gguf_model(bad)
     whole = write_tiny_gguf(tmp_path / "whole.gguf", model, "llama", extra_metadata={"split.count": 1})
     assert isinstance(lowbit.load_gguf_model(whole), type(model))
 

@@ -687,6 +687,7 @@ def test_config_errors():
     ({"llama.rope.scaling.type": "linear", "llama.rope.scale_linear": 2.0}, {"rope_type": "linear", "factor": 2.0}),
     ({"llama.rope.scaling.factor": 1.0}, None),
     ({"llama.rope.scaling.factor": 0.0}, None),  # llama.cpp: a factor of 0 is none
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 0.0}, None),
     ({}, None),
 ])
 def test_rope_scaling_without_a_type_is_linear_as_llama_cpp_reads_it(keys, scaling):

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import inspect
 import threading
-import weakref
 
 import torch
 from torch import nn
@@ -155,25 +154,17 @@ def split_call(model: nn.Module, args, kwargs, call):
 
 
 class _ModelRef:
-    """A model's own attribute that refers back to the model weakly, so that
-    `del model` frees it at once (no reference cycle for the garbage
-    collector to find); it pickles and deep-copies with the model."""
+    """A model's own attribute that calls back into the model (its forward,
+    its generate). A class, not a closure, so that the model still pickles."""
 
     def __init__(self, model: nn.Module):
-        self._model = weakref.ref(model)
+        self.model = model
 
     def __getstate__(self):
         return {"model": self.model}
 
     def __setstate__(self, state):
         self.__init__(state["model"])
-
-    @property
-    def model(self) -> nn.Module:
-        model = self._model()
-        if model is None:
-            raise ReferenceError(f"{type(self).__name__}: the model it belonged to is gone")
-        return model
 
 
 class ThreadedForward(_ModelRef):
@@ -223,7 +214,9 @@ def kernel_threads(model: nn.Module, enable: bool = True,
     torch's threads (see the module's notes), and each generate call (if the
     model has one) with that split held throughout, restoring the settings
     however the call ends (an exception, an interrupt); enable=False removes
-    that. Returns the model."""
+    that. The split wraps the model's forward (model.forward): a forward set
+    on the model later, or one it had already, runs without it. Returns the
+    model."""
     if torch_team_tokens is not None and (isinstance(torch_team_tokens, bool) or not isinstance(torch_team_tokens, int)
                                           or torch_team_tokens < 1):
         raise ValueError(f"kernel_threads: torch_team_tokens must be a positive int or None, got {torch_team_tokens!r}")

@@ -434,6 +434,8 @@ def check_not_split(metadata: Mapping[str, Any], where: str) -> None:
     count = m.get("split.count", int, 1, minimum=0)
     if count > 1:
         part = m.get("split.no", int, 0, minimum=0)
+        if part >= count:
+            raise m.error("split.no", f"{part}, but parts are numbered from 0 to split.count - 1 = {count - 1}")
         raise m.error("split.count", f"the file is part {part + 1} of a model split into {count} files, which "
                                      "spreads its tensors over them; merge them into one file first (llama.cpp's "
                                      "llama-gguf-split --merge FIRST_PART OUT.gguf)")
@@ -645,19 +647,17 @@ def _rope_scaling(m: _Metadata, arch: str) -> dict[str, Any] | None:
     # The factor's key, or the key older converters wrote it under, as llama.cpp reads them.
     factor_key = next((k for k in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear") if k in m),
                       f"{arch}.rope.scaling.factor")
-    if key not in m:  # llama.cpp's default type is linear: a factor alone scales (one of 0 or 1 does not)
-        factor = m.get(factor_key, float, 0.0, minimum=0.0)
-        return None if factor in (0.0, 1.0) else {"rope_type": "linear", "factor": factor}
-    kind = m.get(key, str)
+    kind = m.get(key, str, "linear")  # llama.cpp's default type
     if kind == "none":
         return None
     if kind == "longrope" and arch == "phi3":  # its factors are tensors (_longrope_factors)
         return {"rope_type": "longrope"}
     if kind not in ("linear", "yarn"):
         raise m.error(key, f"{kind!r} is not supported (none, linear, yarn{', longrope' if arch == 'phi3' else ''})")
+    if kind == "linear":  # a factor of 0 or 1, or none, scales nothing (llama.cpp's reading)
+        factor = m.get(factor_key, float, 0.0, minimum=0.0)
+        return None if factor in (0.0, 1.0) else {"rope_type": "linear", "factor": factor}
     factor = m.get(factor_key, float, positive=True)
-    if kind == "linear":
-        return {"rope_type": "linear", "factor": factor}
     # llama.cpp's corrections range is whole dimensions (floor / ceil):
     # transformers' truncate, its default. The betas default alike; an
     # attention factor or extrapolation mix of the file's own, which
