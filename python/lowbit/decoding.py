@@ -42,7 +42,7 @@ from torch.nn import functional as F
 
 from ._frozen import below_autograd, leave_autograd
 from .fusing import PROJECTION_GROUPS, ProjectionSlice
-from .threads import _STATE, ThreadedForward, _ModelRef, split_call
+from .threads import _STATE, ThreadedForward, _ModelAttribute, split_call
 
 __all__ = ["DECODER_LAYERS", "fast_decoding"]
 
@@ -550,7 +550,7 @@ def _servable(model: nn.Module) -> bool:
     return True
 
 
-class _DecodingForward(_ModelRef):
+class _DecodingForward(_ModelAttribute):
     """The model's forward: a decode step where one can serve the call, the
     model's own forward otherwise, within kernel_threads' split where the
     model has one. A class, not a closure, so that the model still pickles

@@ -153,7 +153,7 @@ def split_call(model: nn.Module, args, kwargs, call):
     return call() if state is None else state.run(args, kwargs, call)
 
 
-class _ModelRef:
+class _ModelAttribute:
     """A model's own attribute that calls back into the model (its forward,
     its generate). A class, not a closure, so that the model still pickles."""
 
@@ -167,7 +167,7 @@ class _ModelRef:
         self.__init__(state["model"])
 
 
-class ThreadedForward(_ModelRef):
+class ThreadedForward(_ModelAttribute):
     """model.forward where no decode step serves the model (lowbit.decoding):
     its own forward within the split."""
 
@@ -180,7 +180,7 @@ class ThreadedForward(_ModelRef):
         return split_call(model, args, kwargs, lambda: type(model).forward(model, *args, **kwargs))
 
 
-class _ThreadedGenerate(_ModelRef):
+class _ThreadedGenerate(_ModelAttribute):
     """model.generate with the thread split held for the whole call: the
     ops generate runs between forward calls (its logits processing, the next
     inputs) on torch's one thread too, not on a team of torch's threads that
