@@ -193,16 +193,15 @@ class _ThreadedGenerate(_ModelAttribute):
 
     def __call__(self, *args, **kwargs):
         model = self.model
-        state = model.__dict__.get(_STATE)
+        generating = model.__dict__[_STATE].generating  # kernel_threads installs and removes both together
         saved = split_threads(args, kwargs, None)
-        if saved is not None and state is not None:
-            state.generating.append(saved)
+        if saved is not None:
+            generating.append(saved)
         try:
             return type(model).generate(model, *args, **kwargs)
         finally:
             if saved is not None:
-                if state is not None:
-                    state.generating.pop()
+                generating.pop()
                 restore_threads(saved)
 
 

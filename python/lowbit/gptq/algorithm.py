@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 
 from .._checks import check_finite
 from .._placing import GPTQ_SAVE_ADVICE, refuse_save_pretrained
-from .config import BITS, FORMATS, GPTQConfig
+from .config import BITS, GPTQConfig, check_format
 from ..moe import experts_dims, plain_experts
 from .experts import EXPERT_LAYER, GPTQExpert, GPTQExperts
 from .linear import GPTQLinear
@@ -148,11 +148,6 @@ def _check_args(bits: int, group_size: int, damp_percent: float) -> None:
         raise ValueError(f"GPTQ: damp_percent must lie in (0, 1), got {damp_percent}")
 
 
-def _check_format(checkpoint_format: str) -> None:
-    if checkpoint_format not in FORMATS:
-        raise ValueError(f"GPTQ: checkpoint_format must be one of {FORMATS}, got {checkpoint_format!r}")
-
-
 def _upper_cholesky_of_inverse(H: torch.Tensor) -> torch.Tensor:
     """U with H^-1 = U^T U (upper): row j of U, divided by U[j, j], holds the
     OBQ update of the columns after j once column j is quantized, with the
@@ -251,7 +246,7 @@ def quantize_linear(linear: nn.Linear, hessian: torch.Tensor, bits: int, group_s
     """A GPTQLinear holding the GPTQ quantization of `linear` (scales and bias
     in `dtype`). GPTQ v1 ("gptq") stores zero-1 and cannot hold a zero point
     of 0: asymmetric groups that need one raise ValueError."""
-    _check_format(checkpoint_format)
+    check_format(checkpoint_format, "GPTQ")
     r = gptq_weight(linear.weight, hessian, bits, group_size, sym, desc_act, damp_percent, dtype)
     zeros = r.zeros
     if checkpoint_format == "gptq":
@@ -295,7 +290,7 @@ def quantize(model: nn.Module, calibration_batches: Iterable[Any], bits: int, gr
     it quantized.
     """
     _check_args(bits, group_size, damp_percent)
-    _check_format(checkpoint_format)
+    check_format(checkpoint_format, "GPTQ")
     decoder = getattr(model, "model", None)
     if not isinstance(getattr(decoder, "layers", None), nn.ModuleList):
         raise ValueError("quantize: expected an HF causal LM with decoder layers at model.model.layers")

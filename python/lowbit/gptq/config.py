@@ -20,6 +20,14 @@ except ImportError:
 # Where a checkpoint directory keeps its config, in the order readers look.
 CONFIG_SOURCES = ("quantize_config.json", "quant_config.json", "config.json")
 FORMATS = ("gptq", "gptq_v2")
+
+
+def check_format(checkpoint_format: str, who: str) -> None:
+    """The ValueError every taker of a checkpoint_format argument raises for one not in FORMATS."""
+    if checkpoint_format not in FORMATS:
+        raise ValueError(f"{who}: checkpoint_format must be one of {FORMATS}, got {checkpoint_format!r}")
+
+
 BITS = (2, 3, 4, 8)
 OVERRIDABLE = ("bits", "group_size", "desc_act", "sym")  # what a `dynamic` rule may change
 # The keys that decide how the tensors read: a directory's config files must agree on them.

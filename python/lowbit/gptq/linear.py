@@ -10,7 +10,7 @@ from torch import nn
 
 from .._frozen import linear_forward
 from .packing import PANEL_COLS, fields_per_pack, from_panels, to_panels, words_per_pack
-from .config import BITS, FORMATS
+from .config import BITS, check_format
 from .rtn import quantize_rtn
 
 # Layers join only in whole multiples of the CPU kernels' widest column step
@@ -92,8 +92,7 @@ class GPTQLinear(nn.Module):
         super().__init__()
         if bits not in BITS:
             raise ValueError(f"GPTQLinear: bits must be one of {BITS}, got {bits}")
-        if checkpoint_format not in FORMATS:
-            raise ValueError(f"GPTQLinear: checkpoint_format must be one of {FORMATS}, got {checkpoint_format!r}")
+        check_format(checkpoint_format, "GPTQLinear")
         if group_size != -1 and group_size <= 0:
             raise ValueError(f"GPTQLinear: group_size must be -1 or positive, got {group_size}")
         if in_features % fields_per_pack(bits) or out_features % fields_per_pack(bits):

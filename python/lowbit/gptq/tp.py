@@ -34,7 +34,7 @@ from torch import nn
 from .checkpoint import (HEADER_DTYPES, GPTQCheckpointError, check_finite_floats, check_module_tensors,
                          checkpoint_files, hold_gptqmodel_zeros_as_v2, read_tensors, source_configs,
                          stored_format, v1_zeros_as_v2, v2_zeros_as_gptqmodel_v1, write_checkpoint)
-from .config import FORMATS, GPTQConfig, read_config
+from .config import GPTQConfig, check_format, read_config
 from .linear import GPTQLinear, applied_as_stored
 from .packing import fields_per_pack, words_per_pack
 
@@ -292,8 +292,8 @@ def _layer_source(layer: GPTQLinear, name: str) -> _Source:
 def _checkpoint_source(path: str | os.PathLike, name: str, checkpoint_format: str | None) -> _Source:
     """Reads only headers now; `read` opens the file and takes a slice later.
     `checkpoint_format` overrides the config's and the words' reading, as in load_gptq."""
-    if checkpoint_format is not None and checkpoint_format not in FORMATS:
-        raise ValueError(f"{name}: checkpoint_format must be one of {FORMATS}, got {checkpoint_format!r}")
+    if checkpoint_format is not None:
+        check_format(checkpoint_format, name)
     directory, files = checkpoint_files(path)
     config = read_config(directory)
     where = f"{directory}: module {name!r}"
