@@ -134,6 +134,19 @@ def test_load_gguf_model_is_the_replaced_model(models):
     assert max(t.numel() for t in [*built.parameters(), *built.buffers()] if t.is_floating_point()) == 576
 
 
+def test_load_gguf_model_takes_dtype_names_and_refuses_other_dtypes(models):
+    """A dtype's name (as transformers' configs write it) is that dtype; any
+    other dtype is refused by name, not blamed on the file's config."""
+    ids = models[3](PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        named, typed = (lowbit.load_gguf_model(PATH, dtype=d)(ids).logits for d in ("bfloat16", torch.bfloat16))
+    assert named.dtype == torch.bfloat16 and torch.equal(named, typed)
+    for dtype in ("auto", torch.int32, torch.float64):
+        with pytest.raises(ValueError, match=r"load_gguf_model: dtype must be torch.float32, torch.float16 or "
+                                             rf"torch.bfloat16 \(or its name\), got {re.escape(repr(dtype))}"):
+            lowbit.load_gguf_model(PATH, dtype=dtype)
+
+
 def test_save_pretrained_is_refused_naming_the_file(models, tmp_path):
     """A GGUF model's save_pretrained would write its blocks under the float
     model's config (nothing loads that): refused, from load_gguf_model and

@@ -372,6 +372,12 @@ def test_load_gptq_model_in_half_precision(tmp_path):
     assert {p.dtype for p in built.parameters()} == {torch.bfloat16}
     got, expect = logits(built, IDS).float(), logits(reference, IDS)
     assert ((got - expect).norm() / expect.norm()).item() < 0.02  # bf16 activations and norms
+    # A dtype's name, as transformers' configs write it, is that dtype; anything else is refused by name.
+    assert torch.equal(logits(lowbit.load_gptq_model(tmp_path / "ckpt", dtype="bfloat16"), IDS), logits(built, IDS))
+    for dtype in ("auto", torch.int32, torch.float64):
+        with pytest.raises(ValueError, match=r"load_gptq_model: dtype must be torch.float32, torch.float16 or "
+                                             rf"torch.bfloat16 \(or its name\), got {re.escape(repr(dtype))}"):
+            lowbit.load_gptq_model(tmp_path / "ckpt", dtype=dtype)
 
 
 def test_zero_biases_of_bias_free_layers_are_dropped(tmp_path):

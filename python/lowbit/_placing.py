@@ -87,6 +87,19 @@ def load_tensor(model: nn.Module, target: torch.Tensor, value: torch.Tensor, hol
         setattr(module, name, new)
 
 
+MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def model_dtype(dtype, who: str) -> torch.dtype:
+    """A loader's `dtype` argument as a torch dtype: one of MODEL_DTYPES, or
+    its name as transformers' configs write it ("bfloat16")."""
+    named = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if named not in MODEL_DTYPES:
+        raise ValueError(f"{who}: dtype must be torch.float32, torch.float16 or torch.bfloat16 (or its name), got "
+                         f"{dtype!r}; a float64 model is the loaded one's .double()")
+    return named
+
+
 def on_meta(make_config, build, dtype: torch.dtype, where: str, error: type[Exception]) -> nn.Module:
     """build(config) with every tensor on the meta device (no memory, no
     init), config = make_config(). The config's values come from an untrusted

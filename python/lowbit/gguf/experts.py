@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from .._frozen import call_frozen, op_input
+from .._stored import applied_as_stored, dtypes_match
 from .file import release_mapped
 from .linear import check_sizes
 
@@ -163,7 +164,7 @@ class GGUFExperts(nn.Module):
         # the bytes go back to the file's layout first.
         if any(self.repacked.values()) and fn(torch.empty(0, dtype=torch.uint8)).device.type != "cpu":
             self.unrepack()
-        return super()._apply(fn, recurse)
+        return applied_as_stored(self, lambda: super(GGUFExperts, self)._apply(fn, recurse))
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -171,13 +172,17 @@ class GGUFExperts(nn.Module):
             if self.repacked[name]:
                 destination[f"{prefix}{name}_qweight"] = self.file_layout_qweight(name)
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        if not dtypes_match(self, state_dict, prefix, error_msgs):
+            return
         # A state dict holds the file's layout: loaded into the file's layout,
         # so that what it leaves out (strict=False) or fails to load stays as it was.
         repacked = [name for name in PROJECTIONS if self.repacked[name]]
         self.unrepack()
         try:
-            super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
         finally:
             for name in repacked:
                 setattr(self, f"{name}_qweight", self._reorder(name, inverse=False))

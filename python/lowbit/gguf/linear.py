@@ -8,6 +8,7 @@ from torch import nn
 
 from .._checks import check_finite
 from .._frozen import linear_forward
+from .._stored import applied_as_stored, dtypes_match
 from .file import release_mapped
 
 # The ggml float weight types (F32, F16, BF16) of torch's dtypes.
@@ -98,8 +99,9 @@ class GGUFLinear(nn.Module):
         weight = linear.weight.detach().to(torch.float32).cpu().numpy()
         try:
             raw = quants.quantize(weight, GGMLQuantizationType(qtype))
-        except NotImplementedError as e:
-            raise ValueError(f"GGUFLinear.from_linear: gguf-py cannot quantize type {qtype}: {e}") from e
+        except (NotImplementedError, quants.QuantError) as e:  # a type it has no quantizer for; a row not whole blocks
+            raise ValueError(f"GGUFLinear.from_linear: gguf-py cannot quantize type {qtype} "
+                             f"({linear.in_features} inputs): {e}") from e
         # The float types come back as float arrays: their bytes are the blocks.
         qweight = torch.from_numpy(raw.view("uint8").reshape(weight.shape[0], -1)).to(linear.weight.device)
         return cls.from_raw(qweight, qtype, linear.in_features, linear.bias)
@@ -187,20 +189,24 @@ class GGUFLinear(nn.Module):
         # the bytes go back to the file's layout first.
         if self.repacked and fn(torch.empty(0, dtype=torch.uint8)).device.type != "cpu":
             self.unrepack()
-        return super()._apply(fn, recurse)
+        return applied_as_stored(self, lambda: super(GGUFLinear, self)._apply(fn, recurse))
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.repacked:  # a state dict holds the file's layout, whatever loads it
             destination[prefix + "qweight"] = self.file_layout_qweight()
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        if not dtypes_match(self, state_dict, prefix, error_msgs):
+            return
         # A state dict holds the file's layout: loaded into the file's layout,
         # so that what it leaves out (strict=False) or fails to load stays as it was.
         repacked = self.repacked
         self.unrepack()
         try:
-            super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
         finally:
             if repacked:
                 self.repack()

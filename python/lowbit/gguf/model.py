@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .._checks import check_finite, check_positive
-from .._placing import (GGUF_SAVE_ADVICE, ReplaceReport, checked, get_module, load_tensor, on_meta,
+from .._placing import (GGUF_SAVE_ADVICE, ReplaceReport, checked, get_module, load_tensor, model_dtype, on_meta,
                         rebuild_computed_buffers, refuse_save_pretrained, tensor_holders)
 from ..fusing import fuse_projections
 from ..moe import experts_dims
@@ -76,6 +76,7 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     """
     import transformers
 
+    dtype = model_dtype(dtype, "load_gguf_model")
     path = os.fspath(path)
     where = f"load_gguf_model: {path}"
     f = load_gguf(path)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .._frozen import linear_forward
+from .._stored import applied_as_stored, dtypes_match
 from .packing import PANEL_COLS, fields_per_pack, from_panels, to_panels, words_per_pack
 from .config import BITS, check_format
 from .rtn import quantize_rtn
@@ -36,18 +37,6 @@ def in_order_g_idx(in_features: int, group_size: int, device=None) -> torch.Tens
         return torch.empty(in_features, dtype=torch.int32, device="meta")
     g = in_features if group_size == -1 else group_size
     return (torch.arange(in_features, device=device) // g).to(torch.int32)
-
-
-def applied_as_stored(module: nn.Module, names: tuple[str, ...], apply):
-    """apply() (a module's _apply), the checkpoint tensors among its buffers
-    `names` keeping their dtype through model.to(dtype) (fp16 scales rounded
-    to bf16 would change every weight): only their device follows."""
-    stored = {name: module._buffers[name] for name in names if module._buffers.get(name) is not None}
-    out = apply()
-    for name, tensor in stored.items():
-        if module._buffers[name].dtype != tensor.dtype:
-            module._buffers[name] = tensor.to(module._buffers[name].device)
-    return out
 
 
 class GPTQLinear(nn.Module):
@@ -408,6 +397,8 @@ class GPTQLinear(nn.Module):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The float weight [out_features, in_features] in `dtype` (default: the
         scales' dtype), computed exactly in fp32 and rounded once."""
+        if dtype is not None and not dtype.is_floating_point:
+            raise ValueError(f"GPTQLinear.dequantize: dtype must be a float dtype, got {dtype}")
         w = torch.ops.lowbit.gptq_dequantize(self.checkpoint_qweight(), self.qzeros, self.scales.float(), self.g_idx,
                                              self.use_v2_format, self.bits)
         return w.t().to(dtype or self.scales.dtype)
@@ -417,7 +408,7 @@ class GPTQLinear(nn.Module):
         # else, qweight goes back to the checkpoint's layout first.
         if self.repacked and fn(torch.empty(0, dtype=torch.int32)).device.type != "cpu":
             self.unrepack()
-        out = applied_as_stored(self, ("scales", "bias"), lambda: super(GPTQLinear, self)._apply(fn, recurse))
+        out = applied_as_stored(self, lambda: super(GPTQLinear, self)._apply(fn, recurse), ("scales", "bias"))
         if self.rows_sorted:  # moved: the check's key follows the buffers
             self._sorted_key = self._key()
         return out
@@ -432,10 +423,14 @@ class GPTQLinear(nn.Module):
         if self.rows_sorted or self.repacked:  # a state dict holds the checkpoint's order, whatever loads it
             destination[prefix + "qweight"] = self.checkpoint_qweight()
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        if not dtypes_match(self, state_dict, prefix, error_msgs):
+            return
         sorted_, repacked = self.rows_sorted, self.repacked
         self.unsort_rows()  # what is not loaded stays the checkpoint's
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
         if sorted_:
             self.sort_rows()
         if repacked:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .._checks import check_finite
-from .._placing import (GPTQ_SAVE_ADVICE, ReplaceReport, checked, get_module, load_tensor, on_meta,
+from .._placing import (GPTQ_SAVE_ADVICE, ReplaceReport, checked, get_module, load_tensor, model_dtype, on_meta,
                         rebuild_computed_buffers, refuse_save_pretrained, tensor_holders)
 from ..fusing import fuse_projections
 from ..moe import experts_dims, plain_experts
@@ -64,6 +64,7 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     """
     import transformers
 
+    dtype = model_dtype(dtype, "load_gptq_model")
     if repack and not int8_activations:
         raise ValueError("load_gptq_model: repack holds GPTQ layers in gptq_gemm_a8's panel layout, which only "
                          "int8_activations layers read: pass int8_activations=True as well")

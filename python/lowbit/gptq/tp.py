@@ -35,7 +35,8 @@ from .checkpoint import (HEADER_DTYPES, GPTQCheckpointError, check_finite_floats
                          checkpoint_files, hold_gptqmodel_zeros_as_v2, read_tensors, source_configs,
                          stored_format, v1_zeros_as_v2, v2_zeros_as_gptqmodel_v1, write_checkpoint)
 from .config import GPTQConfig, check_format, read_config
-from .linear import GPTQLinear, applied_as_stored
+from .._stored import applied_as_stored
+from .linear import GPTQLinear
 from .packing import fields_per_pack, words_per_pack
 
 __all__ = [
@@ -497,7 +498,7 @@ class RowParallelGPTQLinear(nn.Module):
         return cls._from_source(_layer_source(layer, name), rank, world_size, group)
 
     def _apply(self, fn, recurse=True):
-        return applied_as_stored(self, ("bias",), lambda: super(RowParallelGPTQLinear, self)._apply(fn, recurse))
+        return applied_as_stored(self, lambda: super(RowParallelGPTQLinear, self)._apply(fn, recurse), ("bias",))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.local(x)

@@ -1,0 +1,38 @@
+"""A quantized module's checkpoint bytes through what nn.Module does to every
+buffer. Its integer buffers hold codes, indices and raw blocks: a cast
+(module.type(dtype), or any _apply that casts every tensor) would destroy
+them, and load_state_dict would cast a tensor of another dtype into them
+without a word (int64 values past 255 wrapping into uint8 blocks)."""
+from __future__ import annotations
+
+from torch import nn
+
+
+def applied_as_stored(module: nn.Module, apply, floats: tuple[str, ...] = ()):
+    """apply() (the module's _apply) with its integer buffers, and the float
+    ones `floats` names, keeping their dtype: only their device follows (fp16
+    scales rounded to bf16 by model.to(dtype) would change every weight)."""
+    stored = {name: t for name, t in module._buffers.items()
+              if t is not None and (name in floats or not t.is_floating_point())}
+    out = apply()
+    for name, tensor in stored.items():
+        now = module._buffers.get(name)
+        if now is not None and now.dtype != tensor.dtype:
+            module._buffers[name] = tensor.to(now.device)
+    return out
+
+
+def dtypes_match(module: nn.Module, state_dict, prefix: str, error_msgs: list[str]) -> bool:
+    """Whether each of `state_dict`'s tensors for the module's integer buffers
+    has that buffer's dtype; an error for each that does not goes to
+    `error_msgs`, which load_state_dict raises together (the module is then
+    left as it was)."""
+    match = True
+    for name, buffer in module._buffers.items():
+        value = state_dict.get(prefix + name)
+        if buffer is not None and not buffer.is_floating_point() and hasattr(value, "dtype") \
+                and value.dtype != buffer.dtype:
+            error_msgs.append(f"{type(module).__name__}: {prefix}{name} must be {buffer.dtype}, got {value.dtype} "
+                              "(quantized codes are not cast)")
+            match = False
+    return match

@@ -1,0 +1,117 @@
+"""The quantized modules' checkpoint tensors through what nn.Module does to
+every buffer: a cast (module.type, an _apply that casts every tensor) and
+load_state_dict of tensors of another dtype leave the quantized codes as
+stored; parametrizations of them are refused by name."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.utils.parametrize as parametrize
+
+import gguf_blocks as gb
+import lowbit
+
+IN, OUT = 256, 32
+
+
+def gguf_linear():
+    rng = np.random.default_rng(0)
+    return lowbit.GGUFLinear.from_raw(torch.from_numpy(gb.random_blocks(rng, "Q4_K", OUT, IN)), gb.type_id("Q4_K"), IN,
+                                      torch.randn(OUT, generator=torch.Generator().manual_seed(0)))
+
+
+def gptq_linear():
+    torch.manual_seed(0)
+    layer = lowbit.GPTQLinear.from_linear(torch.nn.Linear(IN, OUT), 4, 64, False, "gptq_v2", perm=torch.randperm(IN))
+    return layer.sort_rows()
+
+
+def gguf_embedding():
+    rng = np.random.default_rng(1)
+    return lowbit.GGUFEmbedding(torch.from_numpy(gb.random_blocks(rng, "Q8_0", 10, IN)), gb.type_id("Q8_0"), IN)
+
+
+def gguf_experts():
+    rng = np.random.default_rng(2)
+
+    def blocks(rows, n, name):
+        return torch.from_numpy(gb.random_blocks(rng, name, 3 * rows, n)), gb.type_id(name)
+
+    return lowbit.GGUFExperts(blocks(64, IN, "Q8_0"), blocks(64, IN, "Q8_0"), blocks(IN, 64, "Q4_0"), experts=3,
+                              hidden_size=IN, intermediate_size=64, act_fn=torch.nn.SiLU())
+
+
+def run(module):
+    """The module's output on fixed inputs, as float32."""
+    if isinstance(module, lowbit.GGUFEmbedding):
+        return module(torch.tensor([1, 7, 3])).float()
+    x = torch.randn(3, IN, generator=torch.Generator().manual_seed(5))
+    if isinstance(module, lowbit.GGUFExperts):
+        ids = torch.tensor([[0, 2], [1, 0], [2, 1]])
+        return module(x, ids, torch.full((3, 2), 0.5)).float()
+    return module(x).float()
+
+
+MODULES = {"GGUFLinear": gguf_linear, "GPTQLinear": gptq_linear, "GGUFEmbedding": gguf_embedding,
+           "GGUFExperts": gguf_experts}
+
+
+def quantized(module):
+    return {name: t for name, t in module.named_buffers() if not t.is_floating_point()}
+
+
+@pytest.mark.parametrize("make", MODULES.values(), ids=MODULES.keys())
+def test_type_casts_keep_the_quantized_codes(make):
+    """nn.Module.type() casts every tensor, integer buffers too: the codes
+    keep their dtype and values, the float tensors follow."""
+    module = make()
+    codes, expect = {k: v.clone() for k, v in quantized(module).items()}, run(module)
+    assert codes
+    for dtype in (torch.float16, torch.float32):
+        module.type(dtype)
+        for name, t in quantized(module).items():
+            assert t.dtype == codes[name].dtype and torch.equal(t, codes[name]), name
+    torch.testing.assert_close(run(module), expect, rtol=1e-3, atol=1e-3)  # a float bias rounded through fp16
+
+
+@pytest.mark.parametrize("make", MODULES.values(), ids=MODULES.keys())
+def test_load_state_dict_refuses_codes_of_another_dtype(make):
+    """torch would cast them (int64 values past 255 wrapping into uint8
+    blocks): refused by name, and the module left as it was."""
+    module, other = make(), make()
+    expect = run(module)
+    state = other.state_dict()
+    name = next(k for k, v in state.items() if not v.is_floating_point())
+    state[name] = state[name].to(torch.int64) + 256
+    with pytest.raises(RuntimeError, match=rf"{name} must be {module.state_dict()[name].dtype}, got torch.int64"):
+        module.load_state_dict(state)
+    assert torch.equal(run(module), expect)
+    state[name] = state[name].float()
+    with pytest.raises(RuntimeError, match=rf"{name} must be .*, got torch.float32"):
+        module.load_state_dict(state, strict=False)
+    assert torch.equal(run(module), expect)
+    module.load_state_dict(other.state_dict())  # the same dtypes load as before
+    assert torch.equal(run(module), run(other))
+
+
+@pytest.mark.parametrize("make", [gguf_linear, gptq_linear], ids=["GGUFLinear", "GPTQLinear"])
+def test_parametrizing_the_codes_is_refused(make):
+    class Zero(torch.nn.Module):
+        def forward(self, w):
+            return torch.zeros_like(w)
+
+    layer = make()
+    parametrize.register_parametrization(layer, "bias", Zero())  # a float tensor the forward reads as itself
+    torch.testing.assert_close(run(layer), run(make()) - make().bias.float())
+    parametrize.register_parametrization(layer, "qweight", Zero())
+    with pytest.raises(TypeError, match=r"parametrization of \['qweight'\] is not supported"):
+        run(layer)
+
+
+def test_gptq_dequantize_refuses_integer_dtypes():
+    with pytest.raises(ValueError, match="dtype must be a float dtype, got torch.int32"):
+        gptq_linear().dequantize(torch.int32)
+
+
+def test_from_linear_names_a_row_of_partial_blocks():
+    with pytest.raises(ValueError, match=r"cannot quantize type 8 \(100 inputs\)"):
+        lowbit.GGUFLinear.from_linear(torch.nn.Linear(100, 4), gb.type_id("Q8_0"))
