@@ -6,6 +6,15 @@ import stat
 import torch
 
 
+def has_values(t: torch.Tensor) -> bool:
+    """Whether `t`'s values can be read on the host: not while torch.compile
+    traces, and not a meta tensor, a fake one (FakeTensorMode: shapes only) or
+    one a torch.func transform wraps (vmap's batched tensors)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return not (torch.compiler.is_compiling() or t.is_meta or isinstance(t, FakeTensor) or torch._C._functorch.is_functorch_wrapped_tensor(t))
+
+
 def check_finite(t: torch.Tensor, what: str, error: type[ValueError] = ValueError) -> None:
     """Refuses a NaN or inf in `t` as `error` (a loader's file error), naming
     the first: a quantizer's grid over it would store inf or NaN scales, a

@@ -4,6 +4,7 @@ get_rows does (a float copy of a 128k-token table costs GBs)."""
 import torch
 from torch import nn
 
+from .._checks import has_values
 from .._stored import applied_as_stored, dtypes_match
 from .linear import check_sizes
 
@@ -48,7 +49,7 @@ class GGUFEmbedding(nn.Module):
         # the graph. Negative ids, which it would wrap around, go past the end.
         if torch.compiler.is_compiling():
             flat = torch.where(flat < 0, self.num_embeddings, flat)
-        elif flat.numel() and not flat.is_meta:  # meta ids have no values: the shapes are all there is
+        elif flat.numel() and has_values(flat):  # meta and fake ids have none: the shapes are all there is
             low, high = torch.stack(torch.aminmax(flat)).tolist()  # one pass, one device sync
             if low < 0 or high >= self.num_embeddings:
                 raise IndexError(f"GGUFEmbedding: token ids must lie in [0, {self.num_embeddings}), "

@@ -14,11 +14,6 @@ from .file import release_mapped
 # The ggml float weight types (F32, F16, BF16) of torch's dtypes.
 FLOAT_QTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 
-# Batches of at most this many rows take the matrix-vector op; larger ones
-# the batched op (the split vLLM's GGUF layers make).
-VEC_MAX_M = 8
-
-
 def check_sizes(owner: str, **sizes) -> None:
     """ValueError naming the first of `sizes` that is not a positive integer:
     a 0 passes every block-size check and would surface later as a torch
@@ -136,10 +131,9 @@ class GGUFLinear(nn.Module):
     def op_template(self, x2: torch.Tensor) -> tuple:
         """(op, args, perm) as GPTQLinear.op_template gives them: op_call's
         call with x2 itself among args; no column order (perm None)."""
-        if self.repacked:
-            op = torch.ops.lowbit.ggml_mul_mat_repacked
-        else:
-            op = torch.ops.lowbit.ggml_mul_mat_vec_a8 if x2.shape[0] <= VEC_MAX_M else torch.ops.lowbit.ggml_mul_mat_a8
+        # ggml_mul_mat_a8 takes ggml_mul_mat_vec_a8's kernel at the M where that
+        # one is faster: no choice by M here to guard a traced graph to one side of it.
+        op = torch.ops.lowbit.ggml_mul_mat_repacked if self.repacked else torch.ops.lowbit.ggml_mul_mat_a8
         return op, (self._buffers["qweight"], x2, self.qtype, self.out_features), None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ import math
 import torch
 from torch import nn
 
+from .._checks import has_values
 from .._frozen import linear_forward
 from .._stored import applied_as_stored, dtypes_match
 from .packing import PANEL_COLS, fields_per_pack, from_panels, to_panels, words_per_pack
@@ -290,8 +291,8 @@ class GPTQLinear(nn.Module):
     def use_v2_format(self) -> bool:
         return self.checkpoint_format == "gptq_v2"
 
-    def _prepare(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(qweight, g_idx, perm) for gptq_gemm: x[..., perm] @ W[perm] = x @ W.
+    def _prepare(self, x2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(qweight, g_idx, perm) for gptq_gemm (on x2): x[..., perm] @ W[perm] = x @ W.
 
         A layer whose g_idx is in order runs on its own buffers with no check
         per call (any later g_idx is still honoured: the op takes any), as
@@ -319,7 +320,7 @@ class GPTQLinear(nn.Module):
                 raise RuntimeError("GPTQLinear: qweight or g_idx was changed in place after sort_rows(); load new "
                                    "weights with load_state_dict (or call unsort_rows() before writing them)")
             return self._buffers["qweight"], self._buffers["sorted_g_idx"], self._buffers["row_order"]
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or (x2 is not None and not has_values(x2)):  # fake inputs: shapes only
             return self.qweight, self.g_idx, None
         plan = self._plan
         if plan is None or not self._still_valid(plan):
@@ -374,7 +375,7 @@ class GPTQLinear(nn.Module):
         column order the op reads it in (perm: x2[:, perm] takes its place;
         None where x2 goes in as it is). lowbit.decoding's C++ step keeps the
         template and puts each token's row in x2's place."""
-        qweight, g_idx, perm = self._prepare()
+        qweight, g_idx, perm = self._prepare(x2)
         buffers = self._buffers
         v2 = self.checkpoint_format == "gptq_v2"
         cpu = x2.device.type == "cpu"
