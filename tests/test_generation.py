@@ -1,5 +1,5 @@
 """Compiled decoding (lowbit.compiled_decoding): model.generate with a static
-KV cache and each decode step one torch.compile(fullgraph=True) graph around
+KV cache and each decode step one torch.compile graph (no graph break) around
 lowbit's ops gives the tokens the eager model gives, on a tiny Llama GGUF
 file (Q8_0: the same kernels as any file, compiled in seconds) and on the
 same model as act-order GPTQ layers."""
@@ -40,8 +40,12 @@ def test_compiled_decoding_gives_the_eager_tokens(path, two_threads):
     steps = []
     step = model._compiled_call.step
     model._compiled_call.step = lambda *a, **k: steps.append(torch.get_num_threads()) or step(*a, **k)
+    torch._dynamo.utils.counters.clear()
     compiled = generate(model, ids)
     assert torch.equal(compiled, eager)
+    # the step is one graph: no graph break, one frame compiled (the prefill is eager)
+    counters = torch._dynamo.utils.counters
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1, dict(counters)
     # generate ran the decode steps through the compiled call, torch's ops on one thread where it had more
     assert len(steps) == NEW_TOKENS - 1 and set(steps) == {1}
     assert generate(model, ids[:, :4]).shape == (1, 4 + NEW_TOKENS)  # another prompt length: the same graph
@@ -60,6 +64,23 @@ def test_compiled_decoding_refuses_sliding_window_layers(tmp_path, arch, types):
     with pytest.raises(ValueError, match=f"compiled_decoding: .* has {types} layers, whose static cache recompiles"):
         lowbit.compiled_decoding(model)
     assert model.generation_config.cache_implementation is None and not hasattr(model, "_compiled_call")
+
+
+def test_compiled_decoding_runs_what_it_cannot_compile_eagerly(path, two_threads):
+    """Shapes past torch.compile's recompile limit (batch sizes, longer
+    caches) and a call asking for attentions (transformers logs from inside
+    the step) run eagerly, with the eager tokens, and later calls still run."""
+    model = lowbit.load_gguf_model(path)
+    ids = torch.tensor([[1, 7, 22, 5, 63, 40, 9]])
+    eager = {batch: generate(model, ids.repeat(batch, 1)) for batch in (1, 2, 3)}
+    lowbit.compiled_decoding(model, max_cache_len=32)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for batch in (1, 2, 3, 1):
+            assert torch.equal(generate(model, ids.repeat(batch, 1)), eager[batch]), batch
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                             output_attentions=True)
+    assert torch.equal(out.sequences, eager[1][:, :ids.shape[1] + 3]) and len(out.attentions) == 3
 
 
 def test_compiled_embedding_still_checks_token_ids(path):

@@ -3,7 +3,7 @@
 compiled_decoding(model) sets the model's generation config so that
 model.generate keeps its keys and values in a static cache (shapes that do
 not change from step to step) and runs each decode step as one graph,
-torch.compile(fullgraph=True) with lowbit's ops in it: no Python, module
+torch.compile with lowbit's ops in it: no Python, module
 calls or per-layer host work between the kernels of a step. The prefill
 stays eager (its length changes from prompt to prompt). Models with
 sliding-window layers (Gemma 2 and 3, gpt-oss) are refused: transformers'
@@ -60,7 +60,9 @@ def compiled_decoding(model: nn.Module, enable: bool = True, max_cache_len: int 
     generated C++ rather than Python, which takes out most of the remaining
     per-op host time and makes the compile several times longer.
     Call it where the model runs (the compile mode follows its device); calls
-    that pass their own cache_implementation or compile_config keep them."""
+    that pass their own cache_implementation or compile_config keep them, and
+    a call that continues its own cache (past_key_values) passes
+    cache_implementation=None, as transformers requires of both together."""
     from transformers import CompileConfig
 
     config = model.generation_config
@@ -82,10 +84,14 @@ def compiled_decoding(model: nn.Module, enable: bool = True, max_cache_len: int 
                          "decode steps)")
     # On CUDA, CUDA graphs take the launch overhead away too; inductor's CPU
     # code has no such mode. (torch.compile takes a mode or options, not both.)
+    # Not fullgraph: the step is one graph (tests/test_generation.py), and what
+    # torch.compile cannot take (a call asking for attentions logs from inside
+    # the step; more shapes than its recompile limit, a batch size or a longer
+    # cache each) then runs eagerly instead of failing every later call.
     if cpp_wrapper:
-        compile_config = CompileConfig(fullgraph=True, dynamic=False, mode=None, options={"cpp_wrapper": True})
+        compile_config = CompileConfig(fullgraph=False, dynamic=False, mode=None, options={"cpp_wrapper": True})
     else:
-        compile_config = CompileConfig(fullgraph=True, dynamic=False,
+        compile_config = CompileConfig(fullgraph=False, dynamic=False,
                                        mode="reduce-overhead" if model.device.type == "cuda" else "default")
     # transformers compiles generate's steps on accelerators only unless told.
     compile_config._compile_all_devices = True
