@@ -18,7 +18,7 @@ LEGACY = {
     "lowbit.gguf_embedding": ("lowbit.gguf.embedding", ["GGUFEmbedding"]),
     "lowbit.gguf_experts": ("lowbit.gguf.experts", ["ClampedSwiGLU", "GGUFExperts"]),
     "lowbit.gguf_file": ("lowbit.gguf.file", ["GGUFError", "GGUFFile", "GGUFTensor", "load_gguf"]),
-    "lowbit.gguf_linear": ("lowbit.gguf.linear", ["GGUFLinear", "VEC_MAX_M", "check_sizes"]),
+    "lowbit.gguf_linear": ("lowbit.gguf.linear", ["GGUFLinear", "check_sizes"]),
     "lowbit.repacking": ("lowbit.gguf.repacking", ["has_repacked_layout", "reads_repacked_layout", "repack_model"]),
     "lowbit.packing": ("lowbit.gptq.packing", ["fields_per_pack", "words_per_pack"]),
     "lowbit.tp": ("lowbit.gptq.tp", ["ColumnParallelGPTQLinear", "NaiveTPMLP", "RowParallelGPTQLinear",
