@@ -12,7 +12,8 @@ def has_values(t: torch.Tensor) -> bool:
     one a torch.func transform wraps (vmap's batched tensors)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    return not (torch.compiler.is_compiling() or t.is_meta or isinstance(t, FakeTensor) or torch._C._functorch.is_functorch_wrapped_tensor(t))
+    return not (torch.compiler.is_compiling() or t.is_meta or isinstance(t, FakeTensor)
+                or torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 
 def check_finite(t: torch.Tensor, what: str, error: type[ValueError] = ValueError) -> None:
