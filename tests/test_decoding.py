@@ -7,6 +7,7 @@ Its ops alone: tests/test_decode_ops.py."""
 import copy
 import os
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -111,6 +112,20 @@ def generate(model, ids, **kwargs):
                               output_logits=True, return_dict_in_generate=True, **kwargs)
 
 
+def with_plan(model, call):
+    """(call(), the C++ step plan the model's decode steps held when a generate
+    call in it ended: a _StepPlan, False for the Python loop, None for the
+    model's own forward). generate drops the plan as it ends."""
+    forward, seen = model.__dict__["forward"], []
+    forward.generated = lambda: seen.append(forward._plan) or type(forward).generated(forward)
+    try:
+        out = call()
+    finally:
+        del forward.generated
+    assert forward._plan is None and seen
+    return out, seen[-1]
+
+
 def test_loaded_gguf_models_generate_through_served_steps(gguf_path):
     model = lowbit.load_gguf_model(gguf_path)
     assert isinstance(model.__dict__["forward"], lowbit.decoding._DecodingForward)
@@ -174,8 +189,8 @@ def test_gguf_mixtures_of_experts_generate_through_served_steps(arch, loop, tmp_
     forward = lowbit.GGUFExperts.forward
     monkeypatch.setattr(lowbit.GGUFExperts, "forward", lambda self, *a: calls.append(a[0].shape) or forward(self, *a))
     assert fast_decoding(model)
-    served = generate(model, ids)
-    assert (model.forward._plan is False) == (loop == "Python")
+    served, plan = with_plan(model, lambda: generate(model, ids))
+    assert (plan is False) == (loop == "Python")
     steps = 11 if loop == "Python" else 0
     hidden = model.config.hidden_size
     assert calls == [(7, hidden)] * len(experts) + [(1, hidden)] * steps * len(experts)
@@ -208,8 +223,8 @@ def test_windowed_models_decode_past_their_buffers(kind, loop, tmp_path, monkeyp
                                  output_logits=True, return_dict_in_generate=True)
     with torch.inference_mode():
         assert fast_decoding(model)
-        served = run()
-        assert (model.forward._plan is False) == (loop == "Python")
+        served, plan = with_plan(model, run)
+        assert (plan is False) == (loop == "Python")
         fast_decoding(model, False)
         own = run()
         whole = model(served.sequences[:, :-1], use_cache=False).logits[0, ids.shape[1] - 1:]
@@ -332,8 +347,7 @@ def test_hooks_on_modules_a_step_skips_are_honoured(gguf_path, where, after_a_st
     fast_decoding(models[1], False)
     ids = torch.tensor([[1, 7, 22, 5]])
     if after_a_step:
-        generate(models[0], ids)
-        assert isinstance(models[0].forward._plan, lowbit.decoding._StepPlan)
+        assert isinstance(with_plan(models[0], lambda: generate(models[0], ids))[1], lowbit.decoding._StepPlan)
     calls = []
     for model in models:
         module = model.model.get_submodule(where)
@@ -523,15 +537,12 @@ def test_lora_and_hooks_keep_the_step_in_python(gguf_path):
     ids = torch.tensor([[1, 7, 22, 5]])
     model = lowbit.load_gguf_model(gguf_path)
     handle = model.model.layers[0].mlp.down_proj.register_forward_pre_hook(lambda module, args: None)
-    generate(model, ids)
-    assert model.forward._plan is None  # a hooked model runs its own forward
+    assert with_plan(model, lambda: generate(model, ids))[1] is None  # a hooked model runs its own forward
     handle.remove()
-    generate(model, ids)
-    assert isinstance(model.forward._plan, lowbit.decoding._StepPlan)
+    assert isinstance(with_plan(model, lambda: generate(model, ids))[1], lowbit.decoding._StepPlan)
     config = lowbit.lora.LoraConfig(r=4, target_modules=["o_proj"], init_lora_weights=False)
     peft.get_peft_model(model, config).eval()
-    generate(model, ids)
-    assert model.forward._plan is False
+    assert with_plan(model, lambda: generate(model, ids))[1] is False
 
 
 def test_the_cpp_step_follows_the_model_between_steps(gguf_path):
@@ -583,10 +594,21 @@ def test_the_cpp_step_follows_weights_load_state_dict_replaces(kind, gguf_path, 
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def test_a_generate_call_leaves_no_hold_on_the_model_s_tensors(gguf_path):
+    """The C++ step holds every projection's tensors: it goes when the call
+    ends, so that model.to() frees the tensors it replaces."""
+    model = lowbit.load_gguf_model(gguf_path)
+    assert isinstance(with_plan(model, lambda: generate(model, torch.tensor([[1, 7]])))[1], lowbit.decoding._StepPlan)
+    held = weakref.ref(model.model.layers[1].self_attn.o_proj.qweight)
+    model.to("meta")
+    assert held() is None
+
+
 def test_a_model_pickles_after_its_cpp_step_is_made(gguf_path):
     model = lowbit.load_gguf_model(gguf_path)
     ids = torch.tensor([[1, 7, 22, 5]])
     first = generate(model, ids).sequences
+    steps_of(model, ids, [3])  # decode calls outside generate keep their step
     assert isinstance(model.forward._plan, lowbit.decoding._StepPlan)
     again = pickle.loads(pickle.dumps(model))
     assert again.__dict__["forward"]._plan is None

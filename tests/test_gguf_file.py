@@ -111,6 +111,38 @@ def test_views_are_zero_copy_and_copy_on_write(toy):
     np.testing.assert_array_equal(load_gguf(toy.path).tensors[tensors[0].name].data.numpy(), toy.raw[tensors[0].name])
 
 
+def test_a_file_larger_than_memory_maps(toy, tmp_path):
+    """The mapping is private (copy-on-write) but reserves nothing against the
+    commit limit (VmFlags "nr"): a file larger than memory and swap maps, as
+    llama.cpp's read-only mapping does (a full reservation failed with ENOMEM
+    under Linux's default overcommit heuristic)."""
+    meminfo = dict(line.split(":") for line in open("/proc/meminfo"))
+    larger = (int(meminfo["MemTotal"].split()[0]) + int(meminfo["SwapTotal"].split()[0]) + (1 << 20)) * 1024
+    path = str(tmp_path / "sparse.gguf")
+    shutil.copy(toy.path, path)
+    os.truncate(path, larger)  # trailing bytes after the last tensor, sparse on disk
+    f = load_gguf(path)
+    start = f.tensors["token_embd.weight"].data.data_ptr()
+    flags = {}
+    for line in open("/proc/self/smaps"):
+        if "-" in line.split()[0] and not line.startswith("VmFlags"):
+            lo, hi = (int(a, 16) for a in line.split()[0].split("-"))
+        elif line.startswith("VmFlags") and lo <= start < hi:
+            flags = set(line.split()[1:])
+    assert {"rd", "wr", "nr"} <= flags and "sh" not in flags, flags
+    np.testing.assert_array_equal(f.tensors["token_embd.weight"].data.numpy(), toy.raw["token_embd.weight"])
+
+
+def test_a_corrupt_string_length_is_refused_before_it_is_read(tmp_path):
+    """A key claiming 2 GiB in a sparse 4 GiB file: refused at once (the
+    header copy stops at 256 MiB), not read into memory and decoded."""
+    path = str(tmp_path / "key.gguf")
+    with open(path, "wb") as f:
+        f.write(b"GGUF" + struct.pack("<IQQQ", 3, 0, 1, 2 << 30))
+    os.truncate(path, 4 << 30)
+    assert "the header runs past 256 MiB (2147483648 bytes claimed at offset 32): a corrupt length" in load_error(path)
+
+
 def test_custom_alignment(tmp_path):
     toy = gguf_files.write_toy_gguf(str(tmp_path / "a64.gguf"), alignment=64)
     f = load_gguf(toy.path)

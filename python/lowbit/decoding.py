@@ -570,6 +570,9 @@ class _DecodingForward(_ModelAttribute):
     def __call__(self, *args, **kwargs):
         return split_call(self.model, args, kwargs, lambda: self._forward(args, kwargs))
 
+    def generated(self) -> None:
+        self._plan = None  # it holds every projection's tensors: made again (milliseconds) by the next call
+
     def _forward(self, args, kwargs):
         if len(args) == 1 and "input_ids" not in kwargs:  # model(input_ids, ...), as the forward's first parameter
             args, kwargs = (), {"input_ids": args[0], **kwargs}

@@ -166,6 +166,10 @@ class _ModelAttribute:
     def __setstate__(self, state):
         self.__init__(state["model"])
 
+    def generated(self) -> None:
+        """A generate call on the model has ended: what it kept for the next
+        call's steps goes (it would hold the model's tensors past a model.to())."""
+
 
 class ThreadedForward(_ModelAttribute):
     """model.forward where no decode step serves the model (lowbit.decoding):
@@ -203,6 +207,9 @@ class _ThreadedGenerate(_ModelAttribute):
             if saved is not None:
                 generating.pop()
                 restore_threads(saved)
+            forward = model.__dict__.get("forward")
+            if isinstance(forward, _ModelAttribute):
+                forward.generated()
 
 
 def kernel_threads(model: nn.Module, enable: bool = True,

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from .._checks import check_regular_file
+from .._mapping import map_private
 
 __all__ = ["GGUFError", "GGUFFile", "GGUFTensor", "load_gguf", "release_mapped"]
 
@@ -217,6 +218,10 @@ class _Cursor:
 
     FIRST_COPY = 1 << 20
     MAX_ARRAY_ITEMS = 1 << 25  # about 1 GiB as Python lists
+    # Real headers (a 262k-token vocabulary and its merges, a chat template)
+    # take tens of MB; a corrupt string length would otherwise copy and
+    # decode as much of the file as it claims.
+    MAX_HEADER_BYTES = 1 << 28
 
     def __init__(self, data: np.ndarray):
         self.data = data
@@ -230,6 +235,9 @@ class _Cursor:
         end = start + n
         if end > self.size:
             raise ValueError(f"truncated: needs {n} bytes at offset {start}, file has {self.size} bytes")
+        if end > self.MAX_HEADER_BYTES:
+            raise ValueError(f"the header runs past {self.MAX_HEADER_BYTES >> 20} MiB ({n} bytes claimed at offset "
+                             f"{start}): a corrupt length")
         if end > len(self.head):
             self.head = bytes(memoryview(self.data)[:min(self.size, max(end, 2 * len(self.head), self.FIRST_COPY))])
         return self.head
@@ -378,9 +386,7 @@ def load_gguf(path: str | os.PathLike) -> GGUFFile:
     path = os.fspath(path)
     check_regular_file(path, "GGUF file", GGUFError)
     try:
-        # "c": copy-on-write map, so views are writable (torch.from_numpy wants
-        # that) and nothing is ever written back to the file.
-        data = np.memmap(path, dtype=np.uint8, mode="c")
+        data = map_private(path)
         version, metadata, infos, alignment, data_offset = _parse(data, path)
     except GGUFError:
         raise

@@ -13,12 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .._checks import check_finite, check_regular_file
+from .._mapping import map_private
 from .packing import fields_per_pack, words_per_pack
 from .config import GPTQCheckpointError, GPTQConfig, ModuleQuant, read_config, read_json
 from ..fusing import ProjectionSlice, unfused_state_dict
@@ -117,7 +117,7 @@ def read_tensors(files: list[str], mapped: frozenset[str] = frozenset()) -> dict
                     start = 8 + header_bytes + begin
                     if name in mapped and start % dtype.itemsize == 0:
                         if mapping is None:
-                            mapping = np.memmap(file, dtype=np.uint8, mode="c")
+                            mapping = map_private(file)
                         # A storage of the tensor's own bytes: torch.save and deepcopy copy what it holds.
                         data = torch.from_numpy(mapping[start:8 + header_bytes + end])
                         if data.numel() != end - begin:
