@@ -63,7 +63,7 @@ def test_fake_tensor_mode_gives_the_shapes(gguf_path):
     ids = torch.randint(0, 64, (2, 12))
     torch.manual_seed(0)
     layers = [lowbit.GPTQLinear.from_linear(torch.nn.Linear(64, 32), 4, 32),  # never run: no plan yet
-              lowbit.GPTQLinear.from_linear(torch.nn.Linear(64, 32), 4, 32, perm=torch.randperm(64)), gguf_linear()]
+              act_order_layer(int8_activations=False), act_order_layer(int8_activations=True), gguf_linear()]
     model = lowbit.load_gguf_model(gguf_path)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         assert model(mode.from_tensor(ids), use_cache=False).logits.shape == (2, 12, 64)
@@ -71,7 +71,22 @@ def test_fake_tensor_mode_gives_the_shapes(gguf_path):
             assert layer(mode.from_tensor(torch.randn(3, layer.in_features))).shape == (3, layer.out_features)
 
 
-def test_vmap_over_the_embedding(gguf_path):
+def act_order_layer(int8_activations):
+    """An act-order GPTQLinear whose rows are not sorted (it plans a sorted copy when it runs)."""
+    torch.manual_seed(0)
+    layer = lowbit.GPTQLinear.from_linear(torch.nn.Linear(64, 32), 4, 32, perm=torch.randperm(64))
+    layer.int8_activations = int8_activations
+    return layer
+
+
+def test_vmap_over_the_embedding_and_an_act_order_layer(gguf_path):
+    """vmap's batched inputs have no values to plan from: the unsorted
+    act-order layer runs gptq_gemm over its own rows (which takes any group
+    order), close to its eager int8 result."""
     table = lowbit.load_gguf_model(gguf_path).model.embed_tokens
     ids = torch.tensor([[1, 2], [3, 63]])
     assert torch.equal(torch.func.vmap(table)(ids), table(ids))
+    x = torch.randn(2, 3, 64)
+    for int8_activations in (False, True):
+        layer = act_order_layer(int8_activations)
+        torch.testing.assert_close(torch.func.vmap(layer)(x), layer(x), rtol=2e-2, atol=2e-2)

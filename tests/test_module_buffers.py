@@ -93,6 +93,16 @@ def test_load_state_dict_refuses_codes_of_another_dtype(make):
     assert torch.equal(run(module), run(other))
 
 
+def test_load_state_dict_takes_g_idx_of_any_integer_dtype():
+    """An index, not a code: int64 g_idx (as some checkpoints store it, and
+    the checkpoint loaders take) loads as before."""
+    layer, other = gptq_linear(), gptq_linear()
+    state = other.state_dict()
+    state["g_idx"] = state["g_idx"].long()
+    layer.load_state_dict(state)
+    assert layer.g_idx.dtype == torch.int32 and torch.equal(run(layer), run(other))
+
+
 @pytest.mark.parametrize("make", [gguf_linear, gptq_linear], ids=["GGUFLinear", "GPTQLinear"])
 def test_parametrizing_the_codes_is_refused(make):
     class Zero(torch.nn.Module):

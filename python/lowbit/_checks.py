@@ -4,14 +4,13 @@ import os
 import stat
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 
 def has_values(t: torch.Tensor) -> bool:
     """Whether `t`'s values can be read on the host: not while torch.compile
     traces, and not a meta tensor, a fake one (FakeTensorMode: shapes only) or
     one a torch.func transform wraps (vmap's batched tensors)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return not (torch.compiler.is_compiling() or t.is_meta or isinstance(t, FakeTensor)
                 or torch._C._functorch.is_functorch_wrapped_tensor(t))
 

@@ -22,16 +22,20 @@ def applied_as_stored(module: nn.Module, apply, floats: tuple[str, ...] = ()):
     return out
 
 
+CODES = ("qweight", "qzeros")  # the buffers (names ending so) of packed codes and raw blocks
+
+
 def dtypes_match(module: nn.Module, state_dict, prefix: str, error_msgs: list[str]) -> bool:
-    """Whether each of `state_dict`'s tensors for the module's integer buffers
-    has that buffer's dtype; an error for each that does not goes to
-    `error_msgs`, which load_state_dict raises together (the module is then
-    left as it was)."""
+    """Whether each of `state_dict`'s tensors for the module's buffers of
+    codes (CODES) has that buffer's dtype; an error for each that does not
+    goes to `error_msgs`, which load_state_dict raises together (the module
+    is then left as it was). Index buffers (g_idx) take any integer dtype,
+    as the checkpoint loaders do."""
     match = True
     for name, buffer in module._buffers.items():
         value = state_dict.get(prefix + name)
-        if buffer is not None and not buffer.is_floating_point() and hasattr(value, "dtype") \
-                and value.dtype != buffer.dtype:
+        if buffer is not None and name.endswith(CODES) and name not in module._non_persistent_buffers_set \
+                and hasattr(value, "dtype") and value.dtype != buffer.dtype:
             error_msgs.append(f"{type(module).__name__}: {prefix}{name} must be {buffer.dtype}, got {value.dtype} "
                               "(quantized codes are not cast)")
             match = False

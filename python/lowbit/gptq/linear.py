@@ -383,9 +383,9 @@ class GPTQLinear(nn.Module):
             raise RuntimeError(f"GPTQLinear: a repacked layer runs on gptq_gemm_a8 (CPU inputs, int8_activations); "
                                f"got {x2.device} inputs with int8_activations={self.int8_activations}: call "
                                f"unrepack() first")
-        # gptq_gemm_a8 needs contiguous groups, which a traced act-order layer
-        # with unsorted rows (_prepare) does not give it: gptq_gemm takes any.
-        unsorted = self.desc_act and perm is None and not self.rows_sorted and torch.compiler.is_compiling()
+        # gptq_gemm_a8 needs contiguous groups, which a traced (fake, vmapped)
+        # act-order layer with unsorted rows (_prepare) does not give it: gptq_gemm takes any.
+        unsorted = self.desc_act and perm is None and not self.rows_sorted and not has_values(x2)
         if self.int8_activations and self.bits != 3 and cpu and not unsorted:
             return torch.ops.lowbit.gptq_gemm_a8, (x2, qweight, buffers["qzeros"], buffers["scales"], g_idx, v2,
                                                    self.bits), perm
