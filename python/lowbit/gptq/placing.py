@@ -61,6 +61,9 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     Its forward calls run torch's ops on one thread and lowbit's kernels on
     torch's thread count (lowbit.kernel_threads), and a llama-family model's
     decode steps skip transformers' per-layer machinery (lowbit.fast_decoding).
+    An untied embedding's rows are read from the file as they are used, as
+    load_gguf's tensors are: the file must not change while the model is in
+    use (truncating it ends the process, SIGBUS, at the next lookup).
     """
     import transformers
 
