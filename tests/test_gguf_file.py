@@ -140,7 +140,7 @@ def test_a_corrupt_string_length_is_refused_before_it_is_read(tmp_path):
     with open(path, "wb") as f:
         f.write(b"GGUF" + struct.pack("<IQQQ", 3, 0, 1, 2 << 30))
     os.truncate(path, 4 << 30)
-    assert "the header runs past 256 MiB (2147483648 bytes claimed at offset 32): a corrupt length" in load_error(path)
+    assert "the header runs past 256 MiB (2147483648 bytes claimed at offset 32)" in load_error(path)
 
 
 def test_custom_alignment(tmp_path):

@@ -101,6 +101,9 @@ def test_load_state_dict_takes_g_idx_of_any_integer_dtype():
     state["g_idx"] = state["g_idx"].long()
     layer.load_state_dict(state)
     assert layer.g_idx.dtype == torch.int32 and torch.equal(run(layer), run(other))
+    state["g_idx"] = state["g_idx"] + 0.7  # not an index: refused, not truncated
+    with pytest.raises(RuntimeError, match="g_idx must be an integer tensor, got torch.float32"):
+        layer.load_state_dict(state)
 
 
 @pytest.mark.parametrize("make", [gguf_linear, gptq_linear], ids=["GGUFLinear", "GPTQLinear"])

@@ -5,6 +5,7 @@ them, and load_state_dict would cast a tensor of another dtype into them
 without a word (int64 values past 255 wrapping into uint8 blocks)."""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -27,16 +28,21 @@ CODES = ("qweight", "qzeros")  # the buffers (names ending so) of packed codes a
 
 def dtypes_match(module: nn.Module, state_dict, prefix: str, error_msgs: list[str]) -> bool:
     """Whether each of `state_dict`'s tensors for the module's buffers of
-    codes (CODES) has that buffer's dtype; an error for each that does not
-    goes to `error_msgs`, which load_state_dict raises together (the module
-    is then left as it was). Index buffers (g_idx) take any integer dtype,
-    as the checkpoint loaders do."""
+    codes (CODES) has that buffer's dtype, and each for its other integer
+    buffers (indices: g_idx) an integer dtype, as the checkpoint loaders
+    take them; an error for each that does not goes to `error_msgs`, which
+    load_state_dict raises together (the module is then left as it was)."""
     match = True
     for name, buffer in module._buffers.items():
         value = state_dict.get(prefix + name)
-        if buffer is not None and name.endswith(CODES) and name not in module._non_persistent_buffers_set \
-                and hasattr(value, "dtype") and value.dtype != buffer.dtype:
+        if buffer is None or buffer.is_floating_point() or name in module._non_persistent_buffers_set \
+                or not hasattr(value, "dtype") or value.dtype == buffer.dtype:
+            continue
+        if name.endswith(CODES):
             error_msgs.append(f"{type(module).__name__}: {prefix}{name} must be {buffer.dtype}, got {value.dtype} "
                               "(quantized codes are not cast)")
+            match = False
+        elif value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            error_msgs.append(f"{type(module).__name__}: {prefix}{name} must be an integer tensor, got {value.dtype}")
             match = False
     return match

@@ -237,7 +237,7 @@ class _Cursor:
             raise ValueError(f"truncated: needs {n} bytes at offset {start}, file has {self.size} bytes")
         if end > self.MAX_HEADER_BYTES:
             raise ValueError(f"the header runs past {self.MAX_HEADER_BYTES >> 20} MiB ({n} bytes claimed at offset "
-                             f"{start}): a corrupt length")
+                             f"{start}), more than any model's header holds: a corrupt length?")
         if end > len(self.head):
             self.head = bytes(memoryview(self.data)[:min(self.size, max(end, 2 * len(self.head), self.FIRST_COPY))])
         return self.head
