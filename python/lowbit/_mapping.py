@@ -18,9 +18,9 @@ def map_private(path: str) -> np.ndarray:
     """The file's bytes (uint8) as a private copy-on-write mapping: views are
     writable (torch.from_numpy wants that) and nothing is ever written back
     to the file. np.memmap's mode "c" maps the same way but charges the whole
-    file to the commit limit, so that a file larger than memory and swap
-    failed to map (ENOMEM); without the charge it maps as llama.cpp's
-    read-only mapping does, its pages read from the file on use."""
+    file to the commit limit, which refuses a file larger than memory and swap
+    (ENOMEM); this mapping is charged nothing, as llama.cpp's read-only one
+    is not, its pages read from the file as they are used."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
