@@ -8,7 +8,9 @@
                                                     of lowbit.gguf.arch.ARCHITECTURES) or a GPTQ
                                                     directory's, running their own quantized weights:
                                                     greedy, or sampled with --temperature (--top-k,
-                                                    --top-p, --seed); --threads, --compile
+                                                    --top-p, --seed); --tokens, --threads, --chat,
+                                                    --repack, --compile, --int8-activations,
+                                                    --float-tables (`--help` says what each does)
 """
 import argparse
 import os
@@ -331,8 +333,8 @@ def main(argv=None) -> int:
     generate.add_argument("--repack", action="store_true",
                           help="GGUF: the layers of the types the CPU kernels read repacked "
                                "(torch.ops.lowbit.cpu_reads_repacked; lowbit.repack_model leaves dense Q6_K "
-                               "layers out) in that layout (the same results, for the 32-element types to fp32 "
-                               "rounding); GPTQ, with "
+                               "layers out) in that layout (each layer's results the same, for the 32-element types "
+                               "to fp32 rounding, which can flip an 8-bit activation rounding downstream); GPTQ, with "
                                "--int8-activations: the layers in gptq_gemm_a8's panel layout (the same results)")
     generate.add_argument("--int8-activations", action="store_true",
                           help="GPTQ: activations rounded to int8 per group for integer dot products "

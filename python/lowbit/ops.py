@@ -465,8 +465,8 @@ def ggml_mul_mat_vec_a8(W: Tensor, X: Tensor, type: int, row: SymInt) -> Tensor:
     """X [M, n] @ dequant(W).T -> [M, row] in X's dtype, W the blocks of a [row, n]
     weight. X is quantized to the 8-bit blocks the type's dot products take (Q8_0, Q8_1
     or Q8_K, as llama.cpp's CPU backend does) and multiplied in integer dot products
-    summed in fp32; F32/F16/BF16 weights take fp32 activations as they are. For small
-    M; ggml_mul_mat_a8 for larger M."""
+    summed in fp32; F32/F16/BF16 weights take fp32 activations as they are. On CUDA
+    it runs the small-M kernel at every M; on the CPU it is ggml_mul_mat_a8."""
     return torch.ops.lowbit.ggml_mul_mat_vec_a8(W, X, type, row)
 
 
@@ -475,8 +475,8 @@ torch.library.register_fake("lowbit::ggml_mul_mat_vec_a8")(_ggml_mul_mat_fake("g
 
 def ggml_mul_mat_a8(W: Tensor, X: Tensor, type: int, row: SymInt) -> Tensor:
     """X [M, n] @ dequant(W).T -> [M, row] in X's dtype, as ggml_mul_mat_vec_a8
-    computes it (8-bit activation blocks, integer dot products, fp32 sums), decoding
-    each weight block once per call for every row of X."""
+    computes it (8-bit activation blocks, integer dot products, fp32 sums), at any M:
+    on CUDA the small-M kernel up to 32 rows, a dequantized weight past them."""
     return torch.ops.lowbit.ggml_mul_mat_a8(W, X, type, row)
 
 
