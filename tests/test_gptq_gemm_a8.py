@@ -190,7 +190,7 @@ def test_gptq_linear_with_int8_activations(act_order):
     assert "int8_activations=True" in repr(layer)
     got = layer(x)
     # What the op gives on the layer's (row-sorted) weight and permuted inputs.
-    qweight, g_idx, order = layer._prepare()
+    qweight, g_idx, order = layer._prepare(torch.empty(0, layer.in_features))
     x2 = x.reshape(-1, 256) if order is None else x.reshape(-1, 256)[:, order]
     direct = ops.gptq_gemm_a8(x2, qweight, layer.qzeros, layer.scales, g_idx, True, 4).float() + layer.bias.float()
     torch.testing.assert_close(got.reshape(-1, 128), direct, rtol=0, atol=1e-6)

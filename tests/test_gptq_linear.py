@@ -41,7 +41,7 @@ def test_act_order_runs_sorted_and_resorts_after_load_state_dict(group_size):
     layer, _ = layer_and_linear(act_order=True, group_size=group_size)
     x = torch.randn(3, IN)
     y = layer(x)
-    qweight, g_idx, perm = layer._prepare()
+    qweight, g_idx, perm = layer._prepare(torch.empty(0, layer.in_features))
     assert perm is not None and not torch.equal(qweight, layer.qweight)  # a private sorted copy
     assert torch.equal(g_idx, (torch.arange(IN) // group_size).int())  # contiguous groups
     assert layer.state_dict()["qweight"].data_ptr() == layer.qweight.data_ptr()

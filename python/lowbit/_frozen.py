@@ -36,9 +36,9 @@ def linear_forward(layer, x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{type(layer).__name__}: input must be [..., in_features={layer.in_features}], "
                          f"got {list(x.shape)}")
     parametrized = layer._modules.get("parametrizations")  # torch.nn.utils.parametrize's, by tensor name
-    if parametrized is not None and set(parametrized.keys()) - {"bias"}:
-        raise TypeError(f"{type(layer).__name__}: a parametrization of {sorted(set(parametrized.keys()) - {'bias'})} "
-                        "is not supported: the kernels read the quantized tensors as stored")
+    if parametrized is not None and set(parametrized) - {"bias"}:
+        raise TypeError(f"{type(layer).__name__}: a parametrization of {sorted(set(parametrized) - {'bias'})} is not "
+                        "supported: the kernels read the quantized tensors as stored")
     x2 = x.reshape(-1, layer.in_features)
     op, args = layer.op_call(op_input(x2))
     y = call_frozen(op, *args).to(x.dtype)

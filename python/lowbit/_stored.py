@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 
-def applied_as_stored(module: nn.Module, apply, floats: tuple[str, ...] = ()):
+def _applied_as_stored(module: nn.Module, apply, floats: tuple[str, ...]):
     """apply() (the module's _apply) with its integer buffers, and the float
     ones `floats` names, keeping their dtype: only their device follows (fp16
     scales rounded to bf16 by model.to(dtype) would change every weight)."""
@@ -26,7 +26,7 @@ def applied_as_stored(module: nn.Module, apply, floats: tuple[str, ...] = ()):
 CODES = ("qweight", "qzeros")  # the buffers (names ending so) of packed codes and raw blocks
 
 
-def dtypes_match(module: nn.Module, state_dict, prefix: str, error_msgs: list[str]) -> bool:
+def _dtypes_match(module: nn.Module, state_dict, prefix: str, error_msgs: list[str]) -> bool:
     """Whether each of `state_dict`'s tensors for the module's buffers of
     codes (CODES) has that buffer's dtype, and each for its other integer
     buffers (indices: g_idx) an integer dtype, as the checkpoint loaders
@@ -46,3 +46,22 @@ def dtypes_match(module: nn.Module, state_dict, prefix: str, error_msgs: list[st
             error_msgs.append(f"{type(module).__name__}: {prefix}{name} must be an integer tensor, got {value.dtype}")
             match = False
     return match
+
+
+class StoredBuffers(nn.Module):
+    """A module holding checkpoint tensors as buffers: through _apply its
+    integer buffers, and the float ones STORED_FLOATS names, keep their
+    dtype; load_state_dict refuses tensors of another dtype for them
+    (_dtypes_match). Subclasses' own _apply and _load_from_state_dict
+    (layout changes around the load) call these through super()."""
+
+    STORED_FLOATS: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):
+        return _applied_as_stored(self, lambda: super(StoredBuffers, self)._apply(fn, recurse), self.STORED_FLOATS)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        if _dtypes_match(self, state_dict, prefix, error_msgs):
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)

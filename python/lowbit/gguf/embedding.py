@@ -2,14 +2,13 @@
 embedding's blocks and dequantizes only the rows it looks up, as llama.cpp's
 get_rows does (a float copy of a 128k-token table costs GBs)."""
 import torch
-from torch import nn
 
 from .._checks import has_values
-from .._stored import applied_as_stored, dtypes_match
+from .._stored import StoredBuffers
 from .linear import check_sizes
 
 
-class GGUFEmbedding(nn.Module):
+class GGUFEmbedding(StoredBuffers):
     """out[..., :] = dequantized row `ids[...]` of the blocks, in `dtype`
     (times `embed_scale`, where given).
 
@@ -71,15 +70,6 @@ class GGUFEmbedding(nn.Module):
         written = dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
         out = torch.ops.lowbit.ggml_dequantize(rows, self.qtype, rows.shape[0], self.embedding_dim, written)
         return out.to(dtype)
-
-    def _apply(self, fn, recurse=True):
-        return applied_as_stored(self, lambda: super(GGUFEmbedding, self)._apply(fn, recurse))
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        if dtypes_match(self, state_dict, prefix, error_msgs):
-            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                          error_msgs)
 
     def extra_repr(self) -> str:
         scale = "" if self.embed_scale is None else f", embed_scale={self.embed_scale.item():g}"

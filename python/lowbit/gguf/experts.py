@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .._frozen import call_frozen, op_input
-from .._stored import applied_as_stored, dtypes_match
+from .._stored import StoredBuffers
 from .file import release_mapped
 from .linear import check_sizes
 
@@ -33,7 +33,7 @@ class ClampedSwiGLU(nn.Module):
         return f"alpha={self.alpha}, limit={self.limit}"
 
 
-class GGUFExperts(nn.Module):
+class GGUFExperts(StoredBuffers):
     """forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]:
     the experts module of transformers' Qwen2Moe / Qwen3Moe / Mixtral /
     GptOss sparse MoE blocks, which route and call it so. Token t's output is
@@ -164,7 +164,7 @@ class GGUFExperts(nn.Module):
         # the bytes go back to the file's layout first.
         if any(self.repacked.values()) and fn(torch.empty(0, dtype=torch.uint8)).device.type != "cpu":
             self.unrepack()
-        return applied_as_stored(self, lambda: super(GGUFExperts, self)._apply(fn, recurse))
+        return super()._apply(fn, recurse)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -172,17 +172,13 @@ class GGUFExperts(nn.Module):
             if self.repacked[name]:
                 destination[f"{prefix}{name}_qweight"] = self.file_layout_qweight(name)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        if not dtypes_match(self, state_dict, prefix, error_msgs):
-            return
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # A state dict holds the file's layout: loaded into the file's layout,
         # so that what it leaves out (strict=False) or fails to load stays as it was.
         repacked = [name for name in PROJECTIONS if self.repacked[name]]
         self.unrepack()
         try:
-            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                          error_msgs)
+            super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         finally:
             for name in repacked:
                 setattr(self, f"{name}_qweight", self._reorder(name, inverse=False))

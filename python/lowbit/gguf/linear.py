@@ -8,7 +8,7 @@ from torch import nn
 
 from .._checks import check_finite
 from .._frozen import linear_forward
-from .._stored import applied_as_stored, dtypes_match
+from .._stored import StoredBuffers
 from .file import release_mapped
 
 # The ggml float weight types (F32, F16, BF16) of torch's dtypes.
@@ -23,7 +23,7 @@ def check_sizes(owner: str, **sizes) -> None:
             raise ValueError(f"{owner}: {name} must be a positive integer, got {size!r}")
 
 
-class GGUFLinear(nn.Module):
+class GGUFLinear(StoredBuffers):
     """y = x @ W.T + b with W stored as raw ggml blocks of type `qtype`.
 
     Buffers: `qweight` (uint8 [out_features, in_features / block * type_size],
@@ -183,24 +183,20 @@ class GGUFLinear(nn.Module):
         # the bytes go back to the file's layout first.
         if self.repacked and fn(torch.empty(0, dtype=torch.uint8)).device.type != "cpu":
             self.unrepack()
-        return applied_as_stored(self, lambda: super(GGUFLinear, self)._apply(fn, recurse))
+        return super()._apply(fn, recurse)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.repacked:  # a state dict holds the file's layout, whatever loads it
             destination[prefix + "qweight"] = self.file_layout_qweight()
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        if not dtypes_match(self, state_dict, prefix, error_msgs):
-            return
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # A state dict holds the file's layout: loaded into the file's layout,
         # so that what it leaves out (strict=False) or fails to load stays as it was.
         repacked = self.repacked
         self.unrepack()
         try:
-            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                          error_msgs)
+            super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         finally:
             if repacked:
                 self.repack()

@@ -10,7 +10,7 @@ from torch import nn
 
 from .._checks import has_values
 from .._frozen import linear_forward
-from .._stored import applied_as_stored, dtypes_match
+from .._stored import StoredBuffers
 from .packing import PANEL_COLS, fields_per_pack, from_panels, to_panels, words_per_pack
 from .config import BITS, check_format
 from .rtn import quantize_rtn
@@ -40,7 +40,7 @@ def in_order_g_idx(in_features: int, group_size: int, device=None) -> torch.Tens
     return (torch.arange(in_features, device=device) // g).to(torch.int32)
 
 
-class GPTQLinear(nn.Module):
+class GPTQLinear(StoredBuffers):
     """y = x @ W.T + b for a GPTQ weight W.
 
     Buffers (state_dict) are the checkpoint's own: `qweight` int32
@@ -72,6 +72,9 @@ class GPTQLinear(nn.Module):
     a move to another device still see the checkpoint's layout.
     """
 
+    # The checkpoint's scales and bias keep their dtype through model.to(dtype):
+    # fp16 scales rounded to bf16 would change every weight.
+    STORED_FLOATS = ("scales", "bias")
     # Class defaults, so that layers pickled without the attributes have them.
     int8_activations = False
     repacked = False
@@ -291,8 +294,8 @@ class GPTQLinear(nn.Module):
     def use_v2_format(self) -> bool:
         return self.checkpoint_format == "gptq_v2"
 
-    def _prepare(self, x2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(qweight, g_idx, perm) for gptq_gemm (on x2): x[..., perm] @ W[perm] = x @ W.
+    def _prepare(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(qweight, g_idx, perm) for gptq_gemm on x2: x[..., perm] @ W[perm] = x @ W.
 
         A layer whose g_idx is in order runs on its own buffers with no check
         per call (any later g_idx is still honoured: the op takes any), as
@@ -320,7 +323,7 @@ class GPTQLinear(nn.Module):
                 raise RuntimeError("GPTQLinear: qweight or g_idx was changed in place after sort_rows(); load new "
                                    "weights with load_state_dict (or call unsort_rows() before writing them)")
             return self._buffers["qweight"], self._buffers["sorted_g_idx"], self._buffers["row_order"]
-        if torch.compiler.is_compiling() or (x2 is not None and not has_values(x2)):  # fake inputs: shapes only
+        if not has_values(x2):  # traced, fake or vmapped inputs: no values to plan from
             return self.qweight, self.g_idx, None
         plan = self._plan
         if plan is None or not self._still_valid(plan):
@@ -409,7 +412,7 @@ class GPTQLinear(nn.Module):
         # else, qweight goes back to the checkpoint's layout first.
         if self.repacked and fn(torch.empty(0, dtype=torch.int32)).device.type != "cpu":
             self.unrepack()
-        out = applied_as_stored(self, lambda: super(GPTQLinear, self)._apply(fn, recurse), ("scales", "bias"))
+        out = super()._apply(fn, recurse)
         if self.rows_sorted:  # moved: the check's key follows the buffers
             self._sorted_key = self._key()
         return out
@@ -424,14 +427,10 @@ class GPTQLinear(nn.Module):
         if self.rows_sorted or self.repacked:  # a state dict holds the checkpoint's order, whatever loads it
             destination[prefix + "qweight"] = self.checkpoint_qweight()
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        if not dtypes_match(self, state_dict, prefix, error_msgs):
-            return
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         sorted_, repacked = self.rows_sorted, self.repacked
         self.unsort_rows()  # what is not loaded stays the checkpoint's
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if sorted_:
             self.sort_rows()
         if repacked:

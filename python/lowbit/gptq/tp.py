@@ -35,7 +35,7 @@ from .checkpoint import (HEADER_DTYPES, GPTQCheckpointError, check_finite_floats
                          checkpoint_files, hold_gptqmodel_zeros_as_v2, read_tensors, source_configs,
                          stored_format, v1_zeros_as_v2, v2_zeros_as_gptqmodel_v1, write_checkpoint)
 from .config import GPTQConfig, check_format, read_config
-from .._stored import applied_as_stored
+from .._stored import StoredBuffers
 from .linear import GPTQLinear
 from .packing import fields_per_pack, words_per_pack
 
@@ -459,12 +459,14 @@ class ColumnParallelGPTQLinear(nn.Module):
         return self.local(x)
 
 
-class RowParallelGPTQLinear(nn.Module):
+class RowParallelGPTQLinear(StoredBuffers):
     """This rank's input rows [rank*K/T, (rank+1)*K/T) of a GPTQ layer whose
     g_idx is sorted (not act-order, or reordered by tp_aware/make_sequential).
 
     forward(x) takes this rank's slice of the input [..., K/T], all-reduces
     (sums) the partial products over `group` and adds the bias once."""
+
+    STORED_FLOATS = ("bias",)  # held as the unsharded layer holds it: in the scales' dtype
 
     def __init__(self, local: GPTQLinear, bias: torch.Tensor | None, rank: int, world_size: int, group=None):
         super().__init__()
@@ -496,9 +498,6 @@ class RowParallelGPTQLinear(nn.Module):
         """Shards `layer`'s stored rows; a SequentialGPTQLinear's input_perm is
         not applied here, the caller must permute the input."""
         return cls._from_source(_layer_source(layer, name), rank, world_size, group)
-
-    def _apply(self, fn, recurse=True):
-        return applied_as_stored(self, lambda: super(RowParallelGPTQLinear, self)._apply(fn, recurse), ("bias",))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.local(x)
