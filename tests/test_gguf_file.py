@@ -17,6 +17,7 @@ import gguf_blocks as gb
 import gguf_files
 from gguf_files import (HIDDEN, N_HEAD, N_HEAD_KV, TOY_TENSORS, converter_permute, patched, raw_gguf, tensor_info_offsets,
                         truncated)
+from memory_maps import vm_flags_at
 import lowbit.gguf.file
 from lowbit.gguf.file import GGUFError, _Cursor, load_gguf
 from lowbit.gguf.arch import ARCHITECTURES, config_from_gguf, hf_name, unpermute_rows
@@ -122,13 +123,7 @@ def test_a_file_larger_than_memory_maps(toy, tmp_path):
     shutil.copy(toy.path, path)
     os.truncate(path, larger)  # trailing bytes after the last tensor, sparse on disk
     f = load_gguf(path)
-    start = f.tensors["token_embd.weight"].data.data_ptr()
-    flags = {}
-    for line in open("/proc/self/smaps"):
-        if "-" in line.split()[0] and not line.startswith("VmFlags"):
-            lo, hi = (int(a, 16) for a in line.split()[0].split("-"))
-        elif line.startswith("VmFlags") and lo <= start < hi:
-            flags = set(line.split()[1:])
+    flags = set(vm_flags_at(f.tensors["token_embd.weight"].data.data_ptr()))
     assert {"rd", "wr", "nr"} <= flags and "sh" not in flags, flags
     np.testing.assert_array_equal(f.tensors["token_embd.weight"].data.numpy(), toy.raw["token_embd.weight"])
 

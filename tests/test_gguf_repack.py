@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import gguf_blocks as gb
+from memory_maps import first_huge_page, vm_flags_at
 import lowbit
 
 ops = torch.ops.lowbit
@@ -76,20 +77,6 @@ def test_layout_is_the_documented_one_and_inverts(name, rows):
     assert torch.equal(ops.ggml_repack(packed, gb.type_id(name), rows, N, True), W)
 
 
-def vm_flags_at(address):
-    """The VmFlags of this process's mapping that holds `address` (Linux)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if not head.endswith(":"):  # a mapping's first line: "lo-hi perms ..."
-                lo, hi = (int(v, 16) for v in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "VmFlags:":
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
 @pytest.mark.skipif(not os.path.isdir("/sys/kernel/mm/transparent_hugepage"),
                     reason="transparent huge pages are a Linux kernel's")
 def test_repacked_weights_ask_for_huge_pages():
@@ -99,11 +86,8 @@ def test_repacked_weights_ask_for_huge_pages():
     rows, n = 1024, 16384  # 9.4 MB of Q4_K
     t = gb.type_id("Q4_K")
     W = torch.from_numpy(gb.random_blocks(np.random.default_rng(0), "Q4_K", rows, n))
-    huge = 2 << 20
     for out in (ops.ggml_repack(W, t, rows, n), ops.ggml_repack(W, t, rows, n, True)):
-        inner = (out.data_ptr() + huge - 1) // huge * huge
-        assert inner + huge <= out.data_ptr() + out.numel()
-        assert "hg" in vm_flags_at(inner)
+        assert "hg" in vm_flags_at(first_huge_page(out))
 
 
 @pytest.mark.parametrize("name", REPACKED)
@@ -131,14 +115,11 @@ def test_experts_do_not_ask_for_huge_pages():
         import numpy as np, torch
         import gguf_blocks as gb
         from lowbit import ops
-        from test_gguf_repack import vm_flags_at
+        from memory_maps import first_huge_page, vm_flags_at
         experts, rows, n = 8, 256, 8192  # 9.4 MB of Q4_K
         raw = gb.random_blocks(np.random.default_rng(0), "Q4_K", experts * rows, n)
         out = ops.ggml_repack(torch.from_numpy(raw).view(experts, rows, -1), gb.type_id("Q4_K"), rows, n)
-        huge = 2 << 20
-        inner = (out.data_ptr() + huge - 1) // huge * huge
-        assert inner + huge <= out.data_ptr() + out.numel()
-        print("hg" in vm_flags_at(inner))
+        print("hg" in vm_flags_at(first_huge_page(out)))
     """)
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join([os.path.join(os.path.dirname(here), "python"), here, os.environ.get("PYTHONPATH", "")])
