@@ -111,7 +111,10 @@ VARIANTS = {
     "llama": "llama.cpp, default buffers",
     "llama-plain": "llama.cpp, no extra buffers",
 }
-REFERENCE = "llama"  # the ratios are over llama.cpp with its default buffers, on the same file
+# The ratios are over llama.cpp with its default buffers on the same file, or
+# over its plain blocks where every default-buffer run failed (its AMX buffers
+# crash on some VMs).
+REFERENCES = ("llama", "llama-plain")
 GPTQ_VARIANTS = [v for v in VARIANTS if v.startswith("lowbit-gptq")]
 
 
@@ -564,8 +567,16 @@ def layout_note(s):
     return ""
 
 
+def references(summaries):
+    """{file: the summary its ratios are over} (REFERENCES: the first with a run)."""
+    reference = {}
+    for variant in reversed(REFERENCES):
+        reference.update({s["file"]: s for s in summaries if s["variant"] == variant and s["rounds"]})
+    return reference
+
+
 def table_rows(summaries, file_info):
-    reference = {s["file"]: s for s in summaries if s["variant"] == REFERENCE}
+    reference = references(summaries)
     for label in (GPTQ_LABEL, GPTQ_ACT_ORDER_LABEL):
         reference[label] = reference.get("random Llama 1.0B Q4_K_M")
     rows = []
@@ -692,7 +703,7 @@ def main():
         "one-token forward). warm-up s: the first generate call (the prompt and 8 new tokens; in the compiled rows "
         "it compiles the decode step, and only the first round may find inductor's on-disk cache empty: the JSON "
         "holds each round's). Ratios: over llama.cpp with its default buffers on the same file (the GPTQ rows: on "
-        "the 1B Q4_K_M file); above 1, lowbit faster. layout: lowbit's layers in its repacked layout (repack_model "
+        "the 1B Q4_K_M file), or with no extra buffers where every default-buffer run failed; above 1, lowbit faster. layout: lowbit's layers in its repacked layout (repack_model "
         "leaves Q6_K in the file's; GPTQ layers: gptq_gemm_a8's panels); the size of llama.cpp's CPU_REPACK buffer, its repacked copy of the weights "
         "whose type it takes. MB: the file (GPTQ: the checkpoint directory).",
         "peak RSS: the process's high-water RSS (VmHWM); above imports: over its RSS after importing its library "
