@@ -523,7 +523,6 @@ at::Tensor ggml_quantize(const at::Tensor& x, int64_t type) {
   at::Tensor out = at::empty({m, row_bytes}, x.options().dtype(at::kByte));
   if (out.numel() == 0) return out;
   uint8_t* dst = out.data_ptr<uint8_t>();
-  advise_huge_pages(dst, out.numel());  // a table a matvec streams (an LM head)
   const Isa isa = active_isa();
   const bool q6_k = type == static_cast<int64_t>(ggml::Type::Q6_K);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ggml_quantize", [&] {

@@ -10,7 +10,6 @@
 #include "../ops/backend_ops.h"
 #include "../ops/dispatch.h"
 #include "../ops/gptq_checks.h"
-#include "huge_pages.h"
 #include "parallel.h"
 
 namespace lowbit {
@@ -137,7 +136,6 @@ namespace {
 // A copy of qweight (packed along K) with row k taken from row perm[k].
 at::Tensor permute_rows(const at::Tensor& qweight, const at::Tensor& perm32, int64_t K, int64_t bit) {
   at::Tensor out = at::empty_like(qweight);
-  advise_huge_pages(out.data_ptr(), out.nbytes());  // act-order's sorted rows, streamed per token
   dispatch_bits(bit, [&](auto bits) {
     permute_rows_impl<decltype(bits)::value>(words_of(qweight), words_of(out), perm32.data_ptr<int32_t>(), K,
                                              qweight.size(1));

@@ -1,7 +1,7 @@
-// Transparent huge pages for the large weight tensors the CPU ops write
-// (repacked, quantized, permuted): a weight is streamed whole by every
-// matvec, which runs below memory speed on 4 KB pages, and torch asks for huge
-// pages only under THP_MEM_ALLOC_ENABLE=1 (csrc/cpu/README.md).
+// Transparent huge pages for the large weight tensors the CPU ops write: a
+// repacked weight is streamed by every matvec, which runs below memory speed
+// on 4 KB pages, and torch asks for huge pages only under
+// THP_MEM_ALLOC_ENABLE=1 (csrc/cpu/README.md).
 #pragma once
 
 #include <stddef.h>

@@ -6,7 +6,6 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import _huge_pages as huge_pages
 from .._checks import check_finite
 from .._frozen import linear_forward
 from .._stored import StoredBuffers
@@ -119,7 +118,7 @@ class GGUFLinear(StoredBuffers):
         qweights = [layer.qweight for layer in layers]
         rows = back_to_back(qweights) if back_to_back is not None else None
         if rows is None:
-            rows = huge_pages.cat(qweights)
+            rows = torch.cat(qweights)
         bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
         return cls.from_raw(rows, layers[0].qtype, layers[0].in_features, bias)
 

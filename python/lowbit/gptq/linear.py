@@ -8,7 +8,6 @@ import math
 import torch
 from torch import nn
 
-from .. import _huge_pages as huge_pages
 from .._checks import has_values
 from .._frozen import linear_forward
 from .._stored import StoredBuffers
@@ -179,7 +178,7 @@ class GPTQLinear(StoredBuffers):
             raise ValueError("GPTQLinear.joined: layers must be one or more GPTQLinears that can_join the first "
                              "(the same quantization, g_idx, row order, device and bias, none repacked)")
         first = layers[0]
-        joined = {name: huge_pages.cat([getattr(layer, name) for layer in layers], dim=-1)
+        joined = {name: torch.cat([getattr(layer, name) for layer in layers], dim=-1)
                   for name in ("qweight", "qzeros", "scales")}
         bias = None if first.bias is None else torch.cat([layer.bias for layer in layers])
         layer = cls.from_tensors(joined["qweight"], joined["qzeros"], joined["scales"], first.g_idx, bias,

@@ -3,8 +3,6 @@ fill int32 words in packs of 32 fields in 3 words (3-bit) or 32/b fields in
 one word (2/4/8-bit); and the panel layout of qweight."""
 import torch
 
-from .. import _huge_pages as huge_pages
-
 # Columns per panel of the panel layout [N / PANEL_COLS, K*bits/32, PANEL_COLS]
 # that gptq_gemm_a8 reads beside the checkpoint's (kGptqPanelCols in
 # csrc/ops/gptq_checks.h).
@@ -25,8 +23,7 @@ def to_panels(qweight: torch.Tensor) -> torch.Tensor:
     its rows back to back, so that a kernel reading those columns reads one
     contiguous stream, where the checkpoint's rows are N words apart."""
     rows, n = qweight.shape
-    panels = qweight.view(rows, n // PANEL_COLS, PANEL_COLS).transpose(0, 1)
-    return huge_pages.empty(panels.shape, panels.dtype, qweight.device).copy_(panels)
+    return qweight.view(rows, n // PANEL_COLS, PANEL_COLS).transpose(0, 1).contiguous()
 
 
 def from_panels(panels: torch.Tensor) -> torch.Tensor:
