@@ -703,9 +703,10 @@ def main():
         "one-token forward). warm-up s: the first generate call (the prompt and 8 new tokens; in the compiled rows "
         "it compiles the decode step, and only the first round may find inductor's on-disk cache empty: the JSON "
         "holds each round's). Ratios: over llama.cpp with its default buffers on the same file (the GPTQ rows: on "
-        "the 1B Q4_K_M file), or with no extra buffers where every default-buffer run failed; above 1, lowbit faster. layout: lowbit's layers in its repacked layout (repack_model "
-        "leaves Q6_K in the file's; GPTQ layers: gptq_gemm_a8's panels); the size of llama.cpp's CPU_REPACK buffer, its repacked copy of the weights "
-        "whose type it takes. MB: the file (GPTQ: the checkpoint directory).",
+        "the 1B Q4_K_M file), or with no extra buffers where every default-buffer run failed; above 1, lowbit "
+        "faster. layout: lowbit's layers in its repacked layout (repack_model leaves Q6_K in the file's; GPTQ "
+        "layers: gptq_gemm_a8's panels); the size of llama.cpp's CPU_REPACK buffer, its repacked copy of the "
+        "weights whose type it takes. MB: the file (GPTQ: the checkpoint directory).",
         "peak RSS: the process's high-water RSS (VmHWM); above imports: over its RSS after importing its library "
         "(torch, transformers and lowbit; llama_cpp).",
     ]
