@@ -594,14 +594,33 @@ def test_the_cpp_step_follows_weights_load_state_dict_replaces(kind, gguf_path, 
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_a_generate_call_leaves_no_hold_on_the_model_s_tensors(gguf_path):
+@pytest.mark.parametrize("threads", [True, False])
+def test_a_generate_call_leaves_no_hold_on_the_model_s_tensors(gguf_path, threads):
     """The C++ step holds every projection's tensors: it goes when the call
-    ends, so that model.to() frees the tensors it replaces."""
-    model = lowbit.load_gguf_model(gguf_path)
+    ends, so that model.to() frees the tensors it replaces, with or without
+    kernel_threads' split."""
+    model = lowbit.kernel_threads(lowbit.load_gguf_model(gguf_path), threads)
     assert isinstance(with_plan(model, lambda: generate(model, torch.tensor([[1, 7]])))[1], lowbit.decoding._StepPlan)
     held = weakref.ref(model.model.layers[1].self_attn.o_proj.qweight)
     model.to("meta")
     assert held() is None
+
+
+def test_generate_is_wrapped_while_the_split_or_a_decode_step_needs_it(gguf_path):
+    model = lowbit.load_gguf_model(gguf_path)  # both
+
+    def wrapped():
+        return isinstance(model.__dict__.get("generate"), lowbit.threads._ThreadedGenerate)
+
+    assert wrapped()
+    lowbit.kernel_threads(model, False)
+    assert wrapped()  # the decode step still goes as each call ends
+    assert not fast_decoding(model, False) and not wrapped()
+    lowbit.kernel_threads(model)
+    assert wrapped()
+    lowbit.kernel_threads(model, False)
+    assert not wrapped() and "forward" not in model.__dict__
+    assert fast_decoding(model) and wrapped()
 
 
 def test_a_model_pickles_after_its_cpp_step_is_made(gguf_path):

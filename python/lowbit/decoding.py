@@ -13,8 +13,9 @@ rms_norm and decode_attention (the rotation, the new key and value, and the
 attention in one call). Where every projection is a lowbit layer or an
 nn.Linear, the loop is C++ (torch.classes.lowbit.DecodeStep,
 described from the model's modules once per generation: at the first step
-after a call the step does not serve, such as the prompt's), so a step costs
-one call from Python; otherwise it is Python over the model's own modules
+after a call the step does not serve, such as the prompt's, and dropped as
+the model's generate call ends, since it holds every projection's tensors),
+so a step costs one call from Python; otherwise it is Python over the model's own modules
 (LoRA adapters and all). Keys and values go into buffers that grow by
 doubling, whose rows the model's DynamicCache holds as views, so a token
 costs a row of each rather than a copy of the cache (a sliding window's
@@ -42,7 +43,7 @@ from torch.nn import functional as F
 
 from ._frozen import below_autograd, leave_autograd
 from .fusing import PROJECTION_GROUPS, ProjectionSlice
-from .threads import _STATE, ThreadedForward, _ModelAttribute, split_call
+from .threads import _STATE, ThreadedForward, _ModelAttribute, split_call, wrap_generate
 
 __all__ = ["DECODER_LAYERS", "fast_decoding"]
 
@@ -445,7 +446,8 @@ class _StepPlan:
 
         if type(mlp).__name__ not in self._ROUTERS or (mlp.training and getattr(mlp, "jitter_noise", 0)):
             raise _Unplannable("mlp")
-        router, experts = self._watch(mlp, "gate"), self._watch(mlp, "experts")
+        self._watch(mlp, "gate")  # the router: _router reads it
+        experts = self._watch(mlp, "experts")
         if type(experts) is not GGUFExperts or experts.glu is not None or experts.biased:
             raise _Unplannable("experts")
         return experts
@@ -713,8 +715,10 @@ def fast_decoding(model: nn.Module, enable: bool = True) -> bool:
     if not enable or not _servable(model):
         if _STATE in model.__dict__ and "forward" not in model.__dict__:  # kernel_threads' split stays
             model.forward = ThreadedForward(model)
+        wrap_generate(model)
         return False
     if isinstance(model.__dict__.get("forward"), ThreadedForward):
         del model.forward  # the decode step's forward splits its calls itself
     model.forward = _DecodingForward(model)
+    wrap_generate(model)  # the step goes as each generate call ends
     return True

@@ -185,11 +185,13 @@ class ThreadedForward(_ModelAttribute):
 
 
 class _ThreadedGenerate(_ModelAttribute):
-    """model.generate with the thread split held for the whole call: the
-    ops generate runs between forward calls (its logits processing, the next
-    inputs) on torch's one thread too, not on a team of torch's threads that
-    would wait for cores lowbit's pool has just left spinning. Its forward
-    calls split as any other (a long prompt takes torch's team)."""
+    """model.generate with kernel_threads' split (where the model has one)
+    held for the whole call: the ops generate runs between forward calls (its
+    logits processing, the next inputs) on torch's one thread too, not on a
+    team of torch's threads that would wait for cores lowbit's pool has just
+    left spinning. Its forward calls split as any other (a long prompt takes
+    torch's team). As the call ends, the model's forward drops what it kept
+    for the call's steps (lowbit.decoding's C++ step)."""
 
     @property
     def __signature__(self):
@@ -197,19 +199,34 @@ class _ThreadedGenerate(_ModelAttribute):
 
     def __call__(self, *args, **kwargs):
         model = self.model
-        generating = model.__dict__[_STATE].generating  # kernel_threads installs and removes both together
-        saved = split_threads(args, kwargs, None)
+        state = model.__dict__.get(_STATE)
+        saved = None if state is None else split_threads(args, kwargs, None)
         if saved is not None:
-            generating.append(saved)
+            state.generating.append(saved)
         try:
             return type(model).generate(model, *args, **kwargs)
         finally:
             if saved is not None:
-                generating.pop()
+                state.generating.pop()
                 restore_threads(saved)
             forward = model.__dict__.get("forward")
             if isinstance(forward, _ModelAttribute):
                 forward.generated()
+
+
+def wrap_generate(model: nn.Module) -> None:
+    """model.generate as _ThreadedGenerate while kernel_threads' split or a
+    forward that keeps state across a call's steps (one that overrides
+    generated) needs it, the class's own otherwise."""
+    forward = model.__dict__.get("forward")
+    wanted = callable(getattr(type(model), "generate", None)) and (
+        _STATE in model.__dict__
+        or (isinstance(forward, _ModelAttribute) and type(forward).generated is not _ModelAttribute.generated))
+    wrapped = isinstance(model.__dict__.get("generate"), _ThreadedGenerate)
+    if wanted and not wrapped:
+        model.generate = _ThreadedGenerate(model)
+    elif wrapped and not wanted:
+        del model.generate
 
 
 def kernel_threads(model: nn.Module, enable: bool = True,
@@ -227,14 +244,11 @@ def kernel_threads(model: nn.Module, enable: bool = True,
                                           or torch_team_tokens < 1):
         raise ValueError(f"kernel_threads: torch_team_tokens must be a positive int or None, got {torch_team_tokens!r}")
     model.__dict__.pop(_STATE, None)
-    for name, kind in (("forward", ThreadedForward), ("generate", _ThreadedGenerate)):
-        if isinstance(model.__dict__.get(name), kind):
-            delattr(model, name)
-    if not enable:
-        return model
-    model.__dict__[_STATE] = _KernelThreads(torch_team_tokens)
-    if "forward" not in model.__dict__:  # a decode step's forward (lowbit.decoding) splits its calls itself
-        model.forward = ThreadedForward(model)
-    if callable(getattr(type(model), "generate", None)):
-        model.generate = _ThreadedGenerate(model)
+    if isinstance(model.__dict__.get("forward"), ThreadedForward):
+        del model.forward
+    if enable:
+        model.__dict__[_STATE] = _KernelThreads(torch_team_tokens)
+        if "forward" not in model.__dict__:  # a decode step's forward (lowbit.decoding) splits its calls itself
+            model.forward = ThreadedForward(model)
+    wrap_generate(model)
     return model
