@@ -11,17 +11,17 @@ gradients, a DynamicCache, no outputs beyond the logits and the cache) as
 one loop over its layers, per layer two lowbit ops besides the projections:
 rms_norm and decode_attention (the rotation, the new key and value, and the
 attention in one call). Where every projection is a lowbit layer or an
-nn.Linear, the loop is C++ (torch.classes.lowbit.DecodeStep,
-described from the model's modules once per generation: at the first step
-after a call the step does not serve, such as the prompt's, and dropped as
-the model's generate call ends, since it holds every projection's tensors),
-so a step costs one call from Python; otherwise it is Python over the model's own modules
-(LoRA adapters and all). Keys and values go into buffers that grow by
-doubling, whose rows the model's DynamicCache holds as views, so a token
+nn.Linear, the loop is C++ (torch.classes.lowbit.DecodeStep, described from
+the model's modules once per generation: at the first step after a call the
+step does not serve, such as the prompt's, and dropped as the model's
+generate call ends, since it holds every projection's tensors), so a step
+costs one call from Python; otherwise it is Python over the model's own
+modules (LoRA adapters and all). Keys and values go into buffers that grow
+by doubling, whose rows the model's DynamicCache holds as views, so a token
 costs a row of each rather than a copy of the cache (a sliding window's
-cache keeps its last rows: a view moving along its buffer). Results match the
-model's own forward to fp32 rounding (the attention sums in another order).
-Every other call (a prompt, a batch, a static cache, torch.compile,
+cache keeps its last rows: a view moving along its buffer). Results match
+the model's own forward to fp32 rounding (the attention sums in another
+order). Every other call (a prompt, a batch, a static cache, torch.compile,
 training, a forward hook on any module below the model: a layer, its
 attention, MLP, norms or projections) runs the model's own forward on the
 same cache.
