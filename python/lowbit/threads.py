@@ -215,13 +215,11 @@ class _ThreadedGenerate(_ModelAttribute):
 
 
 def wrap_generate(model: nn.Module) -> None:
-    """model.generate as _ThreadedGenerate while kernel_threads' split or a
-    forward that keeps state across a call's steps (one that overrides
-    generated) needs it, the class's own otherwise."""
-    forward = model.__dict__.get("forward")
+    """model.generate as _ThreadedGenerate while kernel_threads' split or
+    lowbit's own forward (ThreadedForward, lowbit.decoding's) is on the model,
+    the class's own otherwise."""
     wanted = callable(getattr(type(model), "generate", None)) and (
-        _STATE in model.__dict__
-        or (isinstance(forward, _ModelAttribute) and type(forward).generated is not _ModelAttribute.generated))
+        _STATE in model.__dict__ or isinstance(model.__dict__.get("forward"), _ModelAttribute))
     wrapped = isinstance(model.__dict__.get("generate"), _ThreadedGenerate)
     if wanted and not wrapped:
         model.generate = _ThreadedGenerate(model)
