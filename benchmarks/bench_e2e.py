@@ -102,6 +102,7 @@ VARIANTS = {
     "lowbit-repacked": "lowbit, repacked",
     "lowbit-pool": "lowbit, file layout, kernels on lowbit's pool in every call",
     "lowbit-gptq": "lowbit, GPTQ",
+    "lowbit-gptq-bf16": "lowbit, GPTQ, float32 matmul precision medium",
     "lowbit-gptq-a8": "lowbit, GPTQ, int8 activations",
     "lowbit-gptq-a8-q8": "lowbit, GPTQ, int8 activations, Q8_0 tables",
     "lowbit-gptq-a8-q8-repacked": "lowbit, GPTQ, int8 activations, Q8_0 tables, repacked",
@@ -171,7 +172,9 @@ def _child_lowbit(spec):
     layout = {}
     t0 = time.perf_counter()
     if spec["variant"].startswith("lowbit-gptq"):
-        model = lowbit.load_gptq_model(spec["path"], int8_activations=spec["variant"] != "lowbit-gptq",
+        if spec["variant"] == "lowbit-gptq-bf16":  # the prompt's GEMMs on bf16 operands, as torch.mm's
+            torch.set_float32_matmul_precision("medium")
+        model = lowbit.load_gptq_model(spec["path"], int8_activations="-a8" in spec["variant"],
                                        float_tables=gptq_tables(spec["variant"]))
     else:
         model = lowbit.load_gguf_model(spec["path"])

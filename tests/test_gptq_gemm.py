@@ -163,6 +163,47 @@ def test_gemm_large_m_decodes_w_in_strips(bigK, bigN, library):
     assert np.all(err <= 1e-4 * (np.abs(a64) @ np.abs(W)))
 
 
+@pytest.mark.parametrize("library", ["onednn", "blas"])
+def test_gemm_large_m_follows_float32_matmul_precision(device, library):
+    """The large-M path multiplies decoded W with torch's own GEMM (on the
+    CPU either library, cpu_float_gemm), so it follows
+    torch.set_float32_matmul_precision as torch.mm does: "highest" keeps fp32
+    products; "medium" lets the GEMM round both operands to bf16 (TF32 on
+    CUDA), whose products then err by up to 2^-8 relative, summed in fp32.
+    Where torch.mm rounds under "medium", gptq_gemm rounds too."""
+    if device != "cpu" and library != "onednn":
+        pytest.skip("cpu_float_gemm chooses the CPU's GEMM library")
+    rng = np.random.default_rng(11)
+    k, n = 1024, 512
+    ckpt = ref.random_checkpoint(rng, k, n, 4, 128, False, "gptq_v2", False)
+    W = ref.dequantize(ckpt["qweight"], ckpt["qzeros"], ckpt["scales"], ckpt["g_idx"], 4, "gptq_v2")
+    t = as_torch(ckpt, device)
+    a = torch.randn(300, k, device=device)
+    a64 = a.double().cpu().numpy()
+    bound = np.abs(a64) @ np.abs(W)
+    w32 = torch.from_numpy(W.astype(np.float32)).to(device)
+    saved, default = torch.get_float32_matmul_precision(), torch.ops.lowbit.cpu_float_gemm()
+    if library == "onednn" and default != "onednn":
+        pytest.skip("this torch has no oneDNN")
+    out, mm = {}, {}
+    try:
+        if device == "cpu":
+            torch.ops.lowbit.cpu_float_gemm(library)
+        for precision in ("highest", "medium"):
+            torch.set_float32_matmul_precision(precision)
+            out[precision] = torch.ops.lowbit.gptq_gemm(a, t["qweight"], t["qzeros"], t["scales"], t["g_idx"],
+                                                        False, True, 4)
+            mm[precision] = a @ w32
+    finally:
+        torch.set_float32_matmul_precision(saved)
+        torch.ops.lowbit.cpu_float_gemm(default)
+    for precision, tol in (("highest", 1e-5), ("medium", 2.0**-7)):
+        err = np.abs(out[precision].double().cpu().numpy() - a64 @ W)
+        assert np.all(err <= tol * bound), (precision, float((err / bound).max()))
+    if not torch.equal(mm["highest"], mm["medium"]):
+        assert not torch.equal(out["highest"], out["medium"])
+
+
 @pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
 @pytest.mark.parametrize("bits", BITS)
 def test_dequantize_is_exact(device, bits, fmt):

@@ -2,6 +2,7 @@
 // weights: oneDNN's, where torch is built with it, or torch's BLAS (at::mm:
 // MKL on x86 wheels). Both sum in fp32; MKL's sgemm takes slower code paths
 // on AMD CPUs, where oneDNN's runs several times faster (csrc/cpu/README.md).
+// Both follow torch's float32 matmul precision, as torch.mm does.
 #pragma once
 
 #include <ATen/ATen.h>
