@@ -204,6 +204,34 @@ def test_float_weights_at_large_m_on_both_gemm_libraries(qtype):
         ops.cpu_float_gemm(default)
 
 
+def test_float_weights_at_large_m_follow_float32_matmul_precision():
+    """That GEMM is torch's, so it follows torch.set_float32_matmul_precision
+    as torch.mm does: under "medium" both operands may be rounded to bf16
+    (products within 2^-8 relative, fp32 sums), and where torch.mm rounds,
+    the F16 weights' product rounds too; "highest" stays within fp32."""
+    rng = np.random.default_rng(5)
+    rows, n, M = 300, 512, 40
+    raw = gb.random_blocks(rng, "F16", rows, n)
+    W = gb.dequantize(raw, "F16").astype(np.float64)
+    x = rng.standard_normal((M, n)).astype(np.float32)
+    bound = np.abs(x.astype(np.float64)) @ np.abs(W).T
+    w32, x32 = torch.from_numpy(W.astype(np.float32)), torch.from_numpy(x)
+    saved = torch.get_float32_matmul_precision()
+    got, mm = {}, {}
+    try:
+        for precision in ("highest", "medium"):
+            torch.set_float32_matmul_precision(precision)
+            got[precision] = ops.ggml_mul_mat_a8(torch.from_numpy(raw), x32, gb.type_id("F16"), rows)
+            mm[precision] = x32 @ w32.T
+    finally:
+        torch.set_float32_matmul_precision(saved)
+    for precision, tol in (("highest", 1e-6 * n), ("medium", 2.0**-7)):
+        err = np.abs(got[precision].double().numpy() - x.astype(np.float64) @ W.T)
+        assert np.all(err <= tol * bound), (precision, np.max(err / bound))
+    if not torch.equal(mm["highest"], mm["medium"]):
+        assert not torch.equal(got["highest"], got["medium"])
+
+
 def test_q8_0_activations_are_quantized_like_llama_cpp():
     """With Q8_0 weights the a8 product is sum_b d_w * d_x * sum(q_w * q_x),
     where (q_x, d_x) is llama.cpp's Q8_0 quantization of x (gguf-py has the
