@@ -784,3 +784,24 @@ def test_a_double_model_generates_through_its_own_forward(arch, tmp_path):
     assert torch.equal(generate(model, ids).sequences, want)
     with torch.no_grad():
         assert model(ids).logits.dtype == torch.float64
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+def test_fp32_norms_over_a_bf16_model_decode_as_its_forward(arch, tmp_path):
+    """QLoRA's preparation (peft.prepare_model_for_kbit_training) turns a
+    bf16 model's float parameters, its norms, to fp32 while the embedding
+    still gives bf16: the forward then promotes q and k to fp32 against the
+    rotary tables' bf16, and so do the served steps: the tokens and logits
+    of the model's own forward."""
+    model = lowbit.load_gguf_model(write_tiny_gguf(tmp_path / f"{arch}.gguf", tiny_model(arch, seed=0), arch),
+                                   dtype=torch.bfloat16)
+    for p in model.parameters():
+        p.data = p.data.float()
+    ids = torch.tensor([[1, 7, 22, 5, 63]])
+    served, plan = with_plan(model, lambda: generate(model, ids, attention_mask=torch.ones_like(ids)))
+    assert plan is not None  # a step served the calls
+    assert not fast_decoding(model, False)
+    own = generate(model, ids, attention_mask=torch.ones_like(ids))
+    assert torch.equal(served.sequences, own.sequences)
+    for a, b in zip(served.logits, own.logits):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)

@@ -674,6 +674,9 @@ class _DecodingForward(_ModelAttribute):
             if not _rotary(attn):  # the identity's tables: q * 1 + rotate_half(q) * 0 is q exactly
                 identity = identity or tuple(f(t) for f, t in zip((torch.ones_like, torch.zeros_like), layer_tables))
                 layer_tables = identity
+            # Tables in the embedding's dtype, q in its norm's (fp32 norms over a bf16 model, as
+            # peft.prepare_model_for_kbit_training leaves it): the model's forward promotes them to q's.
+            layer_tables = tuple(t.to(q.dtype) for t in layer_tables)
             row, window = first + rows, _window(layer)  # the new token's row; its window's first row:
             start = first if window is None else max(first, row + 1 - window)
             o = torch.ops.lowbit.decode_attention(q, k, v, *layer_tables, key_buffer[0], value_buffer[0], row,
