@@ -1,8 +1,8 @@
 // The one place where lowbit's operator schemas are declared. The backends
 // register kernels for them with TORCH_LIBRARY_IMPL (backend_ops.h, cpu/,
 // cuda/), the table queries and CPU settings as composite kernels
-// (ggml_type_ops.cpp, cpu/cpu_settings.cpp); fake kernels for torch.compile
-// are Python (python/lowbit/ops.py).
+// (ggml_type_ops.cpp, cpu/cpu_settings.cpp), the matmuls' autocast casts in
+// autocast.cpp; fake kernels for torch.compile are Python (python/lowbit/ops.py).
 #include <torch/library.h>
 
 #include "decode_step.h"

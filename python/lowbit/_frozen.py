@@ -25,8 +25,16 @@ def call_frozen(op, *args):
 
 def op_input(x: torch.Tensor) -> torch.Tensor:
     """x as the matmul ops take it: float64 (a model.double()) as float32,
-    as the ops accumulate; the caller casts the result back to x's dtype."""
+    as the ops accumulate; op_output casts the result back."""
     return x.float() if x.dtype == torch.float64 else x
+
+
+def op_output(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The op's result y for the layer input x: float64 again for a float64
+    x (op_input), otherwise as the op gives it: in x's dtype, or in
+    torch.autocast's inside an autocast region (csrc/ops/autocast.cpp), as
+    nn.Linear's."""
+    return y.to(x.dtype) if x.dtype == torch.float64 else y
 
 
 def linear_forward(layer, x: torch.Tensor) -> torch.Tensor:
@@ -41,7 +49,7 @@ def linear_forward(layer, x: torch.Tensor) -> torch.Tensor:
                         "supported: the kernels read the quantized tensors as stored")
     x2 = x.reshape(-1, layer.in_features)
     op, args = layer.op_call(op_input(x2))
-    y = call_frozen(op, *args).to(x.dtype)
+    y = op_output(call_frozen(op, *args), x)
     if layer.bias is not None:
         y = y + layer.bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], layer.out_features)

@@ -82,7 +82,7 @@ class GPTQExperts(nn.Module):
         order = torch.argsort(chosen, stable=True)  # (token, slot) pairs grouped by expert, in token order
         counts = torch.bincount(chosen, minlength=self.num_experts).tolist()
         tokens, weights = order // k, top_k_weights.reshape(-1)[order]
-        out = torch.zeros_like(hidden_states)
+        out = None  # in the experts' output dtype: hidden_states', or autocast's in an autocast region
         start = 0
         for e, count in enumerate(counts):
             if count:
@@ -90,9 +90,11 @@ class GPTQExperts(nn.Module):
                 rows = tokens[start:start + count]
                 x = hidden_states.index_select(0, rows)
                 y = expert.down_proj(self.act_fn(expert.gate_proj(x)) * expert.up_proj(x))
+                if out is None:
+                    out = hidden_states.new_zeros(hidden_states.shape, dtype=y.dtype)
                 out.index_add_(0, rows, y * weights[start:start + count, None].to(y.dtype))
                 start += count
-        return out
+        return torch.zeros_like(hidden_states) if out is None else out
 
     def dequantize(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """The float weights {"gate_proj", "up_proj": [experts, intermediate, hidden],
