@@ -31,15 +31,21 @@ def two_threads():
     torch.set_num_threads(threads)
 
 
+def spy_on_steps(model):
+    """The torch thread count of each compiled step generate runs from now on."""
+    compiled, steps = model._compiled_call, []
+    step = torch.compile(model.__call__, **compiled.compile_config.to_dict())
+    compiled._step = lambda *a, **k: steps.append(torch.get_num_threads()) or step(*a, **k)
+    return steps
+
+
 def test_compiled_decoding_gives_the_eager_tokens(path, two_threads):
     model = lowbit.load_gguf_model(path)
     ids = torch.tensor([[1, 7, 22, 5, 63, 40, 9]])
     eager = generate(model, ids)
     assert lowbit.compiled_decoding(model, max_cache_len=32) is model
     assert model.generation_config.cache_implementation == "static" and model.generation_config.max_cache_len == 32
-    steps = []
-    step = model._compiled_call.step
-    model._compiled_call.step = lambda *a, **k: steps.append(torch.get_num_threads()) or step(*a, **k)
+    steps = spy_on_steps(model)
     torch._dynamo.utils.counters.clear()
     compiled = generate(model, ids)
     assert torch.equal(compiled, eager)
@@ -54,6 +60,34 @@ def test_compiled_decoding_gives_the_eager_tokens(path, two_threads):
     assert model.generation_config.cache_implementation is None and model.generation_config.compile_config is None
     assert not hasattr(model, "_compiled_call")
     assert torch.equal(generate(model, ids), eager)
+
+
+def test_compiled_decoding_follows_copies_pickles_and_switches(path, two_threads):
+    """A deep copy's and an unpickled model's steps compile the copy itself
+    (a copy whose final norm is zeroed decodes token 0 only, its source the
+    eager tokens); kernel_threads(model, False) leaves the steps torch's
+    threads; switching off restores the generation config's own values."""
+    import copy
+    import pickle
+
+    model = lowbit.load_gguf_model(path)
+    ids = torch.tensor([[1, 7, 22, 5, 63, 40, 9]])
+    eager = generate(model, ids)
+    model.generation_config.update(cache_implementation="dynamic", max_cache_len=256)
+    lowbit.compiled_decoding(model, max_cache_len=32)
+    lowbit.compiled_decoding(model, max_cache_len=32)  # twice: the config before the first is what comes back
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.model.norm.weight.zero_()
+    assert torch.equal(generate(twin, ids)[0, ids.shape[1]:], torch.zeros(NEW_TOKENS, dtype=torch.long))
+    assert torch.equal(generate(model, ids), eager)
+    assert torch.equal(generate(pickle.loads(pickle.dumps(model)), ids), eager)
+    lowbit.kernel_threads(model, False)
+    steps = spy_on_steps(model)
+    assert torch.equal(generate(model, ids), eager) and set(steps) == {2}
+    lowbit.compiled_decoding(model, enable=False)
+    config = model.generation_config
+    assert (config.cache_implementation, config.max_cache_len, config.compile_config) == ("dynamic", 256, None)
 
 
 @pytest.mark.parametrize("arch, types", [("gemma2", "sliding_attention"), ("gemma3", "sliding_attention")])

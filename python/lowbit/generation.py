@@ -21,37 +21,53 @@ import torch
 from torch import nn
 
 from ._frozen import below_autograd, leave_autograd
-from .threads import restore_threads, split_threads
+from .threads import _STATE, _ModelAttribute, split_call
 
 __all__ = ["compiled_decoding"]
 
 
-class _ThreadedStep:
-    """The compiled decode step, run with lowbit.kernel_threads' split (torch's
-    ops on one thread, lowbit's kernels on torch's count) and, under no_grad,
-    below autograd: the model's hooks that do this in eager calls are inside
-    the compiled region, where they do nothing."""
+class _ThreadedStep(_ModelAttribute):
+    """The model's compiled call (transformers' _compiled_call): the decode
+    step compiled at its first call, run within lowbit.kernel_threads' split
+    where the model has one and, under no_grad, below autograd: the model's
+    hooks that do this in eager calls are inside the compiled region, where
+    they do nothing. It compiles the model it belongs to, so that a copy or an
+    unpickled model compiles its own (the compiled function is not kept).
+    `previous`: the generation config's fields compiled_decoding replaced."""
 
-    def __init__(self, step):
-        self.step = step
+    def __init__(self, model: nn.Module, compile_config, previous: dict):
+        super().__init__(model)
+        self.compile_config, self.previous, self._step = compile_config, previous, None
+
+    def __getstate__(self):
+        return {"model": self.model, "compile_config": self.compile_config, "previous": self.previous}
+
+    def __setstate__(self, state):
+        self.__init__(state["model"], state["compile_config"], state["previous"])
 
     def __call__(self, *args, **kwargs):
-        saved, guard = split_threads(args, kwargs), below_autograd()
+        if self._step is None:
+            self._step = torch.compile(self.model.__call__, **self.compile_config.to_dict())
+        if _STATE in self.model.__dict__:
+            return split_call(self.model, args, kwargs, lambda: self._step(*args, **kwargs))
+        guard = below_autograd()
         try:
-            return self.step(*args, **kwargs)
+            return self._step(*args, **kwargs)
         finally:
             leave_autograd(guard)
-            restore_threads(saved)
 
 
 # transformers' attributes for the compiled call and the config it was made for.
 _COMPILED_CALL = ("_compiled_call", "_last_compile_config")
+# The generation config's fields compiled_decoding sets (and restores when switched off).
+_CONFIG_FIELDS = ("cache_implementation", "compile_config", "max_cache_len")
 
 
 def compiled_decoding(model: nn.Module, enable: bool = True, max_cache_len: int | None = None,
                       cpp_wrapper: bool = False) -> nn.Module:
     """model.generate with a static KV cache and its decode steps compiled
-    (enable=False: the dynamic cache and eager steps again). Returns the model.
+    (enable=False: eager steps, and the generation config's cache and compile
+    fields as they were before compiled_decoding). Returns the model.
     A model with sliding-window layers raises ValueError (see the module's notes).
 
     max_cache_len: the cache's length, at least; each generate call needs
@@ -66,13 +82,15 @@ def compiled_decoding(model: nn.Module, enable: bool = True, max_cache_len: int 
     from transformers import CompileConfig
 
     config = model.generation_config
+    ours = model.__dict__.get(_COMPILED_CALL[0])
+    previous = ours.previous if isinstance(ours, _ThreadedStep) else {f: getattr(config, f, None) for f in _CONFIG_FIELDS}
     for attribute in _COMPILED_CALL:
         if hasattr(model, attribute):
             delattr(model, attribute)
     if not enable:
-        config.cache_implementation = None
-        config.compile_config = None
-        config.max_cache_len = None
+        if isinstance(ours, _ThreadedStep):  # the config as it was before compiled_decoding
+            for field, value in previous.items():
+                setattr(config, field, value)
         return model
     windowed = _windowed_layer_types(model.config)
     if windowed:
@@ -100,7 +118,7 @@ def compiled_decoding(model: nn.Module, enable: bool = True, max_cache_len: int 
     config.max_cache_len = max_cache_len
     # generate calls model.get_compiled_call(config), which reuses the model's
     # compiled call made for an equal config: this one, in the thread split.
-    model._compiled_call = _ThreadedStep(torch.compile(model.__call__, **compile_config.to_dict()))
+    model._compiled_call = _ThreadedStep(model, compile_config, previous)
     model._last_compile_config = compile_config
     return model
 
