@@ -99,19 +99,26 @@ def test_mixed_batch_adapters_are_peft_s(kind):
         torch.testing.assert_close(models[0](x), models[1](x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture(params=["gguf", "gptq"])
-def model_path(request, tmp_path):
-    model = tiny_models.tiny_model("llama", 0, num_hidden_layers=2)
-    if request.param == "gguf":
-        return request.param, tiny_models.write_tiny_gguf(tmp_path / "tiny.gguf", model, "llama")
+GPTQ_CONFIG = GPTQConfig(bits=4, group_size=32, desc_act=True, sym=False, checkpoint_format="gptq_v2")
+
+
+def gptq_checkpoint(model, path):
+    """model's decoder Linear layers as act-order GPTQ layers, saved to path."""
     for name, module in list(model.named_modules()):
         if isinstance(module, torch.nn.Linear) and name != "lm_head":
             model.set_submodule(name, lowbit.GPTQLinear.from_linear(module, 4, 32, sym=False,
                                                                     checkpoint_format="gptq_v2",
                                                                     perm=torch.randperm(module.in_features)))
-    lowbit.save_gptq(model, tmp_path / "tiny-gptq", GPTQConfig(bits=4, group_size=32, desc_act=True, sym=False,
-                                                              checkpoint_format="gptq_v2"))
-    return request.param, str(tmp_path / "tiny-gptq")
+    lowbit.save_gptq(model, path, GPTQ_CONFIG)
+    return str(path)
+
+
+@pytest.fixture(params=["gguf", "gptq"])
+def model_path(request, tmp_path):
+    model = tiny_models.tiny_model("llama", 0, num_hidden_layers=2)
+    if request.param == "gguf":
+        return request.param, tiny_models.write_tiny_gguf(tmp_path / "tiny.gguf", model, "llama")
+    return request.param, gptq_checkpoint(model, tmp_path / "tiny-gptq")
 
 
 def load(kind, path):
@@ -146,6 +153,21 @@ def test_lora_trains_saves_and_reloads(model_path, tmp_path):
         assert torch.equal(reloaded(input_ids=ids).logits, trained)
     with pytest.raises(ValueError, match="merging a LoRA adapter into a quantized"):
         reloaded.merge_and_unload()
+
+
+def test_save_gptq_refuses_a_model_with_adapters_in_it(tmp_path):
+    """save_gptq writes the base model: with LoRA layers in the model its
+    keys would be base_layer's and the adapter's, which no loader reads."""
+    path = gptq_checkpoint(tiny_models.tiny_model("llama", 0, num_hidden_layers=2), tmp_path / "tiny-gptq")
+    model = peft.get_peft_model(lowbit.load_gptq_model(path), lora_config(target_modules=TARGETS))
+    with pytest.raises(ValueError, match="save_gptq: the model has PEFT adapter layers .*q_proj"):
+        lowbit.save_gptq(model.base_model.model, tmp_path / "with-adapter", GPTQ_CONFIG)
+    assert not os.path.exists(tmp_path / "with-adapter")
+    lowbit.save_gptq(model.unload(), tmp_path / "unloaded", GPTQ_CONFIG)
+    ids = torch.tensor([[1, 7, 22, 5]])
+    with torch.no_grad():
+        assert torch.equal(lowbit.load_gptq_model(tmp_path / "unloaded")(ids).logits,
+                           lowbit.load_gptq_model(path)(ids).logits)
 
 
 def test_lora_trains_under_torch_compile():

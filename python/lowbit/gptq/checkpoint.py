@@ -7,6 +7,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -554,7 +555,14 @@ def save_gptq(model: torch.nn.Module, directory: str | os.PathLike, config: GPTQ
     their checkpoint names) as an HF GPTQ directory: config.json with
     `quantization_config` (the model's HF config too, if it has one),
     quantize_config.json, and safetensors, sharded above `max_shard_bytes`.
-    `directory` must not exist (FileExistsError): it is written whole, then renamed into place."""
+    `directory` must not exist (FileExistsError): it is written whole, then renamed into place.
+    A model with PEFT adapter layers in it raises ValueError: the checkpoint
+    is the base model's (save the adapter with the PEFT model's save_pretrained)."""
+    adapted = _adapter_layers(model)
+    if adapted:
+        raise ValueError(f"save_gptq: the model has PEFT adapter layers ({', '.join(adapted[:3])}"
+                         f"{', ...' if len(adapted) > 3 else ''}); a GPTQ checkpoint holds the base model: save the "
+                         "adapter with the PEFT model's save_pretrained and the base without adapters (unload())")
     tensors, seen = {}, set()
     for name, t in _float_tables_as_weights(model).items():
         # Tied weights (an LM head sharing the embedding) appear twice; like HF, keep the first.
@@ -567,6 +575,15 @@ def save_gptq(model: torch.nn.Module, directory: str | os.PathLike, config: GPTQ
     content = hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}
     content["quantization_config"] = config.to_dict()
     write_checkpoint(directory, tensors, content, max_shard_bytes=max_shard_bytes)
+
+
+def _adapter_layers(model: torch.nn.Module) -> list[str]:
+    """The names of the PEFT adapter layers (LoRA's, wrapping a base layer) in model."""
+    if "peft" not in sys.modules:  # no adapter layer without PEFT imported
+        return []
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [name for name, module in model.named_modules() if isinstance(module, BaseTunerLayer)]
 
 
 def _zeros_as_labelled(model: torch.nn.Module, tensors: dict[str, torch.Tensor], label: str) -> None:
