@@ -26,9 +26,12 @@ class CastActivations final : public c10::OperatorKernel {
   explicit CastActivations(size_t index) : index_(index) {}
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
-    const c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(device));
+    const c10::impl::ExcludeDispatchKeyGuard no_autocast(
+        at::autocast::get_autocast_dispatch_key_from_device_type(device));
     c10::IValue& arg = (*stack)[stack->size() - op.schema().arguments().size() + index_];
-    if (arg.isTensor()) arg = at::autocast::cached_cast(at::autocast::get_autocast_dtype(device), arg.toTensor(), device);
+    if (arg.isTensor()) {
+      arg = at::autocast::cached_cast(at::autocast::get_autocast_dtype(device), arg.toTensor(), device);
+    }
     op.callBoxed(stack);
   }
 

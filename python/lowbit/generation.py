@@ -83,7 +83,8 @@ def compiled_decoding(model: nn.Module, enable: bool = True, max_cache_len: int 
 
     config = model.generation_config
     ours = model.__dict__.get(_COMPILED_CALL[0])
-    previous = ours.previous if isinstance(ours, _ThreadedStep) else {f: getattr(config, f, None) for f in _CONFIG_FIELDS}
+    previous = (ours.previous if isinstance(ours, _ThreadedStep)
+                else {field: getattr(config, field, None) for field in _CONFIG_FIELDS})
     for attribute in _COMPILED_CALL:
         if hasattr(model, attribute):
             delattr(model, attribute)
