@@ -217,9 +217,49 @@ def test_a_fused_layer_targeted_without_its_slices_is_refused(tmp_path, targets)
 
 @pytest.mark.parametrize("config, says", [
     (dict(target_modules="all-linear"), r"target_modules='all-linear' picks torch.nn.Linear modules"),
-    (dict(target_modules=TARGETS, init_lora_weights="pissa"), r"init_lora_weights='pissa' decomposes the base weight"),
+    (dict(target_modules=TARGETS, init_lora_weights="pissa"), r"init_lora_weights='pissa' reads the base layer's"),
+    (dict(target_modules=TARGETS, init_lora_weights="orthogonal"), r"init_lora_weights='orthogonal' reads the base"),
+    (dict(target_modules=TARGETS, bias="lora_only"), r"bias='lora_only' trains biases, and a quantized layer's"),
+    (dict(target_modules=TARGETS, bias="all"), r"bias='all' trains biases"),
+    (dict(target_modules=TARGETS, trainable_token_indices={"embed_tokens": [1, 2]}),
+     r"trainable_token_indices trains rows of the token embedding"),
 ])
 def test_targets_and_inits_lowbit_cannot_adapt_are_refused(model_path, config, says):
     kind, path = model_path
     with pytest.raises(ValueError, match=says):
         peft.get_peft_model(load(kind, path), lora_config(**config))
+
+
+def test_adapters_combine_by_svd(model_path):
+    """add_weighted_adapter's default (SVD of the weighted sum of the adapters'
+    deltas), at a rank that holds the sum: the combined adapter's delta is
+    that sum in every adapted layer."""
+    kind, path = model_path
+    torch.manual_seed(0)
+    model = peft.get_peft_model(load(kind, path), lora_config(target_modules=TARGETS), adapter_name="one")
+    model.add_adapter("two", lora_config(target_modules=TARGETS))
+    model.add_weighted_adapter(["one", "two"], [1.0, 0.5], "both", combination_type="svd", svd_rank=8)
+    layers = [m for m in model.modules() if isinstance(m, lowbit.lora.QuantizedLoraLinear) and "both" in m.lora_A]
+    assert layers
+    for m in layers:
+        want = m.get_delta_weight("one") + 0.5 * m.get_delta_weight("two")
+        torch.testing.assert_close(m.get_delta_weight("both"), want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_saved_adapter_loads_as_a_second_adapter(model_path, tmp_path):
+    """lowbit.lora.load_adapter onto a PEFT model of the base adds the adapter
+    beside its own: set active, the saving model's outputs."""
+    kind, path = model_path
+    torch.manual_seed(0)
+    saved = peft.get_peft_model(load(kind, path), lora_config(target_modules=TARGETS))
+    saved.save_pretrained(tmp_path / "adapter")
+    ids = torch.tensor([[1, 7, 22, 5]])
+    with torch.no_grad():
+        want = saved(input_ids=ids).logits
+    model = peft.get_peft_model(load(kind, path), lora_config(target_modules=["q_proj"]), adapter_name="own")
+    assert lowbit.lora.load_adapter(model, tmp_path / "adapter", adapter_name="second") is model
+    model.set_adapter("second")
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, want)
+    with pytest.raises(ValueError, match="already has an adapter named 'second'"):
+        lowbit.lora.load_adapter(model, tmp_path / "adapter", adapter_name="second")

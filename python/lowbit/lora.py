@@ -20,7 +20,16 @@ qkv_proj, gate_up_proj) that a regex matches with its slices gets none (the
 slices q_proj, k_proj, ... take theirs, as in the model without fusing, so
 adapters move between the two); one named in target_modules, or matched by
 a regex without its slices, is refused. A quantized layer holds blocks, not
-parameters: in `modules_to_save` it trains nothing.
+parameters: in `modules_to_save` it trains nothing; its bias is a frozen
+buffer, so bias other than 'none' is refused (lora_bias trains the adapter's).
+
+PEFT knows a model as quantized by transformers' quantizer attributes, which
+lowbit's models do not carry (they would stop model.to(dtype)):
+peft.prepare_model_for_kbit_training then leaves gradient checkpointing off;
+call model.gradient_checkpointing_enable() for it. PEFT's own adapter
+loaders (PeftModel.from_pretrained, its load_adapter) read a config without
+lowbit's layers: `load_adapter` here loads onto a lowbit model or, as one
+more adapter, onto a PEFT model of one.
 """
 from __future__ import annotations
 
@@ -39,7 +48,7 @@ from .gptq.linear import GPTQLinear
 __all__ = ["LoraConfig", "QuantizedLoraLinear", "load_adapter", "register"]
 
 # init_lora_weights values that read the base layer's float weight.
-BASE_WEIGHT_INITS = ("pissa", "olora", "corda", "loftq")
+BASE_WEIGHT_INITS = ("pissa", "olora", "corda", "loftq", "orthogonal", "lora_ga")
 
 
 class QuantizedLoraLinear(nn.Module, LoraLayer):
@@ -56,8 +65,8 @@ class QuantizedLoraLinear(nn.Module, LoraLayer):
                              "quantized layers do not keep; use plain LoRA")
         init = config.init_lora_weights
         if isinstance(init, str) and init.startswith(BASE_WEIGHT_INITS):
-            raise ValueError(f"{type(self).__name__}: init_lora_weights={init!r} decomposes the base weight, which "
-                             "lowbit's quantized layers hold as blocks; use True, False or 'gaussian'")
+            raise ValueError(f"{type(self).__name__}: init_lora_weights={init!r} reads the base layer's float "
+                             "weight, which lowbit's quantized layers hold as blocks; use True, False or 'gaussian'")
         # A fused layer stands for its slices, which take the adapters.
         self.fused_from = getattr(base_layer, "fused_from", None)
         key = kwargs.get("target_name", "")
@@ -96,6 +105,11 @@ class QuantizedLoraLinear(nn.Module, LoraLayer):
             result = result + delta.to(result.dtype)
         return result
 
+    def get_delta_weight(self, adapter: str) -> torch.Tensor:
+        """The adapter's weight delta B @ A * scaling [out, in] (what PEFT's
+        SVD combinations of adapters read); it is never merged into the base."""
+        return (self.lora_B[adapter].weight @ self.lora_A[adapter].weight) * self.scaling[adapter]
+
     def merge(self, *args, **kwargs) -> None:
         raise ValueError(f"{type(self).__name__}: merging a LoRA adapter into a quantized {type(self.base_layer).__name__} "
                          "would re-quantize the weight the adapter was trained against; keep the adapter separate "
@@ -114,6 +128,12 @@ def register(config: peft.LoraConfig) -> peft.LoraConfig:
         raise ValueError("lowbit.lora: target_modules='all-linear' picks torch.nn.Linear modules, which lowbit's "
                          "quantized layers are not: name them (e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj', "
                          "'gate_proj', 'up_proj', 'down_proj'])")
+    if config.bias != "none":
+        raise ValueError(f"lowbit.lora: bias={config.bias!r} trains biases, and a quantized layer's bias is a frozen "
+                         "buffer of its checkpoint: use bias='none' (lora_bias=True gives the adapter a bias)")
+    if config.trainable_token_indices:
+        raise ValueError("lowbit.lora: trainable_token_indices trains rows of the token embedding, which lowbit's "
+                         "models hold as a frozen GGUFEmbedding table")
     config._register_custom_module({GGUFLinear: QuantizedLoraLinear, GPTQLinear: QuantizedLoraLinear,
                                     ProjectionSlice: QuantizedLoraLinear})
     return config
@@ -126,9 +146,19 @@ def LoraConfig(**kwargs) -> peft.LoraConfig:  # noqa: N802  (named as the class 
 
 def load_adapter(model: nn.Module, path: str | os.PathLike, adapter_name: str = "default",
                  is_trainable: bool = False) -> peft.PeftModel:
-    """A saved PEFT adapter onto `model` (a lowbit model of the same weights):
-    peft.PeftModel.from_pretrained with the adapter's config registered."""
+    """A saved PEFT adapter onto `model`, a lowbit model of the same weights
+    (peft.PeftModel.from_pretrained) or a PEFT model of one, as one more
+    adapter (its load_adapter), with the adapter's config registered: PEFT's
+    own loaders build the config from the file, without lowbit's layers."""
     config = register(peft.LoraConfig.from_pretrained(os.fspath(path)))
     config.inference_mode = not is_trainable
-    return peft.PeftModel.from_pretrained(model, os.fspath(path), adapter_name=adapter_name,
-                                          is_trainable=is_trainable, config=config)
+    if not isinstance(model, peft.PeftModel):
+        return peft.PeftModel.from_pretrained(model, os.fspath(path), adapter_name=adapter_name,
+                                              is_trainable=is_trainable, config=config)
+    if adapter_name in model.peft_config:
+        raise ValueError(f"lowbit.lora.load_adapter: the model already has an adapter named {adapter_name!r}")
+    model.add_adapter(adapter_name, config)
+    if is_trainable:
+        model.set_requires_grad(adapter_name)
+    model.load_adapter(os.fspath(path), adapter_name, is_trainable=is_trainable)
+    return model
