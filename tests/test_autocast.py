@@ -146,3 +146,25 @@ def test_models_run_under_another_half_dtype_s_autocast(arch, tmp_path):
                 logits = model(ids).logits
             assert logits.dtype == region
             torch.testing.assert_close(logits.float(), want, atol=0.1, rtol=0.05)
+
+
+def test_generate_inside_autocast_runs_the_model_s_own_forward(tmp_path):
+    """Decode calls inside an autocast region go to the model's own forward,
+    whose ops follow the region (the C++ decode step computes in the model's
+    dtype): the tokens of the same calls with fast decoding off."""
+    from tiny_models import tiny_model, write_tiny_gguf
+
+    model = lowbit.load_gguf_model(write_tiny_gguf(tmp_path / "llama.gguf", tiny_model("llama", seed=0), "llama"))
+    ids = torch.tensor([[1, 7, 22, 5, 63]])
+
+    def generate():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                                  pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+
+    served = generate()
+    assert not lowbit.fast_decoding(model, False)
+    own = generate()
+    assert torch.equal(served.sequences, own.sequences)
+    for a, b in zip(served.logits, own.logits):
+        assert torch.equal(a, b)

@@ -7,7 +7,7 @@ keys and values to its cache by copying the whole cache (torch.cat).
 
 fast_decoding(model) lets a llama-family model (DECODER_LAYERS) run each
 decode call that needs none of that (one new token, batch 1, CPU, no
-gradients, a DynamicCache, no outputs beyond the logits and the cache) as
+gradients, no autocast, a DynamicCache, no outputs beyond the logits and the cache) as
 one loop over its layers, per layer two lowbit ops besides the projections:
 rms_norm and decode_attention (the rotation, the new key and value, and the
 attention in one call). Where every projection is a lowbit layer or an
@@ -596,8 +596,10 @@ class _DecodingForward(_ModelAttribute):
         from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
         input_ids, cache = kwargs.get("input_ids"), kwargs.get("cache")
+        # Inside torch.autocast the model's own forward runs: its ops follow the region's dtype.
         if (input_ids is None or input_ids.shape != (1, 1) or type(cache) is not DynamicCache
-                or input_ids.device.type != "cpu" or torch.is_grad_enabled() or torch.compiler.is_compiling()):
+                or input_ids.device.type != "cpu" or torch.is_grad_enabled() or torch.compiler.is_compiling()
+                or torch.is_autocast_enabled("cpu")):
             return None
         for name, value in kwargs.items():
             if name not in ("input_ids", "cache", "attention_mask", "position_ids") and not any(
