@@ -92,9 +92,27 @@ def test_layers_follow_autocast_as_nn_linear_does(dtype):
         y.float().sum().backward()
         assert xg.grad.dtype == torch.float32 and xg.grad.abs().sum() > 0
     # Under no_grad too (below autograd: call_frozen), and float64 inputs, which autocast leaves alone.
-    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
-        for layer in layers:
-            assert layer(x).dtype == dtype and layer(x.double()).dtype == torch.float64
+    with torch.no_grad():
+        outside = [layer(x.double()) for layer in layers]
+        with torch.autocast("cpu", dtype=dtype):
+            for layer, want in zip(layers, outside):
+                assert layer(x).dtype == dtype and torch.equal(layer(x.double()), want)
+
+
+def test_fused_projections_share_a_call_only_within_one_autocast_state(tmp_path):
+    """q_proj, k_proj and v_proj take their parts of one fused call: a part
+    computed inside an autocast region serves no call outside it."""
+    from tiny_models import tiny_model, write_tiny_gguf
+
+    model = lowbit.load_gguf_model(write_tiny_gguf(tmp_path / "llama.gguf", tiny_model("llama", seed=0), "llama"))
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.k_proj, lowbit.fusing.ProjectionSlice)
+    x = torch.randn(1, 3, model.config.hidden_size)
+    with torch.no_grad():
+        want = attn.k_proj(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert attn.q_proj(x).dtype == torch.bfloat16
+        assert torch.equal(attn.k_proj(x), want)
 
 
 def test_layers_follow_autocast_under_torch_compile():

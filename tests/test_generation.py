@@ -70,6 +70,8 @@ def test_compiled_decoding_follows_copies_pickles_and_switches(path, two_threads
     import copy
     import pickle
 
+    from transformers import CompileConfig
+
     model = lowbit.load_gguf_model(path)
     ids = torch.tensor([[1, 7, 22, 5, 63, 40, 9]])
     eager = generate(model, ids)
@@ -85,6 +87,7 @@ def test_compiled_decoding_follows_copies_pickles_and_switches(path, two_threads
     lowbit.kernel_threads(model, False)
     steps = spy_on_steps(model)
     assert torch.equal(generate(model, ids), eager) and set(steps) == {2}
+    model.get_compiled_call(CompileConfig(fullgraph=False, dynamic=True))  # generate(compile_config=...) replaces it
     lowbit.compiled_decoding(model, enable=False)
     config = model.generation_config
     assert (config.cache_implementation, config.max_cache_len, config.compile_config) == ("dynamic", 256, None)

@@ -230,6 +230,28 @@ def test_targets_and_inits_lowbit_cannot_adapt_are_refused(model_path, config, s
         peft.get_peft_model(load(kind, path), lora_config(**config))
 
 
+def test_an_adapter_with_biases_loads_but_does_not_train_on_lowbit(tmp_path):
+    """An adapter saved with bias='all' over the float model loads onto the
+    lowbit model of the same weights, its biases written into the quantized
+    layers' bias buffers (the float PEFT model's logits); loading it to train
+    is refused, as is making one: those biases would not train."""
+    float_model = tiny_models.tiny_model("qwen2", 0)
+    path = tiny_models.write_tiny_gguf(tmp_path / "qwen2.gguf", float_model, "qwen2")
+    adapted = peft.get_peft_model(float_model, peft.LoraConfig(r=4, target_modules=["q_proj"], bias="all",
+                                                               init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if name.endswith("q_proj.base_layer.bias"):
+                p.add_(1.0)
+    adapted.save_pretrained(tmp_path / "adapter")
+    ids = torch.tensor([[1, 7, 22, 5]])
+    model = lowbit.lora.load_adapter(lowbit.load_gguf_model(path, fuse=False), tmp_path / "adapter")
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=0.05, rtol=0.05)
+    with pytest.raises(ValueError, match="bias='all' trains biases"):
+        lowbit.lora.load_adapter(lowbit.load_gguf_model(path, fuse=False), tmp_path / "adapter", is_trainable=True)
+
+
 def test_adapters_combine_by_svd(model_path):
     """add_weighted_adapter's default (SVD of the weighted sum of the adapters'
     deltas), at a rank that holds the sum: the combined adapter's delta is
@@ -242,8 +264,15 @@ def test_adapters_combine_by_svd(model_path):
     layers = [m for m in model.modules() if isinstance(m, lowbit.lora.QuantizedLoraLinear) and "both" in m.lora_A]
     assert layers
     for m in layers:
-        want = m.get_delta_weight("one") + 0.5 * m.get_delta_weight("two")
-        torch.testing.assert_close(m.get_delta_weight("both"), want, atol=1e-4, rtol=1e-4)
+        x = torch.randn(3, m.in_features)
+        with torch.no_grad():
+            base = m.base_layer(x)
+
+            def delta(name):
+                m.set_adapter(name)
+                return m(x) - base
+
+            torch.testing.assert_close(delta("both"), delta("one") + 0.5 * delta("two"), atol=1e-4, rtol=1e-4)
 
 
 def test_a_saved_adapter_loads_as_a_second_adapter(model_path, tmp_path):

@@ -25,16 +25,28 @@ def call_frozen(op, *args):
 
 def op_input(x: torch.Tensor) -> torch.Tensor:
     """x as the matmul ops take it: float64 (a model.double()) as float32,
-    as the ops accumulate; op_output casts the result back."""
+    as the ops accumulate; call_layer_op casts the result back."""
     return x.float() if x.dtype == torch.float64 else x
 
 
-def op_output(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The op's result y for the layer input x: float64 again for a float64
-    x (op_input), otherwise as the op gives it: in x's dtype, or in
-    torch.autocast's inside an autocast region (csrc/ops/autocast.cpp), as
-    nn.Linear's."""
-    return y.to(x.dtype) if x.dtype == torch.float64 else y
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype torch.autocast casts to on `device_type` where a region is
+    active there (csrc/ops/autocast.cpp casts the matmul ops' activations to it), None otherwise."""
+    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def call_layer_op(op, args, x: torch.Tensor) -> torch.Tensor:
+    """op(*args) for a layer's input x (args hold op_input(x)): in the op's
+    dtype, x's or autocast's inside an autocast region, as nn.Linear's; for a
+    float64 x, which autocast leaves alone, fp32 sums outside autocast, back in float64."""
+    if x.dtype != torch.float64:
+        return call_frozen(op, *args)
+    if autocast_dtype(x.device.type) is None:
+        return call_frozen(op, *args).to(x.dtype)
+    with torch.autocast(x.device.type, enabled=False):
+        return call_frozen(op, *args).to(x.dtype)
 
 
 def linear_forward(layer, x: torch.Tensor) -> torch.Tensor:
@@ -49,7 +61,7 @@ def linear_forward(layer, x: torch.Tensor) -> torch.Tensor:
                         "supported: the kernels read the quantized tensors as stored")
     x2 = x.reshape(-1, layer.in_features)
     op, args = layer.op_call(op_input(x2))
-    y = op_output(call_frozen(op, *args), x)
+    y = call_layer_op(op, args, x)
     if layer.bias is not None:
         y = y + layer.bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], layer.out_features)

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ._frozen import autocast_dtype
+
 if TYPE_CHECKING:
     from .gguf.file import GGUFFile
 
@@ -49,8 +51,10 @@ class FusedOutputs:
         latest = self.latest
         # Inference tensors and traced graphs have no version counters (nor
         # can torch.compile guard on one): there the input's identity decides.
-        # A result made without autograd serves no call that records a graph (nor the other way round).
-        version = (None if torch.compiler.is_compiling() or x.is_inference() else x._version, torch.is_grad_enabled())
+        # A result made without autograd serves no call that records a graph (nor the other way round),
+        # nor one made in another autocast dtype (or outside autocast) a call in another.
+        version = (None if torch.compiler.is_compiling() or x.is_inference() else x._version, torch.is_grad_enabled(),
+                   autocast_dtype(x.device.type))
         if latest is None or latest[0] is not x or latest[1] != version or latest[2][index] is None:
             latest = self.latest = (x, version, list(self.layer(x).split(self.sizes, dim=-1)))
         parts = latest[2]

@@ -32,18 +32,17 @@ class _ThreadedStep(_ModelAttribute):
     where the model has one and, under no_grad, below autograd: the model's
     hooks that do this in eager calls are inside the compiled region, where
     they do nothing. It compiles the model it belongs to, so that a copy or an
-    unpickled model compiles its own (the compiled function is not kept).
-    `previous`: the generation config's fields compiled_decoding replaced."""
+    unpickled model compiles its own (the compiled function is not kept)."""
 
-    def __init__(self, model: nn.Module, compile_config, previous: dict):
+    def __init__(self, model: nn.Module, compile_config):
         super().__init__(model)
-        self.compile_config, self.previous, self._step = compile_config, previous, None
+        self.compile_config, self._step = compile_config, None
 
     def __getstate__(self):
-        return {"model": self.model, "compile_config": self.compile_config, "previous": self.previous}
+        return {"model": self.model, "compile_config": self.compile_config}
 
     def __setstate__(self, state):
-        self.__init__(state["model"], state["compile_config"], state["previous"])
+        self.__init__(state["model"], state["compile_config"])
 
     def __call__(self, *args, **kwargs):
         if self._step is None:
@@ -59,8 +58,10 @@ class _ThreadedStep(_ModelAttribute):
 
 # transformers' attributes for the compiled call and the config it was made for.
 _COMPILED_CALL = ("_compiled_call", "_last_compile_config")
-# The generation config's fields compiled_decoding sets (and restores when switched off).
+# The generation config's fields compiled_decoding sets, and the model's
+# attribute holding their values from before it, restored when it is switched off.
 _CONFIG_FIELDS = ("cache_implementation", "compile_config", "max_cache_len")
+_PREVIOUS = "_lowbit_compiled_decoding"
 
 
 def compiled_decoding(model: nn.Module, enable: bool = True, max_cache_len: int | None = None,
@@ -82,16 +83,13 @@ def compiled_decoding(model: nn.Module, enable: bool = True, max_cache_len: int 
     from transformers import CompileConfig
 
     config = model.generation_config
-    ours = model.__dict__.get(_COMPILED_CALL[0])
-    previous = (ours.previous if isinstance(ours, _ThreadedStep)
-                else {field: getattr(config, field, None) for field in _CONFIG_FIELDS})
     for attribute in _COMPILED_CALL:
         if hasattr(model, attribute):
             delattr(model, attribute)
     if not enable:
-        if isinstance(ours, _ThreadedStep):  # the config as it was before compiled_decoding
-            for field, value in previous.items():
-                setattr(config, field, value)
+        previous = model.__dict__.pop(_PREVIOUS, {})  # the config as it was before compiled_decoding
+        for field, value in previous.items():
+            setattr(config, field, value)
         return model
     windowed = _windowed_layer_types(model.config)
     if windowed:
@@ -114,12 +112,13 @@ def compiled_decoding(model: nn.Module, enable: bool = True, max_cache_len: int 
                                        mode="reduce-overhead" if model.device.type == "cuda" else "default")
     # transformers compiles generate's steps on accelerators only unless told.
     compile_config._compile_all_devices = True
+    model.__dict__.setdefault(_PREVIOUS, {field: getattr(config, field, None) for field in _CONFIG_FIELDS})
     config.cache_implementation = "static"
     config.compile_config = compile_config
     config.max_cache_len = max_cache_len
     # generate calls model.get_compiled_call(config), which reuses the model's
     # compiled call made for an equal config: this one, in the thread split.
-    model._compiled_call = _ThreadedStep(model, compile_config, previous)
+    model._compiled_call = _ThreadedStep(model, compile_config)
     model._last_compile_config = compile_config
     return model
 

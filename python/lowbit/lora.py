@@ -21,12 +21,14 @@ slices q_proj, k_proj, ... take theirs, as in the model without fusing, so
 adapters move between the two); one named in target_modules, or matched by
 a regex without its slices, is refused. A quantized layer holds blocks, not
 parameters: in `modules_to_save` it trains nothing; its bias is a frozen
-buffer, so bias other than 'none' is refused (lora_bias trains the adapter's).
+buffer, so bias other than 'none' is refused for training (lora_bias trains
+the adapter's); an adapter saved with biases loads for inference.
 
 PEFT knows a model as quantized by transformers' quantizer attributes, which
 lowbit's models do not carry (they would stop model.to(dtype)):
 peft.prepare_model_for_kbit_training then leaves gradient checkpointing off;
-call model.gradient_checkpointing_enable() for it. PEFT's own adapter
+call model.gradient_checkpointing_enable() for it
+(activation_checkpointing_enable() in newer transformers). PEFT's own adapter
 loaders (PeftModel.from_pretrained, its load_adapter) read a config without
 lowbit's layers: `load_adapter` here loads onto a lowbit model or, as one
 more adapter, onto a PEFT model of one.
@@ -63,6 +65,10 @@ class QuantizedLoraLinear(nn.Module, LoraLayer):
         if config.use_dora:
             raise ValueError(f"{type(self).__name__}: DoRA needs the base weight's norm per column, which lowbit's "
                              "quantized layers do not keep; use plain LoRA")
+        if config.bias != "none" and not config.inference_mode:  # loading such an adapter writes its biases
+            raise ValueError(f"{type(self).__name__}: bias={config.bias!r} trains biases, and a quantized layer's "
+                             "bias is a frozen buffer of its checkpoint: use bias='none' (lora_bias=True gives the "
+                             "adapter a bias)")
         init = config.init_lora_weights
         if isinstance(init, str) and init.startswith(BASE_WEIGHT_INITS):
             raise ValueError(f"{type(self).__name__}: init_lora_weights={init!r} reads the base layer's float "
@@ -128,9 +134,6 @@ def register(config: peft.LoraConfig) -> peft.LoraConfig:
         raise ValueError("lowbit.lora: target_modules='all-linear' picks torch.nn.Linear modules, which lowbit's "
                          "quantized layers are not: name them (e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj', "
                          "'gate_proj', 'up_proj', 'down_proj'])")
-    if config.bias != "none":
-        raise ValueError(f"lowbit.lora: bias={config.bias!r} trains biases, and a quantized layer's bias is a frozen "
-                         "buffer of its checkpoint: use bias='none' (lora_bias=True gives the adapter a bias)")
     if config.trainable_token_indices:
         raise ValueError("lowbit.lora: trainable_token_indices trains rows of the token embedding, which lowbit's "
                          "models hold as a frozen GGUFEmbedding table")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._frozen import call_frozen, op_input, op_output
+from .._frozen import call_layer_op, op_input
 from .._stored import StoredBuffers
 from .file import release_mapped
 from .linear import check_sizes
@@ -102,7 +102,7 @@ class GGUFExperts(StoredBuffers):
 
     def _project(self, name: str, x: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
         op, args = self.op_template(name, op_input(x), top_k_index)
-        y = op_output(call_frozen(op, *args), x)
+        y = call_layer_op(op, args, x)
         return y + getattr(self, f"{name}_bias")[top_k_index].to(y.dtype) if self.biased else y
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
