@@ -31,7 +31,8 @@ def op_input(x: torch.Tensor) -> torch.Tensor:
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype torch.autocast casts to on `device_type` where a region is
-    active there (csrc/ops/autocast.cpp casts the matmul ops' activations to it), None otherwise."""
+    active there (csrc/ops/autocast.cpp casts the matmul ops' activations to
+    it), None otherwise."""
     if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
         return None
     return torch.get_autocast_dtype(device_type)
@@ -40,7 +41,8 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
 def call_layer_op(op, args, x: torch.Tensor) -> torch.Tensor:
     """op(*args) for a layer's input x (args hold op_input(x)): in the op's
     dtype, x's or autocast's inside an autocast region, as nn.Linear's; for a
-    float64 x, which autocast leaves alone, fp32 sums outside autocast, back in float64."""
+    float64 x, which autocast leaves alone, fp32 sums outside autocast, back
+    in float64."""
     if x.dtype != torch.float64:
         return call_frozen(op, *args)
     if autocast_dtype(x.device.type) is None:

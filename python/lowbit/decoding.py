@@ -7,10 +7,11 @@ keys and values to its cache by copying the whole cache (torch.cat).
 
 fast_decoding(model) lets a llama-family model (DECODER_LAYERS) run each
 decode call that needs none of that (one new token, batch 1, CPU, no
-gradients, no autocast, a DynamicCache, no outputs beyond the logits and the cache) as
-one loop over its layers, per layer two lowbit ops besides the projections:
-rms_norm and decode_attention (the rotation, the new key and value, and the
-attention in one call). Where every projection is a lowbit layer or an
+gradients, no autocast region, a DynamicCache, no outputs beyond the
+logits and the cache) as one loop over its layers, per layer two lowbit
+ops besides the projections: rms_norm and decode_attention (the rotation,
+the new key and value, and the attention in one call). Where every
+projection is a lowbit layer or an
 nn.Linear, the loop is C++ (torch.classes.lowbit.DecodeStep, described from
 the model's modules once per generation: at the first step after a call the
 step does not serve, such as the prompt's, and dropped as the model's
