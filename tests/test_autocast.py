@@ -28,21 +28,23 @@ def ggml_weight(rows=N, experts=None):
 
 
 def op_calls(a):
-    """(name, op, args) of every matmul op with activations a [M, K] (or [M, 1, K])."""
+    """(name, op, args, the activations' index among args) of every matmul op
+    with activations a [M, K] (ggml_mul_mat_vec_a8: its first row)."""
     q4_0 = gb.type_id("Q4_0")
     ids = torch.tensor([[0, 2], [1, 0], [2, 2]])[:a.shape[0]]
-    calls = [("gptq_gemm", torch.ops.lowbit.gptq_gemm, (*gptq_args(a), False, True, 4)),
-             ("gptq_gemm_a8", torch.ops.lowbit.gptq_gemm_a8, (*gptq_args(a)[:4], torch.empty(0, dtype=torch.int32),
-                                                              True, 4)),
-             ("ggml_mul_mat_a8", torch.ops.lowbit.ggml_mul_mat_a8, (ggml_weight(), a, q4_0, N)),
-             ("ggml_mul_mat_vec_a8", torch.ops.lowbit.ggml_mul_mat_vec_a8, (ggml_weight(), a[:1], q4_0, N)),
-             ("ggml_mul_mat_id", torch.ops.lowbit.ggml_mul_mat_id, (ggml_weight(experts=3), a, ids, q4_0, N))]
+    gptq = gptq_args(a)
+    calls = [("gptq_gemm", torch.ops.lowbit.gptq_gemm, (*gptq, False, True, 4), 0),
+             ("gptq_gemm_a8", torch.ops.lowbit.gptq_gemm_a8, (*gptq[:4], torch.empty(0, dtype=torch.int32), True, 4),
+              0),
+             ("ggml_mul_mat_a8", torch.ops.lowbit.ggml_mul_mat_a8, (ggml_weight(), a, q4_0, N), 1),
+             ("ggml_mul_mat_vec_a8", torch.ops.lowbit.ggml_mul_mat_vec_a8, (ggml_weight(), a[:1], q4_0, N), 1),
+             ("ggml_mul_mat_id", torch.ops.lowbit.ggml_mul_mat_id, (ggml_weight(experts=3), a, ids, q4_0, N), 1)]
     if torch.ops.lowbit.cpu_reads_repacked(q4_0):
         repacked = torch.ops.lowbit.ggml_repack(ggml_weight(), q4_0, N, K)
-        calls.append(("ggml_mul_mat_repacked", torch.ops.lowbit.ggml_mul_mat_repacked, (repacked, a, q4_0, N)))
+        calls.append(("ggml_mul_mat_repacked", torch.ops.lowbit.ggml_mul_mat_repacked, (repacked, a, q4_0, N), 1))
         experts = torch.stack([torch.ops.lowbit.ggml_repack(w, q4_0, N, K) for w in ggml_weight(experts=3)])
         calls.append(("ggml_mul_mat_id_repacked", torch.ops.lowbit.ggml_mul_mat_id_repacked,
-                      (experts, a, ids, q4_0, N)))
+                      (experts, a, ids, q4_0, N), 1))
     return calls
 
 
@@ -52,16 +54,14 @@ def test_ops_take_their_activations_in_autocast_s_dtype(dtype):
     for activations cast to autocast's dtype and every other argument as it
     is (the GPTQ weight's fp16 scales too)."""
     a = torch.randn(3, K)
-    for name, op, args in op_calls(a):
-        index = next(i for i, x in enumerate(args) if x is a or (isinstance(x, torch.Tensor) and x.shape[-1] == K
-                                                                  and x.is_floating_point()))
+    for name, op, args, index in op_calls(a):
         with torch.autocast("cpu", dtype=dtype):
             got = op(*args)
         cast = list(args)
         cast[index] = args[index].to(dtype)
         want = op(*cast)
         assert got.dtype == dtype and torch.equal(got, want), name
-    for name, op, args in op_calls(a.to(torch.bfloat16 if dtype == torch.float16 else torch.float16)):
+    for name, op, args, _ in op_calls(a.to(torch.bfloat16 if dtype == torch.float16 else torch.float16)):
         with torch.autocast("cpu", dtype=dtype):
             assert op(*args).dtype == dtype, name  # a half dtype other than autocast's is cast as well
 

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ._frozen import below_autograd, leave_autograd
+from ._frozen import autocast_dtype, below_autograd, leave_autograd
 from .fusing import PROJECTION_GROUPS, ProjectionSlice
 from .threads import _STATE, ThreadedForward, _ModelAttribute, split_call, wrap_generate
 
@@ -600,7 +600,7 @@ class _DecodingForward(_ModelAttribute):
         # Inside torch.autocast the model's own forward runs: its ops follow the region's dtype.
         if (input_ids is None or input_ids.shape != (1, 1) or type(cache) is not DynamicCache
                 or input_ids.device.type != "cpu" or torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or torch.is_autocast_enabled("cpu")):
+                or autocast_dtype("cpu") is not None):
             return None
         for name, value in kwargs.items():
             if name not in ("input_ids", "cache", "attention_mask", "position_ids") and not any(
