@@ -9,8 +9,10 @@
 #   bash .ci/device_run.sh bench      # python -m benchmarks.bench_cuda (BENCH_ARGS=--quick to shorten)
 #   bash .ci/device_run.sh all        # the four in turn, within ALL_BUDGET (480) seconds
 #
-# Run from the repository root with $OUT set (the device tool sets it); logs
-# and results are copied into $OUT (at most 8 files per call come back).
+# Run from the repository root with $OUT set (the device tool sets it). At
+# most 8 files per call come back, so the logs go into one archive,
+# $OUT/logs.tar.gz, rewritten as each phase ends; the extension and the
+# benchmark results are files of their own in $OUT.
 #
 # The machine goes back after 30 s idle, and a fresh one has no build. `build`
 # therefore also copies the extension (python/lowbit/_C.*.so) into $OUT: copy
@@ -31,7 +33,8 @@ cd "$(dirname "$0")/.."
 
 PHASE=${1:-}
 OUT=${OUT:-/tmp/lowbit-device-out}
-mkdir -p "$OUT"
+LOGS=${LOGS:-/tmp/lowbit-device-logs}
+mkdir -p "$OUT" "$LOGS"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
@@ -46,6 +49,7 @@ export HF_HUB_OFFLINE=1
 BUDGET=${BUDGET:-540}
 
 log() { echo "[device_run $(date +%H:%M:%S)] $*"; }
+pack_logs() { tar czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null; }
 
 if compgen -G ".whl/*.whl" >/dev/null; then
   log "installing carried wheels: $(ls .whl)"
@@ -54,6 +58,32 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 
 has_cuda_build() {
+  $PY -c 'import sys, torch, lowbit
+sys.exit(0 if torch._C._dispatch_has_kernel_for_dispatch_key("lowbit::gptq_gemm", "CUDA") else 1)' 2>/dev/null
+}
+
+# Register and shared-memory use of every kernel for sm_90a (ptxas -v), for
+# the tuning notes: spills and stack frames show up here.
+ptxas_report() {
+  local flags dir
+  flags=$($PY -c 'from torch.utils.cpp_extension import include_paths, COMMON_NVCC_FLAGS as f
+print(" ".join(f + ["-I" + p for p in include_paths()]))')
+  flags="$flags -I$($PY -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
+  dir=$(mktemp -d)
+  for src in csrc/cuda/*.cu; do
+    # shellcheck disable=SC2086
+    nvcc -std=c++20 -O3 --expt-relaxed-constexpr -lineinfo -DLOWBIT_WITH_CUDA=1 -D_GLIBCXX_USE_CXX11_ABI=1 \
+      -gencode=arch=compute_90a,code=sm_90a -Xptxas -v $flags -Icsrc -c "$src" -o /dev/null \
+      >"$dir/$(basename "$src").log" 2>&1 &
+  done
+  wait
+  for src in csrc/cuda/*.cu; do
+    echo "== $src"
+    grep -E "Compiling entry|registers|spill|error" "$dir/$(basename "$src").log" | sed 's/ptxas info    : //'
+  done
+}
+
+build() {
   $PY -c 'import sys, torch, lowbit
 sys.exit(0 if torch._C._dispatch_has_kernel_for_dispatch_key("lowbit::gptq_gemm", "CUDA") else 1)' 2>/dev/null
 }
@@ -79,10 +109,10 @@ build() {
   log "torch: $($PY -c 'import torch; print(torch.__version__, torch.version.cuda)')"
   log "building (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, MAX_JOBS=$MAX_JOBS)"
   local t0=$SECONDS
-  timeout -k 10 "$BUDGET" $PY setup.py build_ext --inplace >"$OUT/build.log" 2>&1
+  timeout -k 10 "$BUDGET" $PY setup.py build_ext --inplace >"$LOGS/build.log" 2>&1
   local rc=$?
   log "build exit status $rc after $((SECONDS - t0)) s (log: build.log)"
-  tail -n 25 "$OUT/build.log"
+  tail -n 25 "$LOGS/build.log"
   [ $rc -eq 0 ] || return $rc
   if ! has_cuda_build; then
     log "the build has no CUDA kernels registered"
@@ -99,13 +129,11 @@ build() {
       log "copied $so to \$OUT ($size bytes)"
     fi
   done
-  if [ $((SECONDS - t0)) -lt $((BUDGET - 180)) ]; then
-    log "ptxas resource report (ptxas.log)"
-    export -f ptxas_report
-    export PY
-    timeout -k 5 $((BUDGET - (SECONDS - t0) - 10)) bash -c ptxas_report >"$OUT/ptxas.log" 2>&1
-    grep -B1 -E "[1-9][0-9]* bytes spill" "$OUT/ptxas.log" | head -n 20
-  fi
+  # One nvcc per source on the CPU cores, beside the later phases, which use the GPU.
+  log "ptxas resource report in the background (ptxas.log)"
+  export -f ptxas_report
+  export PY
+  (timeout -k 5 240 bash -c ptxas_report >"$LOGS/ptxas.log" 2>&1; pack_logs) &
 }
 
 ensure_built() {
@@ -130,15 +158,18 @@ run_tests() {
   local ignores
   ignores=$(pytest_ignores)
   [ -n "$ignores" ] && log "gguf is not installed: not collected: $(echo $ignores | sed 's/--ignore=//g')"
-  local t0=$SECONDS rc1 rc2
-  log "pytest tests/test_cuda_backend.py"
-  timeout -k 10 $((BUDGET * 2 / 3)) $PY -m pytest -q -rs --durations=15 tests/test_cuda_backend.py \
-    2>&1 | tee "$OUT/test-cuda-backend.log" | tail -n 40
+  local t0=$SECONDS rc1 rc2 workers=""
+  # pytest-xdist (in the image): a few workers share the GPU and the cores.
+  $PY -c 'import xdist' 2>/dev/null && workers="-n ${PYTEST_WORKERS:-4}"
+  log "pytest tests/test_cuda_backend.py $workers"
+  # shellcheck disable=SC2086
+  timeout -k 10 $((BUDGET * 2 / 3)) $PY -m pytest -q -rs $workers --durations=15 tests/test_cuda_backend.py \
+    2>&1 | tee "$LOGS/test-cuda-backend.log" | tail -n 40
   rc1=${PIPESTATUS[0]}
   log "pytest -k cuda (the device-parametrized cases of the other test files)"
   # shellcheck disable=SC2086
-  timeout -k 10 $((BUDGET - (SECONDS - t0))) $PY -m pytest -q -rs -k cuda --ignore=tests/test_cuda_backend.py \
-    $ignores tests 2>&1 | tee "$OUT/test-device-params.log" | tail -n 30
+  timeout -k 10 $((BUDGET - (SECONDS - t0))) $PY -m pytest -q -rs $workers -k cuda --ignore=tests/test_cuda_backend.py \
+    $ignores tests 2>&1 | tee "$LOGS/test-device-params.log" | tail -n 30
   rc2=${PIPESTATUS[0]}
   log "exit status: test_cuda_backend $rc1, [cuda] cases $rc2"
   [ $rc1 -eq 0 ] && { [ $rc2 -eq 0 ] || [ $rc2 -eq 5 ]; }
@@ -163,9 +194,9 @@ sanitize() {
     [ "$tool" = racecheck ] && extra=(--racecheck-report hazard)
     log "compute-sanitizer --tool $tool on tests/test_cuda_backend.py -k $sel (${left} s left)"
     timeout -k 10 $((left - 5)) compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 99 --print-limit 30 \
-      $PY -m pytest -q -x -p no:cacheprovider tests/test_cuda_backend.py -k "$sel" >"$OUT/sanitize-$tool.log" 2>&1
+      $PY -m pytest -q -x -p no:cacheprovider tests/test_cuda_backend.py -k "$sel" >"$LOGS/sanitize-$tool.log" 2>&1
     local rc=$?
-    tail -n 15 "$OUT/sanitize-$tool.log"
+    tail -n 15 "$LOGS/sanitize-$tool.log"
     log "$tool exit status $rc"
     [ $rc -eq 0 ] || status=1
     # racecheck and synccheck only look at shared memory and barriers: every
@@ -180,31 +211,37 @@ bench() {
   ensure_built
   log "python -m benchmarks.bench_cuda ${BENCH_ARGS:-}"
   # shellcheck disable=SC2086
-  timeout -k 10 "$BUDGET" $PY -m benchmarks.bench_cuda ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -n 60
+  timeout -k 10 "$BUDGET" $PY -m benchmarks.bench_cuda ${BENCH_ARGS:-} 2>&1 | tee "$LOGS/bench.log" | tail -n 60
   local rc=${PIPESTATUS[0]}
   cp benchmarks/results/*-cuda.md benchmarks/results/*-cuda.json "$OUT/" 2>/dev/null
   log "bench exit status $rc"
   return $rc
 }
 
-# Every phase in one device call, each within its share of ALL_BUDGET seconds
-# (default 480: one call and a rerun fit a 15-minute lease); each phase's logs
-# are in $OUT as soon as it ends, so a time-out loses only the phase it cut.
+# Every phase in one device call within ALL_BUDGET seconds (default 480: one
+# call and a rerun fit a 15-minute lease). Each phase must end by its share of
+# the budget, counted from the start, so time a phase leaves goes to the next;
+# each phase's logs are in $OUT as soon as it ends, so a time-out loses only
+# the phase it cut.
 all_phases() {
-  local total=${ALL_BUDGET:-480} status=0 phase share rc
-  for phase in "build 42" "run_tests 31" "sanitize 17" "bench 10"; do
+  local total=${ALL_BUDGET:-480} status=0 phase rc start=$SECONDS
+  for phase in "build 45" "run_tests 75" "sanitize 88" "bench 100"; do
     set -- $phase
-    share=$((total * $2 / 100))
-    BUDGET=$share
-    log "phase $1 (${share} s)"
-    "$1"
-    rc=$?
+    BUDGET=$((total * $2 / 100 - (SECONDS - start)))
+    log "phase $1 (${BUDGET} s)"
+    if [ "$BUDGET" -lt 30 ]; then
+      rc=124
+    else
+      "$1"
+      rc=$?
+    fi
     log "phase $1 exit status $rc"
-    echo "$1 $rc" >>"$OUT/summary.txt"
+    echo "$1 $rc" >>"$LOGS/summary.txt"
+    pack_logs
     [ $rc -eq 0 ] || status=1
     [ "$1" = build ] && [ $rc -ne 0 ] && break
   done
-  cat "$OUT/summary.txt"
+  cat "$LOGS/summary.txt"
   return $status
 }
 
@@ -219,3 +256,7 @@ case "$PHASE" in
     exit 2
     ;;
 esac
+rc=$?
+wait  # the background ptxas report, within its own time limit
+pack_logs
+exit $rc
