@@ -44,6 +44,13 @@ export LOWBIT_CUDA=1
 # The portable CPU kernels only (the CUDA tests' reference): minutes less to build.
 export LOWBIT_CPU_SIMD=${LOWBIT_CPU_SIMD:-0}
 export HF_HUB_OFFLINE=1
+# A compiler that finds no shared libstdc++ (the image's CXX, /opt/gcc, is one)
+# links a private copy of it into the extension, whose iostreams then crash
+# inside torch's process at the first error message: use one that links
+# libstdc++.so.6 as torch does.
+if [ ! -f "$(${CXX:-g++} -print-file-name=libstdc++.so)" ] && [ -x /usr/bin/g++ ]; then
+  export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++
+fi
 # Seconds a phase's main command may take before it is stopped (the logs up
 # to then are kept): under the tool's 600 s per call.
 BUDGET=${BUDGET:-540}
@@ -106,7 +113,7 @@ ptxas_report() {
 build() {
   log "nvidia-smi: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1)"
   log "nvcc: $(nvcc --version | tail -n 2 | tr '\n' ' ')"
-  log "torch: $($PY -c 'import torch; print(torch.__version__, torch.version.cuda)')"
+  log "torch: $($PY -c 'import torch; print(torch.__version__, torch.version.cuda)'), CXX=${CXX:-g++}"
   log "building (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, MAX_JOBS=$MAX_JOBS)"
   local t0=$SECONDS
   timeout -k 10 "$BUDGET" $PY setup.py build_ext --inplace >"$LOGS/build.log" 2>&1
@@ -114,8 +121,9 @@ build() {
   log "build exit status $rc after $((SECONDS - t0)) s (log: build.log)"
   tail -n 25 "$LOGS/build.log"
   [ $rc -eq 0 ] || return $rc
+  readelf -d python/lowbit/_C*.so | grep -q 'libstdc++.so' || log "the extension does not link libstdc++.so.6"
   if ! has_cuda_build; then
-    log "the build has no CUDA kernels registered"
+    log "the build has no CUDA kernels registered (or import lowbit fails)"
     return 1
   fi
   for so in python/lowbit/_C*.so; do
