@@ -1,6 +1,7 @@
 """lowbit's CUDA kernels on one GPU, against torch's dense fp16 matmul of the
-same shape in the same run, with achieved GB/s against the device's copy
-bandwidth measured in the same run.
+same shape in the same run (and, for gptq_gemm, torch's bf16 matmul and its
+CUDA int4 kernel, aten._weight_int4pack_mm, on the 4-bit rows), with achieved
+GB/s against the device's copy bandwidth measured in the same run.
 
     python -m benchmarks.bench_cuda [--quick] [--no-crossover] [--device cuda:0]
 
@@ -139,13 +140,30 @@ class Bench:
         self.dense_cache = {}
         self.weight_cache = {}
 
-    def dense_ms(self, K, N, M):
-        key = (K, N, M)
+    def dense_ms(self, K, N, M, dtype=torch.float16):
+        key = (K, N, M, dtype)
         if key not in self.dense_cache:
-            w = torch.randn(K, N, device=self.device, dtype=torch.float16)
-            a = torch.randn(M, K, device=self.device, dtype=torch.float16)
+            w = torch.randn(K, N, device=self.device, dtype=dtype)
+            a = torch.randn(M, K, device=self.device, dtype=dtype)
             self.dense_cache[key] = self.time(lambda: a @ w)
             del w
+        return self.dense_cache[key]
+
+    def torch_int4_ms(self, K, N, M):
+        """torch's CUDA int4 kernel (aten._weight_int4pack_mm: bf16 activations, g128 scales and
+        zeros) on a random weight of the same shape, or None where this torch or GPU lacks it."""
+        key = ("int4", K, N, M)
+        if key not in self.dense_cache:
+            try:
+                packed = torch.ops.aten._convert_weight_to_int4pack(
+                    torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device=self.device), 8)
+                scale_zeros = torch.rand(K // GROUP, N, 2, device=self.device).bfloat16()
+                a = torch.randn(M, K, device=self.device, dtype=torch.bfloat16)
+                self.dense_cache[key] = self.time(
+                    lambda: torch.ops.aten._weight_int4pack_mm(a, packed, GROUP, scale_zeros))
+            except (RuntimeError, AttributeError) as e:
+                print(f"  torch int4 kernel unavailable ({str(e).splitlines()[0][:120]})", flush=True)
+                self.dense_cache[key] = None
         return self.dense_cache[key]
 
     def gptq_sets(self, K, N, bits, variant):
@@ -170,8 +188,12 @@ class Bench:
         ms = self.time(op)
         gbs = nbytes_of(*sets[0][:4]) / (ms * 1e-3) / 1e9
         dense = self.dense_ms(K, N, M)
+        dense_bf16 = self.dense_ms(K, N, M, torch.bfloat16)
+        int4 = self.torch_int4_ms(K, N, M) if bits == 4 else None
         return dict(kind="gptq_gemm", K=K, N=N, bits=bits, group_size=GROUP, variant=variant, M=M, ms=ms, gbs=gbs,
-                    bandwidth_fraction=gbs / self.bandwidth, dense_fp16_ms=dense, speedup_vs_fp16=dense / ms)
+                    bandwidth_fraction=gbs / self.bandwidth, dense_fp16_ms=dense, speedup_vs_fp16=dense / ms,
+                    dense_bf16_ms=dense_bf16, speedup_vs_bf16=dense_bf16 / ms, torch_int4_ms=int4,
+                    speedup_vs_torch_int4=int4 / ms if int4 else None)
 
     def gguf(self, name, K, N, op_name, M):
         first = gguf_weight(name, N, K, self.device, 0)
@@ -183,7 +205,6 @@ class Bench:
         ms = self.time(lambda: fn(rot.next(), x, t, N))
         gbs = nbytes_of(first) / (ms * 1e-3) / 1e9
         dense = self.dense_ms(K, N, M)
-        del sets, rot
         return dict(kind=op_name, type=name, K=K, N=N, M=M, ms=ms, gbs=gbs, bandwidth_fraction=gbs / self.bandwidth,
                     dense_fp16_ms=dense, speedup_vs_fp16=dense / ms)
 
@@ -233,12 +254,21 @@ def md_table(headers, rows):
 
 
 def gptq_rows(records):
-    return [[f"{r['K']}x{r['N']}", r["bits"], r["variant"], r["M"], f"{r['ms'] * 1e3:.1f}", f"{r['gbs']:.0f}",
-             f"{100 * r['bandwidth_fraction']:.0f}%", f"{r['dense_fp16_ms'] * 1e3:.1f}", f"{r['speedup_vs_fp16']:.2f}x"]
+    def us(ms):
+        return f"{ms * 1e3:.1f}" if ms else "-"
+
+    def x(ratio):
+        return f"{ratio:.2f}x" if ratio else "-"
+
+    return [[f"{r['K']}x{r['N']}", r["bits"], r["variant"], r["M"], us(r["ms"]), f"{r['gbs']:.0f}",
+             f"{100 * r['bandwidth_fraction']:.0f}%", us(r["dense_fp16_ms"]), x(r["speedup_vs_fp16"]),
+             us(r.get("dense_bf16_ms")), x(r.get("speedup_vs_bf16")), us(r.get("torch_int4_ms")),
+             x(r.get("speedup_vs_torch_int4"))]
             for r in records]
 
 
-GPTQ_HEADERS = ["K x N", "bits", "weights", "M", "lowbit µs", "GB/s", "of bw", "fp16 dense µs", "vs fp16"]
+GPTQ_HEADERS = ["K x N", "bits", "weights", "M", "lowbit µs", "GB/s", "of bw", "fp16 dense µs", "vs fp16",
+                "bf16 dense µs", "vs bf16", "torch int4 µs", "vs torch int4"]
 
 
 def crossover_rows(shipped, fused, dequant):
@@ -315,7 +345,10 @@ def main():
     sections = [
         f"# lowbit CUDA benchmarks: {info['gpu']}\n",
         f"torch {info['torch']}, CUDA {info['cuda']}; measured device copy bandwidth "
-        f"{bench_bw(gptq_main):.0f} GB/s (read + write). fp16 activations; GB/s = weight bytes read / time.\n",
+        f"{bench_bw(gptq_main):.0f} GB/s (read + write). Command: `python -m benchmarks.bench_cuda"
+        f"{' --quick' if args.quick else ''}{' --no-crossover' if args.no_crossover else ''}`. lowbit and the fp16 "
+        "dense matmul take fp16 activations, the bf16 dense matmul and torch's int4 kernel "
+        "(`aten._weight_int4pack_mm`, 4-bit rows) bf16 ones; GB/s = lowbit's weight bytes read / time.\n",
         "## gptq_gemm, group size 128 (M = 1 and 16)\n",
         md_table(GPTQ_HEADERS, gptq_rows(gptq_main)),
         "\n## gptq_gemm M sweep (plain weights, as shipped)\n",

@@ -71,7 +71,7 @@ def assert_gemm_close(out, a, W, what):
 # K = 1536: three 512-row chunks (split-K over chunks); N = 160: a full and a
 # partial 128-column tile. M covers every fused row-tile size (1, 2, 4, 8),
 # several M-chunks, and the dequantize + cuBLAS path (the default crossover
-# is M = 64).
+# is M = 32).
 GEMM_K, GEMM_N = 1536, 160
 GEMM_MS = (1, 2, 3, 5, 8, 9, 17, 64, 65, 130)
 

@@ -52,15 +52,16 @@ namespace cuda {
 namespace {
 
 // Largest M that takes the fused kernel, per bit width; above it the
-// dequantize + cuBLAS path runs. Estimates, to be set from
-// benchmarks/bench_cuda.py's M sweep (csrc/cuda/README.md): the fused kernel
-// re-decodes W once per 8 rows of M, the large-M path writes and re-reads an
-// fp32 copy of W (~8 bytes per weight, any bit width) and then runs cuBLAS's
-// SGEMM; on an H100 that copy costs about 64-128 rows of fused work.
-constexpr int64_t kFusedMaxM2 = 64;
-constexpr int64_t kFusedMaxM3 = 64;
-constexpr int64_t kFusedMaxM4 = 64;
-constexpr int64_t kFusedMaxM8 = 64;
+// dequantize + cuBLAS path runs. Set from benchmarks/bench_cuda.py's M sweep
+// with each path forced (benchmarks/results/h200-cuda.md, 8192x28672): the
+// fused kernel re-decodes W once per 8 rows of M and its time grows with M,
+// the large-M path costs an fp32 copy of W (~8 bytes per weight, any bit
+// width) plus cuBLAS's SGEMM, about 1.1-1.5 ms flat up to M = 64 there. Every
+// bit width is still faster fused at M = 32 and about 1.8x slower at M = 64.
+constexpr int64_t kFusedMaxM2 = 32;
+constexpr int64_t kFusedMaxM3 = 32;
+constexpr int64_t kFusedMaxM4 = 32;
+constexpr int64_t kFusedMaxM8 = 32;
 
 // LOWBIT_CUDA_GPTQ_FUSED_MAX_M=<m> overrides all four (read once per
 // process), so that a benchmark can time either path at any M.
