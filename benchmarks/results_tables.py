@@ -88,17 +88,18 @@ def support_block():
            "|---|---:|---|---:|---|---|---|---|---|---|",
            "| GPTQ 2/3/4/8-bit (v1 and v2 zeros, sym/asym, any group size, act-order) | | 32 fields per pack | "
            "2–8 + group metadata | fp32/fp16/bf16, or int8 (`gptq_gemm_a8`) | yes | SIMD | SIMD (+ `vdpbf16ps` for "
-           "bf16/fp16 on AVX512-BF16, `vpdpbusd` for int8) | `gptq_shuffle`'s row order, every device | compiled |"]
+           "bf16/fp16 on AVX512-BF16, `vpdpbusd` for int8) | `gptq_shuffle`'s row order, every device | tested |"]
     for name, i, block, size, act in ggml_types():
         bits = f"{8 * size / block:.4g}"
         out.append(f"| GGUF {name} | {i} | {block}, {size} | {bits} | {'fp32' if act == 'Float' else act} | yes | "
                    f"{simd(name, act, name in avx2_reads)} | {simd(name, act, name in has_layout)} | "
-                   f"{'yes' if name in has_layout else '—'} | compiled |")
+                   f"{'yes' if name in has_layout else '—'} | tested |")
     out.append("")
     out.append("SIMD: the ISA's own kernels (levels cut out in vector registers; \"scalar decode\": levels "
                "from the portable codec, dot products in SIMD). **R**: that ISA reads lowbit's repacked layout as "
                "it is (`torch.ops.lowbit.cpu_reads_repacked`); elsewhere a repacked weight is put back "
-               "per call. compiled: the CUDA kernels are compile-checked only, not run on a GPU.")
+               "per call. CUDA tested: its kernels pass the CUDA tests on an H200, bit for bit or within the "
+               "tests' fp32 tolerance of the CPU (`benchmarks/results/h200-cuda-checks.md`).")
     out.append("")
     archs = []
     for arch, cls, experts in architectures():
