@@ -128,6 +128,34 @@ def test_gptq_gemm_split_k_and_wide_shapes(bits, K, N, M):
     assert np.all(err <= tol)
 
 
+@pytest.mark.parametrize("act_order", [False, True], ids=["plain", "actorder"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", BITS)
+def test_gptq_gemm_large_m_half_activations_keep_fp32_weights(bits, dtype, act_order):
+    """Above the fused kernel's M, fp16 / bf16 activations multiply W as two
+    terms of their dtype (csrc/cuda/gptq_cuda.cuh): the result is the fp32
+    sum over the fp32 weights rounded once, so it is the CPU's bit for bit but
+    where the two fp32 sums straddle a rounding boundary (a few in a
+    thousand), while W rounded to the activations' dtype changes 20-40% of the
+    outputs. Scales spanning 2^-12 .. 2^3 across groups (fp16 subnormals
+    among them) exercise each column's exponent."""
+    rng = np.random.default_rng([bits, act_order, 11])
+    K, N, M = 1536, 160, 100
+    ckpt = ref.random_checkpoint(rng, K, N, bits, 128, False, "gptq", act_order)
+    ckpt["scales"] = (ckpt["scales"] * np.exp2(rng.integers(-12, 4, size=ckpt["scales"].shape))).astype(np.float16)
+    c, g = gptq_tensors(ckpt, "cpu"), gptq_tensors(ckpt, "cuda")
+    perm = torch.argsort(c["g_idx"], stable=True).to(I32) if act_order else torch.empty(0, dtype=I32)
+    ops.gptq_shuffle(g["qweight"], cuda(perm), bits)
+    a = torch.randn(M, K, generator=torch.Generator().manual_seed(bits)).to(dtype)
+    out = ops.gptq_gemm(cuda(a), g["qweight"], g["qzeros"], g["scales"], cuda(perm), True, False, bits).cpu()
+    on_cpu = ops.gptq_gemm(a, c["qweight"], c["qzeros"], c["scales"], c["g_idx"], False, False, bits)
+    assert torch.isfinite(out).all()
+    differ = (out != on_cpu).float().mean().item()
+    assert differ < 0.02, f"{differ:.1%} of the outputs differ from the CPU's"
+    W = ref.dequantize(ckpt["qweight"], ckpt["qzeros"], ckpt["scales"], ckpt["g_idx"], bits, "gptq")
+    assert_gemm_close(out, a, W, f"{bits}-bit {dtype}")
+
+
 def test_gptq_gemm_misaligned_weight_and_strided_input():
     """qweight at a 4-byte offset (no 128-bit loads: the op copies it) and a
     non-contiguous a with batch dims."""

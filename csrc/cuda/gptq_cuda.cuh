@@ -73,6 +73,27 @@ __device__ __forceinline__ float scale_at(const GptqView& w, int64_t g, int64_t 
 // out's dtype (float32, float16 or bfloat16; out contiguous [K, width]).
 void launch_gptq_dequantize(const GptqView& w, int64_t bit, int64_t n0, at::Tensor& out);
 
+// W in two terms of a 16-bit float type T, for products with fp16 / bf16
+// activations on the tensor cores that keep the fp32 weight:
+//   W[k, n] * 2^exps[n] = hi[k, n] + lo[k, n] * 2^-split_lo_shift(T).
+// hi is the scaled value rounded to T and lo the remainder, which is exact in
+// fp32 and has at most 24 - s significant bits for T's s (11 for fp16, 8 for
+// bf16): with fp16 or bf16 scales W has at most bit + 11 of them, so the two
+// fp16 terms hold it exactly, and two bf16 terms to within 2^-17 of |W|.
+// exps[n] puts each column's bound |W| < 2^kSplitHiExponent, far inside
+// fp16's range, so neither term overflows and hi is normal down to 2^-28 of
+// the bound.
+constexpr int kSplitHiExponent = 14;
+
+inline int split_lo_shift(at::ScalarType t) { return t == at::kHalf ? 11 : 8; }
+
+// exps: int32 [N]; the exponent of every column (launch_gptq_split_exponents
+// writes it from the scales).
+void launch_gptq_split_exponents(const GptqView& w, int64_t bit, at::Tensor& exps);
+// hi, lo: [K, width] of the same dtype (float16 or bfloat16), columns n0 ...
+void launch_gptq_dequantize_split(const GptqView& w, int64_t bit, int64_t n0, const at::Tensor& exps, at::Tensor& hi,
+                                  at::Tensor& lo);
+
 // gptq_packing.cu: pack / unpack along `dim` without validation (the caller
 // has validated the shapes and values).
 at::Tensor pack_words(const at::Tensor& values, int64_t bit, int64_t dim);

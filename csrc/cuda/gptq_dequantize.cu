@@ -1,10 +1,12 @@
 // CUDA gptq_dequantize, and the dequantization gptq_gemm's large-M path
-// decodes its fp32 weight tiles with.
+// decodes its weight tiles with.
 //
 // One thread per (pack of rows, column): it reads the pack's 1 or 3 words of
 // its column (consecutive threads, consecutive columns: coalesced) and writes
 // the pack's rows. Every value is gptq::dequant(q, zero, scale) in fp32 --
-// exact, as on the CPU -- rounded once to the output dtype.
+// exact, as on the CPU -- rounded once to the output dtype, or, for the
+// large-M path's fp16 / bf16 products, split into two terms of that dtype
+// (gptq_cuda.cuh).
 #include "../core/gptq_format.h"
 #include "../ops/dispatch.h"
 #include "../ops/gptq_checks.h"
@@ -18,8 +20,10 @@ namespace {
 
 constexpr int kThreads = 256;
 
-template <int B, typename OutT>
-__global__ void __launch_bounds__(kThreads) gptq_dequantize_kernel(GptqView w, int64_t n0, int64_t width, OutT* out) {
+// One thread per (pack of rows, column j of the tile): decodes the pack's
+// values and hands each, W[k, n0 + j] in fp32, to `store(k, j, value)`.
+template <int B, typename Store>
+__global__ void __launch_bounds__(kThreads) gptq_dequantize_kernel(GptqView w, int64_t n0, int64_t width, Store store) {
   using P = gptq::Pack<B>;
   const int64_t packs = w.K / P::kFields;
   const int64_t total = packs * width;
@@ -45,23 +49,101 @@ __global__ void __launch_bounds__(kThreads) gptq_dequantize_kernel(GptqView w, i
         cur_g = g;
       }
       const uint32_t q = gptq::extract(words[loc.lo], words[loc.hi], loc);
-      out[k * width + j] = from_float<OutT>(gptq::dequant(q, zero, scale));
+      store(k, j, gptq::dequant(q, zero, scale));
     }
   }
 }
 
+// The value rounded once to OutT: out is [K, width].
 template <typename OutT>
-void launch_typed(const GptqView& w, int64_t bit, int64_t n0, int64_t width, OutT* out) {
+struct StoreRounded {
+  OutT* out;
+  int64_t width;
+  __device__ __forceinline__ void operator()(int64_t k, int64_t j, float x) const {
+    out[k * width + j] = from_float<OutT>(x);
+  }
+};
+
+// The value scaled by 2^exps[j] as hi + lo * 2^-lo_shift in T (hi and lo are [K, width]).
+template <typename T>
+struct StoreSplit {
+  T* hi;
+  T* lo;
+  const int32_t* exps;
+  int lo_shift;
+  int64_t width;
+  __device__ __forceinline__ void operator()(int64_t k, int64_t j, float x) const {
+    const float scaled = ldexpf(x, exps[j]);  // exact: a power of two, within fp32's range
+    const T h = from_float<T>(scaled);
+    hi[k * width + j] = h;
+    // scaled - h is exact in fp32 (the rounding error of a narrower format).
+    lo[k * width + j] = from_float<T>(ldexpf(scaled - static_cast<float>(h), lo_shift));
+  }
+};
+
+template <typename Store>
+void launch_store(const GptqView& w, int64_t bit, int64_t n0, int64_t width, const Store& store) {
   const int64_t packs = w.K / gptq::fields_per_pack(bit);
   const unsigned int blocks = grid_for(packs * width, kThreads);
   dispatch_bits(bit, [&](auto bits) {
     constexpr int B = decltype(bits)::value;
-    gptq_dequantize_kernel<B, OutT><<<blocks, kThreads, 0, current_stream()>>>(w, n0, width, out);
+    gptq_dequantize_kernel<B, Store><<<blocks, kThreads, 0, current_stream()>>>(w, n0, width, store);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 
+template <typename OutT>
+void launch_typed(const GptqView& w, int64_t bit, int64_t n0, int64_t width, OutT* out) {
+  launch_store(w, bit, n0, width, StoreRounded<OutT>{out, width});
+}
+
+template <typename T>
+void launch_split(const GptqView& w, int64_t bit, int64_t n0, int64_t width, const int32_t* exps, T* hi, T* lo,
+                  int lo_shift) {
+  launch_store(w, bit, n0, width, StoreSplit<T>{hi, lo, exps, lo_shift, width});
+}
+
+// exps[n] = kSplitHiExponent - e, where 2^e exceeds max_g |scale[g, n]| * 2^bit,
+// a bound on |W[:, n]| (|q - zero| <= 2^bit under either zero format). A NaN
+// scale is skipped (its values are NaN whatever the exponent); an infinite
+// one gives the values their infinities.
+__global__ void __launch_bounds__(kThreads) split_exponents_kernel(GptqView w, int bit, int32_t* exps) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t n = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; n < w.N; n += stride) {
+    float m = 0.0f;
+    for (int64_t g = 0; g < w.groups; ++g) m = fmaxf(m, fabsf(scale_at(w, g, n)));
+    int e = 0;
+    frexpf(ldexpf(m, bit), &e);
+    exps[n] = kSplitHiExponent - (isfinite(m) ? e : 0);
+  }
+}
+
 }  // namespace
+
+void launch_gptq_split_exponents(const GptqView& w, int64_t bit, at::Tensor& exps) {
+  TORCH_INTERNAL_ASSERT(exps.is_contiguous() && exps.scalar_type() == at::kInt && exps.numel() == w.N);
+  split_exponents_kernel<<<grid_for(w.N, kThreads), kThreads, 0, current_stream()>>>(w, static_cast<int>(bit),
+                                                                                      exps.data_ptr<int32_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void launch_gptq_dequantize_split(const GptqView& w, int64_t bit, int64_t n0, const at::Tensor& exps, at::Tensor& hi,
+                                  at::Tensor& lo) {
+  TORCH_INTERNAL_ASSERT(hi.is_contiguous() && lo.is_contiguous() && hi.dim() == 2 && hi.size(0) == w.K &&
+                        hi.sizes() == lo.sizes() && hi.scalar_type() == lo.scalar_type() &&
+                        n0 + hi.size(1) <= w.N && exps.numel() == w.N);
+  const int64_t width = hi.size(1);
+  if (width == 0) return;
+  const int32_t* e = exps.data_ptr<int32_t>() + n0;
+  const int shift = split_lo_shift(hi.scalar_type());
+  switch (hi.scalar_type()) {
+    case at::kHalf: launch_split(w, bit, n0, width, e, hi.data_ptr<at::Half>(), lo.data_ptr<at::Half>(), shift); break;
+    case at::kBFloat16:
+      launch_split(w, bit, n0, width, e, hi.data_ptr<at::BFloat16>(), lo.data_ptr<at::BFloat16>(), shift);
+      break;
+    default: TORCH_INTERNAL_ASSERT(false, "gptq dequantize split: unsupported dtype ", hi.scalar_type());
+  }
+}
 
 void launch_gptq_dequantize(const GptqView& w, int64_t bit, int64_t n0, at::Tensor& out) {
   TORCH_INTERNAL_ASSERT(out.is_contiguous() && out.dim() == 2 && out.size(0) == w.K && n0 + out.size(1) <= w.N);

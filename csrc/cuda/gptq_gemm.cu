@@ -22,10 +22,14 @@
 //       a second kernel sums the slices in a fixed order. No atomics: the
 //       result is deterministic (same bits on every run, as CUDA-graph replay
 //       tests require), there is no output to zero first and so no race on it.
-// * larger M: W is dequantized in fp32 column tiles (gptq_dequantize.cu) and
-//   multiplied by cuBLAS through at::mm in fp32 (TF32 only if the caller
-//   enabled it with torch.backends.cuda.matmul.allow_tf32). fp16/bf16 copies
-//   of W would round the weights and break the op's fp32 contract.
+// * larger M: W is dequantized in column tiles (gptq_dequantize.cu) and
+//   multiplied by cuBLAS through at::mm. fp32 activations take fp32 tiles and
+//   SGEMM (TF32 only if the caller enabled it with
+//   torch.backends.cuda.matmul.allow_tf32). fp16 / bf16 activations take each
+//   tile as two terms of their own dtype, hi + lo (gptq_cuda.cuh), and two
+//   tensor-core GEMMs with fp32 sums and fp32 outputs: a rounded fp16 / bf16
+//   copy of W would break the op's fp32 weights, two terms keep them (fp16:
+//   exactly) at twice a half GEMM's cost, far under fp32 SGEMM's.
 //
 // Shuffled weights (use_exllama=True): rows are in q_perm order, b_g_idx is
 // that q_perm, so the kernel reads a[m, q_perm[i]] for shuffled row i and row
@@ -441,27 +445,68 @@ void gemm_fused(const at::Tensor& a2, const GptqView& w, const at::Tensor& perm,
   }
 }
 
-// Large M: fp32 tiles of W (at most kDequantTileBytes) times a in fp32 with cuBLAS.
+// out[m, n0 + j] = (hi[m, j] + lo[m, j] * 2^-lo_shift) * 2^-exps[n0 + j], rounded once to out's dtype.
+__global__ void __launch_bounds__(kThreads)
+    combine_split_kernel(const float* hi, const float* lo, const int32_t* exps, int lo_shift, int64_t rows,
+                         int64_t width, int64_t N, int64_t n0, void* out, Float out_kind) {
+  const int64_t total = rows * width;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
+    const int64_t m = i / width, j = i % width;
+    const float v = ldexpf(hi[i] + ldexpf(lo[i], -lo_shift), -exps[n0 + j]);
+    store_float(out, out_kind, m * N + n0 + j, v);
+  }
+}
+
+// The column tile width of the large-M paths: at most kDequantTileBytes of W
+// (4 bytes per weight: an fp32 tile, or the two 16-bit terms).
+int64_t dequant_tile_cols(int64_t K, int64_t N) {
+  return std::min(N, std::max<int64_t>(kTileN, kDequantTileBytes / (4 * K) / kTileN * kTileN));
+}
+
+// Large M with fp16 / bf16 activations: each tile of W as hi + lo in a's
+// dtype, both multiplied by a with cuBLAS into fp32, combined in fp32.
+void gemm_split_mm(const at::Tensor& a2, const GptqView& w, const at::Tensor& perm, int64_t bit, at::Tensor& out) {
+  const int64_t K = w.K, N = w.N, M = a2.size(0);
+  at::Tensor a = perm.defined() && perm.numel() ? a2.index_select(1, perm) : a2;  // shuffled: a[:, q_perm]
+  a = a.contiguous();
+  const int64_t cols = dequant_tile_cols(K, N);
+  at::Tensor exps = at::empty({N}, a.options().dtype(at::kInt));
+  launch_gptq_split_exponents(w, bit, exps);
+  at::Tensor hi_buf = at::empty({K * cols}, a.options());
+  at::Tensor lo_buf = at::empty({K * cols}, a.options());
+  const int lo_shift = split_lo_shift(a.scalar_type());
+  for (int64_t n0 = 0; n0 < N; n0 += cols) {
+    const int64_t width = std::min(cols, N - n0);
+    at::Tensor hi = hi_buf.narrow(0, 0, K * width).view({K, width});
+    at::Tensor lo = lo_buf.narrow(0, 0, K * width).view({K, width});
+    launch_gptq_dequantize_split(w, bit, n0, exps, hi, lo);
+    const at::Tensor hi_out = at::mm(a, hi, at::kFloat);
+    const at::Tensor lo_out = at::mm(a, lo, at::kFloat);
+    combine_split_kernel<<<grid_for(M * width, kThreads), kThreads, 0, current_stream()>>>(
+        hi_out.data_ptr<float>(), lo_out.data_ptr<float>(), exps.data_ptr<int32_t>(), lo_shift, M, width, N, n0,
+        out.data_ptr(), float_kind(out.scalar_type()));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+// Large M with fp32 activations: fp32 tiles of W times a with cuBLAS's SGEMM.
 void gemm_dequant_mm(const at::Tensor& a2, const GptqView& w, const at::Tensor& perm, int64_t bit, at::Tensor& out) {
   const int64_t K = w.K, N = w.N;
-  at::Tensor a32 = a2.to(at::kFloat);
-  if (perm.defined() && perm.numel()) a32 = a32.index_select(1, perm);  // shuffled: a[:, q_perm]
-  a32 = a32.contiguous();
-  const int64_t fit = std::max<int64_t>(kTileN, kDequantTileBytes / (4 * K) / kTileN * kTileN);
-  const int64_t cols = std::min(N, fit);
-  at::Tensor out32 = out.scalar_type() == at::kFloat ? out : at::empty(out.sizes(), out.options().dtype(at::kFloat));
-  at::Tensor tile_buf = at::empty({K * cols}, a32.options());
+  at::Tensor a = perm.defined() && perm.numel() ? a2.index_select(1, perm) : a2;  // shuffled: a[:, q_perm]
+  a = a.contiguous();
+  const int64_t cols = dequant_tile_cols(K, N);
+  at::Tensor tile_buf = at::empty({K * cols}, a.options());
   for (int64_t n0 = 0; n0 < N; n0 += cols) {
     const int64_t width = std::min(cols, N - n0);
     at::Tensor tile = tile_buf.narrow(0, 0, K * width).view({K, width});
     launch_gptq_dequantize(w, bit, n0, tile);
     if (width == N) {
-      at::mm_out(out32, a32, tile);
+      at::mm_out(out, a, tile);
     } else {
-      out32.narrow(1, n0, width).copy_(at::mm(a32, tile));
+      out.narrow(1, n0, width).copy_(at::mm(a, tile));
     }
   }
-  if (!out32.is_same(out)) out.copy_(out32);  // rounded once to a's dtype
 }
 
 }  // namespace
@@ -489,8 +534,10 @@ at::Tensor gptq_gemm(const at::Tensor& a, const at::Tensor& b_q_weight, const at
   const at::Tensor perm = use_exllama ? args.idx : at::Tensor();
   if (M <= fused_max_m(bit)) {
     gemm_fused(a2, w, perm, bit, out);
-  } else {
+  } else if (a2.scalar_type() == at::kFloat) {
     gemm_dequant_mm(a2, w, perm, bit, out);
+  } else {
+    gemm_split_mm(a2, w, perm, bit, out);
   }
   return out.view(out_sizes);
 }
