@@ -40,6 +40,8 @@
 // all on the current stream: the op can be captured in a CUDA graph. Index
 // values (g_idx, q_perm) are not range-checked on the host (that would need a
 // sync); the kernels assert on them instead.
+#include <torch/version.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <vector>
@@ -445,6 +447,16 @@ void gemm_fused(const at::Tensor& a2, const GptqView& w, const at::Tensor& perm,
   }
 }
 
+// The column tile width of the large-M paths: at most kDequantTileBytes of W
+// (4 bytes per weight: an fp32 tile, or the two 16-bit terms).
+int64_t dequant_tile_cols(int64_t K, int64_t N) {
+  return std::min(N, std::max<int64_t>(kTileN, kDequantTileBytes / (4 * K) / kTileN * kTileN));
+}
+
+// at::mm of fp16 / bf16 operands into fp32 (aten::mm.dtype) exists from torch
+// 2.8 on; before it, half activations take the fp32 path below.
+#define LOWBIT_HALF_MM_TO_FLOAT (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8))
+#if LOWBIT_HALF_MM_TO_FLOAT
 // out[m, n0 + j] = (hi[m, j] + lo[m, j] * 2^-lo_shift) * 2^-exps[n0 + j], rounded once to out's dtype.
 __global__ void __launch_bounds__(kThreads)
     combine_split_kernel(const float* hi, const float* lo, const int32_t* exps, int lo_shift, int64_t rows,
@@ -456,12 +468,6 @@ __global__ void __launch_bounds__(kThreads)
     const float v = ldexpf(hi[i] + ldexpf(lo[i], -lo_shift), -exps[n0 + j]);
     store_float(out, out_kind, m * N + n0 + j, v);
   }
-}
-
-// The column tile width of the large-M paths: at most kDequantTileBytes of W
-// (4 bytes per weight: an fp32 tile, or the two 16-bit terms).
-int64_t dequant_tile_cols(int64_t K, int64_t N) {
-  return std::min(N, std::max<int64_t>(kTileN, kDequantTileBytes / (4 * K) / kTileN * kTileN));
 }
 
 // Large M with fp16 / bf16 activations: each tile of W as hi + lo in a's
@@ -489,24 +495,29 @@ void gemm_split_mm(const at::Tensor& a2, const GptqView& w, const at::Tensor& pe
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
+#endif
 
-// Large M with fp32 activations: fp32 tiles of W times a with cuBLAS's SGEMM.
+// Large M in fp32: fp32 tiles of W times a in fp32 with cuBLAS's SGEMM, the
+// result rounded once to a's dtype.
 void gemm_dequant_mm(const at::Tensor& a2, const GptqView& w, const at::Tensor& perm, int64_t bit, at::Tensor& out) {
   const int64_t K = w.K, N = w.N;
-  at::Tensor a = perm.defined() && perm.numel() ? a2.index_select(1, perm) : a2;  // shuffled: a[:, q_perm]
-  a = a.contiguous();
+  at::Tensor a32 = a2.to(at::kFloat);
+  if (perm.defined() && perm.numel()) a32 = a32.index_select(1, perm);  // shuffled: a[:, q_perm]
+  a32 = a32.contiguous();
   const int64_t cols = dequant_tile_cols(K, N);
-  at::Tensor tile_buf = at::empty({K * cols}, a.options());
+  at::Tensor out32 = out.scalar_type() == at::kFloat ? out : at::empty(out.sizes(), out.options().dtype(at::kFloat));
+  at::Tensor tile_buf = at::empty({K * cols}, a32.options());
   for (int64_t n0 = 0; n0 < N; n0 += cols) {
     const int64_t width = std::min(cols, N - n0);
     at::Tensor tile = tile_buf.narrow(0, 0, K * width).view({K, width});
     launch_gptq_dequantize(w, bit, n0, tile);
     if (width == N) {
-      at::mm_out(out, a, tile);
+      at::mm_out(out32, a32, tile);
     } else {
-      out.narrow(1, n0, width).copy_(at::mm(a, tile));
+      out32.narrow(1, n0, width).copy_(at::mm(a32, tile));
     }
   }
+  if (!out32.is_same(out)) out.copy_(out32);
 }
 
 }  // namespace
@@ -534,10 +545,12 @@ at::Tensor gptq_gemm(const at::Tensor& a, const at::Tensor& b_q_weight, const at
   const at::Tensor perm = use_exllama ? args.idx : at::Tensor();
   if (M <= fused_max_m(bit)) {
     gemm_fused(a2, w, perm, bit, out);
-  } else if (a2.scalar_type() == at::kFloat) {
-    gemm_dequant_mm(a2, w, perm, bit, out);
-  } else {
+#if LOWBIT_HALF_MM_TO_FLOAT
+  } else if (a2.scalar_type() != at::kFloat) {
     gemm_split_mm(a2, w, perm, bit, out);
+#endif
+  } else {
+    gemm_dequant_mm(a2, w, perm, bit, out);
   }
   return out.view(out_sizes);
 }
