@@ -87,7 +87,7 @@ def has_act_order(layer: GPTQLinear) -> bool:
     """Whether g_idx scatters rows over groups; an all-zero or trivial (k // G) g_idx is no act-order."""
     K = layer.in_features
     G = K if layer.group_size == -1 else layer.group_size
-    trivial = torch.arange(K, dtype=layer.g_idx.dtype) // G
+    trivial = torch.arange(K, dtype=layer.g_idx.dtype, device=layer.g_idx.device) // G
     return bool(layer.g_idx.any()) and not torch.equal(layer.g_idx, trivial)
 
 

@@ -275,7 +275,8 @@ class _Source:
     def g_idx(self) -> torch.Tensor:
         g_idx = self.read("g_idx", slice(None))
         if g_idx is None:  # checkpoints without g_idx are not act-order
-            g_idx = torch.arange(self.in_features) // self.rows_per_group
+            device = self.read("scales", slice(0, 1)).device
+            g_idx = torch.arange(self.in_features, device=device) // self.rows_per_group
         return g_idx.to(torch.int32)
 
 
@@ -414,7 +415,7 @@ def _row_shard(src: _Source, rank: int, world_size: int) -> GPTQLinear:
         raise ValueError(f"{src.name}: g_idx is act-order (rows are not sorted by group), so a row-parallel shard "
                          "would need scales from groups all over the tensor; reorder it first: tp_aware(mlp) or "
                          "reorder_checkpoint(src, dst) for an MLP's down_proj, make_sequential(layer) otherwise")
-    if not torch.equal(g_idx, (torch.arange(K) // G).to(g_idx.dtype)):
+    if not torch.equal(g_idx, (torch.arange(K, device=g_idx.device) // G).to(g_idx.dtype)):
         raise ValueError(f"{src.name}: g_idx is sorted but its groups are not {G} rows each (g_idx != arange(K) // "
                          f"{G}), so row shards would not own whole groups")
     rows = slice(rank * k, (rank + 1) * k)
