@@ -91,26 +91,6 @@ print(" ".join(f + ["-I" + p for p in include_paths()]))')
 }
 
 build() {
-  $PY -c 'import sys, torch, lowbit
-sys.exit(0 if torch._C._dispatch_has_kernel_for_dispatch_key("lowbit::gptq_gemm", "CUDA") else 1)' 2>/dev/null
-}
-
-# Register and shared-memory use of every kernel for sm_90a (ptxas -v), for
-# the tuning notes: spills and stack frames show up here.
-ptxas_report() {
-  local inc
-  inc=$($PY -c 'from torch.utils.cpp_extension import include_paths; print(" ".join("-I" + p for p in include_paths()))')
-  local py_inc
-  py_inc=-I$($PY -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
-  for src in csrc/cuda/*.cu; do
-    echo "== $src"
-    nvcc -std=c++20 -O3 --expt-relaxed-constexpr -lineinfo -DLOWBIT_WITH_CUDA=1 -D_GLIBCXX_USE_CXX11_ABI=1 \
-      -gencode=arch=compute_90a,code=sm_90a -Xptxas -v $inc $py_inc -Icsrc -c "$src" -o /dev/null 2>&1 |
-      grep -E "Compiling entry|registers|spill|error" | sed 's/ptxas info    : //'
-  done
-}
-
-build() {
   log "nvidia-smi: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1)"
   log "nvcc: $(nvcc --version | tail -n 2 | tr '\n' ' ')"
   log "torch: $($PY -c 'import torch; print(torch.__version__, torch.version.cuda)'), CXX=${CXX:-g++}"
