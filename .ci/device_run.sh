@@ -55,7 +55,7 @@ fi
 # to then are kept): under the tool's 600 s per call.
 BUDGET=${BUDGET:-540}
 
-log() { echo "[device_run $(date +%H:%M:%S)] $*"; }
+log() { echo "[device_run $(date +%H:%M:%S)] $*" | tee -a "$LOGS/run.log"; }
 pack_logs() { tar czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null; }
 
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -229,6 +229,10 @@ all_phases() {
     [ $rc -eq 0 ] || status=1
     [ "$1" = build ] && [ $rc -ne 0 ] && break
   done
+  # What a results file records: exit statuses, build time, test counts, sanitizer verdicts.
+  grep -hE "exit status|build exit|passed|failed|error|SUMMARY" "$LOGS/run.log" "$LOGS"/test-*.log \
+    "$LOGS"/sanitize-*.log 2>/dev/null | grep -vE "^E |Error\(|\.py:[0-9]+" >>"$LOGS/summary.txt"
+  pack_logs
   cat "$LOGS/summary.txt"
   return $status
 }
