@@ -50,11 +50,13 @@ using ggml::Act;
 using ggml::ActLayout;
 using ggml::TypeInfo;
 
-// Largest M for which ggml_mul_mat_a8 takes the fused kernel, an estimate
-// until benchmarks/bench_cuda.py times both paths on a GPU: the fused kernel
-// decodes W once per 8 rows, the cuBLAS path pays one fp32 copy of W and then
-// runs at SGEMM speed, which pays off after a few decode passes.
-constexpr int64_t kFusedMaxM = 32;
+// Largest M for which ggml_mul_mat_a8 takes the fused kernel. The fused
+// kernel decodes W once per 8 rows, so its time grows by one pass per 8 rows;
+// the cuBLAS path pays one fp32 copy of W and SGEMM, nearly flat up to M = 64.
+// On an H200 (benchmarks/results/h200-cuda.md, 28672x8192) one 8-row pass
+// (M = 8) costs 0.50x / 0.53x of the cuBLAS path at M = 64 for Q4_0 / Q8_0
+// and 0.7-1.3x for the K-quants and IQ4_XS: a second pass never pays.
+constexpr int64_t kFusedMaxM = 8;
 // Activation rows per fused launch (accumulators in registers).
 constexpr int kMaxRows = 8;
 constexpr int kWarps = 4;
