@@ -309,7 +309,7 @@ def test_ggml_matmul_matches_cpu(name):
     for rows, n in ((37, 512), (9, 4096)):
         raw = ggml_blocks(name, rows, n, seed=n)
         W = ops.ggml_dequantize(raw, t, rows, n, torch.float32)
-        for M in (1, 3, 8, 9, 33, 40):  # 33, 40: ggml_mul_mat_a8's dequantize + cuBLAS path
+        for M in (1, 3, 8, 9, 33, 40):  # from 9: ggml_mul_mat_a8's dequantize + cuBLAS path
             x = torch.randn(M, n, generator=torch.Generator().manual_seed(M))
             x[:, :32] *= 20  # an outlier block: activation scales are per block
             for dtype in DTYPES:
