@@ -156,6 +156,30 @@ def test_gptq_gemm_large_m_half_activations_keep_fp32_weights(bits, dtype, act_o
     assert_gemm_close(out, a, W, f"{bits}-bit {dtype}")
 
 
+def test_gptq_gemm_large_m_over_two_column_tiles():
+    """A weight of more than 2^26 values outgrows one 256 MiB column tile of
+    the large-M paths, so both (fp32, and the two fp16 terms) run two tiles,
+    the second one narrow (16384 + 256 columns)."""
+    K, N, M, bits = 4096, 16640, 40, 4
+    gen = torch.Generator().manual_seed(5)
+    # Any packed words are a valid weight: random ones, drawn fast at this size.
+    c = {"qweight": torch.randint(-(2**31), 2**31, (K * bits // 32, N), generator=gen).to(I32),
+         "qzeros": torch.randint(-(2**31), 2**31, (K // 128, N * bits // 32), generator=gen).to(I32),
+         "scales": (torch.rand(K // 128, N, generator=gen) / 16 + 1e-3).half()}
+    g = {k: cuda(v) for k, v in c.items()}
+    none = torch.empty(0, dtype=I32)
+    a = torch.randn(M, K, generator=gen)
+    for dtype in (torch.float32, torch.float16):
+        x = a.to(dtype)
+        got = ops.gptq_gemm(cuda(x), g["qweight"], g["qzeros"], g["scales"], cuda(none), False, True, bits).cpu()
+        want = ops.gptq_gemm(x, c["qweight"], c["qzeros"], c["scales"], none, False, True, bits)
+        # A wrong tile is off by the outputs' size; one fp16 rounding step is under 2^-10 of it.
+        worst = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        assert worst < 2e-3, f"{dtype}: largest difference {worst:.2e} of the largest output"
+        if dtype == torch.float16:
+            assert (got != want).float().mean().item() < 0.02
+
+
 def test_gptq_gemm_misaligned_weight_and_strided_input():
     """qweight at a 4-byte offset (no 128-bit loads: the op copies it) and a
     non-contiguous a with batch dims."""
@@ -651,8 +675,8 @@ def test_opcheck_ggml_ops_on_cuda():
 @pytest.mark.parametrize("bits", BITS)
 def test_sanitize_gptq_kernels(bits):
     """Every GPTQ kernel once on small shapes: fused M = 1/2/4/8 with and
-    without split-K, the row-by-row slow path, dequantize + cuBLAS, dequantize,
-    pack, unpack, shuffle, permutes."""
+    without split-K, the row-by-row slow path, dequantize + cuBLAS (two-term
+    bf16 and fp32), dequantize, pack, unpack, shuffle, permutes."""
     K, N = 1024, 96
     rng = np.random.default_rng(bits)
     ckpt = ref.random_checkpoint(rng, K, N, bits, 16, False, "gptq", True)
@@ -661,8 +685,9 @@ def test_sanitize_gptq_kernels(bits):
     perm = torch.argsort(g["g_idx"], stable=True).to(I32)
     shuffled = g["qweight"].clone()
     ops.gptq_shuffle(shuffled, perm, bits)
-    for M in (1, 2, 3, 7, 70):
-        a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    for M, dtype in ((1, torch.bfloat16), (2, torch.bfloat16), (3, torch.bfloat16), (7, torch.bfloat16),
+                     (70, torch.bfloat16), (70, torch.float32)):  # M = 70: the two large-M paths
+        a = torch.randn(M, K, device="cuda", dtype=dtype)
         assert_gemm_close(ops.gptq_gemm(a, g["qweight"], g["qzeros"], g["scales"], g["g_idx"], False, False, bits),
                           a.cpu(), W, f"unshuffled M={M}")
         assert_gemm_close(ops.gptq_gemm(a, shuffled, g["qzeros"], g["scales"], perm, True, False, bits),

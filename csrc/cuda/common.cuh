@@ -50,6 +50,18 @@ inline int sm_count(c10::DeviceIndex device) {
   return n;
 }
 
+// Compute capability major version of a device, read once (like sm_count).
+inline int compute_major(c10::DeviceIndex device) {
+  static std::array<std::atomic<int>, C10_COMPILE_TIME_MAX_GPUS> cache{};
+  std::atomic<int>& slot = cache[static_cast<size_t>(device)];
+  int major = slot.load(std::memory_order_relaxed);
+  if (major == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    slot.store(major, std::memory_order_relaxed);
+  }
+  return major;
+}
+
 // The float formats of activations, scales and outputs. Kernels take them as
 // a run-time tag instead of a template parameter: the branch is uniform
 // across a warp and outside the inner loops, and it keeps the number of

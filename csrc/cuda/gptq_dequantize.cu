@@ -75,9 +75,11 @@ struct StoreSplit {
   __device__ __forceinline__ void operator()(int64_t k, int64_t j, float x) const {
     const float scaled = ldexpf(x, exps[j]);  // exact: a power of two, within fp32's range
     const T h = from_float<T>(scaled);
+    const float hf = static_cast<float>(h);
     hi[k * width + j] = h;
-    // scaled - h is exact in fp32 (the rounding error of a narrower format).
-    lo[k * width + j] = from_float<T>(ldexpf(scaled - static_cast<float>(h), lo_shift));
+    // scaled - h is exact in fp32 (the rounding error of a narrower format);
+    // an infinite value is all in hi (inf - inf would make lo NaN).
+    lo[k * width + j] = from_float<T>(isfinite(hf) ? ldexpf(scaled - hf, lo_shift) : 0.0f);
   }
 };
 
@@ -104,17 +106,20 @@ void launch_split(const GptqView& w, int64_t bit, int64_t n0, int64_t width, con
 }
 
 // exps[n] = kSplitHiExponent - e, where 2^e exceeds max_g |scale[g, n]| * 2^bit,
-// a bound on |W[:, n]| (|q - zero| <= 2^bit under either zero format). A NaN
-// scale is skipped (its values are NaN whatever the exponent); an infinite
-// one gives the values their infinities.
+// a bound on |W[:, n]| (|q - zero| <= 2^bit under either zero format). Only
+// finite scales count: a NaN or infinite one makes its own values NaN or
+// infinite whatever the exponent, and must not push the others out of range.
 __global__ void __launch_bounds__(kThreads) split_exponents_kernel(GptqView w, int bit, int32_t* exps) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t n = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; n < w.N; n += stride) {
     float m = 0.0f;
-    for (int64_t g = 0; g < w.groups; ++g) m = fmaxf(m, fabsf(scale_at(w, g, n)));
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const float s = fabsf(scale_at(w, g, n));
+      if (isfinite(s)) m = fmaxf(m, s);
+    }
     int e = 0;
-    frexpf(ldexpf(m, bit), &e);
-    exps[n] = kSplitHiExponent - (isfinite(m) ? e : 0);
+    frexpf(m, &e);  // m < 2^e; the bound's exponent is e + bit (no overflow: e <= 128)
+    exps[n] = kSplitHiExponent - (e + bit);
   }
 }
 

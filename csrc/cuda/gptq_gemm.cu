@@ -470,6 +470,14 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Whether cuBLAS multiplies a's dtype into fp32 here: torch refuses fp16 ->
+// fp32 while torch.backends.cuda.matmul.allow_fp16_accumulation is set, and
+// bf16 -> fp32 below compute capability 8.0.
+bool split_mm_serves(const at::Tensor& a) {
+  if (a.scalar_type() == at::kHalf) return !at::globalContext().allowFP16AccumulationCuBLAS();
+  return a.scalar_type() == at::kBFloat16 && compute_major(a.get_device()) >= 8;
+}
+
 // Large M with fp16 / bf16 activations: each tile of W as hi + lo in a's
 // dtype, both multiplied by a with cuBLAS into fp32, combined in fp32.
 void gemm_split_mm(const at::Tensor& a2, const GptqView& w, const at::Tensor& perm, int64_t bit, at::Tensor& out) {
@@ -546,7 +554,7 @@ at::Tensor gptq_gemm(const at::Tensor& a, const at::Tensor& b_q_weight, const at
   if (M <= fused_max_m(bit)) {
     gemm_fused(a2, w, perm, bit, out);
 #if LOWBIT_HALF_MM_TO_FLOAT
-  } else if (a2.scalar_type() != at::kFloat) {
+  } else if (split_mm_serves(a2)) {
     gemm_split_mm(a2, w, perm, bit, out);
 #endif
   } else {
