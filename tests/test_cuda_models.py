@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as T
 
 import lowbit
 from lowbit.gptq import GPTQConfig, save_gptq
-from tiny_models import tiny_model, write_tiny_gguf
+from tiny_models import act_order_gptq_model, tiny_model, write_tiny_gguf
 
 CUDA_OK = torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key("lowbit::gptq_gemm", "CUDA")
 pytestmark = pytest.mark.skipif(not CUDA_OK, reason="CUDA cases need a GPU and a CUDA build of lowbit")
@@ -85,22 +85,11 @@ def test_gguf_model_in_half_dtypes_on_cuda(gguf_paths, dtype):
     assert generate(gpu, IDS).shape == (1, IDS.shape[1] + NEW_TOKENS)
 
 
-def act_order_model(seed=1):
-    """tiny_model's Llama with every decoder Linear an act-order 4-bit GPTQ layer."""
-    model = tiny_model("llama", seed=seed).eval()
-    order = torch.Generator().manual_seed(seed)
-    for name, m in list(model.named_modules()):
-        if isinstance(m, torch.nn.Linear) and name != "lm_head":
-            perm = torch.randperm(m.in_features, generator=order)
-            model.set_submodule(name, lowbit.GPTQLinear.from_linear(m, 4, 32, sym=False, checkpoint_format="gptq_v2",
-                                                                    perm=perm))
-    return model
-
-
 @pytest.fixture(scope="module")
 def gptq_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("cuda_gptq") / "model"
-    save_gptq(act_order_model(), directory, GPTQConfig(4, 32, desc_act=True, sym=False, checkpoint_format="gptq_v2"))
+    config = GPTQConfig(4, 32, desc_act=True, sym=False, checkpoint_format="gptq_v2")
+    save_gptq(act_order_gptq_model(seed=1), directory, config)
     return directory
 
 
@@ -116,8 +105,8 @@ def test_gptq_checkpoint_model_moves_to_cuda(gptq_dir, int8_activations):
 
 def test_gptq_layers_built_on_the_cpu_move_to_cuda():
     """GPTQLinear.from_linear's layers with their g_idx (rows not sorted), as a user builds them."""
-    model = act_order_model(seed=2)
-    cpu = act_order_model(seed=2)
+    model = act_order_gptq_model(seed=2)
+    cpu = act_order_gptq_model(seed=2)
     assert_same_model(model.to("cuda"), cpu)
 
 

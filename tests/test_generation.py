@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import lowbit
+import tiny_models
 from tiny_models import tiny_model, write_tiny_gguf
 
 NEW_TOKENS = 10
@@ -129,15 +130,7 @@ def test_compiled_embedding_still_checks_token_ids(path):
 
 
 def act_order_gptq_model(seed):
-    """tiny_model's Llama with every decoder Linear an act-order GPTQ 4-bit layer."""
-    model = tiny_model("llama", seed=seed).eval()
-    order = torch.Generator().manual_seed(seed)
-    for name, m in list(model.named_modules()):
-        if isinstance(m, torch.nn.Linear) and name != "lm_head":
-            perm = torch.randperm(m.in_features, generator=order)
-            model.set_submodule(name, lowbit.GPTQLinear.from_linear(m, 4, 32, sym=False, checkpoint_format="gptq_v2",
-                                                                    perm=perm))
-    return lowbit.kernel_threads(model)
+    return lowbit.kernel_threads(tiny_models.act_order_gptq_model(seed))
 
 
 @pytest.mark.parametrize("rows_sorted,int8_activations", [(False, False), (True, False), (True, True)])

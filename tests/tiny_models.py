@@ -100,6 +100,20 @@ def tiny_model(arch, seed, **overrides):
     return model
 
 
+def act_order_gptq_model(seed):
+    """tiny_model's Llama with every decoder Linear an act-order 4-bit GPTQ layer (asymmetric, g32, v2 zeros)."""
+    import lowbit
+
+    model = tiny_model("llama", seed=seed).eval()
+    order = torch.Generator().manual_seed(seed)
+    for name, m in list(model.named_modules()):
+        if isinstance(m, torch.nn.Linear) and name != "lm_head":
+            perm = torch.randperm(m.in_features, generator=order)
+            model.set_submodule(name, lowbit.GPTQLinear.from_linear(m, 4, 32, sym=False, checkpoint_format="gptq_v2",
+                                                                    perm=perm))
+    return model
+
+
 def write_tiny_gguf(path, model, name, extra_metadata=None, **kwargs):
     """Model `name` of MODELS as llama.cpp's converter writes it, with EXTRA_METADATA."""
     extra = {**EXTRA_METADATA.get(name, {}), **(extra_metadata or {})}

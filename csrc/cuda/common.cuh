@@ -37,29 +37,24 @@ inline unsigned int grid_for(int64_t n, int threads, int64_t max_blocks = 65535)
   return static_cast<unsigned int>(blocks < 1 ? 1 : (blocks > max_blocks ? max_blocks : blocks));
 }
 
-// Multiprocessors of a device, read once (cudaDeviceGetAttribute is no stream
-// operation, so this is safe during CUDA-graph capture too).
-inline int sm_count(c10::DeviceIndex device) {
+// A device attribute (never 0 for those read here), read once per device:
+// cudaDeviceGetAttribute is no stream operation, so this is safe during
+// CUDA-graph capture too.
+template <cudaDeviceAttr Attr>
+inline int device_attribute(c10::DeviceIndex device) {
   static std::array<std::atomic<int>, C10_COMPILE_TIME_MAX_GPUS> cache{};
   std::atomic<int>& slot = cache[static_cast<size_t>(device)];
-  int n = slot.load(std::memory_order_relaxed);
-  if (n == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-    slot.store(n, std::memory_order_relaxed);
+  int value = slot.load(std::memory_order_relaxed);
+  if (value == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, Attr, device));
+    slot.store(value, std::memory_order_relaxed);
   }
-  return n;
+  return value;
 }
 
-// Compute capability major version of a device, read once (like sm_count).
+inline int sm_count(c10::DeviceIndex device) { return device_attribute<cudaDevAttrMultiProcessorCount>(device); }
 inline int compute_major(c10::DeviceIndex device) {
-  static std::array<std::atomic<int>, C10_COMPILE_TIME_MAX_GPUS> cache{};
-  std::atomic<int>& slot = cache[static_cast<size_t>(device)];
-  int major = slot.load(std::memory_order_relaxed);
-  if (major == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    slot.store(major, std::memory_order_relaxed);
-  }
-  return major;
+  return device_attribute<cudaDevAttrComputeCapabilityMajor>(device);
 }
 
 // The float formats of activations, scales and outputs. Kernels take them as
