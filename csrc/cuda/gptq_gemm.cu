@@ -447,6 +447,12 @@ void gemm_fused(const at::Tensor& a2, const GptqView& w, const at::Tensor& perm,
   }
 }
 
+// The large-M paths' activations, contiguous, in the weight's row order
+// (shuffled weights: a[:, q_perm]).
+at::Tensor in_row_order(const at::Tensor& a, const at::Tensor& perm) {
+  return (perm.defined() && perm.numel() ? a.index_select(1, perm) : a).contiguous();
+}
+
 // The column tile width of the large-M paths: at most kDequantTileBytes of W
 // (4 bytes per weight: an fp32 tile, or the two 16-bit terms).
 int64_t dequant_tile_cols(int64_t K, int64_t N) {
@@ -482,8 +488,7 @@ bool split_mm_serves(const at::Tensor& a) {
 // dtype, both multiplied by a with cuBLAS into fp32, combined in fp32.
 void gemm_split_mm(const at::Tensor& a2, const GptqView& w, const at::Tensor& perm, int64_t bit, at::Tensor& out) {
   const int64_t K = w.K, N = w.N, M = a2.size(0);
-  at::Tensor a = perm.defined() && perm.numel() ? a2.index_select(1, perm) : a2;  // shuffled: a[:, q_perm]
-  a = a.contiguous();
+  const at::Tensor a = in_row_order(a2, perm);
   const int64_t cols = dequant_tile_cols(K, N);
   at::Tensor exps = at::empty({N}, a.options().dtype(at::kInt));
   launch_gptq_split_exponents(w, bit, exps);
@@ -509,9 +514,7 @@ void gemm_split_mm(const at::Tensor& a2, const GptqView& w, const at::Tensor& pe
 // result rounded once to a's dtype.
 void gemm_dequant_mm(const at::Tensor& a2, const GptqView& w, const at::Tensor& perm, int64_t bit, at::Tensor& out) {
   const int64_t K = w.K, N = w.N;
-  at::Tensor a32 = a2.to(at::kFloat);
-  if (perm.defined() && perm.numel()) a32 = a32.index_select(1, perm);  // shuffled: a[:, q_perm]
-  a32 = a32.contiguous();
+  const at::Tensor a32 = in_row_order(a2.to(at::kFloat), perm);
   const int64_t cols = dequant_tile_cols(K, N);
   at::Tensor out32 = out.scalar_type() == at::kFloat ? out : at::empty(out.sizes(), out.options().dtype(at::kFloat));
   at::Tensor tile_buf = at::empty({K * cols}, a32.options());
