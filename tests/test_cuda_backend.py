@@ -351,6 +351,50 @@ def test_ggml_matmul_matches_cpu(name):
                         f"{op} M={M} n={n} {dtype}: |cuda-cpu| {err[worst]:.3g} > {bound[worst]:.3g} at {worst}")
 
 
+def one_hot_weights(name, n):
+    """[n, n] blocks of the identity (row r: one nonzero level at r), so that
+    out[m, r] = w[r, r] * d_x * q_x[m, r]: one product per output, which the CPU
+    and the GPU round alike, and the activation blocks can be compared bit for bit.
+    Q8_0 and Q6_K (Q8_0 and Q8_K activations) from ggml_quantize, Q4_1 (Q8_1
+    activations: d 1, min 0, level 1) written here."""
+    if name != "Q4_1":
+        return ops.ggml_quantize(torch.eye(n), GGML_TYPES[name])
+    blocks = np.zeros((n, n // 32, 20), dtype=np.uint8)
+    blocks[:, :, 0:2] = np.array([1.0], dtype=np.float16).view(np.uint8)
+    r = np.arange(n)
+    e = r % 32
+    blocks[r, r // 32, 4 + e % 16] = np.where(e < 16, 0x01, 0x10)
+    return torch.from_numpy(blocks.reshape(n, -1))
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "Q6_K"])
+def test_activation_blocks_bit_exact_with_cpu(name):
+    """The activation quantizer (a warp per block on the GPU, a loop per block
+    on the CPU) at its edges: steps of 1 with values on halves (roundf away
+    from zero, Q8_K's rint to even), an all-zero block, a block holding a NaN,
+    and Q8_K blocks whose largest magnitude appears with both signs, in one
+    lane and across lanes (the first sets the scale's sign)."""
+    n = 1024
+    rng = np.random.default_rng(3)
+    x = (rng.integers(-126, 126, (2, n)) + rng.choice([0.5, 0.25, 0.0], (2, n))).astype(np.float32)
+    x[:, ::256] = -127.0
+    x[:, ::32] = np.where(np.arange(n // 32) % 8 == 0, -127.0, 127.0)  # step 1 in every block of 32 and 256
+    x[0, 256:288] = 0.0
+    x[0, 288:512] = rng.standard_normal(224)
+    x[0, 300] = np.nan
+    x[1, 256:512] = 0.0  # a whole Q8_K block of zeros
+    x[1, 512:768] = rng.standard_normal(256)
+    x[1, 515], x[1, 517] = 9.0, -9.0  # equal magnitudes in one lane's eight values
+    x[1, 768:] = rng.standard_normal(256)
+    x[1, 800], x[1, 1000] = -9.0, 9.0  # ... and in two lanes
+    W = one_hot_weights(name, n)
+    for op in ("ggml_mul_mat_vec_a8", "ggml_mul_mat_a8"):
+        got = getattr(ops, op)(cuda(W), cuda(torch.from_numpy(x)), GGML_TYPES[name], n).cpu()
+        expect = getattr(ops, op)(W, torch.from_numpy(x), GGML_TYPES[name], n)
+        assert torch.equal(got.isnan(), expect.isnan()), f"{op}: NaNs differ"
+        torch.testing.assert_close(got, expect, rtol=0, atol=0, equal_nan=True, msg=op)
+
+
 def mul_mat_id_case(name, experts, rows, n, tokens, slots, per_slot, ids_dtype, seed=0):
     """W [experts, rows, row_bytes], X [tokens, n] or [tokens, slots, n], ids [tokens, slots] (distinct experts
     per token, as a router's top-k), and each pair's |CUDA - CPU| bound [tokens, slots, rows]."""

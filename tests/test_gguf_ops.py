@@ -155,6 +155,38 @@ def test_mul_mat_a8_within_documented_tolerance(device, qtype, op, M):
         assert np.all(err <= bound), f"{dtype}: error {err[worst]:.3g} > {bound[worst]:.3g} at {worst}"
 
 
+def activations_on_every_grid(rng, M, n):
+    """[M, n] fp32 values q·d, d a power of two per 256 elements, every 32
+    elements' first value at ±127·d and the others' q in [-60, 60]: Q8_0, Q8_1
+    and Q8_K all find step d and the integers q exactly, and each 32 elements'
+    sum of q stays below 2048, so that Q8_1's fp16 d·sum(q) is exact too."""
+    q = rng.integers(-60, 61, (M, n // 32, 32))
+    q[:, :, 0] = rng.choice([-127, 127], (M, n // 32))
+    d = np.repeat(np.exp2(rng.integers(-4, 2, (M, n // 256, 1))), 8, axis=1)
+    return (q * d).reshape(M, n).astype(np.float32)
+
+
+@pytest.mark.parametrize("op", ["ggml_mul_mat_vec_a8", "ggml_mul_mat_a8"])
+@pytest.mark.parametrize("M", [1, 5])
+def test_mul_mat_a8_of_activations_on_the_grid_is_the_float_product(device, qtype, op, M):
+    """With activations that every 8-bit quantizer represents exactly, the
+    integer dot products equal x @ dequant(W) (gguf-py's) up to fp32 sums: a
+    level, scale or min decoded wrongly anywhere shows, as it may not against
+    the quantization tolerance above."""
+    if qtype in gb.FLOAT_TYPES:
+        pytest.skip("float weights take the activations unquantized")
+    rng = np.random.default_rng([M, gb.type_id(qtype), 2])
+    raw = gb.random_blocks(rng, qtype, ROWS, N)
+    W = gb.dequantize(raw, qtype).astype(np.float64)
+    x = activations_on_every_grid(rng, M, N)
+    expect = x.astype(np.float64) @ W.T
+    bound = 1e-5 * (np.abs(x.astype(np.float64)) @ np.abs(W).T) + 1e-30
+    got = getattr(ops, op)(torch.from_numpy(raw).to(device), torch.from_numpy(x).to(device), gb.type_id(qtype), ROWS)
+    err = np.abs(got.double().cpu().numpy() - expect)
+    worst = np.unravel_index(np.argmax(err / bound), err.shape)
+    assert np.all(err <= bound), f"error {err[worst]:.3g} > {bound[worst]:.3g} at {worst}"
+
+
 @pytest.mark.parametrize("rows, n", [(7, 13), (9, 600)])
 @pytest.mark.parametrize("M", [1, 2, 5, 7])
 @pytest.mark.parametrize("qtype", sorted(gb.FLOAT_TYPES))

@@ -82,8 +82,7 @@ struct K4ScaleMin {
   uint32_t scales[2];
   uint32_t mins[2];
 };
-LOWBIT_HD K4ScaleMin k4_scale_min(const uint8_t* s) {
-  const uint32_t a = load_u32(s), b = load_u32(s + 4), c = load_u32(s + 8);
+LOWBIT_HD K4ScaleMin k4_scale_min(uint32_t a, uint32_t b, uint32_t c) {
   K4ScaleMin r;
   r.scales[0] = a & 0x3f3f3f3fu;
   r.mins[0] = b & 0x3f3f3f3fu;
@@ -91,6 +90,7 @@ LOWBIT_HD K4ScaleMin k4_scale_min(const uint8_t* s) {
   r.mins[1] = ((c >> 4) & 0x0f0f0f0fu) | (((b >> 6) & 0x03030303u) << 4);
   return r;
 }
+LOWBIT_HD K4ScaleMin k4_scale_min(const uint8_t* s) { return k4_scale_min(load_u32(s), load_u32(s + 4), load_u32(s + 8)); }
 
 // ---- legacy 32-element types -----------------------------------------------
 
@@ -248,14 +248,14 @@ LOWBIT_HD uint64_t q3k_top_bits(uint32_t top, int shift) {
   return static_cast<uint64_t>((top >> shift) & 0x03030303u) |
          (static_cast<uint64_t>((top >> (shift + 2)) & 0x03030303u) << 32);
 }
-LOWBIT_HD Q3KScales q3k_scales(const uint8_t* sc) {
-  const uint64_t low = load_u32(sc) | (static_cast<uint64_t>(load_u32(sc + 4)) << 32);
-  const uint32_t top = load_u32(sc + 8);
+LOWBIT_HD Q3KScales q3k_scales(uint32_t w0, uint32_t w1, uint32_t top) {
+  const uint64_t low = w0 | (static_cast<uint64_t>(w1) << 32);
   Q3KScales r;
   r.words[0] = (low & 0x0f0f0f0f0f0f0f0full) | (q3k_top_bits(top, 0) << 4);
   r.words[1] = ((low >> 4) & 0x0f0f0f0f0f0f0f0full) | (q3k_top_bits(top, 4) << 4);
   return r;
 }
+LOWBIT_HD Q3KScales q3k_scales(const uint8_t* sc) { return q3k_scales(load_u32(sc), load_u32(sc + 4), load_u32(sc + 8)); }
 
 template <>
 struct Codec<Type::Q3_K> {  // hmask[32] | qs[64] | scales[12] | d

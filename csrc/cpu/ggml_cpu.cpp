@@ -14,6 +14,7 @@
 
 #include "../core/ggml_blocks.h"
 #include "../core/ggml_q8.h"
+#include "../core/ggml_slices.h"
 #include "../core/ggml_quantize.h"
 #include "../core/ggml_repack.h"
 #include "../ops/backend_ops.h"
@@ -156,20 +157,34 @@ struct QuantizedActs {
 }
 
 // The portable kernel: out[:, r0:r1] of X @ W.T, each weight block decoded
-// once and dotted with every activation row.
+// once and dotted with every activation row. The sliced types decode a
+// block 32 elements at a time, through the CUDA matvec's own decoders
+// (core/ggml_slices.h), to the same sums.
 template <ggml::Type T>
 void mul_mat_rows_portable(const uint8_t* W, int64_t r0, int64_t r1, int64_t n, const ggml::ActRow* acts, int64_t M,
                            float* out, int64_t rows) {
   using I = TypeInfo<T>;
   const int64_t blocks = n / I::kBlock;
-  std::vector<float> acc(M);
-  ggml::Decoded<T> blk;
+  std::vector<float> acc(M), block_acc(M);
   for (int64_t r = r0; r < r1; ++r) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     const uint8_t* row = W + r * blocks * I::kBytes;
     for (int64_t b = 0; b < blocks; ++b) {
-      ggml::Codec<T>::decode(row + b * I::kBytes, blk);
-      for (int64_t m = 0; m < M; ++m) acc[m] += ggml::block_dot<T>(blk, acts[m], b);
+      if constexpr (ggml::kSliced<T>) {
+        std::fill(block_acc.begin(), block_acc.end(), 0.0f);
+        ggml::Slice<T> slice;
+        for (int j = 0; j < I::kBlock / ggml::kSliceElems; ++j) {
+          ggml::SliceCodec<T>::decode(row + b * I::kBytes, j, slice);
+          for (int64_t m = 0; m < M; ++m) {
+            ggml::slice_dot<T>(slice, acts[m], b * I::kBlock + j * ggml::kSliceElems, block_acc[m]);
+          }
+        }
+        for (int64_t m = 0; m < M; ++m) acc[m] += block_acc[m];
+      } else {
+        ggml::Decoded<T> blk;
+        ggml::Codec<T>::decode(row + b * I::kBytes, blk);
+        for (int64_t m = 0; m < M; ++m) acc[m] += ggml::block_dot<T>(blk, acts[m], b);
+      }
     }
     for (int64_t m = 0; m < M; ++m) out[m * rows + r] = acc[m];
   }

@@ -2,20 +2,25 @@
 // ggml_mul_mat_id: the same per (token, slot) with each slot's expert's W.
 //
 // Same arithmetic as the CPU (csrc/cpu/ggml_cpu.cpp), from the same shared
-// definitions: the activations are quantized once per call by
-// ggml::quantize_act_block (Q8_0 / Q8_1 / Q8_K as the weight type's table entry
-// says), each weight block is decoded by its Codec<T>, and ggml::block_dot
-// combines the sub-block integer sums with the scales and mins. Only the
-// integer sums are computed differently -- with __dp4a (4 int8 products per
-// instruction), exact like the CPU's loop -- and the fp32 sums over blocks
-// are added in another order.
+// definitions: the activations are quantized once per call, a warp per block,
+// to the bits of ggml::quantize_act_block (Q8_0 / Q8_1 / Q8_K as the weight
+// type's table entry says); weight blocks are decoded by their SliceCodec<T>
+// or Codec<T>, and ggml::add_sub_block combines the sub-block integer sums
+// with the scales and mins. Only the integer sums are computed differently --
+// with __dp4a (4 int8 products per instruction), exact like the CPU's loop --
+// and the fp32 sums over slices and blocks are added in another order.
 //
 // Fused kernel (every M for ggml_mul_mat_vec_a8; M <= kFusedMaxM for
 // ggml_mul_mat_a8): a group of `lanes` lanes (a power of two <= 32, about the
-// number of blocks in a row) owns one weight row; lane i decodes blocks i,
-// i + lanes, ... into registers/local memory and dots each with up to 8
-// activation rows, then the group sums its lanes with shuffles. Every weight
-// block is read and decoded once per 8 activation rows.
+// number of units in a row) owns one weight row and dots it with up to 8
+// activation rows; the group then sums its lanes with shuffles. The sliced
+// types (core/ggml_slices.h: the legacy ones but IQ4_NL and MXFP4, the
+// K-quants) take 32-element slices as units: lane i decodes slices i,
+// i + lanes, ... with word loads into registers and meets the activations'
+// words with __dp4a, so a warp reads 32 consecutive slices of its row at a
+// time. The other types take whole blocks, each lane decoding its blocks
+// into a local Decoded<T>. Every weight block is read and decoded once per 8
+// activation rows.
 //
 // ggml_mul_mat_id (mixture of experts): a lane group per (pair, weight row),
 // each pair's expert read from ids on the device, so no expert counts ever
@@ -36,6 +41,7 @@
 
 #include "../core/ggml_blocks.h"
 #include "../core/ggml_q8.h"
+#include "../core/ggml_slices.h"
 #include "../ops/dispatch.h"
 #include "../ops/ggml_checks.h"
 #include "common.cuh"
@@ -91,14 +97,89 @@ struct QuantizedActs {
   }
 };
 
-// One thread per activation block, through the CPU's own quantizer.
+// A warp per activation block (32 or 256 values: one or eight per lane),
+// quantized as the CPU's quantize_act_block does, through the same helpers
+// (core/ggml_q8.h) and with the block's maximum and sums formed by shuffles
+// (exact: maxima and integer sums do not depend on their order), so the
+// blocks are the CPU's bit for bit.
 template <Act A>
 __global__ void __launch_bounds__(kThreads)
     quantize_acts_kernel(const float* x, int64_t nblocks, int8_t* q, float* d, float* sum) {
   using L = ActLayout<A>;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; b < nblocks; b += stride) {
-    ggml::quantize_act_block<A>(x + b * L::kBlock, q + b * L::kBlock, d + b, sum + b * (L::kBlock / L::kSumBlock));
+  constexpr int kPer = L::kBlock / 32;
+  constexpr unsigned kAll = 0xffffffffu;
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t b = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5); b < nblocks; b += warps) {
+    float v[kPer];
+    bool finite = true;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      v[i] = x[b * L::kBlock + lane * kPer + i];
+      finite &= isfinite(v[i]);
+    }
+    int8_t* qb = q + b * L::kBlock;
+    float* sb = sum + b * (L::kBlock / L::kSumBlock);
+    if (!__all_sync(kAll, finite)) {
+      if (lane == 0) ggml::non_finite_act_block<A>(qb, d + b, sb);
+      continue;
+    }
+    int8_t levels[kPer];
+    int s = 0;
+    if constexpr (A == Act::Q8_K) {
+      // The value of largest magnitude, the first of equals: each lane's
+      // first, then the lowest index among the lanes' equals.
+      float amax = 0.0f, max = 0.0f;
+      int at = 0;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        if (fabsf(v[i]) > amax) {
+          amax = fabsf(v[i]);
+          max = v[i];
+          at = lane * kPer + i;
+        }
+      }
+      for (int off = 16; off > 0; off >>= 1) {
+        const float o_amax = __shfl_xor_sync(kAll, amax, off), o_max = __shfl_xor_sync(kAll, max, off);
+        const int o_at = __shfl_xor_sync(kAll, at, off);
+        if (o_amax > amax || (o_amax == amax && o_at < at)) {
+          amax = o_amax;
+          max = o_max;
+          at = o_at;
+        }
+      }
+      const float iscale = amax == 0.0f ? 0.0f : -127.0f / max;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        levels[i] = amax == 0.0f ? int8_t{0} : ggml::q8k_level(v[i], iscale);
+        s += levels[i];
+      }
+      s += __shfl_xor_sync(kAll, s, 1);  // lanes 2k, 2k + 1 hold the 16 values of sum k
+      if (lane % 2 == 0) sb[lane / 2] = static_cast<float>(s);
+      if (lane == 0) d[b] = amax == 0.0f ? 0.0f : 1.0f / iscale;
+    } else {
+      float amax = fabsf(v[0]);
+      for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kAll, amax, off));
+      const float step = ggml::q8_step(amax);
+      levels[0] = ggml::q8_level(v[0], ggml::q8_inverse(step));
+      s = levels[0];
+      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(kAll, s, off);
+      if (lane == 0) {
+        d[b] = ggml::q8_stored_step(step);
+        sb[0] = ggml::q8_stored_sum(s, step);
+      }
+    }
+    if constexpr (kPer == 8) {  // one 8-byte store
+      uint2 w = {0u, 0u};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        w.x |= static_cast<uint32_t>(static_cast<uint8_t>(levels[i])) << (8 * i);
+        w.y |= static_cast<uint32_t>(static_cast<uint8_t>(levels[4 + i])) << (8 * i);
+      }
+      *reinterpret_cast<uint2*>(qb + lane * 8) = w;
+    } else {
+      qb[lane] = levels[0];
+    }
   }
 }
 
@@ -127,6 +208,41 @@ struct LaneGroup {
   }
 };
 
+// Units (slices or blocks, see the top of the file) per row of a type.
+template <ggml::Type T>
+int64_t units_per_row(int64_t blocks_per_row) {
+  return ggml::kSliced<T> ? blocks_per_row * (TypeInfo<T>::kBlock / ggml::kSliceElems) : blocks_per_row;
+}
+
+// Lane `sub` of a group of `lanes`: its units of weight row `row` dotted with
+// activation rows act_row(m), m < mrows, added to acc[m].
+template <ggml::Type T, int R, typename ActRowOf>
+__device__ __forceinline__ void row_dots(const uint8_t* row, int64_t blocks_per_row, int sub, int lanes, int mrows,
+                                         ActRowOf act_row, float (&acc)[R]) {
+  using I = TypeInfo<T>;
+  if constexpr (ggml::kSliced<T>) {
+    constexpr int kSlices = I::kBlock / ggml::kSliceElems;
+    const int64_t slices = blocks_per_row * kSlices;
+    ggml::Slice<T> slice;
+    for (int64_t s = sub; s < slices; s += lanes) {
+      ggml::SliceCodec<T>::decode(row + s / kSlices * I::kBytes, static_cast<int>(s % kSlices), slice);
+#pragma unroll
+      for (int m = 0; m < R; ++m) {
+        if (m < mrows) ggml::slice_dot<T>(slice, act_row(m), s * ggml::kSliceElems, acc[m]);
+      }
+    }
+  } else {
+    ggml::Decoded<T> blk;
+    for (int64_t b = sub; b < blocks_per_row; b += lanes) {
+      ggml::Codec<T>::decode(row + b * I::kBytes, blk);
+#pragma unroll
+      for (int m = 0; m < R; ++m) {
+        if (m < mrows) acc[m] += ggml::block_dot<T>(blk, act_row(m), b, Dp4aDot{});
+      }
+    }
+  }
+}
+
 // out[m0 + m, r] for m < mrows and every row r; see the top of the file.
 template <ggml::Type T>
 __global__ void __launch_bounds__(kThreads)
@@ -140,15 +256,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int m = 0; m < kMaxRows; ++m) acc[m] = 0.0f;
   if (r < rows) {
-    const uint8_t* row = W + r * blocks_per_row * I::kBytes;
-    ggml::Decoded<T> blk;
-    for (int64_t b = sub; b < blocks_per_row; b += lanes) {
-      ggml::Codec<T>::decode(row + b * I::kBytes, blk);
-#pragma unroll
-      for (int m = 0; m < kMaxRows; ++m) {
-        if (m < mrows) acc[m] += ggml::block_dot<T>(blk, acts.row(m0 + m), b, Dp4aDot{});
-      }
-    }
+    row_dots<T>(W + r * blocks_per_row * I::kBytes, blocks_per_row, sub, lanes, mrows,
+                [&](int m) { return acts.row(m0 + m); }, acc);
   }
   // Lane groups are aligned powers of two, so xor offsets below `lanes` stay
   // inside the group; every lane of the warp takes part.
@@ -192,12 +301,10 @@ __global__ void __launch_bounds__(kThreads)
           acc += w * x[m * blocks_per_row + i];
         }
       } else {
-        ggml::Decoded<T> blk;
         const ggml::ActRow a = acts.row(m);
-        for (int64_t b = sub; b < blocks_per_row; b += lanes) {
-          ggml::Codec<T>::decode(row + b * I::kBytes, blk);
-          acc += ggml::block_dot<T>(blk, a, b, Dp4aDot{});
-        }
+        float one[1] = {0.0f};
+        row_dots<T>(row, blocks_per_row, sub, lanes, 1, [&](int) { return a; }, one);
+        acc = one[0];
       }
     }
     for (int off = lanes >> 1; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
@@ -257,7 +364,7 @@ ActBuffers<A> quantize_acts(const at::Tensor& x) {
   b.sum = at::empty({M * n / L::kSumBlock}, x.options());
   const int64_t nblocks = M * n / L::kBlock;
   if (nblocks > 0) {
-    quantize_acts_kernel<A><<<grid_for(nblocks, kThreads), kThreads, 0, current_stream()>>>(
+    quantize_acts_kernel<A><<<grid_for(nblocks, kWarps), kThreads, 0, current_stream()>>>(
         x.data_ptr<float>(), nblocks, b.q.template data_ptr<int8_t>(), b.d.template data_ptr<float>(),
         b.sum.template data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -266,10 +373,16 @@ ActBuffers<A> quantize_acts(const at::Tensor& x) {
   return b;
 }
 
-int log2_lanes_for(int64_t blocks_per_row) {
+int log2_lanes_for(int64_t units_per_row) {
   int lg = 0;
-  while (lg < 5 && (int64_t{1} << lg) < blocks_per_row) ++lg;
+  while (lg < 5 && (int64_t{1} << lg) < units_per_row) ++lg;
   return lg;
+}
+
+// Slices read whole words of W (ggml::kSliceAlign): a weight that starts
+// elsewhere in its storage is copied to an aligned allocation.
+at::Tensor word_aligned(const at::Tensor& W) {
+  return reinterpret_cast<uintptr_t>(W.data_ptr()) % ggml::kSliceAlign == 0 ? W : W.clone(at::MemoryFormat::Contiguous);
 }
 
 // The fused path: out [M, rows] in out's dtype.
@@ -289,7 +402,7 @@ void mul_mat_fused(const uint8_t* W, int64_t rows, const at::Tensor& x, at::Tens
   } else {
     const ActBuffers<I::kAct> acts = quantize_acts<I::kAct>(x);
     const int64_t blocks_per_row = n / I::kBlock;
-    const int lg = log2_lanes_for(blocks_per_row);
+    const int lg = log2_lanes_for(units_per_row<T>(blocks_per_row));
     const int64_t rows_per_block = int64_t{kWarps} * (32 >> lg);
     const unsigned int blocks = static_cast<unsigned int>(ceil_div(rows, rows_per_block));
     for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
@@ -341,7 +454,8 @@ at::Tensor ggml_mul_mat(const char* op, const at::Tensor& W, const at::Tensor& X
   at::Tensor out = at::empty({M, row}, X.options());
   if (M == 0 || row == 0) return out;
   if (x.size(1) == 0) return out.zero_();  // an empty sum
-  const uint8_t* w = W.data_ptr<uint8_t>();
+  const at::Tensor Wa = word_aligned(W);
+  const uint8_t* w = Wa.data_ptr<uint8_t>();
   dispatch_ggml_type(type, [&](auto t) {
     constexpr ggml::Type T = decltype(t)::value;
     if (any_m_fused || M <= kFusedMaxM) {
@@ -363,11 +477,12 @@ at::Tensor ggml_mul_mat_id(const at::Tensor& W, const at::Tensor& X, const at::T
   at::Tensor out = at::zeros({c.tokens, c.slots, row}, X.options());
   if (pairs == 0 || row == 0 || c.n == 0) return out;
   const at::Tensor x = X.to(at::kFloat).contiguous().view({-1, c.n});
+  const at::Tensor Wa = word_aligned(W);
   dispatch_ggml_type(type, [&](auto t) {
     constexpr ggml::Type T = decltype(t)::value;
     using I = TypeInfo<T>;
     const int64_t blocks_per_row = c.n / I::kBlock;
-    const int lg = log2_lanes_for(blocks_per_row);
+    const int lg = log2_lanes_for(units_per_row<T>(blocks_per_row));
     const dim3 grid(static_cast<unsigned int>(ceil_div(row, int64_t{kWarps} * (32 >> lg))),
                     static_cast<unsigned int>(std::min<int64_t>(pairs, 65535)));
     QuantizedActs<I::kAct> view{};
@@ -377,7 +492,7 @@ at::Tensor ggml_mul_mat_id(const at::Tensor& W, const at::Tensor& X, const at::T
       view = acts.view;
     }
     matvec_id_kernel<T><<<grid, kThreads, 0, current_stream()>>>(
-        W.data_ptr<uint8_t>(), c.experts, row, blocks_per_row, view, x.data_ptr<float>(),
+        Wa.data_ptr<uint8_t>(), c.experts, row, blocks_per_row, view, x.data_ptr<float>(),
         c.ids.data_ptr<int32_t>(), pairs, c.slots, c.per_slot, lg, out.data_ptr(), float_kind(out.scalar_type()));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

@@ -1,0 +1,272 @@
+// One 32-element slice of a GGUF block at a time, its levels cut out as
+// words of four int8 levels, for the dot products of the types listed in
+// kSliced. A CUDA lane decodes a slice in registers (word loads, shifts and
+// masks, nothing in local memory) and meets the activations with __dp4a; the
+// CPU's portable kernel runs the same decoders and dot, so the CPU tests
+// check the code the GPU runs. Levels, scales and mins are Codec<T>::decode's
+// (core/ggml_blocks.h), and slice_dot adds each sub-block's terms in
+// block_dot's order (core/ggml_q8.h): a block's slices, run in order, give
+// block_dot's sum bit for bit.
+#pragma once
+
+#include <stdint.h>
+
+#include "float_bits.h"
+#include "ggml_blocks.h"
+#include "ggml_q8.h"
+#include "ggml_types.h"
+#include "host_device.h"
+
+namespace lowbit {
+namespace ggml {
+
+constexpr int kSliceElems = 32;
+
+// The types with a slice decoder below.
+template <Type T>
+constexpr bool kSliced = T == Type::Q4_0 || T == Type::Q4_1 || T == Type::Q5_0 || T == Type::Q5_1 ||
+                         T == Type::Q8_0 || T == Type::Q2_K || T == Type::Q3_K || T == Type::Q4_K ||
+                         T == Type::Q5_K || T == Type::Q6_K;
+
+// The alignment the GPU's slice loads assume of a weight's first byte: they
+// read words at offsets that are multiples of 2 (4 in blocks of a multiple of
+// 4 bytes, 16 in Q4_K's and Q5_K's, whose sizes are multiples of 16).
+constexpr int kSliceAlign = 16;
+
+template <Type T>
+struct Slice {
+  static constexpr int kSubs = kSliceElems / TypeInfo<T>::kSub;
+  uint32_t q[8];  // byte k of q[i]: the level of element 4i + k
+  float d[kSubs];
+  float m[TypeInfo<T>::kHasMin ? kSubs : 1];
+};
+
+// Eight little-endian words from 16-byte aligned bytes: two 128-bit loads on
+// the GPU (Q4_K's and Q5_K's blocks and word offsets are multiples of 16).
+LOWBIT_HD void load_words_a16(const uint8_t* p, uint32_t (&w)[8]) {
+#if defined(__CUDA_ARCH__)
+  const uint4* v = reinterpret_cast<const uint4*>(p);
+  LOWBIT_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    const uint4 u = v[h];
+    w[4 * h] = u.x;
+    w[4 * h + 1] = u.y;
+    w[4 * h + 2] = u.z;
+    w[4 * h + 3] = u.w;
+  }
+#else
+  for (int i = 0; i < 8; ++i) w[i] = load_u32(p + 4 * i);
+#endif
+}
+
+// An fp16 value at a 2-byte aligned offset of a block.
+LOWBIT_HD float half_w2(const uint8_t* p) { return fp16_to_fp32(load_h2(p)); }
+
+// Bytes v (each < 0x80 + off) minus off, as int8 bytes: adding 0x80 - off
+// cannot carry out of a byte, and flipping the top bit is subtracting 0x80.
+LOWBIT_HD uint32_t minus_bytes(uint32_t v, uint32_t off) { return (v + 0x01010101u * (0x80u - off)) ^ 0x80808080u; }
+
+// Bit k (k < 4) of the 4-bit x as bit 0 of byte k: the shifted copies
+// x << 7k do not overlap, so the product carries nothing.
+LOWBIT_HD uint32_t bits_to_bytes(uint32_t x) { return (x * 0x00204081u) & 0x01010101u; }
+
+template <Type T>
+struct SliceCodec;
+
+// Legacy 32-element blocks: slice 0 is the block; elements 4i..4i+3 are the
+// low nibbles of qs word i, elements 16 + 4i.. its high nibbles.
+LOWBIT_HD void nibble_words(const uint8_t* qs, uint32_t (&q)[8]) {
+  LOWBIT_UNROLL
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t w = load_w2(qs + 4 * i);
+    q[i] = w & 0x0f0f0f0fu;
+    q[4 + i] = (w >> 4) & 0x0f0f0f0fu;
+  }
+}
+
+// Q5's fifth bits: bit e of qh onto bit 4 of element e's byte.
+LOWBIT_HD void add_fifth_bits(uint32_t qh, uint32_t (&q)[8]) {
+  LOWBIT_UNROLL
+  for (int i = 0; i < 8; ++i) q[i] |= bits_to_bytes((qh >> (4 * i)) & 0xfu) << 4;
+}
+
+template <>
+struct SliceCodec<Type::Q4_0> {
+  LOWBIT_HD static void decode(const uint8_t* b, int, Slice<Type::Q4_0>& o) {
+    o.d[0] = half_w2(b);
+    nibble_words(b + 2, o.q);
+    LOWBIT_UNROLL
+    for (int i = 0; i < 8; ++i) o.q[i] = minus_bytes(o.q[i], 8);
+  }
+};
+
+template <>
+struct SliceCodec<Type::Q4_1> {
+  LOWBIT_HD static void decode(const uint8_t* b, int, Slice<Type::Q4_1>& o) {
+    o.d[0] = half_w2(b);
+    o.m[0] = half_w2(b + 2);
+    nibble_words(b + 4, o.q);
+  }
+};
+
+template <>
+struct SliceCodec<Type::Q5_0> {
+  LOWBIT_HD static void decode(const uint8_t* b, int, Slice<Type::Q5_0>& o) {
+    o.d[0] = half_w2(b);
+    nibble_words(b + 6, o.q);
+    add_fifth_bits(load_w2(b + 2), o.q);
+    LOWBIT_UNROLL
+    for (int i = 0; i < 8; ++i) o.q[i] = minus_bytes(o.q[i], 16);
+  }
+};
+
+template <>
+struct SliceCodec<Type::Q5_1> {
+  LOWBIT_HD static void decode(const uint8_t* b, int, Slice<Type::Q5_1>& o) {
+    o.d[0] = half_w2(b);
+    o.m[0] = half_w2(b + 2);
+    nibble_words(b + 8, o.q);
+    add_fifth_bits(load_w4(b + 4), o.q);
+  }
+};
+
+template <>
+struct SliceCodec<Type::Q8_0> {
+  LOWBIT_HD static void decode(const uint8_t* b, int, Slice<Type::Q8_0>& o) {
+    o.d[0] = half_w2(b);
+    LOWBIT_UNROLL
+    for (int i = 0; i < 8; ++i) o.q[i] = load_w2(b + 2 + 4 * i);
+  }
+};
+
+// Q2_K / Q3_K: slice j = 4h + k holds the 2-bit fields at bit 2k of qs
+// bytes 32h..32h+31 (k2_level).
+template <int Align>
+LOWBIT_HD void crumb_words(const uint8_t* qs, int j, uint32_t (&q)[8]) {
+  const uint8_t* p = qs + 32 * (j / 4);
+  const int shift = 2 * (j % 4);
+  LOWBIT_UNROLL
+  for (int i = 0; i < 8; ++i) q[i] = ((Align == 4 ? load_w4(p + 4 * i) : load_w2(p + 4 * i)) >> shift) & 0x03030303u;
+}
+
+template <>
+struct SliceCodec<Type::Q2_K> {  // scales[16] | qs[64] | d | dmin
+  LOWBIT_HD static void decode(const uint8_t* b, int j, Slice<Type::Q2_K>& o) {
+    const float d = half_w2(b + 80), dmin = half_w2(b + 82);
+    LOWBIT_UNROLL
+    for (int s = 0; s < 2; ++s) {
+      const uint32_t sc = (load_h2(b + 2 * j) >> (8 * s)) & 0xffu;
+      o.d[s] = mul_rn(d, static_cast<float>(sc & 0xf));
+      o.m[s] = -mul_rn(dmin, static_cast<float>(sc >> 4));
+    }
+    crumb_words<4>(b + 16, j, o.q);
+  }
+};
+
+template <>
+struct SliceCodec<Type::Q3_K> {  // hmask[32] | qs[64] | scales[12] | d
+  LOWBIT_HD static void decode(const uint8_t* b, int j, Slice<Type::Q3_K>& o) {
+    const Q3KScales k = q3k_scales(load_w2(b + 96), load_w2(b + 100), load_w2(b + 104));
+    const float d = half_w2(b + 108);
+    const uint64_t word = j < 4 ? k.words[0] : k.words[1];  // sub-blocks 2j, 2j + 1
+    LOWBIT_UNROLL
+    for (int s = 0; s < 2; ++s) {
+      const int biased = static_cast<int>((word >> (8 * ((2 * j + s) % 8))) & 0xffu);
+      o.d[s] = mul_rn(d, static_cast<float>(biased - 32));
+    }
+    crumb_words<2>(b + 32, j, o.q);
+    // hmask bit j of byte l set means "no -4 offset" for element 32j + l.
+    LOWBIT_UNROLL
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t high = (load_w2(b + 4 * i) >> j) & 0x01010101u;
+      o.q[i] = minus_bytes(o.q[i] | (high << 2), 4);
+    }
+  }
+};
+
+// Q4_K / Q5_K: slice j is sub-block j, the low (j even) or high nibbles of
+// qs bytes 32(j / 2)..; its scale and min are byte j % 4 of k4_scale_min's
+// word j / 4.
+template <Type T>
+LOWBIT_HD void k4_slice(const uint8_t* b, const uint8_t* qs, int j, Slice<T>& o) {
+  const float d = half_w2(b), dmin = half_w2(b + 2);
+  const K4ScaleMin k = k4_scale_min(load_w4(b + 4), load_w4(b + 8), load_w4(b + 12));
+  const uint32_t shift = 8 * (j % 4);
+  o.d[0] = mul_rn(d, static_cast<float>(((j < 4 ? k.scales[0] : k.scales[1]) >> shift) & 0xffu));
+  o.m[0] = -mul_rn(dmin, static_cast<float>(((j < 4 ? k.mins[0] : k.mins[1]) >> shift) & 0xffu));
+  load_words_a16(qs + 32 * (j / 2), o.q);
+  const int nibble = 4 * (j % 2);
+  LOWBIT_UNROLL
+  for (int i = 0; i < 8; ++i) o.q[i] = (o.q[i] >> nibble) & 0x0f0f0f0fu;
+}
+
+template <>
+struct SliceCodec<Type::Q4_K> {  // d | dmin | scales[12] | qs[128]
+  LOWBIT_HD static void decode(const uint8_t* b, int j, Slice<Type::Q4_K>& o) { k4_slice(b, b + 16, j, o); }
+};
+
+template <>
+struct SliceCodec<Type::Q5_K> {  // d | dmin | scales[12] | qh[32] | qs[128]
+  LOWBIT_HD static void decode(const uint8_t* b, int j, Slice<Type::Q5_K>& o) {
+    k4_slice(b, b + 48, j, o);
+    // Bit j of qh[l] is the fifth bit of element 32j + l.
+    uint32_t qh[8];
+    load_words_a16(b + 16, qh);
+    LOWBIT_UNROLL
+    for (int i = 0; i < 8; ++i) o.q[i] |= ((qh[i] >> j) & 0x01010101u) << 4;
+  }
+};
+
+template <>
+struct SliceCodec<Type::Q6_K> {  // ql[128] | qh[64] | int8 scales[16] | d
+  LOWBIT_HD static void decode(const uint8_t* b, int j, Slice<Type::Q6_K>& o) {
+    const float d = half_w2(b + 208);
+    const uint32_t scales = load_h2(b + 192 + 2 * j);
+    LOWBIT_UNROLL
+    for (int s = 0; s < 2; ++s) o.d[s] = mul_rn(d, static_cast<float>(static_cast<int8_t>(scales >> (8 * s))));
+    // Slice j = 4h + k: the low (k < 2) or high nibbles of ql[64h + 32(k % 2) ..]
+    // and bits 2k, 2k + 1 of qh[32h ..], less 32.
+    const int h = j / 4, k = j % 4;
+    const uint8_t* ql = b + 64 * h + 32 * (k % 2);
+    const uint8_t* qh = b + 128 + 32 * h;
+    LOWBIT_UNROLL
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t low = (load_w2(ql + 4 * i) >> (4 * (k / 2))) & 0x0f0f0f0fu;
+      const uint32_t high = (load_w2(qh + 4 * i) >> (2 * k)) & 0x03030303u;
+      o.q[i] = minus_bytes(low | (high << 4), 32);
+    }
+  }
+};
+
+// The exact sum of the four int8 products of two words, added to acc.
+LOWBIT_HD int32_t dot4(uint32_t w, uint32_t x, int32_t acc) {
+#if defined(__CUDA_ARCH__)
+  return __dp4a(static_cast<int>(w), static_cast<int>(x), acc);
+#else
+  for (int k = 0; k < 4; ++k) {
+    acc += static_cast<int32_t>(static_cast<int8_t>(w >> (8 * k))) * static_cast<int8_t>(x >> (8 * k));
+  }
+  return acc;
+#endif
+}
+
+// The slice's terms of a weight row . activation row, added to acc; `first`
+// is the slice's first element in the row, a multiple of 32, so a.q + first
+// is 16-byte aligned where a.q is (the GPU loads it as two 128-bit words).
+template <Type T>
+LOWBIT_HD void slice_dot(const Slice<T>& w, const ActRow& a, int64_t first, float& acc) {
+  using I = TypeInfo<T>;
+  constexpr int kWords = I::kSub / 4;
+  uint32_t x[8];
+  load_words_a16(reinterpret_cast<const uint8_t*>(a.q + first), x);
+  LOWBIT_UNROLL
+  for (int s = 0; s < Slice<T>::kSubs; ++s) {
+    int32_t isum = 0;
+    LOWBIT_UNROLL
+    for (int i = 0; i < kWords; ++i) isum = dot4(w.q[s * kWords + i], x[s * kWords + i], isum);
+    add_sub_block<T>(acc, w.d[s], I::kHasMin ? w.m[s] : 0.0f, isum, a, first + s * I::kSub);
+  }
+}
+
+}  // namespace ggml
+}  // namespace lowbit
