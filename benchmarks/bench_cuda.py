@@ -16,6 +16,10 @@ GB/s against the device's copy bandwidth measured in the same run.
   to be set from.
 - GGUF: ggml_mul_mat_vec_a8 at M = 1 and 8 and ggml_mul_mat_a8 at M = 64 for
   Q4_0, Q4_K, Q5_K, Q6_K, Q8_0 and IQ4_XS on the same shapes (W is [N, K]).
+- GGUF experts: ggml_mul_mat_id on Qwen3-30B-A3B's expert shapes (128
+  experts, 8 per token, gate/up 768x2048 and down 2048x768) for 1 and 32
+  tokens, Q4_K and Q8_0; GB/s counts each chosen expert's bytes once; the
+  peer is torch's fp16 bmm over the chosen experts' dense weights.
 
 GB/s counts the weight bytes the op must read (qweight + qzeros + scales
 [+ g_idx or q_perm] for GPTQ, the block bytes for GGUF) over the time; "of bw"
@@ -46,6 +50,7 @@ SWEEP_MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 FUSED_SWEEP_MAX_M = 512  # the forced-fused sweep stops here (it re-decodes W per 8 rows)
 GGUF_TYPES = {"Q4_0": 2, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "Q8_0": 8, "IQ4_XS": 23}
 GGUF_HALF_FIELDS = {"Q4_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q8_0": [0], "IQ4_XS": [0]}
+MOE = dict(experts=128, slots=8, shapes=[(768, 2048), (2048, 768)], tokens=[1, 32], types=["Q4_K", "Q8_0"])
 
 
 def fail(message):
@@ -208,6 +213,34 @@ class Bench:
         return dict(kind=op_name, type=name, K=K, N=N, M=M, ms=ms, gbs=gbs, bandwidth_fraction=gbs / self.bandwidth,
                     dense_fp16_ms=dense, speedup_vs_fp16=dense / ms)
 
+    def moe(self, name, rows, n, tokens):
+        E, slots = MOE["experts"], MOE["slots"]
+        first = gguf_weight(name, E * rows, n, self.device, 0)
+        sets = [first] + [gguf_weight(name, E * rows, n, self.device, s)
+                          for s in range(1, copies_for(nbytes_of(first), self.device))]
+        sets = [w.view(E, rows, -1) for w in sets]
+        rot = Rotation(sets)
+        g = torch.Generator(device=self.device).manual_seed(tokens)
+        ids = torch.rand(tokens, E, device=self.device, generator=g).topk(slots, dim=1).indices.to(torch.int32)
+        x = torch.randn(tokens, n, device=self.device, dtype=torch.float16)
+        t = GGUF_TYPES[name]
+        ms = self.time(lambda: torch.ops.lowbit.ggml_mul_mat_id(rot.next(), x, ids, t, rows))
+        experts, counts = torch.unique(ids, return_counts=True)
+        chosen = int(experts.numel())
+        gbs = nbytes_of(first) // E * chosen / (ms * 1e-3) / 1e9
+        # The peer: torch's fp16 bmm over the chosen experts' dense weights, each
+        # expert's rows of x gathered and padded to the most any expert has
+        # (the grouping itself not timed).
+        dense_w = [torch.randn(chosen, n, rows, device=self.device, dtype=torch.float16)
+                   for _ in range(copies_for(chosen * n * rows * 2, self.device))]
+        dense_rot = Rotation(dense_w)
+        xp = torch.randn(chosen, int(counts.max()), n, device=self.device, dtype=torch.float16)
+        dense = self.time(lambda: torch.bmm(xp, dense_rot.next()))
+        del dense_w
+        return dict(kind="ggml_mul_mat_id", type=name, rows=rows, n=n, experts=E, slots=slots, tokens=tokens,
+                    chosen_experts=chosen, ms=ms, gbs=gbs, bandwidth_fraction=gbs / self.bandwidth,
+                    dense_fp16_ms=dense, speedup_vs_fp16=dense / ms)
+
 
 def sweep(bench, shapes, bits_list, ms_list):
     out = []
@@ -334,6 +367,15 @@ def main():
                 r = gguf[-1]
                 print(f"  {op_name} {name} {N}x{K} M={M}: {r['ms'] * 1e3:.1f} µs, {r['gbs']:.0f} GB/s", flush=True)
 
+    moe = []
+    for name in MOE["types"]:
+        for rows, n in MOE["shapes"]:
+            for tokens in MOE["tokens"]:
+                moe.append(bench.moe(name, rows, n, tokens))
+                r = moe[-1]
+                print(f"  ggml_mul_mat_id {name} {rows}x{n} tokens={tokens}: {r['ms'] * 1e3:.1f} µs, "
+                      f"{r['gbs']:.0f} GB/s", flush=True)
+
     fused, dequant = [], []
     if not args.no_crossover:
         del bench
@@ -366,6 +408,13 @@ def main():
                  [[r["kind"], r["type"], f"{r['N']}x{r['K']}", r["M"], f"{r['ms'] * 1e3:.1f}", f"{r['gbs']:.0f}",
                    f"{100 * r['bandwidth_fraction']:.0f}%", f"{r['dense_fp16_ms'] * 1e3:.1f}",
                    f"{r['speedup_vs_fp16']:.2f}x"] for r in gguf]),
+        f"\n## GGUF experts (ggml_mul_mat_id, {MOE['experts']} experts, {MOE['slots']} per token; "
+        "GB/s counts each chosen expert's bytes once)\n",
+        md_table(["type", "rows x n", "tokens", "experts chosen", "pairs", "lowbit µs", "GB/s", "of bw",
+                  "fp16 bmm µs", "vs fp16"],
+                 [[r["type"], f"{r['rows']}x{r['n']}", r["tokens"], r["chosen_experts"], r["tokens"] * r["slots"],
+                   f"{r['ms'] * 1e3:.1f}", f"{r['gbs']:.0f}", f"{100 * r['bandwidth_fraction']:.0f}%",
+                   f"{r['dense_fp16_ms'] * 1e3:.1f}", f"{r['speedup_vs_fp16']:.2f}x"] for r in moe]),
     ]
     report = "\n".join(sections) + "\n"
     print("\n" + report)
@@ -376,7 +425,7 @@ def main():
     with open(stem + ".json", "w") as f:
         json.dump(dict(machine=info, copy_bandwidth_gbs=bench_bw(gptq_main), activations="fp16",
                        gptq=gptq_main, gptq_sweep=gptq_sweep, gptq_sweep_fused=fused,
-                       gptq_sweep_dequant_cublas=dequant, gguf=gguf), f, indent=2)
+                       gptq_sweep_dequant_cublas=dequant, gguf=gguf, gguf_experts=moe), f, indent=2)
     print(f"wrote {stem}.md and {stem}.json")
 
 

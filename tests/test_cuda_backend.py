@@ -432,6 +432,34 @@ def test_ggml_mul_mat_id_past_the_grid_s_y_limit():
     err = np.abs(got.double().numpy() - expect.double().numpy())
     assert ids.numel() > 65535 and np.all(err <= tol + 1e-30)
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "IQ4_XS"])
+def test_ggml_mul_mat_id_groups_pairs_by_expert(name):
+    """Quantized experts run grouped: each expert's pairs (here up to 20 of
+    them, past one 8-pair pass) share its weight reads, experts no slot chose
+    are skipped, and each pair's output is still its own row's."""
+    raw, x, ids, tol = mul_mat_id_case(name, 12, 24, 512, 40, 4, False, torch.int32, seed=5)
+    ids = torch.where(ids < 6, ids % 3, ids)  # experts 0-2 take many pairs, 3-5 none
+    per_expert = [(ids == e).sum().item() for e in range(12)]
+    assert max(per_expert) > 8 and per_expert[3:6] == [0, 0, 0]
+    got = ops.ggml_mul_mat_id(cuda(raw), cuda(x), cuda(ids), GGML_TYPES[name], 24).cpu()
+    expect = ops.ggml_mul_mat_id(raw, x, ids, GGML_TYPES[name], 24)
+    W = ops.ggml_dequantize(raw.reshape(12 * 24, -1), GGML_TYPES[name], 12 * 24, 512, torch.float32).view(12, 24, 512)
+    bound = np.stack([a8_tolerance(name, x, W[e], raw[e]) for e in range(12)])[ids.numpy(), np.arange(40)[:, None]]
+    assert np.all(np.abs(got.double().numpy() - expect.double().numpy()) <= bound + 1e-30)
+
+
+def test_ggml_mul_mat_id_past_the_grouping_limit():
+    """More experts than the on-device grouping holds (8192) take one pass
+    per pair."""
+    experts, n = 8193, 64
+    raw = ggml_blocks("Q8_0", experts, n, seed=1).view(experts, 1, -1)
+    ids = torch.tensor([[8192, 0], [4096, 8192]], dtype=I32)
+    x = torch.randn(2, n, generator=torch.Generator().manual_seed(1))
+    got = ops.ggml_mul_mat_id(cuda(raw), cuda(x), cuda(ids), GGML_TYPES["Q8_0"], 1).cpu()
+    expect = ops.ggml_mul_mat_id(raw, x, ids, GGML_TYPES["Q8_0"], 1)
+    torch.testing.assert_close(got, expect, rtol=3e-5, atol=1e-5)
+
+
 def test_ggml_matmul_empty_and_zero():
     raw = ggml_blocks("Q4_K", 5, 512)
     out = ops.ggml_mul_mat_a8(cuda(raw), torch.zeros(2, 512, device="cuda"), GGML_TYPES["Q4_K"], 5)

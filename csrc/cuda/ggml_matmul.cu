@@ -22,11 +22,13 @@
 // into a local Decoded<T>. Every weight block is read and decoded once per 8
 // activation rows.
 //
-// ggml_mul_mat_id (mixture of experts): a lane group per (pair, weight row),
-// each pair's expert read from ids on the device, so no expert counts ever
-// reach the host (no sync); each pair decodes its expert's rows for itself,
-// where the CPU groups a prefill's pairs by expert and decodes each block
-// once per group.
+// ggml_mul_mat_id (mixture of experts): one kernel groups the (token, slot)
+// pairs by expert on the device, so no expert counts reach the host (no
+// sync); then a block per (row tile, expert) runs the fused kernel's lane
+// groups over that expert's pairs, 8 at a time: each chosen expert's weights
+// are read once per 8 of its pairs, as the CPU decodes each block once per
+// group. Float experts, and more experts than the grouping holds, take a pass
+// per pair.
 //
 // Larger M (ggml_mul_mat_a8 only): the activations are quantized exactly as
 // above and expanded back to fp32 (d * q), W is dequantized to fp32 row tiles,
@@ -38,6 +40,7 @@
 // No host synchronisation: temporaries come from the caching allocator and
 // everything runs on the current stream (CUDA-graph capturable).
 #include <algorithm>
+#include <limits>
 
 #include "../core/ggml_blocks.h"
 #include "../core/ggml_q8.h"
@@ -312,6 +315,103 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The pairs grouped by expert, on the device: order[start[e] .. start[e + 1])
+// lists the pairs whose slot chose expert e, in pair order. One block of
+// kGroupThreads: thread e counts expert e's pairs, a block scan gives the
+// starts, and thread e lists its pairs. No atomics (the same lists on every
+// run) and no host synchronisation.
+constexpr int kGroupThreads = 1024;
+constexpr int64_t kMaxGroupedExperts = 8 * kGroupThreads;  // 36 KB of shared memory with the scan
+
+__global__ void __launch_bounds__(kGroupThreads)
+    group_pairs_kernel(const int32_t* ids, int64_t pairs, int64_t experts, int32_t* start, int32_t* order) {
+  __shared__ int32_t counts[kMaxGroupedExperts];
+  __shared__ int32_t sums[kGroupThreads];
+  const int t = threadIdx.x;
+  for (int64_t p = t; p < pairs; p += kGroupThreads) {
+    CUDA_KERNEL_ASSERT(ids[p] >= 0 && ids[p] < experts && "ggml_mul_mat_id: ids value out of range");
+  }
+  for (int64_t e = t; e < experts; e += kGroupThreads) {
+    int32_t n = 0;
+    for (int64_t p = 0; p < pairs; ++p) n += ids[p] == e;
+    counts[e] = n;
+  }
+  __syncthreads();
+  // Thread t's experts are [t * per, (t + 1) * per); an inclusive scan of
+  // their totals over the threads gives each range's first position.
+  const int64_t per = (experts + kGroupThreads - 1) / kGroupThreads;
+  const int64_t e0 = std::min<int64_t>(t * per, experts), e1 = std::min<int64_t>(e0 + per, experts);
+  int32_t own = 0;
+  for (int64_t e = e0; e < e1; ++e) own += counts[e];
+  sums[t] = own;
+  __syncthreads();
+  for (int off = 1; off < kGroupThreads; off <<= 1) {
+    const int32_t v = t >= off ? sums[t - off] : 0;
+    __syncthreads();
+    sums[t] += v;
+    __syncthreads();
+  }
+  int32_t pos = sums[t] - own;
+  for (int64_t e = e0; e < e1; ++e) {
+    const int32_t n = counts[e];
+    counts[e] = pos;
+    start[e] = pos;
+    pos += n;
+  }
+  if (t == kGroupThreads - 1) start[experts] = sums[t];
+  __syncthreads();
+  for (int64_t e = t; e < experts; e += kGroupThreads) {
+    int32_t at = counts[e];
+    for (int64_t p = 0; p < pairs; ++p) {
+      if (ids[p] == e) order[at++] = static_cast<int32_t>(p);
+    }
+  }
+}
+
+// ggml_mul_mat_id of quantized experts over grouped pairs: block (x, e)
+// takes rows of expert e (lane groups as matvec_kernel's) and its pairs up
+// to kMaxRows at a time, so each of the expert's weight blocks is read and
+// decoded once per 8 of its pairs, and an expert no slot chose costs two
+// reads. Each output is the one lane group's sum, as in matvec_id_kernel.
+template <ggml::Type T>
+__global__ void __launch_bounds__(kThreads)
+    matvec_grouped_kernel(const uint8_t* W, int64_t rows, int64_t blocks_per_row,
+                          QuantizedActs<TypeInfo<T>::kAct> acts, const int32_t* start, const int32_t* order,
+                          int64_t slots, bool per_slot, int lanes_log2, void* out, Float out_kind) {
+  using I = TypeInfo<T>;
+  const int64_t e = blockIdx.y;
+  const int32_t first = start[e], last = start[e + 1];
+  if (first == last) return;  // the whole block: no shuffle is left waiting
+  const LaneGroup g(lanes_log2);
+  const int lanes = g.lanes, sub = g.sub;
+  const int64_t r = g.row;
+  const uint8_t* row = W + (e * rows + r) * blocks_per_row * I::kBytes;
+  for (int32_t c = first; c < last; c += kMaxRows) {
+    const int mrows = last - c < kMaxRows ? static_cast<int>(last - c) : kMaxRows;
+    int32_t pair[kMaxRows];
+    float acc[kMaxRows];
+#pragma unroll
+    for (int m = 0; m < kMaxRows; ++m) {
+      pair[m] = m < mrows ? order[c + m] : 0;
+      acc[m] = 0.0f;
+    }
+    if (r < rows) {
+      row_dots<T>(row, blocks_per_row, sub, lanes, mrows,
+                  [&](int m) { return acts.row(per_slot ? pair[m] : pair[m] / slots); }, acc);
+    }
+#pragma unroll
+    for (int m = 0; m < kMaxRows; ++m) {
+      for (int off = lanes >> 1; off > 0; off >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], off);
+    }
+    if (r < rows && sub == 0) {
+#pragma unroll
+      for (int m = 0; m < kMaxRows; ++m) {
+        if (m < mrows) store_float(out, out_kind, int64_t{pair[m]} * rows + r, acc[m]);
+      }
+    }
+  }
+}
+
 // Float weight types (F32, F16, BF16) take the fp32 activations as they are:
 // one warp per weight row, lanes striding over its elements.
 template <ggml::Type T>
@@ -483,17 +583,34 @@ at::Tensor ggml_mul_mat_id(const at::Tensor& W, const at::Tensor& X, const at::T
     using I = TypeInfo<T>;
     const int64_t blocks_per_row = c.n / I::kBlock;
     const int lg = log2_lanes_for(units_per_row<T>(blocks_per_row));
-    const dim3 grid(static_cast<unsigned int>(ceil_div(row, int64_t{kWarps} * (32 >> lg))),
-                    static_cast<unsigned int>(std::min<int64_t>(pairs, 65535)));
-    QuantizedActs<I::kAct> view{};
-    ActBuffers<I::kAct> acts;
-    if constexpr (!I::kFloat) {
-      acts = quantize_acts<I::kAct>(x);
-      view = acts.view;
+    const unsigned int row_blocks = static_cast<unsigned int>(ceil_div(row, int64_t{kWarps} * (32 >> lg)));
+    const int32_t* id = c.ids.data_ptr<int32_t>();
+    void* o = out.data_ptr();
+    const Float kind = float_kind(out.scalar_type());
+    if constexpr (I::kFloat) {
+      matvec_id_kernel<T><<<dim3(row_blocks, static_cast<unsigned int>(std::min<int64_t>(pairs, 65535))), kThreads, 0,
+                            current_stream()>>>(Wa.data_ptr<uint8_t>(), c.experts, row, blocks_per_row,
+                                                QuantizedActs<I::kAct>{}, x.data_ptr<float>(), id, pairs, c.slots,
+                                                c.per_slot, lg, o, kind);
+    } else {
+      const ActBuffers<I::kAct> acts = quantize_acts<I::kAct>(x);
+      if (c.experts <= kMaxGroupedExperts && pairs <= std::numeric_limits<int32_t>::max()) {
+        at::Tensor start = at::empty({c.experts + 1}, x.options().dtype(at::kInt));
+        at::Tensor order = at::empty({pairs}, x.options().dtype(at::kInt));
+        group_pairs_kernel<<<1, kGroupThreads, 0, current_stream()>>>(
+            id, pairs, c.experts, start.data_ptr<int32_t>(), order.data_ptr<int32_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        matvec_grouped_kernel<T><<<dim3(row_blocks, static_cast<unsigned int>(c.experts)), kThreads, 0,
+                                   current_stream()>>>(Wa.data_ptr<uint8_t>(), row, blocks_per_row, acts.view,
+                                                       start.data_ptr<int32_t>(), order.data_ptr<int32_t>(),
+                                                       c.slots, c.per_slot, lg, o, kind);
+      } else {
+        matvec_id_kernel<T><<<dim3(row_blocks, static_cast<unsigned int>(std::min<int64_t>(pairs, 65535))),
+                              kThreads, 0, current_stream()>>>(Wa.data_ptr<uint8_t>(), c.experts, row,
+                                                               blocks_per_row, acts.view, x.data_ptr<float>(), id,
+                                                               pairs, c.slots, c.per_slot, lg, o, kind);
+      }
     }
-    matvec_id_kernel<T><<<grid, kThreads, 0, current_stream()>>>(
-        Wa.data_ptr<uint8_t>(), c.experts, row, blocks_per_row, view, x.data_ptr<float>(),
-        c.ids.data_ptr<int32_t>(), pairs, c.slots, c.per_slot, lg, out.data_ptr(), float_kind(out.scalar_type()));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;
