@@ -26,7 +26,7 @@ constexpr int kSliceElems = 32;
 template <Type T>
 constexpr bool kSliced = T == Type::Q4_0 || T == Type::Q4_1 || T == Type::Q5_0 || T == Type::Q5_1 ||
                          T == Type::Q8_0 || T == Type::Q2_K || T == Type::Q3_K || T == Type::Q4_K ||
-                         T == Type::Q5_K || T == Type::Q6_K;
+                         T == Type::Q5_K || T == Type::Q6_K || T == Type::IQ4_NL || T == Type::IQ4_XS;
 
 // The alignment the GPU's slice loads assume of a weight's first byte: they
 // read words at offsets that are multiples of 2 (4 in blocks of a multiple of
@@ -70,15 +70,50 @@ LOWBIT_HD uint32_t minus_bytes(uint32_t v, uint32_t off) { return (v + 0x0101010
 // x << 7k do not overlap, so the product carries nothing.
 LOWBIT_HD uint32_t bits_to_bytes(uint32_t x) { return (x * 0x00204081u) & 0x01010101u; }
 
+// __byte_perm(lo, hi, sel) for selector nibbles 0-7: byte k of the result
+// is byte (sel >> 4k) & 7 of the eight bytes lo, hi.
+LOWBIT_HD uint32_t byte_perm(uint32_t lo, uint32_t hi, uint32_t sel) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(lo, hi, sel);
+#else
+  const uint64_t bytes = lo | (static_cast<uint64_t>(hi) << 32);
+  uint32_t r = 0;
+  for (int k = 0; k < 4; ++k) r |= static_cast<uint32_t>((bytes >> (8 * ((sel >> (4 * k)) & 7))) & 0xffu) << (8 * k);
+  return r;
+#endif
+}
+
+// A 16-entry int8 table as four little-endian words, and the entries of four
+// 4-bit indices (one per byte of `idx`) looked up at once: bits 0-2 of each
+// index pick a byte of the low or the high eight entries (byte_perm), bit 3
+// picks between the two. No memory is read.
+struct Table16 {
+  uint32_t w[4];
+};
+LOWBIT_HD constexpr Table16 table16(const int8_t (&t)[16]) {
+  Table16 r{};
+  for (int i = 0; i < 16; ++i) r.w[i / 4] |= static_cast<uint32_t>(static_cast<uint8_t>(t[i])) << (8 * (i % 4));
+  return r;
+}
+LOWBIT_HD uint32_t table16_lookup(const Table16& t, uint32_t idx) {
+  const uint32_t low3 = idx & 0x07070707u;
+  const uint32_t packed = low3 | (low3 >> 4);  // index k's low 3 bits at bits 4k (k < 2) and 8 + 4(k - 2)
+  const uint32_t sel = (packed & 0xffu) | ((packed >> 8) & 0xff00u);
+  const uint32_t low = byte_perm(t.w[0], t.w[1], sel), high = byte_perm(t.w[2], t.w[3], sel);
+  const uint32_t upper = ((idx >> 3) & 0x01010101u) * 0xffu;  // 0xff in the bytes whose index is 8-15
+  return (low & ~upper) | (high & upper);
+}
+
 template <Type T>
 struct SliceCodec;
 
 // Legacy 32-element blocks: slice 0 is the block; elements 4i..4i+3 are the
 // low nibbles of qs word i, elements 16 + 4i.. its high nibbles.
+template <int Align>
 LOWBIT_HD void nibble_words(const uint8_t* qs, uint32_t (&q)[8]) {
   LOWBIT_UNROLL
   for (int i = 0; i < 4; ++i) {
-    const uint32_t w = load_w2(qs + 4 * i);
+    const uint32_t w = Align == 4 ? load_w4(qs + 4 * i) : load_w2(qs + 4 * i);
     q[i] = w & 0x0f0f0f0fu;
     q[4 + i] = (w >> 4) & 0x0f0f0f0fu;
   }
@@ -94,7 +129,7 @@ template <>
 struct SliceCodec<Type::Q4_0> {
   LOWBIT_HD static void decode(const uint8_t* b, int, Slice<Type::Q4_0>& o) {
     o.d[0] = half_w2(b);
-    nibble_words(b + 2, o.q);
+    nibble_words<2>(b + 2, o.q);
     LOWBIT_UNROLL
     for (int i = 0; i < 8; ++i) o.q[i] = minus_bytes(o.q[i], 8);
   }
@@ -105,7 +140,7 @@ struct SliceCodec<Type::Q4_1> {
   LOWBIT_HD static void decode(const uint8_t* b, int, Slice<Type::Q4_1>& o) {
     o.d[0] = half_w2(b);
     o.m[0] = half_w2(b + 2);
-    nibble_words(b + 4, o.q);
+    nibble_words<4>(b + 4, o.q);
   }
 };
 
@@ -113,7 +148,7 @@ template <>
 struct SliceCodec<Type::Q5_0> {
   LOWBIT_HD static void decode(const uint8_t* b, int, Slice<Type::Q5_0>& o) {
     o.d[0] = half_w2(b);
-    nibble_words(b + 6, o.q);
+    nibble_words<2>(b + 6, o.q);
     add_fifth_bits(load_w2(b + 2), o.q);
     LOWBIT_UNROLL
     for (int i = 0; i < 8; ++i) o.q[i] = minus_bytes(o.q[i], 16);
@@ -125,7 +160,7 @@ struct SliceCodec<Type::Q5_1> {
   LOWBIT_HD static void decode(const uint8_t* b, int, Slice<Type::Q5_1>& o) {
     o.d[0] = half_w2(b);
     o.m[0] = half_w2(b + 2);
-    nibble_words(b + 8, o.q);
+    nibble_words<4>(b + 8, o.q);
     add_fifth_bits(load_w4(b + 4), o.q);
   }
 };
@@ -136,6 +171,18 @@ struct SliceCodec<Type::Q8_0> {
     o.d[0] = half_w2(b);
     LOWBIT_UNROLL
     for (int i = 0; i < 8; ++i) o.q[i] = load_w2(b + 2 + 4 * i);
+  }
+};
+
+// IQ4_NL: Q4_0's nibbles, as indices into the non-linear level table.
+template <>
+struct SliceCodec<Type::IQ4_NL> {
+  LOWBIT_HD static void decode(const uint8_t* b, int, Slice<Type::IQ4_NL>& o) {
+    constexpr Table16 kLevels = table16(kvalues_iq4nl_host);
+    o.d[0] = half_w2(b);
+    nibble_words<2>(b + 2, o.q);
+    LOWBIT_UNROLL
+    for (int i = 0; i < 8; ++i) o.q[i] = table16_lookup(kLevels, o.q[i]);
   }
 };
 
@@ -235,6 +282,21 @@ struct SliceCodec<Type::Q6_K> {  // ql[128] | qh[64] | int8 scales[16] | d
       const uint32_t high = (load_w2(qh + 4 * i) >> (2 * k)) & 0x03030303u;
       o.q[i] = minus_bytes(low | (high << 4), 32);
     }
+  }
+};
+
+// IQ4_XS: slice j is sub-block j, IQ4_NL's nibble layout in qs[16j ..], its
+// 6-bit scale from a nibble of scales_l and two bits of scales_h.
+template <>
+struct SliceCodec<Type::IQ4_XS> {  // d | scales_h (uint16) | scales_l[4] | qs[128]
+  LOWBIT_HD static void decode(const uint8_t* b, int j, Slice<Type::IQ4_XS>& o) {
+    constexpr Table16 kLevels = table16(kvalues_iq4nl_host);
+    const uint32_t head = load_w4(b), scales_l = load_w4(b + 4);
+    const uint32_t ls = ((scales_l >> (4 * j)) & 0xfu) | (((head >> (16 + 2 * j)) & 3u) << 4);
+    o.d[0] = mul_rn(fp16_to_fp32(static_cast<uint16_t>(head)), static_cast<float>(static_cast<int>(ls) - 32));
+    nibble_words<4>(b + 8 + 16 * j, o.q);
+    LOWBIT_UNROLL
+    for (int i = 0; i < 8; ++i) o.q[i] = table16_lookup(kLevels, o.q[i]);
   }
 };
 

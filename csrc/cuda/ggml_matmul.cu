@@ -14,8 +14,8 @@
 // ggml_mul_mat_a8): a group of `lanes` lanes (a power of two <= 32, about the
 // number of units in a row) owns one weight row and dots it with up to 8
 // activation rows; the group then sums its lanes with shuffles. The sliced
-// types (core/ggml_slices.h: the legacy ones but IQ4_NL and MXFP4, the
-// K-quants) take 32-element slices as units: lane i decodes slices i,
+// types (core/ggml_slices.h: the legacy ones but MXFP4, the K-quants, IQ4_NL
+// and IQ4_XS) take 32-element slices as units: lane i decodes slices i,
 // i + lanes, ... with word loads into registers and meets the activations'
 // words with __dp4a, so a warp reads 32 consecutive slices of its row at a
 // time. The other types take whole blocks, each lane decoding its blocks
