@@ -10,6 +10,7 @@
 #pragma once
 
 #include <stdint.h>
+#include <string.h>
 
 #include "float_bits.h"
 #include "ggml_blocks.h"
@@ -76,9 +77,11 @@ LOWBIT_HD uint32_t byte_perm(uint32_t lo, uint32_t hi, uint32_t sel) {
 #if defined(__CUDA_ARCH__)
   return __byte_perm(lo, hi, sel);
 #else
-  const uint64_t bytes = lo | (static_cast<uint64_t>(hi) << 32);
+  const uint8_t bytes[8] = {static_cast<uint8_t>(lo), static_cast<uint8_t>(lo >> 8), static_cast<uint8_t>(lo >> 16),
+                            static_cast<uint8_t>(lo >> 24), static_cast<uint8_t>(hi), static_cast<uint8_t>(hi >> 8),
+                            static_cast<uint8_t>(hi >> 16), static_cast<uint8_t>(hi >> 24)};
   uint32_t r = 0;
-  for (int k = 0; k < 4; ++k) r |= static_cast<uint32_t>((bytes >> (8 * ((sel >> (4 * k)) & 7))) & 0xffu) << (8 * k);
+  for (int k = 0; k < 4; ++k) r |= static_cast<uint32_t>(bytes[(sel >> (4 * k)) & 7]) << (8 * k);
   return r;
 #endif
 }
@@ -300,32 +303,36 @@ struct SliceCodec<Type::IQ4_XS> {  // d | scales_h (uint16) | scales_l[4] | qs[1
   }
 };
 
-// The exact sum of the four int8 products of two words, added to acc.
-LOWBIT_HD int32_t dot4(uint32_t w, uint32_t x, int32_t acc) {
-#if defined(__CUDA_ARCH__)
-  return __dp4a(static_cast<int>(w), static_cast<int>(x), acc);
-#else
-  for (int k = 0; k < 4; ++k) {
-    acc += static_cast<int32_t>(static_cast<int8_t>(w >> (8 * k))) * static_cast<int8_t>(x >> (8 * k));
-  }
-  return acc;
-#endif
-}
-
 // The slice's terms of a weight row . activation row, added to acc; `first`
 // is the slice's first element in the row, a multiple of 32, so a.q + first
 // is 16-byte aligned where a.q is (the GPU loads it as two 128-bit words).
 template <Type T>
 LOWBIT_HD void slice_dot(const Slice<T>& w, const ActRow& a, int64_t first, float& acc) {
   using I = TypeInfo<T>;
+#if defined(__CUDA_ARCH__)
   constexpr int kWords = I::kSub / 4;
   uint32_t x[8];
   load_words_a16(reinterpret_cast<const uint8_t*>(a.q + first), x);
+#else
+  // The CPU's compilers vectorize a dot over bytes, not one over words.
+  int8_t levels[kSliceElems];
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+  memcpy(levels, w.q, sizeof(levels));
+#else
+  for (int e = 0; e < kSliceElems; ++e) levels[e] = static_cast<int8_t>(w.q[e / 4] >> (8 * (e % 4)));
+#endif
+#endif
   LOWBIT_UNROLL
   for (int s = 0; s < Slice<T>::kSubs; ++s) {
+#if defined(__CUDA_ARCH__)
     int32_t isum = 0;
     LOWBIT_UNROLL
-    for (int i = 0; i < kWords; ++i) isum = dot4(w.q[s * kWords + i], x[s * kWords + i], isum);
+    for (int i = 0; i < kWords; ++i) {
+      isum = __dp4a(static_cast<int>(w.q[s * kWords + i]), static_cast<int>(x[s * kWords + i]), isum);
+    }
+#else
+    const int32_t isum = ScalarIntDot{}(levels + s * I::kSub, a.q + first + s * I::kSub, I::kSub);
+#endif
     add_sub_block<T>(acc, w.d[s], I::kHasMin ? w.m[s] : 0.0f, isum, a, first + s * I::kSub);
   }
 }
