@@ -460,6 +460,24 @@ def test_ggml_mul_mat_id_past_the_grouping_limit():
     torch.testing.assert_close(got, expect, rtol=3e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_ggml_matmul_of_a_misaligned_weight_view(name):
+    """A weight viewed 2 bytes into its storage (the slices read 16-byte
+    aligned words of Q4_K, 2-byte aligned ones of Q6_K) gives the outputs of
+    the same weight in its own allocation."""
+    t = GGML_TYPES[name]
+    raw = ggml_blocks(name, 2 * 6, 512)
+    buf = cuda(torch.cat([torch.zeros(2, dtype=torch.uint8), raw.flatten()]))
+    W = buf[2:].view(2 * 6, -1)
+    x = cuda(torch.randn(3, 512, generator=torch.Generator().manual_seed(0)))
+    for op in ("ggml_mul_mat_vec_a8", "ggml_mul_mat_a8"):
+        torch.testing.assert_close(getattr(ops, op)(W, x, t, 12), getattr(ops, op)(cuda(raw), x, t, 12), rtol=0,
+                                   atol=0)
+    ids = cuda(torch.tensor([[0, 1], [1, 1], [0, 0]], dtype=I32))
+    torch.testing.assert_close(ops.ggml_mul_mat_id(W.view(2, 6, -1), x, ids, t, 6),
+                               ops.ggml_mul_mat_id(cuda(raw).view(2, 6, -1), x, ids, t, 6), rtol=0, atol=0)
+
+
 def test_ggml_matmul_empty_and_zero():
     raw = ggml_blocks("Q4_K", 5, 512)
     out = ops.ggml_mul_mat_a8(cuda(raw), torch.zeros(2, 512, device="cuda"), GGML_TYPES["Q4_K"], 5)

@@ -246,6 +246,25 @@ __device__ __forceinline__ void row_dots(const uint8_t* row, int64_t blocks_per_
   }
 }
 
+// Each acc[m] summed over its lane group, and stored at out[index(m)] for
+// m < mrows by the lane that `stores`. Lane groups are aligned powers of two,
+// so xor offsets below `lanes` stay inside the group; every lane of the warp
+// takes part.
+template <typename Index>
+__device__ __forceinline__ void store_group_sums(float (&acc)[kMaxRows], int lanes, bool stores, int mrows,
+                                                 Index index, void* out, Float out_kind) {
+#pragma unroll
+  for (int m = 0; m < kMaxRows; ++m) {
+    for (int off = lanes >> 1; off > 0; off >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], off);
+  }
+  if (stores) {
+#pragma unroll
+    for (int m = 0; m < kMaxRows; ++m) {
+      if (m < mrows) store_float(out, out_kind, index(m), acc[m]);
+    }
+  }
+}
+
 // out[m0 + m, r] for m < mrows and every row r; see the top of the file.
 template <ggml::Type T>
 __global__ void __launch_bounds__(kThreads)
@@ -262,18 +281,8 @@ __global__ void __launch_bounds__(kThreads)
     row_dots<T>(W + r * blocks_per_row * I::kBytes, blocks_per_row, sub, lanes, mrows,
                 [&](int m) { return acts.row(m0 + m); }, acc);
   }
-  // Lane groups are aligned powers of two, so xor offsets below `lanes` stay
-  // inside the group; every lane of the warp takes part.
-#pragma unroll
-  for (int m = 0; m < kMaxRows; ++m) {
-    for (int off = lanes >> 1; off > 0; off >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], off);
-  }
-  if (r < rows && sub == 0) {
-#pragma unroll
-    for (int m = 0; m < kMaxRows; ++m) {
-      if (m < mrows) store_float(out, out_kind, (m0 + m) * rows + r, acc[m]);
-    }
-  }
+  store_group_sums(acc, lanes, r < rows && sub == 0, mrows, [&](int m) { return (m0 + m) * rows + r; }, out,
+                   out_kind);
 }
 
 // ggml_mul_mat_id: out[p, r] = W[ids[p]] row r . activation row of pair p
@@ -316,17 +325,19 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // The pairs grouped by expert, on the device: order[start[e] .. start[e + 1])
-// lists the pairs whose slot chose expert e, in pair order. One block of
-// kGroupThreads: thread e counts expert e's pairs, a block scan gives the
-// starts, and thread e lists its pairs. No atomics (the same lists on every
-// run) and no host synchronisation.
+// lists the pairs whose slot chose expert e, in pair order, and active[1 ..
+// active[0]] the experts chosen at all, in expert order. One block of
+// kGroupThreads: thread e counts expert e's pairs, a block scan of the counts
+// (and of the chosen flags) gives the starts, and thread e lists its pairs.
+// No atomics (the same lists on every run) and no host synchronisation.
 constexpr int kGroupThreads = 1024;
-constexpr int64_t kMaxGroupedExperts = 8 * kGroupThreads;  // 36 KB of shared memory with the scan
+constexpr int64_t kMaxGroupedExperts = 8 * kGroupThreads;  // 40 KB of shared memory with the scans
 
-__global__ void __launch_bounds__(kGroupThreads)
-    group_pairs_kernel(const int32_t* ids, int64_t pairs, int64_t experts, int32_t* start, int32_t* order) {
+__global__ void __launch_bounds__(kGroupThreads) group_pairs_kernel(const int32_t* ids, int64_t pairs,
+                                                                     int64_t experts, int32_t* start,
+                                                                     int32_t* order, int32_t* active) {
   __shared__ int32_t counts[kMaxGroupedExperts];
-  __shared__ int32_t sums[kGroupThreads];
+  __shared__ int32_t sums[kGroupThreads], chosen[kGroupThreads];
   const int t = threadIdx.x;
   for (int64_t p = t; p < pairs; p += kGroupThreads) {
     CUDA_KERNEL_ASSERT(ids[p] >= 0 && ids[p] < experts && "ggml_mul_mat_id: ids value out of range");
@@ -337,28 +348,38 @@ __global__ void __launch_bounds__(kGroupThreads)
     counts[e] = n;
   }
   __syncthreads();
-  // Thread t's experts are [t * per, (t + 1) * per); an inclusive scan of
-  // their totals over the threads gives each range's first position.
+  // Thread t's experts are [t * per, (t + 1) * per); inclusive scans of their
+  // pair and chosen-expert totals over the threads give each range's first
+  // positions.
   const int64_t per = (experts + kGroupThreads - 1) / kGroupThreads;
   const int64_t e0 = std::min<int64_t>(t * per, experts), e1 = std::min<int64_t>(e0 + per, experts);
-  int32_t own = 0;
-  for (int64_t e = e0; e < e1; ++e) own += counts[e];
+  int32_t own = 0, own_chosen = 0;
+  for (int64_t e = e0; e < e1; ++e) {
+    own += counts[e];
+    own_chosen += counts[e] > 0;
+  }
   sums[t] = own;
+  chosen[t] = own_chosen;
   __syncthreads();
   for (int off = 1; off < kGroupThreads; off <<= 1) {
-    const int32_t v = t >= off ? sums[t - off] : 0;
+    const int32_t v = t >= off ? sums[t - off] : 0, c = t >= off ? chosen[t - off] : 0;
     __syncthreads();
     sums[t] += v;
+    chosen[t] += c;
     __syncthreads();
   }
-  int32_t pos = sums[t] - own;
+  int32_t pos = sums[t] - own, slot = chosen[t] - own_chosen;
   for (int64_t e = e0; e < e1; ++e) {
     const int32_t n = counts[e];
+    if (n > 0) active[1 + slot++] = static_cast<int32_t>(e);
     counts[e] = pos;
     start[e] = pos;
     pos += n;
   }
-  if (t == kGroupThreads - 1) start[experts] = sums[t];
+  if (t == kGroupThreads - 1) {
+    start[experts] = sums[t];
+    active[0] = chosen[t];
+  }
   __syncthreads();
   for (int64_t e = t; e < experts; e += kGroupThreads) {
     int32_t at = counts[e];
@@ -368,20 +389,22 @@ __global__ void __launch_bounds__(kGroupThreads)
   }
 }
 
-// ggml_mul_mat_id of quantized experts over grouped pairs: block (x, e)
-// takes rows of expert e (lane groups as matvec_kernel's) and its pairs up
-// to kMaxRows at a time, so each of the expert's weight blocks is read and
-// decoded once per 8 of its pairs, and an expert no slot chose costs two
-// reads. Each output is the one lane group's sum, as in matvec_id_kernel.
+// ggml_mul_mat_id of quantized experts over grouped pairs: block (x, y)
+// takes rows of the y-th chosen expert (lane groups as matvec_kernel's) and
+// its pairs up to kMaxRows at a time, so each of the expert's weight blocks
+// is read and decoded once per 8 of its pairs. The grid's y extent bounds the
+// number of chosen experts (min(experts, pairs)); the blocks past it return.
+// Each output is one lane group's sum, as in matvec_id_kernel.
 template <ggml::Type T>
 __global__ void __launch_bounds__(kThreads)
     matvec_grouped_kernel(const uint8_t* W, int64_t rows, int64_t blocks_per_row,
                           QuantizedActs<TypeInfo<T>::kAct> acts, const int32_t* start, const int32_t* order,
-                          int64_t slots, bool per_slot, int lanes_log2, void* out, Float out_kind) {
+                          const int32_t* active, int64_t slots, bool per_slot, int lanes_log2, void* out,
+                          Float out_kind) {
   using I = TypeInfo<T>;
-  const int64_t e = blockIdx.y;
+  if (static_cast<int32_t>(blockIdx.y) >= active[0]) return;  // the whole block: no shuffle is left waiting
+  const int64_t e = active[1 + blockIdx.y];
   const int32_t first = start[e], last = start[e + 1];
-  if (first == last) return;  // the whole block: no shuffle is left waiting
   const LaneGroup g(lanes_log2);
   const int lanes = g.lanes, sub = g.sub;
   const int64_t r = g.row;
@@ -399,16 +422,8 @@ __global__ void __launch_bounds__(kThreads)
       row_dots<T>(row, blocks_per_row, sub, lanes, mrows,
                   [&](int m) { return acts.row(per_slot ? pair[m] : pair[m] / slots); }, acc);
     }
-#pragma unroll
-    for (int m = 0; m < kMaxRows; ++m) {
-      for (int off = lanes >> 1; off > 0; off >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], off);
-    }
-    if (r < rows && sub == 0) {
-#pragma unroll
-      for (int m = 0; m < kMaxRows; ++m) {
-        if (m < mrows) store_float(out, out_kind, int64_t{pair[m]} * rows + r, acc[m]);
-      }
-    }
+    store_group_sums(acc, lanes, r < rows && sub == 0, mrows, [&](int m) { return int64_t{pair[m]} * rows + r; },
+                     out, out_kind);
   }
 }
 
@@ -479,10 +494,15 @@ int log2_lanes_for(int64_t units_per_row) {
   return lg;
 }
 
-// Slices read whole words of W (ggml::kSliceAlign): a weight that starts
-// elsewhere in its storage is copied to an aligned allocation.
-at::Tensor word_aligned(const at::Tensor& W) {
-  return reinterpret_cast<uintptr_t>(W.data_ptr()) % ggml::kSliceAlign == 0 ? W : W.clone(at::MemoryFormat::Contiguous);
+// Slices read whole words of W (ggml::kSliceAlign): a sliced type's weight
+// that starts elsewhere in its storage (a view at an odd offset; allocations
+// are aligned) is copied to an aligned allocation, on every call.
+template <ggml::Type T>
+at::Tensor slice_aligned(const char* op, const at::Tensor& W) {
+  if (!ggml::kSliced<T> || reinterpret_cast<uintptr_t>(W.data_ptr()) % ggml::kSliceAlign == 0) return W;
+  TORCH_WARN_ONCE(op, ": W starts ", reinterpret_cast<uintptr_t>(W.data_ptr()) % ggml::kSliceAlign,
+                  " bytes past a 16-byte boundary; each call copies it to an aligned buffer first");
+  return W.clone(at::MemoryFormat::Contiguous);
 }
 
 // The fused path: out [M, rows] in out's dtype.
@@ -554,10 +574,10 @@ at::Tensor ggml_mul_mat(const char* op, const at::Tensor& W, const at::Tensor& X
   at::Tensor out = at::empty({M, row}, X.options());
   if (M == 0 || row == 0) return out;
   if (x.size(1) == 0) return out.zero_();  // an empty sum
-  const at::Tensor Wa = word_aligned(W);
-  const uint8_t* w = Wa.data_ptr<uint8_t>();
   dispatch_ggml_type(type, [&](auto t) {
     constexpr ggml::Type T = decltype(t)::value;
+    const at::Tensor Wa = slice_aligned<T>(op, W);
+    const uint8_t* w = Wa.data_ptr<uint8_t>();
     if (any_m_fused || M <= kFusedMaxM) {
       mul_mat_fused<T>(w, row, x, out);
     } else {
@@ -577,10 +597,10 @@ at::Tensor ggml_mul_mat_id(const at::Tensor& W, const at::Tensor& X, const at::T
   at::Tensor out = at::zeros({c.tokens, c.slots, row}, X.options());
   if (pairs == 0 || row == 0 || c.n == 0) return out;
   const at::Tensor x = X.to(at::kFloat).contiguous().view({-1, c.n});
-  const at::Tensor Wa = word_aligned(W);
   dispatch_ggml_type(type, [&](auto t) {
     constexpr ggml::Type T = decltype(t)::value;
     using I = TypeInfo<T>;
+    const at::Tensor Wa = slice_aligned<T>("ggml_mul_mat_id", W);
     const int64_t blocks_per_row = c.n / I::kBlock;
     const int lg = log2_lanes_for(units_per_row<T>(blocks_per_row));
     const unsigned int row_blocks = static_cast<unsigned int>(ceil_div(row, int64_t{kWarps} * (32 >> lg)));
@@ -595,15 +615,16 @@ at::Tensor ggml_mul_mat_id(const at::Tensor& W, const at::Tensor& X, const at::T
     } else {
       const ActBuffers<I::kAct> acts = quantize_acts<I::kAct>(x);
       if (c.experts <= kMaxGroupedExperts && pairs <= std::numeric_limits<int32_t>::max()) {
-        at::Tensor start = at::empty({c.experts + 1}, x.options().dtype(at::kInt));
-        at::Tensor order = at::empty({pairs}, x.options().dtype(at::kInt));
-        group_pairs_kernel<<<1, kGroupThreads, 0, current_stream()>>>(
-            id, pairs, c.experts, start.data_ptr<int32_t>(), order.data_ptr<int32_t>());
+        const int64_t most_chosen = std::min(c.experts, pairs);
+        at::Tensor lists = at::empty({c.experts + 1 + pairs + 1 + most_chosen}, x.options().dtype(at::kInt));
+        int32_t* start = lists.data_ptr<int32_t>();
+        int32_t* order = start + c.experts + 1;
+        int32_t* active = order + pairs;
+        group_pairs_kernel<<<1, kGroupThreads, 0, current_stream()>>>(id, pairs, c.experts, start, order, active);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
-        matvec_grouped_kernel<T><<<dim3(row_blocks, static_cast<unsigned int>(c.experts)), kThreads, 0,
-                                   current_stream()>>>(Wa.data_ptr<uint8_t>(), row, blocks_per_row, acts.view,
-                                                       start.data_ptr<int32_t>(), order.data_ptr<int32_t>(),
-                                                       c.slots, c.per_slot, lg, o, kind);
+        matvec_grouped_kernel<T><<<dim3(row_blocks, static_cast<unsigned int>(most_chosen)), kThreads, 0,
+                                   current_stream()>>>(Wa.data_ptr<uint8_t>(), row, blocks_per_row, acts.view, start,
+                                                       order, active, c.slots, c.per_slot, lg, o, kind);
       } else {
         matvec_id_kernel<T><<<dim3(row_blocks, static_cast<unsigned int>(std::min<int64_t>(pairs, 65535))),
                               kThreads, 0, current_stream()>>>(Wa.data_ptr<uint8_t>(), c.experts, row,
