@@ -42,21 +42,43 @@ struct Slice {
   float m[TypeInfo<T>::kHasMin ? kSubs : 1];
 };
 
-// Eight little-endian words from 16-byte aligned bytes: two 128-bit loads on
-// the GPU (Q4_K's and Q5_K's blocks and word offsets are multiples of 16).
-LOWBIT_HD void load_words_a16(const uint8_t* p, uint32_t (&w)[8]) {
+// N little-endian words from bytes aligned to Align (2, 4 or 16). On the GPU:
+// 128-bit loads at 16; 32-bit loads at 4; at 2, the N aligned words from p
+// rounded down to 4 (at worst the 2 bytes before p, never before the weight's
+// first byte, which is 16-byte aligned) and the run's last 16 bits, two
+// neighbours funnel-shifted into each word: N + 1 loads where N pairs of
+// 16-bit loads would take 2N. Nothing past the run is read.
+template <int Align, int N>
+LOWBIT_HD void load_words(const uint8_t* p, uint32_t (&w)[N]) {
 #if defined(__CUDA_ARCH__)
-  const uint4* v = reinterpret_cast<const uint4*>(p);
-  LOWBIT_UNROLL
-  for (int h = 0; h < 2; ++h) {
-    const uint4 u = v[h];
-    w[4 * h] = u.x;
-    w[4 * h + 1] = u.y;
-    w[4 * h + 2] = u.z;
-    w[4 * h + 3] = u.w;
+  if constexpr (Align == 16) {
+    static_assert(N % 4 == 0, "128-bit loads give words in fours");
+    const uint4* v = reinterpret_cast<const uint4*>(p);
+    LOWBIT_UNROLL
+    for (int h = 0; h < N / 4; ++h) {
+      const uint4 u = v[h];
+      w[4 * h] = u.x;
+      w[4 * h + 1] = u.y;
+      w[4 * h + 2] = u.z;
+      w[4 * h + 3] = u.w;
+    }
+  } else if constexpr (Align == 4) {
+    LOWBIT_UNROLL
+    for (int i = 0; i < N; ++i) w[i] = load_w4(p + 4 * i);
+  } else {
+    static_assert(Align == 2, "alignment 2, 4 or 16");
+    const uint32_t shift = 8u * static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p) & 2u);  // 0 or 16 bits
+    const uint32_t* a = reinterpret_cast<const uint32_t*>(p - shift / 8);
+    uint32_t cur = a[0];
+    LOWBIT_UNROLL
+    for (int i = 0; i < N; ++i) {
+      const uint32_t next = i + 1 < N ? a[i + 1] : static_cast<uint32_t>(load_h2(p + 4 * N - 2));
+      w[i] = __funnelshift_r(cur, next, shift);
+      cur = next;
+    }
   }
 #else
-  for (int i = 0; i < 8; ++i) w[i] = load_u32(p + 4 * i);
+  for (int i = 0; i < N; ++i) w[i] = load_u32(p + 4 * i);
 #endif
 }
 
@@ -114,11 +136,12 @@ struct SliceCodec;
 // low nibbles of qs word i, elements 16 + 4i.. its high nibbles.
 template <int Align>
 LOWBIT_HD void nibble_words(const uint8_t* qs, uint32_t (&q)[8]) {
+  uint32_t w[4];
+  load_words<Align>(qs, w);
   LOWBIT_UNROLL
   for (int i = 0; i < 4; ++i) {
-    const uint32_t w = Align == 4 ? load_w4(qs + 4 * i) : load_w2(qs + 4 * i);
-    q[i] = w & 0x0f0f0f0fu;
-    q[4 + i] = (w >> 4) & 0x0f0f0f0fu;
+    q[i] = w[i] & 0x0f0f0f0fu;
+    q[4 + i] = (w[i] >> 4) & 0x0f0f0f0fu;
   }
 }
 
@@ -172,8 +195,7 @@ template <>
 struct SliceCodec<Type::Q8_0> {
   LOWBIT_HD static void decode(const uint8_t* b, int, Slice<Type::Q8_0>& o) {
     o.d[0] = half_w2(b);
-    LOWBIT_UNROLL
-    for (int i = 0; i < 8; ++i) o.q[i] = load_w2(b + 2 + 4 * i);
+    load_words<2>(b + 2, o.q);
   }
 };
 
@@ -195,8 +217,9 @@ template <int Align>
 LOWBIT_HD void crumb_words(const uint8_t* qs, int j, uint32_t (&q)[8]) {
   const uint8_t* p = qs + 32 * (j / 4);
   const int shift = 2 * (j % 4);
+  load_words<Align>(p, q);
   LOWBIT_UNROLL
-  for (int i = 0; i < 8; ++i) q[i] = ((Align == 4 ? load_w4(p + 4 * i) : load_w2(p + 4 * i)) >> shift) & 0x03030303u;
+  for (int i = 0; i < 8; ++i) q[i] = (q[i] >> shift) & 0x03030303u;
 }
 
 template <>
@@ -216,7 +239,9 @@ struct SliceCodec<Type::Q2_K> {  // scales[16] | qs[64] | d | dmin
 template <>
 struct SliceCodec<Type::Q3_K> {  // hmask[32] | qs[64] | scales[12] | d
   LOWBIT_HD static void decode(const uint8_t* b, int j, Slice<Type::Q3_K>& o) {
-    const Q3KScales k = q3k_scales(load_w2(b + 96), load_w2(b + 100), load_w2(b + 104));
+    uint32_t sc[3];
+    load_words<2>(b + 96, sc);
+    const Q3KScales k = q3k_scales(sc[0], sc[1], sc[2]);
     const float d = half_w2(b + 108);
     const uint64_t word = j < 4 ? k.words[0] : k.words[1];  // sub-blocks 2j, 2j + 1
     LOWBIT_UNROLL
@@ -226,11 +251,10 @@ struct SliceCodec<Type::Q3_K> {  // hmask[32] | qs[64] | scales[12] | d
     }
     crumb_words<2>(b + 32, j, o.q);
     // hmask bit j of byte l set means "no -4 offset" for element 32j + l.
+    uint32_t hmask[8];
+    load_words<2>(b, hmask);
     LOWBIT_UNROLL
-    for (int i = 0; i < 8; ++i) {
-      const uint32_t high = (load_w2(b + 4 * i) >> j) & 0x01010101u;
-      o.q[i] = minus_bytes(o.q[i] | (high << 2), 4);
-    }
+    for (int i = 0; i < 8; ++i) o.q[i] = minus_bytes(o.q[i] | (((hmask[i] >> j) & 0x01010101u) << 2), 4);
   }
 };
 
@@ -244,7 +268,7 @@ LOWBIT_HD void k4_slice(const uint8_t* b, const uint8_t* qs, int j, Slice<T>& o)
   const uint32_t shift = 8 * (j % 4);
   o.d[0] = mul_rn(d, static_cast<float>(((j < 4 ? k.scales[0] : k.scales[1]) >> shift) & 0xffu));
   o.m[0] = -mul_rn(dmin, static_cast<float>(((j < 4 ? k.mins[0] : k.mins[1]) >> shift) & 0xffu));
-  load_words_a16(qs + 32 * (j / 2), o.q);
+  load_words<16>(qs + 32 * (j / 2), o.q);
   const int nibble = 4 * (j % 2);
   LOWBIT_UNROLL
   for (int i = 0; i < 8; ++i) o.q[i] = (o.q[i] >> nibble) & 0x0f0f0f0fu;
@@ -261,7 +285,7 @@ struct SliceCodec<Type::Q5_K> {  // d | dmin | scales[12] | qh[32] | qs[128]
     k4_slice(b, b + 48, j, o);
     // Bit j of qh[l] is the fifth bit of element 32j + l.
     uint32_t qh[8];
-    load_words_a16(b + 16, qh);
+    load_words<16>(b + 16, qh);
     LOWBIT_UNROLL
     for (int i = 0; i < 8; ++i) o.q[i] |= ((qh[i] >> j) & 0x01010101u) << 4;
   }
@@ -277,12 +301,12 @@ struct SliceCodec<Type::Q6_K> {  // ql[128] | qh[64] | int8 scales[16] | d
     // Slice j = 4h + k: the low (k < 2) or high nibbles of ql[64h + 32(k % 2) ..]
     // and bits 2k, 2k + 1 of qh[32h ..], less 32.
     const int h = j / 4, k = j % 4;
-    const uint8_t* ql = b + 64 * h + 32 * (k % 2);
-    const uint8_t* qh = b + 128 + 32 * h;
+    uint32_t ql[8], qh[8];
+    load_words<2>(b + 64 * h + 32 * (k % 2), ql);
+    load_words<2>(b + 128 + 32 * h, qh);
     LOWBIT_UNROLL
     for (int i = 0; i < 8; ++i) {
-      const uint32_t low = (load_w2(ql + 4 * i) >> (4 * (k / 2))) & 0x0f0f0f0fu;
-      const uint32_t high = (load_w2(qh + 4 * i) >> (2 * k)) & 0x03030303u;
+      const uint32_t low = (ql[i] >> (4 * (k / 2))) & 0x0f0f0f0fu, high = (qh[i] >> (2 * k)) & 0x03030303u;
       o.q[i] = minus_bytes(low | (high << 4), 32);
     }
   }
@@ -312,7 +336,7 @@ LOWBIT_HD void slice_dot(const Slice<T>& w, const ActRow& a, int64_t first, floa
 #if defined(__CUDA_ARCH__)
   constexpr int kWords = I::kSub / 4;
   uint32_t x[8];
-  load_words_a16(reinterpret_cast<const uint8_t*>(a.q + first), x);
+  load_words<16>(reinterpret_cast<const uint8_t*>(a.q + first), x);
 #else
   // The CPU's compilers vectorize a dot over bytes, not one over words.
   int8_t levels[kSliceElems];
