@@ -14,8 +14,10 @@ GB/s against the device's copy bandwidth measured in the same run.
   (LOWBIT_CUDA_GPTQ_FUSED_MAX_M, in child processes), which is the
   measurement the per-bit crossover constants in csrc/cuda/gptq_gemm.cu are
   to be set from.
-- GGUF: ggml_mul_mat_vec_a8 at M = 1 and 8 and ggml_mul_mat_a8 at M = 64 for
-  Q4_0, Q4_K, Q5_K, Q6_K, Q8_0 and IQ4_XS on the same shapes (W is [N, K]).
+- GGUF: ggml_mul_mat_vec_a8 (the fused kernel at any M) at M = 1, 8, 16, 32,
+  64 and ggml_mul_mat_a8 (dequantize + cuBLAS above M = 8) at M = 16, 32, 64
+  for Q4_0, Q4_K, Q5_K, Q6_K, Q8_0 and IQ4_XS on the same shapes (W is
+  [N, K]): the crossover kFusedMaxM in csrc/cuda/ggml_matmul.cu is set from them.
 - GGUF experts: ggml_mul_mat_id on Qwen3-30B-A3B's expert shapes (128
   experts, 8 per token, gate/up 768x2048 and down 2048x768) for 1 and 32
   tokens, Q4_K and Q8_0; GB/s counts each chosen expert's bytes once; the
@@ -50,6 +52,9 @@ SWEEP_MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 FUSED_SWEEP_MAX_M = 512  # the forced-fused sweep stops here (it re-decodes W per 8 rows)
 GGUF_TYPES = {"Q4_0": 2, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "Q8_0": 8, "IQ4_XS": 23}
 GGUF_HALF_FIELDS = {"Q4_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q8_0": [0], "IQ4_XS": [0]}
+# ggml_mul_mat_vec_a8 runs the fused kernel at every M and ggml_mul_mat_a8 the
+# cuBLAS path above kFusedMaxM (8): the pairs at M = 16, 32, 64 give the crossover.
+GGUF_CASES = [("ggml_mul_mat_vec_a8", m) for m in (1, 8, 16, 32, 64)] + [("ggml_mul_mat_a8", m) for m in (16, 32, 64)]
 MOE = dict(experts=128, slots=8, shapes=[(768, 2048), (2048, 768)], tokens=[1, 32], types=["Q4_K", "Q8_0"])
 
 
@@ -362,7 +367,7 @@ def main():
     gguf = []
     for K, N in shapes:
         for name in GGUF_TYPES:
-            for op_name, M in (("ggml_mul_mat_vec_a8", 1), ("ggml_mul_mat_vec_a8", 8), ("ggml_mul_mat_a8", 64)):
+            for op_name, M in GGUF_CASES:
                 gguf.append(bench.gguf(name, K, N, op_name, M))
                 r = gguf[-1]
                 print(f"  {op_name} {name} {N}x{K} M={M}: {r['ms'] * 1e3:.1f} µs, {r['gbs']:.0f} GB/s", flush=True)
