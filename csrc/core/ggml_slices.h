@@ -2,8 +2,8 @@
 // words of four int8 levels, for the dot products of the types listed in
 // kSliced. A CUDA lane decodes a slice in registers (word loads, shifts and
 // masks, nothing in local memory) and meets the activations with __dp4a; the
-// CPU's portable kernel runs the same decoders and dot, so the CPU tests
-// check the code the GPU runs. Levels, scales and mins are Codec<T>::decode's
+// CPU's portable kernel runs the same decoders (and an exact byte dot), so
+// the CPU tests check the GPU's decoding. Levels, scales and mins are Codec<T>::decode's
 // (core/ggml_blocks.h), and slice_dot adds each sub-block's terms in
 // block_dot's order (core/ggml_q8.h): a block's slices, run in order, give
 // block_dot's sum bit for bit.
