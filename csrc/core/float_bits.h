@@ -101,21 +101,14 @@ LOWBIT_HD uint32_t load_u32(const uint8_t* p) {
          (static_cast<uint32_t>(p[3]) << 24);
 }
 
-// The same from 2-byte (load_h2, load_w2) or 4-byte (load_w4) aligned bytes:
-// one or two loads on the GPU, where the unaligned forms cost a byte load
-// each (the CPU's compilers make one load of either).
+// The same from 2-byte (load_h2) or 4-byte (load_w4) aligned bytes: one load
+// on the GPU, where the unaligned forms cost a byte load each (the CPU's
+// compilers make one load of either).
 LOWBIT_HD uint16_t load_h2(const uint8_t* p) {
 #if defined(__CUDA_ARCH__)
   return *reinterpret_cast<const uint16_t*>(p);
 #else
   return load_u16(p);
-#endif
-}
-LOWBIT_HD uint32_t load_w2(const uint8_t* p) {
-#if defined(__CUDA_ARCH__)
-  return static_cast<uint32_t>(load_h2(p)) | (static_cast<uint32_t>(load_h2(p + 2)) << 16);
-#else
-  return load_u32(p);
 #endif
 }
 LOWBIT_HD uint32_t load_w4(const uint8_t* p) {

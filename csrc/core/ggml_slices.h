@@ -89,6 +89,12 @@ LOWBIT_HD float half_w2(const uint8_t* p) { return fp16_to_fp32(load_h2(p)); }
 // cannot carry out of a byte, and flipping the top bit is subtracting 0x80.
 LOWBIT_HD uint32_t minus_bytes(uint32_t v, uint32_t off) { return (v + 0x01010101u * (0x80u - off)) ^ 0x80808080u; }
 
+// Every level of a slice less off (minus_bytes).
+LOWBIT_HD void minus_levels(uint32_t (&q)[8], uint32_t off) {
+  LOWBIT_UNROLL
+  for (int i = 0; i < 8; ++i) q[i] = minus_bytes(q[i], off);
+}
+
 // Bit k (k < 4) of the 4-bit x as bit 0 of byte k: the shifted copies
 // x << 7k do not overlap, so the product carries nothing.
 LOWBIT_HD uint32_t bits_to_bytes(uint32_t x) { return (x * 0x00204081u) & 0x01010101u; }
@@ -156,8 +162,7 @@ struct SliceCodec<Type::Q4_0> {
   LOWBIT_HD static void decode(const uint8_t* b, int, Slice<Type::Q4_0>& o) {
     o.d[0] = half_w2(b);
     nibble_words<2>(b + 2, o.q);
-    LOWBIT_UNROLL
-    for (int i = 0; i < 8; ++i) o.q[i] = minus_bytes(o.q[i], 8);
+    minus_levels(o.q, 8);
   }
 };
 
@@ -174,10 +179,11 @@ template <>
 struct SliceCodec<Type::Q5_0> {
   LOWBIT_HD static void decode(const uint8_t* b, int, Slice<Type::Q5_0>& o) {
     o.d[0] = half_w2(b);
+    uint32_t qh[1];
+    load_words<2>(b + 2, qh);
     nibble_words<2>(b + 6, o.q);
-    add_fifth_bits(load_w2(b + 2), o.q);
-    LOWBIT_UNROLL
-    for (int i = 0; i < 8; ++i) o.q[i] = minus_bytes(o.q[i], 16);
+    add_fifth_bits(qh[0], o.q);
+    minus_levels(o.q, 16);
   }
 };
 
