@@ -21,10 +21,11 @@ lowbit: lowbit.load_gguf_model + model.generate (greedy; a streamer stamps
 each token; decode steps through lowbit.fast_decoding, which the loaders
 set), in the file's layout and with lowbit.repack_model; a 4-bit GPTQ
 checkpoint of the 1B model through lowbit.load_gptq_model, with fp32
-activations, with int8 ones (int8_activations, gptq_gemm_a8), with int8
-ones and the fp16 embedding / tied head held as Q8_0 (float_tables), and
-with those and lowbit.repack_model (qweight in gptq_gemm_a8's panels), also
-with the tables as Q6_K (the Q4_K_M file's output type); on the shipped
+activations (in the checkpoint's layout, and with lowbit.repack_model:
+qweight in the panel layout), with int8 ones (int8_activations,
+gptq_gemm_a8), with int8 ones and the fp16 embedding / tied head held as
+Q8_0 (float_tables), and with those and lowbit.repack_model, also with the
+tables as Q6_K (the Q4_K_M file's output type); on the shipped
 file also with transformers' own decode steps (fast_decoding(model, False)), and
 with lowbit.compiled_decoding (static cache, compiled decode steps;
 inductor calling the kernels from Python, and from generated C++; the 1B
@@ -103,6 +104,7 @@ VARIANTS = {
     "lowbit-pool": "lowbit, file layout, kernels on lowbit's pool in every call",
     "lowbit-gptq": "lowbit, GPTQ",
     "lowbit-gptq-bf16": "lowbit, GPTQ, float32 matmul precision medium",
+    "lowbit-gptq-repacked": "lowbit, GPTQ, repacked",
     "lowbit-gptq-a8": "lowbit, GPTQ, int8 activations",
     "lowbit-gptq-a8-q8": "lowbit, GPTQ, int8 activations, Q8_0 tables",
     "lowbit-gptq-a8-q8-repacked": "lowbit, GPTQ, int8 activations, Q8_0 tables, repacked",
@@ -708,7 +710,7 @@ def main():
         "holds each round's). Ratios: over llama.cpp with its default buffers on the same file (the GPTQ rows: on "
         "the 1B Q4_K_M file), or with no extra buffers where every default-buffer run failed; above 1, lowbit "
         "faster. layout: lowbit's layers in its repacked layout (repack_model leaves Q6_K in the file's; GPTQ "
-        "layers: gptq_gemm_a8's panels); the size of llama.cpp's CPU_REPACK buffer, its repacked copy of the "
+        "layers: the panel layout); the size of llama.cpp's CPU_REPACK buffer, its repacked copy of the "
         "weights whose type it takes. MB: the file (GPTQ: the checkpoint directory).",
         "peak RSS: the process's high-water RSS (VmHWM); above imports: over its RSS after importing its library "
         "(torch, transformers and lowbit; llama_cpp).",

@@ -138,11 +138,11 @@ def test_loaded_gguf_models_generate_through_served_steps(gguf_path):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("layout", ["unsorted", "sorted", "int8", "int8 panels"])
+@pytest.mark.parametrize("layout", ["unsorted", "sorted", "panels", "int8", "int8 panels"])
 def test_gptq_models_generate_through_served_steps(layout, monkeypatch):
     """An act-order model's layers as a checkpoint holds them (the activations
-    permuted per call), with their rows sorted, with int8 activations and in
-    gptq_gemm_a8's panels: the steps call each layer's op directly."""
+    permuted per call), with their rows sorted, in the panel layout, with int8
+    activations and both: the steps call each layer's op directly."""
     from test_generation import act_order_gptq_model
 
     model = act_order_gptq_model(seed=2)
@@ -151,9 +151,9 @@ def test_gptq_models_generate_through_served_steps(layout, monkeypatch):
         if layout != "unsorted":
             m.sort_rows()
         m.int8_activations = layout.startswith("int8")
-        if layout == "int8 panels" and m.can_repack():
+        if layout.endswith("panels") and m.can_repack():
             m.repack()
-    assert layout != "int8 panels" or any(m.repacked for m in layers)
+    assert not layout.endswith("panels") or any(m.repacked for m in layers)
     ids = torch.tensor([[1, 7, 22, 5, 63, 40, 9]])
     own = generate(model, ids)
     calls = []
@@ -405,7 +405,7 @@ def gptq_model(layout, seed=2):
             if layout != "unsorted":
                 m.sort_rows()
             m.int8_activations = layout.startswith("int8")
-            if layout == "int8 panels" and m.can_repack():
+            if layout.endswith("panels") and m.can_repack():
                 m.repack()
     return model
 
@@ -499,6 +499,7 @@ STEP_MODELS = {
     "gguf repacked": lambda path: repacked_gguf_model(path),
     "gptq unsorted": lambda path: gptq_model("unsorted"),
     "gptq sorted": lambda path: gptq_model("sorted"),
+    "gptq panels": lambda path: gptq_model("panels"),
     "gptq int8 panels": lambda path: gptq_model("int8 panels"),
 }
 

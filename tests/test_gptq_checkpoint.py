@@ -601,7 +601,8 @@ def test_generate_command_runs_a_gptq_directory(tmp_path, capsys):
     with torch.no_grad():
         expect = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
                                 pad_token_id=tokenizer.eos_token_id)
-    assert out.strip() == tokenizer.decode(expect[0, 3:], skip_special_tokens=True).strip()
+    text = tokenizer.decode(expect[0, 3:], skip_special_tokens=True).strip()
+    assert out.strip() == text
     assert "LlamaForCausalLM" in err and "prompt 3 tokens" in err
     # --int8-activations: the same tokens as the loader's int8 model gives them.
     assert main(["generate", str(tmp_path / "ckpt"), "w1 w2 w3", "--tokens", "5", "--int8-activations"]) == 0
@@ -611,12 +612,12 @@ def test_generate_command_runs_a_gptq_directory(tmp_path, capsys):
                                      pad_token_id=tokenizer.eos_token_id)
     int8_text = tokenizer.decode(expect[0, 3:], skip_special_tokens=True).strip()
     assert capsys.readouterr().out.strip() == int8_text
-    # --repack with --int8-activations: the same tokens from gptq_gemm_a8's panels; alone, an error.
+    # --repack: the same tokens from the panel layout, with --int8-activations and without.
     assert main(["generate", str(tmp_path / "ckpt"), "w1 w2 w3", "--tokens", "5", "--int8-activations",
                  "--repack"]) == 0
     assert capsys.readouterr().out.strip() == int8_text
-    assert main(["generate", str(tmp_path / "ckpt"), "w1 w2 w3", "--tokens", "5", "--repack"]) == 1
-    assert "only --int8-activations layers read: pass both" in capsys.readouterr().err
+    assert main(["generate", str(tmp_path / "ckpt"), "w1 w2 w3", "--tokens", "5", "--repack"]) == 0
+    assert capsys.readouterr().out.strip() == text
     # --float-tables Q8_0: the loader's model with Q8_0 tables.
     assert main(["generate", str(tmp_path / "ckpt"), "w1 w2 w3", "--tokens", "5", "--float-tables", "Q8_0"]) == 0
     q8_model = lowbit.load_gptq_model(tmp_path / "ckpt", float_tables="Q8_0")
@@ -634,20 +635,20 @@ def test_generate_command_runs_a_gptq_directory(tmp_path, capsys):
     assert "the tokenizer has 600 tokens, the model's vocabulary 512" in capsys.readouterr().err
 
 
-def test_load_gptq_model_repack_holds_the_int8_layers_in_panels(tmp_path):
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_load_gptq_model_repack_holds_the_layers_in_panels(tmp_path, int8_activations):
     config = GPTQConfig(bits=4, group_size=32, sym=False, checkpoint_format="gptq_v2")
     model = tiny_llama()
     quantize(model, config)
     lowbit.save_gptq(model, tmp_path / "ckpt", config)
-    int8 = lowbit.load_gptq_model(tmp_path / "ckpt", int8_activations=True)
-    packed = lowbit.load_gptq_model(tmp_path / "ckpt", int8_activations=True, repack=True)
+    plain = lowbit.load_gptq_model(tmp_path / "ckpt", int8_activations=int8_activations)
+    packed = lowbit.load_gptq_model(tmp_path / "ckpt", int8_activations=int8_activations, repack=True)
     layers = [m for m in packed.modules() if isinstance(m, lowbit.GPTQLinear)]
     assert len(layers) == 8 and all(m.repacked and m.qweight.dim() == 3 for m in layers)  # fused: 4 a layer
     ids = torch.randint(0, 512, (1, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert torch.equal(packed(ids).logits, int8(ids).logits)
-    with pytest.raises(ValueError, match="pass int8_activations=True as well"):
-        lowbit.load_gptq_model(tmp_path / "ckpt", repack=True)
+        assert torch.equal(packed(ids).logits, plain(ids).logits)
+        assert torch.equal(packed(ids[:, :1]).logits, plain(ids[:, :1]).logits)
 
 
 def test_dynamic_overrides(tmp_path):

@@ -309,3 +309,38 @@ def test_shuffle_permutes_rows(device, bits):
     before = qweight.clone()
     torch.ops.lowbit.gptq_shuffle(qweight, torch.empty(0, dtype=torch.int32, device=device), bits)
     assert torch.equal(qweight, before)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_the_panel_layout_gives_the_same_bits(cpu_isa, bits):
+    """b_q_weight in the panel layout [N/64, rows, 64] (to_panels) gives the
+    checkpoint layout's bits through every path: the fused kernels (fp32 and
+    vdpbf16ps) and both large-M GEMM paths at every M, several column tasks
+    (N = 1088: 17 panels), contiguous groups, an unsorted act-order g_idx and
+    the shuffled layout."""
+    from lowbit.gptq.packing import to_panels
+
+    rng = np.random.default_rng([bits, 7])
+    k, n = 512, 1088
+    ckpt = ref.random_checkpoint(rng, k, n, bits, 128, False, "gptq_v2", True)
+    t = as_torch(ckpt, "cpu")
+    order = torch.argsort(t["g_idx"], stable=True).to(torch.int32)
+    shuffled = t["qweight"].clone()
+    torch.ops.lowbit.gptq_shuffle(shuffled, order, bits)
+    sorted_rows = torch.ops.lowbit.gptq_permute_rows(t["qweight"], order, bits)
+    layouts = {  # (qweight, g_idx, use_exllama)
+        "sorted": (sorted_rows, t["g_idx"][order.long()], False),
+        "unsorted": (t["qweight"], t["g_idx"], False),
+        "shuffled": (shuffled, order, True),
+    }
+    for name, (qweight, g_idx, exllama) in layouts.items():
+        panels = to_panels(qweight)
+        for mode in ("always", "gemm", "auto"):
+            torch.ops.lowbit.cpu_bf16_kernel(mode)
+            for M in (1, 3, 9, 35, 70) if name == "sorted" else (1, 70):
+                for dtype in DTYPES:
+                    a = torch.randn(M, k, generator=torch.Generator().manual_seed(M)).to(dtype)
+                    run = lambda q: torch.ops.lowbit.gptq_gemm(a, q, t["qzeros"], t["scales"], g_idx, exllama, True,
+                                                               bits)
+                    assert torch.equal(run(panels), run(qweight)), (name, mode, M, dtype)
+    torch.ops.lowbit.cpu_bf16_kernel("always")  # the fixture's setting, which it resets

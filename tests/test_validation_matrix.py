@@ -38,7 +38,7 @@ class Arg:
     contiguous: bool = True  # must be contiguous (else strides are accepted and give the same result)
     empty_ok: tuple = ()  # dims that may be empty (a valid empty call)
     rank_free: bool = False  # any rank is valid: activations [..., K], or raw GGUF bytes (only their count matters)
-    # One more leading dim is another valid layout: gptq_gemm_a8's panels [N/64, rows, 64] (with N = 64, [1, rows, 64]).
+    # One more leading dim is another valid layout: the GPTQ matmuls' panels [N/64, rows, 64] (with N = 64, [1, rows, 64]).
     extra_dim_ok: bool = False
 
 
@@ -86,15 +86,25 @@ def ggml_blocks(type_id=Q4_0):
 BITS_CASES = {f"bit {b}": (lambda kw, b=b: {"bit": b}, ValueError, "bit must be 2, 3, 4 or 8") for b in (-1, 0, 1, 5, 16)}
 PERM = lambda: torch.randperm(K, generator=torch.Generator().manual_seed(1)).to(I32)
 NOT_A_PERM = lambda: torch.cat([torch.zeros(2, dtype=I32), torch.arange(2, K, dtype=I32)])
+# Both GPTQ matmuls read the panel layout [N/64, rows, 64] on the CPU.
+PANEL_CASES = {
+    "panels of 32 columns": (lambda kw: {"b_q_weight": kw["b_q_weight"].view(-1, 2, 32).transpose(0, 1).contiguous()},
+                             ValueError, "a 3-D b_q_weight is the panel layout"),
+    "panels wider than the scales": (lambda kw: {"b_q_weight": torch.cat([kw["b_q_weight"][None]] * 2)},
+                                     ValueError, "b_gptq_scales must be"),
+    "b_q_weight 4-D": (lambda kw: {"b_q_weight": kw["b_q_weight"][None, None]}, ValueError,
+                       "b_q_weight must be 2-D .* or the 3-D panel layout"),
+}
 
 
 OPS = {
     "gptq_gemm": Op(gemm, {
         "a": Arg(FLOATS, contiguous=False, empty_ok=(0,), rank_free=True),
-        "b_q_weight": Arg((I32,)), "b_gptq_qzeros": Arg((I32,)), "b_gptq_scales": Arg(FLOATS),
+        "b_q_weight": Arg((I32,), extra_dim_ok=True), "b_gptq_qzeros": Arg((I32,)), "b_gptq_scales": Arg(FLOATS),
         "b_g_idx": Arg((I32, torch.int64), contiguous=False, empty_ok=(0,)),
     }, {
         **BITS_CASES,
+        **PANEL_CASES,
         "a has the wrong K": (lambda kw: {"a": torch.randn(3, K + 8)}, ValueError, "a must be"),
         "qweight rows of another bit width": (lambda kw: {"bit": 8}, ValueError, "b_gptq_qzeros|b_q_weight"),
         "qzeros one group short": (lambda kw: {"b_gptq_qzeros": kw["b_gptq_qzeros"][:-1].contiguous()}, ValueError,
@@ -121,12 +131,7 @@ OPS = {
     }, {
         **BITS_CASES,
         "a has the wrong K": (lambda kw: {"a": torch.randn(3, K + 8)}, ValueError, "a must be"),
-        "panels of 32 columns": (lambda kw: {"b_q_weight": kw["b_q_weight"].view(-1, 2, 32).transpose(0, 1).contiguous()},
-                                 ValueError, "a 3-D b_q_weight is the panel layout"),
-        "panels wider than the scales": (lambda kw: {"b_q_weight": torch.cat([kw["b_q_weight"][None]] * 2)},
-                                         ValueError, "b_gptq_scales must be"),
-        "b_q_weight 4-D": (lambda kw: {"b_q_weight": kw["b_q_weight"][None, None]}, ValueError,
-                           "b_q_weight must be 2-D .* or the 3-D panel layout"),
+        **PANEL_CASES,
         "g_idx past the groups": (lambda kw: {"b_g_idx": kw["b_g_idx"] + 1}, ValueError, "b_g_idx values must lie"),
         "groups not contiguous": (lambda kw: {"b_g_idx": kw["b_g_idx"].flip(0).contiguous()}, ValueError,
                                   "b_g_idx must put the rows in contiguous groups"),

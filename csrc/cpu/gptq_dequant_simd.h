@@ -54,10 +54,11 @@ struct DequantSimd {
       // Walking down a column instead (rows a power-of-two stride apart) hit
       // the same few L1 sets and measured 2x slower.
       for (int64_t k = g0; k < g1; k += P::kFields) {
-        const uint32_t* q = w.qweight + (k / P::kFields) * P::kWords * w.N;
+        const int64_t row = k / P::kFields * P::kWords;
         for (int64_t n = n0; n < n1; n += L) {
+          const uint32_t* q = w.words(row, n);
           I words[P::kWords];
-          for (int i = 0; i < P::kWords; ++i) words[i] = V::load_i(q + i * w.N + n);
+          for (int i = 0; i < P::kWords; ++i) words[i] = V::load_i(q + i * w.row_stride());
           pack(std::make_integer_sequence<int, P::kFields>{}, words, V::load_i(z.data() + (n - n0)),
                V::load(s.data() + (n - n0)), k - k0, n - n0, sink);
         }

@@ -272,7 +272,7 @@ struct FusedBf16 {
   template <int U>
   struct Decoded {
     const uint32_t* q;  // the chunk's first words, at the tile's first column
-    int64_t N;
+    int64_t stride;     // words from a row to the next
     int64_t ahead;  // words from a row to the same column of the next chunk's, prefetched
     struct Pack {
       Words x[U];
@@ -282,7 +282,7 @@ struct FusedBf16 {
       for (int u = 0; u < U; ++u) {
         __m512i raw[P::kWords];
         for (int w = 0; w < P::kWords; ++w) {
-          const uint32_t* row = q + (p * P::kWords + w) * N + u * L;
+          const uint32_t* row = q + (p * P::kWords + w) * stride + u * L;
           __builtin_prefetch(row + ahead, 0, 2);  // read, locality 2: prefetcht1, into L2
           raw[w] = _mm512_loadu_si512(row);
           // Held in a register: GCC would fold this load into each shift
@@ -313,10 +313,10 @@ struct FusedBf16 {
     }
   };
 
-  static void decode_panel(const uint32_t* q, int64_t N, int64_t packs, __m512i* panel) {
+  static void decode_panel(const uint32_t* q, int64_t stride, int64_t packs, __m512i* panel) {
     using Source = Decoded<kPanelU>;
     for (int64_t p = 0; p < packs; ++p) {
-      const typename Source::Pack pack = Source{q, N}.at(p);
+      const typename Source::Pack pack = Source{q, stride}.at(p);
       static_for<Pairs::kPairs>([&](auto I) {
         for (int u = 0; u < kPanelU; ++u)
           _mm512_store_si512(panel + (p * Pairs::kPairs + I) * kPanelU + u,
@@ -385,21 +385,23 @@ struct FusedBf16 {
       const int64_t group_end = std::min(w.K, (g + 1) * gs);  // the last group may be short
       for (int64_t k0 = g * gs; k0 < group_end; k0 += kChunkRows) {
         read_chunk(a, a16, w.K, k0, std::min(kChunkRows, group_end - k0), in);
-        const uint32_t* q = w.qweight + k0 / P::kFields * P::kWords * N;
-        // A task's columns of a chunk's rows are short runs N * 4 bytes
-        // apart, too many streams for the hardware prefetcher: each tile
-        // prefetches its columns of the next chunk's rows.
-        const int64_t ahead = kChunkRows / P::kFields * P::kWords * N;
+        const int64_t row = k0 / P::kFields * P::kWords, stride = w.row_stride();
+        // In the checkpoint's layout a task's columns of a chunk's rows are
+        // short runs N * 4 bytes apart, too many streams for the hardware
+        // prefetcher: each tile prefetches its columns of the next chunk's
+        // rows (in the panel layout, the words that follow). A tile's
+        // columns divide a panel's, so no tile crosses one.
+        const int64_t ahead = kChunkRows / P::kFields * P::kWords * stride;
         if (M <= kDecodeMaxRows) {
           for_row_tiles(M, [&](auto mt, int64_t m0) {
             constexpr int MT = decltype(mt)::value, U = kU<MT>;
             for (int64_t n = n0; n < n1; n += U * L)
-              tile<MT, U, Planes>(Decoded<U>{q + n, N, ahead}, in, m0, z + (n - n0), s + (n - n0), out + n, N);
+              tile<MT, U, Planes>(Decoded<U>{w.words(row, n), stride, ahead}, in, m0, z + (n - n0), s + (n - n0), out + n, N);
           });
           continue;
         }
         for (int64_t n = n0; n < n1; n += kPanelU * L) {
-          decode_panel(q + n, N, in.packs, panel);
+          decode_panel(w.words(row, n), stride, in.packs, panel);
           for_row_tiles(M, [&](auto mt, int64_t m0) {
             tile<decltype(mt)::value, kPanelU, Planes>(Panel<kPanelU>{panel}, in, m0, z + (n - n0), s + (n - n0),
                                                        out + n, N);

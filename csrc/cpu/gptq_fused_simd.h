@@ -167,14 +167,15 @@ struct FusedSimd {
   // The float value of every index a lookup can see: index & kMask.
   static F levels() { return V::cvt(V::and_(V::iota(), V::set1_i(static_cast<int32_t>(P::kMask)))); }
 
-  // One group (packs packs from word row q) of MT rows x U*L columns, added
-  // to out as s * partial sum; the same columns `ahead` words on (the next
-  // group's rows) are prefetched. Never inlined: where GCC inlined it (3-bit,
-  // 3 rows) its register allocation in the larger caller was 10% slower.
+  // One group (packs packs from word row q, rows `stride` words apart) of MT
+  // rows x U*L columns, added to out (rows N apart) as s * partial sum; the
+  // same columns `ahead` words on (the next group's rows) are prefetched.
+  // Never inlined: where GCC inlined it (3-bit, 3 rows) its register
+  // allocation in the larger caller was 10% slower.
   template <int MT>
-  __attribute__((noinline)) static void group_tile(const GroupInputs& in, const uint32_t* q, int64_t N,
-                                                   int64_t packs, int64_t ahead, const int32_t* z, const float* s,
-                                                   float* out) {
+  __attribute__((noinline)) static void group_tile(const GroupInputs& in, const uint32_t* q, int64_t stride,
+                                                   int64_t N, int64_t packs, int64_t ahead, const int32_t* z,
+                                                   const float* s, float* out) {
     constexpr int U = kU<MT>;
     F acc[MT][U];
     I zero[U];
@@ -186,7 +187,7 @@ struct FusedSimd {
       I words[P::kWords][U];
       for (int w = 0; w < P::kWords; ++w)
         for (int u = 0; u < U; ++u) {
-          const uint32_t* row = q + (p * P::kWords + w) * N + u * L;
+          const uint32_t* row = q + (p * P::kWords + w) * stride + u * L;
           __builtin_prefetch(row + ahead, 0, 2);  // read, locality 2: prefetcht1, into L2
           words[w][u] = V::load_i(row);
           if constexpr (kPinWords<MT>) asm("" : "+v"(words[w][u]));
@@ -262,13 +263,15 @@ struct FusedSimd {
         }
       in.tables = scratch.tables.data();
     }
-    // A task's columns of a group's rows are short runs N * 4 bytes apart,
-    // too many streams for the hardware prefetcher: each tile prefetches its
-    // columns of the next group's rows, read after the rest of this group's.
-    const int64_t group_words = gs / P::kFields * P::kWords * w.N;
-    const uint32_t* qg = w.qweight + g * group_words;
+    // In the checkpoint's layout a task's columns of a group's rows are short
+    // runs N * 4 bytes apart, too many streams for the hardware prefetcher:
+    // each tile prefetches its columns of the next group's rows, read after
+    // the rest of this group's (in the panel layout, the words that follow).
+    // A tile's U * L columns divide a panel's, so no tile crosses one.
+    const int64_t group_rows = gs / P::kFields * P::kWords, stride = w.row_stride();
     for (int64_t n = n0; n < n1; n += kU<MT> * L) {
-      group_tile<MT>(in, qg + n, w.N, packs, group_words, z + (n - n0), s + (n - n0), out + m0 * w.N + n);
+      group_tile<MT>(in, w.words(g * group_rows, n), stride, w.N, packs, group_rows * stride, z + (n - n0),
+                     s + (n - n0), out + m0 * w.N + n);
     }
   }
 

@@ -84,12 +84,17 @@ class GroupRun {
 template <int B>
 inline void dequant_row(const GptqWeight& w, int64_t k, GroupRun<B>& run, int64_t n0, int64_t n1, float* out) {
   const gptq::FieldLoc f = gptq::locate<B>(k);
-  const uint32_t* lo = w.qweight + f.lo * w.N;
-  const uint32_t* hi = w.qweight + f.hi * w.N;
   run.select(w.group_of(k));
   const int32_t* z = run.zeros() - n0;
   const float* s = run.scales() - n0;
-  for (int64_t n = n0; n < n1; ++n) out[n - n0] = gptq::dequant(gptq::extract(lo[n], hi[n], f), z[n], s[n]);
+  for (int64_t n = n0, end; n < n1; n = end) {  // runs of contiguous words
+    end = w.run_end(n, n1);
+    const uint32_t* lo = w.words(f.lo, n);
+    const uint32_t* hi = w.words(f.hi, n);
+    for (int64_t i = n; i < end; ++i) {
+      out[i - n0] = gptq::dequant(gptq::extract(lo[i - n], hi[i - n], f), z[i], s[i]);
+    }
+  }
 }
 
 // The portable fused kernel: out[:, n0:n1] = a[M, K] @ W[:, n0:n1], kFusedMaxM
@@ -303,7 +308,8 @@ at::Tensor gptq_gemm(const at::Tensor& a, const at::Tensor& b_q_weight, const at
   // Shuffled weights: b_g_idx is the permutation given to gptq_shuffle, and
   // shuffled row i belongs to group i / (K / groups). Unshuffled: b_g_idx is
   // the checkpoint's g_idx.
-  const auto [d, idx] = check_gemm_args(a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_exllama, bit);
+  const auto [d, idx] =
+      check_gemm_args(a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_exllama, bit, "gptq_gemm", true);
   at::Tensor a2 = a.reshape({-1, d.K}).to(at::kFloat);
   if (use_exllama && idx.numel()) a2 = a2.index_select(1, idx.to(at::kLong));
   a2 = a2.contiguous();

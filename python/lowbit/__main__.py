@@ -167,9 +167,6 @@ def load_model_and_tokenizer(path: str, repack: bool = False, int8_activations: 
             if given:
                 raise ValueError(f"{path}: {flag} is for GPTQ checkpoints (a GGUF file's types fix theirs)")
         return load_gguf_model(path, repack=repack), load_gguf_tokenizer(path)
-    if repack and not int8_activations:
-        raise ValueError(f"{path}: --repack on a GPTQ checkpoint holds its layers in gptq_gemm_a8's panel layout, "
-                         f"which only --int8-activations layers read: pass both")
     import transformers
 
     model = load_gptq_model(path, int8_activations=int8_activations, float_tables=float_tables, repack=repack)
@@ -334,8 +331,8 @@ def main(argv=None) -> int:
                           help="GGUF: the layers of the types the CPU kernels read repacked "
                                "(torch.ops.lowbit.cpu_reads_repacked; lowbit.repack_model leaves dense Q6_K "
                                "layers out) in that layout (each layer's results the same, for the 32-element types "
-                               "to fp32 rounding, which can flip an 8-bit activation rounding downstream); GPTQ, with "
-                               "--int8-activations: the layers in gptq_gemm_a8's panel layout (the same results)")
+                               "to fp32 rounding, which can flip an 8-bit activation rounding downstream); GPTQ: the "
+                               "layers in the panel layout (the same results)")
     generate.add_argument("--int8-activations", action="store_true",
                           help="GPTQ: activations rounded to int8 per group for integer dot products "
                                "(GPTQLinear.int8_activations): faster on the CPU, about 2^-8 of the products' "

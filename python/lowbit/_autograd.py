@@ -72,6 +72,8 @@ def _gptq_backward(ctx, grad):
 
 
 def _gptq_grad(grad, qweight, qzeros, scales, g_idx, use_exllama, use_v2_format, bit, dtype):
+    if qweight.dim() == 3:  # the panel layout: the checkpoint's rows for gptq_dequantize
+        qweight = from_panels(qweight)
     K = qweight.shape[0] // words_per_pack(bit) * fields_per_pack(bit)
     groups = scales.shape[0]
     g = grad.reshape(-1, grad.shape[-1]).float()
@@ -104,10 +106,7 @@ def _gptq_a8_setup(ctx, inputs, output):
 
 
 def _gptq_a8_backward(ctx, grad):
-    qweight, *rest = ctx.saved_tensors
-    if qweight.dim() == 3:  # the panel layout: the checkpoint's rows for gptq_dequantize
-        qweight = from_panels(qweight)
-    return _gptq_grad(grad, qweight, *rest, *ctx.flags)[:7]
+    return _gptq_grad(grad, *ctx.saved_tensors, *ctx.flags)[:7]
 
 
 torch.library.register_autograd("lowbit::gptq_gemm_a8", _gptq_a8_backward, setup_context=_gptq_a8_setup)

@@ -272,7 +272,8 @@ def gptq_gemm(a: Tensor, b_q_weight: Tensor, b_gptq_qzeros: Tensor, b_gptq_scale
     empty. Shuffled (use_exllama True): b_q_weight went through gptq_shuffle(q_perm) and
     b_g_idx is that q_perm (or empty); the op computes a[..., q_perm] @ W_shuffled, with
     shuffled row i in group i // (K / groups), so groups must be of equal size. vLLM's
-    argument names and order."""
+    argument names and order. On the CPU b_q_weight may also be in the panel layout
+    [N/64, K*bit/32, 64] (as gptq_gemm_a8 takes it): the same bits, streamed faster."""
     return torch.ops.lowbit.gptq_gemm(a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_exllama,
                                       use_v2_format, bit)
 
@@ -292,7 +293,8 @@ def _gemm_args(op, a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_exl
 
 @torch.library.register_fake("lowbit::gptq_gemm")
 def _gptq_gemm(a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_exllama, use_v2_format, bit):
-    _, N, _ = _gemm_args("gptq_gemm", a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_exllama, bit)
+    _, N, _ = _gemm_args("gptq_gemm", a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_exllama, bit,
+                         panels=b_q_weight.device.type != "cuda")
     return a.new_empty((*a.shape[:-1], N))
 
 

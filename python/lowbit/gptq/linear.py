@@ -65,10 +65,11 @@ class GPTQLinear(StoredBuffers):
     which only gptq_gemm_a8's portable loop reads, and gptq_gemm's SIMD fp32
     kernel is faster there.
 
-    `repack()` (such a layer on the CPU, out_features a multiple of 64; what
+    `repack()` (a layer on the CPU, out_features a multiple of 64; what
     lowbit.repack_model does to every one) holds qweight in the panel layout
-    gptq_gemm_a8 streams fastest (packing.to_panels), its rows sorted by
-    group first: the same results bit for bit. state_dict(), dequantize() and
+    (packing.to_panels), its rows sorted by group first: each 64 columns'
+    rows one contiguous stream, which both CPU kernels read faster from
+    memory, with the same results bit for bit. state_dict(), dequantize() and
     a move to another device still see the checkpoint's layout.
     """
 
@@ -230,20 +231,17 @@ class GPTQLinear(StoredBuffers):
         return self
 
     def can_repack(self) -> bool:
-        """Whether repack() applies: a CPU layer whose CPU inputs gptq_gemm_a8
-        multiplies (int8_activations, 2, 4 or 8 bits) and whose out_features is
+        """Whether repack() applies: a layer on the CPU whose out_features is
         a multiple of the panel width."""
-        return (self.int8_activations and self.bits != 3 and self.out_features % PANEL_COLS == 0
-                and self.qweight.device.type == "cpu")
+        return self.out_features % PANEL_COLS == 0 and self.qweight.device.type == "cpu"
 
     def repack(self) -> GPTQLinear:
         """qweight's rows sorted by group (sort_rows) and held in the panel
         layout, in place (see the class docstring); returns self."""
         if not self.repacked:
             if not self.can_repack():
-                raise ValueError(f"GPTQLinear.repack: the panel layout is gptq_gemm_a8's on the CPU; this layer has "
-                                 f"int8_activations={self.int8_activations}, bits={self.bits}, out_features="
-                                 f"{self.out_features} (a multiple of {PANEL_COLS} needed), qweight on "
+                raise ValueError(f"GPTQLinear.repack: the panel layout is the CPU kernels'; this layer has "
+                                 f"out_features={self.out_features} (a multiple of {PANEL_COLS} needed), qweight on "
                                  f"{self.qweight.device}")
             self.sort_rows()
             self._hold(to_panels(self.qweight), repacked=True)
@@ -382,9 +380,8 @@ class GPTQLinear(StoredBuffers):
         buffers = self._buffers
         v2 = self.checkpoint_format == "gptq_v2"
         cpu = x2.device.type == "cpu"
-        if self.repacked and not (self.int8_activations and cpu):
-            raise RuntimeError(f"GPTQLinear: a repacked layer runs on gptq_gemm_a8 (CPU inputs, int8_activations); "
-                               f"got {x2.device} inputs with int8_activations={self.int8_activations}: call "
+        if self.repacked and not cpu:
+            raise RuntimeError(f"GPTQLinear: a repacked layer runs on the CPU kernels; got {x2.device} inputs: call "
                                f"unrepack() first")
         # gptq_gemm_a8 needs contiguous groups, which a traced (fake, vmapped)
         # act-order layer with unsorted rows (_prepare) does not give it: gptq_gemm takes any.
@@ -408,8 +405,8 @@ class GPTQLinear(StoredBuffers):
         return w.t().to(dtype or self.scales.dtype)
 
     def _apply(self, fn, recurse=True):
-        # Only gptq_gemm_a8 on the CPU reads the panel layout: going anywhere
-        # else, qweight goes back to the checkpoint's layout first.
+        # Only the CPU kernels read the panel layout: going anywhere else,
+        # qweight goes back to the checkpoint's layout first.
         if self.repacked and fn(torch.empty(0, dtype=torch.int32)).device.type != "cpu":
             self.unrepack()
         out = super()._apply(fn, recurse)

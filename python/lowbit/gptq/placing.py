@@ -47,9 +47,9 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     instead of three; save_gptq writes them apart again).
     `int8_activations` sets every GPTQLinear's (GPTQLinear: activations
     rounded to int8 per group for integer dot products, faster on the CPU;
-    2-, 4- and 8-bit layers); lowbit.repack_model(model) then holds those
-    layers in the panel layout gptq_gemm_a8 streams fastest, and `repack`
-    does that here (it needs int8_activations).
+    2-, 4- and 8-bit layers). `repack` holds every GPTQLinear in the panel
+    layout the CPU kernels stream fastest (lowbit.repack_model; the same
+    results bit for bit, the checkpoint's layout again in a state dict).
     `float_tables="Q8_0"` holds those two tables as Q8_0 blocks instead,
     quantized at load as llama.cpp's quantizer does (lowbit.ops.ggml_quantize):
     about half their memory and half the head's reads per token, which is
@@ -68,9 +68,6 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     import transformers
 
     dtype = model_dtype(dtype, "load_gptq_model")
-    if repack and not int8_activations:
-        raise ValueError("load_gptq_model: repack holds GPTQ layers in gptq_gemm_a8's panel layout, which only "
-                         "int8_activations layers read: pass int8_activations=True as well")
     directory, _ = checkpoint_files(os.fspath(path))
     check_layer_count(directory)
 
