@@ -923,3 +923,30 @@ def test_smollm2_config_and_names(smollm2):
     unmapped = [name for name in f.tensors if hf_name(name, "llama") is None]
     assert unmapped == [], f"GGUF tensors without an HF name: {unmapped}"
     assert len({hf_name(name, "llama") for name in f.tensors}) == len(f.tensors) == 2 + 9 * 30
+
+
+@pytest.mark.parametrize("name, at, bits", [
+    ("blk.0.attn_q.weight", 0, 0x7E00),      # Q4_0's d: NaN
+    ("blk.0.ffn_gate.weight", 2, 0x7C00),    # Q4_1's m: +Inf
+    ("blk.0.ffn_up.weight", 0, 0xFC00),      # Q5_0's d: -Inf
+    ("blk.0.ffn_down.weight", 2, 0x7E01),    # Q5_1's m: NaN
+    ("blk.0.attn_v.weight", 0, 0x7C00),      # Q8_0's d
+    ("blk.0.ffn_gate_exps.weight", 0, 0x7E00),  # a 3-D tensor's row
+    ("blk.0.attn_output.weight", 6, 0x7C00),    # an F16 value
+    ("output.weight", 6, 0x7F80),               # a BF16 value: +Inf
+])
+def test_check_finite_names_the_tensor_and_row_of_a_corrupt_scale(toy, tmp_path, name, at, bits):
+    """GGUFTensor.check_finite (load_gguf_model's check_tensors) refuses a
+    NaN or infinity in a block's scale or min, or in a float tensor's values,
+    naming the tensor and its first such row; the intact file passes."""
+    intact = load_gguf(toy.path)
+    for t in intact.tensors.values():
+        t.check_finite("intact")
+    row_bytes = intact.tensors[name].data.shape[1]
+    start = tensor_info_offsets(toy.path, name)["data"]
+    bad = load_gguf(patched(toy.path, str(tmp_path / "bad.gguf"), start + 2 * row_bytes + at, "H", bits))
+    with pytest.raises(GGUFError, match=rf"^where: tensor '{name}' \(\w+\) holds a NaN or infinity in row 2 of"):
+        bad.tensors[name].check_finite("where")
+    for other in bad.tensors.values():
+        if other.name != name:
+            other.check_finite("where")

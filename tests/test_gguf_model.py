@@ -221,6 +221,8 @@ def test_generate_command_prints_the_continuation(capsys):
     assert "LlamaForCausalLM" in err and "prefill" in err and "decode" in err
     assert main(["generate", PATH, PROMPT, "--tokens", "4", "--repack"]) == 0
     assert capsys.readouterr().out == out
+    assert main(["generate", PATH, PROMPT, "--tokens", "4", "--check-tensors"]) == 0
+    assert capsys.readouterr().out == out
     assert main(["generate", PATH, PROMPT, "--tokens", "4", "--int8-activations"]) == 1
     assert "--int8-activations is for GPTQ checkpoints" in capsys.readouterr().err
     assert main(["generate", PATH, PROMPT, "--tokens", "4", "--float-tables", "Q8_0"]) == 1
@@ -316,3 +318,23 @@ def test_chat_prompt_bounds_what_a_template_may_spend(template, says):
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 100_000  # KiB: the 10 GB stayed in the child
     tokenizer.chat_template = good
     assert torch.equal(chat_prompt(PATH, tokenizer, "hi", 4096), expect)
+
+
+def test_check_tensors_refuses_a_corrupt_block_scale(tmp_path):
+    """load_gguf_model(check_tensors=True) refuses a file with a NaN block
+    scale, naming the file, the tensor and the row; without the check the
+    file loads and the NaN reaches the logits."""
+    from gguf_files import patched, tensor_info_offsets
+    from tiny_models import tiny_model, write_tiny_gguf
+
+    path = str(write_tiny_gguf(tmp_path / "tiny.gguf", tiny_model("llama", 0), "llama"))
+    name = "blk.1.ffn_down.weight"
+    row_bytes = lowbit.gguf.load_gguf(path).tensors[name].data.shape[1]
+    bad = patched(path, str(tmp_path / "bad.gguf"), tensor_info_offsets(path, name)["data"] + 5 * row_bytes, "H",
+                  0x7E00)
+    lowbit.load_gguf_model(path, check_tensors=True)
+    with pytest.raises(lowbit.gguf.GGUFError, match=re.escape(f"load_gguf_model: {bad}: tensor '{name}' (Q8_0) holds "
+                                                              "a NaN or infinity in row 5 of")):
+        lowbit.load_gguf_model(bad, check_tensors=True)
+    with torch.no_grad():
+        assert torch.isnan(lowbit.load_gguf_model(bad)(torch.tensor([[1, 2, 3]])).logits).any()

@@ -154,9 +154,10 @@ class _TimedStreamer:
 
 
 def load_model_and_tokenizer(path: str, repack: bool = False, int8_activations: bool = False,
-                             float_tables: str | None = None):
+                             float_tables: str | None = None, check_tensors: bool = False):
     """A .gguf file's model and tokenizer (both from the file; `repack`: its
-    layers in the CPU kernels' repacked layout), or a GPTQ checkpoint
+    layers in the CPU kernels' repacked layout; `check_tensors`:
+    load_gguf_model's), or a GPTQ checkpoint
     directory's (the tokenizer saved beside the weights; `int8_activations`,
     `float_tables` and `repack`: load_gptq_model's)."""
     from .gguf.model import load_gguf_model, load_gguf_tokenizer
@@ -166,7 +167,7 @@ def load_model_and_tokenizer(path: str, repack: bool = False, int8_activations: 
         for flag, given in (("--int8-activations", int8_activations), ("--float-tables", float_tables)):
             if given:
                 raise ValueError(f"{path}: {flag} is for GPTQ checkpoints (a GGUF file's types fix theirs)")
-        return load_gguf_model(path, repack=repack), load_gguf_tokenizer(path)
+        return load_gguf_model(path, repack=repack, check_tensors=check_tensors), load_gguf_tokenizer(path)
     import transformers
 
     model = load_gptq_model(path, int8_activations=int8_activations, float_tables=float_tables, repack=repack)
@@ -239,7 +240,8 @@ def cmd_generate(args) -> None:
         raise ValueError(f"the prompt is not UTF-8 text: byte {args.prompt[e.start].encode('utf-8', 'surrogateescape')!r} "
                          f"at character {e.start}") from None
     start = time.perf_counter()
-    model, tokenizer = load_model_and_tokenizer(args.path, args.repack, args.int8_activations, args.float_tables)
+    model, tokenizer = load_model_and_tokenizer(args.path, args.repack, args.int8_activations, args.float_tables,
+                                                args.check_tensors)
     compiled_decoding(model, args.compile)
     loaded = time.perf_counter() - start
     context = model.config.max_position_embeddings
@@ -341,6 +343,10 @@ def main(argv=None) -> int:
                           help="GPTQ: the float token embedding and LM head held as Q8_0 (or Q6_K) blocks, "
                                "quantized at load as llama.cpp does (load_gptq_model's float_tables): about half "
                                "(Q6_K: two fifths) of their memory and the head's reads per token")
+    generate.add_argument("--check-tensors", action="store_true",
+                          help="GGUF: decode every tensor at load and refuse one holding a NaN or infinity (a "
+                               "corrupt block scale), as llama.cpp's --check-tensors (load_gguf_model's "
+                               "check_tensors; about 2.5 s per GB); a GPTQ checkpoint's scales are always checked")
     generate.add_argument("--compile", action="store_true",
                           help="static KV cache and compiled decode steps (lowbit.compiled_decoding): faster "
                                "steps after a first one that compiles (about a minute on 2 cores); not for "

@@ -69,6 +69,21 @@ class GGUFTensor:
         rows, row_len = self.data.shape[0], self.shape[-1]
         return torch.ops.lowbit.ggml_dequantize(self.data, self.type, rows, row_len, dtype).reshape(self.shape)
 
+    def check_finite(self, where: str) -> None:
+        """Refuses, as GGUFError naming `where`, the tensor and its first such
+        row, a value that is not finite: a NaN or infinity in a block's scales
+        (which makes its whole block so) or in a float tensor, the values
+        llama.cpp's --check-tensors refuses. Decoded about 256k values at a time."""
+        rows, row_len = self.data.shape[0], self.shape[-1]
+        step = max(1, (1 << 18) // row_len)
+        for r0 in range(0, rows, step):
+            part = self.data[r0:r0 + step]
+            values = torch.ops.lowbit.ggml_dequantize(part, self.type, part.shape[0], row_len, torch.float32)
+            bad = (~torch.isfinite(values)).any(dim=1).nonzero()
+            if bad.numel():
+                raise GGUFError(f"{where}: tensor {self.name!r} ({self.type_name}) holds a NaN or infinity in row "
+                                f"{r0 + int(bad[0])} of its {rows} (a corrupt block scale or value)")
+
 
 class GGUFFile:
     """A loaded GGUF file. Tensor views keep the memory map alive on their own,

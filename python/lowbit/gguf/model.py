@@ -41,7 +41,7 @@ ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, repack: bool = False,
-                    fuse: bool = True) -> nn.Module:
+                    fuse: bool = True, check_tensors: bool = False) -> nn.Module:
     """The transformers model (lowbit.gguf.arch.ARCHITECTURES: LlamaForCausalLM,
     or MixtralForCausalLM for a llama file with experts, SmolLM3ForCausalLM,
     GraniteForCausalLM,
@@ -70,6 +70,10 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     layout (GGUFLinear.repack: the same results, for the 32-element types to
     fp32 rounding; faster on AVX-512 VNNI CPUs and for most of those types
     on AVX2 ones), which copies their blocks out of the mapping.
+    `check_tensors` decodes every tensor of the file first and refuses one
+    holding a NaN or infinity (GGUFTensor.check_finite), as llama.cpp's
+    --check-tensors does; without it a corrupt block scale turns the outputs
+    it reaches NaN. It decodes the whole file (about 2.5 s per GB on 2 cores).
     Its forward calls run torch's ops on one thread and lowbit's kernels on
     torch's thread count (lowbit.kernel_threads), and a llama-family model's
     decode steps skip transformers' per-layer machinery (lowbit.fast_decoding).
@@ -80,6 +84,9 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     path = os.fspath(path)
     where = f"load_gguf_model: {path}"
     f = load_gguf(path)
+    if check_tensors:
+        for t in f.tensors.values():
+            t.check_finite(where)
     check_not_split(f.metadata, where)
     spec = architecture(f.metadata, where)
     # The layer count against the file's layers first: the model is built
