@@ -71,7 +71,16 @@ inline void for_groups(const GptqWeight& w, int64_t M, int64_t n0, int64_t n1, f
   const int64_t groups = (w.K + w.group_of.group_size - 1) / w.group_of.group_size;
   std::vector<int32_t> z(n1 - n0);
   std::vector<float> s(n1 - n0);
+  const int64_t scale_bytes = w.params.scale_type == ScaleType::kF32 ? 4 : 2;
   for (int64_t g = 0; g < groups; ++g) {
+    // The next group's zeros and scales lie a row (N columns) on, a stride
+    // the hardware prefetcher does not follow: fetched into L2 during this group.
+    if (g + 1 < groups) {
+      const char* zrow = reinterpret_cast<const char*>(w.params.qzeros + (g + 1) * (w.N * B / 32));
+      const char* srow = static_cast<const char*>(w.params.scales) + (g + 1) * w.N * scale_bytes;
+      for (int64_t b = n0 * B / 8 / 64 * 64; b < n1 * B / 8; b += 64) __builtin_prefetch(zrow + b, 0, 2);
+      for (int64_t b = n0 * scale_bytes / 64 * 64; b < n1 * scale_bytes; b += 64) __builtin_prefetch(srow + b, 0, 2);
+    }
     read_group_simd<B>(w, g, n0, n1, z.data(), s.data());
     group(g, static_cast<const int32_t*>(z.data()), static_cast<const float*>(s.data()));
   }
