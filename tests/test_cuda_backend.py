@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import gptq_reference as ref
+import lowbit
 
 ops = torch.ops.lowbit
 CUDA_OK = torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key("lowbit::gptq_gemm", "CUDA")
@@ -198,6 +199,32 @@ def test_gptq_gemm_misaligned_weight_and_strided_input():
     assert_gemm_close(out.reshape(6, N), a.reshape(6, K), W, "misaligned")
     empty = ops.gptq_gemm(a[:0], qweight, g["qzeros"], g["scales"], g["g_idx"], False, False, bits)
     assert empty.shape == (0, 3, N)
+
+
+def test_gptq_gemm_refuses_the_cpu_panel_layout():
+    """The panel layout is the CPU kernels': a 3-D qweight on CUDA is refused
+    by the op and by its fake alike, and a repacked GPTQLinear moved to CUDA
+    goes back to the checkpoint's layout."""
+    from lowbit.gptq.packing import to_panels
+
+    rng = np.random.default_rng(6)
+    ckpt = ref.random_checkpoint(rng, 256, 128, 4, 64, True, "gptq", False)
+    g = gptq_tensors(ckpt, "cuda")
+    args = (to_panels(g["qweight"]), g["qzeros"], g["scales"], g["g_idx"], False, False, 4)
+    a = torch.randn(2, 256, device="cuda")
+    with pytest.raises(ValueError, match="gptq_gemm: b_q_weight must be 2-D"):
+        ops.gptq_gemm(a, *args)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in (a, *args)]
+        with pytest.raises(ValueError, match="b_q_weight must be 2-D"):
+            ops.gptq_gemm(*fake)
+    layer = lowbit.GPTQLinear.from_linear(torch.nn.Linear(256, 128, bias=False), 4, 64).repack()
+    assert layer.repacked
+    layer.cuda()
+    assert not layer.repacked and layer.qweight.shape == (32, 128)
+    x = torch.randn(3, 256)
+    W = layer.dequantize(torch.float32).t().double().cpu().numpy()
+    assert_gemm_close(layer(x.cuda()), x, W, "moved from the panel layout")
 
 
 @pytest.mark.parametrize("scale_dtype", DTYPES)

@@ -230,18 +230,21 @@ def test_the_panel_layout_gives_the_same_bits_on_every_isa(bits, isa):
             assert torch.equal(run(a[:rows], panels, bits), run(a[:rows], w, bits)), (name, rows)
 
 
-def test_the_panel_layout_under_opcheck_compile_and_gradient():
+@pytest.mark.parametrize("op_name", ["gptq_gemm_a8", "gptq_gemm"])
+def test_the_panel_layout_under_opcheck_compile_and_gradient(op_name):
     rng = np.random.default_rng(5)
     w = weight(rng, 256, 192, 4, 64)
-    args = (to_panels(w["qweight"]), w["qzeros"], w["scales"], w["g_idx"], True, 4)
+    op = getattr(ops, op_name)
+    flags = (True, 4) if op_name == "gptq_gemm_a8" else (False, True, 4)
+    args = (to_panels(w["qweight"]), w["qzeros"], w["scales"], w["g_idx"], *flags)
     a = torch.randn(3, 256)
-    torch.library.opcheck(ops.gptq_gemm_a8, (a, *args))
-    compiled = torch.compile(lambda x: ops.gptq_gemm_a8(x, *args) * 2, fullgraph=True)
-    assert torch.equal(compiled(a), ops.gptq_gemm_a8(a, *args) * 2)
+    torch.library.opcheck(op, (a, *args))
+    compiled = torch.compile(lambda x: op(x, *args) * 2, fullgraph=True)
+    assert torch.equal(compiled(a), op(a, *args) * 2)
     x = a.clone().requires_grad_()
-    ops.gptq_gemm_a8(x, *args).sum().backward()
+    op(x, *args).sum().backward()
     y = a.clone().requires_grad_()
-    ops.gptq_gemm_a8(y, w["qweight"], *args[1:]).sum().backward()
+    op(y, w["qweight"], *args[1:]).sum().backward()
     assert torch.equal(x.grad, y.grad)
 
 
