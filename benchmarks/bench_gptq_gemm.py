@@ -26,6 +26,7 @@ from benchmarks.common import (CopyBandwidth, machine, print_table, printed_to, 
 import torch  # noqa: E402
 
 import lowbit  # noqa: E402,F401  (loads torch.ops.lowbit)
+from lowbit.gptq.packing import to_panels  # noqa: E402
 
 SHAPES = [(4096, 14336), (14336, 4096)]  # (K = in features, N = out features)
 BITS = [2, 3, 4, 8]
@@ -70,9 +71,10 @@ def torch_int4_packed(K, N):
 def streamed_table(K, N, threads_list, budget):
     """M = 1 over distinct copies of each weight, STREAMED_BYTES in all, taken
     in turn (each side's time per matmul: its time for all copies over their
-    number): gptq_gemm (fp32 activations), gptq_gemm_a8, torch's int4 kernel
-    (4-bit) and torch's fp32 dense matmul (one weight: 4 bytes per element
-    already exceed any L3 here)."""
+    number): gptq_gemm (fp32 activations) and gptq_gemm_a8, each over the
+    checkpoint's layout and over the panel layout (GPTQLinear.repack's),
+    torch's int4 kernel (4-bit) and torch's fp32 dense matmul (one weight: 4
+    bytes per element already exceed any L3 here)."""
     dense = torch.randn(K, N)
     a32 = torch.randn(1, K)
     records = []
@@ -81,6 +83,7 @@ def streamed_table(K, N, threads_list, budget):
         nbytes = sum(t.numel() * t.element_size() for t in one[:3])
         copies = max(2, int(STREAMED_BYTES // nbytes))
         weights = [tuple(t.clone() for t in one) for _ in range(copies)]
+        paneled = [(to_panels(w[0]), *w[1:]) for w in weights]
         int4 = None
         if bits == 4:
             try:
@@ -91,16 +94,21 @@ def streamed_table(K, N, threads_list, budget):
                 pass
         fp32 = lambda: [torch.ops.lowbit.gptq_gemm(a32, *w, False, True, bits) for w in weights]
         a8 = lambda: [torch.ops.lowbit.gptq_gemm_a8(a32, *w, True, bits) for w in weights]
+        fp32_p = lambda: [torch.ops.lowbit.gptq_gemm(a32, *w, False, True, bits) for w in paneled]
+        a8_p = lambda: [torch.ops.lowbit.gptq_gemm_a8(a32, *w, True, bits) for w in paneled]
         for threads in threads_list:
             torch.set_num_threads(threads)
-            ms, ms8, int4_ms = (v / copies for v in time_rounds_ms([fp32, a8, int4], min_reps=2, budget_s=2 * budget))
+            ms, ms8, int4_ms, ms_p, ms8_p = (v / copies for v in time_rounds_ms([fp32, a8, int4, fp32_p, a8_p],
+                                                                               min_reps=2, budget_s=2 * budget))
             (dense_ms,) = time_rounds_ms([lambda: a32 @ dense], budget_s=budget)
             records.append(dict(K=K, N=N, M=1, threads=threads, bits=bits, group_size=GROUP, copies=copies,
                                 lowbit_ms=ms, lowbit_int8_ms=ms8, weight_gbs=nbytes / (ms * 1e-3) / 1e9,
                                 int8_weight_gbs=nbytes / (ms8 * 1e-3) / 1e9, torch_int4_ms=int4_ms,
+                                lowbit_panels_ms=ms_p, panels_weight_gbs=nbytes / (ms_p * 1e-3) / 1e9,
+                                lowbit_int8_panels_ms=ms8_p, int8_panels_weight_gbs=nbytes / (ms8_p * 1e-3) / 1e9,
                                 torch_fp32_ms=dense_ms, speedup_vs_fp32=dense_ms / ms,
                                 int8_speedup_vs_fp32=dense_ms / ms8, int8_speedup_vs_torch_int4=int4_ms / ms8))
-        del weights
+        del weights, paneled
     torch.set_num_threads(max(threads_list))
     return records
 
@@ -116,9 +124,11 @@ def print_streamed(records, bandwidth):
                      f"{r['lowbit_int8_ms']:.3f}", f"{r['int8_weight_gbs']:.1f}",
                      f"{100 * r['int8_bandwidth_fraction_same_threads']:.0f}%", f"{r['torch_fp32_ms']:.3f}",
                      f"{r['speedup_vs_fp32']:.2f}x", f"{r['int8_speedup_vs_fp32']:.2f}x", f"{r['torch_int4_ms']:.3f}",
-                     f"{r['int8_speedup_vs_torch_int4']:.2f}x"])
+                     f"{r['int8_speedup_vs_torch_int4']:.2f}x", f"{r['panels_weight_gbs']:.1f}",
+                     f"{r['int8_panels_weight_gbs']:.1f}"])
     print_table(["KxN", "thr", "bits", "copies", "fp32 act ms", "GB/s", "of thr bw", "int8 ms", "int8 GB/s",
-                 "of thr bw", "torch fp32 ms", "vs fp32", "int8 vs fp32", "torch int4 ms", "int8 vs int4"], rows)
+                 "of thr bw", "torch fp32 ms", "vs fp32", "int8 vs fp32", "torch int4 ms", "int8 vs int4",
+                 "panels GB/s", "int8 panels GB/s"], rows)
 
 
 def main():
@@ -195,7 +205,8 @@ def main():
         if streamed:
             print(f"\nM = 1 with the weights streamed from memory: copies of each weight, {STREAMED_BYTES / 1e9:.1f} GB "
                   "in all, in turn;\nfp32 act: gptq_gemm, int8: gptq_gemm_a8, torch int4: its kernel over copies of "
-                  "its own layout (bf16\nactivations), torch fp32: dense matmul of one weight (beyond the L3 already)\n")
+                  "its own layout (bf16\nactivations), torch fp32: dense matmul of one weight (beyond the L3 already);\npanels GB/s: "
+                  "the two over the panel layout (GPTQLinear.repack's)\n")
             print_streamed(streamed, bandwidth)
     write_results(f"{stem}.json", dict(machine=info, cpu_isa=isa, **bandwidth.as_record(),
                                        activations="lowbit_ms: fp32, lowbit_bf16_ms: bf16 (torch int4 and bf16 dense: "

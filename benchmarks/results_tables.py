@@ -266,13 +266,16 @@ def gptq_table(data):
 
 
 def gptq_streamed_table(data):
+    panels = all("panels_weight_gbs" in e for e in data["streamed"])  # runs before the panel columns lack them
     out = ["| K x N | threads | bits | fp32 act. ms | GB/s | int8 ms | int8 GB/s | int8 of copy bw | "
-           "int8 vs torch fp32 | int8 vs torch int4 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "int8 vs torch fp32 | int8 vs torch int4 |" + (" panels GB/s | int8 panels GB/s |" if panels else ""),
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if panels else "")]
     for e in data["streamed"]:
         out.append(f"| {e['K']}x{e['N']} | {e['threads']} | {e['bits']} | {ms(e['lowbit_ms'])} | {e['weight_gbs']:.1f} | "
                    f"{ms(e['lowbit_int8_ms'])} | {e['int8_weight_gbs']:.1f} | "
                    f"{100 * e['int8_bandwidth_fraction_same_threads']:.0f}% | {ratio(e['int8_speedup_vs_fp32'])} | "
-                   f"{ratio(e['int8_speedup_vs_torch_int4'])} |")
+                   f"{ratio(e['int8_speedup_vs_torch_int4'])} |"
+                   + (f" {e['panels_weight_gbs']:.1f} | {e['int8_panels_weight_gbs']:.1f} |" if panels else ""))
     return out
 
 
@@ -324,7 +327,7 @@ def results_block():
             if data.get("streamed"):
                 out += ["", "M = 1 with the weights streamed from memory (distinct copies, 1.5 GB in all, in turn); "
                         "of copy bw: over the copy bandwidth on the same threads (read + write); torch int4 over "
-                        "copies of its own layout:", ""] + gptq_streamed_table(data)
+                        "copies of its own layout; panels: gptq_gemm and gptq_gemm_a8 over the panel layout:", ""] + gptq_streamed_table(data)
         out.append("")
     for path in sorted(glob.glob(os.path.join(RESULTS, "*.md"))):
         out += [f"#### `{os.path.basename(path)[:-3]}`", ""] + markdown_table(path) + [""]
@@ -388,7 +391,10 @@ def streamed_gptq_sentence(data, threads):
     e = pick[0]
     return (f" Streamed from memory (M = 1): `gptq_gemm_a8` {e['int8_weight_gbs']:.1f} GB/s "
             f"({100 * e['int8_bandwidth_fraction_same_threads']:.0f}% of the copy bandwidth), fp32 activations "
-            f"{e['weight_gbs']:.1f} GB/s; int8 over torch's fp32 dense matmul {ratio(e['int8_speedup_vs_fp32'])}, "
+            f"{e['weight_gbs']:.1f} GB/s"
+            + (f" (in the panel layout {e['int8_panels_weight_gbs']:.1f} and {e['panels_weight_gbs']:.1f} GB/s)"
+               if "panels_weight_gbs" in e else "")
+            + f"; int8 over torch's fp32 dense matmul {ratio(e['int8_speedup_vs_fp32'])}, "
             f"over its int4 kernel {ratio(e['int8_speedup_vs_torch_int4'])}.")
 
 
