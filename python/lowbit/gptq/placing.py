@@ -48,8 +48,9 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     `int8_activations` sets every GPTQLinear's (GPTQLinear: activations
     rounded to int8 per group for integer dot products, faster on the CPU;
     2-, 4- and 8-bit layers). `repack` holds every GPTQLinear in the panel
-    layout the CPU kernels stream fastest (lowbit.repack_model; the same
-    results bit for bit, the checkpoint's layout again in a state dict).
+    layout (lowbit.repack_model; GPTQLinear.repack says when it is faster;
+    the same results bit for bit, the checkpoint's layout again in a state
+    dict).
     `float_tables="Q8_0"` holds those two tables as Q8_0 blocks instead,
     quantized at load as llama.cpp's quantizer does (lowbit.ops.ggml_quantize):
     about half their memory and half the head's reads per token, which is
