@@ -76,8 +76,9 @@ inline void for_groups(const GptqWeight& w, int64_t M, int64_t n0, int64_t n1, f
     // The next group's zeros and scales lie a row (N columns) on, a stride
     // the hardware prefetcher does not follow: fetched into L2 during this group.
     if (g + 1 < groups) {
-      const char* zrow = reinterpret_cast<const char*>(w.params.qzeros + (g + 1) * (w.N * B / 32));
-      const char* srow = static_cast<const char*>(w.params.scales) + (g + 1) * w.N * scale_bytes;
+      const GroupRow next = group_row<B>(w, g + 1);
+      const char* zrow = reinterpret_cast<const char*>(next.zeros);
+      const char* srow = static_cast<const char*>(next.scales);
       for (int64_t b = n0 * B / 8 / 64 * 64; b < n1 * B / 8; b += 64) __builtin_prefetch(zrow + b, 0, 2);
       for (int64_t b = n0 * scale_bytes / 64 * 64; b < n1 * scale_bytes; b += 64) __builtin_prefetch(srow + b, 0, 2);
     }

@@ -273,7 +273,7 @@ def gptq_gemm(a: Tensor, b_q_weight: Tensor, b_gptq_qzeros: Tensor, b_gptq_scale
     b_g_idx is that q_perm (or empty); the op computes a[..., q_perm] @ W_shuffled, with
     shuffled row i in group i // (K / groups), so groups must be of equal size. vLLM's
     argument names and order. On the CPU b_q_weight may also be in the panel layout
-    [N/64, K*bit/32, 64] (as gptq_gemm_a8 takes it): the same bits, streamed faster."""
+    [N/64, K*bit/32, 64] (as gptq_gemm_a8 takes it), with the same bits."""
     return torch.ops.lowbit.gptq_gemm(a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_exllama,
                                       use_v2_format, bit)
 
