@@ -64,6 +64,21 @@ struct StoreRounded {
   }
 };
 
+// 2^e as a float, for e in [-126, 127] (a normal number).
+__device__ __forceinline__ float pow2(int e) { return __int_as_float((e + 127) << 23); }
+
+// x * 2^e for e in [-126, 254] where the product is finite: ldexpf's value
+// (one rounding, as a single multiplication by a normal power of two; the
+// 2^127 step only scales up, which is exact), in a few instructions instead
+// of ldexpf's range handling, which the unrolled kernels repeat per value.
+__device__ __forceinline__ float mul_pow2(float x, int e) {
+  if (e > 127) {
+    x *= pow2(127);
+    e -= 127;
+  }
+  return x * pow2(e);
+}
+
 // The value scaled by 2^exps[j] as hi + lo * 2^-lo_shift in T (hi and lo are [K, width]).
 template <typename T>
 struct StoreSplit {
@@ -73,13 +88,15 @@ struct StoreSplit {
   int lo_shift;
   int64_t width;
   __device__ __forceinline__ void operator()(int64_t k, int64_t j, float x) const {
-    const float scaled = ldexpf(x, exps[j]);  // exact: a power of two, within fp32's range
+    // exps[j] lies in [-122, 160] (split_exponents_kernel), the scaled value below 2^kSplitHiExponent.
+    const float scaled = mul_pow2(x, __ldg(exps + j));
     const T h = from_float<T>(scaled);
     const float hf = static_cast<float>(h);
     hi[k * width + j] = h;
-    // scaled - h is exact in fp32 (the rounding error of a narrower format);
-    // an infinite value is all in hi (inf - inf would make lo NaN).
-    lo[k * width + j] = from_float<T>(isfinite(hf) ? ldexpf(scaled - hf, lo_shift) : 0.0f);
+    // scaled - h is exact in fp32 (the rounding error of a narrower format),
+    // and so is its scaling up; an infinite value is all in hi (inf - inf
+    // would make lo NaN).
+    lo[k * width + j] = from_float<T>(isfinite(hf) ? (scaled - hf) * pow2(lo_shift) : 0.0f);
   }
 };
 
