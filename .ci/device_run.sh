@@ -148,7 +148,7 @@ run_tests() {
   [ -n "$ignores" ] && log "gguf is not installed: not collected: $(echo $ignores | sed 's/--ignore=//g')"
   local t0=$SECONDS rc1 rc2 workers=""
   # pytest-xdist (in the image): a few workers share the GPU and the cores.
-  $PY -c 'import xdist' 2>/dev/null && workers="-n ${PYTEST_WORKERS:-4}"
+  $PY -c 'import xdist' 2>/dev/null && workers="-n ${PYTEST_WORKERS:-12}"
   log "pytest tests/test_cuda_backend.py $workers"
   # shellcheck disable=SC2086
   timeout -k 10 $((BUDGET * 2 / 3)) $PY -m pytest -q -rs $workers --durations=15 tests/test_cuda_backend.py \
@@ -213,7 +213,7 @@ bench() {
 # the phase it cut.
 all_phases() {
   local total=${ALL_BUDGET:-480} status=0 phase rc start=$SECONDS
-  for phase in "build 45" "run_tests 75" "sanitize 88" "bench 100"; do
+  for phase in "build 25" "run_tests 65" "sanitize 88" "bench 100"; do
     set -- $phase
     BUDGET=$((total * $2 / 100 - (SECONDS - start)))
     log "phase $1 (${BUDGET} s)"
