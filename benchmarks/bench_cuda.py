@@ -15,9 +15,10 @@ GB/s against the device's copy bandwidth measured in the same run.
   measurement the per-bit crossover constants in csrc/cuda/gptq_gemm.cu are
   to be set from.
 - GGUF: ggml_mul_mat_vec_a8 (the fused kernel at any M) at M = 1, 8, 16, 32,
-  64 and ggml_mul_mat_a8 (dequantize + cuBLAS above M = 8) at M = 16, 32, 64
-  for Q4_0, Q4_K, Q5_K, Q6_K, Q8_0 and IQ4_XS on the same shapes (W is
-  [N, K]): the crossover kFusedMaxM in csrc/cuda/ggml_matmul.cu is set from them.
+  64 and ggml_mul_mat_a8 with its dequantize + cuBLAS path forced at every M
+  (LOWBIT_CUDA_GGML_FUSED_MAX_M=0) at M = 16, 32, 64 for Q4_0, Q4_K, Q5_K,
+  Q6_K, Q8_0 and IQ4_XS on the same shapes (W is [N, K]): the crossover
+  fused_max_m in csrc/cuda/ggml_matmul.cu is set from them.
 - GGUF experts: ggml_mul_mat_id on Qwen3-30B-A3B's expert shapes (128
   experts, 8 per token, gate/up 768x2048 and down 2048x768) for 1 and 32
   tokens, Q4_K and Q8_0; GB/s counts each chosen expert's bytes once; the
@@ -52,8 +53,8 @@ SWEEP_MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 FUSED_SWEEP_MAX_M = 512  # the forced-fused sweep stops here (it re-decodes W per 8 rows)
 GGUF_TYPES = {"Q4_0": 2, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "Q8_0": 8, "IQ4_XS": 23}
 GGUF_HALF_FIELDS = {"Q4_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q8_0": [0], "IQ4_XS": [0]}
-# ggml_mul_mat_vec_a8 runs the fused kernel at every M and ggml_mul_mat_a8 the
-# cuBLAS path above kFusedMaxM (8): the pairs at M = 16, 32, 64 give the crossover.
+# ggml_mul_mat_vec_a8 runs the fused kernel at every M and ggml_mul_mat_a8, in
+# this process, the cuBLAS path (forced): the pairs at M = 16, 32, 64 give the crossover.
 GGUF_CASES = [("ggml_mul_mat_vec_a8", m) for m in (1, 8, 16, 32, 64)] + [("ggml_mul_mat_a8", m) for m in (16, 32, 64)]
 MOE = dict(experts=128, slots=8, shapes=[(768, 2048), (2048, 768)], tokens=[1, 32], types=["Q4_K", "Q8_0"])
 
@@ -335,6 +336,7 @@ def main():
     args = parser.parse_args()
     if args.child_sweep:
         return child_sweep(args)
+    os.environ["LOWBIT_CUDA_GGML_FUSED_MAX_M"] = "0"  # read at the first GGUF call
 
     load_lowbit()
     from benchmarks.common import RESULTS, machine
@@ -408,7 +410,7 @@ def main():
                      crossover_rows(gptq_sweep, fused, dequant)),
         ]
     sections += [
-        "\n## GGUF (W is N x K blocks)\n",
+        "\n## GGUF (W is N x K blocks; ggml_mul_mat_a8 with its cuBLAS path forced)\n",
         md_table(["op", "type", "N x K", "M", "lowbit µs", "GB/s", "of bw", "fp16 dense µs", "vs fp16"],
                  [[r["kind"], r["type"], f"{r['N']}x{r['K']}", r["M"], f"{r['ms'] * 1e3:.1f}", f"{r['gbs']:.0f}",
                    f"{100 * r['bandwidth_fraction']:.0f}%", f"{r['dense_fp16_ms'] * 1e3:.1f}",

@@ -71,8 +71,8 @@ def assert_gemm_close(out, a, W, what):
 
 # K = 1536: three 512-row chunks (split-K over chunks); N = 160: a full and a
 # partial 128-column tile. M covers every fused row-tile size (1, 2, 4, 8),
-# several M-chunks, and the dequantize + cuBLAS path (the default crossover
-# is M = 32).
+# several M-chunks, and the dequantize + cuBLAS paths (the default crossover
+# is M = 32, or 16 for 2/3/4-bit with fp16 / bf16 activations).
 GEMM_K, GEMM_N = 1536, 160
 GEMM_MS = (1, 2, 3, 5, 8, 9, 17, 64, 65, 130)
 
@@ -360,7 +360,7 @@ def test_ggml_matmul_matches_cpu(name):
     for rows, n in ((37, 512), (9, 4096)):
         raw = ggml_blocks(name, rows, n, seed=n)
         W = ops.ggml_dequantize(raw, t, rows, n, torch.float32)
-        for M in (1, 3, 8, 9, 33, 40):  # from 9: ggml_mul_mat_a8's dequantize + cuBLAS path
+        for M in (1, 3, 8, 9, 33, 40):  # ggml_mul_mat_a8's cuBLAS path: from 9 (from 33 for sliced types)
             x = torch.randn(M, n, generator=torch.Generator().manual_seed(M))
             x[:, :32] *= 20  # an outlier block: activation scales are per block
             for dtype in DTYPES:

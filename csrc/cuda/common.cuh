@@ -20,6 +20,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 
 namespace lowbit {
 namespace cuda {
@@ -55,6 +56,18 @@ inline int device_attribute(c10::DeviceIndex device) {
 inline int sm_count(c10::DeviceIndex device) { return device_attribute<cudaDevAttrMultiProcessorCount>(device); }
 inline int compute_major(c10::DeviceIndex device) {
   return device_attribute<cudaDevAttrComputeCapabilityMajor>(device);
+}
+
+// A crossover constant a benchmark overrides to time either path at any M:
+// the environment variable `name` (read once per process) when it holds a
+// number, else `fallback`.
+template <const char* name>
+inline int64_t crossover(int64_t fallback) {
+  static const int64_t forced = [] {
+    const char* s = std::getenv(name);
+    return s && *s ? std::atoll(s) : int64_t{-1};
+  }();
+  return forced >= 0 ? forced : fallback;
 }
 
 // The float formats of activations, scales and outputs. Kernels take them as

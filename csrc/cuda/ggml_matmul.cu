@@ -10,7 +10,7 @@
 // with __dp4a (4 int8 products per instruction), exact like the CPU's loop --
 // and the fp32 sums over slices and blocks are added in another order.
 //
-// Fused kernel (every M for ggml_mul_mat_vec_a8; M <= kFusedMaxM for
+// Fused kernel (every M for ggml_mul_mat_vec_a8; M <= fused_max_m<T>() for
 // ggml_mul_mat_a8): a group of `lanes` lanes (a power of two <= 32, about the
 // number of units in a row) owns one weight row and dots it with up to 8
 // activation rows; the group then sums its lanes with shuffles. The sliced
@@ -62,10 +62,17 @@ using ggml::TypeInfo;
 // Largest M for which ggml_mul_mat_a8 takes the fused kernel. The fused
 // kernel decodes W once per 8 rows, so its time grows by one pass per 8 rows;
 // the cuBLAS path pays one fp32 copy of W and SGEMM, nearly flat up to M = 64.
-// On an H200 (benchmarks/results/h200-cuda.md, 28672x8192) one 8-row pass
-// (M = 8) costs 0.50x / 0.53x of the cuBLAS path at M = 64 for Q4_0 / Q8_0
-// and 0.7-1.3x for the K-quants and IQ4_XS: a second pass never pays.
-constexpr int64_t kFusedMaxM = 8;
+// On an H200 (benchmarks/results/h200-cuda.md, 28672x8192) the slice kernel
+// beats the cuBLAS path at M = 32 for every sliced type measured (0.26x for
+// Q6_K to 0.86x for Q8_0 of its time) and loses at M = 64 for Q4_0, Q4_K and
+// Q8_0; a block-decoding type's 8-row pass already costs 0.7-1.3x of the
+// cuBLAS path at M = 64, so a second one never pays.
+// LOWBIT_CUDA_GGML_FUSED_MAX_M overrides it for the benchmark.
+constexpr char kGgmlFusedMaxMEnv[] = "LOWBIT_CUDA_GGML_FUSED_MAX_M";
+template <ggml::Type T>
+int64_t fused_max_m() {
+  return crossover<kGgmlFusedMaxMEnv>(ggml::kSliced<T> ? 32 : 8);
+}
 // Activation rows per fused launch (accumulators in registers).
 constexpr int kMaxRows = 8;
 constexpr int kWarps = 4;
@@ -578,7 +585,7 @@ at::Tensor ggml_mul_mat(const char* op, const at::Tensor& W, const at::Tensor& X
     constexpr ggml::Type T = decltype(t)::value;
     const at::Tensor Wa = slice_aligned<T>(op, W);
     const uint8_t* w = Wa.data_ptr<uint8_t>();
-    if (any_m_fused || M <= kFusedMaxM) {
+    if (any_m_fused || M <= fused_max_m<T>()) {
       mul_mat_fused<T>(w, row, x, out);
     } else {
       mul_mat_dequant_mm<T>(w, type, row, x, out);

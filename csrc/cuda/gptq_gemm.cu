@@ -2,7 +2,7 @@
 //
 // Two paths, as on the CPU:
 //
-// * M <= fused_max_m(bit): one fused kernel (gptq_gemv_kernel) decodes each
+// * M <= fused_max_m(bit, ...): one fused kernel (gptq_gemv_kernel) decodes each
 //   weight once per M-chunk of up to 8 activation rows and accumulates in fp32
 //   registers. It is a GEMV at heart and bound by reading the packed weight,
 //   so the kernel is built around that read:
@@ -57,32 +57,20 @@ namespace lowbit {
 namespace cuda {
 namespace {
 
-// Largest M that takes the fused kernel, per bit width; above it the
-// dequantize + cuBLAS path runs. Set from benchmarks/bench_cuda.py's M sweep
-// with each path forced (benchmarks/results/h200-cuda.md, 8192x28672): the
-// fused kernel re-decodes W once per 8 rows of M and its time grows with M,
-// the large-M path costs an fp32 copy of W (~8 bytes per weight, any bit
-// width) plus cuBLAS's SGEMM, about 1.1-1.5 ms flat up to M = 64 there. Every
-// bit width is still faster fused at M = 32 and about 1.8x slower at M = 64.
-constexpr int64_t kFusedMaxM2 = 32;
-constexpr int64_t kFusedMaxM3 = 32;
-constexpr int64_t kFusedMaxM4 = 32;
-constexpr int64_t kFusedMaxM8 = 32;
-
-// LOWBIT_CUDA_GPTQ_FUSED_MAX_M=<m> overrides all four (read once per
-// process), so that a benchmark can time either path at any M.
-int64_t fused_max_m(int64_t bit) {
-  static const int64_t forced = [] {
-    const char* s = std::getenv("LOWBIT_CUDA_GPTQ_FUSED_MAX_M");
-    return s && *s ? std::atoll(s) : int64_t{-1};
-  }();
-  if (forced >= 0) return forced;
-  switch (bit) {
-    case 2: return kFusedMaxM2;
-    case 3: return kFusedMaxM3;
-    case 4: return kFusedMaxM4;
-    default: return kFusedMaxM8;
-  }
+// Largest M that takes the fused kernel; above it a large-M path runs. The
+// fused kernel re-decodes W once per 8 rows of M, so its time grows with M;
+// the large-M paths cost a dequantized copy of W plus cuBLAS, nearly flat in
+// M up to a few hundred rows. On an H200 (benchmarks/results/h200-cuda.md,
+// 8192x28672, every path forced in turn):
+// - fp32 path (fp32 tile, SGEMM): every bit width is faster fused at M = 32
+//   and about 1.8x slower at M = 64;
+// - two-term path (fp16 / bf16 activations): at M = 64 it takes 0.93-1.03 ms
+//   for 2/3/4-bit, less than the fused kernel's 1.08-1.41 ms at M = 32 (and
+//   at M = 32 it costs no more than at 64); 8-bit is fused 1.06 ms at M = 32
+//   against 1.17 ms for the two-term path at M = 64.
+constexpr char kGptqFusedMaxMEnv[] = "LOWBIT_CUDA_GPTQ_FUSED_MAX_M";
+int64_t fused_max_m(int64_t bit, bool two_term) {
+  return crossover<kGptqFusedMaxMEnv>(two_term && bit != 8 ? 16 : 32);
 }
 
 constexpr int kThreads = 256;
@@ -554,10 +542,15 @@ at::Tensor gptq_gemm(const at::Tensor& a, const at::Tensor& b_q_weight, const at
   const GptqView w = make_view(qweight, b_gptq_qzeros, b_gptq_scales, use_exllama ? at::Tensor() : args.idx, d,
                                use_v2_format);
   const at::Tensor perm = use_exllama ? args.idx : at::Tensor();
-  if (M <= fused_max_m(bit)) {
+#if LOWBIT_HALF_MM_TO_FLOAT
+  const bool two_term = split_mm_serves(a2);
+#else
+  const bool two_term = false;
+#endif
+  if (M <= fused_max_m(bit, two_term)) {
     gemm_fused(a2, w, perm, bit, out);
 #if LOWBIT_HALF_MM_TO_FLOAT
-  } else if (split_mm_serves(a2)) {
+  } else if (two_term) {
     gemm_split_mm(a2, w, perm, bit, out);
 #endif
   } else {
