@@ -9,11 +9,12 @@ GB/s against the device's copy bandwidth measured in the same run.
   Llama-70B MLP shapes (K x N) 8192x28672 and 28672x8192 and on 4096x14336:
   at M = 1 and 16 as plain, act-order shuffled (use_exllama=True, the fast
   layout) and act-order unshuffled (g_idx) weights; then an M sweep 1..4096
-  (plain) as shipped, and -- unless --no-crossover -- the same sweep with the
-  fused kernel and with the dequantize + cuBLAS path forced
-  (LOWBIT_CUDA_GPTQ_FUSED_MAX_M, in child processes), which is the
-  measurement the per-bit crossover constants in csrc/cuda/gptq_gemm.cu are
-  to be set from.
+  (plain) as shipped (fp16 activations: the tensor-core kernel up to its
+  M, 3-bit the CUDA-core one), and -- unless --no-crossover -- the same sweep
+  with the CUDA-core fused kernel and with the dequantize + cuBLAS path
+  forced (LOWBIT_CUDA_GPTQ_FUSED_MAX_M with LOWBIT_CUDA_GPTQ_MMA_MAX_M=0, in
+  child processes), which is the measurement the crossover constants in
+  csrc/cuda/gptq_gemm.cu are set from.
 - GGUF: ggml_mul_mat_vec_a8 (the fused kernel at any M) at M = 1, 8, 16, 32,
   64 and ggml_mul_mat_a8 with its dequantize + cuBLAS path forced at every M
   (LOWBIT_CUDA_GGML_FUSED_MAX_M=0) at M = 16, 32, 64 for Q4_0, Q4_K, Q5_K,
@@ -270,7 +271,9 @@ def child_sweep(args):
 
 
 def run_forced(args, fused_max_m, max_m):
-    env = dict(os.environ, LOWBIT_CUDA_GPTQ_FUSED_MAX_M=str(fused_max_m), PYTHONUNBUFFERED="1")
+    # The tensor-core kernel off: the forced sweeps time the CUDA-core kernel and the large-M paths.
+    env = dict(os.environ, LOWBIT_CUDA_GPTQ_FUSED_MAX_M=str(fused_max_m), LOWBIT_CUDA_GPTQ_MMA_MAX_M="0",
+               PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "benchmarks.bench_cuda", "--child-sweep", "--child-max-m", str(max_m),
            "--device", args.device] + (["--quick"] if args.quick else [])
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
@@ -405,7 +408,8 @@ def main():
     ]
     if fused or dequant:
         sections += [
-            "\n## gptq_gemm: fused kernel vs dequantize + cuBLAS (each forced), for the crossover constants\n",
+            "\n## gptq_gemm: shipped (tensor-core kernel up to its M) vs the CUDA-core fused kernel vs "
+            "dequantize + cuBLAS (each forced), for the crossover constants\n",
             md_table(["K x N", "bits", "M", "shipped µs", "fused µs", "dequant+cuBLAS µs", "faster", "fp16 dense µs"],
                      crossover_rows(gptq_sweep, fused, dequant)),
         ]

@@ -791,9 +791,11 @@ def test_opcheck_ggml_ops_on_cuda():
 
 @pytest.mark.parametrize("bits", BITS)
 def test_sanitize_gptq_kernels(bits):
-    """Every GPTQ kernel once on small shapes: fused M = 1/2/4/8 with and
-    without split-K, the row-by-row slow path, dequantize + cuBLAS (two-term
-    bf16 and fp32), dequantize, pack, unpack, shuffle, permutes."""
+    """Every GPTQ kernel once on small shapes: the tensor-core kernel (bf16,
+    one and two m16 tiles; but 3-bit) with steps of one group and of several,
+    the CUDA-core fused kernel (fp32; 3-bit) at M = 1/2/4/8 with and without
+    split-K and its row-by-row slow path, dequantize + cuBLAS (two-term bf16
+    and fp32), dequantize, pack, unpack, shuffle, permutes."""
     K, N = 1024, 96
     rng = np.random.default_rng(bits)
     ckpt = ref.random_checkpoint(rng, K, N, bits, 16, False, "gptq", True)
@@ -802,7 +804,8 @@ def test_sanitize_gptq_kernels(bits):
     perm = torch.argsort(g["g_idx"], stable=True).to(I32)
     shuffled = g["qweight"].clone()
     ops.gptq_shuffle(shuffled, perm, bits)
-    for M, dtype in ((1, torch.bfloat16), (2, torch.bfloat16), (3, torch.bfloat16), (7, torch.bfloat16),
+    for M, dtype in ((1, torch.bfloat16), (3, torch.bfloat16), (20, torch.bfloat16), (1, torch.float32),
+                     (2, torch.float32), (3, torch.float32), (7, torch.float32),
                      (70, torch.bfloat16), (70, torch.float32)):  # M = 70: the two large-M paths
         a = torch.randn(M, K, device="cuda", dtype=dtype)
         assert_gemm_close(ops.gptq_gemm(a, g["qweight"], g["qzeros"], g["scales"], g["g_idx"], False, False, bits),

@@ -94,6 +94,16 @@ void launch_gptq_split_exponents(const GptqView& w, int64_t bit, at::Tensor& exp
 void launch_gptq_dequantize_split(const GptqView& w, int64_t bit, int64_t n0, const at::Tensor& exps, at::Tensor& hi,
                                   at::Tensor& lo);
 
+// gptq_gemm.cu: out = the sum over splits of partial [splits, M, N] (fp32),
+// in split order, rounded once to out's dtype (out contiguous [M, N]).
+void launch_splitk_reduce(const at::Tensor& partial, int64_t splits, at::Tensor& out);
+
+// gptq_mma.cu: the tensor-core kernel. Serves a (its dtype and device) and w
+// with this bit width where true; gemm_mma takes a in the weight's row order
+// (shuffled weights: a[:, q_perm]), contiguous, 16-byte aligned.
+bool gptq_mma_serves(const at::Tensor& a, const GptqView& w, int64_t bit);
+void gemm_mma(const at::Tensor& a_rows, const GptqView& w, int64_t bit, at::Tensor& out);
+
 // gptq_packing.cu: pack / unpack along `dim` without validation (the caller
 // has validated the shapes and values).
 at::Tensor pack_words(const at::Tensor& values, int64_t bit, int64_t dim);

@@ -1,6 +1,8 @@
 // CUDA gptq_gemm: out[M, N] = a[M, K] @ W, accumulated in fp32.
 //
-// Two paths, as on the CPU:
+// fp16 / bf16 activations at M <= mma_max_m() take the
+// tensor-core kernel (gptq_mma.cu) where it serves the weight; otherwise two
+// paths, as on the CPU:
 //
 // * M <= fused_max_m(bit, ...): one fused kernel (gptq_gemv_kernel) decodes each
 //   weight once per M-chunk of up to 8 activation rows and accumulates in fp32
@@ -72,6 +74,13 @@ constexpr char kGptqFusedMaxMEnv[] = "LOWBIT_CUDA_GPTQ_FUSED_MAX_M";
 int64_t fused_max_m(int64_t bit, bool two_term) {
   return crossover<kGptqFusedMaxMEnv>(two_term && bit != 8 ? 16 : 32);
 }
+
+// fp16 / bf16 activations with M <= mma_max_m() take the tensor-core kernel
+// (gptq_mma.cu) where it serves the weight; above, the large-M paths' flat
+// cost. Not yet run on a GPU: bench_cuda's shipped M sweep against its
+// forced fused one (LOWBIT_CUDA_GPTQ_MMA_MAX_M=0) sets it.
+constexpr char kGptqMmaMaxMEnv[] = "LOWBIT_CUDA_GPTQ_MMA_MAX_M";
+int64_t mma_max_m() { return crossover<kGptqMmaMaxMEnv>(64); }
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
@@ -427,12 +436,7 @@ void gemm_fused(const at::Tensor& a2, const GptqView& w, const at::Tensor& perm,
       default: launch_gemv<B, 8>(args, blocks); break;
     }
   });
-  if (splits > 1) {
-    const int64_t mn = M * N;
-    splitk_reduce_kernel<<<grid_for(mn, kThreads), kThreads, 0, current_stream()>>>(
-        partial.data_ptr<float>(), static_cast<int>(splits), mn, out.data_ptr(), args.out_kind);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  if (splits > 1) launch_splitk_reduce(partial, splits, out);
 }
 
 // The large-M paths' activations, contiguous, in the weight's row order
@@ -521,6 +525,13 @@ void gemm_dequant_mm(const at::Tensor& a2, const GptqView& w, const at::Tensor& 
 
 }  // namespace
 
+void launch_splitk_reduce(const at::Tensor& partial, int64_t splits, at::Tensor& out) {
+  const int64_t mn = out.numel();
+  splitk_reduce_kernel<<<grid_for(mn, kThreads), kThreads, 0, current_stream()>>>(
+      partial.data_ptr<float>(), static_cast<int>(splits), mn, out.data_ptr(), float_kind(out.scalar_type()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 at::Tensor gptq_gemm(const at::Tensor& a, const at::Tensor& b_q_weight, const at::Tensor& b_gptq_qzeros,
                      const at::Tensor& b_gptq_scales, const at::Tensor& b_g_idx, bool use_exllama,
                      bool use_v2_format, int64_t bit) {
@@ -547,7 +558,11 @@ at::Tensor gptq_gemm(const at::Tensor& a, const at::Tensor& b_q_weight, const at
 #else
   const bool two_term = false;
 #endif
-  if (M <= fused_max_m(bit, two_term)) {
+  if (M <= mma_max_m() && gptq_mma_serves(a2, w, bit)) {
+    at::Tensor rows = in_row_order(a2, perm);
+    if (reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 != 0) rows = rows.clone();
+    gemm_mma(rows, w, bit, out);
+  } else if (M <= fused_max_m(bit, two_term)) {
     gemm_fused(a2, w, perm, bit, out);
 #if LOWBIT_HALF_MM_TO_FLOAT
   } else if (two_term) {

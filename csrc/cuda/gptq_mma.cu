@@ -1,0 +1,398 @@
+// CUDA gptq_gemm on the tensor cores, for fp16 / bf16 activations at small
+// and medium M (gptq_gemm.cu decides where it serves).
+//
+// mma.sync m16n8k16 multiplies the activations (their own dtype, exact) by
+// weight fragments that hold q - zero exactly (|q - zero| <= 255 is exact in
+// fp16 and bf16), accumulating in fp32; each group's fp32 sums are scaled
+// once, in fp32, and added to the result: the weights stay the op's fp32
+// scale * (q - zero), as in every other gptq_gemm path.
+//
+// - A block owns 128 columns (32 per warp, four n8 tiles) and 16 or 32
+//   activation rows (one or two m16 tiles); K is walked in 64-row chunks,
+//   packed weights and activations copied to shared memory by cp.async in a
+//   3-4 stage pipeline; split-K as in the fused kernel (fp32 slices summed in
+//   a fixed order: deterministic).
+// - A lane's B fragment rows (2t, 2t + 1, 2t + 8, 2t + 9 of a k16 step, t =
+//   lane % 4) are adjacent fields of packed words for 2, 4 and 8 bits, and
+//   its n8 column is one of 4 adjacent columns that one 16-byte shared load
+//   brings: n8 tile j holds columns 4c + j of the warp's 32 (c = lane / 4).
+// - Groups: with a g_idx, every k16 step checks that its 16 rows share one
+//   group (sorted groups on 16-row boundaries: plain checkpoints and sorted
+//   act-order rows); a step whose rows span groups runs once per group with
+//   the other rows' fragments zeroed, so any g_idx gives the exact result.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "../core/gptq_format.h"
+#include "../ops/dispatch.h"
+#include "common.cuh"
+#include "gptq_cuda.cuh"
+
+namespace lowbit {
+namespace cuda {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kTileN = 32 * kWarps;  // columns per block
+constexpr int kChunk = 64;           // K rows per pipeline stage
+constexpr int kSteps = kChunk / 16;  // k16 steps per chunk
+constexpr int kAStride = kChunk + 8;  // halves per staged activation row: conflict-free fragment loads
+// Blocks wanted per multiprocessor before split-K is worth its workspace.
+constexpr int kTargetBlocksPerSM = 4;
+constexpr uint32_t kMagicBits = 0x4B000000u;  // (bits | q) as float is 2^23 + q
+constexpr float kMagic = 8388608.0f;
+
+template <int B>
+constexpr int kStages = B == 8 ? 3 : 4;  // static shared memory stays under 48 KB
+
+struct MmaArgs {
+  GptqView w;
+  const uint16_t* a;  // [M, K] fp16 / bf16 bits in the weight's row order, rows 16-byte aligned
+  int64_t M;
+  void* out;  // [M, N] in out_kind, when splits == 1
+  Float out_kind;
+  float* partial;  // [splits, M, N] fp32, when splits > 1
+  int m_chunks;
+  int n_tiles;
+  int splits;
+  int chunks_per_split;
+};
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Two exact integers as the low and high halves of a T pair.
+template <typename T>
+__device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
+  uint32_t r;
+  if constexpr (std::is_same_v<T, __half>) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    __builtin_memcpy(&r, &h, 4);
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    __builtin_memcpy(&r, &h, 4);
+  }
+  return r;
+}
+
+// d += a (16x16, row) @ b (16x8, col), fp32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<T, __half>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+#else
+  CUDA_KERNEL_ASSERT(false && "gptq_mma_kernel needs compute capability 8.0");
+#endif
+}
+
+// A lane's parameters of one group: 2^23 + zero of its 4 B columns, the
+// scales of its 8 output columns (n8 tile j, d-pair element e: column 8t + 4e + j).
+struct Group {
+  float zero_magic[4];
+  float scale[4][2];
+};
+
+template <int B>
+__device__ __forceinline__ Group load_group(const GptqView& w, int32_t g, int64_t bcol, int64_t ccol) {
+  Group p;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    p.zero_magic[j] = bcol + j < w.N ? kMagic + static_cast<float>(zero_at<B>(w, g, bcol + j)) : kMagic;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int64_t c = ccol + 4 * e + j;
+      p.scale[j][e] = c < w.N ? scale_at(w, g, c) : 0.0f;
+    }
+  }
+  return p;
+}
+
+// acc += scale * part per output column; part restarts.
+template <int MT>
+__device__ __forceinline__ void flush(float (&acc)[MT][4][4], float (&part)[MT][4][4], const Group& p) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        acc[mt][j][r] = fmaf(p.scale[j][r & 1], part[mt][j][r], acc[mt][j][r]);
+        part[mt][j][r] = 0.0f;
+      }
+}
+
+// One block: columns [tile * 128, +128), activation rows [mc * 16 * MT, +16 * MT),
+// K chunks [split * chunks_per_split, +chunks_per_split).
+template <int B, int MT, typename T>
+__global__ void __launch_bounds__(kThreads) gptq_mma_kernel(const MmaArgs p) {
+  constexpr int kWordRows = kChunk * B / 32;  // packed rows per chunk
+  constexpr int S = kStages<B>;
+  constexpr uint32_t kMask = (1u << B) - 1;
+  __shared__ __align__(16) uint32_t w_s[S][kWordRows][kTileN];
+  __shared__ __align__(16) uint16_t a_s[S][16 * MT][kAStride];
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int c = lane >> 2, t = lane & 3;
+  int64_t bid = blockIdx.x;
+  const int mc = static_cast<int>(bid % p.m_chunks);
+  bid /= p.m_chunks;
+  const int tile = static_cast<int>(bid % p.n_tiles);
+  const int split = static_cast<int>(bid / p.n_tiles);
+  const int64_t K = p.w.K, N = p.w.N;
+  const int64_t n_block = static_cast<int64_t>(tile) * kTileN;
+  const int64_t m0 = static_cast<int64_t>(mc) * 16 * MT;
+  const int64_t chunks = K / kChunk;
+  const int64_t c_begin = static_cast<int64_t>(split) * p.chunks_per_split;
+  const int64_t c_end = c_begin + p.chunks_per_split < chunks ? c_begin + p.chunks_per_split : chunks;
+  const int nchunks = static_cast<int>(c_end - c_begin);
+
+  auto load_stage = [&](int stage, int64_t chunk) {
+    const int64_t k0 = chunk * kChunk;
+    for (int i = threadIdx.x; i < kWordRows * (kTileN / 4); i += kThreads) {
+      const int r = i / (kTileN / 4), v = i % (kTileN / 4);
+      const int64_t col = n_block + 4 * v;
+      const bool valid = col < N;  // N % 4 == 0: a 16-byte run is all in or all out
+      cp_async16(&w_s[stage][r][4 * v], p.w.qweight + (k0 * B / 32 + r) * N + (valid ? col : 0), valid);
+    }
+    for (int i = threadIdx.x; i < 16 * MT * (kChunk / 8); i += kThreads) {
+      const int r = i / (kChunk / 8), v = i % (kChunk / 8);
+      const int64_t row = m0 + r;
+      const bool valid = row < p.M;
+      cp_async16(&a_s[stage][r][8 * v], p.a + (valid ? row : 0) * K + k0 + 8 * v, valid);
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (s < nchunks) load_stage(s, c_begin + s);
+    cp_async_commit();
+  }
+
+  float acc[MT][4][4], part[MT][4][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[mt][j][r] = part[mt][j][r] = 0.0f;
+  const int64_t bcol = n_block + warp * 32 + 4 * c;  // the lane's B columns: bcol + j
+  const int64_t ccol = n_block + warp * 32 + 8 * t;  // its output columns: ccol + 4e + j
+  Group gp = {};
+  int32_t cur_g = -1;
+  int64_t next_k = 0;  // trivial grouping: the first row of the next group
+
+  for (int i = 0; i < nchunks; ++i) {
+    cp_async_wait<S - 2>();
+    __syncthreads();  // chunk i is in shared memory; every warp is done with chunk i - 1's stage
+    {
+      const int nx = i + S - 1;
+      if (nx < nchunks) load_stage(nx % S, c_begin + nx);
+      cp_async_commit();
+    }
+    const int st = i % S;
+    const int64_t k0 = (c_begin + i) * kChunk;
+#pragma unroll 1
+    for (int ks = 0; ks < kSteps; ++ks) {
+      const int64_t k = k0 + 16 * ks;
+      // The lane's rows of this step, and their fields in the packed words.
+      const int rows[2] = {16 * ks + 2 * t, 16 * ks + 2 * t + 8};
+      uint32_t fields[2][4];  // [row pair][n8 tile]: the pair's 2B bits
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint4 v = *reinterpret_cast<const uint4*>(&w_s[st][rows[h] * B / 32][warp * 32 + 4 * c]);
+        const int off = (rows[h] * B) % 32;
+        fields[h][0] = v.x >> off;
+        fields[h][1] = v.y >> off;
+        fields[h][2] = v.z >> off;
+        fields[h][3] = v.w >> off;
+      }
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const int r0 = 16 * mt + c, kk = 16 * ks + 2 * t;
+        a[mt][0] = *reinterpret_cast<const uint32_t*>(&a_s[st][r0][kk]);
+        a[mt][1] = *reinterpret_cast<const uint32_t*>(&a_s[st][r0 + 8][kk]);
+        a[mt][2] = *reinterpret_cast<const uint32_t*>(&a_s[st][r0][kk + 8]);
+        a[mt][3] = *reinterpret_cast<const uint32_t*>(&a_s[st][r0 + 8][kk + 8]);
+      }
+      // The step's group(s). keep: bit (2h + i) set where row rows[h] + i takes part.
+      int32_t g;
+      bool uniform = true;
+      int32_t lane_g[4] = {0, 0, 0, 0};
+      if (p.w.g_idx == nullptr) {
+        if (k >= next_k) {
+          g = static_cast<int32_t>(k / p.w.group_size);
+          next_k = (g + int64_t{1}) * p.w.group_size;
+        } else {
+          g = cur_g;
+        }
+      } else {
+        g = static_cast<int32_t>(group_of(p.w, k));
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) lane_g[2 * h + e] = static_cast<int32_t>(group_of(p.w, k0 + rows[h] + e));
+        uniform = __all_sync(0xffffffffu, lane_g[0] == g && lane_g[1] == g && lane_g[2] == g && lane_g[3] == g);
+      }
+      if (uniform) {
+        if (g != cur_g) {
+          if (cur_g >= 0) flush<MT>(acc, part, gp);
+          gp = load_group<B>(p.w, g, bcol, ccol);
+          cur_g = g;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          uint32_t b[2];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float lo = __uint_as_float(kMagicBits | (fields[h][j] & kMask)) - gp.zero_magic[j];
+            const float hi = __uint_as_float(kMagicBits | ((fields[h][j] >> B) & kMask)) - gp.zero_magic[j];
+            b[h] = pack_pair<T>(lo, hi);  // exactly q - zero
+          }
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) mma16816<T>(part[mt][j], a[mt], b[0], b[1]);
+        }
+        continue;
+      }
+      // Rows of several groups (an unsorted g_idx): one pass per group, in
+      // increasing group order, each with the other rows' fragments zeroed.
+      if (cur_g >= 0) flush<MT>(acc, part, gp);
+      cur_g = -1;
+      int32_t h_g = -1;
+      while (true) {
+        int32_t lane_next = INT32_MAX;
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+          if (lane_g[q] > h_g && lane_g[q] < lane_next) lane_next = lane_g[q];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          const int32_t other = __shfl_xor_sync(0xffffffffu, lane_next, o);
+          lane_next = other < lane_next ? other : lane_next;
+        }
+        if (lane_next == INT32_MAX) break;
+        h_g = lane_next;
+        const Group hp = load_group<B>(p.w, h_g, bcol, ccol);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          uint32_t b[2];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float lo = lane_g[2 * h] == h_g
+                                 ? __uint_as_float(kMagicBits | (fields[h][j] & kMask)) - hp.zero_magic[j]
+                                 : 0.0f;
+            const float hi = lane_g[2 * h + 1] == h_g
+                                 ? __uint_as_float(kMagicBits | ((fields[h][j] >> B) & kMask)) - hp.zero_magic[j]
+                                 : 0.0f;
+            b[h] = pack_pair<T>(lo, hi);
+          }
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) mma16816<T>(part[mt][j], a[mt], b[0], b[1]);
+        }
+        flush<MT>(acc, part, hp);
+      }
+    }
+  }
+  cp_async_wait<0>();
+  if (cur_g >= 0) flush<MT>(acc, part, gp);
+
+  // d0, d1: row c, columns 2t, 2t + 1 of the n8 tile; d2, d3: row c + 8.
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int64_t row = m0 + 16 * mt + c + 8 * (r >> 1);
+      if (row >= p.M) continue;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int64_t col = ccol + 4 * (r & 1) + j;
+        if (col >= N) continue;
+        if (p.splits == 1) {
+          store_float(p.out, p.out_kind, row * N + col, acc[mt][j][r]);
+        } else {
+          p.partial[(static_cast<int64_t>(split) * p.M + row) * N + col] = acc[mt][j][r];
+        }
+      }
+    }
+}
+
+template <int B, int MT, typename T>
+void launch(const MmaArgs& args, int64_t blocks) {
+  gptq_mma_kernel<B, MT, T><<<static_cast<unsigned int>(blocks), kThreads, 0, current_stream()>>>(args);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+bool gptq_mma_serves(const at::Tensor& a, const GptqView& w, int64_t bit) {
+  return (a.scalar_type() == at::kHalf || a.scalar_type() == at::kBFloat16) && bit != 3 &&
+         compute_major(a.get_device()) >= 8 && w.K % kChunk == 0 && w.N % 4 == 0 &&
+         (w.g_idx != nullptr || w.group_size % 16 == 0);
+}
+
+void gemm_mma(const at::Tensor& a_rows, const GptqView& w, int64_t bit, at::Tensor& out) {
+  TORCH_INTERNAL_ASSERT(a_rows.is_contiguous() && a_rows.size(1) == w.K &&
+                        reinterpret_cast<uintptr_t>(a_rows.data_ptr()) % 16 == 0);
+  const int64_t M = a_rows.size(0), N = w.N, K = w.K;
+  const int mt = M <= 16 ? 1 : 2;
+  const int64_t m_chunks = ceil_div(M, 16 * mt);
+  const int64_t n_tiles = ceil_div(N, kTileN);
+  const int64_t chunks = K / kChunk;
+  const int64_t base = m_chunks * n_tiles;
+  const int64_t target = int64_t{kTargetBlocksPerSM} * sm_count(a_rows.get_device());
+  int64_t splits = std::clamp<int64_t>(ceil_div(target, base), 1, chunks);
+  const int64_t chunks_per_split = ceil_div(chunks, splits);
+  splits = ceil_div(chunks, chunks_per_split);
+  const int64_t blocks = base * splits;
+  TORCH_CHECK(blocks <= 0x7fffffff, "gptq_gemm: ", M, " x ", N, " is too large for one launch");
+
+  at::Tensor partial;
+  if (splits > 1) partial = at::empty({splits, M, N}, a_rows.options().dtype(at::kFloat));
+  MmaArgs args;
+  args.w = w;
+  args.a = reinterpret_cast<const uint16_t*>(a_rows.data_ptr());
+  args.M = M;
+  args.out = out.data_ptr();
+  args.out_kind = float_kind(out.scalar_type());
+  args.partial = splits > 1 ? partial.data_ptr<float>() : nullptr;
+  args.m_chunks = static_cast<int>(m_chunks);
+  args.n_tiles = static_cast<int>(n_tiles);
+  args.splits = static_cast<int>(splits);
+  args.chunks_per_split = static_cast<int>(chunks_per_split);
+  const bool half = a_rows.scalar_type() == at::kHalf;
+  dispatch_bits(bit, [&](auto bits) {
+    constexpr int B = decltype(bits)::value;
+    if constexpr (B != 3) {
+      if (half) {
+        mt == 1 ? launch<B, 1, __half>(args, blocks) : launch<B, 2, __half>(args, blocks);
+      } else {
+        mt == 1 ? launch<B, 1, __nv_bfloat16>(args, blocks) : launch<B, 2, __nv_bfloat16>(args, blocks);
+      }
+    }
+  });
+  if (splits > 1) launch_splitk_reduce(partial, splits, out);
+}
+
+}  // namespace cuda
+}  // namespace lowbit
