@@ -13,9 +13,10 @@
 //   3-4 stage pipeline; split-K as in the fused kernel (fp32 slices summed in
 //   a fixed order: deterministic).
 // - A lane's B fragment rows (2t, 2t + 1, 2t + 8, 2t + 9 of a k16 step, t =
-//   lane % 4) are adjacent fields of packed words for 2, 4 and 8 bits, and
-//   its n8 column is one of 4 adjacent columns that one 16-byte shared load
-//   brings: n8 tile j holds columns 4c + j of the warp's 32 (c = lane / 4).
+//   lane % 4) are adjacent fields of packed words for 2, 4 and 8 bits
+//   (PairLayout: three instructions per pair for fp16), and its n8 column is
+//   one of 4 adjacent columns that one 16-byte shared load brings: n8 tile j
+//   holds columns 4c + j of the warp's 32 (c = lane / 4).
 // - Groups: with a g_idx, every k16 step checks that its 16 rows share one
 //   group (sorted groups on 16-row boundaries: plain checkpoints and sorted
 //   act-order rows); a step whose rows span groups runs once per group with
@@ -85,6 +86,90 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
   return r;
 }
 
+// Where a lane's row pair (rows 2t, 2t + 1 of a k16 step, h = 0; 2t + 8,
+// 2t + 9, h = 1) sits in its packed word: the pair's 2B bits start at bit
+// off[h]. fp16 decodes with three instructions per pair: __byte_perm puts the
+// byte(s) holding the two fields at bytes 0 and 2, one lop3 keeps the fields
+// (the first at bit s of its half, the second at bit s2) under fp16's 1024,
+// and one fma scales each half by its power of two and subtracts
+// 1024 * 2^-s + zero: exactly q - zero.
+template <int B>
+struct PairLayout {
+  int off[2];
+  uint32_t sel[2];
+  uint32_t mask;
+  float mul[2];  // 2^-s, 2^-s2
+
+  __device__ __forceinline__ explicit PairLayout(int t) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      off[h] = ((2 * t + 8 * h) * B) % 32;
+      const uint32_t b0 = off[h] / 8, b1 = (off[h] + B) / 8;  // bytes of the two fields
+      sel[h] = b0 | (b0 << 4) | (b1 << 8) | (b1 << 12);
+    }
+    const int s = off[0] % 8, s2 = (off[0] + B) % 8;  // the same for both pairs
+    mask = (((1u << B) - 1) << s) | ((((1u << B) - 1) << s2) << 16);
+    mul[0] = 1.0f / static_cast<float>(1 << s);
+    mul[1] = 1.0f / static_cast<float>(1 << s2);
+  }
+};
+
+// A lane's parameters of one group: what decodes its 4 B columns (fp16:
+// the fma's addends as half pairs; bf16: 2^23 + zero), and the scales of its
+// 8 output columns (n8 tile j, d-pair element e: column 8t + 4e + j).
+struct Group {
+  uint32_t add[4];
+  float zero_magic[4];
+  float scale[4][2];
+};
+
+template <int B, typename T>
+__device__ __forceinline__ Group load_group(const GptqView& w, int32_t g, int64_t bcol, int64_t ccol,
+                                           const PairLayout<B>& lay) {
+  Group p;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float z = bcol + j < w.N ? static_cast<float>(zero_at<B>(w, g, bcol + j)) : 0.0f;
+    if constexpr (std::is_same_v<T, __half>) {
+      p.add[j] = pack_pair<__half>(-(1024.0f * lay.mul[0] + z), -(1024.0f * lay.mul[1] + z));
+    } else {
+      p.zero_magic[j] = kMagic + z;
+    }
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int64_t c = ccol + 4 * e + j;
+      p.scale[j][e] = c < w.N ? scale_at(w, g, c) : 0.0f;
+    }
+  }
+  return p;
+}
+
+// q - zero of the lane's row pair h in `word` (column j of its group), exact, as a T pair.
+template <int B, typename T>
+__device__ __forceinline__ uint32_t decode_pair(uint32_t word, int h, int j, const PairLayout<B>& lay,
+                                                const Group& p) {
+  if constexpr (std::is_same_v<T, __half>) {
+    // (bytes & mask) | 1024's exponent in one lop3 (the compiler splits the
+    // two constants into two otherwise).
+    uint32_t biased;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(biased) : "r"(__byte_perm(word, 0, lay.sel[h])), "r"(lay.mask),
+        "n"(0x64006400));
+    __half2 v, mul, add;
+    __builtin_memcpy(&v, &biased, 4);
+    mul = __floats2half2_rn(lay.mul[0], lay.mul[1]);
+    __builtin_memcpy(&add, &p.add[j], 4);
+    const __half2 r = __hfma2(v, mul, add);
+    uint32_t out;
+    __builtin_memcpy(&out, &r, 4);
+    return out;
+  } else {
+    constexpr uint32_t kMask = (1u << B) - 1;
+    const uint32_t f = word >> lay.off[h];
+    return pack_pair<T>(__uint_as_float(kMagicBits | (f & kMask)) - p.zero_magic[j],
+                        __uint_as_float(kMagicBits | ((f >> B) & kMask)) - p.zero_magic[j]);
+  }
+}
+
 // d += a (16x16, row) @ b (16x8, col), fp32 accumulators.
 template <typename T>
 __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -107,28 +192,6 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
 #endif
 }
 
-// A lane's parameters of one group: 2^23 + zero of its 4 B columns, the
-// scales of its 8 output columns (n8 tile j, d-pair element e: column 8t + 4e + j).
-struct Group {
-  float zero_magic[4];
-  float scale[4][2];
-};
-
-template <int B>
-__device__ __forceinline__ Group load_group(const GptqView& w, int32_t g, int64_t bcol, int64_t ccol) {
-  Group p;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    p.zero_magic[j] = bcol + j < w.N ? kMagic + static_cast<float>(zero_at<B>(w, g, bcol + j)) : kMagic;
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int64_t c = ccol + 4 * e + j;
-      p.scale[j][e] = c < w.N ? scale_at(w, g, c) : 0.0f;
-    }
-  }
-  return p;
-}
-
 // acc += scale * part per output column; part restarts.
 template <int MT>
 __device__ __forceinline__ void flush(float (&acc)[MT][4][4], float (&part)[MT][4][4], const Group& p) {
@@ -149,7 +212,6 @@ template <int B, int MT, typename T>
 __global__ void __launch_bounds__(kThreads) gptq_mma_kernel(const MmaArgs p) {
   constexpr int kWordRows = kChunk * B / 32;  // packed rows per chunk
   constexpr int S = kStages<B>;
-  constexpr uint32_t kMask = (1u << B) - 1;
   __shared__ __align__(16) uint32_t w_s[S][kWordRows][kTileN];
   __shared__ __align__(16) uint16_t a_s[S][16 * MT][kAStride];
 
@@ -199,6 +261,7 @@ __global__ void __launch_bounds__(kThreads) gptq_mma_kernel(const MmaArgs p) {
       for (int r = 0; r < 4; ++r) acc[mt][j][r] = part[mt][j][r] = 0.0f;
   const int64_t bcol = n_block + warp * 32 + 4 * c;  // the lane's B columns: bcol + j
   const int64_t ccol = n_block + warp * 32 + 8 * t;  // its output columns: ccol + 4e + j
+  const PairLayout<B> lay(t);
   Group gp = {};
   int32_t cur_g = -1;
   int64_t next_k = 0;  // trivial grouping: the first row of the next group
@@ -216,17 +279,16 @@ __global__ void __launch_bounds__(kThreads) gptq_mma_kernel(const MmaArgs p) {
 #pragma unroll 1
     for (int ks = 0; ks < kSteps; ++ks) {
       const int64_t k = k0 + 16 * ks;
-      // The lane's rows of this step, and their fields in the packed words.
+      // The lane's row pairs of this step and their packed words, [pair][n8 tile].
       const int rows[2] = {16 * ks + 2 * t, 16 * ks + 2 * t + 8};
-      uint32_t fields[2][4];  // [row pair][n8 tile]: the pair's 2B bits
+      uint32_t words[2][4];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const uint4 v = *reinterpret_cast<const uint4*>(&w_s[st][rows[h] * B / 32][warp * 32 + 4 * c]);
-        const int off = (rows[h] * B) % 32;
-        fields[h][0] = v.x >> off;
-        fields[h][1] = v.y >> off;
-        fields[h][2] = v.z >> off;
-        fields[h][3] = v.w >> off;
+        words[h][0] = v.x;
+        words[h][1] = v.y;
+        words[h][2] = v.z;
+        words[h][3] = v.w;
       }
       uint32_t a[MT][4];
 #pragma unroll
@@ -259,20 +321,15 @@ __global__ void __launch_bounds__(kThreads) gptq_mma_kernel(const MmaArgs p) {
       if (uniform) {
         if (g != cur_g) {
           if (cur_g >= 0) flush<MT>(acc, part, gp);
-          gp = load_group<B>(p.w, g, bcol, ccol);
+          gp = load_group<B, T>(p.w, g, bcol, ccol, lay);
           cur_g = g;
         }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          uint32_t b[2];
+          const uint32_t b0 = decode_pair<B, T>(words[0][j], 0, j, lay, gp);
+          const uint32_t b1 = decode_pair<B, T>(words[1][j], 1, j, lay, gp);
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const float lo = __uint_as_float(kMagicBits | (fields[h][j] & kMask)) - gp.zero_magic[j];
-            const float hi = __uint_as_float(kMagicBits | ((fields[h][j] >> B) & kMask)) - gp.zero_magic[j];
-            b[h] = pack_pair<T>(lo, hi);  // exactly q - zero
-          }
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) mma16816<T>(part[mt][j], a[mt], b[0], b[1]);
+          for (int mt = 0; mt < MT; ++mt) mma16816<T>(part[mt][j], a[mt], b0, b1);
         }
         continue;
       }
@@ -293,22 +350,19 @@ __global__ void __launch_bounds__(kThreads) gptq_mma_kernel(const MmaArgs p) {
         }
         if (lane_next == INT32_MAX) break;
         h_g = lane_next;
-        const Group hp = load_group<B>(p.w, h_g, bcol, ccol);
+        const Group hp = load_group<B, T>(p.w, h_g, bcol, ccol, lay);
+        // The halves of the lane's pairs whose rows are in group h_g (the others are +0).
+        uint32_t keep[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          keep[h] = (lane_g[2 * h] == h_g ? 0x0000ffffu : 0u) | (lane_g[2 * h + 1] == h_g ? 0xffff0000u : 0u);
+        }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          uint32_t b[2];
+          const uint32_t b0 = decode_pair<B, T>(words[0][j], 0, j, lay, hp) & keep[0];
+          const uint32_t b1 = decode_pair<B, T>(words[1][j], 1, j, lay, hp) & keep[1];
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const float lo = lane_g[2 * h] == h_g
-                                 ? __uint_as_float(kMagicBits | (fields[h][j] & kMask)) - hp.zero_magic[j]
-                                 : 0.0f;
-            const float hi = lane_g[2 * h + 1] == h_g
-                                 ? __uint_as_float(kMagicBits | ((fields[h][j] >> B) & kMask)) - hp.zero_magic[j]
-                                 : 0.0f;
-            b[h] = pack_pair<T>(lo, hi);
-          }
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) mma16816<T>(part[mt][j], a[mt], b[0], b[1]);
+          for (int mt = 0; mt < MT; ++mt) mma16816<T>(part[mt][j], a[mt], b0, b1);
         }
         flush<MT>(acc, part, hp);
       }
