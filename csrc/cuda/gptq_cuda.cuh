@@ -94,9 +94,57 @@ void launch_gptq_split_exponents(const GptqView& w, int64_t bit, at::Tensor& exp
 void launch_gptq_dequantize_split(const GptqView& w, int64_t bit, int64_t n0, const at::Tensor& exps, at::Tensor& hi,
                                   at::Tensor& lo);
 
-// gptq_gemm.cu: out = the sum over splits of partial [splits, M, N] (fp32),
-// in split order, rounded once to out's dtype (out contiguous [M, N]).
-void launch_splitk_reduce(const at::Tensor& partial, int64_t splits, at::Tensor& out);
+// The grid and output of a split-K GPTQ kernel (gptq_gemm.cu's fused one,
+// gptq_mma.cu's): a block per (chunk of activation rows, column tile, run of
+// K chunks). With one split a block writes out [M, N] directly; with several,
+// its fp32 slice of a [splits, M, N] workspace, which launch_splitk_reduce
+// sums in split order: no atomics, the same bits on every run.
+struct SplitK {
+  void* out;
+  Float out_kind;
+  float* partial;
+  int64_t M;
+  int64_t N;
+  int64_t chunks;
+  int m_chunks;
+  int n_tiles;
+  int splits;
+  int chunks_per_split;
+
+  struct Block {
+    int mc;  // row chunk
+    int tile;
+    int split;
+    int64_t c_begin;  // K chunks [c_begin, c_end)
+    int64_t c_end;
+  };
+  __device__ __forceinline__ Block block(int64_t bid) const {
+    Block b;
+    b.mc = static_cast<int>(bid % m_chunks);
+    bid /= m_chunks;
+    b.tile = static_cast<int>(bid % n_tiles);
+    b.split = static_cast<int>(bid / n_tiles);
+    b.c_begin = static_cast<int64_t>(b.split) * chunks_per_split;
+    b.c_end = b.c_begin + chunks_per_split < chunks ? b.c_begin + chunks_per_split : chunks;
+    return b;
+  }
+  __device__ __forceinline__ void store(int split, int64_t row, int64_t col, float v) const {
+    if (splits == 1) {
+      store_float(out, out_kind, row * N + col, v);
+    } else {
+      partial[(static_cast<int64_t>(split) * M + row) * N + col] = v;
+    }
+  }
+};
+
+// gptq_gemm.cu: plans the grid over a's M rows in chunks of `rows`, out's N
+// columns in tiles of `tile_n` and K's `chunks` chunks, splitting K until
+// there are about blocks_per_sm blocks per multiprocessor; the workspace goes
+// to `partial`, the block count to `blocks`. launch_splitk_reduce then writes
+// out where there are several splits.
+SplitK plan_split_k(const at::Tensor& a, at::Tensor& out, int64_t rows, int64_t tile_n, int64_t chunks,
+                    int blocks_per_sm, at::Tensor& partial, int64_t& blocks);
+void launch_splitk_reduce(const at::Tensor& partial, const SplitK& s);
 
 // gptq_mma.cu: the tensor-core kernel. Serves a (its dtype and device) and w
 // with this bit width where true; gemm_mma takes a in the weight's row order

@@ -104,13 +104,7 @@ struct GemvArgs {
   const int32_t* perm;  // shuffled weights: a's column of shuffled row i is perm[i]; null otherwise
   int64_t M;
   bool per_row_groups;  // a pack's rows may span groups (g_idx given, or group_size % fields != 0)
-  void* out;            // [M, N] in out_kind, when splits == 1
-  Float out_kind;
-  float* partial;  // [splits, M, N] fp32, when splits > 1
-  int m_chunks;
-  int n_tiles;
-  int splits;
-  int chunks_per_split;
+  SplitK s;
 };
 
 __device__ __forceinline__ uint32_t lane_word(const uint4& v, int c) {
@@ -191,11 +185,13 @@ __global__ void __launch_bounds__(kThreads) gptq_gemv_kernel(const GemvArgs p) {
   __shared__ __align__(16) float red_s[kWarps - 1][MT][kTileN];
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  // The block's place, spelled out rather than through SplitK::block: with
+  // the helper ptxas gives the 2-bit M = 1 kernel 80 registers and spills.
   int64_t bid = blockIdx.x;
-  const int mc = static_cast<int>(bid % p.m_chunks);
-  bid /= p.m_chunks;
-  const int tile = static_cast<int>(bid % p.n_tiles);
-  const int split = static_cast<int>(bid / p.n_tiles);
+  const int mc = static_cast<int>(bid % p.s.m_chunks);
+  bid /= p.s.m_chunks;
+  const int tile = static_cast<int>(bid % p.s.n_tiles);
+  const int split = static_cast<int>(bid / p.s.n_tiles);
   const int64_t K = p.w.K, N = p.w.N;
   const int64_t m0 = static_cast<int64_t>(mc) * MT;
   const int mrows = static_cast<int>(p.M - m0 < MT ? p.M - m0 : MT);
@@ -216,8 +212,8 @@ __global__ void __launch_bounds__(kThreads) gptq_gemv_kernel(const GemvArgs p) {
   int32_t cur_g = -1;
 
   const int64_t chunks = (K + kChunk - 1) / kChunk;
-  const int64_t c_begin = static_cast<int64_t>(split) * p.chunks_per_split;
-  const int64_t c_end = c_begin + p.chunks_per_split < chunks ? c_begin + p.chunks_per_split : chunks;
+  const int64_t c_begin = static_cast<int64_t>(split) * p.s.chunks_per_split;
+  const int64_t c_end = c_begin + p.s.chunks_per_split < chunks ? c_begin + p.s.chunks_per_split : chunks;
   const uint4* qw = reinterpret_cast<const uint4*>(p.w.qweight);
   const int64_t row_vecs = N / kColsPerLane;  // uint4s per packed row
   const int64_t lane_vec = n / kColsPerLane;
@@ -368,13 +364,7 @@ __global__ void __launch_bounds__(kThreads) gptq_gemv_kernel(const GemvArgs p) {
     if (m >= mrows) break;
     const int64_t row = m0 + m;
 #pragma unroll
-    for (int c = 0; c < kColsPerLane; ++c) {
-      if (p.splits == 1) {
-        store_float(p.out, p.out_kind, row * N + n + c, acc[m][c]);
-      } else {
-        p.partial[(static_cast<int64_t>(split) * p.M + row) * N + n + c] = acc[m][c];
-      }
-    }
+    for (int c = 0; c < kColsPerLane; ++c) p.s.store(split, row, n + c, acc[m][c]);
   }
 }
 
@@ -396,36 +386,18 @@ void launch_gemv(const GemvArgs& args, int64_t blocks) {
 }
 
 void gemm_fused(const at::Tensor& a2, const GptqView& w, const at::Tensor& perm, int64_t bit, at::Tensor& out) {
-  const int64_t M = a2.size(0), N = w.N, K = w.K;
+  const int64_t M = a2.size(0);
   const int mt = M <= 1 ? 1 : (M <= 2 ? 2 : (M <= 4 ? 4 : 8));
-  const int64_t m_chunks = ceil_div(M, mt);
-  const int64_t n_tiles = ceil_div(N, kTileN);
-  const int64_t chunks = ceil_div(K, kChunk);
-  const int64_t base = m_chunks * n_tiles;
-  const int64_t target = int64_t{kTargetBlocksPerSM} * sm_count(a2.get_device());
-  int64_t splits = std::clamp<int64_t>(ceil_div(target, base), 1, chunks);
-  const int64_t chunks_per_split = ceil_div(chunks, splits);
-  splits = ceil_div(chunks, chunks_per_split);
-  const int64_t blocks = base * splits;
-  TORCH_CHECK(blocks <= 0x7fffffff, "gptq_gemm: ", M, " x ", N, " is too large for one launch");
-
   at::Tensor partial;
-  if (splits > 1) partial = at::empty({splits, M, N}, a2.options().dtype(at::kFloat));
-
+  int64_t blocks = 0;
   GemvArgs args;
+  args.s = plan_split_k(a2, out, mt, kTileN, ceil_div(w.K, kChunk), kTargetBlocksPerSM, partial, blocks);
   args.w = w;
   args.a = a2.data_ptr();
   args.a_kind = float_kind(a2.scalar_type());
   args.perm = perm.defined() && perm.numel() ? perm.data_ptr<int32_t>() : nullptr;
   args.M = M;
   args.per_row_groups = w.g_idx != nullptr || w.group_size % gptq::fields_per_pack(bit) != 0;
-  args.out = out.data_ptr();
-  args.out_kind = float_kind(out.scalar_type());
-  args.partial = splits > 1 ? partial.data_ptr<float>() : nullptr;
-  args.m_chunks = static_cast<int>(m_chunks);
-  args.n_tiles = static_cast<int>(n_tiles);
-  args.splits = static_cast<int>(splits);
-  args.chunks_per_split = static_cast<int>(chunks_per_split);
 
   dispatch_bits(bit, [&](auto bits) {
     constexpr int B = decltype(bits)::value;
@@ -436,7 +408,7 @@ void gemm_fused(const at::Tensor& a2, const GptqView& w, const at::Tensor& perm,
       default: launch_gemv<B, 8>(args, blocks); break;
     }
   });
-  if (splits > 1) launch_splitk_reduce(partial, splits, out);
+  launch_splitk_reduce(partial, args.s);
 }
 
 // The large-M paths' activations, contiguous, in the weight's row order
@@ -525,10 +497,38 @@ void gemm_dequant_mm(const at::Tensor& a2, const GptqView& w, const at::Tensor& 
 
 }  // namespace
 
-void launch_splitk_reduce(const at::Tensor& partial, int64_t splits, at::Tensor& out) {
-  const int64_t mn = out.numel();
-  splitk_reduce_kernel<<<grid_for(mn, kThreads), kThreads, 0, current_stream()>>>(
-      partial.data_ptr<float>(), static_cast<int>(splits), mn, out.data_ptr(), float_kind(out.scalar_type()));
+SplitK plan_split_k(const at::Tensor& a, at::Tensor& out, int64_t rows, int64_t tile_n, int64_t chunks,
+                    int blocks_per_sm, at::Tensor& partial, int64_t& blocks) {
+  const int64_t M = a.size(0), N = out.size(1);
+  const int64_t m_chunks = ceil_div(M, rows);
+  const int64_t n_tiles = ceil_div(N, tile_n);
+  const int64_t base = m_chunks * n_tiles;
+  const int64_t target = int64_t{blocks_per_sm} * sm_count(a.get_device());
+  int64_t splits = std::clamp<int64_t>(ceil_div(target, base), 1, chunks);
+  const int64_t chunks_per_split = ceil_div(chunks, splits);
+  splits = ceil_div(chunks, chunks_per_split);
+  blocks = base * splits;
+  TORCH_CHECK(blocks <= 0x7fffffff, "gptq_gemm: ", M, " x ", N, " is too large for one launch");
+  if (splits > 1) partial = at::empty({splits, M, N}, a.options().dtype(at::kFloat));
+  SplitK s;
+  s.out = out.data_ptr();
+  s.out_kind = float_kind(out.scalar_type());
+  s.partial = splits > 1 ? partial.data_ptr<float>() : nullptr;
+  s.M = M;
+  s.N = N;
+  s.chunks = chunks;
+  s.m_chunks = static_cast<int>(m_chunks);
+  s.n_tiles = static_cast<int>(n_tiles);
+  s.splits = static_cast<int>(splits);
+  s.chunks_per_split = static_cast<int>(chunks_per_split);
+  return s;
+}
+
+void launch_splitk_reduce(const at::Tensor& partial, const SplitK& s) {
+  if (s.splits == 1) return;
+  const int64_t mn = s.M * s.N;
+  splitk_reduce_kernel<<<grid_for(mn, kThreads), kThreads, 0, current_stream()>>>(partial.data_ptr<float>(), s.splits,
+                                                                                  mn, s.out, s.out_kind);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -24,7 +24,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <algorithm>
 
 #include "../core/gptq_format.h"
 #include "../ops/dispatch.h"
@@ -53,13 +52,7 @@ struct MmaArgs {
   GptqView w;
   const uint16_t* a;  // [M, K] fp16 / bf16 bits in the weight's row order, rows 16-byte aligned
   int64_t M;
-  void* out;  // [M, N] in out_kind, when splits == 1
-  Float out_kind;
-  float* partial;  // [splits, M, N] fp32, when splits > 1
-  int m_chunks;
-  int n_tiles;
-  int splits;
-  int chunks_per_split;
+  SplitK s;
 };
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
@@ -217,18 +210,12 @@ __global__ void __launch_bounds__(kThreads) gptq_mma_kernel(const MmaArgs p) {
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int c = lane >> 2, t = lane & 3;
-  int64_t bid = blockIdx.x;
-  const int mc = static_cast<int>(bid % p.m_chunks);
-  bid /= p.m_chunks;
-  const int tile = static_cast<int>(bid % p.n_tiles);
-  const int split = static_cast<int>(bid / p.n_tiles);
+  const SplitK::Block blk = p.s.block(blockIdx.x);
   const int64_t K = p.w.K, N = p.w.N;
-  const int64_t n_block = static_cast<int64_t>(tile) * kTileN;
-  const int64_t m0 = static_cast<int64_t>(mc) * 16 * MT;
-  const int64_t chunks = K / kChunk;
-  const int64_t c_begin = static_cast<int64_t>(split) * p.chunks_per_split;
-  const int64_t c_end = c_begin + p.chunks_per_split < chunks ? c_begin + p.chunks_per_split : chunks;
-  const int nchunks = static_cast<int>(c_end - c_begin);
+  const int64_t n_block = static_cast<int64_t>(blk.tile) * kTileN;
+  const int64_t m0 = static_cast<int64_t>(blk.mc) * 16 * MT;
+  const int64_t c_begin = blk.c_begin;
+  const int nchunks = static_cast<int>(blk.c_end - blk.c_begin);
 
   auto load_stage = [&](int stage, int64_t chunk) {
     const int64_t k0 = chunk * kChunk;
@@ -381,12 +368,7 @@ __global__ void __launch_bounds__(kThreads) gptq_mma_kernel(const MmaArgs p) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int64_t col = ccol + 4 * (r & 1) + j;
-        if (col >= N) continue;
-        if (p.splits == 1) {
-          store_float(p.out, p.out_kind, row * N + col, acc[mt][j][r]);
-        } else {
-          p.partial[(static_cast<int64_t>(split) * p.M + row) * N + col] = acc[mt][j][r];
-        }
+        if (col < N) p.s.store(blk.split, row, col, acc[mt][j][r]);
       }
     }
 }
@@ -408,32 +390,14 @@ bool gptq_mma_serves(const at::Tensor& a, const GptqView& w, int64_t bit) {
 void gemm_mma(const at::Tensor& a_rows, const GptqView& w, int64_t bit, at::Tensor& out) {
   TORCH_INTERNAL_ASSERT(a_rows.is_contiguous() && a_rows.size(1) == w.K &&
                         reinterpret_cast<uintptr_t>(a_rows.data_ptr()) % 16 == 0);
-  const int64_t M = a_rows.size(0), N = w.N, K = w.K;
-  const int mt = M <= 16 ? 1 : 2;
-  const int64_t m_chunks = ceil_div(M, 16 * mt);
-  const int64_t n_tiles = ceil_div(N, kTileN);
-  const int64_t chunks = K / kChunk;
-  const int64_t base = m_chunks * n_tiles;
-  const int64_t target = int64_t{kTargetBlocksPerSM} * sm_count(a_rows.get_device());
-  int64_t splits = std::clamp<int64_t>(ceil_div(target, base), 1, chunks);
-  const int64_t chunks_per_split = ceil_div(chunks, splits);
-  splits = ceil_div(chunks, chunks_per_split);
-  const int64_t blocks = base * splits;
-  TORCH_CHECK(blocks <= 0x7fffffff, "gptq_gemm: ", M, " x ", N, " is too large for one launch");
-
+  const int mt = a_rows.size(0) <= 16 ? 1 : 2;
   at::Tensor partial;
-  if (splits > 1) partial = at::empty({splits, M, N}, a_rows.options().dtype(at::kFloat));
+  int64_t blocks = 0;
   MmaArgs args;
+  args.s = plan_split_k(a_rows, out, 16 * mt, kTileN, w.K / kChunk, kTargetBlocksPerSM, partial, blocks);
   args.w = w;
   args.a = reinterpret_cast<const uint16_t*>(a_rows.data_ptr());
-  args.M = M;
-  args.out = out.data_ptr();
-  args.out_kind = float_kind(out.scalar_type());
-  args.partial = splits > 1 ? partial.data_ptr<float>() : nullptr;
-  args.m_chunks = static_cast<int>(m_chunks);
-  args.n_tiles = static_cast<int>(n_tiles);
-  args.splits = static_cast<int>(splits);
-  args.chunks_per_split = static_cast<int>(chunks_per_split);
+  args.M = a_rows.size(0);
   const bool half = a_rows.scalar_type() == at::kHalf;
   dispatch_bits(bit, [&](auto bits) {
     constexpr int B = decltype(bits)::value;
@@ -445,7 +409,7 @@ void gemm_mma(const at::Tensor& a_rows, const GptqView& w, int64_t bit, at::Tens
       }
     }
   });
-  if (splits > 1) launch_splitk_reduce(partial, splits, out);
+  launch_splitk_reduce(partial, args.s);
 }
 
 }  // namespace cuda
