@@ -157,6 +157,31 @@ def test_gptq_gemm_large_m_half_activations_keep_fp32_weights(bits, dtype, act_o
     assert_gemm_close(out, a, W, f"{bits}-bit {dtype}")
 
 
+@pytest.mark.parametrize("bits, dtype, M, kernel", [
+    (4, torch.float16, 1, "gptq_mma_kernel"), (2, torch.bfloat16, 16, "gptq_mma_kernel"),
+    (8, torch.float16, 64, "gptq_mma_kernel"), (3, torch.float16, 16, "gptq_gemv_kernel"),
+    (4, torch.float32, 16, "gptq_gemv_kernel"), (4, torch.float16, 65, "gptq_dequantize_kernel"),
+])
+def test_gptq_gemm_kernel_choice(bits, dtype, M, kernel):
+    """fp16 / bf16 activations up to M = 64 run the tensor-core kernel (2/4/8-bit),
+    3-bit and fp32 activations the CUDA-core one, M = 65 the two-term tiles: a kernel
+    that stopped serving would pass every result test through another path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rng = np.random.default_rng(bits)
+    ckpt = ref.random_checkpoint(rng, 512, 128, bits, 128, False, "gptq", False)
+    g = gptq_tensors(ckpt, "cuda")
+    a = torch.randn(M, 512, device="cuda", dtype=dtype)
+    none = torch.empty(0, dtype=I32, device="cuda")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ops.gptq_gemm(a, g["qweight"], g["qzeros"], g["scales"], none, True, False, bits)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any(kernel in n for n in names), names
+    if kernel != "gptq_mma_kernel":
+        assert not any("gptq_mma_kernel" in n for n in names), names
+
+
 def test_gptq_gemm_large_m_over_two_column_tiles():
     """A weight of more than 2^26 values outgrows one 256 MiB column tile of
     the large-M paths, so both (fp32, and the two fp16 terms) run two tiles,

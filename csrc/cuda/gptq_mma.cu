@@ -286,7 +286,8 @@ __global__ void __launch_bounds__(kThreads) gptq_mma_kernel(const MmaArgs p) {
         a[mt][2] = *reinterpret_cast<const uint32_t*>(&a_s[st][r0][kk + 8]);
         a[mt][3] = *reinterpret_cast<const uint32_t*>(&a_s[st][r0 + 8][kk + 8]);
       }
-      // The step's group(s). keep: bit (2h + i) set where row rows[h] + i takes part.
+      // The step's group g; with a g_idx, each of the lane's four rows' groups
+      // and whether all 16 rows of the step share g.
       int32_t g;
       bool uniform = true;
       int32_t lane_g[4] = {0, 0, 0, 0};
