@@ -48,8 +48,9 @@ class GPTQExperts(nn.Module):
     checkpoint's own (`<e>.gate_proj.qweight`, ...) and save_gptq writes what
     load_gptq_model read. Each expert runs once, on all the tokens routed to it, and each
     token's outputs add up in ascending expert order, as transformers'
-    eager experts module computes them; the host reads the per-expert token
-    counts (one device sync a layer, as that module has).
+    eager experts module computes them; the host reads the ids' range and
+    the per-expert token counts together (one device sync a layer, as that
+    module has).
     """
 
     def __init__(self, experts: list[GPTQExpert], act_fn: nn.Module):
@@ -73,14 +74,16 @@ class GPTQExperts(nn.Module):
         if top_k_weights.shape != top_k_index.shape:
             raise ValueError(f"GPTQExperts: top_k_weights must have top_k_index's shape {list(top_k_index.shape)}, "
                              f"got {list(top_k_weights.shape)}")
-        k = top_k_index.shape[-1]
+        k, E = top_k_index.shape[-1], self.num_experts
         chosen = top_k_index.reshape(-1)
+        counts = [0] * E
         if chosen.numel():
-            low, high = torch.stack(torch.aminmax(chosen)).tolist()
-            if low < 0 or high >= self.num_experts:
-                raise IndexError(f"GPTQExperts: expert ids must lie in [0, {self.num_experts}), got {low} .. {high}")
+            # The ids' range and the per-expert counts in one read by the host.
+            low, high, *counts = torch.cat([torch.stack(torch.aminmax(chosen)).long(),
+                                            torch.bincount(chosen.clamp(0, max(E - 1, 0)).long(), minlength=E)]).tolist()
+            if low < 0 or high >= E:
+                raise IndexError(f"GPTQExperts: expert ids must lie in [0, {E}), got {low} .. {high}")
         order = torch.argsort(chosen, stable=True)  # (token, slot) pairs grouped by expert, in token order
-        counts = torch.bincount(chosen, minlength=self.num_experts).tolist()
         tokens, weights = order // k, top_k_weights.reshape(-1)[order]
         out = None  # in the experts' output dtype: hidden_states', or autocast's in an autocast region
         start = 0
