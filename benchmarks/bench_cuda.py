@@ -17,7 +17,7 @@ GB/s against the device's copy bandwidth measured in the same run.
   csrc/cuda/gptq_gemm.cu are set from.
 - GGUF: ggml_mul_mat_vec_a8 (the fused kernel at any M) at M = 1, 8, 16, 32,
   64 and ggml_mul_mat_a8 with its dequantize + cuBLAS path forced at every M
-  (LOWBIT_CUDA_GGML_FUSED_MAX_M=0) at M = 16, 32, 64 for Q4_0, Q4_K, Q5_K,
+  (LOWBIT_CUDA_GGML_FUSED_MAX_M=0) at M = 16, 32, 64 and 512 for Q4_0, Q4_K, Q5_K,
   Q6_K, Q8_0 and IQ4_XS on the same shapes (W is [N, K]): the crossover
   fused_max_m in csrc/cuda/ggml_matmul.cu is set from them.
 - GGUF experts: ggml_mul_mat_id on Qwen3-30B-A3B's expert shapes (128
@@ -55,8 +55,10 @@ FUSED_SWEEP_MAX_M = 512  # the forced-fused sweep stops here (it re-decodes W pe
 GGUF_TYPES = {"Q4_0": 2, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "Q8_0": 8, "IQ4_XS": 23}
 GGUF_HALF_FIELDS = {"Q4_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q8_0": [0], "IQ4_XS": [0]}
 # ggml_mul_mat_vec_a8 runs the fused kernel at every M and ggml_mul_mat_a8, in
-# this process, the cuBLAS path (forced): the pairs at M = 16, 32, 64 give the crossover.
-GGUF_CASES = [("ggml_mul_mat_vec_a8", m) for m in (1, 8, 16, 32, 64)] + [("ggml_mul_mat_a8", m) for m in (16, 32, 64)]
+# this process, the cuBLAS path (forced): the pairs at M = 16, 32, 64 give the crossover,
+# and M = 512 the large-batch figure.
+GGUF_CASES = ([("ggml_mul_mat_vec_a8", m) for m in (1, 8, 16, 32, 64)]
+              + [("ggml_mul_mat_a8", m) for m in (16, 32, 64, 512)])
 MOE = dict(experts=128, slots=8, shapes=[(768, 2048), (2048, 768)], tokens=[1, 32], types=["Q4_K", "Q8_0"])
 
 
