@@ -182,6 +182,27 @@ def test_gptq_gemm_kernel_choice(bits, dtype, M, kernel):
         assert not any("gptq_mma_kernel" in n for n in names), names
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", BITS)
+def test_gptq_gemm_infinite_activations_as_on_the_cpu(bits, dtype):
+    """An infinite activation in an act-order layer whose groups interleave
+    (unshuffled g_idx): each row's product joins only its own group's sum, so
+    the other groups' passes add no 0 * inf. NaN and +-inf where the CPU has
+    them, the finite row as close as ever."""
+    rng = np.random.default_rng(bits)
+    ckpt = ref.random_checkpoint(rng, 512, 160, bits, 32, False, "gptq", True)
+    c, g = gptq_tensors(ckpt, "cpu"), gptq_tensors(ckpt, "cuda")
+    W = ref.dequantize(ckpt["qweight"], ckpt["qzeros"], ckpt["scales"], ckpt["g_idx"], bits, "gptq")
+    a = torch.randn(3, 512, generator=torch.Generator().manual_seed(bits)).to(dtype)
+    a[0, 5], a[1, 17] = float("inf"), float("-inf")
+    want = ops.gptq_gemm(a, c["qweight"], c["qzeros"], c["scales"], c["g_idx"], False, False, bits)
+    got = ops.gptq_gemm(cuda(a), g["qweight"], g["qzeros"], g["scales"], g["g_idx"], False, False, bits).cpu()
+    assert want[:2].isinf().any() and want[2].isfinite().all()
+    for name, test in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        assert torch.equal(test(got), test(want)), f"{name} positions differ from the CPU's"
+    assert_gemm_close(got[2:], a[2:], W, f"finite row, {bits}-bit {dtype}")
+
+
 def test_gptq_gemm_large_m_over_two_column_tiles():
     """A weight of more than 2^26 values outgrows one 256 MiB column tile of
     the large-M paths, so both (fp32, and the two fp16 terms) run two tiles,

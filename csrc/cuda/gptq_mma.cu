@@ -2,7 +2,7 @@
 // and medium M (gptq_gemm.cu decides where it serves).
 //
 // mma.sync m16n8k16 multiplies the activations (their own dtype, exact) by
-// weight fragments that hold q - zero exactly (|q - zero| <= 255 is exact in
+// weight fragments that hold q - zero exactly (|q - zero| <= 256 is exact in
 // fp16 and bf16), accumulating in fp32; each group's fp32 sums are scaled
 // once, in fp32, and added to the result: the weights stay the op's fp32
 // scale * (q - zero), as in every other gptq_gemm path.
@@ -339,18 +339,26 @@ __global__ void __launch_bounds__(kThreads) gptq_mma_kernel(const MmaArgs p) {
         if (lane_next == INT32_MAX) break;
         h_g = lane_next;
         const Group hp = load_group<B, T>(p.w, h_g, bcol, ccol, lay);
-        // The halves of the lane's pairs whose rows are in group h_g (the others are +0).
+        // The halves of the lane's pairs whose rows are in group h_g; the
+        // others are +0 in the weights and in the activations (an infinite
+        // activation of another group's row gives 0, not 0 * inf = NaN). A
+        // lane's A columns are its B rows: 2t, 2t + 1 (a0, a1), 2t + 8, 2t + 9 (a2, a3).
         uint32_t keep[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           keep[h] = (lane_g[2 * h] == h_g ? 0x0000ffffu : 0u) | (lane_g[2 * h + 1] == h_g ? 0xffff0000u : 0u);
         }
+        uint32_t am[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) am[mt][r] = a[mt][r] & keep[r / 2];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const uint32_t b0 = decode_pair<B, T>(words[0][j], 0, j, lay, hp) & keep[0];
           const uint32_t b1 = decode_pair<B, T>(words[1][j], 1, j, lay, hp) & keep[1];
 #pragma unroll
-          for (int mt = 0; mt < MT; ++mt) mma16816<T>(part[mt][j], a[mt], b0, b1);
+          for (int mt = 0; mt < MT; ++mt) mma16816<T>(part[mt][j], am[mt], b0, b1);
         }
         flush<MT>(acc, part, hp);
       }
@@ -389,8 +397,10 @@ bool gptq_mma_serves(const at::Tensor& a, const GptqView& w, int64_t bit) {
 }
 
 void gemm_mma(const at::Tensor& a_rows, const GptqView& w, int64_t bit, at::Tensor& out) {
-  TORCH_INTERNAL_ASSERT(a_rows.is_contiguous() && a_rows.size(1) == w.K &&
-                        reinterpret_cast<uintptr_t>(a_rows.data_ptr()) % 16 == 0);
+  // cp.async copies 16 bytes from both operands; a 3-bit weight has no kernel here.
+  TORCH_INTERNAL_ASSERT(gptq_mma_serves(a_rows, w, bit) && a_rows.is_contiguous() && a_rows.size(1) == w.K &&
+                        reinterpret_cast<uintptr_t>(a_rows.data_ptr()) % 16 == 0 &&
+                        reinterpret_cast<uintptr_t>(w.qweight) % 16 == 0);
   const int mt = a_rows.size(0) <= 16 ? 1 : 2;
   at::Tensor partial;
   int64_t blocks = 0;
