@@ -388,12 +388,28 @@ void launch(const MmaArgs& args, int64_t blocks) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The virtual architecture of the kernel code the current device runs: a
+// build for older architectures only hands the device their PTX, JIT-compiled,
+// in which the mma branch traps. Read once per device (no stream operation).
+int kernel_ptx_version(c10::DeviceIndex device) {
+  static std::array<std::atomic<int>, C10_COMPILE_TIME_MAX_GPUS> cache{};
+  std::atomic<int>& slot = cache[static_cast<size_t>(device)];
+  int version = slot.load(std::memory_order_relaxed);
+  if (version == 0) {
+    cudaFuncAttributes attr;
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, gptq_mma_kernel<4, 1, __half>));
+    version = attr.ptxVersion;
+    slot.store(version, std::memory_order_relaxed);
+  }
+  return version;
+}
+
 }  // namespace
 
 bool gptq_mma_serves(const at::Tensor& a, const GptqView& w, int64_t bit) {
   return (a.scalar_type() == at::kHalf || a.scalar_type() == at::kBFloat16) && bit != 3 &&
          compute_major(a.get_device()) >= 8 && w.K % kChunk == 0 && w.N % 4 == 0 &&
-         (w.g_idx != nullptr || w.group_size % 16 == 0);
+         (w.g_idx != nullptr || w.group_size % 16 == 0) && kernel_ptx_version(a.get_device()) >= 80;
 }
 
 void gemm_mma(const at::Tensor& a_rows, const GptqView& w, int64_t bit, at::Tensor& out) {
