@@ -880,6 +880,22 @@ def test_sanitize_ggml_kernels(name):
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("experts", [1500, 8193])
+def test_sanitize_expert_grouping_edges(experts):
+    """ggml_mul_mat_id's grouping where it branches: more experts than the
+    grouping block's threads (threads owning several experts, and none), an
+    expert with more than one 8-pair pass, experts no pair chose, and past
+    the grouping's limit (8192 experts) the pass per pair."""
+    n, tokens = 32, 20
+    raw = ggml_blocks("Q8_0", experts, n).view(experts, 1, -1)
+    ids = torch.stack([torch.zeros(tokens, dtype=I32), torch.full((tokens,), experts - 1, dtype=I32)], dim=1)
+    ids[::3, 0] = 700  # expert 0: 13 pairs, expert experts - 1: 20, expert 700: 7
+    x = torch.randn(tokens, n, generator=torch.Generator().manual_seed(experts))
+    got = ops.ggml_mul_mat_id(cuda(raw), cuda(x), cuda(ids), GGML_TYPES["Q8_0"], 1).cpu()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(got, ops.ggml_mul_mat_id(raw, x, ids, GGML_TYPES["Q8_0"], 1), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sanitize_decode_kernels(dtype):
     """rms_norm and decode_attention (shared memory, block reductions) on

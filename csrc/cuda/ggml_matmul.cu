@@ -339,6 +339,7 @@ __global__ void __launch_bounds__(kThreads)
 // No atomics (the same lists on every run) and no host synchronisation.
 constexpr int kGroupThreads = 1024;
 constexpr int64_t kMaxGroupedExperts = 8 * kGroupThreads;  // 40 KB of shared memory with the scans
+static_assert(kMaxGroupedExperts <= 65535, "the grouped kernel's grid.y spans up to that many chosen experts");
 
 __global__ void __launch_bounds__(kGroupThreads) group_pairs_kernel(const int32_t* ids, int64_t pairs,
                                                                      int64_t experts, int32_t* start,
@@ -415,8 +416,9 @@ __global__ void __launch_bounds__(kThreads)
   const LaneGroup g(lanes_log2);
   const int lanes = g.lanes, sub = g.sub;
   const int64_t r = g.row;
-  const uint8_t* row = W + (e * rows + r) * blocks_per_row * I::kBytes;
-  for (int32_t c = first; c < last; c += kMaxRows) {
+  // Formed only for a row of the expert: past the last expert it would point beyond W.
+  const uint8_t* row = r < rows ? W + (e * rows + r) * blocks_per_row * I::kBytes : W;
+  for (int64_t c = first; c < last; c += kMaxRows) {  // 64-bit: c + kMaxRows passes INT32_MAX near 2^31 pairs
     const int mrows = last - c < kMaxRows ? static_cast<int>(last - c) : kMaxRows;
     int32_t pair[kMaxRows];
     float acc[kMaxRows];
