@@ -17,7 +17,8 @@
 //   (PairLayout: three instructions per pair for fp16), and its n8 column is
 //   one of 4 adjacent columns that one 16-byte shared load brings: n8 tile j
 //   holds columns 4c + j of the warp's 32 (c = lane / 4).
-// - Groups: with a g_idx, every k16 step checks that its 16 rows share one
+// - Groups: with a g_idx (staged in shared memory with each chunk), every
+//   k16 step checks that its 16 rows share one
 //   group (sorted groups on 16-row boundaries: plain checkpoints and sorted
 //   act-order rows); a step whose rows span groups runs once per group with
 //   the other rows' fragments zeroed, so any g_idx gives the exact result.
@@ -58,6 +59,10 @@ struct MmaArgs {
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
   const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(src));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -207,6 +212,7 @@ __global__ void __launch_bounds__(kThreads) gptq_mma_kernel(const MmaArgs p) {
   constexpr int S = kStages<B>;
   __shared__ __align__(16) uint32_t w_s[S][kWordRows][kTileN];
   __shared__ __align__(16) uint16_t a_s[S][16 * MT][kAStride];
+  __shared__ int32_t g_s[S][kChunk];  // the chunk's g_idx values (with a g_idx)
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int c = lane >> 2, t = lane & 3;
@@ -231,6 +237,9 @@ __global__ void __launch_bounds__(kThreads) gptq_mma_kernel(const MmaArgs p) {
       const bool valid = row < p.M;
       cp_async16(&a_s[stage][r][8 * v], p.a + (valid ? row : 0) * K + k0 + 8 * v, valid);
     }
+    // The rows' groups travel with the stage: a k16 step reads them from
+    // shared memory, not from global memory on its way to the vote.
+    if (p.w.g_idx != nullptr && threadIdx.x < kChunk) cp_async4(&g_s[stage][threadIdx.x], p.w.g_idx + k0 + threadIdx.x);
   };
 
 #pragma unroll
@@ -299,11 +308,15 @@ __global__ void __launch_bounds__(kThreads) gptq_mma_kernel(const MmaArgs p) {
           g = cur_g;
         }
       } else {
-        g = static_cast<int32_t>(group_of(p.w, k));
+        g = g_s[st][16 * ks];
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) lane_g[2 * h + e] = static_cast<int32_t>(group_of(p.w, k0 + rows[h] + e));
+          for (int e = 0; e < 2; ++e) {
+            lane_g[2 * h + e] = g_s[st][rows[h] + e];
+            CUDA_KERNEL_ASSERT(lane_g[2 * h + e] >= 0 && lane_g[2 * h + e] < p.w.groups &&
+                               "gptq: b_g_idx value out of range");
+          }
         uniform = __all_sync(0xffffffffu, lane_g[0] == g && lane_g[1] == g && lane_g[2] == g && lane_g[3] == g);
       }
       if (uniform) {
