@@ -104,6 +104,13 @@ def test_load_state_dict_takes_g_idx_of_any_integer_dtype():
     state["g_idx"] = state["g_idx"] + 0.7  # not an index: refused, not truncated
     with pytest.raises(RuntimeError, match="g_idx must be an integer tensor, got torch.float32"):
         layer.load_state_dict(state)
+    before = run(layer)
+    for wraps in (2**32 + 1, -(2**32) + 1):  # int32 would narrow each to the valid group 1: refused instead
+        state["g_idx"] = other.state_dict()["g_idx"].long()
+        state["g_idx"][0] = wraps
+        with pytest.raises(RuntimeError, match=rf"g_idx holds {wraps}, beyond torch.int32"):
+            layer.load_state_dict(state)
+        assert torch.equal(run(layer), before)  # left as it was
 
 
 @pytest.mark.parametrize("make", [gguf_linear, gptq_linear], ids=["GGUFLinear", "GPTQLinear"])

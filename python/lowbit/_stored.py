@@ -23,14 +23,25 @@ def _applied_as_stored(module: nn.Module, apply, floats: tuple[str, ...]):
     return out
 
 
+def beyond(value: torch.Tensor, dtype: torch.dtype) -> int | None:
+    """A value of the integer tensor `value` that the integer `dtype` cannot
+    hold (its lowest if too low, else its highest), or None: a narrowing
+    cast would wrap it into a valid-looking index."""
+    if value.dtype == dtype or not value.numel() or value.device.type == "meta":
+        return None
+    info, low, high = torch.iinfo(dtype), int(value.min()), int(value.max())
+    return low if low < info.min else high if high > info.max else None
+
+
 CODES = ("qweight", "qzeros")  # the buffers (names ending so) of packed codes and raw blocks
 
 
 def _dtypes_match(module: nn.Module, state_dict, prefix: str, error_msgs: list[str]) -> bool:
     """Whether each of `state_dict`'s tensors for the module's buffers of
     codes (CODES) has that buffer's dtype, and each for its other integer
-    buffers (indices: g_idx) an integer dtype, as the checkpoint loaders
-    take them; an error for each that does not goes to `error_msgs`, which
+    buffers (indices: g_idx) an integer dtype whose values that buffer's
+    holds, as the checkpoint loaders take them; an error for each that does
+    not goes to `error_msgs`, which
     load_state_dict raises together (the module is then left as it was)."""
     match = True
     for name, buffer in module._buffers.items():
@@ -44,6 +55,9 @@ def _dtypes_match(module: nn.Module, state_dict, prefix: str, error_msgs: list[s
             match = False
         elif value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
             error_msgs.append(f"{type(module).__name__}: {prefix}{name} must be an integer tensor, got {value.dtype}")
+            match = False
+        elif (v := beyond(value, buffer.dtype)) is not None:
+            error_msgs.append(f"{type(module).__name__}: {prefix}{name} holds {v}, beyond {buffer.dtype}")
             match = False
     return match
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from .._checks import has_values
 from .._frozen import linear_forward
-from .._stored import StoredBuffers
+from .._stored import StoredBuffers, beyond
 from .packing import PANEL_COLS, fields_per_pack, from_panels, to_panels, words_per_pack
 from .config import BITS, check_format
 from .rtn import quantize_rtn
@@ -142,11 +142,8 @@ class GPTQLinear(StoredBuffers):
         if g_idx is not None:
             if g_idx.is_floating_point() or g_idx.is_complex() or g_idx.dtype == torch.bool:
                 raise ValueError(f"GPTQLinear.from_tensors: g_idx must hold integers, got {g_idx.dtype}")
-            if g_idx.dtype != torch.int32 and g_idx.numel() and g_idx.device.type != "meta":
-                low, high = int(g_idx.min()), int(g_idx.max())
-                if low < -2**31 or high >= 2**31:  # would wrap to a valid-looking group id
-                    raise ValueError(f"GPTQLinear.from_tensors: g_idx holds {low if low < -2**31 else high}, "
-                                     "beyond int32")
+            if (v := beyond(g_idx, torch.int32)) is not None:
+                raise ValueError(f"GPTQLinear.from_tensors: g_idx holds {v}, beyond int32")
         g_idx = in_order_g_idx(in_features, group_size, qweight.device) if g_idx is None else g_idx.to(torch.int32)
         given = {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}
         if bias is not None:
