@@ -114,6 +114,19 @@ def test_ggml_mul_mat_id_gradient(tiles, per_slot, repacked):
     torch.testing.assert_close(grad_x.double(), expect, rtol=1e-5, atol=1e-5 * expect.abs().max().item())
 
 
+@pytest.mark.parametrize("per_slot", [False, True])
+def test_ggml_mul_mat_id_gradient_of_no_rows(per_slot):
+    """Experts of 0 rows: an empty output, and a zero gradient of x's shape."""
+    t = gb.type_id("Q4_0")
+    W = torch.empty(2, 0, N_GGML // 32 * 18, dtype=torch.uint8)
+    ids = torch.tensor([[0, 1], [1, 0], [1, 1]], dtype=torch.int32)
+    x = torch.randn(3, *((2,) if per_slot else ()), N_GGML, requires_grad=True)
+    out = ops.ggml_mul_mat_id(W, x, ids, t, 0)
+    assert out.shape == (3, 2, 0)
+    (grad_x,) = torch.autograd.grad(out.sum(), x)
+    assert torch.equal(grad_x, torch.zeros_like(x))
+
+
 def test_weights_refuse_to_be_differentiated():
     (q, z, s, g, _), _ = gptq_case(4, "act-order")
     a = torch.randn(2, K, requires_grad=True)

@@ -164,7 +164,7 @@ def _ggml_id_backward(repacked):
         qtype, row, x_shape, dtype = ctx.args
         n, tokens, slots = x_shape[-1], ids.shape[0], ids.shape[1]
         flat = ids.reshape(-1).long()
-        g = grad.reshape(-1, row)
+        g = grad.reshape(tokens * slots, row)  # -1 cannot be inferred where row == 0
         per_pair = g.new_zeros((tokens * slots, n), dtype=torch.float32)
         if type(flat) is torch.Tensor and not torch.compiler.is_compiling():  # values to group the pairs by
             for e in torch.unique(flat).tolist():
