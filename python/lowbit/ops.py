@@ -102,6 +102,16 @@ def _contiguous(op, name, t) -> None:
     _runtime(t.is_contiguous(), op, name, " must be contiguous")
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two non-overlapping dense tensors' bytes meet, as
+    at::get_overlap_status sees it: one storage (fake tensors keep their
+    real ones' sharing) and intersecting byte ranges."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage()._cdata != b.untyped_storage()._cdata:
+        return False
+    start_a, start_b = a.storage_offset() * a.element_size(), b.storage_offset() * b.element_size()
+    return start_a < start_b + b.numel() * b.element_size() and start_b < start_a + a.numel() * a.element_size()
+
+
 def _dim(op, name, t, dim) -> None:
     _value(t.dim() == dim, op, name, " must be ", dim, "-D, got shape ", _shape(t))
 
@@ -648,8 +658,19 @@ def _decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale
         _dim(op, "sinks", sinks, 1)
         _value(sinks.shape[0] == q_heads, op, "sinks must have one entry per query head (", q_heads, "), got ",
                sinks.shape[0])
-    for name, t in (("q", q), *named):
+    every = (("q", q), *named)
+    for name, t in every:
         _contiguous(op, name, t)
+    # The caches are written: they may share memory with no other argument
+    # (sinks, which may be strided: not its storage).
+    for cache_name, cache in named[4:]:
+        for name, t in every:
+            _runtime(name == cache_name or not _overlap(cache, t), op, cache_name, " shares memory with ", name)
+        if sinks is not None and sinks.numel():
+            dense = sinks.is_contiguous()  # C++ asks is_non_overlapping_and_dense; a 1-D one is dense when contiguous
+            _runtime(not (_overlap(cache, sinks) if dense else
+                          sinks.untyped_storage()._cdata == cache.untyped_storage()._cdata),
+                     op, cache_name, " shares memory with sinks")
     return torch.empty_like(q)
 
 
