@@ -895,6 +895,15 @@ def test_bad_config_values_name_the_key(checkpoint, key, value, says):
         load(checkpoint)
 
 
+def test_a_group_size_past_any_k_means_one_group(checkpoint):
+    """A config's group_size is any JSON integer: one larger than every K
+    (here past a float's range) describes one group, so this checkpoint's
+    several groups are what the error names, not a count rounded to 0."""
+    edit_config(checkpoint, group_size=10**400)
+    with pytest.raises(GPTQCheckpointError, match=r"qzeros has shape \(\d+, \d+\), expected \(1, "):
+        load(checkpoint)
+
+
 def test_format_keys_that_disagree_are_refused(checkpoint):
     """GPTQModel reads "format" where it is given, vLLM "checkpoint_format" alone: one file giving both,
     differently, reads as garbage in one of them."""

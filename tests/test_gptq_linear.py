@@ -302,6 +302,17 @@ def test_constructor_validates():
         lowbit.GPTQLinear(IN, 48, 3, 128)
 
 
+def test_a_group_past_in_features_is_one_group():
+    """group_size is any positive int: one past in_features (however large) is the one group of -1."""
+    for group_size in (IN + 1, 10**400):
+        layer = lowbit.GPTQLinear(IN, OUT, 4, group_size)
+        assert layer.scales.shape == (1, OUT) and not layer.g_idx.any()
+    linear = torch.nn.Linear(IN, OUT)
+    one, huge = (lowbit.GPTQLinear.from_linear(linear, 4, g, False) for g in (-1, 10**12))
+    for name in ("qweight", "qzeros", "scales", "g_idx"):
+        assert torch.equal(getattr(one, name), getattr(huge, name)), name
+
+
 def test_default_g_idx():
     assert torch.equal(lowbit.GPTQLinear(IN, OUT, 4, -1).g_idx, torch.zeros(IN, dtype=torch.int32))
     assert torch.equal(lowbit.GPTQLinear(IN, OUT, 4, 64).g_idx, (torch.arange(IN) // 64).int())

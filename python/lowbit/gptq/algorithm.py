@@ -35,7 +35,6 @@ names GPTQ MoE checkpoints use (`mlp.experts.<e>.gate_proj`, ...).
 """
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
@@ -166,8 +165,8 @@ class _Grid:
 
     def __init__(self, bits, sym, group_size, K, N, scale_dtype, device):
         self.maxq, self.sym = 2**bits - 1, sym
-        self.group_size = K if group_size == -1 else group_size
-        groups = math.ceil(K / self.group_size)
+        self.group_size = K if group_size == -1 else min(group_size, K)  # past K: one group
+        groups = -(-K // self.group_size)
         self.scales = torch.empty(groups, N, dtype=scale_dtype, device=device)
         self.zeros = torch.empty(groups, N, dtype=torch.int32, device=device)
         self.codes = torch.empty(K, N, dtype=torch.int32, device=device)

@@ -4,7 +4,6 @@ safetensors files (sharded ones listed in model.safetensors.index.json)."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import sys
@@ -234,7 +233,7 @@ def _module(name: str, q: ModuleQuant, config: GPTQConfig, t: dict[str, torch.Te
         raise GPTQCheckpointError(f"{where}: qweight has shape {tuple(qweight.shape)}, expected 2-D and non-empty "
                                   f"with a multiple of {words} rows for {q.bits}-bit packing")
     K, N = qweight.shape[0] // words * fields, qweight.shape[1]
-    groups = 1 if q.group_size == -1 else math.ceil(K / q.group_size)
+    groups = 1 if q.group_size == -1 else -(-K // q.group_size)  # integers: a config's size may be any int
     expect = {"qzeros": (groups, N // fields * words), "scales": (groups, N), "g_idx": (K,), "bias": (N,)}
     for key, shape in expect.items():
         if t[key] is not None and tuple(t[key].shape) != shape:

@@ -3,7 +3,6 @@ checkpoint's tensors, multiplied by torch.ops.lowbit.gptq_gemm (or, with
 int8_activations on the CPU, gptq_gemm_a8)."""
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import nn
@@ -36,7 +35,7 @@ def in_order_g_idx(in_features: int, group_size: int, device=None) -> torch.Tens
         # Shape only: meta ops run through Python decompositions (about a
         # millisecond here, for every layer a checkpoint loader builds).
         return torch.empty(in_features, dtype=torch.int32, device="meta")
-    g = in_features if group_size == -1 else group_size
+    g = in_features if group_size == -1 else min(group_size, max(in_features, 1))  # past K: one group
     return (torch.arange(in_features, device=device) // g).to(torch.int32)
 
 
@@ -97,7 +96,7 @@ class GPTQLinear(StoredBuffers):
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.group_size, self.sym, self.desc_act = bits, group_size, sym, desc_act
         self.checkpoint_format = checkpoint_format
-        groups = 1 if group_size == -1 else math.ceil(in_features / group_size)
+        groups = 1 if group_size == -1 else -(-in_features // group_size)  # integers: any size, however large
         words = words_per_pack(bits)
         self.register_buffer("qweight", torch.zeros(in_features // fields_per_pack(bits) * words, out_features,
                                                     dtype=torch.int32, device=device))

@@ -64,9 +64,9 @@ def quantize_rtn(
     check_finite(weight, "quantize_rtn: weight")
     w = weight.detach().to(torch.float32).t()  # [K, N]
     K, N = w.shape
-    G = K if group_size == -1 else group_size
-    if G <= 0:
+    if group_size != -1 and group_size <= 0:
         raise ValueError(f"quantize_rtn: group_size must be -1 or positive, got {group_size}")
+    G = K if group_size == -1 else min(group_size, K)  # a group past K is the one group of K rows
     groups = -(-K // G)  # like GPTQ, a last group may be shorter
 
     order = torch.arange(K, device=w.device) if perm is None else perm.to(w.device, torch.long)

@@ -19,7 +19,6 @@ communicate nothing. Loaders build CPU modules; move them with `.to(device)`.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -317,7 +316,7 @@ def _checkpoint_source(path: str | os.PathLike, name: str, checkpoint_format: st
         raise GPTQCheckpointError(f"{where}: qweight has shape {shapes['qweight']}, expected 2 dimensions")
     rows, N = shapes["qweight"]
     K = rows // words * fields
-    groups = 1 if quant.group_size == -1 else math.ceil(K / quant.group_size)
+    groups = 1 if quant.group_size == -1 else -(-K // quant.group_size)
     expect = {"qweight": (K // fields * words, N), "qzeros": (groups, N // fields * words),
               "scales": (groups, N), "g_idx": (K,), "bias": (N,)}
     for tensor, shape in shapes.items():
