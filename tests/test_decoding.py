@@ -650,6 +650,11 @@ def test_decode_step_refuses_what_it_cannot_run():
         step.projection("aten::mul", "Scalar", [w], 1, None, None)
     with pytest.raises(RuntimeError, match="must return one tensor and write none"):
         step.projection("aten::add_", "Tensor", [w, 1], 0, None, None)
+    with pytest.raises(RuntimeError, match="perm must be a 1-D int32 or int64 tensor, got Float"):
+        step.projection("aten::linear", "", [w, None], 0, torch.arange(4.0), None)
+    for perm in (torch.tensor([0, 1, 2, 99]), torch.tensor([0, 1, 1, 3], dtype=torch.int32)):
+        with pytest.raises(ValueError, match=r"perm must be a permutation of \[0, 4\)"):
+            step.projection("aten::linear", "", [w, None], 0, perm, None)
     p = step.projection("aten::linear", "", [w, None], 0, None, None)
     norm = torch.ones(4)
     with pytest.raises(RuntimeError, match="qkv is projection 7"):

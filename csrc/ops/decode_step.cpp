@@ -118,6 +118,14 @@ c10::OperatorHandle checked_operator(const char* method, const std::string& op, 
 int64_t DecodeStep::projection(const std::string& op, const std::string& overload, std::vector<c10::IValue> args,
                                int64_t x_index, std::optional<at::Tensor> perm, std::optional<at::Tensor> bias) {
   const auto handle = checked_operator("DecodeStep.projection", op, overload, args, {{"x_index", x_index}});
+  if (perm) {  // checked once here: run() gathers x by it every step
+    TORCH_CHECK(perm->dim() == 1 && (perm->scalar_type() == at::kLong || perm->scalar_type() == at::kInt),
+                "DecodeStep.projection: perm must be a 1-D int32 or int64 tensor, got ", perm->scalar_type(), " of shape ",
+                perm->sizes());
+    const at::Tensor sorted = std::get<0>(perm->to(at::kLong).sort());
+    TORCH_CHECK_VALUE(at::equal(sorted, at::arange(perm->numel(), sorted.options())),
+                      "DecodeStep.projection: perm must be a permutation of [0, ", perm->numel(), ")");
+  }
   projections_.push_back(Projection{handle, std::move(args), x_index, std::move(perm), std::move(bias)});
   return static_cast<int64_t>(projections_.size()) - 1;
 }
@@ -250,6 +258,8 @@ at::Tensor DecodeStep::project(int64_t id, const at::Tensor& x) const {
   torch::jit::Stack stack;
   stack.reserve(p.args.size() + 1);
   stack.insert(stack.end(), p.args.begin(), p.args.end());
+  TORCH_CHECK_VALUE(!p.perm || p.perm->size(0) == x.size(1), "DecodeStep: projection ", id, "'s perm orders ",
+                    p.perm ? p.perm->size(0) : 0, " columns, its input has ", x.size(1));
   stack.insert(stack.begin() + p.x_index, p.perm ? x.index_select(1, *p.perm) : x);
   p.op.callBoxed(stack);
   at::Tensor y = std::move(stack.front()).toTensor();
