@@ -26,7 +26,7 @@ import torch
 ops = torch.ops.lowbit
 I32, F16, F32 = torch.int32, torch.float16, torch.float32
 ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.int8, torch.int16,
-              torch.int32, torch.int64, torch.bool)
+              torch.int32, torch.int64, torch.bool, torch.uint64, torch.complex64, torch.float8_e4m3fn)
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 K, N, GS = 256, 64, 32  # GPTQ weight [K, N], 8 groups
 GGML_ROWS, GGML_N, Q4_0, Q8_0, TQ2_0 = 12, 512, 2, 8, 35

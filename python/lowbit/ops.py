@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from functools import lru_cache
 from typing import List, Optional, Tuple, Union
 
@@ -71,7 +72,18 @@ _INDEX = (torch.int32, torch.int64)
 # c10::ScalarType's names, as the C++ messages print dtypes.
 _NAMES = {torch.float32: "Float", torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float64: "Double",
           torch.int32: "Int", torch.int64: "Long", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
-          torch.bool: "Bool"}
+          torch.bool: "Bool", torch.complex32: "ComplexHalf", torch.complex64: "ComplexFloat",
+          torch.complex128: "ComplexDouble"}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """c10's name of a dtype, as the C++ checks print it (UInt16, Float8_e4m3fn, ...)."""
+    if dtype in _NAMES:
+        return _NAMES[dtype]
+    name = str(dtype).removeprefix("torch.")
+    if m := re.fullmatch(r"(u?)int(\d+)", name):
+        return ("UInt" if m[1] else "Int") + m[2]
+    return name[:1].upper() + name[1:]
 
 
 def _value(cond, op: str, *msg) -> None:
@@ -87,11 +99,11 @@ def _shape(t: torch.Tensor) -> str:
 
 
 def _dtype(op, name, t, want) -> None:
-    _runtime(t.dtype == want, op, name, " must be ", _NAMES[want], ", got ", _NAMES.get(t.dtype, t.dtype))
+    _runtime(t.dtype == want, op, name, " must be ", _dtype_name(want), ", got ", _dtype_name(t.dtype))
 
 
 def _float_dtype(op, name, t) -> None:
-    _runtime(t.dtype in _FLOATS, op, name, " must be float32, float16 or bfloat16, got ", _NAMES.get(t.dtype, t.dtype))
+    _runtime(t.dtype in _FLOATS, op, name, " must be float32, float16 or bfloat16, got ", _dtype_name(t.dtype))
 
 
 def _same_device(op, name, t, ref) -> None:
@@ -162,7 +174,7 @@ def _gptq_weight(op, qweight, qzeros, scales, bit, names=("b_q_weight", "b_gptq_
 
 def _index_vector(op, name, idx, ref, K) -> None:
     """check_index_vector, less its value range."""
-    _runtime(idx.dtype in _INDEX, op, name, " must be int32 or int64, got ", _NAMES.get(idx.dtype, idx.dtype))
+    _runtime(idx.dtype in _INDEX, op, name, " must be int32 or int64, got ", _dtype_name(idx.dtype))
     _same_device(op, name, idx, ref)
     if idx.numel() == 0:
         return
@@ -451,7 +463,7 @@ def _ggml_dequantize(W, type, m, n, dtype=None):
     op = "ggml_dequantize"
     _ggml_weight(op, W, type, "m", m, n)
     dtype = dtype or torch.float16
-    _runtime(dtype in _FLOATS, op, "dtype must be float32, float16 or bfloat16, got ", _NAMES.get(dtype, dtype))
+    _runtime(dtype in _FLOATS, op, "dtype must be float32, float16 or bfloat16, got ", _dtype_name(dtype))
     return W.new_empty((m, n), dtype=dtype)
 
 
@@ -586,8 +598,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def _rms_norm(x, weight, eps):
     op = "rms_norm"
     _float_dtype(op, "x", x)
-    _runtime(weight.dtype == x.dtype, op, "weight must be ", _NAMES[x.dtype], " (x's dtype), got ",
-             _NAMES.get(weight.dtype, weight.dtype))
+    _runtime(weight.dtype == x.dtype, op, "weight must be ", _dtype_name(x.dtype), " (x's dtype), got ",
+             _dtype_name(weight.dtype))
     _same_device(op, "weight", weight, x)
     _value(x.dim() >= 1, op, "x must have at least 1 dimension, got a scalar")
     _dim(op, "weight", weight, 1)
@@ -626,8 +638,8 @@ def _decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale
     _float_dtype(op, "q", q)
     named = (("k", k), ("v", v), ("cos", cos), ("sin", sin), ("key_cache", key_cache), ("value_cache", value_cache))
     for name, t in named:
-        _runtime(t.dtype == q.dtype, op, name, " must be ", _NAMES[q.dtype], " (q's dtype), got ",
-                 _NAMES.get(t.dtype, t.dtype))
+        _runtime(t.dtype == q.dtype, op, name, " must be ", _dtype_name(q.dtype), " (q's dtype), got ",
+                 _dtype_name(t.dtype))
         _same_device(op, name, t, q)
     for name, t, dim in (("q", q, 2), ("k", k, 2), ("v", v, 2), ("cos", cos, 1), ("sin", sin, 1),
                          ("key_cache", key_cache, 3), ("value_cache", value_cache, 3)):
@@ -652,8 +664,8 @@ def _decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale
     _value(math.isfinite(scale), op, "scale must be finite")
     _value(math.isfinite(softcap) and softcap >= 0, op, "softcap must be finite and >= 0 (0: none)")
     if sinks is not None:
-        _runtime(sinks.dtype == q.dtype, op, "sinks must be ", _NAMES[q.dtype], " (q's dtype), got ",
-                 _NAMES.get(sinks.dtype, sinks.dtype))
+        _runtime(sinks.dtype == q.dtype, op, "sinks must be ", _dtype_name(q.dtype), " (q's dtype), got ",
+                 _dtype_name(sinks.dtype))
         _same_device(op, "sinks", sinks, q)
         _dim(op, "sinks", sinks, 1)
         _value(sinks.shape[0] == q_heads, op, "sinks must have one entry per query head (", q_heads, "), got ",
