@@ -39,10 +39,10 @@ CODES = ("qweight", "qzeros")  # the buffers (names ending so) of packed codes a
 def _dtypes_match(module: nn.Module, state_dict, prefix: str, error_msgs: list[str]) -> bool:
     """Whether each of `state_dict`'s tensors for the module's buffers of
     codes (CODES) has that buffer's dtype, and each for its other integer
-    buffers (indices: g_idx) an integer dtype whose values that buffer's
-    holds, as the checkpoint loaders take them; an error for each that does
-    not goes to `error_msgs`, which
-    load_state_dict raises together (the module is then left as it was)."""
+    buffers (indices: g_idx) an integer dtype, with values that buffer can
+    hold, as the checkpoint loaders take them; an error for each that does
+    not goes to `error_msgs`, which load_state_dict raises together (the
+    module is then left as it was)."""
     match = True
     for name, buffer in module._buffers.items():
         value = state_dict.get(prefix + name)

@@ -3,7 +3,6 @@ checkpoint's tensors, multiplied by torch.ops.lowbit.gptq_gemm (or, with
 int8_activations on the CPU, gptq_gemm_a8)."""
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
