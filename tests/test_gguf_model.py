@@ -108,6 +108,37 @@ def test_replace_linear_reports_missing_and_mismatched_tensors(tmp_path):
         lowbit.replace_linear(model, tmp_path / "model.safetensors")
 
 
+@pytest.mark.parametrize("change", [
+    {"num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 96},  # the same weight shapes
+    {"rms_norm_eps": 0.1},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+], ids=["heads", "eps", "rope"])
+def test_replace_linear_refuses_a_config_the_file_contradicts(gguf_file, change):
+    """Values that fit every weight and change every result: the model's
+    config against the file's metadata, not taken on trust."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(**{**config_from_gguf(gguf_file.metadata, gguf_file.tensors), **change})
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    key = next(iter(change)).replace("rope_parameters", "rope_theta")
+    with pytest.raises(lowbit.GGUFError, match=f"the model's config has {key}=.*the file's metadata"):
+        lowbit.replace_linear(model, PATH)
+
+
+def test_replace_linear_fills_a_model_built_on_meta(gguf_file, models):
+    """A model built without memory gets the file's tensors and its rotary
+    tables computed again: it runs, as the model built with memory does."""
+    transformers = pytest.importorskip("transformers")
+    model, _, _, tokenizer = models
+    with torch.device("meta"):
+        on_meta = transformers.LlamaForCausalLM(model.config)
+    lowbit.replace_linear(on_meta, PATH)
+    assert not any(t.is_meta for t in [*on_meta.parameters(), *on_meta.buffers()])
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(on_meta.eval()(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
 def test_load_gguf_model_is_the_replaced_model(models):
     """Built from the file alone (meta device, config from its metadata), the
     model computes exactly what replace_linear's model computes."""

@@ -175,11 +175,20 @@ def _parameters_on_meta():
         nn.Module.register_parameter = register
 
 
-def checked(model: nn.Module, where: str, error: type[Exception]) -> nn.Module:
-    """The model in eval mode, once no tensor of it is left on the meta
-    device; `error` naming `where` and the tensors otherwise."""
+def has_meta_tensors(model: nn.Module) -> bool:
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def check_no_meta(model: nn.Module, where: str, error: type[Exception]) -> None:
+    """`error` naming `where` and the model's tensors left on the meta device, if any."""
     still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if still_meta:
         raise error(f"{where}: no value for {still_meta[:8]}{' ...' if len(still_meta) > 8 else ''} (this "
                     f"{type(model).__name__} has tensors that neither the checkpoint nor lowbit fills)")
+
+
+def checked(model: nn.Module, where: str, error: type[Exception]) -> nn.Module:
+    """The model in eval mode, once no tensor of it is left on the meta
+    device (check_no_meta)."""
+    check_no_meta(model, where, error)
     return model.eval()

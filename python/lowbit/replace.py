@@ -8,9 +8,10 @@ import os
 
 from torch import nn
 
-from ._placing import ReplaceReport
-from .gguf.file import is_gguf_path, load_gguf
-from .gguf.model import place_gguf_tensors
+from ._placing import ReplaceReport, check_no_meta, has_meta_tensors, rebuild_computed_buffers
+from .gguf.file import GGUFError, is_gguf_path, load_gguf
+from .gguf.model import check_config_matches, place_gguf_tensors
+from .gptq.config import GPTQCheckpointError
 from .gptq.placing import place_gptq_checkpoint
 from .threads import kernel_threads
 
@@ -43,16 +44,28 @@ def replace_linear(model: nn.Module, path: str | os.PathLike, checkpoint_format:
     `checkpoint_format` ("gptq" / "gptq_v2") overrides the config's.
 
     A model built on the meta device (no memory) takes the checkpoint's
-    tensors on the CPU in its place (lowbit.load_gguf_model and
-    load_gptq_model build models that way). The model's forward calls then
+    tensors on the CPU in its place, and its computed buffers (rotary
+    tables) are built again from its config; any tensor left without a
+    value raises (lowbit.load_gguf_model and load_gptq_model build models
+    that way). A GGUF file's head counts and sizes, norm epsilon and rotary
+    base must be the model config's where both give them: they change the
+    results but no weight's shape. The model's forward calls then
     give torch's threads to lowbit's kernels (lowbit.kernel_threads).
     """
     path = os.fsdecode(path)
+    where = f"replace_linear: {path}"
+    on_meta = has_meta_tensors(model)
     if is_gguf_path(path):
         if checkpoint_format is not None:
             raise ValueError(f"replace_linear: checkpoint_format is a GPTQ checkpoint's; {path} is a GGUF file")
-        report = place_gguf_tensors(model, load_gguf(path), "replace_linear")
+        f, error = load_gguf(path), GGUFError
+        check_config_matches(model, f, where)
+        report = place_gguf_tensors(model, f, "replace_linear")
     else:
+        error = GPTQCheckpointError
         report = place_gptq_checkpoint(model, path, checkpoint_format)
+    if on_meta:  # what no checkpoint stores (rotary tables) is computed again from the config, or named
+        rebuild_computed_buffers(model, where, error)
+        check_no_meta(model, where, error)
     kernel_threads(model)
     return report

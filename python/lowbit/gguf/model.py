@@ -233,6 +233,40 @@ def _apply_rope_freqs(model: nn.Module, f: GGUFFile) -> None:
     rotary.original_inv_freq = rotary.inv_freq.clone()
 
 
+# Config values a file fixes that change a model's results but no weight's shape.
+SHAPELESS_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta")
+
+
+def _config_value(config, key: str):
+    if key == "rope_theta":  # transformers 5 keeps it in rope_parameters (per layer type in some models: not read)
+        params = getattr(config, "rope_parameters", None)
+        if isinstance(params, dict) and isinstance(params.get("rope_theta"), (int, float)):
+            return params["rope_theta"]
+    return getattr(config, key, None)
+
+
+def check_config_matches(model: nn.Module, f: GGUFFile, where: str) -> None:
+    """A model built elsewhere (replace_linear) against the values of
+    SHAPELESS_KEYS the file's metadata gives: heads of another size, another
+    norm epsilon or rotary base fit every weight and give other results. A
+    file whose metadata makes no config, or a model without one, is not compared."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return
+    try:
+        expect = config_from_gguf(f.metadata, f.tensors, where)
+    except GGUFError:
+        return
+    for key in SHAPELESS_KEYS:
+        want, have = expect.get(key), _config_value(config, key)
+        if not isinstance(want, (int, float)) or not isinstance(have, (int, float)):
+            continue
+        same = math.isclose(have, want, rel_tol=1e-6) if isinstance(want, float) else have == want
+        if not same:
+            raise GGUFError(f"{where}: the model's config has {key}={have!r}, the file's metadata {want!r}: the "
+                            "weights fit both, the results would not be the file's model")
+
+
 def place_gguf_tensors(model: nn.Module, f: GGUFFile, caller: str, consumed: tuple[str, ...] = ()) -> ReplaceReport:
     """replace_linear's GGUF work on an open file. File tensors with no place
     in the model are warned about (as `caller`), except those the caller
