@@ -258,6 +258,21 @@ def test_mapped_embedding_writes_stay_in_memory(tmp_path):
     assert (tmp_path / "ckpt" / "model.safetensors").read_bytes() == before
 
 
+def test_save_gptq_refuses_what_a_gptq_checkpoint_cannot_hold(tmp_path):
+    """GGUF blocks (Q8_0 tables here) would be written as GPTQ tensors no
+    loader reads; a model with nothing GPTQ-quantized is no GPTQ checkpoint."""
+    tables_checkpoint(tmp_path / "ckpt", False, torch.float16)
+    with pytest.raises(ValueError, match=r"save_gptq: model.embed_tokens, lm_head hold GGUF quantized blocks"):
+        lowbit.save_gptq(lowbit.load_gptq_model(tmp_path / "ckpt", float_tables="Q8_0"), tmp_path / "out",
+                         GPTQConfig(bits=4, group_size=32))
+    with pytest.raises(ValueError, match="save_gptq: the model has no GPTQLinear layer"):
+        lowbit.save_gptq(tied_llama(False), tmp_path / "out", GPTQConfig(bits=4, group_size=32))
+    with pytest.raises(TypeError, match="save_gptq: config must be a GPTQConfig, got NoneType"):
+        lowbit.save_gptq(lowbit.load_gptq_model(tmp_path / "ckpt"), tmp_path / "out", None)
+    assert not (tmp_path / "out").exists()
+    lowbit.save_gptq(lowbit.load_gptq_model(tmp_path / "ckpt"), tmp_path / "out", GPTQConfig(bits=4, group_size=32))
+
+
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_load_gptq_model_holds_the_float_tables_as_q8_0(tmp_path, tied, dtype):

@@ -556,7 +556,13 @@ def save_gptq(model: torch.nn.Module, directory: str | os.PathLike, config: GPTQ
     quantize_config.json, and safetensors, sharded above `max_shard_bytes`.
     `directory` must not exist (FileExistsError): it is written whole, then renamed into place.
     A model with PEFT adapter layers in it raises ValueError: the checkpoint
-    is the base model's (save the adapter with the PEFT model's save_pretrained)."""
+    is the base model's (save the adapter with the PEFT model's save_pretrained);
+    so does one with no GPTQLinear, or with GGUF blocks other than float
+    tables (a GGUF model's layers, Q8_0 / Q6_K float_tables), which a GPTQ
+    checkpoint cannot hold."""
+    if not isinstance(config, GPTQConfig):
+        raise TypeError(f"save_gptq: config must be a GPTQConfig, got {type(config).__name__}")
+    _check_savable(model)
     adapted = _adapter_layers(model)
     if adapted:
         raise ValueError(f"save_gptq: the model has PEFT adapter layers ({', '.join(adapted[:3])}"
@@ -574,6 +580,25 @@ def save_gptq(model: torch.nn.Module, directory: str | os.PathLike, config: GPTQ
     content = hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}
     content["quantization_config"] = config.to_dict()
     write_checkpoint(directory, tensors, content, max_shard_bytes=max_shard_bytes)
+
+
+def _check_savable(model: torch.nn.Module) -> None:
+    """ValueError unless the model has GPTQ layers and no GGUF blocks but
+    float ones (what _float_tables_as_weights writes back as weights)."""
+    from ..gguf import GGUFEmbedding, GGUFExperts, GGUFLinear  # lowbit.gguf imports this package
+    from ..gguf.linear import FLOAT_QTYPES
+
+    floats = set(FLOAT_QTYPES.values())
+    blocks = [name or "(the model)" for name, m in model.named_modules()
+              if (isinstance(m, (GGUFEmbedding, GGUFLinear)) and m.qtype not in floats)
+              or (isinstance(m, GGUFExperts) and set(m.qtypes.values()) - floats)]
+    if blocks:
+        raise ValueError(f"save_gptq: {', '.join(blocks[:3])}{', ...' if len(blocks) > 3 else ''} hold GGUF "
+                         "quantized blocks, which a GPTQ checkpoint cannot store (a model loaded with "
+                         "float_tables='Q8_0' or 'Q6_K' saves when loaded without it)")
+    if not any(isinstance(m, GPTQLinear) for m in model.modules()):
+        raise ValueError("save_gptq: the model has no GPTQLinear layer: nothing of it is GPTQ-quantized "
+                         "(lowbit.gptq.quantize or load_gptq_model make such layers)")
 
 
 def _adapter_layers(model: torch.nn.Module) -> list[str]:
