@@ -3,6 +3,8 @@ KV cache and each decode step one torch.compile graph (no graph break) around
 lowbit's ops gives the tokens the eager model gives, on a tiny Llama GGUF
 file (Q8_0: the same kernels as any file, compiled in seconds) and on the
 same model as act-order GPTQ layers."""
+import re
+
 import pytest
 import torch
 
@@ -102,6 +104,22 @@ def test_compiled_decoding_refuses_sliding_window_layers(tmp_path, arch, types):
     with pytest.raises(ValueError, match=f"compiled_decoding: .* has {types} layers, whose static cache recompiles"):
         lowbit.compiled_decoding(model)
     assert model.generation_config.cache_implementation is None and not hasattr(model, "_compiled_call")
+
+
+def test_compiled_decoding_refuses_bad_arguments(path):
+    model = lowbit.load_gguf_model(path)
+    for bad in (0, -5, 2.5, "x", True):
+        with pytest.raises(ValueError, match=f"compiled_decoding: max_cache_len must be a positive int or None, got "
+                                             f"{re.escape(repr(bad))}"):
+            lowbit.compiled_decoding(model, max_cache_len=bad)
+    assert model.generation_config.cache_implementation is None and not hasattr(model, "_compiled_call")
+    for not_a_model in (None, torch.nn.Linear(2, 2)):
+        with pytest.raises(TypeError, match="compiled_decoding: model must be a transformers generation model"):
+            lowbit.compiled_decoding(not_a_model)
+    with pytest.raises(TypeError, match="fast_decoding: model must be an nn.Module, got NoneType"):
+        lowbit.fast_decoding(None)
+    with pytest.raises(TypeError, match="fuse_projections: model must be an nn.Module, got NoneType"):
+        lowbit.fusing.fuse_projections(None)
 
 
 def test_compiled_decoding_runs_what_it_cannot_compile_eagerly(path, two_threads):

@@ -716,6 +716,8 @@ def fast_decoding(model: nn.Module, enable: bool = True) -> bool:
     decoder layers are all of DECODER_LAYERS' kinds, with gated MLPs (or
     experts), causal attention (soft-capped scores too) and whole heads
     rotated (or their leading values, in Phi-3's layers)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fast_decoding: model must be an nn.Module, got {type(model).__name__}")
     if isinstance(model.__dict__.get("forward"), _DecodingForward):
         del model.forward
     if not enable or not _servable(model):

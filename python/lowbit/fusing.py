@@ -126,6 +126,8 @@ def fuse_projections(model: nn.Module, mapped: GGUFFile | None = None) -> list[s
     are joined as one view of it, without a copy (GGUFFile.back_to_back);
     rows joined by copying have their pages of the mapping dropped from
     memory (GGUFFile.release). Returns the fused layers' names."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fuse_projections: model must be an nn.Module, got {type(model).__name__}")
     fused_names = []
     # Names, not modules: a list of the modules would keep every replaced
     # projection (its weights) alive until the last group is joined.
