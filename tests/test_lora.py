@@ -3,6 +3,7 @@ the quantized layers, their gradients are those of the same LoRA over an
 nn.Linear holding the dequantized weight, a model trains, and a saved
 adapter reloads to the same outputs; merging is refused."""
 import os
+import re
 
 import pytest
 import torch
@@ -250,6 +251,36 @@ def test_an_adapter_with_biases_loads_but_does_not_train_on_lowbit(tmp_path):
         torch.testing.assert_close(model(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=0.05, rtol=0.05)
     with pytest.raises(ValueError, match="bias='all' trains biases"):
         lowbit.lora.load_adapter(lowbit.load_gguf_model(path, fuse=False), tmp_path / "adapter", is_trainable=True)
+
+
+def test_load_adapter_refuses_a_file_that_does_not_fit(model_path, tmp_path):
+    """Tensors that find no layer (PEFT only warns, and the adapter adds
+    nothing there) and non-finite values (every logit NaN) are refused,
+    naming the file."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    kind, path = model_path
+    torch.manual_seed(0)
+    peft.get_peft_model(load(kind, path), lora_config(target_modules=TARGETS)).save_pretrained(tmp_path / "adapter")
+    weights = tmp_path / "adapter" / "adapter_model.safetensors"
+    good = load_file(weights)
+    renamed = {k.replace("q_proj", "o_proj") if "q_proj" in k else k: v for k, v in good.items()}
+    save_file(renamed, weights)
+    with pytest.raises(ValueError, match="load_adapter: .*adapter: the adapter's tensors do not match its layers"):
+        lowbit.lora.load_adapter(load(kind, path), tmp_path / "adapter")
+    config_file = tmp_path / "adapter" / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    save_file(good, weights)
+    config_file.write_text(json.dumps({**config, "target_modules": ["o_proj"]}))
+    with pytest.raises(ValueError, match="the adapter's tensors do not match its layers"):
+        lowbit.lora.load_adapter(load(kind, path), tmp_path / "adapter")
+    config_file.write_text(json.dumps(config))
+    name = next(k for k in good if "lora_B" in k)
+    save_file({**good, name: torch.full_like(good[name], float("nan"))}, weights)
+    with pytest.raises(ValueError, match=f"load_adapter: .*tensor '{re.escape(name)}' holds a NaN or infinity"):
+        lowbit.lora.load_adapter(load(kind, path), tmp_path / "adapter")
 
 
 def test_adapters_combine_by_svd(model_path):

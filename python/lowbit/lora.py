@@ -31,7 +31,9 @@ call model.gradient_checkpointing_enable() for it
 (activation_checkpointing_enable() in newer transformers). PEFT's own adapter
 loaders (PeftModel.from_pretrained, its load_adapter) read a config without
 lowbit's layers: `load_adapter` here loads onto a lowbit model or, as one
-more adapter, onto a PEFT model of one.
+more adapter, onto a PEFT model of one, and refuses a file whose tensors
+are not exactly those the adapter's layers take, or hold NaN / inf (PEFT
+warns of the first and loads the second).
 """
 from __future__ import annotations
 
@@ -156,12 +158,30 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, adapter_name: str = 
     config = register(peft.LoraConfig.from_pretrained(os.fspath(path)))
     config.inference_mode = not is_trainable
     if not isinstance(model, peft.PeftModel):
-        return peft.PeftModel.from_pretrained(model, os.fspath(path), adapter_name=adapter_name,
-                                              is_trainable=is_trainable, config=config)
-    if adapter_name in model.peft_config:
-        raise ValueError(f"lowbit.lora.load_adapter: the model already has an adapter named {adapter_name!r}")
-    model.add_adapter(adapter_name, config)
-    if is_trainable:
-        model.set_requires_grad(adapter_name)
-    model.load_adapter(os.fspath(path), adapter_name, is_trainable=is_trainable)
+        model = peft.PeftModel.from_pretrained(model, os.fspath(path), adapter_name=adapter_name,
+                                               is_trainable=is_trainable, config=config)
+    else:
+        if adapter_name in model.peft_config:
+            raise ValueError(f"lowbit.lora.load_adapter: the model already has an adapter named {adapter_name!r}")
+        model.add_adapter(adapter_name, config)
+        if is_trainable:
+            model.set_requires_grad(adapter_name)
+        model.load_adapter(os.fspath(path), adapter_name, is_trainable=is_trainable)
+    _check_loaded(model, os.fspath(path), adapter_name)
     return model
+
+
+def _check_loaded(model: peft.PeftModel, path: str, adapter_name: str) -> None:
+    """The adapter's tensors in the file are exactly those its layers in the
+    model take, and finite: PEFT only warns of keys that found no layer (the
+    adapter then adds nothing there) and loads NaN as it is."""
+    stored = peft.utils.load_peft_weights(path, device="cpu")
+    taken = peft.utils.get_peft_model_state_dict(model, adapter_name=adapter_name)
+    unplaced, missing = sorted(set(stored) - set(taken)), sorted(set(taken) - set(stored))
+    if unplaced or missing:
+        raise ValueError(f"lowbit.lora.load_adapter: {path}: the adapter's tensors do not match its layers in the "
+                         f"model (in the file only: {unplaced[:3]}{' ...' if len(unplaced) > 3 else ''}; in the "
+                         f"model only: {missing[:3]}{' ...' if len(missing) > 3 else ''})")
+    bad = [name for name, t in stored.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        raise ValueError(f"lowbit.lora.load_adapter: {path}: tensor {bad[0]!r} holds a NaN or infinity")
