@@ -211,6 +211,34 @@ def test_load_gguf_model_repacked_is_the_same_model(models):
         assert torch.equal(got.argmax(-1), expect.argmax(-1))
 
 
+def test_generate_command_repacks_by_default_and_quietly(monkeypatch):
+    """The generate command loads as llama.cpp does, every layer the active
+    kernels read repacked in that layout; --no-repack keeps the file's
+    mapping. Types the kernels leave in the file's layout are left without
+    the warning repack_model gives where repacking was asked for."""
+    import warnings
+
+    from lowbit.__main__ import load_model_and_tokenizer
+    from lowbit.gguf import repacking
+
+    def layers(model):
+        return [m for m in model.modules() if isinstance(m, lowbit.GGUFLinear)]
+
+    default, _ = load_model_and_tokenizer(PATH)
+    readable = [m for m in layers(default) if repacking.reads_repacked_layout(m.qtype)
+                and repacking.repacked_by_default(m.qtype)]
+    assert len(readable) == 121 and all(m.repacked for m in readable)  # Q4_1 and Q8_0 on AVX2 and AVX-512 alike
+    assert not any(m.repacked for m in layers(load_model_and_tokenizer(PATH, repack=False)[0]))
+    q8_0 = int(lowbit.GGMLType.Q8_0)
+    monkeypatch.setattr(repacking, "reads_repacked_layout", lambda t: t != q8_0 and torch.ops.lowbit.cpu_reads_repacked(t))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model, _ = load_model_and_tokenizer(PATH)
+    assert {m.qtype for m in layers(model) if not m.repacked} == {q8_0}
+    with pytest.warns(UserWarning, match=r"repack_model: .* for ggml types \[8\]"):
+        load_model_and_tokenizer(PATH, repack=True)
+
+
 def test_generate_command_samples_with_a_seed_and_threads(capsys):
     from lowbit.__main__ import main
 
@@ -250,8 +278,9 @@ def test_generate_command_prints_the_continuation(capsys):
     out, err = capsys.readouterr()
     assert out.startswith(" Berlin")
     assert "LlamaForCausalLM" in err and "prefill" in err and "decode" in err
-    assert main(["generate", PATH, PROMPT, "--tokens", "4", "--repack"]) == 0
-    assert capsys.readouterr().out == out
+    for layout in ("--repack", "--no-repack"):
+        assert main(["generate", PATH, PROMPT, "--tokens", "4", layout]) == 0
+        assert capsys.readouterr().out == out
     assert main(["generate", PATH, PROMPT, "--tokens", "4", "--check-tensors"]) == 0
     assert capsys.readouterr().out == out
     assert main(["generate", PATH, PROMPT, "--tokens", "4", "--int8-activations"]) == 1

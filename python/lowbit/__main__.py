@@ -9,13 +9,15 @@
                                                     directory's, running their own quantized weights:
                                                     greedy, or sampled with --temperature (--top-k,
                                                     --top-p, --seed); --tokens, --threads, --chat,
-                                                    --repack, --compile, --int8-activations,
+                                                    --no-repack, --compile, --int8-activations,
                                                     --float-tables (`--help` says what each does)
 """
 import argparse
+import contextlib
 import os
 import sys
 import time
+import warnings
 
 import torch
 
@@ -153,13 +155,16 @@ class _TimedStreamer:
         print(flush=True)
 
 
-def load_model_and_tokenizer(path: str, repack: bool = False, int8_activations: bool = False,
+def load_model_and_tokenizer(path: str, repack: bool | None = None, int8_activations: bool = False,
                              float_tables: str | None = None, check_tensors: bool = False):
-    """A .gguf file's model and tokenizer (both from the file; `repack`: its
-    layers in the CPU kernels' repacked layout; `check_tensors`:
-    load_gguf_model's), or a GPTQ checkpoint
-    directory's (the tokenizer saved beside the weights; `int8_activations`,
-    `float_tables` and `repack`: load_gptq_model's)."""
+    """A .gguf file's model and tokenizer (both from the file; `check_tensors`:
+    load_gguf_model's), or a GPTQ checkpoint directory's (the tokenizer saved
+    beside the weights; `int8_activations` and `float_tables`:
+    load_gptq_model's). `repack` is the loaders' (lowbit.repack_model: the
+    layers the active CPU kernels read faster in their repacked layout moved
+    into it); None, as the generate command has it unless told otherwise, is
+    True without repack_model's warning about the types this CPU's kernels
+    leave in the file's layout (nothing was asked of those)."""
     from .gguf.model import load_gguf_model, load_gguf_tokenizer
     from .gptq.placing import load_gptq_model
 
@@ -167,10 +172,14 @@ def load_model_and_tokenizer(path: str, repack: bool = False, int8_activations: 
         for flag, given in (("--int8-activations", int8_activations), ("--float-tables", float_tables)):
             if given:
                 raise ValueError(f"{path}: {flag} is for GPTQ checkpoints (a GGUF file's types fix theirs)")
-        return load_gguf_model(path, repack=repack, check_tensors=check_tensors), load_gguf_tokenizer(path)
+        with _quiet_default_repack(repack):
+            model = load_gguf_model(path, repack=repack is not False, check_tensors=check_tensors)
+        return model, load_gguf_tokenizer(path)
     import transformers
 
-    model = load_gptq_model(path, int8_activations=int8_activations, float_tables=float_tables, repack=repack)
+    with _quiet_default_repack(repack):
+        model = load_gptq_model(path, int8_activations=int8_activations, float_tables=float_tables,
+                                repack=repack is not False)
     if not any(os.path.exists(os.path.join(path, name)) for name in TOKENIZER_FILES):
         raise ValueError(f"{path}: no tokenizer beside the checkpoint (none of {', '.join(TOKENIZER_FILES)})")
     try:
@@ -182,6 +191,16 @@ def load_model_and_tokenizer(path: str, repack: bool = False, int8_activations: 
     if len(tokenizer) > vocab:
         raise ValueError(f"{path}: the tokenizer has {len(tokenizer)} tokens, the model's vocabulary {vocab}")
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def _quiet_default_repack(repack: bool | None):
+    """Ignores repack_model's warning about types left in the file's layout
+    where repacking is the default rather than asked for."""
+    with warnings.catch_warnings():
+        if repack is None:
+            warnings.filterwarnings("ignore", message="lowbit.repack_model: ")
+        yield
 
 
 def chat_prompt(path: str, tokenizer, prompt: str, max_chars: int,
@@ -329,12 +348,13 @@ def main(argv=None) -> int:
                           help="the sampler's random seed (the same text for the same seed)")
     generate.add_argument("--threads", type=int_in(1, MAX_POOL_THREADS),
                           help="CPU threads (default: torch's, one per physical core)")
-    generate.add_argument("--repack", action="store_true",
-                          help="GGUF: the layers of the types the CPU kernels read repacked "
-                               "(torch.ops.lowbit.cpu_reads_repacked; lowbit.repack_model leaves dense Q6_K "
-                               "layers out) in that layout (each layer's results the same, for the 32-element types "
-                               "to fp32 rounding, which can flip an 8-bit activation rounding downstream); GPTQ: the "
-                               "layers in the panel layout (the same results)")
+    generate.add_argument("--repack", action=argparse.BooleanOptionalAction, default=None,
+                          help="the layers the CPU kernels read faster in their repacked layout held in it "
+                               "(lowbit.repack_model; the default, as llama.cpp repacks; --no-repack keeps the "
+                               "file's memory-mapped bytes): GGUF types the active kernels read repacked "
+                               "(torch.ops.lowbit.cpu_reads_repacked) but dense Q6_K, each layer's results the "
+                               "same, for the 32-element types to fp32 rounding (which can flip an 8-bit "
+                               "activation rounding downstream); GPTQ: the panel layout (the same results)")
     generate.add_argument("--int8-activations", action="store_true",
                           help="GPTQ: activations rounded to int8 per group for integer dot products "
                                "(GPTQLinear.int8_activations): faster on the CPU, about 2^-8 of the products' "
