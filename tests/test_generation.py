@@ -166,3 +166,24 @@ def test_compiled_decoding_of_an_act_order_gptq_model(two_threads, rows_sorted, 
     eager = generate(model, ids)
     lowbit.compiled_decoding(model, max_cache_len=32)
     assert torch.equal(generate(model, ids), eager)
+
+
+def test_compiled_decoding_of_repacked_layers(path, two_threads):
+    """Layers in the kernels' repacked layouts (the generate command's
+    default: GGUF blocks, GPTQ panels) compile into the one step graph, and it
+    gives the eager model's tokens."""
+    ids = torch.tensor([[1, 7, 22, 5, 63, 40, 9]])
+    gguf = lowbit.load_gguf_model(path, repack=True)
+    gptq = act_order_gptq_model(seed=1)
+    for m in gptq.modules():
+        if isinstance(m, lowbit.GPTQLinear):
+            m.int8_activations = True
+    assert lowbit.repack_model(gptq)
+    for model in (gguf, gptq):
+        assert any(getattr(m, "repacked", False) for m in model.modules())
+        eager = generate(model, ids)
+        lowbit.compiled_decoding(model, max_cache_len=32)
+        torch._dynamo.utils.counters.clear()
+        assert torch.equal(generate(model, ids), eager)
+        counters = torch._dynamo.utils.counters
+        assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1, dict(counters)
