@@ -211,6 +211,8 @@ def test_load_gguf_model_repacked_is_the_same_model(models):
         assert torch.equal(got.argmax(-1), expect.argmax(-1))
 
 
+@pytest.mark.skipif(torch.ops.lowbit.cpu_isa("best") not in ("avx2", "avx512"),
+                    reason="the portable kernels read no repacked layout as it is")
 def test_generate_command_repacks_by_default_and_quietly(monkeypatch):
     """The generate command loads as llama.cpp does, every layer the active
     kernels read repacked in that layout; --no-repack keeps the file's
@@ -227,7 +229,7 @@ def test_generate_command_repacks_by_default_and_quietly(monkeypatch):
     default, _ = load_model_and_tokenizer(PATH)
     readable = [m for m in layers(default) if repacking.reads_repacked_layout(m.qtype)
                 and repacking.repacked_by_default(m.qtype)]
-    assert len(readable) == 121 and all(m.repacked for m in readable)  # Q4_1 and Q8_0 on AVX2 and AVX-512 alike
+    assert len(readable) == 121 and [m for m in layers(default) if m.repacked] == readable  # Q4_1 and Q8_0
     assert not any(m.repacked for m in layers(load_model_and_tokenizer(PATH, repack=False)[0]))
     q8_0 = int(lowbit.GGMLType.Q8_0)
     monkeypatch.setattr(repacking, "reads_repacked_layout", lambda t: t != q8_0 and torch.ops.lowbit.cpu_reads_repacked(t))
