@@ -129,6 +129,37 @@ def test_validation(pair):
         ours(x, torch.tensor([[0], [EXPERTS]]), torch.ones(2, 1))
 
 
+@pytest.mark.parametrize("hidden, ids, weights, says", [
+    ((3, HIDDEN), (3, 2), (3, 1), r"top_k_weights must have top_k_index's shape \[3, 2\], got torch.float32 \[3, 1\]"),
+    ((3, HIDDEN), (3, 2), (2,), r"top_k_weights must have top_k_index's shape \[3, 2\], got torch.float32 \[2\]"),
+    ((3, HIDDEN), (3, 2), (2, 3), r"top_k_weights must have top_k_index's shape"),
+    ((3, HIDDEN + 32), (3, 2), (3, 2), r"hidden_states must be a float \[tokens, hidden=64\] tensor, got "
+                                       r"torch.float32 \[3, 96\]"),
+    ((1, 3, HIDDEN), (3, 2), (3, 2), r"hidden_states must be a float \[tokens, hidden=64\]"),
+    ((3, HIDDEN), (2, 2), (2, 2), r"top_k_index must be \[tokens=3, k\], got torch.int64 \[2, 2\]"),
+])
+def test_routing_of_other_shapes_is_refused(pair, hidden, ids, weights, says):
+    """Weights of another shape than the ids' would broadcast into place
+    ([T, 1]: every slot weighed by the first one's weight): refused, as
+    GPTQExperts refuses them, as is input of another width."""
+    ours, _ = pair
+    with pytest.raises(ValueError, match="GGUFExperts: " + says):
+        ours(torch.randn(hidden), torch.zeros(ids, dtype=torch.long), torch.ones(weights))
+
+
+def test_routing_of_other_dtypes(pair):
+    ours, _ = pair
+    x, index, weights = torch.randn(3, HIDDEN), torch.tensor([[0, 5], [2, 3], [4, 1]]), torch.full((3, 2), 0.5)
+    with pytest.raises(ValueError, match=r"GGUFExperts: top_k_index must hold integer expert ids, got torch.float32"):
+        ours(x, index.float(), weights)
+    with pytest.raises(ValueError, match=r"GGUFExperts: hidden_states must be a float .* got torch.int64"):
+        ours(x.long(), index, weights)
+    with torch.no_grad():  # ids of any integer dtype, as GPTQExperts takes them
+        want = ours(x, index, weights)
+        for dtype in (torch.int32, torch.int16, torch.uint8):
+            torch.testing.assert_close(ours(x, index.to(dtype), weights), want, rtol=0, atol=0)
+
+
 def test_dequantize_gives_the_files_weights(pair):
     ours, reference = pair
     w = ours.dequantize()
