@@ -162,6 +162,12 @@ def test_embedding_dtype_follows_to_and_validates():
         table(torch.tensor([2, 10]))
     with pytest.raises(IndexError, match=r"got -1 .. 3"):
         table(torch.tensor([-1, 3]))
+    for ids in (torch.tensor([1.0, 2.0]), torch.tensor([True]), torch.tensor([1], dtype=torch.uint8)):
+        with pytest.raises(TypeError, match=rf"GGUFEmbedding: ids must be an int64 or int32 tensor .* got {ids.dtype}"):
+            table(ids)
+    with pytest.raises(TypeError, match=r"GGUFEmbedding: ids must be .* got list"):
+        table([1, 2])
+    assert torch.equal(table(torch.tensor([1, 4], dtype=torch.int32)), table(torch.tensor([1, 4])))
     # Compiled, the gather's own bounds assertion refuses both ends (a negative id would wrap around).
     compiled = torch.compile(table, fullgraph=True)
     assert torch.equal(compiled(torch.tensor([2, 9])), table(torch.tensor([2, 9])))

@@ -42,6 +42,10 @@ class GGUFEmbedding(StoredBuffers):
                              persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # The ids nn.Embedding takes; index_select's own error would name neither the module nor `ids`.
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"GGUFEmbedding: ids must be an int64 or int32 tensor of token ids, got "
+                            f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
         flat = ids.reshape(-1)
         # A compiled graph bounds-checks the gather itself (inductor asserts
         # its indirect indices below the size); a host-side check would break
