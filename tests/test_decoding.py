@@ -811,3 +811,31 @@ def test_fp32_norms_over_a_bf16_model_decode_as_its_forward(arch, tmp_path):
     assert torch.equal(served.sequences, own.sequences)
     for a, b in zip(served.logits, own.logits):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("arch,overrides", [("phi3", dict(resid_pdrop=0.5)), ("qwen2", dict(attention_dropout=0.5)),
+                                            ("mixtral", dict(router_jitter_noise=0.5))])
+def test_a_model_in_training_mode_keeps_its_dropout(arch, overrides):
+    """model.train() under no_grad: the model's forward draws its dropout
+    masks (router jitter), which a served step would leave out; without
+    dropout a model in training mode is served."""
+    logits, served = {}, {}
+    for serve in (False, True):
+        model = float_model(arch, **overrides).train()
+        fast_decoding(model, serve)
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            torch.manual_seed(0)
+            model(input_ids=torch.tensor([[1, 7, 22, 5]]), cache=cache)
+            torch.manual_seed(1)
+            logits[serve] = model(input_ids=torch.tensor([[9]]), cache=cache).logits
+        served[serve] = hasattr(cache.layers[0], "_lowbit_buffers")
+    assert served == {False: False, True: False}
+    torch.testing.assert_close(logits[True], logits[False], rtol=0, atol=0)
+    model = float_model("llama").train()
+    assert fast_decoding(model)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 7, 22, 5]]), cache=cache)
+        model(input_ids=torch.tensor([[9]]), cache=cache)
+    assert hasattr(cache.layers[0], "_lowbit_buffers")

@@ -23,9 +23,9 @@ costs a row of each rather than a copy of the cache (a sliding window's
 cache keeps its last rows: a view moving along its buffer). Results match
 the model's own forward to fp32 rounding (the attention sums in another
 order). Every other call (a prompt, a batch, a static cache, torch.compile,
-training, a forward hook on any module below the model: a layer, its
-attention, MLP, norms or projections) runs the model's own forward on the
-same cache.
+training: gradients, or dropout or router jitter in training mode; a
+forward hook on any module below the model: a layer, its attention, MLP,
+norms or projections) runs the model's own forward on the same cache.
 Within one generation the C++ step sees new tensor values, new modules in
 a projection's place and new hooks, but not a layer changed in its own
 state between two steps (a repack, a switch of int8_activations): those
@@ -507,6 +507,17 @@ def _servable_layer(layer: nn.Module) -> bool:
             and getattr(attn, "is_causal", True) and (_mixture_of_experts(mlp) or _activation(mlp) is not None))
 
 
+def _stochastic(model: nn.Module) -> bool:
+    """Whether a module of the model in training mode draws random numbers in
+    its forward, which a step would leave out: a dropout of p > 0 (nn.Dropout's,
+    attention's attention_dropout: Phi-3's resid_pdrop, Qwen2's) or router
+    jitter (Mixtral's jitter_noise)."""
+    return any(m.training and ((isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0)
+                               or any(isinstance(v := getattr(m, name, None), (int, float)) and v > 0
+                                      for name in ("attention_dropout", "jitter_noise")))
+               for m in model.modules())
+
+
 def _softcap(attn: nn.Module) -> float:
     """The attention scores' soft cap (Gemma 2's attn_logit_softcapping; 0: none)."""
     return float(getattr(attn, "attn_logit_softcapping", None) or 0.0)
@@ -627,6 +638,9 @@ class _DecodingForward(_ModelAttribute):
         if mask is not None and (mask.shape != (1, n + 1) or not bool(mask.all())):
             return None
         if positions is not None and (positions.numel() != 1 or int(positions) != n):
+            return None
+        # A model in training mode draws its dropout masks (and Mixtral's router jitter) in its own forward.
+        if self.model.training and _stochastic(self.model):
             return None
         # An intact C++ step was made for these very layers, which were servable then.
         plan = self._plan
