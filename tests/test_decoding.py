@@ -839,3 +839,31 @@ def test_a_model_in_training_mode_keeps_its_dropout(arch, overrides):
         model(input_ids=torch.tensor([[1, 7, 22, 5]]), cache=cache)
         model(input_ids=torch.tensor([[9]]), cache=cache)
     assert hasattr(cache.layers[0], "_lowbit_buffers")
+
+
+@pytest.mark.parametrize("cache_dtypes", ["autocast prompt", "bf16"])
+@pytest.mark.parametrize("loop", ["C++", "Python"])
+def test_a_cache_of_narrower_dtypes_is_promoted_as_the_forward_promotes_it(gguf_path, cache_dtypes, loop,
+                                                                          monkeypatch):
+    """A prompt run under torch.autocast leaves bf16 values beside fp32 keys
+    (a cache may hold bf16 throughout): the model's forward promotes them to
+    its fp32 as it appends the new token's, and so do the served steps."""
+    if loop == "Python":
+        monkeypatch.setattr(lowbit.decoding._StepPlan, "__init__", lambda *a: (_ for _ in ()).throw(
+            lowbit.decoding._Unplannable("test")))
+    model = lowbit.load_gguf_model(gguf_path)
+    logits = {}
+    for serve in (False, True):
+        fast_decoding(model, serve)
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            with torch.autocast("cpu", torch.bfloat16, enabled=cache_dtypes == "autocast prompt"):
+                model(input_ids=torch.tensor([[1, 7, 22, 5]]), cache=cache)
+            if cache_dtypes == "bf16":
+                for layer in cache.layers:
+                    layer.keys, layer.values = layer.keys.bfloat16(), layer.values.bfloat16()
+            assert any(layer.values.dtype == torch.bfloat16 for layer in cache.layers)
+            logits[serve] = torch.cat([model(input_ids=torch.tensor([[t]]), cache=cache).logits for t in (9, 3, 61)])
+        assert all(layer.keys.dtype == layer.values.dtype == torch.float32 for layer in cache.layers)
+    assert hasattr(cache.layers[0], "_lowbit_buffers")
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)

@@ -270,6 +270,18 @@ def _buffers(cache_layer, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     return *buffers, 0
 
 
+def _promote(cache_layer, dtype: torch.dtype) -> None:
+    """The layer's keys and values in `dtype` where they are of a dtype that
+    promotes to it (a prompt run under autocast leaves bf16 values, fp32
+    keys), as the model's forward promotes them when it concatenates the new
+    token's; those of a wider dtype stay as they are, for decode_attention to
+    refuse them as the model's attention does."""
+    for name in ("keys", "values"):
+        t = getattr(cache_layer, name)
+        if t.dtype != dtype and torch.promote_types(t.dtype, dtype) == dtype:
+            setattr(cache_layer, name, t.to(dtype))
+
+
 class _Unplannable(Exception):
     """A model part the C++ step does not take (the Python loop runs the step)."""
 
@@ -485,6 +497,7 @@ class _StepPlan:
         layers = cache.layers
         buffers = []
         for c in layers:
+            _promote(c, self.dtype)
             buffers.extend(c.__dict__.get("_lowbit_buffers") or (None, None))
         logits, keys, values, new = self.step.run(x, cos, sin, [c.keys for c in layers], [c.values for c in layers],
                                                   buffers, n)
@@ -685,6 +698,7 @@ class _DecodingForward(_ModelAttribute):
             q_norm = attn._modules.get("q_norm")
             if q_norm is not None:
                 q, k = _rms_norm(q, q_norm), _rms_norm(k, attn._modules["k_norm"])
+            _promote(cache_layer, q.dtype)
             rows = cache_layer.keys.shape[-2]
             key_buffer, value_buffer, first = _buffers(cache_layer, rows)
             layer_tables = tables[attn.layer_type] if by_type else (cos, sin)
