@@ -196,10 +196,12 @@ def test_expert_ids_out_of_range():
 
 
 @pytest.mark.parametrize("hidden, ids, weights, says", [
-    ((2, 64), (2, 2), (2, 3), r"top_k_weights must have top_k_index's shape \[2, 2\], got \[2, 3\]"),
-    ((2, 64), (2, 2), (4,), r"top_k_weights must have top_k_index's shape \[2, 2\], got \[4\]"),
-    ((3, 64), (2, 2), (2, 2), r"hidden_states must be \[tokens, hidden\] and top_k_index \[tokens, k\], got \[3, 64\]"),
-    ((1, 2, 64), (2, 2), (2, 2), r"hidden_states must be \[tokens, hidden\]"),
+    ((2, 64), (2, 2), (2, 3), r"top_k_weights must have top_k_index's shape \[2, 2\], got torch.float32 \[2, 3\]"),
+    ((2, 64), (2, 2), (4,), r"top_k_weights must have top_k_index's shape \[2, 2\], got torch.float32 \[4\]"),
+    ((3, 64), (2, 2), (2, 2), r"top_k_index must be \[tokens=3, k\], got torch.int64 \[2, 2\]"),
+    ((1, 2, 64), (2, 2), (2, 2), r"hidden_states must be a float \[tokens, hidden=64\] tensor, got torch.float32 "
+                                 r"\[1, 2, 64\]"),
+    ((2, 96), (2, 2), (2, 2), r"hidden_states must be a float \[tokens, hidden=64\]"),
 ])
 def test_routing_of_other_shapes_is_refused(hidden, ids, weights, says):
     """Rows and weights pair up by position: a routing whose shapes disagree would mix them silently."""
@@ -209,6 +211,11 @@ def test_routing_of_other_shapes_is_refused(hidden, ids, weights, says):
         experts(torch.randn(hidden), torch.zeros(ids, dtype=torch.long), torch.ones(weights))
     with pytest.raises(ValueError, match="GPTQExperts: top_k_index must hold integer expert ids, got torch.float32"):
         experts(torch.randn(2, 64), torch.zeros(2, 2), torch.ones(2, 2))
+    # What is not a float tensor is named, not met inside a projection's op.
+    with pytest.raises(ValueError, match=r"GPTQExperts: hidden_states must be a float .* got torch.int64 \[2, 64\]"):
+        experts(torch.ones(2, 64, dtype=torch.long), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2))
+    with pytest.raises(ValueError, match=r"GPTQExperts: top_k_index must be \[tokens=2, k\], got list"):
+        experts(torch.randn(2, 64), [[0, 1], [1, 0]], torch.ones(2, 2))
 
 
 def calibration(count, seed, seq=16):

@@ -7,6 +7,33 @@ import torch
 from torch import nn
 
 
+def _described(value) -> str:
+    """A forward argument's dtype and shape, or its type where it is no tensor."""
+    return f"{value.dtype} {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def check_routing(owner: str, hidden_states, top_k_index, top_k_weights, hidden_size: int) -> torch.Tensor:
+    """top_k_index as int64 or int32 ids, after checking an experts module's
+    forward arguments: float hidden_states [T, hidden_size], integer
+    top_k_index [T, k] and top_k_weights of its shape. The shapes decide which
+    rows and weights pair up, so nothing is broadcast into place (weights
+    [T, 1] for ids [T, k] would weigh every slot by the first one's weight)."""
+    if (not isinstance(hidden_states, torch.Tensor) or not hidden_states.is_floating_point()
+            or hidden_states.dim() != 2 or hidden_states.shape[1] != hidden_size):
+        raise ValueError(f"{owner}: hidden_states must be a float [tokens, hidden={hidden_size}] tensor, "
+                         f"got {_described(hidden_states)}")
+    if (not isinstance(top_k_index, torch.Tensor) or top_k_index.dim() != 2
+            or top_k_index.shape[0] != hidden_states.shape[0]):
+        raise ValueError(f"{owner}: top_k_index must be [tokens={hidden_states.shape[0]}, k], "
+                         f"got {_described(top_k_index)}")
+    if top_k_index.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise ValueError(f"{owner}: top_k_index must hold integer expert ids, got {top_k_index.dtype}")
+    if not isinstance(top_k_weights, torch.Tensor) or top_k_weights.shape != top_k_index.shape:
+        raise ValueError(f"{owner}: top_k_weights must have top_k_index's shape {list(top_k_index.shape)}, "
+                         f"got {_described(top_k_weights)}")
+    return top_k_index if top_k_index.dtype in (torch.int64, torch.int32) else top_k_index.long()
+
+
 def experts_dims(module: nn.Module) -> tuple[int, int, int] | None:
     """(experts, hidden, intermediate) of a transformers experts module with
     3-D weights: gate_up_proj [E, 2I, H] and down_proj [E, H, I], or [E, H,

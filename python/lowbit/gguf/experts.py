@@ -9,6 +9,7 @@ from torch import nn
 
 from .._frozen import call_layer_op, op_input
 from .._stored import StoredBuffers
+from ..moe import check_routing
 from .file import release_mapped
 from .linear import check_sizes
 
@@ -31,11 +32,6 @@ class ClampedSwiGLU(nn.Module):
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha}, limit={self.limit}"
-
-
-def _described(value) -> str:
-    """A forward argument's dtype and shape, or its type where it is no tensor."""
-    return f"{value.dtype} {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
 
 
 class GGUFExperts(StoredBuffers):
@@ -112,23 +108,7 @@ class GGUFExperts(StoredBuffers):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        # The routing's shapes decide which rows and weights pair up: checked, never broadcast into place
-        # (weights [T, 1] for ids [T, k] would weigh every slot by the first one's weight).
-        if (not isinstance(hidden_states, torch.Tensor) or not hidden_states.is_floating_point()
-                or hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden_size):
-            raise ValueError(f"GGUFExperts: hidden_states must be a float [tokens, hidden={self.hidden_size}] tensor, "
-                             f"got {_described(hidden_states)}")
-        if (not isinstance(top_k_index, torch.Tensor) or top_k_index.dim() != 2
-                or top_k_index.shape[0] != hidden_states.shape[0]):
-            raise ValueError(f"GGUFExperts: top_k_index must be [tokens={hidden_states.shape[0]}, k], "
-                             f"got {_described(top_k_index)}")
-        if top_k_index.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-            raise ValueError(f"GGUFExperts: top_k_index must hold integer expert ids, got {top_k_index.dtype}")
-        if not isinstance(top_k_weights, torch.Tensor) or top_k_weights.shape != top_k_index.shape:
-            raise ValueError(f"GGUFExperts: top_k_weights must have top_k_index's shape {list(top_k_index.shape)}, "
-                             f"got {_described(top_k_weights)}")
-        if top_k_index.dtype not in (torch.int64, torch.int32):  # the ids ggml_mul_mat_id takes
-            top_k_index = top_k_index.long()
+        top_k_index = check_routing("GGUFExperts", hidden_states, top_k_index, top_k_weights, self.hidden_size)
         gate = self._project("gate", hidden_states, top_k_index)  # [T, k, intermediate]
         up = self._project("up", hidden_states, top_k_index)
         activation = self.glu(gate, up) if self.glu is not None else self.act_fn(gate) * up

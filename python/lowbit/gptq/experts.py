@@ -10,6 +10,7 @@ import re
 import torch
 from torch import nn
 
+from ..moe import check_routing
 from .linear import GPTQLinear
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -65,15 +66,8 @@ class GPTQExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        # The routing's shapes decide which rows and weights pair up: checked, never broadcast or reshaped into place.
-        if hidden_states.dim() != 2 or top_k_index.dim() != 2 or top_k_index.shape[0] != hidden_states.shape[0]:
-            raise ValueError(f"GPTQExperts: hidden_states must be [tokens, hidden] and top_k_index [tokens, k], got "
-                             f"{list(hidden_states.shape)} and {list(top_k_index.shape)}")
-        if top_k_index.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-            raise ValueError(f"GPTQExperts: top_k_index must hold integer expert ids, got {top_k_index.dtype}")
-        if top_k_weights.shape != top_k_index.shape:
-            raise ValueError(f"GPTQExperts: top_k_weights must have top_k_index's shape {list(top_k_index.shape)}, "
-                             f"got {list(top_k_weights.shape)}")
+        hidden = self.expert(0).gate_proj.in_features if self.num_experts else hidden_states.shape[-1]
+        top_k_index = check_routing("GPTQExperts", hidden_states, top_k_index, top_k_weights, hidden)
         k, E = top_k_index.shape[-1], self.num_experts
         chosen = top_k_index.reshape(-1)
         counts = [0] * E
