@@ -428,6 +428,47 @@ def test_sharded_loading_refuses_corrupt_modules(checkpoints, tmp_path, edit, pa
         ColumnParallelGPTQLinear.from_checkpoint(corrupt, gate, 0, 2)
 
 
+@pytest.mark.parametrize("edit, pattern", [
+    (lambda t, m: t.pop(f"{m}.gate_proj.scales"), "module '{m}.gate_proj': missing tensor {m}.gate_proj.scales"),
+    (lambda t, m: t.update({f"{m}.down_proj.g_idx": t[f"{m}.down_proj.g_idx"][:-8]}),
+     r"module '{m}.down_proj': g_idx has shape \(504,\)"),
+    (lambda t, m: t[f"{m}.down_proj.g_idx"].__setitem__(0, 1000),
+     r"module '{m}.down_proj': g_idx values must lie in \[0, 8\)"),
+    (lambda t, m: t.update({f"{m}.gate_proj.bias": t[f"{m}.gate_proj.bias"][:10]}),
+     r"module '{m}.gate_proj': bias has shape \(10,\)"),
+    (lambda t, m: t[f"{m}.up_proj.scales"].view(-1)[5:6].fill_(float("nan")),
+     r"module '{m}.up_proj': scales holds a non-finite value \(nan\)"),
+], ids=["missing scales", "short g_idx", "g_idx beyond the groups", "short bias", "NaN scale"])
+def test_reorder_checkpoint_refuses_corrupt_modules(checkpoints, tmp_path, edit, pattern):
+    # Checked as load_gptq checks them, naming the checkpoint: not a bare
+    # AttributeError / IndexError from the permute ops, nor written out reordered.
+    from safetensors.torch import load_file, save_file
+
+    corrupt, mlp = tmp_path / "corrupt", PREFIXES[0]
+    shutil.copytree(checkpoints[2]["original"], corrupt)
+    tensors = load_file(corrupt / "model.safetensors")
+    edit(tensors, mlp)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, corrupt / "model.safetensors")
+    with pytest.raises(GPTQCheckpointError, match=f"{corrupt}: " + pattern.format(m=mlp)):
+        reorder_checkpoint(corrupt, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_reorder_checkpoint_refuses_an_mlp_of_mismatched_widths(tmp_path):
+    mlp = act_order_mlp(4)
+    mlp.gate_proj = act_order(HIDDEN, HIDDEN, 4, seed=0)  # 256 outputs where down_proj takes 512
+    save_gptq(model_of([mlp]), tmp_path / "src", GPTQConfig(4, 64, True, False, "gptq_v2"))
+    with pytest.raises(GPTQCheckpointError, match=rf"MLP '{PREFIXES[0]}': gate_proj and up_proj must have "
+                                                  r"down_proj's 512 input features as outputs, got 256 and 512"):
+        reorder_checkpoint(tmp_path / "src", tmp_path / "out")
+
+
+def test_reorder_checkpoint_refuses_a_string_of_prefixes(checkpoints, tmp_path):
+    with pytest.raises(TypeError, match=rf"mlp_prefixes must be a sequence of prefixes, got the string "
+                                        rf"'{PREFIXES[0]}'"):
+        reorder_checkpoint(checkpoints[2]["original"], tmp_path / "out", PREFIXES[0])
+
+
 def test_row_shards_check_the_bias_and_hold_it_as_the_layer_does(checkpoints, tmp_path):
     """The bias a row-parallel layer adds after its reduction: refused where not finite, as load_gptq refuses it,
     and rounded to the scales' dtype, as load_gptq and the column shards hold it."""

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from .checkpoint import (HEADER_DTYPES, GPTQCheckpointError, check_finite_floats, check_module_tensors,
+from .checkpoint import (HEADER_DTYPES, GPTQCheckpointError, _module, check_finite_floats, check_module_tensors,
                          checkpoint_files, hold_gptqmodel_zeros_as_v2, read_tensors, source_configs,
                          stored_format, v1_zeros_as_v2, v2_zeros_as_gptqmodel_v1, write_checkpoint)
 from .config import GPTQConfig, check_format, read_config
@@ -182,38 +182,48 @@ def _module_tensors(tensors: dict[str, torch.Tensor], name: str) -> dict[str, to
     return {part: tensors.get(f"{name}.{part}") for part in _TENSORS}
 
 
-def _module_bits(config: GPTQConfig, name: str) -> int:
+def _checked_module(directory: str, config: GPTQConfig, tensors: dict[str, torch.Tensor], name: str) -> GPTQLinear:
+    """Module `name` of the checkpoint's tensors, checked as load_gptq checks
+    it: a corrupt module is refused naming the checkpoint, not met as a bare
+    error in the permute ops or written out reordered."""
     quant = config.for_module(name)
     if quant is None:
-        raise GPTQCheckpointError(f"module {name!r} has a qweight but the config's dynamic rules exclude it")
-    return quant.bits
+        raise GPTQCheckpointError(f"{directory}: module {name!r} has a qweight but the config's dynamic rules "
+                                  "exclude it")
+    return _module(name, quant, config, _module_tensors(tensors, name), directory)
 
 
-def _reorder_mlp(tensors: dict[str, torch.Tensor], prefix: str, config: GPTQConfig) -> None:
+def _reorder_mlp(tensors: dict[str, torch.Tensor], prefix: str, config: GPTQConfig, directory: str) -> None:
     """Algorithm 3 on one MLP's checkpoint tensors, in place."""
     names = {part: f"{prefix}.{part}" for part in MLP_PARTS}
     missing = [n for n in names.values() if f"{n}.qweight" not in tensors]
     if missing:
         raise ValueError(f"reorder_checkpoint: MLP {prefix!r} has no quantized {', '.join(missing)}")
+    layers = {part: _checked_module(directory, config, tensors, name) for part, name in names.items()}
+    gate, up, inputs = (layers["gate_proj"].out_features, layers["up_proj"].out_features,
+                        layers["down_proj"].in_features)
+    if not gate == up == inputs:
+        raise GPTQCheckpointError(f"{directory}: MLP {prefix!r}: gate_proj and up_proj must have down_proj's "
+                                  f"{inputs} input features as outputs, got {gate} and {up}")
     down = _module_tensors(tensors, names["down_proj"])
     if down["g_idx"] is None:  # no g_idx: not act-order, nothing to reorder
         return
     perm = group_order(down["g_idx"])
     for part in ("gate_proj", "up_proj"):
-        name, bits = names[part], _module_bits(config, names[part])
+        name = names[part]
         module = _module_tensors(tensors, name)
         # GPTQModel's v1 words carry between fields: their columns move as the zero points they encode.
         gptqmodel = False
         if config.checkpoint_format == "gptq":
-            zeros, gptqmodel = v1_zeros_as_v2(module["qzeros"], bits)
+            zeros, gptqmodel = v1_zeros_as_v2(module["qzeros"], layers[part].bits)
         if gptqmodel:
-            module["qzeros"] = torch.ops.lowbit.gptq_pack(zeros, bits, 1)
-        permuted = _permuted_cols(module, perm, bits)
+            module["qzeros"] = torch.ops.lowbit.gptq_pack(zeros, layers[part].bits, 1)
+        permuted = _permuted_cols(module, perm, layers[part].bits)
         if gptqmodel:
-            permuted["qzeros"] = v2_zeros_as_gptqmodel_v1(torch.ops.lowbit.gptq_unpack(permuted["qzeros"], bits, 1),
-                                                          bits)
+            permuted["qzeros"] = v2_zeros_as_gptqmodel_v1(
+                torch.ops.lowbit.gptq_unpack(permuted["qzeros"], layers[part].bits, 1), layers[part].bits)
         tensors.update({f"{name}.{k}": v for k, v in permuted.items()})
-    permuted = _permuted_rows(down, perm, _module_bits(config, names["down_proj"]))
+    permuted = _permuted_rows(down, perm, layers["down_proj"].bits)
     tensors.update({f"{names['down_proj']}.{k}": v for k, v in permuted.items()})
 
 
@@ -224,6 +234,9 @@ def reorder_checkpoint(src: str | os.PathLike, dst: str | os.PathLike,
     `<prefix>.gate_proj`, `.up_proj` and `.down_proj`. The config is kept:
     the reordered g_idx tensors say which layers are still act-order.
     Returns the prefixes reordered."""
+    if isinstance(mlp_prefixes, str):  # would be read as one prefix per character
+        raise TypeError(f"reorder_checkpoint: mlp_prefixes must be a sequence of prefixes, got the string "
+                        f"{mlp_prefixes!r} (pass [{mlp_prefixes!r}])")
     if os.path.exists(dst):  # before the work, not after it
         raise FileExistsError(f"reorder_checkpoint: {os.fspath(dst)} already exists")
     directory, files = checkpoint_files(src)
@@ -234,7 +247,7 @@ def reorder_checkpoint(src: str | os.PathLike, dst: str | os.PathLike,
         raise ValueError(f"reorder_checkpoint: {directory} has no MLP with quantized "
                          f"{'/'.join(MLP_PARTS)} modules")
     for prefix in prefixes:
-        _reorder_mlp(tensors, prefix, config)
+        _reorder_mlp(tensors, prefix, config, directory)
     content, quantize = source_configs(directory, config)
     write_checkpoint(dst, tensors, content, copy_from=directory, quantize_config=quantize)
     return prefixes
