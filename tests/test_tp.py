@@ -514,6 +514,19 @@ def test_reorderings_keep_int8_activations():
         torch.testing.assert_close(run(copy), want)
 
 
+def test_layer_shards_keep_int8_activations():
+    """A shard of a layer multiplies as the layer does: with its int8 activations too."""
+    layer = act_order(HIDDEN, INTER, 4, seed=0)
+    layer.int8_activations = True
+    x = torch.randn(3, HIDDEN)
+    columns = [ColumnParallelGPTQLinear.from_layer(layer, rank, 2) for rank in range(2)]
+    assert all(c.local.int8_activations for c in columns)
+    torch.testing.assert_close(torch.cat([c(x) for c in columns], dim=-1), layer(x))
+    seq = make_sequential(layer)
+    assert RowParallelGPTQLinear.from_layer(seq, 0, 2).local.int8_activations
+    assert RowParallelGPTQLinear.from_layer(seq, 0, 1)(x[..., seq.input_perm]).equal(seq(x))
+
+
 def test_layer_errors():
     layer = act_order(INTER, HIDDEN, 4, seed=0)
     with torch.no_grad():

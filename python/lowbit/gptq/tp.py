@@ -466,7 +466,9 @@ class ColumnParallelGPTQLinear(nn.Module):
         """Shards `layer`'s stored columns; a SequentialGPTQLinear's input_perm
         is not applied here, the caller must permute the input."""
         _check_rank(name, rank, world_size, group)
-        return cls(_column_shard(_layer_source(layer, name), rank, world_size), rank, world_size, group)
+        local = _column_shard(_layer_source(layer, name), rank, world_size)
+        local.int8_activations = layer.int8_activations  # the shard multiplies as the layer does
+        return cls(local, rank, world_size, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.local(x)
@@ -510,7 +512,9 @@ class RowParallelGPTQLinear(StoredBuffers):
                    name: str = "layer") -> RowParallelGPTQLinear:
         """Shards `layer`'s stored rows; a SequentialGPTQLinear's input_perm is
         not applied here, the caller must permute the input."""
-        return cls._from_source(_layer_source(layer, name), rank, world_size, group)
+        sharded = cls._from_source(_layer_source(layer, name), rank, world_size, group)
+        sharded.local.int8_activations = layer.int8_activations  # the shard multiplies as the layer does
+        return sharded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.local(x)
