@@ -186,6 +186,16 @@ def test_bad_arguments_are_refused():
             quantize_linear(lin, H, **{"bits": 4, **kwargs})
     with pytest.raises(ValueError, match=r"\[256, 256\]"):
         quantize_linear(lin, H[:128, :128], 4)
+    # Floats, bools and strings that would pass `in` / `<` tests or fail deep in torch: refused by name.
+    for kwargs, pattern in [({"bits": 4.0}, r"bits must be 2, 3, 4 or 8, got 4.0"),
+                            ({"group_size": 64.5}, r"group_size must be -1 or a positive integer, got 64.5"),
+                            ({"group_size": True}, r"group_size must be -1 or a positive integer, got True"),
+                            ({"damp_percent": "0.01"}, r"damp_percent must lie in \(0, 1\), got 0.01"),
+                            ({"dtype": torch.int32}, r"dtype must be one of .*, got torch.int32")]:
+        with pytest.raises(ValueError, match=rf"GPTQ: {pattern}"):
+            quantize_linear(lin, H, **{"bits": 4, **kwargs})
+    with pytest.raises(ValueError, match=r"GPTQ: scale_dtype must be one of .*, got torch.int8"):
+        gptq_weight(lin.weight, H, 4, scale_dtype=torch.int8)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])

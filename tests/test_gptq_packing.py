@@ -125,6 +125,17 @@ def test_quantize_rtn_rejects_bad_arguments():
         lowbit.quantize_rtn(w, 4, 32, checkpoint_format="awq")
     with pytest.raises(ValueError, match="perm"):
         lowbit.quantize_rtn(w, 4, 32, perm=torch.zeros(64, dtype=torch.long))
+    # A float or bool passes `in` / `<=` tests (4.0 == 4, True == 1): refused by name, not failing in torch.
+    for kwargs, pattern in [({"bits": 4.0}, r"bits must be 2, 3, 4 or 8, got 4.0"),
+                            ({"bits": True}, "bits must be"),
+                            ({"group_size": 32.0}, r"group_size must be -1 or a positive integer, got 32.0"),
+                            ({"group_size": True}, r"group_size must be -1 or a positive integer, got True"),
+                            ({"scale_dtype": torch.int32}, r"scale_dtype must be one of .*, got torch.int32"),
+                            ({"perm": torch.arange(64) + 0.5}, r"perm must hold integers, got torch.float32")]:
+        with pytest.raises(ValueError, match=rf"quantize_rtn: {pattern}"):
+            lowbit.quantize_rtn(w, **{"bits": 4, "group_size": 32, **kwargs})
+    assert torch.equal(lowbit.quantize_rtn(w, 4, 32, perm=list(range(64))).g_idx,
+                       lowbit.quantize_rtn(w, 4, 32).g_idx)
 
 
 def test_quantize_rtn_last_group_may_be_shorter():

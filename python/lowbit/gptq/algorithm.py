@@ -45,11 +45,11 @@ from tqdm.auto import tqdm
 
 from .._checks import check_finite
 from .._placing import GPTQ_SAVE_ADVICE, refuse_save_pretrained
-from .config import BITS, GPTQConfig, check_format
+from .config import GPTQConfig, check_format
 from ..moe import experts_dims, plain_experts
 from .experts import EXPERT_LAYER, GPTQExpert, GPTQExperts
 from .linear import GPTQLinear
-from .rtn import check_scales
+from .rtn import check_quant_args, check_scales
 
 BLOCK_SIZE = 128  # columns per lazy batch-update (the paper's B = 128)
 
@@ -90,7 +90,7 @@ def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_si
                 scale_dtype: torch.dtype = torch.float16) -> GPTQResult:
     """GPTQ of one weight [N, K] given the Hessian [K, K] of its inputs
     (the reference implementation's `fasterquant`, static_groups=False)."""
-    _check_args(bits, group_size, damp_percent)
+    _check_args(bits, group_size, damp_percent, scale_dtype)
     if weight.dim() != 2 or weight.shape[1] == 0:
         raise ValueError(f"gptq_weight: weight must be 2-D [out, in] with in > 0, got shape {tuple(weight.shape)}")
     check_finite(weight, "gptq_weight: weight")
@@ -138,12 +138,10 @@ def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_si
     return GPTQResult(codes, grid.scales, grid.zeros, g_idx, weight_q)
 
 
-def _check_args(bits: int, group_size: int, damp_percent: float) -> None:
-    if bits not in BITS:
-        raise ValueError(f"GPTQ: bits must be one of {BITS}, got {bits}")
-    if group_size != -1 and group_size <= 0:
-        raise ValueError(f"GPTQ: group_size must be -1 or positive, got {group_size}")
-    if not 0 < damp_percent < 1:
+def _check_args(bits: int, group_size: int, damp_percent: float, scale_dtype: torch.dtype = torch.float16,
+                dtype_name: str = "scale_dtype") -> None:
+    check_quant_args("GPTQ", bits, group_size, scale_dtype, dtype_name)
+    if isinstance(damp_percent, bool) or not isinstance(damp_percent, (int, float)) or not 0 < damp_percent < 1:
         raise ValueError(f"GPTQ: damp_percent must lie in (0, 1), got {damp_percent}")
 
 
@@ -246,6 +244,7 @@ def quantize_linear(linear: nn.Linear, hessian: torch.Tensor, bits: int, group_s
     in `dtype`). GPTQ v1 ("gptq") stores zero-1 and cannot hold a zero point
     of 0: asymmetric groups that need one raise ValueError."""
     check_format(checkpoint_format, "GPTQ")
+    _check_args(bits, group_size, damp_percent, dtype, "dtype")
     r = gptq_weight(linear.weight, hessian, bits, group_size, sym, desc_act, damp_percent, dtype)
     zeros = r.zeros
     if checkpoint_format == "gptq":

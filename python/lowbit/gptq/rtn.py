@@ -27,6 +27,23 @@ class GPTQTensors(NamedTuple):
     checkpoint_format: str
 
 
+# The dtypes scales can be quantized into: torch.finfo and isfinite serve them.
+SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_quant_args(who: str, bits: int, group_size: int, scale_dtype: torch.dtype,
+                     dtype_name: str = "scale_dtype") -> None:
+    """Refuses bits, group_size and scale dtype a quantizer cannot use, naming
+    the argument: a float or bool passes `in` and `<=` tests (4.0 == 4,
+    True == 1), then fails deep in torch or the packing op."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (2, 3, 4, 8):
+        raise ValueError(f"{who}: bits must be 2, 3, 4 or 8, got {bits!r}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
+        raise ValueError(f"{who}: group_size must be -1 or a positive integer, got {group_size!r}")
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"{who}: {dtype_name} must be one of {SCALE_DTYPES}, got {scale_dtype!r}")
+
+
 def check_scales(scales: torch.Tensor, what: str) -> None:
     """Refuses scales [groups, N] that overflowed their storage dtype: a
     group whose range is beyond it would dequantize to inf."""
@@ -55,8 +72,7 @@ def quantize_rtn(
     j // group_size. GPTQ v1 ("gptq") stores zero-1 and cannot represent a
     zero of 0: asymmetric groups that need one raise ValueError.
     """
-    if bits not in (2, 3, 4, 8):
-        raise ValueError(f"quantize_rtn: bits must be 2, 3, 4 or 8, got {bits}")
+    check_quant_args("quantize_rtn", bits, group_size, scale_dtype)
     if checkpoint_format not in CHECKPOINT_FORMATS:
         raise ValueError(f"quantize_rtn: checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {checkpoint_format!r}")
     if weight.dim() != 2 or weight.shape[1] == 0:
@@ -64,11 +80,13 @@ def quantize_rtn(
     check_finite(weight, "quantize_rtn: weight")
     w = weight.detach().to(torch.float32).t()  # [K, N]
     K, N = w.shape
-    if group_size != -1 and group_size <= 0:
-        raise ValueError(f"quantize_rtn: group_size must be -1 or positive, got {group_size}")
     G = K if group_size == -1 else min(group_size, K)  # a group past K is the one group of K rows
     groups = -(-K // G)  # like GPTQ, a last group may be shorter
 
+    if perm is not None:
+        perm = torch.as_tensor(perm)
+        if perm.is_floating_point() or perm.is_complex() or perm.dtype == torch.bool:  # .long() would truncate
+            raise ValueError(f"quantize_rtn: perm must hold integers, got {perm.dtype}")
     order = torch.arange(K, device=w.device) if perm is None else perm.to(w.device, torch.long)
     if order.shape != (K,) or not torch.equal(order.sort().values, torch.arange(K, device=w.device)):
         raise ValueError(f"quantize_rtn: perm must be a permutation of range({K})")
