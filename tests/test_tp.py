@@ -541,6 +541,21 @@ def test_layer_errors():
     mlp.gate_proj = act_order(HIDDEN, HIDDEN, 4, seed=0)
     with pytest.raises(ValueError, match="gate_proj and up_proj must have down_proj's 512 input features"):
         tp_aware(mlp)
+    # Not a GPTQLinear, or a rank that is not an int: refused by name, not an
+    # AttributeError on `.bits` or a TypeError from slicing.
+    plain = nn.Linear(HIDDEN, HIDDEN)
+    for who, call in (("permute_inputs", lambda: permute_inputs(plain, torch.arange(HIDDEN))),
+                      ("permute_outputs", lambda: permute_outputs(plain, torch.arange(HIDDEN))),
+                      ("make_sequential", lambda: make_sequential(plain)),
+                      ("down", lambda: ColumnParallelGPTQLinear.from_layer(plain, 0, 2, name="down")),
+                      ("down", lambda: RowParallelGPTQLinear.from_layer(plain, 0, 2, name="down"))):
+        with pytest.raises(TypeError, match=f"^{who}: layer must be a GPTQLinear, got Linear$"):
+            call()
+    layer = act_order(HIDDEN, INTER, 4, seed=0)
+    with pytest.raises(TypeError, match=r"^down: rank must be an int, got 0.0$"):
+        ColumnParallelGPTQLinear.from_layer(layer, 0.0, 2, name="down")
+    with pytest.raises(TypeError, match=r"^down: world_size must be an int, got 2.0$"):
+        RowParallelGPTQLinear.from_layer(make_sequential(layer), 0, 2.0, name="down")
 
 
 # ---------------------------------------------------------------------------

@@ -103,9 +103,19 @@ def _copy(layer: GPTQLinear, cls: type[GPTQLinear] | None = None, **tensors: tor
     return new
 
 
+def _check_layer(layer: nn.Module, who: str) -> None:
+    """Refuses a layer the reorderings and shards cannot read, naming it (a
+    plain nn.Linear has no packed tensors to move)."""
+    if not isinstance(layer, GPTQLinear):
+        raise TypeError(f"{who}: layer must be a GPTQLinear, got {type(layer).__name__}"
+                        + (" (a fused projection: load the model with fuse=False)"
+                           if hasattr(layer, "fused_name") else ""))
+
+
 def permute_inputs(layer: GPTQLinear, perm: torch.Tensor) -> GPTQLinear:
     """A copy of `layer` whose input row k is the original's row perm[k], so
     that `new(x[..., perm]) == layer(x)`."""
+    _check_layer(layer, "permute_inputs")
     if isinstance(layer, SequentialGPTQLinear):
         raise TypeError("permute_inputs: a SequentialGPTQLinear already permutes its input in forward; "
                         "permute the layer it was made from")
@@ -115,6 +125,7 @@ def permute_inputs(layer: GPTQLinear, perm: torch.Tensor) -> GPTQLinear:
 def permute_outputs(layer: GPTQLinear, perm: torch.Tensor) -> GPTQLinear:
     """A copy of `layer` whose output column n is the original's column
     perm[n], so that `new(x) == layer(x)[..., perm]`."""
+    _check_layer(layer, "permute_outputs")
     return _copy(layer, **_permuted_cols(_buffers(layer), perm.long(), layer.bits))
 
 
@@ -138,6 +149,7 @@ def make_sequential(layer: GPTQLinear) -> SequentialGPTQLinear:
     qweight rows sorted by group (P = argsort(g_idx)) and the input permuted
     by P at run time. A SequentialGPTQLinear keeps its input order: the
     permutations compose."""
+    _check_layer(layer, "make_sequential")
     perm = group_order(layer.g_idx)
     input_perm = layer.input_perm[perm] if isinstance(layer, SequentialGPTQLinear) else perm
     return _copy(layer, SequentialGPTQLinear, input_perm=input_perm,
@@ -293,6 +305,7 @@ class _Source:
 
 
 def _layer_source(layer: GPTQLinear, name: str) -> _Source:
+    _check_layer(layer, name)
     state = _buffers(layer)  # the checkpoint's tensors: qweight in its row order
 
     def read(tensor, *index):
@@ -369,6 +382,9 @@ def _stored_format(directory: str, versions: tuple[tuple[str, int, int], ...]) -
 
 
 def _check_rank(name: str, rank: int, world_size: int, group) -> None:
+    for what, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int):  # else a float fails as a slice index
+            raise TypeError(f"{name}: {what} must be an int, got {value!r}")
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"{name}: rank {rank} is not in [0, world_size={world_size})")
     if world_size > 1 and dist.is_initialized():
