@@ -412,7 +412,14 @@ def test_errors(checkpoints):
     (lambda t, m: t.update({f"{m}.scales": t[f"{m}.scales"].to(torch.int32)}), "scales has dtype I32"),
     (lambda t, m: t.update({f"{m}.g_idx": t[f"{m}.g_idx"].float()}), "g_idx has dtype F32"),
     (lambda t, m: t[f"{m}.scales"].view(-1)[5:6].fill_(float("nan")), r"scales holds a non-finite value \(nan\)"),
-], ids=["act-order without g_idx", "float qweight", "int scales", "float g_idx", "NaN scale"])
+    (lambda t, m: t[f"{m}.g_idx"].__setitem__(0, 1000), r"g_idx values must lie in \[0, 4\), found \[0, 1000\]"),
+    (lambda t, m: t[f"{m}.g_idx"].__setitem__(0, -3), r"g_idx values must lie in \[0, 4\), found \[-3, 3\]"),
+    # int64 values beyond int32 that the cast to int32 would wrap back into range.
+    (lambda t, m: t.update({f"{m}.g_idx": t[f"{m}.g_idx"].long() + 2**32}), r"g_idx values must lie in \[0, 4\)"),
+    (lambda t, m: t.update({f"{m}.{k}": t[f"{m}.{k}"][:0] for k in ("qweight", "qzeros", "scales", "g_idx")}),
+     r"qweight has shape \(0, 512\), expected 2-D and non-empty"),
+], ids=["act-order without g_idx", "float qweight", "int scales", "float g_idx", "NaN scale", "g_idx past the groups",
+        "negative g_idx", "g_idx beyond int32", "empty qweight"])
 def test_sharded_loading_refuses_corrupt_modules(checkpoints, tmp_path, edit, pattern):
     # What load_gptq refuses, the sharded loader (which reads headers, then
     # slices) refuses too, naming the module.

@@ -301,6 +301,11 @@ class _Source:
         if g_idx is None:  # checkpoints without g_idx are not act-order
             device = self.read("scales", slice(0, 1)).device
             g_idx = torch.arange(self.in_features, device=device) // self.rows_per_group
+        # Checked before the int32 cast, which would wrap a value beyond it into range, as load_gptq checks it.
+        groups = -(-self.in_features // self.rows_per_group)
+        if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+            raise GPTQCheckpointError(f"{self.where or self.name}: g_idx values must lie in [0, {groups}), found "
+                                      f"[{int(g_idx.min())}, {int(g_idx.max())}]")
         return g_idx.to(torch.int32)
 
 
@@ -338,8 +343,8 @@ def _checkpoint_source(path: str | os.PathLike, name: str, checkpoint_format: st
     if quant is None:
         raise GPTQCheckpointError(f"{where}: has a qweight but the config's dynamic rules exclude it")
     fields, words = fields_per_pack(quant.bits), words_per_pack(quant.bits)
-    if len(shapes["qweight"]) != 2:
-        raise GPTQCheckpointError(f"{where}: qweight has shape {shapes['qweight']}, expected 2 dimensions")
+    if len(shapes["qweight"]) != 2 or 0 in shapes["qweight"]:
+        raise GPTQCheckpointError(f"{where}: qweight has shape {shapes['qweight']}, expected 2-D and non-empty")
     rows, N = shapes["qweight"]
     K = rows // words * fields
     groups = 1 if quant.group_size == -1 else -(-K // quant.group_size)
