@@ -152,3 +152,15 @@ def test_quantize_rtn_last_group_may_be_shorter():
         W = ref.dequantize(t.qweight.numpy(), t.qzeros.numpy(), t.scales.numpy(), t.g_idx.numpy(), 4, "gptq_v2")
         step = t.scales.double().numpy()[t.g_idx.numpy()]
         assert np.all(np.abs(W - w.t().double().numpy()) <= step * (1.0 + 1e-3))
+
+
+def test_panel_layout_round_trips_and_refuses_other_shapes():
+    from lowbit.gptq.packing import PANEL_COLS, from_panels, to_panels
+
+    qweight = torch.randint(-2**31, 2**31 - 1, (16, 2 * PANEL_COLS), dtype=torch.int32)
+    assert torch.equal(from_panels(to_panels(qweight)), qweight)
+    for bad in (torch.zeros(16, PANEL_COLS + 8, dtype=torch.int32), torch.zeros(PANEL_COLS, dtype=torch.int32)):
+        with pytest.raises(ValueError, match=rf"to_panels: qweight must be 2-D \[rows, N\] with N a multiple of 64"):
+            to_panels(bad)
+    with pytest.raises(ValueError, match=r"from_panels: panels must be 3-D \[N / 64, rows, 64\], got shape \(16, 128\)"):
+        from_panels(qweight)  # a checkpoint-layout qweight, which came back transposed

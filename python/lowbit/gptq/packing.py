@@ -22,10 +22,16 @@ def to_panels(qweight: torch.Tensor) -> torch.Tensor:
     [N / PANEL_COLS, rows, PANEL_COLS]: each run of PANEL_COLS columns holds
     its rows back to back, so that a kernel reading those columns reads one
     contiguous stream, where the checkpoint's rows are N words apart."""
+    if qweight.dim() != 2 or qweight.shape[1] % PANEL_COLS:
+        raise ValueError(f"to_panels: qweight must be 2-D [rows, N] with N a multiple of {PANEL_COLS}, got shape "
+                         f"{tuple(qweight.shape)}")
     rows, n = qweight.shape
     return qweight.view(rows, n // PANEL_COLS, PANEL_COLS).transpose(0, 1).contiguous()
 
 
 def from_panels(panels: torch.Tensor) -> torch.Tensor:
     """The checkpoint's qweight [rows, N] of a panel-layout one (to_panels)."""
+    if panels.dim() != 3 or panels.shape[2] != PANEL_COLS:  # a 2-D qweight would come back transposed
+        raise ValueError(f"from_panels: panels must be 3-D [N / {PANEL_COLS}, rows, {PANEL_COLS}], got shape "
+                         f"{tuple(panels.shape)}")
     return panels.transpose(0, 1).reshape(panels.shape[1], -1)
