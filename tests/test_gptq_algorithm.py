@@ -15,6 +15,7 @@ correlated. GPTQ's margin over RTN there is ~0.4x the logits MSE; the test
 asks for 0.7x.
 """
 import math
+import re
 
 import numpy as np
 import pytest
@@ -230,6 +231,22 @@ def test_weights_that_are_not_a_matrix_of_inputs_are_refused(shape):
         gptq_weight(torch.zeros(shape), torch.eye(K), 4, -1)
     with pytest.raises(ValueError, match=r"quantize_rtn: weight must be 2-D \[out, in\] with in > 0"):
         lowbit.quantize_rtn(torch.zeros(shape), 4, -1)
+
+
+@pytest.mark.parametrize("bits, shape", [(4, (16, 60)), (4, (12, 64)), (3, (64, 48)), (2, (24, 64))])
+def test_weights_whose_sizes_fill_no_whole_packs_are_refused_before_the_work(bits, shape):
+    """qweight packs the inputs and qzeros the outputs: sizes that fill no
+    whole pack of fields are named at once, not by the packing op after the
+    quantization has run."""
+    with pytest.raises(ValueError, match=rf"quantize_rtn: weight must be .* multiples of \d+ \({bits}-bit fields "
+                                         rf"per pack\), got shape " + re.escape(str(shape))):
+        lowbit.quantize_rtn(torch.randn(shape), bits, -1)
+    with pytest.raises(ValueError, match=r"quantize_linear: weight must be .* multiples of"):
+        quantize_linear(torch.nn.Linear(shape[1], shape[0]), torch.eye(shape[1]), bits, -1)
+    for weight in (torch.ones(64, 64, dtype=torch.long), torch.ones(64, 64, dtype=torch.complex64)):
+        with pytest.raises(ValueError, match=rf"quantize_rtn: weight must be a real floating-point tensor, got "
+                                             rf"{weight.dtype}"):
+            lowbit.quantize_rtn(weight, 4)
 
 
 def test_scales_beyond_their_dtype_are_refused():

@@ -49,7 +49,7 @@ from .config import GPTQConfig, check_format
 from ..moe import experts_dims, plain_experts
 from .experts import EXPERT_LAYER, GPTQExpert, GPTQExperts
 from .linear import GPTQLinear
-from .rtn import check_quant_args, check_scales
+from .rtn import check_packable, check_quant_args, check_scales
 
 BLOCK_SIZE = 128  # columns per lazy batch-update (the paper's B = 128)
 
@@ -245,6 +245,7 @@ def quantize_linear(linear: nn.Linear, hessian: torch.Tensor, bits: int, group_s
     of 0: asymmetric groups that need one raise ValueError."""
     check_format(checkpoint_format, "GPTQ")
     _check_args(bits, group_size, damp_percent, dtype, "dtype")
+    check_packable("quantize_linear", linear.weight, bits)  # before the work
     r = gptq_weight(linear.weight, hessian, bits, group_size, sym, desc_act, damp_percent, dtype)
     zeros = r.zeros
     if checkpoint_format == "gptq":

@@ -10,6 +10,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .._checks import check_finite
+from .packing import fields_per_pack
 
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 
@@ -44,6 +45,19 @@ def check_quant_args(who: str, bits: int, group_size: int, scale_dtype: torch.dt
         raise ValueError(f"{who}: {dtype_name} must be one of {SCALE_DTYPES}, got {scale_dtype!r}")
 
 
+def check_packable(who: str, weight: torch.Tensor, bits: int) -> None:
+    """Refuses a weight [out=N, in=K] that `bits`-bit GPTQ tensors cannot
+    hold, before any work: real floats, K and N filling whole packs of
+    fields (qweight packs K, qzeros N)."""
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+        raise ValueError(f"{who}: weight must be a real floating-point tensor, got "
+                         f"{weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+    fields = fields_per_pack(bits)
+    if weight.dim() != 2 or weight.shape[1] == 0 or weight.shape[0] % fields or weight.shape[1] % fields:
+        raise ValueError(f"{who}: weight must be 2-D [out, in] with in > 0 and both multiples of {fields} "
+                         f"({bits}-bit fields per pack), got shape {tuple(weight.shape)}")
+
+
 def check_scales(scales: torch.Tensor, what: str) -> None:
     """Refuses scales [groups, N] that overflowed their storage dtype: a
     group whose range is beyond it would dequantize to inf."""
@@ -75,8 +89,7 @@ def quantize_rtn(
     check_quant_args("quantize_rtn", bits, group_size, scale_dtype)
     if checkpoint_format not in CHECKPOINT_FORMATS:
         raise ValueError(f"quantize_rtn: checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {checkpoint_format!r}")
-    if weight.dim() != 2 or weight.shape[1] == 0:
-        raise ValueError(f"quantize_rtn: weight must be 2-D [out, in] with in > 0, got shape {tuple(weight.shape)}")
+    check_packable("quantize_rtn", weight, bits)
     check_finite(weight, "quantize_rtn: weight")
     w = weight.detach().to(torch.float32).t()  # [K, N]
     K, N = w.shape
