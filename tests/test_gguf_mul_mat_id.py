@@ -112,6 +112,27 @@ def test_opcheck_and_compile():
         torch.testing.assert_close(f(x, ids), torch.relu(ops.ggml_mul_mat_id(W, x, ids, t, ROWS)).sum(dim=1))
 
 
+@torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+def test_compile_takes_tokens_counted_at_run_time():
+    """Tokens gathered by a mask (an expert group's, a batch's unfinished
+    rows) are a size known only when the graph runs: the fake kernel traces
+    it, and a call whose X and ids disagree there gets the kernel's message."""
+    W = experts_blocks("Q4_0")
+    t = gb.type_id("Q4_0")
+    packed = torch.stack([ops.ggml_repack(w, t, ROWS, N) for w in W])
+    for op, weight in ((ops.ggml_mul_mat_id, W), (ops.ggml_mul_mat_id_repacked, packed)):
+        def gathered(x, ids, x_mask, ids_mask):
+            return op(weight, x[x_mask], ids[ids_mask], t, ROWS)
+
+        torch._dynamo.reset()
+        compiled = torch.compile(gathered, fullgraph=True)
+        x, ids = torch.randn(6, N), routing(6, 2)
+        for mask in (torch.tensor([1, 0, 1, 1, 0, 1]).bool(), torch.zeros(6, dtype=torch.bool)):
+            torch.testing.assert_close(compiled(x, ids, mask, mask), gathered(x, ids, mask, mask), rtol=0, atol=0)
+        with pytest.raises(ValueError, match=r"X must be \[tokens=5, n\] .* got \[4, 256\]"):
+            compiled(x, ids, torch.tensor([1, 0, 1, 1, 0, 1]).bool(), torch.tensor([1, 1, 1, 1, 0, 1]).bool())
+
+
 @pytest.mark.parametrize("per_slot", [False, True])
 def test_gradient_opcheck_and_compiled_backward(per_slot):
     """The backward groups pairs by expert from the ids' values in eager; traced, it has none to group by and

@@ -25,6 +25,7 @@ from functools import lru_cache
 from typing import List, Optional, Tuple, Union
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_true, sym_and, sym_or
 
 from .gptq.packing import PANEL_COLS, fields_per_pack, words_per_pack
 
@@ -86,12 +87,15 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name[:1].upper() + name[1:]
 
 
+# A condition on a size unknown until the call (data-dependent: rows gathered
+# by a mask) counts as met while tracing: the kernel checks it at the call, in
+# its own words, where a deferred assertion would fail naming only symbols.
 def _value(cond, op: str, *msg) -> None:
-    torch._check_value(cond, lambda: f"{op}: " + "".join(str(m) for m in msg))
+    torch._check_value(guard_or_true(cond), lambda: f"{op}: " + "".join(str(m) for m in msg))
 
 
 def _runtime(cond, op: str, *msg) -> None:
-    torch._check(cond, lambda: f"{op}: " + "".join(str(m) for m in msg))
+    torch._check(guard_or_true(cond), lambda: f"{op}: " + "".join(str(m) for m in msg))
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -173,13 +177,17 @@ def _gptq_weight(op, qweight, qzeros, scales, bit, names=("b_q_weight", "b_gptq_
 
 
 def _index_vector(op, name, idx, ref, K) -> None:
-    """check_index_vector, less its value range."""
+    """check_index_vector, less its value range. An empty vector passes in
+    any shape; each check holds for one, so a size unknown while tracing
+    (ggml_mul_mat_id's ids for a data-dependent number of tokens) needs no
+    guess at whether it is empty."""
     _runtime(idx.dtype in _INDEX, op, name, " must be int32 or int64, got ", _dtype_name(idx.dtype))
     _same_device(op, name, idx, ref)
-    if idx.numel() == 0:
-        return
-    _dim(op, name, idx, 1)
-    _value(idx.shape[0] == K, op, name, " must have K=", K, " entries (or be empty), got ", idx.shape[0])
+    empty = idx.numel() == 0
+    _value(sym_or(empty, idx.dim() == 1), op, name, " must be 1-D, got shape ", _shape(idx))
+    if idx.dim() == 1:
+        _value(sym_or(empty, idx.shape[0] == K), op, name, " must have K=", K, " entries (or be empty), got ",
+               idx.shape[0])
 
 
 def _even_groups(op, K, groups, why) -> None:
@@ -248,7 +256,9 @@ def _ggml_matmul_id(op, W, X, ids, type, row) -> None:
     _dim(op, "W", W, 3)
     _dim(op, "ids", ids, 2)
     tokens, slots = ids.shape
-    _value(X.shape[0] == tokens and (X.dim() == 2 or X.shape[1] == slots), op, "X must be [tokens=", tokens,
+    # sym_and, not `and`: X's and ids' token counts may be sizes unknown while
+    # tracing (rows gathered by a mask), which `and` would have to guess.
+    _value(sym_and(X.shape[0] == tokens, X.dim() == 2 or X.shape[1] == slots), op, "X must be [tokens=", tokens,
            ", n] or [tokens=", tokens, ", slots=", slots, ", n] for ids ", _shape(ids), ", got ", _shape(X))
     weight_rows = W.shape[0] * row
     _value(weight_rows < 2**63, op, W.shape[0], " experts of ", row, " rows overflow int64")
