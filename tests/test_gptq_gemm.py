@@ -87,6 +87,29 @@ def test_gemm_empty_g_idx_means_trivial_groups(device, bits, M):
     assert_close_to_reference(out, a, W, "empty g_idx")
 
 
+@torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+def test_compile_takes_a_g_idx_counted_at_run_time():
+    """A g_idx gathered by a mask has a size known only when the graph runs
+    (K entries, or none): the fake kernels trace it, and the kernels check it
+    at the call."""
+    rng = np.random.default_rng(1)
+    ckpt = ref.random_checkpoint(rng, K, N, 4, 32, False, "gptq_v2", False)
+    t = as_torch(ckpt, "cpu")
+    a = torch.randn(3, K)
+
+    def gemm(g_idx, mask):
+        return (torch.ops.lowbit.gptq_gemm(a, t["qweight"], t["qzeros"], t["scales"], g_idx[mask], False, True, 4),
+                torch.ops.lowbit.gptq_dequantize(t["qweight"], t["qzeros"], t["scales"], g_idx[mask], True, 4))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(gemm, fullgraph=True)
+    for mask in (torch.ones(K, dtype=torch.bool), torch.zeros(K, dtype=torch.bool)):
+        for got, want in zip(compiled(t["g_idx"], mask), gemm(t["g_idx"], mask)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"b_g_idx must have K=384 entries \(or be empty\), got 383"):
+        compiled(t["g_idx"], torch.arange(K) > 0)
+
+
 @pytest.mark.parametrize("M", [1, 300])
 def test_gemm_arbitrary_g_idx_unshuffled(device, M):
     """Unshuffled weights take any g_idx, also groups of unequal size."""

@@ -25,7 +25,7 @@ from functools import lru_cache
 from typing import List, Optional, Tuple, Union
 
 import torch
-from torch.fx.experimental.symbolic_shapes import guard_or_true, sym_and, sym_or
+from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true, sym_and, sym_or
 
 from .gptq.packing import PANEL_COLS, fields_per_pack, words_per_pack
 
@@ -317,7 +317,8 @@ def _gemm_args(op, a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_exl
     _same_device(op, "a", a, b_q_weight)
     _value(a.dim() >= 1 and a.shape[-1] == K, op, "a must be [..., K=", K, "] to match b_q_weight, got ", _shape(a))
     _index_vector(op, "b_g_idx", b_g_idx, b_q_weight, K)
-    if use_exllama or b_g_idx.numel() == 0:
+    # A g_idx gathered at run time may be empty or not: the kernel checks the groups then.
+    if use_exllama or guard_or_false(b_g_idx.numel() == 0):
         _even_groups(op, K, groups, "as shuffled (use_exllama) weights need" if use_exllama
                      else "so b_g_idx must be given")
     return K, N, groups
@@ -387,7 +388,7 @@ def _gptq_dequantize(b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, use_v2_f
     op = "gptq_dequantize"
     K, N, groups = _gptq_weight(op, b_q_weight, b_gptq_qzeros, b_gptq_scales, bit)
     _index_vector(op, "b_g_idx", b_g_idx, b_q_weight, K)
-    if b_g_idx.numel() == 0:
+    if guard_or_false(b_g_idx.numel() == 0):
         _even_groups(op, K, groups, "so b_g_idx must be given")
     return b_gptq_scales.new_empty((K, N))
 
