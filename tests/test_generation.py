@@ -183,7 +183,7 @@ def test_compiled_decoding_of_repacked_layers(path, two_threads):
         assert any(getattr(m, "repacked", False) for m in model.modules())
         eager = generate(model, ids)
         lowbit.compiled_decoding(model, max_cache_len=32)
+        steps = spy_on_steps(model)
         torch._dynamo.utils.counters.clear()
         assert torch.equal(generate(model, ids), eager)
-        counters = torch._dynamo.utils.counters
-        assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1, dict(counters)
+        assert len(steps) == NEW_TOKENS - 1 and not torch._dynamo.utils.counters["graph_break"]
