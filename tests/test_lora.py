@@ -323,3 +323,22 @@ def test_a_saved_adapter_loads_as_a_second_adapter(model_path, tmp_path):
         assert torch.equal(model(input_ids=ids).logits, want)
     with pytest.raises(ValueError, match="already has an adapter named 'second'"):
         lowbit.lora.load_adapter(model, tmp_path / "adapter", adapter_name="second")
+
+
+@pytest.mark.parametrize("merge", ["merge_adapter", "merge_and_unload"])
+def test_a_refused_merge_leaves_every_layer_as_it_was(merge):
+    """A model whose float layer comes before its quantized one: the refusal
+    comes before PEFT merges (or unloads) the float layer's adapter."""
+    torch.manual_seed(0)
+    model = peft.get_peft_model(torch.nn.Sequential(torch.nn.Linear(256, 256), quantized_layer("Q8_0"),
+                                                    torch.nn.LayerNorm(96)), lora_config(target_modules=["0", "1"]))
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        before = model(x)
+    with pytest.raises(ValueError, match="merging a LoRA adapter into a quantized"):
+        getattr(model, merge)()
+    first = model.base_model.model[0]
+    assert isinstance(first, peft.tuners.lora.LoraLayer) and not first.merged
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
+    assert len(peft.get_peft_model_state_dict(model)) == 4

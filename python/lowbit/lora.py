@@ -12,8 +12,9 @@ projections fused layers leave (lowbit.fusing.ProjectionSlice) registered
 through PEFT's custom-module mechanism (`register` does it to a config of
 your own). Gradients reach the adapters and every layer below through
 lowbit's autograd (python/lowbit/_autograd.py). Merging an adapter into a
-quantized base is refused: it would need re-quantization, which moves the
-weights away from those the adapter was trained against.
+quantized base is refused, before any layer of the model merges: it would
+need re-quantization, which moves the weights away from those the adapter
+was trained against.
 
 The model's own projections take adapters: a fused layer (lowbit.fusing's
 qkv_proj, gate_up_proj) that a regex matches with its slices gets none (the
@@ -42,6 +43,7 @@ import re
 
 import peft
 import torch
+from peft.tuners.lora import LoraModel
 from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
@@ -128,6 +130,20 @@ class QuantizedLoraLinear(nn.Module, LoraLayer):
 
     def __repr__(self) -> str:
         return "lora." + super().__repr__()
+
+
+def _check_merge_allowed(self, _peft_check=LoraModel._check_merge_allowed) -> None:
+    """PEFT's check before any layer merges, refusing a model with a
+    QuantizedLoraLinear as its merge would: PEFT merges (and, in
+    merge_and_unload, unloads) layer after layer, so a refusal at the first
+    quantized one would leave the float layers before it merged."""
+    _peft_check(self)
+    for module in self.model.modules():
+        if isinstance(module, QuantizedLoraLinear):
+            module.merge()
+
+
+LoraModel._check_merge_allowed = _check_merge_allowed
 
 
 def register(config: peft.LoraConfig) -> peft.LoraConfig:
