@@ -220,6 +220,8 @@ def test_a_fused_layer_targeted_without_its_slices_is_refused(tmp_path, targets)
     (dict(target_modules="all-linear"), r"target_modules='all-linear' picks torch.nn.Linear modules"),
     (dict(target_modules=TARGETS, init_lora_weights="pissa"), r"init_lora_weights='pissa' reads the base layer's"),
     (dict(target_modules=TARGETS, init_lora_weights="orthogonal"), r"init_lora_weights='orthogonal' reads the base"),
+    (dict(target_modules=TARGETS, init_lora_weights="mica"), r"init_lora_weights='mica' reads the base"),
+    (dict(target_modules=TARGETS, use_qalora=True), r"QA-LoRA \(use_qalora\) pools the adapter's inputs"),
     (dict(target_modules=TARGETS, bias="lora_only"), r"bias='lora_only' trains biases, and a quantized layer's"),
     (dict(target_modules=TARGETS, bias="all"), r"bias='all' trains biases"),
     (dict(target_modules=TARGETS, trainable_token_indices={"embed_tokens": [1, 2]}),

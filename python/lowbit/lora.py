@@ -54,7 +54,7 @@ from .gptq.linear import GPTQLinear
 __all__ = ["LoraConfig", "QuantizedLoraLinear", "load_adapter", "register"]
 
 # init_lora_weights values that read the base layer's float weight.
-BASE_WEIGHT_INITS = ("pissa", "olora", "corda", "loftq", "orthogonal", "lora_ga")
+BASE_WEIGHT_INITS = ("pissa", "olora", "corda", "loftq", "orthogonal", "lora_ga", "mica")
 
 
 class QuantizedLoraLinear(nn.Module, LoraLayer):
@@ -69,6 +69,9 @@ class QuantizedLoraLinear(nn.Module, LoraLayer):
         if config.use_dora:
             raise ValueError(f"{type(self).__name__}: DoRA needs the base weight's norm per column, which lowbit's "
                              "quantized layers do not keep; use plain LoRA")
+        if config.use_qalora:  # PEFT applies it in its own GPTQ layer only: anywhere else it is plain LoRA
+            raise ValueError(f"{type(self).__name__}: QA-LoRA (use_qalora) pools the adapter's inputs by the "
+                             "quantization groups, which lowbit's layers do not; use plain LoRA")
         if config.bias != "none" and not config.inference_mode:  # loading such an adapter writes its biases
             raise ValueError(f"{type(self).__name__}: bias={config.bias!r} trains biases, and a quantized layer's "
                              "bias is a frozen buffer of its checkpoint: use bias='none' (lora_bias=True gives the "
