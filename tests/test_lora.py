@@ -344,3 +344,34 @@ def test_a_refused_merge_leaves_every_layer_as_it_was(merge):
     with torch.no_grad():
         assert torch.equal(model(x), before)
     assert len(peft.get_peft_model_state_dict(model)) == 4
+
+
+def test_a_refused_adapter_file_leaves_the_model_as_it_came(model_path, tmp_path):
+    """PEFT puts an adapter's layers into the model before load_adapter checks
+    the file: a refused one leaves a fresh model without them (its outputs,
+    not the NaN ones of the refused adapter) and a PEFT model without the
+    refused adapter (save_pretrained would write it beside the model's own)."""
+    from safetensors.torch import load_file, save_file
+
+    kind, path = model_path
+    torch.manual_seed(0)
+    peft.get_peft_model(load(kind, path), lora_config(target_modules=TARGETS)).save_pretrained(tmp_path / "adapter")
+    weights = tmp_path / "adapter" / "adapter_model.safetensors"
+    good = load_file(weights)
+    save_file({k: torch.full_like(v, float("nan")) for k, v in good.items()}, weights)
+    ids = torch.tensor([[1, 7, 22, 5]])
+    model = load(kind, path)
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    with pytest.raises(ValueError, match="holds a NaN or infinity"):
+        lowbit.lora.load_adapter(model, tmp_path / "adapter")
+    assert not any(isinstance(m, peft.tuners.lora.LoraLayer) for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, want)
+    own = peft.get_peft_model(model, lora_config(target_modules=["q_proj"]), adapter_name="own")
+    with pytest.raises(ValueError, match="holds a NaN or infinity"):
+        lowbit.lora.load_adapter(own, tmp_path / "adapter", adapter_name="second")
+    assert list(own.peft_config) == ["own"]
+    assert all(set(m.lora_A) <= {"own"} for m in own.modules() if isinstance(m, lowbit.lora.QuantizedLoraLinear))
+    save_file(good, weights)
+    assert lowbit.lora.load_adapter(own, tmp_path / "adapter", adapter_name="second") is own

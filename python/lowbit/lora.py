@@ -173,20 +173,31 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, adapter_name: str = 
     """A saved PEFT adapter onto `model`, a lowbit model of the same weights
     (peft.PeftModel.from_pretrained) or a PEFT model of one, as one more
     adapter (its load_adapter), with the adapter's config registered: PEFT's
-    own loaders build the config from the file, without lowbit's layers."""
+    own loaders build the config from the file, without lowbit's layers. A
+    refused file leaves the model as it came."""
     config = register(peft.LoraConfig.from_pretrained(os.fspath(path)))
     config.inference_mode = not is_trainable
-    if not isinstance(model, peft.PeftModel):
+    fresh = not isinstance(model, peft.PeftModel)
+    if fresh:
         model = peft.PeftModel.from_pretrained(model, os.fspath(path), adapter_name=adapter_name,
                                                is_trainable=is_trainable, config=config)
-    else:
-        if adapter_name in model.peft_config:
-            raise ValueError(f"lowbit.lora.load_adapter: the model already has an adapter named {adapter_name!r}")
-        model.add_adapter(adapter_name, config)
-        if is_trainable:
-            model.set_requires_grad(adapter_name)
-        model.load_adapter(os.fspath(path), adapter_name, is_trainable=is_trainable)
-    _check_loaded(model, os.fspath(path), adapter_name)
+    elif adapter_name in model.peft_config:
+        raise ValueError(f"lowbit.lora.load_adapter: the model already has an adapter named {adapter_name!r}")
+    # A refused file leaves the model as it came: PEFT puts the adapter's layers into it in place (a
+    # fresh model's own modules), where they would stay active, or be saved with the model's adapters.
+    try:
+        if not fresh:
+            model.add_adapter(adapter_name, config)
+            if is_trainable:
+                model.set_requires_grad(adapter_name)
+            model.load_adapter(os.fspath(path), adapter_name, is_trainable=is_trainable)
+        _check_loaded(model, os.fspath(path), adapter_name)
+    except Exception:
+        if fresh:
+            model.unload()
+        elif adapter_name in model.peft_config:
+            model.delete_adapter(adapter_name)
+        raise
     return model
 
 
