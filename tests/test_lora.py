@@ -361,11 +361,13 @@ def test_a_refused_adapter_file_leaves_the_model_as_it_came(model_path, tmp_path
     save_file({k: torch.full_like(v, float("nan")) for k, v in good.items()}, weights)
     ids = torch.tensor([[1, 7, 22, 5]])
     model = load(kind, path)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     with torch.no_grad():
         want = model(input_ids=ids).logits
     with pytest.raises(ValueError, match="holds a NaN or infinity"):
         lowbit.lora.load_adapter(model, tmp_path / "adapter")
     assert not any(isinstance(m, peft.tuners.lora.LoraLayer) for m in model.modules())
+    assert trainable and [n for n, p in model.named_parameters() if p.requires_grad] == trainable
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, want)
     own = peft.get_peft_model(model, lora_config(target_modules=["q_proj"]), adapter_name="own")

@@ -179,6 +179,7 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, adapter_name: str = 
     config.inference_mode = not is_trainable
     fresh = not isinstance(model, peft.PeftModel)
     if fresh:
+        requires_grad = [(p, p.requires_grad) for p in model.parameters()]  # PEFT freezes the base's
         model = peft.PeftModel.from_pretrained(model, os.fspath(path), adapter_name=adapter_name,
                                                is_trainable=is_trainable, config=config)
     elif adapter_name in model.peft_config:
@@ -195,6 +196,8 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, adapter_name: str = 
     except Exception:
         if fresh:
             model.unload()
+            for p, flag in requires_grad:
+                p.requires_grad_(flag)
         elif adapter_name in model.peft_config:
             model.delete_adapter(adapter_name)
         raise
