@@ -253,6 +253,9 @@ def test_an_adapter_with_biases_loads_but_does_not_train_on_lowbit(tmp_path):
         torch.testing.assert_close(model(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=0.05, rtol=0.05)
     with pytest.raises(ValueError, match="bias='all' trains biases"):
         lowbit.lora.load_adapter(lowbit.load_gguf_model(path, fuse=False), tmp_path / "adapter", is_trainable=True)
+    # The fused model holds q, k and v's biases as qkv_proj's.
+    with pytest.raises(ValueError, match="its biases are the projections' own: load the model with fuse=False"):
+        lowbit.lora.load_adapter(lowbit.load_gguf_model(path), tmp_path / "adapter")
 
 
 def test_load_adapter_refuses_a_file_that_does_not_fit(model_path, tmp_path):

@@ -23,7 +23,9 @@ adapters move between the two); one named in target_modules, or matched by
 a regex without its slices, is refused. A quantized layer holds blocks, not
 parameters: in `modules_to_save` it trains nothing; its bias is a frozen
 buffer, so bias other than 'none' is refused for training (lora_bias trains
-the adapter's); an adapter saved with biases loads for inference.
+the adapter's); an adapter saved with biases loads for inference, onto a
+model loaded with fuse=False (a fused layer holds its projections' biases
+as one).
 
 PEFT knows a model as quantized by transformers' quantizer attributes, which
 lowbit's models do not carry (they would stop model.to(dtype)):
@@ -212,9 +214,13 @@ def _check_loaded(model: peft.PeftModel, path: str, adapter_name: str) -> None:
     taken = peft.utils.get_peft_model_state_dict(model, adapter_name=adapter_name)
     unplaced, missing = sorted(set(stored) - set(taken)), sorted(set(taken) - set(stored))
     if unplaced or missing:
+        # bias='all' and 'lora_only' adapters hold the projections' own biases, which a fused layer holds as one.
+        fused = any(getattr(m, "fused_from", None) for m in model.modules())
+        advice = ("; its biases are the projections' own: load the model with fuse=False"
+                  if fused and any(k.endswith(".bias") and ".lora_" not in k for k in unplaced) else "")
         raise ValueError(f"lowbit.lora.load_adapter: {path}: the adapter's tensors do not match its layers in the "
                          f"model (in the file only: {unplaced[:3]}{' ...' if len(unplaced) > 3 else ''}; in the "
-                         f"model only: {missing[:3]}{' ...' if len(missing) > 3 else ''})")
+                         f"model only: {missing[:3]}{' ...' if len(missing) > 3 else ''}){advice}")
     bad = [name for name, t in stored.items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:
         raise ValueError(f"lowbit.lora.load_adapter: {path}: tensor {bad[0]!r} holds a NaN or infinity")
