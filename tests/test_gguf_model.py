@@ -309,6 +309,29 @@ def test_generate_command_prints_the_continuation(capsys):
     assert f"prompt {len(chat)} tokens" in err and out.strip()  # the question went in through the chat template
 
 
+def test_generate_command_streams_characters_split_over_tokens(capsys):
+    """SmolLM2's byte-level tokens split an emoji or a CJK character over
+    several tokens, each decoding alone as U+FFFD: the streamed text holds
+    them until the character is whole, and prints what decode gives."""
+    from lowbit.__main__ import _TimedStreamer
+
+    tokenizer = lowbit.load_gguf_tokenizer(PATH)
+    text = "ok \U0001F600 \u65e5\u672c\u8a9e \u00e9"
+    ids = tokenizer(text).input_ids
+    assert "\ufffd" in tokenizer.decode(ids[:2])  # the emoji's first token alone
+    streamer = _TimedStreamer(tokenizer)
+    streamer.put(torch.tensor([[0]]))  # the prompt
+    for i in ids:
+        streamer.put(torch.tensor([i]))
+    streamer.end()
+    assert capsys.readouterr().out == text + "\n"
+    streamer = _TimedStreamer(tokenizer)  # ending inside a character prints what decode gives
+    for i in [0, *ids[:2]]:
+        streamer.put(torch.tensor([i]))
+    streamer.end()
+    assert capsys.readouterr().out == tokenizer.decode(ids[:2]) + "\n"
+
+
 @pytest.mark.parametrize("template, says", [
     ("{{ raise_exception('no system role') }}", "its chat template does not render: TemplateError: no system role"),
     ("{% for m in messages %}{{ m.content", "its chat template does not render: TemplateSyntaxError"),

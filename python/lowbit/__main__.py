@@ -147,12 +147,20 @@ class _TimedStreamer:
         if len(self.arrivals) == 1:
             return
         self.tokens.extend(ids.reshape(-1).tolist())
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        print(text[len(self.printed):], end="", flush=True)
-        self.printed = text
+        self._print(final=False)
 
     def end(self) -> None:
+        self._print(final=True)
         print(flush=True)
+
+    def _print(self, final: bool) -> None:
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        # A character whose bytes span tokens (an emoji, CJK in byte-level BPE)
+        # decodes as U+FFFD until its last byte comes: printed then, or at the end.
+        if not final and text.endswith("\ufffd"):
+            return
+        print(text[len(self.printed):], end="", flush=True)
+        self.printed = text
 
 
 def load_model_and_tokenizer(path: str, repack: bool | None = None, int8_activations: bool = False,
