@@ -337,6 +337,13 @@ def test_generate_command_streams_characters_split_over_tokens(capsys):
     ("{% for m in messages %}{{ m.content", "its chat template does not render: TemplateSyntaxError"),
     ("{{ 'x' * 5000 }}", "its chat template renders 5000 characters, more than 4096"),
     (None, "--chat needs a chat template, and this tokenizer has none"),
+    # The template's own message: one line, its control characters escaped, cut.
+    ("{{ raise_exception('a\\nerror: forged\\x1b[31m') }}",
+     "its chat template does not render: TemplateError: a\\nerror: forged\\x1b[31m"),
+    ("{{ raise_exception('x' * 1000) }}",
+     "its chat template does not render: TemplateError: " + "x" * 285 + "... (1015 chars)"),
+    ("", "its chat template renders no text"),
+    ("{{ '\\ud800' }}", "its chat template renders text that is not UTF-8: '\\ud800' at character 0"),
 ])
 def test_chat_prompt_refuses_templates_that_do_not_render(template, says):
     """The chat template comes from the file: what it raises, or text too long

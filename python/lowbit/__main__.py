@@ -33,6 +33,7 @@ GPTQ_FORMATS = {"v1": "gptq", "v2": "gptq_v2"}  # --to choices -> checkpoint_for
 
 MAX_LIST_ITEMS = 8  # longer arrays (token lists, merges) print as "[N items]"
 MAX_VALUE_CHARS = 100  # long strings (chat templates) are cut to keep one line per key
+MAX_REASON_CHARS = 300  # a chat template's error message is cut to this
 # Files a checkpoint directory's tokenizer is read from (AutoTokenizer needs one of them).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 MIN_TEMPERATURE = 1e-6  # logits of a few thousand over it stay far inside float32's range
@@ -231,9 +232,20 @@ def chat_prompt(path: str, tokenizer, prompt: str, max_chars: int,
     try:
         text = run_bounded(render, seconds, TEMPLATE_BYTES)
     except BoundedError as e:
-        raise ValueError(f"{path}: its chat template does not render: {e}") from None
+        # The message is the template's to write (raise_exception's text): one line, escaped and cut.
+        reason = printable(str(e))
+        if len(reason) > MAX_REASON_CHARS:
+            reason = f"{reason[:MAX_REASON_CHARS]}... ({len(reason)} chars)"
+        raise ValueError(f"{path}: its chat template does not render: {reason}") from None
     if not isinstance(text, str):
         raise ValueError(f"{path}: its chat template renders {text} characters, more than {max_chars}")
+    if not text:
+        raise ValueError(f"{path}: its chat template renders no text")
+    try:  # a template can write lone surrogates ('\ud800'), which no tokenizer takes
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{path}: its chat template renders text that is not UTF-8: {text[e.start]!r} at "
+                         f"character {e.start}") from None
     # The template writes its own special tokens (BOS): the tokenizer adds none.
     return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
 
