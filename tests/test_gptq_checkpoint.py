@@ -619,6 +619,9 @@ def test_generate_command_runs_a_gptq_directory(tmp_path, capsys):
     text = tokenizer.decode(expect[0, 3:], skip_special_tokens=True).strip()
     assert out.strip() == text
     assert "LlamaForCausalLM" in err and "prompt 3 tokens" in err
+    # The checkpoint's single file: its directory's tokenizer.
+    assert main(["generate", str(tmp_path / "ckpt" / "model.safetensors"), "w1 w2 w3", "--tokens", "5"]) == 0
+    assert capsys.readouterr().out.strip() == text
     # --int8-activations: the same tokens as the loader's int8 model gives them.
     assert main(["generate", str(tmp_path / "ckpt"), "w1 w2 w3", "--tokens", "5", "--int8-activations"]) == 0
     int8_model = lowbit.load_gptq_model(tmp_path / "ckpt", int8_activations=True)

@@ -189,10 +189,12 @@ def load_model_and_tokenizer(path: str, repack: bool | None = None, int8_activat
     with _quiet_default_repack(repack):
         model = load_gptq_model(path, int8_activations=int8_activations, float_tables=float_tables,
                                 repack=repack is not False)
-    if not any(os.path.exists(os.path.join(path, name)) for name in TOKENIZER_FILES):
+    # A single .safetensors file's checkpoint is its directory, which holds the tokenizer as well.
+    directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    if not any(os.path.exists(os.path.join(directory, name)) for name in TOKENIZER_FILES):
         raise ValueError(f"{path}: no tokenizer beside the checkpoint (none of {', '.join(TOKENIZER_FILES)})")
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     except (OSError, ValueError) as e:
         reason = " ".join(str(e).split())  # one line: transformers' messages run over several
         raise ValueError(f"{path}: the tokenizer beside the checkpoint does not load: {reason}") from e
@@ -355,7 +357,8 @@ def main(argv=None) -> int:
                                                     "--temperature) by a GGUF file's model ("
                                                     + ", ".join(ARCHITECTURES) + ") or a GPTQ "
                                                     "checkpoint's model, with its speed")
-    generate.add_argument("path", help="a .gguf file, or a GPTQ checkpoint directory with its tokenizer")
+    generate.add_argument("path", help="a .gguf file, or a GPTQ checkpoint directory (or its .safetensors file) "
+                                       "with its tokenizer")
     generate.add_argument("prompt")
     generate.add_argument("--tokens", type=int_in(1, 2**31 - 1), default=32, help="new tokens at most (default 32)")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the file's chat template")
