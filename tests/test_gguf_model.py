@@ -309,6 +309,29 @@ def test_generate_command_prints_the_continuation(capsys):
     assert f"prompt {len(chat)} tokens" in err and out.strip()  # the question went in through the chat template
 
 
+def test_generate_command_refuses_a_static_cache_past_memory(monkeypatch, capsys):
+    """--compile's static cache is allocated whole at the first step: one
+    larger than the machine's memory (a long --tokens in a long context) is
+    refused before the model compiles, not a traceback from the allocator.
+    The estimate is the bytes transformers' static cache takes."""
+    import transformers
+
+    import lowbit.__main__ as cli
+
+    model = lowbit.load_gguf_model(PATH)
+    ids = lowbit.load_gguf_tokenizer(PATH)(PROMPT, return_tensors="pt").input_ids
+    cache = transformers.StaticCache(config=model.config, max_cache_len=ids.shape[1] + 4)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    need = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert cli.static_cache_bytes(model, ids.shape[1] + 4) == need
+    monkeypatch.setattr(cli, "physical_memory", lambda: need - 1)
+    assert cli.main(["generate", PATH, PROMPT, "--tokens", "4", "--compile"]) == 1
+    assert f"--compile: a static cache of {ids.shape[1] + 4} positions takes " in capsys.readouterr().err
+    monkeypatch.setattr(cli, "physical_memory", lambda: need)
+    assert cli.main(["generate", PATH, PROMPT, "--tokens", "4"]) == 0  # eager: no static cache
+
+
 def test_generate_command_streams_characters_split_over_tokens(capsys):
     """SmolLM2's byte-level tokens split an emoji or a CJK character over
     several tokens, each decoding alone as U+FFFD: the streamed text holds

@@ -252,6 +252,24 @@ def chat_prompt(path: str, tokenizer, prompt: str, max_chars: int,
     return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
 
 
+def static_cache_bytes(model, positions: int) -> int:
+    """The bytes of transformers' static cache of `positions` for one sequence:
+    keys and values of every layer, in the model's dtype."""
+    config = model.config.get_text_config(decoder=True)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * positions * model.dtype.itemsize
+
+
+def physical_memory() -> int | None:
+    """The machine's memory in bytes (None where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
 def sampling(args) -> dict:
     """generate's keyword arguments for the sampling options: greedy at
     temperature 0, where top-k and top-p have nothing to cut."""
@@ -297,6 +315,12 @@ def cmd_generate(args) -> None:
     if ids.shape[1] + args.tokens > context:
         raise ValueError(f"--tokens {args.tokens} after a prompt of {ids.shape[1]} tokens exceeds the "
                          f"model's context of {context} positions")
+    if args.compile:  # the static cache is allocated whole at the first step: one past memory fails there
+        need, have = static_cache_bytes(model, ids.shape[1] + args.tokens), physical_memory()
+        if have is not None and need > have:
+            raise ValueError(f"--compile: a static cache of {ids.shape[1] + args.tokens} positions takes "
+                             f"{need / 2**30:.1f} GiB, more than this machine's {have / 2**30:.1f} GiB of memory: "
+                             "ask fewer --tokens")
     print(f"{args.path}: {type(model).__name__}, loaded in {loaded:.1f} s; prompt {ids.shape[1]} tokens", file=sys.stderr)
     streamer = _TimedStreamer(tokenizer)
     with torch.inference_mode():
