@@ -382,6 +382,21 @@ def test_chat_prompt_refuses_templates_that_do_not_render(template, says):
         chat_prompt(PATH, tokenizer, "hi", 4096)
 
 
+def test_chat_prompt_bounds_the_text_a_template_adds():
+    """A file's context of 2^40 positions bounds no rendering: a template
+    adding more than TEMPLATE_CHARS to the prompt is refused untokenized
+    (tokenizing 100 MB takes minutes and gigabytes)."""
+    from lowbit.__main__ import TEMPLATE_CHARS, chat_prompt
+
+    tokenizer = lowbit.load_gguf_tokenizer(PATH)
+    tokenizer.chat_template = "{{ 'x ' * 600000 }}{{ messages[0]['content'] }}"
+    with pytest.raises(ValueError, match=re.escape(f"{PATH}: its chat template renders 1200002 characters, more "
+                                                   f"than {TEMPLATE_CHARS + 2}")):
+        chat_prompt(PATH, tokenizer, "hi", 2**40)
+    tokenizer.chat_template = "{{ 'x ' * 1000 }}{{ messages[0]['content'] }}"
+    assert chat_prompt(PATH, tokenizer, "hi" * 10**6, 2**40).shape[1] > 1000  # a long prompt is the user's
+
+
 def test_an_interrupted_render_leaves_no_child():
     """Ctrl-C (any exception) while the child renders: the child is killed
     and reaped, and the interrupt is what the caller sees."""

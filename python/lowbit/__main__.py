@@ -40,6 +40,7 @@ MIN_TEMPERATURE = 1e-6  # logits of a few thousand over it stay far inside float
 MAX_CHARS_PER_TOKEN = 64  # a chat prompt longer than this per context position is refused untokenized
 TEMPLATE_SECONDS = 10  # a chat template renders in milliseconds: one looping for longer is refused
 TEMPLATE_BYTES = 1 << 30  # the memory a chat template's rendering may take
+TEMPLATE_CHARS = 1 << 20  # the text a chat template may add to the prompt
 
 
 def format_value(value) -> str:
@@ -219,8 +220,11 @@ def chat_prompt(path: str, tokenizer, prompt: str, max_chars: int,
     """The prompt in the checkpoint's chat template, as token ids. The
     template comes from the file: it renders in a child process under
     `seconds` and TEMPLATE_BYTES (lowbit._bounded), its errors name the
-    file, and a rendering longer than `max_chars` is refused before it is
-    tokenized."""
+    file, and a rendering longer than `max_chars`, or adding more than
+    TEMPLATE_CHARS to the prompt, is refused before it is tokenized."""
+    # A context of billions of positions (the file's word) bounds nothing: tokenizing a
+    # template's 100 MB takes minutes and gigabytes, where a chat format adds a few lines.
+    max_chars = min(max_chars, len(prompt) + TEMPLATE_CHARS)
     template = tokenizer.chat_template
     if not isinstance(template, str):
         raise ValueError(f"{path}: --chat needs a chat template, and this tokenizer has "
