@@ -653,6 +653,34 @@ def test_generate_command_runs_a_gptq_directory(tmp_path, capsys):
     assert "the tokenizer has 600 tokens, the model's vocabulary 512" in capsys.readouterr().err
 
 
+def test_generate_command_refuses_tokenizer_files_of_odd_json(tmp_path, capsys):
+    """The tokenizer's files are the checkpoint's: JSON of the wrong shape,
+    which transformers indexes unchecked (KeyError, TypeError, AttributeError),
+    or a config value that fails only when the prompt is tokenized, is one
+    line naming the checkpoint, not a traceback."""
+    from lowbit.__main__ import main
+
+    config = GPTQConfig(bits=4, group_size=32, sym=False, checkpoint_format="gptq_v2")
+    model = tiny_llama()
+    quantize(model, config)
+    lowbit.save_gptq(model, tmp_path / "ckpt", config)
+    word_tokenizer(512).save_pretrained(tmp_path / "ckpt")
+    tokenizer_config = json.loads((tmp_path / "ckpt" / "tokenizer_config.json").read_text())
+    for name, content, says in [
+        ("tokenizer.json", "{}", "the tokenizer beside the checkpoint does not load: KeyError: 'added_tokens'"),
+        ("tokenizer_config.json", "[1, 2]", "the tokenizer beside the checkpoint does not load: AttributeError: "),
+        ("tokenizer_config.json", json.dumps({**tokenizer_config, "eos_token": 5}),
+         "the tokenizer beside the checkpoint does not load: TypeError: "),
+        ("tokenizer_config.json", json.dumps({**tokenizer_config, "model_max_length": "x"}),
+         "its tokenizer does not tokenize the prompt: TypeError: "),
+    ]:
+        word_tokenizer(512).save_pretrained(tmp_path / "ckpt")
+        (tmp_path / "ckpt" / name).write_text(content)
+        assert main(["generate", str(tmp_path / "ckpt"), "w1 w2 w3", "--tokens", "2"]) == 1
+        err = capsys.readouterr().err
+        assert f"error: {tmp_path / 'ckpt'}: {says}" in err and len(err.splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("int8_activations", [False, True])
 def test_load_gptq_model_repack_holds_the_layers_in_panels(tmp_path, int8_activations):
     config = GPTQConfig(bits=4, group_size=32, sym=False, checkpoint_format="gptq_v2")

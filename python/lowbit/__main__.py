@@ -196,9 +196,10 @@ def load_model_and_tokenizer(path: str, repack: bool | None = None, int8_activat
         raise ValueError(f"{path}: no tokenizer beside the checkpoint (none of {', '.join(TOKENIZER_FILES)})")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # transformers indexes the files' JSON with no checks of its own (KeyError, TypeError)
         reason = " ".join(str(e).split())  # one line: transformers' messages run over several
-        raise ValueError(f"{path}: the tokenizer beside the checkpoint does not load: {reason}") from e
+        raise ValueError(f"{path}: the tokenizer beside the checkpoint does not load: {type(e).__name__}: "
+                         f"{reason}") from e
     vocab = model.config.vocab_size  # the embedding's rows; a tokenizer may have fewer (padding), never more
     if len(tokenizer) > vocab:
         raise ValueError(f"{path}: the tokenizer has {len(tokenizer)} tokens, the model's vocabulary {vocab}")
@@ -253,7 +254,18 @@ def chat_prompt(path: str, tokenizer, prompt: str, max_chars: int,
         raise ValueError(f"{path}: its chat template renders text that is not UTF-8: {text[e.start]!r} at "
                          f"character {e.start}") from None
     # The template writes its own special tokens (BOS): the tokenizer adds none.
-    return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    return tokenize(path, tokenizer, text, add_special_tokens=False)
+
+
+def tokenize(path: str, tokenizer, text: str, **kwargs) -> torch.Tensor:
+    """The text's token ids. A checkpoint's tokenizer config reaches
+    tokenizing unchecked (a model_max_length of "x" fails a comparison
+    there): what it raises is an error naming the file."""
+    try:
+        return tokenizer(text, return_tensors="pt", **kwargs).input_ids
+    except Exception as e:
+        reason = " ".join(str(e).split())
+        raise ValueError(f"{path}: its tokenizer does not tokenize the prompt: {type(e).__name__}: {reason}") from e
 
 
 def static_cache_bytes(model, positions: int) -> int:
@@ -311,7 +323,7 @@ def cmd_generate(args) -> None:
     if args.chat:  # a template's text beyond MAX_CHARS_PER_TOKEN per position of the context cannot fit it
         ids = chat_prompt(args.path, tokenizer, args.prompt, MAX_CHARS_PER_TOKEN * context)
     else:
-        ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+        ids = tokenize(args.path, tokenizer, args.prompt)
     if ids.shape[1] == 0:  # a tokenizer that adds no BOS gives an empty prompt nothing to continue
         raise ValueError(f"{args.path}: the prompt {args.prompt!r} tokenizes to no tokens (this tokenizer adds "
                          "no BOS token): give some text")
