@@ -653,6 +653,30 @@ def test_generate_command_runs_a_gptq_directory(tmp_path, capsys):
     assert "the tokenizer has 600 tokens, the model's vocabulary 512" in capsys.readouterr().err
 
 
+def test_generate_command_runs_a_model_without_a_fixed_context(tmp_path, capsys):
+    """Bloom's ALiBi positions have no fixed count (its config has no
+    max_position_embeddings): no context bounds the prompt and --tokens."""
+    from lowbit.__main__ import main
+
+    config = GPTQConfig(bits=4, group_size=32, sym=False, checkpoint_format="gptq_v2")
+    torch.manual_seed(0)
+    model = transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=512, hidden_size=128, n_layer=2,
+                                                                   n_head=4)).eval()
+    assert not hasattr(model.config, "max_position_embeddings")
+    quantize(model, config)
+    lowbit.save_gptq(model, tmp_path / "ckpt", config)
+    tokenizer = word_tokenizer(512)
+    tokenizer.save_pretrained(tmp_path / "ckpt")
+    assert main(["generate", str(tmp_path / "ckpt"), "w1 w2 w3", "--tokens", "5"]) == 0
+    out, err = capsys.readouterr()
+    ids = tokenizer("w1 w2 w3", return_tensors="pt").input_ids
+    with torch.no_grad():
+        expect = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+                                pad_token_id=tokenizer.eos_token_id)
+    assert out.strip() == tokenizer.decode(expect[0, 3:], skip_special_tokens=True).strip()
+    assert "BloomForCausalLM" in err
+
+
 def test_generate_command_refuses_tokenizer_files_of_odd_json(tmp_path, capsys):
     """The tokenizer's files are the checkpoint's: JSON of the wrong shape,
     which transformers indexes unchecked (KeyError, TypeError, AttributeError),

@@ -319,16 +319,17 @@ def cmd_generate(args) -> None:
                                                 args.check_tensors)
     compiled_decoding(model, args.compile)
     loaded = time.perf_counter() - start
-    context = model.config.max_position_embeddings
+    # None where the model's positions have no fixed count (ALiBi: Bloom, MPT).
+    context = getattr(model.config, "max_position_embeddings", None)
     if args.chat:  # a template's text beyond MAX_CHARS_PER_TOKEN per position of the context cannot fit it
-        ids = chat_prompt(args.path, tokenizer, args.prompt, MAX_CHARS_PER_TOKEN * context)
+        ids = chat_prompt(args.path, tokenizer, args.prompt, MAX_CHARS_PER_TOKEN * context if context else sys.maxsize)
     else:
         ids = tokenize(args.path, tokenizer, args.prompt)
     if ids.shape[1] == 0:  # a tokenizer that adds no BOS gives an empty prompt nothing to continue
         raise ValueError(f"{args.path}: the prompt {args.prompt!r} tokenizes to no tokens (this tokenizer adds "
                          "no BOS token): give some text")
     # Positions past the context are ones the model was not trained for (and --compile sizes its cache by them).
-    if ids.shape[1] + args.tokens > context:
+    if context is not None and ids.shape[1] + args.tokens > context:
         raise ValueError(f"--tokens {args.tokens} after a prompt of {ids.shape[1]} tokens exceeds the "
                          f"model's context of {context} positions")
     if args.compile:  # the static cache is allocated whole at the first step: one past memory fails there
