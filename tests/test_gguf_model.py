@@ -309,6 +309,24 @@ def test_generate_command_prints_the_continuation(capsys):
     assert f"prompt {len(chat)} tokens" in err and out.strip()  # the question went in through the chat template
 
 
+def test_generate_command_ends_quietly_when_its_reader_goes():
+    """`generate ... | head -c 1`: the reader closing the pipe mid-stream ends
+    the command with status 1 and nothing on stderr but the load line (no
+    "error: [Errno 32] Broken pipe", no exception ignored at exit)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(root, "python"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-m", "lowbit", "generate", PATH, PROMPT, "--tokens", "24"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.read(1) == " "  # " Berlin", as it is streamed
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1
+    assert err.splitlines() == [line for line in err.splitlines() if "LlamaForCausalLM, loaded in" in line], err
+
+
 def test_generate_command_refuses_a_static_cache_past_memory(monkeypatch, capsys):
     """--compile's static cache is allocated whole at the first step: one
     larger than the machine's memory (a long --tokens in a long context) is

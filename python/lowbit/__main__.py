@@ -439,6 +439,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         args.run(args)
+    except BrokenPipeError:  # the reader of the output went (| head): it took what it wanted, no error to tell
+        try:  # Python flushes stdout at exit: into devnull, that flush has no pipe to fail on
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # a stdout with no descriptor (captured)
+            pass
+        return 1
     except (ValueError, OSError) as e:  # GGUFError, GPTQConfigError, GPTQCheckpointError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 1
