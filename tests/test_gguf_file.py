@@ -201,6 +201,27 @@ def test_inspect_escapes_control_characters_of_the_file(tmp_path):
     assert any(line.startswith("blk.0\\x1b]0;title\\x07\\nFAKE ") for line in lines)
 
 
+def test_inspect_cuts_long_names_of_the_file(tmp_path):
+    """The tensor table pads every row to its longest name: a name of a
+    megabyte among 200 tensors is cut, not 200 MB of padding."""
+    path = str(tmp_path / "long.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_key_value("k" * 10000, "v", gguf.GGUFValueType.STRING)
+    writer.add_tensor("a" * 1000000, np.zeros(32, np.float32))
+    for i in range(200):
+        writer.add_tensor(f"t{i}", np.zeros(32, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    result = run_cli("inspect", path)
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout) < 100_000
+    lines = result.stdout.splitlines()
+    assert "k" * 100 + "... (10000 chars) = 'v'" in lines
+    assert any(line.startswith("a" * 100 + "... (1000000 chars)  F32") for line in lines)
+
+
 def test_inspect_error_exit(toy, tmp_path):
     bad = patched(toy.path, str(tmp_path / "bad.gguf"), 0, "4s", b"GGUX")
     result = run_cli("inspect", bad)

@@ -33,6 +33,7 @@ GPTQ_FORMATS = {"v1": "gptq", "v2": "gptq_v2"}  # --to choices -> checkpoint_for
 
 MAX_LIST_ITEMS = 8  # longer arrays (token lists, merges) print as "[N items]"
 MAX_VALUE_CHARS = 100  # long strings (chat templates) are cut to keep one line per key
+MAX_NAME_CHARS = 100  # longer keys and names are cut too (llama.cpp's tensor names stay below 64)
 MAX_REASON_CHARS = 300  # a chat template's error message is cut to this
 # Files a checkpoint directory's tokenizer is read from (AutoTokenizer needs one of them).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -59,6 +60,13 @@ def printable(name: str) -> str:
     return name if name.isprintable() else repr(name)[1:-1]
 
 
+def short_name(name: str) -> str:
+    """printable(name), cut to MAX_NAME_CHARS: a table pads every row to its
+    longest name, so one name of a megabyte would pad every row to one."""
+    text = printable(name)
+    return text if len(text) <= MAX_NAME_CHARS else f"{text[:MAX_NAME_CHARS]}... ({len(text)} chars)"
+
+
 def format_shape(shape) -> str:
     return "x".join(str(d) for d in shape)
 
@@ -68,10 +76,10 @@ def print_inspect(f: GGUFFile) -> None:
           f"{len(f.metadata)} metadata keys, {len(f.tensors)} tensors")
     print()
     for key, value in f.metadata.items():
-        print(f"{printable(key)} = {format_value(value)}")
+        print(f"{short_name(key)} = {format_value(value)}")
     print()
     header = ("name", "type", "shape", "bytes", "bpw")
-    rows = [(printable(t.name), t.type_name, format_shape(t.shape), str(t.nbytes), f"{t.bits_per_weight:.2f}")
+    rows = [(short_name(t.name), t.type_name, format_shape(t.shape), str(t.nbytes), f"{t.bits_per_weight:.2f}")
             for t in f.tensors.values()]
     print_table(header, rows, left_columns=2)  # name and type left-aligned, numbers right-aligned
     total_bytes = sum(t.nbytes for t in f.tensors.values())
@@ -107,7 +115,7 @@ def print_gptq_inspect(path: str) -> None:
         print(f"  {key} = {format_value(value)}")
     print()
     header = ("name", "bits", "group", "act-order", "sym", "format", "shape", "bytes", "bpw")
-    rows = [(printable(name), str(m.bits), str(m.group_size), "yes" if has_act_order(m) else "no",
+    rows = [(short_name(name), str(m.bits), str(m.group_size), "yes" if has_act_order(m) else "no",
              "yes" if m.sym else "no",
              m.checkpoint_format, f"{m.out_features}x{m.in_features}", str(quant_bytes(m)),
              f"{8 * quant_bytes(m) / (m.in_features * m.out_features):.2f}")
