@@ -343,6 +343,8 @@ def test_generate_command_refuses_a_static_cache_past_memory(monkeypatch, capsys
         model(ids, past_key_values=cache)
     need = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     assert cli.static_cache_bytes(model, ids.shape[1] + 4) == need
+    mamba = transformers.MambaForCausalLM(transformers.MambaConfig(hidden_size=16, num_hidden_layers=1, vocab_size=8))
+    assert cli.static_cache_bytes(mamba, 16) is None  # no attention heads: nothing to estimate
     monkeypatch.setattr(cli, "physical_memory", lambda: need - 1)
     assert cli.main(["generate", PATH, PROMPT, "--tokens", "4", "--compile"]) == 1
     assert f"--compile: a static cache of {ids.shape[1] + 4} positions takes " in capsys.readouterr().err

@@ -276,11 +276,14 @@ def tokenize(path: str, tokenizer, text: str, **kwargs) -> torch.Tensor:
         raise ValueError(f"{path}: its tokenizer does not tokenize the prompt: {type(e).__name__}: {reason}") from e
 
 
-def static_cache_bytes(model, positions: int) -> int:
+def static_cache_bytes(model, positions: int) -> int | None:
     """The bytes of transformers' static cache of `positions` for one sequence:
-    keys and values of every layer, in the model's dtype."""
+    keys and values of every layer, in the model's dtype (None for a model
+    without attention heads, Mamba's or RWKV's)."""
     config = model.config.get_text_config(decoder=True)
-    heads = config.num_attention_heads
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads:
+        return None
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     return 2 * config.num_hidden_layers * kv_heads * head_dim * positions * model.dtype.itemsize
@@ -342,7 +345,7 @@ def cmd_generate(args) -> None:
                          f"model's context of {context} positions")
     if args.compile:  # the static cache is allocated whole at the first step: one past memory fails there
         need, have = static_cache_bytes(model, ids.shape[1] + args.tokens), physical_memory()
-        if have is not None and need > have:
+        if need is not None and have is not None and need > have:
             raise ValueError(f"--compile: a static cache of {ids.shape[1] + args.tokens} positions takes "
                              f"{need / 2**30:.1f} GiB, more than this machine's {have / 2**30:.1f} GiB of memory: "
                              "ask fewer --tokens")
