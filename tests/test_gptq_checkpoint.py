@@ -938,6 +938,8 @@ BAD_CONFIG_VALUES = {
     "sym": (("false", 1), "sym must be true or false"),
     "desc_act": (("true", 0), "desc_act must be true or false"),
     "lm_head": (("false",), "lm_head must be true or false"),
+    # AutoGPTQ's older key for checkpoint_format "marlin", which it, GPTQModel and vLLM read as that.
+    "is_marlin_format": ((True, 1), "is_marlin_format .*: the checkpoint holds Marlin's repacked layout"),
     # GPTQModel rotates such a checkpoint's down_proj inputs at run time.
     "rotation": (("hadamard", "random"), "rotation .* is not supported: GPTQModel rotates"),
 }
@@ -972,6 +974,12 @@ def test_a_group_size_past_any_k_means_one_group(checkpoint):
     edit_config(checkpoint, group_size=10**400)
     with pytest.raises(GPTQCheckpointError, match=r"qzeros has shape \(\d+, \d+\), expected \(1, "):
         load(checkpoint)
+
+
+def test_is_marlin_format_false_is_the_gptq_layout(checkpoint):
+    """AutoGPTQ <= 0.7 writes is_marlin_format false into every plain checkpoint's config."""
+    edit_config(checkpoint, is_marlin_format=False)
+    load(checkpoint)
 
 
 def test_format_keys_that_disagree_are_refused(checkpoint):

@@ -274,11 +274,15 @@ def read_config(directory: str | os.PathLike) -> GPTQConfig:
 
 def _check_readable(raw: dict[str, Any], where: str) -> None:
     """Refuses what any of a checkpoint's config files may say that other
-    readers take differently: format keys that disagree, a rotation."""
+    readers take differently: format keys that disagree, the Marlin layout, a rotation."""
     if "checkpoint_format" in raw and "format" in raw and raw["checkpoint_format"] != raw["format"]:
         # GPTQModel reads "format" first, vLLM "checkpoint_format" alone: readers would disagree.
         raise GPTQConfigError(f"{where}: checkpoint_format {raw['checkpoint_format']!r} and format "
                               f"{raw['format']!r} disagree")
+    if raw.get("is_marlin_format"):
+        # AutoGPTQ <= 0.7's name for checkpoint_format "marlin", as AutoGPTQ, GPTQModel and vLLM still read it.
+        raise GPTQConfigError(f"{where}: is_marlin_format {raw['is_marlin_format']!r}: the checkpoint holds Marlin's "
+                              f"repacked layout, which is not supported (expected one of {FORMATS})")
     if raw.get("rotation"):
         raise GPTQConfigError(f"{where}: rotation {raw['rotation']!r} is not supported: GPTQModel rotates such a "
                               "model's down_proj inputs at run time (an online Hadamard transform) to match its "
