@@ -1098,6 +1098,30 @@ def test_unreadable_files_name_the_path(checkpoint, ops, named, error):
         load(checkpoint)
 
 
+@pytest.mark.parametrize("lost", ["mlp.up_proj", "norm.weight"])
+def test_index_listing_tensors_no_shard_holds_is_refused(tmp_path, lost):
+    """A shard that lost tensors its index lists (a whole module, or a float tensor) is refused by the index,
+    not read as a checkpoint without them; a tensor in another listed shard than the index names is read."""
+    make_checkpoint(tmp_path / "ckpt", max_shard_bytes=3000)
+    weight_map = json.loads((tmp_path / "ckpt" / INDEX).read_text())["weight_map"]
+    names = [n for n in weight_map if n == lost or n.startswith(lost + ".")]
+    for shard in {tmp_path / "ckpt" / weight_map[n] for n in names}:
+        save_file({n: t for n, t in load_file(shard).items() if n not in names}, shard, metadata={"format": "pt"})
+    with pytest.raises(GPTQCheckpointError, match=rf"^{re.escape(str(tmp_path / 'ckpt' / INDEX))}: lists "
+                                                  rf"{len(names)} tensor\(s\) that no shard holds, e.g. "
+                                                  rf"'{re.escape(names[0])}'"):
+        lowbit.load_gptq(tmp_path / "ckpt")
+
+    make_checkpoint(tmp_path / "moved", max_shard_bytes=3000)
+    index = json.loads((tmp_path / "moved" / INDEX).read_text())
+    weight_map = index["weight_map"]
+    weight_map["norm.weight"], weight_map["mlp.up_proj.qweight"] = (weight_map["mlp.up_proj.qweight"],
+                                                                    weight_map["norm.weight"])
+    (tmp_path / "moved" / INDEX).write_text(json.dumps(index))
+    ckpt = lowbit.load_gptq(tmp_path / "moved")
+    assert set(ckpt.modules) == {"mlp.up_proj", "mlp.down_proj"} and "norm.weight" in ckpt.tensors
+
+
 def run_isolated(script: str, timeout: float = 90) -> tuple[str, float]:
     """Runs `script` in a fresh Python, for loads that, unguarded, block or spin
     inside C code (reading a named pipe, matching a backtracking regular

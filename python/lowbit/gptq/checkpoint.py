@@ -42,10 +42,12 @@ class GPTQCheckpoint:
 def checkpoint_files(path: str | os.PathLike) -> tuple[str, list[str]]:
     """(directory, safetensors files) of a checkpoint directory or single file."""
     path = os.fspath(path)
+    index = weight_map = None
     if os.path.isdir(path):
         index = os.path.join(path, INDEX_FILE)
         if os.path.lexists(index):
-            files = [os.path.join(path, s) for s in _index_shards(index)]
+            weight_map = _index_weight_map(index)
+            files = [os.path.join(path, s) for s in sorted(set(weight_map.values()))]
             missing = [f for f in files if not os.path.lexists(f)]
             if missing:
                 raise GPTQCheckpointError(f"{index}: lists shards that do not exist: {missing}")
@@ -61,12 +63,31 @@ def checkpoint_files(path: str | os.PathLike) -> tuple[str, list[str]]:
         raise GPTQCheckpointError(f"{path}: no such file or directory")
     for file in files:
         check_regular_file(file, "safetensors file", GPTQCheckpointError)
+    if weight_map is not None:
+        _check_index_tensors(index, weight_map, files)
     return path, files
 
 
-def _index_shards(index: str) -> list[str]:
-    """The shard files a model.safetensors.index.json names, each checked to be
-    a .safetensors path inside the index's directory."""
+def _check_index_tensors(index: str, weight_map: dict[str, str], files: list[str]) -> None:
+    """Refuses an index that lists a tensor none of its shards holds (a shard
+    truncated or replaced): every reader takes the shards' tensors, and the
+    module would be left out without a word. Reads only the headers."""
+    held = set()
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                held.update(f.keys())
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise GPTQCheckpointError(f"{file}: unreadable safetensors file: {e}") from e
+    absent = [name for name in weight_map if name not in held]
+    if absent:
+        raise GPTQCheckpointError(f"{index}: lists {len(absent)} tensor(s) that no shard holds, e.g. {absent[0]!r} "
+                                  f"in {weight_map[absent[0]]}")
+
+
+def _index_weight_map(index: str) -> dict[str, str]:
+    """The tensor name -> shard file map of a model.safetensors.index.json,
+    each shard checked to be a .safetensors path inside the index's directory."""
     content = read_json(index, "shard index")
     weight_map = content.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
@@ -78,7 +99,7 @@ def _index_shards(index: str) -> list[str]:
                 or os.path.normpath(shard).split(os.sep)[0] == os.pardir):
             raise GPTQCheckpointError(f"{index}: weight_map[{name!r}] is {shard!r}, not the name of a .safetensors "
                                       "file in the checkpoint directory")
-    return sorted(set(weight_map.values()))
+    return weight_map
 
 
 # torch's dtypes by the names safetensors headers give them.
