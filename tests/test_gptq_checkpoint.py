@@ -911,6 +911,12 @@ def tensor_cases():
                                         .reshape(t.shape)), {},
                                re.escape(f"{kind} holds a non-finite value ({value}) at "), id=f"{kind}-{value}")
 
+    def past_half(tensors):  # a finite float32 bias that the layer, holding it in the fp16 scales' dtype, makes inf
+        tensors[f"{MODULE}.scales"] = tensors[f"{MODULE}.scales"].half()
+        tensors[f"{MODULE}.bias"] = set_first(1e6)(tensors[f"{MODULE}.bias"].float())
+    yield pytest.param(past_half, {}, re.escape("bias, held in the scales' torch.float16, holds a non-finite value "
+                                                "(inf) at [0]"), id="bias-past-the-scales-dtype")
+
 
 TENSOR_CASES = list(tensor_cases())
 

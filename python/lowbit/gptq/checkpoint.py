@@ -277,10 +277,15 @@ def _module(name: str, q: ModuleQuant, config: GPTQConfig, t: dict[str, torch.Te
 
 def check_finite_floats(scales: torch.Tensor, bias: torch.Tensor | None, where: str) -> None:
     """A corrupt module's inf or NaN scales (or bias) would make every output
-    they touch NaN: refused, naming `where` (checkpoint and module) and the first."""
+    they touch NaN: refused, naming `where` (checkpoint and module) and the first.
+    The bias is checked as the layer holds it too, in the scales' dtype: a
+    finite float32 bias past float16's range would be inf there."""
     check_finite(scales, f"{where}: scales", GPTQCheckpointError)
     if bias is not None:
         check_finite(bias, f"{where}: bias", GPTQCheckpointError)
+        if bias.dtype != scales.dtype:
+            check_finite(bias.to(scales.dtype), f"{where}: bias, held in the scales' {scales.dtype},",
+                         GPTQCheckpointError)
 
 
 def _check_labelled_format(ckpt: GPTQCheckpoint) -> None:
