@@ -541,6 +541,22 @@ def test_a_non_finite_float_tensor_is_a_checkpoint_error_naming_it(tmp_path):
         lowbit.load_gptq_model(directory)
 
 
+def test_a_float_tensor_past_the_model_dtype_is_a_checkpoint_error_naming_it(tmp_path):
+    """A finite float32 norm weight past float16's range would be inf in a float16 model: refused at load,
+    as the model holds it; the same checkpoint loads as float32."""
+    directory = saved_tiny_llama(tmp_path)
+
+    def past_half(tensors):
+        name = "model.layers.1.input_layernorm.weight"
+        tensors[name] = tensors[name].float().index_fill_(0, torch.tensor([7]), 1e6)
+    edit_saved_tensors(directory, past_half)
+    with pytest.raises(GPTQCheckpointError, match=r"ckpt: tensor 'model.layers.1.input_layernorm.weight', held as "
+                                                  r"the model's torch.float16, holds a non-finite value \(inf\) "
+                                                  r"at \[7\]"):
+        lowbit.load_gptq_model(directory, dtype=torch.float16)
+    assert lowbit.load_gptq_model(directory).model.layers[1].input_layernorm.weight[7] == 1e6
+
+
 def test_an_integer_tensor_for_a_float_parameter_is_a_checkpoint_error(tmp_path):
     """An int32 norm would load as floats of its integers, silently: refused."""
     directory = saved_tiny_llama(tmp_path)

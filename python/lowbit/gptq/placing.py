@@ -210,6 +210,10 @@ def place_gptq_checkpoint(model: nn.Module, path: str, checkpoint_format: str | 
         # mapped table is left unread, its pages read as tokens need them.
         if tensor.is_floating_point() and name not in mapped:
             check_finite(tensor, f"{ckpt.directory}: tensor {name!r}", GPTQCheckpointError)
+            if tensor.dtype != target.dtype:  # as the model holds it: float32's 1e6 is inf in float16
+                tensor = tensor.to(target.dtype)
+                check_finite(tensor, f"{ckpt.directory}: tensor {name!r}, held as the model's {target.dtype},",
+                             GPTQCheckpointError)
         load_tensor(model, target, tensor, holders)
         report.loaded.append(name)
         placed.add(name)
