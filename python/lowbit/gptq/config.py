@@ -45,6 +45,8 @@ RULE_MATCH_SECONDS = 5.0
 RULE_MAX_CHARS = 1000
 RULE_MAX_REPEATS = 10_000  # the product of a rule's counted-repeat bounds
 _COUNTED_REPEAT = re.compile(r"\{(\d*)(?:,(\d*))?\}")
+# An inline flag group, (?flags) or (?flags:...), "-" turning flags off.
+_INLINE_FLAGS = re.compile(r"\(\?([a-zA-Z0-9-]+)[:)]")
 
 
 class GPTQConfigError(ValueError):
@@ -155,7 +157,10 @@ def _rule_pattern(key: str, source: str = ""):
 def _check_rule_size(pattern: str, key: str, where: str) -> None:
     """Refuses a rule longer than RULE_MAX_CHARS, or whose counted repeats
     ({m}, {m,n}, {m,}) multiply to more than RULE_MAX_REPEATS, before it is
-    compiled. Escaped characters and character classes hold no repeats."""
+    compiled. Escaped characters and character classes hold no repeats.
+    Comments ((?#...), and "#" under the verbose flag x) and the nested
+    classes of flag V1 are refused: this scan would read text the compiler
+    skips as a class, and miss the repeats after it."""
     if len(pattern) > RULE_MAX_CHARS:
         raise GPTQConfigError(f"{where}: dynamic rule {key[:80]!r}... is {len(pattern)} characters long, more than "
                               f"the {RULE_MAX_CHARS} a module-name pattern needs")
@@ -169,8 +174,14 @@ def _check_rule_size(pattern: str, key: str, where: str) -> None:
             in_class = c != "]"
         elif c == "[":
             in_class = True
-            i += 2 if pattern[i + 1:i + 2] == "]" else 1  # a "]" first in a class is literal
+            i += 1 + (pattern[i + 1:i + 2] == "^")
+            i += pattern[i:i + 1] == "]"  # a "]" first in a class (after any "^") is literal
             continue
+        elif c == "(" and (pattern.startswith("?#", i + 1) or ((m := _INLINE_FLAGS.match(pattern, i))
+                                                               and ("x" in m.group(1) or "V1" in m.group(1)))):
+            raise GPTQConfigError(f"{where}: dynamic rule {key!r} has a comment, the verbose flag (x) or flag V1, "
+                                  "which a module-name pattern does not need (they hide its repeats from the "
+                                  "size check)")
         elif c == "{" and (m := _COUNTED_REPEAT.match(pattern, i)):
             low, high = m.group(1), m.group(2)
             product *= max(1, int(high if high else low or 0))
