@@ -157,32 +157,24 @@ def _rule_pattern(key: str, source: str = ""):
 def _check_rule_size(pattern: str, key: str, where: str) -> None:
     """Refuses a rule longer than RULE_MAX_CHARS, or whose counted repeats
     ({m}, {m,n}, {m,}) multiply to more than RULE_MAX_REPEATS, before it is
-    compiled. Escaped characters and character classes hold no repeats.
-    Comments ((?#...), and "#" under the verbose flag x) and the nested
-    classes of flag V1 are refused: this scan would read text the compiler
-    skips as a class, and miss the repeats after it."""
+    compiled. Escaped characters hold no repeats; braces in a class or a
+    comment count as repeats too: where the compiler ends a class (POSIX
+    classes, V1's nested sets) or a comment is what a hostile rule hides
+    repeats behind, and no module-name pattern has such braces. The verbose
+    flag is refused: under it "{1 0}" repeats 10 times."""
     if len(pattern) > RULE_MAX_CHARS:
         raise GPTQConfigError(f"{where}: dynamic rule {key[:80]!r}... is {len(pattern)} characters long, more than "
                               f"the {RULE_MAX_CHARS} a module-name pattern needs")
-    product, i, in_class = 1, 0, False
+    product, i = 1, 0
     while i < len(pattern):
         c = pattern[i]
         if c == "\\":
             i += 2
             continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-            i += 1 + (pattern[i + 1:i + 2] == "^")
-            i += pattern[i:i + 1] == "]"  # a "]" first in a class (after any "^") is literal
-            continue
-        elif c == "(" and (pattern.startswith("?#", i + 1) or ((m := _INLINE_FLAGS.match(pattern, i))
-                                                               and ("x" in m.group(1) or "V1" in m.group(1)))):
-            raise GPTQConfigError(f"{where}: dynamic rule {key!r} has a comment, the verbose flag (x) or flag V1, "
-                                  "which a module-name pattern does not need (they hide its repeats from the "
-                                  "size check)")
-        elif c == "{" and (m := _COUNTED_REPEAT.match(pattern, i)):
+        if c == "(" and (m := _INLINE_FLAGS.match(pattern, i)) and "x" in m.group(1):
+            raise GPTQConfigError(f"{where}: dynamic rule {key!r} sets the verbose flag (x), which a module-name "
+                                  "pattern does not need (it hides repeats from the size check)")
+        if c == "{" and (m := _COUNTED_REPEAT.match(pattern, i)):
             low, high = m.group(1), m.group(2)
             product *= max(1, int(high if high else low or 0))
             if product > RULE_MAX_REPEATS:
