@@ -979,6 +979,8 @@ CONFIG_CASES += [
                  id="dynamic-nested-repeats"),
     pytest.param("dynamic", {"+:" + "a" * 1001: {}}, r"dynamic rule .* is 1001 characters long",
                  id="dynamic-long-rule"),
+    pytest.param("dynamic", {"(" * 499 + ")" * 499: {}}, r"dynamic rule .* nests its groups too deeply to compile",
+                 id="dynamic-deeply-nested"),
     pytest.param("dynamic", {"(?x)a{1 0000}": {}}, r"dynamic rule .* sets the verbose flag \(x\)",
                  id="dynamic-verbose"),
     pytest.param("dynamic", {"(?ix:a{1 0000})": {}}, r"dynamic rule .* sets the verbose flag \(x\)",

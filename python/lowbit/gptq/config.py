@@ -152,6 +152,9 @@ def _rule_pattern(key: str, source: str = ""):
         return regex.compile(pattern)
     except regex.error as e:
         raise GPTQConfigError(f"{where}: dynamic rule {key!r} is not a valid regex: {e}") from e
+    except RecursionError:  # the compiler parses nested groups recursively, in Python
+        raise GPTQConfigError(f"{where}: dynamic rule {key[:80]!r}... nests its groups too deeply to compile "
+                              "(a module-name pattern needs a few levels)") from None
 
 
 def _check_rule_size(pattern: str, key: str, where: str) -> None:
