@@ -10,6 +10,7 @@ same model holding the dequantized weights (both sides sum the same exactly
 dequantized weights in fp32: 1e-4 of the largest logit, as
 test_gptq_checkpoint.py); then the checkpoint's experts are damaged."""
 import copy
+import re
 import os
 import warnings
 
@@ -166,6 +167,23 @@ def test_mixtral_checkpoint_under_transformers_4_names(tmp_path):
     old = {k: v for k, v in old.items() if ".block_sparse_moe.experts.2.w3." not in k}
     with pytest.raises(GPTQCheckpointError, match=r"checkpoint lacks model.layers.0.mlp.experts.2.up_proj"):
         lowbit.load_gptq_model(copy_with(str(tmp_path / "new"), old, tmp_path / "broken"))
+
+
+@pytest.mark.parametrize("extra", ["model.layers.0.mlp.experts.0.w1", "model.layers.0.block_sparse_moe.gate"])
+def test_a_module_under_both_names_is_refused(tmp_path, extra):
+    """A Mixtral checkpoint holding a module under transformers 4's name and today's (another expert's
+    projection as expert 0's w1, a zero router as block_sparse_moe.gate) is refused naming both: read as
+    one name, one of the two would be dropped without a word, whichever the names sort after."""
+    model, _ = quantized(tiny_moe("mixtral"))
+    lowbit.save_gptq(model, str(tmp_path / "new"), CONFIG)
+    tensors = load_file(str(tmp_path / "new" / "model.safetensors"))
+    current = "model.layers.0.mlp.experts.0.gate_proj" if "experts" in extra else "model.layers.0.mlp.gate"
+    tensors.update({k.replace(current, extra): v.clone() if "experts" in extra else torch.zeros_like(v)
+                    for k, v in tensors.items() if k.startswith(current + ".")})
+    with pytest.raises(GPTQCheckpointError, match=rf"both: '({re.escape(extra)}|{re.escape(current)})[.'].* and "
+                                                  rf"'({re.escape(extra)}|{re.escape(current)})[.'].* are both the "
+                                                  rf"model's '{re.escape(current)}"):
+        lowbit.load_gptq_model(copy_with(str(tmp_path / "new"), tensors, tmp_path / "both"))
 
 
 def test_damaged_experts_are_refused(saved, tmp_path):

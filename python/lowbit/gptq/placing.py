@@ -308,11 +308,19 @@ def _float_tables_in_place(model: nn.Module, ckpt: GPTQCheckpoint, report: Repla
 def _named_as_model(model: nn.Module, ckpt: GPTQCheckpoint) -> GPTQCheckpoint:
     """The checkpoint with the older names the model has no module for
     under their current ones (gptq.experts.current_name)."""
-    def renamed(name: str, module_name: str) -> str:
-        return name if get_module(model, module_name) is not None else current_name(name)
+    def renamed(items: dict, module_of) -> dict:
+        out, source = {}, {}
+        for name, value in items.items():
+            new = name if get_module(model, module_of(name)) is not None else current_name(name)
+            # Both names in one checkpoint: one of them would be dropped without a word.
+            if new in out:
+                raise GPTQCheckpointError(f"{ckpt.directory}: {source[new]!r} and {name!r} are both the model's "
+                                          f"{new!r} (under transformers 4's and today's names)")
+            out[new], source[new] = value, name
+        return out
 
-    return dataclasses.replace(ckpt, modules={renamed(n, n): layer for n, layer in ckpt.modules.items()},
-                               tensors={renamed(n, n.rpartition(".")[0]): t for n, t in ckpt.tensors.items()})
+    return dataclasses.replace(ckpt, modules=renamed(ckpt.modules, lambda n: n),
+                               tensors=renamed(ckpt.tensors, lambda n: n.rpartition(".")[0]))
 
 
 def _place_gptq_experts(model: nn.Module, ckpt: GPTQCheckpoint, report: ReplaceReport, placed: set) -> set[str]:
