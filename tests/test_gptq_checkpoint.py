@@ -18,6 +18,7 @@ backtrack for hours and layer counts far from what its tensors hold are
 refused, and promptly.
 """
 import copy
+import dataclasses
 import json
 import os
 import re
@@ -270,7 +271,30 @@ def test_save_gptq_refuses_what_a_gptq_checkpoint_cannot_hold(tmp_path):
     with pytest.raises(TypeError, match="save_gptq: config must be a GPTQConfig, got NoneType"):
         lowbit.save_gptq(lowbit.load_gptq_model(tmp_path / "ckpt"), tmp_path / "out", None)
     assert not (tmp_path / "out").exists()
-    lowbit.save_gptq(lowbit.load_gptq_model(tmp_path / "ckpt"), tmp_path / "out", GPTQConfig(bits=4, group_size=32))
+    lowbit.save_gptq(lowbit.load_gptq_model(tmp_path / "ckpt"), tmp_path / "out",
+                     GPTQConfig(bits=4, group_size=32, sym=False))
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"bits": 8}, r"bits 8 \(the layer's: 4\)"), ({"group_size": 64}, r"group_size 64 \(the layer's: 32\)"),
+    ({"sym": True}, r"sym true \(the layer is asymmetric\)"),
+    ({"desc_act": False}, r"desc_act false \(the layer is act-order\)"),
+    ({"dynamic": {r"-:.*\.up_proj": {}}}, r"dynamic rules exclude model\.layers\.0\.mlp\.up_proj"),
+    ({"bits": "4"}, r"config: bits must be one of")], ids=lambda c: str(c)[:30])
+def test_save_gptq_refuses_a_config_that_misdescribes_the_layers(tmp_path, changes, says):
+    """A config that contradicts the layers' bits or group_size, or excludes one, writes a checkpoint no
+    reader loads; one that says sym of asymmetric layers, or desc_act false of act-order ones, one that
+    other readers (vLLM) read wrongly without a word: refused before anything is written."""
+    config = GPTQConfig(bits=4, group_size=32, desc_act=True, sym=False)
+    model = tiny_llama()
+    quantize(model, config, act_order=True)
+    with pytest.raises(ValueError, match=rf"^save_gptq: .*{says}"):
+        lowbit.save_gptq(model, tmp_path / "out", dataclasses.replace(config, **changes))
+    assert not (tmp_path / "out").exists()
+    # Saying less than the layers hold is no error: asymmetric and act-order readers read their zeros and g_idx.
+    plain = tiny_llama()
+    quantize(plain, dataclasses.replace(config, sym=True, desc_act=False))
+    lowbit.save_gptq(plain, tmp_path / "out", config)
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from .._checks import check_finite, check_regular_file
 from .._mapping import map_private
 from .packing import fields_per_pack, words_per_pack
-from .config import GPTQCheckpointError, GPTQConfig, ModuleQuant, read_config, read_json
+from .config import GPTQCheckpointError, GPTQConfig, ModuleQuant, parse_config, read_config, read_json
 from ..fusing import ProjectionSlice, unfused_state_dict
 from .linear import GPTQLinear
 
@@ -585,7 +585,8 @@ def save_gptq(model: torch.nn.Module, directory: str | os.PathLike, config: GPTQ
     is the base model's (save the adapter with the PEFT model's save_pretrained);
     so does one with no GPTQLinear, or with GGUF blocks other than float
     tables (a GGUF model's layers, Q8_0 / Q6_K float_tables), which a GPTQ
-    checkpoint cannot hold."""
+    checkpoint cannot hold; so does a config that misdescribes the layers
+    (_check_config_describes)."""
     if not isinstance(config, GPTQConfig):
         raise TypeError(f"save_gptq: config must be a GPTQConfig, got {type(config).__name__}")
     _check_savable(model)
@@ -601,11 +602,35 @@ def save_gptq(model: torch.nn.Module, directory: str | os.PathLike, config: GPTQ
         if key not in seen:
             seen.add(key)
             tensors[name] = t
+    _check_config_describes(model, tensors, config)
     _zeros_as_labelled(model, tensors, config.checkpoint_format)
     hf_config = getattr(model, "config", None)
     content = hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}
     content["quantization_config"] = config.to_dict()
     write_checkpoint(directory, tensors, content, max_shard_bytes=max_shard_bytes)
+
+
+def _check_config_describes(model: torch.nn.Module, tensors: dict[str, torch.Tensor], config: GPTQConfig) -> None:
+    """ValueError unless `config` is one a reader takes (parse_config) and
+    says of each GPTQ layer in `tensors` what the layer holds: its bits and
+    group_size, no symmetry or row order it lacks (readers take a sym layer's
+    zero points as 2^(bits-1) without reading qzeros, and a desc_act=False
+    layer's rows as in order), and no dynamic rule excluding it. The
+    checkpoint would otherwise be refused at load, or read wrongly."""
+    parse_config(config.to_dict(), "save_gptq: config")
+    for name, module in model.named_modules():
+        layer = module.outputs.layer if isinstance(module, ProjectionSlice) else module
+        if not isinstance(layer, GPTQLinear) or f"{name}.qweight" not in tensors:  # a fused layer: its parts
+            continue
+        quant = config.for_module(name)
+        if quant is None:
+            raise ValueError(f"save_gptq: the config's dynamic rules exclude {name}, a GPTQ layer")
+        wrong = [f"{key} {getattr(quant, key)} (the layer's: {getattr(layer, key)})"
+                 for key in ("bits", "group_size") if getattr(quant, key) != getattr(layer, key)]
+        wrong += ["sym true (the layer is asymmetric)"] if quant.sym and not layer.sym else []
+        wrong += ["desc_act false (the layer is act-order)"] if layer.desc_act and not quant.desc_act else []
+        if wrong:
+            raise ValueError(f"save_gptq: the config says {', '.join(wrong)} of {name}")
 
 
 def _check_savable(model: torch.nn.Module) -> None:
