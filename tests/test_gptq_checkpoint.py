@@ -120,6 +120,8 @@ def test_lm_head_quantized_sharded_and_single_file(tmp_path):
     assert_same_logits(logits(fresh, IDS), logits(reference, IDS))
 
     lowbit.save_gptq(model, tmp_path / "single", config)
+    with pytest.raises(ValueError, match="the config says lm_head false, but the model's LM head is GPTQ-quantized"):
+        lowbit.save_gptq(model, tmp_path / "unsaid", dataclasses.replace(config, lm_head=False))
     fresh = tiny_llama(seed=6)
     lowbit.replace_linear(fresh, tmp_path / "single" / "model.safetensors")
     assert_same_logits(logits(fresh, IDS), logits(reference, IDS))
@@ -280,7 +282,9 @@ def test_save_gptq_refuses_what_a_gptq_checkpoint_cannot_hold(tmp_path):
     ({"sym": True}, r"sym true \(the layer is asymmetric\)"),
     ({"desc_act": False}, r"desc_act false \(the layer is act-order\)"),
     ({"dynamic": {r"-:.*\.up_proj": {}}}, r"dynamic rules exclude model\.layers\.0\.mlp\.up_proj"),
-    ({"bits": "4"}, r"config: bits must be one of")], ids=lambda c: str(c)[:30])
+    ({"bits": "4"}, r"config: bits must be one of"),
+    ({"lm_head": True}, "the config says lm_head true, but the model's LM head is not GPTQ-quantized")],
+    ids=lambda c: str(c)[:30])
 def test_save_gptq_refuses_a_config_that_misdescribes_the_layers(tmp_path, changes, says):
     """A config that contradicts the layers' bits or group_size, or excludes one, writes a checkpoint no
     reader loads; one that says sym of asymmetric layers, or desc_act false of act-order ones, one that

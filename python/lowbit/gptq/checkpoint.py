@@ -615,9 +615,14 @@ def _check_config_describes(model: torch.nn.Module, tensors: dict[str, torch.Ten
     says of each GPTQ layer in `tensors` what the layer holds: its bits and
     group_size, no symmetry or row order it lacks (readers take a sym layer's
     zero points as 2^(bits-1) without reading qzeros, and a desc_act=False
-    layer's rows as in order), and no dynamic rule excluding it. The
-    checkpoint would otherwise be refused at load, or read wrongly."""
+    layer's rows as in order), and no dynamic rule excluding it; and lm_head
+    whether the LM head is quantized. The checkpoint would otherwise be
+    refused at load, or read wrongly."""
     parse_config(config.to_dict(), "save_gptq: config")
+    head = isinstance(getattr(model, "lm_head", None), (GPTQLinear, ProjectionSlice))
+    if hasattr(model, "lm_head") and head != config.lm_head:  # vLLM builds the head from the flag alone
+        raise ValueError(f"save_gptq: the config says lm_head {str(config.lm_head).lower()}, but the model's LM head "
+                         f"is {'' if head else 'not '}GPTQ-quantized")
     for name, module in model.named_modules():
         layer = module.outputs.layer if isinstance(module, ProjectionSlice) else module
         if not isinstance(layer, GPTQLinear) or f"{name}.qweight" not in tensors:  # a fused layer: its parts
