@@ -881,6 +881,17 @@ def test_config_files_that_disagree_are_refused(checkpoint, key, value):
         lowbit.replace_linear(tiny_llama(bias=True), checkpoint)
 
 
+def test_config_files_with_dynamic_rules_in_another_order_disagree(checkpoint):
+    """The first matching rule applies: the same rules in another order quantize a module two ways."""
+    rules = {r"+:.*\.mlp\..*": {"bits": 8}, r"+:.*\.up_proj": {"bits": 2}}
+    edit_config(checkpoint, dynamic=rules)
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["quantization_config"]["dynamic"] = dict(reversed(rules.items()))
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(GPTQConfigError, match="quantize_config.json and .*config.json disagree on dynamic: "):
+        lowbit.gptq.read_config(checkpoint)
+
+
 def test_config_files_agree_where_both_give_a_key(checkpoint):
     """A key one file leaves out (but `dynamic`: none is no rules), an empty `dynamic` against none, and keys that say how the checkpoint was made
     (damp_percent, meta) are no disagreement."""

@@ -320,10 +320,11 @@ def _format_key(raw: dict[str, Any]) -> str:
 
 def _reading_value(raw: dict[str, Any], key: str) -> Any:
     """raw's value for one of READING_KEYS, None where it gives none (the
-    format under either of its names; `dynamic` always gives one: no rules
-    where it has none)."""
+    format under either of its names; `dynamic` always gives one: its rules
+    in order, none where it has none)."""
     if key == "checkpoint_format":
         return raw.get(_format_key(raw))
-    if key == "dynamic":
-        return raw.get("dynamic") or {}
+    if key == "dynamic":  # in order: the first matching rule applies
+        rules = raw.get("dynamic") or {}
+        return list(rules.items()) if isinstance(rules, dict) else rules
     return raw.get(key)
