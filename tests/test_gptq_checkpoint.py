@@ -1135,6 +1135,11 @@ FILE_CASES = [
     pytest.param([write(INDEX, '{"weight_map": {"x": "model-00002-of-00002.safetensors"}}')], INDEX,
                  GPTQCheckpointError, id="index-lists-a-missing-shard"),
     pytest.param([write(INDEX, "{")], INDEX, GPTQCheckpointError, id="index-not-json"),
+    # Nested past the JSON parser's recursion limit.
+    pytest.param([write(INDEX, "[" * 100_000 + "]" * 100_000)], INDEX, GPTQCheckpointError, id="index-nested-deeply"),
+    pytest.param([write(QC, "[" * 100_000 + "]" * 100_000)], QC, GPTQConfigError, id="quantize_config-nested-deeply"),
+    pytest.param([remove(QC), write(HF, '{"a": ' * 100_000 + "1" + "}" * 100_000)], HF, GPTQConfigError,
+                 id="config-nested-deeply"),
     pytest.param([write(QC, '{"bits": 4,')], QC, GPTQConfigError, id="quantize_config-not-json"),
     pytest.param([write(QC, "")], QC, GPTQConfigError, id="quantize_config-empty"),
     pytest.param([write(QC, "[4, 32]")], QC, GPTQConfigError, id="quantize_config-a-list"),

@@ -64,7 +64,7 @@ def read_json(path: str, what: str, error: type = GPTQCheckpointError) -> dict[s
     try:
         with open(path) as f:
             content = json.load(f)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: arrays or objects nested too deeply
         raise error(f"{path}: unreadable {what}: {e}") from e
     if not isinstance(content, dict):
         raise error(f"{path}: the {what} must be a JSON object, got {type(content).__name__}")
