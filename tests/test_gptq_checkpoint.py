@@ -585,6 +585,21 @@ def test_a_float_tensor_past_the_model_dtype_is_a_checkpoint_error_naming_it(tmp
     assert lowbit.load_gptq_model(directory).model.layers[1].input_layernorm.weight[7] == 1e6
 
 
+def test_a_float64_token_embedding_is_checked_as_it_is_cast(tmp_path):
+    """An untied embedding stays in the file, unread, where it is kept in its own float type; a float64 one is
+    cast to the model's dtype, read whole: a NaN in it is refused as in any other tensor."""
+    directory = saved_tiny_llama(tmp_path)
+
+    def float64_nan(tensors):
+        name = "model.embed_tokens.weight"
+        tensors[name] = tensors[name].double().index_put_((torch.tensor(5), torch.tensor(3)),
+                                                         torch.tensor(float("nan"), dtype=torch.float64))
+    edit_saved_tensors(directory, float64_nan)
+    with pytest.raises(GPTQCheckpointError, match=r"ckpt: tensor 'model.embed_tokens.weight' holds a non-finite "
+                                                  r"value \(nan\) at \[5, 3\]"):
+        lowbit.load_gptq_model(directory)
+
+
 def test_an_integer_tensor_for_a_float_parameter_is_a_checkpoint_error(tmp_path):
     """An int32 norm would load as floats of its integers, silently: refused."""
     directory = saved_tiny_llama(tmp_path)

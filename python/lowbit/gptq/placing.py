@@ -207,8 +207,9 @@ def place_gptq_checkpoint(model: nn.Module, path: str, checkpoint_format: str | 
                                       f"is {target.dtype}: a float tensor is stored as floats, an integer one as "
                                       "integers")
         # A corrupt norm or bias would turn every output after it NaN; a
-        # mapped table is left unread, its pages read as tokens need them.
-        if tensor.is_floating_point() and name not in mapped:
+        # mapped table is left unread, its pages read as tokens need them,
+        # unless it is cast (a float64 one), which reads it all anyway.
+        if tensor.is_floating_point() and (name not in mapped or tensor.dtype != target.dtype):
             check_finite(tensor, f"{ckpt.directory}: tensor {name!r}", GPTQCheckpointError)
             if tensor.dtype != target.dtype:  # as the model holds it: float32's 1e6 is inf in float16
                 tensor = tensor.to(target.dtype)
