@@ -10,6 +10,7 @@ reorderings move whole quantized fields, so their dequantized weights match
 exactly.
 """
 import json
+import re
 import shutil
 import warnings
 from datetime import timedelta
@@ -433,6 +434,19 @@ def test_sharded_loading_refuses_corrupt_modules(checkpoints, tmp_path, edit, pa
     save_file({k: v.contiguous() for k, v in tensors.items()}, corrupt / "model.safetensors")
     with pytest.raises(GPTQCheckpointError, match=f"module '{gate}': " + pattern.format(m=gate)):
         ColumnParallelGPTQLinear.from_checkpoint(corrupt, gate, 0, 2)
+
+
+def test_sharded_loading_refuses_a_corrupt_header_naming_the_file(checkpoints, tmp_path):
+    """A header safetensors cannot parse is the checkpoint's error naming the file, as in load_gptq: not
+    safetensors' own error type."""
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(checkpoints[2]["original"], corrupt)
+    with open(corrupt / "model.safetensors", "r+b") as f:
+        f.seek(8)
+        f.write(b"\xff" * 16)
+    with pytest.raises(GPTQCheckpointError, match=rf"^{re.escape(str(corrupt / 'model.safetensors'))}: unreadable "
+                                                  "safetensors file"):
+        ColumnParallelGPTQLinear.from_checkpoint(corrupt, f"{PREFIXES[0]}.gate_proj", 0, 2)
 
 
 @pytest.mark.parametrize("edit, pattern", [

@@ -331,12 +331,15 @@ def _checkpoint_source(path: str | os.PathLike, name: str, checkpoint_format: st
     where = f"{directory}: module {name!r}"
     file_of, shapes, dtypes = {}, {}, {}
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            for tensor in _TENSORS:
-                if f"{name}.{tensor}" in f.keys():
-                    header = f.get_slice(f"{name}.{tensor}")
-                    file_of[tensor] = file
-                    shapes[tensor], dtypes[tensor] = tuple(header.get_shape()), header.get_dtype()
+        try:
+            with safe_open(file, framework="pt") as f:
+                for tensor in _TENSORS:
+                    if f"{name}.{tensor}" in f.keys():
+                        header = f.get_slice(f"{name}.{tensor}")
+                        file_of[tensor] = file
+                        shapes[tensor], dtypes[tensor] = tuple(header.get_shape()), header.get_dtype()
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise GPTQCheckpointError(f"{file}: unreadable safetensors file: {e}") from e
     quant = config.for_module(name)
     check_module_tensors(where, name, {t: HEADER_DTYPES.get(d) for t, d in dtypes.items()},
                          quant is not None and quant.desc_act, labels=dtypes)
