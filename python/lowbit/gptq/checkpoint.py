@@ -3,6 +3,7 @@ HF transformers use: a directory with a quantization config and one or more
 safetensors files (sharded ones listed in model.safetensors.index.json)."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -74,15 +75,23 @@ def _check_index_tensors(index: str, weight_map: dict[str, str], files: list[str
     module would be left out without a word. Reads only the headers."""
     held = set()
     for file in files:
-        try:
-            with safe_open(file, framework="pt") as f:
-                held.update(f.keys())
-        except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise GPTQCheckpointError(f"{file}: unreadable safetensors file: {e}") from e
+        stat = os.stat(file)
+        held.update(_tensor_names(file, stat.st_mtime_ns, stat.st_size))
     absent = [name for name in weight_map if name not in held]
     if absent:
         raise GPTQCheckpointError(f"{index}: lists {len(absent)} tensor(s) that no shard holds, e.g. {absent[0]!r} "
                                   f"in {weight_map[absent[0]]}")
+
+
+@functools.lru_cache(maxsize=256)
+def _tensor_names(file: str, mtime_ns: int, size: int) -> frozenset[str]:
+    """The tensor names in a safetensors file's header; kept per file version,
+    as the sharded loaders list a checkpoint's files once per module."""
+    try:
+        with safe_open(file, framework="pt") as f:
+            return frozenset(f.keys())
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise GPTQCheckpointError(f"{file}: unreadable safetensors file: {e}") from e
 
 
 def _index_weight_map(index: str) -> dict[str, str]:
