@@ -651,14 +651,17 @@ def word_tokenizer(vocab_size):
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="[UNK]")
 
 
-def test_generate_command_runs_a_gptq_directory(tmp_path, capsys):
+def test_generate_command_runs_a_gptq_directory(tmp_path, capsys, monkeypatch):
     from lowbit.__main__ import main
+    from lowbit.gptq import placing
 
     config = GPTQConfig(bits=4, group_size=32, sym=False, checkpoint_format="gptq_v2")
     model = tiny_llama()
     quantize(model, config)
     lowbit.save_gptq(model, tmp_path / "ckpt", config)
-    assert main(["generate", str(tmp_path / "ckpt"), "w1 w2 w3", "--tokens", "5"]) == 1
+    with monkeypatch.context() as patched:  # the missing tokenizer is named before the model loads
+        patched.setattr(placing, "load_gptq_model", lambda *a, **k: pytest.fail("the model loaded"))
+        assert main(["generate", str(tmp_path / "ckpt"), "w1 w2 w3", "--tokens", "5"]) == 1
     err = capsys.readouterr().err
     assert "no tokenizer beside the checkpoint (none of tokenizer.json, " in err and len(err.splitlines()) == 1
     (tmp_path / "ckpt" / "tokenizer_config.json").write_text("[1, 2")  # there, but broken: one line saying so

@@ -195,13 +195,14 @@ def load_model_and_tokenizer(path: str, repack: bool | None = None, int8_activat
         return model, load_gguf_tokenizer(path)
     import transformers
 
+    # A single .safetensors file's checkpoint is its directory, which holds the tokenizer as well;
+    # looked for before the model loads (a minute for a large one), where the path is there at all.
+    directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    if os.path.exists(path) and not any(os.path.exists(os.path.join(directory, name)) for name in TOKENIZER_FILES):
+        raise ValueError(f"{path}: no tokenizer beside the checkpoint (none of {', '.join(TOKENIZER_FILES)})")
     with _quiet_default_repack(repack):
         model = load_gptq_model(path, int8_activations=int8_activations, float_tables=float_tables,
                                 repack=repack is not False)
-    # A single .safetensors file's checkpoint is its directory, which holds the tokenizer as well.
-    directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    if not any(os.path.exists(os.path.join(directory, name)) for name in TOKENIZER_FILES):
-        raise ValueError(f"{path}: no tokenizer beside the checkpoint (none of {', '.join(TOKENIZER_FILES)})")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     except Exception as e:  # transformers indexes the files' JSON with no checks of its own (KeyError, TypeError)
