@@ -406,6 +406,26 @@ def test_metadata_that_makes_no_model_is_a_gguf_error(tmp_path, arch, changes, s
         lowbit.load_gguf_model(path)
 
 
+@pytest.mark.parametrize("arch, key, value", [
+    ("qwen2", "qwen2.attention.layer_norm_rms_epsilon", 0.5),
+    ("llama", "llama.attention.head_count", 2),
+    ("gemma2", "gemma2.rope.freq_base", 5e5),
+])
+def test_replace_linear_compares_the_config_where_the_file_makes_none(tmp_path, arch, key, value):
+    """A file with no vocabulary size (no token list, no {arch}.vocab_size)
+    makes no whole config, but its epsilon, head counts and rotary base
+    still fix the results: a model's config contradicting them is refused,
+    one agreeing with them filled."""
+    model = cached_tiny_model(arch)
+    no_vocab = {"tokenizer.ggml.tokens": None, f"{arch}.vocab_size": None}
+    path = write_tiny_gguf(tmp_path / "agrees.gguf", model, arch, extra_metadata=no_vocab)
+    lowbit.replace_linear(copy.deepcopy(model), path)
+    path = write_tiny_gguf(tmp_path / "contradicts.gguf", model, arch, extra_metadata={**no_vocab, key: value})
+    with pytest.raises(lowbit.GGUFError, match=rf"^replace_linear: {re.escape(path)}: the model's config has .* the "
+                                               rf"file's metadata {value!r}"):
+        lowbit.replace_linear(copy.deepcopy(model), path)
+
+
 def test_a_part_of_a_split_file_is_refused(tmp_path):
     """One part of a file llama.cpp's gguf-split cut holds only some of the
     tensors (a head missing from the first part would read as tied to the

@@ -249,14 +249,14 @@ def check_config_matches(model: nn.Module, f: GGUFFile, where: str) -> None:
     """A model built elsewhere (replace_linear) against the values of
     SHAPELESS_KEYS the file's metadata gives: heads of another size, another
     norm epsilon or rotary base fit every weight and give other results. A
-    file whose metadata makes no config, or a model without one, is not compared."""
+    model without a config is not compared."""
     config = getattr(model, "config", None)
     if config is None:
         return
     try:
         expect = config_from_gguf(f.metadata, f.tensors, where)
-    except GGUFError:
-        return
+    except GGUFError:  # a key config_from_gguf refuses leaves the others binding
+        expect = _shapeless_metadata(f.metadata, where)
     for key in SHAPELESS_KEYS:
         want, have = expect.get(key), _config_value(config, key)
         if not isinstance(want, (int, float)) or not isinstance(have, (int, float)):
@@ -265,6 +265,31 @@ def check_config_matches(model: nn.Module, f: GGUFFile, where: str) -> None:
         if not same:
             raise GGUFError(f"{where}: the model's config has {key}={have!r}, the file's metadata {want!r}: the "
                             "weights fit both, the results would not be the file's model")
+
+
+def _shapeless_metadata(metadata, where: str) -> dict:
+    """SHAPELESS_KEYS' values as the file's metadata gives them, each read on
+    its own (None where its key is unreadable), for a file whose metadata
+    makes no whole config (no vocabulary size, a rope scaling lowbit does not
+    build): its head counts, epsilon and rotary base still fix the results."""
+    m = _Metadata(metadata, where)
+
+    def read(key, kind, default=None):
+        try:
+            return m.get(key, kind, default, positive=kind is not str)
+        except GGUFError:
+            return None
+
+    arch = read("general.architecture", str)
+    if arch is None:
+        return {}
+    heads, hidden = read(f"{arch}.attention.head_count", int), read(f"{arch}.embedding_length", int)
+    head_dim = hidden // heads if heads and hidden and hidden % heads == 0 else None
+    return {"num_attention_heads": heads,
+            "num_key_value_heads": read(f"{arch}.attention.head_count_kv", int, heads),
+            "head_dim": read(f"{arch}.attention.key_length", int, head_dim),
+            "rms_norm_eps": read(f"{arch}.attention.layer_norm_rms_epsilon", float),
+            "rope_theta": read(f"{arch}.rope.freq_base", float, 10000.0)}
 
 
 def place_gguf_tensors(model: nn.Module, f: GGUFFile, caller: str, consumed: tuple[str, ...] = ()) -> ReplaceReport:
