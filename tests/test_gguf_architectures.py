@@ -362,6 +362,13 @@ BAD_METADATA = {
     "yarn without its original context": ("llama", {"llama.rope.scaling.type": "yarn",
                                                     "llama.rope.scaling.factor": 4.0},
                                           "llama.rope.scaling.original_context_length"),
+    # Below 1, llama.cpp scales attention by 1 + 0.1 ln(factor), transformers by 1.
+    "yarn factor below 1": ("llama", {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 0.25,
+                                      "llama.rope.scaling.original_context_length": 16}, "llama.rope.scaling.factor"),
+    # Reversed betas: llama.cpp steps between the correction dimensions, transformers ramps backwards.
+    "yarn betas reversed": ("llama", {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+                                      "llama.rope.scaling.original_context_length": 16,
+                                      "llama.rope.scaling.yarn_beta_slow": 64.0}, "llama.rope.scaling.yarn_beta_fast"),
     "rope scaling type a number": ("llama", {"llama.rope.scaling.type": 2}, "llama.rope.scaling.type"),
     "vocabulary size 0": ("llama", {"llama.vocab_size": 0}, "llama.vocab_size"),
     "vocabulary size missing": ("llama", {"llama.vocab_size": None}, "llama.vocab_size"),

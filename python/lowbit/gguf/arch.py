@@ -657,7 +657,8 @@ def _rope_scaling(m: _Metadata, arch: str) -> dict[str, Any] | None:
     if kind == "linear":  # a factor of 0 or 1, or none, scales nothing (llama.cpp's reading)
         factor = m.get(factor_key, float, 0.0, minimum=0.0)
         return None if factor in (0.0, 1.0) else {"rope_type": "linear", "factor": factor}
-    factor = m.get(factor_key, float, positive=True)
+    # Below 1, llama.cpp scales attention by 1 + 0.1 ln(factor) (< 1), transformers by 1.
+    factor = m.get(factor_key, float, minimum=1.0)
     # llama.cpp's corrections range is whole dimensions (floor / ceil):
     # transformers' truncate, its default. The betas default alike; an
     # attention factor or extrapolation mix of the file's own, which
@@ -671,4 +672,9 @@ def _rope_scaling(m: _Metadata, arch: str) -> dict[str, Any] | None:
     for name, kwarg in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
         if f"{arch}.rope.scaling.{name}" in m:
             rope[kwarg] = m.get(f"{arch}.rope.scaling.{name}", float, positive=True)
+    # A fast beta below the slow one reverses the ramp's ends: llama.cpp then
+    # steps between them, transformers ramps the other way.
+    fast, slow = rope.get("beta_fast", 32.0), rope.get("beta_slow", 1.0)
+    if fast < slow:
+        raise m.error(f"{arch}.rope.scaling.yarn_beta_fast", f"{fast}, below yarn_beta_slow {slow}")
     return rope
