@@ -433,6 +433,22 @@ def test_replace_linear_compares_the_config_where_the_file_makes_none(tmp_path, 
         lowbit.replace_linear(copy.deepcopy(model), path)
 
 
+@pytest.mark.parametrize("arch, key, value", [
+    ("qwen3moe", "qwen3moe.expert_used_count", 1),
+    ("mixtral", "llama.expert_used_count", 1),
+    ("granite", "granite.logit_scale", 40.0),
+    ("granite", "granite.attention.scale", None),  # llama.cpp's default: 1 / sqrt(head)
+    ("gemma2", "gemma2.final_logit_softcapping", 3.0),
+])
+def test_replace_linear_refuses_a_model_routing_or_scaling_otherwise(tmp_path, arch, key, value):
+    """The experts each token takes, a softcap or a Granite multiplier fit
+    every weight and change every result: the model's config against the file's."""
+    model = cached_tiny_model(arch)
+    path = write_tiny_gguf(tmp_path / f"{arch}.gguf", model, arch, extra_metadata={key: value})
+    with pytest.raises(lowbit.GGUFError, match=rf"^replace_linear: {re.escape(path)}: the model's config has "):
+        lowbit.replace_linear(copy.deepcopy(model), path)
+
+
 def test_a_part_of_a_split_file_is_refused(tmp_path):
     """One part of a file llama.cpp's gguf-split cut holds only some of the
     tensors (a head missing from the first part would read as tied to the

@@ -47,9 +47,10 @@ def replace_linear(model: nn.Module, path: str | os.PathLike, checkpoint_format:
     tensors on the CPU in its place, and its computed buffers (rotary
     tables) are built again from its config; any tensor left without a
     value raises (lowbit.load_gguf_model and load_gptq_model build models
-    that way). A GGUF file's head counts and sizes, norm epsilon and rotary
-    base must be the model config's where both give them: they change the
-    results but no weight's shape. The model's forward calls then
+    that way). A GGUF file's head counts and sizes, norm epsilon, rotary
+    base, experts per token, softcaps and Granite multipliers must be the
+    model config's where both give them (lowbit.gguf.model.SHAPELESS_KEYS):
+    they change the results but no weight's shape. The model's forward calls then
     give torch's threads to lowbit's kernels (lowbit.kernel_threads).
     """
     path = os.fsdecode(path)

@@ -233,8 +233,12 @@ def _apply_rope_freqs(model: nn.Module, f: GGUFFile) -> None:
     rotary.original_inv_freq = rotary.inv_freq.clone()
 
 
-# Config values a file fixes that change a model's results but no weight's shape.
-SHAPELESS_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta")
+# Config values a file fixes that change a model's results but no weight's
+# shape: its heads, norm epsilon and rotary base, the experts each token
+# takes, the Gemma models' softcaps and Granite's multipliers.
+SHAPELESS_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
+                  "num_experts_per_tok", "attn_logit_softcapping", "final_logit_softcapping", "logits_scaling",
+                  "embedding_multiplier", "residual_multiplier", "attention_multiplier")
 
 
 def _config_value(config, key: str):
@@ -248,7 +252,8 @@ def _config_value(config, key: str):
 def check_config_matches(model: nn.Module, f: GGUFFile, where: str) -> None:
     """A model built elsewhere (replace_linear) against the values of
     SHAPELESS_KEYS the file's metadata gives: heads of another size, another
-    norm epsilon or rotary base fit every weight and give other results. A
+    norm epsilon, rotary base or count of experts per token fit every weight
+    and give other results. A
     model without a config is not compared."""
     config = getattr(model, "config", None)
     if config is None:
