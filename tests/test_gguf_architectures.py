@@ -449,6 +449,21 @@ def test_replace_linear_refuses_a_model_routing_or_scaling_otherwise(tmp_path, a
         lowbit.replace_linear(copy.deepcopy(model), path)
 
 
+@pytest.mark.parametrize("shape", [(1,), (2, 2), (8,)])
+def test_longrope_factors_of_another_shape_are_refused(tmp_path, shape):
+    """One LongRoPE factor per rotated frequency (4 here), as llama.cpp
+    requires: one factor would broadcast over all of them, a [2, 2] tensor
+    read flat."""
+    factors = {"rope_factors_long.weight": np.full(shape, 2.0, np.float32),
+               "rope_factors_short.weight": np.ones(4, np.float32)}
+    path = write_tiny_gguf(tmp_path / "phi3.gguf", cached_tiny_model("phi3"), "phi3",
+                           extra_metadata={"phi3.rope.scaling.type": "longrope"}, extra_tensors=factors)
+    with pytest.raises(lowbit.GGUFError, match=rf"^load_gguf_model: {re.escape(path)}: tensor "
+                                               rf"'rope_factors_long.weight' has shape {re.escape(str(shape))}, but "
+                                               rf"phi3.rope.dimension_count rotates 4 frequencies"):
+        lowbit.load_gguf_model(path)
+
+
 def test_a_part_of_a_split_file_is_refused(tmp_path):
     """One part of a file llama.cpp's gguf-split cut holds only some of the
     tensors (a head missing from the first part would read as tied to the

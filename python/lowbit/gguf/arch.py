@@ -337,14 +337,15 @@ def _phi3_extra(m, arch, tensors, config):
         raise m.error(f"{arch}.attention.key_length", f"{arch} heads have {head} dimensions, not hidden / heads = "
                       f"{config['hidden_size'] // config['num_attention_heads']}")
     rope = _rope_parameters(config)
-    rope["partial_rotary_factor"] = m.get(f"{arch}.rope.dimension_count", int, head, positive=True) / head
+    rotated = m.get(f"{arch}.rope.dimension_count", int, head, positive=True)
+    rope["partial_rotary_factor"] = rotated / head
     original = m.get(f"{arch}.rope.scaling.original_context_length", int, config["max_position_embeddings"],
                      positive=True)
     # llama.cpp's converter writes a LongRoPE model's factors with no rope.scaling.type: the tensors say it.
     if rope["rope_type"] == "longrope" or (f"{arch}.rope.scaling.type" not in m
                                            and "rope_factors_long.weight" in tensors):
         rope.update(rope_type="longrope", original_max_position_embeddings=original,
-                    **_longrope_factors(m, arch, tensors))
+                    **_longrope_factors(m, arch, tensors, rotated // 2))
     window = _sliding_window(m, arch, config, 0)
     # A window at least as long as the context (Phi-3.5-mini's and Phi-4-mini's
     # 262144 over 131072) masks nothing a sequence within it reaches: none,
@@ -355,7 +356,10 @@ def _phi3_extra(m, arch, tensors, config):
             "sliding_window": window if window > 0 else None}
 
 
-def _longrope_factors(m, arch, tensors) -> dict:
+def _longrope_factors(m, arch, tensors, frequencies: int) -> dict:
+    """A LongRoPE file's factors: one per rotated frequency in each tensor,
+    whose shape llama.cpp requires to be exactly that (checked before its
+    values are read: a corrupt one may be of any size)."""
     if not isinstance(tensors, Mapping):
         raise ValueError(f"{m.where}: a LongRoPE file's config needs its tensors' values (pass the mapping "
                          "name -> tensor), not only their names")
@@ -364,6 +368,9 @@ def _longrope_factors(m, arch, tensors) -> dict:
         t = tensors.get(f"rope_factors_{kind}.weight")
         if t is None:
             raise m.error(f"{arch}.rope.scaling.type", f"longrope, but the file has no rope_factors_{kind}.weight")
+        if tuple(t.shape) != (frequencies,):
+            raise GGUFError(f"{m.where}: tensor 'rope_factors_{kind}.weight' has shape {tuple(t.shape)}, but "
+                            f"{arch}.rope.dimension_count rotates {frequencies} frequencies")
         values = t.dequantize().reshape(-1)
         check_positive(values, f"{m.where}: rope_factors_{kind}.weight", GGUFError)
         factors[f"{kind}_factor"] = values.tolist()
