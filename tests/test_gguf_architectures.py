@@ -464,6 +464,16 @@ def test_longrope_factors_of_another_shape_are_refused(tmp_path, shape):
         lowbit.load_gguf_model(path)
 
 
+def test_a_phi3_rotated_part_that_rounds_down_as_a_factor_is_rotated_whole(tmp_path):
+    """60 of 88 dimensions rotated: as a factor (60 / 88) times 88 it is
+    59.99..., which transformers truncates to 59, the divisor of every
+    frequency's exponent; llama.cpp's is 60."""
+    source = tiny_model("phi3", seed=0, hidden_size=352, num_attention_heads=4, num_key_value_heads=4, head_dim=88)
+    path = write_tiny_gguf(tmp_path / "phi3.gguf", source, "phi3", extra_metadata={"phi3.rope.dimension_count": 60})
+    inv_freq = lowbit.load_gguf_model(path).model.rotary_emb.inv_freq
+    torch.testing.assert_close(inv_freq, 1.0 / 10000.0 ** (torch.arange(0, 60, 2, dtype=torch.float) / 60))
+
+
 def test_a_part_of_a_split_file_is_refused(tmp_path):
     """One part of a file llama.cpp's gguf-split cut holds only some of the
     tensors (a head missing from the first part would read as tied to the

@@ -338,7 +338,12 @@ def _phi3_extra(m, arch, tensors, config):
                       f"{config['hidden_size'] // config['num_attention_heads']}")
     rope = _rope_parameters(config)
     rotated = m.get(f"{arch}.rope.dimension_count", int, head, positive=True)
-    rope["partial_rotary_factor"] = rotated / head
+    # transformers rotates int(head * factor) dimensions, and rotated / head * head
+    # may round below rotated (60 of 88: 59, which divides every frequency's exponent).
+    factor = rotated / head
+    while int(head * factor) < rotated:
+        factor = math.nextafter(factor, math.inf)
+    rope["partial_rotary_factor"] = factor
     original = m.get(f"{arch}.rope.scaling.original_context_length", int, config["max_position_embeddings"],
                      positive=True)
     # llama.cpp's converter writes a LongRoPE model's factors with no rope.scaling.type: the tensors say it.
