@@ -326,6 +326,16 @@ def test_block_count_must_match_the_layers_of_the_file(tmp_path, count, problem)
     assert problem in refused(tmp_path, "llama", {"llama.block_count": count}, "llama.block_count")
 
 
+def test_a_layer_number_of_thousands_of_digits_is_refused_naming_the_file(tmp_path):
+    """Past int()'s 4300 digits a layer number raised a bare ValueError."""
+    name = f"blk.{'9' * 5000}.attn_q.weight"
+    path = write_tiny_gguf(tmp_path / "llama.gguf", cached_tiny_model("llama"), "llama",
+                           extra_tensors={name: np.zeros(4, np.float32)})
+    with pytest.raises(lowbit.GGUFError, match=rf"^load_gguf_model: {re.escape(path)}: metadata 'llama.block_count': "
+                                               r"2 layers, but the file has tensor 'blk.9999"):
+        lowbit.load_gguf_model(path)
+
+
 # Per case: the tiny model, its metadata changes (None: the key left out),
 # and the key the error must name. The tiny llama: hidden 64, 4 heads of 16
 # (2 KV heads), FFN 96, vocabulary 64, 2 layers.

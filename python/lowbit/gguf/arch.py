@@ -415,7 +415,8 @@ ARCHITECTURES: dict[str, Architecture] = {
 EXPERT_TENSORS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
 
 _NAME_RE = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<base>\w+)\.(?P<suffix>weight|bias)")
-_LAYER_RE = re.compile(r"blk\.(\d+)\.")
+# ASCII digits: \d also matches other scripts' digits, which int() reads as another layer's.
+_LAYER_RE = re.compile(r"blk\.([0-9]+)\.")
 
 
 def check_architecture(metadata: Mapping[str, Any], where: str) -> str:
@@ -461,7 +462,12 @@ def check_block_count(metadata: Mapping[str, Any], names: Iterable[str], where: 
     m = _Metadata(metadata, where)
     key = f"{check_architecture(metadata, where)}.block_count"
     count = m.get(key, int, positive=True)
-    layers = {int(match[1]) for name in names if (match := _LAYER_RE.match(name))}
+    layers = set()
+    for name in names:
+        if match := _LAYER_RE.match(name):
+            if len(match[1]) > 18:  # past any count (and past int()'s limit of 4300 digits)
+                raise m.error(key, f"{count} layers, but the file has tensor {reprlib.repr(name)}")
+            layers.add(int(match[1]))
     beyond = min((il for il in layers if il >= count), default=None)
     if beyond is not None:
         raise m.error(key, f"{count} layers, but the file has tensors of layer {beyond} (blk.{beyond}.*)")
