@@ -484,6 +484,18 @@ def test_a_phi3_rotated_part_that_rounds_down_as_a_factor_is_rotated_whole(tmp_p
     torch.testing.assert_close(inv_freq, 1.0 / 10000.0 ** (torch.arange(0, 60, 2, dtype=torch.float) / 60))
 
 
+def test_a_gemma3_file_without_a_window_runs_every_layer_global(tmp_path):
+    """sliding_window 0: every layer global; transformers' Gemma3 still builds
+    a sliding mask, which needed a window (a bare ValueError at the first forward)."""
+    path = write_tiny_gguf(tmp_path / "gemma3.gguf", cached_tiny_model("gemma3"), "gemma3",
+                           extra_metadata={"gemma3.attention.sliding_window": 0})
+    model = lowbit.load_gguf_model(path)
+    assert model.config.layer_types == ["full_attention"] * 2
+    tokens = torch.arange(1, 13)[None]
+    assert model(tokens).logits.isfinite().all()
+    assert model.generate(tokens, max_new_tokens=3, do_sample=False).shape == (1, 15)
+
+
 def test_a_part_of_a_split_file_is_refused(tmp_path):
     """One part of a file llama.cpp's gguf-split cut holds only some of the
     tensors (a head missing from the first part would read as tied to the

@@ -303,7 +303,9 @@ def _gemma3_extra(m, arch, tensors, config):
     softcap = m.get(f"{arch}.final_logit_softcapping", float, 0.0, minimum=0)
     return {
         "hidden_activation": "gelu_pytorch_tanh",
-        "sliding_window": window if window > 0 else None,
+        # Without a window every layer is global, but transformers' Gemma3 builds
+        # a sliding mask all the same and needs a window for it: the context's, which masks nothing.
+        "sliding_window": window if window > 0 else config["max_position_embeddings"],
         "layer_types": layer_types,
         "rope_parameters": {"full_attention": full, "sliding_attention": sliding},
         "final_logit_softcapping": softcap or None,
