@@ -795,7 +795,8 @@ def test_gemma3_config_from_gguf():
     assert config["rope_parameters"]["sliding_attention"]["rope_theta"] == 5e4
     assert config["layer_types"] == ["sliding_attention", "full_attention"] * 17
     config = config_from_gguf({**metadata, "gemma3.attention.sliding_window": 0}, [])
-    assert config["layer_types"] == ["full_attention"] * 34 and config["sliding_window"] is None
+    # (a window of the context, which masks nothing: transformers' Gemma3 builds a sliding mask regardless)
+    assert config["layer_types"] == ["full_attention"] * 34 and config["sliding_window"] == 8192
     big = gemma_metadata("gemma3", 62, 5376, 32, 16, 128)
     assert config_from_gguf(big, [])["query_pre_attn_scalar"] == 168
     with pytest.raises(GGUFError, match="sliding_window_pattern': 3 entries for 34 layers"):
@@ -831,10 +832,11 @@ def test_a_window_past_the_context_is_the_context(arch, window):
 
 
 class _Tensor:
-    """A stand-in for a GGUFTensor's dequantize()."""
+    """A stand-in for a GGUFTensor's shape and dequantize()."""
 
     def __init__(self, values):
         self.values = torch.tensor(values)
+        self.shape = tuple(self.values.shape)
 
     def dequantize(self):
         return self.values
