@@ -302,6 +302,20 @@ def test_constructor_validates():
         lowbit.GPTQLinear(IN, 48, 3, 128)
 
 
+def test_constructor_names_arguments_of_the_wrong_type():
+    """A float or bool passes `in` and `<=` tests (4.0 == 4, True == 1): each is refused naming its argument, not
+    by torch.zeros; an integer scales dtype is refused where the layer is made, not by its first call."""
+    for args, match in (((IN, OUT, 4.0, 128), "bits must be one of"), ((IN, OUT, True, 128), "bits must be one of"),
+                        ((IN, OUT, 4, 128.0), "group_size must be"), ((IN, OUT, 4, True), "group_size must be"),
+                        ((float(IN), OUT, 4, 128), "in_features must be"), ((-8, OUT, 4, 128), "in_features must be"),
+                        ((IN, float(OUT), 4, 128), "out_features must be")):
+        with pytest.raises(ValueError, match=match):
+            lowbit.GPTQLinear(*args)
+    with pytest.raises(ValueError, match="dtype must be a float dtype"):
+        lowbit.GPTQLinear(IN, OUT, 4, 128, dtype=torch.int32)
+    assert lowbit.GPTQLinear(np.int64(IN), np.int64(OUT), np.int64(4), np.int64(128)).scales.shape == (IN // 128, OUT)
+
+
 def test_a_group_past_in_features_is_one_group():
     """group_size is any positive int: one past in_features (however large) is the one group of -1."""
     for group_size in (IN + 1, 10**400):

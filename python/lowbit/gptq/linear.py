@@ -3,6 +3,8 @@ checkpoint's tensors, multiplied by torch.ops.lowbit.gptq_gemm (or, with
 int8_activations on the CPU, gptq_gemm_a8)."""
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import nn
 
@@ -84,11 +86,18 @@ class GPTQLinear(StoredBuffers):
                  desc_act: bool = False, checkpoint_format: str = "gptq", bias: bool = True,
                  dtype: torch.dtype = torch.float16, device=None):
         super().__init__()
-        if bits not in BITS:
-            raise ValueError(f"GPTQLinear: bits must be one of {BITS}, got {bits}")
+        # A float or bool passes `in` and `<=` tests (4.0 == 4, True == 1),
+        # then fails in torch.zeros with an error that names no argument.
+        if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or bits not in BITS:
+            raise ValueError(f"GPTQLinear: bits must be one of {BITS}, got {bits!r}")
         check_format(checkpoint_format, "GPTQLinear")
-        if group_size != -1 and group_size <= 0:
-            raise ValueError(f"GPTQLinear: group_size must be -1 or positive, got {group_size}")
+        if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or group_size != -1 and group_size <= 0:
+            raise ValueError(f"GPTQLinear: group_size must be -1 or positive, got {group_size!r}")
+        for name, size in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 0:
+                raise ValueError(f"GPTQLinear: {name} must be a non-negative integer, got {size!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:  # the scales' and bias's dtype
+            raise ValueError(f"GPTQLinear: dtype must be a float dtype, got {dtype!r}")
         if in_features % fields_per_pack(bits) or out_features % fields_per_pack(bits):
             raise ValueError(f"GPTQLinear: {bits}-bit packing needs in_features and out_features to be multiples "
                              f"of {fields_per_pack(bits)}, got {in_features} and {out_features}")
