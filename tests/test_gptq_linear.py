@@ -342,3 +342,16 @@ def test_inputs_of_another_width_are_refused_and_meta_inputs_give_shapes(act_ord
     meta = layer.to("meta")  # shape inference, as accelerate's empty-weight models do
     y = meta(torch.randn(3, 5, IN, device="meta"))
     assert y.shape == (3, 5, OUT) and y.is_meta
+
+
+def test_a_meta_layer_sorts_and_joins_without_values():
+    """A meta g_idx has no values: sort_rows leaves the layer as it is (a later load sorts nothing it cannot see) and
+    can_join says no, where aten::equal raised a bare NotImplementedError; a load with assign=True then runs."""
+    layer, _ = layer_and_linear(act_order=True)
+    meta = lowbit.GPTQLinear(IN, 128, 4, 64, False, True, "gptq_v2", device="meta")
+    assert not meta.sort_rows().rows_sorted
+    assert not meta.can_join(lowbit.GPTQLinear(IN, 128, 4, 64, False, True, "gptq_v2", device="meta"))
+    meta = lowbit.GPTQLinear(IN, OUT, 4, 64, False, True, "gptq_v2", device="meta").sort_rows()
+    meta.load_state_dict(layer.state_dict(), assign=True)
+    x = torch.randn(3, IN)
+    torch.testing.assert_close(meta(x), layer(x), rtol=0, atol=0)

@@ -174,7 +174,8 @@ class GPTQLinear(StoredBuffers):
                 and other.out_features % JOIN_COLUMNS == 0 and all(getattr(other, a) == getattr(self, a) for a in same)
                 and other.rows_sorted == self.rows_sorted and not (self.repacked or other.repacked)
                 and other.scales.dtype == self.scales.dtype and other.qweight.device == self.qweight.device
-                and (self.bias is None) == (other.bias is None) and torch.equal(other.g_idx, self.g_idx))
+                and (self.bias is None) == (other.bias is None) and not (self.g_idx.is_meta or other.g_idx.is_meta)
+                and torch.equal(other.g_idx, self.g_idx))  # a meta g_idx has no values to compare: no join
 
     @classmethod
     def joined(cls, layers: list[GPTQLinear], back_to_back=None) -> GPTQLinear:
@@ -221,7 +222,8 @@ class GPTQLinear(StoredBuffers):
         load_state_dict is an error the next call reports (one through
         `.data` goes unseen: use unsort_rows() first). A layer whose g_idx is
         already in group order stays as it is. Returns self."""
-        if not self.rows_sorted and (form := self._sorted_form()) is not None:
+        # A meta layer's g_idx has no values to sort by: it stays as it is.
+        if not self.rows_sorted and not self.g_idx.is_meta and (form := self._sorted_form()) is not None:
             rows, sorted_g_idx, order = form
             self.qweight = rows
             self._mark_sorted(order, sorted_g_idx)
