@@ -108,6 +108,19 @@ def test_empty_sizes_are_refused(build, message):
 
 
 @pytest.mark.parametrize("build, message", [
+    (lambda: lowbit.GGUFLinear(512, 8, float(Q4_0)), "GGUFLinear: qtype must be a ggml type id"),
+    (lambda: lowbit.GGUFLinear(512, 8, True), "GGUFLinear: qtype must be a ggml type id"),
+    (lambda: lowbit.GGUFLinear(512, 8, Q4_0, dtype=torch.int32), "GGUFLinear: dtype .* must be a float dtype"),
+    (lambda: lowbit.GGUFEmbedding(_blocks(8, 288), float(Q4_0), 512), "GGUFEmbedding: qtype must be a ggml type id"),
+], ids=["linear qtype float", "linear qtype bool", "linear bias int", "embedding qtype float"])
+def test_a_qtype_or_dtype_of_the_wrong_type_is_refused(build, message):
+    """True would be taken as type 1 (F16), 8.0 fail in the op's argument parsing, an int32 bias be added to
+    every output: each is refused by name at construction."""
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+@pytest.mark.parametrize("build, message", [
     (lambda: lowbit.GGUFLinear.from_raw(_blocks(8, 288), Q4_0, 512, torch.zeros(7)),
      r"from_raw: bias must be a float tensor \[8\] \(one per row\), got torch.float32 \(7,\)"),
     (lambda: lowbit.GGUFLinear.from_raw(_blocks(8, 288), Q4_0, 512, torch.zeros(8, 1)), r"got torch.float32 \(8, 1\)"),

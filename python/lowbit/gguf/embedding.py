@@ -5,7 +5,7 @@ import torch
 
 from .._checks import has_values
 from .._stored import StoredBuffers
-from .linear import check_sizes
+from .linear import check_qtype, check_sizes
 
 
 class GGUFEmbedding(StoredBuffers):
@@ -24,6 +24,7 @@ class GGUFEmbedding(StoredBuffers):
                  embed_scale: float | None = None):
         super().__init__()
         check_sizes("GGUFEmbedding", embedding_dim=embedding_dim)
+        check_qtype("GGUFEmbedding", qtype)
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):  # what ggml_dequantize writes
             raise ValueError(f"GGUFEmbedding: dtype must be float32, float16 or bfloat16, got {dtype}")
         block, type_size = torch.ops.lowbit.ggml_type_info(qtype)

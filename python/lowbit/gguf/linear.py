@@ -23,6 +23,14 @@ def check_sizes(owner: str, **sizes) -> None:
             raise ValueError(f"{owner}: {name} must be a positive integer, got {size!r}")
 
 
+def check_qtype(owner: str, qtype) -> None:
+    """ValueError for a qtype that is not an integer type id: a bool passes
+    ggml_type_info as its id (True as F16), a float fails in the op's
+    argument parsing with an error that names neither module nor argument."""
+    if isinstance(qtype, bool) or not isinstance(qtype, numbers.Integral):
+        raise ValueError(f"{owner}: qtype must be a ggml type id (an integer), got {qtype!r}")
+
+
 class GGUFLinear(StoredBuffers):
     """y = x @ W.T + b with W stored as raw ggml blocks of type `qtype`.
 
@@ -47,6 +55,9 @@ class GGUFLinear(StoredBuffers):
                  dtype: Optional[torch.dtype] = None, device=None):
         super().__init__()
         check_sizes("GGUFLinear", in_features=in_features, out_features=out_features)
+        check_qtype("GGUFLinear", qtype)
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise ValueError(f"GGUFLinear: dtype (the bias's) must be a float dtype, got {dtype!r}")
         block, type_size = torch.ops.lowbit.ggml_type_info(qtype)
         if in_features % block:
             raise ValueError(f"GGUFLinear: in_features={in_features} is not a multiple of the block size {block} of type {qtype}")
