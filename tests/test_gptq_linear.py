@@ -344,6 +344,18 @@ def test_inputs_of_another_width_are_refused_and_meta_inputs_give_shapes(act_ord
     assert y.shape == (3, 5, OUT) and y.is_meta
 
 
+def test_from_tensors_names_bits_and_a_qweight_it_cannot_read_shapes_from():
+    """The layer's sizes are read off qweight with the packing of `bits`: bits 0 divided by zero, bits None or "4"
+    and a 1-D qweight raised bare TypeError, ZeroDivisionError, IndexError."""
+    layer, _ = layer_and_linear()
+    tensors = layer.qweight, layer.qzeros, layer.scales, layer.g_idx, layer.bias
+    for bits in (0, None, "4", 4.0):
+        with pytest.raises(ValueError, match=r"^GPTQLinear.from_tensors: bits must be one of"):
+            lowbit.GPTQLinear.from_tensors(*tensors, bits, 64)
+    with pytest.raises(ValueError, match=r"^GPTQLinear.from_tensors: qweight must be 2-D"):
+        lowbit.GPTQLinear.from_tensors(layer.qweight.flatten(), *tensors[1:], 4, 64)
+
+
 def test_a_meta_layer_sorts_and_joins_without_values():
     """A meta g_idx has no values: sort_rows leaves the layer as it is (a later load sorts nothing it cannot see) and
     can_join says no, where aten::equal raised a bare NotImplementedError; a load with assign=True then runs."""

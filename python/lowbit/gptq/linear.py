@@ -40,6 +40,13 @@ def in_order_g_idx(in_features: int, group_size: int, device=None) -> torch.Tens
     return (torch.arange(in_features, device=device) // g).to(torch.int32)
 
 
+def _check_bits(bits, who: str) -> None:
+    # A float or bool passes an `in` test (4.0 == 4, True == 1), then fails
+    # in torch.zeros with an error that names no argument.
+    if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or bits not in BITS:
+        raise ValueError(f"{who}: bits must be one of {BITS}, got {bits!r}")
+
+
 class GPTQLinear(StoredBuffers):
     """y = x @ W.T + b for a GPTQ weight W.
 
@@ -86,12 +93,10 @@ class GPTQLinear(StoredBuffers):
                  desc_act: bool = False, checkpoint_format: str = "gptq", bias: bool = True,
                  dtype: torch.dtype = torch.float16, device=None):
         super().__init__()
-        # A float or bool passes `in` and `<=` tests (4.0 == 4, True == 1),
-        # then fails in torch.zeros with an error that names no argument.
-        if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or bits not in BITS:
-            raise ValueError(f"GPTQLinear: bits must be one of {BITS}, got {bits!r}")
+        _check_bits(bits, "GPTQLinear")
         check_format(checkpoint_format, "GPTQLinear")
-        if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or group_size != -1 and group_size <= 0:
+        if (isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral)
+                or group_size != -1 and group_size <= 0):
             raise ValueError(f"GPTQLinear: group_size must be -1 or positive, got {group_size!r}")
         for name, size in (("in_features", in_features), ("out_features", out_features)):
             if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 0:
@@ -143,6 +148,10 @@ class GPTQLinear(StoredBuffers):
         """A layer whose buffers are these tensors themselves, not copies (a
         memory-mapped checkpoint's stay mapped, read as they are used):
         g_idx as int32 (in order where None), bias in the scales' dtype."""
+        _check_bits(bits, "GPTQLinear.from_tensors")  # before the packing sizes divide by it
+        if qweight.dim() != 2:  # its shape gives the layer's: shape[1] of a 1-D one is a bare IndexError
+            raise ValueError(f"GPTQLinear.from_tensors: qweight must be 2-D [packed rows, out_features], got "
+                             f"{tuple(qweight.shape)}")
         in_features = qweight.shape[0] // words_per_pack(bits) * fields_per_pack(bits)
         layer = cls(in_features, qweight.shape[1], bits, group_size, sym, desc_act, checkpoint_format,
                     bias is not None, scales.dtype, device="meta")
