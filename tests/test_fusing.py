@@ -187,6 +187,34 @@ def test_only_projections_that_can_join_are_fused():
             assert torch.equal(got(x), want(x))
 
 
+def test_a_load_between_sibling_calls_is_not_answered_with_the_old_weights():
+    """The parts one slice's call leaves for its siblings were computed with the weights of then: after a
+    load_state_dict, a sibling called on the same unchanged input runs the fused layer again (in a copy too)."""
+    Q8_0 = int(lowbit.GGMLType.Q8_0)
+
+    def attention(seed):
+        attn = nn.Module()
+        attn.q_proj, attn.k_proj, attn.v_proj = (quantized(32, Q8_0, bias=True, seed=seed + i) for i in range(3))
+        return attn
+
+    old, new = attention(0), attention(10)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        want = [layer(x) for layer in layers(new)]
+        fuse_projections(old), fuse_projections(new)
+        for model in [pickle_copy(old), copy.deepcopy(old), old]:  # the copies made before old loads
+            model.q_proj(x)  # leaves k's and v's parts of the old weights
+            model.load_state_dict(new.state_dict())
+            assert all(torch.equal(got(x), w) for got, w in zip(layers(model)[1:], want[1:]))
+
+
+def pickle_copy(model):
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
 def test_joined_refuses_layers_that_cannot_join():
     """joined is public: layers that can_join refuses (another type, a repacked one, another act-order g_idx)
     would compute wrong rows silently."""

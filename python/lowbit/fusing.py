@@ -12,7 +12,8 @@ and each sibling called on the same input takes its columns of that result.
 
 The model's own forward is unchanged, so any architecture works: a slice
 called on an input its group has not just computed (another tensor, the same
-one written in between, or the same slice twice) runs the fused layer again.
+one written in between, the same slice twice, or after the fused layer's
+load_state_dict) runs the fused layer again.
 (Inference tensors and torch.compile's graphs count no writes: there only
 the input's identity is checked.)
 """
@@ -63,6 +64,12 @@ class FusedOutputs:
         if self.latest is latest and all(p is None for p in parts):
             self.latest = None
         return out
+
+    def forget(self, module=None, incompatible_keys=None) -> None:
+        """Drops the parts not taken yet: the fused layer's load_state_dict
+        post hook, since a load changes the weights they were computed with
+        and the input they were for may come again unchanged."""
+        self.latest = None
 
     def __getstate__(self):
         return {"layer": self.layer, "sizes": self.sizes, "latest": None}
@@ -141,6 +148,8 @@ def fuse_projections(model: nn.Module, mapped: GGUFFile | None = None) -> list[s
                 layers = [parent._modules[n] for n in names]
                 fused = type(layers[0]).joined(layers, mapped.back_to_back if mapped is not None else None)
                 outputs = FusedOutputs(fused, [layer.out_features for layer in layers])
+                # A bound method: a copy (deepcopy, pickle) hooks its own outputs.
+                fused.register_load_state_dict_post_hook(outputs.forget)
                 fused.fused_from = tuple(names)  # what it stands for (lowbit.lora leaves it to its slices)
                 parent.add_module(name, fused)
                 for index, n in enumerate(names):
