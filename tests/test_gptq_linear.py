@@ -356,6 +356,26 @@ def test_from_tensors_names_bits_and_a_qweight_it_cannot_read_shapes_from():
         lowbit.GPTQLinear.from_tensors(layer.qweight.flatten(), *tensors[1:], 4, 64)
 
 
+@pytest.mark.parametrize("act_order", [False, True])
+def test_columns_of_another_layer_load_by_assignment_and_build_a_layer(act_order):
+    """part_state's tensors are views of columns (not contiguous): from_tensors and load_state_dict(assign=True)
+    took them as they were, and the layer's first call failed in the kernels ("b_q_weight must be contiguous")."""
+    layer, _ = layer_and_linear(act_order=act_order)
+    part = layer.part_state(slice(32, 64))
+    assert not part["qweight"].is_contiguous() or not part["scales"].is_contiguous()
+    x = torch.randn(3, IN)
+    want = layer(x)[:, 32:64]
+    built = lowbit.GPTQLinear.from_tensors(**part, bits=4, group_size=64, sym=False, desc_act=act_order,
+                                           checkpoint_format="gptq_v2")
+    loaded = lowbit.GPTQLinear(IN, 32, 4, 64, False, act_order, "gptq_v2", device="meta")
+    loaded.load_state_dict(part, assign=True)
+    for got in (built, loaded.sort_rows()):
+        got.int8_activations = False
+        torch.testing.assert_close(got(x), want, rtol=0, atol=0)
+        got.int8_activations = True
+        assert got(x).shape == want.shape
+
+
 def test_a_meta_layer_sorts_and_joins_without_values():
     """A meta g_idx has no values: sort_rows leaves the layer as it is (a later load sorts nothing it cannot see) and
     can_join says no, where aten::equal raised a bare NotImplementedError; a load with assign=True then runs."""

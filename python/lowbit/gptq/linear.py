@@ -147,7 +147,9 @@ class GPTQLinear(StoredBuffers):
                      sym: bool = True, desc_act: bool = False, checkpoint_format: str = "gptq") -> GPTQLinear:
         """A layer whose buffers are these tensors themselves, not copies (a
         memory-mapped checkpoint's stay mapped, read as they are used):
-        g_idx as int32 (in order where None), bias in the scales' dtype."""
+        g_idx as int32 (in order where None), bias in the scales' dtype, a
+        tensor that is not contiguous (columns of another layer's) a
+        contiguous copy."""
         _check_bits(bits, "GPTQLinear.from_tensors")  # before the packing sizes divide by it
         if qweight.dim() != 2:  # its shape gives the layer's: shape[1] of a 1-D one is a bare IndexError
             raise ValueError(f"GPTQLinear.from_tensors: qweight must be 2-D [packed rows, out_features], got "
@@ -170,7 +172,7 @@ class GPTQLinear(StoredBuffers):
                 raise ValueError(f"GPTQLinear.from_tensors: {name} must be {expect.dtype} {tuple(expect.shape)} "
                                  f"beside qweight {tuple(qweight.shape)} at {bits} bits, got {tensor.dtype} "
                                  f"{tuple(tensor.shape)}")
-            setattr(layer, name, tensor)
+            setattr(layer, name, tensor.contiguous())  # the kernels read contiguous tensors (a view: copied)
         return layer
 
     def can_join(self, other: nn.Module) -> bool:
@@ -445,6 +447,11 @@ class GPTQLinear(StoredBuffers):
         sorted_, repacked = self.rows_sorted, self.repacked
         self.unsort_rows()  # what is not loaded stays the checkpoint's
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        # assign=True takes the state's tensors themselves, which may be views
+        # (unfused_state_dict's columns of a fused layer): the kernels read contiguous ones.
+        for name in ("qweight", "qzeros", "scales", "g_idx"):
+            if not self._buffers[name].is_contiguous():
+                self._buffers[name] = self._buffers[name].contiguous()
         if sorted_:
             self.sort_rows()
         if repacked:
