@@ -107,6 +107,24 @@ def test_empty_sizes_are_refused(build, message):
         build()
 
 
+def test_blocks_that_are_not_contiguous_load_by_assignment_and_build_a_layer():
+    """from_raw and load_state_dict(assign=True) took a strided view of the blocks as it was: the first call,
+    repack() and dequantize() then failed in the kernels ("W must be contiguous")."""
+    torch.manual_seed(0)
+    Q8_0 = gb.type_id("Q8_0")
+    layer = lowbit.GGUFLinear.from_linear(torch.nn.Linear(IN, OUT), Q8_0)
+    strided = layer.qweight.t().contiguous().t()
+    x = torch.randn(3, IN)
+    built = lowbit.GGUFLinear.from_raw(strided, Q8_0, IN, layer.bias)
+    loaded = lowbit.GGUFLinear(IN, OUT, Q8_0, device="meta")
+    loaded.load_state_dict({"qweight": strided, "bias": layer.bias}, assign=True)
+    repacked = lowbit.GGUFLinear.from_raw(layer.qweight, Q8_0, IN, layer.bias).repack()
+    strided_repacked = lowbit.GGUFLinear.from_raw(strided, Q8_0, IN, layer.bias).repack()
+    for got, want in ((built, layer), (loaded, layer), (strided_repacked, repacked)):
+        assert torch.equal(got.dequantize(), layer.dequantize())
+        assert torch.equal(got(x), want(x))
+
+
 @pytest.mark.parametrize("build, message", [
     (lambda: lowbit.GGUFLinear(512, 8, float(Q4_0)), "GGUFLinear: qtype must be a ggml type id"),
     (lambda: lowbit.GGUFLinear(512, 8, True), "GGUFLinear: qtype must be a ggml type id"),

@@ -90,7 +90,7 @@ class GGUFLinear(StoredBuffers):
         if tuple(qweight.shape) != tuple(layer.qweight.shape) or qweight.dtype != torch.uint8:
             raise ValueError(f"GGUFLinear.from_raw: qweight must be uint8 {tuple(layer.qweight.shape)} for "
                              f"{in_features} inputs of type {qtype}, got {qweight.dtype} {tuple(qweight.shape)}")
-        layer.qweight = qweight
+        layer.qweight = qweight.contiguous()  # the kernels read whole rows (a view: copied)
         if bias is not None:
             layer.bias = bias.detach().clone()
         return layer
@@ -208,6 +208,9 @@ class GGUFLinear(StoredBuffers):
         self.unrepack()
         try:
             super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+            # assign=True takes the state's tensor itself, which may be a view: the kernels read contiguous rows.
+            if not self._buffers["qweight"].is_contiguous():
+                self._buffers["qweight"] = self._buffers["qweight"].contiguous()
         finally:
             if repacked:
                 self.repack()
