@@ -182,16 +182,26 @@ def test_inspect(toy):
     assert lines[-1] == f"total: {len(TOY_TENSORS)} tensors, {total_bytes} bytes, {average:.2f} bits per weight"
 
 
-def test_inspect_escapes_control_characters_of_the_file(tmp_path):
-    """A key or tensor name with a newline or a terminal escape prints as one escaped line, forging no row."""
-    path = str(tmp_path / "escapes.gguf")
+def write_named_gguf(path, keys, tensor_names) -> str:
+    """A llama GGUF file holding a string key "v" under each of `keys` and
+    a 32-value F32 tensor under each of `tensor_names`."""
+    path = str(path)
     writer = gguf.GGUFWriter(path, "llama")
-    writer.add_key_value("general.name\x1b[2J\nfake.key", "v", gguf.GGUFValueType.STRING)
-    writer.add_tensor("blk.0\x1b]0;title\x07\nFAKE", np.zeros(32, np.float32))
+    for key in keys:
+        writer.add_key_value(key, "v", gguf.GGUFValueType.STRING)
+    for name in tensor_names:
+        writer.add_tensor(name, np.zeros(32, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+def test_inspect_escapes_control_characters_of_the_file(tmp_path):
+    """A key or tensor name with a newline or a terminal escape prints as one escaped line, forging no row."""
+    path = write_named_gguf(tmp_path / "escapes.gguf", ["general.name\x1b[2J\nfake.key"],
+                            ["blk.0\x1b]0;title\x07\nFAKE"])
     result = run_cli("inspect", path)
     assert result.returncode == 0, result.stderr
     assert not any(c in result.stdout for c in "\x1b\x07")
@@ -204,16 +214,7 @@ def test_inspect_escapes_control_characters_of_the_file(tmp_path):
 def test_inspect_cuts_long_names_of_the_file(tmp_path):
     """The tensor table pads every row to its longest name: a name of a
     megabyte among 200 tensors is cut, not 200 MB of padding."""
-    path = str(tmp_path / "long.gguf")
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_key_value("k" * 10000, "v", gguf.GGUFValueType.STRING)
-    writer.add_tensor("a" * 1000000, np.zeros(32, np.float32))
-    for i in range(200):
-        writer.add_tensor(f"t{i}", np.zeros(32, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = write_named_gguf(tmp_path / "long.gguf", ["k" * 10000], ["a" * 1000000] + [f"t{i}" for i in range(200)])
     result = run_cli("inspect", path)
     assert result.returncode == 0, result.stderr
     assert len(result.stdout) < 100_000

@@ -651,6 +651,15 @@ def word_tokenizer(vocab_size):
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="[UNK]")
 
 
+def greedy_continuation(model, tokenizer, prompt: str, tokens: int) -> str:
+    """The text of the model's greedy continuation of prompt, as the generate command prints it."""
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False,
+                             pad_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
 def test_generate_command_runs_a_gptq_directory(tmp_path, capsys, monkeypatch):
     from lowbit.__main__ import main
     from lowbit.gptq import placing
@@ -674,11 +683,7 @@ def test_generate_command_runs_a_gptq_directory(tmp_path, capsys, monkeypatch):
     tokenizer.save_pretrained(tmp_path / "ckpt")
     assert main(["generate", str(tmp_path / "ckpt"), "w1 w2 w3", "--tokens", "5"]) == 0
     out, err = capsys.readouterr()
-    ids = tokenizer("w1 w2 w3", return_tensors="pt").input_ids
-    with torch.no_grad():
-        expect = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
-                                pad_token_id=tokenizer.eos_token_id)
-    text = tokenizer.decode(expect[0, 3:], skip_special_tokens=True).strip()
+    text = greedy_continuation(model, tokenizer, "w1 w2 w3", 5)
     assert out.strip() == text
     assert "LlamaForCausalLM" in err and "prompt 3 tokens" in err
     # The checkpoint's single file: its directory's tokenizer.
@@ -687,10 +692,7 @@ def test_generate_command_runs_a_gptq_directory(tmp_path, capsys, monkeypatch):
     # --int8-activations: the same tokens as the loader's int8 model gives them.
     assert main(["generate", str(tmp_path / "ckpt"), "w1 w2 w3", "--tokens", "5", "--int8-activations"]) == 0
     int8_model = lowbit.load_gptq_model(tmp_path / "ckpt", int8_activations=True)
-    with torch.no_grad():
-        expect = int8_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
-                                     pad_token_id=tokenizer.eos_token_id)
-    int8_text = tokenizer.decode(expect[0, 3:], skip_special_tokens=True).strip()
+    int8_text = greedy_continuation(int8_model, tokenizer, "w1 w2 w3", 5)
     assert capsys.readouterr().out.strip() == int8_text
     # --repack: the same tokens from the panel layout, with --int8-activations and without.
     assert main(["generate", str(tmp_path / "ckpt"), "w1 w2 w3", "--tokens", "5", "--int8-activations",
@@ -702,10 +704,7 @@ def test_generate_command_runs_a_gptq_directory(tmp_path, capsys, monkeypatch):
     assert main(["generate", str(tmp_path / "ckpt"), "w1 w2 w3", "--tokens", "5", "--float-tables", "Q8_0"]) == 0
     q8_model = lowbit.load_gptq_model(tmp_path / "ckpt", float_tables="Q8_0")
     assert q8_model.lm_head.qtype == 8
-    with torch.no_grad():
-        expect = q8_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
-                                   pad_token_id=tokenizer.eos_token_id)
-    assert capsys.readouterr().out.strip() == tokenizer.decode(expect[0, 3:], skip_special_tokens=True).strip()
+    assert capsys.readouterr().out.strip() == greedy_continuation(q8_model, tokenizer, "w1 w2 w3", 5)
     # --float-tables Q6_K: 128-value rows are not whole Q6_K blocks.
     assert main(["generate", str(tmp_path / "ckpt"), "w1 w2 w3", "--tokens", "5", "--float-tables", "Q6_K"]) == 1
     assert "are not a multiple of the Q6_K block size 256" in capsys.readouterr().err
@@ -731,11 +730,7 @@ def test_generate_command_runs_a_model_without_a_fixed_context(tmp_path, capsys)
     tokenizer.save_pretrained(tmp_path / "ckpt")
     assert main(["generate", str(tmp_path / "ckpt"), "w1 w2 w3", "--tokens", "5"]) == 0
     out, err = capsys.readouterr()
-    ids = tokenizer("w1 w2 w3", return_tensors="pt").input_ids
-    with torch.no_grad():
-        expect = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
-                                pad_token_id=tokenizer.eos_token_id)
-    assert out.strip() == tokenizer.decode(expect[0, 3:], skip_special_tokens=True).strip()
+    assert out.strip() == greedy_continuation(model, tokenizer, "w1 w2 w3", 5)
     assert "BloomForCausalLM" in err
 
 
