@@ -15,11 +15,20 @@
 //    whatever fields they cross, and a chunk indexes a per-row table of what
 //    its bits add to the dot product (bit j of field k adds a[k] * 2^j), so
 //    one shift and one lookup-add serve kLookupBits bits of weights, not B;
-//  - wider fields (8-bit, and 4-bit on AVX2) are masked and converted.
-// For lookup fields the zero point leaves the inner loop,
+//  - 4-bit fields on AVX2 are masked where they lie, not shifted down: the
+//    masked word is q * 2^shift, which converts to float exactly (it stays
+//    below 2^31), and the activation is pre-scaled by 2^-shift once per call,
+//    so the product is a[k] * q[k] all the same (exact unless |a| < 2^-102,
+//    where the pre-scaled value is subnormal). A word's top field is shifted
+//    down instead, which clears the rest. A mask, a convert and an FMA per
+//    vector, against a shift, a mask, a subtraction, a convert and an FMA;
+//  - 8-bit fields are cut out, converted and have the zero point subtracted
+//    in integers: streamed from memory, as a model's are, they run slower
+//    through the in-place loop than through this one.
+// For lookup and in-place fields the zero point leaves the inner loop,
 //     sum_k a[m, k] (q[k, n] - z[n]) = sum_k a[m, k] q[k, n] - z[n] sum_k a[m, k],
-// which costs a few ulps of |a| @ |W| in cancellation (q, z < 16); wider
-// fields subtract it exactly in integers. The scale multiplies the group's
+// which costs a few ulps of |a| @ |W| in cancellation (q, z < 16). The
+// scale multiplies the group's
 // fp32 partial sum once per group:
 //     out[m, n] += s[g, n] * sum_{k in g} a[m, k] * (q[k, n] - z[g, n])
 // which is the reference's sum of a * s * (q - z) regrouped, fp32 throughout.
@@ -50,6 +59,15 @@ struct FusedSimd {
   using P = gptq::Pack<B>;
   static constexpr int L = V::kLanes;
   static constexpr bool kLookup = B <= V::kLookupBits;
+  static constexpr bool kInPlace = !kLookup && B == 4;
+  static constexpr bool kFoldZero = kLookup || kInPlace;
+  // Whether field FI is its word's top field, which a shift alone cuts out.
+  static constexpr bool top_field(int FI) { return gptq::locate<B>(FI).lo_shift + B == 32; }
+  // What kInPlace pre-scales field FI's activation by: 2^-shift of the
+  // masked field (a power of two, so the scaling itself is exact).
+  static constexpr float in_place_scale(int FI) {
+    return top_field(FI) ? 1.0f : 1.0f / static_cast<float>(1u << gptq::locate<B>(FI).lo_shift);
+  }
   static constexpr int kMaxRows = kFusedMaxRows;
 
   // The chunks of the chunk tables: C bits at offsets 0, C, 2C, ... of every
@@ -108,7 +126,7 @@ struct FusedSimd {
     int64_t K;
     const float* tables;  // kChunks<MT>: [MT][tables_per_row][L] chunk tables, else null
     int64_t tables_per_row;
-    float a_sum[kMaxRows];  // kLookup: sum of the group's activations per row
+    float a_sum[kMaxRows];  // kFoldZero: sum of the group's (unscaled) activations per row
   };
 
   // Field FI of the pack in `words`, for U column vectors, into acc.
@@ -121,9 +139,15 @@ struct FusedSimd {
       const auto word = [&](int64_t i) { return words[i][u]; };
       if constexpr (kUnmasked) {
         q[u] = V::lookup(levels, pack_field<V, B, FI, false>(word));
+      } else if constexpr (kInPlace && top_field(FI)) {
+        constexpr gptq::FieldLoc f = gptq::locate<B>(FI);
+        q[u] = V::cvt(V::template srl<f.lo_shift>(word(f.lo)));
+      } else if constexpr (kInPlace) {
+        constexpr gptq::FieldLoc f = gptq::locate<B>(FI);
+        q[u] = V::cvt(V::and_(word(f.lo), V::set1_i(static_cast<int32_t>(P::kMask << f.lo_shift))));
       } else {
         I v = pack_field<V, B, FI, true>(word);
-        if constexpr (!kLookup) v = V::sub(v, zero[u]);
+        if constexpr (!kFoldZero) v = V::sub(v, zero[u]);
         q[u] = V::cvt(v);
       }
     }
@@ -202,7 +226,7 @@ struct FusedSimd {
     for (int m = 0; m < MT; ++m)
       for (int u = 0; u < U; ++u) {
         F sum = acc[m][u];
-        if constexpr (kLookup) sum = V::fnma(V::cvt(zero[u]), V::set1(in.a_sum[m]), sum);
+        if constexpr (kFoldZero) sum = V::fnma(V::cvt(zero[u]), V::set1(in.a_sum[m]), sum);
         float* o = out + m * N + u * L;
         V::store(o, V::fma(V::load(s + u * L), sum, V::load(o)));
       }
@@ -232,19 +256,21 @@ struct FusedSimd {
   };
 
   // Rows m0 .. m0+MT of out[:, n0:n1], one group g, whose zero points and
-  // scales for those columns are z and s. The chunk tables (kChunks<MT>) are
-  // built once here for every column tile.
+  // scales for those columns are z and s. a_fields is what the fields
+  // multiply: a itself, or a pre-scaled for kInPlace. The chunk tables
+  // (kChunks<MT>) are built once here for every column tile.
   template <int MT>
-  static void group_rows(const float* a, const GptqWeight& w, int64_t g, int64_t m0, int64_t n0, int64_t n1,
-                         const int32_t* z, const float* s, Scratch& scratch, float* out) {
+  static void group_rows(const float* a, const float* a_fields, const GptqWeight& w, int64_t g, int64_t m0,
+                         int64_t n0, int64_t n1, const int32_t* z, const float* s, Scratch& scratch, float* out) {
     const int64_t gs = w.group_of.group_size;
     const int64_t rows = std::min(gs, w.K - g * gs);  // the last group may be short
     const int64_t packs = rows / P::kFields;
-    GroupInputs in{a + m0 * w.K + g * gs, w.K, nullptr, packs * kChunksPerPack, {}};
-    if constexpr (kLookup) {
+    const int64_t first = m0 * w.K + g * gs;
+    GroupInputs in{a_fields + first, w.K, nullptr, packs * kChunksPerPack, {}};
+    if constexpr (kFoldZero) {
       for (int m = 0; m < MT; ++m) {
         float sum = 0.0f;
-        for (int64_t k = 0; k < rows; ++k) sum += in.a[m * w.K + k];
+        for (int64_t k = 0; k < rows; ++k) sum += a[first + m * w.K + k];
         in.a_sum[m] = sum;
       }
     }
@@ -277,8 +303,16 @@ struct FusedSimd {
 
   static void run(const float* a, int64_t M, const GptqWeight& w, int64_t n0, int64_t n1, float* out) {
     Scratch scratch(std::min(w.group_of.group_size, w.K) / P::kFields);
+    std::vector<float> scaled;
+    if constexpr (kInPlace) {
+      float scale[P::kFields];
+      for (int f = 0; f < P::kFields; ++f) scale[f] = in_place_scale(f);
+      scaled.resize(M * w.K);
+      for (int64_t i = 0; i < M * w.K; ++i) scaled[i] = a[i] * scale[i % w.K % P::kFields];
+    }
+    const float* a_fields = kInPlace ? scaled.data() : a;
     for_group_row_tiles<B>(w, M, n0, n1, out, [&](auto mt, int64_t g, int64_t m0, const int32_t* z, const float* s) {
-      group_rows<decltype(mt)::value>(a, w, g, m0, n0, n1, z, s, scratch, out);
+      group_rows<decltype(mt)::value>(a, a_fields, w, g, m0, n0, n1, z, s, scratch, out);
     });
   }
 };
