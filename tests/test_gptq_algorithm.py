@@ -188,7 +188,7 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match=r"\[256, 256\]"):
         quantize_linear(lin, H[:128, :128], 4)
     # Floats, bools and strings that would pass `in` / `<` tests or fail deep in torch: refused by name.
-    for kwargs, pattern in [({"bits": 4.0}, r"bits must be 2, 3, 4 or 8, got 4.0"),
+    for kwargs, pattern in [({"bits": 4.0}, r"bits must be one of \(2, 3, 4, 8\), got 4.0"),
                             ({"group_size": 64.5}, r"group_size must be -1 or a positive integer, got 64.5"),
                             ({"group_size": True}, r"group_size must be -1 or a positive integer, got True"),
                             ({"damp_percent": "0.01"}, r"damp_percent must lie in \(0, 1\), got 0.01"),
@@ -231,6 +231,16 @@ def test_weights_that_are_not_a_matrix_of_inputs_are_refused(shape):
         gptq_weight(torch.zeros(shape), torch.eye(K), 4, -1)
     with pytest.raises(ValueError, match=r"quantize_rtn: weight must be 2-D \[out, in\] with in > 0"):
         lowbit.quantize_rtn(torch.zeros(shape), 4, -1)
+
+
+def test_weights_of_no_outputs_are_refused_before_packing():
+    """Tensors of no outputs are ones no GPTQLinear takes (its sizes are
+    positive): the packing quantizers refuse them as they refuse no inputs."""
+    with pytest.raises(ValueError, match=r"quantize_rtn: weight must be 2-D \[out, in\] with in > 0, out > 0 .* "
+                                         r"got shape \(0, 256\)"):
+        lowbit.quantize_rtn(torch.zeros(0, K), 4, -1)
+    with pytest.raises(ValueError, match=r"quantize_linear: weight must be 2-D .* out > 0"):
+        quantize_linear(torch.nn.Linear(K, 0), torch.eye(K), 4, -1)
 
 
 @pytest.mark.parametrize("bits, shape", [(4, (16, 60)), (4, (12, 64)), (3, (64, 48)), (2, (24, 64))])

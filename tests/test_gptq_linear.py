@@ -296,7 +296,7 @@ def test_constructor_validates():
         lowbit.GPTQLinear(IN, OUT, 5, 128)
     with pytest.raises(ValueError, match="checkpoint_format must be one of"):
         lowbit.GPTQLinear(IN, OUT, 4, 128, checkpoint_format="awq")
-    with pytest.raises(ValueError, match="group_size must be -1 or positive"):
+    with pytest.raises(ValueError, match="group_size must be -1 or a positive integer"):
         lowbit.GPTQLinear(IN, OUT, 4, 0)
     with pytest.raises(ValueError, match="multiples of 32"):
         lowbit.GPTQLinear(IN, 48, 3, 128)
@@ -313,6 +313,18 @@ def test_constructor_names_arguments_of_the_wrong_type():
             lowbit.GPTQLinear(*args)
     with pytest.raises(ValueError, match="dtype must be a float dtype"):
         lowbit.GPTQLinear(IN, OUT, 4, 128, dtype=torch.int32)
+
+
+def test_zero_sizes_are_refused_naming_the_argument():
+    """A layer of no inputs or outputs has packs of nothing the kernels cannot
+    read: refused where it is made (as GGUFLinear refuses them), not by its
+    first call's reshape or kernel error."""
+    for args, match in (((0, OUT, 4, 128), "in_features"), ((IN, 0, 4, 128), "out_features")):
+        with pytest.raises(ValueError, match=rf"^GPTQLinear: {match} must be a positive integer, got 0$"):
+            lowbit.GPTQLinear(*args)
+    with pytest.raises(ValueError, match="out_features must be a positive integer, got 0"):
+        lowbit.GPTQLinear.from_tensors(torch.zeros(IN // 8, 0, dtype=torch.int32), torch.zeros(1, 0, dtype=torch.int32),
+                                       torch.zeros(1, 0, dtype=torch.float16), None, None, 4, -1)
     assert lowbit.GPTQLinear(np.int64(IN), np.int64(OUT), np.int64(4), np.int64(128)).scales.shape == (IN // 128, OUT)
 
 

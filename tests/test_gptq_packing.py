@@ -126,7 +126,7 @@ def test_quantize_rtn_rejects_bad_arguments():
     with pytest.raises(ValueError, match="perm"):
         lowbit.quantize_rtn(w, 4, 32, perm=torch.zeros(64, dtype=torch.long))
     # A float or bool passes `in` / `<=` tests (4.0 == 4, True == 1): refused by name, not failing in torch.
-    for kwargs, pattern in [({"bits": 4.0}, r"bits must be 2, 3, 4 or 8, got 4.0"),
+    for kwargs, pattern in [({"bits": 4.0}, r"bits must be one of \(2, 3, 4, 8\), got 4.0"),
                             ({"bits": True}, "bits must be"),
                             ({"group_size": 32.0}, r"group_size must be -1 or a positive integer, got 32.0"),
                             ({"group_size": True}, r"group_size must be -1 or a positive integer, got True"),

@@ -1,10 +1,28 @@
-"""Checks of inputs: tensor values (a weight or Hessian to quantize, a
-checkpoint's scales, norms and biases) and the files a loader opens."""
+"""Checks of inputs: integer arguments (a layer's sizes), tensor values (a
+weight or Hessian to quantize, a checkpoint's scales, norms and biases) and
+the files a loader opens."""
+import numbers
 import os
 import stat
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+
+
+def is_integer(value) -> bool:
+    """Whether `value` is an integer (numpy's too) and not a bool: a float or
+    bool passes `in` and `<=` tests (4.0 == 4, True == 1), then fails deep in
+    torch or an op with an error that names no argument."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_sizes(who: str, **sizes) -> None:
+    """ValueError naming the first of `sizes` that is not a positive integer:
+    a 0 passes every block- and pack-size check and would surface later as a
+    reshape or kernel error that names neither the module nor the argument."""
+    for name, size in sizes.items():
+        if not is_integer(size) or size < 1:
+            raise ValueError(f"{who}: {name} must be a positive integer, got {size!r}")
 
 
 def has_values(t: torch.Tensor) -> bool:

@@ -3,9 +3,9 @@ embedding's blocks and dequantizes only the rows it looks up, as llama.cpp's
 get_rows does (a float copy of a 128k-token table costs GBs)."""
 import torch
 
-from .._checks import has_values
+from .._checks import check_sizes, has_values
 from .._stored import StoredBuffers
-from .linear import check_qtype, check_sizes
+from .linear import check_qtype
 
 
 class GGUFEmbedding(StoredBuffers):

@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._checks import check_sizes
 from .._frozen import call_layer_op, op_input
 from .._stored import StoredBuffers
 from ..moe import check_routing
 from .file import release_mapped
-from .linear import check_sizes
 
 
 PROJECTIONS = ("gate", "up", "down")

@@ -1,12 +1,11 @@
 """GGUFLinear: an nn.Linear replacement that keeps a GGUF weight's quantized
 blocks (not a dequantized copy) and multiplies through torch.ops.lowbit."""
-import numbers
 from typing import Optional
 
 import torch
 from torch import nn
 
-from .._checks import check_finite
+from .._checks import check_finite, check_sizes, is_integer
 from .._frozen import linear_forward
 from .._stored import StoredBuffers
 from .file import release_mapped
@@ -14,20 +13,12 @@ from .file import release_mapped
 # The ggml float weight types (F32, F16, BF16) of torch's dtypes.
 FLOAT_QTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 
-def check_sizes(owner: str, **sizes) -> None:
-    """ValueError naming the first of `sizes` that is not a positive integer:
-    a 0 passes every block-size check and would surface later as a torch
-    reshape error that names neither the module nor the argument."""
-    for name, size in sizes.items():
-        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
-            raise ValueError(f"{owner}: {name} must be a positive integer, got {size!r}")
-
 
 def check_qtype(owner: str, qtype) -> None:
     """ValueError for a qtype that is not an integer type id: a bool passes
     ggml_type_info as its id (True as F16), a float fails in the op's
     argument parsing with an error that names neither module nor argument."""
-    if isinstance(qtype, bool) or not isinstance(qtype, numbers.Integral):
+    if not is_integer(qtype):
         raise ValueError(f"{owner}: qtype must be a ggml type id (an integer), got {qtype!r}")
 
 

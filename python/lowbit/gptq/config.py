@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .._checks import check_regular_file
+from .._checks import check_regular_file, is_integer
 
 try:  # matches with a time limit, which `re` cannot
     import regex
@@ -233,13 +233,18 @@ def _flag(raw: dict[str, Any], key: str, default: bool, where: str) -> bool:
     return value
 
 
+def check_bits_group_size(who: str, bits, group_size, error: type[ValueError] = ValueError) -> None:
+    """Refuses, as `error` naming the argument, bits the packing has no
+    layout for and a group_size that is neither -1 (one group) nor positive:
+    a config's, a quantizer's and a layer's alike."""
+    if not is_integer(bits) or bits not in BITS:
+        raise error(f"{who}: bits must be one of {BITS}, got {bits!r}")
+    if not is_integer(group_size) or not (group_size == -1 or group_size > 0):
+        raise error(f"{who}: group_size must be -1 or a positive integer, got {group_size!r}")
+
+
 def _validate(q: ModuleQuant, where: str) -> None:
-    # bool is an int subclass, and 4.0 == 4: both are refused, not read as numbers.
-    if isinstance(q.bits, bool) or not isinstance(q.bits, int) or q.bits not in BITS:
-        raise GPTQConfigError(f"{where}: bits must be one of {BITS}, got {q.bits!r}")
-    if (isinstance(q.group_size, bool) or not isinstance(q.group_size, int)
-            or not (q.group_size == -1 or q.group_size > 0)):
-        raise GPTQConfigError(f"{where}: group_size must be -1 or a positive integer, got {q.group_size!r}")
+    check_bits_group_size(where, q.bits, q.group_size, GPTQConfigError)
     for key in ("desc_act", "sym"):
         if not isinstance(getattr(q, key), bool):
             raise GPTQConfigError(f"{where}: {key} must be true or false, got {getattr(q, key)!r}")

@@ -3,16 +3,14 @@ checkpoint's tensors, multiplied by torch.ops.lowbit.gptq_gemm (or, with
 int8_activations on the CPU, gptq_gemm_a8)."""
 from __future__ import annotations
 
-import numbers
-
 import torch
 from torch import nn
 
-from .._checks import has_values
+from .._checks import check_sizes, has_values
 from .._frozen import linear_forward
 from .._stored import StoredBuffers, beyond
 from .packing import PANEL_COLS, fields_per_pack, from_panels, to_panels, words_per_pack
-from .config import BITS, check_format
+from .config import check_bits_group_size, check_format
 from .rtn import quantize_rtn
 
 # Layers join only in whole multiples of the CPU kernels' widest column step
@@ -38,13 +36,6 @@ def in_order_g_idx(in_features: int, group_size: int, device=None) -> torch.Tens
         return torch.empty(in_features, dtype=torch.int32, device="meta")
     g = in_features if group_size == -1 else min(group_size, max(in_features, 1))  # past K: one group
     return (torch.arange(in_features, device=device) // g).to(torch.int32)
-
-
-def _check_bits(bits, who: str) -> None:
-    # A float or bool passes an `in` test (4.0 == 4, True == 1), then fails
-    # in torch.zeros with an error that names no argument.
-    if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or bits not in BITS:
-        raise ValueError(f"{who}: bits must be one of {BITS}, got {bits!r}")
 
 
 class GPTQLinear(StoredBuffers):
@@ -93,14 +84,9 @@ class GPTQLinear(StoredBuffers):
                  desc_act: bool = False, checkpoint_format: str = "gptq", bias: bool = True,
                  dtype: torch.dtype = torch.float16, device=None):
         super().__init__()
-        _check_bits(bits, "GPTQLinear")
+        check_bits_group_size("GPTQLinear", bits, group_size)
         check_format(checkpoint_format, "GPTQLinear")
-        if (isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral)
-                or group_size != -1 and group_size <= 0):
-            raise ValueError(f"GPTQLinear: group_size must be -1 or positive, got {group_size!r}")
-        for name, size in (("in_features", in_features), ("out_features", out_features)):
-            if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 0:
-                raise ValueError(f"GPTQLinear: {name} must be a non-negative integer, got {size!r}")
+        check_sizes("GPTQLinear", in_features=in_features, out_features=out_features)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:  # the scales' and bias's dtype
             raise ValueError(f"GPTQLinear: dtype must be a float dtype, got {dtype!r}")
         if in_features % fields_per_pack(bits) or out_features % fields_per_pack(bits):
@@ -150,7 +136,7 @@ class GPTQLinear(StoredBuffers):
         g_idx as int32 (in order where None), bias in the scales' dtype, a
         tensor that is not contiguous (columns of another layer's) a
         contiguous copy."""
-        _check_bits(bits, "GPTQLinear.from_tensors")  # before the packing sizes divide by it
+        check_bits_group_size("GPTQLinear.from_tensors", bits, group_size)  # before the packing sizes divide by bits
         if qweight.dim() != 2:  # its shape gives the layer's: shape[1] of a 1-D one is a bare IndexError
             raise ValueError(f"GPTQLinear.from_tensors: qweight must be 2-D [packed rows, out_features], got "
                              f"{tuple(qweight.shape)}")

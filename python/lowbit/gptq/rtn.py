@@ -10,6 +10,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .._checks import check_finite
+from .config import check_bits_group_size
 from .packing import fields_per_pack
 
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
@@ -35,12 +36,8 @@ SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def check_quant_args(who: str, bits: int, group_size: int, scale_dtype: torch.dtype,
                      dtype_name: str = "scale_dtype") -> None:
     """Refuses bits, group_size and scale dtype a quantizer cannot use, naming
-    the argument: a float or bool passes `in` and `<=` tests (4.0 == 4,
-    True == 1), then fails deep in torch or the packing op."""
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (2, 3, 4, 8):
-        raise ValueError(f"{who}: bits must be 2, 3, 4 or 8, got {bits!r}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
-        raise ValueError(f"{who}: group_size must be -1 or a positive integer, got {group_size!r}")
+    the argument."""
+    check_bits_group_size(who, bits, group_size)
     if scale_dtype not in SCALE_DTYPES:
         raise ValueError(f"{who}: {dtype_name} must be one of {SCALE_DTYPES}, got {scale_dtype!r}")
 
@@ -53,8 +50,9 @@ def check_packable(who: str, weight: torch.Tensor, bits: int) -> None:
         raise ValueError(f"{who}: weight must be a real floating-point tensor, got "
                          f"{weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__}")
     fields = fields_per_pack(bits)
-    if weight.dim() != 2 or weight.shape[1] == 0 or weight.shape[0] % fields or weight.shape[1] % fields:
-        raise ValueError(f"{who}: weight must be 2-D [out, in] with in > 0 and both multiples of {fields} "
+    # No outputs make tensors no GPTQLinear takes (its sizes are positive), as no inputs do.
+    if weight.dim() != 2 or 0 in weight.shape or weight.shape[0] % fields or weight.shape[1] % fields:
+        raise ValueError(f"{who}: weight must be 2-D [out, in] with in > 0, out > 0 and both multiples of {fields} "
                          f"({bits}-bit fields per pack), got shape {tuple(weight.shape)}")
 
 
