@@ -1373,6 +1373,16 @@ def test_layer_count_counts_only_layers_without_gaps(checkpoint):
     check_layer_count(checkpoint)
 
 
+def test_a_module_number_past_any_model_is_refused_naming_the_tensor(checkpoint):
+    """A number of thousands of digits is past int()'s limit (4300): refused
+    naming the file and the tensor, not by int()'s bare ValueError."""
+    name = "model.layers." + "9" * 5000 + ".input_layernorm.weight"
+    edit_tensors(checkpoint, lambda t: t.update({name: torch.ones(128)}))
+    with pytest.raises(GPTQCheckpointError, match=r"model\.safetensors: tensor 'model\.layers\.\.\..*' numbers its "
+                                                  r"module with 5000 digits$"):
+        check_layer_count(checkpoint)
+
+
 def wired_into_load_gptq_model() -> bool:
     from lowbit.gptq import placing
 

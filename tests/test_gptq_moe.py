@@ -205,6 +205,23 @@ def test_damaged_experts_are_refused(saved, tmp_path):
             lowbit.load_gptq_model(copy_with(directory, damaged, tmp_path / case.replace(" ", "_")))
 
 
+def test_expert_numbers_int_would_misread_are_refused_naming_the_module(saved, tmp_path):
+    """An expert numbered past int()'s 4300 digits, or in another script's
+    digits (which int() reads as expert 3's number), is no expert of the
+    model's: refused naming the directory and the module, not by int()'s bare
+    ValueError nor loaded in expert 3's place."""
+    directory, _ = saved
+    tensors = load_file(os.path.join(directory, "model.safetensors"))
+    for number in ("9" * 5000, "\u0663"):  # ARABIC-INDIC DIGIT THREE
+        assert lowbit.gptq.experts.EXPERT_LAYER.fullmatch(f"mlp.experts.{number}.up_proj") is None
+        damaged = {**tensors, **{k.replace(".experts.0.", f".experts.{number}."): v.clone() for k, v in tensors.items()
+                                 if ".experts.0." in k}}
+        with pytest.raises(GPTQCheckpointError, match=rf"^{re.escape(str(tmp_path))}.*: module "
+                                                      rf"'model\.layers\.\d\.mlp\.experts\.{number}\.\w+' is "
+                                                      r"quantized in the checkpoint but the model has no such module"):
+            lowbit.load_gptq_model(copy_with(directory, damaged, tmp_path / str(len(number))))
+
+
 def test_expert_ids_out_of_range():
     model, _ = quantized(tiny_moe("qwen3moe"))
     experts = next(m for m in model.modules() if isinstance(m, lowbit.gptq.GPTQExperts))

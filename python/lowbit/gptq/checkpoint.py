@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import reprlib
 import shutil
 import sys
 import uuid
@@ -425,6 +426,9 @@ def check_layer_count(directory: str | os.PathLike) -> None:
             parts = name.split(".")
             i = next((i for i, p in enumerate(parts[:-1]) if p.isascii() and p.isdigit()), None)
             if i is not None:
+                if len(parts[i]) > 18:  # past any model's modules (and past int()'s limit of 4300 digits)
+                    raise GPTQCheckpointError(f"{file}: tensor {reprlib.repr(name)} numbers its module with "
+                                              f"{len(parts[i])} digits")
                 stacks.setdefault(".".join(parts[:i]), set()).add(int(parts[i]))
     # A stack counts as its number of layers only without gaps: one tensor named
     # layers.99999 must not make 100000 layers acceptable.

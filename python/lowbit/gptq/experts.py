@@ -14,8 +14,12 @@ from ..moe import check_routing
 from .linear import GPTQLinear
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-# A checkpoint's per-expert layer: (experts module, expert, projection).
-EXPERT_LAYER = re.compile(r"(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<projection>gate_proj|up_proj|down_proj)")
+# A checkpoint's per-expert layer: (experts module, expert, projection). The
+# expert in ASCII digits, at most 18: \d also matches other scripts' digits,
+# which int() reads as another expert's, and int() refuses past 4300 digits.
+# A name past that matches no expert: the model has no such module to take it.
+EXPERT_LAYER = re.compile(r"(?P<experts>.+\.experts)\.(?P<expert>[0-9]{1,18})\."
+                          r"(?P<projection>gate_proj|up_proj|down_proj)")
 # The names transformers 4 gave Mixtral's layers, which its GPTQ checkpoints
 # (AutoGPTQ's, GPTQModel's, TheBloke's) keep: the block `block_sparse_moe`
 # (now `mlp`, holding the router `gate` and the `experts`) and an expert's
