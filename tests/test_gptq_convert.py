@@ -374,3 +374,18 @@ def test_cli_error_exit(tmp_path, args):
     assert result.stderr.startswith("error: ") and f"{tmp_path}/missing" in result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""
     assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("empty", ["src", "dst"])
+def test_cli_refuses_an_empty_path_naming_it(tmp_path, capsys, monkeypatch, empty):
+    """An empty path reads as the working directory: refused naming the
+    argument, not as "<cwd> already exists" or ": not a checkpoint directory"."""
+    from lowbit.__main__ import main
+
+    make_checkpoint(tmp_path / "src", bits=4)
+    monkeypatch.chdir(tmp_path)
+    paths = {"src": str(tmp_path / "src"), "dst": str(tmp_path / "dst"), empty: ""}
+    assert main(["convert-gptq", paths["src"], paths["dst"], "--to", "v2"]) == 1
+    out, err = capsys.readouterr()
+    assert err == f"error: convert_checkpoint: {empty} must be a directory path, got an empty one\n" and out == ""
+    assert sorted(os.listdir(tmp_path)) == ["src"]

@@ -46,6 +46,9 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str =
     if to not in FORMATS:
         raise ValueError(f"convert_checkpoint: `to` must be one of {FORMATS}, got {to!r}")
     src, dst = os.fspath(src), os.fspath(dst)
+    for name, path in (("src", src), ("dst", dst)):
+        if not path:  # read as the working directory: "<cwd> already exists", or ": not a checkpoint directory"
+            raise ValueError(f"convert_checkpoint: {name} must be a directory path, got an empty one")
     if not os.path.isdir(src):
         raise GPTQCheckpointError(f"{src}: not a checkpoint directory")
     if os.path.exists(dst):
