@@ -61,6 +61,14 @@ def float_copy(experts):
                               intermediate_size=INTERMEDIATE, act_fn=experts.act_fn)
 
 
+def test_dequantize_to_float64_is_the_float32_weights_widened(pair):
+    ours, _ = pair
+    want = ours.dequantize()
+    assert all(torch.equal(w, want[k].double()) for k, w in ours.dequantize(torch.float64).items())
+    with pytest.raises(ValueError, match=r"^GGUFExperts\.dequantize: dtype must be a float dtype, got torch.int8$"):
+        ours.dequantize(torch.int8)
+
+
 @pytest.mark.parametrize("tokens, k", [(1, 2), (1, 6), (5, 1), (9, 2), (40, 3)])
 def test_matches_transformers_experts(pair, tokens, k):
     ours, reference = pair

@@ -44,6 +44,22 @@ def test_half_precision_activations_and_to_dtype():
         torch.testing.assert_close(y.float(), layer(x).float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("name", ["Q5_1", "Q8_0", "BF16"])
+def test_dequantize_takes_any_float_dtype_and_names_dtype_otherwise(name):
+    """float64 is the float32 weight widened (exact), as GPTQLinear.dequantize
+    gives it, not the op's refusal; a dtype that is no float is refused naming
+    the method's argument."""
+    _, layer = reference_linear(name)
+    w = layer.dequantize()
+    assert torch.equal(layer.dequantize(torch.float64), w.double())
+    assert torch.equal(layer.dequantize(torch.float16), w.half())
+    for dtype in (torch.int32, torch.complex64, "float64"):
+        with pytest.raises(ValueError, match=rf"^GGUFLinear\.dequantize: dtype must be a float dtype, got "):
+            layer.dequantize(dtype)
+        with pytest.raises(ValueError, match=r"^GPTQLinear\.dequantize: dtype must be a float dtype, got "):
+            lowbit.GPTQLinear(64, 64, 4, 32).dequantize(dtype)
+
+
 def test_state_dict_round_trip():
     _, layer = reference_linear("Q5_0")
     fresh = lowbit.GGUFLinear(IN, OUT, gb.type_id("Q5_0"))

@@ -11,7 +11,7 @@ from .._checks import check_sizes
 from .._frozen import call_layer_op, op_input
 from .._stored import StoredBuffers
 from ..moe import check_routing
-from .file import release_mapped
+from .file import dequantize_rows, release_mapped
 
 
 PROJECTIONS = ("gate", "up", "down")
@@ -157,8 +157,8 @@ class GGUFExperts(StoredBuffers):
         out = {}
         for name, (rows, n) in self._shapes().items():
             blocks = self.file_layout_qweight(name)
-            out[name] = torch.ops.lowbit.ggml_dequantize(blocks.reshape(-1, blocks.shape[-1]), self.qtypes[name],
-                                                         self.num_experts * rows, n, dtype).view(-1, rows, n)
+            out[name] = dequantize_rows("GGUFExperts.dequantize", blocks.reshape(-1, blocks.shape[-1]),
+                                        self.qtypes[name], self.num_experts * rows, n, dtype).view(-1, rows, n)
         return out
 
     def _apply(self, fn, recurse=True):

@@ -41,6 +41,21 @@ class GGUFError(ValueError):
     """A GGUF file is unreadable, corrupt, or uses something lowbit does not support."""
 
 
+
+# The dtypes ggml_dequantize writes. Another float dtype is cast from float32,
+# as GPTQLinear.dequantize gives it: exact into float64, which holds every float32.
+DEQUANTIZE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def dequantize_rows(who: str, blocks: torch.Tensor, qtype: int, rows: int, n: int, dtype) -> torch.Tensor:
+    """ggml_dequantize's [rows, n] in any float `dtype`; another `dtype` is
+    refused naming the argument (the op's error names neither it nor `who`)."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{who}: dtype must be a float dtype, got {dtype!r}")
+    out = dtype if dtype in DEQUANTIZE_DTYPES else torch.float32
+    return torch.ops.lowbit.ggml_dequantize(blocks, qtype, rows, n, out).to(dtype)
+
+
 @dataclass(frozen=True, eq=False)  # eq would compare tensors
 class GGUFTensor:
     """One tensor of a GGUF file: its name, ggml type, shape and raw block
@@ -67,7 +82,7 @@ class GGUFTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float values, in `shape` (lowbit's bit-exact ggml_dequantize)."""
         rows, row_len = self.data.shape[0], self.shape[-1]
-        return torch.ops.lowbit.ggml_dequantize(self.data, self.type, rows, row_len, dtype).reshape(self.shape)
+        return dequantize_rows("GGUFTensor.dequantize", self.data, self.type, rows, row_len, dtype).reshape(self.shape)
 
     def check_finite(self, where: str) -> None:
         """Refuses, as GGUFError naming `where`, the tensor and its first such

@@ -8,7 +8,7 @@ from torch import nn
 from .._checks import check_finite, check_sizes, is_integer
 from .._frozen import linear_forward
 from .._stored import StoredBuffers
-from .file import release_mapped
+from .file import dequantize_rows, release_mapped
 
 # The ggml float weight types (F32, F16, BF16) of torch's dtypes.
 FLOAT_QTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
@@ -142,9 +142,9 @@ class GGUFLinear(StoredBuffers):
         return linear_forward(self, x)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The float weight [out_features, in_features]."""
-        return torch.ops.lowbit.ggml_dequantize(self.file_layout_qweight(), self.qtype, self.out_features,
-                                                self.in_features, dtype)
+        """The float weight [out_features, in_features] in `dtype`."""
+        return dequantize_rows("GGUFLinear.dequantize", self.file_layout_qweight(), self.qtype, self.out_features,
+                               self.in_features, dtype)
 
     def repack(self) -> "GGUFLinear":
         """qweight in the CPU kernels' interleaved layout, in place; returns self."""

@@ -403,8 +403,8 @@ class GPTQLinear(StoredBuffers):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The float weight [out_features, in_features] in `dtype` (default: the
         scales' dtype), computed exactly in fp32 and rounded once."""
-        if dtype is not None and not dtype.is_floating_point:
-            raise ValueError(f"GPTQLinear.dequantize: dtype must be a float dtype, got {dtype}")
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise ValueError(f"GPTQLinear.dequantize: dtype must be a float dtype, got {dtype!r}")
         w = torch.ops.lowbit.gptq_dequantize(self.checkpoint_qweight(), self.qzeros, self.scales.float(), self.g_idx,
                                              self.use_v2_format, self.bits)
         return w.t().to(dtype or self.scales.dtype)
