@@ -375,6 +375,64 @@ def test_generate_command_streams_characters_split_over_tokens(capsys):
     assert capsys.readouterr().out == tokenizer.decode(ids[:2]) + "\n"
 
 
+def _byte_token(tokenizer, byte: int) -> int:
+    """The id of the byte-level BPE token of one byte (GPT-2's byte-to-character map)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in kept]
+    return tokenizer.convert_tokens_to_ids(chr(byte) if byte in kept else chr(256 + others.index(byte)))
+
+
+def test_generate_command_streams_in_steps_of_constant_work(monkeypatch, capsys):
+    """The stream decodes a few tokens per step, not the whole output so far:
+    over a long output mixing ASCII, accents, CJK, emoji, newlines and a run
+    of bytes that are no UTF-8 (each its own U+FFFD), what it prints is the
+    one-shot decode, and no decode call takes more ids late than early."""
+    import lowbit.__main__ as cli
+
+    tokenizer = lowbit.load_gguf_tokenizer(PATH)
+    text = "".join(f"Line {i}: caf\u00e9 \u65e5\u672c\u8a9e \U0001F600\U0001F680 na\u00efve \u00bd\n" for i in range(150))
+    stray = [_byte_token(tokenizer, 0x80)] * 3 * cli.MAX_HELD_TOKENS
+    ids = tokenizer(text).input_ids + stray + tokenizer(" \u00e9\U0001F600 end").input_ids
+    assert len(ids) > 2000
+    decoded = []
+    decode = tokenizer.decode
+    monkeypatch.setattr(tokenizer, "decode", lambda t, **kw: decoded.append(len(t)) or decode(t, **kw))
+    streamer = cli._TimedStreamer(tokenizer)
+    streamer.put(torch.tensor([[0]]))  # the prompt
+    for i in ids:
+        streamer.put(torch.tensor([i]))
+    streamer.end()
+    assert capsys.readouterr().out == decode(ids, skip_special_tokens=True) + "\n"
+    assert max(decoded) <= 2 * cli.MAX_HELD_TOKENS + 2  # what was printed last, and at most MAX_HELD_TOKENS + 1 new
+    assert len(decoded) <= 2 * len(ids)
+
+
+def test_generate_command_streams_a_sentencepiece_text_as_decode_gives_it(capsys):
+    """A SentencePiece decoder drops the space of a text's first token (and
+    joins byte-fallback tokens into characters): a window decoded on its
+    own would lose the space before each word, with its context it does not."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from lowbit.__main__ import _TimedStreamer
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "\u2581Hello": 257, "\u2581world": 258,
+             "\u2581": 259, "!": 260}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    emoji = [1 + b for b in "\U0001F600".encode()]
+    ids = [257, 258, 259, *emoji, 260, 258, 259, *[1 + b for b in "\u65e5".encode()], 258] * 20
+    assert tokenizer.decode([258]) == "world"  # alone, the first token's space is dropped
+    streamer = _TimedStreamer(tokenizer)
+    streamer.put(torch.tensor([[0]]))  # the prompt
+    for i in ids:
+        streamer.put(torch.tensor([i]))
+    streamer.end()
+    assert capsys.readouterr().out == tokenizer.decode(ids, skip_special_tokens=True) + "\n"
+
+
 @pytest.mark.parametrize("template, says", [
     ("{{ raise_exception('no system role') }}", "its chat template does not render: TemplateError: no system role"),
     ("{% for m in messages %}{{ m.content", "its chat template does not render: TemplateSyntaxError"),

@@ -42,6 +42,9 @@ MAX_CHARS_PER_TOKEN = 64  # a chat prompt longer than this per context position 
 TEMPLATE_SECONDS = 10  # a chat template renders in milliseconds: one looping for longer is refused
 TEMPLATE_BYTES = 1 << 30  # the memory a chat template's rendering may take
 TEMPLATE_CHARS = 1 << 20  # the text a chat template may add to the prompt
+# Tokens the generate stream holds back while their text ends inside a character: a
+# UTF-8 character has at most 4 bytes, and every token that is text carries one at least.
+MAX_HELD_TOKENS = 8
 
 
 def format_value(value) -> str:
@@ -144,13 +147,20 @@ def cmd_convert_gptq(args) -> None:
 
 class _TimedStreamer:
     """A transformers generation streamer that prints new text as it comes and
-    notes when each step's tokens arrived (the first put is the prompt)."""
+    notes when each step's tokens arrived (the first put is the prompt).
+
+    Each step decodes a short window, not the whole output: the tokens printed
+    last (context, so that a decoder that treats a text's first token apart,
+    SentencePiece's leading space, decodes the new ones as in the whole text)
+    and those not printed yet. The window's text less the context's is what is
+    new; the work per step stays the same however long the output grows."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.arrivals = []
         self.tokens = []
-        self.printed = ""
+        self.context = 0  # tokens[context:printed]: the tokens printed last, decoded again as context
+        self.printed = 0  # tokens[:printed] are printed
 
     def put(self, ids) -> None:
         self.arrivals.append(time.perf_counter())
@@ -164,13 +174,23 @@ class _TimedStreamer:
         print(flush=True)
 
     def _print(self, final: bool) -> None:
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        # A character whose bytes span tokens (an emoji, CJK in byte-level BPE)
-        # decodes as U+FFFD until its last byte comes: printed then, or at the end.
-        if not final and text.endswith("\ufffd"):
+        if self.printed == len(self.tokens):
             return
-        print(text[len(self.printed):], end="", flush=True)
-        self.printed = text
+        window = self.tokens[self.context:]
+        text = self.tokenizer.decode(window, skip_special_tokens=True)
+        # A character whose bytes span tokens (an emoji, CJK in byte-level BPE)
+        # decodes as U+FFFD until its last byte comes: held till then, or the
+        # end. A run longer than any character's bytes is not one being
+        # completed (bytes that are not UTF-8): printed, as decode gives it.
+        held = len(self.tokens) - self.printed
+        if not final and text.endswith("\ufffd") and held <= MAX_HELD_TOKENS:
+            return
+        before = self.tokenizer.decode(window[:self.printed - self.context], skip_special_tokens=True)
+        # The context's text is where the window's begins, but for a joint the
+        # new tokens change (a decoder's space clean-up): what differs is printed.
+        same = len(os.path.commonprefix([before, text]))
+        print(text[same:], end="", flush=True)
+        self.context, self.printed = self.printed, len(self.tokens)
 
 
 def load_model_and_tokenizer(path: str, repack: bool | None = None, int8_activations: bool = False,
