@@ -714,6 +714,32 @@ def test_generate_command_runs_a_gptq_directory(tmp_path, capsys, monkeypatch):
     assert "the tokenizer has 600 tokens, the model's vocabulary 512" in capsys.readouterr().err
 
 
+def test_generate_command_reports_ids_past_the_tokenizer(tmp_path, capsys):
+    """A model whose embedding has more rows than its tokenizer has tokens
+    (a padded vocabulary) can generate ids the tokenizer has no text for:
+    the text holds what the others decode to, and the counts line says how
+    many of the generated ids had none, and which."""
+    from lowbit.__main__ import main
+
+    config = GPTQConfig(bits=4, group_size=32, sym=False, checkpoint_format="gptq_v2")
+    model = tiny_llama()
+    quantize(model, config)
+    lowbit.save_gptq(model, tmp_path / "ckpt", config)
+    tokenizer = word_tokenizer(300)  # of the model's 512 rows
+    tokenizer.save_pretrained(tmp_path / "ckpt")
+    assert main(["generate", str(tmp_path / "ckpt"), "w1 w2 w3", "--tokens", "8"]) == 0
+    out, err = capsys.readouterr()
+    ids = tokenizer("w1 w2 w3", return_tensors="pt").input_ids
+    with torch.no_grad():
+        new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                             pad_token_id=tokenizer.eos_token_id)[0, ids.shape[1]:].tolist()
+    past = [i for i in new if i >= 300]
+    assert past and len(past) < len(new)  # both kinds, for the test to tell them apart
+    assert out.strip() == tokenizer.decode([i for i in new if i < 300], skip_special_tokens=True).strip()
+    assert (f"({len(new)} new tokens, {len(past)} of them ids past the tokenizer's 300 tokens, with no text in the "
+            f"output: {', '.join(map(str, past))}, ") in err
+
+
 def test_generate_command_runs_a_model_without_a_fixed_context(tmp_path, capsys):
     """Bloom's ALiBi positions have no fixed count (its config has no
     max_position_embeddings): no context bounds the prompt and --tokens."""

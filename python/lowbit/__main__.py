@@ -153,12 +153,20 @@ class _TimedStreamer:
     last (context, so that a decoder that treats a text's first token apart,
     SentencePiece's leading space, decodes the new ones as in the whole text)
     and those not printed yet. The window's text less the context's is what is
-    new; the work per step stays the same however long the output grows."""
+    new; the work per step stays the same however long the output grows.
+
+    Ids past the tokenizer's tokens (a model whose embedding has rows for
+    padding) have no text: they are kept out of the text and noted in
+    `undecodable`, for the command to report (decode would drop them without
+    a word, or fail, as a SentencePiece tokenizer does)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.arrivals = []
-        self.tokens = []
+        self.tokens = []  # the generated ids that have text
+        self.undecodable = []  # the generated ids past the tokenizer's
+        self.generated = 0  # ids generated, of both kinds
+        self.vocabulary = len(tokenizer)
         self.context = 0  # tokens[context:printed]: the tokens printed last, decoded again as context
         self.printed = 0  # tokens[:printed] are printed
 
@@ -166,7 +174,9 @@ class _TimedStreamer:
         self.arrivals.append(time.perf_counter())
         if len(self.arrivals) == 1:
             return
-        self.tokens.extend(ids.reshape(-1).tolist())
+        for i in ids.reshape(-1).tolist():
+            (self.tokens if 0 <= i < self.vocabulary else self.undecodable).append(i)
+            self.generated += 1
         self._print(final=False)
 
     def end(self) -> None:
@@ -383,8 +393,20 @@ def cmd_generate(args) -> None:
     if args.compile and len(streamer.arrivals) > 2:
         decode += f" after a first step that compiled in {streamer.arrivals[2] - streamer.arrivals[1]:.1f} s"
     threads = torch.get_num_threads()
-    print(f"prefill {ids.shape[1] / prompt_s:.1f} tokens/s{decode} "
-          f"({len(streamer.tokens)} new tokens, {threads} thread{'s' if threads != 1 else ''})", file=sys.stderr)
+    print(f"prefill {ids.shape[1] / prompt_s:.1f} tokens/s{decode} ({streamer.generated} new tokens"
+          f"{undecodable_note(streamer)}, {threads} thread{'s' if threads != 1 else ''})", file=sys.stderr)
+
+
+def undecodable_note(streamer: _TimedStreamer) -> str:
+    """How many of the generated ids the tokenizer has no text for, and the
+    first few of them ("" where there are none). The rate counts them (the
+    model computed each); the text has nothing of them."""
+    ids = streamer.undecodable
+    if not ids:
+        return ""
+    shown = ", ".join(map(str, ids[:MAX_LIST_ITEMS])) + (", ..." if len(ids) > MAX_LIST_ITEMS else "")
+    return (f", {len(ids)} of them ids past the tokenizer's {streamer.vocabulary} tokens, with no text in the "
+            f"output: {shown}")
 
 
 def int_in(low: int, high: int):
