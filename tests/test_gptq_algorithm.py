@@ -212,6 +212,51 @@ def test_non_finite_weights_and_hessians_are_refused_where_they_are(value):
         gptq_weight(linear().weight, H, 4)
 
 
+@pytest.mark.parametrize("shape", [(K, K + 1), (K + 1, K + 1), (K,), (1, K, K)])
+def test_hessians_that_are_not_square_k_by_k_are_refused(shape):
+    with pytest.raises(ValueError, match=rf"gptq_weight: hessian must be \[{K}, {K}\] for a weight \[{N}, {K}\], "
+                                         rf"got {re.escape(str(shape))}"):
+        gptq_weight(linear().weight, torch.ones(shape), 4)
+
+
+def test_hessians_that_are_not_symmetric_are_refused():
+    """The Cholesky factor reads one triangle of H: a matrix whose triangles
+    differ (one triangle of a Hessian, a Hessian of other inputs added to
+    one) is refused, naming the first pair, rather than quantized on half of it.
+    Differences within rounding, relative to the diagonal, are accepted."""
+    lin = linear()
+    H = hessian_of(correlated_inputs())
+    with pytest.raises(ValueError, match=r"gptq_weight: hessian is not symmetric: \[0, 1\] holds "):
+        gptq_weight(lin.weight, torch.triu(H), 4)
+    skewed = H.clone()
+    skewed[2, 7] += 1e-2 * float(H[2, 2].sqrt() * H[7, 7].sqrt())
+    with pytest.raises(ValueError, match=r"hessian is not symmetric: \[2, 7\] holds .* and \[7, 2\] "):
+        gptq_weight(lin.weight, skewed, 4)
+    with pytest.raises(ValueError, match=r"hessian is not symmetric: \[2, 7\]"):  # at any scale
+        gptq_weight(lin.weight, skewed * 2.0**-900, 4)
+    # Rounding-sized differences (1e-6 of the diagonal scale, far above fp32's
+    # accumulation) quantize as the symmetric Hessian does.
+    g = torch.Generator().manual_seed(3)
+    root = H.diagonal().sqrt()
+    noisy = H + 1e-6 * torch.randn(K, K, generator=g) * root[:, None] * root[None, :]
+    expect = gptq_weight(lin.weight, H, 4, desc_act=True)
+    got = gptq_weight(lin.weight, noisy, 4, desc_act=True)
+    assert (got.codes != expect.codes).float().mean() < 0.01
+
+
+def test_accumulated_hessians_pass_the_symmetry_check():
+    """Hessian's own sums over several batches of inputs whose features span
+    six orders of magnitude, in fp32, fp16 and bf16 activations: accepted."""
+    g = torch.Generator().manual_seed(4)
+    scale = torch.logspace(-3, 3, K)[torch.randperm(K, generator=g)]
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        h = Hessian(K)
+        for _ in range(3):
+            x = (torch.randn(1024, K, generator=g) + torch.randn(1024, 1, generator=g)) * scale
+            h.add(x.clamp(-6e4, 6e4).to(dtype))
+        gptq_weight(linear().weight, h.value(), 4)
+
+
 def test_hessians_at_float64_s_extremes_quantize_as_their_unit_scaled_self():
     """Any power-of-2 factor of H gives the same codes: one whose diagonal is
     subnormal or whose diagonal sum overflows float64 is brought near 1 first."""

@@ -94,13 +94,14 @@ def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_si
     if weight.dim() != 2 or weight.shape[1] == 0:
         raise ValueError(f"gptq_weight: weight must be 2-D [out, in] with in > 0, got shape {tuple(weight.shape)}")
     check_finite(weight, "gptq_weight: weight")
+    N, K = weight.shape
+    if hessian.shape != (K, K):
+        raise ValueError(f"gptq_weight: hessian must be [{K}, {K}] for a weight [{N}, {K}], "
+                         f"got {tuple(hessian.shape)}")
     check_finite(hessian, "gptq_weight: hessian")  # else it reads as a Hessian no dampening makes definite
     W = weight.detach().to(torch.float32).clone()
     H = hessian.detach().to(device=W.device, dtype=torch.float64).clone()
-    N, K = W.shape
-    if H.shape != (K, K):
-        raise ValueError(f"gptq_weight: the Hessian must be [{K}, {K}] for a weight [{N}, {K}], "
-                         f"got {tuple(H.shape)}")
+    _check_symmetric(H, "gptq_weight: hessian")
     # Inputs that are always 0 carry no information: their weights do not
     # matter to the layer's output, so they are set to 0, and H gets a 1 on
     # the diagonal to stay invertible.
@@ -136,6 +137,33 @@ def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_si
     g_idx = torch.empty(K, dtype=torch.int32, device=W.device)
     g_idx[perm] = (torch.arange(K, device=W.device) // grid.group_size).to(torch.int32)
     return GPTQResult(codes, grid.scales, grid.zeros, g_idx, weight_q)
+
+
+# How far apart H[i, j] and H[j, i] may lie, relative to sqrt(|H[i, i]| |H[j, j]|)
+# (which bounds |H[i, j]| for an X^T X). Hessian sums fp32 GEMMs of the batches,
+# whose two triangles can differ by their accumulation order: at most about
+# rows * 2^-24 of that bound per batch, typically far less. A matrix further apart
+# than this is not a Hessian of inputs; the Cholesky factor would read one triangle.
+SYMMETRY_TOLERANCE = 1e-3
+_SYMMETRY_BLOCK = 1 << 22  # elements of H compared at a time: bounded temporaries at any K
+
+
+def _check_symmetric(H: torch.Tensor, what: str) -> None:
+    """Refuses H (float64, finite, square) whose triangles differ beyond
+    SYMMETRY_TOLERANCE, naming the first pair; O(K^2) in row blocks."""
+    K = H.shape[0]
+    root = H.diagonal().abs().sqrt()  # each root apart: the product of two diagonals can overflow float64
+    rows = max(1, _SYMMETRY_BLOCK // max(K, 1))
+    for start in range(0, K, rows):
+        block = H[start:start + rows]
+        apart = (block - H[:, start:start + rows].t()).abs()
+        bad = apart > SYMMETRY_TOLERANCE * root[start:start + rows, None] * root[None, :]
+        if bool(bad.any()):
+            i, j = (int(v) for v in bad.nonzero()[0])
+            i += start
+            raise ValueError(f"{what} is not symmetric: [{i}, {j}] holds {H[i, j].item()!r} and [{j}, {i}] "
+                             f"{H[j, i].item()!r}, further apart than {SYMMETRY_TOLERANCE:g} of the root of their "
+                             "diagonal entries' product (a Hessian of inputs is X^T X)")
 
 
 def _check_args(bits: int, group_size: int, damp_percent: float, scale_dtype: torch.dtype = torch.float16,
