@@ -25,6 +25,14 @@ def check_sizes(who: str, **sizes) -> None:
             raise ValueError(f"{who}: {name} must be a positive integer, got {size!r}")
 
 
+def check_float_dtype(who: str, dtype, name: str = "dtype") -> None:
+    """ValueError naming `name` for a `dtype` that is not a torch float dtype:
+    an integer dtype or a string ("float16") fails later in a cast or an op
+    with an error that names neither the module nor the argument."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{who}: {name} must be a float dtype, got {dtype!r}")
+
+
 def has_values(t: torch.Tensor) -> bool:
     """Whether `t`'s values can be read on the host: not while torch.compile
     traces, and not a meta tensor, a fake one (FakeTensorMode: shapes only) or

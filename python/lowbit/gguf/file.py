@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._checks import check_regular_file
+from .._checks import check_float_dtype, check_regular_file
 from .._mapping import map_private
 
 __all__ = ["GGUFError", "GGUFFile", "GGUFTensor", "load_gguf", "release_mapped"]
@@ -50,8 +50,7 @@ DEQUANTIZE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def dequantize_rows(who: str, blocks: torch.Tensor, qtype: int, rows: int, n: int, dtype) -> torch.Tensor:
     """ggml_dequantize's [rows, n] in any float `dtype`; another `dtype` is
     refused naming the argument (the op's error names neither it nor `who`)."""
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"{who}: dtype must be a float dtype, got {dtype!r}")
+    check_float_dtype(who, dtype)
     out = dtype if dtype in DEQUANTIZE_DTYPES else torch.float32
     return torch.ops.lowbit.ggml_dequantize(blocks, qtype, rows, n, out).to(dtype)
 

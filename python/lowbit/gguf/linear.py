@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .._checks import check_finite, check_sizes, is_integer
+from .._checks import check_finite, check_float_dtype, check_sizes, is_integer
 from .._frozen import linear_forward
 from .._stored import StoredBuffers
 from .file import dequantize_rows, release_mapped

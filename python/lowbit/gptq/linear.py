@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._checks import check_sizes, has_values
+from .._checks import check_float_dtype, check_sizes, has_values
 from .._frozen import linear_forward
 from .._stored import StoredBuffers, beyond
 from .packing import PANEL_COLS, fields_per_pack, from_panels, to_panels, words_per_pack
@@ -87,8 +87,7 @@ class GPTQLinear(StoredBuffers):
         check_bits_group_size("GPTQLinear", bits, group_size)
         check_format(checkpoint_format, "GPTQLinear")
         check_sizes("GPTQLinear", in_features=in_features, out_features=out_features)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:  # the scales' and bias's dtype
-            raise ValueError(f"GPTQLinear: dtype must be a float dtype, got {dtype!r}")
+        check_float_dtype("GPTQLinear", dtype)  # the scales' and bias's dtype
         if in_features % fields_per_pack(bits) or out_features % fields_per_pack(bits):
             raise ValueError(f"GPTQLinear: {bits}-bit packing needs in_features and out_features to be multiples "
                              f"of {fields_per_pack(bits)}, got {in_features} and {out_features}")
@@ -403,8 +402,8 @@ class GPTQLinear(StoredBuffers):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The float weight [out_features, in_features] in `dtype` (default: the
         scales' dtype), computed exactly in fp32 and rounded once."""
-        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-            raise ValueError(f"GPTQLinear.dequantize: dtype must be a float dtype, got {dtype!r}")
+        if dtype is not None:
+            check_float_dtype("GPTQLinear.dequantize", dtype)
         w = torch.ops.lowbit.gptq_dequantize(self.checkpoint_qweight(), self.qzeros, self.scales.float(), self.g_idx,
                                              self.use_v2_format, self.bits)
         return w.t().to(dtype or self.scales.dtype)
