@@ -272,6 +272,13 @@ def test_save_gptq_refuses_what_a_gptq_checkpoint_cannot_hold(tmp_path):
         lowbit.save_gptq(tied_llama(False), tmp_path / "out", GPTQConfig(bits=4, group_size=32))
     with pytest.raises(TypeError, match="save_gptq: config must be a GPTQConfig, got NoneType"):
         lowbit.save_gptq(lowbit.load_gptq_model(tmp_path / "ckpt"), tmp_path / "out", None)
+    # An empty path is the working directory to os.path, which "already exists".
+    with pytest.raises(ValueError, match="^save_gptq: directory must be a directory path, got an empty one$"):
+        lowbit.save_gptq(lowbit.load_gptq_model(tmp_path / "ckpt"), "", GPTQConfig(bits=4, group_size=32, sym=False))
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(FileExistsError, match="^save_gptq: .*taken already exists$"):
+        lowbit.save_gptq(lowbit.load_gptq_model(tmp_path / "ckpt"), tmp_path / "taken",
+                         GPTQConfig(bits=4, group_size=32, sym=False))
     assert not (tmp_path / "out").exists()
     lowbit.save_gptq(lowbit.load_gptq_model(tmp_path / "ckpt"), tmp_path / "out",
                      GPTQConfig(bits=4, group_size=32, sym=False))

@@ -210,8 +210,10 @@ def test_reorder_checkpoint(checkpoints, tmp_path):
     assert torch.equal(one.modules[f"{PREFIXES[0]}.down_proj"].g_idx, case["mlps"][0].down_proj.g_idx)
     with pytest.raises(ValueError, match="MLP 'model.layers.7.mlp' has no quantized"):
         reorder_checkpoint(case["original"], tmp_path / "bad", ["model.layers.7.mlp"])
-    with pytest.raises(FileExistsError, match="already exists"):
+    with pytest.raises(FileExistsError, match="^reorder_checkpoint: .* already exists"):
         reorder_checkpoint(case["original"], tmp_path / "one")
+    with pytest.raises(ValueError, match="^reorder_checkpoint: dst must be a directory path, got an empty one$"):
+        reorder_checkpoint(case["original"], "")
 
 
 def test_reorder_checkpoint_keeps_each_config_file_s_keys(checkpoints, tmp_path):

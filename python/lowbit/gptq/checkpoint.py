@@ -440,6 +440,18 @@ def check_layer_count(directory: str | os.PathLike) -> None:
                               f"layers 0 .. {count - 1} of any stack (stacks of numbered modules: {held})")
 
 
+def check_new_directory(who: str, name: str, path: str | os.PathLike) -> str:
+    """os.fspath(path) for a checkpoint to write, checked before the work:
+    refused naming `name` where it is empty (the working directory to
+    os.path, which "already exists") or where something is there already."""
+    path = os.fspath(path)
+    if not path:
+        raise ValueError(f"{who}: {name} must be a directory path, got an empty one")
+    if os.path.exists(path):
+        raise FileExistsError(f"{who}: {path} already exists")
+    return path
+
+
 def write_checkpoint(directory: str | os.PathLike, tensors: dict[str, torch.Tensor], config: dict[str, Any],
                      copy_from: str | None = None, max_shard_bytes: int | None = None,
                      quantize_config: dict[str, Any] | None = None) -> None:
@@ -602,6 +614,7 @@ def save_gptq(model: torch.nn.Module, directory: str | os.PathLike, config: GPTQ
     (_check_config_describes)."""
     if not isinstance(config, GPTQConfig):
         raise TypeError(f"save_gptq: config must be a GPTQConfig, got {type(config).__name__}")
+    check_new_directory("save_gptq", "directory", directory)
     _check_savable(model)
     adapted = _adapter_layers(model)
     if adapted:

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from .checkpoint import (GPTQCheckpointError, checkpoint_files, gptqmodel_warning, read_tensors, source_configs,
-                         v1_zeros_as_v2, write_checkpoint)
+from .checkpoint import (GPTQCheckpointError, check_new_directory, checkpoint_files, gptqmodel_warning, read_tensors,
+                         source_configs, v1_zeros_as_v2, write_checkpoint)
 from .config import FORMATS, GPTQConfig, read_config
 
 MAX_NAMED_MODULES = 5  # refusals name this many modules, then give the count
@@ -45,14 +45,12 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str =
     """
     if to not in FORMATS:
         raise ValueError(f"convert_checkpoint: `to` must be one of {FORMATS}, got {to!r}")
-    src, dst = os.fspath(src), os.fspath(dst)
-    for name, path in (("src", src), ("dst", dst)):
-        if not path:  # read as the working directory: "<cwd> already exists", or ": not a checkpoint directory"
-            raise ValueError(f"convert_checkpoint: {name} must be a directory path, got an empty one")
+    src = os.fspath(src)
+    if not src:  # the working directory to os.path: ": not a checkpoint directory"
+        raise ValueError("convert_checkpoint: src must be a directory path, got an empty one")
     if not os.path.isdir(src):
         raise GPTQCheckpointError(f"{src}: not a checkpoint directory")
-    if os.path.exists(dst):
-        raise FileExistsError(f"{dst} already exists")
+    dst = check_new_directory("convert_checkpoint", "dst", dst)
     config = read_config(src)
     if config.checkpoint_format == to:
         raise ValueError(f"{src}: the checkpoint is already in {to!r} format; nothing to convert")

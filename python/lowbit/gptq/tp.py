@@ -31,7 +31,7 @@ from safetensors import safe_open
 from torch import nn
 
 from .checkpoint import (HEADER_DTYPES, GPTQCheckpointError, _module, check_finite_floats, check_module_tensors,
-                         checkpoint_files, hold_gptqmodel_zeros_as_v2, read_tensors, source_configs,
+                         check_new_directory, checkpoint_files, hold_gptqmodel_zeros_as_v2, read_tensors, source_configs,
                          stored_format, v1_zeros_as_v2, v2_zeros_as_gptqmodel_v1, write_checkpoint)
 from .config import GPTQConfig, check_format, read_config
 from .._stored import StoredBuffers
@@ -249,8 +249,7 @@ def reorder_checkpoint(src: str | os.PathLike, dst: str | os.PathLike,
     if isinstance(mlp_prefixes, str):  # would be read as one prefix per character
         raise TypeError(f"reorder_checkpoint: mlp_prefixes must be a sequence of prefixes, got the string "
                         f"{mlp_prefixes!r} (pass [{mlp_prefixes!r}])")
-    if os.path.exists(dst):  # before the work, not after it
-        raise FileExistsError(f"reorder_checkpoint: {os.fspath(dst)} already exists")
+    check_new_directory("reorder_checkpoint", "dst", dst)
     directory, files = checkpoint_files(src)
     config = read_config(directory)
     tensors = read_tensors(files)
