@@ -160,11 +160,16 @@ def test_a_qtype_or_dtype_of_the_wrong_type_is_refused(build, message):
     (lambda: lowbit.GGUFLinear.from_raw(_blocks(8, 288), Q4_0, 512, torch.zeros(8, 1)), r"got torch.float32 \(8, 1\)"),
     (lambda: lowbit.GGUFLinear.from_raw(_blocks(8, 288), Q4_0, 512, torch.zeros(8, dtype=torch.int32)),
      r"bias must be a float tensor \[8\] \(one per row\), got torch.int32"),
+    (lambda: lowbit.GGUFLinear.from_raw(_blocks(8, 288), Q4_0, 512, 8),
+     r"from_raw: bias must be a float tensor \[8\] \(one per row\), got int$"),
     (lambda: lowbit.GGUFLinear.from_raw(torch.zeros((), dtype=torch.uint8), Q4_0, 512),
-     r"from_raw: qweight must be 2-D \[out_features, row_bytes\], got \(\)"),
+     r"from_raw: qweight must be a 2-D tensor \[out_features, row_bytes\], got \(\)"),
+    (lambda: lowbit.GGUFLinear.from_raw(_blocks(8, 288).numpy(), Q4_0, 512),
+     r"from_raw: qweight must be a 2-D tensor \[out_features, row_bytes\], got ndarray$"),
     (lambda: lowbit.GGUFEmbedding(_blocks(8, 288), Q4_0, 512, dtype=torch.int32),
      "GGUFEmbedding: dtype must be float32, float16 or bfloat16, got torch.int32"),
-], ids=["bias length", "bias 2-D", "integer bias", "0-d qweight", "integer embedding dtype"])
+], ids=["bias length", "bias 2-D", "integer bias", "bias an int", "0-d qweight", "qweight an array",
+        "integer embedding dtype"])
 def test_construction_checks_what_forward_would_fail_on(build, message):
     with pytest.raises(ValueError, match=message):
         build()

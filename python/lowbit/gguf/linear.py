@@ -47,8 +47,8 @@ class GGUFLinear(StoredBuffers):
         super().__init__()
         check_sizes("GGUFLinear", in_features=in_features, out_features=out_features)
         check_qtype("GGUFLinear", qtype)
-        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-            raise ValueError(f"GGUFLinear: dtype (the bias's) must be a float dtype, got {dtype!r}")
+        if dtype is not None:
+            check_float_dtype("GGUFLinear", dtype, "dtype (the bias's)")
         block, type_size = torch.ops.lowbit.ggml_type_info(qtype)
         if in_features % block:
             raise ValueError(f"GGUFLinear: in_features={in_features} is not a multiple of the block size {block} of type {qtype}")
@@ -68,12 +68,15 @@ class GGUFLinear(StoredBuffers):
     def from_raw(cls, qweight: torch.Tensor, qtype: int, in_features: int,
                  bias: Optional[torch.Tensor] = None) -> "GGUFLinear":
         """A layer over existing block bytes [out_features, row_bytes] (e.g. a GGUF tensor's data)."""
-        if qweight.dim() != 2:
-            raise ValueError(f"GGUFLinear.from_raw: qweight must be 2-D [out_features, row_bytes], got "
-                             f"{tuple(qweight.shape)}")
-        if bias is not None and (bias.shape != (qweight.shape[0],) or not bias.dtype.is_floating_point):
+        # What is not a tensor (an int where the bias goes, a NumPy array) fails below on .shape, naming nothing.
+        if not isinstance(qweight, torch.Tensor) or qweight.dim() != 2:
+            raise ValueError(f"GGUFLinear.from_raw: qweight must be a 2-D tensor [out_features, row_bytes], got "
+                             f"{tuple(qweight.shape) if isinstance(qweight, torch.Tensor) else type(qweight).__name__}")
+        if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (qweight.shape[0],)
+                                 or not bias.dtype.is_floating_point):
+            got = f"{bias.dtype} {tuple(bias.shape)}" if isinstance(bias, torch.Tensor) else type(bias).__name__
             raise ValueError(f"GGUFLinear.from_raw: bias must be a float tensor [{qweight.shape[0]}] (one per row), "
-                             f"got {bias.dtype} {tuple(bias.shape)}")
+                             f"got {got}")
         # Built on the meta device: a zero-filled qweight the size of the
         # blocks would be allocated only to be replaced.
         layer = cls(in_features, qweight.shape[0], qtype, bias=bias is not None,
