@@ -320,8 +320,14 @@ def test_kernel_threads_runs_long_calls_on_torchs_team(two_torch_threads):
         for bad in (0, -1, 2.0, True, "4"):
             with pytest.raises(ValueError, match="^kernel_threads: torch_team_tokens must be a positive int"):
                 lowbit.kernel_threads(model, torch_team_tokens=bad)
+        for bad in ("off", None, 0, 1.0):
+            with pytest.raises(ValueError, match="^kernel_threads: enable must be True or False, got "):
+                lowbit.kernel_threads(model, bad)
         model(ids[:1, :4])  # a refused setting leaves the hooks as they were
         assert seen[-1] == (2, 0, "torch")
+        for bad in (None, "model", model.state_dict()):
+            with pytest.raises(TypeError, match="^kernel_threads: model must be an nn.Module, got "):
+                lowbit.kernel_threads(bad)
 
 
 def test_kernel_threads_holds_the_split_through_generate(two_torch_threads):

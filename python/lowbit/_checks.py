@@ -6,6 +6,7 @@ import os
 import stat
 
 import torch
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 
@@ -31,6 +32,14 @@ def check_float_dtype(who: str, dtype, name: str = "dtype") -> None:
     with an error that names neither the module nor the argument."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"{who}: {name} must be a float dtype, got {dtype!r}")
+
+
+def check_module(who: str, model, name: str = "model") -> None:
+    """TypeError naming `name` for a `model` that is not an nn.Module: any
+    other object fails on its first module attribute with an AttributeError
+    that names neither the function nor the argument."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{who}: {name} must be an nn.Module, got {type(model).__name__}")
 
 
 def has_values(t: torch.Tensor) -> bool:

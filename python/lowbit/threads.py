@@ -36,6 +36,7 @@ import threading
 import torch
 from torch import nn
 
+from ._checks import check_module
 from ._frozen import below_autograd, leave_autograd
 
 __all__ = ["kernel_threads"]
@@ -238,6 +239,9 @@ def kernel_threads(model: nn.Module, enable: bool = True,
     that. The split wraps the model's forward (model.forward): a forward set
     on the model later, or one it had already, runs without it. Returns the
     model."""
+    check_module("kernel_threads", model)
+    if not isinstance(enable, bool):  # a string ("off") or None read as truth would set or drop it unasked
+        raise ValueError(f"kernel_threads: enable must be True or False, got {enable!r}")
     if torch_team_tokens is not None and (isinstance(torch_team_tokens, bool) or not isinstance(torch_team_tokens, int)
                                           or torch_team_tokens < 1):
         raise ValueError(f"kernel_threads: torch_team_tokens must be a positive int or None, got {torch_team_tokens!r}")

@@ -6,6 +6,7 @@ import warnings
 import torch
 from torch import nn
 
+from .._checks import check_module
 from ..gptq.linear import GPTQLinear
 from ..ops import GGMLType
 from .experts import GGUFExperts
@@ -46,6 +47,7 @@ def repack_model(model: nn.Module, skip_types=None, expert_skip_types=()) -> lis
     projection's as "<module>.gate", ".up", ".down"). It warns naming the
     types whose layout the kernels would put back on every call, and leaves
     those as they are."""
+    check_module("repack_model", model)
     names, unread = [], set()
     skip_types = ({t for t in GGMLType if not repacked_by_default(t)} if skip_types is None
                   else _type_ids(skip_types, "skip_types"))
