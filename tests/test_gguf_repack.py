@@ -364,6 +364,28 @@ def test_repack_model_skip_types_are_ggml_types():
     assert not model["a"].repacked
 
 
+def test_layers_repacked_in_inference_mode_serve_calls_that_record_a_graph():
+    """repack (and GPTQ's sort_rows within it) under torch.inference_mode, as
+    a server sets a model up: the new layout is no inference tensor, which a
+    later call that saves for backward (a LoRA adapter in training) could not take."""
+    torch.manual_seed(0)
+    gptq = lowbit.GPTQLinear.from_linear(torch.nn.Linear(N, 64), 4, 32, perm=torch.randperm(N))
+    for plain in (layer(), gptq):
+        packed = copy.deepcopy(plain)
+        with torch.inference_mode():
+            packed.repack()
+        assert packed.repacked and not any(t.is_inference() for t in packed.buffers())
+        x = torch.randn(3, N, requires_grad=True)
+        packed(x).sum().backward()
+        want = x.grad.clone()
+        x.grad = None
+        plain(x).sum().backward()
+        torch.testing.assert_close(x.grad, want)
+        with torch.inference_mode():
+            packed.unrepack()
+        assert not any(t.is_inference() for t in packed.buffers())
+
+
 @pytest.mark.skipif(torch.ops.lowbit.cpu_isa("best") != "avx512", reason="repack_model repacks where AVX-512 VNNI kernels run")
 def test_repack_model_takes_the_layers_with_a_layout():
     model = torch.nn.ModuleDict({"a": layer("Q4_0"), "k": lowbit.GGUFLinear(N, 16, gb.type_id("TQ2_0")),

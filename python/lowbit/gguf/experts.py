@@ -115,6 +115,7 @@ class GGUFExperts(StoredBuffers):
         down = self._project("down", activation, top_k_index)  # [T, k, hidden]
         return (down * top_k_weights.unsqueeze(-1).to(down.dtype)).sum(dim=1)
 
+    @torch.inference_mode(False)  # the new layout must serve later calls that save for backward
     def repack(self, skip_types=()) -> list[str]:
         """Each projection whose type has the repacked layout, is read as it
         is by the active CPU kernels and is not in `skip_types`, put in it in
@@ -135,6 +136,7 @@ class GGUFExperts(StoredBuffers):
                 done.append(name)
         return done
 
+    @torch.inference_mode(False)
     def unrepack(self) -> "GGUFExperts":
         """Every projection back in the file's layout, in place; returns self."""
         for name in PROJECTIONS:

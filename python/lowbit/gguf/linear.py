@@ -149,6 +149,7 @@ class GGUFLinear(StoredBuffers):
         return dequantize_rows("GGUFLinear.dequantize", self.file_layout_qweight(), self.qtype, self.out_features,
                                self.in_features, dtype)
 
+    @torch.inference_mode(False)  # the new layout must serve later calls that save for backward
     def repack(self) -> "GGUFLinear":
         """qweight in the CPU kernels' interleaved layout, in place; returns self."""
         if self.qweight.device.type != "cpu":
@@ -161,6 +162,7 @@ class GGUFLinear(StoredBuffers):
             release_mapped([mapped])  # a file's bytes, copied: their pages go
         return self
 
+    @torch.inference_mode(False)
     def unrepack(self) -> "GGUFLinear":
         """qweight back in the file's layout, in place; returns self."""
         if self.repacked:

@@ -209,6 +209,7 @@ class GPTQLinear(StoredBuffers):
         """Whether qweight holds its rows sorted by group (sort_rows)."""
         return self.row_order is not None
 
+    @torch.inference_mode(False)  # rows made in inference mode must serve later calls that save for backward
     def sort_rows(self) -> GPTQLinear:
         """An act-order layer's qweight rows sorted by group, in place (the
         layout the kernels read): the layer then holds one copy of its
@@ -225,6 +226,7 @@ class GPTQLinear(StoredBuffers):
             self._mark_sorted(order, sorted_g_idx)
         return self
 
+    @torch.inference_mode(False)
     def unsort_rows(self) -> GPTQLinear:
         """qweight back in the checkpoint's row order (and layout), in place;
         returns self."""
@@ -239,6 +241,7 @@ class GPTQLinear(StoredBuffers):
         a multiple of the panel width."""
         return self.out_features % PANEL_COLS == 0 and self.qweight.device.type == "cpu"
 
+    @torch.inference_mode(False)
     def repack(self) -> GPTQLinear:
         """qweight's rows sorted by group (sort_rows) and held in the panel
         layout, in place (see the class docstring); returns self."""
@@ -251,6 +254,7 @@ class GPTQLinear(StoredBuffers):
             self._hold(to_panels(self.qweight), repacked=True)
         return self
 
+    @torch.inference_mode(False)
     def unrepack(self) -> GPTQLinear:
         """qweight back in the checkpoint's layout (its rows still sorted where
         they were), in place; returns self."""
