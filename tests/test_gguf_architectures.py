@@ -257,6 +257,15 @@ def test_replace_linear_takes_any_path_spelling_of_a_gguf_file(tmp_path):
         assert isinstance(model.model.layers[0].self_attn.q_proj, lowbit.GGUFLinear)
     with pytest.raises(ValueError, match="replace_linear: checkpoint_format is a GPTQ checkpoint's; .* is a GGUF"):
         lowbit.replace_linear(tiny_model("llama", seed=1), path, checkpoint_format="gptq_v2")
+    # Neither a path nor a model: refused naming the argument, before anything is read.
+    for bad, error, says in ((None, TypeError, "path must be a str or os.PathLike, got NoneType"),
+                             (3, TypeError, "path must be a str or os.PathLike, got int"),
+                             ("", ValueError, "path must be a file or directory path, got an empty one")):
+        with pytest.raises(error, match=f"^replace_linear: {says}$"):
+            lowbit.replace_linear(tiny_model("llama", seed=1), bad)
+    for bad in (None, tiny_model("llama", seed=1).state_dict()):
+        with pytest.raises(TypeError, match="^replace_linear: model must be an nn.Module, got "):
+            lowbit.replace_linear(bad, path)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma2"])

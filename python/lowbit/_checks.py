@@ -42,6 +42,18 @@ def check_module(who: str, model, name: str = "model") -> None:
         raise TypeError(f"{who}: {name} must be an nn.Module, got {type(model).__name__}")
 
 
+def check_path(who: str, path, name: str = "path") -> str:
+    """`path` (a str, bytes or os.PathLike) as a str, or an error naming
+    `name`: TypeError for anything else (os.fsdecode's names no argument),
+    ValueError for an empty one (the working directory to os.path)."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"{who}: {name} must be a str or os.PathLike, got {type(path).__name__}")
+    path = os.fsdecode(path)
+    if not path:
+        raise ValueError(f"{who}: {name} must be a file or directory path, got an empty one")
+    return path
+
+
 def has_values(t: torch.Tensor) -> bool:
     """Whether `t`'s values can be read on the host: not while torch.compile
     traces, and not a meta tensor, a fake one (FakeTensorMode: shapes only) or

@@ -8,6 +8,7 @@ import os
 
 from torch import nn
 
+from ._checks import check_module, check_path
 from ._placing import ReplaceReport, check_no_meta, has_meta_tensors, rebuild_computed_buffers
 from .gguf.file import GGUFError, is_gguf_path, load_gguf
 from .gguf.model import check_config_matches, place_gguf_tensors
@@ -53,7 +54,8 @@ def replace_linear(model: nn.Module, path: str | os.PathLike, checkpoint_format:
     they change the results but no weight's shape. The model's forward calls then
     give torch's threads to lowbit's kernels (lowbit.kernel_threads).
     """
-    path = os.fsdecode(path)
+    check_module("replace_linear", model)
+    path = check_path("replace_linear", path)
     where = f"replace_linear: {path}"
     on_meta = has_meta_tensors(model)
     if is_gguf_path(path):
