@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import lowbit
-from lowbit.fusing import ProjectionSlice, fuse_projections
+from lowbit.fusing import ProjectionSlice, fuse_projections, unfused_state_dict
 from lowbit.gguf.file import release_mapped
 from tiny_models import tiny_model, write_tiny_gguf
 
@@ -185,6 +185,20 @@ def test_only_projections_that_can_join_are_fused():
     with torch.no_grad():
         for got, want in zip(layers(attn), layers(reference.attn)):
             assert torch.equal(got(x), want(x))
+
+
+def test_fuse_projections_and_unfused_state_dict_refuse_what_they_cannot_read():
+    """A mapped that is no GGUFFile failed with an AttributeError at the first join (after the model had changed),
+    and unfused_state_dict's model with one on its first attribute."""
+    Q8_0 = int(lowbit.GGMLType.Q8_0)
+    attn = nn.Module()
+    attn.q_proj, attn.k_proj = quantized(32, Q8_0), quantized(32, Q8_0, seed=1)
+    for bad in ("model.gguf", {}):
+        with pytest.raises(TypeError, match="^fuse_projections: mapped must be a GGUFFile or None, got "):
+            fuse_projections(attn, bad)
+    assert isinstance(attn.q_proj, lowbit.GGUFLinear) and not hasattr(attn, "qk_proj")
+    with pytest.raises(TypeError, match="^unfused_state_dict: model must be an nn.Module, got NoneType"):
+        unfused_state_dict(None)
 
 
 def test_a_load_between_sibling_calls_is_not_answered_with_the_old_weights():

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ._checks import check_module
 from ._frozen import autocast_dtype
 
 if TYPE_CHECKING:
@@ -135,6 +136,10 @@ def fuse_projections(model: nn.Module, mapped: GGUFFile | None = None) -> list[s
     memory (GGUFFile.release). Returns the fused layers' names."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fuse_projections: model must be an nn.Module, got {type(model).__name__}")
+    from .gguf.file import GGUFFile  # here: lowbit.gguf.model, which lowbit.gguf imports, imports this module
+
+    if mapped is not None and not isinstance(mapped, GGUFFile):  # else an AttributeError at the first join
+        raise TypeError(f"fuse_projections: mapped must be a GGUFFile or None, got {type(mapped).__name__}")
     fused_names = []
     # Names, not modules: a list of the modules would keep every replaced
     # projection (its weights) alive until the last group is joined.
@@ -181,6 +186,7 @@ def unfused_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     fused layer's tensors under its projections' names, each projection its
     rows (GPTQ: columns) of them, so a checkpoint saved from a fused model
     is the checkpoint it was loaded from."""
+    check_module("unfused_state_dict", model)
     state = model.state_dict()
     fused = set()
     for name, module in model.named_modules():
