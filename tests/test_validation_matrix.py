@@ -17,11 +17,15 @@ a GPU).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import pytest
 import torch
+
+import lowbit
 
 ops = torch.ops.lowbit
 I32, F16, F32 = torch.int32, torch.float16, torch.float32
@@ -464,6 +468,11 @@ def test_scalar_ops_reject_bad_values():
     for bad in (-1, 1025):
         with pytest.raises(ValueError, match=f"^cpu_threads: threads must be 0 .* got {bad}"):
             ops.cpu_threads(bad)
+    # lowbit.ops' wrapper: the op's schema reads True as 1 thread, and refuses a float or str by a RuntimeError.
+    for bad in (-1, True, 2.0, "2"):
+        with pytest.raises(ValueError, match=f"^cpu_threads: threads must be 0 .* got {re.escape(repr(bad))}$"):
+            lowbit.ops.cpu_threads(bad)
+    assert lowbit.ops.cpu_threads(np.int64(0)) == 0
     with pytest.raises(ValueError, match="^cpu_team: unknown team 'omp'"):
         ops.cpu_team("omp")
     for bad in (4, -1, 1000):

@@ -27,6 +27,7 @@ from typing import List, Optional, Tuple, Union
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true, sym_and, sym_or
 
+from ._checks import is_integer
 from .gptq.packing import PANEL_COLS, fields_per_pack, words_per_pack
 
 Tensor = torch.Tensor
@@ -754,7 +755,10 @@ def cpu_threads(threads: Optional[int] = None) -> int:
     their own pool, whose callers never wait for a thread the OS has not scheduled
     yet; a count set here holds apart from torch's (lowbit.kernel_threads runs a
     model's torch ops on one thread and its quantized matmuls on several)."""
-    return torch.ops.lowbit.cpu_threads(threads)
+    # The op's schema reads True as 1 and refuses a float with a RuntimeError naming its schema.
+    if threads is not None and not is_integer(threads):
+        raise ValueError(f"cpu_threads: threads must be 0 (torch's count) to 1024, got {threads!r}")
+    return torch.ops.lowbit.cpu_threads(None if threads is None else int(threads))
 
 
 def cpu_team(team: Optional[str] = None) -> str:
