@@ -974,3 +974,19 @@ def test_check_finite_names_the_tensor_and_row_of_a_corrupt_scale(toy, tmp_path,
     for other in bad.tensors.values():
         if other.name != name:
             other.check_finite("where")
+
+
+@pytest.mark.parametrize("path, error, says", [(None, TypeError, "must be a str or os.PathLike, got NoneType"),
+                                               (7, TypeError, "must be a str or os.PathLike, got int"),
+                                               ("", ValueError, "must be a file or directory path, got an empty one")])
+@pytest.mark.parametrize("load", ["load_gguf", "load_gguf_model", "load_gguf_tokenizer", "load_gptq", "load_gptq_model"])
+def test_loaders_name_a_path_that_is_none_or_empty(load, path, error, says):
+    """os.fspath's TypeError names no argument; an empty path is the working directory to os.path, which
+    read as ': no such file or directory' or as a directory that is not a checkpoint."""
+    import lowbit.gguf.model
+    import lowbit.gptq.checkpoint
+    fn = {"load_gguf": load_gguf, "load_gguf_model": lowbit.load_gguf_model,
+          "load_gguf_tokenizer": lowbit.gguf.model.load_gguf_tokenizer, "load_gptq": lowbit.gptq.checkpoint.load_gptq,
+          "load_gptq_model": lowbit.load_gptq_model}[load]
+    with pytest.raises(error, match=f"^{load}: path {says}$"):
+        fn(path)

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._checks import check_float_dtype, check_regular_file
+from .._checks import check_float_dtype, check_path, check_regular_file
 from .._mapping import map_private
 
 __all__ = ["GGUFError", "GGUFFile", "GGUFTensor", "load_gguf", "release_mapped"]
@@ -412,7 +412,7 @@ def load_gguf(path: str | os.PathLike) -> GGUFFile:
     Deleting it or renaming a new file over it is safe; writing into it
     changes the tensors, and truncating it ends the process (SIGBUS) at
     the next read of a page past the new end."""
-    path = os.fspath(path)
+    path = check_path("load_gguf", path)
     check_regular_file(path, "GGUF file", GGUFError)
     try:
         data = map_private(path)

@@ -14,7 +14,7 @@ import warnings
 import torch
 from torch import nn
 
-from .._checks import check_finite, check_positive
+from .._checks import check_finite, check_path, check_positive
 from .._placing import (GGUF_SAVE_ADVICE, ReplaceReport, checked, get_module, load_tensor, model_dtype, on_meta,
                         rebuild_computed_buffers, refuse_save_pretrained, tensor_holders)
 from ..fusing import fuse_projections
@@ -81,7 +81,7 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     import transformers
 
     dtype = model_dtype(dtype, "load_gguf_model")
-    path = os.fspath(path)
+    path = check_path("load_gguf_model", path)
     where = f"load_gguf_model: {path}"
     f = load_gguf(path)
     if check_tensors:
@@ -134,7 +134,7 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     AutoTokenizer itself."""
     import transformers
 
-    path = os.fspath(path)
+    path = check_path("load_gguf_tokenizer", path)
     where = f"load_gguf_tokenizer: {path}"
     f = load_gguf(path)
     metadata = f.metadata

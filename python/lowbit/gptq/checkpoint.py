@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .._checks import check_finite, check_regular_file
+from .._checks import check_finite, check_path, check_regular_file
 from .._mapping import map_private
 from .packing import fields_per_pack, words_per_pack
 from .config import GPTQCheckpointError, GPTQConfig, ModuleQuant, parse_config, read_config, read_json
@@ -202,7 +202,7 @@ def load_gptq(path: str | os.PathLike, checkpoint_format: str | None = None,
     tensors. `checkpoint_format` overrides the config's "gptq" / "gptq_v2"
     (and stored_format's reading of the words); `mapped` names tensors left
     in the file (read_tensors)."""
-    directory, files = checkpoint_files(path)
+    directory, files = checkpoint_files(check_path("load_gptq", path))
     config = read_config(directory)
     if checkpoint_format is not None:
         config = replace(config, checkpoint_format=checkpoint_format)

@@ -14,7 +14,7 @@ import warnings
 import torch
 from torch import nn
 
-from .._checks import check_finite
+from .._checks import check_finite, check_path
 from .._placing import (GPTQ_SAVE_ADVICE, ReplaceReport, checked, get_module, load_tensor, model_dtype, on_meta,
                         rebuild_computed_buffers, refuse_save_pretrained, tensor_holders)
 from ..fusing import fuse_projections
@@ -69,7 +69,7 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     import transformers
 
     dtype = model_dtype(dtype, "load_gptq_model")
-    directory, _ = checkpoint_files(os.fspath(path))
+    directory, _ = checkpoint_files(check_path("load_gptq_model", path))
     check_layer_count(directory)
 
     def make_config():
