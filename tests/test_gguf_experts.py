@@ -199,6 +199,19 @@ def test_torch_compile(pair):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+def test_repack_skips_types_by_name_id_or_ggmltype_and_refuses_anything_else(pair):
+    """A name ("Q8_0") compared with the type ids skipped nothing: every projection was repacked."""
+    import copy
+
+    for skip in (["Q8_0", "Q4_0"], [T.Q8_0, T.Q4_0], [lowbit.GGMLType.Q8_0, lowbit.GGMLType.Q4_0]):
+        packed = copy.deepcopy(pair[0])
+        assert packed.repack(skip) == [] and not any(packed.repacked.values())
+    for skip, says in ((None, "must be a collection of ggml types, got None"), ("Q8_0", "must be a collection of ggml types, got the string 'Q8_0'"),
+                       (["Q9"], "holds 'Q9', not a ggml type")):
+        with pytest.raises(ValueError, match=f"^GGUFExperts.repack: skip_types {says}"):
+            copy.deepcopy(pair[0]).repack(skip)
+
+
 def test_repack_keeps_the_results(pair):
     """GGUFExperts.repack (and repack_model) put the projections whose type
     the active kernels read in the repacked layout: the same outputs (the

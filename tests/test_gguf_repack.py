@@ -358,6 +358,10 @@ def test_repack_model_skip_types_are_ggml_types():
             lowbit.repack_model(model, skip_types=skip)
     with pytest.raises(ValueError, match="repack_model: expert_skip_types holds 'Q9'"):
         lowbit.repack_model(model, expert_skip_types=["Q9"])
+    # One name alone is no collection of its letters.
+    with pytest.raises(ValueError, match=r"^repack_model: skip_types must be a collection of ggml types, got the "
+                                         r"string 'Q4_0' \(pass \['Q4_0'\]\)$"):
+        lowbit.repack_model(model, skip_types="Q4_0")
     for bad in (None, "model", dict(model.items())):
         with pytest.raises(TypeError, match="^repack_model: model must be an nn.Module, got "):
             lowbit.repack_model(bad)

@@ -11,10 +11,33 @@ from .._checks import check_sizes
 from .._frozen import call_layer_op, op_input
 from .._stored import StoredBuffers
 from ..moe import check_routing
+from ..ops import GGMLType
 from .file import dequantize_rows, release_mapped
 
 
 PROJECTIONS = ("gate", "up", "down")
+
+
+def ggml_type_ids(who: str, types, argument: str) -> set[int]:
+    """The ggml type ids of `types` (GGMLTypes, their ids or their names), or
+    ValueError naming `argument`: anything else would be skipped by nothing,
+    and one name alone would be read as its letters."""
+    if isinstance(types, str):
+        raise ValueError(f"{who}: {argument} must be a collection of ggml types, got the string {types!r} "
+                         f"(pass [{types!r}])")
+    try:
+        items = list(types)
+    except TypeError:
+        raise ValueError(f"{who}: {argument} must be a collection of ggml types, got {types!r}") from None
+    ids = set()
+    for t in items:
+        if isinstance(t, str) and t in GGMLType.__members__:
+            ids.add(int(GGMLType[t]))
+        elif isinstance(t, int) and not isinstance(t, bool) and t in {int(g) for g in GGMLType}:
+            ids.add(int(t))
+        else:
+            raise ValueError(f"{who}: {argument} holds {t!r}, not a ggml type (a GGMLType, its id or its name)")
+    return ids
 
 
 class ClampedSwiGLU(nn.Module):
@@ -120,6 +143,7 @@ class GGUFExperts(StoredBuffers):
         """Each projection whose type has the repacked layout, is read as it
         is by the active CPU kernels and is not in `skip_types`, put in it in
         place; returns their names."""
+        skip_types = ggml_type_ids("GGUFExperts.repack", skip_types, "skip_types")
         done = []
         for name in PROJECTIONS:
             qtype = self.qtypes[name]

@@ -9,7 +9,7 @@ from torch import nn
 from .._checks import check_module
 from ..gptq.linear import GPTQLinear
 from ..ops import GGMLType
-from .experts import GGUFExperts
+from .experts import GGUFExperts, ggml_type_ids
 from .linear import GGUFLinear
 
 
@@ -50,8 +50,8 @@ def repack_model(model: nn.Module, skip_types=None, expert_skip_types=()) -> lis
     check_module("repack_model", model)
     names, unread = [], set()
     skip_types = ({t for t in GGMLType if not repacked_by_default(t)} if skip_types is None
-                  else _type_ids(skip_types, "skip_types"))
-    expert_skip_types = _type_ids(expert_skip_types, "expert_skip_types")
+                  else ggml_type_ids("repack_model", skip_types, "skip_types"))
+    expert_skip_types = ggml_type_ids("repack_model", expert_skip_types, "expert_skip_types")
     for name, module in model.named_modules():
         if (isinstance(module, GGUFLinear) and module.qweight.device.type == "cpu"
                 and has_repacked_layout(module.qtype) and module.qtype not in skip_types):
@@ -72,21 +72,3 @@ def repack_model(model: nn.Module, skip_types=None, expert_skip_types=()) -> lis
                       f"repacked rows back on every call for ggml types {sorted(unread)}; those layers stay in "
                       f"the file's layout")
     return names
-
-
-def _type_ids(types, argument: str) -> set[int]:
-    """The ggml type ids of `types` (GGMLTypes, their ids or their names), or
-    ValueError naming `argument`: anything else would be skipped by nothing."""
-    try:
-        items = list(types)
-    except TypeError:
-        raise ValueError(f"repack_model: {argument} must be a collection of ggml types, got {types!r}") from None
-    ids = set()
-    for t in items:
-        if isinstance(t, str) and t in GGMLType.__members__:
-            ids.add(int(GGMLType[t]))
-        elif isinstance(t, int) and not isinstance(t, bool) and t in {int(g) for g in GGMLType}:
-            ids.add(int(t))
-        else:
-            raise ValueError(f"repack_model: {argument} holds {t!r}, not a ggml type (a GGMLType, its id or its name)")
-    return ids
