@@ -296,5 +296,9 @@ def test_repack_model_takes_the_gptq_layers_of_whole_panels():
     expect = {name: layer(x) for name, layer in model.items()}
     assert lowbit.repack_model(model) == ["a", "c", "d", "e"]  # b: not whole panels
     assert all(torch.equal(layer(x), expect[name]) for name, layer in model.items())
-    with pytest.raises(ValueError, match="GPTQLinear.repack: the panel layout is the CPU kernels'; .*out_features=96"):
+    with pytest.raises(ValueError, match="^GPTQLinear.repack: the panel layout is the CPU kernels'; out_features=96 is "
+                                         "not a multiple of its 64 columns$"):
         model["b"].repack()
+    # A layer of whole panels off the CPU is refused for where it is, not for its width.
+    with pytest.raises(ValueError, match="^GPTQLinear.repack: the panel layout is the CPU kernels'; qweight is on meta$"):
+        make(128, 4).to("meta").repack()

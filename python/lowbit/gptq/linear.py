@@ -247,9 +247,9 @@ class GPTQLinear(StoredBuffers):
         layout, in place (see the class docstring); returns self."""
         if not self.repacked:
             if not self.can_repack():
-                raise ValueError(f"GPTQLinear.repack: the panel layout is the CPU kernels'; this layer has "
-                                 f"out_features={self.out_features} (a multiple of {PANEL_COLS} needed), qweight on "
-                                 f"{self.qweight.device}")
+                why = (f"qweight is on {self.qweight.device}" if self.qweight.device.type != "cpu" else
+                       f"out_features={self.out_features} is not a multiple of its {PANEL_COLS} columns")
+                raise ValueError(f"GPTQLinear.repack: the panel layout is the CPU kernels'; {why}")
             self.sort_rows()
             self._hold(to_panels(self.qweight), repacked=True)
         return self
