@@ -563,6 +563,9 @@ def test_a_non_finite_float_tensor_is_a_gguf_error_naming_it(tmp_path, value):
      r"metadata 'tokenizer.ggml.tokens': 262 tokens, more than llama.vocab_size 200"),
     # What only transformers' converter finds: a merge of three parts.
     (dict(merges=["Ġ t h"]), r"transformers builds no tokenizer from its tokenizer.ggml.\* metadata: TypeError"),
+    # A merge whose result is no token and longer than every token: tokenizers' BPE panics (a BaseException).
+    (dict(merges=["<|im_start|> <|im_end|>"]),
+     r"transformers builds no tokenizer from its tokenizer.ggml.\* metadata: PanicException"),
 ])
 def test_load_gguf_tokenizer_refuses_broken_tokenizer_metadata(tmp_path, changes, says):
     path = write_tokenizer_gguf(str(tmp_path / "tokenizer.gguf"), "llama", **changes)

@@ -154,7 +154,9 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     with tempfile.TemporaryDirectory() as alone:
         try:
             tokenizer = builder.from_pretrained(alone, gguf_file=os.path.abspath(path))
-        except Exception as e:  # transformers' converter indexes and parses the metadata with no checks of its own
+        except BaseException as e:  # transformers' converter indexes and parses the metadata with no checks of its own
+            if not isinstance(e, Exception) and not _is_rust_panic(e):  # Ctrl-C, exit
+                raise
             reason = " ".join(str(e).replace(alone, directory).split())
             raise GGUFError(f"{where}: transformers builds no tokenizer from its tokenizer.ggml.* metadata: "
                             f"{type(e).__name__}: {reason}") from e
@@ -164,6 +166,14 @@ def load_gguf_tokenizer(path: str | os.PathLike):
         raise GGUFError(f"{where}: transformers' {type(tokenizer).__name__} holds {len(tokenizer)} tokens "
                         f"(the file's {tokens} and those it adds), {TOKEN_EMBD} only {embd.shape[0]} rows")
     return tokenizer
+
+
+def _is_rust_panic(e: BaseException) -> bool:
+    """Whether `e` is a Rust panic that pyo3 raised (tokenizers' BPE panics on
+    a merge whose result is missing from the vocabulary and longer than any
+    token in it). pyo3 derives PanicException from BaseException, not
+    Exception, and gives it no importable module: it is told by name."""
+    return type(e).__name__ == "PanicException"
 
 
 MAX_TOKEN_WORK = 1 << 32  # sum of squared token lengths: a real vocabulary's is about 10^7
