@@ -29,7 +29,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants
 
 import lowbit
-from gguf_files import with_embedding, write_model_gguf, write_tokenizer_gguf
+from gguf_files import byte_level_alphabet, with_embedding, write_model_gguf, write_tokenizer_gguf
 from lowbit.fusing import ProjectionSlice
 from lowbit.gguf.arch import ARCHITECTURES
 
@@ -757,3 +757,32 @@ def test_generate_with_the_cache_is_the_models_greedy_choice(tmp_path, arch):
     assert out.shape == (1, 17)
     chosen = logits.gather(1, out[0, 7:, None])[:, 0]
     assert torch.all(chosen >= logits.max(dim=1).values - 1e-4 * logits.abs().max())
+
+
+def test_load_gguf_tokenizer_keeps_byte_level_specials_at_their_ids(tmp_path):
+    """A byte-level vocabulary's control tokens spelled outside the byte
+    alphabet (DeepSeek-R1-Distill-Qwen's "<｜begin▁of▁sentence｜>", its BOS,
+    with padding rows past the tokens) are matched whole at the file's ids,
+    as llama.cpp matches them: not a BOS appended at a new id past the file's
+    tokens, which every prompt would begin with."""
+    import gguf
+
+    bos, eos, user = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>"
+    tokens = byte_level_alphabet() + ["the", "he", bos, eos, user]
+    path = str(tmp_path / "qwen2.gguf")
+    writer = gguf.GGUFWriter(path, "qwen2")
+    writer.add_block_count(1)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("deepseek-r1-qwen")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * 258 + [3] * 3)
+    writer.add_token_merges(["h e", "t he"])
+    writer.add_bos_token_id(258)
+    writer.add_eos_token_id(259)
+    writer.add_add_bos_token(True)
+    tokenizer = lowbit.load_gguf_tokenizer(with_embedding(writer, path, 300))
+    assert (tokenizer.bos_token, tokenizer.bos_token_id, tokenizer.eos_token, tokenizer.eos_token_id) == (bos, 258, eos, 259)
+    ids = tokenizer(f"{user}the").input_ids
+    assert ids == [258, 260, 256]
+    assert tokenizer.decode(ids) == f"{bos}{user}the"
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "the"

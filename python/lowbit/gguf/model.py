@@ -6,6 +6,7 @@ a model needs about its file's size in memory, not its float size;
 load_gguf_tokenizer builds the file's tokenizer."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import tempfile
@@ -161,11 +162,73 @@ def load_gguf_tokenizer(path: str | os.PathLike):
             raise GGUFError(f"{where}: transformers builds no tokenizer from its tokenizer.ggml.* metadata: "
                             f"{type(e).__name__}: {reason}") from e
     tokenizer.name_or_path = tokenizer.init_kwargs["name_or_path"] = directory  # not the empty one, which is gone
+    _keep_byte_level_specials(tokenizer, metadata, where)
     split_as_llama_cpp(tokenizer, metadata, where)
     if embd is not None and len(tokenizer) > embd.shape[0]:  # special tokens the class adds past the file's list
         raise GGUFError(f"{where}: transformers' {type(tokenizer).__name__} holds {len(tokenizer)} tokens "
                         f"(the file's {tokens} and those it adds), {TOKEN_EMBD} only {embd.shape[0]} rows")
     return tokenizer
+
+
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types of tokens it matches whole in a text
+
+
+def _keep_byte_level_specials(tokenizer, metadata, where: str) -> None:
+    """A byte-level ("gpt2") vocabulary's control and user-defined tokens
+    that are not spelled in the byte alphabet (DeepSeek's
+    "<｜begin▁of▁sentence｜>") as added tokens at the file's ids, as
+    llama.cpp matches them. transformers' converter stores them respelled
+    byte by byte and leaves them out of its added tokens; setting the BOS or
+    EOS to such a token's text then appends it at a new id past the file's
+    tokens, so every prompt began with an id the model has no trained row for."""
+    if metadata.get("tokenizer.ggml.model") != "gpt2" or "tokenizer.ggml.token_type" not in metadata:
+        return
+    from tokenizers import AddedToken, Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    whole = {}  # text -> (id, control); a repeated text keeps its last id, as llama.cpp's lookup does
+    for i, (text, kind) in enumerate(zip(metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.token_type"])):
+        if kind in (CONTROL, USER_DEFINED) and text and not set(text) <= alphabet:
+            whole[text] = (i, kind == CONTROL)
+    if not whole:
+        return
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = state["model"]["vocab"]
+    for text, (i, _) in whole.items():
+        respelled = "".join(spelling[b] for b in text.encode("utf-8"))
+        if vocab.get(respelled) == i:
+            del vocab[respelled]
+        vocab[text] = i
+    # The converter's own additions of these texts (at new ids) go; the rest stay as they are.
+    state["added_tokens"] = [t for t in state["added_tokens"] if t["content"] not in whole]
+    _renumber_template(state.get("post_processor"), {text: i for text, (i, _) in whole.items()})
+    try:
+        tokenizer._tokenizer = Tokenizer.from_str(json.dumps(state))
+    except Exception as e:  # a merge that needs a respelled token
+        raise GGUFError(f"{where}: its byte-level vocabulary's special tokens do not fit its merges: {e}") from e
+    # Added as the converter adds those it keeps, now found in the vocabulary at the file's ids.
+    control = [AddedToken(t, normalized=False, special=True) for t, (_, c) in whole.items() if c]
+    user = [AddedToken(t, normalized=False, special=False) for t, (_, c) in whole.items() if not c]
+    if control:
+        tokenizer.add_special_tokens({"additional_special_tokens": control}, replace_extra_special_tokens=False)
+    if user:
+        tokenizer.add_tokens(user)
+
+
+def _renumber_template(node, ids: dict) -> None:
+    """The BOS and EOS a post-processor template adds (its special_tokens'
+    {"<s>": {"ids": [...]}}, at any depth of a sequence) at `ids`' ids."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ids and isinstance(value, dict) and "ids" in value:
+                value["ids"] = [ids[key]]
+            else:
+                _renumber_template(value, ids)
+    elif isinstance(node, list):
+        for value in node:
+            _renumber_template(value, ids)
 
 
 def _is_rust_panic(e: BaseException) -> bool:
