@@ -160,6 +160,13 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "lowbit", *args], capture_output=True, text=True, timeout=120)
 
 
+def test_inspect_prints_long_arrays_at_any_depth_as_their_length():
+    from lowbit.__main__ import format_value
+
+    assert format_value(list(range(9))) == "[9 items]"
+    assert format_value([[1, 2], list(range(10**6)), "a\nb"]) == "[[1, 2], [1000000 items], 'a\\nb']"
+
+
 def test_inspect(toy):
     result = run_cli("inspect", toy.path)
     assert result.returncode == 0, result.stderr

@@ -47,10 +47,27 @@ TEMPLATE_CHARS = 1 << 20  # the text a chat template may add to the prompt
 MAX_HELD_TOKENS = 8
 
 
+class _Items:
+    """What a long array prints as, at any depth: "[N items]"."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __repr__(self) -> str:
+        return f"[{self.n} items]"
+
+
+def _shortened(value):
+    """`value` with every array longer than MAX_LIST_ITEMS, nested ones too,
+    as its length: repr of a short array of long ones would be built whole
+    (hundreds of MB for a hostile file) only to be cut."""
+    if isinstance(value, list):
+        return _Items(len(value)) if len(value) > MAX_LIST_ITEMS else [_shortened(v) for v in value]
+    return value
+
+
 def format_value(value) -> str:
-    if isinstance(value, list) and len(value) > MAX_LIST_ITEMS:
-        return f"[{len(value)} items]"
-    text = repr(value)  # repr escapes newlines, so every key stays on one line
+    text = repr(_shortened(value))  # repr escapes newlines, so every key stays on one line
     if len(text) > MAX_VALUE_CHARS:
         text = f"{text[:MAX_VALUE_CHARS]}... ({len(text)} chars)"
     return text
