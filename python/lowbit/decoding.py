@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ._checks import check_module
 from ._frozen import autocast_dtype, below_autograd, leave_autograd
 from .fusing import PROJECTION_GROUPS, ProjectionSlice
 from .threads import _STATE, ThreadedForward, _ModelAttribute, split_call, wrap_generate
@@ -744,8 +745,7 @@ def fast_decoding(model: nn.Module, enable: bool = True) -> bool:
     decoder layers are all of DECODER_LAYERS' kinds, with gated MLPs (or
     experts), causal attention (soft-capped scores too) and whole heads
     rotated (or their leading values, in Phi-3's layers)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"fast_decoding: model must be an nn.Module, got {type(model).__name__}")
+    check_module("fast_decoding", model)
     if isinstance(model.__dict__.get("forward"), _DecodingForward):
         del model.forward
     if not enable or not _servable(model):

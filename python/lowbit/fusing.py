@@ -134,8 +134,7 @@ def fuse_projections(model: nn.Module, mapped: GGUFFile | None = None) -> list[s
     are joined as one view of it, without a copy (GGUFFile.back_to_back);
     rows joined by copying have their pages of the mapping dropped from
     memory (GGUFFile.release). Returns the fused layers' names."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"fuse_projections: model must be an nn.Module, got {type(model).__name__}")
+    check_module("fuse_projections", model)
     from .gguf.file import GGUFFile  # here: lowbit.gguf.model, which lowbit.gguf imports, imports this module
 
     if mapped is not None and not isinstance(mapped, GGUFFile):  # else an AttributeError at the first join

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ._checks import is_integer
 from ._frozen import below_autograd, leave_autograd
 from .threads import _STATE, _ModelAttribute, split_call
 
@@ -85,8 +86,7 @@ def compiled_decoding(model: nn.Module, enable: bool = True, max_cache_len: int 
     if not isinstance(model, nn.Module) or not hasattr(model, "generation_config"):
         raise TypeError(f"compiled_decoding: model must be a transformers generation model (with a "
                         f"generation_config), got {type(model).__name__}")
-    if max_cache_len is not None and (isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int)
-                                      or max_cache_len <= 0):
+    if max_cache_len is not None and (not is_integer(max_cache_len) or max_cache_len <= 0):
         raise ValueError(f"compiled_decoding: max_cache_len must be a positive int or None, got {max_cache_len!r}")
     config = model.generation_config
     for attribute in _COMPILED_CALL:

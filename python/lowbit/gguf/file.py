@@ -41,7 +41,6 @@ class GGUFError(ValueError):
     """A GGUF file is unreadable, corrupt, or uses something lowbit does not support."""
 
 
-
 # The dtypes ggml_dequantize writes. Another float dtype is cast from float32,
 # as GPTQLinear.dequantize gives it: exact into float64, which holds every float32.
 DEQUANTIZE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .._checks import check_finite, check_path, check_regular_file
+from .._checks import check_finite, check_path, check_regular_file, is_integer
 from .._mapping import map_private
 from .packing import fields_per_pack, words_per_pack
 from .config import GPTQCheckpointError, GPTQConfig, ModuleQuant, parse_config, read_config, read_json
@@ -411,7 +411,7 @@ def check_layer_count(directory: str | os.PathLike) -> None:
     count = content.get("num_hidden_layers")
     if count is None:
         return
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+    if not is_integer(count) or count < 0:
         raise GPTQCheckpointError(f"{path}: num_hidden_layers must be a non-negative integer, got {count!r}")
     extra = content.get("num_nextn_predict_layers")
     extra = extra if isinstance(extra, int) and not isinstance(extra, bool) else 0

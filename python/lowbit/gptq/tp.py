@@ -34,6 +34,7 @@ from .checkpoint import (HEADER_DTYPES, GPTQCheckpointError, _module, check_fini
                          check_new_directory, checkpoint_files, hold_gptqmodel_zeros_as_v2, read_tensors, source_configs,
                          stored_format, v1_zeros_as_v2, v2_zeros_as_gptqmodel_v1, write_checkpoint)
 from .config import GPTQConfig, check_format, read_config
+from .._checks import is_integer
 from .._stored import StoredBuffers
 from .linear import GPTQLinear
 from .packing import fields_per_pack, words_per_pack
@@ -390,7 +391,7 @@ def _stored_format(directory: str, versions: tuple[tuple[str, int, int], ...]) -
 
 def _check_rank(name: str, rank: int, world_size: int, group) -> None:
     for what, value in (("rank", rank), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, int):  # else a float fails as a slice index
+        if not is_integer(value):  # else a float fails as a slice index
             raise TypeError(f"{name}: {what} must be an int, got {value!r}")
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"{name}: rank {rank} is not in [0, world_size={world_size})")
