@@ -187,6 +187,34 @@ def test_only_projections_that_can_join_are_fused():
             assert torch.equal(got(x), want(x))
 
 
+def test_layers_held_in_several_places_are_fused_once_or_not_at_all():
+    """Parents holding the same q and k (tied) share one fused layer and its slices; a layer also held beside
+    another sibling, or twice in one parent, stays as it is: a fused copy would hold its weights twice."""
+    Q8_0 = int(lowbit.GGMLType.Q8_0)
+    a, b, c, d, e = (nn.Module() for _ in range(5))
+    a.q_proj, a.k_proj = quantized(32, Q8_0), quantized(32, Q8_0, seed=1)
+    b.q_proj, b.k_proj = a.q_proj, a.k_proj
+    c.q_proj, c.k_proj = quantized(32, Q8_0, seed=2), quantized(32, Q8_0, seed=3)
+    d.q_proj, d.k_proj = c.q_proj, quantized(32, Q8_0, seed=4)
+    e.q_proj = e.k_proj = quantized(32, Q8_0, seed=5)
+    model = nn.Module()
+    model.a, model.b, model.c, model.d, model.e = a, b, c, d, e
+    model.shared = model.a  # a whole parent under two names
+    reference, state = copy.deepcopy(model), model.state_dict()
+    assert fuse_projections(model) == ["a.qk_proj", "b.qk_proj"]
+    assert b.qk_proj is a.qk_proj and b.q_proj is a.q_proj and b.k_proj is a.k_proj
+    assert isinstance(a.q_proj, ProjectionSlice) and a.q_proj.outputs.layer is a.qk_proj
+    for parent in (c, d, e):
+        assert isinstance(parent.q_proj, lowbit.GGUFLinear) and isinstance(parent.k_proj, lowbit.GGUFLinear)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        for name in ("a", "b", "shared"):
+            got, want = getattr(model, name), getattr(reference, name)
+            assert all(torch.equal(g(x), w(x)) for g, w in zip((got.q_proj, got.k_proj), (want.q_proj, want.k_proj)))
+    unfused = unfused_state_dict(model)
+    assert unfused.keys() == state.keys() and all(torch.equal(unfused[k], t) for k, t in state.items())
+
+
 def test_fuse_projections_and_unfused_state_dict_refuse_what_they_cannot_read():
     """A mapped that is no GGUFFile failed with an AttributeError at the first join (after the model had changed),
     and unfused_state_dict's model with one on its first attribute."""

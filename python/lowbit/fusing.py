@@ -133,21 +133,28 @@ def fuse_projections(model: nn.Module, mapped: GGUFFile | None = None) -> list[s
     mapping the layers' rows may be views of. Rows it stores back to back
     are joined as one view of it, without a copy (GGUFFile.back_to_back);
     rows joined by copying have their pages of the mapping dropped from
-    memory (GGUFFile.release). Returns the fused layers' names."""
+    memory (GGUFFile.release). A layer registered in several places (tied
+    parents) is fused once, its fused layer and slices shared by them all,
+    where each holds it under the same name beside the same siblings;
+    anywhere else it stays as it is. Returns the fused layers' names, one
+    per parent."""
     check_module("fuse_projections", model)
     from .gguf.file import GGUFFile  # here: lowbit.gguf.model, which lowbit.gguf imports, imports this module
 
     if mapped is not None and not isinstance(mapped, GGUFFile):  # else an AttributeError at the first join
         raise TypeError(f"fuse_projections: mapped must be a GGUFFile or None, got {type(mapped).__name__}")
+    parent_names = {id(module): name for name, module in model.named_modules()}
+    tied = _tied_projections(model)
     fused_names = []
     # Names, not modules: a list of the modules would keep every replaced
     # projection (its weights) alive until the last group is joined.
-    for parent_name in [name for name, _ in model.named_modules()]:
+    for parent_name in list(parent_names.values()):
         parent = model.get_submodule(parent_name)
         for group in PROJECTION_GROUPS:
-            for names in _joinable(parent, group):
+            for names in _joinable(parent, group, tied):
                 name = fused_name(names)
-                if hasattr(parent, name):
+                holders = tied[id(parent), names[0]]
+                if any(hasattr(holder, name) for holder in holders):
                     continue
                 layers = [parent._modules[n] for n in names]
                 fused = type(layers[0]).joined(layers, mapped.back_to_back if mapped is not None else None)
@@ -155,21 +162,48 @@ def fuse_projections(model: nn.Module, mapped: GGUFFile | None = None) -> list[s
                 # A bound method: a copy (deepcopy, pickle) hooks its own outputs.
                 fused.register_load_state_dict_post_hook(outputs.forget)
                 fused.fused_from = tuple(names)  # what it stands for (lowbit.lora leaves it to its slices)
-                parent.add_module(name, fused)
-                for index, n in enumerate(names):
-                    parent.add_module(n, ProjectionSlice(outputs, index, name))
+                slices = [ProjectionSlice(outputs, index, name) for index in range(len(names))]
+                for holder in holders:
+                    holder.add_module(name, fused)
+                    for n, part in zip(names, slices):
+                        holder.add_module(n, part)
+                    holder_name = parent_names[id(holder)]
+                    fused_names.append(f"{holder_name}.{name}" if holder_name else name)
                 if mapped is not None and fused.qweight.data_ptr() != layers[0].qweight.data_ptr():  # a copy
                     mapped.release([layer.qweight for layer in layers])
                 del layers
-                fused_names.append(f"{parent_name}.{name}" if parent_name else name)
     return fused_names
 
 
-def _joinable(parent: nn.Module, group: Sequence[str]) -> list[list[str]]:
+def _tied_projections(model: nn.Module) -> dict[tuple[int, str], list[nn.Module]]:
+    """(id of a parent, a projection's name) -> every parent that holds that
+    projection's layer, for each layer that can be fused once for them all:
+    each holds it under that name, beside the same layers under the group's
+    other names. A layer held anywhere else (under another name, in another
+    group, or beside other siblings) is left out: a fused copy of it would
+    hold its weights twice, and the places would compute with different modules."""
+    places = {}
+    for parent in model.modules():
+        for name, child in parent._modules.items():
+            if child is not None:
+                places.setdefault(id(child), []).append((parent, name))
+    tied = {}
+    for parent in model.modules():
+        for group in PROJECTION_GROUPS:
+            siblings = [parent._modules.get(n) for n in group]
+            for n, layer in zip(group, siblings):
+                held = places.get(id(layer), [])
+                if layer is not None and all(name == n and [holder._modules.get(g) for g in group] == siblings
+                                              for holder, name in held):
+                    tied[id(parent), n] = [holder for holder, _ in held]
+    return tied
+
+
+def _joinable(parent: nn.Module, group: Sequence[str], tied: dict) -> list[list[str]]:
     """The sets of the group's layers in `parent` that can join, each of two
     or more, in the group's order (a Q4_K_M file's q and k may share a type
-    that its v does not)."""
-    left = [n for n in group if hasattr(parent._modules.get(n), "can_join")]
+    that its v does not); only layers in `tied` (_tied_projections)."""
+    left = [n for n in group if hasattr(parent._modules.get(n), "can_join") and (id(parent), n) in tied]
     runs = []
     while len(left) > 1:
         first = parent._modules[left[0]]
@@ -188,7 +222,8 @@ def unfused_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     check_module("unfused_state_dict", model)
     state = model.state_dict()
     fused = set()
-    for name, module in model.named_modules():
+    # Every name a shared slice has: state_dict holds its tensors under each.
+    for name, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, ProjectionSlice):
             parent = name.rpartition(".")[0]
             fused.add(f"{parent}.{module.fused_name}." if parent else f"{module.fused_name}.")
