@@ -205,6 +205,32 @@ def test_a_regex_adapts_the_model_s_own_projections_not_the_fused_layers(model_p
         torch.testing.assert_close(fused(input_ids=ids).logits, unfused(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
 
 
+def test_eva_initializes_the_fused_model_s_projections_as_the_unfused_one_s(tmp_path):
+    """EVA (PEFT's data-driven init) with a regex that matches the fused layers: the slices' adapters start
+    from the SVD of their inputs as the unfused model's do, and the adapter saved reloads onto the fused model."""
+    path = tiny_models.write_tiny_gguf(tmp_path / "tiny.gguf", tiny_models.tiny_model("llama", 0), "llama")
+    ids = torch.randint(0, 64, (8, 12), generator=torch.Generator().manual_seed(0))
+    batches = [{"input_ids": ids[i:i + 2], "attention_mask": torch.ones_like(ids[i:i + 2])} for i in range(0, 8, 2)]
+    models = []
+    for fuse in (True, False):
+        config = lora_config(target_modules=r".*_proj", init_lora_weights="eva", eva_config=peft.EvaConfig(rho=1.0))
+        model = peft.get_peft_model(lowbit.load_gguf_model(path, fuse=fuse), config)
+        peft.initialize_lora_eva_weights(model, batches, show_progress_bar=False)
+        models.append(model)
+    fused, unfused = models
+    assert any(getattr(m, "fused_from", None) for m in fused.modules())
+    assert fused.peft_config["default"].target_modules == unfused.peft_config["default"].target_modules
+    want = peft.get_peft_model_state_dict(unfused)
+    got = peft.get_peft_model_state_dict(fused)
+    assert got.keys() == want.keys() and len(want) == 2 * 2 * len(TARGETS)
+    for key, tensor in want.items():
+        torch.testing.assert_close(got[key], tensor, rtol=1e-5, atol=1e-6)
+    fused.save_pretrained(tmp_path / "adapter")
+    reloaded = lowbit.lora.load_adapter(lowbit.load_gguf_model(path), tmp_path / "adapter")
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, fused(input_ids=ids).logits)
+
+
 @pytest.mark.parametrize("targets", [["gate_up_proj"], r".*\.gate_up_proj", r".*(gate_up|down)_proj"])
 def test_a_fused_layer_targeted_without_its_slices_is_refused(tmp_path, targets):
     """Named, or matched by a regex that none of its slices matches, a fused

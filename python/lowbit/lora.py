@@ -82,23 +82,8 @@ class QuantizedLoraLinear(nn.Module, LoraLayer):
         if isinstance(init, str) and init.startswith(BASE_WEIGHT_INITS):
             raise ValueError(f"{type(self).__name__}: init_lora_weights={init!r} reads the base layer's float "
                              "weight, which lowbit's quantized layers hold as blocks; use True, False or 'gaussian'")
-        # A fused layer stands for its slices, which take the adapters.
-        self.fused_from = getattr(base_layer, "fused_from", None)
-        key = kwargs.get("target_name", "")
-        parent = key.rpartition(".")[0]
-        # Named, or matched by a regex that none of its slices matches: the adapter would be its own alone.
-        slices = [f"{parent}.{name}" if parent else name for name in self.fused_from or ()]
-        if self.fused_from and (not isinstance(config.target_modules, str)
-                                or not any(re.fullmatch(config.target_modules, s) for s in slices)):
-            raise ValueError(f"{type(self).__name__}: {key or 'the target'} is lowbit's fused layer of "
-                             f"{', '.join(self.fused_from)} (lowbit.fusing): name those in target_modules (an adapter "
-                             "on them is the model's own), or load the model with fuse=False")
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config)
-
-    def update_layer(self, adapter_name: str, *args, **kwargs) -> None:
-        if not self.fused_from:  # a fused layer a regex matched takes no adapter (see the module's notes)
-            super().update_layer(adapter_name, *args, **kwargs)
 
     def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
         return module.in_features, module.out_features
@@ -151,6 +136,26 @@ def _check_merge_allowed(self, _peft_check=LoraModel._check_merge_allowed) -> No
 LoraModel._check_merge_allowed = _check_merge_allowed
 
 
+def _lora_layer(target: nn.Module, adapter_name: str, config: peft.LoraConfig, target_name: str = "",
+                **kwargs) -> nn.Module:
+    """PEFT's LoRA layer for a lowbit one: a QuantizedLoraLinear over it, or
+    a fused layer a regex matches with its slices as it is. Its slices take
+    the adapters; a wrapper of it would take none and never run (its slices
+    call the fused layer itself), which PEFT's passes over every LoRA layer,
+    EVA's hooks for one, do not expect."""
+    fused_from = getattr(target, "fused_from", None)
+    if not fused_from:
+        return QuantizedLoraLinear(target, adapter_name, config=config, target_name=target_name, **kwargs)
+    parent = target_name.rpartition(".")[0]
+    slices = [f"{parent}.{name}" if parent else name for name in fused_from]
+    # Named, or matched by a regex that none of its slices matches: the adapter would be its own alone.
+    if not isinstance(config.target_modules, str) or not any(re.fullmatch(config.target_modules, s) for s in slices):
+        raise ValueError(f"lowbit.lora: {target_name or 'the target'} is lowbit's fused layer of "
+                         f"{', '.join(fused_from)} (lowbit.fusing): name those in target_modules (an adapter on them "
+                         "is the model's own), or load the model with fuse=False")
+    return target
+
+
 def register(config: peft.LoraConfig) -> peft.LoraConfig:
     """`config` with lowbit's quantized layers registered as LoRA targets."""
     if config.target_modules == peft.utils.constants.INCLUDE_LINEAR_LAYERS_SHORTHAND:
@@ -160,8 +165,7 @@ def register(config: peft.LoraConfig) -> peft.LoraConfig:
     if config.trainable_token_indices:
         raise ValueError("lowbit.lora: trainable_token_indices trains rows of the token embedding, which lowbit's "
                          "models hold as a frozen GGUFEmbedding table")
-    config._register_custom_module({GGUFLinear: QuantizedLoraLinear, GPTQLinear: QuantizedLoraLinear,
-                                    ProjectionSlice: QuantizedLoraLinear})
+    config._register_custom_module({GGUFLinear: _lora_layer, GPTQLinear: _lora_layer, ProjectionSlice: _lora_layer})
     return config
 
 
