@@ -259,6 +259,26 @@ def test_targets_and_inits_lowbit_cannot_adapt_are_refused(model_path, config, s
         peft.get_peft_model(load(kind, path), lora_config(**config))
 
 
+@pytest.mark.parametrize("name, says", [
+    ("down_proj", "model.layers.0.mlp.down_proj, which is lowbit's quantized GGUFLinear"),
+    ("gate_proj", "model.layers.0.mlp.gate_proj, which is lowbit's quantized ProjectionSlice"),
+    ("embed_tokens", "model.embed_tokens, which is lowbit's quantized GGUFEmbedding"),
+    ("layers.1", "model.layers.1, which holds lowbit's quantized ProjectionSlice"),
+])
+def test_modules_to_save_refuses_quantized_layers(tmp_path, name, says):
+    """PEFT trains a copy of each module in modules_to_save: a quantized layer's copy holds frozen blocks that
+    would train nothing. Refused before the model changes; a float module (the norms) is still PEFT's to copy."""
+    path = tiny_models.write_tiny_gguf(tmp_path / "tiny.gguf", tiny_models.tiny_model("llama", 0), "llama")
+    model = lowbit.load_gguf_model(path)
+    with pytest.raises(ValueError, match=f"lowbit.lora: modules_to_save names {re.escape(says)}: a trainable copy "
+                                         r".* train LoRA adapters on lowbit's linear layers \(target_modules\)"):
+        peft.get_peft_model(model, lora_config(target_modules=["q_proj"], modules_to_save=[name]))
+    wrappers = (peft.tuners.lora.LoraLayer, peft.utils.ModulesToSaveWrapper)
+    assert not any(isinstance(m, wrappers) for m in model.modules())
+    adapted = peft.get_peft_model(model, lora_config(target_modules=["q_proj"], modules_to_save=["norm"]))
+    assert "base_model.model.model.norm.modules_to_save.default.weight" in dict(adapted.named_parameters())
+
+
 def test_an_adapter_with_biases_loads_but_does_not_train_on_lowbit(tmp_path):
     """An adapter saved with bias='all' over the float model loads onto the
     lowbit model of the same weights, its biases written into the quantized

@@ -21,11 +21,11 @@ qkv_proj, gate_up_proj) that a regex matches with its slices gets none (the
 slices q_proj, k_proj, ... take theirs, as in the model without fusing, so
 adapters move between the two); one named in target_modules, or matched by
 a regex without its slices, is refused. A quantized layer holds blocks, not
-parameters: in `modules_to_save` it trains nothing; its bias is a frozen
-buffer, so bias other than 'none' is refused for training (lora_bias trains
-the adapter's); an adapter saved with biases loads for inference, onto a
-model loaded with fuse=False (a fused layer holds its projections' biases
-as one).
+parameters: `modules_to_save` (a trainable copy) refuses it; its bias is a
+frozen buffer, so bias other than 'none' is refused for training (lora_bias
+trains the adapter's); an adapter saved with biases loads for inference,
+onto a model loaded with fuse=False (a fused layer holds its projections'
+biases as one).
 
 PEFT knows a model as quantized by transformers' quantizer attributes, which
 lowbit's models do not carry (they would stop model.to(dtype)):
@@ -49,6 +49,7 @@ from peft.tuners.lora import LoraModel
 from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
+from ._stored import StoredBuffers
 from .fusing import ProjectionSlice
 from .gguf.linear import GGUFLinear
 from .gptq.linear import GPTQLinear
@@ -134,6 +135,25 @@ def _check_merge_allowed(self, _peft_check=LoraModel._check_merge_allowed) -> No
 
 
 LoraModel._check_merge_allowed = _check_merge_allowed
+
+
+def _prepare_model(self, config: peft.LoraConfig, model: nn.Module, _peft_prepare=LoraModel._prepare_model) -> None:
+    """PEFT's step before it changes the model for an adapter, refusing a
+    module in `modules_to_save` (matched as PEFT matches them) that is or
+    holds a lowbit quantized layer: PEFT trains a copy of it, whose frozen
+    blocks would train nothing and be saved whole with the adapter."""
+    for key, module in model.named_modules(remove_duplicate=False):
+        if any(key.endswith(name) for name in config.modules_to_save or ()):
+            quantized = next((m for m in module.modules() if isinstance(m, (StoredBuffers, ProjectionSlice))), None)
+            if quantized is not None:
+                raise ValueError(f"lowbit.lora: modules_to_save names {key}, which "
+                                 f"{'is' if quantized is module else 'holds'} lowbit's quantized "
+                                 f"{type(quantized).__name__}: a trainable copy of its frozen blocks trains nothing; "
+                                 "train LoRA adapters on lowbit's linear layers (target_modules) instead")
+    _peft_prepare(self, config, model)
+
+
+LoraModel._prepare_model = _prepare_model
 
 
 def _lora_layer(target: nn.Module, adapter_name: str, config: peft.LoraConfig, target_name: str = "",
