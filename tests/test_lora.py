@@ -279,6 +279,47 @@ def test_modules_to_save_refuses_quantized_layers(tmp_path, name, says):
     assert "base_model.model.model.norm.modules_to_save.default.weight" in dict(adapted.named_parameters())
 
 
+def gptq_experts():
+    """A model holding a GPTQExperts of two experts (hidden 64, intermediate 32) and a float Linear."""
+    torch.manual_seed(0)
+
+    def layer(n_in, n_out):
+        return lowbit.GPTQLinear.from_linear(torch.nn.Linear(n_in, n_out, bias=False), 4, 32)
+
+    experts = [lowbit.gptq.GPTQExpert(layer(64, 32), layer(64, 32), layer(32, 64)) for _ in range(2)]
+    model = torch.nn.Module()
+    model.experts, model.proj = lowbit.gptq.GPTQExperts(experts, torch.nn.SiLU()), torch.nn.Linear(64, 64)
+    return model
+
+
+@pytest.mark.parametrize("kind, config, says", [
+    ("gguf", dict(target_modules=["experts"]), "target_modules matches it"),
+    ("gguf", dict(target_modules=r".*mlp\..*"), "target_modules matches it"),
+    # PEFT moves these names of transformers' MoE experts into target_parameters (gate_up_proj, down_proj).
+    ("gguf", dict(target_modules=TARGETS), "target_parameters holds 'down_proj', one of its weights"),
+    ("gguf", dict(target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"]),
+     "target_parameters holds 'mlp.experts.gate_up_proj'"),
+    ("gptq", dict(target_modules=["experts"]), "target_modules matches it"),
+    ("gptq", dict(target_modules=["proj"], target_parameters=["experts.down_proj"]),
+     "target_parameters holds 'experts.down_proj'"),
+])
+def test_lora_on_moe_experts_is_refused_naming_the_module(tmp_path, kind, config, says):
+    """PEFT adapts transformers' experts through their 3-D weight parameters, which lowbit's experts modules hold
+    as quantized blocks: refused, naming the module, before the model changes; its other layers take adapters."""
+    if kind == "gguf":
+        path = tiny_models.write_tiny_gguf(tmp_path / "moe.gguf", tiny_models.tiny_model("qwen3moe", 0), "qwen3moe")
+        model, name, module = lowbit.load_gguf_model(path), "model.layers.0.mlp.experts", "GGUFExperts"
+    else:
+        model, name, module = gptq_experts(), "experts", "GPTQExperts"
+    with pytest.raises(ValueError, match=f"lowbit.lora: {re.escape(name)} is lowbit's {module}, and "
+                                         f"{re.escape(says)}.*: LoRA on MoE experts is not supported"):
+        peft.get_peft_model(model, lora_config(**config))
+    assert not any(isinstance(m, peft.tuners.lora.LoraLayer) for m in model.modules())
+    # The model's other layers still take adapters.
+    adapted = peft.get_peft_model(model, lora_config(target_modules=["q_proj"] if kind == "gguf" else ["proj"]))
+    assert any(isinstance(m, peft.tuners.lora.LoraLayer) for m in adapted.modules())
+
+
 def test_an_adapter_with_biases_loads_but_does_not_train_on_lowbit(tmp_path):
     """An adapter saved with bias='all' over the float model loads onto the
     lowbit model of the same weights, its biases written into the quantized

@@ -25,7 +25,10 @@ parameters: `modules_to_save` (a trainable copy) refuses it; its bias is a
 frozen buffer, so bias other than 'none' is refused for training (lora_bias
 trains the adapter's); an adapter saved with biases loads for inference,
 onto a model loaded with fuse=False (a fused layer holds its projections'
-biases as one).
+biases as one). lowbit's MoE experts modules (GGUFExperts, GPTQExperts)
+take no adapters: one matched by target_modules, or its weights named in
+target_parameters (where PEFT puts gate_proj, up_proj and down_proj for
+MoE models), is refused.
 
 PEFT knows a model as quantized by transformers' quantizer attributes, which
 lowbit's models do not carry (they would stop model.to(dtype)):
@@ -51,11 +54,16 @@ from torch import nn
 
 from ._stored import StoredBuffers
 from .fusing import ProjectionSlice
+from .gguf.experts import GGUFExperts
 from .gguf.linear import GGUFLinear
+from .gptq.experts import GPTQExperts
 from .gptq.linear import GPTQLinear
 
 __all__ = ["LoraConfig", "QuantizedLoraLinear", "load_adapter", "register"]
 
+# lowbit's experts modules, and the weight parameters of transformers' that they stand for.
+EXPERTS = (GGUFExperts, GPTQExperts)
+EXPERT_WEIGHTS = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
 # init_lora_weights values that read the base layer's float weight.
 BASE_WEIGHT_INITS = ("pissa", "olora", "corda", "loftq", "orthogonal", "lora_ga", "mica")
 
@@ -137,12 +145,32 @@ def _check_merge_allowed(self, _peft_check=LoraModel._check_merge_allowed) -> No
 LoraModel._check_merge_allowed = _check_merge_allowed
 
 
+def _experts_error(key: str, module: nn.Module, how: str) -> ValueError:
+    """The refusal of LoRA on lowbit's experts module `module` at `key`:
+    PEFT adapts transformers' experts through their 3-D weight parameters,
+    which lowbit's hold as quantized blocks."""
+    return ValueError(f"lowbit.lora: {key} is lowbit's {type(module).__name__}, and {how}: LoRA on MoE experts is "
+                      "not supported (lowbit holds their weights as quantized blocks, not parameters PEFT can "
+                      "adapt); target the attention projections (q_proj, k_proj, v_proj, o_proj) instead")
+
+
 def _prepare_model(self, config: peft.LoraConfig, model: nn.Module, _peft_prepare=LoraModel._prepare_model) -> None:
-    """PEFT's step before it changes the model for an adapter, refusing a
-    module in `modules_to_save` (matched as PEFT matches them) that is or
-    holds a lowbit quantized layer: PEFT trains a copy of it, whose frozen
-    blocks would train nothing and be saved whole with the adapter."""
+    """PEFT's step before it changes the model for an adapter, refusing what
+    lowbit's quantized layers cannot take, matched as PEFT matches it: an
+    experts module in target_modules, or its weights in target_parameters
+    (_experts_error); a module in modules_to_save that is or holds a
+    quantized layer (PEFT trains a copy of it, whose frozen blocks would
+    train nothing and be saved whole with the adapter)."""
     for key, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, EXPERTS):
+            if self._check_target_module_exists(config, key):
+                raise _experts_error(key, module, "target_modules matches it")
+            for name in sorted(config.target_parameters or ()):
+                leaf = name.rpartition(".")[2]
+                if leaf in EXPERT_WEIGHTS and (f"{key}.{leaf}" == name or f"{key}.{leaf}".endswith(f".{name}")):
+                    raise _experts_error(key, module, f"target_parameters holds {name!r}, one of its weights (where "
+                                                      "PEFT puts target_modules' gate_proj, up_proj and down_proj "
+                                                      "for MoE models)")
         if any(key.endswith(name) for name in config.modules_to_save or ()):
             quantized = next((m for m in module.modules() if isinstance(m, (StoredBuffers, ProjectionSlice))), None)
             if quantized is not None:
