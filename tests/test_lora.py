@@ -242,6 +242,15 @@ def test_a_fused_layer_targeted_without_its_slices_is_refused(tmp_path, targets)
         peft.get_peft_model(lowbit.load_gguf_model(path), lora_config(target_modules=targets))
 
 
+def test_a_wrapper_made_directly_over_a_fused_layer_is_refused(tmp_path):
+    """Its slices call the fused layer itself: a QuantizedLoraLinear built by
+    hand over it would hold an adapter that never runs."""
+    path = tiny_models.write_tiny_gguf(tmp_path / "tiny.gguf", tiny_models.tiny_model("llama", 0), "llama")
+    fused = lowbit.load_gguf_model(path).model.layers[0].mlp.gate_up_proj
+    with pytest.raises(ValueError, match=r"the base layer is lowbit's fused layer of gate_proj, up_proj"):
+        lowbit.lora.QuantizedLoraLinear(fused, "default", config=lora_config(target_modules=TARGETS), r=4)
+
+
 @pytest.mark.parametrize("config, says", [
     (dict(target_modules="all-linear"), r"target_modules='all-linear' picks torch.nn.Linear modules"),
     (dict(target_modules=TARGETS, init_lora_weights="pissa"), r"init_lora_weights='pissa' reads the base layer's"),

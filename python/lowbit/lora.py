@@ -87,6 +87,9 @@ class QuantizedLoraLinear(nn.Module, LoraLayer):
             raise ValueError(f"{type(self).__name__}: bias={config.bias!r} trains biases, and a quantized layer's "
                              "bias is a frozen buffer of its checkpoint: use bias='none' (lora_bias=True gives the "
                              "adapter a bias)")
+        if getattr(base_layer, "fused_from", None):  # its slices call it directly: this wrapper would never run
+            raise ValueError(f"{type(self).__name__}: the base layer is lowbit's fused layer of "
+                             f"{', '.join(base_layer.fused_from)} (lowbit.fusing): put the adapters on those")
         init = config.init_lora_weights
         if isinstance(init, str) and init.startswith(BASE_WEIGHT_INITS):
             raise ValueError(f"{type(self).__name__}: init_lora_weights={init!r} reads the base layer's float "
