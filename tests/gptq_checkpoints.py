@@ -4,6 +4,8 @@ saved with save_gptq next to a non-weight file."""
 import hashlib
 import json
 import os
+import shutil
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -94,3 +96,30 @@ def relabel(directory, fmt: str) -> None:
         quant["checkpoint_format"] = fmt
         with open(path, "w") as f:
             json.dump(content, f)
+
+
+# Links a source checkpoint may hold to files outside it, {case: (entry of the checkpoint, target beside it)}:
+# a rewrite of the checkpoint refuses each (link_outside).
+OUTSIDE_LINKS = {"file": ("vocab.txt", "secret.txt"), "file-in-a-subdirectory": ("sub/vocab.txt", "secret.txt"),
+                 "directory": ("keys", "secrets"), "dangling": ("vocab.txt", "missing"),
+                 "device": ("vocab.txt", "/dev/null"), "config": ("config.json", "secret.json"),
+                 "weights": ("model.safetensors", "secret.safetensors")}
+
+
+def link_outside(src, case: str) -> str:
+    """Makes `src`'s entry of OUTSIDE_LINKS[case] a link out of it, to a private file, a directory of keys,
+    nothing, a device, or another checkpoint's config or weights; returns the refusal that names it."""
+    src = Path(src)
+    name, target = OUTSIDE_LINKS[case]
+    (src.parent / "secret.txt").write_text("private")
+    (src.parent / "secrets").mkdir(exist_ok=True)
+    (src.parent / "secrets" / "id_rsa").write_text("private")
+    shutil.copy(src / "config.json", src.parent / "secret.json")
+    shutil.copy(next(src.glob("*.safetensors")), src.parent / "secret.safetensors")
+    link = src / name
+    link.parent.mkdir(exist_ok=True)
+    if link.exists():
+        link.unlink()
+    os.symlink(src.parent / target, link)
+    return f"{link}: a link to {os.path.realpath(src.parent / target)}, outside the checkpoint directory {src}"
+

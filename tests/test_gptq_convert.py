@@ -13,8 +13,8 @@ import warnings
 import pytest
 import torch
 
-from gptq_checkpoints import (EXTRA_CONTENT, EXTRA_FILE, LAYERS, TinyModel, make_checkpoint, quantized_layers,
-                              raw_bytes, read_json, relabel, tensors, tree_hashes)
+from gptq_checkpoints import (EXTRA_CONTENT, EXTRA_FILE, LAYERS, OUTSIDE_LINKS, TinyModel, link_outside,
+                              make_checkpoint, quantized_layers, raw_bytes, read_json, relabel, tensors, tree_hashes)
 import lowbit.gptq.checkpoint
 from lowbit.gptq.checkpoint import GPTQCheckpointError, load_gptq, save_gptq, write_checkpoint
 from lowbit.gptq.config import GPTQConfig, read_config
@@ -253,19 +253,42 @@ def test_destination_inside_the_source(tmp_path, inside):
 
 
 def test_non_regular_extra_files_are_refused(tmp_path):
-    """Files carried over are copied only if regular: a link to a device (here /dev/null; /dev/zero would
-    fill the disk) or a named pipe is refused by name."""
+    """Files carried over are copied only if regular: a named pipe would block the copy forever."""
     make_checkpoint(tmp_path / "src")
-    os.symlink("/dev/null", tmp_path / "src" / "vocab.txt")
-    with pytest.raises(GPTQCheckpointError, match=re.escape(f"{tmp_path / 'src' / 'vocab.txt'}: the file is not a "
-                                                            "regular file")):
-        convert_checkpoint(tmp_path / "src", tmp_path / "dst")
-    os.remove(tmp_path / "src" / "vocab.txt")
     os.mkfifo(tmp_path / "src" / "merges.txt")
     with pytest.raises(GPTQCheckpointError, match=re.escape(f"{tmp_path / 'src' / 'merges.txt'}: the file is not a "
                                                             "regular file")):
         convert_checkpoint(tmp_path / "src", tmp_path / "dst")
     assert os.listdir(tmp_path) == ["src"]
+
+
+@pytest.mark.parametrize("case", OUTSIDE_LINKS)
+def test_links_out_of_the_source_are_refused(tmp_path, case):
+    """A source checkpoint's link to a file outside it (a user's private key, another model's config or
+    weights) is refused by name: its content would be published with the output."""
+    make_checkpoint(tmp_path / "src")
+    refusal = link_outside(tmp_path / "src", case)
+    with pytest.raises(GPTQCheckpointError, match=re.escape(refusal)):
+        convert_checkpoint(tmp_path / "src", tmp_path / "dst")
+    assert not os.path.lexists(tmp_path / "dst")
+
+
+def test_links_within_the_source_are_copied(tmp_path):
+    """A link to a file of the checkpoint itself, and a Hugging Face hub cache snapshot's links into its
+    repository's blobs, are the checkpoint's own files: copied as their content."""
+    snapshot = tmp_path / "models--org--tiny" / "snapshots" / "0123abcd"
+    model = make_checkpoint(snapshot)
+    blobs = tmp_path / "models--org--tiny" / "blobs"
+    blobs.mkdir()
+    for name in os.listdir(snapshot):
+        os.rename(snapshot / name, blobs / name)
+        os.symlink(os.path.join("..", "..", "blobs", name), snapshot / name)
+    os.symlink(EXTRA_FILE, snapshot / "tokenizer_copy.json")
+    convert_checkpoint(snapshot, tmp_path / "dst")
+    check_converted(tmp_path / "dst", "gptq_v2")
+    assert (tmp_path / "dst" / "tokenizer_copy.json").read_text() == EXTRA_CONTENT
+    assert not os.path.islink(tmp_path / "dst" / "tokenizer_copy.json")
+    assert same_outputs(model, load_gptq(tmp_path / "dst"))
 
 
 @pytest.mark.parametrize("target", [".", "..", "/"])

@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from gptq_checkpoints import OUTSIDE_LINKS, link_outside
 from lowbit.gptq import GPTQCheckpointError, GPTQConfig, GPTQLinear, load_gptq, save_gptq
 from lowbit.gptq.tp import (ColumnParallelGPTQLinear, NaiveTPMLP, RowParallelGPTQLinear, SequentialGPTQLinear,
                        TPAwareMLP, make_sequential, permute_inputs, permute_outputs, reorder_checkpoint, tp_aware)
@@ -214,6 +215,15 @@ def test_reorder_checkpoint(checkpoints, tmp_path):
         reorder_checkpoint(case["original"], tmp_path / "one")
     with pytest.raises(ValueError, match="^reorder_checkpoint: dst must be a directory path, got an empty one$"):
         reorder_checkpoint(case["original"], "")
+
+
+@pytest.mark.parametrize("case", OUTSIDE_LINKS)
+def test_reorder_checkpoint_refuses_links_out_of_the_source(checkpoints, tmp_path, case):
+    """As convert_checkpoint: a link out of the source would publish what it points to with the output."""
+    src = shutil.copytree(checkpoints[0]["original"], tmp_path / "src")
+    with pytest.raises(GPTQCheckpointError, match=re.escape(link_outside(src, case))):
+        reorder_checkpoint(src, tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
 
 
 def test_reorder_checkpoint_keeps_each_config_file_s_keys(checkpoints, tmp_path):

@@ -503,32 +503,54 @@ def source_configs(directory: str, config: GPTQConfig) -> tuple[dict[str, Any], 
 
 
 def _copy_other_files(src: str, tmp: str) -> None:
-    """Copies what `src` holds besides weights and configs into `tmp`. Where the
-    destination lies inside `src`, `tmp` (beside it) does too and is left out,
-    so the output never holds a copy of itself. Only regular files are copied:
-    a device such as /dev/zero would never end."""
+    """Copies what `src` holds besides weights and configs into `tmp`, after
+    _check_source_entry passes every entry of `src` (the weights and configs
+    written anew from it too). Where the destination lies inside `src`, `tmp`
+    (beside it) does too and is left out, so the output never holds a copy of
+    itself."""
+    roots = _source_roots(src)
     tmp_path = os.path.realpath(tmp)
 
-    def skipped(directory: str, names: list[str]) -> list[str]:
-        for name in names:  # a link to a directory that holds it would be copied into itself forever
-            path = os.path.join(directory, name)
-            target = os.path.realpath(path)
-            if os.path.islink(path) and os.path.isdir(path) and \
-                    os.path.commonpath([target, os.path.realpath(directory)]) == target:
-                raise GPTQCheckpointError(f"{path}: a link to {target}, which holds the link: its copy would never end")
+    def checked(directory: str, names: list[str]) -> list[str]:  # copytree's ignore: sees each directory's names
+        for name in names:
+            _check_source_entry(os.path.join(directory, name), roots)
         return [n for n in names if os.path.realpath(os.path.join(directory, n)) == tmp_path]
 
-    def copy(source: str, target: str) -> None:
-        check_regular_file(source, "file", GPTQCheckpointError)
-        shutil.copy2(source, target)
-
     names = os.listdir(src)
-    for name in sorted(set(names) - set(skipped(src, names))):
+    for name in sorted(set(names) - set(checked(src, names))):
         path = os.path.join(src, name)
         if os.path.isdir(path):
-            shutil.copytree(path, os.path.join(tmp, name), ignore=skipped, copy_function=copy)
+            shutil.copytree(path, os.path.join(tmp, name), ignore=checked)
         elif not _is_weight_or_config(name):
-            copy(path, os.path.join(tmp, name))
+            shutil.copy2(path, os.path.join(tmp, name))
+
+
+def _source_roots(src: str) -> tuple[str, ...]:
+    """The real directories the files of checkpoint `src` may lie in: its own,
+    and for a Hugging Face hub cache snapshot (<repo>/snapshots/<revision>,
+    whose files are links into <repo>/blobs) that repository's blobs."""
+    root = os.path.realpath(src)
+    parent = os.path.dirname(root)
+    if os.path.basename(parent) == "snapshots":
+        return root, os.path.join(os.path.dirname(parent), "blobs")
+    return (root,)
+
+
+def _check_source_entry(path: str, roots: tuple[str, ...]) -> None:
+    """Refuses an entry of a checkpoint that a rewrite of it would publish
+    from elsewhere or never finish reading: a link out of `roots` (to
+    ~/.ssh/id_rsa, /etc/passwd; dangling ones too) would put a file the
+    checkpoint does not hold into the output, a named pipe blocks forever, a
+    device such as /dev/zero never ends, and a link to a directory holding it
+    would be copied into itself forever."""
+    target = os.path.realpath(path)
+    if not any(os.path.commonpath([target, root]) == root for root in roots):
+        raise GPTQCheckpointError(f"{path}: a link to {target}, outside the checkpoint directory {roots[0]}; "
+                                  "only the checkpoint's own files are written to the new one")
+    if not os.path.isdir(target):
+        check_regular_file(path, "file", GPTQCheckpointError)
+    elif os.path.islink(path) and os.path.commonpath([target, os.path.realpath(os.path.dirname(path))]) == target:
+        raise GPTQCheckpointError(f"{path}: a link to {target}, which holds the link: its copy would never end")
 
 
 def _sync_tree(directory: str) -> None:
