@@ -3,6 +3,7 @@ weight with respect to the activations (python/lowbit/_autograd.py), checked
 in float64 against the NumPy / gguf-py dequantized references; the weights
 refuse to be differentiated; opcheck and torch.compile with gradients."""
 import os
+import re
 import sys
 
 import numpy as np
@@ -211,3 +212,49 @@ def test_layers_skip_autograd_where_nothing_needs_a_gradient():
         assert python_autograd_calls(lambda: layer(x))  # the probe sees the kernel where it runs
         y = layer(x)
         assert y.grad_fn is not None and torch.equal(y.detach(), expect)
+
+
+def transform_layers():
+    """{name: (layer, in_features)}: a GPTQLinear (its op exact in fp32) and a GGUFLinear, without bias."""
+    torch.manual_seed(0)
+    gptq = lowbit.GPTQLinear.from_linear(torch.nn.Linear(K, N, bias=False), 4, 32, sym=False, checkpoint_format="gptq_v2")
+    raw, _ = ggml_case("Q4_K", rows=K)
+    gguf = lowbit.GGUFLinear.from_raw(raw, gb.type_id("Q4_K"), N_GGML)
+    return {"gptq": (gptq, K), "gguf": (gguf, N_GGML)}
+
+
+@pytest.mark.parametrize("name", ["gptq", "gguf"])
+def test_forward_mode_tangents_go_through_the_layers(name):
+    """forward_ad, torch.func.jvp and jacfwd carry the tangent through the op (the registered gradients are
+    reverse-mode only; the op alone gives a zero tangent): the tangent is the op's product with it, that is
+    t @ W.T up to the GGUF op's 8-bit rounding of t, as of x."""
+    layer, n = transform_layers()[name]
+    x, t = torch.randn(2, 3, n), torch.randn(2, 3, n)
+    W = layer.dequantize(torch.float32)
+    y, tangent = torch.func.jvp(layer, (x,), (t,))
+    assert torch.equal(y, layer(x)) and torch.equal(tangent, layer(t))
+    with torch.autograd.forward_ad.dual_level():
+        dual = layer(torch.autograd.forward_ad.make_dual(x, t))
+        assert torch.equal(torch.autograd.forward_ad.unpack_dual(dual).tangent, tangent)
+    torch.testing.assert_close(torch.func.jacfwd(layer)(x[0, 0]), W, rtol=1e-5, atol=1e-5 * W.abs().max().item())
+    if name == "gptq":
+        torch.testing.assert_close(tangent, t @ W.T, rtol=1e-5, atol=1e-5 * W.abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["gptq", "gguf"])
+def test_reverse_mode_torch_func_transforms_are_refused_by_name(name):
+    """torch.func's grad, vjp, jacrev and a vmap over an input that requires grad are refused naming the op
+    (torch.library's gradients run in torch.autograd only; under vmap the output would leave the graph);
+    vmap without gradients runs."""
+    layer, n = transform_layers()[name]
+    op = {"gptq": "gptq_gemm", "gguf": "ggml_mul_mat_a8"}[name]
+    x = torch.randn(3, n)
+    refused = re.escape(f"{op}: torch.func's grad, vjp and jacrev (and vmap of an input that requires grad) are "
+                        "not supported")
+    for transform in (lambda: torch.func.grad(lambda v: layer(v).sum())(x),
+                      lambda: torch.func.vjp(layer, x)[1](torch.ones(3, layer.out_features)),
+                      lambda: torch.func.jacrev(layer)(x[0]),
+                      lambda: torch.func.vmap(layer)(x.clone().requires_grad_())):
+        with pytest.raises(RuntimeError, match=refused):
+            transform()
+    assert torch.equal(torch.func.vmap(layer)(x), layer(x))

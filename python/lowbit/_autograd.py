@@ -11,6 +11,12 @@ estimator of llama.cpp's training and of quantization-aware training. W is
 decoded a tile of rows at a time, never whole in fp32, and the sums run in
 fp32. The other ops with a float input refuse to be differentiated rather
 than give no gradient silently.
+
+torch.library.register_autograd gives reverse mode through torch.autograd
+only: torch.func's grad, vjp and jacrev refuse its ops, and a forward-mode
+tangent (forward_ad, torch.func.jvp) is dropped by them. The layers carry
+tangents through their op themselves and refuse those transforms by the
+op's name (lowbit._frozen.call_layer_op).
 """
 import torch
 

@@ -9,6 +9,7 @@ below_autograd lets a whole forward call (a lowbit model's, under no_grad:
 generate) skip it for every op, torch's included.
 """
 import torch
+import torch.autograd.forward_ad as fwAD
 
 _BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
 
@@ -38,17 +39,49 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type)
 
 
-def call_layer_op(op, args, x: torch.Tensor) -> torch.Tensor:
-    """op(*args) for a layer's input x (args hold op_input(x)): in the op's
-    dtype, x's or autocast's inside an autocast region, as nn.Linear's; for a
-    float64 x, which autocast leaves alone, fp32 sums outside autocast, back
-    in float64."""
+def call_layer_op(op_call, x: torch.Tensor) -> torch.Tensor:
+    """op(*args) for (op, args) = op_call(op_input(x)), a layer's op on its
+    input x: in the op's dtype, x's or autocast's inside an autocast region,
+    as nn.Linear's; for a float64 x, which autocast leaves alone, fp32 sums
+    outside autocast, back in float64. The ops are linear in x (their 8-bit
+    rounding of it aside), so a forward-mode tangent of x (forward_ad,
+    torch.func.jvp, jacfwd) goes through the op as well: the registered
+    gradients are reverse-mode only, and the op alone would drop it."""
+    if torch.compiler.is_compiling():  # dynamo traces neither the forward-AD nor the functorch calls below
+        return _call_in_dtype(*op_call(op_input(x)), x)
+    _check_transform(op_call, x)
+    primal, tangent = fwAD.unpack_dual(x)
+    if tangent is None:
+        return _call_in_dtype(*op_call(op_input(x)), x)
+    return fwAD.make_dual(_call_in_dtype(*op_call(op_input(primal)), x),
+                          _call_in_dtype(*op_call(op_input(tangent)), x))
+
+
+def _call_in_dtype(op, args, x: torch.Tensor) -> torch.Tensor:
     if x.dtype != torch.float64:
         return call_frozen(op, *args)
     if autocast_dtype(x.device.type) is None:
         return call_frozen(op, *args).to(x.dtype)
     with torch.autocast(x.device.type, enabled=False):
         return call_frozen(op, *args).to(x.dtype)
+
+
+def _check_transform(op_call, x: torch.Tensor) -> None:
+    """Refuses, naming the op, an x that a torch.func transform wraps and
+    that needs a gradient (grad, vjp, jacrev; vmap of an input that requires
+    grad): torch.library's registered gradients run in torch.autograd only,
+    and under vmap the op's output would silently leave the graph."""
+    if not torch.is_grad_enabled() or not torch._C._functorch.is_functorch_wrapped_tensor(x):
+        return
+    t = x
+    while torch._C._functorch.is_functorch_wrapped_tensor(t) and not t.requires_grad:
+        t = torch._C._functorch.get_unwrapped(t)
+    if t.requires_grad:
+        op, _ = op_call(op_input(x))
+        raise RuntimeError(f"{op.__name__}: torch.func's grad, vjp and jacrev (and vmap of an input that requires "
+                           "grad) are not supported: its gradient runs in torch.autograd (backward(), "
+                           "torch.autograd.grad); torch.func.jvp, jacfwd, forward_ad and vmap without gradients run "
+                           "through the layer")
 
 
 def linear_forward(layer, x: torch.Tensor) -> torch.Tensor:
@@ -61,9 +94,7 @@ def linear_forward(layer, x: torch.Tensor) -> torch.Tensor:
     if parametrized is not None and set(parametrized) - {"bias"}:
         raise TypeError(f"{type(layer).__name__}: a parametrization of {sorted(set(parametrized) - {'bias'})} is not "
                         "supported: the kernels read the quantized tensors as stored")
-    x2 = x.reshape(-1, layer.in_features)
-    op, args = layer.op_call(op_input(x2))
-    y = call_layer_op(op, args, x)
+    y = call_layer_op(layer.op_call, x.reshape(-1, layer.in_features))
     if layer.bias is not None:
         y = y + layer.bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], layer.out_features)

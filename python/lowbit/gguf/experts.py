@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .._checks import check_sizes
-from .._frozen import call_layer_op, op_input
+from .._frozen import call_layer_op
 from .._stored import StoredBuffers
 from ..moe import check_routing
 from ..ops import GGMLType
@@ -125,8 +125,7 @@ class GGUFExperts(StoredBuffers):
         return op, (getattr(self, f"{name}_qweight"), x, top_k_index, self.qtypes[name], self._shapes()[name][0])
 
     def _project(self, name: str, x: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
-        op, args = self.op_template(name, op_input(x), top_k_index)
-        y = call_layer_op(op, args, x)
+        y = call_layer_op(lambda v: self.op_template(name, v, top_k_index), x)
         return y + getattr(self, f"{name}_bias")[top_k_index].to(y.dtype) if self.biased else y
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
