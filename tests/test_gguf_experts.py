@@ -84,6 +84,18 @@ def test_matches_transformers_experts(pair, tokens, k):
     assert ((got - want).norm() / want.norm()).item() < 0.02
 
 
+def test_forward_mode_tangents_match_transformers_experts(pair):
+    """torch.func.jvp carries x's tangent through the experts' ops (which alone drop it): with float
+    weights, transformers' tangent to fp32 rounding."""
+    ours, reference = pair
+    g = torch.Generator().manual_seed(2)
+    x, t = torch.randn(5, HIDDEN, generator=g), torch.randn(5, HIDDEN, generator=g)
+    index, weights = routing(5, 2, seed=2)
+    _, want = torch.func.jvp(lambda v: reference(v, index, weights), (x,), (t,))
+    _, got = torch.func.jvp(lambda v: float_copy(ours)(v, index, weights), (x,), (t,))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 def test_tokens_stay_apart(pair):
     """Each token's output is its own: running a batch mixes nothing between tokens."""
     ours, _ = pair
