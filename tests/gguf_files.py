@@ -371,7 +371,8 @@ def write_tokenizer_gguf(path: str, arch: str, model: str = "gpt2", types=None, 
     arguments replace parts of it (`words`: the tokens past the byte alphabet
     but for the three special ones; `pre`: tokenizer.ggml.pre, "by arch" for
     qwen2 in qwen files and smollm in others, None to leave it out, a list
-    written as an array), `extra` adds {key: (value, GGUFValueType name)}."""
+    written as an array; `merges`: None to leave them out), `extra` adds
+    {key: (value, GGUFValueType name)}."""
     tokens = byte_level_alphabet() + [*words, "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(1)
@@ -385,7 +386,8 @@ def write_tokenizer_gguf(path: str, arch: str, model: str = "gpt2", types=None, 
     writer.add_token_list(tokens)
     # The last three are control tokens.
     writer.add_token_types([1] * (len(tokens) - 3) + [3] * 3 if types is None else types)
-    writer.add_token_merges(list(merges))
+    if merges is not None:
+        writer.add_token_merges(list(merges))
     writer.add_bos_token_id(len(tokens) - 2)
     writer.add_eos_token_id(len(tokens) - 1 if eos is None else eos)
     writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")

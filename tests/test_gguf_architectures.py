@@ -548,7 +548,11 @@ def test_a_non_finite_float_tensor_is_a_gguf_error_naming_it(tmp_path, value):
 
 
 @pytest.mark.parametrize("changes, says", [
-    (dict(types=[1, 1, 3]), r"metadata 'tokenizer.ggml.token_type': must be 262 integers, one per token"),
+    (dict(types=[1, 1, 3]),
+     r"metadata 'tokenizer.ggml.token_type': has 3 values, fewer than the 262 tokens of tokenizer.ggml.tokens"),
+    (dict(extra={"tokenizer.ggml.scores": (["a"] * 262, "ARRAY")}),
+     r"metadata 'tokenizer.ggml.scores': must hold numbers, one per token; holds str 'a'"),
+    (dict(types=[1.0] * 262), r"metadata 'tokenizer.ggml.token_type': must hold integers, one per token; holds float"),
     (dict(eos=262), r"metadata 'tokenizer.ggml.eos_token_id': token 262 is outside the 262 tokens"),
     (dict(model="llama"), r"metadata 'tokenizer.ggml.scores': missing: a sentencepiece \('llama'\) vocabulary"),
     (dict(extra={"tokenizer.ggml.scores": ([0.0] * 261 + [float("nan")], "ARRAY")}),
@@ -561,8 +565,16 @@ def test_a_non_finite_float_tensor_is_a_gguf_error_naming_it(tmp_path, value):
     (dict(embd_rows=200), r"tokenizer.ggml.tokens has 262 tokens, token_embd.weight only 200 rows"),
     (dict(extra={"llama.vocab_size": (200, "UINT32")}),
      r"metadata 'tokenizer.ggml.tokens': 262 tokens, more than llama.vocab_size 200"),
-    # What only transformers' converter finds: a merge of three parts.
-    (dict(merges=["Ġ t h"]), r"transformers builds no tokenizer from its tokenizer.ggml.\* metadata: TypeError"),
+    # llama.cpp refuses a byte-level vocabulary without merges; transformers' converter looks for scores.
+    (dict(merges=None),
+     r"metadata 'tokenizer.ggml.merges': missing: a byte-level \('gpt2'\) vocabulary needs its merges"),
+    (dict(merges=["Ġ t", "Ġ t h"]),
+     r"metadata 'tokenizer.ggml.merges': merge 1 is str 'Ġ t h', not two tokens joined"),
+    (dict(merges=["he"]), r"metadata 'tokenizer.ggml.merges': merge 0 is str 'he', not two tokens joined"),
+    (dict(merges=None, extra={"tokenizer.ggml.merges": ("h e", "STRING")}),
+     r"metadata 'tokenizer.ggml.merges': expected an array, got str 'h e'"),
+    # What only transformers' converter finds: a merge of two tokens whose result is no token.
+    (dict(merges=["q z"]), r"transformers builds no tokenizer from its tokenizer.ggml.\* metadata: Exception: .*`qz`"),
     # A merge whose result is no token and longer than every token: tokenizers' BPE panics (a BaseException).
     (dict(merges=["<|im_start|> <|im_end|>"]),
      r"transformers builds no tokenizer from its tokenizer.ggml.\* metadata: PanicException"),
@@ -571,6 +583,16 @@ def test_load_gguf_tokenizer_refuses_broken_tokenizer_metadata(tmp_path, changes
     path = write_tokenizer_gguf(str(tmp_path / "tokenizer.gguf"), "llama", **changes)
     with pytest.raises(lowbit.GGUFError, match=rf"^load_gguf_tokenizer: {re.escape(path)}: {says}"):
         lowbit.load_gguf_tokenizer(path)
+
+
+def test_load_gguf_tokenizer_reads_per_token_arrays_longer_than_the_tokens(tmp_path):
+    """llama.cpp reads token types and scores as far as the token list goes
+    and ignores the rest: the file's tokenizer is the one without them."""
+    types = [1] * 259 + [3] * 3
+    longer = write_tokenizer_gguf(str(tmp_path / "longer.gguf"), "llama", types=types + [1] * 5,
+                                  extra={"tokenizer.ggml.scores": ([0.0] * 270, "ARRAY")})
+    exact = write_tokenizer_gguf(str(tmp_path / "exact.gguf"), "llama", types=types)
+    assert_same_tokenizer(lowbit.load_gguf_tokenizer(longer), lowbit.load_gguf_tokenizer(exact))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gpt-oss", "phi3"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import reprlib
 import tempfile
 import warnings
 
@@ -247,9 +248,12 @@ _SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "unknown_token_id", "paddi
 def _check_tokenizer_metadata(metadata, where: str) -> None:
     """The token list and what the converter indexes by it, checked first so
     that the error names the key: a list of strings, per-token types and
-    scores as long as it, special token ids inside it (a negative one would
-    index from its end). A sentencepiece ("llama") vocabulary needs its scores."""
+    scores at least as long as it (llama.cpp reads no further), special token
+    ids inside it (a negative one would index from its end). A sentencepiece
+    ("llama") vocabulary needs its scores and a byte-level ("gpt2") one its
+    merges, each two tokens joined by a space."""
     m = _Metadata(metadata, where)
+    model = m.get("tokenizer.ggml.model", str, None)
     key = "tokenizer.ggml.tokens"
     tokens = m.get(key, list)
     if not tokens or not all(isinstance(t, str) for t in tokens):
@@ -266,15 +270,21 @@ def _check_tokenizer_metadata(metadata, where: str) -> None:
         key = f"tokenizer.ggml.{field}"
         values = m.get(key, list, None)
         if values is None:
-            if field == "scores" and m.get("tokenizer.ggml.model", str, None) == "llama":
+            # llama.cpp reads 0 for each; transformers' converter derives the merges from them, with no default.
+            if field == "scores" and model == "llama":
                 raise m.error(key, "missing: a sentencepiece ('llama') vocabulary needs each token's score")
             continue
-        if len(values) != len(tokens) or not all(isinstance(v, (int, float) if kind is float else int)
-                                                 and not isinstance(v, bool) for v in values):
-            raise m.error(key, f"must be {len(tokens)} {'numbers' if kind is float else 'integers'}, one per token "
-                               f"of tokenizer.ggml.tokens; got {len(values)} values")
+        if len(values) < len(tokens):
+            raise m.error(key, f"has {len(values)} values, fewer than the {len(tokens)} tokens of "
+                               "tokenizer.ggml.tokens")
+        allowed = (int, float) if kind is float else int
+        wrong = next((v for v in values if not isinstance(v, allowed) or isinstance(v, bool)), None)
+        if wrong is not None:
+            raise m.error(key, f"must hold {'numbers' if kind is float else 'integers'}, one per token; "
+                               f"holds {type(wrong).__name__} {reprlib.repr(wrong)}")
         if kind is float and not all(map(math.isfinite, values)):  # a NaN score orders no merge
             raise m.error(key, "must be finite, one per token; holds NaN or infinity")
+    _check_merges(m, model)
     for field in _SPECIAL_TOKEN_IDS:
         key = f"tokenizer.ggml.{field}"
         token = m.get(key, int, None, minimum=0)
@@ -286,6 +296,25 @@ def _check_tokenizer_metadata(metadata, where: str) -> None:
     arch = metadata.get("general.architecture")
     if isinstance(arch, str):
         _vocab_size(m, arch)  # the token list against {arch}.vocab_size
+
+
+def _check_merges(m: _Metadata, model: str | None) -> None:
+    """tokenizer.ggml.merges: required of a byte-level ("gpt2") vocabulary, as
+    llama.cpp requires it (transformers' converter would derive merges from
+    scores such a file lacks); each a pair of tokens joined by one space,
+    which is how transformers' converter splits them (a merge of one or three
+    parts fails there with an error that names no key)."""
+    key = "tokenizer.ggml.merges"
+    merges = m.get(key, list, None)
+    if merges is None:
+        if model == "gpt2":
+            raise m.error(key, "missing: a byte-level ('gpt2') vocabulary needs its merges")
+        return
+    for i, merge in enumerate(merges):
+        parts = merge.split(" ") if isinstance(merge, str) else ()
+        if len(parts) != 2 or not all(parts):
+            raise m.error(key, f"merge {i} is {type(merge).__name__} {reprlib.repr(merge)}, not two tokens "
+                               "joined by one space")
 
 
 def _apply_rope_freqs(model: nn.Module, f: GGUFFile) -> None:
