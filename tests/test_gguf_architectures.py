@@ -573,6 +573,12 @@ def test_a_non_finite_float_tensor_is_a_gguf_error_naming_it(tmp_path, value):
     (dict(merges=["he"]), r"metadata 'tokenizer.ggml.merges': merge 0 is str 'he', not two tokens joined"),
     (dict(merges=None, extra={"tokenizer.ggml.merges": ("h e", "STRING")}),
      r"metadata 'tokenizer.ggml.merges': expected an array, got str 'h e'"),
+    # One text at two ids (llama.cpp refuses it too), and two texts transformers spells alike: a
+    # byte-level " " is respelled "Ġ", token 220. One id would decode as another's text.
+    (dict(words=("Ġt", "he", "he"), merges=("Ġ t", "h e")),
+     r"metadata 'tokenizer.ggml.tokens': tokens 257 and 258 are both 'he'; each id needs a text of its own"),
+    (dict(words=("Ġt", "he", "Ġthe", " ")),
+     r"metadata 'tokenizer.ggml.tokens': tokens 220 'Ġ' and 259 ' ' are one entry 'Ġ' of transformers' vocabulary"),
     # What only transformers' converter finds: a merge of two tokens whose result is no token.
     (dict(merges=["q z"]), r"transformers builds no tokenizer from its tokenizer.ggml.\* metadata: Exception: .*`qz`"),
     # A merge whose result is no token and longer than every token: tokenizers' BPE panics (a BaseException).

@@ -164,6 +164,7 @@ def load_gguf_tokenizer(path: str | os.PathLike):
                             f"{type(e).__name__}: {reason}") from e
     tokenizer.name_or_path = tokenizer.init_kwargs["name_or_path"] = directory  # not the empty one, which is gone
     _keep_byte_level_specials(tokenizer, metadata, where)
+    _check_own_entries(tokenizer, metadata["tokenizer.ggml.tokens"], where)
     split_as_llama_cpp(tokenizer, metadata, where)
     if embd is not None and len(tokenizer) > embd.shape[0]:  # special tokens the class adds past the file's list
         raise GGUFError(f"{where}: transformers' {type(tokenizer).__name__} holds {len(tokenizer)} tokens "
@@ -189,7 +190,7 @@ def _keep_byte_level_specials(tokenizer, metadata, where: str) -> None:
 
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
-    whole = {}  # text -> (id, control); a repeated text keeps its last id, as llama.cpp's lookup does
+    whole = {}  # text -> (id, control)
     for i, (text, kind) in enumerate(zip(metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.token_type"])):
         if kind in (CONTROL, USER_DEFINED) and text and not set(text) <= alphabet:
             whole[text] = (i, kind == CONTROL)
@@ -216,6 +217,30 @@ def _keep_byte_level_specials(tokenizer, metadata, where: str) -> None:
         tokenizer.add_special_tokens({"additional_special_tokens": control}, replace_extra_special_tokens=False)
     if user:
         tokenizer.add_tokens(user)
+
+
+def _check_own_entries(tokenizer, tokens: list[str], where: str) -> None:
+    """Each of the file's ids an entry of its own in the vocabulary that
+    transformers built. A text the file repeats (which llama.cpp refuses) or
+    two texts transformers spells alike (a byte-level vocabulary's " ",
+    respelled "Ġ", beside "Ġ") keep one id between them: the other decodes as
+    nothing, and a token the class adds takes the vocabulary's length for its
+    id, which is one of the file's."""
+    vocab = tokenizer.backend_tokenizer.get_vocab(with_added_tokens=False)
+    kept = set(vocab.values())
+    lost = next((i for i in range(len(tokens)) if i not in kept), None)
+    if lost is None:
+        return
+    text = tokens[lost]
+    holder = vocab.get(text)  # the id that took its entry, where transformers spells it as the file does
+    if holder is None or holder >= len(tokens):
+        problem = f"token {lost} {text!r} has no entry of its own in transformers' vocabulary"
+    elif tokens[holder] == text:
+        problem = f"tokens {lost} and {holder} are both {text!r}"
+    else:
+        problem = (f"tokens {lost} {text!r} and {holder} {tokens[holder]!r} are one entry {text!r} of "
+                   "transformers' vocabulary")
+    raise GGUFError(f"{where}: metadata 'tokenizer.ggml.tokens': {problem}; each id needs a text of its own")
 
 
 def _renumber_template(node, ids: dict) -> None:
