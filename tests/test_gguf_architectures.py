@@ -579,6 +579,11 @@ def test_a_non_finite_float_tensor_is_a_gguf_error_naming_it(tmp_path, value):
      r"metadata 'tokenizer.ggml.tokens': tokens 257 and 258 are both 'he'; each id needs a text of its own"),
     (dict(words=("Ġt", "he", "Ġthe", " ")),
      r"metadata 'tokenizer.ggml.tokens': tokens 220 'Ġ' and 259 ' ' are one entry 'Ġ' of transformers' vocabulary"),
+    # A sentencepiece vocabulary with no byte tokens and no <unk> (rows to spare for the one the class
+    # adds): a character outside it was dropped, or raised a bare Exception; llama.cpp aborts on one.
+    (dict(model="llama", embd_rows=300, extra={"tokenizer.ggml.scores": ([0.0] * 262, "ARRAY")}),
+     r"metadata 'tokenizer.ggml.tokens': its sentencepiece \('llama'\) vocabulary has no byte token <0x00>, and "
+     r"transformers' TokenizersBackend no unknown token among its tokens"),
     # What only transformers' converter finds: a merge of two tokens whose result is no token.
     (dict(merges=["q z"]), r"transformers builds no tokenizer from its tokenizer.ggml.\* metadata: Exception: .*`qz`"),
     # A merge whose result is no token and longer than every token: tokenizers' BPE panics (a BaseException).
@@ -706,11 +711,13 @@ def test_load_gguf_tokenizer_reads_the_file_alone(tmp_path, monkeypatch):
 
 def test_load_gguf_tokenizer_refuses_tokens_the_embedding_does_not_hold(tmp_path):
     """A class that adds special tokens the file's list lacks (GemmaTokenizer:
-    <pad>, <mask>, ...) would give ids past the embedding's rows."""
+    <pad>, <mask>, ...) would give ids past the embedding's rows. (Its <unk>
+    is the file's: a character outside the vocabulary encodes as it.)"""
     path = write_tokenizer_gguf(str(tmp_path / "gemma2.gguf"), "gemma2", model="llama",
-                                extra={"tokenizer.ggml.scores": ([0.0] * 262, "ARRAY")})
-    with pytest.raises(lowbit.GGUFError, match=r"transformers' GemmaTokenizer holds 26\d tokens \(the file's 262 and "
-                                               r"those it adds\), token_embd.weight only 262 rows"):
+                                words=("Ġt", "he", "Ġthe", "<unk>"),
+                                extra={"tokenizer.ggml.scores": ([0.0] * 263, "ARRAY")})
+    with pytest.raises(lowbit.GGUFError, match=r"transformers' GemmaTokenizer holds 26\d tokens \(the file's 263 and "
+                                               r"those it adds\), token_embd.weight only 263 rows"):
         lowbit.load_gguf_tokenizer(path)
 
 

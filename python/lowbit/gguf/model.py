@@ -165,6 +165,7 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     tokenizer.name_or_path = tokenizer.init_kwargs["name_or_path"] = directory  # not the empty one, which is gone
     _keep_byte_level_specials(tokenizer, metadata, where)
     _check_own_entries(tokenizer, metadata["tokenizer.ggml.tokens"], where)
+    _check_unknown_characters(tokenizer, metadata, where)
     split_as_llama_cpp(tokenizer, metadata, where)
     if embd is not None and len(tokenizer) > embd.shape[0]:  # special tokens the class adds past the file's list
         raise GGUFError(f"{where}: transformers' {type(tokenizer).__name__} holds {len(tokenizer)} tokens "
@@ -241,6 +242,27 @@ def _check_own_entries(tokenizer, tokens: list[str], where: str) -> None:
         problem = (f"tokens {lost} {text!r} and {holder} {tokens[holder]!r} are one entry {text!r} of "
                    "transformers' vocabulary")
     raise GGUFError(f"{where}: metadata 'tokenizer.ggml.tokens': {problem}; each id needs a text of its own")
+
+
+BYTE_TOKENS = tuple(f"<0x{b:02X}>" for b in range(256))
+
+
+def _check_unknown_characters(tokenizer, metadata, where: str) -> None:
+    """A sentencepiece ("llama") vocabulary encodes a character it has no
+    token for as its UTF-8 bytes' tokens (<0x00>..<0xFF>), or else as the
+    unknown token transformers' model has. With neither, transformers'
+    tokenizer raises a bare Exception on such a text (or drops the character)
+    and llama.cpp aborts: refused at load rather than at the first such text."""
+    if metadata.get("tokenizer.ggml.model") != "llama":
+        return
+    model = tokenizer.backend_tokenizer.model
+    missing = next((b for b in BYTE_TOKENS if model.token_to_id(b) is None), None)
+    unk = getattr(model, "unk_token", None)
+    if missing is None or (unk is not None and model.token_to_id(unk) is not None):
+        return
+    raise GGUFError(f"{where}: metadata 'tokenizer.ggml.tokens': its sentencepiece ('llama') vocabulary has no "
+                    f"byte token {missing}, and transformers' {type(tokenizer).__name__} no unknown token among its "
+                    "tokens, so a character outside the vocabulary cannot be encoded (llama.cpp aborts on one)")
 
 
 def _renumber_template(node, ids: dict) -> None:
