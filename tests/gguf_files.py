@@ -371,12 +371,13 @@ def write_tokenizer_gguf(path: str, arch: str, model: str = "gpt2", types=None, 
     arguments replace parts of it (`words`: the tokens past the byte alphabet
     but for the three special ones; `pre`: tokenizer.ggml.pre, "by arch" for
     qwen2 in qwen files and smollm in others, None to leave it out, a list
-    written as an array; `merges`: None to leave them out), `extra` adds
-    {key: (value, GGUFValueType name)}."""
+    written as an array; `model` and `merges`: None to leave them out),
+    `extra` adds {key: (value, GGUFValueType name)}."""
     tokens = byte_level_alphabet() + [*words, "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(1)
-    writer.add_tokenizer_model(model)
+    if model is not None:
+        writer.add_tokenizer_model(model)
     if pre == "by arch":
         pre = "qwen2" if arch.startswith("qwen") else "smollm"
     if isinstance(pre, str):

@@ -554,7 +554,9 @@ def test_a_non_finite_float_tensor_is_a_gguf_error_naming_it(tmp_path, value):
      r"metadata 'tokenizer.ggml.scores': must hold numbers, one per token; holds str 'a'"),
     (dict(types=[1.0] * 262), r"metadata 'tokenizer.ggml.token_type': must hold integers, one per token; holds float"),
     (dict(eos=262), r"metadata 'tokenizer.ggml.eos_token_id': token 262 is outside the 262 tokens"),
+    (dict(model=None), r"metadata 'tokenizer.ggml.model': missing"),
     (dict(model="llama"), r"metadata 'tokenizer.ggml.scores': missing: a sentencepiece \('llama'\) vocabulary"),
+    (dict(model="t5"), r"metadata 'tokenizer.ggml.scores': missing: a unigram \('t5'\) vocabulary"),
     (dict(extra={"tokenizer.ggml.scores": ([0.0] * 261 + [float("nan")], "ARRAY")}),
      r"metadata 'tokenizer.ggml.scores': must be finite"),
     # A string where llama.cpp reads a bool: "false" would add a BOS token.
@@ -568,6 +570,8 @@ def test_a_non_finite_float_tensor_is_a_gguf_error_naming_it(tmp_path, value):
     # llama.cpp refuses a byte-level vocabulary without merges; transformers' converter looks for scores.
     (dict(merges=None),
      r"metadata 'tokenizer.ggml.merges': missing: a byte-level \('gpt2'\) vocabulary needs its merges"),
+    (dict(model="gemma4", merges=None, extra={"tokenizer.ggml.scores": ([0.0] * 262, "ARRAY")}),
+     r"metadata 'tokenizer.ggml.merges': missing: a BPE \('gemma4'\) vocabulary needs its merges"),
     (dict(merges=["Ġ t", "Ġ t h"]),
      r"metadata 'tokenizer.ggml.merges': merge 1 is str 'Ġ t h', not two tokens joined"),
     (dict(merges=["he"]), r"metadata 'tokenizer.ggml.merges': merge 0 is str 'he', not two tokens joined"),

@@ -287,6 +287,12 @@ def _is_rust_panic(e: BaseException) -> bool:
     return type(e).__name__ == "PanicException"
 
 
+# The keys a tokenizer.ggml.model needs besides its tokens: transformers' converter
+# derives a sentencepiece vocabulary's merges from its scores (llama.cpp reads 0
+# where they are missing) and builds a unigram one from them; llama.cpp refuses a
+# BPE vocabulary without its merges.
+NEEDS_SCORES = {"llama": "sentencepiece", "t5": "unigram"}
+NEEDS_MERGES = {"gpt2": "byte-level", "gemma4": "BPE"}
 MAX_TOKEN_WORK = 1 << 32  # sum of squared token lengths: a real vocabulary's is about 10^7
 # The special tokens transformers' converter looks up by id in the token list.
 _SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")
@@ -296,11 +302,11 @@ def _check_tokenizer_metadata(metadata, where: str) -> None:
     """The token list and what the converter indexes by it, checked first so
     that the error names the key: a list of strings, per-token types and
     scores at least as long as it (llama.cpp reads no further), special token
-    ids inside it (a negative one would index from its end). A sentencepiece
-    ("llama") vocabulary needs its scores and a byte-level ("gpt2") one its
-    merges, each two tokens joined by a space."""
+    ids inside it (a negative one would index from its end). The scores or
+    merges the model's converter needs (NEEDS_SCORES, NEEDS_MERGES), each
+    merge two tokens joined by a space."""
     m = _Metadata(metadata, where)
-    model = m.get("tokenizer.ggml.model", str, None)
+    model = m.get("tokenizer.ggml.model", str)
     key = "tokenizer.ggml.tokens"
     tokens = m.get(key, list)
     if not tokens or not all(isinstance(t, str) for t in tokens):
@@ -317,9 +323,8 @@ def _check_tokenizer_metadata(metadata, where: str) -> None:
         key = f"tokenizer.ggml.{field}"
         values = m.get(key, list, None)
         if values is None:
-            # llama.cpp reads 0 for each; transformers' converter derives the merges from them, with no default.
-            if field == "scores" and model == "llama":
-                raise m.error(key, "missing: a sentencepiece ('llama') vocabulary needs each token's score")
+            if field == "scores" and model in NEEDS_SCORES:
+                raise m.error(key, f"missing: a {NEEDS_SCORES[model]} ({model!r}) vocabulary needs each token's score")
             continue
         if len(values) < len(tokens):
             raise m.error(key, f"has {len(values)} values, fewer than the {len(tokens)} tokens of "
@@ -345,17 +350,17 @@ def _check_tokenizer_metadata(metadata, where: str) -> None:
         _vocab_size(m, arch)  # the token list against {arch}.vocab_size
 
 
-def _check_merges(m: _Metadata, model: str | None) -> None:
-    """tokenizer.ggml.merges: required of a byte-level ("gpt2") vocabulary, as
-    llama.cpp requires it (transformers' converter would derive merges from
+def _check_merges(m: _Metadata, model: str) -> None:
+    """tokenizer.ggml.merges: required of a BPE vocabulary (NEEDS_MERGES), as
+    llama.cpp requires them (transformers' converter would derive merges from
     scores such a file lacks); each a pair of tokens joined by one space,
     which is how transformers' converter splits them (a merge of one or three
     parts fails there with an error that names no key)."""
     key = "tokenizer.ggml.merges"
     merges = m.get(key, list, None)
     if merges is None:
-        if model == "gpt2":
-            raise m.error(key, "missing: a byte-level ('gpt2') vocabulary needs its merges")
+        if model in NEEDS_MERGES:
+            raise m.error(key, f"missing: a {NEEDS_MERGES[model]} ({model!r}) vocabulary needs its merges")
         return
     for i, merge in enumerate(merges):
         parts = merge.split(" ") if isinstance(merge, str) else ()
