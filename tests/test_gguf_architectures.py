@@ -729,6 +729,9 @@ def test_load_gguf_tokenizer_refuses_tokens_the_embedding_does_not_hold(tmp_path
     ("smollm", False), ("gpt-2", False), ("qwen2", False), ("llama-bpe", False),
     ("made-up", "tokenizer.ggml.pre 'made-up'"), (None, "has no tokenizer.ggml.pre"),
     (["smollm"], "tokenizer.ggml.pre \"\\['smollm'\\]\""),
+    # A hostile name is cut short in the warning, not written out whole.
+    pytest.param("x" * 100_000, r"tokenizer.ggml.pre 'x{12}\.\.\.x{13}'", id="long-name"),
+    pytest.param(["x" * 100_000], r"tokenizer.ggml.pre \"\['x{10}\.\.\.x{11}'\]\"", id="long-list"),
 ])
 def test_load_gguf_tokenizer_warns_of_a_split_it_does_not_know(tmp_path, pre, warns):
     """A byte-level vocabulary's tokenizer.ggml.pre names llama.cpp's split of
