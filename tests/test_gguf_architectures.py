@@ -581,6 +581,8 @@ def test_a_non_finite_float_tensor_is_a_gguf_error_naming_it(tmp_path, value):
     # byte-level " " is respelled "Ġ", token 220. One id would decode as another's text.
     (dict(words=("Ġt", "he", "he"), merges=("Ġ t", "h e")),
      r"metadata 'tokenizer.ggml.tokens': tokens 257 and 258 are both 'he'; each id needs a text of its own"),
+    (dict(words=("Ġt", "he", "x" * 30_000, "x" * 30_000), merges=("Ġ t", "h e")),
+     r"metadata 'tokenizer.ggml.tokens': tokens 258 and 259 are both 'x{12}\.\.\.x{13}'; each id"),
     (dict(words=("Ġt", "he", "Ġthe", " ")),
      r"metadata 'tokenizer.ggml.tokens': tokens 220 'Ġ' and 259 ' ' are one entry 'Ġ' of transformers' vocabulary"),
     # A sentencepiece vocabulary with no byte tokens and no <unk> (rows to spare for the one the class
@@ -590,6 +592,10 @@ def test_a_non_finite_float_tensor_is_a_gguf_error_naming_it(tmp_path, value):
      r"transformers' TokenizersBackend no unknown token among its tokens"),
     # What only transformers' converter finds: a merge of two tokens whose result is no token.
     (dict(merges=["q z"]), r"transformers builds no tokenizer from its tokenizer.ggml.\* metadata: Exception: .*`qz`"),
+    # transformers' error quotes a merge of a megabyte whole: the GGUFError keeps its first 1000 characters.
+    (dict(merges=["Ġ t", "a" * 1_000_000 + " b"]),
+     r"transformers builds no tokenizer from its tokenizer.ggml.\* metadata: Exception: .*`a{800,}\.\.\. "
+     r"\(\d+ chars\)$"),
     # A merge whose result is no token and longer than every token: tokenizers' BPE panics (a BaseException).
     (dict(merges=["<|im_start|> <|im_end|>"]),
      r"transformers builds no tokenizer from its tokenizer.ggml.\* metadata: PanicException"),

@@ -1,6 +1,6 @@
 """Checks of inputs: integer arguments (a layer's sizes), tensor values (a
 weight or Hessian to quantize, a checkpoint's scales, norms and biases) and
-the files a loader opens."""
+the files a loader opens; and text from a file cut short for a message."""
 import numbers
 import os
 import stat
@@ -93,3 +93,10 @@ def check_regular_file(path: str, what: str = "file", error: type[ValueError] = 
         raise error(f"{path}: cannot read the {what}: {e}") from e
     if not stat.S_ISREG(mode):
         raise error(f"{path}: the {what} is not a regular file")
+
+
+def cut(text: str, limit: int) -> str:
+    """`text` whole up to `limit` characters, else its first `limit` and its
+    length: text a file supplies (a name, a merge an error quotes) can be
+    megabytes long, which a message or a table row would carry whole."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"

@@ -16,7 +16,7 @@ import warnings
 import torch
 from torch import nn
 
-from .._checks import check_finite, check_path, check_positive
+from .._checks import check_finite, check_path, check_positive, cut
 from .._placing import (GGUF_SAVE_ADVICE, ReplaceReport, checked, get_module, load_tensor, model_dtype, on_meta,
                         rebuild_computed_buffers, refuse_save_pretrained, tensor_holders)
 from ..fusing import fuse_projections
@@ -159,7 +159,7 @@ def load_gguf_tokenizer(path: str | os.PathLike):
         except BaseException as e:  # transformers' converter indexes and parses the metadata with no checks of its own
             if not isinstance(e, Exception) and not _is_rust_panic(e):  # Ctrl-C, exit
                 raise
-            reason = " ".join(str(e).replace(alone, directory).split())
+            reason = cut(" ".join(str(e).replace(alone, directory).split()), MAX_REASON)
             raise GGUFError(f"{where}: transformers builds no tokenizer from its tokenizer.ggml.* metadata: "
                             f"{type(e).__name__}: {reason}") from e
     tokenizer.name_or_path = tokenizer.init_kwargs["name_or_path"] = directory  # not the empty one, which is gone
@@ -173,6 +173,9 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     return tokenizer
 
 
+# Characters of transformers' error kept in the GGUFError: it quotes the token or
+# merge it failed on, which in a hostile file can be megabytes long.
+MAX_REASON = 1000
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types of tokens it matches whole in a text
 
 
@@ -234,12 +237,13 @@ def _check_own_entries(tokenizer, tokens: list[str], where: str) -> None:
         return
     text = tokens[lost]
     holder = vocab.get(text)  # the id that took its entry, where transformers spells it as the file does
+    said = reprlib.repr(text)
     if holder is None or holder >= len(tokens):
-        problem = f"token {lost} {text!r} has no entry of its own in transformers' vocabulary"
+        problem = f"token {lost} {said} has no entry of its own in transformers' vocabulary"
     elif tokens[holder] == text:
-        problem = f"tokens {lost} and {holder} are both {text!r}"
+        problem = f"tokens {lost} and {holder} are both {said}"
     else:
-        problem = (f"tokens {lost} {text!r} and {holder} {tokens[holder]!r} are one entry {text!r} of "
+        problem = (f"tokens {lost} {said} and {holder} {reprlib.repr(tokens[holder])} are one entry {said} of "
                    "transformers' vocabulary")
     raise GGUFError(f"{where}: metadata 'tokenizer.ggml.tokens': {problem}; each id needs a text of its own")
 
