@@ -22,6 +22,7 @@ import warnings
 import torch
 
 from ._bounded import BoundedError, run_bounded
+from ._checks import cut
 from .gguf.arch import ARCHITECTURES
 from .gguf.file import GGUFFile, is_gguf_path, load_gguf
 from .gptq.checkpoint import load_gptq
@@ -67,10 +68,7 @@ def _shortened(value):
 
 
 def format_value(value) -> str:
-    text = repr(_shortened(value))  # repr escapes newlines, so every key stays on one line
-    if len(text) > MAX_VALUE_CHARS:
-        text = f"{text[:MAX_VALUE_CHARS]}... ({len(text)} chars)"
-    return text
+    return cut(repr(_shortened(value)), MAX_VALUE_CHARS)  # repr escapes newlines, so every key stays on one line
 
 
 def printable(name: str) -> str:
@@ -83,8 +81,7 @@ def printable(name: str) -> str:
 def short_name(name: str) -> str:
     """printable(name), cut to MAX_NAME_CHARS: a table pads every row to its
     longest name, so one name of a megabyte would pad every row to one."""
-    text = printable(name)
-    return text if len(text) <= MAX_NAME_CHARS else f"{text[:MAX_NAME_CHARS]}... ({len(text)} chars)"
+    return cut(printable(name), MAX_NAME_CHARS)
 
 
 def format_shape(shape) -> str:
@@ -296,9 +293,7 @@ def chat_prompt(path: str, tokenizer, prompt: str, max_chars: int,
         text = run_bounded(render, seconds, TEMPLATE_BYTES)
     except BoundedError as e:
         # The message is the template's to write (raise_exception's text): one line, escaped and cut.
-        reason = printable(str(e))
-        if len(reason) > MAX_REASON_CHARS:
-            reason = f"{reason[:MAX_REASON_CHARS]}... ({len(reason)} chars)"
+        reason = cut(printable(str(e)), MAX_REASON_CHARS)
         raise ValueError(f"{path}: its chat template does not render: {reason}") from None
     if not isinstance(text, str):
         raise ValueError(f"{path}: its chat template renders {text} characters, more than {max_chars}")
