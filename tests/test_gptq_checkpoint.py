@@ -895,6 +895,30 @@ def test_model_mismatch_is_refused(checkpoint):
         lowbit.replace_linear(small, checkpoint)
 
 
+def test_names_from_the_checkpoint_are_cut_in_messages(checkpoint):
+    """A checkpoint's names may be megabytes long, and many: the errors and
+    warnings that name them show each cut, and a few of a list with how many
+    more there are."""
+    hostile = "model.layers.1.mlp." + "x" * 10**6
+
+    def add_module(t):
+        t.update({f"{hostile}.{kind}": t[f"{MODULE}.{kind}"].clone() for kind in SHAPES})
+
+    edit_tensors(checkpoint, add_module)
+    with pytest.raises(GPTQCheckpointError, match=r"module 'model\.layers\.1\.mlp\.x+\.\.\.x+' \(1000019 characters\) "
+                                                  r"is quantized in the checkpoint but the model has no such module$") \
+            as info:
+        load(checkpoint)
+    assert len(str(info.value)) < len(str(checkpoint)) + 300
+    edit_tensors(checkpoint, lambda t: [t.pop(f"{hostile}.{kind}") for kind in SHAPES])
+    extra = {f"unused.{i}." + "y" * 10**5: torch.ones(1) for i in range(20)}
+    edit_tensors(checkpoint, lambda t: t.update(extra))
+    with pytest.warns(UserWarning, match=r"tensors with no place in the model: \['unused\.0\.y+\.\.\.y+' "
+                                         r"\(100009 characters\), .*, and 15 more\]$") as warned:
+        load(checkpoint)
+    assert max(len(str(w.message)) for w in warned) < len(str(checkpoint)) + 1000
+
+
 def test_config_sources_in_order(checkpoint):
     assert lowbit.gptq.read_config(checkpoint).source.endswith("quantize_config.json")
     os.remove(checkpoint / "quantize_config.json")
@@ -983,12 +1007,12 @@ def tensor_cases():
     """pytest params (edit, config changes, a regex the message matches after "module 'MODULE': ")."""
     for kind, shape in SHAPES.items():
         if kind == "g_idx":  # optional, the groups in order, unless the checkpoint is act-order
-            yield pytest.param(popped(kind), {"desc_act": True}, re.escape(f"missing tensor {MODULE}.g_idx, which an "
+            yield pytest.param(popped(kind), {"desc_act": True}, re.escape(f"missing tensor '{MODULE}.g_idx', which an "
                                                                   "act-order (desc_act) checkpoint needs"),
                                id="g_idx-missing-with-desc_act")
         else:
             missing = ("the checkpoint has no bias, the model has one" if kind == "bias"  # only the model can tell
-                       else re.escape(f"missing tensor {MODULE}.{kind}"))
+                       else re.escape(f"missing tensor '{MODULE}.{kind}'"))
             yield pytest.param(popped(kind), {}, missing, id=f"{kind}-missing")
         for dtype in WRONG_DTYPES[kind]:
             yield pytest.param(replaced(kind, lambda t, d=dtype: t.to(d)), {}, re.escape(f"{kind} has dtype {dtype}"),
@@ -1084,6 +1108,20 @@ def test_bad_config_values_name_the_key(checkpoint, key, value, says):
     edit_config(checkpoint, **{key: value})
     with pytest.raises(GPTQConfigError, match=f"^{re.escape(str(checkpoint / 'quantize_config.json'))}: {says}"):
         load(checkpoint)
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("quant_method", "a" * 10**6, r"quant_method is 'a+\.\.\.a+' \(1000000 characters\), not 'gptq'$"),
+    ("checkpoint_format", ["gptq"] * 10**5, r"checkpoint_format \['gptq', 'gptq', 'gptq', 'gptq', 'gptq', \.\.\.\] is "
+                                            r"not supported"),
+    ("dynamic", {"-:" + "b" * 10**4: {}}, r"dynamic rule '-:b+\.\.\.b+' \(10002 characters\) is 10000 characters long"),
+])
+def test_config_values_are_cut_in_messages(checkpoint, key, value, says):
+    """A config's values may be megabytes long: the error shows them cut."""
+    edit_config(checkpoint, **{key: value})
+    with pytest.raises(GPTQConfigError, match=says) as info:
+        load(checkpoint)
+    assert len(str(info.value)) < len(str(checkpoint)) + 400
 
 
 def test_a_group_size_past_any_k_means_one_group(checkpoint):
@@ -1396,7 +1434,7 @@ def test_layer_count_counts_only_layers_without_gaps(checkpoint):
     edit_tensors(checkpoint, lambda t: t.update({"model.layers.99999.input_layernorm.weight": torch.ones(128)}))
     raw = json.loads((checkpoint / HF).read_text())
     (checkpoint / HF).write_text(json.dumps({**raw, "num_hidden_layers": 100000}))
-    with pytest.raises(GPTQCheckpointError, match=r"model\.layers: 3 numbered from 0 to 99999"):
+    with pytest.raises(GPTQCheckpointError, match=r"'model\.layers': 3 numbered from 0 to 99999"):
         check_layer_count(checkpoint)
     # DeepSeek's multi-token-prediction layer follows the counted ones.
     edit_tensors(checkpoint, lambda t: t.pop("model.layers.99999.input_layernorm.weight"))
@@ -1411,8 +1449,8 @@ def test_a_module_number_past_any_model_is_refused_naming_the_tensor(checkpoint)
     naming the file and the tensor, not by int()'s bare ValueError."""
     name = "model.layers." + "9" * 5000 + ".input_layernorm.weight"
     edit_tensors(checkpoint, lambda t: t.update({name: torch.ones(128)}))
-    with pytest.raises(GPTQCheckpointError, match=r"model\.safetensors: tensor 'model\.layers\.\.\..*' numbers its "
-                                                  r"module with 5000 digits$"):
+    with pytest.raises(GPTQCheckpointError, match=r"model\.safetensors: tensor 'model\.layers\.9+\.\.\.9+\.input_layernorm"
+                                                  r"\.weight' \(5036 characters\) numbers its module with 5000 digits$"):
         check_layer_count(checkpoint)
 
 

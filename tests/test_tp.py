@@ -415,12 +415,12 @@ def test_errors(checkpoints):
     with pytest.raises(ValueError, match=rf"{gate}: rank 2 is not in \[0, world_size=2\)"):
         ColumnParallelGPTQLinear.from_checkpoint(four["original"], gate, 2, 2)
     missing = f"{PREFIXES[0]}.nothing"
-    with pytest.raises(ValueError, match=rf"module '{missing}': missing tensor {missing}.qweight"):
+    with pytest.raises(ValueError, match=rf"module '{missing}': missing tensor '{missing}.qweight'"):
         ColumnParallelGPTQLinear.from_checkpoint(four["original"], missing, 0, 2)
 
 
 @pytest.mark.parametrize("edit, pattern", [
-    (lambda t, m: t.pop(f"{m}.g_idx"), "missing tensor {m}.g_idx, which an act-order"),
+    (lambda t, m: t.pop(f"{m}.g_idx"), "missing tensor '{m}.g_idx', which an act-order"),
     (lambda t, m: t.update({f"{m}.qweight": t[f"{m}.qweight"].float()}), "qweight has dtype F32"),
     (lambda t, m: t.update({f"{m}.scales": t[f"{m}.scales"].to(torch.int32)}), "scales has dtype I32"),
     (lambda t, m: t.update({f"{m}.g_idx": t[f"{m}.g_idx"].float()}), "g_idx has dtype F32"),
@@ -462,7 +462,7 @@ def test_sharded_loading_refuses_a_corrupt_header_naming_the_file(checkpoints, t
 
 
 @pytest.mark.parametrize("edit, pattern", [
-    (lambda t, m: t.pop(f"{m}.gate_proj.scales"), "module '{m}.gate_proj': missing tensor {m}.gate_proj.scales"),
+    (lambda t, m: t.pop(f"{m}.gate_proj.scales"), "module '{m}.gate_proj': missing tensor '{m}.gate_proj.scales'"),
     (lambda t, m: t.update({f"{m}.down_proj.g_idx": t[f"{m}.down_proj.g_idx"][:-8]}),
      r"module '{m}.down_proj': g_idx has shape \(504,\)"),
     (lambda t, m: t[f"{m}.down_proj.g_idx"].__setitem__(0, 1000),

@@ -1,8 +1,10 @@
 """Checks of inputs: integer arguments (a layer's sizes), tensor values (a
 weight or Hessian to quantize, a checkpoint's scales, norms and biases) and
-the files a loader opens; and text from a file cut short for a message."""
+the files a loader opens; and how a file's own names and values appear in
+the messages that refuse them."""
 import numbers
 import os
+import reprlib
 import stat
 
 import torch
@@ -15,6 +17,36 @@ def is_integer(value) -> bool:
     bool passes `in` and `<=` tests (4.0 == 4, True == 1), then fails deep in
     torch or an op with an error that names no argument."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+# A file's names and values (a tensor's, a module's or a key's name, a config
+# value) in a message: a hostile file's name may be megabytes long, and a
+# list of them millions long. Each string is cut to SHOWN_CHARS, each list
+# to SHOWN_ITEMS.
+SHOWN_CHARS = 100
+SHOWN_ITEMS = 5
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = _SHOWN.maxlong = SHOWN_CHARS
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = _SHOWN.maxfrozenset = SHOWN_ITEMS
+
+
+def shown(value) -> str:
+    """repr(value) for a message, where the value is a file's: strings cut
+    to about SHOWN_CHARS characters (with their length), containers to
+    SHOWN_ITEMS items, without building the whole repr first."""
+    text = _SHOWN.repr(value)
+    if isinstance(value, str) and len(value) > SHOWN_CHARS:
+        text += f" ({len(value)} characters)"
+    return text
+
+
+def shown_names(names, show=shown) -> str:
+    """A file's names (or what `show` makes of each item) for a message, as
+    a list's repr: the first SHOWN_ITEMS, and how many more there are."""
+    names = list(names)
+    listed = ", ".join(show(name) for name in names[:SHOWN_ITEMS])
+    more = len(names) - SHOWN_ITEMS
+    return f"[{listed}{f', and {more} more' if more > 0 else ''}]"
 
 
 def check_sizes(who: str, **sizes) -> None:

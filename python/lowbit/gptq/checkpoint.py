@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import reprlib
 import shutil
 import sys
 import uuid
@@ -19,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .._checks import check_finite, check_path, check_regular_file, is_integer
+from .._checks import check_finite, check_path, check_regular_file, is_integer, shown, shown_names
 from .._mapping import map_private
 from .packing import fields_per_pack, words_per_pack
 from .config import GPTQCheckpointError, GPTQConfig, ModuleQuant, parse_config, read_config, read_json
@@ -52,7 +51,7 @@ def checkpoint_files(path: str | os.PathLike) -> tuple[str, list[str]]:
             files = [os.path.join(path, s) for s in sorted(set(weight_map.values()))]
             missing = [f for f in files if not os.path.lexists(f)]
             if missing:
-                raise GPTQCheckpointError(f"{index}: lists shards that do not exist: {missing}")
+                raise GPTQCheckpointError(f"{index}: lists shards that do not exist: {shown_names(missing)}")
         else:
             files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
             if not files:
@@ -80,8 +79,8 @@ def _check_index_tensors(index: str, weight_map: dict[str, str], files: list[str
         held.update(_tensor_names(file, stat.st_mtime_ns, stat.st_size))
     absent = [name for name in weight_map if name not in held]
     if absent:
-        raise GPTQCheckpointError(f"{index}: lists {len(absent)} tensor(s) that no shard holds, e.g. {absent[0]!r} "
-                                  f"in {weight_map[absent[0]]}")
+        raise GPTQCheckpointError(f"{index}: lists {len(absent)} tensor(s) that no shard holds, e.g. "
+                                  f"{shown(absent[0])} in {shown(weight_map[absent[0]])}")
 
 
 @functools.lru_cache(maxsize=256)
@@ -107,8 +106,8 @@ def _index_weight_map(index: str) -> dict[str, str]:
         # A shard path from an untrusted index must not reach files outside the checkpoint.
         if (not isinstance(shard, str) or not shard.endswith(".safetensors") or os.path.isabs(shard)
                 or os.path.normpath(shard).split(os.sep)[0] == os.pardir):
-            raise GPTQCheckpointError(f"{index}: weight_map[{name!r}] is {shard!r}, not the name of a .safetensors "
-                                      "file in the checkpoint directory")
+            raise GPTQCheckpointError(f"{index}: weight_map[{shown(name)}] is {shown(shard)}, not the name of a "
+                                      ".safetensors file in the checkpoint directory")
     return weight_map
 
 
@@ -138,7 +137,7 @@ def read_tensors(files: list[str], mapped: frozenset[str] = frozenset()) -> dict
                 mapping = None
                 for name in f.keys():
                     if name in tensors:
-                        raise GPTQCheckpointError(f"{file}: tensor {name!r} appears in more than one shard")
+                        raise GPTQCheckpointError(f"{file}: tensor {shown(name)} appears in more than one shard")
                     info = header[name]
                     dtype = HEADER_DTYPES.get(info["dtype"])
                     if dtype is None:  # a dtype lowbit reads nowhere: safetensors' own copy
@@ -152,7 +151,7 @@ def read_tensors(files: list[str], mapped: frozenset[str] = frozenset()) -> dict
                         # A storage of the tensor's own bytes: torch.save and deepcopy copy what it holds.
                         data = torch.from_numpy(mapping[start:8 + header_bytes + end])
                         if data.numel() != end - begin:
-                            raise GPTQCheckpointError(f"{file}: tensor {name!r} is truncated")
+                            raise GPTQCheckpointError(f"{file}: tensor {shown(name)} is truncated")
                     else:
                         data = torch.empty(end - begin, dtype=torch.uint8)
                         reads.append((file, name, start, data))
@@ -183,7 +182,7 @@ def _read_all(reads: list[tuple[str, str, int, torch.Tensor]]) -> None:
         except OSError as e:
             raise GPTQCheckpointError(f"{file}: unreadable safetensors file: {e}") from e
         if got != data.numel():
-            raise GPTQCheckpointError(f"{file}: tensor {name!r} is truncated")
+            raise GPTQCheckpointError(f"{file}: tensor {shown(name)} is truncated")
 
     threads = min(READ_THREADS, torch.get_num_threads(), len(reads))
     if threads <= 1:
@@ -214,12 +213,12 @@ def load_gptq(path: str | os.PathLike, checkpoint_format: str | None = None,
     if orphans:
         name = orphans[0]
         found = [k for k in QUANT_TENSORS if f"{name}.{k}" in tensors]
-        raise GPTQCheckpointError(f"{directory}: module {name!r}: missing tensor {name}.qweight (the checkpoint has "
-                                  f"its {', '.join(found)})")
+        raise GPTQCheckpointError(f"{directory}: module {shown(name)}: missing tensor {shown(name + '.qweight')} "
+                                  f"(the checkpoint has its {', '.join(found)})")
     for prefix in prefixes:
         quant = config.for_module(prefix)
         if quant is None:
-            raise GPTQCheckpointError(f"{directory}: module {prefix!r} has a qweight but the config's dynamic "
+            raise GPTQCheckpointError(f"{directory}: module {shown(prefix)} has a qweight but the config's dynamic "
                                       "rules exclude it from quantization")
         parts = {k: tensors.pop(f"{prefix}.{k}", None) for k in (*QUANT_TENSORS, "bias")}
         ckpt.modules[prefix] = _module(prefix, quant, config, parts, directory)
@@ -244,19 +243,19 @@ def check_module_tensors(where: str, name: str, dtypes: dict[str, torch.dtype | 
     know); `labels` names their dtypes in messages when not torch's names."""
     for key in ("qweight", "qzeros", "scales"):
         if key not in dtypes:
-            raise GPTQCheckpointError(f"{where}: missing tensor {name}.{key}")
+            raise GPTQCheckpointError(f"{where}: missing tensor {shown(f'{name}.{key}')}")
     if "g_idx" not in dtypes and desc_act:  # without it the rows would be read in the wrong groups
-        raise GPTQCheckpointError(f"{where}: missing tensor {name}.g_idx, which an act-order (desc_act) "
+        raise GPTQCheckpointError(f"{where}: missing tensor {shown(name + '.g_idx')}, which an act-order (desc_act) "
                                   "checkpoint needs")
     for key, dtype in dtypes.items():
         if dtype not in MODULE_DTYPES[key]:
-            shown = labels[key] if labels else dtype
-            raise GPTQCheckpointError(f"{where}: {key} has dtype {shown}, expected one of {MODULE_DTYPES[key]}")
+            label = labels[key] if labels else dtype
+            raise GPTQCheckpointError(f"{where}: {key} has dtype {label}, expected one of {MODULE_DTYPES[key]}")
 
 
 def _module(name: str, q: ModuleQuant, config: GPTQConfig, t: dict[str, torch.Tensor | None],
             directory: str) -> GPTQLinear:
-    where = f"{directory}: module {name!r}"
+    where = f"{directory}: module {shown(name)}"
     check_module_tensors(where, name, {k: v.dtype for k, v in t.items() if v is not None}, q.desc_act)
     qweight, qzeros, scales, g_idx, bias = (t[k] for k in (*QUANT_TENSORS, "bias"))
     fields, words = fields_per_pack(q.bits), words_per_pack(q.bits)
@@ -412,7 +411,7 @@ def check_layer_count(directory: str | os.PathLike) -> None:
     if count is None:
         return
     if not is_integer(count) or count < 0:
-        raise GPTQCheckpointError(f"{path}: num_hidden_layers must be a non-negative integer, got {count!r}")
+        raise GPTQCheckpointError(f"{path}: num_hidden_layers must be a non-negative integer, got {shown(count)}")
     extra = content.get("num_nextn_predict_layers")
     extra = extra if isinstance(extra, int) and not isinstance(extra, bool) else 0
     stacks: dict[str, set[int]] = {}  # stack -> the layer indices its tensors have
@@ -427,15 +426,15 @@ def check_layer_count(directory: str | os.PathLike) -> None:
             i = next((i for i, p in enumerate(parts[:-1]) if p.isascii() and p.isdigit()), None)
             if i is not None:
                 if len(parts[i]) > 18:  # past any model's modules (and past int()'s limit of 4300 digits)
-                    raise GPTQCheckpointError(f"{file}: tensor {reprlib.repr(name)} numbers its module with "
+                    raise GPTQCheckpointError(f"{file}: tensor {shown(name)} numbers its module with "
                                               f"{len(parts[i])} digits")
                 stacks.setdefault(".".join(parts[:i]), set()).add(int(parts[i]))
     # A stack counts as its number of layers only without gaps: one tensor named
     # layers.99999 must not make 100000 layers acceptable.
     if any(idx == set(range(len(idx))) and count <= len(idx) <= count + extra for idx in stacks.values()):
         return
-    held = "; ".join(f"{stack or '(top level)'}: {len(idx)} numbered from {min(idx)} to {max(idx)}"
-                     for stack, idx in sorted(stacks.items())) or "none"
+    held = shown_names(sorted(stacks.items()), lambda stack: f"{shown(stack[0]) if stack[0] else '(top level)'}: "
+                       f"{len(stack[1])} numbered from {min(stack[1])} to {max(stack[1])}")
     raise GPTQCheckpointError(f"{path}: num_hidden_layers is {count}, but the checkpoint's tensors do not hold "
                               f"layers 0 .. {count - 1} of any stack (stacks of numbered modules: {held})")
 

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .._checks import check_regular_file, is_integer
+from .._checks import check_regular_file, is_integer, shown
 
 try:  # matches with a time limit, which `re` cannot
     import regex
@@ -124,7 +124,7 @@ class GPTQConfig:
             return _rule_pattern(key, self.source).match(name, timeout=max(left[0], 1e-3)) is not None
         except TimeoutError:
             raise GPTQCheckpointError(
-                f"{self.source or 'quantization config'}: dynamic rule {key!r} did not finish matching module "
+                f"{self.source or 'quantization config'}: dynamic rule {shown(key)} did not finish matching module "
                 f"names within {RULE_MATCH_SECONDS} s (all rules together); a pattern that backtracks "
                 "catastrophically is refused") from None
         finally:
@@ -151,9 +151,9 @@ def _rule_pattern(key: str, source: str = ""):
     try:
         return regex.compile(pattern)
     except regex.error as e:
-        raise GPTQConfigError(f"{where}: dynamic rule {key!r} is not a valid regex: {e}") from e
+        raise GPTQConfigError(f"{where}: dynamic rule {shown(key)} is not a valid regex: {e}") from e
     except RecursionError:  # the compiler parses nested groups recursively, in Python
-        raise GPTQConfigError(f"{where}: dynamic rule {key[:80]!r}... nests its groups too deeply to compile "
+        raise GPTQConfigError(f"{where}: dynamic rule {shown(key)} nests its groups too deeply to compile "
                               "(a module-name pattern needs a few levels)") from None
 
 
@@ -166,7 +166,7 @@ def _check_rule_size(pattern: str, key: str, where: str) -> None:
     repeats behind, and no module-name pattern has such braces. The verbose
     flag is refused: under it "{1 0}" repeats 10 times."""
     if len(pattern) > RULE_MAX_CHARS:
-        raise GPTQConfigError(f"{where}: dynamic rule {key[:80]!r}... is {len(pattern)} characters long, more than "
+        raise GPTQConfigError(f"{where}: dynamic rule {shown(key)} is {len(pattern)} characters long, more than "
                               f"the {RULE_MAX_CHARS} a module-name pattern needs")
     product, i = 1, 0
     while i < len(pattern):
@@ -175,13 +175,13 @@ def _check_rule_size(pattern: str, key: str, where: str) -> None:
             i += 2
             continue
         if c == "(" and (m := _INLINE_FLAGS.match(pattern, i)) and "x" in m.group(1):
-            raise GPTQConfigError(f"{where}: dynamic rule {key!r} sets the verbose flag (x), which a module-name "
+            raise GPTQConfigError(f"{where}: dynamic rule {shown(key)} sets the verbose flag (x), which a module-name "
                                   "pattern does not need (it hides repeats from the size check)")
         if c == "{" and (m := _COUNTED_REPEAT.match(pattern, i)):
             low, high = m.group(1), m.group(2)
             product *= max(1, int(high if high else low or 0))
             if product > RULE_MAX_REPEATS:
-                raise GPTQConfigError(f"{where}: dynamic rule {key!r} repeats more than {RULE_MAX_REPEATS} times "
+                raise GPTQConfigError(f"{where}: dynamic rule {shown(key)} repeats more than {RULE_MAX_REPEATS} times "
                                       "in its counted repeats together (compiling it would take memory in "
                                       "their product)")
             i = m.end()
@@ -194,18 +194,18 @@ def parse_config(raw: dict[str, Any], source: str = "") -> GPTQConfig:
     where = source or "quantization config"
     method = raw.get("quant_method", "gptq")
     if method != "gptq":
-        raise GPTQConfigError(f"{where}: quant_method is {method!r}, not 'gptq'")
+        raise GPTQConfigError(f"{where}: quant_method is {shown(method)}, not 'gptq'")
     _check_readable(raw, where)
     key = _format_key(raw)
     fmt = raw.get(key, "gptq")
     if fmt not in FORMATS:
-        raise GPTQConfigError(f"{where}: {key} {fmt!r} is not supported (expected one of {FORMATS})")
+        raise GPTQConfigError(f"{where}: {key} {shown(fmt)} is not supported (expected one of {FORMATS})")
     for key in ("bits", "group_size"):
         if key not in raw:
             raise GPTQConfigError(f"{where}: missing {key!r}")
     dynamic = raw.get("dynamic") or {}
     if not isinstance(dynamic, dict):
-        raise GPTQConfigError(f"{where}: dynamic must be a JSON object of rules, got {dynamic!r}")
+        raise GPTQConfigError(f"{where}: dynamic must be a JSON object of rules, got {shown(dynamic)}")
     config = GPTQConfig(
         bits=raw["bits"], group_size=raw["group_size"], desc_act=_flag(raw, "desc_act", False, where),
         sym=_flag(raw, "sym", True, where), checkpoint_format=fmt, lm_head=_flag(raw, "lm_head", False, where),
@@ -214,11 +214,11 @@ def parse_config(raw: dict[str, Any], source: str = "") -> GPTQConfig:
     _validate(config.default, where)
     for key, overrides in config.dynamic.items():
         if not isinstance(overrides, dict):
-            raise GPTQConfigError(f"{where}: dynamic rule {key!r} must map to a dict, got {overrides!r}")
+            raise GPTQConfigError(f"{where}: dynamic rule {shown(key)} must map to a dict, got {shown(overrides)}")
         _rule_pattern(key, source)
         if not key.startswith("-:"):
             _validate(replace(config.default, **{k: overrides[k] for k in OVERRIDABLE if k in overrides}),
-                      f"{where}: dynamic rule {key!r}")
+                      f"{where}: dynamic rule {shown(key)}")
     return config
 
 
@@ -229,7 +229,7 @@ def _flag(raw: dict[str, Any], key: str, default: bool, where: str) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise GPTQConfigError(f"{where}: {key} must be true or false, got {value!r}")
+        raise GPTQConfigError(f"{where}: {key} must be true or false, got {shown(value)}")
     return value
 
 
@@ -238,16 +238,16 @@ def check_bits_group_size(who: str, bits, group_size, error: type[ValueError] = 
     layout for and a group_size that is neither -1 (one group) nor positive:
     a config's, a quantizer's and a layer's alike."""
     if not is_integer(bits) or bits not in BITS:
-        raise error(f"{who}: bits must be one of {BITS}, got {bits!r}")
+        raise error(f"{who}: bits must be one of {BITS}, got {shown(bits)}")
     if not is_integer(group_size) or not (group_size == -1 or group_size > 0):
-        raise error(f"{who}: group_size must be -1 or a positive integer, got {group_size!r}")
+        raise error(f"{who}: group_size must be -1 or a positive integer, got {shown(group_size)}")
 
 
 def _validate(q: ModuleQuant, where: str) -> None:
     check_bits_group_size(where, q.bits, q.group_size, GPTQConfigError)
     for key in ("desc_act", "sym"):
         if not isinstance(getattr(q, key), bool):
-            raise GPTQConfigError(f"{where}: {key} must be true or false, got {getattr(q, key)!r}")
+            raise GPTQConfigError(f"{where}: {key} must be true or false, got {shown(getattr(q, key))}")
 
 
 def read_config(directory: str | os.PathLike) -> GPTQConfig:
@@ -275,8 +275,8 @@ def read_config(directory: str | os.PathLike) -> GPTQConfig:
             for key in READING_KEYS:
                 mine, theirs = _reading_value(raw, key), _reading_value(other, key)
                 if mine is not None and theirs is not None and mine != theirs:
-                    raise GPTQConfigError(f"{path} and {other_path} disagree on {key}: {mine!r} against "
-                                          f"{theirs!r}; a checkpoint's config files must describe the same "
+                    raise GPTQConfigError(f"{path} and {other_path} disagree on {key}: {shown(mine)} against "
+                                          f"{shown(theirs)}; a checkpoint's config files must describe the same "
                                           "quantization")
         return parse_config(raw, path)
     raise GPTQConfigError(f"{directory}: no GPTQ config ({', '.join(CONFIG_SOURCES[:2])} or config.json "
@@ -288,14 +288,14 @@ def _check_readable(raw: dict[str, Any], where: str) -> None:
     readers take differently: format keys that disagree, the Marlin layout, a rotation."""
     if "checkpoint_format" in raw and "format" in raw and raw["checkpoint_format"] != raw["format"]:
         # GPTQModel reads "format" first, vLLM "checkpoint_format" alone: readers would disagree.
-        raise GPTQConfigError(f"{where}: checkpoint_format {raw['checkpoint_format']!r} and format "
-                              f"{raw['format']!r} disagree")
+        raise GPTQConfigError(f"{where}: checkpoint_format {shown(raw['checkpoint_format'])} and format "
+                              f"{shown(raw['format'])} disagree")
     if raw.get("is_marlin_format"):
         # AutoGPTQ <= 0.7's name for checkpoint_format "marlin", as AutoGPTQ, GPTQModel and vLLM still read it.
-        raise GPTQConfigError(f"{where}: is_marlin_format {raw['is_marlin_format']!r}: the checkpoint holds Marlin's "
-                              f"repacked layout, which is not supported (expected one of {FORMATS})")
+        raise GPTQConfigError(f"{where}: is_marlin_format {shown(raw['is_marlin_format'])}: the checkpoint holds "
+                              f"Marlin's repacked layout, which is not supported (expected one of {FORMATS})")
     if raw.get("rotation"):
-        raise GPTQConfigError(f"{where}: rotation {raw['rotation']!r} is not supported: GPTQModel rotates such a "
+        raise GPTQConfigError(f"{where}: rotation {shown(raw['rotation'])} is not supported: GPTQModel rotates such a "
                               "model's down_proj inputs at run time (an online Hadamard transform) to match its "
                               "weights")
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .._checks import shown
 from .checkpoint import (GPTQCheckpointError, check_new_directory, checkpoint_files, gptqmodel_warning, read_tensors,
                          source_configs, v1_zeros_as_v2, write_checkpoint)
 from .config import FORMATS, GPTQConfig, read_config
@@ -91,16 +92,16 @@ def _unpacked_zeros(src: str, config: GPTQConfig,
         prefix = name[: -len(".qzeros")]
         quant = config.for_module(prefix)
         if quant is None:
-            raise GPTQCheckpointError(f"{src}: module {prefix!r} has qzeros but the config's dynamic rules "
+            raise GPTQCheckpointError(f"{src}: module {shown(prefix)} has qzeros but the config's dynamic rules "
                                       "exclude it from quantization")
         packed = tensors[name]
         if packed.dtype != torch.int32 or packed.dim() != 2:
-            raise GPTQCheckpointError(f"{src}: {name} must be a 2-D int32 tensor, got {packed.dtype} "
+            raise GPTQCheckpointError(f"{src}: {shown(name)} must be a 2-D int32 tensor, got {packed.dtype} "
                                       f"{tuple(packed.shape)}")
         try:
             zeros[prefix] = (quant.bits, torch.ops.lowbit.gptq_unpack(packed, quant.bits, 1))
         except RuntimeError as e:  # e.g. a 3-bit qzeros whose width is not a multiple of 3 words
-            raise GPTQCheckpointError(f"{src}: {name} does not fit {quant.bits}-bit packing: {e}") from e
+            raise GPTQCheckpointError(f"{src}: {shown(name)} does not fit {quant.bits}-bit packing: {e}") from e
     return zeros
 
 

@@ -14,7 +14,7 @@ import warnings
 import torch
 from torch import nn
 
-from .._checks import check_finite, check_path
+from .._checks import check_finite, check_path, shown, shown_names
 from .._placing import (GPTQ_SAVE_ADVICE, ReplaceReport, checked, get_module, load_tensor, model_dtype, on_meta,
                         rebuild_computed_buffers, refuse_save_pretrained, tensor_holders)
 from ..fusing import fuse_projections
@@ -119,7 +119,7 @@ def check_config_values(config: dict, where: str) -> None:
     def positive(key, value):
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
         if not ok:
-            raise GPTQCheckpointError(f"{where}: {key} must be a finite number > 0, got {value!r}")
+            raise GPTQCheckpointError(f"{where}: {key} must be a finite number > 0, got {shown(value)}")
 
     def rope(prefix, params):
         if not isinstance(params, dict):
@@ -175,16 +175,16 @@ def place_gptq_checkpoint(model: nn.Module, path: str, checkpoint_format: str | 
             continue
         module = get_module(model, name)
         if not isinstance(module, nn.Linear):
-            raise GPTQCheckpointError(f"{ckpt.directory}: module {name!r} is quantized in the checkpoint but the "
+            raise GPTQCheckpointError(f"{ckpt.directory}: module {shown(name)} is quantized in the checkpoint but the "
                                       f"model has {type(module).__name__ if module is not None else 'no such module'}")
         if (module.in_features, module.out_features) != (layer.in_features, layer.out_features):
-            raise GPTQCheckpointError(f"{ckpt.directory}: module {name!r} is [{layer.out_features} x "
+            raise GPTQCheckpointError(f"{ckpt.directory}: module {shown(name)} is [{layer.out_features} x "
                                       f"{layer.in_features}] in the checkpoint but Linear({module.in_features}, "
                                       f"{module.out_features}) in the model")
         if module.bias is None and layer.bias is not None and not bool(layer.bias.any()):
             layer.bias = None  # AutoGPTQ and GPTQ-for-LLaMa write zero biases for bias-free Linears (vLLM skips them)
         if (module.bias is None) != (layer.bias is None):
-            raise GPTQCheckpointError(f"{ckpt.directory}: module {name!r}: the checkpoint "
+            raise GPTQCheckpointError(f"{ckpt.directory}: module {shown(name)}: the checkpoint "
                                       f"{'has no' if layer.bias is None else 'has a'} bias, the model "
                                       f"{'has one' if module.bias is not None else 'has none'}")
         # On the model's device; a model built on the meta device takes the checkpoint's (CPU) tensors.
@@ -200,26 +200,27 @@ def place_gptq_checkpoint(model: nn.Module, path: str, checkpoint_format: str | 
             report.unplaced.append(name)
             continue
         if tuple(target.shape) != tuple(tensor.shape):
-            raise GPTQCheckpointError(f"{ckpt.directory}: tensor {name!r} has shape {tuple(tensor.shape)} but the "
+            raise GPTQCheckpointError(f"{ckpt.directory}: tensor {shown(name)} has shape {tuple(tensor.shape)} but the "
                                       f"model's is {tuple(target.shape)}")
         if target.is_floating_point() != tensor.is_floating_point():
-            raise GPTQCheckpointError(f"{ckpt.directory}: tensor {name!r} is {tensor.dtype}, where the model's "
+            raise GPTQCheckpointError(f"{ckpt.directory}: tensor {shown(name)} is {tensor.dtype}, where the model's "
                                       f"is {target.dtype}: a float tensor is stored as floats, an integer one as "
                                       "integers")
         # A corrupt norm or bias would turn every output after it NaN; a
         # mapped table is left unread, its pages read as tokens need them,
         # unless it is cast (a float64 one), which reads it all anyway.
         if tensor.is_floating_point() and (name not in mapped or tensor.dtype != target.dtype):
-            check_finite(tensor, f"{ckpt.directory}: tensor {name!r}", GPTQCheckpointError)
+            check_finite(tensor, f"{ckpt.directory}: tensor {shown(name)}", GPTQCheckpointError)
             if tensor.dtype != target.dtype:  # as the model holds it: float32's 1e6 is inf in float16
                 tensor = tensor.to(target.dtype)
-                check_finite(tensor, f"{ckpt.directory}: tensor {name!r}, held as the model's {target.dtype},",
+                check_finite(tensor, f"{ckpt.directory}: tensor {shown(name)}, held as the model's {target.dtype},",
                              GPTQCheckpointError)
         load_tensor(model, target, tensor, holders)
         report.loaded.append(name)
         placed.add(name)
     if report.unplaced:
-        warnings.warn(f"replace_linear: {ckpt.directory}: tensors with no place in the model: {report.unplaced}")
+        warnings.warn(f"replace_linear: {ckpt.directory}: tensors with no place in the model: "
+                      f"{shown_names(report.unplaced)}")
     missing = [n for n in wanted if n not in placed]
     if missing:
         raise GPTQCheckpointError(f"replace_linear: {ckpt.directory} has no tensor for model parameters {missing}")
@@ -275,7 +276,7 @@ def _float_tables_in_place(model: nn.Module, ckpt: GPTQCheckpoint, report: Repla
         try:
             return torch.ops.lowbit.ggml_quantize(tensor.contiguous(), table_type), table_type
         except ValueError as e:  # rows not whole blocks, NaN / Inf, or values beyond the type's range
-            raise GPTQCheckpointError(f"{ckpt.directory}: float_tables: tensor {name!r}: {e}") from None
+            raise GPTQCheckpointError(f"{ckpt.directory}: float_tables: tensor {shown(name)}: {e}") from None
 
     def table(module: nn.Module | None, kinds: tuple[type, ...]):
         """(checkpoint name, bytes, ggml type) of the module's weight, or None."""
@@ -315,8 +316,8 @@ def _named_as_model(model: nn.Module, ckpt: GPTQCheckpoint) -> GPTQCheckpoint:
             new = name if get_module(model, module_of(name)) is not None else current_name(name)
             # Both names in one checkpoint: one of them would be dropped without a word.
             if new in out:
-                raise GPTQCheckpointError(f"{ckpt.directory}: {source[new]!r} and {name!r} are both the model's "
-                                          f"{new!r} (under transformers 4's and today's names)")
+                raise GPTQCheckpointError(f"{ckpt.directory}: {shown(source[new])} and {shown(name)} are both the "
+                                          f"model's {shown(new)} (under transformers 4's and today's names)")
             out[new], source[new] = value, name
         return out
 

@@ -34,7 +34,7 @@ from .checkpoint import (HEADER_DTYPES, GPTQCheckpointError, _module, check_fini
                          check_new_directory, checkpoint_files, hold_gptqmodel_zeros_as_v2, read_tensors, source_configs,
                          stored_format, v1_zeros_as_v2, v2_zeros_as_gptqmodel_v1, write_checkpoint)
 from .config import GPTQConfig, check_format, read_config
-from .._checks import is_integer
+from .._checks import is_integer, shown
 from .._stored import StoredBuffers
 from .linear import GPTQLinear
 from .packing import fields_per_pack, words_per_pack
@@ -201,7 +201,7 @@ def _checked_module(directory: str, config: GPTQConfig, tensors: dict[str, torch
     error in the permute ops or written out reordered."""
     quant = config.for_module(name)
     if quant is None:
-        raise GPTQCheckpointError(f"{directory}: module {name!r} has a qweight but the config's dynamic rules "
+        raise GPTQCheckpointError(f"{directory}: module {shown(name)} has a qweight but the config's dynamic rules "
                                   "exclude it")
     return _module(name, quant, config, _module_tensors(tensors, name), directory)
 
@@ -328,7 +328,7 @@ def _checkpoint_source(path: str | os.PathLike, name: str, checkpoint_format: st
         check_format(checkpoint_format, name)
     directory, files = checkpoint_files(path)
     config = read_config(directory)
-    where = f"{directory}: module {name!r}"
+    where = f"{directory}: module {shown(name)}"
     file_of, shapes, dtypes = {}, {}, {}
     for file in files:
         try:
