@@ -307,6 +307,24 @@ def test_load_gguf_model_refuses_bad_files(tmp_path):
             lowbit.load_gguf_model(path)
 
 
+def test_a_file_s_names_are_cut_in_messages(tmp_path):
+    """A GGUF file's strings may be megabytes long, and its tensors many:
+    the errors and warnings that name them show each cut, and a few of a
+    list with how many more there are."""
+    model = cached_tiny_model("llama")
+    path = write_tiny_gguf(tmp_path / "arch.gguf", model, "llama", extra_metadata={"general.architecture": "m" * 10**6})
+    with pytest.raises(lowbit.GGUFError, match=r"metadata 'general.architecture': GGUF architecture 'm+\.\.\.m+' "
+                                               r"\(1000000 characters\) is not supported") as info:
+        lowbit.load_gguf_model(path)
+    assert len(str(info.value)) < len(path) + 400
+    extra = {f"unused.{i}." + "y" * 10**5 + ".weight": np.zeros(4, np.float32) for i in range(20)}
+    path = write_tiny_gguf(tmp_path / "extra.gguf", model, "llama", extra_tensors=extra)
+    with pytest.warns(UserWarning, match=r"tensors with no place in the model: \['unused\.0\.y+\.\.\.y+\.weight' "
+                                         r"\(100016 characters\), .*, and 15 more\]$") as warned:
+        lowbit.load_gguf_model(path)
+    assert max(len(str(w.message)) for w in warned) < len(path) + 1000
+
+
 @functools.cache
 def cached_tiny_model(arch):
     return tiny_model(arch, seed=0)

@@ -226,8 +226,8 @@ def test_inspect_cuts_long_names_of_the_file(tmp_path):
     assert result.returncode == 0, result.stderr
     assert len(result.stdout) < 100_000
     lines = result.stdout.splitlines()
-    assert "k" * 100 + "... (10000 chars) = 'v'" in lines
-    assert any(line.startswith("a" * 100 + "... (1000000 chars)  F32") for line in lines)
+    assert "k" * 100 + "... (10000 characters) = 'v'" in lines
+    assert any(line.startswith("a" * 100 + "... (1000000 characters)  F32") for line in lines)
 
 
 def test_inspect_error_exit(toy, tmp_path):
@@ -406,6 +406,12 @@ def test_handwritten_bad_tensor_infos(tmp_path):
     assert "empty dimension" in error([("w", [32, 0], 8, 0)])
     assert "data offset 4, expected 0" in error([("w", [32], 8, 4)], bytes(64))
     assert "duplicate tensor 'w'" in error([("w", [32], 8, 0), ("w", [32], 8, 0)], bytes(64))
+    # A name of a megabyte is shown cut, with its length.
+    long = "w" * 10**6
+    for tensors in ([(long, [32, 1, 1, 1, 1], 8, 0)], [(long, [32], 8, 0), (long, [32], 8, 0)],
+                    [(long, [32], 8, 4)], [(long, [32, 0], 8, 0)]):
+        message = error(tensors, bytes(64))
+        assert "'wwww" in message and "(1000000 characters)" in message and len(message) < len(path) + 300
     # Dims whose byte count overflows 64 bits: rejected by size, nothing allocated.
     assert "past the end" in error([("huge", [2**40, 2**40, 2**40], 8, 0)])
     assert "past the end" in error([("far", [32], 8, 2**63)])

@@ -442,7 +442,7 @@ def test_generate_command_streams_a_sentencepiece_text_as_decode_gives_it(capsys
     ("{{ raise_exception('a\\nerror: forged\\x1b[31m') }}",
      "its chat template does not render: TemplateError: a\\nerror: forged\\x1b[31m"),
     ("{{ raise_exception('x' * 1000) }}",
-     "its chat template does not render: TemplateError: " + "x" * 285 + "... (1015 chars)"),
+     "its chat template does not render: TemplateError: " + "x" * 285 + "... (1015 characters)"),
     ("", "its chat template renders no text"),
     ("{{ '\\ud800' }}", "its chat template renders text that is not UTF-8: '\\ud800' at character 0"),
 ])

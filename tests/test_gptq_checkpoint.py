@@ -648,6 +648,16 @@ def test_a_config_json_that_makes_no_model_is_a_checkpoint_error(tmp_path, chang
         lowbit.load_gptq_model(directory)
 
 
+def test_a_config_json_value_transformers_quotes_is_cut(tmp_path):
+    """transformers' validators quote a refused value whole: the error cuts their message."""
+    directory = saved_tiny_llama(tmp_path)
+    edit_saved_config(directory, {"hidden_size": "z" * 10**5})
+    with pytest.raises(GPTQCheckpointError, match=r"config.json: the config does not make a model: .*zzz\.\.\. "
+                                                  r"\(\d+ characters\)$") as info:
+        lowbit.load_gptq_model(directory)
+    assert len(str(info.value)) < len(str(directory)) + 1200
+
+
 def word_tokenizer(vocab_size):
     """A whitespace word-level tokenizer over the words w0 .. w{vocab_size - 2} and [UNK]."""
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -22,9 +22,10 @@ def is_integer(value) -> bool:
 # A file's names and values (a tensor's, a module's or a key's name, a config
 # value) in a message: a hostile file's name may be megabytes long, and a
 # list of them millions long. Each string is cut to SHOWN_CHARS, each list
-# to SHOWN_ITEMS.
+# to SHOWN_ITEMS, another library's message about the file to SHOWN_TEXT.
 SHOWN_CHARS = 100
 SHOWN_ITEMS = 5
+SHOWN_TEXT = 1000
 _SHOWN = reprlib.Repr()
 _SHOWN.maxstring = _SHOWN.maxother = _SHOWN.maxlong = SHOWN_CHARS
 _SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = _SHOWN.maxfrozenset = SHOWN_ITEMS
@@ -47,6 +48,20 @@ def shown_names(names, show=shown) -> str:
     listed = ", ".join(show(name) for name in names[:SHOWN_ITEMS])
     more = len(names) - SHOWN_ITEMS
     return f"[{listed}{f', and {more} more' if more > 0 else ''}]"
+
+
+def cut(text: str, limit: int) -> str:
+    """`text` whole up to `limit` characters, else its first `limit` and its
+    length: text a file supplies (a name, a merge an error quotes) can be
+    megabytes long, which a message or a table row would carry whole."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def shown_text(e) -> str:
+    """Another library's message (an exception's) about a file, on one line
+    and cut to SHOWN_TEXT characters (with its length): transformers' config
+    validators and safetensors' header parser quote the file's values whole."""
+    return cut(" ".join(str(e).split()), SHOWN_TEXT)
 
 
 def check_sizes(who: str, **sizes) -> None:
@@ -125,10 +140,3 @@ def check_regular_file(path: str, what: str = "file", error: type[ValueError] = 
         raise error(f"{path}: cannot read the {what}: {e}") from e
     if not stat.S_ISREG(mode):
         raise error(f"{path}: the {what} is not a regular file")
-
-
-def cut(text: str, limit: int) -> str:
-    """`text` whole up to `limit` characters, else its first `limit` and its
-    length: text a file supplies (a name, a merge an error quotes) can be
-    megabytes long, which a message or a table row would carry whole."""
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ._checks import shown_text
+
 
 @dataclass
 class ReplaceReport:
@@ -114,8 +116,7 @@ def on_meta(make_config, build, dtype: torch.dtype, where: str, error: type[Exce
     except error:
         raise
     except Exception as e:
-        reason = " ".join(str(e).split())  # one line: validators' messages nest theirs over several
-        raise error(f"{where}: the config does not make a model: {type(e).__name__}: {reason}") from e
+        raise error(f"{where}: the config does not make a model: {type(e).__name__}: {shown_text(e)}") from e
 
 
 # The most bytes a model's computed buffers (rotary frequencies, causal masks)

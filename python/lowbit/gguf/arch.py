@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import math
 import re
-import reprlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .._checks import check_positive
+from .._checks import check_positive, shown
 from .file import GGUFError
 
 __all__ = ["Architecture", "ARCHITECTURES", "EXPERT_TENSORS", "architecture", "check_architecture", "hf_name",
@@ -70,11 +69,11 @@ class _Metadata:
         else:
             ok = isinstance(value, kind)
         if not ok:
-            raise self.error(key, f"expected {_KINDS[kind]}, got {type(value).__name__} {reprlib.repr(value)}")
+            raise self.error(key, f"expected {_KINDS[kind]}, got {type(value).__name__} {shown(value)}")
         if positive and value <= 0:
-            raise self.error(key, f"must be > 0, got {value!r}")
+            raise self.error(key, f"must be > 0, got {shown(value)}")
         if minimum is not None and value < minimum:
-            raise self.error(key, f"must be >= {minimum}, got {value!r}")
+            raise self.error(key, f"must be >= {minimum}, got {shown(value)}")
         return float(value) if kind is float else value
 
 
@@ -427,7 +426,7 @@ def check_architecture(metadata: Mapping[str, Any], where: str) -> str:
     m = _Metadata(metadata, where)
     arch = m.get("general.architecture", str)
     if arch not in ARCHITECTURES:
-        raise m.error("general.architecture", f"GGUF architecture {arch!r} is not supported "
+        raise m.error("general.architecture", f"GGUF architecture {shown(arch)} is not supported "
                                               f"(supported: {', '.join(ARCHITECTURES)})")
     return arch
 
@@ -468,7 +467,7 @@ def check_block_count(metadata: Mapping[str, Any], names: Iterable[str], where: 
     for name in names:
         if match := _LAYER_RE.match(name):
             if len(match[1]) > 18:  # past any count (and past int()'s limit of 4300 digits)
-                raise m.error(key, f"{count} layers, but the file has tensor {reprlib.repr(name)}")
+                raise m.error(key, f"{count} layers, but the file has tensor {shown(name)}")
             layers.add(int(match[1]))
     beyond = min((il for il in layers if il >= count), default=None)
     if beyond is not None:
@@ -673,7 +672,8 @@ def _rope_scaling(m: _Metadata, arch: str) -> dict[str, Any] | None:
     if kind == "longrope" and arch == "phi3":  # its factors are tensors (_longrope_factors)
         return {"rope_type": "longrope"}
     if kind not in ("linear", "yarn"):
-        raise m.error(key, f"{kind!r} is not supported (none, linear, yarn{', longrope' if arch == 'phi3' else ''})")
+        raise m.error(key, f"{shown(kind)} is not supported (none, linear, yarn"
+                           f"{', longrope' if arch == 'phi3' else ''})")
     if kind == "linear":  # a factor of 0 or 1, or none, scales nothing (llama.cpp's reading)
         factor = m.get(factor_key, float, 0.0, minimum=0.0)
         return None if factor in (0.0, 1.0) else {"rope_type": "linear", "factor": factor}

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._checks import check_float_dtype, check_path, check_regular_file
+from .._checks import check_float_dtype, check_path, check_regular_file, shown
 from .._mapping import map_private
 
 __all__ = ["GGUFError", "GGUFFile", "GGUFTensor", "load_gguf", "release_mapped"]
@@ -94,7 +94,7 @@ class GGUFTensor:
             values = torch.ops.lowbit.ggml_dequantize(part, self.type, part.shape[0], row_len, torch.float32)
             bad = (~torch.isfinite(values)).any(dim=1).nonzero()
             if bad.numel():
-                raise GGUFError(f"{where}: tensor {self.name!r} ({self.type_name}) holds a NaN or infinity in row "
+                raise GGUFError(f"{where}: tensor {shown(self.name)} ({self.type_name}) holds a NaN or infinity in row "
                                 f"{r0 + int(bad[0])} of its {rows} (a corrupt block scale or value)")
 
 
@@ -379,21 +379,21 @@ def _parse(data: np.ndarray, path: str) -> tuple[int, dict[str, Any], list[_Tens
         try:
             value = c.value(value_type)
         except UnicodeDecodeError as e:
-            raise GGUFError(f"{path}: metadata key {key!r}: {e}") from e
+            raise GGUFError(f"{path}: metadata key {shown(key)}: {e}") from e
         if key in metadata:
-            raise ValueError(f"duplicate metadata key {key!r}")
+            raise ValueError(f"duplicate metadata key {shown(key)}")
         metadata[key] = value
     infos = []
     for _ in range(n_tensors):
         name = c.string()
         n_dims = c.scalar("I")
         if not 1 <= n_dims <= MAX_DIMS:
-            raise GGUFError(f"{path}: tensor {name!r}: {n_dims} dimensions, expected 1 to {MAX_DIMS}")
+            raise GGUFError(f"{path}: tensor {shown(name)}: {n_dims} dimensions, expected 1 to {MAX_DIMS}")
         dims = [c.scalar("Q") for _ in range(n_dims)]
         infos.append(_TensorInfo(name, dims, c.scalar("I"), c.scalar("Q")))
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     if type(alignment) is not int or alignment < 1 or alignment & (alignment - 1):
-        raise ValueError(f"general.alignment {alignment!r} is not a power of two")
+        raise ValueError(f"general.alignment {shown(alignment)} is not a power of two")
     return version, metadata, infos, alignment, c.pos + (-c.pos % alignment)
 
 
@@ -428,12 +428,12 @@ def load_gguf(path: str | os.PathLike) -> GGUFFile:
     expected, previous = 0, None
     for info in infos:
         if info.name in tensors:
-            raise GGUFError(f"{path}: duplicate tensor {info.name!r}")
+            raise GGUFError(f"{path}: duplicate tensor {shown(info.name)}")
         t = _tensor(data, data_offset, info, path)
         if info.rel_offset != expected:
-            follows = (f"where {previous!r} ends, padded to the alignment {alignment}" if previous
+            follows = (f"where {shown(previous)} ends, padded to the alignment {alignment}" if previous
                        else "the start of the data section")
-            raise GGUFError(f"{path}: tensor {info.name!r}: data offset {info.rel_offset}, expected {expected} "
+            raise GGUFError(f"{path}: tensor {shown(info.name)}: data offset {info.rel_offset}, expected {expected} "
                             f"({follows}): tensor data must not overlap or leave gaps")
         tensors[info.name] = t
         expected, previous = expected + t.nbytes + -t.nbytes % alignment, info.name
@@ -470,7 +470,7 @@ def _type_name(type_id: int) -> str:
 
 
 def _tensor(data: np.ndarray, data_offset: int, info: _TensorInfo, path: str) -> GGUFTensor:
-    where = f"{path}: tensor {info.name!r}"
+    where = f"{path}: tensor {shown(info.name)}"
     type_id, dims, rel_offset = info.type_id, info.dims, info.rel_offset
     type_info = _type_info(type_id)
     if type_info is None:

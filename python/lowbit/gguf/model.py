@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import reprlib
 import tempfile
 import warnings
 
 import torch
 from torch import nn
 
-from .._checks import check_finite, check_path, check_positive, cut
+from .._checks import check_finite, check_path, check_positive, shown, shown_names, shown_text
 from .._placing import (GGUF_SAVE_ADVICE, ReplaceReport, checked, get_module, load_tensor, model_dtype, on_meta,
                         rebuild_computed_buffers, refuse_save_pretrained, tensor_holders)
 from ..fusing import fuse_projections
@@ -159,7 +158,7 @@ def load_gguf_tokenizer(path: str | os.PathLike):
         except BaseException as e:  # transformers' converter indexes and parses the metadata with no checks of its own
             if not isinstance(e, Exception) and not _is_rust_panic(e):  # Ctrl-C, exit
                 raise
-            reason = cut(" ".join(str(e).replace(alone, directory).split()), MAX_REASON)
+            reason = shown_text(str(e).replace(alone, directory))
             raise GGUFError(f"{where}: transformers builds no tokenizer from its tokenizer.ggml.* metadata: "
                             f"{type(e).__name__}: {reason}") from e
     tokenizer.name_or_path = tokenizer.init_kwargs["name_or_path"] = directory  # not the empty one, which is gone
@@ -173,9 +172,6 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     return tokenizer
 
 
-# Characters of transformers' error kept in the GGUFError: it quotes the token or
-# merge it failed on, which in a hostile file can be megabytes long.
-MAX_REASON = 1000
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types of tokens it matches whole in a text
 
 
@@ -213,7 +209,8 @@ def _keep_byte_level_specials(tokenizer, metadata, where: str) -> None:
     try:
         tokenizer._tokenizer = Tokenizer.from_str(json.dumps(state))
     except Exception as e:  # a merge that needs a respelled token
-        raise GGUFError(f"{where}: its byte-level vocabulary's special tokens do not fit its merges: {e}") from e
+        raise GGUFError(f"{where}: its byte-level vocabulary's special tokens do not fit its merges: "
+                        f"{shown_text(e)}") from e
     # Added as the converter adds those it keeps, now found in the vocabulary at the file's ids.
     control = [AddedToken(t, normalized=False, special=True) for t, (_, c) in whole.items() if c]
     user = [AddedToken(t, normalized=False, special=False) for t, (_, c) in whole.items() if not c]
@@ -237,13 +234,13 @@ def _check_own_entries(tokenizer, tokens: list[str], where: str) -> None:
         return
     text = tokens[lost]
     holder = vocab.get(text)  # the id that took its entry, where transformers spells it as the file does
-    said = reprlib.repr(text)
+    said = shown(text)
     if holder is None or holder >= len(tokens):
         problem = f"token {lost} {said} has no entry of its own in transformers' vocabulary"
     elif tokens[holder] == text:
         problem = f"tokens {lost} and {holder} are both {said}"
     else:
-        problem = (f"tokens {lost} {said} and {holder} {reprlib.repr(tokens[holder])} are one entry {said} of "
+        problem = (f"tokens {lost} {said} and {holder} {shown(tokens[holder])} are one entry {said} of "
                    "transformers' vocabulary")
     raise GGUFError(f"{where}: metadata 'tokenizer.ggml.tokens': {problem}; each id needs a text of its own")
 
@@ -337,7 +334,7 @@ def _check_tokenizer_metadata(metadata, where: str) -> None:
         wrong = next((v for v in values if not isinstance(v, allowed) or isinstance(v, bool)), None)
         if wrong is not None:
             raise m.error(key, f"must hold {'numbers' if kind is float else 'integers'}, one per token; "
-                               f"holds {type(wrong).__name__} {reprlib.repr(wrong)}")
+                               f"holds {type(wrong).__name__} {shown(wrong)}")
         if kind is float and not all(map(math.isfinite, values)):  # a NaN score orders no merge
             raise m.error(key, "must be finite, one per token; holds NaN or infinity")
     _check_merges(m, model)
@@ -369,7 +366,7 @@ def _check_merges(m: _Metadata, model: str) -> None:
     for i, merge in enumerate(merges):
         parts = merge.split(" ") if isinstance(merge, str) else ()
         if len(parts) != 2 or not all(parts):
-            raise m.error(key, f"merge {i} is {type(merge).__name__} {reprlib.repr(merge)}, not two tokens "
+            raise m.error(key, f"merge {i} is {type(merge).__name__} {shown(merge)}, not two tokens "
                                "joined by one space")
 
 
@@ -494,11 +491,12 @@ def place_gguf_tensors(model: nn.Module, f: GGUFFile, caller: str, consumed: tup
         else:
             target = getattr(module, attr)
             if target is None:  # a bias of a layer built without one (llama's attention_bias comes from blk.0)
-                raise GGUFError(f"{caller}: {path}: tensor {t.name!r} is a {attr} of {module_name}, which the "
-                                "model has none of")
+                raise GGUFError(f"{caller}: {path}: tensor {shown(t.name)} is a {attr} of {module_name}, which "
+                                "the model has none of")
             check_shape(path, t, name, tuple(target.shape))
             value = t.dequantize()
-            check_finite(value, f"{path}: tensor {t.name!r}", GGUFError)  # a corrupt norm would turn all after it NaN
+            # A corrupt norm would turn all after it NaN.
+            check_finite(value, f"{path}: tensor {shown(t.name)}", GGUFError)
             value = hf_value(t.name, value, f.metadata)
             load_tensor(model, target, value, holders)
             report.loaded.append(name)
@@ -506,7 +504,7 @@ def place_gguf_tensors(model: nn.Module, f: GGUFFile, caller: str, consumed: tup
 
     unexpected = [name for name in report.unplaced if name not in consumed]
     if unexpected:
-        warnings.warn(f"{caller}: {path}: tensors with no place in the model: {unexpected}")
+        warnings.warn(f"{caller}: {path}: tensors with no place in the model: {shown_names(unexpected)}")
     _tie_lm_head(model, f, report, placed)
     missing = [n for n in wanted if n not in placed]
     if missing:
@@ -564,4 +562,4 @@ def _tie_lm_head(model: nn.Module, f, report: ReplaceReport, placed: set) -> Non
 
 def check_shape(path: str, t: GGUFTensor, target: str, shape: tuple) -> None:
     if tuple(t.shape) != tuple(shape):
-        raise GGUFError(f"{path}: tensor {t.name!r} has shape {tuple(t.shape)} but {target} needs {tuple(shape)}")
+        raise GGUFError(f"{path}: tensor {shown(t.name)} has shape {tuple(t.shape)} but {target} needs {tuple(shape)}")

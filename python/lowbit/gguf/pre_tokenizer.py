@@ -5,8 +5,9 @@ rest, which gives other token ids wherever a merge crosses the split that
 the vocabulary was trained with (" 12" as one piece, not " ", "1", "2")."""
 from __future__ import annotations
 
-import reprlib
 import warnings
+
+from .._checks import shown
 
 # llama.cpp names whose split is GPT-2's: transformers' fallback is theirs.
 GPT2_SPLIT = frozenset({
@@ -37,7 +38,7 @@ def split_as_llama_cpp(tokenizer, metadata: dict, where: str) -> None:
     if metadata.get("tokenizer.ggml.model") != "gpt2":
         return
     pre = metadata.get("tokenizer.ggml.pre")
-    pre = pre if isinstance(pre, str) or pre is None else reprlib.repr(pre)  # a list would be unhashable
+    pre = pre if isinstance(pre, str) or pre is None else shown(pre)  # a list would be unhashable
     if pre in DIGITS_THEN_GPT2_SPLIT:
         from tokenizers import Regex, pre_tokenizers
 
@@ -46,7 +47,6 @@ def split_as_llama_cpp(tokenizer, metadata: dict, where: str) -> None:
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),  # GPT-2's split, then its bytes
         ])
     elif pre not in GPT2_SPLIT and pre not in _transformers_splits():
-        # Shortened: a hostile file's name may be megabytes long.
-        said = "has no tokenizer.ggml.pre" if pre is None else f"tokenizer.ggml.pre {reprlib.repr(pre)}"
+        said = "has no tokenizer.ggml.pre" if pre is None else f"tokenizer.ggml.pre {shown(pre)}"
         warnings.warn(f"{where}: {said}: its text is split as GPT-2 splits it, which llama.cpp does not do for "
                       "this vocabulary, so some token ids may differ from llama.cpp's", stacklevel=3)

@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .._checks import check_finite, check_path, check_regular_file, is_integer, shown, shown_names
+from .._checks import check_finite, check_path, check_regular_file, is_integer, shown, shown_names, shown_text
 from .._mapping import map_private
 from .packing import fields_per_pack, words_per_pack
 from .config import GPTQCheckpointError, GPTQConfig, ModuleQuant, parse_config, read_config, read_json
@@ -91,7 +91,7 @@ def _tensor_names(file: str, mtime_ns: int, size: int) -> frozenset[str]:
         with safe_open(file, framework="pt") as f:
             return frozenset(f.keys())
     except Exception as e:  # safetensors raises its own error types for corrupt headers
-        raise GPTQCheckpointError(f"{file}: unreadable safetensors file: {e}") from e
+        raise GPTQCheckpointError(f"{file}: unreadable safetensors file: {shown_text(e)}") from e
 
 
 def _index_weight_map(index: str) -> dict[str, str]:
@@ -159,7 +159,7 @@ def read_tensors(files: list[str], mapped: frozenset[str] = frozenset()) -> dict
         except GPTQCheckpointError:
             raise
         except Exception as e:  # safetensors raises its own error types for corrupt headers and data
-            raise GPTQCheckpointError(f"{file}: unreadable safetensors file: {e}") from e
+            raise GPTQCheckpointError(f"{file}: unreadable safetensors file: {shown_text(e)}") from e
     _read_all(reads)
     return tensors
 
@@ -180,7 +180,7 @@ def _read_all(reads: list[tuple[str, str, int, torch.Tensor]]) -> None:
                 raw.seek(start)
                 got = raw.readinto(data.numpy())
         except OSError as e:
-            raise GPTQCheckpointError(f"{file}: unreadable safetensors file: {e}") from e
+            raise GPTQCheckpointError(f"{file}: unreadable safetensors file: {shown_text(e)}") from e
         if got != data.numel():
             raise GPTQCheckpointError(f"{file}: tensor {shown(name)} is truncated")
 
@@ -420,7 +420,7 @@ def check_layer_count(directory: str | os.PathLike) -> None:
             with safe_open(file, framework="pt") as f:
                 names = list(f.keys())
         except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise GPTQCheckpointError(f"{file}: unreadable safetensors file: {e}") from e
+            raise GPTQCheckpointError(f"{file}: unreadable safetensors file: {shown_text(e)}") from e
         for name in names:
             parts = name.split(".")
             i = next((i for i, p in enumerate(parts[:-1]) if p.isascii() and p.isdigit()), None)

@@ -34,7 +34,7 @@ from .checkpoint import (HEADER_DTYPES, GPTQCheckpointError, _module, check_fini
                          check_new_directory, checkpoint_files, hold_gptqmodel_zeros_as_v2, read_tensors, source_configs,
                          stored_format, v1_zeros_as_v2, v2_zeros_as_gptqmodel_v1, write_checkpoint)
 from .config import GPTQConfig, check_format, read_config
-from .._checks import is_integer, shown
+from .._checks import is_integer, shown, shown_text
 from .._stored import StoredBuffers
 from .linear import GPTQLinear
 from .packing import fields_per_pack, words_per_pack
@@ -339,7 +339,7 @@ def _checkpoint_source(path: str | os.PathLike, name: str, checkpoint_format: st
                         file_of[tensor] = file
                         shapes[tensor], dtypes[tensor] = tuple(header.get_shape()), header.get_dtype()
         except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise GPTQCheckpointError(f"{file}: unreadable safetensors file: {e}") from e
+            raise GPTQCheckpointError(f"{file}: unreadable safetensors file: {shown_text(e)}") from e
     quant = config.for_module(name)
     check_module_tensors(where, name, {t: HEADER_DTYPES.get(d) for t, d in dtypes.items()},
                          quant is not None and quant.desc_act, labels=dtypes)
