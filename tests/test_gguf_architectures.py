@@ -344,7 +344,8 @@ def refused(tmp_path, arch, changes, key):
 @pytest.mark.parametrize("count, problem", [
     (3, "no blk.2.* tensors"),  # a layer no tensor fills
     (100000, "no blk.2.* tensors"),  # checked before a model of that many layers is built
-    (2**63, "no blk.2.* tensors"),
+    (2**31 - 1, "no blk.2.* tensors"),
+    (2**63, "must be <= 2147483647"),  # past the 32 bits llama.cpp reads it in
     (1, "tensors of layer 1 (blk.1.*)"),  # a layer the model would drop
 ])
 def test_block_count_must_match_the_layers_of_the_file(tmp_path, count, problem):
@@ -379,6 +380,12 @@ BAD_METADATA = {
     "embedding length negative": ("llama", {"llama.embedding_length": -64}, "llama.embedding_length"),
     "embedding length missing": ("llama", {"llama.embedding_length": None}, "llama.embedding_length"),
     "context length 0": ("llama", {"llama.context_length": 0}, "llama.context_length"),
+    # Integers past the 32 bits llama.cpp reads them in.
+    "context length 2^63": ("llama", {"llama.context_length": 2**63}, "llama.context_length"),
+    "context length 2^31": ("llama", {"llama.context_length": 2**31}, "llama.context_length"),
+    "embedding length 2^40": ("llama", {"llama.embedding_length": 2**40}, "llama.embedding_length"),
+    "expert count 2^40": ("qwen3moe", {"qwen3moe.expert_count": 2**40}, "qwen3moe.expert_count"),
+    "window 2^63": ("gemma2", {"gemma2.attention.sliding_window": 2**63}, "gemma2.attention.sliding_window"),
     "feed-forward length 0": ("llama", {"llama.feed_forward_length": 0}, "llama.feed_forward_length"),
     "feed-forward length a float": ("llama", {"llama.feed_forward_length": 96.0}, "llama.feed_forward_length"),
     "block count a bool": ("llama", {"llama.block_count": True}, "llama.block_count"),
@@ -388,10 +395,21 @@ BAD_METADATA = {
                               "llama.attention.layer_norm_rms_epsilon"),
     "norm epsilon 0": ("llama", {"llama.attention.layer_norm_rms_epsilon": 0.0},
                        "llama.attention.layer_norm_rms_epsilon"),
+    "norm epsilon NaN": ("llama", {"llama.attention.layer_norm_rms_epsilon": float("nan")},
+                         "llama.attention.layer_norm_rms_epsilon"),
+    "norm epsilon negative": ("llama", {"llama.attention.layer_norm_rms_epsilon": -1e-5},
+                              "llama.attention.layer_norm_rms_epsilon"),
+    "norm epsilon 1e30": ("llama", {"llama.attention.layer_norm_rms_epsilon": 1e30},
+                          "llama.attention.layer_norm_rms_epsilon"),
     "key length 0": ("llama", {"llama.attention.key_length": 0}, "llama.attention.key_length"),
     "rotary dimensions a string": ("llama", {"llama.rope.dimension_count": "16"}, "llama.rope.dimension_count"),
     "rope base a string": ("llama", {"llama.rope.freq_base": "1e4"}, "llama.rope.freq_base"),
     "rope base 0": ("llama", {"llama.rope.freq_base": 0.0}, "llama.rope.freq_base"),
+    "rope base negative": ("llama", {"llama.rope.freq_base": -1e4}, "llama.rope.freq_base"),
+    "rope base NaN": ("llama", {"llama.rope.freq_base": float("nan")}, "llama.rope.freq_base"),
+    "rope base inf": ("llama", {"llama.rope.freq_base": float("inf")}, "llama.rope.freq_base"),
+    "rope base 1e30": ("llama", {"llama.rope.freq_base": 1e30}, "llama.rope.freq_base"),
+    "sliding rope base 1e30": ("gemma3", {"gemma3.rope.freq_base_swa": 1e30}, "gemma3.rope.freq_base_swa"),
     # (linear scaling without a factor, or with one of 0, is none: llama.cpp's reading)
     "rope scaling without its factor": ("llama", {"llama.rope.scaling.type": "yarn"}, "llama.rope.scaling.factor"),
     "rope scaling factor 0": ("llama", {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 0.0},
@@ -438,9 +456,11 @@ def test_bad_metadata_is_a_gguf_error_naming_the_key(tmp_path, arch, changes, ke
 
 
 @pytest.mark.parametrize("arch, changes, says", [
-    # Each size alone is a positive integer; the model they describe cannot be built.
-    ("smollm3", {"smollm3.embedding_length": 2**62}, "Storage size calculation overflowed"),
-    ("qwen2", {"qwen2.feed_forward_length": 2**62}, "Storage size calculation overflowed"),
+    # Each size alone is a positive 32-bit integer; the model they describe cannot be built.
+    ("smollm3", {"smollm3.embedding_length": 2**31 - 4, "smollm3.feed_forward_length": 2**31 - 1},
+     "Storage size calculation overflowed"),
+    ("qwen2", {"qwen2.embedding_length": 2**31 - 4, "qwen2.feed_forward_length": 2**31 - 1},
+     "Storage size calculation overflowed"),
     ("llama", {"llama.embedding_length": 65}, "not a multiple of the number of attention heads"),
 ])
 def test_metadata_that_makes_no_model_is_a_gguf_error(tmp_path, arch, changes, says):

@@ -33,6 +33,18 @@ __all__ = ["Architecture", "ARCHITECTURES", "EXPERT_TENSORS", "architecture", "c
            "check_block_count"]
 
 _REQUIRED = object()  # _Metadata.get's default: the key must be there
+# Every integer lowbit reads from the metadata is a size, a count or a token
+# id, each of which llama.cpp reads as a 32-bit integer; a larger one (a
+# context length of 2^63) is a corrupt file, which transformers would carry
+# into int64 arithmetic that overflows.
+MAX_INT = 2**31 - 1
+# The rotary base: released models' reach a few 10^9 (Llama 3's million-token
+# fine-tunes); past 10^12 it is a corrupt value (10^30), under which most of
+# a head's frequencies would turn by less than a radian over any context.
+MAX_ROPE_BASE = 1e12
+# The norms' epsilon: models use 10^-6 to 10^-5; at 1 and above it outweighs
+# the mean square of unit activations, and the norm no longer normalizes.
+MAX_NORM_EPS = 1.0
 _KINDS = {int: "an integer", float: "a number", str: "a string", list: "an array", bool: "a boolean"}
 
 
@@ -52,10 +64,11 @@ class _Metadata:
         return GGUFError(f"{self.where}: metadata {key!r}: {problem}")
 
     def get(self, key: str, kind: type, default: Any = _REQUIRED, minimum: float | None = None,
-            positive: bool = False) -> Any:
+            positive: bool = False, maximum: float | None = None) -> Any:
         """metadata[key], else `default` (none given: the key is required), of
-        `kind`: int (not a bool), float (an int or a float, finite; returned
-        as a float), str, bool or list; a number at least `minimum`, above 0 where `positive`."""
+        `kind`: int (not a bool, at most MAX_INT), float (an int or a float,
+        finite; returned as a float), str, bool or list; a number at least
+        `minimum`, above 0 where `positive`, at most `maximum`."""
         if key not in self.metadata:
             if default is _REQUIRED:
                 raise self.error(key, "missing")
@@ -74,6 +87,10 @@ class _Metadata:
             raise self.error(key, f"must be > 0, got {shown(value)}")
         if minimum is not None and value < minimum:
             raise self.error(key, f"must be >= {minimum}, got {shown(value)}")
+        if maximum is None and kind is int:
+            maximum = MAX_INT
+        if maximum is not None and value > maximum:
+            raise self.error(key, f"must be <= {maximum}, got {shown(value)}")
         return float(value) if kind is float else value
 
 
@@ -161,6 +178,10 @@ def _attention_bias(tensors) -> dict:
     """Whether the attention projections have biases: the file's first
     layer's attn_q.bias."""
     return {"attention_bias": "blk.0.attn_q.bias" in set(tensors)}
+
+
+def _rope_base(m: _Metadata, key: str, default: float) -> float:
+    return m.get(key, float, default, positive=True, maximum=MAX_ROPE_BASE)
 
 
 def _rope_parameters(config: dict) -> dict:
@@ -297,7 +318,7 @@ def _gemma3_extra(m, arch, tensors, config):
     # Sliding layers rotate with their own base and no scaling (llama.cpp's
     # rope_freq_base_train_swa, default 10000, and freq_scale_train_swa 1).
     sliding = {"rope_type": "default",
-               "rope_theta": m.get(f"{arch}.rope.freq_base_swa", float, 10000.0, positive=True)}
+               "rope_theta": _rope_base(m, f"{arch}.rope.freq_base_swa", 10000.0)}
     full = _rope_parameters(config)
     softcap = m.get(f"{arch}.final_logit_softcapping", float, 0.0, minimum=0)
     return {
@@ -320,7 +341,7 @@ def _gpt_oss_extra(m, arch, tensors, config):
     other one from the first (llama.cpp's pattern 2) with the same rotary
     embedding as the global ones; llama.cpp's fixed SwiGLU constants."""
     rope = _rope_parameters(config)
-    if m.get(f"{arch}.rope.freq_base_swa", float, rope["rope_theta"], positive=True) != rope["rope_theta"]:
+    if _rope_base(m, f"{arch}.rope.freq_base_swa", rope["rope_theta"]) != rope["rope_theta"]:
         raise m.error(f"{arch}.rope.freq_base_swa", "differs from rope.freq_base; transformers' GptOss rotates "
                       "every layer alike")
     return {**_experts_config(m, arch, "num_local_experts", "num_experts_per_tok"),
@@ -592,7 +613,8 @@ def config_from_gguf(metadata: Mapping[str, Any], tensors: Iterable[str] | Mappi
     spec = architecture(metadata, where)
     m = _Metadata(metadata, where)
     config = {kwarg: m.get(f"{arch}.{key}", int, positive=True) for kwarg, key in _REQUIRED_SIZES.items()}
-    config["rms_norm_eps"] = m.get(f"{arch}.attention.layer_norm_rms_epsilon", float, positive=True)
+    config["rms_norm_eps"] = m.get(f"{arch}.attention.layer_norm_rms_epsilon", float, positive=True,
+                                   maximum=MAX_NORM_EPS)
     config["vocab_size"] = _vocab_size(m, arch)
     # Absent head_count_kv means plain multi-head attention (llama.cpp's default too).
     n_head = config["num_attention_heads"]
@@ -602,7 +624,7 @@ def config_from_gguf(metadata: Mapping[str, Any], tensors: Iterable[str] | Mappi
                                                          f"attention heads ({arch}.attention.head_count)")
     config["num_key_value_heads"] = n_head_kv
     config["head_dim"] = _head_dim(m, arch, config["hidden_size"], n_head, spec.partial_rotary)
-    config["rope_theta"] = m.get(f"{arch}.rope.freq_base", float, 10000.0, positive=True)
+    config["rope_theta"] = _rope_base(m, f"{arch}.rope.freq_base", 10000.0)
     scaling = _rope_scaling(m, arch)
     if scaling is not None:
         config["rope_scaling"] = {**scaling, "rope_theta": config["rope_theta"]}
