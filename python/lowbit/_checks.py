@@ -31,6 +31,20 @@ _SHOWN.maxstring = _SHOWN.maxother = _SHOWN.maxlong = SHOWN_CHARS
 _SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = _SHOWN.maxfrozenset = SHOWN_ITEMS
 
 
+# Bounds of a model config's values, a GGUF file's and a checkpoint's
+# config.json alike. Sizes, counts and token ids: llama.cpp reads them as
+# 32-bit integers, and a larger one (a context length of 2^63) is a corrupt
+# file, which transformers would carry into int64 arithmetic that overflows.
+MAX_INT = 2**31 - 1
+# The rotary base: released models' reach a few 10^9 (Llama 3's million-token
+# fine-tunes); past 10^12 it is a corrupt value (10^30), under which most of
+# a head's frequencies would turn by less than a radian over any context.
+MAX_ROPE_BASE = 1e12
+# The norms' epsilon: models use 10^-6 to 10^-5; at 1 and above it outweighs
+# the mean square of unit activations, and the norm no longer normalizes.
+MAX_NORM_EPS = 1.0
+
+
 def shown(value) -> str:
     """repr(value) for a message, where the value is a file's: strings cut
     to about SHOWN_CHARS characters (with their length), containers to

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .._checks import check_positive, shown
+from .._checks import MAX_INT, MAX_NORM_EPS, MAX_ROPE_BASE, check_positive, shown
 from .file import GGUFError
 
 __all__ = ["Architecture", "ARCHITECTURES", "EXPERT_TENSORS", "architecture", "check_architecture", "hf_name",
@@ -33,18 +33,6 @@ __all__ = ["Architecture", "ARCHITECTURES", "EXPERT_TENSORS", "architecture", "c
            "check_block_count"]
 
 _REQUIRED = object()  # _Metadata.get's default: the key must be there
-# Every integer lowbit reads from the metadata is a size, a count or a token
-# id, each of which llama.cpp reads as a 32-bit integer; a larger one (a
-# context length of 2^63) is a corrupt file, which transformers would carry
-# into int64 arithmetic that overflows.
-MAX_INT = 2**31 - 1
-# The rotary base: released models' reach a few 10^9 (Llama 3's million-token
-# fine-tunes); past 10^12 it is a corrupt value (10^30), under which most of
-# a head's frequencies would turn by less than a radian over any context.
-MAX_ROPE_BASE = 1e12
-# The norms' epsilon: models use 10^-6 to 10^-5; at 1 and above it outweighs
-# the mean square of unit activations, and the norm no longer normalizes.
-MAX_NORM_EPS = 1.0
 _KINDS = {int: "an integer", float: "a number", str: "a string", list: "an array", bool: "a boolean"}
 
 

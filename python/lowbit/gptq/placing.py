@@ -14,7 +14,7 @@ import warnings
 import torch
 from torch import nn
 
-from .._checks import check_finite, check_path, shown, shown_names
+from .._checks import MAX_INT, MAX_NORM_EPS, MAX_ROPE_BASE, check_finite, check_path, shown, shown_names
 from .._placing import (GPTQ_SAVE_ADVICE, ReplaceReport, checked, get_module, load_tensor, model_dtype, on_meta,
                         rebuild_computed_buffers, refuse_save_pretrained, tensor_holders)
 from ..fusing import fuse_projections
@@ -105,21 +105,28 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
 # a norm's epsilon below 0 or a rotary base of 0 gives NaN or wrong logits.
 # The rotary keys are read at the top level and in rope_parameters /
 # rope_scaling (per layer type too), as transformers nests them.
-POSITIVE_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
+POSITIVE_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "max_position_embeddings")
 POSITIVE_ROPE_KEYS = ("rope_theta", "factor", "attention_factor", "beta_fast", "beta_slow", "low_freq_factor",
                       "high_freq_factor", "original_max_position_embeddings", "partial_rotary_factor")
+# The most some of them may be (lowbit._checks: the GGUF loader's bounds too).
+MAXIMA = {"rms_norm_eps": MAX_NORM_EPS, "layer_norm_eps": MAX_NORM_EPS, "layer_norm_epsilon": MAX_NORM_EPS,
+          "norm_eps": MAX_NORM_EPS, "rope_theta": MAX_ROPE_BASE, "max_position_embeddings": MAX_INT,
+          "original_max_position_embeddings": MAX_INT}
 
 
 def check_config_values(config: dict, where: str) -> None:
     """Refuses, naming `where` and the key, a value of POSITIVE_KEYS or of the
-    rotary keys that is not a finite number > 0, LongRoPE factors that are
-    not, KV heads that do not divide the attention heads, and an attention
-    window of 1 (transformers' sliding cache would keep every row:
-    lowbit.gguf.arch._sliding_window)."""
+    rotary keys that is not a finite number > 0 (nor at most its MAXIMA),
+    LongRoPE factors that are not, KV heads that do not divide the attention
+    heads, and an attention window of 1 (transformers' sliding cache would
+    keep every row: lowbit.gguf.arch._sliding_window)."""
     def positive(key, value):
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
         if not ok:
             raise GPTQCheckpointError(f"{where}: {key} must be a finite number > 0, got {shown(value)}")
+        most = MAXIMA.get(key.rpartition(".")[2], math.inf)
+        if value > most:
+            raise GPTQCheckpointError(f"{where}: {key} must be at most {most}, got {shown(value)}")
 
     def rope(prefix, params):
         if not isinstance(params, dict):
