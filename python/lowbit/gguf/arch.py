@@ -625,7 +625,25 @@ def config_from_gguf(metadata: Mapping[str, Any], tensors: Iterable[str] | Mappi
             raise m.error(key, f"token {token} is outside the vocabulary of {config['vocab_size']} tokens")
         config[kwarg] = token
     config.update(spec.extra_config(m, arch, tensors, config))
+    if isinstance(tensors, Mapping):
+        _check_against_tensors(m, arch, config, tensors)
     return config
+
+
+def _check_against_tensors(m: _Metadata, arch: str, config: dict, tensors: Mapping[str, Any]) -> None:
+    """The embedding size, vocabulary size and expert count against the
+    tensors that hold them, so that a corrupt one is refused naming its key
+    (a model built of it would be refused later by a tensor's shape alone)."""
+    vocab_key = f"{arch}.vocab_size" if f"{arch}.vocab_size" in m else "tokenizer.ggml.tokens"
+    sizes = [(f"{arch}.embedding_length", config["hidden_size"], "token_embd.weight", 1),
+             (vocab_key, config["vocab_size"], "token_embd.weight", 0)]
+    experts = config.get("num_local_experts", config.get("num_experts"))
+    if experts is not None:
+        sizes.append((f"{arch}.expert_count", experts, "blk.0.ffn_gate_inp.weight", 0))
+    for key, size, name, dim in sizes:
+        t = tensors.get(name)
+        if t is not None and len(t.shape) > dim and t.shape[dim] != size:
+            raise m.error(key, f"{size}, but tensor {name!r} has shape {tuple(t.shape)}")
 
 
 def _vocab_size(m: _Metadata, arch: str) -> int:
