@@ -952,7 +952,8 @@ def test_config_sources_in_order(checkpoint):
 
 @pytest.mark.parametrize("key, value", [("bits", 8), ("group_size", 64), ("desc_act", True), ("sym", False),
                                         ("checkpoint_format", "gptq"), ("format", "gptq"),
-                                        ("lm_head", True), ("dynamic", {"-:.*down_proj": {}})])
+                                        ("lm_head", True), ("dynamic", {"-:.*down_proj": {}}),
+                                        ("quant_method", "awq")])
 def test_config_files_that_disagree_are_refused(checkpoint, key, value):
     """quantize_config.json is what lowbit (and AutoGPTQ, GPTQModel) read; transformers reads config.json: a
     checkpoint whose two configs disagree is refused, naming both, not read by one of them."""

@@ -30,8 +30,10 @@ def check_format(checkpoint_format: str, who: str) -> None:
 
 BITS = (2, 3, 4, 8)
 OVERRIDABLE = ("bits", "group_size", "desc_act", "sym")  # what a `dynamic` rule may change
-# The keys that decide how the tensors read: a directory's config files must agree on them.
-READING_KEYS = OVERRIDABLE + ("checkpoint_format", "lm_head", "dynamic")
+# The keys that decide how the tensors read: a directory's config files must
+# agree on them (transformers and vLLM take config.json's quant_method to
+# pick the whole reader).
+READING_KEYS = OVERRIDABLE + ("checkpoint_format", "lm_head", "dynamic", "quant_method")
 # Other keys (true_sequential, static_groups, meta, damp_percent, ...) describe
 # how a checkpoint was made, not how to read it, and are ignored; a rotation
 # changes how it is run, and is refused (parse_config).
