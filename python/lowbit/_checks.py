@@ -1,7 +1,7 @@
 """Checks of inputs: integer arguments (a layer's sizes), tensor values (a
 weight or Hessian to quantize, a checkpoint's scales, norms and biases) and
-the files a loader opens; and how a file's own names and values appear in
-the messages that refuse them."""
+the files a loader opens; the bounds of a model config's values; and how a
+file's own names and values appear in the messages that refuse them."""
 import numbers
 import os
 import reprlib
@@ -19,6 +19,20 @@ def is_integer(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+# Bounds of a model config's values, a GGUF file's and a checkpoint's
+# config.json alike. Sizes, counts and token ids: llama.cpp reads them as
+# 32-bit integers, and a larger one (a context length of 2^63) is a corrupt
+# file, which transformers would carry into int64 arithmetic that overflows.
+MAX_INT = 2**31 - 1
+# The rotary base: released models' reach a few 10^9 (Llama 3's million-token
+# fine-tunes), and past 10^12 it is a corrupt file's: under 10^30 most of a
+# head's frequencies would turn by less than a radian over any context.
+MAX_ROPE_BASE = 1e12
+# The norms' epsilon: models use 10^-6 to 10^-5; at 1 and above it outweighs
+# the mean square of unit activations, and the norm no longer normalizes.
+MAX_NORM_EPS = 1.0
+
+
 # A file's names and values (a tensor's, a module's or a key's name, a config
 # value) in a message: a hostile file's name may be megabytes long, and a
 # list of them millions long. Each string is cut to SHOWN_CHARS, each list
@@ -29,20 +43,6 @@ SHOWN_TEXT = 1000
 _SHOWN = reprlib.Repr()
 _SHOWN.maxstring = _SHOWN.maxother = _SHOWN.maxlong = SHOWN_CHARS
 _SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = _SHOWN.maxfrozenset = SHOWN_ITEMS
-
-
-# Bounds of a model config's values, a GGUF file's and a checkpoint's
-# config.json alike. Sizes, counts and token ids: llama.cpp reads them as
-# 32-bit integers, and a larger one (a context length of 2^63) is a corrupt
-# file, which transformers would carry into int64 arithmetic that overflows.
-MAX_INT = 2**31 - 1
-# The rotary base: released models' reach a few 10^9 (Llama 3's million-token
-# fine-tunes); past 10^12 it is a corrupt value (10^30), under which most of
-# a head's frequencies would turn by less than a radian over any context.
-MAX_ROPE_BASE = 1e12
-# The norms' epsilon: models use 10^-6 to 10^-5; at 1 and above it outweighs
-# the mean square of unit activations, and the norm no longer normalizes.
-MAX_NORM_EPS = 1.0
 
 
 def shown(value) -> str:
