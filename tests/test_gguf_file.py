@@ -831,11 +831,11 @@ def test_a_window_of_one_is_refused(arch):
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
-@pytest.mark.parametrize("window", [8192, 2**31, 2**63, 2**64 - 1])
+@pytest.mark.parametrize("window", [8192, 2**31 - 1])
 def test_a_window_past_the_context_is_the_context(arch, window):
     """A window at least the context long masks nothing a sequence within the
-    context reaches: it is the context length (a u64 window past int64 would
-    overflow transformers' cache at the first forward)."""
+    context reaches: it is the context length (past 2^31 - 1, the 32 bits
+    llama.cpp reads it in, the file is refused: test_gguf_architectures)."""
     metadata = gemma_metadata(arch, 26, 2304, 8, 4, 256, **{"attention.sliding_window": window})
     assert config_from_gguf(metadata, [])["sliding_window"] == 8192
     smaller = gemma_metadata(arch, 26, 2304, 8, 4, 256, **{"attention.sliding_window": 4096})

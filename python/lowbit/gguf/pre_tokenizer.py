@@ -38,7 +38,8 @@ def split_as_llama_cpp(tokenizer, metadata: dict, where: str) -> None:
     if metadata.get("tokenizer.ggml.model") != "gpt2":
         return
     pre = metadata.get("tokenizer.ggml.pre")
-    pre = pre if isinstance(pre, str) or pre is None else shown(pre)  # a list would be unhashable
+    said = "has no tokenizer.ggml.pre" if pre is None else f"tokenizer.ggml.pre {shown(pre)}"
+    pre = pre if isinstance(pre, str) or pre is None else None  # a list would be unhashable, and names no split
     if pre in DIGITS_THEN_GPT2_SPLIT:
         from tokenizers import Regex, pre_tokenizers
 
@@ -47,6 +48,5 @@ def split_as_llama_cpp(tokenizer, metadata: dict, where: str) -> None:
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),  # GPT-2's split, then its bytes
         ])
     elif pre not in GPT2_SPLIT and pre not in _transformers_splits():
-        said = "has no tokenizer.ggml.pre" if pre is None else f"tokenizer.ggml.pre {shown(pre)}"
         warnings.warn(f"{where}: {said}: its text is split as GPT-2 splits it, which llama.cpp does not do for "
                       "this vocabulary, so some token ids may differ from llama.cpp's", stacklevel=3)
