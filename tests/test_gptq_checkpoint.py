@@ -1186,6 +1186,39 @@ def test_dynamic_rules_within_the_size_bounds_are_compiled(rule):
     assert rule in config.dynamic
 
 
+def test_a_rule_for_every_module_of_a_large_model_is_compiled_once(monkeypatch):
+    """One rule per module (48 layers of 128 experts' 3 projections: 18432 rules, 1.2 MB) is taken, and
+    matching names against them compiles none again: every rule is tried on every name until one
+    matches, so rules recompiled per name take a minute for a few names."""
+    import lowbit.gptq.config as config_module
+
+    compiled = []
+    compile_rule = config_module._rule_pattern
+    monkeypatch.setattr(config_module, "_rule_pattern",
+                        lambda key, where: compiled.append(key) or compile_rule(key, where))
+    names = [f"model.layers.{layer}.mlp.experts.{e}.{p}_proj" for layer in range(48) for e in range(128)
+             for p in ("gate", "up", "down")]
+    rules = {re.escape(name): {"bits": 8} for name in names}
+    config = parse_config({"bits": 4, "group_size": 128, "dynamic": rules}, "q.json")
+    assert sorted(compiled) == sorted(rules)
+    for name in names[:3] + names[-20:]:  # within the shared matching budget
+        assert config.for_module(name).bits == 8
+    assert config.for_module("model.layers.0.self_attn.q_proj").bits == 4
+    assert len(compiled) == len(rules)
+
+
+def test_rules_past_the_total_size_are_refused_before_compiling(monkeypatch):
+    """A million rules would take minutes to compile: past RULES_MAX_CHARS together they are refused,
+    naming the file, before any is compiled."""
+    import lowbit.gptq.config as config_module
+
+    monkeypatch.setattr(config_module, "_rule_pattern", lambda *args: pytest.fail("compiled a rule"))
+    rules = {f"model\\.layers\\.{i}\\.mlp": {"bits": 8} for i in range(200_000)}
+    with pytest.raises(GPTQConfigError, match=r"^q\.json: dynamic holds 200000 rules of \d+ characters together, "
+                                              r"more than the 2000000"):
+        parse_config({"bits": 4, "group_size": 128, "dynamic": rules}, "q.json")
+
+
 # Valid configs that contradict the tensors (group_size 512 > in_features is a legitimate single group, so
 # the config accepts it, but these tensors have 8 groups): the first quantized module is refused.
 CONTRADICTIONS = [{"bits": 8}, {"bits": 3}, {"bits": 2}, {"group_size": 64}, {"group_size": -1}, {"group_size": 512}]

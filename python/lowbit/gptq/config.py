@@ -2,7 +2,6 @@
 transformers write it, with GPTQModel's per-module `dynamic` overrides."""
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -46,6 +45,10 @@ RULE_MATCH_SECONDS = 5.0
 # exhausts any machine). Rules name module paths; none needs more than these.
 RULE_MAX_CHARS = 1000
 RULE_MAX_REPEATS = 10_000  # the product of a rule's counted-repeat bounds
+# All of one config's rules together: compiling takes about 2.5 ms per 1000
+# characters, so a million rules would take minutes before any matching;
+# a rule for each module of a large MoE model is a few hundred thousand.
+RULES_MAX_CHARS = 2_000_000
 _COUNTED_REPEAT = re.compile(r"\{(\d*)(?:,(\d*))?\}")
 # An inline flag group, (?flags) or (?flags:...), "-" turning flags off.
 _INLINE_FLAGS = re.compile(r"\(\?([a-zA-Z0-9-]+)[:)]")
@@ -98,6 +101,8 @@ class GPTQConfig:
     # Seconds of RULE_MATCH_SECONDS left, in a list so that the frozen config can spend them.
     _match_seconds: list = field(default_factory=lambda: [RULE_MATCH_SECONDS], init=False, repr=False,
                                  compare=False)
+    # Each rule compiled once for this config (matching tries every rule on every module name).
+    _patterns: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def default(self) -> ModuleQuant:
@@ -123,7 +128,7 @@ class GPTQConfig:
         left = self._match_seconds
         start = time.monotonic()
         try:
-            return _rule_pattern(key, self.source).match(name, timeout=max(left[0], 1e-3)) is not None
+            return self.pattern(key).match(name, timeout=max(left[0], 1e-3)) is not None
         except TimeoutError:
             raise GPTQCheckpointError(
                 f"{self.source or 'quantization config'}: dynamic rule {shown(key)} did not finish matching module "
@@ -131,6 +136,12 @@ class GPTQConfig:
                 "catastrophically is refused") from None
         finally:
             left[0] -= time.monotonic() - start
+
+    def pattern(self, key: str):
+        """The compiled regex of `dynamic` rule `key`, compiled at its first use."""
+        if key not in self._patterns:
+            self._patterns[key] = _rule_pattern(key, self.source or "quantization config")
+        return self._patterns[key]
 
     def to_dict(self) -> dict[str, Any]:
         """The config as an HF `quantization_config` dict."""
@@ -141,10 +152,8 @@ class GPTQConfig:
         return out
 
 
-@functools.lru_cache(maxsize=1024)
-def _rule_pattern(key: str, source: str = ""):
+def _rule_pattern(key: str, where: str):
     """The compiled regex of `dynamic` rule `key` (without its "-:" / "+:" prefix)."""
-    where = source or "quantization config"
     if regex is None:
         raise GPTQConfigError(f"{where}: dynamic rules need the `regex` package (pip install regex), which "
                               "bounds how long a checkpoint's pattern may run")
@@ -208,6 +217,10 @@ def parse_config(raw: dict[str, Any], source: str = "") -> GPTQConfig:
     dynamic = raw.get("dynamic") or {}
     if not isinstance(dynamic, dict):
         raise GPTQConfigError(f"{where}: dynamic must be a JSON object of rules, got {shown(dynamic)}")
+    total = sum(len(key) for key in dynamic if isinstance(key, str))
+    if total > RULES_MAX_CHARS:
+        raise GPTQConfigError(f"{where}: dynamic holds {len(dynamic)} rules of {total} characters together, more "
+                              f"than the {RULES_MAX_CHARS} that rules for every module of a large model need")
     config = GPTQConfig(
         bits=raw["bits"], group_size=raw["group_size"], desc_act=_flag(raw, "desc_act", False, where),
         sym=_flag(raw, "sym", True, where), checkpoint_format=fmt, lm_head=_flag(raw, "lm_head", False, where),
@@ -217,7 +230,7 @@ def parse_config(raw: dict[str, Any], source: str = "") -> GPTQConfig:
     for key, overrides in config.dynamic.items():
         if not isinstance(overrides, dict):
             raise GPTQConfigError(f"{where}: dynamic rule {shown(key)} must map to a dict, got {shown(overrides)}")
-        _rule_pattern(key, source)
+        config.pattern(key)
         if not key.startswith("-:"):
             _validate(replace(config.default, **{k: overrides[k] for k in OVERRIDABLE if k in overrides}),
                       f"{where}: dynamic rule {shown(key)}")
