@@ -56,19 +56,28 @@ struct MmaArgs {
   SplitK s;
 };
 
+// cp.async exists from sm_80 on. A build whose architecture list includes
+// older ones (sm_75 and below) compiles the kernel for them without it: it
+// never runs there (gptq_mma_serves), and mma16816 traps if it did.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define LOWBIT_CP_ASYNC(...) asm volatile(__VA_ARGS__)
+#else
+#define LOWBIT_CP_ASYNC(...)
+#endif
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
   const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 16 : 0));
+  LOWBIT_CP_ASYNC("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async4(void* dst, const void* src) {
   const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(src));
+  LOWBIT_CP_ASYNC("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(src));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_commit() { LOWBIT_CP_ASYNC("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+  LOWBIT_CP_ASYNC("cp.async.wait_group %0;\n" ::"n"(N));
 }
+#undef LOWBIT_CP_ASYNC
 
 // Two exact integers as the low and high halves of a T pair.
 template <typename T>
