@@ -139,6 +139,29 @@ def test_compiled_decoding_runs_what_it_cannot_compile_eagerly(path, two_threads
     assert torch.equal(out.sequences, eager[1][:, :ids.shape[1] + 3]) and len(out.attentions) == 3
 
 
+def test_compiled_decoding_continues_a_cache_up_to_its_end(path, two_threads):
+    """A generate call continuing an earlier one's static cache gives the eager
+    tokens up to the cache's last row; a step that would write past it is
+    refused by name (the compiled write's own failure names neither)."""
+    model = lowbit.load_gguf_model(path)
+    ids = torch.tensor([[1, 7, 22, 5, 63, 40, 9]])
+    eager = generate(model, ids)
+    lowbit.compiled_decoding(model, max_cache_len=12)
+
+    def continued(new_tokens):
+        with torch.inference_mode():
+            first = model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0,
+                                   return_dict_in_generate=True)
+            assert first.cache.layers[0].max_cache_len == 12
+            return model.generate(first.sequences, cache=first.cache, cache_implementation=None,
+                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+
+    assert torch.equal(continued(3), eager[:, :ids.shape[1] + 6])  # 13 tokens, the first 12 in its 12 rows
+    with pytest.raises(ValueError, match=r"compiled_decoding: the static cache holds 12 tokens \(max_cache_len\) and "
+                                         "this step would take it to 13: generate with a larger max_cache_len"):
+        continued(4)
+
+
 def test_compiled_embedding_still_checks_token_ids(path):
     table = lowbit.load_gguf_model(path).model.embed_tokens
     compiled = torch.compile(table, fullgraph=True)

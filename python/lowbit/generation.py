@@ -46,6 +46,7 @@ class _ThreadedStep(_ModelAttribute):
         self.__init__(state["model"], state["compile_config"])
 
     def __call__(self, *args, **kwargs):
+        _check_room(kwargs)
         if self._step is None:
             self._step = torch.compile(self.model.__call__, **self.compile_config.to_dict())
         if _STATE in self.model.__dict__:
@@ -55,6 +56,25 @@ class _ThreadedStep(_ModelAttribute):
             return self._step(*args, **kwargs)
         finally:
             leave_autograd(guard)
+
+
+def _check_room(kwargs) -> None:
+    """Refuses a step whose tokens would go past the end of its static cache
+    (a generate call continuing a cache made for a shorter one): eager
+    index_copy_ refuses that by name, the compiled step's write fails inside
+    its kernel with a message naming a temporary of the generated code."""
+    from transformers.cache_utils import StaticLayer
+
+    cache, input_ids = kwargs.get("cache"), kwargs.get("input_ids")
+    layer = cache.layers[0] if getattr(cache, "layers", None) else None
+    if type(layer) is not StaticLayer or input_ids is None:
+        return  # other caches grow, a sliding window's static layer rolls over
+    # The first layer's end is every layer's: compiled_decoding refuses models with windows.
+    end = int(layer.get_seq_length()) + input_ids.shape[-1]
+    if end > layer.max_cache_len:
+        raise ValueError(f"compiled_decoding: the static cache holds {layer.max_cache_len} tokens (max_cache_len) and "
+                         f"this step would take it to {end}: generate with a larger max_cache_len, or continue a cache "
+                         "with room for the new tokens")
 
 
 # transformers' attributes for the compiled call and the config it was made for.
@@ -74,9 +94,11 @@ def compiled_decoding(model: nn.Module, enable: bool = True, max_cache_len: int 
 
     max_cache_len: the cache's length, at least; each generate call needs
     prompt + new tokens, and a longer call than any before recompiles (the
-    cache only grows). cpp_wrapper: inductor calls the step's kernels from
-    generated C++ rather than Python, which takes out most of the remaining
-    per-op host time and makes the compile several times longer.
+    cache only grows); a call continuing a static cache (past_key_values)
+    past its end raises ValueError at the step that would write there.
+    cpp_wrapper: inductor calls the step's kernels from generated C++ rather
+    than Python, which takes out most of the remaining per-op host time and
+    makes the compile several times longer.
     Call it where the model runs (the compile mode follows its device); calls
     that pass their own cache_implementation or compile_config keep them, and
     a call that continues its own cache (past_key_values) passes
