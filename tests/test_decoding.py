@@ -254,6 +254,30 @@ def test_calls_a_step_cannot_serve_run_the_model_s_forward():
     assert not hasattr(cache.layers[0], "_lowbit_buffers")
 
 
+@pytest.mark.parametrize("output", ["hidden_states", "attentions"])
+def test_outputs_the_config_asks_for_are_returned(output):
+    """A decode call naming no outputs returns those the model's config asks
+    for, as the model's forward reads them there: set after the prompt, so
+    that no output hook of transformers' is on the model yet. A model each:
+    the forward that runs first leaves its hooks on its model."""
+    ids, token = torch.tensor([[1, 7, 22, 5, 63, 40, 9]]), torch.tensor([[3]])
+    results = []
+    for fast in (False, True):
+        model = float_model("llama", attn_implementation="eager")  # sdpa has no attentions to give
+        fast_decoding(model, fast)
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=ids, cache=cache)
+            setattr(model.config, f"output_{output}", True)
+            results.append(model(input_ids=token, cache=cache))
+    own, served = results
+    torch.testing.assert_close(served.logits, own.logits, atol=1e-5, rtol=1e-5)
+    layers = len(model.model.layers)
+    assert len(getattr(served, output)) == len(getattr(own, output)) == layers + (output == "hidden_states")
+    for got, want in zip(getattr(served, output), getattr(own, output)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("arch,overrides", [("llama", {}), ("phi3", dict(sliding_window=16)), ("gemma3", {})])
 def test_a_cache_edited_between_steps(arch, overrides):
     """Tokens appended by the model's own forward (two at once) and the cache

@@ -631,6 +631,10 @@ class _DecodingForward(_ModelAttribute):
             if name not in ("input_ids", "cache", "attention_mask", "position_ids") and not any(
                     value is v or (type(value) is type(v) and value == v) for v in _SERVED_VALUES.get(name, ())):
                 return None
+        # Outputs a call does not name are the config's, as transformers reads them (capture_outputs).
+        if any(name not in kwargs and getattr(self.model.config, name, False)
+               for name in ("output_attentions", "output_hidden_states")):
+            return None
         layers, model_layers = cache.layers, self.model.model.layers
         # rms_norm and decode_attention take float32, float16 and bfloat16 (not a model.double()'s float64).
         if len(layers) != len(model_layers) or not all(c.is_initialized and c.keys.shape[0] == 1 and c.keys.dtype
