@@ -12,6 +12,7 @@ import weakref
 import pytest
 import torch
 from transformers import DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 import lowbit
 from lowbit.decoding import fast_decoding
@@ -254,8 +255,26 @@ def test_calls_a_step_cannot_serve_run_the_model_s_forward():
     assert not hasattr(cache.layers[0], "_lowbit_buffers")
 
 
-@pytest.mark.parametrize("output", ["hidden_states", "attentions"])
-def test_outputs_the_config_asks_for_are_returned(output):
+@pytest.mark.parametrize("arch,output_class", [
+    ("llama", CausalLMOutputWithPast), ("qwen3moe", MoeCausalLMOutputWithPast), ("mixtral", MoeCausalLMOutputWithPast)])
+def test_served_steps_return_the_forward_s_output_class(arch, output_class):
+    """A mixture of experts' forward returns MoeCausalLMOutputWithPast, its
+    router logits and aux loss None where no call or config asks for them:
+    a served step's output is of that class as well."""
+    model = float_model(arch)
+    assert fast_decoding(model)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 7, 22, 5, 63, 40, 9]]), cache=cache)
+        out = model(input_ids=torch.tensor([[3]]), cache=cache)
+    assert hasattr(cache.layers[0], "_lowbit_buffers")  # the step was served
+    assert type(out) is output_class and getattr(out, "router_logits", None) is None
+    assert getattr(out, "aux_loss", None) is None
+
+
+@pytest.mark.parametrize("arch,output", [("llama", "hidden_states"), ("llama", "attentions"),
+                                         ("qwen3moe", "router_logits")])
+def test_outputs_the_config_asks_for_are_returned(arch, output):
     """A decode call naming no outputs returns those the model's config asks
     for, as the model's forward reads them there: set after the prompt, so
     that no output hook of transformers' is on the model yet. A model each:
@@ -263,7 +282,7 @@ def test_outputs_the_config_asks_for_are_returned(output):
     ids, token = torch.tensor([[1, 7, 22, 5, 63, 40, 9]]), torch.tensor([[3]])
     results = []
     for fast in (False, True):
-        model = float_model("llama", attn_implementation="eager")  # sdpa has no attentions to give
+        model = float_model(arch, attn_implementation="eager")  # sdpa has no attentions to give
         fast_decoding(model, fast)
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
@@ -271,7 +290,9 @@ def test_outputs_the_config_asks_for_are_returned(output):
             setattr(model.config, f"output_{output}", True)
             results.append(model(input_ids=token, cache=cache))
     own, served = results
+    assert type(served) is type(own)
     torch.testing.assert_close(served.logits, own.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(getattr(served, "aux_loss", None), getattr(own, "aux_loss", None))  # router logits'
     layers = len(model.model.layers)
     assert len(getattr(served, output)) == len(getattr(own, output)) == layers + (output == "hidden_states")
     for got, want in zip(getattr(served, output), getattr(own, output)):

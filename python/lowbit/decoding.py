@@ -589,6 +589,7 @@ class _DecodingForward(_ModelAttribute):
         self._plan = None  # the C++ step (_StepPlan), False where the model has none, None until made
         # (tables per layer type, tables holding each frequency once) of its rotary embedding, None until read
         self._tables: tuple[bool, bool] | None = None
+        self._output = None  # the class of the model's forward's output, None until read
 
     @property
     def __signature__(self):
@@ -631,9 +632,9 @@ class _DecodingForward(_ModelAttribute):
             if name not in ("input_ids", "cache", "attention_mask", "position_ids") and not any(
                     value is v or (type(value) is type(v) and value == v) for v in _SERVED_VALUES.get(name, ())):
                 return None
-        # Outputs a call does not name are the config's, as transformers reads them (capture_outputs).
-        if any(name not in kwargs and getattr(self.model.config, name, False)
-               for name in ("output_attentions", "output_hidden_states")):
+        # Outputs a call leaves out (or passes as None) are the config's, as transformers reads them.
+        if any(kwargs.get(name) is None and getattr(self.model.config, name, False)
+               for name in ("output_attentions", "output_hidden_states", "output_router_logits")):
             return None
         layers, model_layers = cache.layers, self.model.model.layers
         # rms_norm and decode_attention take float32, float16 and bfloat16 (not a model.double()'s float64).
@@ -668,7 +669,7 @@ class _DecodingForward(_ModelAttribute):
         return cache, n, intact
 
     def _step(self, input_ids: torch.Tensor, cache, n: int, intact: bool):
-        from transformers.modeling_outputs import CausalLMOutputWithPast
+        from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
         model, scales = self.model.model, _Scales(self.model)
         x = _scaled(model.embed_tokens(input_ids), scales.embedding)
@@ -676,6 +677,9 @@ class _DecodingForward(_ModelAttribute):
         if self._tables is None:
             self._tables = (_layer_rotary(self.model), type(model.rotary_emb).__name__ in _HALF_TABLE_ROTARY)
         by_type, half = self._tables
+        if self._output is None:  # a mixture of experts' forward returns its router logits' fields too (None here)
+            self._output = (MoeCausalLMOutputWithPast if any(_mixture_of_experts(layer.mlp) for layer in model.layers)
+                            else CausalLMOutputWithPast)
         if by_type:  # a table per layer type
             tables = {kind: tuple(t.view(-1) for t in model.rotary_emb(x, position, kind))
                       for kind in set(self.model.config.layer_types)}
@@ -694,7 +698,7 @@ class _DecodingForward(_ModelAttribute):
         if plan is not False:
             if by_type:  # the tables as rows, in the plan's order of layer types
                 cos, sin = (torch.stack([tables[kind][j] for kind in plan.table_kinds]) for j in (0, 1))
-            return CausalLMOutputWithPast(logits=plan.run(x, cos, sin, cache, n), cache=cache)
+            return self._output(logits=plan.run(x, cos, sin, cache, n), cache=cache)
         identity = None  # made for the first layer without rotation
         for layer, cache_layer in zip(model.layers, cache.layers):
             modules = layer._modules
@@ -739,7 +743,7 @@ class _DecodingForward(_ModelAttribute):
         cap = getattr(self.model.config, "final_logit_softcapping", None)
         if cap is not None:  # Gemma's: cap * tanh(logits / cap), as its forward computes it
             logits = torch.tanh(logits / cap) * cap
-        return CausalLMOutputWithPast(logits=logits, cache=cache)
+        return self._output(logits=logits, cache=cache)
 
 
 def fast_decoding(model: nn.Module, enable: bool = True) -> bool:
