@@ -255,6 +255,27 @@ def test_calls_a_step_cannot_serve_run_the_model_s_forward():
     assert not hasattr(cache.layers[0], "_lowbit_buffers")
 
 
+@pytest.mark.parametrize("output", ["hidden_states", "attentions"])
+def test_steps_are_served_after_a_call_asking_for_outputs(output):
+    """The first call asking for hidden states or attentions leaves
+    transformers' output-capturing hooks on the model's layers; they record
+    only in calls asking for outputs, so later calls asking for none are
+    served still (the C++ step), with the model's tokens."""
+    model = float_model("llama", attn_implementation="eager")  # sdpa has no attentions to give
+    assert fast_decoding(model)
+    ids = torch.tensor([[1, 7, 22, 5, 63, 40, 9]])
+    asked = generate(model, ids, **{f"output_{output}": True})
+    assert any(m._forward_hooks for m in model.modules())
+    served, plan = with_plan(model, lambda: generate(model, ids))
+    assert isinstance(plan, lowbit.decoding._StepPlan)
+    fast_decoding(model, False)
+    own = generate(model, ids)
+    assert torch.equal(served.sequences, own.sequences) and torch.equal(asked.sequences, own.sequences)
+    for got, want in zip(served.logits, own.logits):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert len(getattr(asked, output)) == len(own.logits)
+
+
 @pytest.mark.parametrize("arch,output_class", [
     ("llama", CausalLMOutputWithPast), ("qwen3moe", MoeCausalLMOutputWithPast), ("mixtral", MoeCausalLMOutputWithPast)])
 def test_served_steps_return_the_forward_s_output_class(arch, output_class):

@@ -25,7 +25,9 @@ the model's own forward to fp32 rounding (the attention sums in another
 order). Every other call (a prompt, a batch, a static cache, torch.compile,
 training: gradients, or dropout or router jitter in training mode; a
 forward hook on any module below the model: a layer, its attention, MLP,
-norms or projections) runs the model's own forward on the same cache.
+norms or projections, other than transformers' output-capturing hooks,
+which record nothing in a call asking for no outputs) runs the model's own
+forward on the same cache.
 Within one generation the C++ step sees new tensor values, new modules in
 a projection's place and new hooks, but not a layer changed in its own
 state between two steps (a repack, a switch of int8_activations): those
@@ -37,6 +39,7 @@ from __future__ import annotations
 import functools
 import inspect
 import operator
+import sys
 
 import torch
 from torch import nn
@@ -187,11 +190,29 @@ def _global_hooks() -> bool:
     return bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
 
 
+# The module of transformers' output-capturing hooks: the first call asking
+# for hidden states, attentions or router logits puts them on the model's
+# layers for good; they record only while a call asking for outputs runs
+# (its collector set), and a served call asks for none.
+_CAPTURING = "transformers.utils.output_capturing"
+
+
+def _live(hooks: dict) -> bool:
+    """Whether `hooks` (a module's forward or pre-forward hooks) hold one that
+    would act in a served call: any but transformers' idle output-capturing
+    hooks (idle unless a model's call around this one collects outputs)."""
+    if not hooks:
+        return False
+    collector = getattr(sys.modules.get(_CAPTURING), "_active_collector", None)
+    return (collector is None or bool(collector.get())
+            or any(getattr(hook, "__module__", None) != _CAPTURING for hook in hooks.values()))
+
+
 def _skipped_hooks(model: nn.Module) -> bool:
     """Whether a forward hook would see a module the decode step runs
     without calling it (anything below model.model, the head): then the
     model's own forward serves the call, hooks and all."""
-    return _global_hooks() or any(m._forward_hooks or m._forward_pre_hooks
+    return _global_hooks() or any(_live(m._forward_hooks) or _live(m._forward_pre_hooks)
                                   for part in (model.model, model.lm_head) for m in part.modules())
 
 
@@ -488,9 +509,9 @@ class _StepPlan:
     def intact(self) -> bool:
         """Whether the step still describes the model: the same modules in
         place (decoder layers, norms, projections) holding the same tensors,
-        no hooks on them."""
+        no hooks on them that would act (_live)."""
         return (not _global_hooks() and list(map(dict.get, self.parents, self.names)) == self.modules
-                and not any(self.hook_dicts)
+                and (not any(self.hook_dicts) or not any(map(_live, self.hook_dicts)))
                 and all(map(operator.is_, map(dict.get, self.tensor_dicts, self.tensor_names), self.tensors))
                 and all(module.copy_current(copy) for module, copy in self.copies))
 
