@@ -58,7 +58,7 @@ bench: build reference-deps
 	$(PYTHON) -m benchmarks.bench_gguf_moe
 	$(PYTHON) -m benchmarks.bench_tp_mlp
 
-# Compile (only) every CUDA source for sm_80 and sm_90a; works without a GPU.
+# Compile (only) every CUDA source for sm_75, sm_80 and sm_90a; works without a GPU.
 cuda-check: deps
 	bash .ci/cuda_compile_check.sh
 

@@ -163,11 +163,15 @@ def test_gptq_gemm_large_m_half_activations_keep_fp32_weights(bits, dtype, act_o
     (4, torch.float32, 16, "gptq_gemv_kernel"), (4, torch.float16, 65, "gptq_dequantize_kernel"),
 ])
 def test_gptq_gemm_kernel_choice(bits, dtype, M, kernel):
-    """fp16 / bf16 activations up to M = 64 run the tensor-core kernel (2/4/8-bit),
-    3-bit and fp32 activations the CUDA-core one, M = 65 the two-term tiles: a kernel
-    that stopped serving would pass every result test through another path."""
+    """fp16 / bf16 activations up to M = 64 run the tensor-core kernel (2/4/8-bit)
+    on sm_80 and newer, 3-bit and fp32 activations (and every small M before
+    sm_80, which has no mma.sync for them) the CUDA-core one, M = 65 the two-term
+    tiles: a kernel that stopped serving would pass every result test through
+    another path."""
     from torch.profiler import ProfilerActivity, profile
 
+    if kernel == "gptq_mma_kernel" and torch.cuda.get_device_capability()[0] < 8:
+        kernel = "gptq_gemv_kernel"
     rng = np.random.default_rng(bits)
     ckpt = ref.random_checkpoint(rng, 512, 128, bits, 128, False, "gptq", False)
     g = gptq_tensors(ckpt, "cuda")
@@ -180,6 +184,32 @@ def test_gptq_gemm_kernel_choice(bits, dtype, M, kernel):
     assert any(kernel in n for n in names), names
     if kernel != "gptq_mma_kernel":
         assert not any("gptq_mma_kernel" in n for n in names), names
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "16x", "99999999999999999999"])
+def test_crossover_override_that_is_not_a_count_raises(value):
+    """LOWBIT_CUDA_GPTQ_MMA_MAX_M (a benchmark's override of a crossover) that
+    is not a whole number >= 0 raises naming the variable, where reading it as
+    0 would quietly send every M down one path."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, lowbit\n"
+        "w = torch.zeros(64, 128, dtype=torch.int32, device='cuda')\n"
+        "z = torch.zeros(4, 16, dtype=torch.int32, device='cuda')\n"
+        "s = torch.ones(4, 128, dtype=torch.float16, device='cuda')\n"
+        "a = torch.randn(1, 512, dtype=torch.float16, device='cuda')\n"
+        "none = torch.empty(0, dtype=torch.int32, device='cuda')\n"
+        "try:\n"
+        "    torch.ops.lowbit.gptq_gemm(a, w, z, s, none, True, False, 4)\n"
+        "except ValueError as e:\n"
+        "    print('ValueError:', e)\n"
+    )
+    env = dict(os.environ, LOWBIT_CUDA_GPTQ_MMA_MAX_M=value)
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "ValueError: LOWBIT_CUDA_GPTQ_MMA_MAX_M must be a whole number >= 0" in run.stdout, run.stdout + run.stderr
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -19,8 +19,10 @@
 
 #include <array>
 #include <atomic>
+#include <cerrno>
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 
 namespace lowbit {
 namespace cuda {
@@ -59,13 +61,20 @@ inline int compute_major(c10::DeviceIndex device) {
 }
 
 // A crossover constant a benchmark overrides to time either path at any M:
-// the environment variable `name` (read once per process) when it holds a
-// number, else `fallback`.
+// the environment variable `name` (read once per process) when set, else
+// `fallback`. A value that is not a whole non-negative number raises rather
+// than reading as 0, which would silently pick one path for every M.
 template <const char* name>
 inline int64_t crossover(int64_t fallback) {
   static const int64_t forced = [] {
     const char* s = std::getenv(name);
-    return s && *s ? std::atoll(s) : int64_t{-1};
+    if (!s || !*s) return int64_t{-1};
+    char* end = nullptr;
+    errno = 0;
+    const long long v = std::strtoll(s, &end, 10);
+    TORCH_CHECK_VALUE(*end == '\0' && errno == 0 && v >= 0, name, " must be a whole number >= 0, got '",
+                      std::string(s).substr(0, 40), "'");
+    return static_cast<int64_t>(v);
   }();
   return forced >= 0 ? forced : fallback;
 }
