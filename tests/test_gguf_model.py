@@ -189,7 +189,7 @@ def test_save_pretrained_is_refused_naming_the_file(models, tmp_path):
             m.save_pretrained(tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
-@pytest.mark.skipif(torch.ops.lowbit.cpu_isa("best") != "avx512", reason="repack=True repacks where AVX-512 VNNI kernels run")
+@pytest.mark.skipif(torch.ops.lowbit.cpu_isa("best") == "portable", reason="the portable kernels read no repacked layout as it is")
 def test_load_gguf_model_repacked_is_the_same_model(models):
     """repack=True puts every layer (the file's Q4_1 and Q8_0 ones) in the
     repacked layout. Its kernels of these 32-element types sum each block's

@@ -390,7 +390,7 @@ def test_layers_repacked_in_inference_mode_serve_calls_that_record_a_graph():
         assert not any(t.is_inference() for t in packed.buffers())
 
 
-@pytest.mark.skipif(torch.ops.lowbit.cpu_isa("best") != "avx512", reason="repack_model repacks where AVX-512 VNNI kernels run")
+@pytest.mark.skipif(torch.ops.lowbit.cpu_isa("best") != "avx512", reason="only the AVX-512 kernels read Q6_K repacked")
 def test_repack_model_takes_the_layers_with_a_layout():
     model = torch.nn.ModuleDict({"a": layer("Q4_0"), "k": lowbit.GGUFLinear(N, 16, gb.type_id("TQ2_0")),
                                  "c": layer("Q8_0", out=24), "six": layer("Q6_K", out=32)})
