@@ -106,6 +106,7 @@ class ProjectionSlice(nn.Module):
 
     @property
     def bias(self) -> torch.Tensor | None:
+        """This projection's part of the fused layer's bias (None without one)."""
         bias = self.outputs.layer.bias
         return None if bias is None else bias[self.rows]
 

@@ -123,12 +123,13 @@ class QuantizedLoraLinear(nn.Module, LoraLayer):
         return (self.lora_B[adapter].weight @ self.lora_A[adapter].weight) * self.scaling[adapter]
 
     def merge(self, *args, **kwargs) -> None:
+        """Refused (ValueError): see the message."""
         raise ValueError(f"{type(self).__name__}: merging a LoRA adapter into a quantized {type(self.base_layer).__name__} "
                          "would re-quantize the weight the adapter was trained against; keep the adapter separate "
                          "(or merge into a float copy: base_layer.dequantize())")
 
     def unmerge(self) -> None:
-        pass  # nothing is ever merged
+        """Does nothing: merge() never merges."""
 
     def __repr__(self) -> str:
         return "lora." + super().__repr__()

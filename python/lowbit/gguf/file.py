@@ -67,14 +67,17 @@ class GGUFTensor:
 
     @property
     def nbytes(self) -> int:
+        """The block bytes the tensor holds in the file."""
         return self.data.numel()
 
     @property
     def n_elements(self) -> int:
+        """The values the blocks decode to (the product of `shape`)."""
         return math.prod(self.shape)
 
     @property
     def bits_per_weight(self) -> float:
+        """Block bits per value, the type's scales and mins included."""
         return 8 * self.nbytes / self.n_elements
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -148,6 +151,8 @@ class GGUFFile:
         release_mapped(parts)
 
     def close(self) -> None:
+        """Drops this object's metadata, tensors and mapping (see the class
+        docstring: views already taken keep the map alive)."""
         self.metadata = {}
         self.tensors = {}
         self._mapping = None

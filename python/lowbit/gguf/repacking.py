@@ -43,7 +43,7 @@ def repack_model(model: nn.Module, skip_types=None, expert_skip_types=()) -> lis
     GGUFExperts.repack() of every GGUFExperts' such projections (but those
     in `expert_skip_types`: its short expert rows gain from the layout in
     every type), and GPTQLinear.repack() of every GPTQLinear that can_repack()
-    (int8_activations on the CPU); returns their names (an expert
+    (on the CPU, out_features a multiple of 64); returns their names (an expert
     projection's as "<module>.gate", ".up", ".down"). It warns naming the
     types whose layout the kernels would put back on every call, and leaves
     those as they are."""

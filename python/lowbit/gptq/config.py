@@ -106,6 +106,7 @@ class GPTQConfig:
 
     @property
     def default(self) -> ModuleQuant:
+        """The quantization of a module no `dynamic` rule matches."""
         return ModuleQuant(self.bits, self.group_size, self.desc_act, self.sym)
 
     def for_module(self, name: str) -> ModuleQuant | None:

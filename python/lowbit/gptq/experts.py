@@ -66,6 +66,7 @@ class GPTQExperts(nn.Module):
         self.act_fn = act_fn
 
     def expert(self, e: int) -> GPTQExpert:
+        """Expert `e`'s three projections."""
         return self._modules[str(e)]
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -298,6 +298,7 @@ class GPTQLinear(StoredBuffers):
 
     @property
     def use_v2_format(self) -> bool:
+        """Whether qzeros hold the zeros themselves (gptq_v2) rather than zero - 1 (gptq)."""
         return self.checkpoint_format == "gptq_v2"
 
     def _prepare(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -344,6 +345,8 @@ class GPTQLinear(StoredBuffers):
         return plan if plan is not None and plan[1] is not None and self._buffers["row_order"] is None else None
 
     def copy_current(self, plan: tuple) -> bool:
+        """Whether `plan` (from private_copy()) is still the layer's plan and its
+        copy still matches qweight and g_idx."""
         return self._plan is plan and self._still_valid(plan)
 
     def _key(self) -> tuple:

@@ -566,6 +566,8 @@ class TPAwareMLP(nn.Module):
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, prefix: str, rank: int, world_size: int,
                         group=None, checkpoint_format: str | None = None) -> TPAwareMLP:
+        """This rank's shards of `<prefix>.gate_proj`, `.up_proj` and `.down_proj`
+        from a checkpoint that reorder_checkpoint wrote (down_proj's g_idx sorted)."""
         column = lambda part: ColumnParallelGPTQLinear.from_checkpoint(path, f"{prefix}.{part}", rank, world_size,
                                                                        group, checkpoint_format)
         down = RowParallelGPTQLinear.from_checkpoint(path, f"{prefix}.down_proj", rank, world_size, group,
@@ -592,6 +594,8 @@ class NaiveTPMLP(nn.Module):
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, prefix: str, rank: int, world_size: int,
                         group=None, checkpoint_format: str | None = None) -> NaiveTPMLP:
+        """This rank's shards of `<prefix>`'s MLP from a checkpoint as it is: every
+        rank reads all of down_proj to sort its rows (Algorithm 1), then keeps its own."""
         column = lambda part: ColumnParallelGPTQLinear.from_checkpoint(path, f"{prefix}.{part}", rank, world_size,
                                                                        group, checkpoint_format)
         name = f"{prefix}.down_proj"
