@@ -512,7 +512,8 @@ torch.library.register_fake("lowbit::ggml_mul_mat_vec_a8")(_ggml_mul_mat_fake("g
 def ggml_mul_mat_a8(W: Tensor, X: Tensor, type: int, row: SymInt) -> Tensor:
     """X [M, n] @ dequant(W).T -> [M, row] in X's dtype, as ggml_mul_mat_vec_a8
     computes it (8-bit activation blocks, integer dot products, fp32 sums), at any M:
-    on CUDA the small-M kernel up to 8 rows, a dequantized weight past them."""
+    on CUDA the small-M kernel up to 32 rows for the types with slice decoders (8
+    for the others), a dequantized weight past them (csrc/cuda/README.md)."""
     return torch.ops.lowbit.ggml_mul_mat_a8(W, X, type, row)
 
 
