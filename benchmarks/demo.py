@@ -55,7 +55,7 @@ LLAMA_CPP_ROW = "GGUF Q4_1 (as shipped) through llama.cpp"
 # Scored tokens of the held-out text: 16 windows of 256. Perplexity's float-level
 # noise falls with their number (benchmarks.perplexity_noise); the fp32 reference
 # logits KL needs take 50 MB a window and each row scores them all, so the
-# whole text (30,000 tokens) is left to --heldout-tokens.
+# whole text (30,500 tokens) is left to --heldout-tokens.
 HELDOUT_TOKENS = 4096
 
 
