@@ -1,5 +1,7 @@
-"""GPTQ checkpoints: the GPTQLinear layer, config parsing, loading and saving,
-the transformers model of a checkpoint, and tensor parallelism (tp)."""
+"""GPTQ checkpoints: the GPTQLinear layer and the experts module over such
+layers, config parsing, loading, saving and v1 <-> v2 conversion, the
+transformers model of a checkpoint, quantization (round to nearest, and the
+GPTQ algorithm on a model), and tensor parallelism (tp)."""
 from .algorithm import quantize
 from .checkpoint import GPTQCheckpoint, GPTQCheckpointError, load_gptq, save_gptq
 from .convert import convert_checkpoint
