@@ -26,9 +26,10 @@ preload="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so.
 case ",$sanitizers," in *,undefined,*) preload="$preload $(gcc -print-file-name=libubsan.so)" ;; esac
 export LD_PRELOAD="$preload"
 cd "$work"
-# The op-level tests: every op, type, bit width, ISA and edge input reaches
-# the kernels here. The model-level tests run the same ops through layers and
-# whole models, for many more minutes under ASan, and stay in the plain run.
+# The op-level tests, the layers' and the C++ decode step's: every op, type,
+# bit width, ISA and edge input reaches the kernels here. The tests of whole
+# checkpoints and architectures run the same ops for many more minutes under
+# ASan, and stay in the plain run.
 PYTHONPATH="$work/python" python3 -m pytest -q -p no:cacheprovider -k "not compile and not cuda" \
   tests/test_cpu_kernels.py tests/test_gguf_ops.py tests/test_gguf_mul_mat_id.py tests/test_gguf_repack.py \
   tests/test_gguf_linear.py tests/test_gguf_fuzz.py tests/test_gptq_gemm.py tests/test_gptq_packing.py \
