@@ -9,8 +9,9 @@
                                                     directory's, running their own quantized weights:
                                                     greedy, or sampled with --temperature (--top-k,
                                                     --top-p, --seed); --tokens, --threads, --chat,
-                                                    --no-repack, --compile, --int8-activations,
-                                                    --float-tables (`--help` says what each does)
+                                                    --no-repack, --compile, --check-tensors,
+                                                    --int8-activations, --float-tables (`--help`
+                                                    says what each does)
 """
 import argparse
 import contextlib
