@@ -894,6 +894,8 @@ def test_phi3_config_from_gguf():
     for bad in (float("inf"), 0.0):
         with pytest.raises(GGUFError, match=r"rope_factors_short.weight holds .* at \[5\]"):
             config_from_gguf(metadata, {**tensors, "rope_factors_short.weight": _Tensor([1.0] * 5 + [bad] + [1.0] * 42)})
+    with pytest.raises(GGUFError, match=r"'phi3.rope.scaling.attn_factor': must be <= 10000.0, got 1e\+30"):
+        config_from_gguf({**metadata, "phi3.rope.scaling.attn_factor": 1e30}, tensors)
     with pytest.raises(GGUFError, match=r"'phi3.attention.key_length': phi3 heads have 128 dimensions, "
                                         r"not hidden / heads = 96"):
         config_from_gguf({**phi3_metadata(32, 32, 96), "phi3.attention.key_length": 128}, [])

@@ -31,6 +31,14 @@ MAX_ROPE_BASE = 1e12
 # The norms' epsilon: models use 10^-6 to 10^-5; at 1 and above it outweighs
 # the mean square of unit activations, and the norm no longer normalizes.
 MAX_NORM_EPS = 1.0
+# Multipliers and caps of activations, attention scores and logits (Granite's
+# multipliers, softcaps, a rotary attention factor) and rotary scaling
+# factors: released models' lie within 10^-3 .. 10^2 (Granite's 1/128 to 16,
+# Gemma 2's softcaps 30 and 50, Llama 3.1's rope factor 8, DeepSeek-V3's 40).
+# Above MAX_SCALE or below 1 / MAX_SCALE a unit activation scaled by one
+# leaves float16's normal numbers (6e-5 .. 65504); far above, a rope factor
+# makes NaN rotation tables.
+MAX_SCALE = 1e4
 
 
 # A file's names and values (a tensor's, a module's or a key's name, a config

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .._checks import MAX_INT, MAX_NORM_EPS, MAX_ROPE_BASE, check_positive, shown
+from .._checks import MAX_INT, MAX_NORM_EPS, MAX_ROPE_BASE, MAX_SCALE, check_positive, shown
 from .file import GGUFError
 
 __all__ = ["Architecture", "ARCHITECTURES", "EXPERT_TENSORS", "architecture", "check_architecture", "hf_name",
@@ -172,6 +172,16 @@ def _rope_base(m: _Metadata, key: str, default: float) -> float:
     return m.get(key, float, default, positive=True, maximum=MAX_ROPE_BASE)
 
 
+def _scale(m: _Metadata, key: str, default: Any = _REQUIRED, zero: bool = False) -> float | None:
+    """A multiplier or softcap, within 1 / MAX_SCALE .. MAX_SCALE (a unit
+    activation scaled by one stays a float16 number), or 0 where `zero`
+    (llama.cpp's: the default, or none)."""
+    value = m.get(key, float, default, minimum=0.0, positive=not zero, maximum=MAX_SCALE)
+    if value and value < 1 / MAX_SCALE:
+        raise m.error(key, f"must be {'0 or ' if zero else ''}>= {1 / MAX_SCALE}, got {shown(value)}")
+    return value
+
+
 def _rope_parameters(config: dict) -> dict:
     """transformers' rope_parameters, taken out of the config so far's
     rope_theta and rope_scaling (for the classes that spell them so)."""
@@ -196,11 +206,11 @@ def _granite_extra(m, arch, tensors, config):
     each sublayer's output scale (absent or 0: 1), the attention's (absent
     or 0: 1 / sqrt(head)), and the logits' divisor (required, as llama.cpp requires it)."""
     return {**_llama_extra(m, arch, tensors, config),
-            "embedding_multiplier": m.get(f"{arch}.embedding_scale", float, 0.0, minimum=0) or 1.0,
-            "residual_multiplier": m.get(f"{arch}.residual_scale", float, 0.0, minimum=0) or 1.0,
-            "attention_multiplier": m.get(f"{arch}.attention.scale", float, 0.0, minimum=0)
+            "embedding_multiplier": _scale(m, f"{arch}.embedding_scale", 0.0, zero=True) or 1.0,
+            "residual_multiplier": _scale(m, f"{arch}.residual_scale", 0.0, zero=True) or 1.0,
+            "attention_multiplier": _scale(m, f"{arch}.attention.scale", 0.0, zero=True)
             or config["head_dim"] ** -0.5,
-            "logits_scaling": m.get(f"{arch}.logit_scale", float, positive=True)}
+            "logits_scaling": _scale(m, f"{arch}.logit_scale")}
 
 
 def _qwen3_extra(m, arch, tensors, config):
@@ -293,8 +303,8 @@ def _gemma2_extra(m, arch, tensors, config):
         "hidden_activation": "gelu_pytorch_tanh",
         "sliding_window": _sliding_window(m, arch, config, 4096, positive=True),
         "layer_types": _layer_types(m, arch, layers, 2),
-        "attn_logit_softcapping": m.get(f"{arch}.attn_logit_softcapping", float, 50.0, positive=True),
-        "final_logit_softcapping": m.get(f"{arch}.final_logit_softcapping", float, 30.0, positive=True),
+        "attn_logit_softcapping": _scale(m, f"{arch}.attn_logit_softcapping", 50.0),
+        "final_logit_softcapping": _scale(m, f"{arch}.final_logit_softcapping", 30.0),
         "query_pre_attn_scalar": _query_pre_attn_scalar(config, 46),
     }
 
@@ -308,7 +318,7 @@ def _gemma3_extra(m, arch, tensors, config):
     sliding = {"rope_type": "default",
                "rope_theta": _rope_base(m, f"{arch}.rope.freq_base_swa", 10000.0)}
     full = _rope_parameters(config)
-    softcap = m.get(f"{arch}.final_logit_softcapping", float, 0.0, minimum=0)
+    softcap = _scale(m, f"{arch}.final_logit_softcapping", 0.0, zero=True)
     return {
         "hidden_activation": "gelu_pytorch_tanh",
         # Without a window every layer is global, but transformers' Gemma3 builds
@@ -389,7 +399,7 @@ def _longrope_factors(m, arch, tensors, frequencies: int) -> dict:
         values = t.dequantize().reshape(-1)
         check_positive(values, f"{m.where}: rope_factors_{kind}.weight", GGUFError)
         factors[f"{kind}_factor"] = values.tolist()
-    attention = m.get(f"{arch}.rope.scaling.attn_factor", float, None, positive=True)
+    attention = _scale(m, f"{arch}.rope.scaling.attn_factor", None)
     if attention is not None:
         factors["attention_factor"] = attention
     return factors
@@ -703,10 +713,12 @@ def _rope_scaling(m: _Metadata, arch: str) -> dict[str, Any] | None:
         raise m.error(key, f"{shown(kind)} is not supported (none, linear, yarn"
                            f"{', longrope' if arch == 'phi3' else ''})")
     if kind == "linear":  # a factor of 0 or 1, or none, scales nothing (llama.cpp's reading)
-        factor = m.get(factor_key, float, 0.0, minimum=0.0)
+        factor = m.get(factor_key, float, 0.0, minimum=0.0, maximum=MAX_SCALE)
+        if 0.0 < factor < 1.0:  # transformers' linear scaling divides by it: a tiny one makes NaN rotation tables
+            raise m.error(factor_key, f"{factor}: linear factors below 1 (but 0: none) are not supported")
         return None if factor in (0.0, 1.0) else {"rope_type": "linear", "factor": factor}
     # Below 1, llama.cpp scales attention by 1 + 0.1 ln(factor) (< 1), transformers by 1.
-    factor = m.get(factor_key, float, minimum=1.0)
+    factor = m.get(factor_key, float, minimum=1.0, maximum=MAX_SCALE)
     # llama.cpp's corrections range is whole dimensions (floor / ceil):
     # transformers' truncate, its default. The betas default alike; an
     # attention factor or extrapolation mix of the file's own, which
