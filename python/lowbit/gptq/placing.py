@@ -14,7 +14,8 @@ import warnings
 import torch
 from torch import nn
 
-from .._checks import MAX_INT, MAX_NORM_EPS, MAX_ROPE_BASE, check_finite, check_path, shown, shown_names
+from .._checks import (MAX_INT, MAX_NORM_EPS, MAX_ROPE_BASE, MAX_SCALE, check_finite, check_path, is_integer,
+                       shown, shown_names)
 from .._placing import (GPTQ_SAVE_ADVICE, ReplaceReport, checked, get_module, load_tensor, model_dtype, on_meta,
                         rebuild_computed_buffers, refuse_save_pretrained, tensor_holders)
 from ..fusing import fuse_projections
@@ -100,49 +101,87 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     return checked(model, f"load_gptq_model: {directory}", GPTQCheckpointError)
 
 
+# Multipliers and softcaps of activations, attention scores and logits (Granite's, Gemma's).
+SCALE_KEYS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
+              "attn_logit_softcapping", "final_logit_softcapping")
 # Config values that must be finite and > 0 where a config.json has them:
 # transformers takes any number (a linear rope factor of 0 only warns), and
 # a norm's epsilon below 0 or a rotary base of 0 gives NaN or wrong logits.
 # The rotary keys are read at the top level and in rope_parameters /
 # rope_scaling (per layer type too), as transformers nests them.
-POSITIVE_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "max_position_embeddings")
+POSITIVE_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "max_position_embeddings",
+                 "query_pre_attn_scalar", "decoder_sparse_step", *SCALE_KEYS)
 POSITIVE_ROPE_KEYS = ("rope_theta", "factor", "attention_factor", "beta_fast", "beta_slow", "low_freq_factor",
                       "high_freq_factor", "original_max_position_embeddings", "partial_rotary_factor")
-# The most some of them may be (lowbit._checks: the GGUF loader's bounds too).
+# DeepSeek's YaRN attention scales, where 0 turns them off: finite and >= 0.
+MSCALE_KEYS = ("mscale", "mscale_all_dim")
+# The least and most some of them may be (lowbit._checks: the GGUF loader's
+# bounds too). transformers' validators ask rope factors of at least 1 (a
+# tiny linear one makes NaN rotation tables, a huge dynamic one too) and
+# rotate at most the whole head.
+MINIMA = {"factor": 1.0, "attention_factor": 1 / MAX_SCALE, **{key: 1 / MAX_SCALE for key in SCALE_KEYS}}
 MAXIMA = {"rms_norm_eps": MAX_NORM_EPS, "layer_norm_eps": MAX_NORM_EPS, "layer_norm_epsilon": MAX_NORM_EPS,
           "norm_eps": MAX_NORM_EPS, "rope_theta": MAX_ROPE_BASE, "max_position_embeddings": MAX_INT,
-          "original_max_position_embeddings": MAX_INT}
+          "original_max_position_embeddings": MAX_INT, "factor": MAX_SCALE, "attention_factor": MAX_SCALE,
+          "partial_rotary_factor": 1.0, **{key: MAX_SCALE for key in SCALE_KEYS + MSCALE_KEYS}}
+# A mixture of experts' count, under each class's name, which its experts per token may not exceed.
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 def check_config_values(config: dict, where: str) -> None:
     """Refuses, naming `where` and the key, a value of POSITIVE_KEYS or of the
-    rotary keys that is not a finite number > 0 (nor at most its MAXIMA),
-    LongRoPE factors that are not, KV heads that do not divide the attention
-    heads, and an attention window of 1 (transformers' sliding cache would
-    keep every row: lowbit.gguf.arch._sliding_window)."""
-    def positive(key, value):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    rotary keys that is not a finite number > 0 (>= 0 for MSCALE_KEYS) within
+    its MINIMA and MAXIMA, LongRoPE factors that are not, or not one per
+    rotated frequency (transformers only warns, and broadcasts one factor
+    over all), a partial rotation of no frequency, KV heads that do not divide
+    the attention heads, more experts per token than experts (or none), and
+    an attention window that is not a whole number from 2 (transformers'
+    sliding cache would keep every row of a window of 1: lowbit.gguf.arch._sliding_window)."""
+    def number(key, value):
+        name = key.rpartition(".")[2]
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+              and (value >= 0 if name in MSCALE_KEYS else value > 0))
         if not ok:
-            raise GPTQCheckpointError(f"{where}: {key} must be a finite number > 0, got {shown(value)}")
-        most = MAXIMA.get(key.rpartition(".")[2], math.inf)
+            raise GPTQCheckpointError(f"{where}: {key} must be a finite number {'>=' if name in MSCALE_KEYS else '>'} "
+                                      f"0, got {shown(value)}")
+        least, most = MINIMA.get(name, 0.0), MAXIMA.get(name, math.inf)
+        if value < least:
+            raise GPTQCheckpointError(f"{where}: {key} must be at least {least}, got {shown(value)}")
         if value > most:
             raise GPTQCheckpointError(f"{where}: {key} must be at most {most}, got {shown(value)}")
+
+    # The head size as transformers' rotary embeddings take it (None: the config gives none).
+    head, hidden, heads = config.get("head_dim"), config.get("hidden_size"), config.get("num_attention_heads")
+    if head is None and is_integer(hidden) and is_integer(heads) and heads > 0:
+        head = hidden // heads
 
     def rope(prefix, params):
         if not isinstance(params, dict):
             return
         for key, value in params.items():
-            if key in POSITIVE_ROPE_KEYS and value is not None:
-                positive(f"{prefix}.{key}", value)
-            elif key in ("long_factor", "short_factor") and value is not None:
-                for i, v in enumerate(value if isinstance(value, list) else [value]):
-                    positive(f"{prefix}.{key}[{i}]", v)
+            if key in POSITIVE_ROPE_KEYS + MSCALE_KEYS and value is not None:
+                number(f"{prefix}.{key}", value)
             elif isinstance(value, dict):
                 rope(f"{prefix}.{key}", value)
+        # The frequencies a head rotates, as transformers counts them.
+        part = params.get("partial_rotary_factor", 1.0)
+        count = int(head * part) // 2 if is_integer(head) else None
+        if count is not None and count < 1:
+            raise GPTQCheckpointError(f"{where}: {prefix}.partial_rotary_factor {shown(part)} of a head of {head} "
+                                      "dimensions rotates no frequency")
+        for key in ("long_factor", "short_factor"):
+            factors = params.get(key)
+            if factors is None:
+                continue
+            if not isinstance(factors, list) or count is not None and len(factors) != count:
+                raise GPTQCheckpointError(f"{where}: {prefix}.{key} must be a list of one factor per rotated "
+                                          f"frequency ({count}), got {shown(factors)}")
+            for i, v in enumerate(factors):
+                number(f"{prefix}.{key}[{i}]", v)
 
     for key in POSITIVE_KEYS + POSITIVE_ROPE_KEYS:
         if config.get(key) is not None:
-            positive(key, config[key])
+            number(key, config[key])
     heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
     if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads <= 0 or heads % kv_heads):
         # transformers builds the model and fails in its first forward: each KV head serves a whole set of heads.
@@ -150,9 +189,20 @@ def check_config_values(config: dict, where: str) -> None:
                                   f"{heads}")
     for key in ("rope_parameters", "rope_scaling"):
         rope(key, config.get(key))
-    if config.get("sliding_window") == 1:
-        raise GPTQCheckpointError(f"{where}: sliding_window 1 (each token attending to itself alone) is not "
-                                  "supported: transformers' sliding cache would keep every row")
+    count_key = next((key for key in EXPERT_COUNT_KEYS if is_integer(config.get(key)) and config[key] > 0), None)
+    used = config.get("num_experts_per_tok")
+    if count_key is not None and used is not None and not (is_integer(used) and 1 <= used <= config[count_key]):
+        # torch.topk fails in the first forward on more, and none makes every expert layer's output 0.
+        raise GPTQCheckpointError(f"{where}: num_experts_per_tok must be a whole number from 1 to {count_key} "
+                                  f"({config[count_key]}), got {shown(used)}")
+    # A window applies to the config's sliding layers, or to every layer where it names no layer types
+    # (Qwen2-MoE's 0 over layers all full is none).
+    window, layer_types = config.get("sliding_window"), config.get("layer_types")
+    slides = "sliding_attention" in layer_types if isinstance(layer_types, list) else True
+    if window is not None and slides and not (is_integer(window) and 2 <= window <= MAX_INT):
+        raise GPTQCheckpointError(f"{where}: sliding_window {shown(window)} is not supported: a window is a whole "
+                                  f"number of tokens from 2 to {MAX_INT}, or null for none (transformers' sliding "
+                                  "cache would keep every row of a window of 1)")
 
 
 def place_gptq_checkpoint(model: nn.Module, path: str, checkpoint_format: str | None = None,
