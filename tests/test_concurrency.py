@@ -284,6 +284,73 @@ def test_kernel_threads_calls_on_two_threads_restore_their_own(two_torch_threads
     assert (ops.cpu_threads(), ops.cpu_team()) == (0, "pool")
 
 
+def test_a_forked_child_keeps_only_its_own_threads_calls():
+    """A child forked while another thread's kernel_threads call runs (and a
+    third thread holds the settings' lock) has neither thread: its own calls
+    do not wait for that lock, and lowbit's pool follows torch's count again
+    (the parent's call pinned it at two), before and after them. A child
+    forked inside a call of its own thread ends that call and restores the
+    settings as it does."""
+    script = textwrap.dedent("""
+        import os, sys, threading, time, torch
+        sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "tests")]
+        import lowbit
+        from lowbit import ops
+        from tiny_models import tiny_model
+        torch.set_num_threads(2)
+        model = lowbit.kernel_threads(tiny_model("llama", 0).eval())
+        inside, held, release = threading.Event(), threading.Event(), threading.Event()
+        forks = []  # the main thread's call forks where this holds True, and keeps the child's pid
+        def call():
+            with torch.no_grad():
+                model(torch.tensor([[1, 2, 3]]))
+        def restored():
+            return (ops.cpu_threads(), ops.cpu_team(), lowbit.threads._SPLIT_CALLS[0]) == (0, "pool", 0)
+        def wait(pid, what):
+            deadline = time.monotonic() + 30
+            while (status := os.waitpid(pid, os.WNOHANG))[0] == 0:
+                if time.monotonic() > deadline:
+                    os.kill(pid, 9)
+                    sys.exit(f"the child forked {what} hangs")
+                time.sleep(0.05)
+            if os.waitstatus_to_exitcode(status[1]) != 0:
+                sys.exit(f"the child forked {what} has its settings unrestored")
+        def pause(module, args):
+            if threading.current_thread().name == "A":
+                inside.set()
+                release.wait(60)
+            elif forks == [True]:
+                forks[0] = os.fork()
+        def hold():
+            with lowbit.threads._SETTINGS_LOCK:
+                held.set()
+                release.wait(60)
+        model.model.layers[0].mlp.register_forward_pre_hook(pause)
+        threads = [threading.Thread(target=call, name="A", daemon=True), threading.Thread(target=hold, daemon=True)]
+        threads[0].start()
+        inside.wait(60)
+        threads[1].start()
+        held.wait(60)
+        pid = os.fork()
+        if pid == 0:
+            before = restored()
+            call()
+            os._exit(0 if before and restored() else 3)
+        wait(pid, "beside other threads' calls")
+        release.set()
+        for t in threads:
+            t.join(60)
+        forks.append(True)
+        call()
+        if forks[0] == 0:
+            os._exit(0 if restored() else 3)
+        wait(forks[0], "inside its own thread's call")
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_kernel_threads_runs_long_calls_on_torchs_team(two_torch_threads):
     """A call over TORCH_TEAM_TOKENS tokens (batch x sequence) or more keeps
     torch's threads and runs lowbit's kernels on them; shorter ones split;

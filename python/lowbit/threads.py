@@ -31,6 +31,7 @@ kernel_threads(model, False) removes it.
 from __future__ import annotations
 
 import inspect
+import os
 import threading
 
 import torch
@@ -67,6 +68,32 @@ _SETTINGS_LOCK = threading.Lock()
 _SPLIT_CALLS = [0, None]  # split calls running, the settings before the first of them
 
 
+class _OwnSplits(threading.local):
+    calls = 0  # of _SPLIT_CALLS[0], those running on this thread
+
+
+_OWN_SPLITS = _OwnSplits()
+
+
+def _forked_child() -> None:
+    """A forked child has only the forking thread: the split calls other
+    threads ran at the fork never end there, so they leave the count, and
+    with none of the child's own left the settings they changed go back (a
+    DataLoader worker setting torch to one thread would keep lowbit's pool
+    at the parent's count otherwise). The lock may have been held by one of
+    those threads, and would never be released."""
+    global _SETTINGS_LOCK
+    _SETTINGS_LOCK = threading.Lock()
+    own = _OWN_SPLITS.calls
+    if _SPLIT_CALLS[0] > own == 0:
+        torch.ops.lowbit.cpu_threads(_SPLIT_CALLS[1][0])
+        torch.ops.lowbit.cpu_team(_SPLIT_CALLS[1][1])
+    _SPLIT_CALLS[0] = own
+
+
+os.register_at_fork(after_in_child=_forked_child)
+
+
 def split_threads(args=(), kwargs=None, torch_team_tokens: int | None = TORCH_TEAM_TOKENS,
                   threads: int | None = None):
     """Before a call on CPU inputs: torch's ops on one thread and lowbit's
@@ -87,6 +114,7 @@ def split_threads(args=(), kwargs=None, torch_team_tokens: int | None = TORCH_TE
         if _SPLIT_CALLS[0] == 0:
             _SPLIT_CALLS[1] = (torch.ops.lowbit.cpu_threads(), torch.ops.lowbit.cpu_team())
         _SPLIT_CALLS[0] += 1
+        _OWN_SPLITS.calls += 1
         pool_threads = _SPLIT_CALLS[1][0]
     if torch_team_tokens is not None and first.dim() >= 2 and first.shape[0] * first.shape[1] >= torch_team_tokens:
         torch.ops.lowbit.cpu_team("torch")
@@ -106,6 +134,7 @@ def restore_threads(saved) -> None:
         torch.set_num_threads(saved)
         with _SETTINGS_LOCK:
             _SPLIT_CALLS[0] -= 1
+            _OWN_SPLITS.calls -= 1
             if _SPLIT_CALLS[0] == 0:
                 torch.ops.lowbit.cpu_threads(_SPLIT_CALLS[1][0])
                 torch.ops.lowbit.cpu_team(_SPLIT_CALLS[1][1])
