@@ -5,6 +5,7 @@ processes at once (read-only, copy-on-write memory maps), and the CPU
 kernels' thread pool gives the same results on any thread count, works in a
 forked child, and kernel_threads hands torch's threads to it in a model's forward calls."""
 import ast
+import itertools
 import os
 import subprocess
 import sys
@@ -479,6 +480,53 @@ def test_an_interrupted_call_restores_threads_and_autograd(two_torch_threads, in
     assert (torch.get_num_threads(), ops.cpu_threads()) == (2, 0)
     model.train()
     assert model(ids, labels=ids).loss.requires_grad
+
+
+def test_an_interrupt_as_a_setting_changes_restores_everything(two_torch_threads, monkeypatch):
+    """Ctrl-C's KeyboardInterrupt is raised as a call returns, one of
+    kernel_threads' own among them: raised as each of its calls setting or
+    reading torch's count, lowbit's pool or a generate call's saved count
+    returns in turn, inside a split or a restore, it leaves torch's count,
+    lowbit's pool and the count of split calls as they were."""
+    import lowbit.threads
+    from tiny_models import tiny_model
+
+    model = lowbit.kernel_threads(tiny_model("llama", 0).eval(), torch_team_tokens=3)
+    settings = [(torch, "set_num_threads"), (torch.ops.lowbit, "cpu_threads"), (torch.ops.lowbit, "cpu_team")]
+    calls = {"forward": lambda: model(torch.tensor([[1, 2]])),
+             "long forward": lambda: model(torch.tensor([[1, 2, 3]])),
+             "generate": lambda: model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False,
+                                                pad_token_id=0)}
+    for name, call in calls.items():
+        for k in itertools.count(1):  # the k-th call is interrupted, until the model's call makes fewer
+            made = []
+
+            def interrupt_kth(setting):
+                def interrupting(*args):
+                    result = setting(*args)
+                    made.append(args)
+                    if len(made) == k:
+                        raise KeyboardInterrupt
+                    return result
+                return interrupting
+
+            for owner, attribute in settings:
+                monkeypatch.setattr(owner, attribute, interrupt_kth(getattr(owner, attribute)))
+            generating = lowbit.threads._KernelThreads.generating  # a generate call's thread counts
+            monkeypatch.setattr(lowbit.threads._KernelThreads, "generating", property(interrupt_kth(generating.fget)))
+            try:
+                with torch.no_grad():
+                    call()
+            except KeyboardInterrupt:
+                finished = False
+            else:
+                finished = True
+            monkeypatch.undo()
+            after = (torch.get_num_threads(), ops.cpu_threads(), ops.cpu_team(), lowbit.threads._SPLIT_CALLS[0])
+            assert after == (2, 0, "pool", 0), (name, k)
+            if finished:
+                break
+        assert k > 1, name
 
 
 def test_a_temporary_model_s_forward_and_generate_run(tmp_path):

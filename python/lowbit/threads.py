@@ -110,34 +110,49 @@ def split_threads(args=(), kwargs=None, torch_team_tokens: int | None = TORCH_TE
     threads = current if threads is None else threads
     if threads == 1 or first is None or first.device.type != "cpu":
         return None
-    with _SETTINGS_LOCK:
-        if _SPLIT_CALLS[0] == 0:
-            _SPLIT_CALLS[1] = (torch.ops.lowbit.cpu_threads(), torch.ops.lowbit.cpu_team())
-        _SPLIT_CALLS[0] += 1
-        _OWN_SPLITS.calls += 1
-        pool_threads = _SPLIT_CALLS[1][0]
-    if torch_team_tokens is not None and first.dim() >= 2 and first.shape[0] * first.shape[1] >= torch_team_tokens:
-        torch.ops.lowbit.cpu_team("torch")
-        if current != threads:
-            torch.set_num_threads(threads)
+    # Ctrl-C's KeyboardInterrupt is raised as a call returns, one here too,
+    # and the caller then has nothing to restore: this call's changes are
+    # undone here once counted (no call runs between the counts and
+    # `counted`, so no interrupt lands there).
+    counted = False
+    try:
+        with _SETTINGS_LOCK:
+            if _SPLIT_CALLS[0] == 0:
+                _SPLIT_CALLS[1] = (torch.ops.lowbit.cpu_threads(), torch.ops.lowbit.cpu_team())
+            _SPLIT_CALLS[0] += 1
+            _OWN_SPLITS.calls += 1
+            counted = True
+            pool_threads = _SPLIT_CALLS[1][0]
+        if torch_team_tokens is not None and first.dim() >= 2 and first.shape[0] * first.shape[1] >= torch_team_tokens:
+            torch.ops.lowbit.cpu_team("torch")
+            if current != threads:
+                torch.set_num_threads(threads)
+            return current
+        torch.ops.lowbit.cpu_team("pool")
+        if pool_threads == 0:  # lowbit follows torch's count: hold it at `threads`, within cpu_threads' range
+            torch.ops.lowbit.cpu_threads(min(threads, MAX_POOL_THREADS))
+        if current != 1:
+            torch.set_num_threads(1)
         return current
-    torch.ops.lowbit.cpu_team("pool")
-    if pool_threads == 0:  # lowbit follows torch's count: hold it at `threads`, within cpu_threads' range
-        torch.ops.lowbit.cpu_threads(min(threads, MAX_POOL_THREADS))
-    if current != 1:
-        torch.set_num_threads(1)
-    return current
+    except BaseException:
+        if counted:
+            restore_threads(current)
+        raise
 
 
 def restore_threads(saved) -> None:
     if saved is not None:
-        torch.set_num_threads(saved)
-        with _SETTINGS_LOCK:
-            _SPLIT_CALLS[0] -= 1
-            _OWN_SPLITS.calls -= 1
-            if _SPLIT_CALLS[0] == 0:
-                torch.ops.lowbit.cpu_threads(_SPLIT_CALLS[1][0])
-                torch.ops.lowbit.cpu_team(_SPLIT_CALLS[1][1])
+        try:
+            torch.set_num_threads(saved)
+        finally:  # an interrupt raised as one setting returns leaves the others to restore still
+            with _SETTINGS_LOCK:
+                _SPLIT_CALLS[0] -= 1
+                _OWN_SPLITS.calls -= 1
+                if _SPLIT_CALLS[0] == 0:
+                    try:
+                        torch.ops.lowbit.cpu_threads(_SPLIT_CALLS[1][0])
+                    finally:
+                        torch.ops.lowbit.cpu_team(_SPLIT_CALLS[1][1])
 
 
 class _KernelThreads:
@@ -231,14 +246,16 @@ class _ThreadedGenerate(_ModelAttribute):
         model = self.model
         state = model.__dict__.get(_STATE)
         saved = None if state is None else split_threads(args, kwargs, None)
-        if saved is not None:
-            state.generating.append(saved)
-        try:
+        generating = None  # the thread's generate calls, once this one is among them
+        try:  # an interrupt raised as state.generating returns still restores the split
+            if saved is not None:
+                generating = state.generating
+                generating.append(saved)
             return type(model).generate(model, *args, **kwargs)
         finally:
-            if saved is not None:
-                state.generating.pop()
-                restore_threads(saved)
+            if generating is not None:
+                generating.pop()
+            restore_threads(saved)
             forward = model.__dict__.get("forward")
             if isinstance(forward, _ModelAttribute):
                 forward.generated()
