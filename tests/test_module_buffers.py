@@ -93,14 +93,16 @@ def test_load_state_dict_refuses_codes_of_another_dtype(make):
     assert torch.equal(run(module), run(other))
 
 
-def test_load_state_dict_takes_g_idx_of_any_integer_dtype():
+@pytest.mark.parametrize("assign", [False, True])
+def test_load_state_dict_takes_g_idx_of_any_integer_dtype(assign):
     """An index, not a code: int64 g_idx (as some checkpoints store it, and
-    the checkpoint loaders take) loads as before."""
+    the checkpoint loaders take) loads as int32, assigned too."""
     layer, other = gptq_linear(), gptq_linear()
     state = other.state_dict()
     state["g_idx"] = state["g_idx"].long()
-    layer.load_state_dict(state)
-    assert layer.g_idx.dtype == torch.int32 and torch.equal(run(layer), run(other))
+    layer.load_state_dict(state, assign=assign)
+    assert layer.g_idx.dtype == layer.state_dict()["g_idx"].dtype == torch.int32
+    assert torch.equal(run(layer), run(other))
     state["g_idx"] = state["g_idx"] + 0.7  # not an index: refused, not truncated
     with pytest.raises(RuntimeError, match="g_idx must be an integer tensor, got torch.float32"):
         layer.load_state_dict(state)
@@ -111,6 +113,33 @@ def test_load_state_dict_takes_g_idx_of_any_integer_dtype():
         with pytest.raises(RuntimeError, match=rf"g_idx holds {wraps}, beyond torch.int32"):
             layer.load_state_dict(state)
         assert torch.equal(run(layer), before)  # left as it was
+
+
+def repacked(make):
+    def build():
+        module = make()
+        module.repack()
+        return module
+    return build
+
+
+ASSIGNED = {**MODULES, "GGUFLinear repacked": repacked(gguf_linear), "GGUFExperts repacked": repacked(gguf_experts)}
+
+
+@pytest.mark.parametrize("make", ASSIGNED.values(), ids=ASSIGNED.keys())
+def test_load_state_dict_holds_assigned_views_contiguous(make):
+    """assign=True takes the state's tensors themselves: views that are not
+    contiguous (a fused layer's columns) are held contiguous, as the kernels
+    read them, in the repacked layout too."""
+    module, source = make(), make()
+    with torch.no_grad():  # nothing of what it computes comes from before the load
+        for t in quantized(module).values():
+            t.zero_()
+    state = {name: torch.stack([t, t], -1)[..., 0] for name, t in source.state_dict().items()}
+    assert not any(t.is_contiguous() for t in state.values())
+    module.load_state_dict(state, assign=True)
+    assert all(t.is_contiguous() for t in module.state_dict().values())
+    assert torch.equal(run(module), run(source))
 
 
 @pytest.mark.parametrize("make", [gguf_linear, gptq_linear], ids=["GGUFLinear", "GPTQLinear"])

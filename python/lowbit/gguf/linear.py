@@ -204,9 +204,6 @@ class GGUFLinear(StoredBuffers):
         self.unrepack()
         try:
             super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-            # assign=True takes the state's tensor itself, which may be a view: the kernels read contiguous rows.
-            if not self._buffers["qweight"].is_contiguous():
-                self._buffers["qweight"] = self._buffers["qweight"].contiguous()
         finally:
             if repacked:
                 self.repack()

@@ -439,11 +439,6 @@ class GPTQLinear(StoredBuffers):
         sorted_, repacked = self.rows_sorted, self.repacked
         self.unsort_rows()  # what is not loaded stays the checkpoint's
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        # assign=True takes the state's tensors themselves, which may be views
-        # (unfused_state_dict's columns of a fused layer): the kernels read contiguous ones.
-        for name in ("qweight", "qzeros", "scales", "g_idx"):
-            if not self._buffers[name].is_contiguous():
-                self._buffers[name] = self._buffers[name].contiguous()
         if sorted_:
             self.sort_rows()
         if repacked:
