@@ -368,6 +368,17 @@ def test_from_tensors_names_bits_and_a_qweight_it_cannot_read_shapes_from():
         lowbit.GPTQLinear.from_tensors(layer.qweight.flatten(), *tensors[1:], 4, 64)
 
 
+def test_from_tensors_refuses_a_g_idx_naming_a_group_it_has_not():
+    """The kernels refuse it on every call: refused where the layer is built."""
+    layer, _ = layer_and_linear()
+    for bad, found in ((1000, r"\[0, 1000\]"), (-1, r"\[-1, 3\]")):
+        g_idx = layer.g_idx.clone()
+        g_idx[0] = bad
+        with pytest.raises(ValueError, match=rf"^GPTQLinear.from_tensors: g_idx values must lie in \[0, 4\), "
+                                             rf"found {found}$"):
+            lowbit.GPTQLinear.from_tensors(layer.qweight, layer.qzeros, layer.scales, g_idx, layer.bias, 4, 64)
+
+
 @pytest.mark.parametrize("act_order", [False, True])
 def test_columns_of_another_layer_load_by_assignment_and_build_a_layer(act_order):
     """part_state's tensors are views of columns (not contiguous): from_tensors and load_state_dict(assign=True)

@@ -115,6 +115,20 @@ def test_load_state_dict_takes_g_idx_of_any_integer_dtype(assign):
         assert torch.equal(run(layer), before)  # left as it was
 
 
+@pytest.mark.parametrize("strict", [True, False])
+def test_load_state_dict_refuses_g_idx_naming_a_group_the_layer_has_not(strict):
+    """The kernels would refuse it on every later call: refused by name,
+    as the checkpoint loaders refuse it, and the layer left as it was."""
+    layer = gptq_linear()
+    expect = run(layer)
+    for bad, found in ((4, r"\[0, 4\]"), (-1, r"\[-1, 3\]")):
+        state = gptq_linear().state_dict()
+        state["g_idx"][7] = bad
+        with pytest.raises(RuntimeError, match=rf"GPTQLinear: g_idx values must lie in \[0, 4\), found {found}"):
+            layer.load_state_dict(state, strict=strict)
+        assert torch.equal(run(layer), expect)
+
+
 def repacked(make):
     def build():
         module = make()

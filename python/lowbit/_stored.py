@@ -33,6 +33,12 @@ def beyond(value: torch.Tensor, dtype: torch.dtype) -> int | None:
     return low if low < info.min else high if high > info.max else None
 
 
+def holds_integers(value) -> bool:
+    """Whether `value` is a tensor of an integer dtype (not bool)."""
+    return isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex()
+                                                    or value.dtype == torch.bool)
+
+
 CODES = ("qweight", "qzeros")  # the buffers (names ending so) of packed codes and raw blocks
 
 
@@ -53,7 +59,7 @@ def _dtypes_match(module: nn.Module, state_dict, prefix: str, error_msgs: list[s
             error_msgs.append(f"{type(module).__name__}: {prefix}{name} must be {buffer.dtype}, got {value.dtype} "
                               "(quantized codes are not cast)")
             match = False
-        elif value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+        elif not holds_integers(value):
             error_msgs.append(f"{type(module).__name__}: {prefix}{name} must be an integer tensor, got {value.dtype}")
             match = False
         elif (v := beyond(value, buffer.dtype)) is not None:

@@ -23,7 +23,7 @@ from .._mapping import map_private
 from .packing import fields_per_pack, words_per_pack
 from .config import GPTQCheckpointError, GPTQConfig, ModuleQuant, parse_config, read_config, read_json
 from ..fusing import ProjectionSlice, unfused_state_dict
-from .linear import GPTQLinear
+from .linear import GPTQLinear, g_idx_out_of_range
 
 INDEX_FILE = "model.safetensors.index.json"
 QUANT_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
@@ -271,9 +271,8 @@ def _module(name: str, q: ModuleQuant, config: GPTQConfig, t: dict[str, torch.Te
             raise GPTQCheckpointError(f"{where}: {key} has shape {tuple(t[key].shape)}, expected {shape}: qweight "
                                       f"{tuple(qweight.shape)} packs {K} inputs x {N} outputs at {q.bits} bits, "
                                       f"with group_size {q.group_size}")
-    if g_idx is not None and g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
-        raise GPTQCheckpointError(f"{where}: g_idx values must lie in [0, {groups}), found "
-                                  f"[{int(g_idx.min())}, {int(g_idx.max())}]")
+    if g_idx is not None and (error := g_idx_out_of_range(g_idx, groups)):
+        raise GPTQCheckpointError(f"{where}: {error}")
     check_finite_floats(scales, bias, where)
     try:
         # The checkpoint's (memory-mapped) tensors themselves: a copy would

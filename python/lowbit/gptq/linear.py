@@ -8,7 +8,7 @@ from torch import nn
 
 from .._checks import check_float_dtype, check_sizes, has_values
 from .._frozen import linear_forward
-from .._stored import StoredBuffers, beyond
+from .._stored import StoredBuffers, beyond, holds_integers
 from .packing import PANEL_COLS, fields_per_pack, from_panels, to_panels, words_per_pack
 from .config import check_bits_group_size, check_format
 from .rtn import quantize_rtn
@@ -36,6 +36,15 @@ def in_order_g_idx(in_features: int, group_size: int, device=None) -> torch.Tens
         return torch.empty(in_features, dtype=torch.int32, device="meta")
     g = in_features if group_size == -1 else min(group_size, max(in_features, 1))  # past K: one group
     return (torch.arange(in_features, device=device) // g).to(torch.int32)
+
+
+def g_idx_out_of_range(g_idx: torch.Tensor, groups: int) -> str | None:
+    """Why `g_idx` (integers) names a group outside [0, groups), which the
+    kernels refuse on every call; None where it does not (or has no values)."""
+    if not g_idx.numel() or not has_values(g_idx):
+        return None
+    low, high = int(g_idx.min()), int(g_idx.max())
+    return None if 0 <= low and high < groups else f"g_idx values must lie in [0, {groups}), found [{low}, {high}]"
 
 
 class GPTQLinear(StoredBuffers):
@@ -143,10 +152,12 @@ class GPTQLinear(StoredBuffers):
         layer = cls(in_features, qweight.shape[1], bits, group_size, sym, desc_act, checkpoint_format,
                     bias is not None, scales.dtype, device="meta")
         if g_idx is not None:
-            if g_idx.is_floating_point() or g_idx.is_complex() or g_idx.dtype == torch.bool:
+            if not holds_integers(g_idx):
                 raise ValueError(f"GPTQLinear.from_tensors: g_idx must hold integers, got {g_idx.dtype}")
             if (v := beyond(g_idx, torch.int32)) is not None:
                 raise ValueError(f"GPTQLinear.from_tensors: g_idx holds {v}, beyond int32")
+            if error := g_idx_out_of_range(g_idx, layer.qzeros.shape[0]):
+                raise ValueError(f"GPTQLinear.from_tensors: {error}")
         g_idx = in_order_g_idx(in_features, group_size, qweight.device) if g_idx is None else g_idx.to(torch.int32)
         given = {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}
         if bias is not None:
@@ -435,10 +446,18 @@ class GPTQLinear(StoredBuffers):
         if self.rows_sorted or self.repacked:  # a state dict holds the checkpoint's order, whatever loads it
             destination[prefix + "qweight"] = self.checkpoint_qweight()
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        g_idx = state_dict.get(prefix + "g_idx")
+        # One that is not integers, or beyond int32, _dtypes_match names as such.
+        if holds_integers(g_idx) and beyond(g_idx, torch.int32) is None \
+                and (error := g_idx_out_of_range(g_idx, self.qzeros.shape[0])):
+            error_msgs.append(f"GPTQLinear: {prefix}{error}")  # the layer is left as it was
+            return
         sorted_, repacked = self.rows_sorted, self.repacked
         self.unsort_rows()  # what is not loaded stays the checkpoint's
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
         if sorted_:
             self.sort_rows()
         if repacked:

@@ -36,7 +36,7 @@ from .checkpoint import (HEADER_DTYPES, GPTQCheckpointError, _module, check_fini
 from .config import GPTQConfig, check_format, read_config
 from .._checks import is_integer, shown, shown_text
 from .._stored import StoredBuffers
-from .linear import GPTQLinear
+from .linear import GPTQLinear, g_idx_out_of_range
 from .packing import fields_per_pack, words_per_pack
 
 __all__ = [
@@ -303,9 +303,8 @@ class _Source:
             g_idx = torch.arange(self.in_features, device=device) // self.rows_per_group
         # Checked before the int32 cast, which would wrap a value beyond it into range, as load_gptq checks it.
         groups = -(-self.in_features // self.rows_per_group)
-        if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
-            raise GPTQCheckpointError(f"{self.where or self.name}: g_idx values must lie in [0, {groups}), found "
-                                      f"[{int(g_idx.min())}, {int(g_idx.max())}]")
+        if error := g_idx_out_of_range(g_idx, groups):
+            raise GPTQCheckpointError(f"{self.where or self.name}: {error}")
         return g_idx.to(torch.int32)
 
 
