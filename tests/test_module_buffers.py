@@ -140,18 +140,26 @@ def repacked(make):
 ASSIGNED = {**MODULES, "GGUFLinear repacked": repacked(gguf_linear), "GGUFExperts repacked": repacked(gguf_experts)}
 
 
+# Tensors load_state_dict(assign=True) takes as they are: views that are not
+# contiguous (a fused layer's columns), and nn.Parameters
+# (state_dict(keep_vars=True)'s), which would take the buffers' places as
+# parameters (the codes then cast by module.type(), the forward's buffers gone).
+GIVEN = {"views": lambda t: torch.stack([t, t], -1)[..., 0],
+         "parameters": lambda t: torch.nn.Parameter(t, requires_grad=t.is_floating_point())}
+
+
+@pytest.mark.parametrize("given", GIVEN.values(), ids=GIVEN.keys())
 @pytest.mark.parametrize("make", ASSIGNED.values(), ids=ASSIGNED.keys())
-def test_load_state_dict_holds_assigned_views_contiguous(make):
-    """assign=True takes the state's tensors themselves: views that are not
-    contiguous (a fused layer's columns) are held contiguous, as the kernels
-    read them, in the repacked layout too."""
+def test_load_state_dict_holds_what_it_assigns_as_contiguous_buffers(make, given):
+    """Held as contiguous buffers, as the kernels read them, in the repacked
+    layout too."""
     module, source = make(), make()
+    names = [name for name, _ in module.named_buffers()]
     with torch.no_grad():  # nothing of what it computes comes from before the load
         for t in quantized(module).values():
             t.zero_()
-    state = {name: torch.stack([t, t], -1)[..., 0] for name, t in source.state_dict().items()}
-    assert not any(t.is_contiguous() for t in state.values())
-    module.load_state_dict(state, assign=True)
+    module.load_state_dict({name: given(t) for name, t in source.state_dict().items()}, assign=True)
+    assert not list(module.parameters()) and [name for name, _ in module.named_buffers()] == names
     assert all(t.is_contiguous() for t in module.state_dict().values())
     assert torch.equal(run(module), run(source))
 

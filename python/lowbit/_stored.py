@@ -72,10 +72,10 @@ class StoredBuffers(nn.Module):
     """A module holding checkpoint tensors as buffers: through _apply its
     integer buffers, and the float ones STORED_FLOATS names, keep their
     dtype; load_state_dict refuses tensors of another dtype for them
-    (_dtypes_match), and holds what assign=True gives it contiguous, its
-    integer buffers in their own dtypes. Subclasses' own _apply and
-    _load_from_state_dict (layout changes around the load) call these
-    through super()."""
+    (_dtypes_match), and holds what assign=True gives it as contiguous
+    buffers, its integer buffers in their own dtypes. Subclasses' own
+    _apply and _load_from_state_dict (layout changes around the load) call
+    these through super()."""
 
     STORED_FLOATS: tuple[str, ...] = ()
 
@@ -86,13 +86,19 @@ class StoredBuffers(nn.Module):
                               error_msgs):
         if not _dtypes_match(self, state_dict, prefix, error_msgs):
             return
-        held = {name: t.dtype for name, t in self._buffers.items() if t is not None}
+        order, held = list(self._buffers), {name: t.dtype for name, t in self._buffers.items() if t is not None}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        # assign=True takes the state's tensors themselves: a view (columns of
-        # a fused layer's) made contiguous, as the kernels read them, and an
-        # index of another integer dtype held in its buffer's, as a copy is.
-        for name, tensor in self._buffers.items():
-            if tensor is not None and prefix + name in state_dict and name in held:
-                dtype = tensor.dtype if tensor.is_floating_point() else held[name]
-                self._buffers[name] = tensor.to(dtype).contiguous()
+        # assign=True takes the state's tensors themselves: an nn.Parameter
+        # (state_dict(keep_vars=True)'s) would replace the buffer as a
+        # parameter, a view (columns of a fused layer's) is made contiguous,
+        # as the kernels read them, and an index of another integer dtype is
+        # held in its buffer's, as a copy is.
+        for name, dtype in held.items():
+            if prefix + name in state_dict:
+                assigned = self._parameters.pop(name, None)
+                tensor = self._buffers[name] if assigned is None else assigned.detach()
+                self._buffers[name] = tensor.to(tensor.dtype if tensor.is_floating_point() else dtype).contiguous()
+        if list(self._buffers) != order:  # a buffer back from the parameters: in its place, for state_dict's order
+            for name in order:
+                self._buffers[name] = self._buffers.pop(name)
