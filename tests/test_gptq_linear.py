@@ -126,6 +126,25 @@ def test_sorted_layer_copies_and_pickles():
         assert torch.equal(other(x), expect)
 
 
+def test_an_unsorted_layer_s_copies_hold_no_private_copy_of_its_rows():
+    """The private sorted copy of qweight an unsorted act-order layer runs
+    on is not copied (deepcopy, torch.save): a copy holds its weights once
+    and plans its own when it runs."""
+    import copy
+    import io
+
+    layer, _ = layer_and_linear(act_order=True)
+    x = torch.randn(2, IN)
+    expect = layer(x)
+    assert layer.private_copy() is not None
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    for other in (copy.deepcopy(layer), torch.load(buffer, weights_only=False)):
+        assert other.private_copy() is None and layer.private_copy() is not None
+        assert torch.equal(other(x), expect) and other.private_copy() is not None
+
+
 def test_sorted_layer_refuses_weights_written_in_place():
     layer, _ = layer_and_linear(act_order=True)
     other, _ = layer_and_linear(act_order=True, seed=1)

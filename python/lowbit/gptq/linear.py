@@ -436,6 +436,12 @@ class GPTQLinear(StoredBuffers):
             self._sorted_key = self._key()
         return out
 
+    def __getstate__(self):
+        # The plan holds a private sorted copy of qweight, keyed to these
+        # buffers' addresses: a copy (deepcopy, pickle, torch.save) would hold
+        # the weights twice, and plans its own from its buffers anyway.
+        return {**super().__getstate__(), "_plan": None}
+
     def __setstate__(self, state):
         super().__setstate__(state)
         if self.rows_sorted:  # a copy (deepcopy, pickle) holds new buffers of the same rows
