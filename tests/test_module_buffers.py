@@ -2,6 +2,8 @@
 every buffer: a cast (module.type, an _apply that casts every tensor) and
 load_state_dict of tensors of another dtype leave the quantized codes as
 stored; parametrizations of them are refused by name."""
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -162,6 +164,35 @@ def test_load_state_dict_holds_what_it_assigns_as_contiguous_buffers(make, given
     assert not list(module.parameters()) and [name for name, _ in module.named_buffers()] == names
     assert all(t.is_contiguous() for t in module.state_dict().values())
     assert torch.equal(run(module), run(source))
+
+
+def parameter(t):
+    return torch.nn.Parameter(t, requires_grad=t.is_floating_point())
+
+
+def test_modules_built_of_parameters_hold_them_as_buffers():
+    """nn.Parameters given to the constructors (a Linear's bias; a float32
+    one beside float16 scales is cast, a result with a graph) are held as
+    plain buffers: not registered as parameters, and without a graph, which
+    deepcopy refuses."""
+    bias = torch.nn.Linear(IN, OUT).bias
+    linear, gptq, table, experts = (make().state_dict() for make in MODULES.values())
+    q4_k, q8_0 = gb.type_id("Q4_K"), gb.type_id("Q8_0")
+    biases = {"gate": torch.randn(3, 64), "up": torch.randn(3, 64), "down": torch.randn(3, IN)}
+    built = [
+        lowbit.GPTQLinear.from_tensors(*(parameter(gptq[k]) for k in ("qweight", "qzeros", "scales", "g_idx")), bias,
+                                       4, 64, False, True, "gptq_v2"),
+        lowbit.GGUFLinear.from_raw(parameter(linear["qweight"]), q4_k, IN, bias),
+        lowbit.GGUFEmbedding(parameter(table["qweight"]), q8_0, IN),
+        lowbit.GGUFExperts(*((parameter(experts[f"{name}_qweight"].flatten(0, 1)), qtype)
+                             for name, qtype in (("gate", q8_0), ("up", q8_0), ("down", gb.type_id("Q4_0")))),
+                           experts=3, hidden_size=IN, intermediate_size=64, act_fn=torch.nn.SiLU(),
+                           biases={k: parameter(v) for k, v in biases.items()}),
+    ]
+    for module in built:
+        assert not list(module.parameters()) and all(type(t) is torch.Tensor for t in module.buffers())
+        assert not any(t.requires_grad for t in module.buffers()), type(module).__name__
+        assert torch.equal(run(copy.deepcopy(module)), run(module))
 
 
 @pytest.mark.parametrize("make", [gguf_linear, gptq_linear], ids=["GGUFLinear", "GPTQLinear"])

@@ -33,6 +33,15 @@ def beyond(value: torch.Tensor, dtype: torch.dtype) -> int | None:
     return low if low < info.min else high if high > info.max else None
 
 
+def as_buffer(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a module holds it in a buffer: detached where it is an
+    nn.Parameter (a Linear's bias, which would be registered as a
+    parameter) or has a graph (a result of one, which deepcopy refuses),
+    else itself (tied modules' tensors stay one); contiguous (the kernels
+    read whole rows: a view is copied)."""
+    return (t.detach() if isinstance(t, nn.Parameter) or t.requires_grad else t).contiguous()
+
+
 def holds_integers(value) -> bool:
     """Whether `value` is a tensor of an integer dtype (not bool)."""
     return isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex()
@@ -89,16 +98,16 @@ class StoredBuffers(nn.Module):
         order, held = list(self._buffers), {name: t.dtype for name, t in self._buffers.items() if t is not None}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        # assign=True takes the state's tensors themselves: an nn.Parameter
-        # (state_dict(keep_vars=True)'s) would replace the buffer as a
-        # parameter, a view (columns of a fused layer's) is made contiguous,
-        # as the kernels read them, and an index of another integer dtype is
-        # held in its buffer's, as a copy is.
+        # assign=True takes the state's tensors themselves, held here as
+        # as_buffer holds them (a view of a fused layer's columns; an
+        # nn.Parameter of state_dict(keep_vars=True), which takes the buffer's
+        # place as a parameter), an index of another integer dtype in its
+        # buffer's, as a copy is.
         for name, dtype in held.items():
             if prefix + name in state_dict:
                 assigned = self._parameters.pop(name, None)
-                tensor = self._buffers[name] if assigned is None else assigned.detach()
-                self._buffers[name] = tensor.to(tensor.dtype if tensor.is_floating_point() else dtype).contiguous()
+                tensor = self._buffers[name] if assigned is None else assigned
+                self._buffers[name] = as_buffer(tensor.to(tensor.dtype if tensor.is_floating_point() else dtype))
         if list(self._buffers) != order:  # a buffer back from the parameters: in its place, for state_dict's order
             for name in order:
                 self._buffers[name] = self._buffers.pop(name)

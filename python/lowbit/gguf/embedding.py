@@ -4,7 +4,7 @@ get_rows does (a float copy of a 128k-token table costs GBs)."""
 import torch
 
 from .._checks import check_sizes, has_values
-from .._stored import StoredBuffers
+from .._stored import StoredBuffers, as_buffer
 from .linear import check_qtype
 
 
@@ -35,7 +35,7 @@ class GGUFEmbedding(StoredBuffers):
                              f"{tuple(qweight.shape)}")
         check_sizes("GGUFEmbedding", num_embeddings=qweight.shape[0])
         self.num_embeddings, self.embedding_dim, self.qtype = qweight.shape[0], embedding_dim, qtype
-        self.register_buffer("qweight", qweight)
+        self.register_buffer("qweight", as_buffer(qweight))
         # The output dtype, held by an empty float buffer so that it follows
         # model.to(dtype) as a float weight would (the blocks stay uint8).
         self.register_buffer("out_dtype", torch.empty(0, dtype=dtype), persistent=False)

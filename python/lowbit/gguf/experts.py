@@ -9,7 +9,7 @@ from torch import nn
 
 from .._checks import check_sizes
 from .._frozen import call_layer_op
-from .._stored import StoredBuffers
+from .._stored import StoredBuffers, as_buffer
 from ..moe import check_routing
 from ..ops import GGMLType
 from .file import dequantize_rows, release_mapped
@@ -100,7 +100,7 @@ class GGUFExperts(StoredBuffers):
                 raise ValueError(f"GGUFExperts: {name} must be uint8 [experts * rows, row_bytes] = "
                                  f"[{experts * rows}, {row_bytes}] for {experts} experts of [{rows}, {n}] type "
                                  f"{qtype} weights, got {blocks.dtype} {tuple(blocks.shape)}")
-            self.register_buffer(f"{name}_qweight", blocks.view(experts, rows, row_bytes))
+            self.register_buffer(f"{name}_qweight", as_buffer(blocks).view(experts, rows, row_bytes))
             self.qtypes[name] = qtype
         self.act_fn, self.glu = act_fn, glu
         self.biased = biases is not None
@@ -111,7 +111,7 @@ class GGUFExperts(StoredBuffers):
             if bias is None or not bias.is_floating_point() or tuple(bias.shape) != (experts, rows):
                 raise ValueError(f"GGUFExperts: biases[{name!r}] must be a float [experts, rows] = [{experts}, {rows}] "
                                  f"tensor, got {None if bias is None else (bias.dtype, tuple(bias.shape))}")
-            self.register_buffer(f"{name}_bias", bias)
+            self.register_buffer(f"{name}_bias", as_buffer(bias))
 
     def _shapes(self) -> dict[str, tuple[int, int]]:
         """Each projection's [rows, n] per expert."""

@@ -7,7 +7,7 @@ from torch import nn
 
 from .._checks import check_finite, check_float_dtype, check_sizes, is_integer
 from .._frozen import linear_forward
-from .._stored import StoredBuffers
+from .._stored import StoredBuffers, as_buffer
 from .file import dequantize_rows, release_mapped
 
 # The ggml float weight types (F32, F16, BF16) of torch's dtypes.
@@ -84,7 +84,7 @@ class GGUFLinear(StoredBuffers):
         if tuple(qweight.shape) != tuple(layer.qweight.shape) or qweight.dtype != torch.uint8:
             raise ValueError(f"GGUFLinear.from_raw: qweight must be uint8 {tuple(layer.qweight.shape)} for "
                              f"{in_features} inputs of type {qtype}, got {qweight.dtype} {tuple(qweight.shape)}")
-        layer.qweight = qweight.contiguous()  # the kernels read whole rows (a view: copied)
+        layer.qweight = as_buffer(qweight)
         if bias is not None:
             layer.bias = bias.detach().clone()
         return layer

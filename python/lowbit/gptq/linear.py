@@ -8,7 +8,7 @@ from torch import nn
 
 from .._checks import check_float_dtype, check_sizes, has_values
 from .._frozen import linear_forward
-from .._stored import StoredBuffers, beyond, holds_integers
+from .._stored import StoredBuffers, as_buffer, beyond, holds_integers
 from .packing import PANEL_COLS, fields_per_pack, from_panels, to_panels, words_per_pack
 from .config import check_bits_group_size, check_format
 from .rtn import quantize_rtn
@@ -168,7 +168,7 @@ class GPTQLinear(StoredBuffers):
                 raise ValueError(f"GPTQLinear.from_tensors: {name} must be {expect.dtype} {tuple(expect.shape)} "
                                  f"beside qweight {tuple(qweight.shape)} at {bits} bits, got {tensor.dtype} "
                                  f"{tuple(tensor.shape)}")
-            setattr(layer, name, tensor.contiguous())  # the kernels read contiguous tensors (a view: copied)
+            setattr(layer, name, as_buffer(tensor))
         return layer
 
     def can_join(self, other: nn.Module) -> bool:
