@@ -3,6 +3,7 @@ every buffer: a cast (module.type, an _apply that casts every tensor) and
 load_state_dict of tensors of another dtype leave the quantized codes as
 stored; parametrizations of them are refused by name."""
 import copy
+import io
 
 import numpy as np
 import pytest
@@ -164,6 +165,49 @@ def test_load_state_dict_holds_what_it_assigns_as_contiguous_buffers(make, given
     assert not list(module.parameters()) and [name for name, _ in module.named_buffers()] == names
     assert all(t.is_contiguous() for t in module.state_dict().values())
     assert torch.equal(run(module), run(source))
+
+
+def saved_and_loaded(state):
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def test_load_state_dict_refuses_a_state_recording_another_layout():
+    """state_dict records how its bytes are read (in its metadata, which
+    torch.save keeps): a state of another ggml type of as many bytes a row
+    (Q4_0 and IQ4_NL blocks), or of GPTQ zeros of the other format, is
+    refused by name, and the module left as it was."""
+    rng = np.random.default_rng(3)
+    q4_0, iq4_nl, q8_0 = gb.type_id("Q4_0"), gb.type_id("IQ4_NL"), gb.type_id("Q8_0")
+    blocks = torch.from_numpy(gb.random_blocks(rng, "Q4_0", OUT, IN))
+
+    def experts(down):
+        def part(rows, n, name):
+            return torch.from_numpy(gb.random_blocks(rng, name, 3 * rows, n)), gb.type_id(name)
+        return lowbit.GGUFExperts(part(64, IN, "Q8_0"), part(64, IN, "Q8_0"), part(IN, 64, down), experts=3,
+                                  hidden_size=IN, intermediate_size=64, act_fn=torch.nn.SiLU())
+
+    def gptq(checkpoint_format):
+        torch.manual_seed(0)
+        return lowbit.GPTQLinear.from_linear(torch.nn.Linear(IN, OUT), 4, 64, False, checkpoint_format)
+
+    pairs = [(lowbit.GGUFLinear.from_raw(blocks, q4_0, IN), lowbit.GGUFLinear.from_raw(blocks, iq4_nl, IN), "qtype=2",
+              "qtype=20"),
+             (lowbit.GGUFEmbedding(blocks, q4_0, IN), lowbit.GGUFEmbedding(blocks, iq4_nl, IN), "qtype=2", "qtype=20"),
+             (experts("Q4_0"), experts("IQ4_NL"), rf"qtypes=\{{'gate': {q8_0}, 'up': {q8_0}, 'down': 2\}}",
+              rf"qtypes=\{{'gate': {q8_0}, 'up': {q8_0}, 'down': 20\}}"),
+             (gptq("gptq_v2"), gptq("gptq"), "checkpoint_format='gptq_v2'", "checkpoint_format='gptq'")]
+    for source, module, recorded, read in pairs:
+        source, module = torch.nn.ModuleDict({"layer": source}), torch.nn.ModuleDict({"layer": module})
+        expect = run(module["layer"])
+        for strict in (True, False):
+            with pytest.raises(RuntimeError, match=rf"{type(module['layer']).__name__}: the state of layer records "
+                                                   rf"{recorded}, where the module reads {read}"):
+                module.load_state_dict(saved_and_loaded(source.state_dict()), strict=strict)
+            assert torch.equal(run(module["layer"]), expect)
+        source.load_state_dict(saved_and_loaded(source.state_dict()))  # its own layout loads
 
 
 def parameter(t):

@@ -51,6 +51,19 @@ def holds_integers(value) -> bool:
 CODES = ("qweight", "qzeros")  # the buffers (names ending so) of packed codes and raw blocks
 
 
+def _layout_matches(module: StoredBuffers, local_metadata: dict, prefix: str, error_msgs: list[str]) -> bool:
+    """Whether each value of the module's layout() that the state's metadata
+    records is the module's; an error for each that is not goes to
+    `error_msgs` (the module is then left as it was)."""
+    match = True
+    for name, value in module.layout().items():
+        if name in local_metadata and local_metadata[name] != value:
+            error_msgs.append(f"{type(module).__name__}: the state of {prefix[:-1] or 'the module'} records "
+                              f"{name}={local_metadata[name]!r}, where the module reads {name}={value!r}")
+            match = False
+    return match
+
+
 def _dtypes_match(module: nn.Module, state_dict, prefix: str, error_msgs: list[str]) -> bool:
     """Whether each of `state_dict`'s tensors for the module's buffers of
     codes (CODES) has that buffer's dtype, and each for its other integer
@@ -81,19 +94,35 @@ class StoredBuffers(nn.Module):
     """A module holding checkpoint tensors as buffers: through _apply its
     integer buffers, and the float ones STORED_FLOATS names, keep their
     dtype; load_state_dict refuses tensors of another dtype for them
-    (_dtypes_match), and holds what assign=True gives it as contiguous
+    (_dtypes_match) and a state recording another layout()
+    (_layout_matches), and holds what assign=True gives it as contiguous
     buffers, its integer buffers in their own dtypes. Subclasses' own
-    _apply and _load_from_state_dict (layout changes around the load) call
-    these through super()."""
+    _apply, _save_to_state_dict and _load_from_state_dict (layout changes
+    around the load) call these through super()."""
 
     STORED_FLOATS: tuple[str, ...] = ()
+
+    def layout(self) -> dict:
+        """How the buffers' bytes are read (a ggml type, a GPTQ zero format),
+        as plain values: state_dict records them in its metadata, which
+        torch.save keeps (weights_only too), and load_state_dict refuses a
+        state that records others (a BF16 file's blocks, as many bytes a row
+        as an F16 layer's)."""
+        return {}
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        metadata = getattr(destination, "_metadata", {}).get(prefix[:-1])
+        if metadata is not None:
+            metadata.update(self.layout())
 
     def _apply(self, fn, recurse=True):
         return _applied_as_stored(self, lambda: super(StoredBuffers, self)._apply(fn, recurse), self.STORED_FLOATS)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        if not _dtypes_match(self, state_dict, prefix, error_msgs):
+        if not (_layout_matches(self, local_metadata, prefix, error_msgs)
+                and _dtypes_match(self, state_dict, prefix, error_msgs)):
             return
         order, held = list(self._buffers), {name: t.dtype for name, t in self._buffers.items() if t is not None}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,

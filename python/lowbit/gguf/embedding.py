@@ -42,6 +42,9 @@ class GGUFEmbedding(StoredBuffers):
         self.register_buffer("embed_scale", None if embed_scale is None else torch.tensor(embed_scale).to(dtype),
                              persistent=False)
 
+    def layout(self) -> dict:
+        return {"qtype": int(self.qtype)}
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # The ids nn.Embedding takes; index_select's own error would name neither the module nor `ids`.
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):

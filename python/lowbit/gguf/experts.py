@@ -113,6 +113,9 @@ class GGUFExperts(StoredBuffers):
                                  f"tensor, got {None if bias is None else (bias.dtype, tuple(bias.shape))}")
             self.register_buffer(f"{name}_bias", as_buffer(bias))
 
+    def layout(self) -> dict:
+        return {"qtypes": {name: int(qtype) for name, qtype in self.qtypes.items()}}
+
     def _shapes(self) -> dict[str, tuple[int, int]]:
         """Each projection's [rows, n] per expert."""
         return {"gate": (self.intermediate_size, self.hidden_size), "up": (self.intermediate_size, self.hidden_size),

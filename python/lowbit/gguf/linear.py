@@ -64,6 +64,9 @@ class GGUFLinear(StoredBuffers):
             self.bias = None
         self.repacked = False
 
+    def layout(self) -> dict:
+        return {"qtype": int(self.qtype)}
+
     @classmethod
     def from_raw(cls, qweight: torch.Tensor, qtype: int, in_features: int,
                  bias: Optional[torch.Tensor] = None) -> "GGUFLinear":

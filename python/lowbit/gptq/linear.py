@@ -171,6 +171,10 @@ class GPTQLinear(StoredBuffers):
             setattr(layer, name, as_buffer(tensor))
         return layer
 
+    def layout(self) -> dict:
+        # The zeros' format: v1 zeros are stored one below v2's, in tensors of the same shapes.
+        return {"checkpoint_format": self.checkpoint_format}
+
     def can_join(self, other: nn.Module) -> bool:
         """Whether `other`'s output columns can follow this layer's in one
         layer (joined) with the same results: the same quantization of the
