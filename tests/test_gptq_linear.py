@@ -126,7 +126,7 @@ def test_sorted_layer_copies_and_pickles():
         assert torch.equal(other(x), expect)
 
 
-def test_an_unsorted_layer_s_copies_hold_no_private_copy_of_its_rows():
+def test_copies_of_an_unsorted_layer_leave_out_its_private_copy():
     """The private sorted copy of qweight an unsorted act-order layer runs
     on is not copied (deepcopy, torch.save): a copy holds its weights once
     and plans its own when it runs."""

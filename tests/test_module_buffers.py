@@ -1,7 +1,9 @@
 """The quantized modules' checkpoint tensors through what nn.Module does to
 every buffer: a cast (module.type, an _apply that casts every tensor) and
-load_state_dict of tensors of another dtype leave the quantized codes as
-stored; parametrizations of them are refused by name."""
+load_state_dict of tensors of another dtype or another layout leave the
+quantized codes as stored; what load_state_dict assigns and the
+constructors are given is held as plain contiguous buffers;
+parametrizations of them are refused by name."""
 import copy
 import io
 
@@ -193,11 +195,12 @@ def test_load_state_dict_refuses_a_state_recording_another_layout():
         torch.manual_seed(0)
         return lowbit.GPTQLinear.from_linear(torch.nn.Linear(IN, OUT), 4, 64, False, checkpoint_format)
 
-    pairs = [(lowbit.GGUFLinear.from_raw(blocks, q4_0, IN), lowbit.GGUFLinear.from_raw(blocks, iq4_nl, IN), "qtype=2",
-              "qtype=20"),
-             (lowbit.GGUFEmbedding(blocks, q4_0, IN), lowbit.GGUFEmbedding(blocks, iq4_nl, IN), "qtype=2", "qtype=20"),
-             (experts("Q4_0"), experts("IQ4_NL"), rf"qtypes=\{{'gate': {q8_0}, 'up': {q8_0}, 'down': 2\}}",
-              rf"qtypes=\{{'gate': {q8_0}, 'up': {q8_0}, 'down': 20\}}"),
+    pairs = [(lowbit.GGUFLinear.from_raw(blocks, q4_0, IN), lowbit.GGUFLinear.from_raw(blocks, iq4_nl, IN),
+              f"qtype={q4_0}", f"qtype={iq4_nl}"),
+             (lowbit.GGUFEmbedding(blocks, q4_0, IN), lowbit.GGUFEmbedding(blocks, iq4_nl, IN), f"qtype={q4_0}",
+              f"qtype={iq4_nl}"),
+             (experts("Q4_0"), experts("IQ4_NL"), rf"qtypes=\{{'gate': {q8_0}, 'up': {q8_0}, 'down': {q4_0}\}}",
+              rf"qtypes=\{{'gate': {q8_0}, 'up': {q8_0}, 'down': {iq4_nl}\}}"),
              (gptq("gptq_v2"), gptq("gptq"), "checkpoint_format='gptq_v2'", "checkpoint_format='gptq'")]
     for source, module, recorded, read in pairs:
         source, module = torch.nn.ModuleDict({"layer": source}), torch.nn.ModuleDict({"layer": module})
