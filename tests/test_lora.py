@@ -476,3 +476,92 @@ def test_a_refused_adapter_file_leaves_the_model_as_it_came(model_path, tmp_path
     assert all(set(m.lora_A) <= {"own"} for m in own.modules() if isinstance(m, lowbit.lora.QuantizedLoraLinear))
     save_file(good, weights)
     assert lowbit.lora.load_adapter(own, tmp_path / "adapter", adapter_name="second") is own
+
+
+def saved_adapter(tmp_path):
+    """A tiny GGUF model's path, and an adapter (r=4, lora_alpha=8 on q_proj and v_proj) saved over it."""
+    path = tiny_models.write_tiny_gguf(tmp_path / "tiny.gguf", tiny_models.tiny_model("llama", 0), "llama")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(lowbit.load_gguf_model(path), lora_config(target_modules=["q_proj", "v_proj"]))
+    model.save_pretrained(tmp_path / "adapter")
+    return path, tmp_path / "adapter"
+
+
+def assert_refused_as_it_came(path, adapter, match):
+    """load_adapter refuses `adapter` with a ValueError matching `match`, the model left without adapter layers."""
+    model = lowbit.load_gguf_model(path)
+    ids = torch.tensor([[1, 7, 22, 5]])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    with pytest.raises(ValueError, match=match):
+        lowbit.lora.load_adapter(model, adapter)
+    assert not any(isinstance(m, peft.tuners.lora.LoraLayer) for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, want)
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("r", 10**9, "r must be an integer from 1 to 4"),  # PEFT would allocate 10^9 x in_features per layer
+    ("r", 0, "r must be an integer from 1 to 4"),
+    ("r", 4.0, "r must be an integer"),
+    ("r", "4", "r must be an integer"),
+    ("rank_pattern", {"q_proj": 10**9}, r"rank_pattern\['q_proj'\] must be an integer from 1 to 4"),
+    ("rank_pattern", [4], "rank_pattern must be an object"),
+    ("lora_alpha", float("nan"), "lora_alpha must be a number of magnitude"),  # every logit NaN
+    ("lora_alpha", float("inf"), "lora_alpha must be a number of magnitude"),
+    ("lora_alpha", 1e300, "lora_alpha must be a number of magnitude"),
+    ("lora_alpha", 0, "lora_alpha must be a number of magnitude"),  # the adapter would add nothing
+    ("lora_alpha", "8", "lora_alpha must be a number"),
+    ("alpha_pattern", {"v_proj": float("nan")}, r"alpha_pattern\['v_proj'\] must be a number"),
+    ("peft_type", "IA3", "peft_type must be 'LORA'"),
+    ("bias", "some", "bias must be one of"),  # PEFT refuses it after putting the adapter's layers in
+])
+def test_load_adapter_refuses_config_values_before_peft_reads_them(tmp_path, key, value, says):
+    """Ranks the file's lora_A tensors do not hold, alphas that are not a
+    finite, non-zero scale, and what PEFT refuses only after it has changed
+    the model are refused naming adapter_config.json and the key, the model
+    left as it came."""
+    import json
+
+    path, adapter = saved_adapter(tmp_path)
+    config_file = adapter / "adapter_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), key: value}))
+    assert_refused_as_it_came(path, adapter, f"load_adapter: {re.escape(str(config_file))}: {says}")
+
+
+def test_load_adapter_refuses_unreadable_files_naming_them(tmp_path):
+    """A config that is no JSON, weights truncated, missing (PEFT would look
+    for the directory on the Hugging Face Hub, its adapter's layers already
+    in the model) or a symlink loop: each refused naming the file, the model
+    left as it came."""
+    path, adapter = saved_adapter(tmp_path)
+    config_file, weights = adapter / "adapter_config.json", adapter / "adapter_model.safetensors"
+    config, good = config_file.read_text(), weights.read_bytes()
+    config_file.write_text(config[:100])
+    assert_refused_as_it_came(path, adapter, f"{re.escape(str(config_file))}: unreadable adapter config")
+    config_file.write_text(config)
+    weights.write_bytes(good[:100])
+    assert_refused_as_it_came(path, adapter, f"load_adapter: {re.escape(str(weights))}: unreadable")
+    weights.unlink()
+    assert_refused_as_it_came(path, adapter, f"{re.escape(str(weights))}: cannot read the adapter weights file")
+    weights.symlink_to(weights)
+    assert_refused_as_it_came(path, adapter, f"{re.escape(str(weights))}: cannot read the adapter weights file")
+
+
+def test_load_adapter_refuses_named_pipes_without_opening_them(tmp_path):
+    """A named pipe for either file would block the reader for good: refused by name."""
+    from test_gptq_checkpoint import run_isolated
+
+    path, adapter = saved_adapter(tmp_path)
+    for name, what in (("adapter_model.safetensors", "adapter weights file"),
+                       ("adapter_config.json", "adapter config")):
+        (adapter / name).unlink()
+        os.mkfifo(adapter / name)
+        out, _ = run_isolated(f"""
+            import lowbit, lowbit.lora
+            try:
+                lowbit.lora.load_adapter(lowbit.load_gguf_model({str(path)!r}), {str(adapter)!r})
+            except ValueError as e:
+                print(type(e).__name__, e)
+        """, timeout=60)
+        assert out == f"ValueError {adapter / name}: the {what} is not a regular file\n"

@@ -39,24 +39,31 @@ loaders (PeftModel.from_pretrained, its load_adapter) read a config without
 lowbit's layers: `load_adapter` here loads onto a lowbit model or, as one
 more adapter, onto a PEFT model of one, and refuses a file whose tensors
 are not exactly those the adapter's layers take, or hold NaN / inf (PEFT
-warns of the first and loads the second).
+warns of the first and loads the second), and a config whose ranks those
+tensors do not hold or whose alphas are no finite, non-zero scale (PEFT
+allocates the first and turns the logits NaN with the second).
 """
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import re
 
 import peft
+import safetensors
 import torch
 from peft.tuners.lora import LoraModel
 from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
+from ._checks import MAX_SCALE, check_regular_file, is_integer, shown, shown_text
 from ._stored import StoredBuffers
 from .fusing import ProjectionSlice
 from .gguf.experts import GGUFExperts
 from .gguf.linear import GGUFLinear
 from .gptq.experts import GPTQExperts
+from .gptq.config import read_json
 from .gptq.linear import GPTQLinear
 
 __all__ = ["LoraConfig", "QuantizedLoraLinear", "load_adapter", "register"]
@@ -65,6 +72,8 @@ __all__ = ["LoraConfig", "QuantizedLoraLinear", "load_adapter", "register"]
 EXPERTS = (GGUFExperts, GPTQExperts)
 EXPERT_WEIGHTS = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
 # init_lora_weights values that read the base layer's float weight.
+# PEFT's bias values.
+BIASES = ("none", "all", "lora_only")
 BASE_WEIGHT_INITS = ("pissa", "olora", "corda", "loftq", "orthogonal", "lora_ga", "mica")
 
 
@@ -233,6 +242,7 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, adapter_name: str = 
     adapter (its load_adapter), with the adapter's config registered: PEFT's
     own loaders build the config from the file, without lowbit's layers. A
     refused file leaves the model as it came."""
+    _check_files(os.fspath(path))
     config = register(peft.LoraConfig.from_pretrained(os.fspath(path)))
     config.inference_mode = not is_trainable
     fresh = not isinstance(model, peft.PeftModel)
@@ -280,3 +290,45 @@ def _check_loaded(model: peft.PeftModel, path: str, adapter_name: str) -> None:
     bad = [name for name, t in stored.items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:
         raise ValueError(f"lowbit.lora.load_adapter: {path}: tensor {bad[0]!r} holds a NaN or infinity")
+
+
+def _check_files(path: str) -> None:
+    """The adapter's files are regular files (a named pipe would block the
+    reader for good), its config a LoRA one whose ranks the file's lora_A
+    tensors hold and whose alphas scale by a finite, non-zero factor within
+    MAX_SCALE: PEFT allocates every layer's r x in_features adapter before
+    it reads a tensor (r = 10^9 asks for terabytes), and takes a NaN, inf or
+    1e300 alpha, which turns every logit NaN."""
+    config_file = os.path.join(path, "adapter_config.json")
+    weights_file = os.path.join(path, "adapter_model.safetensors")
+    for file, what in ((config_file, "adapter config"), (weights_file, "adapter weights file")):
+        check_regular_file(file, what)  # here, not in read_json: a ValueError, not one of a GPTQ checkpoint
+    raw = read_json(config_file, "adapter config", ValueError)
+    try:
+        with safetensors.safe_open(weights_file, "pt") as f:  # reads the header only
+            shapes = [f.get_slice(k).get_shape() for k in f.keys() if k.endswith("lora_A.weight")]
+    except Exception as e:  # safetensors' own error types, for a truncated file or a header that lies
+        raise ValueError(f"lowbit.lora.load_adapter: {weights_file}: unreadable: {shown_text(e)}") from e
+    largest = max((shape[0] for shape in shapes if shape), default=0)
+
+    def refuse(key, value, must):
+        raise ValueError(f"lowbit.lora.load_adapter: {config_file}: {key} must be {must}, got {shown(value)}")
+
+    if raw.get("peft_type") != "LORA":
+        refuse("peft_type", raw.get("peft_type"), "'LORA'")
+    if raw.get("bias", "none") not in BIASES:  # PEFT refuses others after it has changed the model
+        refuse("bias", raw["bias"], f"one of {BIASES}")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(raw.get(key) or {}, dict):
+            refuse(key, raw[key], "an object of module patterns")
+    ranks = [("r", raw.get("r", 8))] + [(f"rank_pattern[{shown(k)}]", v)
+                                        for k, v in (raw.get("rank_pattern") or {}).items()]
+    for key, r in ranks:
+        if not is_integer(r) or not 1 <= r <= largest:
+            refuse(key, r, f"an integer from 1 to {largest}, the largest rank of the lora_A tensors in {weights_file}")
+    alphas = [("lora_alpha", raw.get("lora_alpha", 8))] + [(f"alpha_pattern[{shown(k)}]", v)
+                                                             for k, v in (raw.get("alpha_pattern") or {}).items()]
+    for key, alpha in alphas:
+        if (not isinstance(alpha, numbers.Real) or isinstance(alpha, bool) or not math.isfinite(alpha)
+                or not 1 / MAX_SCALE <= abs(alpha) <= MAX_SCALE):
+            refuse(key, alpha, f"a number of magnitude {1 / MAX_SCALE} to {MAX_SCALE:g}")
