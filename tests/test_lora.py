@@ -548,6 +548,26 @@ def test_load_adapter_refuses_unreadable_files_naming_them(tmp_path):
     assert_refused_as_it_came(path, adapter, f"{re.escape(str(weights))}: cannot read the adapter weights file")
 
 
+def test_load_adapter_refuses_tensors_apart_from_their_layers(tmp_path):
+    """A rank_pattern rank the file's tensor does not hold, and a lora_A one
+    input column short: torch's load fails after PEFT has put the adapter's
+    layers into the model; refused naming the file, the model left as it came."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path, adapter = saved_adapter(tmp_path)
+    config_file, weights = adapter / "adapter_config.json", adapter / "adapter_model.safetensors"
+    config, good = json.loads(config_file.read_text()), load_file(weights)
+    config_file.write_text(json.dumps({**config, "rank_pattern": {"v_proj": 2}}))
+    says = f"load_adapter: {re.escape(str(adapter))}: the adapter's tensors do not fit its layers in the model: .*"
+    assert_refused_as_it_came(path, adapter, says + "v_proj.lora_A")
+    config_file.write_text(json.dumps(config))
+    name = next(k for k in good if "q_proj.lora_A" in k)
+    save_file({**good, name: good[name][:, 1:].contiguous()}, weights)
+    assert_refused_as_it_came(path, adapter, says + "q_proj.lora_A")
+
+
 def test_load_adapter_refuses_named_pipes_without_opening_them(tmp_path):
     """A named pipe for either file would block the reader for good: refused by name."""
     from test_gptq_checkpoint import run_isolated

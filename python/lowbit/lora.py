@@ -248,8 +248,10 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, adapter_name: str = 
     fresh = not isinstance(model, peft.PeftModel)
     if fresh:
         requires_grad = [(p, p.requires_grad) for p in model.parameters()]  # PEFT freezes the base's
-        model = peft.PeftModel.from_pretrained(model, os.fspath(path), adapter_name=adapter_name,
-                                               is_trainable=is_trainable, config=config)
+        # PeftModel.from_pretrained's two steps, the second in the try below: a file whose tensors do not fit
+        # the layers (a rank or shape apart) fails in it, after the first has put the layers into the model.
+        model = peft.MODEL_TYPE_TO_PEFT_MODEL_MAPPING.get(config.task_type, peft.PeftModel)(model, config,
+                                                                                           adapter_name)
     elif adapter_name in model.peft_config:
         raise ValueError(f"lowbit.lora.load_adapter: the model already has an adapter named {adapter_name!r}")
     # A refused file leaves the model as it came: PEFT puts the adapter's layers into it in place (a
@@ -259,7 +261,11 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, adapter_name: str = 
             model.add_adapter(adapter_name, config)
             if is_trainable:
                 model.set_requires_grad(adapter_name)
+        try:
             model.load_adapter(os.fspath(path), adapter_name, is_trainable=is_trainable)
+        except RuntimeError as e:  # torch's load_state_dict, naming the tensors but not the file
+            raise ValueError(f"lowbit.lora.load_adapter: {path}: the adapter's tensors do not fit its layers in the "
+                             f"model: {shown_text(e)}") from e
         _check_loaded(model, os.fspath(path), adapter_name)
     except Exception:
         if fresh:
