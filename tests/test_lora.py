@@ -568,6 +568,26 @@ def test_load_adapter_refuses_tensors_apart_from_their_layers(tmp_path):
     assert_refused_as_it_came(path, adapter, says + "q_proj.lora_A")
 
 
+@pytest.mark.parametrize("change, says", [
+    (lambda t: t.to(torch.int32), "is torch.int32, not a float tensor"),  # loads as zeros: the adapter adds nothing
+    (lambda t: t > 0, "is torch.bool, not a float tensor"),
+    (lambda t: t.double() * 1e300, "holds a NaN or infinity"),  # finite in float64, inf in the float32 layer
+])
+def test_load_adapter_refuses_tensors_the_layers_cannot_hold(tmp_path, change, says):
+    """Integer and bool tensors, which torch's load casts into the float
+    layers, and float64 values past float32's range, inf once loaded, are
+    refused naming the file and the tensor, the model left as it came."""
+    from safetensors.torch import load_file, save_file
+
+    path, adapter = saved_adapter(tmp_path)
+    weights = adapter / "adapter_model.safetensors"
+    good = load_file(weights)
+    name = next(k for k in good if "lora_B" in k)
+    save_file({**good, name: change(good[name])}, weights)
+    assert_refused_as_it_came(path, adapter, f"load_adapter: {re.escape(str(adapter))}: tensor "
+                                             f"'{re.escape(name)}' {says}")
+
+
 def test_load_adapter_refuses_named_pipes_without_opening_them(tmp_path):
     """A named pipe for either file would block the reader for good: refused by name."""
     from test_gptq_checkpoint import run_isolated

@@ -280,8 +280,9 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, adapter_name: str = 
 
 def _check_loaded(model: peft.PeftModel, path: str, adapter_name: str) -> None:
     """The adapter's tensors in the file are exactly those its layers in the
-    model take, and finite: PEFT only warns of keys that found no layer (the
-    adapter then adds nothing there) and loads NaN as it is."""
+    model take, float, and finite in the layers' dtype: PEFT only warns of
+    keys that found no layer (the adapter then adds nothing there), and
+    loads NaN as it is and integers cast to float."""
     stored = peft.utils.load_peft_weights(path, device="cpu")
     taken = peft.utils.get_peft_model_state_dict(model, adapter_name=adapter_name)
     unplaced, missing = sorted(set(stored) - set(taken)), sorted(set(taken) - set(stored))
@@ -293,7 +294,11 @@ def _check_loaded(model: peft.PeftModel, path: str, adapter_name: str) -> None:
         raise ValueError(f"lowbit.lora.load_adapter: {path}: the adapter's tensors do not match its layers in the "
                          f"model (in the file only: {unplaced[:3]}{' ...' if len(unplaced) > 3 else ''}; in the "
                          f"model only: {missing[:3]}{' ...' if len(missing) > 3 else ''}){advice}")
-    bad = [name for name, t in stored.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    for name, t in stored.items():  # torch's load casts an integer or bool tensor into the float layer
+        if not t.is_floating_point():
+            raise ValueError(f"lowbit.lora.load_adapter: {path}: tensor {shown(name)} is {t.dtype}, not a float tensor")
+    # Finite as the layers hold them: a float64 1e300 is finite in the file and inf in float32.
+    bad = [name for name, t in taken.items() if not torch.isfinite(t).all()]
     if bad:
         raise ValueError(f"lowbit.lora.load_adapter: {path}: tensor {bad[0]!r} holds a NaN or infinity")
 
