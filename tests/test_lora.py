@@ -514,13 +514,15 @@ def assert_refused_as_it_came(path, adapter, match):
     ("lora_alpha", "8", "lora_alpha must be a number"),
     ("alpha_pattern", {"v_proj": float("nan")}, r"alpha_pattern\['v_proj'\] must be a number"),
     ("peft_type", "IA3", "peft_type must be 'LORA'"),
+    ("target_modules", ["q_proj", 1], "target_modules must be a regex or a list of module names"),
+    ("layers_to_transform", "0", "layers_to_transform must be a layer index or a list of them"),
     ("bias", "some", "bias must be one of"),  # PEFT refuses it after putting the adapter's layers in
 ])
 def test_load_adapter_refuses_config_values_before_peft_reads_them(tmp_path, key, value, says):
     """Ranks the file's lora_A tensors do not hold, alphas that are not a
-    finite, non-zero scale, and what PEFT refuses only after it has changed
-    the model are refused naming adapter_config.json and the key, the model
-    left as it came."""
+    finite, non-zero scale, values of types PEFT fails on deep inside, and
+    what PEFT refuses only after it has changed the model are refused naming
+    adapter_config.json and the key, the model left as it came."""
     import json
 
     path, adapter = saved_adapter(tmp_path)

@@ -329,6 +329,13 @@ def _check_files(path: str) -> None:
         refuse("peft_type", raw.get("peft_type"), "'LORA'")
     if raw.get("bias", "none") not in BIASES:  # PEFT refuses others after it has changed the model
         refuse("bias", raw["bias"], f"one of {BIASES}")
+    targets = raw.get("target_modules")  # None: PEFT's own for the model's type
+    if not (targets is None or isinstance(targets, str) or isinstance(targets, list)
+            and all(isinstance(t, str) for t in targets)):
+        refuse("target_modules", targets, "a regex or a list of module names")
+    layers = raw.get("layers_to_transform")
+    if not (layers is None or is_integer(layers) or isinstance(layers, list) and all(map(is_integer, layers))):
+        refuse("layers_to_transform", layers, "a layer index or a list of them")
     for key in ("rank_pattern", "alpha_pattern"):
         if not isinstance(raw.get(key) or {}, dict):
             refuse(key, raw[key], "an object of module patterns")
