@@ -501,11 +501,11 @@ def assert_refused_as_it_came(path, adapter, match):
 
 
 @pytest.mark.parametrize("key, value, says", [
-    ("r", 10**9, "r must be an integer from 1 to 4"),  # PEFT would allocate 10^9 x in_features per layer
-    ("r", 0, "r must be an integer from 1 to 4"),
+    ("r", 10**9, "r must be an integer from 1 to 64"),  # PEFT would allocate 10^9 x in_features per layer
+    ("r", 0, "r must be an integer from 1 to 64"),
     ("r", 4.0, "r must be an integer"),
     ("r", "4", "r must be an integer"),
-    ("rank_pattern", {"q_proj": 10**9}, r"rank_pattern\['q_proj'\] must be an integer from 1 to 4"),
+    ("rank_pattern", {"q_proj": 10**9}, r"rank_pattern\['q_proj'\] must be an integer from 1 to 64"),
     ("rank_pattern", [4], "rank_pattern must be an object"),
     ("lora_alpha", float("nan"), "lora_alpha must be a number of magnitude"),  # every logit NaN
     ("lora_alpha", float("inf"), "lora_alpha must be a number of magnitude"),
@@ -531,6 +531,18 @@ def test_load_adapter_refuses_config_values_before_peft_reads_them(tmp_path, key
     assert_refused_as_it_came(path, adapter, f"load_adapter: {re.escape(str(config_file))}: {says}")
 
 
+def test_an_adapter_whose_rank_pattern_covers_every_layer_loads(tmp_path):
+    """The config's r, overridden by rank_pattern in every layer, is no rank
+    of the file's tensors: the adapter loads, to the saving model's logits."""
+    path = tiny_models.write_tiny_gguf(tmp_path / "tiny.gguf", tiny_models.tiny_model("llama", 0), "llama")
+    torch.manual_seed(0)
+    saved = peft.get_peft_model(lowbit.load_gguf_model(path), lora_config(
+        r=64, rank_pattern={"q_proj": 2, "v_proj": 4}, target_modules=["q_proj", "v_proj"]))
+    saved.save_pretrained(tmp_path / "adapter")
+    ids = torch.tensor([[1, 7, 22, 5]])
+    model = lowbit.lora.load_adapter(lowbit.load_gguf_model(path), tmp_path / "adapter")
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, saved(input_ids=ids).logits)
 def test_load_adapter_refuses_unreadable_files_naming_them(tmp_path):
     """A config that is no JSON, weights truncated, missing (PEFT would look
     for the directory on the Hugging Face Hub, its adapter's layers already

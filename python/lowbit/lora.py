@@ -305,11 +305,13 @@ def _check_loaded(model: peft.PeftModel, path: str, adapter_name: str) -> None:
 
 def _check_files(path: str) -> None:
     """The adapter's files are regular files (a named pipe would block the
-    reader for good), its config a LoRA one whose ranks the file's lora_A
-    tensors hold and whose alphas scale by a finite, non-zero factor within
-    MAX_SCALE: PEFT allocates every layer's r x in_features adapter before
-    it reads a tensor (r = 10^9 asks for terabytes), and takes a NaN, inf or
-    1e300 alpha, which turns every logit NaN."""
+    reader for good), its config a LoRA one whose ranks are no larger than
+    the file's tensors and whose alphas scale by a finite, non-zero factor
+    within MAX_SCALE: PEFT allocates every layer's r x in_features adapter
+    before it reads a tensor (r = 10^9 asks for terabytes), and takes a NaN,
+    inf or 1e300 alpha, which turns every logit NaN. A rank is bounded by the
+    tensors' largest size, not their ranks: a config's r that its
+    rank_pattern overrides for every layer is no rank of the file."""
     config_file = os.path.join(path, "adapter_config.json")
     weights_file = os.path.join(path, "adapter_model.safetensors")
     for file, what in ((config_file, "adapter config"), (weights_file, "adapter weights file")):
@@ -317,10 +319,10 @@ def _check_files(path: str) -> None:
     raw = read_json(config_file, "adapter config", ValueError)
     try:
         with safetensors.safe_open(weights_file, "pt") as f:  # reads the header only
-            shapes = [f.get_slice(k).get_shape() for k in f.keys() if k.endswith("lora_A.weight")]
+            shapes = [f.get_slice(k).get_shape() for k in f.keys()]
     except Exception as e:  # safetensors' own error types, for a truncated file or a header that lies
         raise ValueError(f"lowbit.lora.load_adapter: {weights_file}: unreadable: {shown_text(e)}") from e
-    largest = max((shape[0] for shape in shapes if shape), default=0)
+    largest = max((size for shape in shapes for size in shape), default=0)
 
     def refuse(key, value, must):
         raise ValueError(f"lowbit.lora.load_adapter: {config_file}: {key} must be {must}, got {shown(value)}")
@@ -343,7 +345,7 @@ def _check_files(path: str) -> None:
                                         for k, v in (raw.get("rank_pattern") or {}).items()]
     for key, r in ranks:
         if not is_integer(r) or not 1 <= r <= largest:
-            refuse(key, r, f"an integer from 1 to {largest}, the largest rank of the lora_A tensors in {weights_file}")
+            refuse(key, r, f"an integer from 1 to {largest}, the largest size of the tensors in {weights_file}")
     alphas = [("lora_alpha", raw.get("lora_alpha", 8))] + [(f"alpha_pattern[{shown(k)}]", v)
                                                              for k, v in (raw.get("alpha_pattern") or {}).items()]
     for key, alpha in alphas:
