@@ -39,9 +39,9 @@ loaders (PeftModel.from_pretrained, its load_adapter) read a config without
 lowbit's layers: `load_adapter` here loads onto a lowbit model or, as one
 more adapter, onto a PEFT model of one, and refuses a file whose tensors
 are not exactly those the adapter's layers take, or hold NaN / inf (PEFT
-warns of the first and loads the second), and a config whose ranks those
-tensors do not hold or whose alphas are no finite, non-zero scale (PEFT
-allocates the first and turns the logits NaN with the second).
+warns of the first and loads the second), and a config whose ranks exceed
+every size of those tensors or whose alphas are no finite, non-zero scale
+(PEFT allocates the first and turns the logits NaN with the second).
 """
 from __future__ import annotations
 
@@ -71,9 +71,9 @@ __all__ = ["LoraConfig", "QuantizedLoraLinear", "load_adapter", "register"]
 # lowbit's experts modules, and the weight parameters of transformers' that they stand for.
 EXPERTS = (GGUFExperts, GPTQExperts)
 EXPERT_WEIGHTS = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
-# init_lora_weights values that read the base layer's float weight.
 # PEFT's bias values.
 BIASES = ("none", "all", "lora_only")
+# init_lora_weights values that read the base layer's float weight.
 BASE_WEIGHT_INITS = ("pissa", "olora", "corda", "loftq", "orthogonal", "lora_ga", "mica")
 
 
