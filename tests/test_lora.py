@@ -543,6 +543,30 @@ def test_an_adapter_whose_rank_pattern_covers_every_layer_loads(tmp_path):
     model = lowbit.lora.load_adapter(lowbit.load_gguf_model(path), tmp_path / "adapter")
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, saved(input_ids=ids).logits)
+
+
+def test_an_adapter_saved_in_torchs_pickle_format_loads(tmp_path):
+    """PEFT's other weights file, adapter_model.bin (save_pretrained with
+    safe_serialization=False), is checked as the safetensors one is and
+    loads, to the saving model's logits; an unreadable one is refused naming it."""
+    path = tiny_models.write_tiny_gguf(tmp_path / "tiny.gguf", tiny_models.tiny_model("llama", 0), "llama")
+    torch.manual_seed(0)
+    saved = peft.get_peft_model(lowbit.load_gguf_model(path), lora_config(target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():  # an adapter that changes the logits
+        for name, p in saved.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    saved.save_pretrained(tmp_path / "adapter", safe_serialization=False)
+    weights = tmp_path / "adapter" / "adapter_model.bin"
+    assert weights.exists() and not (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+    ids = torch.tensor([[1, 7, 22, 5]])
+    model = lowbit.lora.load_adapter(lowbit.load_gguf_model(path), tmp_path / "adapter")
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, saved(input_ids=ids).logits)
+    weights.write_bytes(weights.read_bytes()[:100])
+    assert_refused_as_it_came(path, tmp_path / "adapter", f"load_adapter: {re.escape(str(weights))}: unreadable")
+
+
 def test_load_adapter_refuses_unreadable_files_naming_them(tmp_path):
     """A config that is no JSON, weights truncated, missing (PEFT would look
     for the directory on the Hugging Face Hub, its adapter's layers already

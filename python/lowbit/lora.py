@@ -73,6 +73,8 @@ EXPERTS = (GGUFExperts, GPTQExperts)
 EXPERT_WEIGHTS = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
 # PEFT's bias values.
 BIASES = ("none", "all", "lora_only")
+# The adapter weights files PEFT reads, in its order of preference.
+WEIGHTS_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 # init_lora_weights values that read the base layer's float weight.
 BASE_WEIGHT_INITS = ("pissa", "olora", "corda", "loftq", "orthogonal", "lora_ga", "mica")
 
@@ -313,14 +315,20 @@ def _check_files(path: str) -> None:
     tensors' largest size, not their ranks: a config's r that its
     rank_pattern overrides for every layer is no rank of the file."""
     config_file = os.path.join(path, "adapter_config.json")
-    weights_file = os.path.join(path, "adapter_model.safetensors")
+    # PEFT's two weights files, in the order its loader takes them (the second is torch's pickle format).
+    weights_file = next((f for f in WEIGHTS_FILES if os.path.lexists(os.path.join(path, f))), WEIGHTS_FILES[0])
+    weights_file = os.path.join(path, weights_file)
     for file, what in ((config_file, "adapter config"), (weights_file, "adapter weights file")):
         check_regular_file(file, what)  # here, not in read_json: a ValueError, not one of a GPTQ checkpoint
     raw = read_json(config_file, "adapter config", ValueError)
     try:
-        with safetensors.safe_open(weights_file, "pt") as f:  # reads the header only
-            shapes = [f.get_slice(k).get_shape() for k in f.keys()]
-    except Exception as e:  # safetensors' own error types, for a truncated file or a header that lies
+        if weights_file.endswith(".safetensors"):
+            with safetensors.safe_open(weights_file, "pt") as f:  # reads the header only
+                shapes = [f.get_slice(k).get_shape() for k in f.keys()]
+        else:  # mapped, not read: only the shapes are wanted here
+            shapes = [t.shape for t in torch.load(weights_file, map_location="cpu", weights_only=True,
+                                                  mmap=True).values()]
+    except Exception as e:  # the readers' own error types, for a truncated file or a header that lies
         raise ValueError(f"lowbit.lora.load_adapter: {weights_file}: unreadable: {shown_text(e)}") from e
     largest = max((size for shape in shapes for size in shape), default=0)
 
