@@ -643,3 +643,64 @@ def test_load_adapter_refuses_named_pipes_without_opening_them(tmp_path):
                 print(type(e).__name__, e)
         """, timeout=60)
         assert out == f"ValueError {adapter / name}: the {what} is not a regular file\n"
+
+
+@pytest.mark.parametrize("key, value", [
+    ("target_modules", "(.*.)*q_proj"), ("exclude_modules", "(.*.)*x"), ("layers_pattern", "(.*.)*x"),
+    ("rank_pattern", {"(.*.)*q_proj": 2}), ("alpha_pattern", {"(.*.)*v_proj": 4}),
+])
+def test_load_adapter_refuses_patterns_that_backtrack(tmp_path, key, value):
+    """A regular expression of the config that backtracks catastrophically
+    over the model's module names would hang PEFT's load for good (Python's
+    re has no timeout): refused naming adapter_config.json and the key, in
+    about PATTERN_SECONDS."""
+    import json
+
+    from test_gptq_checkpoint import run_isolated
+
+    path, adapter = saved_adapter(tmp_path)
+    config_file = adapter / "adapter_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), key: value}))
+    out, seconds = run_isolated(f"""
+        import lowbit, lowbit.lora
+        lowbit.lora.PATTERN_SECONDS = 2.0
+        try:
+            lowbit.lora.load_adapter(lowbit.load_gguf_model({str(path)!r}), {str(adapter)!r})
+        except ValueError as e:
+            print(type(e).__name__, e)
+    """, timeout=90)
+    expression = value if isinstance(value, str) else next(iter(value))
+    assert out.startswith(f"ValueError lowbit.lora.load_adapter: {config_file}: {key} holds {expression!r}, which "
+                          "takes more than 2 s to match the model's "), out
+
+
+@pytest.mark.parametrize("key, value", [("target_modules", "(q_proj"), ("rank_pattern", {"v_proj)": 2})])
+def test_load_adapter_refuses_patterns_that_do_not_compile(tmp_path, key, value):
+    """An expression that is no regular expression raises re.error inside
+    PEFT, naming neither file nor key: refused naming both, the model left as it came."""
+    import json
+
+    path, adapter = saved_adapter(tmp_path)
+    config_file = adapter / "adapter_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), key: value}))
+    assert_refused_as_it_came(path, adapter, f"load_adapter: {re.escape(str(config_file))}: {key} holds .*, no "
+                                             "regular expression PEFT can use")
+
+
+def test_an_adapter_targeting_by_regular_expression_loads(tmp_path):
+    """The pattern check passes the regular expressions PEFT users write:
+    target_modules as one, a rank_pattern key; the adapter gives the saving
+    model's logits."""
+    path = tiny_models.write_tiny_gguf(tmp_path / "tiny.gguf", tiny_models.tiny_model("llama", 0), "llama")
+    torch.manual_seed(0)
+    saved = peft.get_peft_model(lowbit.load_gguf_model(path), lora_config(
+        target_modules=r".*\.(q_proj|v_proj)", rank_pattern={r"layers\.0\.self_attn\.q_proj": 2}))
+    with torch.no_grad():
+        for name, p in saved.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    saved.save_pretrained(tmp_path / "adapter")
+    ids = torch.tensor([[1, 7, 22, 5]])
+    model = lowbit.lora.load_adapter(lowbit.load_gguf_model(path), tmp_path / "adapter")
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, saved(input_ids=ids).logits)

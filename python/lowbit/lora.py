@@ -47,8 +47,11 @@ from __future__ import annotations
 
 import math
 import numbers
+import json
 import os
 import re
+import subprocess
+import sys
 
 import peft
 import safetensors
@@ -75,6 +78,23 @@ EXPERT_WEIGHTS = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
 BIASES = ("none", "all", "lora_only")
 # The adapter weights files PEFT reads, in its order of preference.
 WEIGHTS_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+# How PEFT matches a config's regular expressions against the model's module names, each as a re.match
+# pattern around the config's (peft.tuners.tuners_utils.check_target_module_exists, peft.utils.get_pattern_key;
+# target_modules and exclude_modules are fullmatched where they are strings, rank and alpha patterns are keys).
+PEFT_PATTERNS = {"target_modules": r"(?:{})\Z", "exclude_modules": r"(?:{})\Z",
+                 "layers_pattern": r"(?:^|.*?\.){}\.(?P<idx>\d+)\.", "modules_to_save": r"(^|.*\.){}($|\..*)",
+                 "rank_pattern": r"(.*\.)?({})$", "alpha_pattern": r"(.*\.)?({})$"}
+# The time all of them may take over the model's names, matched by Python's re as PEFT does, in a child
+# process: re has no timeout, and one that backtracks catastrophically never returns.
+PATTERN_SECONDS = 10.0
+_MATCH_EACH = """import json, re, sys
+job = json.load(sys.stdin)
+for pattern in job["patterns"]:
+    compiled = re.compile(pattern)
+    for name in job["names"]:
+        compiled.match(name)
+    print(flush=True)
+"""
 # init_lora_weights values that read the base layer's float weight.
 BASE_WEIGHT_INITS = ("pissa", "olora", "corda", "loftq", "orthogonal", "lora_ga", "mica")
 
@@ -244,7 +264,8 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, adapter_name: str = 
     adapter (its load_adapter), with the adapter's config registered: PEFT's
     own loaders build the config from the file, without lowbit's layers. A
     refused file leaves the model as it came."""
-    _check_files(os.fspath(path))
+    _check_patterns(_check_files(os.fspath(path)), os.path.join(os.fspath(path), "adapter_config.json"),
+                    [name for name, _ in model.named_modules()])
     config = register(peft.LoraConfig.from_pretrained(os.fspath(path)))
     config.inference_mode = not is_trainable
     fresh = not isinstance(model, peft.PeftModel)
@@ -305,7 +326,42 @@ def _check_loaded(model: peft.PeftModel, path: str, adapter_name: str) -> None:
         raise ValueError(f"lowbit.lora.load_adapter: {path}: tensor {bad[0]!r} holds a NaN or infinity")
 
 
-def _check_files(path: str) -> None:
+def _check_patterns(raw: dict, config_file: str, names: list[str]) -> None:
+    """Each regular expression of the config compiles and matches the
+    model's module names, in PEFT's patterns, within PATTERN_SECONDS, in a
+    child process: one that backtracks catastrophically (`(.*.)*q_proj`)
+    would hang PEFT's load for good."""
+    found = []  # (key, the config's expression, PEFT's pattern around it)
+    for key, around in PEFT_PATTERNS.items():
+        value = raw.get(key)
+        if key in ("target_modules", "exclude_modules"):  # a list is of names, matched as strings
+            value = [value] if isinstance(value, str) else []
+        elif key in ("rank_pattern", "alpha_pattern"):
+            value = list(value) if isinstance(value, dict) else []
+        elif isinstance(value, str):
+            value = [value]
+        found += [(key, v, around.format(v)) for v in value or () if isinstance(v, str)]
+    for key, expression, pattern in found:
+        try:
+            re.compile(pattern)
+        except (re.error, RecursionError, OverflowError) as e:
+            raise ValueError(f"lowbit.lora.load_adapter: {config_file}: {key} holds {shown(expression)}, no regular "
+                             f"expression PEFT can use: {shown_text(e)}") from e
+    if not found:
+        return
+    job = json.dumps({"patterns": [pattern for _, _, pattern in found], "names": names})
+    try:
+        subprocess.run([sys.executable, "-I", "-S", "-c", _MATCH_EACH], input=job, capture_output=True, text=True,
+                       timeout=PATTERN_SECONDS, check=True)
+    except subprocess.TimeoutExpired as e:
+        done = (e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or "").count("\n")
+        key, expression, _ = found[min(done, len(found) - 1)]
+        raise ValueError(f"lowbit.lora.load_adapter: {config_file}: {key} holds {shown(expression)}, which takes more "
+                         f"than {PATTERN_SECONDS:g} s to match the model's {len(names)} module names (a regular "
+                         "expression that backtracks)") from None
+
+
+def _check_files(path: str) -> dict:
     """The adapter's files are regular files (a named pipe would block the
     reader for good), its config a LoRA one whose ranks are no larger than
     the file's tensors and whose alphas scale by a finite, non-zero factor
@@ -313,7 +369,8 @@ def _check_files(path: str) -> None:
     before it reads a tensor (r = 10^9 asks for terabytes), and takes a NaN,
     inf or 1e300 alpha, which turns every logit NaN. A rank is bounded by the
     tensors' largest size, not their ranks: a config's r that its
-    rank_pattern overrides for every layer is no rank of the file."""
+    rank_pattern overrides for every layer is no rank of the file. Returns
+    the config as the file holds it."""
     config_file = os.path.join(path, "adapter_config.json")
     # PEFT's two weights files, in the order its loader takes them (the second is torch's pickle format).
     weights_file = next((f for f in WEIGHTS_FILES if os.path.lexists(os.path.join(path, f))), WEIGHTS_FILES[0])
@@ -360,3 +417,4 @@ def _check_files(path: str) -> None:
         if (not isinstance(alpha, numbers.Real) or isinstance(alpha, bool) or not math.isfinite(alpha)
                 or not 1 / MAX_SCALE <= abs(alpha) <= MAX_SCALE):
             refuse(key, alpha, f"a number of magnitude {1 / MAX_SCALE} to {MAX_SCALE:g}")
+    return raw
