@@ -704,3 +704,22 @@ def test_an_adapter_targeting_by_regular_expression_loads(tmp_path):
     model = lowbit.lora.load_adapter(lowbit.load_gguf_model(path), tmp_path / "adapter")
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, saved(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("key", ["target_modules", "exclude_modules"])
+def test_load_adapter_refuses_lists_of_names_of_no_module(tmp_path, key):
+    """More than MAX_UNMATCHED_NAMES distinct names of no module in a list
+    (PEFT's matching and minimal-suffix search take time growing with their
+    square) are refused naming the file and the key; as many as that load."""
+    import json
+
+    path, adapter = saved_adapter(tmp_path)
+    config_file = adapter / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    listed = config["target_modules"] if key == "target_modules" else []
+    names = [f"absent_{i}" for i in range(lowbit.lora.MAX_UNMATCHED_NAMES)]
+    config_file.write_text(json.dumps({**config, key: listed + names}))
+    lowbit.lora.load_adapter(lowbit.load_gguf_model(path), adapter)
+    config_file.write_text(json.dumps({**config, key: listed + names + ["absent_x"]}))
+    assert_refused_as_it_came(path, adapter, f"load_adapter: {re.escape(str(config_file))}: {key} lists 1025 names of "
+                                             "no module of the model \\(at most 1024\\), such as 'absent_0'")

@@ -87,6 +87,10 @@ PEFT_PATTERNS = {"target_modules": r"(?:{})\Z", "exclude_modules": r"(?:{})\Z",
 # The time all of them may take over the model's names, matched by Python's re as PEFT does, in a child
 # process: re has no timeout, and one that backtracks catastrophically never returns.
 PATTERN_SECONDS = 10.0
+# Distinct entries of a target_modules or exclude_modules list that name no module of the model: PEFT
+# tolerates them, but matches every module against every entry and searches the list for its shortest
+# suffixes in time growing with their square (20,000 of them take minutes).
+MAX_UNMATCHED_NAMES = 1024
 _MATCH_EACH = """import json, re, sys
 job = json.load(sys.stdin)
 for pattern in job["patterns"]:
@@ -330,7 +334,16 @@ def _check_patterns(raw: dict, config_file: str, names: list[str]) -> None:
     """Each regular expression of the config compiles and matches the
     model's module names, in PEFT's patterns, within PATTERN_SECONDS, in a
     child process: one that backtracks catastrophically (`(.*.)*q_proj`)
-    would hang PEFT's load for good."""
+    would hang PEFT's load for good. Lists of module names hold at most
+    MAX_UNMATCHED_NAMES that name no module."""
+    # A list entry names a module where it is one of the dot-separated tails of the module's name.
+    tails = {".".join(parts[i:]) for parts in (name.split(".") for name in names) for i in range(len(parts))}
+    for key in ("target_modules", "exclude_modules"):
+        listed = raw.get(key)
+        unmatched = {v for v in listed if isinstance(v, str)} - tails if isinstance(listed, list) else ()
+        if len(unmatched) > MAX_UNMATCHED_NAMES:
+            raise ValueError(f"lowbit.lora.load_adapter: {config_file}: {key} lists {len(unmatched)} names of no module "
+                             f"of the model (at most {MAX_UNMATCHED_NAMES}), such as {shown(min(unmatched))}")
     found = []  # (key, the config's expression, PEFT's pattern around it)
     for key, around in PEFT_PATTERNS.items():
         value = raw.get(key)
