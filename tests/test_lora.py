@@ -723,3 +723,53 @@ def test_load_adapter_refuses_lists_of_names_of_no_module(tmp_path, key):
     config_file.write_text(json.dumps({**config, key: listed + names + ["absent_x"]}))
     assert_refused_as_it_came(path, adapter, f"load_adapter: {re.escape(str(config_file))}: {key} lists 1025 names of "
                                              "no module of the model \\(at most 1024\\), such as 'absent_0'")
+
+
+@pytest.mark.parametrize("layer_map", [[[0, 3]], [[1, 0]], [[0, 1]] * 17, "0-2", [[0, "2"]], [[0, 1], 1]])
+def test_load_adapter_refuses_layer_replication_past_the_layers(tmp_path, layer_map):
+    """layer_replication ranges outside the model's layers, reversed, of
+    more than MAX_REPLICATION times its layers (a range repeated a million
+    times clones a million layers) or not ranges are refused naming the
+    file and the key, the model left as it came."""
+    import json
+
+    path, adapter = saved_adapter(tmp_path)  # a model of 2 decoder layers
+    config_file = adapter / "adapter_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "layer_replication": layer_map}))
+    assert_refused_as_it_came(path, adapter, f"load_adapter: {re.escape(str(config_file))}: layer_replication must "
+                                             r"be \[start, end\) ranges of the model's 2 decoder layers, at most 16")
+
+
+def test_a_refused_adapter_with_layer_replication_leaves_the_layers(tmp_path):
+    """An adapter with layer_replication loads, its layers rebuilt from the
+    model's, to the saving model's logits; refused (a tensor that does not
+    fit), the model keeps its own layers and layer count."""
+    from safetensors.torch import load_file, save_file
+
+    path = tiny_models.write_tiny_gguf(tmp_path / "tiny.gguf", tiny_models.tiny_model("llama", 0), "llama")
+    torch.manual_seed(0)
+    saved = peft.get_peft_model(lowbit.load_gguf_model(path), lora_config(
+        target_modules=["q_proj", "v_proj"], layer_replication=[[0, 2], [1, 2]]))
+    saved.save_pretrained(tmp_path / "adapter")
+    ids = torch.tensor([[1, 7, 22, 5]])
+    model = lowbit.lora.load_adapter(lowbit.load_gguf_model(path), tmp_path / "adapter")
+    assert len(model.base_model.model.model.layers) == model.config.num_hidden_layers == 3
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, saved(input_ids=ids).logits)
+    weights = tmp_path / "adapter" / "adapter_model.safetensors"
+    good = load_file(weights)
+    name = next(k for k in good if "lora_A" in k)
+    save_file({**good, name: good[name][:, 1:].contiguous()}, weights)
+    model = lowbit.load_gguf_model(path)
+    layers = list(model.model.layers)
+    with pytest.raises(ValueError, match="the adapter's tensors do not fit its layers"):
+        lowbit.lora.load_adapter(model, tmp_path / "adapter")
+    assert list(model.model.layers) == layers and model.config.num_hidden_layers == 2
+    # Onto a PEFT model, it would rebuild the layers the model's adapters are on.
+    save_file(good, weights)
+    (tmp_path / "other").mkdir()
+    other = saved_adapter(tmp_path / "other")[1]
+    model = lowbit.lora.load_adapter(lowbit.load_gguf_model(path), other)
+    with pytest.raises(ValueError, match="layer_replication rebuilds the decoder layers, which the model's adapters"):
+        lowbit.lora.load_adapter(model, tmp_path / "adapter", adapter_name="second")
+    assert list(model.peft_config) == ["default"] and len(model.base_model.model.model.layers) == 2

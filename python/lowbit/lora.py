@@ -91,6 +91,8 @@ PATTERN_SECONDS = 10.0
 # tolerates them, but matches every module against every entry and searches the list for its shortest
 # suffixes in time growing with their square (20,000 of them take minutes).
 MAX_UNMATCHED_NAMES = 1024
+# The most decoder layers a layer_replication may build, as a multiple of the model's.
+MAX_REPLICATION = 8
 _MATCH_EACH = """import json, re, sys
 job = json.load(sys.stdin)
 for pattern in job["patterns"]:
@@ -268,17 +270,22 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, adapter_name: str = 
     adapter (its load_adapter), with the adapter's config registered: PEFT's
     own loaders build the config from the file, without lowbit's layers. A
     refused file leaves the model as it came."""
-    _check_patterns(_check_files(os.fspath(path)), os.path.join(os.fspath(path), "adapter_config.json"),
-                    [name for name, _ in model.named_modules()])
+    raw, config_file = _check_files(os.fspath(path)), os.path.join(os.fspath(path), "adapter_config.json")
+    _check_patterns(raw, config_file, [name for name, _ in model.named_modules()])
+    fresh = not isinstance(model, peft.PeftModel)
+    decoder = _check_replication(raw.get("layer_replication"), config_file, model, fresh)
     config = register(peft.LoraConfig.from_pretrained(os.fspath(path)))
     config.inference_mode = not is_trainable
-    fresh = not isinstance(model, peft.PeftModel)
     if fresh:
         requires_grad = [(p, p.requires_grad) for p in model.parameters()]  # PEFT freezes the base's
         # PeftModel.from_pretrained's two steps, the second in the try below: a file whose tensors do not fit
         # the layers (a rank or shape apart) fails in it, after the first has put the layers into the model.
-        model = peft.MODEL_TYPE_TO_PEFT_MODEL_MAPPING.get(config.task_type, peft.PeftModel)(model, config,
-                                                                                           adapter_name)
+        try:
+            model = peft.MODEL_TYPE_TO_PEFT_MODEL_MAPPING.get(config.task_type, peft.PeftModel)(model, config,
+                                                                                               adapter_name)
+        except Exception:  # PEFT's own refusals (no target module found) come after its layer_replication
+            _restore_decoder(decoder)
+            raise
     elif adapter_name in model.peft_config:
         raise ValueError(f"lowbit.lora.load_adapter: the model already has an adapter named {adapter_name!r}")
     # A refused file leaves the model as it came: PEFT puts the adapter's layers into it in place (a
@@ -299,10 +306,47 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, adapter_name: str = 
             model.unload()
             for p, flag in requires_grad:
                 p.requires_grad_(flag)
+            _restore_decoder(decoder)
         elif adapter_name in model.peft_config:
             model.delete_adapter(adapter_name)
         raise
     return model
+
+
+def _check_replication(layer_map, config_file: str, model: nn.Module, fresh: bool):
+    """A config's layer_replication ([start, end) ranges of decoder layers,
+    which PEFT rebuilds the model's layers from, sharing their weights) as
+    PEFT can take it: whole ranges of the model's layers, at most
+    MAX_REPLICATION times their number in all (a range repeated a million
+    times would clone a million layers), onto a model without adapters
+    (PEFT would rebuild the layers the others are on). Returns what a refusal
+    restores: the layers' holder, its layers and its config's layer count
+    (None without replication)."""
+    if layer_map is None or layer_map == []:  # PEFT's none
+        return None
+    holder = model
+    while hasattr(holder, "model"):  # where PEFT's replicate_layers looks
+        holder = holder.model
+    layers = getattr(holder, "layers", None)
+    count = len(layers) if isinstance(layers, nn.ModuleList) else 0
+    if not fresh:
+        raise ValueError(f"lowbit.lora.load_adapter: {config_file}: layer_replication rebuilds the decoder layers, "
+                         "which the model's adapters are on: load it onto the model without adapters")
+    ranges = isinstance(layer_map, list) and all(
+        isinstance(r, list) and len(r) == 2 and all(map(is_integer, r)) and 0 <= r[0] < r[1] <= count
+        for r in layer_map)
+    if not ranges or not 0 < sum(end - start for start, end in layer_map) <= MAX_REPLICATION * count:
+        raise ValueError(f"lowbit.lora.load_adapter: {config_file}: layer_replication must be [start, end) ranges "
+                         f"of the model's {count} decoder layers, at most {MAX_REPLICATION * count} layers in all, "
+                         f"got {shown(layer_map)}")
+    return holder, layers, holder.config.num_hidden_layers
+
+
+def _restore_decoder(decoder) -> None:
+    """The decoder layers _check_replication found, which PEFT's
+    layer_replication replaces and unload leaves."""
+    if decoder is not None:
+        holder, holder.layers, holder.config.num_hidden_layers = decoder
 
 
 def _check_loaded(model: peft.PeftModel, path: str, adapter_name: str) -> None:
