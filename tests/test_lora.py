@@ -478,13 +478,37 @@ def test_a_refused_adapter_file_leaves_the_model_as_it_came(model_path, tmp_path
     assert lowbit.lora.load_adapter(own, tmp_path / "adapter", adapter_name="second") is own
 
 
-def saved_adapter(tmp_path):
-    """A tiny GGUF model's path, and an adapter (r=4, lora_alpha=8 on q_proj and v_proj) saved over it."""
+def saving_model(tmp_path, trained=False, safe_serialization=True, **config):
+    """A tiny GGUF model's path, an adapter saved over it (lora_config's
+    r=4, lora_alpha=8 on q_proj and v_proj, or as `config` says; lora_B drawn
+    at random where `trained`, so that it changes the logits), and the PEFT
+    model that saved it."""
     path = tiny_models.write_tiny_gguf(tmp_path / "tiny.gguf", tiny_models.tiny_model("llama", 0), "llama")
     torch.manual_seed(0)
-    model = peft.get_peft_model(lowbit.load_gguf_model(path), lora_config(target_modules=["q_proj", "v_proj"]))
-    model.save_pretrained(tmp_path / "adapter")
-    return path, tmp_path / "adapter"
+    saved = peft.get_peft_model(lowbit.load_gguf_model(path),
+                                lora_config(**{"target_modules": ["q_proj", "v_proj"], **config}))
+    if trained:
+        with torch.no_grad():
+            for name, p in saved.named_parameters():
+                if "lora_B" in name:
+                    p.normal_()
+    saved.save_pretrained(tmp_path / "adapter", safe_serialization=safe_serialization)
+    return path, tmp_path / "adapter", saved
+
+
+def saved_adapter(tmp_path):
+    """saving_model's model path and adapter directory."""
+    return saving_model(tmp_path)[:2]
+
+
+def assert_loads_as_saved(path, adapter, saved):
+    """load_adapter puts `adapter` onto the model at `path` with the logits of `saved`, the model that saved it;
+    returns the PEFT model."""
+    ids = torch.tensor([[1, 7, 22, 5]])
+    model = lowbit.lora.load_adapter(lowbit.load_gguf_model(path), adapter)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, saved(input_ids=ids).logits)
+    return model
 
 
 def assert_refused_as_it_came(path, adapter, match):
@@ -534,37 +558,19 @@ def test_load_adapter_refuses_config_values_before_peft_reads_them(tmp_path, key
 def test_an_adapter_whose_rank_pattern_covers_every_layer_loads(tmp_path):
     """The config's r, overridden by rank_pattern in every layer, is no rank
     of the file's tensors: the adapter loads, to the saving model's logits."""
-    path = tiny_models.write_tiny_gguf(tmp_path / "tiny.gguf", tiny_models.tiny_model("llama", 0), "llama")
-    torch.manual_seed(0)
-    saved = peft.get_peft_model(lowbit.load_gguf_model(path), lora_config(
-        r=64, rank_pattern={"q_proj": 2, "v_proj": 4}, target_modules=["q_proj", "v_proj"]))
-    saved.save_pretrained(tmp_path / "adapter")
-    ids = torch.tensor([[1, 7, 22, 5]])
-    model = lowbit.lora.load_adapter(lowbit.load_gguf_model(path), tmp_path / "adapter")
-    with torch.no_grad():
-        assert torch.equal(model(input_ids=ids).logits, saved(input_ids=ids).logits)
+    assert_loads_as_saved(*saving_model(tmp_path, r=64, rank_pattern={"q_proj": 2, "v_proj": 4}))
 
 
 def test_an_adapter_saved_in_torchs_pickle_format_loads(tmp_path):
     """PEFT's other weights file, adapter_model.bin (save_pretrained with
     safe_serialization=False), is checked as the safetensors one is and
     loads, to the saving model's logits; an unreadable one is refused naming it."""
-    path = tiny_models.write_tiny_gguf(tmp_path / "tiny.gguf", tiny_models.tiny_model("llama", 0), "llama")
-    torch.manual_seed(0)
-    saved = peft.get_peft_model(lowbit.load_gguf_model(path), lora_config(target_modules=["q_proj", "v_proj"]))
-    with torch.no_grad():  # an adapter that changes the logits
-        for name, p in saved.named_parameters():
-            if "lora_B" in name:
-                p.normal_()
-    saved.save_pretrained(tmp_path / "adapter", safe_serialization=False)
-    weights = tmp_path / "adapter" / "adapter_model.bin"
-    assert weights.exists() and not (tmp_path / "adapter" / "adapter_model.safetensors").exists()
-    ids = torch.tensor([[1, 7, 22, 5]])
-    model = lowbit.lora.load_adapter(lowbit.load_gguf_model(path), tmp_path / "adapter")
-    with torch.no_grad():
-        assert torch.equal(model(input_ids=ids).logits, saved(input_ids=ids).logits)
+    path, adapter, saved = saving_model(tmp_path, trained=True, safe_serialization=False)
+    weights = adapter / "adapter_model.bin"
+    assert weights.exists() and not (adapter / "adapter_model.safetensors").exists()
+    assert_loads_as_saved(path, adapter, saved)
     weights.write_bytes(weights.read_bytes()[:100])
-    assert_refused_as_it_came(path, tmp_path / "adapter", f"load_adapter: {re.escape(str(weights))}: unreadable")
+    assert_refused_as_it_came(path, adapter, f"load_adapter: {re.escape(str(weights))}: unreadable")
 
 
 def test_load_adapter_refuses_unreadable_files_naming_them(tmp_path):
@@ -691,19 +697,8 @@ def test_an_adapter_targeting_by_regular_expression_loads(tmp_path):
     """The pattern check passes the regular expressions PEFT users write:
     target_modules as one, a rank_pattern key; the adapter gives the saving
     model's logits."""
-    path = tiny_models.write_tiny_gguf(tmp_path / "tiny.gguf", tiny_models.tiny_model("llama", 0), "llama")
-    torch.manual_seed(0)
-    saved = peft.get_peft_model(lowbit.load_gguf_model(path), lora_config(
-        target_modules=r".*\.(q_proj|v_proj)", rank_pattern={r"layers\.0\.self_attn\.q_proj": 2}))
-    with torch.no_grad():
-        for name, p in saved.named_parameters():
-            if "lora_B" in name:
-                p.normal_()
-    saved.save_pretrained(tmp_path / "adapter")
-    ids = torch.tensor([[1, 7, 22, 5]])
-    model = lowbit.lora.load_adapter(lowbit.load_gguf_model(path), tmp_path / "adapter")
-    with torch.no_grad():
-        assert torch.equal(model(input_ids=ids).logits, saved(input_ids=ids).logits)
+    assert_loads_as_saved(*saving_model(tmp_path, trained=True, target_modules=r".*\.(q_proj|v_proj)",
+                                        rank_pattern={r"layers\.0\.self_attn\.q_proj": 2}))
 
 
 @pytest.mark.parametrize("key", ["target_modules", "exclude_modules"])
@@ -746,24 +741,17 @@ def test_a_refused_adapter_with_layer_replication_leaves_the_layers(tmp_path):
     fit), the model keeps its own layers and layer count."""
     from safetensors.torch import load_file, save_file
 
-    path = tiny_models.write_tiny_gguf(tmp_path / "tiny.gguf", tiny_models.tiny_model("llama", 0), "llama")
-    torch.manual_seed(0)
-    saved = peft.get_peft_model(lowbit.load_gguf_model(path), lora_config(
-        target_modules=["q_proj", "v_proj"], layer_replication=[[0, 2], [1, 2]]))
-    saved.save_pretrained(tmp_path / "adapter")
-    ids = torch.tensor([[1, 7, 22, 5]])
-    model = lowbit.lora.load_adapter(lowbit.load_gguf_model(path), tmp_path / "adapter")
+    path, adapter, saved = saving_model(tmp_path, layer_replication=[[0, 2], [1, 2]])
+    model = assert_loads_as_saved(path, adapter, saved)
     assert len(model.base_model.model.model.layers) == model.config.num_hidden_layers == 3
-    with torch.no_grad():
-        assert torch.equal(model(input_ids=ids).logits, saved(input_ids=ids).logits)
-    weights = tmp_path / "adapter" / "adapter_model.safetensors"
+    weights = adapter / "adapter_model.safetensors"
     good = load_file(weights)
     name = next(k for k in good if "lora_A" in k)
     save_file({**good, name: good[name][:, 1:].contiguous()}, weights)
     model = lowbit.load_gguf_model(path)
     layers = list(model.model.layers)
     with pytest.raises(ValueError, match="the adapter's tensors do not fit its layers"):
-        lowbit.lora.load_adapter(model, tmp_path / "adapter")
+        lowbit.lora.load_adapter(model, adapter)
     assert list(model.model.layers) == layers and model.config.num_hidden_layers == 2
     # Onto a PEFT model, it would rebuild the layers the model's adapters are on.
     save_file(good, weights)
@@ -771,5 +759,5 @@ def test_a_refused_adapter_with_layer_replication_leaves_the_layers(tmp_path):
     other = saved_adapter(tmp_path / "other")[1]
     model = lowbit.lora.load_adapter(lowbit.load_gguf_model(path), other)
     with pytest.raises(ValueError, match="layer_replication rebuilds the decoder layers, which the model's adapters"):
-        lowbit.lora.load_adapter(model, tmp_path / "adapter", adapter_name="second")
+        lowbit.lora.load_adapter(model, adapter, adapter_name="second")
     assert list(model.peft_config) == ["default"] and len(model.base_model.model.model.layers) == 2
