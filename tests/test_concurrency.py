@@ -285,6 +285,51 @@ def test_kernel_threads_calls_on_two_threads_restore_their_own(two_torch_threads
     assert (ops.cpu_threads(), ops.cpu_team()) == (0, "pool")
 
 
+def test_a_thread_starting_during_another_s_call_keeps_torch_s_count(two_torch_threads):
+    """A thread whose first torch call comes while another thread's
+    kernel_threads call runs takes torch's count, not the one thread that call
+    gives its own torch ops, and keeps it after; the calling thread's count is
+    restored as before."""
+    import threading
+
+    from tiny_models import tiny_model
+
+    model = lowbit.kernel_threads(tiny_model("llama", 0).eval())
+    inside, release, first_seen = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def pause(module, args):
+        seen["caller"] = torch.get_num_threads()
+        inside.set()
+        assert release.wait(30)
+
+    model.model.layers[0].mlp.register_forward_pre_hook(pause)
+
+    def call():
+        torch.set_num_threads(2)
+        with torch.no_grad():
+            model(torch.tensor([[1, 2, 3]]))
+        seen["caller after"] = torch.get_num_threads()
+
+    def newcomer():
+        assert inside.wait(30)
+        seen["newcomer during"] = torch.get_num_threads()
+        first_seen.set()
+        assert caller_done.wait(30)
+        seen["newcomer after"] = torch.get_num_threads()
+
+    caller_done = threading.Event()
+    caller, other = threading.Thread(target=call), threading.Thread(target=newcomer)
+    caller.start()
+    other.start()
+    assert first_seen.wait(30)
+    release.set()
+    caller.join(60)
+    caller_done.set()
+    other.join(60)
+    assert seen == {"caller": 1, "newcomer during": 2, "caller after": 2, "newcomer after": 2}
+
+
 def test_a_forked_child_keeps_only_its_own_threads_calls():
     """A child forked while another thread's kernel_threads call runs (and a
     third thread holds the settings' lock) has neither thread: its own calls
@@ -492,7 +537,8 @@ def test_an_interrupt_as_a_setting_changes_restores_everything(two_torch_threads
     from tiny_models import tiny_model
 
     model = lowbit.kernel_threads(tiny_model("llama", 0).eval(), torch_team_tokens=3)
-    settings = [(torch, "set_num_threads"), (torch.ops.lowbit, "cpu_threads"), (torch.ops.lowbit, "cpu_team")]
+    settings = [(torch.ops.lowbit, "cpu_torch_threads"), (torch.ops.lowbit, "cpu_threads"),
+                (torch.ops.lowbit, "cpu_team")]
     calls = {"forward": lambda: model(torch.tensor([[1, 2]])),
              "long forward": lambda: model(torch.tensor([[1, 2, 3]])),
              "generate": lambda: model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False,

@@ -91,6 +91,7 @@ def _calls():
         "cpu_float_gemm": (None,),
         "cpu_threads": (None,),
         "cpu_team": (None,),
+        "cpu_torch_threads": (None,),
         "cpu_reads_repacked": (q4_0,),
     }
 

@@ -443,7 +443,8 @@ def test_the_matrix_covers_every_op():
     declared = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("lowbit::")}
     # no tensors: test_scalar_ops_reject_bad_values
     declared -= {"ggml_type_info", "ggml_type_name", "ggml_has_repacked_layout", "ggml_cpu_traits", "cpu_isa",
-                 "cpu_bf16_kernel", "cpu_float_gemm", "cpu_reads_repacked", "cpu_threads", "cpu_team"}
+                 "cpu_bf16_kernel", "cpu_float_gemm", "cpu_reads_repacked", "cpu_threads", "cpu_team",
+                 "cpu_torch_threads"}
     assert declared <= set(OPS), declared - set(OPS)
     assert len(CASES) >= 200, len(CASES)
 
@@ -473,6 +474,12 @@ def test_scalar_ops_reject_bad_values():
         with pytest.raises(ValueError, match=f"^cpu_threads: threads must be 0 .* got {re.escape(repr(bad))}$"):
             lowbit.ops.cpu_threads(bad)
     assert lowbit.ops.cpu_threads(np.int64(0)) == 0
+    for bad in (0, -1, 65537):
+        with pytest.raises(ValueError, match=f"^cpu_torch_threads: threads must be 1 to 65536, got {bad}$"):
+            ops.cpu_torch_threads(bad)
+    for bad in (0, True, 2.0, "2"):
+        with pytest.raises(ValueError, match=f"^cpu_torch_threads: threads must be 1 to 65536, got {re.escape(repr(bad))}$"):
+            lowbit.ops.cpu_torch_threads(bad)
     with pytest.raises(ValueError, match="^cpu_team: unknown team 'omp'"):
         ops.cpu_team("omp")
     for bad in (4, -1, 1000):

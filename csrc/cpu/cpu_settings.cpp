@@ -1,7 +1,10 @@
 // The CPU kernels' switches and per-type facts as ops: the ISA in use, the
-// bf16 GPTQ kernel, the fp32 GEMM library, the thread count, and the traits
+// bf16 GPTQ kernel, the fp32 GEMM library, the thread counts, and the traits
 // table (ggml_traits.h). They take no tensor, so they register as composite
 // kernels.
+#include <ATen/Config.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -14,9 +17,20 @@
 #include "isa.h"
 #include "parallel.h"
 
+#if AT_MKL_ENABLED()
+// MKL's per-thread count, as torch.set_num_threads sets it (mkl_service.h's
+// C name; the lower-case symbol is the Fortran one, taking a pointer). Weak:
+// libtorch exports it in the builds that have MKL.
+extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
+#endif
+
 namespace lowbit {
 namespace cpu {
 namespace {
+
+// Far above any machine's cores; a parallel region would try to start that
+// many threads.
+constexpr int64_t kMaxTorchThreads = 1 << 16;
 
 ggml::Type checked_type(const char* op, int64_t type) {
   TORCH_CHECK_VALUE(ggml::runtime_info(type).ok, op, ": type ", type,
@@ -67,6 +81,23 @@ std::string cpu_team(std::optional<std::string> team) {
   return kernel_team() == Team::kPool ? "pool" : "torch";
 }
 
+// torch's thread count on the calling thread, after setting it for that
+// thread alone to `threads` if given (at::set_num_threads also sets the count
+// threads take at their first torch call).
+int64_t cpu_torch_threads(std::optional<int64_t> threads) {
+  // First: a thread's first torch call sets its count from the process's,
+  // which would undo a count set here before it.
+  const int64_t current = at::get_num_threads();
+  if (!threads) return current;
+  TORCH_CHECK_VALUE(*threads >= 1 && *threads <= kMaxTorchThreads, "cpu_torch_threads: threads must be 1 to ",
+                    kMaxTorchThreads, ", got ", *threads);
+  omp_set_num_threads(static_cast<int>(*threads));
+#if AT_MKL_ENABLED()
+  if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(static_cast<int>(*threads));
+#endif
+  return at::get_num_threads();
+}
+
 bool ggml_has_repacked_layout(int64_t type) {
   return has_repacked_layout(checked_type("ggml_has_repacked_layout", type));
 }
@@ -99,6 +130,7 @@ TORCH_LIBRARY_IMPL(lowbit, CompositeImplicitAutograd, m) {
   m.impl("cpu_float_gemm", &lowbit::cpu::cpu_float_gemm);
   m.impl("cpu_threads", &lowbit::cpu::cpu_threads);
   m.impl("cpu_team", &lowbit::cpu::cpu_team);
+  m.impl("cpu_torch_threads", &lowbit::cpu::cpu_torch_threads);
   m.impl("cpu_reads_repacked", &lowbit::cpu::cpu_reads_repacked);
   m.impl("ggml_has_repacked_layout", &lowbit::cpu::ggml_has_repacked_layout);
   m.impl("ggml_cpu_traits", &lowbit::cpu::ggml_cpu_traits_op);

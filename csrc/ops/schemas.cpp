@@ -118,5 +118,11 @@ TORCH_LIBRARY(lowbit, m) {
   // Which threads run the CPU kernels: "pool" (that pool, the default) or
   // "torch" (torch's OpenMP team), after setting it to `team` if given.
   m.def("cpu_team(str? team=None) -> str");
+  // torch's intra-op thread count on the calling thread (torch.get_num_threads()
+  // there), after setting it to `threads` for that thread alone: OpenMP's and
+  // MKL's per-thread counts. torch.set_num_threads also sets the count every
+  // thread takes at its first torch call, so a thread starting meanwhile would
+  // keep a count meant for one call of another thread.
+  m.def("cpu_torch_threads(int? threads=None) -> int");
   m.def("cpu_reads_repacked(int type) -> bool");
 }

@@ -36,7 +36,7 @@ SymInt = Union[int, torch.SymInt]
 
 __all__ = [
     "GGMLType", "cpu_bf16_kernel", "cpu_float_gemm", "cpu_isa", "cpu_reads_repacked", "cpu_team", "cpu_threads",
-    "ggml_cpu_traits",
+    "cpu_torch_threads", "ggml_cpu_traits",
     "ggml_dequantize", "ggml_has_repacked_layout", "ggml_mul_mat_a8", "ggml_mul_mat_id", "ggml_mul_mat_id_repacked",
     "ggml_mul_mat_repacked", "ggml_mul_mat_vec_a8", "ggml_quantize", "ggml_repack", "ggml_type_info", "ggml_type_name",
     "gptq_dequantize", "gptq_gemm", "gptq_gemm_a8", "gptq_pack", "gptq_permute_cols", "gptq_permute_rows",
@@ -769,6 +769,16 @@ def cpu_team(team: Optional[str] = None) -> str:
     too; lowbit.kernel_threads sets it for a model's calls over a prompt). The
     results are the same bit for bit."""
     return torch.ops.lowbit.cpu_team(team)
+
+
+def cpu_torch_threads(threads: Optional[int] = None) -> int:
+    """torch's intra-op thread count on the calling thread (torch.get_num_threads()
+    there), after setting it to `threads` (1 to 65536) for that thread alone, as
+    lowbit.kernel_threads does: torch.set_num_threads also sets the count every
+    thread takes at its first torch call."""
+    if threads is not None and not is_integer(threads):
+        raise ValueError(f"cpu_torch_threads: threads must be 1 to 65536, got {threads!r}")
+    return torch.ops.lowbit.cpu_torch_threads(None if threads is None else int(threads))
 
 
 def cpu_reads_repacked(type: int) -> bool:

@@ -60,10 +60,13 @@ def _first_tensor(args, kwargs) -> torch.Tensor | None:
     return None
 
 
+# torch's count is set for the calling thread alone (lowbit.ops.cpu_torch_threads):
+# torch.set_num_threads also sets the count each thread takes at its first
+# torch call, which a thread starting during a split would keep for good.
 # lowbit's pool settings (cpu_threads, cpu_team) are the process's: the first
 # split call running on any thread saves them and the last one out restores
 # them, so calls on several threads never restore one another's changes.
-# Each call restores torch's thread count itself.
+# Each call restores its thread's torch count itself.
 _SETTINGS_LOCK = threading.Lock()
 _SPLIT_CALLS = [0, None]  # split calls running, the settings before the first of them
 
@@ -126,13 +129,13 @@ def split_threads(args=(), kwargs=None, torch_team_tokens: int | None = TORCH_TE
         if torch_team_tokens is not None and first.dim() >= 2 and first.shape[0] * first.shape[1] >= torch_team_tokens:
             torch.ops.lowbit.cpu_team("torch")
             if current != threads:
-                torch.set_num_threads(threads)
+                torch.ops.lowbit.cpu_torch_threads(threads)
             return current
         torch.ops.lowbit.cpu_team("pool")
         if pool_threads == 0:  # lowbit follows torch's count: hold it at `threads`, within cpu_threads' range
             torch.ops.lowbit.cpu_threads(min(threads, MAX_POOL_THREADS))
         if current != 1:
-            torch.set_num_threads(1)
+            torch.ops.lowbit.cpu_torch_threads(1)
         return current
     except BaseException:
         if counted:
@@ -143,7 +146,7 @@ def split_threads(args=(), kwargs=None, torch_team_tokens: int | None = TORCH_TE
 def restore_threads(saved) -> None:
     if saved is not None:
         try:
-            torch.set_num_threads(saved)
+            torch.ops.lowbit.cpu_torch_threads(saved)
         finally:  # an interrupt raised as one setting returns leaves the others to restore still
             with _SETTINGS_LOCK:
                 _SPLIT_CALLS[0] -= 1
