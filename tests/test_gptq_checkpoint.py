@@ -661,7 +661,16 @@ def test_an_integer_tensor_for_a_float_parameter_is_a_checkpoint_error(tmp_path)
     ({"num_experts": 4, "num_experts_per_tok": 0},
      r"num_experts_per_tok must be a whole number from 1 to num_experts \(4\), got 0"),
     ({"num_key_value_heads": 3}, "num_key_value_heads 3 does not divide num_attention_heads 4"),
-    ({"num_key_value_heads": 0}, "num_key_value_heads 0 does not divide num_attention_heads 4"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads must be a whole number from 1 to 2147483647, got 0"),
+    # transformers' config classes divide by the head count (ZeroDivisionError), or build tensors of negative size.
+    ({"num_attention_heads": 0}, "num_attention_heads must be a whole number from 1 to 2147483647, got 0"),
+    ({"num_attention_heads": -4}, "num_attention_heads must be a whole number from 1 to 2147483647, got -4"),
+    ({"hidden_size": 0}, "hidden_size must be a whole number from 1 to 2147483647, got 0"),
+    ({"head_dim": 2.5}, "head_dim must be a whole number from 1 to 2147483647, got 2.5"),
+    # transformers only warns of a rotary type it does not have, then fails building the model (KeyError: 'bogus').
+    ({"rope_parameters": {"rope_type": "bogus", "rope_theta": 1e4}},
+     r"\.rope_type 'bogus' is not a rotary embedding transformers has \(default, linear, .*\)$"),
+    ({"rope_scaling": {"type": "bogus", "factor": 2.0}}, r"\.rope_type 'bogus' is not a rotary embedding"),
 ])
 def test_config_values_that_would_give_wrong_logits_are_refused(tmp_path, changes, says):
     """transformers takes these (a rope factor of 0 only warns); the model would
@@ -688,7 +697,7 @@ def test_a_config_json_that_makes_no_model_is_a_checkpoint_error(tmp_path, chang
 def test_a_config_json_value_transformers_quotes_is_cut(tmp_path):
     """transformers' validators quote a refused value whole: the error cuts their message."""
     directory = saved_tiny_llama(tmp_path)
-    edit_saved_config(directory, {"hidden_size": "z" * 10**5})
+    edit_saved_config(directory, {"intermediate_size": "z" * 10**5})
     with pytest.raises(GPTQCheckpointError, match=r"config.json: the config does not make a model: .*zzz\.\.\. "
                                                   r"\(\d+ characters\)$") as info:
         lowbit.load_gptq_model(directory)

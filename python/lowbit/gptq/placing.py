@@ -13,6 +13,7 @@ import warnings
 
 import torch
 from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .._checks import (MAX_INT, MAX_NORM_EPS, MAX_ROPE_BASE, MAX_SCALE, check_finite, check_path, is_integer,
                        shown, shown_names)
@@ -21,6 +22,7 @@ from .._placing import (GPTQ_SAVE_ADVICE, ReplaceReport, checked, get_module, lo
 from ..fusing import fuse_projections
 from ..moe import experts_dims, plain_experts
 from .checkpoint import GPTQCheckpoint, GPTQCheckpointError, check_layer_count, checkpoint_files, load_gptq
+from .config import read_json
 from ..decoding import fast_decoding
 from ..threads import kernel_threads
 from .experts import EXPERT_LAYER, PROJECTIONS, GPTQExpert, GPTQExperts, current_name
@@ -74,6 +76,8 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     check_layer_count(directory)
 
     def make_config():
+        check_config_sizes(read_json(os.path.join(directory, "config.json"), "config"),
+                           os.path.join(directory, "config.json"))
         config = transformers.AutoConfig.from_pretrained(directory)
         # The quantization_config is lowbit's to read (place_gptq_checkpoint does); left
         # on the config, transformers would look for a GPTQ backend of its own.
@@ -124,8 +128,22 @@ MAXIMA = {"rms_norm_eps": MAX_NORM_EPS, "layer_norm_eps": MAX_NORM_EPS, "layer_n
           "norm_eps": MAX_NORM_EPS, "rope_theta": MAX_ROPE_BASE, "max_position_embeddings": MAX_INT,
           "original_max_position_embeddings": MAX_INT, "factor": MAX_SCALE, "attention_factor": MAX_SCALE,
           "partial_rotary_factor": 1.0, **{key: MAX_SCALE for key in SCALE_KEYS + MSCALE_KEYS}}
+# Sizes a model is built from, where a config.json has them: a whole number
+# from 1 (0 heads divides by zero as transformers builds the model, -4 makes a
+# tensor of negative size).
+SIZE_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
 # A mixture of experts' count, under each class's name, which its experts per token may not exceed.
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def check_config_sizes(config: dict, where: str) -> None:
+    """Refuses, naming `where` and the key, a size of SIZE_KEYS that is not a
+    whole number from 1 to MAX_INT: before transformers reads the config
+    (its config classes divide by the head count)."""
+    for key in SIZE_KEYS:
+        value = config.get(key)
+        if value is not None and not (is_integer(value) and 1 <= value <= MAX_INT):
+            raise GPTQCheckpointError(f"{where}: {key} must be a whole number from 1 to {MAX_INT}, got {shown(value)}")
 
 
 def check_config_values(config: dict, where: str) -> None:
@@ -136,7 +154,9 @@ def check_config_values(config: dict, where: str) -> None:
     over all), a partial rotation of no frequency, KV heads that do not divide
     the attention heads, more experts per token than experts (or none), and
     an attention window that is not a whole number from 2 (transformers'
-    sliding cache would keep every row of a window of 1: lowbit.gguf.arch._sliding_window)."""
+    sliding cache would keep every row of a window of 1: lowbit.gguf.arch._sliding_window),
+    a size of SIZE_KEYS that is not a whole number from 1, and a rotary type
+    transformers does not have."""
     def number(key, value):
         name = key.rpartition(".")[2]
         ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
@@ -150,6 +170,7 @@ def check_config_values(config: dict, where: str) -> None:
         if value > most:
             raise GPTQCheckpointError(f"{where}: {key} must be at most {most}, got {shown(value)}")
 
+    check_config_sizes(config, where)
     # The head size as transformers' rotary embeddings take it (None: the config gives none).
     head, hidden, heads = config.get("head_dim"), config.get("hidden_size"), config.get("num_attention_heads")
     if head is None and is_integer(hidden) and is_integer(heads) and heads > 0:
@@ -158,6 +179,11 @@ def check_config_values(config: dict, where: str) -> None:
     def rope(prefix, params):
         if not isinstance(params, dict):
             return
+        kind = params.get("rope_type", params.get("type"))
+        if isinstance(kind, str) and kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
+            # transformers only warns, then fails building the model with KeyError: 'name'.
+            raise GPTQCheckpointError(f"{where}: {prefix}.rope_type {shown(kind)} is not a rotary embedding "
+                                      f"transformers has (default, {', '.join(ROPE_INIT_FUNCTIONS)})")
         for key, value in params.items():
             if key in POSITIVE_ROPE_KEYS + MSCALE_KEYS and value is not None:
                 number(f"{prefix}.{key}", value)
