@@ -241,6 +241,65 @@ def test_forward_mode_tangents_go_through_the_layers(name):
         torch.testing.assert_close(tangent, t @ W.T, rtol=1e-5, atol=1e-5 * W.abs().max().item())
 
 
+def test_forward_mode_tangents_go_through_the_ops():
+    """Called directly, the matmul ops carry an activation's tangent too (forward_ad, torch.func.jvp, jacfwd):
+    the op's product with it (register_autograd's kernel alone gives none)."""
+    (q, z, s, g, _), W = gptq_case(4, "act-order")
+    raw, _ = ggml_case("Q4_K")
+    experts = torch.stack([raw, ggml_case("Q4_K", seed=1)[0]])
+    ids = torch.tensor([[0, 1], [1, 1], [1, 0]], dtype=torch.int32)
+    q4k = gb.type_id("Q4_K")
+    calls = {"gptq_gemm": (lambda a: ops.gptq_gemm(a, q, z, s.float(), g, False, True, 4), K),
+             "gptq_gemm_a8": (lambda a: ops.gptq_gemm_a8(a, q, z, s.float(), torch.empty(0, dtype=torch.int32), True,
+                                                         4), K),
+             "ggml_mul_mat_vec_a8": (lambda x: ops.ggml_mul_mat_vec_a8(raw, x, q4k, ROWS), N_GGML),
+             "ggml_mul_mat_a8": (lambda x: ops.ggml_mul_mat_a8(raw, x, q4k, ROWS), N_GGML),
+             "ggml_mul_mat_repacked": (lambda x: ops.ggml_mul_mat_repacked(ops.ggml_repack(raw, q4k, ROWS, N_GGML), x,
+                                                                           q4k, ROWS), N_GGML),
+             "ggml_mul_mat_id": (lambda x: ops.ggml_mul_mat_id(experts, x, ids, q4k, ROWS), N_GGML)}
+    for name, (op, n) in calls.items():
+        x, t = torch.randn(3, n), torch.randn(3, n)
+        y, tangent = torch.func.jvp(op, (x,), (t,))
+        assert torch.equal(y, op(x)) and torch.equal(tangent, op(t)), name
+        with torch.autograd.forward_ad.dual_level():
+            dual = op(torch.autograd.forward_ad.make_dual(x, t))
+            assert torch.equal(torch.autograd.forward_ad.unpack_dual(dual).tangent, tangent), name
+    jacobian = torch.func.jacfwd(lambda a: calls["gptq_gemm"][0](a[None])[0])(torch.randn(K))
+    torch.testing.assert_close(jacobian.double(), torch.from_numpy(W).T, rtol=1e-5, atol=1e-5 * abs(W).max())
+
+
+def test_rms_norm_forward_mode_tangent_is_its_derivative():
+    x, w, tx, tw = torch.randn(3, 64), torch.randn(64), torch.randn(3, 64), torch.randn(64)
+    reference = lambda x, w: w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    for primals, tangents in (((x, w), (tx, tw)), ((x, w), (tx, torch.zeros(64))), ((x, w), (torch.zeros(3, 64), tw))):
+        _, got = torch.func.jvp(lambda x, w: ops.rms_norm(x, w, 1e-6), primals, tangents)
+        _, want = torch.func.jvp(reference, primals, tangents)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    _, got = torch.func.jvp(lambda x: ops.rms_norm(x, w, 1e-6), (x,), (tx,))
+    torch.testing.assert_close(got, torch.func.jvp(lambda x: reference(x, w), (x,), (tx,))[1], rtol=1e-5, atol=1e-5)
+
+
+def test_forward_mode_tangents_of_weights_and_of_inference_ops_are_refused():
+    (q, z, s, g, _), _ = gptq_case(4, "act-order")
+    a, scales = torch.randn(2, K), s.float()
+    refusals = {
+        "gptq_gemm: not differentiable with respect to b_gptq_scales": (
+            lambda v: ops.gptq_gemm(a, q, z, v, g, False, True, 4), scales),
+        "gptq_dequantize: not differentiable with respect to b_gptq_scales": (
+            lambda v: ops.gptq_dequantize(q, z, v, g, True, 4), scales),
+        "ggml_quantize: not differentiable with respect to x": (
+            lambda v: ops.ggml_quantize(v, gb.type_id("Q8_0")), torch.randn(4, 64)),
+        "decode_attention: not differentiable with respect to q": (
+            lambda v: ops.decode_attention(v, torch.randn(2, 32), torch.randn(2, 32), torch.ones(16), torch.zeros(16),
+                                           torch.zeros(2, 8, 32), torch.zeros(2, 8, 32), 0, 0.125), torch.randn(4, 32)),
+    }
+    for says, (call, primal) in refusals.items():
+        with pytest.raises(RuntimeError, match=re.escape(says) + r" \(forward mode"):
+            torch.func.jvp(call, (primal,), (torch.ones_like(primal),))
+        with torch.autograd.forward_ad.dual_level(), pytest.raises(RuntimeError, match=re.escape(says)):
+            call(torch.autograd.forward_ad.make_dual(primal, torch.ones_like(primal)))
+
+
 @pytest.mark.parametrize("name", ["gptq", "gguf"])
 def test_reverse_mode_torch_func_transforms_are_refused_by_name(name):
     """torch.func's grad, vjp, jacrev and a vmap over an input that requires grad are refused naming the op

@@ -12,13 +12,18 @@ decoded a tile of rows at a time, never whole in fp32, and the sums run in
 fp32. The other ops with a float input refuse to be differentiated rather
 than give no gradient silently.
 
-torch.library.register_autograd gives reverse mode through torch.autograd
-only: torch.func's grad, vjp and jacrev refuse its ops, and a forward-mode
-tangent (forward_ad, torch.func.jvp) is dropped by them. The layers carry
-tangents through their op themselves and refuse those transforms by the
-op's name (lowbit._frozen.call_layer_op).
+Each op's autograd kernel is torch.library.register_autograd's, which
+gives reverse mode through torch.autograd only (torch.func's grad, vjp and
+jacrev refuse its ops; the layers refuse them by the op's name,
+lowbit._frozen.call_layer_op), wrapped to carry forward-mode tangents
+(forward_ad, torch.func.jvp, jacfwd), which that kernel alone would drop:
+the matmuls' tangent is their product with the activations' tangent (its
+8-bit rounding included, as of the activations), rms_norm's its
+derivative's, and the other ops refuse a tangent as they refuse a gradient.
 """
 import torch
+import torch.autograd.forward_ad as fwAD
+from torch._library.autograd import Info, make_autograd_impl
 
 from .gptq.packing import fields_per_pack, from_panels, words_per_pack
 
@@ -61,6 +66,50 @@ def _no_backward(ctx, *grads):
     raise AssertionError("unreachable: setup_context refuses first")
 
 
+_LIB = torch.library.Library("lowbit", "IMPL")
+
+
+def _register(op: str, backward, setup_context, tangent=None) -> None:
+    """register_autograd(op, backward, setup_context)'s kernel, carrying the
+    forward-mode tangents of the op's inputs: tangent(args, tangents) gives
+    the output's from the inputs' primals and tangents (None where an input
+    has none); without `tangent` the op refuses them, naming the input, as
+    setup_context refuses gradients."""
+    schema = getattr(ops, op).default
+    reverse = make_autograd_impl(schema, Info(backward, setup_context))
+    names = [a.name for a in schema._schema.arguments]
+
+    def kernel(keyset, *args):
+        duals = [fwAD.unpack_dual(a) if isinstance(a, torch.Tensor) else (a, None) for a in args]
+        if all(t is None for _, t in duals):
+            return reverse(keyset, *args)
+        primals, tangents = [p for p, _ in duals], [t for _, t in duals]
+        if tangent is None:
+            _refuse_tangents(op, names, tangents)
+        out = reverse(keyset, *primals)
+        return fwAD.make_dual(out, tangent(primals, tangents).to(out.dtype))
+
+    _LIB.impl(op, kernel, "Autograd", with_keyset=True)
+
+
+def _refuse_tangents(op: str, names, tangents, why: str = "lowbit's quantized weights are frozen") -> None:
+    for name, t in zip(names, tangents):
+        if t is not None:
+            raise RuntimeError(f"{op}: not differentiable with respect to {name} (forward mode: {why})")
+
+
+def _linear_in(op: str, index: int):
+    """The tangent of an op linear in its argument `index` (the activations):
+    the op of that argument's tangent. A tangent of another input (a
+    weight's) is refused."""
+    names = [a.name for a in getattr(ops, op).default._schema.arguments]
+
+    def tangent(args, tangents):
+        _refuse_tangents(op, names[:index] + names[index + 1:], tangents[:index] + tangents[index + 1:])
+        return getattr(ops, op)(*args[:index], tangents[index], *args[index + 1:])
+    return tangent
+
+
 # ---- gptq_gemm: out [..., N] = a [..., K] @ W [K, N] ------------------------------
 
 _GPTQ_WEIGHT = ("b_q_weight", "b_gptq_qzeros", "b_gptq_scales", "b_g_idx")
@@ -100,7 +149,7 @@ def _gptq_grad(grad, qweight, qzeros, scales, g_idx, use_exllama, use_v2_format,
     return (grad_a.to(dtype).reshape(*grad.shape[:-1], K),) + (None,) * 7
 
 
-torch.library.register_autograd("lowbit::gptq_gemm", _gptq_backward, setup_context=_gptq_setup)
+_register("gptq_gemm", _gptq_backward, _gptq_setup, _linear_in("gptq_gemm", 0))
 
 
 # gptq_gemm_a8: gptq_gemm's gradient, its rounding of the activations the identity.
@@ -115,7 +164,7 @@ def _gptq_a8_backward(ctx, grad):
     return _gptq_grad(grad, *ctx.saved_tensors, *ctx.flags)[:7]
 
 
-torch.library.register_autograd("lowbit::gptq_gemm_a8", _gptq_a8_backward, setup_context=_gptq_a8_setup)
+_register("gptq_gemm_a8", _gptq_a8_backward, _gptq_a8_setup, _linear_in("gptq_gemm_a8", 0))
 
 
 # ---- GGUF matmuls: out [M, row] = X [M, n] @ W.T -----------------------------------
@@ -154,7 +203,7 @@ def _ggml_backward(repacked):
 
 
 for _op, _repacked in (("ggml_mul_mat_vec_a8", False), ("ggml_mul_mat_a8", False), ("ggml_mul_mat_repacked", True)):
-    torch.library.register_autograd(f"lowbit::{_op}", _ggml_backward(_repacked), setup_context=_ggml_setup)
+    _register(_op, _ggml_backward(_repacked), _ggml_setup, _linear_in(_op, 1))
 
 
 def _ggml_id_setup(ctx, inputs, output):
@@ -186,14 +235,14 @@ def _ggml_id_backward(repacked):
 
 
 for _op, _repacked in (("ggml_mul_mat_id", False), ("ggml_mul_mat_id_repacked", True)):
-    torch.library.register_autograd(f"lowbit::{_op}", _ggml_id_backward(_repacked), setup_context=_ggml_id_setup)
+    _register(_op, _ggml_id_backward(_repacked), _ggml_id_setup, _linear_in(_op, 1))
 
 
 # ---- ops that take a float input but are not differentiated -----------------------
 
 for _op, _names in (("gptq_dequantize", _GPTQ_WEIGHT), ("gptq_permute_cols", ("qweight", "qzeros", "scales", "perm")),
                     ("ggml_quantize", ("x",))):
-    torch.library.register_autograd(f"lowbit::{_op}", _no_backward, setup_context=_refusing(_op, _names))
+    _register(_op, _no_backward, _refusing(_op, _names))
 
 
 # ---- rms_norm: y = weight * x r, r = rsqrt(mean(x^2) + eps) -----------------------
@@ -216,19 +265,36 @@ def _rms_norm_backward(ctx, grad):
     return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
 
 
-torch.library.register_autograd("lowbit::rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
+def _rms_norm_tangent(args, tangents):
+    """d(weight * x r) = weight (dx r - x r^3 mean(x dx)) + dweight x r, in fp32."""
+    (x, weight, eps), (dx, dweight, _) = args, tangents
+    xf = x.float()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = torch.zeros_like(xf)
+    if dx is not None:
+        out = out + weight.float() * r * (dx.float() - xf * r.pow(2) * (xf * dx.float()).mean(-1, keepdim=True))
+    if dweight is not None:
+        out = out + dweight.float() * xf * r
+    return out
+
+
+_register("rms_norm", _rms_norm_backward, _rms_norm_setup, _rms_norm_tangent)
 
 
 
 # ---- decode_attention: writes its caches, so autograd cannot take a formula -------
 
 _DECODE_ATTENTION_ARGS = ("q", "k", "v", "cos", "sin", "key_cache", "value_cache", "sinks")
-_LIB = torch.library.Library("lowbit", "IMPL")
 
 
 def _decode_attention_autograd(q, k, v, cos, sin, key_cache, value_cache, position, scale, start=0, sinks=None,
                                softcap=0.0):
-    """Refuses inputs that require grad (an inference step); runs the op otherwise."""
+    """Refuses inputs that require grad or carry a forward-mode tangent (an
+    inference step); runs the op otherwise."""
+    tensors = (q, k, v, cos, sin, key_cache, value_cache, sinks)
+    _refuse_tangents("decode_attention", _DECODE_ATTENTION_ARGS,
+                     [None if t is None else fwAD.unpack_dual(t).tangent for t in tensors],
+                     "an inference step that writes its caches in place")
     if torch.is_grad_enabled():
         for name, value in zip(_DECODE_ATTENTION_ARGS, (q, k, v, cos, sin, key_cache, value_cache, sinks)):
             if value is not None and value.requires_grad:

@@ -16,12 +16,21 @@ _BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
 
 def call_frozen(op, *args):
     """op(*args), below autograd where grad mode is off or no argument
-    requires grad (the result then has no grad_fn either way); through
-    autograd otherwise, and while torch.compile traces (it sees the op)."""
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)):
+    requires grad (the result then has no grad_fn either way), and none
+    carries a forward-mode tangent; through autograd otherwise (the op's
+    autograd kernel carries tangents: lowbit._autograd), and while
+    torch.compile traces (it sees the op)."""
+    if (torch.compiler.is_compiling() or (torch.is_grad_enabled() and torch._C._any_requires_grad(*args))
+            or _has_tangent(args)):
         return op(*args)
     with _BELOW_AUTOGRAD():
         return op(*args)
+
+
+def _has_tangent(args) -> bool:
+    # Outside a forward-AD level (fwAD.dual_level, torch.func.jvp) nothing has one: no per-argument look.
+    return fwAD._current_level >= 0 and any(
+        isinstance(a, torch.Tensor) and fwAD.unpack_dual(a).tangent is not None for a in args)
 
 
 def op_input(x: torch.Tensor) -> torch.Tensor:
@@ -43,18 +52,12 @@ def call_layer_op(op_call, x: torch.Tensor) -> torch.Tensor:
     """op(*args) for (op, args) = op_call(op_input(x)), a layer's op on its
     input x: in the op's dtype, x's or autocast's inside an autocast region,
     as nn.Linear's; for a float64 x, which autocast leaves alone, fp32 sums
-    outside autocast, back in float64. The ops are linear in x (their 8-bit
-    rounding of it aside), so a forward-mode tangent of x (forward_ad,
-    torch.func.jvp, jacfwd) goes through the op as well: the registered
-    gradients are reverse-mode only, and the op alone would drop it."""
-    if torch.compiler.is_compiling():  # dynamo traces neither the forward-AD nor the functorch calls below
-        return _call_in_dtype(*op_call(op_input(x)), x)
-    _check_transform(op_call, x)
-    primal, tangent = fwAD.unpack_dual(x)
-    if tangent is None:
-        return _call_in_dtype(*op_call(op_input(x)), x)
-    return fwAD.make_dual(_call_in_dtype(*op_call(op_input(primal)), x),
-                          _call_in_dtype(*op_call(op_input(tangent)), x))
+    outside autocast, back in float64. A forward-mode tangent of x
+    (forward_ad, torch.func.jvp, jacfwd) goes through the op's autograd
+    kernel, which carries it."""
+    if not torch.compiler.is_compiling():  # dynamo does not trace the functorch calls there
+        _check_transform(op_call, x)
+    return _call_in_dtype(*op_call(op_input(x)), x)
 
 
 def _call_in_dtype(op, args, x: torch.Tensor) -> torch.Tensor:
