@@ -80,6 +80,8 @@ def _register(op: str, backward, setup_context, tangent=None) -> None:
     names = [a.name for a in schema._schema.arguments]
 
     def kernel(keyset, *args):
+        if fwAD._current_level < 0:  # no forward-AD level (fwAD.dual_level, torch.func.jvp): no tangents
+            return reverse(keyset, *args)
         duals = [fwAD.unpack_dual(a) if isinstance(a, torch.Tensor) else (a, None) for a in args]
         if all(t is None for _, t in duals):
             return reverse(keyset, *args)
