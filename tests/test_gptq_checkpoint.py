@@ -1190,13 +1190,7 @@ def test_a_group_size_past_any_k_means_one_group(checkpoint):
         load(checkpoint)
 
 
-def test_is_marlin_format_false_is_the_gptq_layout(checkpoint):
-    """AutoGPTQ <= 0.7 writes is_marlin_format false into every plain checkpoint's config."""
-    edit_config(checkpoint, is_marlin_format=False)
-    load(checkpoint)
-
-
-def test_format_keys_that_disagree_are_refused(checkpoint):
+def test_format_keys_that_disagree_are_refused(pristine, checkpoint):
     """GPTQModel reads "format" where it is given, vLLM "checkpoint_format" alone: one file giving both,
     differently, reads as garbage in one of them."""
     stored = json.loads((checkpoint / "quantize_config.json").read_text()).get("checkpoint_format", "gptq")
@@ -1206,7 +1200,7 @@ def test_format_keys_that_disagree_are_refused(checkpoint):
                                               rf"'{other}' disagree"):
         load(checkpoint)
     edit_config(checkpoint, format=stored)
-    load(checkpoint)
+    assert_same_logits(logits(load(checkpoint), IDS), logits(load(pristine), IDS))
     # Said by config.json alone (quantize_config.json, read first, silent on it): refused all the same.
     content = json.loads((checkpoint / "config.json").read_text())
     content["quantization_config"]["rotation"] = "hadamard"
@@ -1580,6 +1574,8 @@ def test_failed_loads_leave_the_checkpoint_untouched(pristine, tmp_path):
     pytest.param(replaced("scales", lambda t: t.float()), {}, id="scales-float32"),
     pytest.param(None, {"quant_method": DROP}, id="quant_method-missing"),
     pytest.param(None, {"desc_act": None}, id="desc_act-null"),
+    # AutoGPTQ <= 0.7 writes is_marlin_format false into every plain checkpoint's config.
+    pytest.param(None, {"is_marlin_format": False}, id="is_marlin_format-false"),
 ])
 def test_legitimate_variations_load(pristine, checkpoint, edit, config):
     """What the matrix does not count as corrupt: these load, and compute what the pristine checkpoint does."""
