@@ -177,6 +177,7 @@ def test_lora_trains_under_torch_compile():
     step = torch.compile(lambda x: (model(x) * weights).sum())
     step(x).backward()
     compiled = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert sorted(n.split(".")[-3] for n in compiled) == ["lora_A", "lora_B"], sorted(compiled)
     model.zero_grad()
     (model(x) * weights).sum().backward()
     for n, p in model.named_parameters():
