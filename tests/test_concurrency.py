@@ -583,12 +583,16 @@ def test_a_temporary_model_s_forward_and_generate_run(tmp_path):
 
     path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_model("llama", 0), "llama")
     ids = torch.tensor([[1, 2]])
+    greedy = dict(max_new_tokens=2, do_sample=False, pad_token_id=0)
+    held = lowbit.load_gguf_model(path)
     with torch.no_grad():
-        assert lowbit.load_gguf_model(path).generate(ids, max_new_tokens=2, do_sample=False,
-                                                     pad_token_id=0).shape == (1, 4)
-        assert lowbit.load_gguf_model(path).forward(ids).logits.shape[:2] == (1, 2)
-        generate = lowbit.load_gguf_model(path).generate
-        assert generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0).shape == (1, 3)
+        tokens, logits = held.generate(ids, **greedy), held(ids).logits
+        assert tokens.shape == (1, 4)
+        assert torch.equal(lowbit.load_gguf_model(path).generate(ids, **greedy), tokens)
+        assert torch.equal(lowbit.load_gguf_model(path).forward(ids).logits, logits)
+    generate = lowbit.load_gguf_model(path).generate
+    with ThreadPoolExecutor(1) as pool:
+        assert torch.equal(pool.submit(generate, ids, **greedy).result(), tokens)
 
 def test_loaded_models_give_torch_threads_to_the_kernels(tmp_path, two_torch_threads):
     from tiny_models import tiny_model, write_tiny_gguf
