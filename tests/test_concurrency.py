@@ -35,19 +35,24 @@ def run_concurrently(calls):
 
 
 def test_ops_and_layers_from_eight_threads():
-    torch.manual_seed(0)
-    x = torch.randn(5, 256)
-    gptq = [lowbit.GPTQLinear.from_linear(torch.nn.Linear(256, 96), bits, 64, False, "gptq_v2",
-                                          perm=torch.randperm(256)) for bits in (2, 3, 4, 8)]
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1))
     raw = torch.from_numpy(gb.random_blocks(np.random.default_rng(0), "Q4_K", 96, 256))
-    gguf = lowbit.GGUFLinear.from_raw(raw, gb.type_id("Q4_K"), 256)
-    calls = [lambda layer=layer: layer(x) for layer in gptq]  # first calls race to build the shuffled plan
-    calls += [lambda: gguf(x), lambda: gguf(x.repeat(4, 1)),
-              lambda: torch.ops.lowbit.ggml_dequantize(raw, gb.type_id("Q4_K"), 96, 256, torch.float32),
-              lambda: torch.ops.lowbit.gptq_dequantize(gptq[1].qweight, gptq[1].qzeros, gptq[1].scales,
-                                                       gptq[1].g_idx, True, 3)]
-    serial = [call() for call in calls]
-    for i, outputs in run_concurrently(calls).items():
+
+    def make_calls():
+        """The calls, on layers of their own that no call has planned yet."""
+        torch.manual_seed(0)
+        gptq = [lowbit.GPTQLinear.from_linear(torch.nn.Linear(256, 96), bits, 64, False, "gptq_v2",
+                                              perm=torch.randperm(256)) for bits in (2, 3, 4, 8)]
+        gguf = lowbit.GGUFLinear.from_raw(raw, gb.type_id("Q4_K"), 256)
+        calls = [lambda layer=layer: layer(x) for layer in gptq]
+        return calls + [lambda: gguf(x), lambda: gguf(x.repeat(4, 1)),
+                        lambda: torch.ops.lowbit.ggml_dequantize(raw, gb.type_id("Q4_K"), 96, 256, torch.float32),
+                        lambda: torch.ops.lowbit.gptq_dequantize(gptq[1].qweight, gptq[1].qzeros, gptq[1].scales,
+                                                                 gptq[1].g_idx, True, 3)]
+
+    serial = [call() for call in make_calls()]
+    # The GPTQ layers' first calls race to build the shuffled plan.
+    for i, outputs in run_concurrently(make_calls()).items():
         assert all(torch.equal(out, serial[i]) for out in outputs), f"call {i} differs under threads"
 
 
