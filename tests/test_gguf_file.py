@@ -953,6 +953,7 @@ def test_smollm2_bytes_and_types(smollm2):
 def test_smollm2_config_and_names(smollm2):
     f, _ = smollm2
     config = config_from_gguf(f.metadata, f.tensors)
+    # HuggingFaceTB/SmolLM2-135M-Instruct's config.json.
     assert {k: config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                    "num_key_value_heads", "intermediate_size", "vocab_size")} == {
         "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
