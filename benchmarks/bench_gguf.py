@@ -18,7 +18,7 @@ same threads:
   the machines' last-level caches), multiplied in turn, on every side;
 - dequantize of every type against gguf-py's NumPy dequantize.
 
-    python -m benchmarks.bench_gguf [--quick] [--isa avx2] [--types NVFP4,Q1_0,Q2_0]
+    python -m benchmarks.bench_gguf [--quick] [--isa avx2] [--types NVFP4,Q1_0,Q2_0] [--shapes 2048x768,...]
 
 Prints the tables and writes benchmarks/results/<machine>-gguf.json, .txt and
 a PNG of matvec throughput per type against the peers; with --isa, lowbit's
@@ -26,7 +26,9 @@ kernels of that ISA (torch.ops.lowbit.cpu_isa) and files named
 <machine>-<isa>-gguf.*; with --types, those types in every table instead of
 the main ones (and in dequantize instead of all), in files named
 <machine>-gguf-<types>.* (the gguf-py column of Q1_0 and Q2_0, which gguf-py
-cannot dequantize, times the tests' NumPy reference instead). The llama.cpp peer comes from llama-cpp-python, or
+cannot dequantize, times the tests' NumPy reference instead); with --shapes,
+the M = 1 and 8 tables alone at those weight shapes, in files named
+<machine>-gguf[-<types>]-<shapes>.*. The llama.cpp peer comes from llama-cpp-python, or
 from LOWBIT_GGML_LIB_DIR (tests/llama_cpp_peer.py): to meet the AVX2 kernels, a
 ggml built for AVX2 only (benchmarks/README.md). Each comparison is
 timed in alternating rounds, each side's fastest round reported
@@ -36,8 +38,8 @@ cannot land on one side only.
 import argparse
 import os
 
-from benchmarks.common import (CopyBandwidth, machine, print_table, printed_to,  # first: sets THP
-                               results_dir, time_rounds_ms, write_results)
+from benchmarks.common import (CopyBandwidth, add_isa_argument, force_isa, machine,  # first: sets THP
+                               print_table, printed_to, results_dir, time_rounds_ms, write_results)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -373,9 +375,9 @@ def plot(records, bandwidth, info, path):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller shapes, fewer types, shorter timing")
-    parser.add_argument("--isa", help="lowbit's CPU kernels to run (portable, avx2, avx512); default: the best")
+    add_isa_argument(parser)
     parser.add_argument("--types", help="comma-separated ggml types to measure instead of the main ones")
     parser.add_argument("--shapes", help="comma-separated ROWSxN weight shapes (e.g. 2048x768): the M = 1 and 8 "
                                          "tables only, for those shapes instead of the main ones")
@@ -389,10 +391,14 @@ def main():
         if name not in gb.TYPES:
             parser.error(f"--types: {name!r} is not one of {', '.join(gb.TYPES)}")
     matmul_types = types or MAIN_TYPES
+    for rows, n in shapes or []:
+        whole = [gb.block_shape(name)[0] for name in matmul_types]
+        if rows < 1 or n < 1 or any(n % block for block in whole):
+            parser.error(f"--shapes: {rows}x{n} needs ROWS and N from 1, N a multiple of {max(whole)} "
+                         f"(the blocks of {', '.join(matmul_types)})")
     budget = 0.1 if args.quick else 0.2  # per round of time_rounds_ms
     rng = np.random.default_rng(0)
-    if args.isa:
-        torch.ops.lowbit.cpu_isa(args.isa)
+    force_isa(parser, args.isa)
 
     info = machine()
     threads = [1] if args.quick else [t for t in THREADS if t <= torch.get_num_threads()]

@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 import lowbit
-from benchmarks.common import (CopyBandwidth, machine, print_table, printed_to, results_dir, time_rounds_ms,
-                               write_results)
+from benchmarks.common import (CopyBandwidth, add_isa_argument, force_isa, machine, print_table, printed_to,
+                               results_dir, time_rounds_ms, write_results)
 from tests import gguf_blocks as gb
 from tests import llama_cpp_peer
 
@@ -92,10 +92,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="Qwen3's layer only, 1 thread, shorter timing")
     parser.add_argument("--layers", help=f"comma-separated subset of {', '.join(LAYERS)} (results named after it)")
-    parser.add_argument("--isa", help="lowbit's CPU kernels to run (portable, avx2, avx512); default: the best")
+    add_isa_argument(parser)
     args = parser.parse_args()
-    if args.isa:
-        torch.ops.lowbit.cpu_isa(args.isa)
+    force_isa(parser, args.isa)
     names = args.layers.split(",") if args.layers else list(LAYERS)[:1 if args.quick else None]
     unknown = [n for n in names if n not in LAYERS]
     if unknown:

@@ -126,6 +126,24 @@ def machine(device=torch.device("cpu")):
     }
 
 
+ISAS = ("portable", "avx2", "avx512")
+
+
+def add_isa_argument(parser):
+    """--isa: lowbit's CPU kernels of one ISA (torch.ops.lowbit.cpu_isa)."""
+    parser.add_argument("--isa", choices=ISAS, help="lowbit's CPU kernels to run; default: the best this CPU runs")
+
+
+def force_isa(parser, isa):
+    """Runs lowbit's CPU kernels of `isa` (none: the best), or ends with the
+    parser's usage error where this CPU cannot run them."""
+    if isa:
+        try:
+            torch.ops.lowbit.cpu_isa(isa)
+        except ValueError as e:
+            parser.error(f"--isa {isa}: {e}")
+
+
 def print_table(headers, rows):
     cells = [[str(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
