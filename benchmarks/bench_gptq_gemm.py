@@ -132,11 +132,20 @@ def print_streamed(records, bandwidth):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--device", default="cpu")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", help="cpu (default) or a CUDA device")
     parser.add_argument("--quick", action="store_true", help="one shape, M = 1, shorter timing")
     args = parser.parse_args()
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        parser.error(f"--device {args.device}: {e}")
+    cuda_here = torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key("lowbit::gptq_gemm",
+                                                                                             "CUDA")
+    if device.type == "cuda" and not (cuda_here and (device.index or 0) < torch.cuda.device_count()):
+        parser.error(f"--device {args.device}: no such CUDA device here, or a lowbit built without CUDA kernels")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {args.device}: lowbit's kernels run on cpu and cuda")
     budget = 0.1 if args.quick else 0.15  # per round of time_rounds_ms
     shapes = [(4096, 4096)] if args.quick else SHAPES
     ms_list = [1] if args.quick else MS
