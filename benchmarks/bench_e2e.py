@@ -78,6 +78,8 @@ import subprocess
 import sys
 import time
 
+from benchmarks.cli import positive_int, require_llama_cpp
+
 # The repository root: each child runs this module from there.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT_TOKENS, NEW_TOKENS, N_CTX = 128, 64, 512
@@ -645,9 +647,9 @@ def main():
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"of {','.join(MODELS)}")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--reps", type=int, default=2, help="timed generations per child (the median is its value)")
+    ap.add_argument("--threads", type=positive_int, default=2)
+    ap.add_argument("--rounds", type=positive_int, default=3)
+    ap.add_argument("--reps", type=positive_int, default=2, help="timed generations per child (the median is its value)")
     args = ap.parse_args()
     if args.child:
         return child(json.loads(args.child))
@@ -662,7 +664,8 @@ def main():
     models = [m for m in args.models.split(",") if m]
     unknown = set(models) - set(MODELS)
     if unknown:
-        raise SystemExit(f"bench_e2e: unknown models {sorted(unknown)}; choose from {', '.join(MODELS)}")
+        ap.error(f"--models: unknown {', '.join(sorted(unknown))}; choose from {', '.join(MODELS)}")
+    require_llama_cpp("bench_e2e")
     prompt_len, new_tokens, rounds, reps = PROMPT_TOKENS, NEW_TOKENS, args.rounds, args.reps
     if args.quick:
         models, prompt_len, new_tokens, rounds, reps = ["smollm2"], 32, 16, 1, 1

@@ -20,6 +20,7 @@ import os
 
 from benchmarks import bench_e2e
 from benchmarks.bench_shared_cores import BUSY_LOOP, measure_rounds, median
+from benchmarks.cli import positive_int, require_llama_cpp
 
 VARIANTS = ("lowbit", "lowbit-pool", "llama")
 NEW_TOKENS = 32  # decode steps after the prompt
@@ -31,16 +32,20 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="2048", help="prompt lengths, comma-separated")
     ap.add_argument("--models", default="smollm2,1b", help="of smollm2,1b (bench_e2e's files)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=positive_int, default=2)
+    ap.add_argument("--rounds", type=positive_int, default=2)
     args = ap.parse_args()
 
     from benchmarks.common import RESULTS, machine, print_table, printed_to, write_results
 
-    lengths = [int(t) for t in args.tokens.split(",")]
+    try:
+        lengths = [positive_int(t) for t in args.tokens.split(",")]
+    except argparse.ArgumentTypeError as e:
+        ap.error(f"--tokens {args.tokens}: {e}")
     models = args.models.split(",")
-    if not set(models) <= {"smollm2", "1b"} or any(n < 1 for n in lengths):
-        raise SystemExit("bench_long_prompt: --models takes smollm2 and 1b, --tokens positive lengths")
+    if not set(models) <= {"smollm2", "1b"}:
+        ap.error(f"--models {args.models}: choose from smollm2, 1b")
+    require_llama_cpp("bench_long_prompt")
     gguf = [(label, path) for label, path, variants in bench_e2e.files(models, args.threads) if "llama" in variants]
     cases = [(label, path, n, v) for label, path in gguf for n in lengths for v in VARIANTS]
     prompts = {n: bench_e2e.prompt_ids(n) for n in lengths}

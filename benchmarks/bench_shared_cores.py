@@ -23,6 +23,7 @@ import sys
 import time
 
 from benchmarks import bench_e2e
+from benchmarks.cli import positive_int, require_llama_cpp
 
 VARIANTS = ("lowbit", "lowbit-repacked", "lowbit-gptq", "llama")
 BUSY_LOOP = "while True: pass"
@@ -88,9 +89,10 @@ def write_markdown(path, title, lines, rows):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=positive_int, default=2)
+    ap.add_argument("--rounds", type=positive_int, default=3)
     args = ap.parse_args()
+    require_llama_cpp("bench_shared_cores")
 
     from benchmarks.common import RESULTS, machine, print_table, printed_to, write_results
     from benchmarks.smollm2 import gguf_path

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.cli import positive_int
 from benchmarks.common import machine, print_table, results_dir, write_results
 from lowbit.gptq import GPTQConfig
 from lowbit.gptq.checkpoint import write_checkpoint
@@ -144,7 +145,7 @@ def plot(records, models, path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="Granite-20B only, M in {1, 8}, TP in {1, 2}")
-    parser.add_argument("--reps", type=int, default=5, help="timed forwards per cell (default 5)")
+    parser.add_argument("--reps", type=positive_int, default=5, help="timed forwards per cell (default 5)")
     args = parser.parse_args()
     models = ["Granite-20B"] if args.quick else list(MODELS)
     ms, tps = ([1, 8], [1, 2]) if args.quick else (MS, TPS)

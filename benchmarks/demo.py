@@ -26,6 +26,7 @@ import lowbit
 from lowbit.gguf.repacking import reads_repacked_layout
 
 from benchmarks import smollm2
+from benchmarks.cli import positive_int
 from benchmarks.machine import machine_slug, results_dir
 
 PROMPT = "The three branches of government are"
@@ -246,7 +247,7 @@ def run_synthetic(in_features: int = 4096, out_features: int = 4096, group_size:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one GPTQ row instead of six")
-    parser.add_argument("--heldout-tokens", type=int, default=HELDOUT_TOKENS,
+    parser.add_argument("--heldout-tokens", type=positive_int, default=HELDOUT_TOKENS,
                         help=f"score the first N tokens of the held-out text (default {HELDOUT_TOKENS})")
     parser.add_argument("--synthetic", action="store_true", help="run the random-layer demo only")
     args = parser.parse_args()

@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from benchmarks.cli import positive_int
 from benchmarks.common import RESULTS, machine  # sets THP_MEM_ALLOC_ENABLE before torch allocates
 from benchmarks.machine import device_name, machine_slug
 
@@ -125,7 +126,7 @@ def table(rows: list, file_mb: float) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=positive_int, default=100)
     parser.add_argument("--bases", default="gguf,gptq,fp32")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: train this base in this process
     parser.add_argument("--gptq-dir", help=argparse.SUPPRESS)
