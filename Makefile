@@ -52,10 +52,11 @@ test: build reference-deps
 demo: build
 	$(PYTHON) -m benchmarks.demo
 
+# The GGUF runs with OMP_WAIT_POLICY=ACTIVE (benchmarks/README.md, "Spinning threads").
 bench: build reference-deps
 	$(PYTHON) -m benchmarks.bench_gptq_gemm
-	$(PYTHON) -m benchmarks.bench_gguf
-	$(PYTHON) -m benchmarks.bench_gguf_moe
+	OMP_WAIT_POLICY=ACTIVE $(PYTHON) -m benchmarks.bench_gguf
+	OMP_WAIT_POLICY=ACTIVE $(PYTHON) -m benchmarks.bench_gguf_moe
 	$(PYTHON) -m benchmarks.bench_tp_mlp
 
 # Compile (only) every CUDA source for sm_75, sm_80 and sm_90a; works without a GPU.
