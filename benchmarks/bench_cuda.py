@@ -333,7 +333,7 @@ def crossover_rows(shipped, fused, dequant):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", default="cuda", help="the CUDA device to measure (default cuda)")
     parser.add_argument("--quick", action="store_true", help="one shape, fewer samples")
     parser.add_argument("--no-crossover", action="store_true", help="skip the forced-path sweeps")
     parser.add_argument("--child-sweep", action="store_true", help=argparse.SUPPRESS)
@@ -347,9 +347,12 @@ def main():
     from benchmarks.common import RESULTS, machine
     from benchmarks.machine import short_device_name
 
-    device = torch.device(args.device)
-    if device.type != "cuda":
-        fail(f"--device must be a CUDA device, got {device}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        parser.error(f"--device {args.device}: {e}")
+    if device.type != "cuda" or (device.index or 0) >= torch.cuda.device_count():
+        parser.error(f"--device {args.device}: not one of this machine's {torch.cuda.device_count()} CUDA devices")
     info = machine(device)
     info["gpu"] = torch.cuda.get_device_name(device)
     info["cuda"] = torch.version.cuda
