@@ -653,6 +653,11 @@ def main():
     args = ap.parse_args()
     if args.child:
         return child(json.loads(args.child))
+    models = [m for m in args.models.split(",") if m]
+    unknown = set(models) - set(MODELS)
+    if unknown:
+        ap.error(f"--models: unknown {', '.join(sorted(unknown))}; choose from {', '.join(MODELS)}")
+    require_llama_cpp("bench_e2e")
 
     from benchmarks.common import machine, print_table, printed_to, results_dir, write_results  # first: sets THP
 
@@ -661,11 +666,6 @@ def main():
     import lowbit  # noqa: F401  (torch.ops.lowbit)
 
     torch.set_num_threads(args.threads)
-    models = [m for m in args.models.split(",") if m]
-    unknown = set(models) - set(MODELS)
-    if unknown:
-        ap.error(f"--models: unknown {', '.join(sorted(unknown))}; choose from {', '.join(MODELS)}")
-    require_llama_cpp("bench_e2e")
     prompt_len, new_tokens, rounds, reps = PROMPT_TOKENS, NEW_TOKENS, args.rounds, args.reps
     if args.quick:
         models, prompt_len, new_tokens, rounds, reps = ["smollm2"], 32, 16, 1, 1

