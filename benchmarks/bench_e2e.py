@@ -699,9 +699,12 @@ def main():
     omp = os.environ.get("OMP_WAIT_POLICY", "(unset)")
     load_text = (f"load average (1, 5, 15 min) {', '.join(f'{x:.2f}' for x in load_before)} at the start, "
                  f"{', '.join(f'{x:.2f}' for x in load_after)} at the end, on {os.cpu_count()} CPUs")
-    command = "python -m benchmarks.bench_e2e" + ("" if stem == f"{info['slug']}-e2e" else f" --models {','.join(models)}")
-    if args.quick:
-        command = "python -m benchmarks.bench_e2e --quick"
+    # The options that reproduce the run (--quick fixes the models, rounds and repetitions).
+    options = ["--quick"] if args.quick else [f"--models {','.join(models)}"] if stem != f"{info['slug']}-e2e" else []
+    options += [f"--{name} {value}" for name, value, default in
+                (("threads", args.threads, 2), ("rounds", args.rounds, 3), ("reps", args.reps, 2))
+                if value != default and (name == "threads" or not args.quick)]
+    command = " ".join(["python -m benchmarks.bench_e2e", *options])
     notes = [
         f"Prompt: {prompt_len} tokens of the shipped held-out text; {new_tokens} greedy new tokens after its first "
         "(the end-of-sequence token switched off on both sides); "

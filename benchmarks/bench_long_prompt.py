@@ -81,7 +81,8 @@ def main():
              "Command: `python -m benchmarks.bench_long_prompt"
              + (f" --tokens {args.tokens}" if args.tokens != "2048" else "")
              + (f" --models {args.models}" if args.models != "smollm2,1b" else "")
-             + (f" --threads {args.threads}" if args.threads != 2 else "") + "`."]
+             + (f" --threads {args.threads}" if args.threads != 2 else "")
+             + (f" --rounds {args.rounds}" if args.rounds != 2 else "") + "`."]
     with printed_to(stem + ".txt"):
         print_table(HEADERS, rows)
         print()

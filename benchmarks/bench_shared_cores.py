@@ -120,7 +120,8 @@ def main():
              f"ratio: beside busy / alone; with one of {os.cpu_count()} cores taken, "
              f"{(os.cpu_count() - 1) / os.cpu_count():.2f} is a proportional slowdown.",
              "Command: `python -m benchmarks.bench_shared_cores"
-             + (f" --threads {args.threads}" if args.threads != 2 else "") + "`."]
+             + (f" --threads {args.threads}" if args.threads != 2 else "")
+             + (f" --rounds {args.rounds}" if args.rounds != 3 else "") + "`."]
     with printed_to(stem + ".txt"):
         print_table(HEADERS, rows)
         print()
