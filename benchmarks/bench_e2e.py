@@ -645,10 +645,11 @@ def plot(summaries, info, path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="smollm2 only, a short prompt and generation, one round, "
+                    "results under the temp directory")
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"of {','.join(MODELS)}")
-    ap.add_argument("--threads", type=positive_int, default=2)
-    ap.add_argument("--rounds", type=positive_int, default=3)
+    ap.add_argument("--threads", type=positive_int, default=2, help="threads of every library (default 2)")
+    ap.add_argument("--rounds", type=positive_int, default=3, help="rounds of every configuration (default 3)")
     ap.add_argument("--reps", type=positive_int, default=2, help="timed generations per child (the median is its value)")
     args = ap.parse_args()
     if args.child:

@@ -32,8 +32,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="2048", help="prompt lengths, comma-separated")
     ap.add_argument("--models", default="smollm2,1b", help="of smollm2,1b (bench_e2e's files)")
-    ap.add_argument("--threads", type=positive_int, default=2)
-    ap.add_argument("--rounds", type=positive_int, default=2)
+    ap.add_argument("--threads", type=positive_int, default=2, help="threads of every library (default 2)")
+    ap.add_argument("--rounds", type=positive_int, default=2, help="rounds of every configuration (default 2)")
     args = ap.parse_args()
 
     from benchmarks.common import RESULTS, machine, print_table, printed_to, write_results

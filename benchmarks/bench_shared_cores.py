@@ -89,8 +89,8 @@ def write_markdown(path, title, lines, rows):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=positive_int, default=2)
-    ap.add_argument("--rounds", type=positive_int, default=3)
+    ap.add_argument("--threads", type=positive_int, default=2, help="threads of every library (default 2)")
+    ap.add_argument("--rounds", type=positive_int, default=3, help="rounds of every configuration (default 3)")
     args = ap.parse_args()
     require_llama_cpp("bench_shared_cores")
 
