@@ -307,7 +307,8 @@ LOADER_LAYOUT_NOTE = ("llama.cpp ms: ggml_mul_mat on the plain blocks; loader la
 
 
 def loader_layout_cells(r):
-    return [r["llama_cpp_loader_layout"], f"{r['llama_cpp_loader_layout_ms']:.2f}",
+    measured = r["llama_cpp_loader_layout_ms"] == r["llama_cpp_loader_layout_ms"]  # NaN: no llama.cpp peer ran
+    return [r["llama_cpp_loader_layout"] if measured else "-", f"{r['llama_cpp_loader_layout_ms']:.2f}",
             f"{r['speedup_vs_llama_cpp_loader_layout']:.2f}x"]
 
 

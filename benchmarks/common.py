@@ -144,8 +144,14 @@ def force_isa(parser, isa):
             parser.error(f"--isa {isa}: {e}")
 
 
+def unmeasured(cell: str) -> bool:
+    """A formatted NaN ("nan", "nanx", "nan%"): a peer or kernel that did not run for that row."""
+    return cell.rstrip("x%") == "nan"
+
+
 def print_table(headers, rows):
-    cells = [[str(c) for c in r] for r in rows]
+    """Right-aligned columns; a cell that was not measured (NaN) prints as "-"."""
+    cells = [["-" if unmeasured(str(c)) else str(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
     line = "  ".join(h.rjust(w) for h, w in zip(headers, widths))
     print(line)
