@@ -49,6 +49,9 @@ def main():
     gguf = [(label, path) for label, path, variants in bench_e2e.files(models, args.threads) if "llama" in variants]
     cases = [(label, path, n, v) for label, path in gguf for n in lengths for v in VARIANTS]
     prompts = {n: bench_e2e.prompt_ids(n) for n in lengths}
+    short = [n for n in lengths if len(prompts[n]) < n]
+    if short:
+        ap.error(f"--tokens {args.tokens}: the shipped held-out text has {len(prompts[short[0]])} tokens")
     load_before = os.getloadavg()
     records = measure_rounds(
         cases, args.rounds,
