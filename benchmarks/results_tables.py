@@ -40,12 +40,12 @@ def read(path):
 
 
 def cpu_traits():
-    """{name: (SIMD levels, repacked layout, ISAs reading it)} from LOWBIT_GGML_CPU_TRAITS, the CPU traits table."""
+    """{name: (repacked layout, ISAs reading it)} from LOWBIT_GGML_CPU_TRAITS, the CPU traits table."""
     source = read("csrc/cpu/ggml_traits.h")
-    rows = re.findall(r"X\((\w+), (true|false), k\w+, \d+, (true|false), (\w+), \d+, (?:true|false)\)", source)
+    rows = re.findall(r"X\((\w+), (?:true|false), k\w+, \d+, (true|false), (\w+), \d+, (?:true|false)\)", source)
     if not rows:
         raise SystemExit("results_tables: LOWBIT_GGML_CPU_TRAITS not found in csrc/cpu/ggml_traits.h")
-    return {name: (levels == "true", repacked == "true", reads) for name, levels, repacked, reads in rows}
+    return {name: (repacked == "true", reads) for name, repacked, reads in rows}
 
 
 def ggml_types():
@@ -73,15 +73,13 @@ def architectures():
 
 def support_block():
     traits = cpu_traits()
-    simd_levels = {name for name, (levels, _, _) in traits.items() if levels}
-    has_layout = {name for name, (_, repacked, _) in traits.items() if repacked}
-    avx2_reads = {name for name, (_, _, reads) in traits.items() if reads in ("kReadsAvx2", "kReadsBoth")}
+    has_layout = {name for name, (repacked, _) in traits.items() if repacked}
+    avx2_reads = {name for name, (_, reads) in traits.items() if reads in ("kReadsAvx2", "kReadsBoth")}
 
     def simd(name, act, reads):
         if act == "Float":
             return "fp32 dot"
-        cell = "SIMD" if name in simd_levels else "SIMD, scalar decode"
-        return cell + (", **R**" if reads else "")
+        return "SIMD" + (", **R**" if reads else "")
 
     out = ["| format / type | id | block: values, bytes | bits/weight | activations | portable | AVX2 | "
            "AVX-512 | repacked layout | CUDA |",
@@ -95,8 +93,7 @@ def support_block():
                    f"{simd(name, act, name in avx2_reads)} | {simd(name, act, name in has_layout)} | "
                    f"{'yes' if name in has_layout else '—'} | tested |")
     out.append("")
-    out.append("SIMD: the ISA's own kernels (levels cut out in vector registers; \"scalar decode\": levels "
-               "from the portable codec, dot products in SIMD). **R**: that ISA reads lowbit's repacked layout as "
+    out.append("SIMD: the ISA's own kernels (levels cut out in vector registers). **R**: that ISA reads lowbit's repacked layout as "
                "it is (`torch.ops.lowbit.cpu_reads_repacked`); elsewhere a repacked weight is put back "
                "per call. CUDA tested: its kernels pass the CUDA tests on an H200, bit for bit or within the "
                "tests' fp32 tolerance of the CPU (`benchmarks/results/h200-cuda-checks.md`).")

@@ -346,12 +346,15 @@ LOWBIT_HD float iq_half_step_scale(float d, uint32_t s, float f) {
 
 template <>
 struct Codec<Type::IQ2_XXS> {  // d | 8 x (4 grid bytes, uint32 of 4 x 7 sign bits + 4-bit scale)
-  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::IQ2_XXS>& o) {
+  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::IQ2_XXS>& o) {
     const float d = half_at(b, 0);
+    for (int ib = 0; ib < 8; ++ib) o.d[ib] = iq_half_step_scale(d, load_u32(b + 6 + 8 * ib) >> 28, 0.25f);
+  }
+  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::IQ2_XXS>& o) {
+    scales(b, o);
     for (int ib = 0; ib < 8; ++ib) {
       const uint8_t* grid_idx = b + 2 + 8 * ib;
       const uint32_t meta = load_u32(grid_idx + 4);
-      o.d[ib] = iq_half_step_scale(d, meta >> 28, 0.25f);
       for (int l = 0; l < 4; ++l) {
         const uint64_t entry = LOWBIT_TABLE(iq2xxs_grid)[grid_idx[l]];
         const uint32_t signs = even_parity_signs((meta >> (7 * l)) & 127u);
@@ -363,9 +366,12 @@ struct Codec<Type::IQ2_XXS> {  // d | 8 x (4 grid bytes, uint32 of 4 x 7 sign bi
 
 template <>
 struct Codec<Type::IQ2_XS> {  // d | uint16 qs[32] (9-bit grid index, 7 sign bits) | scales[8]
-  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::IQ2_XS>& o) {
+  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::IQ2_XS>& o) {
     const float d = half_at(b, 0);
     for (int s = 0; s < 16; ++s) o.d[s] = iq_half_step_scale(d, (b[66 + s / 2] >> (4 * (s % 2))) & 0xf, 0.25f);
+  }
+  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::IQ2_XS>& o) {
+    scales(b, o);
     for (int g = 0; g < 32; ++g) {
       const uint32_t v = load_u16(b + 2 + 2 * g);
       const uint64_t entry = LOWBIT_TABLE(iq2xs_grid)[v & 511];
@@ -377,9 +383,12 @@ struct Codec<Type::IQ2_XS> {  // d | uint16 qs[32] (9-bit grid index, 7 sign bit
 
 template <>
 struct Codec<Type::IQ2_S> {  // d | qs[32] grid low bits | signs[32] | qh[8] | scales[8]
-  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::IQ2_S>& o) {
+  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::IQ2_S>& o) {
     const float d = half_at(b, 0);
     for (int s = 0; s < 16; ++s) o.d[s] = iq_half_step_scale(d, (b[74 + s / 2] >> (4 * (s % 2))) & 0xf, 0.25f);
+  }
+  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::IQ2_S>& o) {
+    scales(b, o);
     for (int g = 0; g < 32; ++g) {
       const int ib = g / 4, l = g % 4;
       const uint32_t index = b[2 + g] | ((static_cast<uint32_t>(b[66 + ib]) << (8 - 2 * l)) & 0x300u);
@@ -392,11 +401,14 @@ struct Codec<Type::IQ2_S> {  // d | qs[32] grid low bits | signs[32] | qh[8] | s
 
 template <>
 struct Codec<Type::IQ3_XXS> {  // d | qs[64] grid indices | 8 x uint32 (4 x 7 sign bits + 4-bit scale)
-  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::IQ3_XXS>& o) {
+  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::IQ3_XXS>& o) {
     const float d = half_at(b, 0);
+    for (int ib = 0; ib < 8; ++ib) o.d[ib] = iq_half_step_scale(d, load_u32(b + 66 + 4 * ib) >> 28, 0.5f);
+  }
+  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::IQ3_XXS>& o) {
+    scales(b, o);
     for (int ib = 0; ib < 8; ++ib) {
       const uint32_t meta = load_u32(b + 66 + 4 * ib);
-      o.d[ib] = iq_half_step_scale(d, meta >> 28, 0.5f);
       for (int l = 0; l < 4; ++l) {
         const uint32_t signs = even_parity_signs((meta >> (7 * l)) & 127u);
         for (int half = 0; half < 2; ++half) {
@@ -412,11 +424,16 @@ struct Codec<Type::IQ3_XXS> {  // d | qs[64] grid indices | 8 x uint32 (4 x 7 si
 
 template <>
 struct Codec<Type::IQ3_S> {  // d | qs[64] | qh[8] | signs[32] | scales[4]
-  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::IQ3_S>& o) {
+  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::IQ3_S>& o) {
     const float d = half_at(b, 0);
     for (int ib = 0; ib < 8; ++ib) {
       const uint32_t s = (b[106 + ib / 2] >> (4 * (ib % 2))) & 0xf;
       o.d[ib] = mul_rn(d, static_cast<float>(1 + 2 * static_cast<int>(s)));
+    }
+  }
+  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::IQ3_S>& o) {
+    scales(b, o);
+    for (int ib = 0; ib < 8; ++ib) {
       const uint32_t qh = b[66 + ib];
       for (int l = 0; l < 4; ++l) {
         const uint32_t signs = b[74 + 4 * ib + l];
@@ -442,11 +459,16 @@ LOWBIT_HD int8_t iq1_level(uint64_t entry, int j, bool negative_delta) {
 
 template <>
 struct Codec<Type::IQ1_S> {  // d | qs[32] | uint16 qh[8] (3-bit scale, delta sign, 4 x 3 index bits)
-  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::IQ1_S>& o) {
+  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::IQ1_S>& o) {
     const float d = half_at(b, 0);
     for (int ib = 0; ib < 8; ++ib) {
+      o.d[ib] = mul_rn(mul_rn(d, static_cast<float>(2 * ((load_u16(b + 34 + 2 * ib) >> 12) & 7) + 1)), 0.125f);
+    }
+  }
+  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::IQ1_S>& o) {
+    scales(b, o);
+    for (int ib = 0; ib < 8; ++ib) {
       const uint32_t qh = load_u16(b + 34 + 2 * ib);
-      o.d[ib] = mul_rn(mul_rn(d, static_cast<float>(2 * ((qh >> 12) & 7) + 1)), 0.125f);
       const bool negative = qh & 0x8000u;
       for (int l = 0; l < 4; ++l) {
         const uint64_t entry = LOWBIT_TABLE(iq1s_grid)[b[2 + 4 * ib + l] | (((qh >> (3 * l)) & 7u) << 8)];
@@ -458,9 +480,7 @@ struct Codec<Type::IQ1_S> {  // d | qs[32] | uint16 qh[8] (3-bit scale, delta si
 
 template <>
 struct Codec<Type::IQ1_M> {  // qs[32] | qh[16] | scales[8] (3-bit sub-scales + the fp16 d in the top nibbles)
-  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::IQ1_M>& o) {
-    const uint8_t* qs = b;
-    const uint8_t* qh = b + 32;
+  LOWBIT_HD static void scales(const uint8_t* b, Decoded<Type::IQ1_M>& o) {
     uint16_t sc[4];
     for (int i = 0; i < 4; ++i) sc[i] = load_u16(b + 48 + 2 * i);
     const uint16_t d_bits = static_cast<uint16_t>((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) |
@@ -471,6 +491,11 @@ struct Codec<Type::IQ1_M> {  // qs[32] | qh[16] | scales[8] (3-bit sub-scales + 
       const int scale = (sc[ib / 2] >> (6 * (ib % 2) + 3 * (s % 2))) & 7;
       o.d[s] = mul_rn(mul_rn(d, static_cast<float>(2 * scale + 1)), 0.125f);
     }
+  }
+  LOWBIT_HD static void decode(const uint8_t* b, Decoded<Type::IQ1_M>& o) {
+    scales(b, o);
+    const uint8_t* qs = b;
+    const uint8_t* qh = b + 32;
     for (int g = 0; g < 32; ++g) {
       // Group g of 8: low index byte qs[g]; qh[g / 2] holds, per nibble, 3 high
       // index bits and the delta sign (bit 3).

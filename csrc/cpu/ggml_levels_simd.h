@@ -1,6 +1,6 @@
 // The int8 levels of a GGUF block, 32 elements at a time, cut out in AVX2
 // registers for the SIMD kernels (ggml_matmul_simd.h, ggml_dequant_simd.h),
-// for the types has_simd_levels() names (ggml_traits.h). Element order
+// for every quantized type (has_simd_levels(), ggml_traits.h). Element order
 // and values are exactly those of Codec<T>::decode in core/ggml_blocks.h (a
 // test runs every ISA against the portable kernels and the reference). The
 // sub-block scales come from Codec<T>::scales, except for the K-quants whose
@@ -93,11 +93,9 @@ inline __m256i nibbles16(const uint8_t* p) {
   return _mm256_and_si256(_mm256_blend_epi32(v, _mm256_srli_epi16(v, 4), 0xf0), bytes(0xf));
 }
 
-// `value` in byte e where bit e of the 32 bits at p is set, else 0 (the
-// Q5_0/Q5_1 fifth bit, Q1_0's signs).
-inline __m256i bit_bytes(const uint8_t* p, int8_t value) {
-  uint32_t bits;
-  memcpy(&bits, p, 4);
+// `value` in byte e where bit e of the 32 bits (at p) is set, else 0 (the
+// Q5_0/Q5_1 fifth bit, Q1_0's and the i-quants' signs).
+inline __m256i bit_bytes(uint32_t bits, int8_t value) {
 #if LOWBIT_SIMD_AVX512BW
   // The bits are the byte mask itself: one masked move, against five instructions.
   return _mm256_maskz_mov_epi8(bits, bytes(value));
@@ -108,6 +106,11 @@ inline __m256i bit_bytes(const uint8_t* p, int8_t value) {
       _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
   const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), bytes(value));
+}
+inline __m256i bit_bytes(const uint8_t* p, int8_t value) {
+  uint32_t bits;
+  memcpy(&bits, p, 4);
+  return bit_bytes(bits, value);
 }
 inline __m256i fifth_bits(const uint8_t* qh_bytes) { return bit_bytes(qh_bytes, 0x10); }
 
@@ -196,27 +199,21 @@ inline void k4_int_scales(const uint8_t* b, IntScales& o) {
 template <ggml::Type T>
 struct Levels;
 
-// Chunk C of a block's levels and its scales into dec: cut from the bytes
-// where the type has SIMD levels, else from the scalar decode (which fills
-// dec.q too).
+// A block's scales into dec, and chunk C of its levels (elements 32C ..
+// 32C + 31 as int8), cut from the bytes.
 template <ggml::Type T>
 inline void block_scales(const uint8_t* blk, ggml::Decoded<T>& dec) {
-  if constexpr (!has_simd_levels(T)) {
-    ggml::Codec<T>::decode(blk, dec);
-  } else if constexpr (requires { Levels<T>::scales(blk, dec); }) {
+  static_assert(has_simd_levels(T), "every quantized type has SIMD levels (ggml_traits.h)");
+  if constexpr (requires { Levels<T>::scales(blk, dec); }) {
     Levels<T>::scales(blk, dec);
   } else {
     ggml::Codec<T>::scales(blk, dec);
   }
 }
 template <ggml::Type T, int C>
-inline __m256i block_levels(const uint8_t* blk, const ggml::Decoded<T>& dec) {
-  if constexpr (has_simd_levels(T)) {
-    return Levels<T>::template chunk<C>(blk);
-  } else {
-    return load32(reinterpret_cast<const uint8_t*>(dec.q) + 32 * C);
-  }
-}  // chunk<C>(block): elements 32C .. 32C + 31 as int8
+inline __m256i block_levels(const uint8_t* blk, const ggml::Decoded<T>&) {
+  return Levels<T>::template chunk<C>(blk);
+}
 
 using ggml::Type;
 
@@ -349,6 +346,132 @@ struct Levels<Type::Q1_0> : RepeatedScale {  // bit e of qs: +1 set, -1 clear
   template <int C>
   static __m256i chunk(const uint8_t* b) { return _mm256_sub_epi8(bit_bytes(b + 2 + 4 * C, 2), bytes(1)); }
 };
+// ---- i-quants: 8 (IQ2, IQ1) or 4 (IQ3) elements per grid entry ---------------
+// The entries are looked up one by one (four or eight loads a chunk, as ggml's
+// AVX2 kernels do: a gather costs more) and their signs applied as bytes.
+
+// ggml's 7-bit sign fields as the byte masks of their 8 signs (the 8th the
+// parity bit, core even_parity_signs): 0xff in byte j where sign j is set,
+// one load per 8 elements instead of the parity's and the spread's work.
+struct ParitySignMasks {
+  uint64_t mask[128];
+  constexpr ParitySignMasks() : mask() {
+    for (uint32_t v = 0; v < 128; ++v) {
+      uint32_t parity = v;
+      parity ^= parity >> 4, parity ^= parity >> 2, parity ^= parity >> 1;
+      const uint32_t signs = v | (parity & 1u) << 7;
+      for (int j = 0; j < 8; ++j) mask[v] |= (signs >> j & 1u ? 0xffull : 0ull) << (8 * j);
+    }
+  }
+};
+constexpr ParitySignMasks kParitySignMasks;
+static_assert(kParitySignMasks.mask[1] == 0xff000000000000ffull && kParitySignMasks.mask[3] == 0xffffull,
+              "bit 7 makes the count of signs even");
+// Magnitudes negated where `negative` has 0xff bytes.
+inline __m256i negated(__m256i magnitudes, __m256i negative) {
+  return _mm256_sub_epi8(_mm256_xor_si256(magnitudes, negative), negative);
+}
+// Magnitudes with the sign of bit e of `signs` applied to byte e.
+inline __m256i with_signs(__m256i magnitudes, uint32_t signs) { return negated(magnitudes, bit_bytes(signs, -1)); }
+// Four 7-bit sign fields, at bits 7l .. 7l + 6 of meta: the signs of 32 elements.
+inline __m256i parity_signs(uint32_t f0, uint32_t f1, uint32_t f2, uint32_t f3) {
+  const uint64_t* m = kParitySignMasks.mask;
+  return _mm256_set_epi64x(static_cast<int64_t>(m[f3 & 127u]), static_cast<int64_t>(m[f2 & 127u]),
+                           static_cast<int64_t>(m[f1 & 127u]), static_cast<int64_t>(m[f0 & 127u]));
+}
+inline __m256i parity_signs(uint32_t meta) { return parity_signs(meta, meta >> 7, meta >> 14, meta >> 21); }
+inline __m256i entries64(const uint64_t* grid, uint32_t i0, uint32_t i1, uint32_t i2, uint32_t i3) {
+  return _mm256_set_epi64x(static_cast<int64_t>(grid[i3]), static_cast<int64_t>(grid[i2]),
+                           static_cast<int64_t>(grid[i1]), static_cast<int64_t>(grid[i0]));
+}
+inline __m256i entries32(const uint32_t* grid, const uint32_t (&i)[8]) {
+  return _mm256_setr_epi32(static_cast<int>(grid[i[0]]), static_cast<int>(grid[i[1]]), static_cast<int>(grid[i[2]]),
+                           static_cast<int>(grid[i[3]]), static_cast<int>(grid[i[4]]), static_cast<int>(grid[i[5]]),
+                           static_cast<int>(grid[i[6]]), static_cast<int>(grid[i[7]]));
+}
+// IQ1's levels 8 * grid + delta (core iq1_level): grid bytes in {-1, 0, 1}.
+inline __m256i iq1_levels(__m256i grid, __m256i delta) {
+  return _mm256_add_epi8(_mm256_sign_epi8(bytes(8), grid), delta);
+}
+
+template <>
+struct Levels<Type::IQ2_XXS> {  // sub-block C: 4 grid bytes, then 4 x 7 sign bits and the scale
+  template <int C>
+  static __m256i chunk(const uint8_t* b) {
+    const uint8_t* q = b + 2 + 8 * C;
+    return negated(entries64(LOWBIT_TABLE(ggml::iq2xxs_grid), q[0], q[1], q[2], q[3]), parity_signs(load_u32(q + 4)));
+  }
+};
+template <>
+struct Levels<Type::IQ2_XS> {  // groups 4C .. 4C + 3: uint16 of a 9-bit grid index and 7 sign bits
+  template <int C>
+  static __m256i chunk(const uint8_t* b) {
+    uint32_t v[4];
+    for (int l = 0; l < 4; ++l) v[l] = load_u16(b + 2 + 8 * C + 2 * l);
+    return negated(entries64(LOWBIT_TABLE(ggml::iq2xs_grid), v[0] & 511, v[1] & 511, v[2] & 511, v[3] & 511),
+                   parity_signs(v[0] >> 9, v[1] >> 9, v[2] >> 9, v[3] >> 9));
+  }
+};
+template <>
+struct Levels<Type::IQ2_S> {  // groups 4C + l: low index byte, 2 high bits of qh[C], a sign byte each
+  template <int C>
+  static __m256i chunk(const uint8_t* b) {
+    const uint8_t* q = b + 2 + 4 * C;
+    const uint32_t qh = b[66 + C];
+    return with_signs(entries64(LOWBIT_TABLE(ggml::iq2s_grid), q[0] | (qh << 8 & 0x300u), q[1] | (qh << 6 & 0x300u),
+                                q[2] | (qh << 4 & 0x300u), q[3] | (qh << 2 & 0x300u)),
+                      load_u32(b + 34 + 4 * C));
+  }
+};
+template <>
+struct Levels<Type::IQ3_XXS> {  // sub-block C: 8 grid bytes of 4 elements; 4 x 7 sign bits and the scale
+  template <int C>
+  static __m256i chunk(const uint8_t* b) {
+    const uint8_t* q = b + 2 + 8 * C;
+    const uint32_t i[8] = {q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7]};
+    return negated(entries32(LOWBIT_TABLE(ggml::iq3xxs_grid), i), parity_signs(load_u32(b + 66 + 4 * C)));
+  }
+};
+template <>
+struct Levels<Type::IQ3_S> {  // sub-block C: 8 index bytes, their 9th bits in qh[C], 4 sign bytes
+  template <int C>
+  static __m256i chunk(const uint8_t* b) {
+    const uint8_t* q = b + 2 + 8 * C;
+    const uint32_t qh = b[66 + C];
+    uint32_t i[8];
+    for (int k = 0; k < 8; ++k) i[k] = q[k] | ((qh >> k) & 1u) << 8;
+    return with_signs(entries32(LOWBIT_TABLE(ggml::iq3s_grid), i), load_u32(b + 74 + 4 * C));
+  }
+};
+template <>
+struct Levels<Type::IQ1_S> {  // sub-block C: 4 index bytes; qh[C]: 4 x 3 index bits, scale, delta sign
+  template <int C>
+  static __m256i chunk(const uint8_t* b) {
+    const uint8_t* q = b + 2 + 4 * C;
+    const uint32_t qh = load_u16(b + 34 + 2 * C);
+    const __m256i grid = entries64(LOWBIT_TABLE(ggml::iq1s_grid), q[0] | (qh & 7u) << 8, q[1] | (qh >> 3 & 7u) << 8,
+                                   q[2] | (qh >> 6 & 7u) << 8, q[3] | (qh >> 9 & 7u) << 8);
+    return iq1_levels(grid, bytes(qh & 0x8000u ? -1 : 1));
+  }
+};
+template <>
+struct Levels<Type::IQ1_M> {  // groups 4C + l: index byte; a qh nibble of 3 index bits and the delta sign
+  template <int C>
+  static __m256i chunk(const uint8_t* b) {
+    const uint8_t* q = b + 4 * C;
+    const uint32_t qh = load_u16(b + 32 + 2 * C);  // the nibbles of groups 4C .. 4C + 3, in order
+    uint32_t index[4];
+    int64_t delta[4];
+    for (int l = 0; l < 4; ++l) {
+      const uint32_t nibble = qh >> (4 * l) & 0xfu;
+      index[l] = q[l] | (nibble & 7u) << 8;
+      delta[l] = nibble & 8u ? -1 : 0x0101010101010101;
+    }
+    return iq1_levels(entries64(LOWBIT_TABLE(ggml::iq1s_grid), index[0], index[1], index[2], index[3]),
+                      _mm256_set_epi64x(delta[3], delta[2], delta[1], delta[0]));
+  }
+};
+
 template <>
 struct Levels<Type::Q2_0> : RepeatedScale {  // element e: bits 2 (e % 4) of byte e / 4, minus 1
   template <int C>

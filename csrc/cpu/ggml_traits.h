@@ -22,8 +22,8 @@ constexpr int kReadsAvx2 = 1, kReadsAvx512 = 2, kReadsBoth = kReadsAvx2 | kReads
 
 // X(name, SIMD levels, GEMM form, GEMM from M, repacked layout, ISAs reading
 //   it, AVX2 tile copies from M (0: none), repack_model takes it by default)
-// - SIMD levels: the levels are cut in vector registers (ggml_levels_simd.h);
-//   the other quantized types take them from the scalar Codec<T>::decode.
+// - SIMD levels: every quantized type's levels are cut in vector registers
+//   (ggml_levels_simd.h).
 // - GEMM from M: the signed one-scale types start later, as their 512-bit row
 //   tiles already share each decoded chunk (csrc/cpu/README.md, M thresholds).
 // - Repacked layout (core/ggml_repack.h): the one-scale types of 4, 5 and 8
@@ -51,15 +51,15 @@ constexpr int kReadsAvx2 = 1, kReadsAvx512 = 2, kReadsBoth = kReadsAvx2 | kReads
   X(Q4_K, true, kInt, 8, true, kReadsBoth, 16, true)    \
   X(Q5_K, true, kInt, 8, true, kReadsAvx512, 32, true)  \
   X(Q6_K, true, kInt, 8, true, kReadsAvx512, 32, false) \
-  X(IQ2_XXS, false, kNone, 0, false, 0, 0, false)       \
-  X(IQ2_XS, false, kNone, 0, false, 0, 0, false)        \
-  X(IQ3_XXS, false, kNone, 0, false, 0, 0, false)       \
-  X(IQ1_S, false, kNone, 0, false, 0, 0, false)         \
+  X(IQ2_XXS, true, kNone, 0, false, 0, 0, false)       \
+  X(IQ2_XS, true, kNone, 0, false, 0, 0, false)        \
+  X(IQ3_XXS, true, kNone, 0, false, 0, 0, false)       \
+  X(IQ1_S, true, kNone, 0, false, 0, 0, false)         \
   X(IQ4_NL, true, kFloat, 32, true, kReadsBoth, 16, true) \
-  X(IQ3_S, false, kNone, 0, false, 0, 0, false)         \
-  X(IQ2_S, false, kNone, 0, false, 0, 0, false)         \
+  X(IQ3_S, true, kNone, 0, false, 0, 0, false)         \
+  X(IQ2_S, true, kNone, 0, false, 0, 0, false)         \
   X(IQ4_XS, true, kInt, 8, true, kReadsBoth, 16, true)  \
-  X(IQ1_M, false, kNone, 0, false, 0, 0, false)         \
+  X(IQ1_M, true, kNone, 0, false, 0, 0, false)         \
   X(BF16, false, kNone, 0, false, 0, 0, false)          \
   X(TQ1_0, true, kNone, 0, false, 0, 0, false)          \
   X(TQ2_0, true, kNone, 0, false, 0, 0, false)          \
@@ -96,8 +96,8 @@ static constexpr GgmlCpuTraits ggml_cpu_traits(ggml::Type t) {
 // needs a GEMM form; the float GEMM needs one scale per 32 elements.
 #define LOWBIT_GGML_CPU_CHECK(name, id, block, bytes, sub, has_min, act)                                       \
   static_assert(ggml_cpu_traits(ggml::Type::name).ok, #name " needs a row in LOWBIT_GGML_CPU_TRAITS");         \
-  static_assert(ggml::TypeInfo<ggml::Type::name>::kFloat ? !ggml_cpu_traits(ggml::Type::name).simd_levels      \
-                                                         : true, #name ": float types have no SIMD levels");    \
+  static_assert(ggml_cpu_traits(ggml::Type::name).simd_levels != ggml::TypeInfo<ggml::Type::name>::kFloat,       \
+                #name ": the quantized types have SIMD levels, the float types none");                        \
   static_assert(!ggml_cpu_traits(ggml::Type::name).repacked || ggml_cpu_traits(ggml::Type::name).gemm != Gemm::kNone, \
                 #name ": a repacked layout needs a GEMM form");                                                 \
   static_assert(ggml_cpu_traits(ggml::Type::name).gemm != Gemm::kFloat || (block == 32 && sub == 32),          \
