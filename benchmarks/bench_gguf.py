@@ -39,7 +39,7 @@ import argparse
 import os
 
 from benchmarks.common import (CopyBandwidth, add_isa_argument, force_isa, machine,  # first: sets THP
-                               print_table, printed_to, results_dir, time_rounds_ms, write_results)
+                               openmp_header, print_table, printed_to, results_dir, time_rounds_ms, write_results)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -412,7 +412,7 @@ def main():
     with printed_to(f"{stem}.txt"):
         bandwidth = CopyBandwidth(threads=threads)
         print(f"machine: {info['name']} ({info['threads']} threads), torch {info['torch']}, "
-              f"CPU kernels: {torch.ops.lowbit.cpu_isa()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
+              f"CPU kernels: {torch.ops.lowbit.cpu_isa()}, {openmp_header()}")
         if os.environ.get("LOWBIT_GGML_LIB_DIR"):
             print(f"llama.cpp peer: libggml from LOWBIT_GGML_LIB_DIR={os.environ['LOWBIT_GGML_LIB_DIR']}")
         only_matmul = bool(shapes)

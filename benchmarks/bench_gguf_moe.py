@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 import lowbit
-from benchmarks.common import (CopyBandwidth, add_isa_argument, force_isa, machine, print_table, printed_to,
-                               results_dir, time_rounds_ms, write_results)
+from benchmarks.common import (CopyBandwidth, add_isa_argument, force_isa, machine, openmp_header, print_table,
+                               printed_to, results_dir, time_rounds_ms, write_results)
 from tests import gguf_blocks as gb
 from tests import llama_cpp_peer
 
@@ -112,7 +112,7 @@ def main():
     with printed_to(f"{stem}.txt"):
         bandwidth = CopyBandwidth(threads=threads)
         print(f"machine: {info['name']} ({info['threads']} threads), torch {info['torch']}, "
-              f"CPU kernels: {torch.ops.lowbit.cpu_isa()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
+              f"CPU kernels: {torch.ops.lowbit.cpu_isa()}, {openmp_header()}")
         print(peer_missing or "llama.cpp peer: ggml_mul_mat_id of "
               + (f"the libggml in LOWBIT_GGML_LIB_DIR={os.environ['LOWBIT_GGML_LIB_DIR']}"
                  if os.environ.get("LOWBIT_GGML_LIB_DIR") else "llama-cpp-python's libggml"))

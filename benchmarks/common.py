@@ -144,6 +144,18 @@ def force_isa(parser, isa):
             parser.error(f"--isa {isa}: {e}")
 
 
+def openmp_header() -> str:
+    """The OpenMP wait policy, and the team lowbit's kernels run on under it
+    (said in the result's header): with OMP_WAIT_POLICY=ACTIVE the OpenMP
+    threads torch and ggml share spin between calls and hold the cores, so
+    lowbit's kernels join that team (cpu_team("torch")) instead of running
+    their own pool beside it, which would get the cores those threads leave."""
+    policy = os.environ.get("OMP_WAIT_POLICY", "(unset)")
+    if policy.upper() == "ACTIVE":
+        torch.ops.lowbit.cpu_team("torch")
+    return f"OMP_WAIT_POLICY={policy}, lowbit's kernels on {torch.ops.lowbit.cpu_team()} threads"
+
+
 def unmeasured(cell: str) -> bool:
     """A formatted NaN ("nan", "nanx", "nan%"): a peer or kernel that did not run for that row."""
     return cell.rstrip("x%") == "nan"
