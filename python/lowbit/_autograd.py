@@ -25,6 +25,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch._library.autograd import Info, make_autograd_impl
 
+from ._frozen import has_tangent
 from .gptq.packing import fields_per_pack, from_panels, words_per_pack
 
 ops = torch.ops.lowbit
@@ -75,16 +76,13 @@ def _register(op: str, backward, setup_context, tangent=None) -> None:
     the output's from the inputs' primals and tangents (None where an input
     has none); without `tangent` the op refuses them, naming the input, as
     setup_context refuses gradients."""
-    schema = getattr(ops, op).default
-    reverse = make_autograd_impl(schema, Info(backward, setup_context))
-    names = [a.name for a in schema._schema.arguments]
+    reverse = make_autograd_impl(getattr(ops, op).default, Info(backward, setup_context))
+    names = _arg_names(op)
 
     def kernel(keyset, *args):
-        if fwAD._current_level < 0:  # no forward-AD level (fwAD.dual_level, torch.func.jvp): no tangents
+        if not has_tangent(args):
             return reverse(keyset, *args)
         duals = [fwAD.unpack_dual(a) if isinstance(a, torch.Tensor) else (a, None) for a in args]
-        if all(t is None for _, t in duals):
-            return reverse(keyset, *args)
         primals, tangents = [p for p, _ in duals], [t for _, t in duals]
         if tangent is None:
             _refuse_tangents(op, names, tangents)
@@ -92,6 +90,10 @@ def _register(op: str, backward, setup_context, tangent=None) -> None:
         return fwAD.make_dual(out, tangent(primals, tangents).to(out.dtype))
 
     _LIB.impl(op, kernel, "Autograd", with_keyset=True)
+
+
+def _arg_names(op: str) -> list:
+    return [a.name for a in getattr(ops, op).default._schema.arguments]
 
 
 def _refuse_tangents(op: str, names, tangents, why: str = "lowbit's quantized weights are frozen") -> None:
@@ -104,7 +106,7 @@ def _linear_in(op: str, index: int):
     """The tangent of an op linear in its argument `index` (the activations):
     the op of that argument's tangent. A tangent of another input (a
     weight's) is refused."""
-    names = [a.name for a in getattr(ops, op).default._schema.arguments]
+    names = _arg_names(op)
 
     def tangent(args, tangents):
         _refuse_tangents(op, names[:index] + names[index + 1:], tangents[:index] + tangents[index + 1:])

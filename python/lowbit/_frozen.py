@@ -21,14 +21,16 @@ def call_frozen(op, *args):
     autograd kernel carries tangents: lowbit._autograd), and while
     torch.compile traces (it sees the op)."""
     if (torch.compiler.is_compiling() or (torch.is_grad_enabled() and torch._C._any_requires_grad(*args))
-            or _has_tangent(args)):
+            or has_tangent(args)):
         return op(*args)
     with _BELOW_AUTOGRAD():
         return op(*args)
 
 
-def _has_tangent(args) -> bool:
-    # Outside a forward-AD level (fwAD.dual_level, torch.func.jvp) nothing has one: no per-argument look.
+def has_tangent(args) -> bool:
+    """Whether a tensor of `args` carries a forward-mode tangent. Outside a
+    forward-AD level (fwAD.dual_level, torch.func.jvp) none does: no look at
+    each argument (a direct op call's autograd kernel asks this every call)."""
     return fwAD._current_level >= 0 and any(
         isinstance(a, torch.Tensor) and fwAD.unpack_dual(a).tangent is not None for a in args)
 
