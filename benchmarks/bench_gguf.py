@@ -377,7 +377,8 @@ def plot(records, bandwidth, info, path):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smaller shapes, fewer types, shorter timing")
+    parser.add_argument("--quick", action="store_true",
+                        help="smaller shapes, shorter timing, and the first 3 main types unless --types names them")
     add_isa_argument(parser)
     parser.add_argument("--types", help="comma-separated ggml types to measure instead of the main ones")
     parser.add_argument("--shapes", help="comma-separated ROWSxN weight shapes (e.g. 2048x768): the M = 1 and 8 "
@@ -391,7 +392,7 @@ def main():
     for name in types or []:
         if name not in gb.TYPES:
             parser.error(f"--types: {name!r} is not one of {', '.join(gb.TYPES)}")
-    matmul_types = types or MAIN_TYPES
+    matmul_types = types or (MAIN_TYPES[:3] if args.quick else MAIN_TYPES)
     for rows, n in shapes or []:
         whole = [gb.block_shape(name)[0] for name in matmul_types]
         if rows < 1 or n < 1 or any(n % block for block in whole):
@@ -417,7 +418,7 @@ def main():
             print(f"llama.cpp peer: libggml from LOWBIT_GGML_LIB_DIR={os.environ['LOWBIT_GGML_LIB_DIR']}")
         only_matmul = bool(shapes)
         shapes = shapes or ([(4096, 4096)] if args.quick else SHAPES)
-        mm = matmul_table(rng, shapes, matmul_types[:3] if args.quick else matmul_types, threads, budget, bandwidth)
+        mm = matmul_table(rng, shapes, matmul_types, threads, budget, bandwidth)
         torch.set_num_threads(max(threads))
         bandwidth.sample()
         print(bandwidth.describe() + "\n")
@@ -433,6 +434,8 @@ def main():
             print(f"\nmatvec (M = 1) with the weights streamed from memory: copies of the weight, "
                   f"{STREAMED_BYTES / 1e9:.1f} GB in all, multiplied in turn (ms per matvec)")
             print_streamed(st, bandwidth)
+        elif not (args.quick or only_matmul):
+            print(f"\nmatvec with the weights streamed from memory: left out, {llama_cpp_peer.available()}")
         dq = []
         if not only_matmul:
             print(f"\ndequantize to fp32, {1024 if args.quick else 4096} x 4096 weights, {max(threads)} threads")

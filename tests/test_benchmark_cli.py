@@ -68,3 +68,27 @@ def test_positive_int_takes_whole_numbers_from_one(text, value):
 def test_positive_int_refuses_the_rest(text):
     with pytest.raises(argparse.ArgumentTypeError):
         positive_int(text)
+
+
+@pytest.mark.parametrize("argv, types", [
+    (["--quick"], ["Q4_0", "Q4_1", "Q5_0"]),
+    (["--quick", "--types", "Q4_0,Q8_0,Q4_K,Q6_K"], ["Q4_0", "Q8_0", "Q4_K", "Q6_K"]),
+])
+def test_bench_gguf_quick_measures_every_named_type(monkeypatch, argv, types):
+    """--quick shortens the main types' list, never the one --types names."""
+    bench = importlib.import_module("benchmarks.bench_gguf")
+    measured = []
+
+    class Measured(Exception):
+        pass
+
+    def matmul_table(rng, shapes, matmul_types, *args, **kwargs):
+        measured.append(list(matmul_types))
+        raise Measured
+
+    monkeypatch.setattr(bench, "matmul_table", matmul_table)
+    monkeypatch.setattr(bench, "CopyBandwidth", lambda threads: None)
+    monkeypatch.setattr(sys, "argv", ["bench_gguf.py", *argv])
+    with pytest.raises(Measured):
+        bench.main()
+    assert measured == [types]
