@@ -401,7 +401,8 @@ def test_from_tensors_refuses_a_g_idx_naming_a_group_it_has_not():
 @pytest.mark.parametrize("act_order", [False, True])
 def test_columns_of_another_layer_load_by_assignment_and_build_a_layer(act_order):
     """part_state's tensors are views of columns (not contiguous): from_tensors and load_state_dict(assign=True)
-    took them as they were, and the layer's first call failed in the kernels ("b_q_weight must be contiguous")."""
+    hold them contiguous, which the kernels require, and the layer gives the columns' outputs (to fp32 rounding:
+    the kernels' column tiles, and so their order of summation, follow the layer's width)."""
     layer, _ = layer_and_linear(act_order=act_order)
     part = layer.part_state(slice(32, 64))
     assert not part["qweight"].is_contiguous() or not part["scales"].is_contiguous()
@@ -413,7 +414,7 @@ def test_columns_of_another_layer_load_by_assignment_and_build_a_layer(act_order
     loaded.load_state_dict(part, assign=True)
     for got in (built, loaded.sort_rows()):
         got.int8_activations = False
-        torch.testing.assert_close(got(x), want, rtol=0, atol=0)
+        torch.testing.assert_close(got(x), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
         got.int8_activations = True
         assert got(x).shape == want.shape
 
