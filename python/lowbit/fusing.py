@@ -19,6 +19,7 @@ the input's identity is checked.)
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -74,6 +75,24 @@ class FusedOutputs:
 
     def __getstate__(self):
         return {"layer": self.layer, "sizes": self.sizes, "latest": None}
+
+
+class _Forget:
+    """The fused layer's load_state_dict post hook: its outputs' forget().
+    It holds them weakly, since they hold the layer, whose hooks hold it: a
+    cycle would keep a dropped model's fused weights until Python's cyclic
+    collector runs. A copy (deepcopy, pickle) hooks the copy's outputs."""
+
+    def __init__(self, outputs: FusedOutputs | None):
+        self.outputs = weakref.ref(outputs) if outputs is not None else None
+
+    def __call__(self, module=None, incompatible_keys=None) -> None:
+        outputs = self.outputs and self.outputs()
+        if outputs is not None:
+            outputs.forget()
+
+    def __reduce__(self):
+        return type(self), (self.outputs and self.outputs(),)
 
 
 class ProjectionSlice(nn.Module):
@@ -160,8 +179,7 @@ def fuse_projections(model: nn.Module, mapped: GGUFFile | None = None) -> list[s
                 layers = [parent._modules[n] for n in names]
                 fused = type(layers[0]).joined(layers, mapped.back_to_back if mapped is not None else None)
                 outputs = FusedOutputs(fused, [layer.out_features for layer in layers])
-                # A bound method: a copy (deepcopy, pickle) hooks its own outputs.
-                fused.register_load_state_dict_post_hook(outputs.forget)
+                fused.register_load_state_dict_post_hook(_Forget(outputs))
                 fused.fused_from = tuple(names)  # what it stands for (lowbit.lora leaves it to its slices)
                 slices = [ProjectionSlice(outputs, index, name) for index in range(len(names))]
                 for holder in holders:
