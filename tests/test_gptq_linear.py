@@ -145,6 +145,24 @@ def test_copies_of_an_unsorted_layer_leave_out_its_private_copy():
         assert torch.equal(other(x), expect) and other.private_copy() is not None
 
 
+def test_a_move_drops_the_private_copy_of_the_buffers_it_left():
+    """A move to other buffers (model.to(device), to("meta")) leaves the private
+    sorted copy of the old ones behind: it goes with the move, not at the
+    layer's next call, which a model moved off the CPU for good never makes.
+    A cast that keeps qweight and g_idx (half()) keeps it."""
+    import weakref
+
+    layer, _ = layer_and_linear(act_order=True)
+    x = torch.randn(2, IN)
+    layer(x)
+    kept = layer.private_copy()
+    assert kept is not None and layer.half().private_copy() is kept
+    held = weakref.ref(kept[1][0])
+    del kept
+    layer.to("meta")
+    assert layer.private_copy() is None and held() is None
+
+
 def test_sorted_layer_refuses_weights_written_in_place():
     layer, _ = layer_and_linear(act_order=True)
     other, _ = layer_and_linear(act_order=True, seed=1)

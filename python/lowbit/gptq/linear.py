@@ -438,6 +438,9 @@ class GPTQLinear(StoredBuffers):
         out = super()._apply(fn, recurse)
         if self.rows_sorted:  # moved: the check's key follows the buffers
             self._sorted_key = self._key()
+        plan = self._plan
+        if plan is not None and plan[0] != self._key():  # a plan of the buffers left behind, its copy with them
+            self._plan = None
         return out
 
     def __getstate__(self):
