@@ -1,4 +1,6 @@
 """GPTQLinear: checkpoint-exact buffers, the fast act-order layout, dtypes."""
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -150,8 +152,6 @@ def test_a_move_drops_the_private_copy_of_the_buffers_it_left():
     sorted copy of the old ones behind: it goes with the move, not at the
     layer's next call, which a model moved off the CPU for good never makes.
     A cast that keeps qweight and g_idx (half()) keeps it."""
-    import weakref
-
     layer, _ = layer_and_linear(act_order=True)
     x = torch.randn(2, IN)
     layer(x)
