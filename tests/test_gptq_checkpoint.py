@@ -1218,6 +1218,22 @@ def test_dynamic_rules_within_the_size_bounds_are_compiled(rule):
     assert rule in config.dynamic
 
 
+def test_group_nesting_is_bounded_whatever_the_recursion_limit():
+    """Rules nest groups up to 32 deep; one level more is refused as deeply nested, also where the interpreter's
+    recursion limit is raised (torch raises it while it compiles) and the compiler would get through."""
+    deepest = "(" * 32 + r"model\.norm" + ")" * 32
+    assert parse_config({"bits": 4, "group_size": 128, "dynamic": {deepest: {"bits": 8}}},
+                        "q.json").for_module("model.norm").bits == 8
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(100_000)
+    try:
+        for rule in ("(" * 33 + "a" + ")" * 33, "(" * 499 + ")" * 499):
+            with pytest.raises(GPTQConfigError, match=r"^q\.json: dynamic rule .* nests its groups too deeply"):
+                parse_config({"bits": 4, "group_size": 128, "dynamic": {rule: {}}}, "q.json")
+    finally:
+        sys.setrecursionlimit(limit)
+
+
 def test_a_rule_for_every_module_of_a_large_model_is_compiled_once(monkeypatch):
     """One rule per module (48 layers of 128 experts' 3 projections: 18432 rules, 1.2 MB) is taken, and
     matching names against them compiles none again: every rule is tried on every name until one

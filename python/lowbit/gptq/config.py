@@ -45,6 +45,10 @@ RULE_MATCH_SECONDS = 5.0
 # exhausts any machine). Rules name module paths; none needs more than these.
 RULE_MAX_CHARS = 1000
 RULE_MAX_REPEATS = 10_000  # the product of a rule's counted-repeat bounds
+# Group nesting: the compiler parses nested groups recursively, in Python, so
+# how deep it gets depends on the interpreter's recursion limit (which torch
+# raises while it compiles); a fixed bound decides the same everywhere.
+RULE_MAX_DEPTH = 32
 # All of one config's rules together: compiling takes about 2.5 ms per 1000
 # characters, so a million rules would take minutes before any matching;
 # a rule for each module of a large MoE model is a few hundred thousand.
@@ -164,7 +168,7 @@ def _rule_pattern(key: str, where: str):
         return regex.compile(pattern)
     except regex.error as e:
         raise GPTQConfigError(f"{where}: dynamic rule {shown(key)} is not a valid regex: {e}") from e
-    except RecursionError:  # the compiler parses nested groups recursively, in Python
+    except RecursionError:  # the compiler recurses in Python: a stack already deep leaves it little room
         raise GPTQConfigError(f"{where}: dynamic rule {shown(key)} nests its groups too deeply to compile "
                               "(a module-name pattern needs a few levels)") from None
 
@@ -176,16 +180,21 @@ def _check_rule_size(pattern: str, key: str, where: str) -> None:
     comment count as repeats too: where the compiler ends a class (POSIX
     classes, V1's nested sets) or a comment is what a hostile rule hides
     repeats behind, and no module-name pattern has such braces. The verbose
-    flag is refused: under it "{1 0}" repeats 10 times."""
+    flag is refused: under it "{1 0}" repeats 10 times. Groups nest at most
+    RULE_MAX_DEPTH deep (parentheses in a class count too)."""
     if len(pattern) > RULE_MAX_CHARS:
         raise GPTQConfigError(f"{where}: dynamic rule {shown(key)} is {len(pattern)} characters long, more than "
                               f"the {RULE_MAX_CHARS} a module-name pattern needs")
-    product, i = 1, 0
+    product, depth, i = 1, 0, 0
     while i < len(pattern):
         c = pattern[i]
         if c == "\\":
             i += 2
             continue
+        depth += (c == "(") - (c == ")")
+        if depth > RULE_MAX_DEPTH:
+            raise GPTQConfigError(f"{where}: dynamic rule {shown(key)} nests its groups too deeply to compile (more "
+                                  f"than {RULE_MAX_DEPTH} levels; a module-name pattern needs a few)")
         if c == "(" and (m := _INLINE_FLAGS.match(pattern, i)) and "x" in m.group(1):
             raise GPTQConfigError(f"{where}: dynamic rule {shown(key)} sets the verbose flag (x), which a module-name "
                                   "pattern does not need (it hides repeats from the size check)")
