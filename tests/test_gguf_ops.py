@@ -259,7 +259,9 @@ def test_float_weights_at_large_m_follow_float32_matmul_precision():
     for precision, tol in (("highest", 1e-6 * n), ("medium", 2.0**-7)):
         err = np.abs(got[precision].double().numpy() - x.astype(np.float64) @ W.T)
         assert np.all(err <= tol * bound), (precision, np.max(err / bound))
-    if not torch.equal(mm["highest"], mm["medium"]):
+    # torch.mm has rounded its operands where its "medium" error passes 2^-14 of the bound (bf16's is near
+    # 2^-11 here, fp32's below 2^-23); a change of library alone (MKL to oneDNN, both fp32) rounds nothing.
+    if np.any(np.abs(mm["medium"].double().cpu().numpy() - x.astype(np.float64) @ W.T) > 2.0**-14 * bound):
         assert not torch.equal(got["highest"], got["medium"])
 
 
