@@ -7,6 +7,7 @@
 #   bash .ci/device_run.sh test       # CUDA tests: tests/test_cuda_backend.py + every [cuda] case
 #   bash .ci/device_run.sh sanitize   # compute-sanitizer memcheck / racecheck / synccheck on a subset
 #   bash .ci/device_run.sh bench      # python -m benchmarks.bench_cuda (BENCH_ARGS=--quick to shorten)
+#   bash .ci/device_run.sh profile    # ncu counters of the kernels (benchmarks.profile_cuda), about 2 minutes
 #   bash .ci/device_run.sh all        # the four in turn, within ALL_BUDGET (480) seconds
 #
 # Run from the repository root with $OUT set (the device tool sets it). At
@@ -206,6 +207,32 @@ bench() {
   return $rc
 }
 
+# Nsight Compute on one call of each case of benchmarks/profile_cuda.py: the
+# counters behind bench's misses. Not part of `all`: a second call, on the
+# machine `all` left warm (or with the extension carried).
+profile() {
+  ensure_built
+  command -v ncu >/dev/null || { log "ncu is not on the PATH"; return 1; }
+  local t0=$SECONDS rc
+  log "python -m benchmarks.profile_cuda kernels"
+  timeout -k 10 120 $PY -m benchmarks.profile_cuda kernels "$LOGS/profile-kernels.json" >"$LOGS/profile-kernels.log" 2>&1
+  rc=$?
+  tail -n 20 "$LOGS/profile-kernels.log"
+  [ $rc -eq 0 ] || { log "profile_cuda kernels exit status $rc"; return $rc; }
+  log "ncu over python -m benchmarks.profile_cuda run ($((BUDGET - (SECONDS - t0) - 20)) s)"
+  timeout -k 10 $((BUDGET - (SECONDS - t0) - 20)) ncu --profile-from-start off --clock-control none --csv --page raw \
+    --log-file "$LOGS/ncu-raw.csv" --section SpeedOfLight --section Occupancy --section LaunchStats \
+    --section WarpStateStats --section SchedulerStats --section InstructionStats \
+    $PY -m benchmarks.profile_cuda run >"$LOGS/profile-run.log" 2>&1
+  rc=$?
+  tail -n 20 "$LOGS/profile-run.log"
+  log "ncu exit status $rc"
+  $PY -m benchmarks.profile_cuda summarize "$LOGS/ncu-raw.csv" "$LOGS/profile-kernels.json" | tail -n 40
+  cp benchmarks/results/*-cuda-profile.md "$OUT/" 2>/dev/null
+  pack_logs
+  return $rc
+}
+
 # Every phase in one device call within ALL_BUDGET seconds (default 480: one
 # call and a rerun fit a 15-minute lease). Each phase must end by its share of
 # the budget, counted from the start, so time a phase leaves goes to the next;
@@ -242,9 +269,10 @@ case "$PHASE" in
   test) run_tests ;;
   sanitize) sanitize ;;
   bench) bench ;;
+  profile) profile ;;
   all) all_phases ;;
   *)
-    echo "usage: bash .ci/device_run.sh build|test|sanitize|bench|all" >&2
+    echo "usage: bash .ci/device_run.sh build|test|sanitize|bench|profile|all" >&2
     exit 2
     ;;
 esac

@@ -62,19 +62,21 @@ GGUF_CASES = ([("ggml_mul_mat_vec_a8", m) for m in (1, 8, 16, 32, 64)]
 MOE = dict(experts=128, slots=8, shapes=[(768, 2048), (2048, 768)], tokens=[1, 32], types=["Q4_K", "Q8_0"])
 
 
-def fail(message):
-    sys.exit(f"bench_cuda: {message}")
+def fail(message, who="bench_cuda"):
+    sys.exit(f"{who}: {message}")
 
 
-def load_lowbit():
+def load_lowbit(who="bench_cuda"):
+    """Exits, saying why (as `who`), unless lowbit imports with CUDA kernels and a GPU is present."""
     try:
         import lowbit  # noqa: F401  (loads torch.ops.lowbit)
     except ImportError as e:
-        fail(f"cannot import lowbit ({e}); build it first (pip install --no-build-isolation -e .)")
+        fail(f"cannot import lowbit ({e}); build it first (pip install --no-build-isolation -e .)", who)
     if not torch.cuda.is_available():
-        fail("no CUDA device (torch.cuda.is_available() is False, torch " + torch.__version__ + "); nothing to measure")
+        fail("no CUDA device (torch.cuda.is_available() is False, torch " + torch.__version__ + "); nothing to measure",
+             who)
     if not torch._C._dispatch_has_kernel_for_dispatch_key("lowbit::gptq_gemm", "CUDA"):
-        fail("this lowbit build has no CUDA kernels; rebuild with CUDA (LOWBIT_CUDA=1, see README)")
+        fail("this lowbit build has no CUDA kernels; rebuild with CUDA (LOWBIT_CUDA=1, see README)", who)
 
 
 # ---------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from benchmarks.cli import positive_int
 
 MODULES = ["bench_cuda", "bench_e2e", "bench_gguf", "bench_gguf_moe", "bench_gptq_gemm", "bench_long_prompt",
            "bench_shared_cores", "bench_tp_mlp", "demo", "finetune_lora", "gptq_calibration", "perplexity_noise",
-           "results_tables"]
+           "profile_cuda", "results_tables"]
 
 
 def exit_status(monkeypatch, module, *argv):
@@ -53,6 +53,8 @@ def test_help_prints_the_usage_and_runs_nothing(monkeypatch, capsys, module):
     ("demo", ["--heldout-tokens", "0"]),
     ("gptq_calibration", ["--quick"]),
     ("perplexity_noise", ["--quick"]),
+    ("profile_cuda", ["summarize", "no-such-raw.csv", "no-such-kernels.json"]),
+    ("profile_cuda", ["trace"]),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else v)
 def test_a_bad_option_value_is_a_usage_error(monkeypatch, capsys, module, argv):
     assert exit_status(monkeypatch, module, *argv) == 2
