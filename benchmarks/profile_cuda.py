@@ -164,7 +164,8 @@ def kernel_row(case, raw, units, weight_bytes, weights):
                 occupancy=metric("sm__warps_active.avg.pct_of_peak_sustained_active"),
                 theoretical=metric("sm__maximum_warps_per_active_cycle_pct"),
                 registers=metric("launch__registers_per_thread"),
-                grid=raw.get("Grid Size", "").strip(), block=raw.get("Block Size", "").strip(),
+                grid=(raw.get("Grid Size") or raw.get("launch__grid_size") or "?").strip(),
+                block=(raw.get("Block Size") or raw.get("launch__block_size") or "?").strip(),
                 inst_per_weight=inst * 32 / weights if inst is not None else None,
                 stalls=", ".join(f"{r} {v:.1f}" for v, r in stalls))
 

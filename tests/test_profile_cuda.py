@@ -108,3 +108,16 @@ def test_the_default_results_file_is_named_after_the_gpu(tmp_path, monkeypatch):
     monkeypatch.setattr("builtins.open", fake_open)
     profile_cuda.summarize(str(raw), str(recorded))
     assert written["path"].endswith("benchmarks/results/h100-cuda-profile.md")
+
+
+def test_launch_dimensions_come_from_the_launch_metrics_where_the_columns_are_absent(tmp_path):
+    text = raw_csv([(MMA, ["1000"] + [""] * (len(METRICS) - 1))])
+    text = text.replace('"Block Size","Grid Size"', '"launch__block_size","launch__grid_size"')
+    text = text.replace('"(128, 1, 1)","(672, 1, 1)"', '"128","672"')
+    raw = tmp_path / "raw.csv"
+    raw.write_text(text)
+    recorded = tmp_path / "kernels.json"
+    recorded.write_text(json.dumps(dict(device="d", gpu="h100", cases=[dict(case="a", kernels=["k"], weight_bytes=1,
+                                                                            weights=1)])))
+    table, _ = profile_cuda.summarize(str(raw), str(recorded), str(tmp_path / "out.md"))
+    assert (table[0]["grid"], table[0]["block"]) == ("672", "128")
