@@ -122,6 +122,24 @@ def test_compiled_decoding_refuses_bad_arguments(path):
         lowbit.fusing.fuse_projections(None)
 
 
+def test_decoding_switches_refuse_what_is_not_a_bool(path):
+    """enable and cpp_wrapper are switches, as kernel_threads' enable: "off"
+    or None read as truth would compile, serve or restore unasked. A refused
+    call leaves the model as it was."""
+    model = lowbit.load_gguf_model(path)
+    served = type(model.__dict__["forward"])
+    for bad in ("off", None, 0, 1.0):
+        for name, call in (("enable", lambda: lowbit.compiled_decoding(model, bad)),
+                           ("cpp_wrapper", lambda: lowbit.compiled_decoding(model, cpp_wrapper=bad))):
+            with pytest.raises(ValueError, match=f"^compiled_decoding: {name} must be True or False, got "
+                                                 f"{re.escape(repr(bad))}$"):
+                call()
+        with pytest.raises(ValueError, match=f"^fast_decoding: enable must be True or False, got {re.escape(repr(bad))}$"):
+            lowbit.fast_decoding(model, bad)
+    assert model.generation_config.cache_implementation is None and not hasattr(model, "_compiled_call")
+    assert type(model.__dict__["forward"]) is served
+
+
 def test_compiled_decoding_runs_what_it_cannot_compile_eagerly(path, two_threads):
     """Shapes past torch.compile's recompile limit (batch sizes, longer
     caches) and a call asking for attentions (transformers logs from inside

@@ -775,6 +775,8 @@ def fast_decoding(model: nn.Module, enable: bool = True) -> bool:
     experts), causal attention (soft-capped scores too) and whole heads
     rotated (or their leading values, in Phi-3's layers)."""
     check_module("fast_decoding", model)
+    if not isinstance(enable, bool):  # a string ("off") or None read as truth would serve or drop it unasked
+        raise ValueError(f"fast_decoding: enable must be True or False, got {enable!r}")
     if isinstance(model.__dict__.get("forward"), _DecodingForward):
         del model.forward
     if not enable or not _servable(model):

@@ -108,6 +108,9 @@ def compiled_decoding(model: nn.Module, enable: bool = True, max_cache_len: int 
     if not isinstance(model, nn.Module) or not hasattr(model, "generation_config"):
         raise TypeError(f"compiled_decoding: model must be a transformers generation model (with a "
                         f"generation_config), got {type(model).__name__}")
+    for name, flag in (("enable", enable), ("cpp_wrapper", cpp_wrapper)):
+        if not isinstance(flag, bool):  # a string ("off") or None read as truth would compile or restore unasked
+            raise ValueError(f"compiled_decoding: {name} must be True or False, got {flag!r}")
     if max_cache_len is not None and (not is_integer(max_cache_len) or max_cache_len <= 0):
         raise ValueError(f"compiled_decoding: max_cache_len must be a positive int or None, got {max_cache_len!r}")
     config = model.generation_config
