@@ -1,4 +1,6 @@
 """GGUFLinear: a drop-in nn.Linear over quantized GGUF blocks."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -230,6 +232,23 @@ def test_embedding_dtype_follows_to_and_validates():
         lowbit.GGUFEmbedding(raw[:, :60], gb.type_id("Q8_0"), 64)
     with pytest.raises(ValueError, match=r"qweight must be uint8"):
         lowbit.GGUFEmbedding(raw.float(), gb.type_id("Q8_0"), 64)
+
+
+def test_embedding_refuses_a_bad_scale_or_qweight():
+    """A NaN, inf, zero or out-of-range scale would make every row NaN, inf
+    or 0; True would read as 1. A qweight that is no tensor is named."""
+    raw = torch.from_numpy(gb.random_blocks(np.random.default_rng(0), "Q8_0", 10, 64))
+    for bad, dtype in [(float("nan"), torch.float32), (float("inf"), torch.float32), (0.0, torch.float32),
+                       (-8.0, torch.float32), (True, torch.float32), ([8.0], torch.float32), ("8", torch.float32),
+                       (1e6, torch.float16)]:
+        with pytest.raises(ValueError, match=rf"^GGUFEmbedding: embed_scale must be None or a finite number > 0 "
+                                             rf"in {dtype}, got {re.escape(repr(bad))}$"):
+            lowbit.GGUFEmbedding(raw, gb.type_id("Q8_0"), 64, dtype, embed_scale=bad)
+    table = lowbit.GGUFEmbedding(raw, gb.type_id("Q8_0"), 64, embed_scale=np.float64(8.0))
+    assert torch.equal(table(torch.tensor([3])), lowbit.GGUFEmbedding(raw, gb.type_id("Q8_0"), 64)(torch.tensor([3])) * 8)
+    for bad in (None, raw.tolist()):
+        with pytest.raises(TypeError, match=rf"^GGUFEmbedding: qweight must be a uint8 tensor, got {type(bad).__name__}$"):
+            lowbit.GGUFEmbedding(bad, gb.type_id("Q8_0"), 64)
 
 
 def test_inputs_of_another_width_are_refused_and_meta_inputs_give_shapes():

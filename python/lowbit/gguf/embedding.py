@@ -1,6 +1,9 @@
 """GGUFEmbedding: an nn.Embedding replacement that keeps a GGUF token
 embedding's blocks and dequantizes only the rows it looks up, as llama.cpp's
 get_rows does (a float copy of a 128k-token table costs GBs)."""
+import math
+import numbers
+
 import torch
 
 from .._checks import check_sizes, has_values
@@ -27,6 +30,16 @@ class GGUFEmbedding(StoredBuffers):
         check_qtype("GGUFEmbedding", qtype)
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):  # what ggml_dequantize writes
             raise ValueError(f"GGUFEmbedding: dtype must be float32, float16 or bfloat16, got {dtype}")
+        if not isinstance(qweight, torch.Tensor):  # its .dtype below would be a bare AttributeError
+            raise TypeError(f"GGUFEmbedding: qweight must be a uint8 tensor, got {type(qweight).__name__}")
+        # A NaN, inf or zero scale (or one past the dtype's range) turns every
+        # looked-up row NaN, inf or 0 without an error; True would read as 1.
+        if embed_scale is not None and (
+                not isinstance(embed_scale, numbers.Real) or isinstance(embed_scale, bool)
+                or not math.isfinite(embed_scale) or embed_scale <= 0
+                or not torch.isfinite(torch.tensor(float(embed_scale)).to(dtype))):
+            raise ValueError(f"GGUFEmbedding: embed_scale must be None or a finite number > 0 in {dtype}, "
+                             f"got {embed_scale!r}")
         block, type_size = torch.ops.lowbit.ggml_type_info(qtype)
         if embedding_dim % block or qweight.dtype != torch.uint8 or qweight.dim() != 2 \
                 or qweight.shape[1] != embedding_dim // block * type_size:
