@@ -1,7 +1,10 @@
 """Inputs at the edges of what PyTorch allows: activations with NaN or Inf,
 and zero-width matrices. Each matmul op gives what a float matmul gives
 (non-finite where a non-finite input reaches an output, zeros for an empty
-sum), on every device and CPU ISA, never a crash."""
+sum), on every device and CPU ISA, never a crash. And arguments of the
+wrong kind to the Python constructors, refused by an error that names the
+function and the argument."""
+import re
 import subprocess
 import sys
 
@@ -11,6 +14,7 @@ import torch
 
 import gguf_blocks as gb
 import gptq_reference as ref
+import lowbit
 
 ops = torch.ops.lowbit
 N, ROWS, M = 512, 12, 6
@@ -109,3 +113,17 @@ def test_zero_width_experts_give_zeros():
     ids = torch.tensor([[0, 1]], dtype=torch.int32)
     out = ops.ggml_mul_mat_id(torch.empty(2, 4, 0, dtype=torch.uint8), torch.randn(1, 0), ids, gb.type_id("Q4_0"), 4)
     assert out.shape == (1, 2, 4) and not out.any()
+
+
+@pytest.mark.parametrize("quantize", [
+    ("GPTQLinear.from_linear", lambda linear: lowbit.GPTQLinear.from_linear(linear, 4, 32)),
+    ("GGUFLinear.from_linear", lambda linear: lowbit.GGUFLinear.from_linear(linear, gb.type_id("Q8_0"))),
+], ids=lambda q: q[0])
+def test_from_linear_refuses_what_is_not_a_linear(quantize):
+    """Anything but an nn.Linear lacks the [out, in] weight the quantizers
+    read: a bare AttributeError, or a convolution's weight in another layout."""
+    who, call = quantize
+    for bad in (None, torch.randn(8, 64), torch.nn.Conv1d(64, 8, 1)):
+        with pytest.raises(TypeError, match=f"^{re.escape(who)}: linear must be an nn.Linear, got {type(bad).__name__}$"):
+            call(bad)
+    assert call(torch.nn.Linear(64, 8)).out_features == 8

@@ -111,6 +111,15 @@ def check_module(who: str, model, name: str = "model") -> None:
         raise TypeError(f"{who}: {name} must be an nn.Module, got {type(model).__name__}")
 
 
+def check_linear(who: str, linear, name: str = "linear") -> None:
+    """TypeError naming `name` for a `linear` that is not an nn.Linear: the
+    quantizers read its [out, in] weight, bias and in_features, which any
+    other object lacks (a bare AttributeError) or holds in another layout
+    (a convolution's weight)."""
+    if not isinstance(linear, nn.Linear):
+        raise TypeError(f"{who}: {name} must be an nn.Linear, got {type(linear).__name__}")
+
+
 def check_path(who: str, path, name: str = "path") -> str:
     """`path` (a str, bytes or os.PathLike) as a str, or an error naming
     `name`: TypeError for anything else (os.fsdecode's names no argument),

@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .._checks import check_finite, check_float_dtype, check_sizes, is_integer
+from .._checks import check_finite, check_float_dtype, check_linear, check_sizes, is_integer
 from .._frozen import linear_forward
 from .._stored import StoredBuffers, as_buffer
 from .file import dequantize_rows, release_mapped
@@ -98,6 +98,7 @@ class GGUFLinear(StoredBuffers):
         from gguf import GGMLQuantizationType
         from gguf import quants
 
+        check_linear("GGUFLinear.from_linear", linear)
         check_finite(linear.weight.detach(), "GGUFLinear.from_linear: linear.weight")
         weight = linear.weight.detach().to(torch.float32).cpu().numpy()
         try:

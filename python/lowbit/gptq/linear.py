@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._checks import check_float_dtype, check_sizes, has_values
+from .._checks import check_float_dtype, check_linear, check_sizes, has_values
 from .._frozen import linear_forward
 from .._stored import StoredBuffers, as_buffer, beyond, holds_integers
 from .packing import PANEL_COLS, fields_per_pack, from_panels, to_panels, words_per_pack
@@ -130,6 +130,7 @@ class GPTQLinear(StoredBuffers):
                     dtype: torch.dtype = torch.float16) -> GPTQLinear:
         """Round-to-nearest GPTQ quantization of `linear` (act-order when `perm`
         gives the order in which GPTQ would process the input rows)."""
+        check_linear("GPTQLinear.from_linear", linear)
         t = quantize_rtn(linear.weight, bits, group_size, sym, checkpoint_format, perm, scale_dtype=dtype)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls.from_tensors(t.qweight, t.qzeros, t.scales, t.g_idx, bias, bits, group_size, sym, perm is not None,
