@@ -275,6 +275,18 @@ def test_save_gptq_refuses_what_a_gptq_checkpoint_cannot_hold(tmp_path):
     # An empty path is the working directory to os.path, which "already exists".
     with pytest.raises(ValueError, match="^save_gptq: directory must be a directory path, got an empty one$"):
         lowbit.save_gptq(lowbit.load_gptq_model(tmp_path / "ckpt"), "", GPTQConfig(bits=4, group_size=32, sym=False))
+    for bad in (None, 3, ["out"]):
+        with pytest.raises(TypeError, match=f"^save_gptq: directory must be a str or os.PathLike, got {type(bad).__name__}$"):
+            lowbit.save_gptq(lowbit.load_gptq_model(tmp_path / "ckpt"), bad, GPTQConfig(bits=4, group_size=32, sym=False))
+    for bad in (None, lowbit.load_gptq_model(tmp_path / "ckpt").state_dict()):
+        with pytest.raises(TypeError, match=f"^save_gptq: model must be an nn.Module, got {type(bad).__name__}$"):
+            lowbit.save_gptq(bad, tmp_path / "out", GPTQConfig(bits=4, group_size=32, sym=False))
+    # 1 byte (True), 0 or less: a shard per tensor; NaN: one shard; a str: a bare TypeError from the comparison.
+    for bad in (True, 0, -1, 2.0**20, float("nan"), "1GB"):
+        with pytest.raises(ValueError, match=f"^save_gptq: max_shard_bytes must be a positive int or None, got "
+                                             f"{re.escape(repr(bad))}$"):
+            lowbit.save_gptq(lowbit.load_gptq_model(tmp_path / "ckpt"), tmp_path / "out",
+                             GPTQConfig(bits=4, group_size=32, sym=False), max_shard_bytes=bad)
     (tmp_path / "taken").mkdir()
     with pytest.raises(FileExistsError, match="^save_gptq: .*taken already exists$"):
         lowbit.save_gptq(lowbit.load_gptq_model(tmp_path / "ckpt"), tmp_path / "taken",

@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .._checks import check_finite, check_path, check_regular_file, is_integer, shown, shown_names, shown_text
+from .._checks import check_finite, check_module, check_path, check_regular_file, is_integer, shown, shown_names, shown_text
 from .._mapping import map_private
 from .packing import fields_per_pack, words_per_pack
 from .config import GPTQCheckpointError, GPTQConfig, ModuleQuant, parse_config, read_config, read_json
@@ -441,7 +441,11 @@ def check_layer_count(directory: str | os.PathLike) -> None:
 def check_new_directory(who: str, name: str, path: str | os.PathLike) -> str:
     """os.fspath(path) for a checkpoint to write, checked before the work:
     refused naming `name` where it is empty (the working directory to
-    os.path, which "already exists") or where something is there already."""
+    os.path, which "already exists") or where something is there already;
+    anything but a str or os.PathLike is a TypeError naming `name` (os.fspath's
+    names no argument)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{who}: {name} must be a str or os.PathLike, got {type(path).__name__}")
     path = os.fspath(path)
     if not path:
         raise ValueError(f"{who}: {name} must be a directory path, got an empty one")
@@ -632,8 +636,13 @@ def save_gptq(model: torch.nn.Module, directory: str | os.PathLike, config: GPTQ
     tables (a GGUF model's layers, Q8_0 / Q6_K float_tables), which a GPTQ
     checkpoint cannot hold; so does a config that misdescribes the layers
     (_check_config_describes)."""
+    check_module("save_gptq", model)
     if not isinstance(config, GPTQConfig):
         raise TypeError(f"save_gptq: config must be a GPTQConfig, got {type(config).__name__}")
+    # A shard limit of True (1 byte), 0 or below writes every tensor to a shard
+    # of its own; NaN compares false and writes one shard: neither is asked for.
+    if max_shard_bytes is not None and (not is_integer(max_shard_bytes) or max_shard_bytes < 1):
+        raise ValueError(f"save_gptq: max_shard_bytes must be a positive int or None, got {max_shard_bytes!r}")
     check_new_directory("save_gptq", "directory", directory)
     _check_savable(model)
     adapted = _adapter_layers(model)
