@@ -296,6 +296,26 @@ def test_save_gptq_refuses_what_a_gptq_checkpoint_cannot_hold(tmp_path):
                      GPTQConfig(bits=4, group_size=32, sym=False))
 
 
+def test_loaders_refuse_a_bad_checkpoint_format_or_mapped_naming_themselves(tmp_path):
+    """A format that is not "gptq" / "gptq_v2" was refused by the first
+    module's GPTQLinear, as an error of the checkpoint's; a str `mapped`
+    matched tensor names as substrings, and None failed as an unreadable file."""
+    tables_checkpoint(tmp_path / "ckpt", False, torch.float16)
+    model = lowbit.load_gptq_model(tmp_path / "ckpt")
+    for bad in (True, "v2", ""):
+        pattern = rf"checkpoint_format must be one of \('gptq', 'gptq_v2'\), got {re.escape(repr(bad))}$"
+        with pytest.raises(ValueError, match="^load_gptq: " + pattern):
+            lowbit.load_gptq(tmp_path / "ckpt", bad)
+        with pytest.raises(ValueError, match="^load_gptq_model: " + pattern):
+            lowbit.load_gptq_model(tmp_path / "ckpt", checkpoint_format=bad)
+        with pytest.raises(ValueError, match="^replace_linear: " + pattern):
+            lowbit.replace_linear(model, tmp_path / "ckpt", bad)
+    for bad in (None, "model.embed_tokens.weight", ["model.embed_tokens.weight"], {1}):
+        with pytest.raises(TypeError, match="^load_gptq: mapped must be a set of tensor names, got "):
+            lowbit.load_gptq(tmp_path / "ckpt", mapped=bad)
+    assert lowbit.load_gptq(tmp_path / "ckpt", "gptq_v2", {"model.embed_tokens.weight"}).modules
+
+
 @pytest.mark.parametrize("changes, says", [
     ({"bits": 8}, r"bits 8 \(the layer's: 4\)"), ({"group_size": 64}, r"group_size 64 \(the layer's: 32\)"),
     ({"sym": True}, r"sym true \(the layer is asymmetric\)"),

@@ -12,7 +12,7 @@ from ._checks import check_module, check_path
 from ._placing import ReplaceReport, check_no_meta, has_meta_tensors, rebuild_computed_buffers
 from .gguf.file import GGUFError, is_gguf_path, load_gguf
 from .gguf.model import check_config_matches, place_gguf_tensors
-from .gptq.config import GPTQCheckpointError
+from .gptq.config import GPTQCheckpointError, check_format
 from .gptq.placing import place_gptq_checkpoint
 from .threads import kernel_threads
 
@@ -66,6 +66,8 @@ def replace_linear(model: nn.Module, path: str | os.PathLike, checkpoint_format:
         report = place_gguf_tensors(model, f, "replace_linear")
     else:
         error = GPTQCheckpointError
+        if checkpoint_format is not None:  # load_gptq's check would name load_gptq
+            check_format(checkpoint_format, "replace_linear")
         report = place_gptq_checkpoint(model, path, checkpoint_format)
     if on_meta:  # what no checkpoint stores (rotary tables) is computed again from the config, or named
         rebuild_computed_buffers(model, where, error)

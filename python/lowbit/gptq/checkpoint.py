@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from .._checks import check_finite, check_module, check_path, check_regular_file, is_integer, shown, shown_names, shown_text
 from .._mapping import map_private
 from .packing import fields_per_pack, words_per_pack
-from .config import GPTQCheckpointError, GPTQConfig, ModuleQuant, parse_config, read_config, read_json
+from .config import GPTQCheckpointError, GPTQConfig, check_format, ModuleQuant, parse_config, read_config, read_json
 from ..fusing import ProjectionSlice, unfused_state_dict
 from .linear import GPTQLinear, g_idx_out_of_range
 
@@ -201,6 +201,12 @@ def load_gptq(path: str | os.PathLike, checkpoint_format: str | None = None,
     tensors. `checkpoint_format` overrides the config's "gptq" / "gptq_v2"
     (and stored_format's reading of the words); `mapped` names tensors left
     in the file (read_tensors)."""
+    # Checked here: each module's GPTQLinear would refuse a bad format as an
+    # error of the checkpoint's, and `in` over a str mapped matches substrings.
+    if checkpoint_format is not None:
+        check_format(checkpoint_format, "load_gptq")
+    if not isinstance(mapped, (set, frozenset)) or not all(isinstance(n, str) for n in mapped):
+        raise TypeError(f"load_gptq: mapped must be a set of tensor names, got {shown(mapped)}")
     directory, files = checkpoint_files(check_path("load_gptq", path))
     config = read_config(directory)
     if checkpoint_format is not None:

@@ -22,7 +22,7 @@ from .._placing import (GPTQ_SAVE_ADVICE, ReplaceReport, checked, get_module, lo
 from ..fusing import fuse_projections
 from ..moe import experts_dims, plain_experts
 from .checkpoint import GPTQCheckpoint, GPTQCheckpointError, check_layer_count, checkpoint_files, load_gptq
-from .config import read_json
+from .config import check_format, read_json
 from ..decoding import fast_decoding
 from ..threads import kernel_threads
 from .experts import EXPERT_LAYER, PROJECTIONS, GPTQExpert, GPTQExperts, current_name
@@ -72,6 +72,8 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     import transformers
 
     dtype = model_dtype(dtype, "load_gptq_model")
+    if checkpoint_format is not None:  # load_gptq's check would name load_gptq, after the model is built
+        check_format(checkpoint_format, "load_gptq_model")
     directory, _ = checkpoint_files(check_path("load_gptq_model", path))
     check_layer_count(directory)
 
