@@ -437,6 +437,20 @@ def test_columns_of_another_layer_load_by_assignment_and_build_a_layer(act_order
         assert got(x).shape == want.shape
 
 
+def test_part_state_refuses_columns_the_zero_packs_cannot_cut():
+    """qzeros are cut by whole packs from start to stop: a step kept every
+    column's zeros beside half the columns' weights, an end inside a pack
+    other columns' zeros; an open end failed on None // int."""
+    layer, _ = layer_and_linear()
+    out = layer.out_features
+    for bad in (slice(0, 32, 2), slice(4, 32), slice(0, 36), slice(None), slice(-8, None), slice(32, 32),
+                slice(0, out + 8), 3, None):
+        with pytest.raises(ValueError, match=rf"^GPTQLinear.part_state: cols must be a slice\(start, stop\) with "
+                                             rf"0 <= start < stop <= {out}, both multiples of 8, got "):
+            layer.part_state(bad)
+    assert layer.part_state(slice(8, 16))["qzeros"].shape == (layer.qzeros.shape[0], 1)
+
+
 def test_a_meta_layer_sorts_and_joins_without_values():
     """A meta g_idx has no values: sort_rows leaves the layer as it is (a later load sorts nothing it cannot see) and
     can_join says no, where aten::equal raised a bare NotImplementedError; a load with assign=True then runs."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._checks import check_float_dtype, check_linear, check_sizes, has_values
+from .._checks import check_float_dtype, check_linear, check_sizes, has_values, is_integer
 from .._frozen import linear_forward
 from .._stored import StoredBuffers, as_buffer, beyond, holds_integers
 from .packing import PANEL_COLS, fields_per_pack, from_panels, to_panels, words_per_pack
@@ -212,6 +212,13 @@ class GPTQLinear(StoredBuffers):
         """The state of a layer of output columns `cols` of this one (each
         end a multiple of a zero pack's fields, as every layer's width is)."""
         fields, words = fields_per_pack(self.bits), words_per_pack(self.bits)
+        # qzeros are cut by whole packs from start to stop: a step, an open or
+        # negative end or one inside a pack would give zeros of other columns.
+        if not (isinstance(cols, slice) and cols.step in (None, 1) and is_integer(cols.start)
+                and is_integer(cols.stop) and 0 <= cols.start < cols.stop <= self.out_features
+                and cols.start % fields == 0 and cols.stop % fields == 0):
+            raise ValueError(f"GPTQLinear.part_state: cols must be a slice(start, stop) with 0 <= start < stop <= "
+                             f"{self.out_features}, both multiples of {fields}, got {cols!r}")
         zeros = slice(cols.start // fields * words, cols.stop // fields * words)
         # One tensor each: savers drop a tensor they have seen (tied weights).
         state = {"qweight": self.checkpoint_qweight(cols), "qzeros": self.qzeros[:, zeros],
