@@ -599,6 +599,29 @@ def test_load_adapter_refuses_unreadable_files_naming_them(tmp_path):
     assert_refused_as_it_came(path, adapter, f"{re.escape(str(weights))}: cannot read the adapter weights file")
 
 
+def test_load_adapter_refuses_arguments_of_the_wrong_kind(tmp_path, monkeypatch):
+    """An empty path is the working directory, whose adapter would be read;
+    None failed in os.fspath naming no argument; is_trainable="False" read
+    as truth; a model that is no module failed only after the files."""
+    path, adapter = saved_adapter(tmp_path)
+    monkeypatch.chdir(adapter)  # an adapter in the working directory: "" would load it
+    model = lowbit.load_gguf_model(path)
+    with pytest.raises(ValueError, match="^lowbit.lora.load_adapter: path must be a file or directory path, got an "
+                                         "empty one$"):
+        lowbit.lora.load_adapter(model, "")
+    for bad in (None, 3):
+        with pytest.raises(TypeError, match=f"^lowbit.lora.load_adapter: path must be a str or os.PathLike, got "
+                                            f"{type(bad).__name__}$"):
+            lowbit.lora.load_adapter(model, bad)
+    for bad in ("False", None, 0):
+        with pytest.raises(ValueError, match=f"^lowbit.lora.load_adapter: is_trainable must be True or False, got "
+                                             f"{re.escape(repr(bad))}$"):
+            lowbit.lora.load_adapter(model, adapter, is_trainable=bad)
+    with pytest.raises(TypeError, match="^lowbit.lora.load_adapter: model must be an nn.Module, got NoneType$"):
+        lowbit.lora.load_adapter(None, adapter)
+    assert not any(isinstance(m, peft.tuners.lora.LoraLayer) for m in model.modules())
+
+
 def test_load_adapter_refuses_tensors_apart_from_their_layers(tmp_path):
     """A rank_pattern rank the file's tensor does not hold, and a lora_A one
     input column short: torch's load fails after PEFT has put the adapter's
