@@ -310,10 +310,11 @@ def test_loaders_refuse_a_bad_checkpoint_format_or_mapped_naming_themselves(tmp_
             lowbit.load_gptq_model(tmp_path / "ckpt", checkpoint_format=bad)
         with pytest.raises(ValueError, match="^replace_linear: " + pattern):
             lowbit.replace_linear(model, tmp_path / "ckpt", bad)
-    for bad in (None, "model.embed_tokens.weight", ["model.embed_tokens.weight"], {1}):
+    for bad in (None, "model.embed_tokens.weight", {"model.embed_tokens.weight": 1}, {1}, [1]):
         with pytest.raises(TypeError, match="^load_gptq: mapped must be a set of tensor names, got "):
             lowbit.load_gptq(tmp_path / "ckpt", mapped=bad)
     assert lowbit.load_gptq(tmp_path / "ckpt", "gptq_v2", {"model.embed_tokens.weight"}).modules
+    assert lowbit.load_gptq(tmp_path / "ckpt", "gptq_v2", ["model.embed_tokens.weight"]).modules
 
 
 @pytest.mark.parametrize("changes, says", [

@@ -18,7 +18,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .._checks import check_finite, check_module, check_path, check_regular_file, is_integer, shown, shown_names, shown_text
+from .._checks import (check_finite, check_module, check_path, check_regular_file, is_integer, shown, shown_names,
+                       shown_text)
 from .._mapping import map_private
 from .packing import fields_per_pack, words_per_pack
 from .config import GPTQCheckpointError, GPTQConfig, check_format, ModuleQuant, parse_config, read_config, read_json
@@ -205,8 +206,10 @@ def load_gptq(path: str | os.PathLike, checkpoint_format: str | None = None,
     # error of the checkpoint's, and `in` over a str mapped matches substrings.
     if checkpoint_format is not None:
         check_format(checkpoint_format, "load_gptq")
-    if not isinstance(mapped, (set, frozenset)) or not all(isinstance(n, str) for n in mapped):
+    if isinstance(mapped, (str, bytes)) or not isinstance(mapped, (set, frozenset, list, tuple)) \
+            or not all(isinstance(n, str) for n in mapped):
         raise TypeError(f"load_gptq: mapped must be a set of tensor names, got {shown(mapped)}")
+    mapped = frozenset(mapped)
     directory, files = checkpoint_files(check_path("load_gptq", path))
     config = read_config(directory)
     if checkpoint_format is not None:
