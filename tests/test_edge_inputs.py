@@ -127,3 +127,62 @@ def test_from_linear_refuses_what_is_not_a_linear(quantize):
         with pytest.raises(TypeError, match=f"^{re.escape(who)}: linear must be an nn.Linear, got {type(bad).__name__}$"):
             call(bad)
     assert call(torch.nn.Linear(64, 8)).out_features == 8
+
+
+def _flag_calls():
+    """(function, argument, call(value)) for each public on/off argument; each
+    call gets past every earlier argument's check (a path that is never read)."""
+    w, linear = torch.randn(8, 64), torch.nn.Linear(64, 8)
+    qt = lowbit.quantize_rtn(w, 4, 32)
+    gptq = lowbit.gptq
+    from lowbit.gptq.algorithm import gptq_weight, quantize_linear
+    return [
+        ("quantize_rtn", "sym", lambda v: lowbit.quantize_rtn(w, 4, 32, sym=v)),
+        ("GPTQLinear", "sym", lambda v: lowbit.GPTQLinear(64, 8, 4, 32, sym=v)),
+        ("GPTQLinear", "desc_act", lambda v: lowbit.GPTQLinear(64, 8, 4, 32, desc_act=v)),
+        ("GPTQLinear", "bias", lambda v: lowbit.GPTQLinear(64, 8, 4, 32, bias=v)),
+        ("GPTQLinear.from_linear", "sym", lambda v: lowbit.GPTQLinear.from_linear(linear, 4, 32, sym=v)),
+        ("GPTQLinear.from_tensors", "sym",
+         lambda v: lowbit.GPTQLinear.from_tensors(qt.qweight, qt.qzeros, qt.scales, qt.g_idx, None, 4, 32, sym=v)),
+        ("GPTQLinear.from_tensors", "desc_act",
+         lambda v: lowbit.GPTQLinear.from_tensors(qt.qweight, qt.qzeros, qt.scales, qt.g_idx, None, 4, 32, desc_act=v)),
+        ("GGUFLinear", "bias", lambda v: lowbit.GGUFLinear(64, 8, gb.type_id("Q8_0"), bias=v)),
+        ("load_gguf_model", "repack", lambda v: lowbit.load_gguf_model("/nonexistent.gguf", repack=v)),
+        ("load_gguf_model", "fuse", lambda v: lowbit.load_gguf_model("/nonexistent.gguf", fuse=v)),
+        ("load_gguf_model", "check_tensors", lambda v: lowbit.load_gguf_model("/nonexistent.gguf", check_tensors=v)),
+        ("load_gptq_model", "fuse", lambda v: lowbit.load_gptq_model("/nonexistent", fuse=v)),
+        ("load_gptq_model", "int8_activations", lambda v: lowbit.load_gptq_model("/nonexistent", int8_activations=v)),
+        ("load_gptq_model", "repack", lambda v: lowbit.load_gptq_model("/nonexistent", repack=v)),
+        ("gptq_weight", "sym", lambda v: gptq_weight(w, torch.eye(64), 4, 32, sym=v)),
+        ("gptq_weight", "desc_act", lambda v: gptq_weight(w, torch.eye(64), 4, 32, desc_act=v)),
+        ("quantize_linear", "sym", lambda v: quantize_linear(linear, torch.eye(64), 4, 32, sym=v)),
+        ("quantize_linear", "desc_act", lambda v: quantize_linear(linear, torch.eye(64), 4, 32, desc_act=v)),
+        ("quantize", "sym", lambda v: gptq.quantize(torch.nn.Module(), [], 4, sym=v)),
+        ("quantize", "desc_act", lambda v: gptq.quantize(torch.nn.Module(), [], 4, desc_act=v)),
+        ("quantize", "lm_head", lambda v: gptq.quantize(torch.nn.Module(), [], 4, lm_head=v)),
+        ("quantize", "progress", lambda v: gptq.quantize(torch.nn.Module(), [], 4, progress=v)),
+    ]
+
+
+@pytest.mark.parametrize("case", _flag_calls(), ids=lambda c: f"{c[0]}-{c[1]}")
+def test_flags_refuse_what_is_not_a_bool(case):
+    """An on/off argument read by truthiness does the opposite of "False" or
+    "no" and takes None or 0 for False: each is refused, naming the function
+    and the argument, before any work."""
+    who, name, call = case
+    for bad in ("False", "no", None, 0, 1, 1.0, torch.tensor(True)):
+        with pytest.raises(ValueError, match=f"^{re.escape(who)}: {name} must be True or False, got "
+                                             f"{re.escape(repr(bad))}$"):
+            call(bad)
+
+
+def test_flags_take_numpy_bools():
+    """numpy's bools (a mask's elements) are the bools they are."""
+    w = torch.randn(8, 64)
+    for flag in (False, True):
+        assert torch.equal(lowbit.quantize_rtn(w, 4, 32, sym=np.bool_(flag)).qzeros,
+                           lowbit.quantize_rtn(w, 4, 32, sym=flag).qzeros)
+    assert lowbit.GGUFLinear(64, 8, gb.type_id("Q8_0"), bias=np.False_).bias is None
+    layer = lowbit.GPTQLinear(64, 8, 4, 32, sym=np.False_, bias=np.True_)
+    assert layer.sym is False and layer.bias is not None
+

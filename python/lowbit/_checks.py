@@ -1,4 +1,4 @@
-"""Checks of inputs: integer arguments (a layer's sizes), tensor values (a
+"""Checks of inputs: on/off flags, integer arguments (a layer's sizes), tensor values (a
 weight or Hessian to quantize, a checkpoint's scales, norms and biases) and
 the files a loader opens; the bounds of a model config's values; and how a
 file's own names and values appear in the messages that refuse them."""
@@ -7,6 +7,7 @@ import os
 import reprlib
 import stat
 
+import numpy
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
@@ -84,6 +85,16 @@ def shown_text(e) -> str:
     and cut to SHOWN_TEXT characters (with its length): transformers' config
     validators and safetensors' header parser quote the file's values whole."""
     return cut(" ".join(str(e).split()), SHOWN_TEXT)
+
+
+def check_flag(who: str, name: str, value) -> bool:
+    """`value` as a bool, or ValueError naming `name`: an on/off argument
+    read by truthiness would do the opposite of a string's ("False", "off"),
+    and None or 0 where they mean nothing would pass as False unnoticed.
+    numpy's bools (a mask's element) pass as the bools they are."""
+    if not isinstance(value, (bool, numpy.bool_)):
+        raise ValueError(f"{who}: {name} must be True or False, got {value!r}")
+    return bool(value)
 
 
 def check_sizes(who: str, **sizes) -> None:

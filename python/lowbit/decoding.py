@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ._checks import check_module
+from ._checks import check_flag, check_module
 from ._frozen import autocast_dtype, below_autograd, leave_autograd
 from .fusing import PROJECTION_GROUPS, ProjectionSlice
 from .threads import _STATE, ThreadedForward, _ModelAttribute, split_call, wrap_generate
@@ -775,8 +775,7 @@ def fast_decoding(model: nn.Module, enable: bool = True) -> bool:
     experts), causal attention (soft-capped scores too) and whole heads
     rotated (or their leading values, in Phi-3's layers)."""
     check_module("fast_decoding", model)
-    if not isinstance(enable, bool):  # a string ("off") or None read as truth would serve or drop it unasked
-        raise ValueError(f"fast_decoding: enable must be True or False, got {enable!r}")
+    enable = check_flag("fast_decoding", "enable", enable)
     if isinstance(model.__dict__.get("forward"), _DecodingForward):
         del model.forward
     if not enable or not _servable(model):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._checks import is_integer
+from ._checks import check_flag, is_integer
 from ._frozen import below_autograd, leave_autograd
 from .threads import _STATE, _ModelAttribute, split_call
 
@@ -108,9 +108,8 @@ def compiled_decoding(model: nn.Module, enable: bool = True, max_cache_len: int 
     if not isinstance(model, nn.Module) or not hasattr(model, "generation_config"):
         raise TypeError(f"compiled_decoding: model must be a transformers generation model (with a "
                         f"generation_config), got {type(model).__name__}")
-    for name, flag in (("enable", enable), ("cpp_wrapper", cpp_wrapper)):
-        if not isinstance(flag, bool):  # a string ("off") or None read as truth would compile or restore unasked
-            raise ValueError(f"compiled_decoding: {name} must be True or False, got {flag!r}")
+    enable = check_flag("compiled_decoding", "enable", enable)
+    cpp_wrapper = check_flag("compiled_decoding", "cpp_wrapper", cpp_wrapper)
     if max_cache_len is not None and (not is_integer(max_cache_len) or max_cache_len <= 0):
         raise ValueError(f"compiled_decoding: max_cache_len must be a positive int or None, got {max_cache_len!r}")
     config = model.generation_config

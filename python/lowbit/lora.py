@@ -60,7 +60,8 @@ from peft.tuners.lora import LoraModel
 from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
-from ._checks import MAX_SCALE, check_module, check_path, check_regular_file, is_integer, shown, shown_text
+from ._checks import (MAX_SCALE, check_flag, check_module, check_path, check_regular_file, is_integer, shown,
+                      shown_text)
 from ._stored import StoredBuffers
 from .fusing import ProjectionSlice
 from .gguf.experts import GGUFExperts
@@ -273,8 +274,7 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, adapter_name: str = 
     check_module("lowbit.lora.load_adapter", model)
     # An empty path is the working directory to os.path, whose adapter_config.json would be read.
     path = check_path("lowbit.lora.load_adapter", path)
-    if not isinstance(is_trainable, bool):  # "False" read as truth would make the adapter trainable
-        raise ValueError(f"lowbit.lora.load_adapter: is_trainable must be True or False, got {is_trainable!r}")
+    is_trainable = check_flag("lowbit.lora.load_adapter", "is_trainable", is_trainable)
     raw, config_file = _check_files(os.fspath(path)), os.path.join(os.fspath(path), "adapter_config.json")
     _check_patterns(raw, config_file, [name for name, _ in model.named_modules()])
     fresh = not isinstance(model, peft.PeftModel)

@@ -37,7 +37,7 @@ import threading
 import torch
 from torch import nn
 
-from ._checks import check_module, is_integer
+from ._checks import check_flag, check_module, is_integer
 from ._frozen import below_autograd, leave_autograd
 
 __all__ = ["kernel_threads"]
@@ -289,8 +289,7 @@ def kernel_threads(model: nn.Module, enable: bool = True,
     on the model later, or one it had already, runs without it. Returns the
     model."""
     check_module("kernel_threads", model)
-    if not isinstance(enable, bool):  # a string ("off") or None read as truth would set or drop it unasked
-        raise ValueError(f"kernel_threads: enable must be True or False, got {enable!r}")
+    enable = check_flag("kernel_threads", "enable", enable)
     if torch_team_tokens is not None and (not is_integer(torch_team_tokens) or torch_team_tokens < 1):
         raise ValueError(f"kernel_threads: torch_team_tokens must be a positive int or None, got {torch_team_tokens!r}")
     model.__dict__.pop(_STATE, None)

@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .._checks import check_finite, check_float_dtype, check_linear, check_sizes, is_integer
+from .._checks import check_finite, check_flag, check_float_dtype, check_linear, check_sizes, is_integer
 from .._frozen import linear_forward
 from .._stored import StoredBuffers, as_buffer
 from .file import dequantize_rows, release_mapped
@@ -47,6 +47,7 @@ class GGUFLinear(StoredBuffers):
         super().__init__()
         check_sizes("GGUFLinear", in_features=in_features, out_features=out_features)
         check_qtype("GGUFLinear", qtype)
+        bias = check_flag("GGUFLinear", "bias", bias)
         if dtype is not None:
             check_float_dtype("GGUFLinear", dtype, "dtype (the bias's)")
         block, type_size = torch.ops.lowbit.ggml_type_info(qtype)

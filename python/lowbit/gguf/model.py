@@ -15,7 +15,7 @@ import warnings
 import torch
 from torch import nn
 
-from .._checks import check_finite, check_path, check_positive, shown, shown_names, shown_text
+from .._checks import check_finite, check_flag, check_path, check_positive, shown, shown_names, shown_text
 from .._placing import (GGUF_SAVE_ADVICE, ReplaceReport, checked, get_module, load_tensor, model_dtype, on_meta,
                         rebuild_computed_buffers, refuse_save_pretrained, tensor_holders)
 from ..fusing import fuse_projections
@@ -83,6 +83,8 @@ def load_gguf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
 
     dtype = model_dtype(dtype, "load_gguf_model")
     path = check_path("load_gguf_model", path)
+    repack, fuse = check_flag("load_gguf_model", "repack", repack), check_flag("load_gguf_model", "fuse", fuse)
+    check_tensors = check_flag("load_gguf_model", "check_tensors", check_tensors)
     where = f"load_gguf_model: {path}"
     f = load_gguf(path)
     if check_tensors:

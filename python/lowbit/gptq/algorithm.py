@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .._checks import check_finite
+from .._checks import check_finite, check_flag
 from .._placing import GPTQ_SAVE_ADVICE, refuse_save_pretrained
 from .config import GPTQConfig, check_format
 from ..moe import experts_dims, plain_experts
@@ -91,6 +91,7 @@ def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_si
     """GPTQ of one weight [N, K] given the Hessian [K, K] of its inputs
     (the reference implementation's `fasterquant`, static_groups=False)."""
     _check_args(bits, group_size, damp_percent, scale_dtype)
+    sym, desc_act = check_flag("gptq_weight", "sym", sym), check_flag("gptq_weight", "desc_act", desc_act)
     if weight.dim() != 2 or weight.shape[1] == 0:
         raise ValueError(f"gptq_weight: weight must be 2-D [out, in] with in > 0, got shape {tuple(weight.shape)}")
     check_finite(weight, "gptq_weight: weight")
@@ -273,6 +274,7 @@ def quantize_linear(linear: nn.Linear, hessian: torch.Tensor, bits: int, group_s
     of 0: asymmetric groups that need one raise ValueError."""
     check_format(checkpoint_format, "GPTQ")
     _check_args(bits, group_size, damp_percent, dtype, "dtype")
+    sym, desc_act = check_flag("quantize_linear", "sym", sym), check_flag("quantize_linear", "desc_act", desc_act)
     check_packable("quantize_linear", linear.weight, bits)  # before the work
     r = gptq_weight(linear.weight, hessian, bits, group_size, sym, desc_act, damp_percent, dtype)
     zeros = r.zeros
@@ -318,6 +320,8 @@ def quantize(model: nn.Module, calibration_batches: Iterable[Any], bits: int, gr
     """
     _check_args(bits, group_size, damp_percent)
     check_format(checkpoint_format, "GPTQ")
+    sym, desc_act = check_flag("quantize", "sym", sym), check_flag("quantize", "desc_act", desc_act)
+    lm_head, progress = check_flag("quantize", "lm_head", lm_head), check_flag("quantize", "progress", progress)
     decoder = getattr(model, "model", None)
     if not isinstance(getattr(decoder, "layers", None), nn.ModuleList):
         raise ValueError("quantize: expected an HF causal LM with decoder layers at model.model.layers")

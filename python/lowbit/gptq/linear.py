@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._checks import check_float_dtype, check_linear, check_sizes, has_values, is_integer
+from .._checks import check_flag, check_float_dtype, check_linear, check_sizes, has_values, is_integer
 from .._frozen import linear_forward
 from .._stored import StoredBuffers, as_buffer, beyond, holds_integers
 from .packing import PANEL_COLS, fields_per_pack, from_panels, to_panels, words_per_pack
@@ -96,6 +96,8 @@ class GPTQLinear(StoredBuffers):
         check_bits_group_size("GPTQLinear", bits, group_size)
         check_format(checkpoint_format, "GPTQLinear")
         check_sizes("GPTQLinear", in_features=in_features, out_features=out_features)
+        sym, desc_act = check_flag("GPTQLinear", "sym", sym), check_flag("GPTQLinear", "desc_act", desc_act)
+        bias = check_flag("GPTQLinear", "bias", bias)
         check_float_dtype("GPTQLinear", dtype)  # the scales' and bias's dtype
         if in_features % fields_per_pack(bits) or out_features % fields_per_pack(bits):
             raise ValueError(f"GPTQLinear: {bits}-bit packing needs in_features and out_features to be multiples "
@@ -131,6 +133,7 @@ class GPTQLinear(StoredBuffers):
         """Round-to-nearest GPTQ quantization of `linear` (act-order when `perm`
         gives the order in which GPTQ would process the input rows)."""
         check_linear("GPTQLinear.from_linear", linear)
+        sym = check_flag("GPTQLinear.from_linear", "sym", sym)
         t = quantize_rtn(linear.weight, bits, group_size, sym, checkpoint_format, perm, scale_dtype=dtype)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls.from_tensors(t.qweight, t.qzeros, t.scales, t.g_idx, bias, bits, group_size, sym, perm is not None,
@@ -146,6 +149,8 @@ class GPTQLinear(StoredBuffers):
         tensor that is not contiguous (columns of another layer's) a
         contiguous copy."""
         check_bits_group_size("GPTQLinear.from_tensors", bits, group_size)  # before the packing sizes divide by bits
+        sym = check_flag("GPTQLinear.from_tensors", "sym", sym)
+        desc_act = check_flag("GPTQLinear.from_tensors", "desc_act", desc_act)
         if qweight.dim() != 2:  # its shape gives the layer's: shape[1] of a 1-D one is a bare IndexError
             raise ValueError(f"GPTQLinear.from_tensors: qweight must be 2-D [packed rows, out_features], got "
                              f"{tuple(qweight.shape)}")

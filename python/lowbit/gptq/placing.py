@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from .._checks import (MAX_INT, MAX_NORM_EPS, MAX_ROPE_BASE, MAX_SCALE, check_finite, check_path, is_integer,
-                       shown, shown_names)
+from .._checks import (MAX_INT, MAX_NORM_EPS, MAX_ROPE_BASE, MAX_SCALE, check_finite, check_flag, check_path,
+                       is_integer, shown, shown_names)
 from .._placing import (GPTQ_SAVE_ADVICE, ReplaceReport, checked, get_module, load_tensor, model_dtype, on_meta,
                         rebuild_computed_buffers, refuse_save_pretrained, tensor_holders)
 from ..fusing import fuse_projections
@@ -72,6 +72,8 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     import transformers
 
     dtype = model_dtype(dtype, "load_gptq_model")
+    fuse, repack = check_flag("load_gptq_model", "fuse", fuse), check_flag("load_gptq_model", "repack", repack)
+    int8_activations = check_flag("load_gptq_model", "int8_activations", int8_activations)
     if checkpoint_format is not None:  # load_gptq's check would name load_gptq, after the model is built
         check_format(checkpoint_format, "load_gptq_model")
     directory, _ = checkpoint_files(check_path("load_gptq_model", path))

@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._checks import check_finite
+from .._checks import check_finite, check_flag
 from .config import check_bits_group_size
 from .packing import fields_per_pack
 
@@ -85,6 +85,7 @@ def quantize_rtn(
     zero of 0: asymmetric groups that need one raise ValueError.
     """
     check_quant_args("quantize_rtn", bits, group_size, scale_dtype)
+    sym = check_flag("quantize_rtn", "sym", sym)
     if checkpoint_format not in CHECKPOINT_FORMATS:
         raise ValueError(f"quantize_rtn: checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {checkpoint_format!r}")
     check_packable("quantize_rtn", weight, bits)
