@@ -149,6 +149,31 @@ def test_validation(pair):
         ours(x, torch.tensor([[0], [EXPERTS]]), torch.ones(2, 1))
 
 
+def test_construction_refuses_what_forward_could_not_call_or_unpack(pair):
+    """An act_fn that is not callable ("silu") fails only at the first
+    forward call, and a projection that is not a (blocks, type) pair (None, a
+    bare tensor) as a raw unpack error: both are refused at construction,
+    naming the argument."""
+    ours, reference = pair
+    rows = ours.gate_qweight.reshape(EXPERTS * INTERMEDIATE, -1)
+    down = ours.down_qweight.reshape(EXPERTS * HIDDEN, -1)
+    projections = {"gate": (rows, T.Q8_0), "up": (rows, T.Q8_0), "down": (down, T.Q4_0)}
+    for bad in ("silu", 1, torch.zeros(1)):
+        with pytest.raises(TypeError, match=f"^GGUFExperts: act_fn must be callable .*got {type(bad).__name__} "):
+            lowbit.GGUFExperts(*projections.values(), EXPERTS, HIDDEN, INTERMEDIATE, act_fn=bad)
+    with pytest.raises(TypeError, match="^GGUFExperts: glu must be callable .*got str 'swiglu'$"):
+        lowbit.GGUFExperts(*projections.values(), EXPERTS, HIDDEN, INTERMEDIATE, act_fn=None, glu="swiglu")
+    for name in projections:
+        for bad in (None, rows, (rows,), (rows, T.Q8_0, 0), (rows, "Q8_0"), (rows.numpy(), T.Q8_0), "Q8_0"):
+            given = {**projections, name: bad}
+            with pytest.raises(TypeError, match=f"^GGUFExperts: {name} must be a \\(uint8 block tensor, ggml type "
+                                                f"id\\) pair, got {type(bad).__name__}$"):
+                lowbit.GGUFExperts(*given.values(), EXPERTS, HIDDEN, INTERMEDIATE, act_fn=reference.act_fn)
+    built = lowbit.GGUFExperts(*[list(p) for p in projections.values()], EXPERTS, HIDDEN, INTERMEDIATE,
+                               act_fn=reference.act_fn)  # a list pair is a pair
+    assert built.qtypes == {"gate": T.Q8_0, "up": T.Q8_0, "down": T.Q4_0}
+
+
 @pytest.mark.parametrize("hidden, ids, weights, says", [
     ((3, HIDDEN), (3, 2), (3, 1), r"top_k_weights must have top_k_index's shape \[3, 2\], got torch.float32 \[3, 1\]"),
     ((3, HIDDEN), (3, 2), (2,), r"top_k_weights must have top_k_index's shape \[3, 2\], got torch.float32 \[2\]"),

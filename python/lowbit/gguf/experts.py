@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._checks import check_sizes
+from .._checks import check_sizes, is_integer, shown
 from .._frozen import call_layer_op
 from .._stored import StoredBuffers, as_buffer
 from ..moe import check_routing
@@ -90,6 +90,17 @@ class GGUFExperts(StoredBuffers):
         super().__init__()
         if (act_fn is None) == (glu is None):
             raise ValueError("GGUFExperts: give act_fn or glu, not both")
+        # forward calls them: a name ("silu") would fail only at the first call, naming nothing.
+        for name, fn in (("act_fn", act_fn), ("glu", glu)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"GGUFExperts: {name} must be callable (an nn.Module such as nn.SiLU()), got "
+                                f"{type(fn).__name__} {shown(fn)}")
+        # Each projection unpacks as (blocks, qtype): None or a bare tensor would be a raw unpack error.
+        for name, given in zip(PROJECTIONS, (gate, up, down)):
+            if (not isinstance(given, (tuple, list)) or len(given) != 2 or not isinstance(given[0], torch.Tensor)
+                    or not is_integer(given[1])):
+                raise TypeError(f"GGUFExperts: {name} must be a (uint8 block tensor, ggml type id) pair, got "
+                                f"{type(given).__name__}")
         check_sizes("GGUFExperts", experts=experts, hidden_size=hidden_size, intermediate_size=intermediate_size)
         self.num_experts, self.hidden_size, self.intermediate_size = experts, hidden_size, intermediate_size
         self.qtypes, self.repacked = {}, dict.fromkeys(PROJECTIONS, False)
