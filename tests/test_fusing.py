@@ -307,6 +307,28 @@ def test_joined_refuses_layers_that_cannot_join():
         lowbit.GPTQLinear.joined(gptq)
 
 
+def test_joined_takes_any_iterable_of_layers():
+    """joined is public: a generator of layers (a caller's natural argument)
+    is joined as its list is; what is not an iterable of layers is refused,
+    naming layers, rather than failing on an index or an attribute."""
+    Q8_0 = int(lowbit.GGMLType.Q8_0)
+    parts = [quantized(32, Q8_0, seed=seed) for seed in range(3)]
+    want = lowbit.GGUFLinear.joined(parts)
+    got = lowbit.GGUFLinear.joined(layer for layer in parts)
+    assert torch.equal(got.qweight, want.qweight) and got.out_features == 96
+    assert torch.equal(lowbit.GGUFLinear.joined(iter(nn.ModuleList(parts))).qweight, want.qweight)
+    torch.manual_seed(0)
+    gptq = [lowbit.GPTQLinear.from_linear(nn.Linear(64, 64), 4, 32) for _ in range(2)]
+    got = lowbit.GPTQLinear.joined(layer for layer in gptq)
+    assert torch.equal(got.qweight, lowbit.GPTQLinear.joined(gptq).qweight) and got.out_features == 128
+    for cls, layer in ((lowbit.GGUFLinear, parts[0]), (lowbit.GPTQLinear, gptq[0])):
+        with pytest.raises(TypeError, match=f"^{cls.__name__}.joined: layers must be an iterable of "
+                                            f"{cls.__name__}s, got {cls.__name__}$"):
+            cls.joined(layer)
+        with pytest.raises(ValueError, match=f"^{cls.__name__}.joined: layers must be one or more "):
+            cls.joined([None, layer])
+
+
 def test_file_rows_back_to_back_join_without_a_copy(qwen2_path):
     f = lowbit.load_gguf(qwen2_path)
     tensors = list(f.tensors.values())

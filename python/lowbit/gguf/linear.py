@@ -1,5 +1,6 @@
 """GGUFLinear: an nn.Linear replacement that keeps a GGUF weight's quantized
 blocks (not a dequantized copy) and multiplies through torch.ops.lowbit."""
+from collections.abc import Iterable
 from typing import Optional
 
 import torch
@@ -118,11 +119,16 @@ class GGUFLinear(StoredBuffers):
                 and (None if self.bias is None else self.bias.dtype) == (None if other.bias is None else other.bias.dtype))
 
     @classmethod
-    def joined(cls, layers: list["GGUFLinear"], back_to_back=None) -> "GGUFLinear":
+    def joined(cls, layers: Iterable["GGUFLinear"], back_to_back=None) -> "GGUFLinear":
         """One layer over the rows of `layers` (which can_join), in order:
         back_to_back(qweights) where it gives them as one view (a file's
         mapping: no copy), else a concatenated copy."""
-        if not layers or not all(layers[0].can_join(layer) for layer in layers[1:]):
+        # Any iterable (a generator of layers too): the list is indexed and read more than once.
+        if not isinstance(layers, Iterable):
+            raise TypeError(f"GGUFLinear.joined: layers must be an iterable of GGUFLinears, got "
+                            f"{type(layers).__name__}")
+        layers = list(layers)
+        if not layers or not isinstance(layers[0], cls) or not all(layers[0].can_join(o) for o in layers[1:]):
             raise ValueError("GGUFLinear.joined: layers must be one or more GGUFLinears that can_join the first "
                              "(the same type, input size, device and bias dtype, none repacked)")
         qweights = [layer.qweight for layer in layers]

@@ -3,6 +3,8 @@ checkpoint's tensors, multiplied by torch.ops.lowbit.gptq_gemm (or, with
 int8_activations on the CPU, gptq_gemm_a8)."""
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
@@ -195,11 +197,16 @@ class GPTQLinear(StoredBuffers):
                 and torch.equal(other.g_idx, self.g_idx))  # a meta g_idx has no values to compare: no join
 
     @classmethod
-    def joined(cls, layers: list[GPTQLinear], back_to_back=None) -> GPTQLinear:
+    def joined(cls, layers: Iterable[GPTQLinear], back_to_back=None) -> GPTQLinear:
         """One layer whose output columns are those of `layers` (which
         can_join), in order; a new copy of their tensors (back_to_back, a
         GGUF file's join, has nothing to offer GPTQ's column-major packing)."""
-        if not layers or not all(layers[0].can_join(layer) for layer in layers[1:]):
+        # Any iterable (a generator of layers too): the list is indexed and read more than once.
+        if not isinstance(layers, Iterable):
+            raise TypeError(f"GPTQLinear.joined: layers must be an iterable of GPTQLinears, got "
+                            f"{type(layers).__name__}")
+        layers = list(layers)
+        if not layers or not isinstance(layers[0], cls) or not all(layers[0].can_join(o) for o in layers[1:]):
             raise ValueError("GPTQLinear.joined: layers must be one or more GPTQLinears that can_join the first "
                              "(the same quantization, g_idx, row order, device and bias, none repacked)")
         first = layers[0]
