@@ -186,3 +186,24 @@ def test_flags_take_numpy_bools():
     layer = lowbit.GPTQLinear(64, 8, 4, 32, sym=np.False_, bias=np.True_)
     assert layer.sym is False and layer.bias is not None
 
+
+def test_quantizers_refuse_weights_without_values():
+    """A meta weight (a model built on the meta device) or a fake one has
+    shapes only: the quantizers read its values, which failed on .item()
+    with an error that named no argument."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from lowbit.gptq.algorithm import gptq_weight
+
+    meta = torch.empty(8, 64, device="meta")
+    with pytest.raises(ValueError, match="^quantize_rtn: weight must hold values: a meta tensor has none$"):
+        lowbit.quantize_rtn(meta, 4, 32)
+    with pytest.raises(ValueError, match="^quantize_rtn: weight must hold values: a meta tensor has none$"):
+        lowbit.GPTQLinear.from_linear(torch.nn.Linear(64, 8, device="meta"), 4, 32)
+    with pytest.raises(ValueError, match="^gptq_weight: weight must hold values: a meta tensor has none$"):
+        gptq_weight(meta, torch.eye(64), 4, 32)
+    with pytest.raises(ValueError, match="^gptq_weight: hessian must hold values: a meta tensor has none$"):
+        gptq_weight(torch.randn(8, 64), torch.eye(64, device="meta"), 4, 32)
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(torch.randn(8, 64))
+        with pytest.raises(ValueError, match="^quantize_rtn: weight must hold values: a fake or traced tensor has none$"):
+            lowbit.quantize_rtn(fake, 4, 32)

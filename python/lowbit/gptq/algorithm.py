@@ -49,7 +49,7 @@ from .config import GPTQConfig, check_format
 from ..moe import experts_dims, plain_experts
 from .experts import EXPERT_LAYER, GPTQExpert, GPTQExperts
 from .linear import GPTQLinear
-from .rtn import check_packable, check_quant_args, check_scales
+from .rtn import check_packable, check_quant_args, check_scales, check_values
 
 BLOCK_SIZE = 128  # columns per lazy batch-update (the paper's B = 128)
 
@@ -94,11 +94,13 @@ def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_si
     sym, desc_act = check_flag("gptq_weight", "sym", sym), check_flag("gptq_weight", "desc_act", desc_act)
     if weight.dim() != 2 or weight.shape[1] == 0:
         raise ValueError(f"gptq_weight: weight must be 2-D [out, in] with in > 0, got shape {tuple(weight.shape)}")
+    check_values("gptq_weight", weight, "weight")
     check_finite(weight, "gptq_weight: weight")
     N, K = weight.shape
     if hessian.shape != (K, K):
         raise ValueError(f"gptq_weight: hessian must be [{K}, {K}] for a weight [{N}, {K}], "
                          f"got {tuple(hessian.shape)}")
+    check_values("gptq_weight", hessian, "hessian")
     check_finite(hessian, "gptq_weight: hessian")  # else it reads as a Hessian no dampening makes definite
     W = weight.detach().to(torch.float32).clone()
     H = hessian.detach().to(device=W.device, dtype=torch.float64).clone()

@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._checks import check_finite, check_flag
+from .._checks import check_finite, check_flag, has_values
 from .config import check_bits_group_size
 from .packing import fields_per_pack
 
@@ -56,6 +56,15 @@ def check_packable(who: str, weight: torch.Tensor, bits: int) -> None:
                          f"({bits}-bit fields per pack), got shape {tuple(weight.shape)}")
 
 
+def check_values(who: str, t: torch.Tensor, name: str) -> None:
+    """Refuses a tensor whose values cannot be read (a meta or fake tensor):
+    the quantizers read them (the finite check, each group's range), which
+    would fail on .item() with an error that names no argument."""
+    if not has_values(t):
+        raise ValueError(f"{who}: {name} must hold values: a {'meta' if t.is_meta else 'fake or traced'} tensor "
+                         "has none")
+
+
 def check_scales(scales: torch.Tensor, what: str) -> None:
     """Refuses scales [groups, N] that overflowed their storage dtype: a
     group whose range is beyond it would dequantize to inf."""
@@ -89,6 +98,7 @@ def quantize_rtn(
     if checkpoint_format not in CHECKPOINT_FORMATS:
         raise ValueError(f"quantize_rtn: checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {checkpoint_format!r}")
     check_packable("quantize_rtn", weight, bits)
+    check_values("quantize_rtn", weight, "weight")
     check_finite(weight, "quantize_rtn: weight")
     w = weight.detach().to(torch.float32).t()  # [K, N]
     K, N = w.shape
