@@ -205,5 +205,6 @@ def test_quantizers_refuse_weights_without_values():
         gptq_weight(torch.randn(8, 64), torch.eye(64, device="meta"), 4, 32)
     with FakeTensorMode() as mode:
         fake = mode.from_tensor(torch.randn(8, 64))
-        with pytest.raises(ValueError, match="^quantize_rtn: weight must hold values: a fake or traced tensor has none$"):
+        with pytest.raises(ValueError,
+                           match="^quantize_rtn: weight must hold values: a fake or traced tensor has none$"):
             lowbit.quantize_rtn(fake, 4, 32)
