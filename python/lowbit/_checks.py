@@ -151,6 +151,15 @@ def has_values(t: torch.Tensor) -> bool:
                 or torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 
+def check_values(who: str, t: torch.Tensor, name: str) -> None:
+    """ValueError naming `name` for a tensor without readable values (meta,
+    fake, traced): a quantizer reads them (the finite check, each group's
+    range), which would fail on .item() naming no argument."""
+    if not has_values(t):
+        raise ValueError(f"{who}: {name} must hold values: a {'meta' if t.is_meta else 'fake or traced'} tensor "
+                         "has none")
+
+
 def check_finite(t: torch.Tensor, what: str, error: type[ValueError] = ValueError) -> None:
     """Refuses a NaN or inf in `t` as `error` (a loader's file error), naming
     the first: a quantizer's grid over it would store inf or NaN scales, a

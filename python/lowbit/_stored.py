@@ -5,6 +5,8 @@ them, and load_state_dict would cast a tensor of another dtype into them
 without a word (int64 values past 255 wrapping into uint8 blocks)."""
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
@@ -88,6 +90,21 @@ def _dtypes_match(module: nn.Module, state_dict, prefix: str, error_msgs: list[s
             error_msgs.append(f"{type(module).__name__}: {prefix}{name} holds {v}, beyond {buffer.dtype}")
             match = False
     return match
+
+
+def joinable(cls: type, layers, rule: str) -> list:
+    """`layers` (any iterable: a generator is read once into the list, which
+    joined() indexes and reads again) when they are one or more `cls` layers
+    that can_join the first, else an error naming `layers` (`rule`: what
+    can_join asks)."""
+    if not isinstance(layers, Iterable):
+        raise TypeError(f"{cls.__name__}.joined: layers must be an iterable of {cls.__name__}s, got "
+                        f"{type(layers).__name__}")
+    layers = list(layers)
+    if not layers or not isinstance(layers[0], cls) or not all(layers[0].can_join(o) for o in layers[1:]):
+        raise ValueError(f"{cls.__name__}.joined: layers must be one or more {cls.__name__}s that can_join the "
+                         f"first ({rule})")
+    return layers
 
 
 class StoredBuffers(nn.Module):

@@ -1,7 +1,6 @@
 """GGUFEmbedding: an nn.Embedding replacement that keeps a GGUF token
 embedding's blocks and dequantizes only the rows it looks up, as llama.cpp's
 get_rows does (a float copy of a 128k-token table costs GBs)."""
-import math
 import numbers
 
 import torch
@@ -35,8 +34,7 @@ class GGUFEmbedding(StoredBuffers):
         # A NaN, inf or zero scale (or one past the dtype's range) turns every
         # looked-up row NaN, inf or 0 without an error; True would read as 1.
         if embed_scale is not None and (
-                not isinstance(embed_scale, numbers.Real) or isinstance(embed_scale, bool)
-                or not math.isfinite(embed_scale) or embed_scale <= 0
+                not isinstance(embed_scale, numbers.Real) or isinstance(embed_scale, bool) or not embed_scale > 0
                 or not torch.isfinite(torch.tensor(float(embed_scale)).to(dtype))):
             raise ValueError(f"GGUFEmbedding: embed_scale must be None or a finite number > 0 in {dtype}, "
                              f"got {embed_scale!r}")

@@ -8,7 +8,7 @@ from torch import nn
 
 from .._checks import check_finite, check_flag, check_float_dtype, check_linear, check_sizes, is_integer
 from .._frozen import linear_forward
-from .._stored import StoredBuffers, as_buffer
+from .._stored import StoredBuffers, as_buffer, joinable
 from .file import dequantize_rows, release_mapped
 
 # The ggml float weight types (F32, F16, BF16) of torch's dtypes.
@@ -123,14 +123,7 @@ class GGUFLinear(StoredBuffers):
         """One layer over the rows of `layers` (which can_join), in order:
         back_to_back(qweights) where it gives them as one view (a file's
         mapping: no copy), else a concatenated copy."""
-        # Any iterable (a generator of layers too): the list is indexed and read more than once.
-        if not isinstance(layers, Iterable):
-            raise TypeError(f"GGUFLinear.joined: layers must be an iterable of GGUFLinears, got "
-                            f"{type(layers).__name__}")
-        layers = list(layers)
-        if not layers or not isinstance(layers[0], cls) or not all(layers[0].can_join(o) for o in layers[1:]):
-            raise ValueError("GGUFLinear.joined: layers must be one or more GGUFLinears that can_join the first "
-                             "(the same type, input size, device and bias dtype, none repacked)")
+        layers = joinable(cls, layers, "the same type, input size, device and bias dtype, none repacked")
         qweights = [layer.qweight for layer in layers]
         rows = back_to_back(qweights) if back_to_back is not None else None
         if rows is None:

@@ -43,13 +43,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .._checks import check_finite, check_flag
+from .._checks import check_finite, check_flag, check_values
 from .._placing import GPTQ_SAVE_ADVICE, refuse_save_pretrained
 from .config import GPTQConfig, check_format
 from ..moe import experts_dims, plain_experts
 from .experts import EXPERT_LAYER, GPTQExpert, GPTQExperts
 from .linear import GPTQLinear
-from .rtn import check_packable, check_quant_args, check_scales, check_values
+from .rtn import check_packable, check_quant_args, check_scales
 
 BLOCK_SIZE = 128  # columns per lazy batch-update (the paper's B = 128)
 

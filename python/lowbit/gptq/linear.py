@@ -10,7 +10,7 @@ from torch import nn
 
 from .._checks import check_flag, check_float_dtype, check_linear, check_sizes, has_values, is_integer
 from .._frozen import linear_forward
-from .._stored import StoredBuffers, as_buffer, beyond, holds_integers
+from .._stored import StoredBuffers, as_buffer, beyond, holds_integers, joinable
 from .packing import PANEL_COLS, fields_per_pack, from_panels, to_panels, words_per_pack
 from .config import check_bits_group_size, check_format
 from .rtn import quantize_rtn
@@ -201,14 +201,7 @@ class GPTQLinear(StoredBuffers):
         """One layer whose output columns are those of `layers` (which
         can_join), in order; a new copy of their tensors (back_to_back, a
         GGUF file's join, has nothing to offer GPTQ's column-major packing)."""
-        # Any iterable (a generator of layers too): the list is indexed and read more than once.
-        if not isinstance(layers, Iterable):
-            raise TypeError(f"GPTQLinear.joined: layers must be an iterable of GPTQLinears, got "
-                            f"{type(layers).__name__}")
-        layers = list(layers)
-        if not layers or not isinstance(layers[0], cls) or not all(layers[0].can_join(o) for o in layers[1:]):
-            raise ValueError("GPTQLinear.joined: layers must be one or more GPTQLinears that can_join the first "
-                             "(the same quantization, g_idx, row order, device and bias, none repacked)")
+        layers = joinable(cls, layers, "the same quantization, g_idx, row order, device and bias, none repacked")
         first = layers[0]
         joined = {name: torch.cat([getattr(layer, name) for layer in layers], dim=-1)
                   for name in ("qweight", "qzeros", "scales")}

@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._checks import check_finite, check_flag, has_values
+from .._checks import check_finite, check_flag, check_values
 from .config import check_bits_group_size
 from .packing import fields_per_pack
 
@@ -54,15 +54,6 @@ def check_packable(who: str, weight: torch.Tensor, bits: int) -> None:
     if weight.dim() != 2 or 0 in weight.shape or weight.shape[0] % fields or weight.shape[1] % fields:
         raise ValueError(f"{who}: weight must be 2-D [out, in] with in > 0, out > 0 and both multiples of {fields} "
                          f"({bits}-bit fields per pack), got shape {tuple(weight.shape)}")
-
-
-def check_values(who: str, t: torch.Tensor, name: str) -> None:
-    """Refuses a tensor whose values cannot be read (a meta or fake tensor):
-    the quantizers read them (the finite check, each group's range), which
-    would fail on .item() with an error that names no argument."""
-    if not has_values(t):
-        raise ValueError(f"{who}: {name} must hold values: a {'meta' if t.is_meta else 'fake or traced'} tensor "
-                         "has none")
 
 
 def check_scales(scales: torch.Tensor, what: str) -> None:
