@@ -28,6 +28,7 @@ import sys
 import textwrap
 import time
 
+import numpy
 import pytest
 import torch
 from safetensors import safe_open
@@ -322,7 +323,6 @@ def test_loaders_refuse_a_bad_checkpoint_format_or_mapped_naming_themselves(tmp_
     ({"sym": True}, r"sym true \(the layer is asymmetric\)"),
     ({"desc_act": False}, r"desc_act false \(the layer is act-order\)"),
     ({"dynamic": {r"-:.*\.up_proj": {}}}, r"dynamic rules exclude model\.layers\.0\.mlp\.up_proj"),
-    ({"bits": "4"}, r"config: bits must be one of"),
     ({"lm_head": True}, "the config says lm_head true, but the model's LM head is not GPTQ-quantized")],
     ids=lambda c: str(c)[:30])
 def test_save_gptq_refuses_a_config_that_misdescribes_the_layers(tmp_path, changes, says):
@@ -339,6 +339,34 @@ def test_save_gptq_refuses_a_config_that_misdescribes_the_layers(tmp_path, chang
     plain = tiny_llama()
     quantize(plain, dataclasses.replace(config, sym=True, desc_act=False))
     lowbit.save_gptq(plain, tmp_path / "out", config)
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"bits": 5}, r"bits must be one of \(2, 3, 4, 8\), got 5"), ({"bits": "4"}, "bits must be one of"),
+    ({"bits": True}, "bits must be one of"), ({"group_size": 0}, "group_size must be -1 or a positive integer"),
+    ({"group_size": 32.0}, "group_size must be -1 or a positive integer"),
+    ({"sym": "False"}, "sym must be true or false, got 'False'"), ({"desc_act": 1}, "desc_act must be true or false"),
+    ({"lm_head": None}, "lm_head must be true or false"),
+    ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin' is not supported"),
+    ({"dynamic": [".*"]}, "dynamic must be a dict of rules"), ({"dynamic": {3: {}}}, "dynamic rule 3 must be a str"),
+    ({"dynamic": {".*": 8}}, r"dynamic rule '\.\*' must map to a dict"),
+    ({"dynamic": {"+:(": {}}}, r"dynamic rule '\+:\(' is not a valid regex"),
+    ({"dynamic": {".*q_proj": {"bits": 6}}}, r"dynamic rule '\.\*q_proj': bits must be one of")],
+    ids=lambda c: str(c)[:30])
+def test_gptq_config_refuses_what_no_reader_takes_as_it_is_made(changes, says):
+    """A GPTQConfig made in code is checked as the reader checks a file's
+    (bits, group_size, flags, format, dynamic rules), where it is made, not
+    first at save_gptq, naming its file where it has one; numpy's integers
+    and bools become Python's, as JSON writes them."""
+    with pytest.raises(GPTQConfigError, match=rf"^GPTQConfig: {says}"):
+        GPTQConfig(**(dict(bits=4, group_size=32) | changes))
+    with pytest.raises(GPTQConfigError, match=rf"^q\.json: {says}"):
+        GPTQConfig(**(dict(bits=4, group_size=32, source="q.json") | changes))
+    with pytest.raises(GPTQConfigError, match="^GPTQConfig: source must be a str, got 7$"):
+        GPTQConfig(bits=4, group_size=32, source=7)
+    made = GPTQConfig(bits=numpy.int64(4), group_size=numpy.int32(-1), sym=numpy.bool_(False))
+    assert json.loads(json.dumps(made.to_dict())) == GPTQConfig(4, -1, sym=False).to_dict()
+    assert type(made.bits) is int and type(made.group_size) is int and type(made.sym) is bool
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy
+
 from .._checks import check_regular_file, is_integer, shown
 
 try:  # matches with a time limit, which `re` cannot
@@ -108,6 +110,49 @@ class GPTQConfig:
     # Each rule compiled once for this config (matching tries every rule on every module name).
     _patterns: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
+    def __post_init__(self):
+        """Refuses, as GPTQConfigError naming the config's file (`source`) or
+        GPTQConfig, what no reader takes: bits without a packing, a
+        group_size that is neither -1 nor positive, a flag that is not a
+        bool, an unknown checkpoint_format, and malformed `dynamic` rules, so
+        that a config made in code fails where it is made, not at save_gptq."""
+        if not isinstance(self.source, str):
+            raise GPTQConfigError(f"GPTQConfig: source must be a str, got {shown(self.source)}")
+        where = self._where
+        # numpy's integers and bools as Python's: the config is written as JSON.
+        for key in ("bits", "group_size"):
+            if is_integer(getattr(self, key)):
+                object.__setattr__(self, key, int(getattr(self, key)))
+        for key in ("desc_act", "sym", "lm_head"):
+            if isinstance(getattr(self, key), numpy.bool_):
+                object.__setattr__(self, key, bool(getattr(self, key)))
+        if self.checkpoint_format not in FORMATS:
+            raise GPTQConfigError(f"{where}: checkpoint_format {shown(self.checkpoint_format)} is not supported "
+                                  f"(expected one of {FORMATS})")
+        if not isinstance(self.lm_head, bool):
+            raise GPTQConfigError(f"{where}: lm_head must be true or false, got {shown(self.lm_head)}")
+        _validate(self.default, where)
+        if not isinstance(self.dynamic, dict):
+            raise GPTQConfigError(f"{where}: dynamic must be a dict of rules, got {shown(self.dynamic)}")
+        total = sum(len(key) for key in self.dynamic if isinstance(key, str))
+        if total > RULES_MAX_CHARS:
+            raise GPTQConfigError(f"{where}: dynamic holds {len(self.dynamic)} rules of {total} characters together, "
+                                  f"more than the {RULES_MAX_CHARS} that rules for every module of a large model need")
+        for key, overrides in self.dynamic.items():
+            if not isinstance(key, str):
+                raise GPTQConfigError(f"{where}: dynamic rule {shown(key)} must be a str (a module-name regex)")
+            if not isinstance(overrides, dict):
+                raise GPTQConfigError(f"{where}: dynamic rule {shown(key)} must map to a dict, got {shown(overrides)}")
+            self.pattern(key)
+            if not key.startswith("-:"):
+                _validate(replace(self.default, **{k: overrides[k] for k in OVERRIDABLE if k in overrides}),
+                          f"{where}: dynamic rule {shown(key)}")
+
+    @property
+    def _where(self) -> str:
+        """What errors about the config name: its file, or the class for one made in code."""
+        return self.source or "GPTQConfig"
+
     @property
     def default(self) -> ModuleQuant:
         """The quantization of a module no `dynamic` rule matches."""
@@ -136,7 +181,7 @@ class GPTQConfig:
             return self.pattern(key).match(name, timeout=max(left[0], 1e-3)) is not None
         except TimeoutError:
             raise GPTQCheckpointError(
-                f"{self.source or 'quantization config'}: dynamic rule {shown(key)} did not finish matching module "
+                f"{self._where}: dynamic rule {shown(key)} did not finish matching module "
                 f"names within {RULE_MATCH_SECONDS} s (all rules together); a pattern that backtracks "
                 "catastrophically is refused") from None
         finally:
@@ -145,7 +190,7 @@ class GPTQConfig:
     def pattern(self, key: str):
         """The compiled regex of `dynamic` rule `key`, compiled at its first use."""
         if key not in self._patterns:
-            self._patterns[key] = _rule_pattern(key, self.source or "quantization config")
+            self._patterns[key] = _rule_pattern(key, self._where)
         return self._patterns[key]
 
     def to_dict(self) -> dict[str, Any]:
@@ -227,24 +272,12 @@ def parse_config(raw: dict[str, Any], source: str = "") -> GPTQConfig:
     dynamic = raw.get("dynamic") or {}
     if not isinstance(dynamic, dict):
         raise GPTQConfigError(f"{where}: dynamic must be a JSON object of rules, got {shown(dynamic)}")
-    total = sum(len(key) for key in dynamic if isinstance(key, str))
-    if total > RULES_MAX_CHARS:
-        raise GPTQConfigError(f"{where}: dynamic holds {len(dynamic)} rules of {total} characters together, more "
-                              f"than the {RULES_MAX_CHARS} that rules for every module of a large model need")
-    config = GPTQConfig(
+    # The config checks its values as it is made (GPTQConfig.__post_init__), naming `where`.
+    return GPTQConfig(
         bits=raw["bits"], group_size=raw["group_size"], desc_act=_flag(raw, "desc_act", False, where),
         sym=_flag(raw, "sym", True, where), checkpoint_format=fmt, lm_head=_flag(raw, "lm_head", False, where),
         dynamic=dict(dynamic), source=source,
     )
-    _validate(config.default, where)
-    for key, overrides in config.dynamic.items():
-        if not isinstance(overrides, dict):
-            raise GPTQConfigError(f"{where}: dynamic rule {shown(key)} must map to a dict, got {shown(overrides)}")
-        config.pattern(key)
-        if not key.startswith("-:"):
-            _validate(replace(config.default, **{k: overrides[k] for k in OVERRIDABLE if k in overrides}),
-                      f"{where}: dynamic rule {shown(key)}")
-    return config
 
 
 def _flag(raw: dict[str, Any], key: str, default: bool, where: str) -> bool:
