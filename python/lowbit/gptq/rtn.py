@@ -10,10 +10,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from .._checks import check_finite, check_flag, check_values
-from .config import check_bits_group_size
+from .config import check_bits_group_size, check_format
 from .packing import fields_per_pack
-
-CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 
 
 class GPTQTensors(NamedTuple):
@@ -86,8 +84,7 @@ def quantize_rtn(
     """
     check_quant_args("quantize_rtn", bits, group_size, scale_dtype)
     sym = check_flag("quantize_rtn", "sym", sym)
-    if checkpoint_format not in CHECKPOINT_FORMATS:
-        raise ValueError(f"quantize_rtn: checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {checkpoint_format!r}")
+    check_format(checkpoint_format, "quantize_rtn")
     check_packable("quantize_rtn", weight, bits)
     check_values("quantize_rtn", weight, "weight")
     check_finite(weight, "quantize_rtn: weight")
