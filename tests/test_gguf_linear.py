@@ -84,12 +84,47 @@ def test_no_bias_and_compile():
 def test_constructor_and_from_raw_validate():
     with pytest.raises(ValueError, match="in_features=500 is not a multiple of the block size 32"):
         lowbit.GGUFLinear(500, 8, gb.type_id("Q4_0"))
-    with pytest.raises(ValueError, match="is not a ggml weight type"):
+    with pytest.raises(ValueError, match=r"^GGUFLinear: qtype 4 is not a ggml weight type lowbit supports"):
         lowbit.GGUFLinear(512, 8, 4)
     with pytest.raises(ValueError, match=r"qweight must be uint8 \(8, 288\)"):
         lowbit.GGUFLinear.from_raw(torch.zeros(8, 287, dtype=torch.uint8), gb.type_id("Q4_0"), 512)
-    with pytest.raises(ValueError, match="gguf-py cannot quantize"):
-        lowbit.GGUFLinear.from_linear(torch.nn.Linear(512, 8), gb.type_id("Q4_K"))
+
+
+@pytest.mark.parametrize("qtype, message", [
+    (999, "qtype 999 is not a ggml weight type lowbit supports"), (-1, "qtype -1 is not a ggml weight type"),
+    (4, "qtype 4 is not a ggml weight type"), ("Q4_0", "qtype must be a ggml type id \\(an integer\\), got 'Q4_0'"),
+    (True, "qtype must be a ggml type id"), (2.0, "qtype must be a ggml type id"),
+    (gb.type_id("Q4_K"), r"no quantizer for Q4_K \(gguf-py writes"), (gb.type_id("IQ2_XXS"), "no quantizer for IQ2_XXS")],
+    ids=["unknown", "negative", "removed", "a name", "a bool", "a float", "Q4_K", "IQ2_XXS"])
+def test_from_linear_names_a_type_it_cannot_write(qtype, message):
+    """from_linear checks qtype as the constructor does, naming itself and
+    the argument, and a type no quantizer writes by its name, where gguf-py's
+    own error was an enum's message or an empty NotImplementedError."""
+    with pytest.raises(ValueError, match=rf"^GGUFLinear\.from_linear: {message}"):
+        lowbit.GGUFLinear.from_linear(torch.nn.Linear(512, 8), qtype)
+    with pytest.raises(ValueError, match=r"^GGUFLinear\.from_linear: in_features=500 is not a multiple of the block "
+                                         r"size 32 of Q4_0$"):
+        lowbit.GGUFLinear.from_linear(torch.nn.Linear(500, 8), gb.type_id("Q4_0"))
+
+
+def test_from_linear_writes_q6_k_with_lowbit_s_quantizer():
+    """Q6_K, which gguf-py cannot quantize, comes from ggml_quantize (llama.cpp's
+    quantizer): the layer's blocks are its bytes, within Q6_K's error of the
+    float layer; the types gguf-py writes stay gguf-py's."""
+    from gguf import GGMLQuantizationType, quants
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(512, 8)
+    q6_k = lowbit.GGUFLinear.from_linear(linear, gb.type_id("Q6_K"))
+    assert torch.equal(q6_k.qweight, torch.ops.lowbit.ggml_quantize(linear.weight.detach(), gb.type_id("Q6_K")))
+    assert q6_k.qtype == gb.type_id("Q6_K") and torch.equal(q6_k.bias, linear.bias.detach())
+    x = torch.randn(3, 512)
+    with torch.no_grad():
+        assert (q6_k(x) - linear(x)).abs().max() < 0.02 * linear(x).abs().max()
+    assert (q6_k.dequantize() - linear.weight).abs().max() < 0.02 * linear.weight.abs().max()
+    q8_0 = lowbit.GGUFLinear.from_linear(linear, gb.type_id("Q8_0"))
+    expected = quants.quantize(linear.weight.detach().numpy(), GGMLQuantizationType.Q8_0)
+    assert torch.equal(q8_0.qweight, torch.from_numpy(expected.reshape(8, -1)))
 
 
 def _blocks(rows, row_bytes):

@@ -15,12 +15,18 @@ from .file import dequantize_rows, release_mapped
 FLOAT_QTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 
 
-def check_qtype(owner: str, qtype) -> None:
-    """ValueError for a qtype that is not an integer type id: a bool passes
-    ggml_type_info as its id (True as F16), a float fails in the op's
-    argument parsing with an error that names neither module nor argument."""
+def check_qtype(owner: str, qtype) -> tuple[int, int]:
+    """(values per block, bytes per block) of ggml type `qtype`; ValueError
+    naming `owner` and qtype for one that is not an integer type id (a bool
+    passes ggml_type_info as its id, True as F16; a float fails in the op's
+    argument parsing) or not a type lowbit supports."""
     if not is_integer(qtype):
         raise ValueError(f"{owner}: qtype must be a ggml type id (an integer), got {qtype!r}")
+    try:
+        return tuple(torch.ops.lowbit.ggml_type_info(int(qtype)))
+    except ValueError:
+        raise ValueError(f"{owner}: qtype {int(qtype)} is not a ggml weight type lowbit supports (unknown or "
+                         "removed id)") from None
 
 
 class GGUFLinear(StoredBuffers):
@@ -47,11 +53,10 @@ class GGUFLinear(StoredBuffers):
                  dtype: Optional[torch.dtype] = None, device=None):
         super().__init__()
         check_sizes("GGUFLinear", in_features=in_features, out_features=out_features)
-        check_qtype("GGUFLinear", qtype)
+        block, type_size = check_qtype("GGUFLinear", qtype)
         bias = check_flag("GGUFLinear", "bias", bias)
         if dtype is not None:
             check_float_dtype("GGUFLinear", dtype, "dtype (the bias's)")
-        block, type_size = torch.ops.lowbit.ggml_type_info(qtype)
         if in_features % block:
             raise ValueError(f"GGUFLinear: in_features={in_features} is not a multiple of the block size {block} of type {qtype}")
         self.in_features = in_features
@@ -96,21 +101,33 @@ class GGUFLinear(StoredBuffers):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, qtype: int) -> "GGUFLinear":
-        """Quantizes an nn.Linear with gguf-py's quantizer (types gguf-py can quantize)."""
+        """Quantizes an nn.Linear with gguf-py's quantizer, or, for the types
+        gguf-py has none for, lowbit's (llama.cpp's quantizer: Q6_K);
+        ValueError naming the type where neither quantizes it."""
         from gguf import GGMLQuantizationType
         from gguf import quants
 
         check_linear("GGUFLinear.from_linear", linear)
+        block, _ = check_qtype("GGUFLinear.from_linear", qtype)
+        name = torch.ops.lowbit.ggml_type_name(int(qtype))
+        if linear.in_features % block:
+            raise ValueError(f"GGUFLinear.from_linear: in_features={linear.in_features} is not a multiple of the block "
+                             f"size {block} of {name}")
         check_finite(linear.weight.detach(), "GGUFLinear.from_linear: linear.weight")
-        weight = linear.weight.detach().to(torch.float32).cpu().numpy()
+        weight = linear.weight.detach().to(torch.float32).cpu()
         try:
-            raw = quants.quantize(weight, GGMLQuantizationType(qtype))
-        except (NotImplementedError, quants.QuantError) as e:  # a type it has no quantizer for; a row not whole blocks
-            raise ValueError(f"GGUFLinear.from_linear: gguf-py cannot quantize type {qtype} "
-                             f"({linear.in_features} inputs): {e}") from e
+            raw = torch.from_numpy(quants.quantize(weight.numpy(), GGMLQuantizationType(int(qtype))).view("uint8"))
+        except NotImplementedError:  # gguf-py has no quantizer for the type: lowbit's, where it writes the type
+            try:
+                raw = torch.ops.lowbit.ggml_quantize(weight, int(qtype))
+            except ValueError:
+                raise ValueError(f"GGUFLinear.from_linear: no quantizer for {name} (gguf-py writes the legacy types, "
+                                 "the float ones, TQ1_0, TQ2_0 and MXFP4, lowbit Q8_0 and Q6_K); llama.cpp's "
+                                 "llama-quantize writes every type into a GGUF file, which load_gguf_model "
+                                 "reads") from None
         # The float types come back as float arrays: their bytes are the blocks.
-        qweight = torch.from_numpy(raw.view("uint8").reshape(weight.shape[0], -1)).to(linear.weight.device)
-        return cls.from_raw(qweight, qtype, linear.in_features, linear.bias)
+        qweight = raw.reshape(weight.shape[0], -1).to(linear.weight.device)
+        return cls.from_raw(qweight, int(qtype), linear.in_features, linear.bias)
 
     def can_join(self, other: nn.Module) -> bool:
         """Whether `other`'s rows can follow this layer's in one layer (joined)."""
