@@ -1660,3 +1660,17 @@ def test_legitimate_variations_load(pristine, checkpoint, edit, config):
         edit_tensors(checkpoint, edit)
     edit_config(checkpoint, **config)
     assert_same_logits(logits(load(checkpoint), IDS), logits(load(pristine), IDS))
+
+
+@pytest.mark.parametrize("directory", [None, 3])
+def test_read_config_names_a_directory_that_is_not_a_path(directory):
+    """os.fspath's TypeError names neither the function nor the argument."""
+    with pytest.raises(TypeError, match=rf"^read_config: directory must be a str or os\.PathLike, got "
+                                        rf"{type(directory).__name__}$"):
+        lowbit.gptq.read_config(directory)
+
+
+def test_read_config_refuses_an_empty_directory():
+    """os.path reads "" as the working directory, whose config is no argument's."""
+    with pytest.raises(ValueError, match="^read_config: directory must be a directory path, got an empty one$"):
+        lowbit.gptq.read_config("")

@@ -412,3 +412,12 @@ def test_cli_refuses_an_empty_path_naming_it(tmp_path, capsys, monkeypatch, empt
     out, err = capsys.readouterr()
     assert err == f"error: convert_checkpoint: {empty} must be a directory path, got an empty one\n" and out == ""
     assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+@pytest.mark.parametrize("src", [None, 3])
+def test_convert_checkpoint_names_a_src_that_is_not_a_path(tmp_path, src):
+    """os.fspath's TypeError names neither the function nor the argument."""
+    with pytest.raises(TypeError, match=rf"^convert_checkpoint: src must be a str or os\.PathLike, got "
+                                        rf"{type(src).__name__}$"):
+        convert_checkpoint(src, tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()

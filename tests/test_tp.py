@@ -502,6 +502,23 @@ def test_reorder_checkpoint_refuses_a_string_of_prefixes(checkpoints, tmp_path):
         reorder_checkpoint(checkpoints[2]["original"], tmp_path / "out", PREFIXES[0])
 
 
+@pytest.mark.parametrize("call, message", [
+    (lambda src, dst: reorder_checkpoint(None, dst),
+     r"^reorder_checkpoint: src must be a str or os\.PathLike, got NoneType$"),
+    (lambda src, dst: reorder_checkpoint(src, dst, 5),
+     r"^reorder_checkpoint: mlp_prefixes must be a sequence of prefixes or None, got int$"),
+    (lambda src, dst: ColumnParallelGPTQLinear.from_checkpoint(None, f"{PREFIXES[0]}.up_proj", 0, 1),
+     rf"^{PREFIXES[0]}\.up_proj: path must be a str or os\.PathLike, got NoneType$"),
+    (lambda src, dst: RowParallelGPTQLinear.from_checkpoint(3, f"{PREFIXES[0]}.down_proj", 0, 1),
+     rf"^{PREFIXES[0]}\.down_proj: path must be a str or os\.PathLike, got int$"),
+])
+def test_checkpoint_readers_name_an_argument_of_the_wrong_type(checkpoints, tmp_path, call, message):
+    """os.fspath's and list()'s TypeErrors name neither the function nor the argument."""
+    with pytest.raises(TypeError, match=message):
+        call(checkpoints[2]["original"], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_row_shards_check_the_bias_and_hold_it_as_the_layer_does(checkpoints, tmp_path):
     """The bias a row-parallel layer adds after its reduction: refused where not finite, as load_gptq refuses it,
     and rounded to the scales' dtype, as load_gptq and the column shards hold it."""

@@ -131,15 +131,16 @@ def check_linear(who: str, linear, name: str = "linear") -> None:
         raise TypeError(f"{who}: {name} must be an nn.Linear, got {type(linear).__name__}")
 
 
-def check_path(who: str, path, name: str = "path") -> str:
+def check_path(who: str, path, name: str = "path", kind: str = "file or directory") -> str:
     """`path` (a str, bytes or os.PathLike) as a str, or an error naming
     `name`: TypeError for anything else (os.fsdecode's names no argument),
-    ValueError for an empty one (the working directory to os.path)."""
+    ValueError for an empty one (the working directory to os.path), which
+    says that `name` must be a `kind` path."""
     if not isinstance(path, (str, bytes, os.PathLike)):
         raise TypeError(f"{who}: {name} must be a str or os.PathLike, got {type(path).__name__}")
     path = os.fsdecode(path)
     if not path:
-        raise ValueError(f"{who}: {name} must be a file or directory path, got an empty one")
+        raise ValueError(f"{who}: {name} must be a {kind} path, got an empty one")
     return path
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy
 
-from .._checks import check_regular_file, is_integer, shown
+from .._checks import check_path, check_regular_file, is_integer, shown
 
 try:  # matches with a time limit, which `re` cannot
     import regex
@@ -315,7 +315,7 @@ def read_config(directory: str | os.PathLike) -> GPTQConfig:
     READING_KEYS (where both give one; no `dynamic` is no rules): a checkpoint whose files disagree
     reads as garbage in whichever library takes the other file, so it is
     refused naming both files and the key."""
-    directory = os.fspath(directory)
+    directory = check_path("read_config", directory, "directory", "directory")
     for index, name in enumerate(CONFIG_SOURCES):
         path = os.path.join(directory, name)
         if not os.path.lexists(path):

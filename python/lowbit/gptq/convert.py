@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .._checks import shown
+from .._checks import check_path, shown
 from .checkpoint import (GPTQCheckpointError, check_new_directory, checkpoint_files, gptqmodel_warning, read_tensors,
                          source_configs, v1_zeros_as_v2, write_checkpoint)
 from .config import FORMATS, GPTQConfig, read_config
@@ -46,9 +46,8 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str =
     """
     if to not in FORMATS:
         raise ValueError(f"convert_checkpoint: `to` must be one of {FORMATS}, got {to!r}")
-    src = os.fspath(src)
-    if not src:  # the working directory to os.path: ": not a checkpoint directory"
-        raise ValueError("convert_checkpoint: src must be a directory path, got an empty one")
+    # An empty src is the working directory to os.path: ": not a checkpoint directory".
+    src = check_path("convert_checkpoint", src, "src", "directory")
     if not os.path.isdir(src):
         raise GPTQCheckpointError(f"{src}: not a checkpoint directory")
     dst = check_new_directory("convert_checkpoint", "dst", dst)

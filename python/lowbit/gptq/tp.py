@@ -22,7 +22,7 @@ import functools
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ from .checkpoint import (HEADER_DTYPES, GPTQCheckpointError, _module, check_fini
                          check_new_directory, checkpoint_files, hold_gptqmodel_zeros_as_v2, read_tensors, source_configs,
                          stored_format, v1_zeros_as_v2, v2_zeros_as_gptqmodel_v1, write_checkpoint)
 from .config import GPTQConfig, check_format, read_config
-from .._checks import is_integer, shown, shown_text
+from .._checks import check_path, is_integer, shown, shown_text
 from .._stored import StoredBuffers
 from .linear import GPTQLinear, g_idx_out_of_range
 from .packing import fields_per_pack, words_per_pack
@@ -250,6 +250,10 @@ def reorder_checkpoint(src: str | os.PathLike, dst: str | os.PathLike,
     if isinstance(mlp_prefixes, str):  # would be read as one prefix per character
         raise TypeError(f"reorder_checkpoint: mlp_prefixes must be a sequence of prefixes, got the string "
                         f"{mlp_prefixes!r} (pass [{mlp_prefixes!r}])")
+    if mlp_prefixes is not None and not isinstance(mlp_prefixes, Iterable):  # list()'s error names no argument
+        raise TypeError(f"reorder_checkpoint: mlp_prefixes must be a sequence of prefixes or None, got "
+                        f"{type(mlp_prefixes).__name__}")
+    src = check_path("reorder_checkpoint", src, "src")
     check_new_directory("reorder_checkpoint", "dst", dst)
     directory, files = checkpoint_files(src)
     config = read_config(directory)
@@ -325,7 +329,7 @@ def _checkpoint_source(path: str | os.PathLike, name: str, checkpoint_format: st
     `checkpoint_format` overrides the config's and the words' reading, as in load_gptq."""
     if checkpoint_format is not None:
         check_format(checkpoint_format, name)
-    directory, files = checkpoint_files(path)
+    directory, files = checkpoint_files(check_path(name, path))
     config = read_config(directory)
     where = f"{directory}: module {shown(name)}"
     file_of, shapes, dtypes = {}, {}, {}
