@@ -25,7 +25,8 @@ from torch import nn
 from gptq_checkpoints import OUTSIDE_LINKS, link_outside
 from lowbit.gptq import GPTQCheckpointError, GPTQConfig, GPTQLinear, load_gptq, save_gptq
 from lowbit.gptq.tp import (ColumnParallelGPTQLinear, NaiveTPMLP, RowParallelGPTQLinear, SequentialGPTQLinear,
-                       TPAwareMLP, make_sequential, permute_inputs, permute_outputs, reorder_checkpoint, tp_aware)
+                       TPAwareMLP, group_order, make_sequential, permute_inputs, permute_outputs, reorder_checkpoint,
+                       tp_aware)
 from lowbit.gptq.tp import MLP_PARTS
 
 HIDDEN, INTER = 256, 512
@@ -658,3 +659,44 @@ def test_tensor_parallel_mlps(checkpoints, tmp_path, world_size):
         assert result["checked"] == expected, f"rank {rank} checked {result['checked']} outputs, expected {expected}"
         failures += result["failures"]
     assert not failures, f"{len(failures)} sharded outputs differ from the unsharded MLP:\n" + "\n".join(failures)
+
+
+def _act_order_layer(k: int = 128, n: int = 64) -> GPTQLinear:
+    g = torch.Generator().manual_seed(0)
+    return GPTQLinear.from_linear(nn.Linear(k, n), 4, 32, perm=torch.randperm(k, generator=g))
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda layer: permute_inputs(layer, torch.arange(128) + 0.5), ValueError,
+     r"^permute_inputs: perm must hold integers, got torch\.float32$"),
+    (lambda layer: permute_inputs(layer, list(range(128))), TypeError,
+     r"^permute_inputs: perm must be a tensor of integers, got list$"),
+    (lambda layer: permute_outputs(layer, torch.arange(64).double()), ValueError,
+     r"^permute_outputs: perm must hold integers, got torch\.float64$"),
+    (lambda layer: permute_outputs(layer, None), TypeError,
+     r"^permute_outputs: perm must be a tensor of integers, got NoneType$"),
+    (lambda layer: group_order(layer.g_idx.tolist()), TypeError,
+     r"^group_order: g_idx must be a tensor of integers, got list$"),
+    (lambda layer: group_order(layer.g_idx.float()), ValueError, r"^group_order: g_idx must hold integers, got "),
+])
+def test_permutations_must_be_integer_tensors(call, error, message):
+    """A float perm would be truncated by .long() into other rows (arange + 0.5 passes as arange), and a list fails
+    on .long() with an AttributeError that names neither the function nor the argument."""
+    with pytest.raises(error, match=message):
+        call(_act_order_layer())
+
+
+def test_shards_of_several_ranks_need_torch_distributed_to_run():
+    """Shards are made without a process group, but summing or gathering them needs one: torch's own error names
+    neither the layer nor the call."""
+    assert not dist.is_initialized()
+    layer = make_sequential(_act_order_layer())
+    row = RowParallelGPTQLinear.from_layer(layer, 0, 2)
+    with pytest.raises(RuntimeError, match=r"^RowParallelGPTQLinear: a shard of world_size=2 .* torch\.distributed, "
+                                           r"which is not initialized"):
+        row(torch.randn(3, 64))
+    up = ColumnParallelGPTQLinear.from_layer(_act_order_layer(128, 128), 0, 2)
+    mlp = NaiveTPMLP(up, up, row, torch.arange(64))
+    with pytest.raises(RuntimeError, match=r"^NaiveTPMLP: a shard of world_size=2 "):
+        mlp(torch.randn(3, 128))
+    assert torch.equal(up(torch.ones(2, 128)), up.local(torch.ones(2, 128)))  # a column shard communicates nothing

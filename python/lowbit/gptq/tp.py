@@ -35,7 +35,7 @@ from .checkpoint import (HEADER_DTYPES, GPTQCheckpointError, _module, check_fini
                          stored_format, v1_zeros_as_v2, v2_zeros_as_gptqmodel_v1, write_checkpoint)
 from .config import GPTQConfig, check_format, read_config
 from .._checks import check_path, is_integer, shown, shown_text
-from .._stored import StoredBuffers
+from .._stored import StoredBuffers, holds_integers
 from .linear import GPTQLinear, g_idx_out_of_range
 from .packing import fields_per_pack, words_per_pack
 
@@ -52,10 +52,21 @@ _TENSORS = ("qweight", "qzeros", "scales", "g_idx", "bias")
 # Offline reorderings (Algorithms 1 and 3)
 # ---------------------------------------------------------------------------
 
+def _integers(who: str, name: str, t) -> torch.Tensor:
+    """`t` as int64, or an error naming `name`: TypeError for what is not a
+    tensor (a list: `.long()`'s AttributeError names no argument), ValueError
+    for floats or bools, which `.long()` would truncate into other rows."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{who}: {name} must be a tensor of integers, got {type(t).__name__}")
+    if not holds_integers(t):
+        raise ValueError(f"{who}: {name} must hold integers, got {t.dtype}")
+    return t.long()
+
+
 def group_order(g_idx: torch.Tensor) -> torch.Tensor:
     """The permutation P (int64) that sorts input rows by group; stable, so
     rows of one group keep their relative order."""
-    return torch.argsort(g_idx, stable=True)
+    return torch.argsort(_integers("group_order", "g_idx", g_idx), stable=True)
 
 
 def _is_sorted(g_idx: torch.Tensor) -> bool:
@@ -120,14 +131,14 @@ def permute_inputs(layer: GPTQLinear, perm: torch.Tensor) -> GPTQLinear:
     if isinstance(layer, SequentialGPTQLinear):
         raise TypeError("permute_inputs: a SequentialGPTQLinear already permutes its input in forward; "
                         "permute the layer it was made from")
-    return _copy(layer, **_permuted_rows(_buffers(layer), perm.long(), layer.bits))
+    return _copy(layer, **_permuted_rows(_buffers(layer), _integers("permute_inputs", "perm", perm), layer.bits))
 
 
 def permute_outputs(layer: GPTQLinear, perm: torch.Tensor) -> GPTQLinear:
     """A copy of `layer` whose output column n is the original's column
     perm[n], so that `new(x) == layer(x)[..., perm]`."""
     _check_layer(layer, "permute_outputs")
-    return _copy(layer, **_permuted_cols(_buffers(layer), perm.long(), layer.bits))
+    return _copy(layer, **_permuted_cols(_buffers(layer), _integers("permute_outputs", "perm", perm), layer.bits))
 
 
 class SequentialGPTQLinear(GPTQLinear):
@@ -405,6 +416,15 @@ def _check_rank(name: str, rank: int, world_size: int, group) -> None:
                              f"{actual[0]} of {actual[1]} in its process group")
 
 
+def _check_distributed(who: str, world_size: int) -> None:
+    """RuntimeError naming `who` where shards of a world of several would
+    communicate without torch.distributed: its own error names neither the
+    layer nor what it needs. (Shards are made without it: forward needs it.)"""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"{who}: a shard of world_size={world_size} combines its output with the other ranks' "
+                           "through torch.distributed, which is not initialized (init_process_group)")
+
+
 def _split(src: _Source, size: int, what: str, world_size: int) -> int:
     """size / world_size, with the alignment the packed tensors need."""
     if size % world_size:
@@ -546,6 +566,7 @@ class RowParallelGPTQLinear(StoredBuffers):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.local(x)
         if self.world_size > 1:
+            _check_distributed("RowParallelGPTQLinear", self.world_size)
             dist.all_reduce(y, op=dist.ReduceOp.SUM, group=self.group)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
@@ -615,6 +636,7 @@ class NaiveTPMLP(nn.Module):
         world_size = self.down_proj.world_size
         if world_size == 1:
             return y
+        _check_distributed("NaiveTPMLP", world_size)
         parts = [torch.empty_like(y) for _ in range(world_size)]
         dist.all_gather(parts, y.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
