@@ -348,8 +348,41 @@ def test_constructor_names_arguments_of_the_wrong_type():
                         ((IN, float(OUT), 4, 128), "out_features must be")):
         with pytest.raises(ValueError, match=match):
             lowbit.GPTQLinear(*args)
-    with pytest.raises(ValueError, match="dtype must be a float dtype"):
-        lowbit.GPTQLinear(IN, OUT, 4, 128, dtype=torch.int32)
+    for dtype in (torch.int32, torch.float64):  # float64: gptq_gemm reads fp16, bf16 or fp32 scales
+        with pytest.raises(ValueError, match=rf"^GPTQLinear: dtype must be one of .*, got {dtype}$"):
+            lowbit.GPTQLinear(IN, OUT, 4, 128, dtype=dtype)
+
+
+def test_scales_dtype_the_kernels_do_not_read_is_refused_where_the_layer_is_made():
+    """A layer of float64 scales was made, but failed on its first call in gptq_gemm; from_linear and
+    quantize_linear refuse it before their work."""
+    from lowbit.gptq.algorithm import quantize_linear
+
+    linear = torch.nn.Linear(IN, OUT)
+    with pytest.raises(ValueError, match=r"^GPTQLinear\.from_linear: dtype must be one of .*, got torch\.float64$"):
+        lowbit.GPTQLinear.from_linear(linear, 4, 128, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"^quantize_linear: dtype must be one of .*, got torch\.float64$"):
+        quantize_linear(linear, torch.eye(IN), 4, 128, dtype=torch.float64)
+    t = lowbit.GPTQLinear.from_linear(linear, 4, 128).state_dict()
+    with pytest.raises(ValueError, match=r"^GPTQLinear\.from_tensors: scales must be one of .*, got torch\.float64$"):
+        lowbit.GPTQLinear.from_tensors(t["qweight"], t["qzeros"], t["scales"].double(), t["g_idx"], t["bias"], 4, 128)
+
+
+@pytest.mark.parametrize("name, value, error, match", [
+    ("qweight", lambda t: t.tolist(), TypeError, "qweight must be a tensor, got list"),
+    ("qzeros", lambda t: None, TypeError, "qzeros must be a tensor, got NoneType"),
+    ("scales", lambda t: t.numpy(), TypeError, "scales must be a tensor, got ndarray"),
+    ("g_idx", lambda t: t.tolist(), TypeError, "g_idx must be a tensor, got list"),
+    ("bias", lambda t: t.to(torch.complex64), ValueError, r"bias must be a float tensor, got torch\.complex64"),
+    ("bias", lambda t: t.long(), ValueError, r"bias must be a float tensor, got torch\.int64"),
+])
+def test_from_tensors_names_an_argument_that_is_not_a_tensor_of_its_kind(name, value, error, match):
+    """A list's or None's AttributeError names no argument; a complex bias cast to the scales' dtype would lose its
+    imaginary part without an error."""
+    t = lowbit.GPTQLinear.from_linear(torch.nn.Linear(IN, OUT), 4, 128).state_dict()
+    t[name] = value(t[name])
+    with pytest.raises(error, match=rf"^GPTQLinear\.from_tensors: {match}$"):
+        lowbit.GPTQLinear.from_tensors(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], t["bias"], 4, 128)
 
 
 def test_zero_sizes_are_refused_naming_the_argument():

@@ -48,7 +48,7 @@ from .._placing import GPTQ_SAVE_ADVICE, refuse_save_pretrained
 from .config import GPTQConfig, check_format
 from ..moe import experts_dims, plain_experts
 from .experts import EXPERT_LAYER, GPTQExpert, GPTQExperts
-from .linear import GPTQLinear
+from .linear import GPTQLinear, check_scale_dtype
 from .rtn import check_packable, check_quant_args, check_scales
 
 BLOCK_SIZE = 128  # columns per lazy batch-update (the paper's B = 128)
@@ -276,6 +276,7 @@ def quantize_linear(linear: nn.Linear, hessian: torch.Tensor, bits: int, group_s
     of 0: asymmetric groups that need one raise ValueError."""
     check_format(checkpoint_format, "GPTQ")
     _check_args(bits, group_size, damp_percent, dtype, "dtype")
+    check_scale_dtype("quantize_linear", dtype)  # the layer's: before the work
     sym, desc_act = check_flag("quantize_linear", "sym", sym), check_flag("quantize_linear", "desc_act", desc_act)
     check_packable("quantize_linear", linear.weight, bits)  # before the work
     r = gptq_weight(linear.weight, hessian, bits, group_size, sym, desc_act, damp_percent, dtype)

@@ -21,6 +21,16 @@ from .rtn import quantize_rtn
 # part's columns would move between a SIMD kernel and its portable tail,
 # which sums in another order.
 JOIN_COLUMNS = 64
+# The scales' (and bias's) dtypes that gptq_gemm and gptq_gemm_a8 read, as a
+# checkpoint stores them: a layer made with others (float64) could never run.
+SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_scale_dtype(who: str, dtype, name: str = "dtype") -> None:
+    """ValueError naming `name` for a scales dtype the kernels do not read,
+    before a layer is made that fails on its first call."""
+    if dtype not in SCALE_DTYPES:
+        raise ValueError(f"{who}: {name} must be one of {SCALE_DTYPES}, got {dtype!r}")
 
 
 def _version(t: torch.Tensor) -> int:
@@ -100,7 +110,7 @@ class GPTQLinear(StoredBuffers):
         check_sizes("GPTQLinear", in_features=in_features, out_features=out_features)
         sym, desc_act = check_flag("GPTQLinear", "sym", sym), check_flag("GPTQLinear", "desc_act", desc_act)
         bias = check_flag("GPTQLinear", "bias", bias)
-        check_float_dtype("GPTQLinear", dtype)  # the scales' and bias's dtype
+        check_scale_dtype("GPTQLinear", dtype)  # the scales' and bias's dtype
         if in_features % fields_per_pack(bits) or out_features % fields_per_pack(bits):
             raise ValueError(f"GPTQLinear: {bits}-bit packing needs in_features and out_features to be multiples "
                              f"of {fields_per_pack(bits)}, got {in_features} and {out_features}")
@@ -136,6 +146,7 @@ class GPTQLinear(StoredBuffers):
         gives the order in which GPTQ would process the input rows)."""
         check_linear("GPTQLinear.from_linear", linear)
         sym = check_flag("GPTQLinear.from_linear", "sym", sym)
+        check_scale_dtype("GPTQLinear.from_linear", dtype)  # before the work: quantize_rtn also writes float64
         t = quantize_rtn(linear.weight, bits, group_size, sym, checkpoint_format, perm, scale_dtype=dtype)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls.from_tensors(t.qweight, t.qzeros, t.scales, t.g_idx, bias, bits, group_size, sym, perm is not None,
@@ -153,6 +164,13 @@ class GPTQLinear(StoredBuffers):
         check_bits_group_size("GPTQLinear.from_tensors", bits, group_size)  # before the packing sizes divide by bits
         sym = check_flag("GPTQLinear.from_tensors", "sym", sym)
         desc_act = check_flag("GPTQLinear.from_tensors", "desc_act", desc_act)
+        args = {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx, "bias": bias}
+        for name, tensor in args.items():  # a list's or None's AttributeError would name no argument
+            if not (isinstance(tensor, torch.Tensor) or (tensor is None and name in ("g_idx", "bias"))):
+                raise TypeError(f"GPTQLinear.from_tensors: {name} must be a tensor, got {type(tensor).__name__}")
+        check_scale_dtype("GPTQLinear.from_tensors", scales.dtype, "scales")
+        if bias is not None and not bias.is_floating_point():  # a cast would drop a complex bias's imaginary part
+            raise ValueError(f"GPTQLinear.from_tensors: bias must be a float tensor, got {bias.dtype}")
         if qweight.dim() != 2:  # its shape gives the layer's: shape[1] of a 1-D one is a bare IndexError
             raise ValueError(f"GPTQLinear.from_tensors: qweight must be 2-D [packed rows, out_features], got "
                              f"{tuple(qweight.shape)}")
