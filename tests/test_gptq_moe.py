@@ -231,6 +231,29 @@ def test_expert_ids_out_of_range():
             experts(torch.randn(2, 64), torch.tensor(ids), torch.ones(2, 2))
 
 
+def test_experts_module_names_what_it_cannot_run():
+    """What forward would meet only on the first token routed to it (a bare AttributeError or TypeError), and an
+    expert number that is no expert's (a KeyError, or "-1" read as a child's name), are refused by name."""
+    from lowbit.gptq import GPTQExpert, GPTQExperts
+
+    def expert():
+        return GPTQExpert(*(lowbit.GPTQLinear.from_linear(torch.nn.Linear(k, n, bias=False), 4, 32)
+                            for k, n in ((64, 128), (64, 128), (128, 64))))
+
+    for experts, act_fn, says in ((5, torch.nn.SiLU(), "experts must be a list of GPTQExpert, got int"),
+                                  ([torch.nn.Linear(64, 64)], torch.nn.SiLU(), r"experts\[0\] must be a GPTQExpert, "
+                                                                               "got Linear"),
+                                  ([expert()], None, r"act_fn must be callable \(an nn.Module\), got NoneType")):
+        with pytest.raises(TypeError, match=rf"^GPTQExperts: {says}$"):
+            GPTQExperts(experts, act_fn)
+    experts = GPTQExperts([expert(), expert()], torch.nn.SiLU())
+    assert experts.expert(1) is experts._modules["1"]
+    for e in (-1, 2, "0", 1.0):
+        with pytest.raises(IndexError, match=rf"^GPTQExperts\.expert: e must be an integer in \[0, 2\), got "
+                                             rf"{re.escape(repr(e))}$"):
+            experts.expert(e)
+
+
 @pytest.mark.parametrize("hidden, ids, weights, says", [
     ((2, 64), (2, 2), (2, 3), r"top_k_weights must have top_k_index's shape \[2, 2\], got torch.float32 \[2, 3\]"),
     ((2, 64), (2, 2), (4,), r"top_k_weights must have top_k_index's shape \[2, 2\], got torch.float32 \[4\]"),

@@ -6,10 +6,12 @@ GPTQLinear."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from .._checks import is_integer
 from ..moe import check_routing
 from .linear import GPTQLinear
 
@@ -60,6 +62,16 @@ class GPTQExperts(nn.Module):
 
     def __init__(self, experts: list[GPTQExpert], act_fn: nn.Module):
         super().__init__()
+        # Checked here: forward would fail on the first token routed to a bad one,
+        # with an AttributeError or TypeError that names neither the module nor the argument.
+        if isinstance(experts, (str, bytes, nn.Module)) or not isinstance(experts, Iterable):
+            raise TypeError(f"GPTQExperts: experts must be a list of GPTQExpert, got {type(experts).__name__}")
+        experts = list(experts)
+        for e, expert in enumerate(experts):
+            if not isinstance(expert, GPTQExpert):
+                raise TypeError(f"GPTQExperts: experts[{e}] must be a GPTQExpert, got {type(expert).__name__}")
+        if not callable(act_fn):
+            raise TypeError(f"GPTQExperts: act_fn must be callable (an nn.Module), got {type(act_fn).__name__}")
         self.num_experts = len(experts)
         for e, expert in enumerate(experts):
             self.add_module(str(e), expert)
@@ -67,6 +79,8 @@ class GPTQExperts(nn.Module):
 
     def expert(self, e: int) -> GPTQExpert:
         """Expert `e`'s three projections."""
+        if not (is_integer(e) and 0 <= e < self.num_experts):  # else a bare KeyError, or "-1" read as a name
+            raise IndexError(f"GPTQExperts.expert: e must be an integer in [0, {self.num_experts}), got {e!r}")
         return self._modules[str(e)]
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
