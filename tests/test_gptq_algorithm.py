@@ -347,6 +347,30 @@ def tokens(count, seed):
     return [torch.randint(0, VOCAB, (4, SEQ), generator=g) for _ in range(count)]
 
 
+@pytest.mark.parametrize("batches, error, says", [
+    (None, TypeError, "calibration_batches must be an iterable of batches, got NoneType"),
+    ([[1, 2, 3]], TypeError,
+     r"calibration batch 0: input_ids must be a tensor of token ids \[batch, seq\], got list"),
+    ([torch.zeros(1, 8, dtype=torch.long), {"input_ids": torch.randn(1, 8)}], ValueError,
+     r"calibration batch 1: input_ids must be token ids \[batch, seq\] with batch, seq > 0, "
+     r"got torch.float32 \[1, 8\]"),
+    (torch.zeros(2, 8, dtype=torch.long), ValueError,  # one batch's tensor, iterated as rows
+     r"calibration batch 0: input_ids must be token ids .*, got torch.int64 \[8\]"),
+    ([torch.zeros(1, 0, dtype=torch.long)], ValueError,
+     r"calibration batch 0: input_ids must be token ids .*, got torch.int64 \[1, 0\]"),
+    ([torch.full((1, 8), VOCAB)], ValueError,
+     rf"calibration batch 0: input_ids must lie in \[0, {VOCAB}\) \(the embedding's rows\), "
+     rf"found \[{VOCAB}, {VOCAB}\]"),
+])
+def test_quantize_names_a_calibration_batch_it_cannot_run(batches, error, says):
+    """Each would fail inside the model (an embedding's IndexError, a mask's shape error, a for loop's TypeError),
+    naming neither quantize nor the batch, and only after the model was put in eval mode and run."""
+    model = tiny_llama()
+    with pytest.raises(error, match=rf"^quantize: {says}$"):
+        quantize(model, batches, 4, 32, progress=False)
+    assert all(isinstance(m, torch.nn.Linear) for name, m in model.named_modules() if name.endswith("proj"))
+
+
 def logits(model, ids):
     with torch.no_grad():
         return model(ids).logits

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .._checks import check_finite, check_flag, check_values
+from .._checks import check_finite, check_flag, check_values, has_values, is_integer
 from .._placing import GPTQ_SAVE_ADVICE, refuse_save_pretrained
 from .config import GPTQConfig, check_format
 from ..moe import experts_dims, plain_experts
@@ -328,6 +328,9 @@ def quantize(model: nn.Module, calibration_batches: Iterable[Any], bits: int, gr
     decoder = getattr(model, "model", None)
     if not isinstance(getattr(decoder, "layers", None), nn.ModuleList):
         raise ValueError("quantize: expected an HF causal LM with decoder layers at model.model.layers")
+    if not isinstance(calibration_batches, Iterable):  # a for loop's TypeError would name no argument
+        raise TypeError(f"quantize: calibration_batches must be an iterable of batches, got "
+                        f"{type(calibration_batches).__name__}")
     if lm_head and (getattr(model.config, "tie_word_embeddings", False)
                     or getattr(getattr(model, "lm_head", None), "weight", None) is model.get_input_embeddings().weight):
         # vLLM loads such a checkpoint's head as the embedding, skipping the quantized one; GPTQModel refuses it.
@@ -386,8 +389,9 @@ def _layer_inputs(model: nn.Module, layers: nn.ModuleList, batches: Iterable[Any
     hooks = [layer.register_forward_pre_hook(lambda module, args, kwargs, i=i: capture(i, module, args, kwargs),
                                              with_kwargs=True) for i, layer in enumerate(layers)]
     try:
-        for batch in batches:
+        for number, batch in enumerate(batches):
             kwargs = dict(batch) if isinstance(batch, Mapping) else {"input_ids": batch}
+            _check_token_ids(model, number, kwargs.get("input_ids"))
             mask = kwargs.get("attention_mask")
             kept.append(mask.bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
             try:
@@ -403,6 +407,27 @@ def _layer_inputs(model: nn.Module, layers: nn.ModuleList, batches: Iterable[Any
     if any(len(e) != len(hidden) for e in extras):
         raise ValueError("quantize: the model's forward did not run every decoder layer once per batch")
     return hidden, extras, kept
+
+
+def _check_token_ids(model: nn.Module, number: int, ids) -> None:
+    """Refuses calibration batch `number`'s input_ids unless they are token ids
+    [batch, seq] of the model's vocabulary (None: the batch gives none, as
+    with inputs_embeds): a list, floats, a 1-D row (a 2-D tensor iterated as
+    the batches), an empty sequence or an id past the embedding fail inside
+    the model, with errors that name neither quantize nor the batch."""
+    if ids is None:
+        return
+    where = f"quantize: calibration batch {number}: input_ids"
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"{where} must be a tensor of token ids [batch, seq], got {type(ids).__name__}")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool or ids.dim() != 2 or not ids.numel():
+        raise ValueError(f"{where} must be token ids [batch, seq] with batch, seq > 0, got {ids.dtype} "
+                         f"{list(ids.shape)}")
+    vocab = getattr(getattr(model, "get_input_embeddings", lambda: None)(), "num_embeddings", None)
+    if is_integer(vocab) and has_values(ids):
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab:
+            raise ValueError(f"{where} must lie in [0, {vocab}) (the embedding's rows), found [{low}, {high}]")
 
 
 def _kept_rows(x: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
