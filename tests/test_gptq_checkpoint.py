@@ -442,8 +442,10 @@ def test_load_gptq_model_refuses_an_unknown_table_type_and_a_table_without_a_q8_
     with torch.no_grad():
         model.model.embed_tokens.weight[3, 5] = float("nan")
     lowbit.save_gptq(model, tmp_path / "ckpt", config)
-    with pytest.raises(ValueError, match=r"float_tables must be one of \['Q6_K', 'Q8_0'\] or None, got 'Q4_0'"):
-        lowbit.load_gptq_model(tmp_path / "ckpt", float_tables="Q4_0")
+    for tables in ("Q4_0", "q8_0", True, ["Q8_0"]):  # a list is unhashable: a bare TypeError in a dict lookup
+        with pytest.raises(ValueError, match=r"^load_gptq_model: float_tables must be one of \['Q6_K', 'Q8_0'\] or "
+                                             rf"None, got {re.escape(repr(tables))}$"):
+            lowbit.load_gptq_model(tmp_path / "ckpt", float_tables=tables)
     with pytest.raises(GPTQCheckpointError, match=r"ckpt: float_tables: tensor 'model.embed_tokens.weight': "
                                                   r"ggml_quantize: x holds a non-finite value \(nan\) at \[3, 5\]"):
         lowbit.load_gptq_model(tmp_path / "ckpt", float_tables="Q8_0")

@@ -76,6 +76,7 @@ def load_gptq_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     int8_activations = check_flag("load_gptq_model", "int8_activations", int8_activations)
     if checkpoint_format is not None:  # load_gptq's check would name load_gptq, after the model is built
         check_format(checkpoint_format, "load_gptq_model")
+    _table_type("load_gptq_model", float_tables)  # as checkpoint_format: by this name, before the model is built
     directory, _ = checkpoint_files(check_path("load_gptq_model", path))
     check_layer_count(directory)
 
@@ -244,7 +245,7 @@ def place_gptq_checkpoint(model: nn.Module, path: str, checkpoint_format: str | 
     embedding and LM head as GGUF tables (as load_gptq_model describes, with
     its `float_tables`). Act-order layers hold their rows sorted by group
     (GPTQLinear.sort_rows)."""
-    table_type = _table_type(float_tables)
+    table_type = _table_type("place_gptq_checkpoint", float_tables)
     mapped = _lookup_only_table(model, table_type)
     ckpt = _named_as_model(model, load_gptq(path, checkpoint_format, mapped))
     for layer in ckpt.modules.values():
@@ -333,9 +334,10 @@ def _lookup_only_table(model: nn.Module, table_type: int | None) -> frozenset[st
 TABLE_TYPES = {None: None, "Q8_0": 8, "Q6_K": 14}
 
 
-def _table_type(float_tables: str | None) -> int | None:
-    if float_tables not in TABLE_TYPES:
-        raise ValueError(f"float_tables must be one of {sorted(t for t in TABLE_TYPES if t)} or None, "
+def _table_type(who: str, float_tables: str | None) -> int | None:
+    # A str or None only: `in` on a list would be a bare TypeError (unhashable).
+    if not (float_tables is None or isinstance(float_tables, str)) or float_tables not in TABLE_TYPES:
+        raise ValueError(f"{who}: float_tables must be one of {sorted(t for t in TABLE_TYPES if t)} or None, "
                          f"got {float_tables!r}")
     return TABLE_TYPES[float_tables]
 
