@@ -371,6 +371,37 @@ def test_quantize_names_a_calibration_batch_it_cannot_run(batches, error, says):
     assert all(isinstance(m, torch.nn.Linear) for name, m in model.named_modules() if name.endswith("proj"))
 
 
+@pytest.mark.parametrize("weight, hessian, says", [
+    ([[1.0] * 64] * 8, torch.eye(64), "weight must be a real floating-point tensor, got list"),
+    (torch.ones(8, 64, dtype=torch.long), torch.eye(64),
+     "weight must be a real floating-point tensor, got torch.int64"),
+    (torch.randn(8, 64), torch.eye(64).tolist(), "hessian must be a real tensor, got list"),
+    (torch.randn(8, 64), torch.eye(64, dtype=torch.complex64), "hessian must be a real tensor, got torch.complex64"),
+])
+def test_gptq_weight_names_a_weight_or_hessian_of_another_kind(weight, hessian, says):
+    """A list failed on .dim() or .shape naming nothing; a complex Hessian was cast to float64 dropping its imaginary
+    part, and its GPTQ returned as if it were real."""
+    with pytest.raises(ValueError, match=rf"^gptq_weight: {says}$"):
+        gptq_weight(weight, hessian, 4, 32)
+    assert gptq_weight(torch.randn(8, 64), torch.eye(64, dtype=torch.long), 4, 32).codes.shape == (64, 8)
+
+
+def test_hessian_names_a_size_or_rows_of_another_kind():
+    """torch.zeros' errors for a float or negative size name no argument; add() reshaped any input whose size
+    divides by the features' count, so [3, 16] rows into a Hessian of 8 added six rows that mix two inputs each."""
+    for features in (-1, 8.0, None):
+        with pytest.raises(ValueError, match=rf"^Hessian: features must be a positive integer, got {features!r}$"):
+            Hessian(features)
+    h = Hessian(8)
+    for x, got in ((torch.randn(3, 16), r"torch.float32 \[3, 16\]"), ([1.0] * 8, "list"),
+                   (torch.ones(2, 8, dtype=torch.complex64), r"torch.complex64 \[2, 8\]")):
+        with pytest.raises(ValueError, match=rf"^Hessian\.add: x must be a real tensor \[\.\.\., 8\], got {got}$"):
+            h.add(x)
+    assert h.rows == 0
+    h.add(torch.randn(2, 3, 8))
+    assert h.rows == 6
+
+
 def logits(model, ids):
     with torch.no_grad():
         return model(ids).logits

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .._checks import check_finite, check_flag, check_values, has_values, is_integer
+from .._checks import check_finite, check_flag, check_sizes, check_values, has_values, is_integer
 from .._placing import GPTQ_SAVE_ADVICE, refuse_save_pretrained
 from .config import GPTQConfig, check_format
 from ..moe import experts_dims, plain_experts
@@ -63,10 +63,16 @@ class Hessian:
     the same quantization, as damping is relative to mean(diag(H)).)"""
 
     def __init__(self, features: int, device=None):
+        check_sizes("Hessian", features=features)  # torch.zeros' error for a float or -1 names no argument
         self.sum = torch.zeros(features, features, dtype=torch.float64, device=device)
         self.rows = 0
 
     def add(self, x: torch.Tensor) -> None:
+        # Rows of the layer's inputs: a reshape would take any size that divides, mixing features across rows.
+        features = self.sum.shape[0]
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != features or x.is_complex():
+            got = f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"Hessian.add: x must be a real tensor [..., {features}], got {got}")
         x = x.detach().reshape(-1, self.sum.shape[0]).to(torch.float32)
         self.sum += (x.t() @ x).to(torch.float64)
         self.rows += x.shape[0]
@@ -92,6 +98,14 @@ def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_si
     (the reference implementation's `fasterquant`, static_groups=False)."""
     _check_args(bits, group_size, damp_percent, scale_dtype)
     sym, desc_act = check_flag("gptq_weight", "sym", sym), check_flag("gptq_weight", "desc_act", desc_act)
+    # A list fails on .dim() naming nothing, and a complex Hessian's cast to float64 drops its imaginary part. The
+    # weight is a layer's floats (as quantize_rtn takes it); a Hessian of integers is read exactly as float64.
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+        raise ValueError(f"gptq_weight: weight must be a real floating-point tensor, got "
+                         f"{weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+    if not isinstance(hessian, torch.Tensor) or hessian.is_complex() or hessian.dtype == torch.bool:
+        raise ValueError(f"gptq_weight: hessian must be a real tensor, got "
+                         f"{hessian.dtype if isinstance(hessian, torch.Tensor) else type(hessian).__name__}")
     if weight.dim() != 2 or weight.shape[1] == 0:
         raise ValueError(f"gptq_weight: weight must be 2-D [out, in] with in > 0, got shape {tuple(weight.shape)}")
     check_values("gptq_weight", weight, "weight")
