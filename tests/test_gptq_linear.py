@@ -495,3 +495,11 @@ def test_a_meta_layer_sorts_and_joins_without_values():
     meta.load_state_dict(layer.state_dict(), assign=True)
     x = torch.randn(3, IN)
     torch.testing.assert_close(meta(x), layer(x), rtol=0, atol=0)
+
+
+def test_forward_names_an_input_that_is_not_a_tensor():
+    """nn.Linear refuses a list by its argument's name; the layer failed on .dim() with a bare AttributeError."""
+    layer = lowbit.GPTQLinear.from_linear(torch.nn.Linear(IN, OUT), 4, 128)
+    for x in ([0.0] * IN, None, np.zeros(IN, dtype=np.float32)):
+        with pytest.raises(TypeError, match=rf"^GPTQLinear: input must be a tensor, got {type(x).__name__}$"):
+            layer(x)

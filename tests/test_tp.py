@@ -700,3 +700,9 @@ def test_shards_of_several_ranks_need_torch_distributed_to_run():
     with pytest.raises(RuntimeError, match=r"^NaiveTPMLP: a shard of world_size=2 "):
         mlp(torch.randn(3, 128))
     assert torch.equal(up(torch.ones(2, 128)), up.local(torch.ones(2, 128)))  # a column shard communicates nothing
+
+
+def test_sequential_layer_names_an_input_that_is_not_a_tensor():
+    layer = make_sequential(_act_order_layer())
+    with pytest.raises(TypeError, match="^SequentialGPTQLinear: input must be a tensor, got list$"):
+        layer([0.0] * 128)

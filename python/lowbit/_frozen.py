@@ -92,6 +92,8 @@ def _check_transform(op_call, x: torch.Tensor) -> None:
 def linear_forward(layer, x: torch.Tensor) -> torch.Tensor:
     """A quantized linear layer's forward: x [..., in_features] through
     layer.op_call's op (rows flattened; op_input), plus the bias."""
+    if not isinstance(x, torch.Tensor):  # a list's AttributeError on .dim() would name neither layer nor input
+        raise TypeError(f"{type(layer).__name__}: input must be a tensor, got {type(x).__name__}")
     if x.dim() == 0 or x.shape[-1] != layer.in_features:
         raise ValueError(f"{type(layer).__name__}: input must be [..., in_features={layer.in_features}], "
                          f"got {list(x.shape)}")

@@ -151,6 +151,8 @@ class SequentialGPTQLinear(GPTQLinear):
         self.register_buffer("input_perm", torch.arange(self.in_features, device=self.qweight.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):  # as GPTQLinear's: .shape's AttributeError would name nothing
+            raise TypeError(f"SequentialGPTQLinear: input must be a tensor, got {type(x).__name__}")
         if x.shape[-1] != self.in_features:  # the gather would take any width
             raise ValueError(f"SequentialGPTQLinear: input has {x.shape[-1]} features, expected {self.in_features}")
         return super().forward(x.index_select(-1, self.input_perm))
