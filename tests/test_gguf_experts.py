@@ -174,6 +174,35 @@ def test_construction_refuses_what_forward_could_not_call_or_unpack(pair):
     assert built.qtypes == {"gate": T.Q8_0, "up": T.Q8_0, "down": T.Q4_0}
 
 
+def test_construction_refuses_unknown_types_odd_biases_and_mixed_devices(pair):
+    """An unknown type id failed in ggml_type_info, a biases list or a bias
+    that is not a tensor as a bare AttributeError, a misspelt key was left
+    out, and a projection or bias on another device failed at the first
+    forward call: each is refused at construction, naming the argument."""
+    ours, reference = pair
+    rows = ours.gate_qweight.reshape(EXPERTS * INTERMEDIATE, -1)
+    down = ours.down_qweight.reshape(EXPERTS * HIDDEN, -1)
+    projections = {"gate": (rows, T.Q8_0), "up": (rows, T.Q8_0), "down": (down, T.Q4_0)}
+    biases = {"gate": torch.zeros(EXPERTS, INTERMEDIATE), "up": torch.zeros(EXPERTS, INTERMEDIATE),
+              "down": torch.zeros(EXPERTS, HIDDEN)}
+    build = lambda given=projections, **kw: lowbit.GGUFExperts(*given.values(), EXPERTS, HIDDEN, INTERMEDIATE,
+                                                               act_fn=reference.act_fn, **kw)
+    with pytest.raises(ValueError, match=r"^GGUFExperts: up: qtype 999 is not a ggml weight type"):
+        build({**projections, "up": (rows, 999)})
+    with pytest.raises(TypeError, match=r"^GGUFExperts: biases must be None or a dict .* got list$"):
+        build(biases=list(biases.values()))
+    with pytest.raises(ValueError, match=r"^GGUFExperts: biases\['up'\] must be a float .* got int$"):
+        build(biases={**biases, "up": 0})
+    with pytest.raises(ValueError, match=r"^GGUFExperts: biases must hold the keys .* got \['gate', 'up', 'down', "
+                                         r"'down_proj'\]$"):
+        build(biases={**biases, "down_proj": torch.zeros(EXPERTS, HIDDEN)})
+    with pytest.raises(RuntimeError, match=r"^GGUFExperts: down is on meta, gate on cpu"):
+        build({**projections, "down": (down.to("meta"), T.Q4_0)})
+    with pytest.raises(RuntimeError, match=r"^GGUFExperts: biases\['gate'\] is on meta, gate on cpu"):
+        build(biases={**biases, "gate": biases["gate"].to("meta")})
+    assert build(biases=biases).biased
+
+
 @pytest.mark.parametrize("hidden, ids, weights, says", [
     ((3, HIDDEN), (3, 2), (3, 1), r"top_k_weights must have top_k_index's shape \[3, 2\], got torch.float32 \[3, 1\]"),
     ((3, HIDDEN), (3, 2), (2,), r"top_k_weights must have top_k_index's shape \[3, 2\], got torch.float32 \[2\]"),

@@ -7,12 +7,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._checks import check_sizes, is_integer, shown
+from .._checks import check_sizes, is_integer, shown, shown_names
 from .._frozen import call_layer_op
 from .._stored import StoredBuffers, as_buffer
 from ..moe import check_routing
 from ..ops import GGMLType
 from .file import dequantize_rows, release_mapped
+from .linear import check_qtype
 
 
 PROJECTIONS = ("gate", "up", "down")
@@ -105,7 +106,7 @@ class GGUFExperts(StoredBuffers):
         self.num_experts, self.hidden_size, self.intermediate_size = experts, hidden_size, intermediate_size
         self.qtypes, self.repacked = {}, dict.fromkeys(PROJECTIONS, False)
         for (name, (rows, n)), (blocks, qtype) in zip(self._shapes().items(), (gate, up, down)):
-            block, type_size = torch.ops.lowbit.ggml_type_info(qtype)
+            block, type_size = check_qtype(f"GGUFExperts: {name}", qtype)
             row_bytes = n // block * type_size
             if blocks.dtype != torch.uint8 or n % block or tuple(blocks.shape) != (experts * rows, row_bytes):
                 raise ValueError(f"GGUFExperts: {name} must be uint8 [experts * rows, row_bytes] = "
@@ -115,14 +116,30 @@ class GGUFExperts(StoredBuffers):
             self.qtypes[name] = qtype
         self.act_fn, self.glu = act_fn, glu
         self.biased = biases is not None
+        if biases is not None and not isinstance(biases, dict):  # else a bare AttributeError on .get
+            raise TypeError(f"GGUFExperts: biases must be None or a dict of 'gate', 'up' and 'down' tensors, got "
+                            f"{type(biases).__name__}")
+        # A key other than the projections' (a typo: "down_proj") would be left out without a word.
+        if biases is not None and set(biases) - set(PROJECTIONS):
+            raise ValueError(f"GGUFExperts: biases must hold the keys 'gate', 'up' and 'down', got "
+                             f"{shown_names(biases)}")
+        device = self.gate_qweight.device
         for name, (rows, n) in self._shapes().items():
             if biases is None:
                 break
             bias = biases.get(name)
-            if bias is None or not bias.is_floating_point() or tuple(bias.shape) != (experts, rows):
+            if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() \
+                    or tuple(bias.shape) != (experts, rows):
+                got = (bias.dtype, tuple(bias.shape)) if isinstance(bias, torch.Tensor) else type(bias).__name__
                 raise ValueError(f"GGUFExperts: biases[{name!r}] must be a float [experts, rows] = [{experts}, {rows}] "
-                                 f"tensor, got {None if bias is None else (bias.dtype, tuple(bias.shape))}")
+                                 f"tensor, got {got}")
             self.register_buffer(f"{name}_bias", as_buffer(bias))
+        # forward indexes every buffer on the activations' device: one elsewhere fails there, naming nothing.
+        for name in PROJECTIONS:
+            for given, buffer in ((name, f"{name}_qweight"), (f"biases[{name!r}]", f"{name}_bias")):
+                if buffer in self._buffers and self._buffers[buffer].device != device:
+                    raise RuntimeError(f"GGUFExperts: {given} is on {self._buffers[buffer].device}, gate on {device}: "
+                                       "every tensor must be on one device")
 
     def layout(self) -> dict:
         return {"qtypes": {name: int(qtype) for name, qtype in self.qtypes.items()}}
