@@ -348,7 +348,7 @@ def test_repack_model_on_avx2_takes_the_types_its_kernels_read():
 
 def test_repack_model_skip_types_are_ggml_types():
     """Types by GGMLType, id or name; anything else is refused, not skipped by nothing."""
-    for skip in (["Q4_0"], [gb.type_id("Q4_0")], [lowbit.GGMLType.Q4_0]):
+    for skip in (["Q4_0"], [gb.type_id("Q4_0")], [lowbit.GGMLType.Q4_0], np.array([gb.type_id("Q4_0")])):
         model = torch.nn.ModuleDict({"a": layer("Q4_0")})
         assert lowbit.repack_model(model, skip_types=skip) == [] and not model["a"].repacked
     model = torch.nn.ModuleDict({"a": layer("Q4_0")})

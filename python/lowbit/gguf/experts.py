@@ -20,9 +20,10 @@ PROJECTIONS = ("gate", "up", "down")
 
 
 def ggml_type_ids(who: str, types, argument: str) -> set[int]:
-    """The ggml type ids of `types` (GGMLTypes, their ids or their names), or
-    ValueError naming `argument`: anything else would be skipped by nothing,
-    and one name alone would be read as its letters."""
+    """The ggml type ids of `types` (GGMLTypes, their ids, Python's or
+    numpy's, or their names), or ValueError naming `argument`: anything else
+    would be skipped by nothing, and one name alone would be read as its
+    letters."""
     if isinstance(types, str):
         raise ValueError(f"{who}: {argument} must be a collection of ggml types, got the string {types!r} "
                          f"(pass [{types!r}])")
@@ -34,7 +35,7 @@ def ggml_type_ids(who: str, types, argument: str) -> set[int]:
     for t in items:
         if isinstance(t, str) and t in GGMLType.__members__:
             ids.add(int(GGMLType[t]))
-        elif isinstance(t, int) and not isinstance(t, bool) and t in {int(g) for g in GGMLType}:
+        elif is_integer(t) and int(t) in {int(g) for g in GGMLType}:  # numpy's too: an element of a type array
             ids.add(int(t))
         else:
             raise ValueError(f"{who}: {argument} holds {t!r}, not a ggml type (a GGMLType, its id or its name)")
