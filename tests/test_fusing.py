@@ -307,6 +307,23 @@ def test_joined_refuses_layers_that_cannot_join():
         lowbit.GPTQLinear.joined(gptq)
 
 
+def test_joined_refuses_a_back_to_back_that_is_not_callable_or_gives_other_rows():
+    """back_to_back is public: a non-callable failed as a bare "not callable"
+    TypeError, and rows of another count made a layer of that many outputs."""
+    Q8_0 = int(lowbit.GGMLType.Q8_0)
+    parts = [quantized(32, Q8_0, seed=seed) for seed in range(2)]
+    with pytest.raises(TypeError, match="^GGUFLinear.joined: back_to_back must be None or callable "
+                                        r"\(GGUFFile.back_to_back\), got int$"):
+        lowbit.GGUFLinear.joined(parts, back_to_back=1)
+    rows = torch.cat([p.qweight for p in parts])
+    for bad, got in ((lambda q: q[0], r"torch.uint8 \[32, 68\]"), (lambda q: rows.float(), r"torch.float32 \[64, 68\]"),
+                     (lambda q: q, "list")):
+        with pytest.raises(ValueError, match=r"^GGUFLinear.joined: back_to_back must give None or the layers' rows "
+                                             rf"as one uint8 \[64, 68\] tensor, got {got}$"):
+            lowbit.GGUFLinear.joined(parts, back_to_back=bad)
+    assert torch.equal(lowbit.GGUFLinear.joined(parts, back_to_back=lambda q: rows).qweight, rows)
+
+
 def test_joined_takes_any_iterable_of_layers():
     """joined is public: a generator of layers (a caller's natural argument)
     is joined as its list is; what is not an iterable of layers is refused,

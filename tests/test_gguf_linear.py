@@ -212,6 +212,15 @@ def test_construction_checks_what_forward_would_fail_on(build, message):
         build()
 
 
+def test_from_raw_refuses_a_bias_on_another_device():
+    """The bias's addition in forward failed on torch's device error, naming
+    neither from_raw nor bias. A meta bias is a loader's placeholder, filled later."""
+    with pytest.raises(RuntimeError, match=r"^GGUFLinear.from_raw: bias is on cpu, qweight on meta: both must be on "
+                                           r"one device$"):
+        lowbit.GGUFLinear.from_raw(_blocks(8, 288).to("meta"), Q4_0, 512, torch.zeros(8))
+    assert lowbit.GGUFLinear.from_raw(_blocks(8, 288), Q4_0, 512, torch.zeros(8, device="meta")).bias.is_meta
+
+
 # --- GGUFEmbedding ---------------------------------------------------------------------------
 
 

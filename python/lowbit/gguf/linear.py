@@ -87,6 +87,11 @@ class GGUFLinear(StoredBuffers):
             got = f"{bias.dtype} {tuple(bias.shape)}" if isinstance(bias, torch.Tensor) else type(bias).__name__
             raise ValueError(f"GGUFLinear.from_raw: bias must be a float tensor [{qweight.shape[0]}] (one per row), "
                              f"got {got}")
+        # Forward's addition would fail, naming neither; a meta bias is a placeholder a loader fills (a model
+        # built on the meta device, its biases placed after its weights).
+        if bias is not None and not bias.is_meta and bias.device != qweight.device:
+            raise RuntimeError(f"GGUFLinear.from_raw: bias is on {bias.device}, qweight on {qweight.device}: both "
+                               "must be on one device")
         # Built on the meta device: a zero-filled qweight the size of the
         # blocks would be allocated only to be replaced.
         layer = cls(in_features, qweight.shape[0], qtype, bias=bias is not None,
@@ -141,10 +146,19 @@ class GGUFLinear(StoredBuffers):
         back_to_back(qweights) where it gives them as one view (a file's
         mapping: no copy), else a concatenated copy."""
         layers = joinable(cls, layers, "the same type, input size, device and bias dtype, none repacked")
+        if back_to_back is not None and not callable(back_to_back):  # else a bare "not callable" TypeError
+            raise TypeError(f"GGUFLinear.joined: back_to_back must be None or callable (GGUFFile.back_to_back), got "
+                            f"{type(back_to_back).__name__}")
         qweights = [layer.qweight for layer in layers]
         rows = back_to_back(qweights) if back_to_back is not None else None
+        shape = (sum(q.shape[0] for q in qweights), qweights[0].shape[1])
         if rows is None:
             rows = torch.cat(qweights)
+        # Rows of another count would make a layer of as many outputs (without biases: a bare misfit error).
+        elif not isinstance(rows, torch.Tensor) or rows.shape != shape or rows.dtype != torch.uint8:
+            got = f"{rows.dtype} {list(rows.shape)}" if isinstance(rows, torch.Tensor) else type(rows).__name__
+            raise ValueError(f"GGUFLinear.joined: back_to_back must give None or the layers' rows as one uint8 "
+                             f"{list(shape)} tensor, got {got}")
         bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
         return cls.from_raw(rows, layers[0].qtype, layers[0].in_features, bias)
 
