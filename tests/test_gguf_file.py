@@ -1010,3 +1010,19 @@ def test_loaders_name_a_path_that_is_none_or_empty(load, path, error, says):
           "load_gptq_model": lowbit.load_gptq_model}[load]
     with pytest.raises(error, match=f"^{load}: path {says}$"):
         fn(path)
+
+
+def test_back_to_back_and_release_name_parts_that_are_not_tensors(toy):
+    """A tensor for the list was ambiguous as a bool (back_to_back) or taken
+    row by row (release); None, or a list holding no tensor, failed on an
+    attribute, an index or iteration, naming nothing."""
+    with load_gguf(toy.path) as f:
+        data = [t.data for t in f.tensors.values() if t.data.dim() == 2 and t.data.shape[0] > 1]
+        for method in ("back_to_back", "release"):
+            for bad, got in ((data[0], "Tensor"), (None, "NoneType"), ([data[0], 1], "one holding int")):
+                with pytest.raises(TypeError, match=rf"^GGUFFile.{method}: parts must be a list of tensors, "
+                                                    rf"got {got}$"):
+                    getattr(f, method)(bad)
+        assert f.back_to_back([data[0][0]]) is None  # a row, not rows: no view of the file's
+        assert torch.equal(f.back_to_back(iter(data[:1])), data[0])
+        f.release(iter(data[:1]))

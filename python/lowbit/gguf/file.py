@@ -21,6 +21,7 @@ import mmap
 import os
 import struct
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -131,7 +132,8 @@ class GGUFFile:
         mapping, in this order (tensors the file stores one after the other,
         with no padding between), as one view of the mapping: joining them
         copies nothing. None for any that do not (a copy, another file, a gap)."""
-        if not parts:
+        parts = _tensor_list("GGUFFile.back_to_back", parts)
+        if not parts or parts[0].dim() != 2:
             return None
         row_bytes = parts[0].shape[-1]
         start = end = self._offset(parts[0])
@@ -148,7 +150,7 @@ class GGUFFile:
     def release(self, parts: list[torch.Tensor]) -> None:
         """release_mapped(parts): the pages of views whose bytes now live in a
         copy (a joined layer's), read once to be copied."""
-        release_mapped(parts)
+        release_mapped(_tensor_list("GGUFFile.release", parts))
 
     def close(self) -> None:
         """Drops this object's metadata, tensors and mapping (see the class
@@ -165,6 +167,19 @@ class GGUFFile:
 
     def __repr__(self) -> str:
         return f"GGUFFile({self.path!r}, {len(self.tensors)} tensors, {len(self.metadata)} keys)"
+
+
+def _tensor_list(who: str, parts) -> list[torch.Tensor]:
+    """`parts` (any iterable of tensors: a generator is read once) as a list,
+    or TypeError naming it: a tensor would be taken row by row, and anything
+    else fails on an attribute or an index, naming nothing."""
+    if isinstance(parts, torch.Tensor) or not isinstance(parts, Iterable):
+        raise TypeError(f"{who}: parts must be a list of tensors, got {type(parts).__name__}")
+    parts = list(parts)
+    for p in parts:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{who}: parts must be a list of tensors, got one holding {type(p).__name__}")
+    return parts
 
 
 # madvise from the C library where there is one (Linux, macOS): release_mapped.
