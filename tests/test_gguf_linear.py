@@ -284,7 +284,7 @@ def test_embedding_refuses_a_bad_scale_or_qweight():
     raw = torch.from_numpy(gb.random_blocks(np.random.default_rng(0), "Q8_0", 10, 64))
     for bad, dtype in [(float("nan"), torch.float32), (float("inf"), torch.float32), (0.0, torch.float32),
                        (-8.0, torch.float32), (True, torch.float32), ([8.0], torch.float32), ("8", torch.float32),
-                       (1e6, torch.float16)]:
+                       (1e6, torch.float16), (10**400, torch.float32)]:
         with pytest.raises(ValueError, match=rf"^GGUFEmbedding: embed_scale must be None or a finite number > 0 "
                                              rf"in {dtype}, got {re.escape(repr(bad))}$"):
             lowbit.GGUFEmbedding(raw, gb.type_id("Q8_0"), 64, dtype, embed_scale=bad)

@@ -33,8 +33,10 @@ class GGUFEmbedding(StoredBuffers):
             raise TypeError(f"GGUFEmbedding: qweight must be a uint8 tensor, got {type(qweight).__name__}")
         # A NaN, inf or zero scale (or one past the dtype's range) turns every
         # looked-up row NaN, inf or 0 without an error; True would read as 1.
+        # An integer past float64's range fails float() itself: it is compared first.
         if embed_scale is not None and (
-                not isinstance(embed_scale, numbers.Real) or isinstance(embed_scale, bool) or not embed_scale > 0
+                not isinstance(embed_scale, numbers.Real) or isinstance(embed_scale, bool)
+                or not 0 < embed_scale <= torch.finfo(torch.float64).max
                 or not torch.isfinite(torch.tensor(float(embed_scale)).to(dtype))):
             raise ValueError(f"GGUFEmbedding: embed_scale must be None or a finite number > 0 in {dtype}, "
                              f"got {embed_scale!r}")
