@@ -304,6 +304,33 @@ def test_inputs_of_another_width_are_refused_and_meta_inputs_give_shapes():
     assert y.shape == (3, 5, OUT) and y.is_meta
 
 
+@pytest.mark.parametrize("name, value, says", [
+    ("Q8_0", 1e7, "row 1 reaches magnitude 1e\\+07, beyond Q8_0's range \\(a value or block scale overflows"),
+    ("Q4_0", 1e9, "row 1 reaches magnitude 1e\\+09, beyond Q4_0's range"),
+    ("F16", 1e6, "row 1 reaches magnitude 1e\\+06, beyond F16's range .* at column 3\\)"),
+    ("Q6_K", 1e9, "ggml_quantize: x's block \\[1, 0:256\\] reaches magnitude 1e\\+09, beyond Q6_K's range"),
+])
+@pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning")  # NumPy's, in gguf-py's quantizer
+def test_from_linear_refuses_weights_past_the_type_s_range(name, value, says):
+    """gguf-py wrote a value or fp16 block scale past the type's range as inf
+    without a word (every output of the row inf or NaN), and lowbit's
+    quantizer's range error came back as "no quantizer for Q6_K"."""
+    linear = torch.nn.Linear(256, 4)
+    with torch.no_grad():
+        linear.weight[1, 3] = value
+    with pytest.raises(ValueError, match=rf"^GGUFLinear.from_linear: linear.weight.*{says}"):
+        lowbit.GGUFLinear.from_linear(linear, gb.type_id(name))
+
+
+def test_from_linear_refuses_a_layer_without_rows_columns_or_values():
+    """nn.Linear takes 0 sizes and the meta device; from_linear failed on a bare reshape or .item() error."""
+    for linear, says in ((torch.nn.Linear(64, 0), "linear.out_features must be a positive integer, got 0"),
+                         (torch.nn.Linear(0, 8), "linear.in_features must be a positive integer, got 0"),
+                         (torch.nn.Linear(64, 8, device="meta"), "linear.weight must hold values: a meta tensor")):
+        with pytest.raises(ValueError, match=rf"^GGUFLinear.from_linear: {says}"):
+            lowbit.GGUFLinear.from_linear(linear, gb.type_id("Q8_0"))
+
+
 def test_from_linear_refuses_non_finite_weights():
     linear = torch.nn.Linear(IN, OUT)
     with torch.no_grad():

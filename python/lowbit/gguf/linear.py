@@ -6,13 +6,16 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .._checks import check_finite, check_flag, check_float_dtype, check_linear, check_sizes, is_integer
+from .._checks import (check_finite, check_flag, check_float_dtype, check_linear, check_sizes, check_values,
+                       is_integer)
 from .._frozen import linear_forward
 from .._stored import StoredBuffers, as_buffer, joinable
 from .file import dequantize_rows, release_mapped
 
 # The ggml float weight types (F32, F16, BF16) of torch's dtypes.
 FLOAT_QTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
+# The types torch.ops.lowbit.ggml_quantize writes (Q8_0, Q6_K).
+LOWBIT_QUANTIZES = (8, 14)
 
 
 def check_qtype(owner: str, qtype) -> tuple[int, int]:
@@ -115,24 +118,39 @@ class GGUFLinear(StoredBuffers):
         check_linear("GGUFLinear.from_linear", linear)
         block, _ = check_qtype("GGUFLinear.from_linear", qtype)
         name = torch.ops.lowbit.ggml_type_name(int(qtype))
+        # nn.Linear takes 0; a layer of no rows or columns fails below as a bare reshape error.
+        check_sizes("GGUFLinear.from_linear", **{"linear.in_features": linear.in_features,
+                                                 "linear.out_features": linear.out_features})
         if linear.in_features % block:
             raise ValueError(f"GGUFLinear.from_linear: in_features={linear.in_features} is not a multiple of the block "
                              f"size {block} of {name}")
+        check_values("GGUFLinear.from_linear", linear.weight, "linear.weight")  # a meta one fails on .item()
         check_finite(linear.weight.detach(), "GGUFLinear.from_linear: linear.weight")
         weight = linear.weight.detach().to(torch.float32).cpu()
         try:
             raw = torch.from_numpy(quants.quantize(weight.numpy(), GGMLQuantizationType(int(qtype))).view("uint8"))
         except NotImplementedError:  # gguf-py has no quantizer for the type: lowbit's, where it writes the type
-            try:
-                raw = torch.ops.lowbit.ggml_quantize(weight, int(qtype))
-            except ValueError:
+            if int(qtype) not in LOWBIT_QUANTIZES:
                 raise ValueError(f"GGUFLinear.from_linear: no quantizer for {name} (gguf-py writes the legacy types, "
                                  "the float ones, TQ1_0, TQ2_0 and MXFP4, lowbit Q8_0 and Q6_K); llama.cpp's "
                                  "llama-quantize writes every type into a GGUF file, which load_gguf_model "
                                  "reads") from None
+            try:
+                raw = torch.ops.lowbit.ggml_quantize(weight, int(qtype))
+            except ValueError as e:  # a block past the type's range
+                raise ValueError(f"GGUFLinear.from_linear: linear.weight: {e}") from None
         # The float types come back as float arrays: their bytes are the blocks.
-        qweight = raw.reshape(weight.shape[0], -1).to(linear.weight.device)
-        return cls.from_raw(qweight, int(qtype), linear.in_features, linear.bias)
+        qweight = raw.reshape(weight.shape[0], -1)
+        # gguf-py writes a value or block scale past the type's range (an fp16 scale past 65504) as inf,
+        # without a word: every output the row reaches would be inf or NaN.
+        bad = ~torch.isfinite(dequantize_rows("GGUFLinear.from_linear", qweight, int(qtype), weight.shape[0],
+                                              weight.shape[1], torch.float32))
+        if bool(bad.any()):
+            row, col = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"GGUFLinear.from_linear: linear.weight's row {row} reaches magnitude "
+                             f"{weight[row].abs().max().item():g}, beyond {name}'s range (a value or block scale "
+                             f"overflows at column {col})")
+        return cls.from_raw(qweight.to(linear.weight.device), int(qtype), linear.in_features, linear.bias)
 
     def can_join(self, other: nn.Module) -> bool:
         """Whether `other`'s rows can follow this layer's in one layer (joined)."""
