@@ -300,6 +300,9 @@ def test_inputs_of_another_width_are_refused_and_meta_inputs_give_shapes():
     for shape in [(2, IN - 32), (4, IN // 2), (IN * 2,), ()]:
         with pytest.raises(ValueError, match=rf"^GGUFLinear: input must be \[\.\.\., in_features={IN}\], got"):
             layer(torch.randn(shape))
+    for bad in ([0.0] * IN, np.zeros((2, IN), np.float32)):  # as nn.Linear, a TypeError; it named nothing
+        with pytest.raises(TypeError, match=rf"^GGUFLinear: input must be a tensor, got {type(bad).__name__}$"):
+            layer(bad)
     y = layer.to("meta")(torch.randn(3, 5, IN, device="meta"))
     assert y.shape == (3, 5, OUT) and y.is_meta
 
