@@ -304,6 +304,16 @@ def test_gguf_linear_state_dict_and_moves_keep_the_file_layout():
         moved.repack()
 
 
+@pytest.mark.parametrize("name", ["F16", "BF16", "Q1_0", "TQ2_0"])
+def test_gguf_linear_repack_names_a_type_without_the_layout(name):
+    """ggml_repack's error named the op, not the layer's method or its qtype."""
+    layer = lowbit.GGUFLinear(256, 16, gb.type_id(name))
+    with pytest.raises(ValueError, match=rf"^GGUFLinear.repack: qtype {gb.type_id(name)} \({name}\) has no "
+                                         r"repacked layout"):
+        layer.repack()
+    assert not layer.repacked
+
+
 def test_a_partial_or_failed_load_leaves_a_repacked_layer_as_it_was():
     """What a state dict leaves out (strict=False), or a load that fails, keeps the repacked bytes as they were
     (not repacked a second time: NaN outputs)."""

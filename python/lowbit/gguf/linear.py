@@ -208,6 +208,10 @@ class GGUFLinear(StoredBuffers):
         if self.qweight.device.type != "cpu":
             raise ValueError(f"GGUFLinear.repack: the repacked layout is the CPU kernels'; qweight is on "
                              f"{self.qweight.device}")
+        if not torch.ops.lowbit.ggml_has_repacked_layout(int(self.qtype)):  # else ggml_repack's error, naming it
+            raise ValueError(f"GGUFLinear.repack: qtype {int(self.qtype)} "
+                             f"({torch.ops.lowbit.ggml_type_name(int(self.qtype))}) has no repacked layout "
+                             "(lowbit.gguf.repacking.has_repacked_layout)")
         if not self.repacked:
             mapped = self.qweight
             self.qweight = self._reorder(inverse=False)
