@@ -221,6 +221,14 @@ def test_routing_of_other_shapes_is_refused(pair, hidden, ids, weights, says):
         ours(torch.randn(hidden), torch.zeros(ids, dtype=torch.long), torch.ones(weights))
 
 
+def test_routing_weights_on_another_device_are_refused(pair):
+    """The weights meet the experts' outputs last: torch's device error there named neither argument."""
+    index, weights = routing(3, 2)
+    with pytest.raises(RuntimeError, match=r"^GGUFExperts: top_k_weights is on meta, hidden_states on cpu: both "
+                                           r"must be on one device$"):
+        pair[0](torch.randn(3, HIDDEN), index, weights.to("meta"))
+
+
 def test_routing_of_other_dtypes(pair):
     ours, _ = pair
     x, index, weights = torch.randn(3, HIDDEN), torch.tensor([[0, 5], [2, 3], [4, 1]]), torch.full((3, 2), 0.5)

@@ -31,6 +31,10 @@ def check_routing(owner: str, hidden_states, top_k_index, top_k_weights, hidden_
     if not isinstance(top_k_weights, torch.Tensor) or top_k_weights.shape != top_k_index.shape:
         raise ValueError(f"{owner}: top_k_weights must have top_k_index's shape {list(top_k_index.shape)}, "
                          f"got {_described(top_k_weights)}")
+    # The weights come in last, after every expert's matmuls: there torch's device error names neither.
+    if top_k_weights.device != hidden_states.device:
+        raise RuntimeError(f"{owner}: top_k_weights is on {top_k_weights.device}, hidden_states on "
+                           f"{hidden_states.device}: both must be on one device")
     return top_k_index if top_k_index.dtype in (torch.int64, torch.int32) else top_k_index.long()
 
 
