@@ -619,6 +619,15 @@ def test_load_adapter_refuses_arguments_of_the_wrong_kind(tmp_path, monkeypatch)
             lowbit.lora.load_adapter(model, adapter, is_trainable=bad)
     with pytest.raises(TypeError, match="^lowbit.lora.load_adapter: model must be an nn.Module, got NoneType$"):
         lowbit.lora.load_adapter(None, adapter)
+    # torch's ModuleDict refused these inside PEFT, by a KeyError or TypeError that named no argument.
+    for bad in ("", "a.b"):
+        with pytest.raises(ValueError, match=f"^lowbit.lora.load_adapter: adapter_name must be a non-empty name "
+                                             f"without '.', got {re.escape(repr(bad))}$"):
+            lowbit.lora.load_adapter(model, adapter, adapter_name=bad)
+    for bad in (None, 5):
+        with pytest.raises(TypeError, match=f"^lowbit.lora.load_adapter: adapter_name must be a str, got "
+                                            f"{type(bad).__name__}$"):
+            lowbit.lora.load_adapter(model, adapter, adapter_name=bad)
     assert not any(isinstance(m, peft.tuners.lora.LoraLayer) for m in model.modules())
 
 

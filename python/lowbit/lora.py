@@ -275,6 +275,12 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, adapter_name: str = 
     # An empty path is the working directory to os.path, whose adapter_config.json would be read.
     path = check_path("lowbit.lora.load_adapter", path)
     is_trainable = check_flag("lowbit.lora.load_adapter", "is_trainable", is_trainable)
+    # PEFT keys the adapter's layers by it in ModuleDicts, whose KeyError or TypeError names no argument.
+    if not isinstance(adapter_name, str):
+        raise TypeError(f"lowbit.lora.load_adapter: adapter_name must be a str, got {type(adapter_name).__name__}")
+    if not adapter_name or "." in adapter_name:
+        raise ValueError(f"lowbit.lora.load_adapter: adapter_name must be a non-empty name without '.', got "
+                         f"{shown(adapter_name)}")
     raw, config_file = _check_files(os.fspath(path)), os.path.join(os.fspath(path), "adapter_config.json")
     _check_patterns(raw, config_file, [name for name, _ in model.named_modules()])
     fresh = not isinstance(model, peft.PeftModel)
