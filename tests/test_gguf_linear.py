@@ -341,3 +341,13 @@ def test_from_linear_refuses_non_finite_weights():
     with pytest.raises(ValueError, match=r"GGUFLinear.from_linear: linear.weight holds a non-finite value "
                                          r"\(inf\) at \[2, 7\]"):
         lowbit.GGUFLinear.from_linear(linear, gb.type_id("Q4_0"))
+
+
+def test_a_numpy_type_id_is_held_as_an_int():
+    """A numpy integer type id (an element of a file's type array) is taken and
+    held as the int the ops, the layout and repr take."""
+    layer = lowbit.GGUFLinear.from_linear(torch.nn.Linear(64, 8), np.int64(gb.type_id("Q8_0")))
+    assert type(layer.qtype) is int and layer.qtype == gb.type_id("Q8_0")
+    assert type(lowbit.GGUFLinear(64, 8, np.int32(gb.type_id("Q4_0"))).qtype) is int
+    embedding = lowbit.GGUFEmbedding(layer.qweight, np.int16(gb.type_id("Q8_0")), 64)
+    assert type(embedding.qtype) is int and torch.equal(embedding(torch.tensor([1])), layer.dequantize()[1:2])

@@ -321,6 +321,11 @@ OPS["decode_attention"] = Op(decode_attention, {
     "window past the position": (lambda kw: {"start": 6}, ValueError, r"start must lie in \[0, 5\].*got 6"),
     "negative soft cap": (lambda kw: {"softcap": -1.0}, ValueError, "softcap must be finite and >= 0"),
     "NaN soft cap": (lambda kw: {"softcap": float("nan")}, ValueError, "softcap must be finite and >= 0"),
+    # Past fp32's range the kernels' cap is inf (NaN outputs); below its smallest value, 0 (no cap at all).
+    "soft cap past fp32": (lambda kw: {"softcap": 1e39}, ValueError,
+                           r"softcap must be finite and >= 0 \(0: none\) in fp32 \(0 or in \[1\.4013e-45, "
+                           r"3\.40282e\+38\]\), got 1e\+39"),
+    "soft cap below fp32": (lambda kw: {"softcap": 1e-46}, ValueError, "softcap must be finite and >= 0 .* got 1e-46"),
     "sinks for other heads": (lambda kw: {"sinks": torch.zeros(3)}, ValueError,
                               r"sinks must have one entry per query head \(9\), got 3"),
     "sinks of another dtype": (lambda kw: {"sinks": torch.zeros(9, dtype=torch.float64)}, RuntimeError,
@@ -345,6 +350,8 @@ OPS["decode_attention"] = Op(decode_attention, {
     "empty tables": (lambda kw: {"cos": kw["cos"][:0], "sin": kw["sin"][:0]}, ValueError,
                      "cos and sin must have one even number of entries"),
     "infinite scale": (lambda kw: {"scale": float("inf")}, ValueError, "scale must be finite"),
+    "scale past fp32": (lambda kw: {"scale": -1e39}, ValueError,
+                        r"scale must be finite in fp32 \(\|scale\| <= 3\.40282e\+38\), got -1e\+39"),
     "caches sharing memory": (lambda kw: {"value_cache": kw["key_cache"]}, RuntimeError,
                               "key_cache shares memory with value_cache"),
     "k in the cache": (lambda kw: {"k": kw["key_cache"][:, 0]}, RuntimeError, "key_cache shares memory with k|k must"),

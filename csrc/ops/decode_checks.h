@@ -6,6 +6,7 @@
 #include <ATen/MemoryOverlap.h>
 
 #include <cmath>
+#include <limits>
 
 #include "checks.h"
 
@@ -68,8 +69,14 @@ inline DecodeAttentionDims check_decode_attention(const at::Tensor& q, const at:
                     ") (the caches' capacity), got ", position);
   TORCH_CHECK_VALUE(start >= 0 && start <= position, op, ": start must lie in [0, ", position,
                     "] (position), got ", start);
-  TORCH_CHECK_VALUE(std::isfinite(scale), op, ": scale must be finite");
-  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0, op, ": softcap must be finite and >= 0 (0: none)");
+  // The kernels compute in fp32: a scale or cap past fp32's range would be inf there (NaN outputs), and a
+  // cap below its smallest positive value 0, which means no cap at all.
+  constexpr double kMaxF = std::numeric_limits<float>::max(), kMinF = std::numeric_limits<float>::denorm_min();
+  TORCH_CHECK_VALUE(std::isfinite(scale) && std::abs(scale) <= kMaxF, op, ": scale must be finite in fp32 (|scale| <= ",
+                    kMaxF, "), got ", scale);
+  TORCH_CHECK_VALUE(softcap == 0 || (softcap >= kMinF && softcap <= kMaxF), op,
+                    ": softcap must be finite and >= 0 (0: none) in fp32 (0 or in [", kMinF, ", ", kMaxF, "]), got ",
+                    softcap);
   if (sinks.has_value()) {
     TORCH_CHECK(sinks->scalar_type() == q.scalar_type(), op, ": sinks must be ", q.scalar_type(), " (q's dtype), got ",
                 sinks->scalar_type());

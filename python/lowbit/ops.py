@@ -99,6 +99,15 @@ def _runtime(cond, op: str, *msg) -> None:
     torch._check(guard_or_true(cond), lambda: f"{op}: " + "".join(str(m) for m in msg))
 
 
+# fp32's largest and smallest positive values, which bound the scalars the kernels take in fp32.
+FP32_MAX, FP32_MIN = torch.finfo(torch.float32).max, math.ldexp(1.0, -149)
+
+
+def _cpp_double(x: float) -> str:
+    """x as C++'s ostream prints a double (six significant digits), as the kernels' messages show it."""
+    return format(x, "g")
+
+
 def _shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
@@ -674,8 +683,10 @@ def _decode_attention(q, k, v, cos, sin, key_cache, value_cache, position, scale
     _value(0 <= position < capacity, op, "position must lie in [0, ", capacity, ") (the caches' capacity), got ",
            position)
     _value(0 <= start <= position, op, "start must lie in [0, ", position, "] (position), got ", start)
-    _value(math.isfinite(scale), op, "scale must be finite")
-    _value(math.isfinite(softcap) and softcap >= 0, op, "softcap must be finite and >= 0 (0: none)")
+    _value(math.isfinite(scale) and abs(scale) <= FP32_MAX, op, "scale must be finite in fp32 (|scale| <= ",
+           _cpp_double(FP32_MAX), "), got ", _cpp_double(scale))
+    _value(softcap == 0 or FP32_MIN <= softcap <= FP32_MAX, op, "softcap must be finite and >= 0 (0: none) in fp32 "
+           "(0 or in [", _cpp_double(FP32_MIN), ", ", _cpp_double(FP32_MAX), "]), got ", _cpp_double(softcap))
     if sinks is not None:
         _runtime(sinks.dtype == q.dtype, op, "sinks must be ", _dtype_name(q.dtype), " (q's dtype), got ",
                  _dtype_name(sinks.dtype))

@@ -47,7 +47,7 @@ class GGUFEmbedding(StoredBuffers):
                              f"for dimension {embedding_dim} of type {qtype}, got {qweight.dtype} "
                              f"{tuple(qweight.shape)}")
         check_sizes("GGUFEmbedding", num_embeddings=qweight.shape[0])
-        self.num_embeddings, self.embedding_dim, self.qtype = qweight.shape[0], embedding_dim, qtype
+        self.num_embeddings, self.embedding_dim, self.qtype = qweight.shape[0], embedding_dim, int(qtype)
         self.register_buffer("qweight", as_buffer(qweight))
         # The output dtype, held by an empty float buffer so that it follows
         # model.to(dtype) as a float weight would (the blocks stay uint8).

@@ -114,7 +114,7 @@ class GGUFExperts(StoredBuffers):
                                  f"[{experts * rows}, {row_bytes}] for {experts} experts of [{rows}, {n}] type "
                                  f"{qtype} weights, got {blocks.dtype} {tuple(blocks.shape)}")
             self.register_buffer(f"{name}_qweight", as_buffer(blocks).view(experts, rows, row_bytes))
-            self.qtypes[name] = qtype
+            self.qtypes[name] = int(qtype)
         self.act_fn, self.glu = act_fn, glu
         self.biased = biases is not None
         if biases is not None and not isinstance(biases, dict):  # else a bare AttributeError on .get

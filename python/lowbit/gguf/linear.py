@@ -64,7 +64,7 @@ class GGUFLinear(StoredBuffers):
             raise ValueError(f"GGUFLinear: in_features={in_features} is not a multiple of the block size {block} of type {qtype}")
         self.in_features = in_features
         self.out_features = out_features
-        self.qtype = qtype
+        self.qtype = int(qtype)  # a numpy integer id as the int the ops and state take
         self.register_buffer(
             "qweight", torch.zeros(out_features, in_features // block * type_size, dtype=torch.uint8, device=device)
         )
