@@ -22,7 +22,7 @@ from .._checks import (check_finite, check_module, check_path, check_regular_fil
                        shown_text)
 from .._mapping import map_private
 from .packing import fields_per_pack, words_per_pack
-from .config import GPTQCheckpointError, GPTQConfig, check_format, ModuleQuant, parse_config, read_config, read_json
+from .config import GPTQCheckpointError, GPTQConfig, check_format, ModuleQuant, read_config, read_json
 from ..fusing import ProjectionSlice, unfused_state_dict
 from .linear import GPTQLinear, g_idx_out_of_range
 
@@ -675,14 +675,13 @@ def save_gptq(model: torch.nn.Module, directory: str | os.PathLike, config: GPTQ
 
 
 def _check_config_describes(model: torch.nn.Module, tensors: dict[str, torch.Tensor], config: GPTQConfig) -> None:
-    """ValueError unless `config` is one a reader takes (parse_config) and
-    says of each GPTQ layer in `tensors` what the layer holds: its bits and
-    group_size, no symmetry or row order it lacks (readers take a sym layer's
+    """ValueError unless `config` (whose values GPTQConfig checks as it is
+    made) says of each GPTQ layer in `tensors` what the layer holds: its
+    bits and group_size, no symmetry or row order it lacks (readers take a sym layer's
     zero points as 2^(bits-1) without reading qzeros, and a desc_act=False
     layer's rows as in order), and no dynamic rule excluding it; and lm_head
     whether the LM head is quantized. The checkpoint would otherwise be
     refused at load, or read wrongly."""
-    parse_config(config.to_dict(), "save_gptq: config")
     head = isinstance(getattr(model, "lm_head", None), (GPTQLinear, ProjectionSlice))
     if hasattr(model, "lm_head") and head != config.lm_head:  # vLLM builds the head from the flag alone
         raise ValueError(f"save_gptq: the config says lm_head {str(config.lm_head).lower()}, but the model's LM head "
