@@ -146,6 +146,7 @@ def _flag_calls():
          lambda v: lowbit.GPTQLinear.from_tensors(qt.qweight, qt.qzeros, qt.scales, qt.g_idx, None, 4, 32, sym=v)),
         ("GPTQLinear.from_tensors", "desc_act",
          lambda v: lowbit.GPTQLinear.from_tensors(qt.qweight, qt.qzeros, qt.scales, qt.g_idx, None, 4, 32, desc_act=v)),
+        ("GPTQLinear", "int8_activations", lambda v: setattr(lowbit.GPTQLinear(64, 8, 4, 32), "int8_activations", v)),
         ("GGUFLinear", "bias", lambda v: lowbit.GGUFLinear(64, 8, gb.type_id("Q8_0"), bias=v)),
         ("load_gguf_model", "repack", lambda v: lowbit.load_gguf_model("/nonexistent.gguf", repack=v)),
         ("load_gguf_model", "fuse", lambda v: lowbit.load_gguf_model("/nonexistent.gguf", fuse=v)),
@@ -185,6 +186,8 @@ def test_flags_take_numpy_bools():
     assert lowbit.GGUFLinear(64, 8, gb.type_id("Q8_0"), bias=np.False_).bias is None
     layer = lowbit.GPTQLinear(64, 8, 4, 32, sym=np.False_, bias=np.True_)
     assert layer.sym is False and layer.bias is not None
+    layer.int8_activations = np.True_
+    assert layer.int8_activations is True
 
 
 def test_quantizers_refuse_weights_without_values():

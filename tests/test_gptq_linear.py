@@ -128,6 +128,33 @@ def test_sorted_layer_copies_and_pickles():
         assert torch.equal(other(x), expect)
 
 
+def test_int8_activations_is_checked_when_set_and_kept_by_copies():
+    """Set after construction, int8_activations is refused unless a bool (a
+    string would turn the mode on), the layer left as it was; copies, pickles
+    and those of layers that held it as a plain attribute keep the mode."""
+    import copy
+    import io
+    import pickle
+
+    layer, _ = layer_and_linear(act_order=False)
+    x = torch.randn(2, IN)
+    with pytest.raises(ValueError, match="^GPTQLinear: int8_activations must be True or False, got 'no'$"):
+        layer.int8_activations = "no"
+    assert layer.int8_activations is False and "int8_activations=True" not in repr(layer)
+    layer.int8_activations = True
+    expect = layer(x)
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    state = pickle.loads(pickle.dumps(layer)).__getstate__()
+    state["int8_activations"] = state.pop("_int8_activations")  # as a layer pickled with it in its __dict__
+    old = lowbit.GPTQLinear.__new__(lowbit.GPTQLinear)
+    old.__setstate__(state)
+    for other in (copy.deepcopy(layer), torch.load(buffer, weights_only=False), old):
+        assert other.int8_activations is True and torch.equal(other(x), expect)
+    assert set(layer.state_dict()) == {"qweight", "qzeros", "scales", "g_idx", "bias"}
+
+
 def test_copies_of_an_unsorted_layer_leave_out_its_private_copy():
     """The private sorted copy of qweight an unsorted act-order layer runs
     on is not copied (deepcopy, torch.save): a copy holds its weights once

@@ -98,7 +98,7 @@ class GPTQLinear(StoredBuffers):
     # fp16 scales rounded to bf16 would change every weight.
     STORED_FLOATS = ("scales", "bias")
     # Class defaults, so that layers pickled without the attributes have them.
-    int8_activations = False
+    _int8_activations = False
     repacked = False
 
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, sym: bool = True,
@@ -196,6 +196,16 @@ class GPTQLinear(StoredBuffers):
                                  f"{tuple(tensor.shape)}")
             setattr(layer, name, as_buffer(tensor))
         return layer
+
+    @property
+    def int8_activations(self) -> bool:
+        return self._int8_activations
+
+    @int8_activations.setter
+    def int8_activations(self, value) -> None:
+        # Set after construction (load_gptq_model, a user): read by truthiness, a string such as
+        # "False" or "off" would turn the mode on.
+        self._int8_activations = check_flag("GPTQLinear", "int8_activations", value)
 
     def layout(self) -> dict:
         # The zeros' format: v1 zeros are stored one below v2's, in tensors of the same shapes.
@@ -481,6 +491,9 @@ class GPTQLinear(StoredBuffers):
         return {**super().__getstate__(), "_plan": None}
 
     def __setstate__(self, state):
+        if "int8_activations" in state:  # pickled as a plain attribute, which the property would hide
+            state = {**state, "_int8_activations": bool(state["int8_activations"])}
+            del state["int8_activations"]
         super().__setstate__(state)
         if self.rows_sorted:  # a copy (deepcopy, pickle) holds new buffers of the same rows
             self._sorted_key = self._key()
