@@ -617,6 +617,17 @@ def saved_tiny_llama(tmp_path):
     return tmp_path / "ckpt"
 
 
+def test_model_loaders_warn_of_a_format_given_against_the_config(tmp_path):
+    """load_gptq_model and replace_linear read a checkpoint_format as given, warning as load_gptq does where the
+    words show the config's (a symmetric checkpoint: every zero point read one step off)."""
+    directory = saved_tiny_llama(tmp_path)
+    says = r"checkpoint_format='gptq_v2' overrides .*quantize_config.json's 'gptq', and \d+ symmetric modules store gptq"
+    with pytest.warns(UserWarning, match=says):
+        lowbit.load_gptq_model(directory, checkpoint_format="gptq_v2")
+    with pytest.warns(UserWarning, match=says):
+        lowbit.replace_linear(tiny_llama(), directory, checkpoint_format="gptq_v2")
+
+
 def edit_saved_tensors(directory, edit):
     file = directory / next(f for f in os.listdir(directory) if f.endswith(".safetensors"))
     tensors = load_file(file)

@@ -348,6 +348,33 @@ def test_load_warns_on_mislabelled(tmp_path, label, stored, word):
     assert all(m.checkpoint_format == label for m in forced.modules.values())
 
 
+@pytest.mark.parametrize("sym", [False, True])
+@pytest.mark.parametrize("fmt, other", [("gptq", "gptq_v2"), ("gptq_v2", "gptq")])
+def test_load_warns_where_a_given_format_contradicts_the_config(tmp_path, sym, fmt, other):
+    """A checkpoint_format given against the config's reads every zero point
+    one step off where the config is right: asymmetric modules' words cannot
+    tell, symmetric ones' show it. The format is still read as given."""
+    model = make_checkpoint(tmp_path / "ckpt", sym=sym, fmt=fmt)
+    quantize_config = re.escape(str(tmp_path / "ckpt" / "quantize_config.json"))
+    why = "2 symmetric modules store" if sym else "the words of its 2 asymmetric modules"
+    with pytest.warns(UserWarning, match=rf"ckpt: checkpoint_format='{other}' overrides {quantize_config}'s "
+                                         rf"'{fmt}', and {why} .* read one step off"):
+        forced = load_gptq(tmp_path / "ckpt", checkpoint_format=other)
+    assert all(m.checkpoint_format == other for m in forced.modules.values()) and not same_outputs(model, forced)
+    with warnings.catch_warnings():  # the config's own format, given, is no contradiction
+        warnings.simplefilter("error")
+        assert same_outputs(model, load_gptq(tmp_path / "ckpt", checkpoint_format=fmt))
+
+
+def test_load_takes_a_given_format_that_a_symmetric_checkpoints_words_show(tmp_path):
+    """Given against a mislabelled config, the format the words store is read without a warning."""
+    model = make_checkpoint(tmp_path / "ckpt", bits=4, sym=True, fmt="gptq")
+    relabel(tmp_path / "ckpt", "gptq_v2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert same_outputs(model, load_gptq(tmp_path / "ckpt", checkpoint_format="gptq"))
+
+
 # --- command line -------------------------------------------------------------------------------
 
 

@@ -42,7 +42,8 @@ def replace_linear(model: nn.Module, path: str | os.PathLike, checkpoint_format:
     checkpoint's transformers 4 names (`block_sparse_moe`, experts' w1 / w3
     / w2) that the model does not have are read as transformers 5's (`mlp`,
     gate_proj / up_proj / down_proj); the report and errors use the model's.
-    `checkpoint_format` ("gptq" / "gptq_v2") overrides the config's.
+    `checkpoint_format` ("gptq" / "gptq_v2") overrides the config's (as in
+    load_gptq: a warning where the words do not show it).
 
     A model built on the meta device (no memory) takes the checkpoint's
     tensors on the CPU in its place, and its computed buffers (rotary

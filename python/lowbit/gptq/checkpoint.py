@@ -200,8 +200,9 @@ def load_gptq(path: str | os.PathLike, checkpoint_format: str | None = None,
     """Reads a GPTQ checkpoint (directory or single .safetensors file next to its
     config) into GPTQLinear modules, keyed by module name, plus the remaining
     tensors. `checkpoint_format` overrides the config's "gptq" / "gptq_v2"
-    (and stored_format's reading of the words); `mapped` names tensors left
-    in the file (read_tensors)."""
+    (and stored_format's reading of the words), with a warning where it is
+    not the config's and the words do not show it; `mapped` names tensors
+    left in the file (read_tensors)."""
     # Checked here: each module's GPTQLinear would refuse a bad format as an
     # error of the checkpoint's, and `in` over a str mapped matches substrings.
     if checkpoint_format is not None:
@@ -212,6 +213,7 @@ def load_gptq(path: str | os.PathLike, checkpoint_format: str | None = None,
     mapped = frozenset(mapped)
     directory, files = checkpoint_files(check_path("load_gptq", path))
     config = read_config(directory)
+    label = config.checkpoint_format
     if checkpoint_format is not None:
         config = replace(config, checkpoint_format=checkpoint_format)
     tensors = read_tensors(files, mapped)
@@ -233,6 +235,8 @@ def load_gptq(path: str | os.PathLike, checkpoint_format: str | None = None,
         ckpt.modules[prefix] = _module(prefix, quant, config, parts, directory)
     if checkpoint_format is None:  # a format the caller gives is read as given
         _check_labelled_format(ckpt)
+    elif checkpoint_format != label:
+        _check_forced_format(ckpt, label)
     _read_gptqmodel_v1_zeros(ckpt)
     ckpt.tensors = tensors
     return ckpt
@@ -313,6 +317,34 @@ def _check_labelled_format(ckpt: GPTQCheckpoint) -> None:
         layer.checkpoint_format = actual
 
 
+def _check_forced_format(ckpt: GPTQCheckpoint, label: str) -> None:
+    """Warns where the checkpoint_format a caller gave against the config's
+    `label` is not borne out by the words: v1 and v2 read every zero point one
+    step apart, so one of the two reads the whole checkpoint off. Only the
+    words of symmetric modules tell the formats apart (stored_format); an
+    asymmetric module's could be either."""
+    forced = ckpt.config.checkpoint_format
+    asymmetric = [name for name, layer in ckpt.modules.items() if not layer.sym]
+    confirm = [name for name, layer in ckpt.modules.items() if layer.sym and _stores(label, layer.qzeros, layer.bits)]
+    if asymmetric:
+        why = (f"the words of its {len(asymmetric)} asymmetric modules (e.g. {asymmetric[0]}) cannot tell the "
+               "formats apart: where the config is right, every zero point is read one step off")
+    elif confirm:
+        why = (f"{len(confirm)} symmetric modules store {label} zero points (e.g. {confirm[0]}.qzeros): every zero "
+               "point is read one step off")
+    else:  # the words say the format given: the config's label is the one that is wrong
+        return
+    warnings.warn(f"{ckpt.directory}: checkpoint_format={forced!r} overrides {ckpt.config.source or 'the config'}'s "
+                  f"{label!r}, and {why}", stacklevel=3)
+
+
+def _stores(fmt: str, qzeros: torch.Tensor, bits: int) -> bool:
+    """Whether a symmetric module's qzeros all hold `fmt`'s zero point:
+    2^(bits-1) - 1 in v1 words, 2^(bits-1) in v2 ones."""
+    zeros = torch.ops.lowbit.gptq_unpack(qzeros, bits, 1)
+    return bool((zeros == 2 ** (bits - 1) - (1 if fmt == "gptq" else 0)).all())
+
+
 def stored_format(label: str, symmetric: dict[str, tuple[torch.Tensor, int]], where: str,
                   stacklevel: int = 2) -> str:
     """The zero format a checkpoint stores, from its symmetric modules' (name ->
@@ -320,14 +352,10 @@ def stored_format(label: str, symmetric: dict[str, tuple[torch.Tensor, int]], wh
     2^(bits-1) in v2. A checkpoint whose words all say the other format than
     its label (a known GPTQModel-era mislabelling) is read as what its words
     say, with a loud warning naming the evidence; `label` otherwise."""
-    evidence = []
-    for name, (qzeros, bits) in symmetric.items():
-        zeros = torch.ops.lowbit.gptq_unpack(qzeros, bits, 1)
-        if bool((zeros == 2 ** (bits - 1) - (1 if label == "gptq_v2" else 0)).all()):
-            evidence.append((name, qzeros, bits))
+    actual = "gptq" if label == "gptq_v2" else "gptq_v2"
+    evidence = [(name, qzeros, bits) for name, (qzeros, bits) in symmetric.items() if _stores(actual, qzeros, bits)]
     if not evidence or len(evidence) != len(symmetric):
         return label
-    actual = "gptq" if label == "gptq_v2" else "gptq_v2"
     name, qzeros, bits = evidence[0]
     word = int(qzeros.flatten()[0]) & 0xFFFFFFFF
     warnings.warn(
