@@ -1,0 +1,192 @@
+"""gptq_gemm's CUDA kernels run on the CPU emulator of the CUDA execution model
+(tests/simt/simt.h), against the NumPy GPTQ reference: the tensor-core kernel
+(csrc/cuda/gptq_mma_kernel.cuh) and the fused CUDA-core one
+(csrc/cuda/gptq_gemv_kernel.cuh).
+
+The kernels' own source is compiled as host code: fragment layouts, bit
+decoding, group handling, the cp.async pipeline and split-K run as written,
+with mma.sync, cp.async and the warp votes and shuffles emulated from the PTX
+ISA's definitions. What the emulator cannot check (the PTX strings themselves,
+timing, memory-model subtleties beyond cp.async's two orders) the GPU runs of
+tests/test_gptq_gemm.py check. It needs the CUDA toolkit's headers (nvcc on
+PATH, or CUDA_HOME), as CI's compile check (`make cuda-check`) does.
+"""
+
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+import gptq_reference as ref
+from test_gptq_gemm import assert_close_to_reference
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SIMT = ROOT / "tests" / "simt"
+
+
+def _toolkit_includes():
+    """The CUDA toolkit's include folders, from CUDA_HOME or from nvcc's own plan."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and (pathlib.Path(home) / "include" / "cuda_runtime.h").exists():
+        return [str(pathlib.Path(home) / "include")]
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return []
+    plan = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
+                          capture_output=True, text=True).stderr
+    return re.findall(r'(?:-I|-isystem" ")"?([^"\s]+)', plan)
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    from torch.utils import cpp_extension
+
+    includes = [p for p in _toolkit_includes() if os.path.isdir(p)]
+    if not any(os.path.exists(os.path.join(p, "cuda_runtime.h")) for p in includes):
+        pytest.skip("the CUDA toolkit's headers are not installed (nvcc not on PATH, no CUDA_HOME)")
+    build = ROOT / "build" / "simt"
+    # A CPU-only torch lacks the one header CMake generates for CUDA builds (as in .ci/cuda_compile_check.sh).
+    stub = build / "include"
+    macros = stub / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+    macros.parent.mkdir(parents=True, exist_ok=True)
+    if not macros.exists():
+        macros.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    return cpp_extension.load(
+        name="lowbit_simt_gptq",
+        sources=[str(SIMT / "gptq_kernels.cpp")],
+        extra_include_paths=[str(ROOT / "csrc"), str(SIMT), *includes, str(stub)],
+        extra_cflags=["-O1", "-std=c++17"],
+        build_directory=str(build),
+        verbose=False,
+    )
+
+
+K, N = 256, 272  # 4 pipeline chunks; 3 column tiles, the last of 16 columns
+
+
+def _case(bits, sym, fmt, group_size, act_order, seed):
+    rng = np.random.default_rng(seed)
+    ckpt = ref.random_checkpoint(rng, K, N, bits, group_size, sym, fmt, act_order)
+    return {k: torch.from_numpy(np.ascontiguousarray(ckpt[k])) for k in ("qweight", "qzeros", "scales", "g_idx")}
+
+
+def _layout(t, bits, layout):
+    """qweight, g_idx and q_perm as gptq_gemm hands them to its kernels:
+    shuffled weights (rows sorted by group, no g_idx, the activations read
+    through q_perm), the checkpoint's rows with its g_idx, or trivial groups."""
+    qweight, g_idx, perm = t["qweight"], t["g_idx"], torch.empty(0, dtype=torch.int32)
+    if layout == "shuffled":
+        perm = torch.argsort(g_idx, stable=True).to(torch.int32)
+        qweight = qweight.clone()
+        torch.ops.lowbit.gptq_shuffle(qweight, perm, bits)
+    if layout != "unshuffled":
+        g_idx = torch.empty(0, dtype=torch.int32)
+    return qweight, g_idx, perm
+
+
+def _run(emulated, a, t, bits, fmt, layout, splits=1, copies_at_issue=False):
+    """The tensor-core kernel's output for a, which it takes in the weight's row order."""
+    qweight, g_idx, perm = _layout(t, bits, layout)
+    rows = a[:, perm.long()] if perm.numel() else a
+    return emulated.gptq_mma(rows.contiguous(), qweight, t["qzeros"], t["scales"], g_idx, bits, fmt == "gptq_v2",
+                             splits, copies_at_issue)
+
+
+def _reference(t, bits, fmt, g_idx=None):
+    g = t["g_idx"] if g_idx is None else g_idx
+    return ref.dequantize(t["qweight"].numpy(), t["qzeros"].numpy(), t["scales"].numpy(), g.numpy(), bits, fmt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("fmt,sym", [("gptq", False), ("gptq_v2", False)], ids=["v1-asym", "v2-asym"])
+@pytest.mark.parametrize("layout,group_size", [("trivial", 32), ("trivial", 16), ("shuffled", 64), ("unshuffled", 64)])
+def test_kernel_matches_the_reference(emulated, dtype, bits, fmt, sym, layout, group_size):
+    """Every bit width and zero format, both dtypes; sorted groups (one pass per
+    k16 step) and act-order rows left unsorted (a pass per group in a step)."""
+    t = _case(bits, sym, fmt, group_size, layout != "trivial", [bits, group_size, len(fmt), sym])
+    W = _reference(t, bits, fmt)
+    for M in (1, 17):  # one m16 tile with 15 rows of padding; two with a partial second
+        a = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
+        out = _run(emulated, a, t, bits, fmt, layout)
+        assert out.dtype == dtype and out.shape == (M, N)
+        assert_close_to_reference(out, a, W, f"{layout} M={M}")
+
+
+@pytest.mark.parametrize("copies_at_issue", [False, True], ids=["copies-at-wait", "copies-at-issue"])
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_pipeline_and_split_k(emulated, splits, copies_at_issue):
+    """Whatever the split of K and whenever cp.async's copies land (the latest
+    and the earliest a GPU may complete them), the same result; rows past M
+    (M = 40: a second block of two m16 tiles, 8 rows of them real) stay out."""
+    t = _case(4, False, "gptq_v2", 32, False, 7)
+    W = _reference(t, 4, "gptq_v2")
+    a = torch.randn(40, K, generator=torch.Generator().manual_seed(3)).to(torch.float16)
+    out = _run(emulated, a, t, 4, "gptq_v2", "trivial", splits, copies_at_issue)
+    assert_close_to_reference(out, a, W, f"splits={splits}")
+
+
+@pytest.mark.parametrize("order", ["random", "sorted-17", "one-row-moved"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_any_g_idx(emulated, dtype, order):
+    """Groups of unequal sizes: in any row order (every k16 step mixes groups);
+    sorted in groups of 17 rows, whose boundaries fall on every row of a step
+    in turn; and groups of 16 rows but for one row of step s, row s % 16, moved
+    to the next group (each of a lane's four rows, in every lane, is once the
+    only one of another group: the step takes a pass per group)."""
+    rng = np.random.default_rng(5)
+    t = _case(4, False, "gptq", 16, False, 5)
+    if order == "random":
+        g_idx = torch.from_numpy(rng.integers(0, K // 16, size=K).astype(np.int32))
+    elif order == "sorted-17":
+        g_idx = torch.arange(K, dtype=torch.int32) // 17
+    else:
+        g_idx = torch.arange(K, dtype=torch.int32) // 16
+        moved = torch.arange(K // 16) * 17  # step s, row s % 16 (K // 16 == 16 steps)
+        g_idx[moved] = (g_idx[moved] + 1) % (K // 16)
+    W = _reference(t, 4, "gptq", g_idx)
+    a = torch.randn(5, K, generator=torch.Generator().manual_seed(5)).to(dtype)
+    out = _run(emulated, a, dict(t, g_idx=g_idx), 4, "gptq", "unshuffled")
+    assert_close_to_reference(out, a, W, f"{order} g_idx")
+
+
+def test_an_infinite_activation_stays_in_its_group(emulated):
+    """A step whose rows span groups zeroes the other groups' activations as
+    well as their weights: an infinite activation reaches only its own output
+    sums (inf where its weight is nonzero), never 0 * inf = NaN elsewhere."""
+    t = _case(4, False, "gptq_v2", 16, False, 9)
+    g_idx = (torch.arange(K, dtype=torch.int32) // 8) % (K // 16)  # 8-row groups: two per k16 step
+    a = torch.randn(1, K, generator=torch.Generator().manual_seed(9)).to(torch.float16)
+    a[0, 3] = float("inf")
+    W = _reference(t, 4, "gptq_v2", g_idx)
+    out = _run(emulated, a, dict(t, g_idx=g_idx), 4, "gptq_v2", "unshuffled")[0].double().numpy()
+    w3 = W[3]
+    assert np.all(np.isposinf(out[w3 > 0])) and np.all(np.isneginf(out[w3 < 0]))
+    assert np.all(np.isnan(out[w3 == 0])), "inf times a zero weight is NaN, as in any product"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("layout,group_size", [("trivial", 64), ("trivial", 96), ("shuffled", 64), ("unshuffled", 64)])
+def test_fused_kernel_matches_the_reference(emulated, dtype, bits, layout, group_size):
+    """The fused kernel (fp32 activations, 3-bit, and K or groups the
+    tensor-core kernel does not take): every bit width, each of its row
+    counts per block (1, 2, 4, 8), two 512-row chunks the second partial (in
+    two K splits), a partial column tile, groups that split a 3-bit pack of 32 rows (96), shuffled weights reading
+    the activations through q_perm, unsorted act-order rows row by row."""
+    K2, N2 = 576, 288  # 3-bit zeros pack 32 columns to 3 words
+    rng = np.random.default_rng([bits, group_size, len(layout)])
+    ckpt = ref.random_checkpoint(rng, K2, N2, bits, group_size, False, "gptq_v2", layout != "trivial")
+    t = {k: torch.from_numpy(np.ascontiguousarray(ckpt[k])) for k in ("qweight", "qzeros", "scales", "g_idx")}
+    W = _reference(t, bits, "gptq_v2")
+    qweight, g_idx, perm = _layout(t, bits, layout)
+    for M in (1, 2, 3, 7):
+        a = torch.randn(M, K2, generator=torch.Generator().manual_seed(M)).to(dtype)
+        out = emulated.gptq_gemv(a, qweight, t["qzeros"], t["scales"], g_idx, perm, bits, True, 2)
+        assert out.dtype == dtype and out.shape == (M, N2)
+        assert_close_to_reference(out, a, W, f"{layout} M={M}")
