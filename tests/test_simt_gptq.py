@@ -8,62 +8,21 @@ decoding, group handling, the cp.async pipeline and split-K run as written,
 with mma.sync, cp.async and the warp votes and shuffles emulated from the PTX
 ISA's definitions. What the emulator cannot check (the PTX strings themselves,
 timing, memory-model subtleties beyond cp.async's two orders) the GPU runs of
-tests/test_gptq_gemm.py check. It needs the CUDA toolkit's headers (nvcc on
-PATH, or CUDA_HOME), as CI's compile check (`make cuda-check`) does.
+tests/test_gptq_gemm.py check. Built by simt_kernels.py.
 """
-
-import os
-import pathlib
-import re
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
 import torch
 
 import gptq_reference as ref
+import simt_kernels
 from test_gptq_gemm import assert_close_to_reference
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-SIMT = ROOT / "tests" / "simt"
-
-
-def _toolkit_includes():
-    """The CUDA toolkit's include folders, from CUDA_HOME or from nvcc's own plan."""
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if home and (pathlib.Path(home) / "include" / "cuda_runtime.h").exists():
-        return [str(pathlib.Path(home) / "include")]
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        return []
-    plan = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
-                          capture_output=True, text=True).stderr
-    return re.findall(r'(?:-I|-isystem" ")"?([^"\s]+)', plan)
 
 
 @pytest.fixture(scope="module")
 def emulated():
-    from torch.utils import cpp_extension
-
-    includes = [p for p in _toolkit_includes() if os.path.isdir(p)]
-    if not any(os.path.exists(os.path.join(p, "cuda_runtime.h")) for p in includes):
-        pytest.skip("the CUDA toolkit's headers are not installed (nvcc not on PATH, no CUDA_HOME)")
-    build = ROOT / "build" / "simt"
-    # A CPU-only torch lacks the one header CMake generates for CUDA builds (as in .ci/cuda_compile_check.sh).
-    stub = build / "include"
-    macros = stub / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
-    macros.parent.mkdir(parents=True, exist_ok=True)
-    if not macros.exists():
-        macros.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
-    return cpp_extension.load(
-        name="lowbit_simt_gptq",
-        sources=[str(SIMT / "gptq_kernels.cpp")],
-        extra_include_paths=[str(ROOT / "csrc"), str(SIMT), *includes, str(stub)],
-        extra_cflags=["-O1", "-std=c++17"],
-        build_directory=str(build),
-        verbose=False,
-    )
+    return simt_kernels.load("gptq_kernels.cpp")
 
 
 K, N = 256, 272  # 4 pipeline chunks; 3 column tiles, the last of 16 columns

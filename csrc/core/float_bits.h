@@ -79,7 +79,7 @@ LOWBIT_HD float ue4m3_to_fp32_half(uint8_t x) {
 
 // a * b and a * b + c with every operation rounded separately.
 LOWBIT_HD float mul_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
+#if LOWBIT_DEVICE_PATH
   return __fmul_rn(a, b);
 #else
   return a * b;
@@ -87,7 +87,7 @@ LOWBIT_HD float mul_rn(float a, float b) {
 }
 
 LOWBIT_HD float add_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
+#if LOWBIT_DEVICE_PATH
   return __fadd_rn(a, b);
 #else
   return a + b;
@@ -105,14 +105,14 @@ LOWBIT_HD uint32_t load_u32(const uint8_t* p) {
 // on the GPU, where the unaligned forms cost a byte load each (the CPU's
 // compilers make one load of either).
 LOWBIT_HD uint16_t load_h2(const uint8_t* p) {
-#if defined(__CUDA_ARCH__)
+#if LOWBIT_DEVICE_PATH
   return *reinterpret_cast<const uint16_t*>(p);
 #else
   return load_u16(p);
 #endif
 }
 LOWBIT_HD uint32_t load_w4(const uint8_t* p) {
-#if defined(__CUDA_ARCH__)
+#if LOWBIT_DEVICE_PATH
   return *reinterpret_cast<const uint32_t*>(p);
 #else
   return load_u32(p);

@@ -50,7 +50,7 @@ struct Slice {
 // 16-bit loads would take 2N. Nothing past the run is read.
 template <int Align, int N>
 LOWBIT_HD void load_words(const uint8_t* p, uint32_t (&w)[N]) {
-#if defined(__CUDA_ARCH__)
+#if LOWBIT_DEVICE_PATH
   if constexpr (Align == 16) {
     static_assert(N % 4 == 0, "128-bit loads give words in fours");
     const uint4* v = reinterpret_cast<const uint4*>(p);
@@ -102,7 +102,7 @@ LOWBIT_HD uint32_t bits_to_bytes(uint32_t x) { return (x * 0x00204081u) & 0x0101
 // __byte_perm(lo, hi, sel) for selector nibbles 0-7: byte k of the result
 // is byte (sel >> 4k) & 7 of the eight bytes lo, hi.
 LOWBIT_HD uint32_t byte_perm(uint32_t lo, uint32_t hi, uint32_t sel) {
-#if defined(__CUDA_ARCH__)
+#if LOWBIT_DEVICE_PATH
   return __byte_perm(lo, hi, sel);
 #else
   const uint8_t bytes[8] = {static_cast<uint8_t>(lo), static_cast<uint8_t>(lo >> 8), static_cast<uint8_t>(lo >> 16),
@@ -339,7 +339,7 @@ struct SliceCodec<Type::IQ4_XS> {  // d | scales_h (uint16) | scales_l[4] | qs[1
 template <Type T>
 LOWBIT_HD void slice_dot(const Slice<T>& w, const ActRow& a, int64_t first, float& acc) {
   using I = TypeInfo<T>;
-#if defined(__CUDA_ARCH__)
+#if LOWBIT_DEVICE_PATH
   constexpr int kWords = I::kSub / 4;
   uint32_t x[8];
   load_words<16>(reinterpret_cast<const uint8_t*>(a.q + first), x);
@@ -354,7 +354,7 @@ LOWBIT_HD void slice_dot(const Slice<T>& w, const ActRow& a, int64_t first, floa
 #endif
   LOWBIT_UNROLL
   for (int s = 0; s < Slice<T>::kSubs; ++s) {
-#if defined(__CUDA_ARCH__)
+#if LOWBIT_DEVICE_PATH
     int32_t isum = 0;
     LOWBIT_UNROLL
     for (int i = 0; i < kWords; ++i) {

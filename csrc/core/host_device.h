@@ -9,6 +9,16 @@
 #define LOWBIT_HD inline
 #endif
 
+// The device's code paths of the shared helpers (word loads, __dp4a, ...):
+// compiled for the GPU, and as host code for the CPU emulator of the CUDA
+// execution model (tests/simt), which defines LOWBIT_SIMT_HOST and the CUDA
+// built-ins they call. The CPU build takes the other paths.
+#if defined(__CUDA_ARCH__) || defined(LOWBIT_SIMT_HOST)
+#define LOWBIT_DEVICE_PATH 1
+#else
+#define LOWBIT_DEVICE_PATH 0
+#endif
+
 // Unrolls the loop that follows (a pack's fields, at compile-time shifts).
 #if defined(__CUDACC__)
 #define LOWBIT_UNROLL _Pragma("unroll")

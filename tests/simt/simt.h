@@ -23,6 +23,9 @@
 // host compiler lacks (threadIdx, __syncthreads, __shfl_xor_sync, ...).
 #pragma once
 
+// The shared helpers' device paths (core/host_device.h: LOWBIT_DEVICE_PATH).
+#define LOWBIT_SIMT_HOST 1
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -41,8 +44,6 @@
 #include <thread>
 #include <type_traits>
 #include <vector>
-
-#include "core/ggml_slices.h"
 
 namespace lowbit {
 namespace simt {
@@ -323,7 +324,26 @@ inline T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = 32) {
   });
 }
 
-inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) { return ::lowbit::ggml::byte_perm(x, y, s); }
+// Byte k of the result is byte (s >> 4k) & 7 of the eight bytes x, y.
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const uint64_t bytes = (uint64_t{y} << 32) | x;
+  unsigned r = 0;
+  for (int k = 0; k < 4; ++k) r |= static_cast<unsigned>((bytes >> (8 * ((s >> (4 * k)) & 7))) & 0xffu) << (8 * k);
+  return r;
+}
+
+inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned shift) {
+  return static_cast<unsigned>(((uint64_t{hi} << 32) | lo) >> (shift & 31));
+}
+
+// c plus the four products of the signed bytes of a and b.
+inline int __dp4a(int a, int b, int c) {
+  for (int k = 0; k < 4; ++k) c += static_cast<int8_t>(a >> (8 * k)) * static_cast<int8_t>(b >> (8 * k));
+  return c;
+}
+
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
 
 template <typename T>
 inline T __ldg(const T* p) {

@@ -1,0 +1,75 @@
+"""The CUDA GGUF matmul kernels (csrc/cuda/ggml_matvec_kernels.cuh) run on the
+CPU emulator of the CUDA execution model (tests/simt/simt.h), against the CPU's
+ggml_mul_mat_vec_a8 and ggml_mul_mat_id: the activation quantizer (a warp per
+block, shuffles), the lane-group matvec with the shared helpers' device paths
+(word loads, funnel shifts, __dp4a), and the device-side grouping of (token,
+slot) pairs by expert. The integer sums are exact in both; only the order of
+the fp32 sums differs, hence the tolerance. Built by simt_kernels.py.
+"""
+import numpy as np
+import pytest
+import torch
+
+import gguf_blocks as gb
+import simt_kernels
+
+ops = torch.ops.lowbit
+QUANTIZED = [name for name in gb.TYPES if name not in gb.FLOAT_TYPES]
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    return simt_kernels.load("gguf_kernels.cpp")
+
+
+def _close(got, want):
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_matvec_matches_the_cpu(emulated, name):
+    """Every quantized type; 10 activation rows (a launch of 8, one of 2);
+    rows that leave the last block's lane groups partly idle; a row of
+    infinities (its blocks' non-finite form) and one of zeros."""
+    rows, n = 37, 512
+    W = torch.from_numpy(gb.random_blocks(np.random.default_rng(3), name, rows, n)).reshape(-1)
+    x = torch.randn(10, n, generator=torch.Generator().manual_seed(4))
+    x[6] = 0.0
+    x[8, 100] = float("inf")
+    want = ops.ggml_mul_mat_vec_a8(W, x, gb.type_id(name), rows)
+    got = emulated.mul_mat(W, x, gb.type_id(name), rows, 3)
+    finite = torch.isfinite(want).all(dim=1)
+    _close(got[finite], want[finite])
+    torch.testing.assert_close(got[~finite], want[~finite], equal_nan=True)
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "per-pair"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS", "Q2_K", "MXFP4"])
+@pytest.mark.parametrize("tokens, slots, per_slot", [(1, 2, False), (6, 3, False), (5, 2, True)])
+def test_mul_mat_id_matches_the_cpu(emulated, name, tokens, slots, per_slot, grouped):
+    """Each pair's product with its expert's rows, grouped by expert on the
+    device (unchosen experts, an expert over one 8-pair pass, repeated
+    experts) or a pass per pair."""
+    experts, rows, n = 5, 24, 256
+    W = torch.from_numpy(gb.random_blocks(np.random.default_rng(5), name, experts * rows, n)).view(experts, rows, -1)
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.randint(0, experts - 1, (tokens, slots), generator=g, dtype=torch.int32)  # expert 4 unchosen
+    if tokens == 6:
+        ids[:, :2] = 2  # two slots of every token on expert 2: 12+ pairs, two passes of 8
+    x = torch.randn(*((tokens, slots, n) if per_slot else (tokens, n)), generator=g)
+    want = ops.ggml_mul_mat_id(W, x, ids, gb.type_id(name), rows).view(-1, rows)
+    got = emulated.mul_mat_id(W, x.reshape(-1, n), ids.reshape(-1), gb.type_id(name), rows, slots, per_slot, grouped)
+    _close(got, want)
+
+
+def test_grouping_past_the_block_threads(emulated):
+    """More experts (1500) than the grouping block's 1024 threads: a thread
+    counts and lists two neighbouring experts, both chosen here, and the
+    chosen ones reach the grouped matvec in expert order."""
+    experts, rows, n = 1500, 8, 256
+    W = torch.from_numpy(gb.random_blocks(np.random.default_rng(7), "Q4_0", experts * rows, n)).view(experts, rows, -1)
+    ids = torch.tensor([[1001, 1000, 3], [1499, 1000, 1001], [2, 3, 1498]], dtype=torch.int32)
+    x = torch.randn(3, n, generator=torch.Generator().manual_seed(7))
+    want = ops.ggml_mul_mat_id(W, x, ids, gb.type_id("Q4_0"), rows).view(-1, rows)
+    got = emulated.mul_mat_id(W, x, ids.reshape(-1), gb.type_id("Q4_0"), rows, 3, False, True)
+    _close(got, want)
