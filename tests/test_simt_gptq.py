@@ -25,6 +25,73 @@ def emulated():
     return simt_kernels.load("gptq_kernels.cpp")
 
 
+MMA_DTYPES = pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+
+
+def _mma(emulated, a, b, c=None):
+    c = torch.zeros(16, 8) if c is None else c
+    return emulated.mma_tile(a, b, c.float()).double()
+
+
+@MMA_DTYPES
+def test_mma_tile_matches_the_product(emulated, dtype):
+    """The emulated mma.sync.m16n8k16.row.col.f32.{f16,bf16} against A @ B + C,
+    each lane's fragments built by gptq_kernels.cpp's mma_tile from the layout
+    the PTX ISA gives (section "Matrix Fragments for mma.m16n8k16 with floating
+    point type"; CUTLASS's cute MMA_Traits<SM80_16x8x16_F16F16F16F16_TN>, which
+    the F32 accumulator traits inherit, states the same as (thread, value) ->
+    (m, k) / (n, k) / (m, n) maps), not from the emulator or the kernels.
+
+    A lane splits into group = lane // 4 (0..7) and tig = lane % 4. Its A
+    fragment is 8 values in 4 registers, two to a register with the lower
+    index in the low 16 bits: value i sits at row group (+ 8 where bit 1 of i
+    is set) and column 2 * tig + (i & 1) (+ 8 where bit 2 is set), so the
+    registers cover (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15),
+    (rows 8-15, k 8-15). B (16 x 8, "col": a lane's values run down K) is 4
+    values in 2 registers: value i at row 2 * tig + (i & 1) (+ 8 where bit 1 is
+    set), column group. C and D are 4 fp32 values: value i at row group (+ 8
+    for i >= 2), column 2 * tig + (i & 1).
+
+    Identity and distinct-integer matrices place every element of A, B and D
+    (a swapped row half, K half, register half or lane role moves a distinct
+    value and fails exactly); small-integer sums are exact in fp32, so those
+    compare with ==; random values compare within (K + 1) fp32 roundings of
+    the sum of the terms' magnitudes, far below what a misplaced element adds.
+    One misreading no product can show: the same permutation of K in A and B
+    (both operands' register halves swapped, say) leaves A @ B as it is."""
+    eye = torch.eye(16, dtype=dtype)
+    a_ids = (torch.arange(256).reshape(16, 16) + 1).to(dtype)  # 1..256, exact in fp16 and bf16
+    b_ids = (torch.arange(128).reshape(16, 8) + 1).to(dtype)
+    c_ids = -(torch.arange(128).reshape(16, 8) + 1).float() * 1024
+    # A = I: D is B itself, every B element in its place; C offsets every D element distinctly.
+    assert torch.equal(_mma(emulated, eye, b_ids, c_ids), b_ids.double() + c_ids.double())
+    # B picks A's columns 0-7, then 8-15: D is those columns of A.
+    for half in (0, 1):
+        pick = eye[:, 8 * half:8 * half + 8].contiguous()
+        assert torch.equal(_mma(emulated, a_ids, pick), a_ids[:, 8 * half:8 * half + 8].double()), f"K half {half}"
+    # One nonzero of A at a time (row m, column k) against B = distinct integers: D is row k of B in row m.
+    for m in range(16):
+        for k in range(16):
+            a = torch.zeros(16, 16, dtype=dtype)
+            a[m, k] = 1
+            want = torch.zeros(16, 8, dtype=torch.float64)
+            want[m] = b_ids[k].double()
+            assert torch.equal(_mma(emulated, a, b_ids), want), f"A[{m}, {k}]"
+
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(4):
+        a = torch.randint(-8, 9, (16, 16), generator=gen).to(dtype)
+        b = torch.randint(-8, 9, (16, 8), generator=gen).to(dtype)
+        c = torch.randint(-64, 65, (16, 8), generator=gen).float()
+        assert torch.equal(_mma(emulated, a, b, c), a.double() @ b.double() + c.double())
+        a = torch.randn(16, 16, generator=gen).to(dtype)
+        b = torch.randn(16, 8, generator=gen).to(dtype)
+        c = torch.randn(16, 8, generator=gen)
+        want = a.double() @ b.double() + c.double()
+        bound = 17 * 2.0 ** -24 * (a.double().abs() @ b.double().abs() + c.double().abs())
+        assert torch.all((_mma(emulated, a, b, c) - want).abs() <= bound)
+
+
 K, N = 256, 272  # 4 pipeline chunks; 3 column tiles, the last of 16 columns
 
 

@@ -3,7 +3,8 @@
 // CUDA-core one (csrc/cuda/gptq_gemv_kernel.cuh), their own code on CPU
 // tensors. The caller chooses the split-K count (the op plans it from the
 // GPU's multiprocessors); the slices are summed in split order in fp32 and
-// rounded once, as launch_splitk_reduce does.
+// rounded once, as launch_splitk_reduce does. mma_tile runs one mma.sync on
+// one warp, for test_simt_gptq.py's check of the emulated fragment layout.
 #include "simt.h"
 
 #include <torch/extension.h>
@@ -144,9 +145,56 @@ at::Tensor gptq_gemv(const at::Tensor& a, const at::Tensor& qweight, const at::T
   return out;
 }
 
+// D = A @ B + C by one warp's mma16816, each lane's fragments gathered from
+// (and D scattered to) the whole row-major matrices A [16, 16], B [16, 8] and
+// C [16, 8] by the PTX ISA's m16n8k16 layout, written out here apart from the
+// emulator's and the kernels' own (test_mma_tile_matches_the_product states
+// it): lane = 4 * group + tig; A's a0..a7 at row group + 8 * bit 1 of i,
+// column 2 * tig + bit 0 + 8 * bit 2; B's b0..b3 at row 2 * tig + bit 0 +
+// 8 * bit 1, column group; C's and D's c0..c3 at row group + 8 * bit 1,
+// column 2 * tig + bit 0. Each 32-bit register holds the lower index in its
+// low half.
+template <typename T>
+void mma_warp(const uint16_t* A, const uint16_t* B, const float* C, float* D) {
+  lowbit::simt::Launch cfg;
+  cfg.grid = dim3(1);
+  cfg.block = dim3(32);
+  lowbit::simt::launch(cfg, [&] {
+    const int lane = static_cast<int>(threadIdx.x), group = lane >> 2, tig = lane & 3;
+    auto pack = [](uint16_t lo, uint16_t hi) { return uint32_t{lo} | uint32_t{hi} << 16; };
+    auto a_at = [&](int i) { return A[(group + 8 * ((i >> 1) & 1)) * 16 + 2 * tig + (i & 1) + 8 * (i >> 2)]; };
+    auto b_at = [&](int i) { return B[(2 * tig + (i & 1) + 8 * (i >> 1)) * 8 + group]; };
+    auto cd_at = [&](int i) { return (group + 8 * (i >> 1)) * 8 + 2 * tig + (i & 1); };
+    uint32_t a[4];
+    for (int r = 0; r < 4; ++r) a[r] = pack(a_at(2 * r), a_at(2 * r + 1));
+    const uint32_t b0 = pack(b_at(0), b_at(1)), b1 = pack(b_at(2), b_at(3));
+    float d[4];
+    for (int i = 0; i < 4; ++i) d[i] = C[cd_at(i)];
+    lowbit::cuda::mma16816<T>(d, a, b0, b1);
+    for (int i = 0; i < 4; ++i) D[cd_at(i)] = d[i];
+  });
+}
+
+at::Tensor mma_tile(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+  TORCH_CHECK(a.sizes() == at::IntArrayRef({16, 16}) && b.sizes() == at::IntArrayRef({16, 8}) &&
+              c.sizes() == at::IntArrayRef({16, 8}), "mma_tile takes A [16, 16], B [16, 8], C [16, 8]");
+  TORCH_CHECK((a.scalar_type() == at::kHalf || a.scalar_type() == at::kBFloat16) &&
+              b.scalar_type() == a.scalar_type() && c.scalar_type() == at::kFloat);
+  const at::Tensor A = a.contiguous(), B = b.contiguous(), C = c.contiguous();
+  at::Tensor D = at::empty({16, 8}, C.options());
+  auto bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
+  if (a.scalar_type() == at::kHalf) {
+    mma_warp<__half>(bits(A), bits(B), C.data_ptr<float>(), D.data_ptr<float>());
+  } else {
+    mma_warp<__nv_bfloat16>(bits(A), bits(B), C.data_ptr<float>(), D.data_ptr<float>());
+  }
+  return D;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gptq_mma", &gptq_mma);
   m.def("gptq_gemv", &gptq_gemv);
+  m.def("mma_tile", &mma_tile);
 }
