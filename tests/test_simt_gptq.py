@@ -95,9 +95,10 @@ def test_mma_tile_matches_the_product(emulated, dtype):
 K, N = 256, 272  # 4 pipeline chunks; 3 column tiles, the last of 16 columns
 
 
-def _case(bits, sym, fmt, group_size, act_order, seed):
+def _case(bits, fmt, group_size, act_order, seed, shape=(K, N)):
+    """A random asymmetric checkpoint (every zero point in its range)."""
     rng = np.random.default_rng(seed)
-    ckpt = ref.random_checkpoint(rng, K, N, bits, group_size, sym, fmt, act_order)
+    ckpt = ref.random_checkpoint(rng, *shape, bits, group_size, False, fmt, act_order)
     return {k: torch.from_numpy(np.ascontiguousarray(ckpt[k])) for k in ("qweight", "qzeros", "scales", "g_idx")}
 
 
@@ -130,12 +131,12 @@ def _reference(t, bits, fmt, g_idx=None):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("bits", [2, 4, 8])
-@pytest.mark.parametrize("fmt,sym", [("gptq", False), ("gptq_v2", False)], ids=["v1-asym", "v2-asym"])
+@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"], ids=["v1", "v2"])
 @pytest.mark.parametrize("layout,group_size", [("trivial", 32), ("trivial", 16), ("shuffled", 64), ("unshuffled", 64)])
-def test_kernel_matches_the_reference(emulated, dtype, bits, fmt, sym, layout, group_size):
+def test_kernel_matches_the_reference(emulated, dtype, bits, fmt, layout, group_size):
     """Every bit width and zero format, both dtypes; sorted groups (one pass per
     k16 step) and act-order rows left unsorted (a pass per group in a step)."""
-    t = _case(bits, sym, fmt, group_size, layout != "trivial", [bits, group_size, len(fmt), sym])
+    t = _case(bits, fmt, group_size, layout != "trivial", [bits, group_size, len(fmt)])
     W = _reference(t, bits, fmt)
     for M in (1, 17):  # one m16 tile with 15 rows of padding; two with a partial second
         a = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
@@ -150,7 +151,7 @@ def test_pipeline_and_split_k(emulated, splits, copies_at_issue):
     """Whatever the split of K and whenever cp.async's copies land (the latest
     and the earliest a GPU may complete them), the same result; rows past M
     (M = 40: a second block of two m16 tiles, 8 rows of them real) stay out."""
-    t = _case(4, False, "gptq_v2", 32, False, 7)
+    t = _case(4, "gptq_v2", 32, False, 7)
     W = _reference(t, 4, "gptq_v2")
     a = torch.randn(40, K, generator=torch.Generator().manual_seed(3)).to(torch.float16)
     out = _run(emulated, a, t, 4, "gptq_v2", "trivial", splits, copies_at_issue)
@@ -166,7 +167,7 @@ def test_any_g_idx(emulated, dtype, order):
     to the next group (each of a lane's four rows, in every lane, is once the
     only one of another group: the step takes a pass per group)."""
     rng = np.random.default_rng(5)
-    t = _case(4, False, "gptq", 16, False, 5)
+    t = _case(4, "gptq", 16, False, 5)
     if order == "random":
         g_idx = torch.from_numpy(rng.integers(0, K // 16, size=K).astype(np.int32))
     elif order == "sorted-17":
@@ -185,7 +186,7 @@ def test_an_infinite_activation_stays_in_its_group(emulated):
     """A step whose rows span groups zeroes the other groups' activations as
     well as their weights: an infinite activation reaches only its own output
     sums (inf where its weight is nonzero), never 0 * inf = NaN elsewhere."""
-    t = _case(4, False, "gptq_v2", 16, False, 9)
+    t = _case(4, "gptq_v2", 16, False, 9)
     g_idx = (torch.arange(K, dtype=torch.int32) // 8) % (K // 16)  # 8-row groups: two per k16 step
     a = torch.randn(1, K, generator=torch.Generator().manual_seed(9)).to(torch.float16)
     a[0, 3] = float("inf")
@@ -206,9 +207,7 @@ def test_fused_kernel_matches_the_reference(emulated, dtype, bits, layout, group
     two K splits), a partial column tile, groups that split a 3-bit pack of 32 rows (96), shuffled weights reading
     the activations through q_perm, unsorted act-order rows row by row."""
     K2, N2 = 576, 288  # 3-bit zeros pack 32 columns to 3 words
-    rng = np.random.default_rng([bits, group_size, len(layout)])
-    ckpt = ref.random_checkpoint(rng, K2, N2, bits, group_size, False, "gptq_v2", layout != "trivial")
-    t = {k: torch.from_numpy(np.ascontiguousarray(ckpt[k])) for k in ("qweight", "qzeros", "scales", "g_idx")}
+    t = _case(bits, "gptq_v2", group_size, layout != "trivial", [bits, group_size, len(layout)], (K2, N2))
     W = _reference(t, bits, "gptq_v2")
     qweight, g_idx, perm = _layout(t, bits, layout)
     for M in (1, 2, 3, 7):
