@@ -91,12 +91,6 @@ using matvec::matvec_kernel;
 using matvec::quantize_acts_kernel;
 using matvec::QuantizedActs;
 
-// Units (slices or blocks, see the top of the file) per row of a type.
-template <ggml::Type T>
-int64_t units_per_row(int64_t blocks_per_row) {
-  return ggml::kSliced<T> ? blocks_per_row * (TypeInfo<T>::kBlock / ggml::kSliceElems) : blocks_per_row;
-}
-
 // Quantized activations of x [M, n] in the format T pairs with; the tensors
 // own the memory QuantizedActs points into.
 template <Act A>
@@ -122,12 +116,6 @@ ActBuffers<A> quantize_acts(const at::Tensor& x) {
   }
   b.view = {b.q.template data_ptr<int8_t>(), b.d.template data_ptr<float>(), b.sum.template data_ptr<float>(), n};
   return b;
-}
-
-int log2_lanes_for(int64_t units_per_row) {
-  int lg = 0;
-  while (lg < 5 && (int64_t{1} << lg) < units_per_row) ++lg;
-  return lg;
 }
 
 // Slices read whole words of W (ggml::kSliceAlign): a sliced type's weight
@@ -158,7 +146,7 @@ void mul_mat_fused(const uint8_t* W, int64_t rows, const at::Tensor& x, at::Tens
   } else {
     const ActBuffers<I::kAct> acts = quantize_acts<I::kAct>(x);
     const int64_t blocks_per_row = n / I::kBlock;
-    const int lg = log2_lanes_for(units_per_row<T>(blocks_per_row));
+    const int lg = matvec::lanes_log2<T>(blocks_per_row);
     const int64_t rows_per_block = int64_t{kWarps} * (32 >> lg);
     const unsigned int blocks = static_cast<unsigned int>(ceil_div(rows, rows_per_block));
     for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
@@ -238,7 +226,7 @@ at::Tensor ggml_mul_mat_id(const at::Tensor& W, const at::Tensor& X, const at::T
     using I = TypeInfo<T>;
     const at::Tensor Wa = slice_aligned<T>("ggml_mul_mat_id", W);
     const int64_t blocks_per_row = c.n / I::kBlock;
-    const int lg = log2_lanes_for(units_per_row<T>(blocks_per_row));
+    const int lg = matvec::lanes_log2<T>(blocks_per_row);
     const unsigned int row_blocks = static_cast<unsigned int>(ceil_div(row, int64_t{kWarps} * (32 >> lg)));
     const int32_t* id = c.ids.data_ptr<int32_t>();
     void* o = out.data_ptr();

@@ -25,6 +25,16 @@ constexpr int kMaxRows = 8;
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 
+// log2 of the lanes of a group that owns one weight row: about the row's
+// units (32-element slices for the sliced types, else blocks), at most 32.
+template <ggml::Type T>
+inline int lanes_log2(int64_t blocks_per_row) {
+  const int64_t units = ggml::kSliced<T> ? blocks_per_row * (TypeInfo<T>::kBlock / ggml::kSliceElems) : blocks_per_row;
+  int lg = 0;
+  while (lg < 5 && (int64_t{1} << lg) < units) ++lg;
+  return lg;
+}
+
 // The exact integer sum of n int8 products, 4 per __dp4a (n % 4 == 0; both
 // pointers 4-byte aligned: a sub-block of a Decoded<T> or of an activation
 // row, whose offsets are multiples of 16).

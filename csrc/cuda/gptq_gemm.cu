@@ -112,7 +112,7 @@ void launch_gemv(const GemvArgs& args, int64_t blocks) {
 
 void gemm_fused(const at::Tensor& a2, const GptqView& w, const at::Tensor& perm, int64_t bit, at::Tensor& out) {
   const int64_t M = a2.size(0);
-  const int mt = M <= 1 ? 1 : (M <= 2 ? 2 : (M <= 4 ? 4 : 8));
+  const int mt = gemv::rows_per_block(M);
   at::Tensor partial;
   int64_t blocks = 0;
   GemvArgs args;

@@ -26,6 +26,9 @@ constexpr int kTargetBlocksPerSM = 4;
 constexpr uint32_t kMagicBits = 0x4B000000u;
 constexpr float kMagic = 8388608.0f;
 
+// Activation rows per block (the kernel's MT) for M rows.
+inline int rows_per_block(int64_t M) { return M <= 1 ? 1 : (M <= 2 ? 2 : (M <= 4 ? 4 : 8)); }
+
 struct GemvArgs {
   GptqView w;
   const void* a;  // [M, K] contiguous

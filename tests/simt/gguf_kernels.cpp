@@ -48,15 +48,6 @@ Acts<A> quantize(const at::Tensor& x, unsigned blocks) {
   return b;
 }
 
-template <ggml::Type T>
-int lanes_log2(int64_t blocks_per_row) {
-  const int64_t units =
-      ggml::kSliced<T> ? blocks_per_row * (ggml::TypeInfo<T>::kBlock / ggml::kSliceElems) : blocks_per_row;
-  int lg = 0;
-  while (lg < 5 && (int64_t{1} << lg) < units) ++lg;
-  return lg;
-}
-
 // out [M, rows] = x [M, n] @ dequant(W).T for a quantized type.
 at::Tensor mul_mat(const at::Tensor& W, const at::Tensor& x, int64_t type, int64_t rows, int64_t quantizer_blocks) {
   at::Tensor out = at::empty({x.size(0), rows}, x.options());
@@ -68,7 +59,7 @@ at::Tensor mul_mat(const at::Tensor& W, const at::Tensor& x, int64_t type, int64
     } else {
       const Acts<I::kAct> acts = quantize<I::kAct>(x, static_cast<unsigned>(quantizer_blocks));
       const int64_t M = x.size(0), blocks_per_row = x.size(1) / I::kBlock;
-      const int lg = lanes_log2<T>(blocks_per_row);
+      const int lg = mv::lanes_log2<T>(blocks_per_row);
       const int64_t rows_per_block = int64_t{mv::kWarps} * (32 >> lg);
       const auto cfg = grid(dim3(static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block)), mv::kThreads);
       for (int64_t m0 = 0; m0 < M; m0 += mv::kMaxRows) {
@@ -98,7 +89,7 @@ at::Tensor mul_mat_id(const at::Tensor& W, const at::Tensor& x, const at::Tensor
     } else {
       const Acts<I::kAct> acts = quantize<I::kAct>(x, 2);
       const int64_t blocks_per_row = x.size(1) / I::kBlock;
-      const int lg = lanes_log2<T>(blocks_per_row);
+      const int lg = mv::lanes_log2<T>(blocks_per_row);
       const unsigned row_blocks = static_cast<unsigned>((rows + int64_t{mv::kWarps} * (32 >> lg) - 1) /
                                                         (int64_t{mv::kWarps} * (32 >> lg)));
       const int32_t* id = ids.data_ptr<int32_t>();

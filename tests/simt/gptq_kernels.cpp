@@ -120,7 +120,7 @@ at::Tensor gptq_gemv(const at::Tensor& a, const at::Tensor& qweight, const at::T
   TORCH_CHECK(a.dim() == 2 && a.is_contiguous());
   const GptqView w = view(qweight, qzeros, scales, g_idx, a.size(1), bit, v2);
   const int64_t M = a.size(0);
-  const int mt = M <= 1 ? 1 : (M <= 2 ? 2 : (M <= 4 ? 4 : 8));  // gemm_fused's choice
+  const int mt = gemv::rows_per_block(M);
   at::Tensor out = at::empty({M, w.N}, a.options()), partial;
   gemv::GemvArgs args;
   args.w = w;
