@@ -73,3 +73,35 @@ def test_grouping_past_the_block_threads(emulated):
     want = ops.ggml_mul_mat_id(W, x, ids, gb.type_id("Q4_0"), rows).view(-1, rows)
     got = emulated.mul_mat_id(W, x, ids.reshape(-1), gb.type_id("Q4_0"), rows, 3, False, True)
     _close(got, want)
+
+
+SLICED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+
+
+@pytest.mark.parametrize("name", SLICED)
+def test_mmq_matches_the_cpu(emulated, name):
+    """The tensor-core kernel of every sliced type: 70 weight rows (a second
+    row tile, mostly past the end), 70 activation rows (a second column tile,
+    mostly past the end), 288 elements of K for the 32-element types (a
+    second stage of one slice), and an infinite and a zero activation row."""
+    block = 256 if name.endswith("_K") or name == "IQ4_XS" else 32
+    rows, n, M = 70, (512 if block == 256 else 288), 70
+    W = torch.from_numpy(gb.random_blocks(np.random.default_rng(11), name, rows, n)).reshape(-1)
+    x = torch.randn(M, n, generator=torch.Generator().manual_seed(12))
+    x[3] = 0.0
+    x[65, 7] = float("inf")
+    want = ops.ggml_mul_mat_vec_a8(W, x, gb.type_id(name), rows)
+    got = emulated.mul_mat_mmq(W, x, gb.type_id(name), rows, 2)
+    finite = torch.isfinite(want).all(dim=1)
+    _close(got[finite], want[finite])
+    torch.testing.assert_close(got[~finite], want[~finite], equal_nan=True)
+
+
+def test_mmq_column_tiles_past_the_grid(emulated):
+    """More activation tiles (3, M = 140) than the grid's column blocks (2):
+    block 0 takes tiles 0 and 2, as the launch does past 65535 tiles."""
+    rows, n, M = 24, 256, 140
+    W = torch.from_numpy(gb.random_blocks(np.random.default_rng(13), "Q4_K", rows, n)).reshape(-1)
+    x = torch.randn(M, n, generator=torch.Generator().manual_seed(14))
+    want = ops.ggml_mul_mat_vec_a8(W, x, gb.type_id("Q4_K"), rows)
+    _close(emulated.mul_mat_mmq(W, x, gb.type_id("Q4_K"), rows, 2), want)

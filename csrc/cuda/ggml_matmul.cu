@@ -30,12 +30,15 @@
 // group. Float experts, and more experts than the grouping holds, take a pass
 // per pair.
 //
-// Larger M (ggml_mul_mat_a8 only): the activations are quantized exactly as
-// above and expanded back to fp32 (d * q), W is dequantized to fp32 row tiles,
-// and cuBLAS multiplies them in fp32 (at::mm). That equals the integer path up
-// to fp32 rounding, except that it uses Q8_1's exact block sums where the
-// fused path (and the CPU) use its fp16-rounded `s` (the documented tolerance
-// covers both).
+// Larger M (ggml_mul_mat_a8 only): the sliced types take the tensor-core
+// kernel (ggml_mmq_kernel.cuh) on compute capability 8.0 and later: int8
+// mma.sync on the same quantized activations and decoded levels, the same
+// add_sub_block terms. The other types (and older GPUs) quantize the
+// activations exactly as above and expand them back to fp32 (d * q), dequantize
+// W to fp32 row tiles, and multiply them in fp32 by cuBLAS (at::mm). That
+// equals the integer path up to fp32 rounding, except that it uses Q8_1's
+// exact block sums where the fused path (and the CPU) use its fp16-rounded
+// `s` (the documented tolerance covers both).
 //
 // No host synchronisation: temporaries come from the caching allocator and
 // everything runs on the current stream (CUDA-graph capturable).
@@ -50,6 +53,7 @@
 #include "common.cuh"
 #include "ggml_cuda.cuh"
 #include "ggml_matvec_kernels.cuh"
+#include "ggml_mmq_kernel.cuh"
 #include "../ops/backend_ops.h"
 
 namespace lowbit {
@@ -67,13 +71,22 @@ using ggml::TypeInfo;
 // beats the cuBLAS path at M = 32 for every sliced type measured (0.26x for
 // Q6_K to 0.86x for Q8_0 of its time) and loses at M = 64 for Q4_0, Q4_K and
 // Q8_0; a block-decoding type's 8-row pass already costs 0.7-1.3x of the
-// cuBLAS path at M = 64, so a second one never pays.
+// cuBLAS path at M = 64, so a second one never pays. The sliced types'
+// large-M path is the tensor-core kernel where the GPU has one; their
+// crossover against it is not measured yet.
 // LOWBIT_CUDA_GGML_FUSED_MAX_M overrides it for the benchmark.
 constexpr char kGgmlFusedMaxMEnv[] = "LOWBIT_CUDA_GGML_FUSED_MAX_M";
 template <ggml::Type T>
 int64_t fused_max_m() {
   return crossover<kGgmlFusedMaxMEnv>(ggml::kSliced<T> ? 32 : 8);
 }
+// Largest M for which a sliced type's large-M call takes the tensor-core
+// kernel rather than the dequantize-and-SGEMM path; the default sends every
+// such M to it. LOWBIT_CUDA_GGML_MMQ_MAX_M overrides it for the benchmark
+// (0: never).
+constexpr char kGgmlMmqMaxMEnv[] = "LOWBIT_CUDA_GGML_MMQ_MAX_M";
+int64_t mmq_max_m() { return crossover<kGgmlMmqMaxMEnv>(std::numeric_limits<int64_t>::max()); }
+
 // fp32 bytes of W decoded per cuBLAS call on the large-M path.
 constexpr int64_t kDequantTileBytes = int64_t{256} << 20;
 
@@ -158,6 +171,22 @@ void mul_mat_fused(const uint8_t* W, int64_t rows, const at::Tensor& x, at::Tens
   }
 }
 
+// The large-M tensor-core path of a sliced type: out [M, rows] in out's dtype.
+template <ggml::Type T>
+void mul_mat_mmq(const uint8_t* W, int64_t rows, const at::Tensor& x, at::Tensor& out) {
+  using I = TypeInfo<T>;
+  const int64_t M = x.size(0), n = x.size(1);
+  const int64_t row_tiles = ceil_div(rows, mmq::kRows);
+  TORCH_CHECK(row_tiles <= std::numeric_limits<int32_t>::max(), "ggml_mul_mat_a8: ", rows,
+              " weight rows are too many for one launch");
+  const ActBuffers<I::kAct> acts = quantize_acts<I::kAct>(x);
+  const dim3 grid(static_cast<unsigned int>(row_tiles),
+                  static_cast<unsigned int>(std::min<int64_t>(ceil_div(M, mmq::kCols), 65535)));
+  mmq::mmq_kernel<T><<<grid, mmq::kThreads, 0, current_stream()>>>(W, rows, n / I::kBlock, acts.view, M,
+                                                                   out.data_ptr(), float_kind(out.scalar_type()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // The large-M path: fp32 activations (quantized and expanded for quantized
 // types) times fp32 row tiles of W, by cuBLAS.
 template <ggml::Type T>
@@ -204,9 +233,15 @@ at::Tensor ggml_mul_mat(const char* op, const at::Tensor& W, const at::Tensor& X
     const uint8_t* w = Wa.data_ptr<uint8_t>();
     if (any_m_fused || M <= fused_max_m<T>()) {
       mul_mat_fused<T>(w, row, x, out);
-    } else {
-      mul_mat_dequant_mm<T>(w, type, row, x, out);
+      return;
     }
+    if constexpr (ggml::kSliced<T>) {
+      if (M <= mmq_max_m() && compute_major(W.get_device()) >= 8) {
+        mul_mat_mmq<T>(w, row, x, out);
+        return;
+      }
+    }
+    mul_mat_dequant_mm<T>(w, type, row, x, out);
   });
   return out;
 }

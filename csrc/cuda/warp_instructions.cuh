@@ -29,6 +29,8 @@ void cp_async_commit();
 void cp_async_wait(int pending);
 // mma.sync.m16n8k16.row.col with fp32 accumulators, fp16 or bf16 operands.
 void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, bool bf16);
+// mma.sync.m16n8k16.row.col with int32 accumulators, int8 operands.
+void mma_m16n8k16_s8(int32_t (&d)[4], uint32_t a0, uint32_t a1, uint32_t b);
 
 }  // namespace simt
 
@@ -124,6 +126,23 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
 #endif
 #else
   simt::mma_m16n8k16(d, a, b0, b1, std::is_same_v<T, __nv_bfloat16>);
+#endif
+}
+
+// d += a (16x16 int8, row) @ b (16x8 int8, col) in int32, exactly: a0 holds
+// row lane / 4 and a1 row lane / 4 + 8, each at columns 4 (lane % 4) + 0..3;
+// b holds rows 4 (lane % 4) + 0..3 of column lane / 4.
+__device__ __forceinline__ void mma16816_s8(int32_t (&d)[4], uint32_t a0, uint32_t a1, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+#if __CUDA_ARCH__ >= 800
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+               : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+               : "r"(a0), "r"(a1), "r"(b));
+#else
+  CUDA_KERNEL_ASSERT(false && "mma.sync needs compute capability 8.0");
+#endif
+#else
+  simt::mma_m16n8k16_s8(d, a0, a1, b);
 #endif
 }
 

@@ -2,8 +2,9 @@
 // emulator, for tests/test_simt_gguf.py, launched as ggml_matmul.cu launches
 // them: the activation quantizer, then the fused matvec over 8 activation
 // rows at a time, or for ggml_mul_mat_id the grouping of (token, slot) pairs
-// by expert and the grouped matvec (or the matvec per pair). The shared
-// helpers run their device paths (LOWBIT_DEVICE_PATH): word loads, __dp4a.
+// by expert and the grouped matvec (or the matvec per pair); for large M, the
+// tensor-core kernel (csrc/cuda/ggml_mmq_kernel.cuh). The shared helpers run
+// their device paths (LOWBIT_DEVICE_PATH): word loads, __dp4a.
 #include "simt.h"
 
 #include <torch/extension.h>
@@ -11,11 +12,13 @@
 #include <algorithm>
 
 #include "cuda/ggml_matvec_kernels.cuh"
+#include "cuda/ggml_mmq_kernel.cuh"
 #include "ops/dispatch.h"
 
 namespace {
 
 namespace mv = lowbit::cuda::matvec;
+namespace mmq = lowbit::cuda::mmq;
 namespace ggml = lowbit::ggml;
 
 lowbit::simt::Launch grid(dim3 blocks, int threads) {
@@ -74,6 +77,31 @@ at::Tensor mul_mat(const at::Tensor& W, const at::Tensor& x, int64_t type, int64
   return out;
 }
 
+// out [M, rows] = x [M, n] @ dequant(W).T for a sliced type, by the
+// tensor-core kernel over a grid of at most grid_y column blocks (each then
+// takes every grid_y-th activation tile).
+at::Tensor mul_mat_mmq(const at::Tensor& W, const at::Tensor& x, int64_t type, int64_t rows, int64_t grid_y) {
+  at::Tensor out = at::empty({x.size(0), rows}, x.options());
+  lowbit::dispatch_ggml_type(type, [&](auto t) {
+    constexpr ggml::Type T = decltype(t)::value;
+    using I = ggml::TypeInfo<T>;
+    if constexpr (!ggml::kSliced<T>) {
+      TORCH_CHECK(false, "the tensor-core kernel takes the sliced types only");
+    } else {
+      const Acts<I::kAct> acts = quantize<I::kAct>(x, 2);
+      const int64_t M = x.size(0), tiles = (M + mmq::kCols - 1) / mmq::kCols;
+      const auto cfg = grid(dim3(static_cast<unsigned>((rows + mmq::kRows - 1) / mmq::kRows),
+                                 static_cast<unsigned>(std::min(tiles, grid_y))),
+                            mmq::kThreads);
+      lowbit::simt::launch(cfg, [&] {
+        mmq::mmq_kernel<T>(W.data_ptr<uint8_t>(), rows, x.size(1) / I::kBlock, acts.view, M, out.data_ptr(),
+                           lowbit::cuda::Float::F32);
+      });
+    }
+  });
+  return out;
+}
+
 // out [pairs, rows]: pair p's activation row (p, or p / slots unless
 // per_slot) times expert ids[p]'s rows of W [experts, rows, row bytes];
 // grouped: the pairs grouped by expert, else a pass per pair.
@@ -124,4 +152,5 @@ at::Tensor mul_mat_id(const at::Tensor& W, const at::Tensor& x, const at::Tensor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mul_mat", &mul_mat);
   m.def("mul_mat_id", &mul_mat_id);
+  m.def("mul_mat_mmq", &mul_mat_mmq);
 }

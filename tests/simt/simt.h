@@ -15,9 +15,10 @@
 //   while another warp reads it, gives wrong results in one of the two. A copy
 //   from outside the launch's global buffers (Launch::global) is skipped and
 //   launch() throws once the grid has run.
-// - mma.sync follows the PTX ISA's m16n8k16 fragment layout (groupID = lane / 4,
-//   threadID_in_group = lane % 4) and sums the 16 products of each output in
-//   double, rounded once to the fp32 accumulator.
+// - mma.sync follows the PTX ISA's m16n8k16 fragment layouts (groupID = lane / 4,
+//   threadID_in_group = lane % 4): fp16 / bf16 operands sum the 16 products of
+//   each output in double, rounded once to the fp32 accumulator; int8 operands
+//   sum exactly into int32.
 //
 // Include this before any kernel header; it declares the CUDA built-ins the
 // host compiler lacks (threadIdx, __syncthreads, __shfl_xor_sync, ...).
@@ -223,6 +224,28 @@ inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uin
       s += x * y;
     }
     out[r] = static_cast<float>(s);
+  }
+  w.barrier.wait();
+  for (int r = 0; r < 4; ++r) d[r] = out[r];
+}
+
+// Element (row, k) of A: lane (row % 8) * 4 + k / 4, register row >= 8,
+// byte k % 4. Element (k, col) of B: lane col * 4 + k / 4, byte k % 4.
+// Accumulators as mma_m16n8k16's; the int32 sums wrap as the hardware's do.
+inline void mma_m16n8k16_s8(int32_t (&d)[4], uint32_t a0, uint32_t a1, uint32_t b) {
+  Warp& w = warp();
+  const int l = lane();
+  w.frag[l][0] = a0;
+  w.frag[l][1] = a1;
+  w.frag[l][4] = b;
+  w.barrier.wait();
+  auto byte = [&](int src_lane, int reg, int k) { return static_cast<int8_t>(w.frag[src_lane][reg] >> (8 * (k % 4))); };
+  int32_t out[4];
+  for (int r = 0; r < 4; ++r) {
+    const int row = l / 4 + 8 * (r / 2), col = 2 * (l % 4) + r % 2;
+    int64_t s = d[r];
+    for (int k = 0; k < 16; ++k) s += int64_t{byte((row % 8) * 4 + k / 4, row >= 8, k)} * byte(col * 4 + k / 4, 4, k);
+    out[r] = static_cast<int32_t>(static_cast<uint32_t>(s));
   }
   w.barrier.wait();
   for (int r = 0; r < 4; ++r) d[r] = out[r];
