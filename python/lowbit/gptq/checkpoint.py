@@ -318,14 +318,22 @@ def _check_labelled_format(ckpt: GPTQCheckpoint) -> None:
 
 
 def _check_forced_format(ckpt: GPTQCheckpoint, label: str) -> None:
-    """Warns where the checkpoint_format a caller gave against the config's
-    `label` is not borne out by the words: v1 and v2 read every zero point one
-    step apart, so one of the two reads the whole checkpoint off. Only the
-    words of symmetric modules tell the formats apart (stored_format); an
-    asymmetric module's could be either."""
-    forced = ckpt.config.checkpoint_format
+    """forced_format_warning for the checkpoint_format a caller gave load_gptq against the config's `label`."""
     asymmetric = [name for name, layer in ckpt.modules.items() if not layer.sym]
-    confirm = [name for name, layer in ckpt.modules.items() if layer.sym and _stores(label, layer.qzeros, layer.bits)]
+    symmetric = {name: (layer.qzeros, layer.bits) for name, layer in ckpt.modules.items() if layer.sym}
+    forced_format_warning(ckpt.directory, ckpt.config.source, ckpt.config.checkpoint_format, label, asymmetric,
+                          symmetric, stacklevel=4)
+
+
+def forced_format_warning(where: str, source: str | None, forced: str, label: str, asymmetric: list[str],
+                          symmetric: dict[str, tuple[torch.Tensor, int]], stacklevel: int = 2) -> None:
+    """Warns where a checkpoint_format `forced` given against the config's
+    `label` (read from the config file `source`) is not borne out by the
+    words: v1 and v2 read every zero point one step apart, so one of the two
+    reads the whole checkpoint off. Only the words of symmetric modules (name
+    -> (qzeros, bits)) tell the formats apart (stored_format); an asymmetric
+    module's could be either. `where` names the checkpoint."""
+    confirm = [name for name, (qzeros, bits) in symmetric.items() if _stores(label, qzeros, bits)]
     if asymmetric:
         why = (f"the words of its {len(asymmetric)} asymmetric modules (e.g. {asymmetric[0]}) cannot tell the "
                "formats apart: where the config is right, every zero point is read one step off")
@@ -334,8 +342,8 @@ def _check_forced_format(ckpt: GPTQCheckpoint, label: str) -> None:
                "point is read one step off")
     else:  # the words say the format given: the config's label is the one that is wrong
         return
-    warnings.warn(f"{ckpt.directory}: checkpoint_format={forced!r} overrides {ckpt.config.source or 'the config'}'s "
-                  f"{label!r}, and {why}", stacklevel=3)
+    warnings.warn(f"{where}: checkpoint_format={forced!r} overrides {source or 'the config'}'s {label!r}, and {why}",
+                  stacklevel=stacklevel)
 
 
 def _stores(fmt: str, qzeros: torch.Tensor, bits: int) -> bool:
