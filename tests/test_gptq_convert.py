@@ -1,6 +1,7 @@
 """GPTQ v1 <-> v2 checkpoint conversion (lowbit.gptq.convert), the
-`convert-gptq` and GPTQ `inspect` commands, and load_gptq's warning for
-checkpoints whose format label contradicts their stored zeros."""
+`convert-gptq` and GPTQ `inspect` commands, and the warnings of load_gptq
+and the tensor-parallel loaders for checkpoints whose format label, or a
+format given against it, contradicts their stored zeros."""
 import errno
 import json
 import os
@@ -19,6 +20,7 @@ import lowbit.gptq.checkpoint
 from lowbit.gptq.checkpoint import GPTQCheckpointError, load_gptq, save_gptq, write_checkpoint
 from lowbit.gptq.config import GPTQConfig, read_config
 from lowbit.gptq.convert import convert_checkpoint
+from lowbit.gptq.tp import ColumnParallelGPTQLinear, RowParallelGPTQLinear, TPAwareMLP
 
 X = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).half()
 
@@ -373,6 +375,65 @@ def test_load_takes_a_given_format_that_a_symmetric_checkpoints_words_show(tmp_p
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert same_outputs(model, load_gptq(tmp_path / "ckpt", checkpoint_format="gptq"))
+
+
+# The tensor-parallel loaders, each reading one module (or an MLP's three) of a checkpoint with a gate_proj.
+TP_LOADERS = {
+    "column": lambda path, fmt: ColumnParallelGPTQLinear.from_checkpoint(path, "mlp.up_proj", 0, 1,
+                                                                         checkpoint_format=fmt),
+    "row": lambda path, fmt: RowParallelGPTQLinear.from_checkpoint(path, "mlp.down_proj", 0, 1, checkpoint_format=fmt),
+    "mlp": lambda path, fmt: TPAwareMLP.from_checkpoint(path, "mlp", 0, 1, checkpoint_format=fmt),
+}
+
+
+def make_mlp_checkpoint(directory, sym: bool, fmt: str) -> None:
+    """make_checkpoint's layers plus a gate_proj of up_proj's shape, as TPAwareMLP reads them."""
+    layers = quantized_layers(4, 32, sym, False, fmt)
+    layers["mlp.gate_proj"] = quantized_layers(4, 32, sym, False, fmt, seed=1)["mlp.up_proj"]
+    save_gptq(TinyModel(layers), directory, GPTQConfig(4, 32, False, sym, fmt))
+
+
+def warning_of(load) -> str:
+    with pytest.warns(UserWarning) as caught:
+        load()
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    return str(caught[0].message)
+
+
+@pytest.mark.parametrize("loader", sorted(TP_LOADERS))
+@pytest.mark.parametrize("sym", [False, True])
+@pytest.mark.parametrize("fmt, other", [("gptq", "gptq_v2"), ("gptq_v2", "gptq")])
+def test_tp_loaders_warn_where_a_given_format_contradicts_the_config(tmp_path, loader, sym, fmt, other):
+    """The sharded loaders take the same checkpoint_format override and say what load_gptq says of it, naming
+    both formats and the config file."""
+    make_mlp_checkpoint(tmp_path / "ckpt", sym, fmt)
+    said = warning_of(lambda: TP_LOADERS[loader](tmp_path / "ckpt", other))
+    quantize_config = str(tmp_path / "ckpt" / "quantize_config.json")
+    assert f"checkpoint_format='{other}' overrides {quantize_config}'s '{fmt}'" in said
+    assert said == warning_of(lambda: load_gptq(tmp_path / "ckpt", checkpoint_format=other))
+
+
+@pytest.mark.parametrize("loader", sorted(TP_LOADERS))
+@pytest.mark.parametrize("sym", [False, True])
+@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
+def test_tp_loaders_take_the_config_s_format_silently(tmp_path, loader, sym, fmt):
+    """No override, or the config's own format given, is no contradiction."""
+    make_mlp_checkpoint(tmp_path / "ckpt", sym, fmt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TP_LOADERS[loader](tmp_path / "ckpt", None)
+        TP_LOADERS[loader](tmp_path / "ckpt", fmt)
+
+
+@pytest.mark.parametrize("loader", sorted(TP_LOADERS))
+def test_tp_loaders_take_a_given_format_that_a_symmetric_checkpoints_words_show(tmp_path, loader):
+    """Given against a mislabelled config, the format the words store is read without a warning, as load_gptq
+    reads it."""
+    make_mlp_checkpoint(tmp_path / "ckpt", sym=True, fmt="gptq")
+    relabel(tmp_path / "ckpt", "gptq_v2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TP_LOADERS[loader](tmp_path / "ckpt", "gptq")
 
 
 # --- command line -------------------------------------------------------------------------------

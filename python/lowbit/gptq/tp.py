@@ -31,8 +31,9 @@ from safetensors import safe_open
 from torch import nn
 
 from .checkpoint import (HEADER_DTYPES, GPTQCheckpointError, _module, check_finite_floats, check_module_tensors,
-                         check_new_directory, checkpoint_files, hold_gptqmodel_zeros_as_v2, read_tensors, source_configs,
-                         stored_format, v1_zeros_as_v2, v2_zeros_as_gptqmodel_v1, write_checkpoint)
+                         check_new_directory, checkpoint_files, forced_format_warning, hold_gptqmodel_zeros_as_v2,
+                         read_tensors, source_configs, stored_format, v1_zeros_as_v2, v2_zeros_as_gptqmodel_v1,
+                         write_checkpoint)
 from .config import GPTQConfig, check_format, read_config
 from .._checks import check_path, is_integer, shown, shown_text
 from .._stored import StoredBuffers, holds_integers
@@ -339,7 +340,8 @@ def _layer_source(layer: GPTQLinear, name: str) -> _Source:
 
 def _checkpoint_source(path: str | os.PathLike, name: str, checkpoint_format: str | None) -> _Source:
     """Reads only headers now; `read` opens the file and takes a slice later.
-    `checkpoint_format` overrides the config's and the words' reading, as in load_gptq."""
+    `checkpoint_format` overrides the config's and the words' reading, with load_gptq's warning where the
+    words contradict it (once per checkpoint), as in load_gptq."""
     if checkpoint_format is not None:
         check_format(checkpoint_format, name)
     directory, files = checkpoint_files(check_path(name, path))
@@ -382,27 +384,50 @@ def _checkpoint_source(path: str | os.PathLike, name: str, checkpoint_format: st
 
     # Keyed by the files' sizes and times too: a checkpoint rewritten in place is read again.
     versions = tuple((file, os.stat(file).st_mtime_ns, os.stat(file).st_size) for file in (*files, config.source))
-    fmt = checkpoint_format if checkpoint_format is not None else _stored_format(directory, versions)
+    if checkpoint_format is None:
+        fmt = _stored_format(directory, versions)
+    else:
+        fmt = checkpoint_format
+        if fmt != config.checkpoint_format:
+            _check_forced_format(directory, versions, fmt)
     return _Source(name, K, N, quant.bits, quant.group_size, quant.sym, fmt, "bias" in file_of, read, where)
 
 
-@functools.lru_cache(maxsize=8)
-def _stored_format(directory: str, versions: tuple[tuple[str, int, int], ...]) -> str:
-    """The zero format the checkpoint's words say (stored_format, as load_gptq
-    decides it for the whole checkpoint), from every symmetric module's
-    qzeros: read once per checkpoint, however many shards are loaded.
+def _zero_words(config: GPTQConfig, versions: tuple[tuple[str, int, int], ...]
+                ) -> tuple[list[str], dict[str, tuple[torch.Tensor, int]]]:
+    """(the asymmetric modules' names, every symmetric module's name -> (qzeros,
+    bits)) of the checkpoint, by name as load_gptq holds its modules.
     `versions`: (path, mtime, size) of its weight files, then its config."""
-    config = read_config(directory)
-    files = [path for path, _, _ in versions[:-1]]
-    symmetric = {}
-    for file in files:
+    asymmetric, symmetric = [], {}
+    for file, _, _ in versions[:-1]:
         with safe_open(file, framework="pt") as f:
             for key in f.keys():
                 name = key.removesuffix(".qzeros")
                 quant = config.for_module(name) if key.endswith(".qzeros") else None
                 if quant is not None and quant.sym:
                     symmetric[name] = (f.get_tensor(key), quant.bits)
-    return stored_format(config.checkpoint_format, symmetric, directory, stacklevel=6)
+                elif quant is not None:
+                    asymmetric.append(name)
+    return sorted(asymmetric), dict(sorted(symmetric.items()))
+
+
+@functools.lru_cache(maxsize=8)
+def _stored_format(directory: str, versions: tuple[tuple[str, int, int], ...]) -> str:
+    """The zero format the checkpoint's words say (stored_format, as load_gptq
+    decides it for the whole checkpoint), from every symmetric module's
+    qzeros: read once per checkpoint, however many shards are loaded."""
+    config = read_config(directory)
+    return stored_format(config.checkpoint_format, _zero_words(config, versions)[1], directory, stacklevel=6)
+
+
+@functools.lru_cache(maxsize=8)
+def _check_forced_format(directory: str, versions: tuple[tuple[str, int, int], ...], forced: str) -> None:
+    """forced_format_warning for a checkpoint_format given against the
+    config's, from every module of the checkpoint, as load_gptq warns: once
+    per checkpoint and format, however many shards are loaded."""
+    config = read_config(directory)
+    forced_format_warning(directory, config.source, forced, config.checkpoint_format,
+                          *_zero_words(config, versions), stacklevel=6)
 
 
 def _check_rank(name: str, rank: int, world_size: int, group) -> None:
