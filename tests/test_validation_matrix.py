@@ -481,14 +481,30 @@ def test_scalar_ops_reject_bad_values():
         with pytest.raises(ValueError, match=f"^cpu_threads: threads must be 0 .* got {re.escape(repr(bad))}$"):
             lowbit.ops.cpu_threads(bad)
     assert lowbit.ops.cpu_threads(np.int64(0)) == 0
-    for bad in (0, -1, 65537):
-        with pytest.raises(ValueError, match=f"^cpu_torch_threads: threads must be 1 to 65536, got {bad}$"):
+    for bad in (0, -1, 8193):
+        with pytest.raises(ValueError, match=f"^cpu_torch_threads: threads must be 1 to 8192, got {bad}$"):
             ops.cpu_torch_threads(bad)
     for bad in (0, True, 2.0, "2"):
-        with pytest.raises(ValueError, match=f"^cpu_torch_threads: threads must be 1 to 65536, got {re.escape(repr(bad))}$"):
+        says = f"^cpu_torch_threads: threads must be 1 to 8192, got {re.escape(repr(bad))}$"
+        with pytest.raises(ValueError, match=says):
             lowbit.ops.cpu_torch_threads(bad)
     with pytest.raises(ValueError, match="^cpu_team: unknown team 'omp'"):
         ops.cpu_team("omp")
     for bad in (4, -1, 1000):
         with pytest.raises(ValueError, match=f"^cpu_reads_repacked: type {bad} is not a ggml weight type"):
             ops.cpu_reads_repacked(bad)
+
+
+def test_cpu_torch_threads_stops_at_linux_s_most_cpus():
+    """More threads than Linux has CPUs never run at once, and a count near the pid space (32768 by default) makes
+    libgomp's first parallel region fail to start them and exit the process: refused instead. The bound itself is
+    taken; no parallel region runs before the caller's count is back."""
+    saved = torch.get_num_threads()
+    try:  # a count an unfixed op took stays off later tests' parallel regions
+        for threads in (8193, 65536, 2**31):
+            for op in (ops.cpu_torch_threads, lowbit.ops.cpu_torch_threads):
+                with pytest.raises(ValueError, match=f"^cpu_torch_threads: threads must be 1 to 8192, got {threads}$"):
+                    op(threads)
+        assert lowbit.ops.cpu_torch_threads(8192) == 8192
+    finally:
+        assert lowbit.ops.cpu_torch_threads(saved) == saved

@@ -28,9 +28,8 @@ namespace lowbit {
 namespace cpu {
 namespace {
 
-// Far above any machine's cores; a parallel region would try to start that
-// many threads.
-constexpr int64_t kMaxTorchThreads = 1 << 16;
+// Linux's most CPUs (x86-64 MAXSMP NR_CPUS); near pid_max (32768) libgomp fails to start threads and exits.
+constexpr int64_t kMaxTorchThreads = 8192;
 
 ggml::Type checked_type(const char* op, int64_t type) {
   TORCH_CHECK_VALUE(ggml::runtime_info(type).ok, op, ": type ", type,

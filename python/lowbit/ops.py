@@ -784,11 +784,11 @@ def cpu_team(team: Optional[str] = None) -> str:
 
 def cpu_torch_threads(threads: Optional[int] = None) -> int:
     """torch's intra-op thread count on the calling thread (torch.get_num_threads()
-    there), after setting it to `threads` (1 to 65536) for that thread alone, as
+    there), after setting it to `threads` (1 to 8192) for that thread alone, as
     lowbit.kernel_threads does: torch.set_num_threads also sets the count every
     thread takes at its first torch call."""
     if threads is not None and not is_integer(threads):
-        raise ValueError(f"cpu_torch_threads: threads must be 1 to 65536, got {threads!r}")
+        raise ValueError(f"cpu_torch_threads: threads must be 1 to 8192, got {threads!r}")
     return torch.ops.lowbit.cpu_torch_threads(None if threads is None else int(threads))
 
 
