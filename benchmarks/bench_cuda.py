@@ -16,10 +16,11 @@ GB/s against the device's copy bandwidth measured in the same run.
   child processes), which is the measurement the crossover constants in
   csrc/cuda/gptq_gemm.cu are set from.
 - GGUF: ggml_mul_mat_vec_a8 (the fused kernel at any M) at M = 1, 8, 16, 32,
-  64 and ggml_mul_mat_a8 with its dequantize + cuBLAS path forced at every M
-  (LOWBIT_CUDA_GGML_FUSED_MAX_M=0) at M = 16, 32, 64 and 512 for Q4_0, Q4_K, Q5_K,
-  Q6_K, Q8_0 and IQ4_XS on the same shapes (W is [N, K]): the crossover
-  fused_max_m in csrc/cuda/ggml_matmul.cu is set from them.
+  64 and ggml_mul_mat_a8 with its large-M path forced at every M
+  (LOWBIT_CUDA_GGML_FUSED_MAX_M=0: the int8 tensor-core kernel for these
+  types, on compute capability 8.0 and later) at M = 16, 32, 64 and 512 for
+  Q4_0, Q4_K, Q5_K, Q6_K, Q8_0 and IQ4_XS on the same shapes (W is [N, K]):
+  the crossover fused_max_m in csrc/cuda/ggml_matmul.cu is set from them.
 - GGUF experts: ggml_mul_mat_id on Qwen3-30B-A3B's expert shapes (128
   experts, 8 per token, gate/up 768x2048 and down 2048x768) for 1 and 32
   tokens, Q4_K and Q8_0; GB/s counts each chosen expert's bytes once; the
@@ -55,7 +56,7 @@ FUSED_SWEEP_MAX_M = 512  # the forced-fused sweep stops here (it re-decodes W pe
 GGUF_TYPES = {"Q4_0": 2, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "Q8_0": 8, "IQ4_XS": 23}
 GGUF_HALF_FIELDS = {"Q4_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q8_0": [0], "IQ4_XS": [0]}
 # ggml_mul_mat_vec_a8 runs the fused kernel at every M and ggml_mul_mat_a8, in
-# this process, the cuBLAS path (forced): the pairs at M = 16, 32, 64 give the crossover,
+# this process, the large-M path (forced): the pairs at M = 16, 32, 64 give the crossover,
 # and M = 512 the large-batch figure.
 GGUF_CASES = ([("ggml_mul_mat_vec_a8", m) for m in (1, 8, 16, 32, 64)]
               + [("ggml_mul_mat_a8", m) for m in (16, 32, 64, 512)])
@@ -421,7 +422,8 @@ def main():
                      crossover_rows(gptq_sweep, fused, dequant)),
         ]
     sections += [
-        "\n## GGUF (W is N x K blocks; ggml_mul_mat_a8 with its cuBLAS path forced)\n",
+        "\n## GGUF (W is N x K blocks; ggml_mul_mat_a8 with its large-M path forced: the int8 tensor-core "
+        "kernel on compute capability 8.0 and later)\n",
         md_table(["op", "type", "N x K", "M", "lowbit µs", "GB/s", "of bw", "fp16 dense µs", "vs fp16"],
                  [[r["kind"], r["type"], f"{r['N']}x{r['K']}", r["M"], f"{r['ms'] * 1e3:.1f}", f"{r['gbs']:.0f}",
                    f"{100 * r['bandwidth_fraction']:.0f}%", f"{r['dense_fp16_ms'] * 1e3:.1f}",

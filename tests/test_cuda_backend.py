@@ -436,7 +436,9 @@ def test_ggml_matmul_matches_cpu(name):
     for rows, n in ((37, 512), (9, 4096)):
         raw = ggml_blocks(name, rows, n, seed=n)
         W = ops.ggml_dequantize(raw, t, rows, n, torch.float32)
-        for M in (1, 3, 8, 9, 33, 40):  # ggml_mul_mat_a8's cuBLAS path: from 9 (from 33 for sliced types)
+        # ggml_mul_mat_a8's large-M path from 9 (from 33 for the sliced types: the int8 tensor-core kernel
+        # on sm_80+, whose 64-row activation tiles M = 70 spans two of)
+        for M in (1, 3, 8, 9, 33, 40, 70):
             x = torch.randn(M, n, generator=torch.Generator().manual_seed(M))
             x[:, :32] *= 20  # an outlier block: activation scales are per block
             for dtype in DTYPES:
