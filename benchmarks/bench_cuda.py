@@ -17,13 +17,14 @@ GB/s against the device's copy bandwidth measured in the same run.
   csrc/cuda/gptq_gemm.cu are set from.
 - GGUF: ggml_mul_mat_vec_a8 (the fused kernel at any M) at M = 1, 8, 16, 32,
   64 and ggml_mul_mat_a8 with its large-M path forced at every M
-  (LOWBIT_CUDA_GGML_FUSED_MAX_M=0: the int8 tensor-core kernel for these
-  types, on compute capability 8.0 and later) at M = 16, 32, 64 and 512 for
+  (LOWBIT_CUDA_GGML_FUSED_MAX_M=0: the int8 tensor-core kernel, on compute
+  capability 8.0 and later) at M = 16, 32, 64 and 512 for
   Q4_0, Q4_K, Q5_K, Q6_K, Q8_0 and IQ4_XS on the same shapes (W is [N, K]):
   the crossover fused_max_m in csrc/cuda/ggml_matmul.cu is set from them.
 - GGUF experts: ggml_mul_mat_id on Qwen3-30B-A3B's expert shapes (128
-  experts, 8 per token, gate/up 768x2048 and down 2048x768) for 1 and 32
-  tokens, Q4_K and Q8_0; GB/s counts each chosen expert's bytes once; the
+  experts, 8 per token, gate/up 768x2048 and down 2048x768) for 1, 32 and
+  512 tokens (the last past 8 pairs per expert: the tensor-core tiles per
+  expert on compute capability 8.0 and later), Q4_K and Q8_0; GB/s counts each chosen expert's bytes once; the
   peer is torch's fp16 bmm over the chosen experts' dense weights.
 
 GB/s counts the weight bytes the op must read (qweight + qzeros + scales
@@ -60,7 +61,7 @@ GGUF_HALF_FIELDS = {"Q4_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], 
 # and M = 512 the large-batch figure.
 GGUF_CASES = ([("ggml_mul_mat_vec_a8", m) for m in (1, 8, 16, 32, 64)]
               + [("ggml_mul_mat_a8", m) for m in (16, 32, 64, 512)])
-MOE = dict(experts=128, slots=8, shapes=[(768, 2048), (2048, 768)], tokens=[1, 32], types=["Q4_K", "Q8_0"])
+MOE = dict(experts=128, slots=8, shapes=[(768, 2048), (2048, 768)], tokens=[1, 32, 512], types=["Q4_K", "Q8_0"])
 
 
 def fail(message, who="bench_cuda"):

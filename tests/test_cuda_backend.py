@@ -436,8 +436,8 @@ def test_ggml_matmul_matches_cpu(name):
     for rows, n in ((37, 512), (9, 4096)):
         raw = ggml_blocks(name, rows, n, seed=n)
         W = ops.ggml_dequantize(raw, t, rows, n, torch.float32)
-        # ggml_mul_mat_a8's large-M path from 9 (from 33 for the sliced types: the int8 tensor-core kernel
-        # on sm_80+, whose 64-row activation tiles M = 70 spans two of)
+        # ggml_mul_mat_a8's large-M path from 9 (from 33 for the sliced types): the int8 tensor-core kernel
+        # on sm_80+, whose 64-row activation tiles M = 70 spans two of
         for M in (1, 3, 8, 9, 33, 40, 70):
             x = torch.randn(M, n, generator=torch.Generator().manual_seed(M))
             x[:, :32] *= 20  # an outlier block: activation scales are per block
@@ -537,19 +537,22 @@ def test_ggml_mul_mat_id_past_the_grid_s_y_limit():
     err = np.abs(got.double().numpy() - expect.double().numpy())
     assert ids.numel() > 65535 and np.all(err <= tol + 1e-30)
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "IQ4_XS"])
-def test_ggml_mul_mat_id_groups_pairs_by_expert(name):
-    """Quantized experts run grouped: each expert's pairs (here up to 20 of
-    them, past one 8-pair pass) share its weight reads, experts no slot chose
-    are skipped, and each pair's output is still its own row's."""
-    raw, x, ids, tol = mul_mat_id_case(name, 12, 24, 512, 40, 4, False, torch.int32, seed=5)
+@pytest.mark.parametrize("tokens", [20, 40], ids=["grouped-matvec", "tensor-core-tiles"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "IQ4_XS", "IQ2_XS"])
+def test_ggml_mul_mat_id_groups_pairs_by_expert(name, tokens):
+    """Quantized experts run grouped: each expert's pairs (here over 8 of
+    them, past one matvec pass) share its weight reads, experts no slot chose
+    are skipped, and each pair's output is still its own row's. 20 tokens x 4
+    slots (80 pairs, under 8 per expert) take the grouped matvec; 40 (160) the
+    int8 tensor-core tiles per expert on sm_80 and later."""
+    raw, x, ids, tol = mul_mat_id_case(name, 12, 24, 512, tokens, 4, False, torch.int32, seed=5)
     ids = torch.where(ids < 6, ids % 3, ids)  # experts 0-2 take many pairs, 3-5 none
     per_expert = [(ids == e).sum().item() for e in range(12)]
     assert max(per_expert) > 8 and per_expert[3:6] == [0, 0, 0]
     got = ops.ggml_mul_mat_id(cuda(raw), cuda(x), cuda(ids), GGML_TYPES[name], 24).cpu()
     expect = ops.ggml_mul_mat_id(raw, x, ids, GGML_TYPES[name], 24)
     W = ops.ggml_dequantize(raw.reshape(12 * 24, -1), GGML_TYPES[name], 12 * 24, 512, torch.float32).view(12, 24, 512)
-    bound = np.stack([a8_tolerance(name, x, W[e], raw[e]) for e in range(12)])[ids.numpy(), np.arange(40)[:, None]]
+    bound = np.stack([a8_tolerance(name, x, W[e], raw[e]) for e in range(12)])[ids.numpy(), np.arange(tokens)[:, None]]
     assert np.all(np.abs(got.double().numpy() - expect.double().numpy()) <= bound + 1e-30)
 
 

@@ -58,7 +58,8 @@ def test_mul_mat_id_matches_the_cpu(emulated, name, tokens, slots, per_slot, gro
         ids[:, :2] = 2  # two slots of every token on expert 2: 12+ pairs, two passes of 8
     x = torch.randn(*((tokens, slots, n) if per_slot else (tokens, n)), generator=g)
     want = ops.ggml_mul_mat_id(W, x, ids, gb.type_id(name), rows).view(-1, rows)
-    got = emulated.mul_mat_id(W, x.reshape(-1, n), ids.reshape(-1), gb.type_id(name), rows, slots, per_slot, grouped)
+    got = emulated.mul_mat_id(W, x.reshape(-1, n), ids.reshape(-1), gb.type_id(name), rows, slots, per_slot, grouped,
+                              False)
     _close(got, want)
 
 
@@ -71,21 +72,19 @@ def test_grouping_past_the_block_threads(emulated):
     ids = torch.tensor([[1001, 1000, 3], [1499, 1000, 1001], [2, 3, 1498]], dtype=torch.int32)
     x = torch.randn(3, n, generator=torch.Generator().manual_seed(7))
     want = ops.ggml_mul_mat_id(W, x, ids, gb.type_id("Q4_0"), rows).view(-1, rows)
-    got = emulated.mul_mat_id(W, x, ids.reshape(-1), gb.type_id("Q4_0"), rows, 3, False, True)
+    got = emulated.mul_mat_id(W, x, ids.reshape(-1), gb.type_id("Q4_0"), rows, 3, False, True, False)
     _close(got, want)
 
 
-SLICED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
-
-
-@pytest.mark.parametrize("name", SLICED)
+@pytest.mark.parametrize("name", QUANTIZED)
 def test_mmq_matches_the_cpu(emulated, name):
-    """The tensor-core kernel of every sliced type: 70 weight rows (a second
-    row tile, mostly past the end), 70 activation rows (a second column tile,
-    mostly past the end), 288 elements of K for the 32-element types (a
-    second stage of one slice), and an infinite and a zero activation row."""
-    block = 256 if name.endswith("_K") or name == "IQ4_XS" else 32
-    rows, n, M = 70, (512 if block == 256 else 288), 70
+    """The tensor-core kernel of every quantized type: 70 weight rows (a
+    second row tile, mostly past the end), 70 activation rows (a second column
+    tile, mostly past the end), a second 256-element stage of one block for the
+    types of smaller blocks (of two for 256-element blocks), and an infinite
+    and a zero activation row."""
+    block = gb.block_shape(name)[0]
+    rows, n, M = 70, 256 + (block if block < 256 else 256), 70
     W = torch.from_numpy(gb.random_blocks(np.random.default_rng(11), name, rows, n)).reshape(-1)
     x = torch.randn(M, n, generator=torch.Generator().manual_seed(12))
     x[3] = 0.0
@@ -105,3 +104,21 @@ def test_mmq_column_tiles_past_the_grid(emulated):
     x = torch.randn(M, n, generator=torch.Generator().manual_seed(14))
     want = ops.ggml_mul_mat_vec_a8(W, x, gb.type_id("Q4_K"), rows)
     _close(emulated.mul_mat_mmq(W, x, gb.type_id("Q4_K"), rows, 2), want)
+
+
+@pytest.mark.parametrize("per_slot", [False, True], ids=["per-token", "per-slot"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "IQ2_XS", "TQ2_0"])
+def test_mmq_per_expert_matches_the_cpu(emulated, name, per_slot):
+    """The tensor-core tiles per chosen expert: 70 rows (two row tiles), 40
+    tokens x 3 slots with expert 2 in two slots of every token (80+ pairs:
+    two 64-pair tiles), expert 4 unchosen."""
+    experts, rows, n, tokens, slots = 5, 70, 256, 40, 3
+    W = torch.from_numpy(gb.random_blocks(np.random.default_rng(15), name, experts * rows, n)).view(experts, rows, -1)
+    g = torch.Generator().manual_seed(16)
+    ids = torch.randint(0, experts - 1, (tokens, slots), generator=g, dtype=torch.int32)
+    ids[:, :2] = 2
+    ids[::5, 0] = 3  # expert 3 first in some tokens' slots: a pair's place in its tile is not its slot
+    x = torch.randn(*((tokens, slots, n) if per_slot else (tokens, n)), generator=g)
+    want = ops.ggml_mul_mat_id(W, x, ids, gb.type_id(name), rows).view(-1, rows)
+    got = emulated.mul_mat_id(W, x.reshape(-1, n), ids.reshape(-1), gb.type_id(name), rows, slots, per_slot, True, True)
+    _close(got, want)

@@ -27,15 +27,17 @@
 // sync); then a block per (row tile, expert) runs the fused kernel's lane
 // groups over that expert's pairs, 8 at a time: each chosen expert's weights
 // are read once per 8 of its pairs, as the CPU decodes each block once per
-// group. Float experts, and more experts than the grouping holds, take a pass
-// per pair.
+// group. With many pairs per expert (mmq_id_serves) the blocks run the
+// tensor-core kernel's tiles instead, 64 pairs at a time. Float experts, and
+// more experts than the grouping holds, take a pass per pair.
 //
-// Larger M (ggml_mul_mat_a8 only): the sliced types take the tensor-core
+// Larger M (ggml_mul_mat_a8 only): the quantized types take the tensor-core
 // kernel (ggml_mmq_kernel.cuh) on compute capability 8.0 and later: int8
 // mma.sync on the same quantized activations and decoded levels, the same
-// add_sub_block terms. The other types (and older GPUs) quantize the
-// activations exactly as above and expand them back to fp32 (d * q), dequantize
-// W to fp32 row tiles, and multiply them in fp32 by cuBLAS (at::mm). That
+// add_sub_block terms. The float types (and older GPUs) quantize the
+// activations exactly as above (quantized types) and expand them back to fp32
+// (d * q), dequantize W to fp32 row tiles, and multiply them in fp32 by
+// cuBLAS (at::mm). That
 // equals the integer path up to fp32 rounding, except that it uses Q8_1's
 // exact block sums where the fused path (and the CPU) use its fp16-rounded
 // `s` (the documented tolerance covers both).
@@ -71,7 +73,7 @@ using ggml::TypeInfo;
 // beats the cuBLAS path at M = 32 for every sliced type measured (0.26x for
 // Q6_K to 0.86x for Q8_0 of its time) and loses at M = 64 for Q4_0, Q4_K and
 // Q8_0; a block-decoding type's 8-row pass already costs 0.7-1.3x of the
-// cuBLAS path at M = 64, so a second one never pays. The sliced types'
+// cuBLAS path at M = 64, so a second one never pays. The quantized types'
 // large-M path is the tensor-core kernel where the GPU has one; their
 // crossover against it is not measured yet.
 // LOWBIT_CUDA_GGML_FUSED_MAX_M overrides it for the benchmark.
@@ -80,12 +82,23 @@ template <ggml::Type T>
 int64_t fused_max_m() {
   return crossover<kGgmlFusedMaxMEnv>(ggml::kSliced<T> ? 32 : 8);
 }
-// Largest M for which a sliced type's large-M call takes the tensor-core
+// Largest M for which a quantized type's large-M call takes the tensor-core
 // kernel rather than the dequantize-and-SGEMM path; the default sends every
 // such M to it. LOWBIT_CUDA_GGML_MMQ_MAX_M overrides it for the benchmark
 // (0: never).
 constexpr char kGgmlMmqMaxMEnv[] = "LOWBIT_CUDA_GGML_MMQ_MAX_M";
 int64_t mmq_max_m() { return crossover<kGgmlMmqMaxMEnv>(std::numeric_limits<int64_t>::max()); }
+
+// ggml_mul_mat_id takes the tensor-core tiles per expert from this many
+// (token, slot) pairs per expert on average (pairs >= it x experts), where
+// the grouped matvec would read a typical chosen expert's weights more than
+// once (once per 8 of its pairs); not yet measured.
+// LOWBIT_CUDA_GGML_MMQ_ID_PAIRS_PER_EXPERT overrides it.
+constexpr char kGgmlMmqIdEnv[] = "LOWBIT_CUDA_GGML_MMQ_ID_PAIRS_PER_EXPERT";
+bool mmq_id_serves(int64_t pairs, int64_t experts, c10::DeviceIndex device) {
+  const int64_t per_expert = crossover<kGgmlMmqIdEnv>(matvec::kMaxRows);
+  return per_expert <= pairs / std::max<int64_t>(experts, 1) && compute_major(device) >= 8;
+}
 
 // fp32 bytes of W decoded per cuBLAS call on the large-M path.
 constexpr int64_t kDequantTileBytes = int64_t{256} << 20;
@@ -171,7 +184,7 @@ void mul_mat_fused(const uint8_t* W, int64_t rows, const at::Tensor& x, at::Tens
   }
 }
 
-// The large-M tensor-core path of a sliced type: out [M, rows] in out's dtype.
+// The large-M tensor-core path of a quantized type: out [M, rows] in out's dtype.
 template <ggml::Type T>
 void mul_mat_mmq(const uint8_t* W, int64_t rows, const at::Tensor& x, at::Tensor& out) {
   using I = TypeInfo<T>;
@@ -235,7 +248,7 @@ at::Tensor ggml_mul_mat(const char* op, const at::Tensor& W, const at::Tensor& X
       mul_mat_fused<T>(w, row, x, out);
       return;
     }
-    if constexpr (ggml::kSliced<T>) {
+    if constexpr (!TypeInfo<T>::kFloat) {
       if (M <= mmq_max_m() && compute_major(W.get_device()) >= 8) {
         mul_mat_mmq<T>(w, row, x, out);
         return;
@@ -281,9 +294,16 @@ at::Tensor ggml_mul_mat_id(const at::Tensor& W, const at::Tensor& X, const at::T
         int32_t* active = order + pairs;
         group_pairs_kernel<<<1, kGroupThreads, 0, current_stream()>>>(id, pairs, c.experts, start, order, active);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
-        matvec_grouped_kernel<T><<<dim3(row_blocks, static_cast<unsigned int>(most_chosen)), kThreads, 0,
-                                   current_stream()>>>(Wa.data_ptr<uint8_t>(), row, blocks_per_row, acts.view, start,
-                                                       order, active, c.slots, c.per_slot, lg, o, kind);
+        if (mmq_id_serves(pairs, c.experts, W.get_device())) {
+          const dim3 grid(static_cast<unsigned int>(ceil_div(row, mmq::kRows)), static_cast<unsigned int>(most_chosen));
+          mmq::mmq_grouped_kernel<T><<<grid, mmq::kThreads, 0, current_stream()>>>(
+              Wa.data_ptr<uint8_t>(), row, blocks_per_row, acts.view, start, order, active, c.slots, c.per_slot, o,
+              kind);
+        } else {
+          matvec_grouped_kernel<T><<<dim3(row_blocks, static_cast<unsigned int>(most_chosen)), kThreads, 0,
+                                     current_stream()>>>(Wa.data_ptr<uint8_t>(), row, blocks_per_row, acts.view,
+                                                         start, order, active, c.slots, c.per_slot, lg, o, kind);
+        }
       } else {
         matvec_id_kernel<T><<<dim3(row_blocks, static_cast<unsigned int>(std::min<int64_t>(pairs, 65535))),
                               kThreads, 0, current_stream()>>>(Wa.data_ptr<uint8_t>(), c.experts, row,

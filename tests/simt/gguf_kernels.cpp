@@ -3,7 +3,7 @@
 // them: the activation quantizer, then the fused matvec over 8 activation
 // rows at a time, or for ggml_mul_mat_id the grouping of (token, slot) pairs
 // by expert and the grouped matvec (or the matvec per pair); for large M, the
-// tensor-core kernel (csrc/cuda/ggml_mmq_kernel.cuh). The shared helpers run
+// tensor-core kernel (csrc/cuda/ggml_mmq_kernel.cuh), dense or per expert. The shared helpers run
 // their device paths (LOWBIT_DEVICE_PATH): word loads, __dp4a.
 #include "simt.h"
 
@@ -77,7 +77,7 @@ at::Tensor mul_mat(const at::Tensor& W, const at::Tensor& x, int64_t type, int64
   return out;
 }
 
-// out [M, rows] = x [M, n] @ dequant(W).T for a sliced type, by the
+// out [M, rows] = x [M, n] @ dequant(W).T for a quantized type, by the
 // tensor-core kernel over a grid of at most grid_y column blocks (each then
 // takes every grid_y-th activation tile).
 at::Tensor mul_mat_mmq(const at::Tensor& W, const at::Tensor& x, int64_t type, int64_t rows, int64_t grid_y) {
@@ -85,8 +85,8 @@ at::Tensor mul_mat_mmq(const at::Tensor& W, const at::Tensor& x, int64_t type, i
   lowbit::dispatch_ggml_type(type, [&](auto t) {
     constexpr ggml::Type T = decltype(t)::value;
     using I = ggml::TypeInfo<T>;
-    if constexpr (!ggml::kSliced<T>) {
-      TORCH_CHECK(false, "the tensor-core kernel takes the sliced types only");
+    if constexpr (I::kFloat) {
+      TORCH_CHECK(false, "the tensor-core kernel takes the quantized types only");
     } else {
       const Acts<I::kAct> acts = quantize<I::kAct>(x, 2);
       const int64_t M = x.size(0), tiles = (M + mmq::kCols - 1) / mmq::kCols;
@@ -104,9 +104,10 @@ at::Tensor mul_mat_mmq(const at::Tensor& W, const at::Tensor& x, int64_t type, i
 
 // out [pairs, rows]: pair p's activation row (p, or p / slots unless
 // per_slot) times expert ids[p]'s rows of W [experts, rows, row bytes];
-// grouped: the pairs grouped by expert, else a pass per pair.
+// grouped: the pairs grouped by expert, then the grouped matvec or (mmq) the
+// tensor-core tiles per expert; else a pass per pair.
 at::Tensor mul_mat_id(const at::Tensor& W, const at::Tensor& x, const at::Tensor& ids, int64_t type, int64_t rows,
-                      int64_t slots, bool per_slot, bool grouped) {
+                      int64_t slots, bool per_slot, bool grouped, bool mmq) {
   const int64_t experts = W.size(0), pairs = ids.numel();
   at::Tensor out = at::zeros({pairs, rows}, x.options());
   lowbit::dispatch_ggml_type(type, [&](auto t) {
@@ -131,10 +132,18 @@ at::Tensor mul_mat_id(const at::Tensor& W, const at::Tensor& x, const at::Tensor
         int32_t* active = order + pairs;
         lowbit::simt::launch(grid(dim3(1), mv::kGroupThreads),
                              [&] { mv::group_pairs_kernel(id, pairs, experts, start, order, active); });
-        lowbit::simt::launch(grid(dim3(row_blocks, static_cast<unsigned>(most_chosen)), mv::kThreads), [&] {
-          mv::matvec_grouped_kernel<T>(w, rows, blocks_per_row, acts.view, start, order, active, slots, per_slot, lg,
+        if (mmq) {
+          const unsigned row_tiles = static_cast<unsigned>((rows + mmq::kRows - 1) / mmq::kRows);
+          lowbit::simt::launch(grid(dim3(row_tiles, static_cast<unsigned>(most_chosen)), mmq::kThreads), [&] {
+            mmq::mmq_grouped_kernel<T>(w, rows, blocks_per_row, acts.view, start, order, active, slots, per_slot,
                                        out.data_ptr(), lowbit::cuda::Float::F32);
-        });
+          });
+        } else {
+          lowbit::simt::launch(grid(dim3(row_blocks, static_cast<unsigned>(most_chosen)), mv::kThreads), [&] {
+            mv::matvec_grouped_kernel<T>(w, rows, blocks_per_row, acts.view, start, order, active, slots, per_slot,
+                                         lg, out.data_ptr(), lowbit::cuda::Float::F32);
+          });
+        }
       } else {
         lowbit::simt::launch(grid(dim3(row_blocks, static_cast<unsigned>(std::min<int64_t>(pairs, 3))), mv::kThreads),
                              [&] {
