@@ -190,7 +190,8 @@ sanitize() {
     [ $rc -eq 0 ] || status=1
     # racecheck and synccheck only look at shared memory and barriers: every
     # kernel using them (GPTQ, the decode ops' block reductions, the GGUF
-    # dequantize, mul_mat_id) runs, the GGUF ones for three types of the 30.
+    # dequantize, the int8 tensor-core tiles, mul_mat_id) runs, the GGUF ones
+    # for three types of the 30.
     sel="sanitize_gptq or sanitize_decode or (sanitize_ggml and (Q4_K or Q8_0 or IQ4_XS))"
   done
   return $status

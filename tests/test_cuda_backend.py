@@ -904,7 +904,7 @@ def test_sanitize_ggml_kernels(name):
     t = GGML_TYPES[name]
     raw = cuda(ggml_blocks(name, 5, 512))
     ops.ggml_dequantize(raw, t, 5, 512, torch.bfloat16)
-    for M in (1, 9, 40):
+    for M in (1, 9, 40, 70):  # 40, 70: the int8 tensor-core kernel (sm_80+), one and two activation tiles
         x = torch.randn(M, 512, device="cuda", dtype=torch.float16)
         ops.ggml_mul_mat_vec_a8(raw, x, t, 5)
         ops.ggml_mul_mat_a8(raw, x, t, 5)
@@ -912,6 +912,8 @@ def test_sanitize_ggml_kernels(name):
     ids = torch.tensor([[0, 2], [1, 0], [2, 2]], device="cuda", dtype=I32)
     ops.ggml_mul_mat_id(experts, torch.randn(3, 512, device="cuda"), ids, t, 5)
     ops.ggml_mul_mat_id(experts, torch.randn(3, 2, 512, device="cuda", dtype=torch.bfloat16), ids.long(), t, 5)
+    many = torch.randint(0, 3, (12, 2), device="cuda", dtype=I32)  # 8 pairs per expert: the tiles per expert
+    ops.ggml_mul_mat_id(experts, torch.randn(12, 512, device="cuda"), many, t, 5)
     torch.cuda.synchronize()
 
 
