@@ -21,6 +21,9 @@ GB/s against the device's copy bandwidth measured in the same run.
   capability 8.0 and later) at M = 16, 32, 64 and 512 for
   Q4_0, Q4_K, Q5_K, Q6_K, Q8_0 and IQ4_XS on the same shapes (W is [N, K]):
   the crossover fused_max_m in csrc/cuda/ggml_matmul.cu is set from them.
+  Unless --no-crossover, the M >= 64 rows again in a child process with the
+  dequantize + cuBLAS path forced (LOWBIT_CUDA_GGML_MMQ_MAX_M=0): the
+  tensor-core kernel's switch mmq_max_m is set from the pair.
 - GGUF experts: ggml_mul_mat_id on Qwen3-30B-A3B's expert shapes (128
   experts, 8 per token, gate/up 768x2048 and down 2048x768) for 1, 32 and
   512 tokens (the last past 8 pairs per expert: the tensor-core tiles per
@@ -276,18 +279,34 @@ def child_sweep(args):
     print("CHILD-JSON " + json.dumps(records), flush=True)
 
 
-def run_forced(args, fused_max_m, max_m):
-    # The tensor-core kernel off: the forced sweeps time the CUDA-core kernel and the large-M paths.
-    env = dict(os.environ, LOWBIT_CUDA_GPTQ_FUSED_MAX_M=str(fused_max_m), LOWBIT_CUDA_GPTQ_MMA_MAX_M="0",
-               PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "benchmarks.bench_cuda", "--child-sweep", "--child-max-m", str(max_m),
-           "--device", args.device] + (["--quick"] if args.quick else [])
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+def child_gguf(args):
+    """--child-gguf: ggml_mul_mat_a8's large-M rows in a process whose
+    LOWBIT_CUDA_GGML_MMQ_MAX_M=0 forces the dequantize + cuBLAS path."""
+    load_lowbit()
+    bench = Bench(torch.device(args.device), args.quick)
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    records = [bench.gguf(name, K, N, op_name, M) for K, N in shapes for name in GGUF_TYPES
+               for op_name, M in GGUF_CASES if op_name == "ggml_mul_mat_a8" and M >= 64]
+    print("CHILD-JSON " + json.dumps(records), flush=True)
+
+
+def run_child(args, flag, env, extra=()):
+    """The records a child process (`flag`, with `env` forcing one path) prints."""
+    cmd = [sys.executable, "-m", "benchmarks.bench_cuda", flag, *extra, "--device", args.device]
+    cmd += ["--quick"] if args.quick else []
+    proc = subprocess.run(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1", **env), cwd=ROOT, capture_output=True,
+                          text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("CHILD-JSON "):
             return json.loads(line[len("CHILD-JSON "):])
     print(proc.stdout[-2000:], proc.stderr[-2000:], sep="\n")
-    fail(f"the forced sweep (LOWBIT_CUDA_GPTQ_FUSED_MAX_M={fused_max_m}) failed with status {proc.returncode}")
+    fail(f"the forced run ({flag}, {env}) failed with status {proc.returncode}")
+
+
+def run_forced(args, fused_max_m, max_m):
+    # The tensor-core kernel off: the forced sweeps time the CUDA-core kernel and the large-M paths.
+    return run_child(args, "--child-sweep", dict(LOWBIT_CUDA_GPTQ_FUSED_MAX_M=str(fused_max_m),
+                                                 LOWBIT_CUDA_GPTQ_MMA_MAX_M="0"), ["--child-max-m", str(max_m)])
 
 
 # ---------------------------------------------------------------------------
@@ -341,11 +360,14 @@ def main():
     parser.add_argument("--quick", action="store_true", help="one shape, fewer samples")
     parser.add_argument("--no-crossover", action="store_true", help="skip the forced-path sweeps")
     parser.add_argument("--child-sweep", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child-gguf", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child-max-m", type=int, default=max(SWEEP_MS), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    os.environ["LOWBIT_CUDA_GGML_FUSED_MAX_M"] = "0"  # read at the first GGUF call (children inherit it)
     if args.child_sweep:
         return child_sweep(args)
-    os.environ["LOWBIT_CUDA_GGML_FUSED_MAX_M"] = "0"  # read at the first GGUF call
+    if args.child_gguf:
+        return child_gguf(args)
 
     load_lowbit()
     from benchmarks.common import RESULTS, machine
@@ -395,13 +417,15 @@ def main():
                 print(f"  ggml_mul_mat_id {name} {rows}x{n} tokens={tokens}: {r['ms'] * 1e3:.1f} µs, "
                       f"{r['gbs']:.0f} GB/s", flush=True)
 
-    fused, dequant = [], []
+    fused, dequant, gguf_cublas = [], [], []
     if not args.no_crossover:
         del bench
         torch.cuda.empty_cache()
         print("forced-path sweeps (child processes) ...", flush=True)
         fused = run_forced(args, 1 << 30, FUSED_SWEEP_MAX_M)
         dequant = run_forced(args, 0, max(SWEEP_MS))
+        gguf_cublas = run_child(args, "--child-gguf", dict(LOWBIT_CUDA_GGML_MMQ_MAX_M="0"))
+    cublas_us = {(r["type"], r["K"], r["N"], r["M"]): f"{r['ms'] * 1e3:.1f}" for r in gguf_cublas}
 
     sections = [
         f"# lowbit CUDA benchmarks: {info['gpu']}\n",
@@ -425,10 +449,13 @@ def main():
     sections += [
         "\n## GGUF (W is N x K blocks; ggml_mul_mat_a8 with its large-M path forced: the int8 tensor-core "
         "kernel on compute capability 8.0 and later)\n",
-        md_table(["op", "type", "N x K", "M", "lowbit µs", "GB/s", "of bw", "fp16 dense µs", "vs fp16"],
+        md_table(["op", "type", "N x K", "M", "lowbit µs", "GB/s", "of bw", "fp16 dense µs", "vs fp16",
+                  "dequant+cuBLAS µs (forced)"],
                  [[r["kind"], r["type"], f"{r['N']}x{r['K']}", r["M"], f"{r['ms'] * 1e3:.1f}", f"{r['gbs']:.0f}",
                    f"{100 * r['bandwidth_fraction']:.0f}%", f"{r['dense_fp16_ms'] * 1e3:.1f}",
-                   f"{r['speedup_vs_fp16']:.2f}x"] for r in gguf]),
+                   f"{r['speedup_vs_fp16']:.2f}x",
+                   cublas_us.get((r["type"], r["K"], r["N"], r["M"]), "-") if r["kind"] == "ggml_mul_mat_a8" else "-"]
+                  for r in gguf]),
         f"\n## GGUF experts (ggml_mul_mat_id, {MOE['experts']} experts, {MOE['slots']} per token; "
         "GB/s counts each chosen expert's bytes once)\n",
         md_table(["type", "rows x n", "tokens", "experts chosen", "pairs", "lowbit µs", "GB/s", "of bw",
@@ -446,7 +473,8 @@ def main():
     with open(stem + ".json", "w") as f:
         json.dump(dict(machine=info, copy_bandwidth_gbs=bench_bw(gptq_main), activations="fp16",
                        gptq=gptq_main, gptq_sweep=gptq_sweep, gptq_sweep_fused=fused,
-                       gptq_sweep_dequant_cublas=dequant, gguf=gguf, gguf_experts=moe), f, indent=2)
+                       gptq_sweep_dequant_cublas=dequant, gguf=gguf, gguf_dequant_cublas=gguf_cublas,
+                       gguf_experts=moe), f, indent=2)
     print(f"wrote {stem}.md and {stem}.json")
 
 
