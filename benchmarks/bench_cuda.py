@@ -13,8 +13,9 @@ GB/s against the device's copy bandwidth measured in the same run.
   M, 3-bit the CUDA-core one), and -- unless --no-crossover -- the same sweep
   with the CUDA-core fused kernel and with the dequantize + cuBLAS path
   forced (LOWBIT_CUDA_GPTQ_FUSED_MAX_M with LOWBIT_CUDA_GPTQ_MMA_MAX_M=0, in
-  child processes), which is the measurement the crossover constants in
-  csrc/cuda/gptq_gemm.cu are set from.
+  child processes), and the tensor-core kernel forced past its M (M >= 128,
+  LOWBIT_CUDA_GPTQ_MMA_MAX_M), which is the measurement the crossover
+  constants in csrc/cuda/gptq_gemm.cu are set from.
 - GGUF: ggml_mul_mat_vec_a8 (the fused kernel at any M) at M = 1, 8, 16, 32,
   64 and ggml_mul_mat_a8 with its large-M path forced at every M
   (LOWBIT_CUDA_GGML_FUSED_MAX_M=0: the int8 tensor-core kernel, on compute
@@ -274,7 +275,7 @@ def child_sweep(args):
     device = torch.device(args.device)
     bench = Bench(device, args.quick)
     shapes = SHAPES[:1] if args.quick else SHAPES
-    ms_list = [m for m in SWEEP_MS if m <= args.child_max_m]
+    ms_list = [m for m in SWEEP_MS if args.child_min_m <= m <= args.child_max_m]
     records = sweep(bench, shapes, BITS, ms_list)
     print("CHILD-JSON " + json.dumps(records), flush=True)
 
@@ -338,18 +339,16 @@ GPTQ_HEADERS = ["K x N", "bits", "weights", "M", "lowbit µs", "GB/s", "of bw", 
                 "bf16 dense µs", "vs bf16", "torch int4 µs", "vs torch int4"]
 
 
-def crossover_rows(shipped, fused, dequant):
+def crossover_rows(shipped, fused, dequant, mma):
     by_key = lambda recs: {(r["K"], r["N"], r["bits"], r["M"]): r for r in recs}
-    f, d = by_key(fused), by_key(dequant)
+    paths = [("fused", by_key(fused)), ("dequant+cuBLAS", by_key(dequant)), ("tensor-core", by_key(mma))]
     rows = []
     for r in shipped:
         k = (r["K"], r["N"], r["bits"], r["M"])
-        fm = f"{f[k]['ms'] * 1e3:.1f}" if k in f else "-"
-        dm = f"{d[k]['ms'] * 1e3:.1f}" if k in d else "-"
-        best = "-"
-        if k in f and k in d:
-            best = "fused" if f[k]["ms"] <= d[k]["ms"] else "dequant+cuBLAS"
-        rows.append([f"{r['K']}x{r['N']}", r["bits"], r["M"], f"{r['ms'] * 1e3:.1f}", fm, dm, best,
+        timed = [(name, recs[k]["ms"]) for name, recs in paths if k in recs]
+        cells = [f"{recs[k]['ms'] * 1e3:.1f}" if k in recs else "-" for _, recs in paths]
+        best = min(timed, key=lambda t: t[1])[0] if len(timed) > 1 else "-"
+        rows.append([f"{r['K']}x{r['N']}", r["bits"], r["M"], f"{r['ms'] * 1e3:.1f}", *cells, best,
                      f"{r['dense_fp16_ms'] * 1e3:.1f}"])
     return rows
 
@@ -362,6 +361,7 @@ def main():
     parser.add_argument("--child-sweep", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child-gguf", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child-max-m", type=int, default=max(SWEEP_MS), help=argparse.SUPPRESS)
+    parser.add_argument("--child-min-m", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ["LOWBIT_CUDA_GGML_FUSED_MAX_M"] = "0"  # read at the first GGUF call (children inherit it)
     if args.child_sweep:
@@ -417,13 +417,16 @@ def main():
                 print(f"  ggml_mul_mat_id {name} {rows}x{n} tokens={tokens}: {r['ms'] * 1e3:.1f} µs, "
                       f"{r['gbs']:.0f} GB/s", flush=True)
 
-    fused, dequant, gguf_cublas = [], [], []
+    fused, dequant, mma, gguf_cublas = [], [], [], []
     if not args.no_crossover:
         del bench
         torch.cuda.empty_cache()
         print("forced-path sweeps (child processes) ...", flush=True)
         fused = run_forced(args, 1 << 30, FUSED_SWEEP_MAX_M)
         dequant = run_forced(args, 0, max(SWEEP_MS))
+        # The tensor-core kernel past its M (where it serves: 2/4/8-bit), against the shipped large-M paths.
+        mma = run_child(args, "--child-sweep", dict(LOWBIT_CUDA_GPTQ_MMA_MAX_M=str(1 << 30)),
+                        ["--child-min-m", "128"])
         gguf_cublas = run_child(args, "--child-gguf", dict(LOWBIT_CUDA_GGML_MMQ_MAX_M="0"))
     cublas_us = {(r["type"], r["K"], r["N"], r["M"]): f"{r['ms'] * 1e3:.1f}" for r in gguf_cublas}
 
@@ -442,9 +445,10 @@ def main():
     if fused or dequant:
         sections += [
             "\n## gptq_gemm: shipped (tensor-core kernel up to its M) vs the CUDA-core fused kernel vs "
-            "dequantize + cuBLAS (each forced), for the crossover constants\n",
-            md_table(["K x N", "bits", "M", "shipped µs", "fused µs", "dequant+cuBLAS µs", "faster", "fp16 dense µs"],
-                     crossover_rows(gptq_sweep, fused, dequant)),
+            "dequantize + cuBLAS vs the tensor-core kernel at M >= 128 (each forced; 3-bit takes the other paths "
+            "there), for the crossover constants\n",
+            md_table(["K x N", "bits", "M", "shipped µs", "fused µs", "dequant+cuBLAS µs", "tensor-core µs",
+                      "faster", "fp16 dense µs"], crossover_rows(gptq_sweep, fused, dequant, mma)),
         ]
     sections += [
         "\n## GGUF (W is N x K blocks; ggml_mul_mat_a8 with its large-M path forced: the int8 tensor-core "
@@ -473,7 +477,7 @@ def main():
     with open(stem + ".json", "w") as f:
         json.dump(dict(machine=info, copy_bandwidth_gbs=bench_bw(gptq_main), activations="fp16",
                        gptq=gptq_main, gptq_sweep=gptq_sweep, gptq_sweep_fused=fused,
-                       gptq_sweep_dequant_cublas=dequant, gguf=gguf, gguf_dequant_cublas=gguf_cublas,
+                       gptq_sweep_dequant_cublas=dequant, gptq_sweep_mma=mma, gguf=gguf, gguf_dequant_cublas=gguf_cublas,
                        gguf_experts=moe), f, indent=2)
     print(f"wrote {stem}.md and {stem}.json")
 
