@@ -417,19 +417,26 @@ def main():
                 print(f"  ggml_mul_mat_id {name} {rows}x{n} tokens={tokens}: {r['ms'] * 1e3:.1f} µs, "
                       f"{r['gbs']:.0f} GB/s", flush=True)
 
-    fused, dequant, mma, gguf_cublas = [], [], [], []
+    # The report is written now and again after the forced runs, so a run stopped during them keeps it.
+    stem = os.path.join(RESULTS, f"{short_device_name(device)}-cuda")
+    forced = dict(fused=[], dequant=[], mma=[], gguf_cublas=[])
+    write_report(stem, info, args, gptq_main, gptq_sweep, gguf, moe, forced)
     if not args.no_crossover:
         del bench
         torch.cuda.empty_cache()
         print("forced-path sweeps (child processes) ...", flush=True)
-        fused = run_forced(args, 1 << 30, FUSED_SWEEP_MAX_M)
-        dequant = run_forced(args, 0, max(SWEEP_MS))
+        forced["fused"] = run_forced(args, 1 << 30, FUSED_SWEEP_MAX_M)
+        forced["dequant"] = run_forced(args, 0, max(SWEEP_MS))
         # The tensor-core kernel past its M (where it serves: 2/4/8-bit), against the shipped large-M paths.
-        mma = run_child(args, "--child-sweep", dict(LOWBIT_CUDA_GPTQ_MMA_MAX_M=str(1 << 30)),
-                        ["--child-min-m", "128"])
-        gguf_cublas = run_child(args, "--child-gguf", dict(LOWBIT_CUDA_GGML_MMQ_MAX_M="0"))
-    cublas_us = {(r["type"], r["K"], r["N"], r["M"]): f"{r['ms'] * 1e3:.1f}" for r in gguf_cublas}
+        forced["mma"] = run_child(args, "--child-sweep", dict(LOWBIT_CUDA_GPTQ_MMA_MAX_M=str(1 << 30)),
+                                  ["--child-min-m", "128"])
+        forced["gguf_cublas"] = run_child(args, "--child-gguf", dict(LOWBIT_CUDA_GGML_MMQ_MAX_M="0"))
+        write_report(stem, info, args, gptq_main, gptq_sweep, gguf, moe, forced)
 
+
+def write_report(stem, info, args, gptq_main, gptq_sweep, gguf, moe, forced):
+    """<stem>.md and .json from the records (forced: the child processes' records, empty until they ran)."""
+    cublas_us = {(r["type"], r["K"], r["N"], r["M"]): f"{r['ms'] * 1e3:.1f}" for r in forced["gguf_cublas"]}
     sections = [
         f"# lowbit CUDA benchmarks: {info['gpu']}\n",
         f"torch {info['torch']}, CUDA {info['cuda']}; measured device copy bandwidth "
@@ -442,13 +449,14 @@ def main():
         "\n## gptq_gemm M sweep (plain weights, as shipped)\n",
         md_table(GPTQ_HEADERS, gptq_rows(gptq_sweep)),
     ]
-    if fused or dequant:
+    if forced["fused"] or forced["dequant"]:
         sections += [
             "\n## gptq_gemm: shipped (tensor-core kernel up to its M) vs the CUDA-core fused kernel vs "
             "dequantize + cuBLAS vs the tensor-core kernel at M >= 128 (each forced; 3-bit takes the other paths "
             "there), for the crossover constants\n",
             md_table(["K x N", "bits", "M", "shipped µs", "fused µs", "dequant+cuBLAS µs", "tensor-core µs",
-                      "faster", "fp16 dense µs"], crossover_rows(gptq_sweep, fused, dequant, mma)),
+                      "faster", "fp16 dense µs"],
+                     crossover_rows(gptq_sweep, forced["fused"], forced["dequant"], forced["mma"])),
         ]
     sections += [
         "\n## GGUF (W is N x K blocks; ggml_mul_mat_a8 with its large-M path forced: the int8 tensor-core "
@@ -470,16 +478,15 @@ def main():
     ]
     report = "\n".join(sections) + "\n"
     print("\n" + report)
-    os.makedirs(RESULTS, exist_ok=True)
-    stem = os.path.join(RESULTS, f"{short_device_name(device)}-cuda")
+    os.makedirs(os.path.dirname(stem), exist_ok=True)
     with open(stem + ".md", "w") as f:
         f.write(report)
     with open(stem + ".json", "w") as f:
         json.dump(dict(machine=info, copy_bandwidth_gbs=bench_bw(gptq_main), activations="fp16",
-                       gptq=gptq_main, gptq_sweep=gptq_sweep, gptq_sweep_fused=fused,
-                       gptq_sweep_dequant_cublas=dequant, gptq_sweep_mma=mma, gguf=gguf, gguf_dequant_cublas=gguf_cublas,
-                       gguf_experts=moe), f, indent=2)
-    print(f"wrote {stem}.md and {stem}.json")
+                       gptq=gptq_main, gptq_sweep=gptq_sweep, gptq_sweep_fused=forced["fused"],
+                       gptq_sweep_dequant_cublas=forced["dequant"], gptq_sweep_mma=forced["mma"], gguf=gguf,
+                       gguf_dequant_cublas=forced["gguf_cublas"], gguf_experts=moe), f, indent=2)
+    print(f"wrote {stem}.md and {stem}.json", flush=True)
 
 
 def bench_bw(records):
