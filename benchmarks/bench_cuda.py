@@ -417,7 +417,7 @@ def main():
                 print(f"  ggml_mul_mat_id {name} {rows}x{n} tokens={tokens}: {r['ms'] * 1e3:.1f} µs, "
                       f"{r['gbs']:.0f} GB/s", flush=True)
 
-    # The report is written now and again after the forced runs, so a run stopped during them keeps it.
+    # The report is written here and again after the forced runs, so a run stopped during them keeps it.
     stem = os.path.join(RESULTS, f"{short_device_name(device)}-cuda")
     forced = dict(fused=[], dequant=[], mma=[], gguf_cublas=[])
     write_report(stem, info, args, gptq_main, gptq_sweep, gguf, moe, forced)

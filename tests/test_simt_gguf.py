@@ -1,10 +1,12 @@
-"""The CUDA GGUF matmul kernels (csrc/cuda/ggml_matvec_kernels.cuh) run on the
-CPU emulator of the CUDA execution model (tests/simt/simt.h), against the CPU's
-ggml_mul_mat_vec_a8 and ggml_mul_mat_id: the activation quantizer (a warp per
-block, shuffles), the lane-group matvec with the shared helpers' device paths
-(word loads, funnel shifts, __dp4a), and the device-side grouping of (token,
-slot) pairs by expert. The integer sums are exact in both; only the order of
-the fp32 sums differs, hence the tolerance. Built by simt_kernels.py.
+"""The CUDA GGUF matmul kernels (csrc/cuda/ggml_matvec_kernels.cuh,
+ggml_mmq_kernel.cuh) run on the CPU emulator of the CUDA execution model
+(tests/simt/simt.h), against the CPU's ggml_mul_mat_vec_a8 and ggml_mul_mat_id:
+the activation quantizer (a warp per block, shuffles), the lane-group matvec
+with the shared helpers' device paths (word loads, funnel shifts, __dp4a), the
+device-side grouping of (token, slot) pairs by expert, and the int8
+tensor-core kernel, dense and per expert (mma.sync m16n8k16 s8). The integer
+sums are exact in both; only the order of the fp32 sums differs, hence the
+tolerance. Built by simt_kernels.py.
 """
 import numpy as np
 import pytest
@@ -96,7 +98,8 @@ def test_mmq_matches_the_cpu(emulated, name):
     x[3] = 0.0
     x[65, 7] = float("inf")
     want = ops.ggml_mul_mat_vec_a8(W, x, gb.type_id(name), rows)
-    got = emulated.mul_mat_mmq(W, x, gb.type_id(name), rows, 2)
+    got = torch.empty(M, rows)
+    emulated.mul_mat_mmq(W, x, gb.type_id(name), rows, 2, got)
     _close_rows(got, want)
 
 
@@ -107,7 +110,21 @@ def test_mmq_column_tiles_past_the_grid(emulated):
     W = torch.from_numpy(gb.random_blocks(np.random.default_rng(13), "Q4_K", rows, n)).reshape(-1)
     x = torch.randn(M, n, generator=torch.Generator().manual_seed(14))
     want = ops.ggml_mul_mat_vec_a8(W, x, gb.type_id("Q4_K"), rows)
-    _close(emulated.mul_mat_mmq(W, x, gb.type_id("Q4_K"), rows, 2), want)
+    got = torch.empty(M, rows)
+    emulated.mul_mat_mmq(W, x, gb.type_id("Q4_K"), rows, 2, got)
+    _close(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_mmq_rounds_once_to_the_output_dtype(emulated, dtype):
+    """fp16 / bf16 outputs: each the fp32 output rounded once, bit for bit."""
+    rows, n, M = 20, 256, 9
+    W = torch.from_numpy(gb.random_blocks(np.random.default_rng(17), "Q6_K", rows, n)).reshape(-1)
+    x = torch.randn(M, n, generator=torch.Generator().manual_seed(18))
+    want, got = torch.empty(M, rows), torch.empty(M, rows, dtype=dtype)
+    emulated.mul_mat_mmq(W, x, gb.type_id("Q6_K"), rows, 1, want)
+    emulated.mul_mat_mmq(W, x, gb.type_id("Q6_K"), rows, 1, got)
+    assert torch.equal(got, want.to(dtype))
 
 
 @pytest.mark.parametrize("per_slot", [False, True], ids=["per-token", "per-slot"])

@@ -1,10 +1,11 @@
-// The CUDA GGUF matmul kernels (csrc/cuda/ggml_matvec_kernels.cuh) on the CPU
-// emulator, for tests/test_simt_gguf.py, launched as ggml_matmul.cu launches
-// them: the activation quantizer, then the fused matvec over 8 activation
-// rows at a time, or for ggml_mul_mat_id the grouping of (token, slot) pairs
-// by expert and the grouped matvec (or the matvec per pair); for large M, the
-// tensor-core kernel (csrc/cuda/ggml_mmq_kernel.cuh), dense or per expert. The shared helpers run
-// their device paths (LOWBIT_DEVICE_PATH): word loads, __dp4a.
+// The CUDA GGUF matmul kernels (csrc/cuda/ggml_matvec_kernels.cuh,
+// ggml_mmq_kernel.cuh) on the CPU emulator, for tests/test_simt_gguf.py,
+// launched as ggml_matmul.cu launches them: the activation quantizer, then the
+// fused matvec over 8 activation rows at a time or, for large M, the int8
+// tensor-core kernel; for ggml_mul_mat_id the grouping of (token, slot) pairs
+// by expert and the grouped matvec or tensor-core tiles per expert (or the
+// matvec per pair). The shared helpers run their device paths
+// (LOWBIT_DEVICE_PATH): word loads, __dp4a.
 #include "simt.h"
 
 #include <torch/extension.h>
@@ -77,11 +78,12 @@ at::Tensor mul_mat(const at::Tensor& W, const at::Tensor& x, int64_t type, int64
   return out;
 }
 
-// out [M, rows] = x [M, n] @ dequant(W).T for a quantized type, by the
-// tensor-core kernel over a grid of at most grid_y column blocks (each then
-// takes every grid_y-th activation tile).
-at::Tensor mul_mat_mmq(const at::Tensor& W, const at::Tensor& x, int64_t type, int64_t rows, int64_t grid_y) {
-  at::Tensor out = at::empty({x.size(0), rows}, x.options());
+// out [M, rows] (fp32, fp16 or bf16) = x [M, n] @ dequant(W).T for a
+// quantized type, by the tensor-core kernel over a grid of at most grid_y
+// column blocks (each then takes every grid_y-th activation tile).
+void mul_mat_mmq(const at::Tensor& W, const at::Tensor& x, int64_t type, int64_t rows, int64_t grid_y,
+                 at::Tensor& out) {
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == rows);
   lowbit::dispatch_ggml_type(type, [&](auto t) {
     constexpr ggml::Type T = decltype(t)::value;
     using I = ggml::TypeInfo<T>;
@@ -95,11 +97,10 @@ at::Tensor mul_mat_mmq(const at::Tensor& W, const at::Tensor& x, int64_t type, i
                             mmq::kThreads);
       lowbit::simt::launch(cfg, [&] {
         mmq::mmq_kernel<T>(W.data_ptr<uint8_t>(), rows, x.size(1) / I::kBlock, acts.view, M, out.data_ptr(),
-                           lowbit::cuda::Float::F32);
+                           lowbit::cuda::float_kind(out.scalar_type()));
       });
     }
   });
-  return out;
 }
 
 // out [pairs, rows]: pair p's activation row (p, or p / slots unless
