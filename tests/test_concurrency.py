@@ -242,6 +242,10 @@ def test_kernel_threads_gives_torch_threads_to_the_kernels(two_torch_threads):
         torch.set_num_threads(2000)
         model(torch.tensor([[1]]))
         assert seen[-1] == (1, 1024) and (torch.get_num_threads(), ops.cpu_threads()) == (2000, 0)
+        # More than cpu_torch_threads sets (8192), which a split could not restore: the call runs as it is.
+        torch.set_num_threads(9000)
+        model(torch.tensor([[1]]))
+        assert seen[-1] == (9000, 0) and (torch.get_num_threads(), ops.cpu_threads()) == (9000, 0)
         torch.set_num_threads(2)
         lowbit.kernel_threads(model, False)
         model(torch.tensor([[1]]))

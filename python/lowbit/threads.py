@@ -50,6 +50,9 @@ _STATE = "_lowbit_kernel_threads"  # the model's _KernelThreads
 TORCH_TEAM_TOKENS = 1024
 # The most threads lowbit.ops.cpu_threads takes (parallel.h's kMaxPoolThreads).
 MAX_POOL_THREADS = 1024
+# The most lowbit.ops.cpu_torch_threads sets (cpu_settings.cpp's kMaxTorchThreads):
+# a split could not restore a larger count that torch.set_num_threads took.
+MAX_TORCH_THREADS = 8192
 
 
 def _first_tensor(args, kwargs) -> torch.Tensor | None:
@@ -105,13 +108,13 @@ def split_threads(args=(), kwargs=None, torch_team_tokens: int | None = TORCH_TE
     batch and tokens, as input_ids and inputs_embeds have them; None: never),
     torch's ops on `threads` and lowbit's kernels on torch's team.
     Returns what to restore_threads after the call (None where nothing
-    changes: one thread, inputs elsewhere, or tracing under torch.compile,
-    whose graph's kernels run on torch's threads)."""
+    changes: one thread, more than MAX_TORCH_THREADS, inputs elsewhere, or
+    tracing under torch.compile, whose graph's kernels run on torch's threads)."""
     if torch.compiler.is_compiling():
         return None
     current, first = torch.get_num_threads(), _first_tensor(args, kwargs or {})
     threads = current if threads is None else threads
-    if threads == 1 or first is None or first.device.type != "cpu":
+    if threads == 1 or max(current, threads) > MAX_TORCH_THREADS or first is None or first.device.type != "cpu":
         return None
     # Ctrl-C's KeyboardInterrupt is raised as a call returns, one here too,
     # and the caller then has nothing to restore: this call's changes are
