@@ -12,10 +12,14 @@
 //   by its Codec; beside them go the activations' levels, scales and sums;
 // - mma.sync m16n8k16 (int8 into int32) gives every output's exact integer
 //   sum per 16 elements, added up over a sub-block (16, 32 or 256 elements);
-// - ggml::add_sub_block combines each sub-block's integer sum with its
-//   scales and mins, as the CPU and the matvec do. The fp32 sums run over a
-//   weight block's sub-blocks in order and are added to the output's sum per
-//   block, block_dot's order.
+// - each sub-block's integer sum meets its scales and mins in fp32. The
+//   types whose activations are Q8_K (one scale per 256 elements, a whole
+//   weight block) sum d_w * isum + m_w * sum(q_x) over a block's sub-blocks
+//   and multiply by the activation scale once per block: two float
+//   instructions per output and sub-block fewer than ggml::add_sub_block's
+//   terms, which the other types add as the CPU and the matvec do. The
+//   fp32 sums run over a weight block's sub-blocks in order and are added
+//   to the output's sum per block.
 // No atomics: every output is one lane's sum, the same bits on every run.
 //
 // ggml_mul_mat_id takes the same tiles per chosen expert (mmq_grouped_kernel):
@@ -58,7 +62,12 @@ struct Stage {
   static constexpr int kSubs = kStageElems / I::kSub;  // sub-blocks per row and stage
   static constexpr int kMinSubs = I::kHasMin ? kSubs : 1;
   static constexpr int kActScales = kStageElems / L::kBlock;
-  static constexpr int kActSums = I::kHasMin ? kStageElems / L::kSumBlock : 1;
+  // One activation scale per weight block, applied to the block's sum (mmq_tile).
+  static constexpr bool kBlockScale = I::kAct == ggml::Act::Q8_K;
+  static_assert(!kBlockScale || L::kBlock == I::kBlock, "a Q8_K scale spans exactly one weight block");
+  // The activations' sums of levels: per sub-block where the block's scale
+  // applies once (integers as floats: exact), add_sub_block's otherwise.
+  static constexpr int kActSums = !I::kHasMin ? 1 : kBlockScale ? kSubs : kStageElems / L::kSumBlock;
   uint32_t wq[kRows][kRowWords];
   float wd[kRows][kSubs];
   float wm[kRows][kMinSubs];
@@ -150,11 +159,18 @@ __device__ __forceinline__ void load_acts(const matvec::QuantizedActs<TypeInfo<T
     st.xd[c][k] = m >= 0 && k * L::kBlock < elems ? acts.d[m * (n / L::kBlock) + first / L::kBlock + k] : 0.0f;
   }
   if constexpr (TypeInfo<T>::kHasMin) {
+    // Sums of kSpan elements each: a sub-block's (several of Q8_K's integer sums per 16) or one stored sum.
+    constexpr int kSpan = kStageElems / S::kActSums, kParts = kSpan / L::kSumBlock;
     for (int u = threadIdx.x; u < kCols * S::kActSums; u += kThreads) {
       const int c = u / S::kActSums, k = u % S::kActSums;
       const int64_t m = st.act[c];
-      st.xs[c][k] = m >= 0 && k * L::kSumBlock < elems ? acts.sum[m * (n / L::kSumBlock) + first / L::kSumBlock + k]
-                                                        : 0.0f;
+      float sum = 0.0f;
+      if (m >= 0 && k * kSpan < elems) {
+        const float* part = acts.sum + m * (n / L::kSumBlock) + (first + int64_t{k} * kSpan) / L::kSumBlock;
+        sum = part[0];
+        for (int i = 1; i < kParts; ++i) sum += part[i];
+      }
+      st.xs[c][k] = sum;
     }
   }
 }
@@ -201,10 +217,15 @@ __device__ __forceinline__ void mmq_tile(const uint8_t* W, int64_t rows, int64_t
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
               const int wrow = wr + g + 8 * (r / 2), c = 8 * nt + 2 * t + (r % 2);
-              // The activation row's scales and sums in shared memory, indexed from the stage's first element.
-              const ggml::ActRow a{nullptr, st.xd[c], st.xs[c]};
               const float m = I::kHasMin ? st.wm[wrow][k % S::kMinSubs] : 0.0f;
-              ggml::add_sub_block<T>(blk[nt][r], st.wd[wrow][k], m, isum[nt][r], a, e + 16 - I::kSub);
+              if constexpr (S::kBlockScale) {
+                blk[nt][r] += st.wd[wrow][k] * static_cast<float>(isum[nt][r]);
+                if constexpr (I::kHasMin) blk[nt][r] += m * st.xs[c][k];
+              } else {
+                // The activation row's scales and sums in shared memory, indexed from the stage's first element.
+                const ggml::ActRow a{nullptr, st.xd[c], st.xs[c]};
+                ggml::add_sub_block<T>(blk[nt][r], st.wd[wrow][k], m, isum[nt][r], a, e + 16 - I::kSub);
+              }
               isum[nt][r] = 0;
             }
           }
@@ -214,7 +235,8 @@ __device__ __forceinline__ void mmq_tile(const uint8_t* W, int64_t rows, int64_t
           for (int nt = 0; nt < kTiles; ++nt) {
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
-              acc[nt][r] += blk[nt][r];
+              const int c = 8 * nt + 2 * t + (r % 2);
+              acc[nt][r] += S::kBlockScale ? st.xd[c][(e + 16 - I::kBlock) / S::L::kBlock] * blk[nt][r] : blk[nt][r];
               blk[nt][r] = 0.0f;
             }
           }
