@@ -32,9 +32,9 @@
 // more experts than the grouping holds, take a pass per pair.
 //
 // Larger M (ggml_mul_mat_a8 only): the quantized types take the tensor-core
-// kernel (ggml_mmq_kernel.cuh) on compute capability 8.0 and later: int8
-// mma.sync on the same quantized activations and decoded levels, the same
-// add_sub_block terms. The float types (and older GPUs) quantize the
+// kernel (ggml_mmq_kernel.cuh, launched by ggml_mmq.cu) on compute capability
+// 8.0 and later: int8 mma.sync on the same quantized activations and decoded
+// levels, the same scale and min terms. The float types (and older GPUs) quantize the
 // activations exactly as above (quantized types) and expand them back to fp32
 // (d * q), dequantize W to fp32 row tiles, and multiply them in fp32 by
 // cuBLAS (at::mm). That
@@ -55,7 +55,6 @@
 #include "common.cuh"
 #include "ggml_cuda.cuh"
 #include "ggml_matvec_kernels.cuh"
-#include "ggml_mmq_kernel.cuh"
 #include "../ops/backend_ops.h"
 
 namespace lowbit {
@@ -147,6 +146,11 @@ ActBuffers<A> quantize_acts(const at::Tensor& x) {
 // Slices read whole words of W (ggml::kSliceAlign): a sliced type's weight
 // that starts elsewhere in its storage (a view at an odd offset; allocations
 // are aligned) is copied to an aligned allocation, on every call.
+template <Act A>
+QuantizedRows rows_of(const QuantizedActs<A>& acts) {
+  return {acts.q, acts.d, acts.sum, acts.n};
+}
+
 template <ggml::Type T>
 at::Tensor slice_aligned(const char* op, const at::Tensor& W) {
   if (!ggml::kSliced<T> || reinterpret_cast<uintptr_t>(W.data_ptr()) % ggml::kSliceAlign == 0) return W;
@@ -182,22 +186,6 @@ void mul_mat_fused(const uint8_t* W, int64_t rows, const at::Tensor& x, at::Tens
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
-}
-
-// The large-M tensor-core path of a quantized type: out [M, rows] in out's dtype.
-template <ggml::Type T>
-void mul_mat_mmq(const uint8_t* W, int64_t rows, const at::Tensor& x, at::Tensor& out) {
-  using I = TypeInfo<T>;
-  const int64_t M = x.size(0), n = x.size(1);
-  const int64_t row_tiles = ceil_div(rows, mmq::kRows);
-  TORCH_CHECK(row_tiles <= std::numeric_limits<int32_t>::max(), "ggml_mul_mat_a8: ", rows,
-              " weight rows are too many for one launch");
-  const ActBuffers<I::kAct> acts = quantize_acts<I::kAct>(x);
-  const dim3 grid(static_cast<unsigned int>(row_tiles),
-                  static_cast<unsigned int>(std::min<int64_t>(ceil_div(M, mmq::kCols), 65535)));
-  mmq::mmq_kernel<T><<<grid, mmq::kThreads, 0, current_stream()>>>(W, rows, n / I::kBlock, acts.view, M,
-                                                                   out.data_ptr(), float_kind(out.scalar_type()));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // The large-M path: fp32 activations (quantized and expanded for quantized
@@ -250,7 +238,8 @@ at::Tensor ggml_mul_mat(const char* op, const at::Tensor& W, const at::Tensor& X
     }
     if constexpr (!TypeInfo<T>::kFloat) {
       if (M <= mmq_max_m() && compute_major(W.get_device()) >= 8) {
-        mul_mat_mmq<T>(w, row, x, out);
+        const ActBuffers<TypeInfo<T>::kAct> acts = quantize_acts<TypeInfo<T>::kAct>(x);
+        launch_ggml_mmq(w, type, row, rows_of(acts.view), M, out);
         return;
       }
     }
@@ -295,10 +284,8 @@ at::Tensor ggml_mul_mat_id(const at::Tensor& W, const at::Tensor& X, const at::T
         group_pairs_kernel<<<1, kGroupThreads, 0, current_stream()>>>(id, pairs, c.experts, start, order, active);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         if (mmq_id_serves(pairs, c.experts, W.get_device())) {
-          const dim3 grid(static_cast<unsigned int>(ceil_div(row, mmq::kRows)), static_cast<unsigned int>(most_chosen));
-          mmq::mmq_grouped_kernel<T><<<grid, mmq::kThreads, 0, current_stream()>>>(
-              Wa.data_ptr<uint8_t>(), row, blocks_per_row, acts.view, start, order, active, c.slots, c.per_slot, o,
-              kind);
+          launch_ggml_mmq_grouped(Wa.data_ptr<uint8_t>(), type, row, rows_of(acts.view),
+                                  PairGroups{start, order, active, most_chosen}, c.slots, c.per_slot, out);
         } else {
           matvec_grouped_kernel<T><<<dim3(row_blocks, static_cast<unsigned int>(most_chosen)), kThreads, 0,
                                      current_stream()>>>(Wa.data_ptr<uint8_t>(), row, blocks_per_row, acts.view,

@@ -1,10 +1,10 @@
 // The CUDA GGUF matmul kernels (csrc/cuda/ggml_matvec_kernels.cuh,
 // ggml_mmq_kernel.cuh) on the CPU emulator, for tests/test_simt_gguf.py,
-// launched as ggml_matmul.cu launches them: the activation quantizer, then the
-// fused matvec over 8 activation rows at a time or, for large M, the int8
-// tensor-core kernel; for ggml_mul_mat_id the grouping of (token, slot) pairs
-// by expert and the grouped matvec or tensor-core tiles per expert (or the
-// matvec per pair). The shared helpers run their device paths
+// launched as ggml_matmul.cu and ggml_mmq.cu launch them: the activation
+// quantizer, then the fused matvec over 8 activation rows at a time or, for
+// large M, the int8 tensor-core kernel; for ggml_mul_mat_id the grouping of
+// (token, slot) pairs by expert and the grouped matvec or tensor-core tiles
+// per expert (or the matvec per pair). The shared helpers run their device paths
 // (LOWBIT_DEVICE_PATH): word loads, __dp4a.
 #include "simt.h"
 
