@@ -111,6 +111,23 @@ struct SplitK {
   int splits;
   int chunks_per_split;
 
+  // The grid over M rows in chunks of `rows`, N columns in tiles of tile_n
+  // and K's `chunks` chunks in about `wanted` runs (1 to chunks, none empty);
+  // the outputs (out, out_kind, partial) are the caller's to set.
+  static SplitK layout(int64_t M, int64_t N, int64_t rows, int64_t tile_n, int64_t chunks, int64_t wanted) {
+    const int64_t splits = wanted < 1 ? 1 : wanted > chunks ? chunks : wanted;
+    const int64_t per_split = (chunks + splits - 1) / splits;
+    SplitK s{};
+    s.M = M;
+    s.N = N;
+    s.chunks = chunks;
+    s.m_chunks = static_cast<int>((M + rows - 1) / rows);
+    s.n_tiles = static_cast<int>((N + tile_n - 1) / tile_n);
+    s.splits = static_cast<int>((chunks + per_split - 1) / per_split);
+    s.chunks_per_split = static_cast<int>(per_split);
+    return s;
+  }
+
   struct Block {
     int mc;  // row chunk
     int tile;

@@ -225,27 +225,15 @@ void gemm_dequant_mm(const at::Tensor& a2, const GptqView& w, const at::Tensor& 
 SplitK plan_split_k(const at::Tensor& a, at::Tensor& out, int64_t rows, int64_t tile_n, int64_t chunks,
                     int blocks_per_sm, at::Tensor& partial, int64_t& blocks) {
   const int64_t M = a.size(0), N = out.size(1);
-  const int64_t m_chunks = ceil_div(M, rows);
-  const int64_t n_tiles = ceil_div(N, tile_n);
-  const int64_t base = m_chunks * n_tiles;
+  const int64_t base = ceil_div(M, rows) * ceil_div(N, tile_n);
   const int64_t target = int64_t{blocks_per_sm} * sm_count(a.get_device());
-  int64_t splits = std::clamp<int64_t>(ceil_div(target, base), 1, chunks);
-  const int64_t chunks_per_split = ceil_div(chunks, splits);
-  splits = ceil_div(chunks, chunks_per_split);
-  blocks = base * splits;
+  SplitK s = SplitK::layout(M, N, rows, tile_n, chunks, ceil_div(target, base));
+  blocks = base * s.splits;
   TORCH_CHECK(blocks <= 0x7fffffff, "gptq_gemm: ", M, " x ", N, " is too large for one launch");
-  if (splits > 1) partial = at::empty({splits, M, N}, a.options().dtype(at::kFloat));
-  SplitK s;
+  if (s.splits > 1) partial = at::empty({s.splits, M, N}, a.options().dtype(at::kFloat));
   s.out = out.data_ptr();
   s.out_kind = float_kind(out.scalar_type());
-  s.partial = splits > 1 ? partial.data_ptr<float>() : nullptr;
-  s.M = M;
-  s.N = N;
-  s.chunks = chunks;
-  s.m_chunks = static_cast<int>(m_chunks);
-  s.n_tiles = static_cast<int>(n_tiles);
-  s.splits = static_cast<int>(splits);
-  s.chunks_per_split = static_cast<int>(chunks_per_split);
+  s.partial = s.splits > 1 ? partial.data_ptr<float>() : nullptr;
   return s;
 }
 

@@ -9,8 +9,6 @@
 
 #include <torch/extension.h>
 
-#include <algorithm>
-
 #include "cuda/gptq_gemv_kernel.cuh"
 #include "cuda/gptq_mma_kernel.cuh"
 #include "ops/dispatch.h"
@@ -43,22 +41,11 @@ GptqView view(const at::Tensor& qweight, const at::Tensor& qzeros, const at::Ten
 // The grid of `rows` activation rows by kTileN columns by split-K runs of
 // `chunks` K chunks, writing out (splits == 1) or partial.
 SplitK plan(at::Tensor& out, at::Tensor& partial, int64_t rows, int64_t tile_n, int64_t chunks, int64_t splits) {
-  const int64_t M = out.size(0), N = out.size(1);
-  splits = std::clamp<int64_t>(splits, 1, chunks);
-  const int64_t per_split = (chunks + splits - 1) / splits;
-  splits = (chunks + per_split - 1) / per_split;
-  partial = at::zeros({splits, M, N}, out.options().dtype(at::kFloat));
-  SplitK s;
+  SplitK s = SplitK::layout(out.size(0), out.size(1), rows, tile_n, chunks, splits);
+  partial = at::zeros({s.splits, s.M, s.N}, out.options().dtype(at::kFloat));
   s.out = out.data_ptr();
   s.out_kind = lowbit::cuda::float_kind(out.scalar_type());
-  s.partial = splits > 1 ? partial.data_ptr<float>() : nullptr;
-  s.M = M;
-  s.N = N;
-  s.chunks = chunks;
-  s.m_chunks = static_cast<int>((M + rows - 1) / rows);
-  s.n_tiles = static_cast<int>((N + tile_n - 1) / tile_n);
-  s.splits = static_cast<int>(splits);
-  s.chunks_per_split = static_cast<int>(per_split);
+  s.partial = s.splits > 1 ? partial.data_ptr<float>() : nullptr;
   return s;
 }
 
