@@ -15,11 +15,11 @@
 // - each sub-block's integer sum meets its scales and mins in fp32. The
 //   types whose activations are Q8_K (one scale per 256 elements, a whole
 //   weight block) sum d_w * isum + m_w * sum(q_x) over a block's sub-blocks
-//   and multiply by the activation scale once per block: two float
-//   instructions per output and sub-block fewer than ggml::add_sub_block's
-//   terms, which the other types add as the CPU and the matvec do. The
-//   fp32 sums run over a weight block's sub-blocks in order and are added
-//   to the output's sum per block.
+//   and multiply by the activation scale once per block: per output and
+//   sub-block, one float instruction fewer than ggml::add_sub_block's terms
+//   (two with mins), which the other types add as the CPU and the matvec
+//   do. The fp32 sums run over a weight block's sub-blocks in order and are
+//   added to the output's sum per block.
 // No atomics: every output is one lane's sum, the same bits on every run.
 //
 // ggml_mul_mat_id takes the same tiles per chosen expert (mmq_grouped_kernel):
