@@ -246,6 +246,8 @@ def test_kernel_threads_gives_torch_threads_to_the_kernels(two_torch_threads):
         torch.set_num_threads(9000)
         model(torch.tensor([[1]]))
         assert seen[-1] == (9000, 0) and (torch.get_num_threads(), ops.cpu_threads()) == (9000, 0)
+        model.generate(torch.tensor([[1]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+        assert seen[-1] == (9000, 0) and (torch.get_num_threads(), ops.cpu_threads()) == (9000, 0)
         torch.set_num_threads(2)
         lowbit.kernel_threads(model, False)
         model(torch.tensor([[1]]))
