@@ -20,7 +20,8 @@ GB/s against the device's copy bandwidth measured in the same run.
   64 and ggml_mul_mat_a8 with its large-M path forced at every M
   (LOWBIT_CUDA_GGML_FUSED_MAX_M=0: the int8 tensor-core kernel, on compute
   capability 8.0 and later) at M = 16, 32, 64 and 512 for
-  Q4_0, Q4_K, Q5_K, Q6_K, Q8_0 and IQ4_XS on the same shapes (W is [N, K]):
+  Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, IQ4_XS and IQ2_XS (the one type here decoded
+  a block per thread) on the same shapes (W is [N, K]):
   the crossover fused_max_m in csrc/cuda/ggml_matmul.cu is set from them.
   Unless --no-crossover, the M >= 64 rows again in a child process with the
   dequantize + cuBLAS path forced (LOWBIT_CUDA_GGML_MMQ_MAX_M=0): the
@@ -58,8 +59,10 @@ BITS = [2, 3, 4, 8]
 GROUP = 128
 SWEEP_MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 FUSED_SWEEP_MAX_M = 512  # the forced-fused sweep stops here (it re-decodes W per 8 rows)
-GGUF_TYPES = {"Q4_0": 2, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "Q8_0": 8, "IQ4_XS": 23}
-GGUF_HALF_FIELDS = {"Q4_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q8_0": [0], "IQ4_XS": [0]}
+# The sliced types (decoded 32 elements per lane) and IQ2_XS, one decoded a block per thread.
+GGUF_TYPES = {"Q4_0": 2, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "Q8_0": 8, "IQ4_XS": 23, "IQ2_XS": 17}
+GGUF_HALF_FIELDS = {"Q4_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q8_0": [0], "IQ4_XS": [0],
+                    "IQ2_XS": [0]}
 # ggml_mul_mat_vec_a8 runs the fused kernel at every M and ggml_mul_mat_a8, in
 # this process, the large-M path (forced): the pairs at M = 16, 32, 64 give the crossover,
 # and M = 512 the large-batch figure.

@@ -33,7 +33,9 @@ GPTQ_CASES = [  # (bits, variant, activation dtype, M)
     (4, "actorder-shuffled", "float16", 1),
     (4, "plain", "float16", 16), (4, "plain", "float16", 64), (4, "plain", "float16", 4096),
 ]
-GGUF_CASES = [("Q4_0", 1), ("Q4_K", 1), ("Q6_K", 1), ("Q8_0", 1), ("Q4_K", 512)]  # (type, M), ggml_mul_mat_a8
+# (type, M), ggml_mul_mat_a8; at M = 512 the int8 tensor-core tiles: sub-blocks of 32 (Q4_K) and 16
+# (Q6_K) elements, and a block decoded per thread (IQ2_XS).
+GGUF_CASES = [("Q4_0", 1), ("Q4_K", 1), ("Q6_K", 1), ("Q8_0", 1), ("Q4_K", 512), ("Q6_K", 512), ("IQ2_XS", 512)]
 STALL = re.compile(r"issue_stalled_(\w+?)_per_issue_active\.ratio$")
 TIME_UNITS = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
 
