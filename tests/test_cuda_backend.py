@@ -71,10 +71,12 @@ def assert_gemm_close(out, a, W, what):
 
 # K = 1536: three 512-row chunks (split-K over chunks); N = 160: a full and a
 # partial 128-column tile. M covers every fused row-tile size (1, 2, 4, 8),
-# several M-chunks, and the dequantize + cuBLAS paths (the default crossover
-# is M = 32, or 16 for 2/3/4-bit with fp16 / bf16 activations).
+# several M-chunks, the tensor-core kernel's one, two and four m16 tiles
+# (fp16 / bf16 activations up to M = 64; 40: a partial third tile), and the
+# dequantize + cuBLAS paths (the default crossover is M = 32, or 16 for
+# 2/3/4-bit with fp16 / bf16 activations).
 GEMM_K, GEMM_N = 1536, 160
-GEMM_MS = (1, 2, 3, 5, 8, 9, 17, 64, 65, 130)
+GEMM_MS = (1, 2, 3, 5, 8, 9, 17, 40, 64, 65, 130)
 
 
 @pytest.mark.parametrize("act_order", [False, True], ids=["plain", "actorder"])

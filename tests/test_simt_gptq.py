@@ -138,7 +138,8 @@ def test_kernel_matches_the_reference(emulated, dtype, bits, fmt, layout, group_
     k16 step) and act-order rows left unsorted (a pass per group in a step)."""
     t = _case(bits, fmt, group_size, layout != "trivial", [bits, group_size, len(fmt)])
     W = _reference(t, bits, fmt)
-    for M in (1, 17):  # one m16 tile with 15 rows of padding; two with a partial second
+    # One m16 tile with 15 rows of padding; two with a partial second; four with a partial third and an empty fourth.
+    for M in (1, 17, 40):
         a = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
         out = _run(emulated, a, t, bits, fmt, layout)
         assert out.dtype == dtype and out.shape == (M, N)
@@ -150,10 +151,10 @@ def test_kernel_matches_the_reference(emulated, dtype, bits, fmt, layout, group_
 def test_pipeline_and_split_k(emulated, splits, copies_at_issue):
     """Whatever the split of K and whenever cp.async's copies land (the latest
     and the earliest a GPU may complete them), the same result; rows past M
-    (M = 40: a second block of two m16 tiles, 8 rows of them real) stay out."""
+    (M = 80: a second block of four m16 tiles, 16 rows of them real) stay out."""
     t = _case(4, "gptq_v2", 32, False, 7)
     W = _reference(t, 4, "gptq_v2")
-    a = torch.randn(40, K, generator=torch.Generator().manual_seed(3)).to(torch.float16)
+    a = torch.randn(80, K, generator=torch.Generator().manual_seed(3)).to(torch.float16)
     out = _run(emulated, a, t, 4, "gptq_v2", "trivial", splits, copies_at_issue)
     assert_close_to_reference(out, a, W, f"splits={splits}")
 

@@ -54,7 +54,7 @@ void gemm_mma(const at::Tensor& a_rows, const GptqView& w, int64_t bit, at::Tens
   TORCH_INTERNAL_ASSERT(gptq_mma_serves(a_rows, w, bit) && a_rows.is_contiguous() && a_rows.size(1) == w.K &&
                         reinterpret_cast<uintptr_t>(a_rows.data_ptr()) % 16 == 0 &&
                         reinterpret_cast<uintptr_t>(w.qweight) % 16 == 0);
-  const int mt = a_rows.size(0) <= 16 ? 1 : 2;
+  const int mt = mma::m_tiles(a_rows.size(0));
   at::Tensor partial;
   int64_t blocks = 0;
   MmaArgs args;
@@ -66,11 +66,10 @@ void gemm_mma(const at::Tensor& a_rows, const GptqView& w, int64_t bit, at::Tens
   dispatch_bits(bit, [&](auto bits) {
     constexpr int B = decltype(bits)::value;
     if constexpr (B != 3) {
-      if (half) {
-        mt == 1 ? launch<B, 1, __half>(args, blocks) : launch<B, 2, __half>(args, blocks);
-      } else {
-        mt == 1 ? launch<B, 1, __nv_bfloat16>(args, blocks) : launch<B, 2, __nv_bfloat16>(args, blocks);
-      }
+      mma::dispatch_m_tiles(mt, [&](auto tiles) {
+        constexpr int MT = decltype(tiles)::value;
+        half ? launch<B, MT, __half>(args, blocks) : launch<B, MT, __nv_bfloat16>(args, blocks);
+      });
     }
   });
   launch_splitk_reduce(partial, args.s);

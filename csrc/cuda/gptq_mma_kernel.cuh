@@ -9,10 +9,11 @@
 // once, in fp32, and added to the result: the weights stay the op's fp32
 // scale * (q - zero), as in every other gptq_gemm path.
 //
-// - A block owns 128 columns (32 per warp, four n8 tiles) and 16 or 32
-//   activation rows (one or two m16 tiles); K is walked in 64-row chunks,
-//   packed weights and activations copied to shared memory by cp.async in a
-//   3-4 stage pipeline; split-K as in the fused kernel (fp32 slices summed in
+// - A block owns 128 columns (32 per warp, four n8 tiles) and 16, 32 or 64
+//   activation rows (MT = 1, 2 or 4 m16 tiles, each B fragment decoded once
+//   for all of them, as Marlin's thread_m_blocks); K is walked in 64-row
+//   chunks, packed weights and activations copied to shared memory by
+//   cp.async in a 2-4 stage pipeline; split-K as in the fused kernel (fp32 slices summed in
 //   a fixed order: deterministic).
 // - A lane's B fragment rows (2t, 2t + 1, 2t + 8, 2t + 9 of a k16 step, t =
 //   lane % 4) are adjacent fields of packed words for 2, 4 and 8 bits
@@ -51,8 +52,22 @@ constexpr int kTargetBlocksPerSM = 4;
 constexpr uint32_t kMagicBits = 0x4B000000u;  // (bits | q) as float is 2^23 + q
 constexpr float kMagic = 8388608.0f;
 
-template <int B>
-constexpr int kStages = B == 8 ? 3 : 4;  // static shared memory stays under 48 KB
+// Pipeline stages: as many as static shared memory (48 KB) holds, at most 4.
+template <int B, int MT>
+constexpr int kStages = MT == 4 ? (B == 8 ? 2 : 3) : (B == 8 ? 3 : 4);
+
+// The m16 tiles a block takes for M activation rows.
+inline int m_tiles(int64_t M) { return M <= 16 ? 1 : M <= 32 ? 2 : 4; }
+
+// f(std::integral_constant<int, MT>) for mt = m_tiles(M).
+template <typename F>
+void dispatch_m_tiles(int mt, F&& f) {
+  switch (mt) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    default: return f(std::integral_constant<int, 4>{});
+  }
+}
 
 struct MmaArgs {
   GptqView w;
@@ -175,7 +190,9 @@ __device__ __forceinline__ void flush(float (&acc)[MT][4][4], float (&part)[MT][
 template <int B, int MT, typename T>
 __global__ void __launch_bounds__(kThreads) gptq_mma_kernel(const MmaArgs p) {
   constexpr int kWordRows = kChunk * B / 32;  // packed rows per chunk
-  constexpr int S = kStages<B>;
+  constexpr int S = kStages<B, MT>;
+  static_assert(S * (kWordRows * kTileN * 4 + 16 * MT * kAStride * 2 + kChunk * 4) <= 48 * 1024,
+                "the stages fit static shared memory");
   __shared__ __align__(16) uint32_t w_s[S][kWordRows][kTileN];
   __shared__ __align__(16) uint16_t a_s[S][16 * MT][kAStride];
   __shared__ int32_t g_s[S][kChunk];  // the chunk's g_idx values (with a g_idx)

@@ -75,7 +75,7 @@ at::Tensor gptq_mma(const at::Tensor& a_rows, const at::Tensor& qweight, const a
   const GptqView w = view(qweight, qzeros, scales, g_idx, a_rows.size(1), bit, v2);
   TORCH_CHECK(w.K % mma::kChunk == 0);
   const int64_t M = a_rows.size(0);
-  const int mt = M <= 16 ? 1 : 2;
+  const int mt = mma::m_tiles(M);
   at::Tensor out = at::empty({M, w.N}, a_rows.options()), partial;
   mma::MmaArgs args;
   args.w = w;
@@ -88,11 +88,10 @@ at::Tensor gptq_mma(const at::Tensor& a_rows, const at::Tensor& qweight, const a
     constexpr int B = decltype(bits)::value;
     if constexpr (B != 3) {
       auto run = [&](auto kernel) { lowbit::simt::launch(cfg, [&] { kernel(args); }); };
-      if (half) {
-        mt == 1 ? run(mma::gptq_mma_kernel<B, 1, __half>) : run(mma::gptq_mma_kernel<B, 2, __half>);
-      } else {
-        mt == 1 ? run(mma::gptq_mma_kernel<B, 1, __nv_bfloat16>) : run(mma::gptq_mma_kernel<B, 2, __nv_bfloat16>);
-      }
+      mma::dispatch_m_tiles(mt, [&](auto tiles) {
+        constexpr int MT = decltype(tiles)::value;
+        half ? run(mma::gptq_mma_kernel<B, MT, __half>) : run(mma::gptq_mma_kernel<B, MT, __nv_bfloat16>);
+      });
     }
   });
   reduce(out, partial, args.s);
