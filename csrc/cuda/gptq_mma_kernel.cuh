@@ -13,8 +13,8 @@
 //   activation rows (MT = 1, 2 or 4 m16 tiles, each B fragment decoded once
 //   for all of them, as Marlin's thread_m_blocks); K is walked in 64-row
 //   chunks, packed weights and activations copied to shared memory by
-//   cp.async in a 2-4 stage pipeline; split-K as in the fused kernel (fp32 slices summed in
-//   a fixed order: deterministic).
+//   cp.async in a 2-4 stage pipeline; split-K as in the fused kernel (fp32
+//   slices summed in a fixed order: deterministic).
 // - A lane's B fragment rows (2t, 2t + 1, 2t + 8, 2t + 9 of a k16 step, t =
 //   lane % 4) are adjacent fields of packed words for 2, 4 and 8 bits
 //   (PairLayout: three instructions per pair for fp16), and its n8 column is
@@ -52,11 +52,13 @@ constexpr int kTargetBlocksPerSM = 4;
 constexpr uint32_t kMagicBits = 0x4B000000u;  // (bits | q) as float is 2^23 + q
 constexpr float kMagic = 8388608.0f;
 
-// Pipeline stages: as many as static shared memory (48 KB) holds, at most 4.
+// Pipeline stages by bit width and m16 tiles: within static shared memory's
+// 48 KB (the kernel checks), fewer for 8 bits and for four tiles.
 template <int B, int MT>
 constexpr int kStages = MT == 4 ? (B == 8 ? 2 : 3) : (B == 8 ? 3 : 4);
 
-// The m16 tiles a block takes for M activation rows.
+// The m16 tiles a block takes for M activation rows: the fewest that hold
+// them, at most 4 (larger M takes several blocks).
 inline int m_tiles(int64_t M) { return M <= 16 ? 1 : M <= 32 ? 2 : 4; }
 
 // f(std::integral_constant<int, MT>) for mt = m_tiles(M).
