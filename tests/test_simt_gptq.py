@@ -92,6 +92,22 @@ def test_mma_tile_matches_the_product(emulated, dtype):
         assert torch.all((_mma(emulated, a, b, c) - want).abs() <= bound)
 
 
+def test_ldmatrix_gives_the_mma_a_fragment(emulated):
+    """The kernel's A fragments come from one ldmatrix .x4 per m16 tile (the
+    emulated instruction: lane 8i + r addresses row r of 8x8 matrix i; lane l
+    gets elements 2 (l % 4), 2 (l % 4) + 1 of row l / 4 of each): every lane
+    holds exactly the registers the m16n8k16 A layout names, the PTX ISA's
+    a0..a7 at row group + 8 * bit 1, column 2 * tig + bit 0 + 8 * bit 2."""
+    A = torch.arange(256, dtype=torch.int16).view(16, 16)
+    got = emulated.a_fragments(A)
+    for lane in range(32):
+        group, tig = lane // 4, lane % 4
+        for r in range(4):
+            row, col = group + 8 * (r & 1), 2 * tig + 8 * (r >> 1)
+            want = int(A[row, col]) | int(A[row, col + 1]) << 16
+            assert int(got[lane, r]) & 0xFFFFFFFF == want, f"lane {lane}, a{2 * r}/a{2 * r + 1}"
+
+
 K, N = 256, 272  # 4 pipeline chunks; 3 column tiles, the last of 16 columns
 
 

@@ -173,6 +173,13 @@ __device__ __forceinline__ uint32_t decode_pair(uint32_t word, int h, int j, con
   }
 }
 
+// The lane's m16n8k16 A fragment of the 16x16 tile at `tile` (row-major,
+// rows `stride` elements apart, 16-byte aligned) by one ldmatrix: lane
+// 8i + r gives row r of 8x8 matrix i, rows + 8 for odd i, columns + 8 for i >= 2.
+__device__ __forceinline__ void load_a_fragment(uint32_t (&a)[4], const uint16_t* tile, int stride, int lane) {
+  ldmatrix_x4(a, tile + ((lane & 7) + 8 * ((lane >> 3) & 1)) * stride + 8 * (lane >> 4));
+}
+
 // acc += scale * part per output column; part restarts.
 template <int MT>
 __device__ __forceinline__ void flush(float (&acc)[MT][4][4], float (&part)[MT][4][4], const Group& p) {
@@ -273,13 +280,7 @@ __global__ void __launch_bounds__(kThreads) gptq_mma_kernel(const MmaArgs p) {
       }
       uint32_t a[MT][4];
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const int r0 = 16 * mt + c, kk = 16 * ks + 2 * t;
-        a[mt][0] = *reinterpret_cast<const uint32_t*>(&a_s[st][r0][kk]);
-        a[mt][1] = *reinterpret_cast<const uint32_t*>(&a_s[st][r0 + 8][kk]);
-        a[mt][2] = *reinterpret_cast<const uint32_t*>(&a_s[st][r0][kk + 8]);
-        a[mt][3] = *reinterpret_cast<const uint32_t*>(&a_s[st][r0 + 8][kk + 8]);
-      }
+      for (int mt = 0; mt < MT; ++mt) load_a_fragment(a[mt], &a_s[st][16 * mt][16 * ks], kAStride, lane);
       // The step's group g; with a g_idx, each of the lane's four rows' groups
       // and whether all 16 rows of the step share g.
       int32_t g;

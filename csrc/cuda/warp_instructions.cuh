@@ -27,6 +27,8 @@ void cp_async(void* dst, const void* src, int bytes, int src_bytes);
 void cp_async_commit();
 // Completes the calling thread's groups but the `pending` newest.
 void cp_async_wait(int pending);
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16 from the calling lane's row address.
+void ldmatrix_x4(uint32_t (&d)[4], const void* row);
 // mma.sync.m16n8k16.row.col with fp32 accumulators, fp16 or bf16 operands.
 void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, bool bf16);
 // mma.sync.m16n8k16.row.col with int32 accumulators, int8 operands.
@@ -99,6 +101,22 @@ __device__ __forceinline__ uint32_t lop3(uint32_t a, uint32_t b, uint32_t c) {
     r |= ((Lut >> row) & 1u) << i;
   }
   return r;
+#endif
+}
+
+// Four 8x8 matrices of 16-bit elements from shared memory: lane 8i + r
+// gives the address of row r of matrix i (16 contiguous bytes, 16-byte
+// aligned); d[i] gets, per lane, elements 2 (lane % 4) and 2 (lane % 4) + 1
+// of row lane / 4 of matrix i (the lower one in the low half): an m16n8k16
+// A fragment in one instruction.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&d)[4], const void* row) {
+#if defined(__CUDA_ARCH__)
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+               : "r"(s));
+#else
+  simt::ldmatrix_x4(d, row);
 #endif
 }
 

@@ -4,7 +4,8 @@
 // tensors. The caller chooses the split-K count (the op plans it from the
 // GPU's multiprocessors); the slices are summed in split order in fp32 and
 // rounded once, as launch_splitk_reduce does. mma_tile runs one mma.sync on
-// one warp, for test_simt_gptq.py's check of the emulated fragment layout.
+// one warp, for test_simt_gptq.py's check of the emulated fragment layout;
+// a_fragments one warp's ldmatrix of an A fragment, for its check against it.
 #include "simt.h"
 
 #include <torch/extension.h>
@@ -161,6 +162,26 @@ void mma_warp(const uint16_t* A, const uint16_t* B, const float* C, float* D) {
   });
 }
 
+// Each lane's four A-fragment registers [32, 4] of the int16 tile a [16, 16],
+// loaded as the tensor-core kernel loads them (load_a_fragment's ldmatrix).
+at::Tensor a_fragments(const at::Tensor& a) {
+  TORCH_CHECK(a.sizes() == at::IntArrayRef({16, 16}) && a.scalar_type() == at::kShort,
+              "a_fragments takes int16 [16, 16]");
+  const at::Tensor A = a.contiguous();
+  at::Tensor out = at::empty({32, 4}, a.options().dtype(at::kInt));
+  int32_t* o = out.data_ptr<int32_t>();
+  lowbit::simt::Launch cfg;
+  cfg.grid = dim3(1);
+  cfg.block = dim3(32);
+  lowbit::simt::launch(cfg, [&] {
+    const int lane = static_cast<int>(threadIdx.x);
+    uint32_t frag[4];
+    mma::load_a_fragment(frag, reinterpret_cast<const uint16_t*>(A.data_ptr<int16_t>()), 16, lane);
+    for (int r = 0; r < 4; ++r) o[4 * lane + r] = static_cast<int32_t>(frag[r]);
+  });
+  return out;
+}
+
 at::Tensor mma_tile(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
   TORCH_CHECK(a.sizes() == at::IntArrayRef({16, 16}) && b.sizes() == at::IntArrayRef({16, 8}) &&
               c.sizes() == at::IntArrayRef({16, 8}), "mma_tile takes A [16, 16], B [16, 8], C [16, 8]");
@@ -183,4 +204,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gptq_mma", &gptq_mma);
   m.def("gptq_gemv", &gptq_gemv);
   m.def("mma_tile", &mma_tile);
+  m.def("a_fragments", &a_fragments);
 }

@@ -6,9 +6,9 @@
 //   another. __shared__ variables become function statics, which the threads of
 //   the running block share.
 // - __syncthreads is a barrier of the block's threads; warp-collective
-//   operations (votes, shuffles, mma.sync) a barrier of the warp's 32 lanes
-//   around an exchange of their values. Every lane of a warp must take part
-//   (full masks only), as the kernels require.
+//   operations (votes, shuffles, ldmatrix, mma.sync) a barrier of the warp's
+//   32 lanes around an exchange of their values. Every lane of a warp must
+//   take part (full masks only), as the kernels require.
 // - cp.async copies wait in their thread's groups until cp.async.wait_group
 //   completes them, the latest a GPU may, or complete at issue, the earliest
 //   (Launch::copies_at_issue): a stage read before its wait, or overwritten
@@ -18,7 +18,9 @@
 // - mma.sync follows the PTX ISA's m16n8k16 fragment layouts (groupID = lane / 4,
 //   threadID_in_group = lane % 4): fp16 / bf16 operands sum the 16 products of
 //   each output in double, rounded once to the fp32 accumulator; int8 operands
-//   sum exactly into int32.
+//   sum exactly into int32. ldmatrix .x4 follows its m8n8 .b16 layout: lane
+//   8i + r addresses row r of matrix i; lane l gets elements 2 (l % 4) and
+//   2 (l % 4) + 1 of row l / 4 of each.
 //
 // Include this before any kernel header; it declares the CUDA built-ins the
 // host compiler lacks (threadIdx, __syncthreads, __shfl_xor_sync, ...).
@@ -232,6 +234,16 @@ inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uin
 // Element (row, k) of A: lane (row % 8) * 4 + k / 4, register row >= 8,
 // byte k % 4. Element (k, col) of B: lane col * 4 + k / 4, byte k % 4.
 // Accumulators as mma_m16n8k16's; the int32 sums wrap as the hardware's do.
+inline void ldmatrix_x4(uint32_t (&d)[4], const void* row) {
+  const int l = lane();
+  exchange(reinterpret_cast<uintptr_t>(row), [&](const uint64_t* rows) {
+    for (int i = 0; i < 4; ++i) {
+      std::memcpy(&d[i], reinterpret_cast<const char*>(rows[8 * i + l / 4]) + 4 * (l % 4), 4);
+    }
+    return 0;
+  });
+}
+
 inline void mma_m16n8k16_s8(int32_t (&d)[4], uint32_t a0, uint32_t a1, uint32_t b) {
   Warp& w = warp();
   const int l = lane();
