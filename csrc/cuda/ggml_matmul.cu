@@ -34,13 +34,12 @@
 // Larger M (ggml_mul_mat_a8 only): the quantized types take the tensor-core
 // kernel (ggml_mmq_kernel.cuh, launched by ggml_mmq.cu) on compute capability
 // 8.0 and later: int8 mma.sync on the same quantized activations and decoded
-// levels, the same scale and min terms. The float types (and older GPUs) quantize the
-// activations exactly as above (quantized types) and expand them back to fp32
-// (d * q), dequantize W to fp32 row tiles, and multiply them in fp32 by
-// cuBLAS (at::mm). That
-// equals the integer path up to fp32 rounding, except that it uses Q8_1's
-// exact block sums where the fused path (and the CPU) use its fp16-rounded
-// `s` (the documented tolerance covers both).
+// levels, the same scale and min terms. Elsewhere (the float types, older
+// GPUs) cuBLAS (at::mm) multiplies fp32 row tiles of the dequantized W by
+// the fp32 activations (a quantized type's quantized as above and expanded
+// back, d * q). That equals the integer path up to fp32 rounding, except
+// that it uses Q8_1's exact block sums where the fused path (and the CPU)
+// use its fp16-rounded `s` (the documented tolerance covers both).
 //
 // No host synchronisation: temporaries come from the caching allocator and
 // everything runs on the current stream (CUDA-graph capturable).
@@ -143,14 +142,15 @@ ActBuffers<A> quantize_acts(const at::Tensor& x) {
   return b;
 }
 
-// Slices read whole words of W (ggml::kSliceAlign): a sliced type's weight
-// that starts elsewhere in its storage (a view at an odd offset; allocations
-// are aligned) is copied to an aligned allocation, on every call.
+// The activations as ggml_mmq.cu's launchers take them.
 template <Act A>
 QuantizedRows rows_of(const QuantizedActs<A>& acts) {
   return {acts.q, acts.d, acts.sum, acts.n};
 }
 
+// Slices read whole words of W (ggml::kSliceAlign): a sliced type's weight
+// that starts elsewhere in its storage (a view at an odd offset; allocations
+// are aligned) is copied to an aligned allocation, on every call.
 template <ggml::Type T>
 at::Tensor slice_aligned(const char* op, const at::Tensor& W) {
   if (!ggml::kSliced<T> || reinterpret_cast<uintptr_t>(W.data_ptr()) % ggml::kSliceAlign == 0) return W;

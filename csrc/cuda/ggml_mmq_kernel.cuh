@@ -187,69 +187,67 @@ __device__ __forceinline__ void mmq_tile(const uint8_t* W, int64_t rows, int64_t
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int wr = 16 * warp;  // the warp's first weight row in the tile
   const int64_t n = blocks_per_row * I::kBlock;
-  {
-    float acc[kTiles][4], blk[kTiles][4];
-    int32_t isum[kTiles][4];
+  float acc[kTiles][4], blk[kTiles][4];
+  int32_t isum[kTiles][4];
 #pragma unroll
-    for (int nt = 0; nt < kTiles; ++nt) {
+  for (int nt = 0; nt < kTiles; ++nt) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        acc[nt][r] = blk[nt][r] = 0.0f;
-        isum[nt][r] = 0;
-      }
+    for (int r = 0; r < 4; ++r) {
+      acc[nt][r] = blk[nt][r] = 0.0f;
+      isum[nt][r] = 0;
     }
-    for (int64_t first = 0; first < n; first += kStageElems) {
-      const int elems = static_cast<int>(std::min<int64_t>(kStageElems, n - first));
-      __syncthreads();  // every warp is done with the previous stage
-      load_weights<T>(W, rows, blocks_per_row, row0, first, elems, st);
-      load_acts<T>(acts, first, elems, st);
-      __syncthreads();
-      // Steps of 16 elements; stages start on block (and sub-block) boundaries.
-      for (int e = 0; e < elems; e += 16) {
-        const int w = e / 4 + t;
-        const uint32_t a0 = st.wq[wr + g][w], a1 = st.wq[wr + g + 8][w];
+  }
+  for (int64_t first = 0; first < n; first += kStageElems) {
+    const int elems = static_cast<int>(std::min<int64_t>(kStageElems, n - first));
+    __syncthreads();  // every warp is done with the previous stage
+    load_weights<T>(W, rows, blocks_per_row, row0, first, elems, st);
+    load_acts<T>(acts, first, elems, st);
+    __syncthreads();
+    // Steps of 16 elements; stages start on block (and sub-block) boundaries.
+    for (int e = 0; e < elems; e += 16) {
+      const int w = e / 4 + t;
+      const uint32_t a0 = st.wq[wr + g][w], a1 = st.wq[wr + g + 8][w];
 #pragma unroll
-        for (int nt = 0; nt < kTiles; ++nt) mma16816_s8(isum[nt], a0, a1, st.xq[8 * nt + g][w]);
-        if ((e + 16) % I::kSub == 0) {  // a sub-block ends: its terms, then its integer sums start over
-          const int k = (e + 16) / I::kSub - 1;
+      for (int nt = 0; nt < kTiles; ++nt) mma16816_s8(isum[nt], a0, a1, st.xq[8 * nt + g][w]);
+      if ((e + 16) % I::kSub == 0) {  // a sub-block ends: its terms, then its integer sums start over
+        const int k = (e + 16) / I::kSub - 1;
 #pragma unroll
-          for (int nt = 0; nt < kTiles; ++nt) {
+        for (int nt = 0; nt < kTiles; ++nt) {
 #pragma unroll
-            for (int r = 0; r < 4; ++r) {
-              const int wrow = wr + g + 8 * (r / 2), c = 8 * nt + 2 * t + (r % 2);
-              const float m = I::kHasMin ? st.wm[wrow][k % S::kMinSubs] : 0.0f;
-              if constexpr (S::kBlockScale) {
-                blk[nt][r] += st.wd[wrow][k] * static_cast<float>(isum[nt][r]);
-                if constexpr (I::kHasMin) blk[nt][r] += m * st.xs[c][k];
-              } else {
-                // The activation row's scales and sums in shared memory, indexed from the stage's first element.
-                const ggml::ActRow a{nullptr, st.xd[c], st.xs[c]};
-                ggml::add_sub_block<T>(blk[nt][r], st.wd[wrow][k], m, isum[nt][r], a, e + 16 - I::kSub);
-              }
-              isum[nt][r] = 0;
+          for (int r = 0; r < 4; ++r) {
+            const int wrow = wr + g + 8 * (r / 2), c = 8 * nt + 2 * t + (r % 2);
+            const float m = I::kHasMin ? st.wm[wrow][k % S::kMinSubs] : 0.0f;
+            if constexpr (S::kBlockScale) {
+              blk[nt][r] += st.wd[wrow][k] * static_cast<float>(isum[nt][r]);
+              if constexpr (I::kHasMin) blk[nt][r] += m * st.xs[c][k];
+            } else {
+              // The activation row's scales and sums in shared memory, indexed from the stage's first element.
+              const ggml::ActRow a{nullptr, st.xd[c], st.xs[c]};
+              ggml::add_sub_block<T>(blk[nt][r], st.wd[wrow][k], m, isum[nt][r], a, e + 16 - I::kSub);
             }
+            isum[nt][r] = 0;
           }
         }
-        if ((e + 16) % I::kBlock == 0) {  // a weight block ends
+      }
+      if ((e + 16) % I::kBlock == 0) {  // a weight block ends
 #pragma unroll
-          for (int nt = 0; nt < kTiles; ++nt) {
+        for (int nt = 0; nt < kTiles; ++nt) {
 #pragma unroll
-            for (int r = 0; r < 4; ++r) {
-              const int c = 8 * nt + 2 * t + (r % 2);
-              acc[nt][r] += S::kBlockScale ? st.xd[c][(e + 16 - I::kBlock) / S::L::kBlock] * blk[nt][r] : blk[nt][r];
-              blk[nt][r] = 0.0f;
-            }
+          for (int r = 0; r < 4; ++r) {
+            const int c = 8 * nt + 2 * t + (r % 2);
+            acc[nt][r] += S::kBlockScale ? st.xd[c][(e + 16 - I::kBlock) / S::L::kBlock] * blk[nt][r] : blk[nt][r];
+            blk[nt][r] = 0.0f;
           }
         }
       }
     }
+  }
 #pragma unroll
-    for (int nt = 0; nt < kTiles; ++nt) {
+  for (int nt = 0; nt < kTiles; ++nt) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int64_t row = row0 + wr + g + 8 * (r / 2), dst = st.dst[8 * nt + 2 * t + (r % 2)];
-        if (row < rows && dst >= 0) store_float(out, out_kind, dst * rows + row, acc[nt][r]);
-      }
+    for (int r = 0; r < 4; ++r) {
+      const int64_t row = row0 + wr + g + 8 * (r / 2), dst = st.dst[8 * nt + 2 * t + (r % 2)];
+      if (row < rows && dst >= 0) store_float(out, out_kind, dst * rows + row, acc[nt][r]);
     }
   }
 }
